@@ -1,0 +1,47 @@
+"""plait adapter for transformers' Llama: which modules shard how. Facts only; plait applies them."""
+
+from plait import (
+    AdapterInfo, Attention, Column, PipelinePlan, Row, SPPlan, TPPlan, VocabEmbedding, VocabHead, hookimpl,
+)
+
+
+@hookimpl
+def plait_adapter_info():
+    return AdapterInfo(name="llama", architectures=("llama", "LlamaForCausalLM"))
+
+
+def decoder_tp_plan(config, prefix="model"):
+    """The Llama decoder plan, shared by architectures that copy Llama's module names (Mistral, Qwen2)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return TPPlan((
+        Attention(f"{prefix}.layers.*.self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
+                  num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+                  head_dim=head_dim, local_attrs={"num_key_value_groups": "kv_groups"}),
+        Column(f"{prefix}.layers.*.mlp.gate_proj"),
+        Column(f"{prefix}.layers.*.mlp.up_proj"),
+        Row(f"{prefix}.layers.*.mlp.down_proj"),
+        VocabEmbedding(f"{prefix}.embed_tokens"),
+        VocabHead("lm_head"),
+    ))
+
+
+@hookimpl
+def plait_tp_plan(config):
+    return decoder_tp_plan(config)
+
+
+@hookimpl
+def plait_sp_plan(config):
+    return SPPlan(begin="model.layers.0", end="model.norm",
+                  norms=("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm", "model.norm"))
+
+
+@hookimpl
+def plait_pipeline_plan(config):
+    return PipelinePlan(first=("model.embed_tokens", "model.rotary_emb"), layers="model.layers",
+                        last=("model.norm", "lm_head"))
+
+
+@hookimpl
+def plait_leaf_modules(config):
+    return ["model.layers.*"]

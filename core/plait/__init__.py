@@ -1,0 +1,27 @@
+"""plait: tensor, sequence and pipeline parallelism and ZeRO-1 for Hugging Face transformers models."""
+
+from plait.config import ConfigError, ParallelConfig
+from plait.markers import hookimpl
+from plait.mesh import Mesh
+from plait.parallelize import ParallelModel, parallelize
+from plait.plan import (
+    AdapterInfo,
+    Attention,
+    Capabilities,
+    Column,
+    PipelinePlan,
+    Row,
+    SPPlan,
+    TPPlan,
+    VocabEmbedding,
+    VocabHead,
+)
+from plait.registry import AdapterError, Registry, default_registry, register
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdapterError", "AdapterInfo", "Attention", "Capabilities", "Column", "ConfigError", "Mesh",
+    "ParallelConfig", "ParallelModel", "PipelinePlan", "Registry", "Row", "SPPlan", "TPPlan", "VocabEmbedding",
+    "VocabHead", "default_registry", "hookimpl", "parallelize", "register",
+]

@@ -1,0 +1,94 @@
+"""Every collective plait issues goes through these few functions.
+
+Keeping them in one place makes communication countable (``CommCounter``, used by bench/tp_comm.py) and
+keeps the backend open: only torch.distributed calls appear here, so gloo, NCCL and XLA all work. A group of
+None (single process) or of one rank makes each function the identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_counters: list["CommCounter"] = []
+
+
+@dataclass
+class CommCounter:
+    """Records (op, bytes sent into the collective per rank) for every collective while active."""
+
+    records: list[tuple[str, int]] = field(default_factory=list)
+
+    def total(self, op: str | None = None) -> int:
+        return sum(n for o, n in self.records if op is None or o == op)
+
+    def count(self, op: str | None = None) -> int:
+        return sum(1 for o, _ in self.records if op is None or o == op)
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[CommCounter]:
+    counter = CommCounter()
+    _counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _counters.remove(counter)
+
+
+def _record(op: str, tensor: torch.Tensor) -> None:
+    for counter in _counters:
+        counter.records.append((op, tensor.numel() * tensor.element_size()))
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce; returns ``tensor``."""
+    if group_size(group) == 1:
+        return tensor
+    _record("all_reduce", tensor)
+    dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim`` (rank order)."""
+    size = group_size(group)
+    if size == 1:
+        return tensor
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
+    _record("all_gather", moved)
+    dist.all_gather_into_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    """Sum over ranks, then keep this rank's chunk along ``dim``."""
+    size = group_size(group)
+    if size == 1:
+        return tensor
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+    _record("reduce_scatter", moved)
+    dist.reduce_scatter_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def split(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    """This rank's chunk along ``dim``; no communication."""
+    size = group_size(group)
+    if size == 1:
+        return tensor
+    return tensor.chunk(size, dim=dim)[group_rank(group)].contiguous()

@@ -1,0 +1,93 @@
+"""Mesh: the tp / pp / dp process groups of one torchrun world, built once and passed explicitly.
+
+Ranks are laid out as ``torch.arange(world).view(dp, pp, tp)`` (picotron's grid): tp ranks are adjacent so
+the chattiest groups share a node. A world of one process (no torch.distributed) is a valid mesh whose
+groups are all None; every collective in ``plait.comm`` is the identity on such a group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from plait.config import ParallelConfig
+
+ProcessGroup = dist.ProcessGroup
+
+
+@dataclass
+class Mesh:
+    """This rank's coordinates and groups. Build it with ``Mesh.from_world(config)``."""
+
+    config: ParallelConfig
+    rank: int
+    world_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: ProcessGroup | None = None
+    pp_group: ProcessGroup | None = None
+    dp_group: ProcessGroup | None = None
+    _tp_blocks: dict[int, ProcessGroup | None] = field(default_factory=dict, repr=False)
+
+    @property
+    def tp(self) -> int:
+        return self.config.tp
+
+    @property
+    def pp(self) -> int:
+        return self.config.pp
+
+    @property
+    def dp(self) -> int:
+        assert self.config.dp is not None
+        return self.config.dp
+
+    @classmethod
+    def from_world(cls, config: ParallelConfig) -> "Mesh":
+        """Resolve ``config`` against the running world and create every group (all ranks must call this)."""
+        distributed = dist.is_available() and dist.is_initialized()
+        world_size = dist.get_world_size() if distributed else 1
+        rank = dist.get_rank() if distributed else 0
+        config = config.resolve(world_size)
+        grid = torch.arange(world_size).view(config.dp, config.pp, config.tp)
+        dp_i, pp_i, tp_i = (int(c) for c in (grid == rank).nonzero()[0])
+        mesh = cls(config, rank, world_size, tp_rank=tp_i, pp_rank=pp_i, dp_rank=dp_i)
+        if distributed:
+            mesh.tp_group = _new_groups(grid.reshape(-1, config.tp), rank)
+            mesh.pp_group = _new_groups(grid.permute(0, 2, 1).reshape(-1, config.pp), rank)
+            mesh.dp_group = _new_groups(grid.permute(1, 2, 0).reshape(-1, config.dp), rank)
+        return mesh
+
+    def tp_block_group(self, block: int) -> ProcessGroup | None:
+        """The group of ``block`` adjacent tp ranks containing this rank (e.g. ranks sharing a kv head).
+
+        Every rank must ask for the same block sizes in the same order, as with any ``new_group``.
+        """
+        if block not in self._tp_blocks:
+            if self.tp_group is None or block == 1:
+                self._tp_blocks[block] = None
+            else:
+                grid = torch.arange(self.world_size).view(-1, block)
+                self._tp_blocks[block] = _new_groups(grid, self.rank)
+        return self._tp_blocks[block]
+
+    def __str__(self) -> str:
+        return (
+            f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp} "
+            f"pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp}"
+        )
+
+
+def _new_groups(rows: torch.Tensor, rank: int) -> ProcessGroup | None:
+    """Create one group per row (collectively) and return the one holding ``rank``; None for 1-rank rows."""
+    mine = None
+    for row in rows.tolist():
+        if len(row) == 1:
+            return None
+        group = dist.new_group(row)
+        if rank in row:
+            mine = group
+    return mine

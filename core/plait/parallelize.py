@@ -1,0 +1,157 @@
+"""``parallelize(model, config)``: the one entry point, applying plans in a fixed order.
+
+config -> adapter (by architecture) -> plans (pure data) -> validation (no communication yet) -> mesh
+(process groups) -> tensor parallel layers -> sequence parallel region -> ParallelModel.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait import comm
+from plait.config import ConfigError, ParallelConfig
+from plait.grad_sync import sum_grads
+from plait.mesh import Mesh
+from plait.registry import Adapter, Registry, default_registry
+from plait.sequence_parallel import install_sequence_parallel, sp_grad_sum_params
+from plait.sharding import ShardSpec, param_specs, plan_tensor_parallel
+from plait.tp.apply import AppliedTP, apply_tensor_parallel
+from plait.tp.loss import vocab_parallel_cross_entropy
+
+
+class ParallelModel(nn.Module):
+    """A transformers causal LM laid out over a mesh; ``forward`` returns the loss (or local logits).
+
+    After ``loss.backward()`` call ``finish_grad_sync()`` once per optimizer step: it sums gradients of
+    parameters shared across ranks (sequence-parallel norms, replicated kv heads) and over data parallel
+    ranks. Losses must therefore be normalised by the global token count (``num_items_in_batch``), as
+    plait's trainer does, so that summing over dp ranks and accumulation steps gives the exact mean.
+    """
+
+    def __init__(
+        self, module: nn.Module, mesh: Mesh, adapter: Adapter, applied: AppliedTP,
+        specs_by_rank: list[dict[str, ShardSpec]], sp_params: list[nn.Parameter],
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.mesh, self.adapter, self._applied = mesh, adapter, applied
+        self._specs_by_rank = specs_by_rank
+        self._tp_sums: dict[Any, list[nn.Parameter]] = defaultdict(list)
+        for param in sp_params:
+            self._tp_sums[mesh.tp_group].append(param)
+        for param, group in applied.grad_sums:
+            self._tp_sums[group].append(param)
+
+    @property
+    def config(self) -> ParallelConfig:
+        return self.mesh.config
+
+    @property
+    def param_specs(self) -> dict[str, ShardSpec]:
+        """Shard spec of every parameter of ``module`` on this rank (names as in the original model)."""
+        return self._specs_by_rank[self.mesh.tp_rank]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Loss when ``labels`` are given (causal shift inside), else this rank's vocab slice of the logits."""
+        seq = input_ids.shape[1]
+        if self.config.sequence_parallel and seq % self.mesh.tp:
+            raise ConfigError(
+                f"sequence length {seq} is not divisible by tp={self.mesh.tp} under sequence parallelism; "
+                f"use a block size that is a multiple of {self.mesh.tp}, or disable sequence parallelism"
+            )
+        try:
+            logits = self.module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        finally:
+            self._applied.entry.clear()
+        if labels is None:
+            return logits
+        group = self.mesh.tp_group if self._applied.head_is_parallel else None
+        return vocab_parallel_cross_entropy(logits, labels, self._applied.vocab_start, group, num_items_in_batch)
+
+    def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits from every tp rank's slice (inference, tests); padding never shows."""
+        if not self._applied.head_is_parallel:
+            return local_logits
+        per_rank = self._applied.vocab_per_rank
+        padded = torch.nn.functional.pad(local_logits, (0, per_rank - local_logits.shape[-1]))
+        # Real vocab rows are contiguous from 0 across ranks and padding sits at the end, so concatenating
+        # the padded slices and cutting at the vocab size gives the full logits.
+        return comm.all_gather(padded, self.mesh.tp_group, dim=-1)[..., : self._applied.vocab_size]
+
+    def finish_grad_sync(self) -> None:
+        """Sum gradients over the tp groups that share parameters, then over data-parallel ranks."""
+        for group, params in self._tp_sums.items():
+            sum_grads(params, group)
+        sum_grads([p for p in self.parameters() if p.requires_grad], self.mesh.dp_group)
+
+    def gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The full logical tensor of parameter ``name`` (or of its gradient) from every tp rank's shard."""
+        spec = self.param_specs[name]
+        if spec.dim is None:
+            return local.detach().clone()
+        pieces = comm.all_gather(local.detach().unsqueeze(0), self.mesh.tp_group, dim=0)
+        full = local.new_zeros(spec.full_shape)
+        for rank, piece in enumerate(pieces):
+            self._specs_by_rank[rank][name].place(piece, full)
+        return full
+
+
+def _check_capabilities(adapter: Adapter, config: ParallelConfig, model_config: Any) -> None:
+    caps = adapter.info.capabilities
+    wanted = {"tp": config.tp > 1, "sp": config.sequence_parallel, "pp": config.pp > 1,
+              "vpp": config.virtual_pipeline_size > 1,
+              "tied_embeddings": config.tp * config.pp > 1 and bool(getattr(model_config, "tie_word_embeddings", False))}
+    refused = [name for name, needed in wanted.items() if needed and not getattr(caps, name)]
+    if refused:
+        raise ConfigError(
+            f"adapter {adapter.name!r} does not support {', '.join(refused)} (it supports: "
+            f"{', '.join(caps.supported()) or 'nothing'}); change the layout ({config.describe()})"
+        )
+
+
+def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry | None = None) -> ParallelModel:
+    """Lay ``model`` (a transformers causal LM, on CPU, GPU or meta) out over the running world.
+
+    Every check that can fail runs before the first collective, so a bad layout is an error on every
+    rank, never a hang.
+    """
+    registry = registry or default_registry()
+    adapter = registry.resolve(model.config)
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank() if world_size > 1 else 0
+    config = config.resolve(world_size)
+    _check_capabilities(adapter, config, model.config)
+    if config.pp > 1:
+        raise ConfigError(f"pp={config.pp}: pipeline parallelism is not available yet; use pp=1")
+
+    parallel_embeddings = not config.disable_embedding_parallelization
+    tp_plan = registry.tp_plan(adapter, model.config) if config.tp > 1 else None
+    shards_by_rank = [
+        plan_tensor_parallel(model, tp_plan, config.tp, r, parallel_embeddings) if tp_plan else {}
+        for r in range(config.tp)
+    ]
+    specs_by_rank = [param_specs(model, shards) for shards in shards_by_rank]
+    sp_plan = registry.sp_plan(adapter, model.config) if config.sequence_parallel else None
+    if sp_plan is not None:
+        sp_grad_sum_params(model, sp_plan, shards_by_rank[0])  # validates the plan against the model
+
+    mesh = Mesh.from_world(config)
+    assert mesh.rank == rank
+    shards = shards_by_rank[mesh.tp_rank]
+    applied = apply_tensor_parallel(model, shards, mesh, config.sequence_parallel)
+    sp_params: list[nn.Parameter] = []
+    if sp_plan is not None:
+        sp_params = sp_grad_sum_params(model, sp_plan, shards)
+        install_sequence_parallel(model, sp_plan, mesh.tp_group, applied.head_is_parallel)
+    return ParallelModel(model, mesh, adapter, applied, specs_by_rank, sp_params)

@@ -1,0 +1,168 @@
+"""The adapter registry: pluggy plugin manager, entry-point loading, validation, and architecture lookup.
+
+Like tox's plugin manager, the core never touches ``pm.hook`` directly: ``Registry`` has one method per
+hook it needs, and calls the hook on the single adapter that claims the model's architecture.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from plait import hookspecs
+from plait.plan import AdapterInfo, PipelinePlan, SPPlan, TPPlan
+
+ENTRY_POINT_GROUP = "plait.adapters"
+DISABLE_AUTOLOAD_ENV = "PLAIT_DISABLE_PLUGIN_AUTOLOAD"
+BLOCKED_ENV = "PLAIT_BLOCKED_ADAPTERS"
+REQUIRED_HOOKS = ("plait_adapter_info", "plait_tp_plan", "plait_leaf_modules")
+PACKAGE_HINT = {"llama": "plait-llama", "gpt2": "plait-gpt2", "mistral": "plait-mistral"}
+
+
+class AdapterError(RuntimeError):
+    """A plugin problem: a missing hook, a duplicate claim, or an architecture nobody claims."""
+
+
+@dataclass
+class Adapter:
+    """One loaded adapter: its info, the plugin object, and the distribution it came from."""
+
+    info: AdapterInfo
+    plugin: Any
+    distribution: str | None
+    version: str | None
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    def hooks(self, pm: pluggy.PluginManager) -> list[str]:
+        return sorted(caller.name for caller in pm.get_hookcallers(self.plugin) or [])
+
+
+class Registry:
+    """Loads adapters and answers, for a model config, which adapter handles it and what its plans are."""
+
+    def __init__(self, autoload: bool | None = None) -> None:
+        self.pm = pluggy.PluginManager("plait")
+        self.pm.add_hookspecs(hookspecs)
+        self._adapters: dict[str, Adapter] = {}
+        if autoload is None:
+            autoload = os.environ.get(DISABLE_AUTOLOAD_ENV, "") not in ("1", "true", "yes")
+        if autoload:
+            self.load_entry_points()
+
+    # -- loading ---------------------------------------------------------------------------------
+    def load_entry_points(self) -> None:
+        """Register every adapter in the ``plait.adapters`` entry-point group not blocked by name."""
+        blocked = {n.strip() for n in os.environ.get(BLOCKED_ENV, "").split(",") if n.strip()}
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in blocked:
+                continue
+            dist = ep.dist
+            self.register(ep.load(), distribution=dist.name if dist else None, version=dist.version if dist else None)
+
+    def register(self, plugin: Any, distribution: str | None = None, version: str | None = None) -> Adapter:
+        """Register an adapter object or module (tests and notebooks call this directly)."""
+        missing = [hook for hook in REQUIRED_HOOKS if self.pm.parse_hookimpl_opts(plugin, hook) is None]
+        if missing:
+            raise AdapterError(
+                f"adapter {_label(plugin, distribution)} does not implement required hook(s) {', '.join(missing)}; "
+                f"see plait.hookspecs for what each must return"
+            )
+        self.pm.register(plugin)
+        try:
+            self.pm.check_pending()
+            info = self._call(plugin, "plait_adapter_info")
+            if not isinstance(info, AdapterInfo):
+                raise AdapterError(f"adapter {_label(plugin, distribution)}: plait_adapter_info must return AdapterInfo")
+            if info.capabilities.sp and self.pm.parse_hookimpl_opts(plugin, "plait_sp_plan") is None:
+                raise AdapterError(f"adapter {info.name!r} declares the sp capability but has no plait_sp_plan hook")
+            adapter = Adapter(info, plugin, distribution, version)
+            self._check_claims(adapter)
+        except Exception:
+            self.pm.unregister(plugin)
+            raise
+        self._adapters[info.name] = adapter
+        return adapter
+
+    def unregister(self, name: str) -> None:
+        adapter = self._adapters.pop(name)
+        self.pm.unregister(adapter.plugin)
+
+    def _check_claims(self, new: Adapter) -> None:
+        for old in self._adapters.values():
+            shared = sorted(set(old.info.architectures) & set(new.info.architectures))
+            if shared or old.name == new.name:
+                raise AdapterError(
+                    f"architecture(s) {shared or [new.name]} claimed by two adapters: {old.name!r} "
+                    f"(from {old.distribution or 'in-process'}) and {new.name!r} (from {new.distribution or 'in-process'}); "
+                    f"uninstall one, or block one with {BLOCKED_ENV}={new.name}"
+                )
+
+    # -- lookup ----------------------------------------------------------------------------------
+    @property
+    def adapters(self) -> list[Adapter]:
+        return sorted(self._adapters.values(), key=lambda a: a.name)
+
+    def resolve(self, config: Any) -> Adapter:
+        """The adapter claiming ``config.model_type`` or one of ``config.architectures``."""
+        keys = [getattr(config, "model_type", None), *(getattr(config, "architectures", None) or [])]
+        for adapter in self._adapters.values():
+            if any(key in adapter.info.architectures for key in keys if key):
+                return adapter
+        installed = ", ".join(f"{a.name} ({', '.join(a.info.architectures)})" for a in self.adapters) or "none"
+        model_type = keys[0]
+        hint = PACKAGE_HINT.get(model_type, f"an adapter package for {model_type!r} (see docs: write an adapter)")
+        raise AdapterError(
+            f"no plait adapter claims architecture {model_type!r}; installed adapters: {installed}. "
+            f"Install {hint}, or register one with plait.register()"
+        )
+
+    # -- hooks, one typed method each ------------------------------------------------------------
+    def tp_plan(self, adapter: Adapter, config: Any) -> TPPlan:
+        return self._call(adapter.plugin, "plait_tp_plan", config=config)
+
+    def sp_plan(self, adapter: Adapter, config: Any) -> SPPlan:
+        return self._call(adapter.plugin, "plait_sp_plan", config=config)
+
+    def pipeline_plan(self, adapter: Adapter, config: Any) -> PipelinePlan | None:
+        return self._call(adapter.plugin, "plait_pipeline_plan", config=config)
+
+    def leaf_modules(self, adapter: Adapter, config: Any) -> list[str]:
+        return list(self._call(adapter.plugin, "plait_leaf_modules", config=config))
+
+    def init_weight(self, adapter: Adapter, **kwargs: Any) -> bool:
+        return bool(self._call(adapter.plugin, "plait_init_weight", **kwargs))
+
+    def _call(self, plugin: Any, hook: str, **kwargs: Any) -> Any:
+        """Call one plugin's implementation of ``hook`` with the arguments it declares (None if absent)."""
+        for impl in getattr(self.pm.hook, hook).get_hookimpls():
+            if impl.plugin is plugin:
+                return impl.function(**{name: kwargs[name] for name in impl.argnames})
+        return None
+
+
+def _label(plugin: Any, distribution: str | None) -> str:
+    name = getattr(plugin, "__name__", type(plugin).__name__)
+    return f"{name!r}" + (f" (from {distribution})" if distribution else "")
+
+
+_default: Registry | None = None
+
+
+def default_registry() -> Registry:
+    """The process-wide registry, loading entry points on first use."""
+    global _default
+    if _default is None:
+        _default = Registry()
+    return _default
+
+
+def register(plugin: Any) -> Adapter:
+    """Register an in-process adapter with the default registry (tests, notebooks)."""
+    return default_registry().register(plugin)

@@ -1,0 +1,83 @@
+"""Sequence parallelism (Korthikanti et al. 2022): between the TP regions, activations live on sequence
+shards, so norms, dropout and residual adds do 1/tp of the work and hold 1/tp of the activations.
+
+The region starts at the first decoder layer's input, after transformers has built position ids, rotary
+tables and the causal mask from the full sequence (DESIGN decision 2: starting at the embedding breaks
+rotary), and ends at the final norm's output. Inside it, column-parallel layers all-gather their input and
+row-parallel layers reduce-scatter their output (tp/layers.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.config import ConfigError
+from plait.plan import SPPlan, matches
+from plait.sharding import ModuleShard
+from plait.tp import mappings
+
+
+def _region_prefix(begin: str) -> str:
+    """``model.layers.0`` -> ``model.layers.``: the repeated blocks all run on sequence shards."""
+    return begin.rpartition(".")[0] + "."
+
+
+def sp_grad_sum_params(model: nn.Module, plan: SPPlan, shards: dict[str, ModuleShard]) -> list[nn.Parameter]:
+    """Replicated parameters that see only a sequence shard, so their gradients must be summed over tp.
+
+    Raises ConfigError for a replicated parameter inside the region that the plan does not account for:
+    its gradient would silently differ between ranks.
+    """
+    modules = dict(model.named_modules())
+    for required in (plan.begin, plan.end):
+        if required not in modules:
+            raise ConfigError(f"the SP plan names {required!r}, but the model has no such module")
+    prefix = _region_prefix(plan.begin)
+    found: list[nn.Parameter] = []
+    for name, param in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        in_region = name.startswith(prefix) or module_name == plan.end
+        if not in_region:
+            continue
+        shard = shards.get(module_name)
+        if shard is not None and getattr(shard, leaf) is not None and getattr(shard, leaf).dim is not None:
+            continue  # sharded over tp: each rank owns its gradient
+        if shard is not None and leaf == "bias":
+            found.append(param)  # row-parallel bias, added after the reduce-scatter
+        elif any(matches(pattern, module_name) for pattern in plan.norms):
+            found.append(param)
+        else:
+            raise ConfigError(
+                f"parameter {name} is replicated inside the sequence-parallel region but the SP plan does not "
+                f"name its module; add a pattern for {module_name!r} to SPPlan.norms (or shard it in the TP plan)"
+            )
+    return found
+
+
+def install_sequence_parallel(
+    model: nn.Module, plan: SPPlan, group: dist.ProcessGroup | None, head_is_parallel: bool
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """Split the sequence at ``plan.begin``'s input and gather it at ``plan.end``'s output.
+
+    The gather's backward reduce-scatters when a vocab-parallel head consumes it (each rank's input
+    gradient is a partial sum over its vocab slice) and merely splits when the head is replicated.
+    """
+
+    def scatter(module, args, kwargs):
+        if args:
+            return (mappings.scatter_to_seq(args[0], group), *args[1:]), kwargs
+        kwargs["hidden_states"] = mappings.scatter_to_seq(kwargs["hidden_states"], group)
+        return args, kwargs
+
+    def gather(module, args, output):
+        if isinstance(output, torch.Tensor):
+            return mappings.gather_from_seq(output, group, head_is_parallel)
+        return (mappings.gather_from_seq(output[0], group, head_is_parallel), *output[1:])
+
+    begin, end = model.get_submodule(plan.begin), model.get_submodule(plan.end)
+    return [
+        begin.register_forward_pre_hook(scatter, with_kwargs=True),
+        end.register_forward_hook(gather),
+    ]

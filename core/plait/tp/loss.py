@@ -1,0 +1,62 @@
+"""Vocab-parallel cross-entropy: the loss over logits split by vocabulary, without gathering them.
+
+Each rank holds logits for vocab rows [vocab_start, vocab_start + V_local). Three all-reduces of one
+number per token (max, target logit, sum of exponentials) give the exact softmax cross-entropy; the
+backward pass is local (softmax - one_hot). With tp=1 it is ordinary cross-entropy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from plait import comm
+
+IGNORE_INDEX = -100
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
+        logits_max = comm.all_reduce(logits.max(dim=-1).values, group, op="max")
+        shifted = logits - logits_max.unsqueeze(-1)
+        local_target = target - vocab_start
+        owned = (local_target >= 0) & (local_target < logits.shape[-1])
+        local_target = torch.where(owned, local_target, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * owned
+        target_logit = comm.all_reduce(target_logit, group)
+        exp = shifted.exp()
+        sum_exp = comm.all_reduce(exp.sum(dim=-1), group)
+        valid = target != IGNORE_INDEX
+        loss = torch.where(valid, sum_exp.log() - target_logit, 0.0)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, owned, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local_target, owned, valid = ctx.saved_tensors
+        grad = softmax
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -owned.unsqueeze(-1).to(grad.dtype))
+        grad.mul_((grad_loss * valid).unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int,
+    group: dist.ProcessGroup | None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal-LM loss as in transformers (labels shifted left, -100 ignored, computed in fp32).
+
+    logits: [batch, seq, V_local] for this rank's vocab slice; labels: [batch, seq] full-vocab ids.
+    Returns the sum over tokens divided by ``num_items_in_batch`` when given (so that data-parallel ranks
+    and accumulation steps can be summed exactly), else the mean over non-ignored tokens.
+    """
+    shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    shift_labels = labels[:, 1:].reshape(-1)
+    per_token = _VocabParallelCrossEntropy.apply(shift_logits, shift_labels, vocab_start, group)
+    if num_items_in_batch is None:
+        num_items_in_batch = (shift_labels != IGNORE_INDEX).sum().clamp(min=1)
+    return per_token.sum() / num_items_in_batch

@@ -1,0 +1,96 @@
+"""The Megatron mappings (Shoeybi et al. 2019, Korthikanti et al. 2022) as tiny autograd functions.
+
+Tensor parallelism is these five operators placed at region boundaries; everything else composes them:
+- ``copy_to_tp``          f: identity forward, all-reduce backward (entering a column-parallel region)
+- ``reduce_from_tp``      g: all-reduce forward, identity backward (leaving a row-parallel region)
+- ``scatter_to_seq``      split along the sequence forward, all-gather backward (entering SP)
+- ``gather_from_seq``     all-gather forward; backward reduce-scatter when the consumer's gradient is a
+                          partial sum over tp (column-parallel consumer), else split (replicated consumer)
+- ``reduce_scatter_to_seq`` reduce-scatter forward, all-gather backward (row-parallel output under SP)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from plait import comm
+
+Group = dist.ProcessGroup | None
+SEQ_DIM = 1  # transformers keeps activations as [batch, sequence, hidden]
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return comm.all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        return comm.all_reduce(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _ScatterToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return comm.split(x, group, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return comm.all_gather(grad, ctx.group, SEQ_DIM), None
+
+
+class _GatherFromSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, grad_is_partial: bool) -> torch.Tensor:
+        ctx.group, ctx.grad_is_partial = group, grad_is_partial
+        return comm.all_gather(x, group, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.grad_is_partial:
+            return comm.reduce_scatter(grad, ctx.group, SEQ_DIM), None, None
+        return comm.split(grad, ctx.group, SEQ_DIM), None, None
+
+
+class _ReduceScatterToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return comm.reduce_scatter(x, group, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return comm.all_gather(grad, ctx.group, SEQ_DIM), None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _CopyToTP.apply(x, group) if comm.group_size(group) > 1 else x
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, group) if comm.group_size(group) > 1 else x
+
+
+def scatter_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _ScatterToSeq.apply(x, group) if comm.group_size(group) > 1 else x
+
+
+def gather_from_seq(x: torch.Tensor, group: Group, grad_is_partial: bool) -> torch.Tensor:
+    return _GatherFromSeq.apply(x, group, grad_is_partial) if comm.group_size(group) > 1 else x
+
+
+def reduce_scatter_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _ReduceScatterToSeq.apply(x, group) if comm.group_size(group) > 1 else x
