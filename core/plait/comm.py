@@ -70,7 +70,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) 
     moved = tensor.movedim(dim, 0).contiguous()
     out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
     _record("all_gather", moved)
-    dist.all_gather_into_tensor(out, moved, group=group)
+    dist.all_gather_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -82,7 +82,7 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: i
     moved = tensor.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
     _record("reduce_scatter", moved)
-    dist.reduce_scatter_tensor(out, moved, group=group)
+    dist.reduce_scatter_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
