@@ -1,0 +1,243 @@
+"""``consolidate``: a plait checkpoint (any layout) -> a plain Hugging Face model directory.
+
+Streams one tensor at a time: a tensor whose saved pieces are whole rows of it is copied file to file in the
+kernel (``copy_file_range``); any other (column-split) tensor is assembled a block of rows at a time from
+the overlapping parts of its pieces. Peak memory is a few blocks, not the model. Vocab padding was never
+saved, and tied weights are written once under the name transformers keeps, so
+``AutoModelForCausalLM.from_pretrained(output_dir)`` loads the result without missing or unexpected keys.
+
+Everything is checked (index, files, CRCs, names and shapes against the model config) before the output is
+created, and the output is written to a temporary folder renamed at the end: a bad checkpoint writes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import CONFIG_MAPPING, PretrainedConfig
+
+from plait.checkpoint.format import CheckpointError, TensorEntry, full_box, read_index, write_json
+from plait.checkpoint.load import CheckpointReader
+from plait.checkpoint.st_io import CHUNK_BYTES, DTYPES, SafetensorsWriter, tensor_bytes
+from plait.checkpoint.state import local_params
+from plait.config import ConfigError
+from plait.meta import build_meta_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "fp16": torch.float16}
+
+
+def consolidate(
+    checkpoint_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    format: str = "safetensors",
+    dtype: str | torch.dtype | None = None,
+    *,
+    max_shard_size: int | str = "5GB",
+    verify: bool = True,
+) -> Path:
+    """Write the model of ``checkpoint_dir`` (a checkpoint or its shard folder) as a Hugging Face directory.
+
+    ``format``: "safetensors" (model.safetensors, or shards plus model.safetensors.index.json above
+    ``max_shard_size``) or "pytorch" (pytorch_model.bin, same sharding). ``dtype``: cast floating tensors
+    (e.g. "bfloat16"); None keeps the saved dtype. Also writes config.json, generation_config.json and the
+    tokenizer files the checkpoint has. Returns ``output_dir``.
+    """
+    if format not in ("safetensors", "pytorch"):
+        raise ConfigError(f"format={format!r} is unknown; choose 'safetensors' or 'pytorch'")
+    out_dtype = _parse_dtype(dtype)
+    max_bytes = _parse_size(max_shard_size)
+    output = Path(output_dir)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ConfigError(f"output directory {output} exists and is not empty; choose a new one")
+
+    paths, index = read_index(checkpoint_dir)
+    reader = CheckpointReader(paths, index)
+    reader.validate_files()
+    config = _model_config(index)
+    order = _check_tensors(index, config, paths.root)
+    for name in order:
+        reader.check_covered(name, full_box(index.tensors[name].shape))
+    if verify:
+        reader.verify({(p.file, p.key) for name in order for p in index.tensors[name].pieces})
+
+    plan = []  # (name, entry, output dtype)
+    for name in order:
+        entry = index.tensors[name]
+        stored = DTYPES[entry.dtype]
+        plan.append((name, entry, out_dtype if out_dtype is not None and stored.is_floating_point else stored))
+    shards = _split(plan, max_bytes)
+
+    tmp = output.with_name(f".{output.name}.consolidating")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        stem, ext = ("model", "safetensors") if format == "safetensors" else ("pytorch_model", "bin")
+        names = [f"{stem}.{ext}"] if len(shards) == 1 else \
+            [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i in range(len(shards))]
+        weight_map = {}
+        for filename, shard in zip(names, shards):
+            if format == "safetensors":
+                _write_safetensors(reader, tmp / filename, shard)
+            else:
+                _write_pytorch(reader, tmp / filename, shard)
+            weight_map.update({name: filename for name, _, _ in shard})
+        if len(shards) > 1:
+            total = sum(math.prod(e.shape) * torch.empty((), dtype=d).element_size() for _, e, d in plan)
+            write_json(tmp / f"{stem}.{ext}.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+        weights_dtype = next((d for _, _, d in plan if d.is_floating_point), torch.float32)
+        config.dtype = weights_dtype
+        config.save_pretrained(tmp)
+        for extra in ("generation_config.json", *TOKENIZER_FILES):
+            if (paths.root / extra).is_file():
+                shutil.copyfile(paths.root / extra, tmp / extra)
+        if output.exists():
+            output.rmdir()
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
+
+
+def _model_config(index) -> PretrainedConfig:
+    data = dict(index.model_config)
+    model_type = data.pop("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise CheckpointError(f"checkpoint model_type {model_type!r} is unknown to this transformers version")
+    return CONFIG_MAPPING[model_type].from_dict(data)
+
+
+def _check_tensors(index, config: PretrainedConfig, root: Path) -> list[str]:
+    """The checkpoint's parameters, in the model's order; error if they are not exactly the model's."""
+    model = build_meta_model(config)
+    if not config.architectures:
+        config.architectures = [type(model).__name__]
+    params, _ = local_params(model)
+    saved = index.params()
+    missing = [n for n in params if n not in saved]
+    unexpected = [n for n in saved if n not in params]
+    wrong = [f"{n}: checkpoint {list(saved[n].shape)} vs config {list(p.shape)}"
+             for n, p in params.items() if n in saved and saved[n].shape != tuple(p.shape)]
+    if missing or unexpected or wrong:
+        problems = ([f"missing {missing[:5]}"] if missing else []) + \
+                   ([f"unexpected {unexpected[:5]}"] if unexpected else []) + wrong[:5]
+        raise CheckpointError(f"checkpoint {root} does not match its model config: {'; '.join(problems)}")
+    return list(params)
+
+
+def _split(plan: list, max_bytes: int) -> list[list]:
+    """Greedy shards in model order; a tensor larger than ``max_bytes`` gets a shard of its own."""
+    shards: list[list] = [[]]
+    size = 0
+    for item in plan:
+        nbytes = math.prod(item[1].shape) * torch.empty((), dtype=item[2]).element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    return shards
+
+
+def _row_blocks(shape: tuple[int, ...], itemsize: int) -> tuple[int, int, int]:
+    """(rows, bytes per row, rows per block) of a tensor seen as rows of its first dim (0-d: one row)."""
+    rows = shape[0] if shape else 1
+    row_bytes = math.prod(shape[1:]) * itemsize
+    return rows, row_bytes, max(1, CHUNK_BYTES // max(row_bytes, 1))
+
+
+def _read_rows(reader: CheckpointReader, name: str, entry: TensorEntry, r0: int, r1: int) -> torch.Tensor:
+    if not entry.shape:
+        out = torch.empty((), dtype=DTYPES[entry.dtype])
+        reader.read(name, (), out)
+        return out
+    box = ((r0, r1), *full_box(entry.shape[1:]))
+    out = torch.empty((r1 - r0, *entry.shape[1:]), dtype=DTYPES[entry.dtype])
+    reader.read(name, box, out)
+    return out
+
+
+def _row_pieces(reader: CheckpointReader, entry: TensorEntry):
+    """When the pieces are disjoint whole-row blocks stored contiguously: (src file, src offset, row range) each."""
+    if not entry.shape:
+        return None
+    found = []
+    for piece in entry.pieces:
+        stored = reader.file(piece.file).entry(piece.key)
+        if piece.box[1:] != full_box(entry.shape[1:]) or stored.shape[1:] != entry.shape[1:] or any(piece.at[1:]):
+            return None
+        found.append((piece.box[0], piece, stored))
+    found.sort(key=lambda x: x[0])
+    edges = [0] + [e for (a, b), _, _ in found for e in (a, b)] + [entry.shape[0]]
+    if any(edges[i] != edges[i + 1] for i in range(0, len(edges), 2)):
+        return None  # gaps or overlaps (replicas): assemble through memory instead
+    return found
+
+
+def _write_safetensors(reader: CheckpointReader, path: Path, shard: list) -> None:
+    writer = SafetensorsWriter(path, [(name, dtype, entry.shape) for name, entry, dtype in shard])
+    try:
+        for name, entry, dtype in shard:
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            rows, row_bytes, block = _row_blocks(entry.shape, itemsize)
+            pieces = _row_pieces(reader, entry) if dtype == DTYPES[entry.dtype] else None
+            if pieces is not None:
+                for (a, b), piece, stored in pieces:
+                    with open(reader.file(piece.file).path, "rb") as src:
+                        writer.copy_from(src.fileno(), stored.start + piece.at[0] * row_bytes, (b - a) * row_bytes,
+                                         name, a * row_bytes)
+                continue
+            for r0 in range(0, rows, block):
+                r1 = min(r0 + block, rows)
+                data = _read_rows(reader, name, entry, r0, r1).to(dtype)
+                writer.write(name, tensor_bytes(data), r0 * row_bytes)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+
+
+def _write_pytorch(reader: CheckpointReader, path: Path, shard: list) -> None:
+    """One ``torch.save`` per shard: a shard's tensors are in memory together (bounded by max_shard_size)."""
+    state = {}
+    for name, entry, dtype in shard:
+        full = torch.empty(entry.shape, dtype=dtype)
+        rows, _, block = _row_blocks(entry.shape, full.element_size())
+        for r0 in range(0, rows, block):
+            r1 = min(r0 + block, rows)
+            target = full[r0:r1] if entry.shape else full
+            target.copy_(_read_rows(reader, name, entry, r0, r1))
+        state[name] = full
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, path)
+
+
+def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in DTYPE_NAMES:
+        raise ConfigError(f"dtype={dtype!r} is unknown; choose one of {', '.join(DTYPE_NAMES)}")
+    return DTYPE_NAMES[key]
+
+
+def _parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like "5GB", "500MB", "2GiB" (Hugging Face's convention: GB = 10**9)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", str(size).upper())
+    if not match:
+        raise ConfigError(f"max_shard_size={size!r} is not a size such as 5GB or 500MB")
+    units = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    return int(float(match.group(1)) * units[match.group(2)])
+
