@@ -1,6 +1,8 @@
 """plait adapter for transformers' GPT2: Conv1D (transposed linear) layers, a fused q|k|v projection,
 learned position embeddings and an LM head tied to the token embedding."""
 
+import math
+
 from plait import AdapterInfo, Attention, Column, PipelinePlan, Row, SPPlan, TPPlan, VocabEmbedding, VocabHead, hookimpl
 
 
@@ -38,3 +40,12 @@ def plait_pipeline_plan(config):
 @hookimpl
 def plait_leaf_modules(config):
     return ["transformer.h.*"]
+
+
+@hookimpl
+def plait_init_weight(name, tensor, config, generator):
+    # GPT-2 paper / transformers' GPT2PreTrainedModel: residual projections are scaled by 1/sqrt(2 * n_layer).
+    if name.endswith("c_proj.weight"):
+        tensor.normal_(0.0, config.initializer_range / math.sqrt(2 * config.n_layer), generator=generator)
+        return True
+    return None

@@ -31,7 +31,7 @@ from plait.checkpoint.state import local_params, local_views
 from plait.config import ConfigError, ParallelConfig
 from plait.meta import build_meta_model
 from plait.parallelize import ParallelModel, parallelize
-from plait.registry import Registry, default_registry
+from plait.registry import Adapter, Registry, default_registry
 from plait.sharding import ShardSpec
 
 INIT_CHUNK_ELEMENTS = 1 << 22  # rows of a parameter are drawn in blocks of about this many elements
@@ -64,7 +64,7 @@ def load_parallel_model(
         hf.check(params, pmodel.param_specs)
     device = torch.device(device)
     materialize_buffers(pmodel.module, device)
-    init = SeededInit(registry, pmodel, seed) if kind == "init" else None
+    init = SeededInit(registry, pmodel.adapter, config, seed) if kind == "init" else None
     with torch.no_grad():
         for name, param in params.items():
             spec = pmodel.param_specs[name]
@@ -219,11 +219,10 @@ class SeededInit:
     initializer_range) for matrices and embeddings, zeros for biases, ones for other vectors (norm weights).
     """
 
-    def __init__(self, registry: Registry, pmodel: ParallelModel, seed: int) -> None:
-        self.registry, self.adapter, self.seed = registry, pmodel.adapter, seed
-        self.config = pmodel.module.config
-        self.hook = registry.implements(pmodel.adapter, "plait_init_weight")
-        self.std = getattr(self.config, "initializer_range", None) or 0.02
+    def __init__(self, registry: Registry, adapter: Adapter, config: PretrainedConfig, seed: int) -> None:
+        self.registry, self.adapter, self.config, self.seed = registry, adapter, config, seed
+        self.hook = registry.implements(adapter, "plait_init_weight")
+        self.std = getattr(config, "initializer_range", None) or 0.02
 
     def fill(self, name: str, spec: ShardSpec, local: torch.Tensor) -> None:
         if self.hook:
