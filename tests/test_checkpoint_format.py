@@ -293,6 +293,36 @@ def test_save_replaces_an_older_checkpoint_atomically(tmp_path):
     assert torch.equal(fresh.module.model.norm.weight, pmodel.module.model.norm.weight)
 
 
+def test_resume_with_the_trainers_scheduler_is_exact(tmp_path):
+    """transformers' get_scheduler (what ``plait train`` uses) round-trips; one process, same layout."""
+    from transformers import get_scheduler
+
+    def setup(seed):
+        pmodel = load_parallel_model(llama_config(), ParallelConfig(), seed=seed)
+        opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-2, weight_decay=0.1)
+        return pmodel, opt, get_scheduler("cosine", opt, num_warmup_steps=2, num_training_steps=6)
+
+    def steps(pmodel, opt, sched, start, stop):
+        losses = []
+        for step in range(start, stop):
+            ids = torch.randint(0, 61, (2, 8), generator=torch.Generator().manual_seed(step))
+            loss = pmodel(ids, labels=ids)
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    pmodel, opt, sched = setup(0)
+    steps(pmodel, opt, sched, 0, 3)
+    path = save_checkpoint(tmp_path / "checkpoint-3", pmodel, opt, sched, step=3)
+    straight = steps(pmodel, opt, sched, 3, 6)
+    pmodel, opt, sched = setup(1)
+    state = load_checkpoint(path, pmodel, opt, sched)
+    assert steps(pmodel, opt, sched, state.step, 6) == straight
+
+
 def test_hub_style_gpt2_names_load(tmp_path):
     """Hub GPT2 files name tensors without the ``transformer.`` prefix and omit the tied head."""
     config = GPT2Config(n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **TINY)

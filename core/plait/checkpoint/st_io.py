@@ -232,11 +232,10 @@ class SafetensorsWriter:
         raw += b" " * (-len(raw) % 8)
         self.data_start = 8 + len(raw)
         self.size = self.data_start + pos
-        self._written = 0
         self._partial = self.path.with_name(self.path.name + ".partial")
         self._fd = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._pwrite(struct.pack("<Q", len(raw)) + raw, 0)
-        self._written = 0
+        self._written = 0  # tensor bytes written so far (the header is not counted)
 
     def tensor_offset(self, name: str) -> int:
         """Absolute file offset of tensor ``name``'s first byte."""
