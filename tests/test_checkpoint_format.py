@@ -270,6 +270,20 @@ def test_consolidate_of_a_bad_checkpoint_writes_nothing(saved, tmp_path, how, me
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]
 
 
+def test_weights_load_without_the_optimizer_files(saved, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(saved[0], tmp_path / "checkpoint-2")
+    (copy / "shards" / "optim-rank00000.safetensors").unlink()
+    pmodel = load_parallel_model(llama_config(), ParallelConfig(), seed=5)
+    load_checkpoint(copy, pmodel)
+    for (name, a), b in zip(pmodel.named_parameters(), saved[1].parameters()):
+        assert torch.equal(a, b), name
+    consolidate(copy, tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="optim-rank00000.safetensors is missing"):
+        load_checkpoint(copy, pmodel, torch.optim.AdamW(pmodel.parameters()))
+
+
 def test_optimizer_mismatch_and_unshardable_state(saved, tmp_path):
     path, _ = saved
     pmodel = load_parallel_model(llama_config(), ParallelConfig(), seed=2)

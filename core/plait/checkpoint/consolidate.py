@@ -60,13 +60,14 @@ def consolidate(
 
     paths, index = read_index(checkpoint_dir)
     reader = CheckpointReader(paths, index)
-    reader.validate_files()
     config = _model_config(index)
     order = _check_tensors(index, config, paths.root)
+    stored = {(p.file, p.key) for name in order for p in index.tensors[name].pieces}
+    reader.validate_files({file for file, _ in stored})  # the model's files only: optimizer files are not needed
     for name in order:
         reader.check_covered(name, full_box(index.tensors[name].shape))
     if verify:
-        reader.verify({(p.file, p.key) for name in order for p in index.tensors[name].pieces})
+        reader.verify(stored)
 
     plan = []  # (name, entry, output dtype)
     for name in order:

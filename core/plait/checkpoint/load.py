@@ -60,22 +60,26 @@ class CheckpointReader:
                 raise CheckpointError(f"checkpoint shard {exc}") from None
         return self._files[name]
 
-    def validate_files(self) -> None:
-        """Every file the index names exists, has the recorded size, a valid header and the listed tensors."""
-        for name, info in self.index.files.items():
+    def validate_files(self, names: Iterable[str] | None = None) -> None:
+        """Files the index names (all, or ``names``) exist, have the recorded size, a valid header and hold
+        the listed tensors with the dtype and shape their pieces need."""
+        wanted = set(self.index.files if names is None else names)
+        for name in sorted(wanted):
+            if name not in self.index.files:
+                raise CheckpointError(f"the index of {self.paths.root} points to {name}, which it does not list")
             path = self.paths.shards / name
             if not path.is_file():
                 raise CheckpointError(f"checkpoint shard {path} is missing (the index lists it); the checkpoint is incomplete")
-            size = path.stat().st_size
-            if size != info["size"]:
+            size, recorded = path.stat().st_size, self.index.files[name]["size"]
+            if size != recorded:
                 raise CheckpointError(
-                    f"checkpoint shard {path} has {size} bytes, the index recorded {info['size']} (truncated or overwritten)"
+                    f"checkpoint shard {path} has {size} bytes, the index recorded {recorded} (truncated or overwritten)"
                 )
             self.file(name)
         for logical, entry in self.index.tensors.items():
             for piece in entry.pieces:
-                if piece.file not in self.index.files:
-                    raise CheckpointError(f"index entry {logical} points to {piece.file}, which the index does not list")
+                if piece.file not in wanted:
+                    continue
                 stored = self.file(piece.file).entries.get(piece.key)
                 if stored is None:
                     raise CheckpointError(f"checkpoint shard {self.paths.shards / piece.file} has no tensor {piece.key!r}")
@@ -125,7 +129,7 @@ class CheckpointReader:
         if target is not out:
             out.copy_(target)
 
-    def pieces_for(self, reads: Iterable[ReadOp]) -> set[tuple[str, str]]:
+    def stored_for(self, reads: Iterable[ReadOp]) -> set[tuple[str, str]]:
         """(file, key) of every stored tensor the reads touch."""
         touched = set()
         for op in reads:
@@ -160,17 +164,18 @@ def load_checkpoint(
     Every rank must call it. ``path`` is a checkpoint directory or its shard folder. ``weights=False``
     skips the parameters (already loaded, e.g. by ``load_parallel_model(path)``). ``verify`` checks the
     CRC-32 of every stored tensor this rank reads from. Raises CheckpointError on every rank, naming the
-    file and values, before anything is modified when the checkpoint is missing, damaged or does not fit.
+    file and values, when the checkpoint is missing, damaged or does not fit: before any tensor is read for
+    everything but flipped bytes, which the CRC check finds before training can start.
     """
     paths, index = read_index(path)
     reader = CheckpointReader(paths, index)
     world = comm.world_group()
     reads: list[ReadOp] = []
     finish: Callable[[], None] | None = None
+    stored: set[tuple[str, str]] = set()
     error = None
+    params, _ = local_params(pmodel.module)
     try:
-        reader.validate_files()
-        params, _ = local_params(pmodel.module)
         _check_model(index, pmodel, params, paths)
         if weights:
             for name, param in params.items():
@@ -185,13 +190,15 @@ def load_checkpoint(
             raise CheckpointError(f"checkpoint {paths.root} has no scheduler state; pass scheduler=None")
         for op in reads:
             reader.check_covered(op.logical, op.box)
+        stored = reader.stored_for(reads)
+        reader.validate_files({file for file, _ in stored})
     except CheckpointError as exc:
         error = str(exc)
     _share_errors(error, world)
 
     try:
         if verify:
-            reader.verify(reader.pieces_for(reads))
+            reader.verify(stored)
         with torch.no_grad():
             for op in reads:
                 reader.read(op.logical, op.box, op.out)
