@@ -152,7 +152,7 @@ BAD = {
     "truncated": ["model-rank00000.safetensors has", "bytes, the index recorded"],
     "corrupted": ["model-rank00001.safetensors", "is corrupted", "CRC-32"],
     "bad_index": ["index.json is not valid JSON"],
-    "other_architecture": ["holds a 'gpt2' model", "this model is 'llama'"],
+    "other_architecture": ["holds a 'gpt2' model (GPT2LMHeadModel)", "this model is 'llama' (LlamaForCausalLM)"],
     "cannot_reshard": ["cannot be loaded at this layout", "is in no saved piece"],
     "config_mismatch": ["does not match the model config", "model.layers.0.mlp.gate_proj.weight",
                         "intermediate_size: checkpoint 64 vs model 96"],

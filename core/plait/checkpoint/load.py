@@ -238,9 +238,10 @@ def _zero_padding(pmodel: ParallelModel, params: dict[str, torch.nn.Parameter]) 
 def _check_model(index: Index, pmodel: ParallelModel, params: dict[str, Any], paths: CheckpointPaths) -> None:
     config = pmodel.module.config
     if index.model_type != config.model_type:
+        classes = ", ".join(index.model_config.get("architectures") or [])
         raise CheckpointError(
-            f"checkpoint {paths.root} holds a {index.model_type!r} model "
-            f"({', '.join(index.model_config.get('architectures') or [])}); this model is {config.model_type!r}"
+            f"checkpoint {paths.root} holds a {index.model_type!r} model{f' ({classes})' if classes else ''}; "
+            f"this model is {config.model_type!r} ({type(pmodel.module).__name__})"
         )
     saved = index.params()
     missing = [name for name in params if name not in saved]

@@ -94,6 +94,8 @@ def save_checkpoint(
         raise
 
     if mesh.rank == 0:
+        if not pmodel.module.config.architectures:  # as transformers' save_pretrained does
+            pmodel.module.config.architectures = [type(pmodel.module).__name__]
         index = _build_index(pmodel, step, metas, reports, aliases)
         write_json(tmp / SHARDS / INDEX, index.to_json())
         pmodel.module.config.save_pretrained(tmp)
