@@ -21,6 +21,7 @@ from plait.checkpoint import (
 )
 from plait.checkpoint import st_io
 from plait.checkpoint.format import spec_boxes, uncovered
+from plait.checkpoint.state import LocalTensor, torch_optimizer_state
 from plait.config import ConfigError
 from plait.loading import SeededInit, load_parallel_model
 from plait.sharding import ShardSpec
@@ -294,6 +295,40 @@ def test_optimizer_mismatch_and_unshardable_state(saved, tmp_path):
     with pytest.raises(CheckpointError, match="row_var.*plait cannot shard it"):
         save_checkpoint(tmp_path / "checkpoint-1", pmodel, factored, step=1)
     assert not os.listdir(tmp_path)
+
+
+class HalvesAdamW(torch.optim.AdamW):
+    """Saves every moment as the two flat halves that two ZeRO-1 dp ranks would hold (the extension point)."""
+
+    def plait_state(self, names, specs):
+        tensors, meta = torch_optimizer_state(self, names, specs)
+        out = []
+        for t in tensors:
+            if t.tensor.dim() == 0:
+                out.append(t)
+                continue
+            flat = t.tensor.reshape(-1)
+            for a, b in ((0, flat.numel() // 2 + 1), (flat.numel() // 2 + 1, flat.numel())):
+                for box, fa, fb in flat_range_boxes(t.full_shape, a, b):
+                    view = flat[fa:fb].view([hi - lo for lo, hi in box])
+                    out.append(LocalTensor(t.logical, "optim", t.full_shape, view, [(box, (0,) * len(box))]))
+        return out, {**meta, "class": "AdamW"}  # the update rule, so plain AdamW can resume it
+
+
+def test_flat_optimizer_slices_regroup_on_load(tmp_path):
+    pmodel = load_parallel_model(llama_config(), ParallelConfig(), seed=6)
+    sliced = HalvesAdamW(pmodel.parameters(), lr=1e-2)
+    train_steps(pmodel, sliced, 2)
+    path = save_checkpoint(tmp_path / "checkpoint-2", pmodel, sliced, step=2)
+    index = json.loads((path / "shards" / "index.json").read_text())
+    pieces = index["tensors"]["optimizer/model.layers.0.mlp.up_proj.weight/exp_avg"]["pieces"]
+    assert len(pieces) == 4 and pieces[1]["key"].endswith("#1"), pieces  # rows, partial row | partial row, rows
+    fresh = load_parallel_model(llama_config(), ParallelConfig(), seed=7)
+    plain = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_checkpoint(path, fresh, plain)
+    for p_saved, p_loaded in zip(pmodel.parameters(), fresh.parameters()):
+        for key, value in sliced.state[p_saved].items():
+            assert torch.equal(plain.state[p_loaded][key], value), key
 
 
 def test_save_replaces_an_older_checkpoint_atomically(tmp_path):

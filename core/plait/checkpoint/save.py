@@ -111,17 +111,23 @@ def save_checkpoint(
 def _write_owned(
     tensors: list[LocalTensor], owner: dict, rank: int, filename: str, folder: Path, report: dict[str, Any]
 ) -> None:
-    """Write the tensors holding at least one box this rank owns; record their pieces in ``report``."""
+    """Write the tensors holding at least one box this rank owns; record their pieces in ``report``.
+
+    A logical tensor may come in several local tensors (a ZeRO slice split into boxes): the second and later
+    are stored as ``<name>#1``, ``<name>#2`` ...
+    """
     to_write: dict[str, torch.Tensor] = {}
     for t in tensors:
         owned = [(box, at) for box, at in t.boxes if owner[(t.logical, box)] == rank]
         if not owned:
             continue
-        to_write[t.logical] = t.tensor
+        key, n = t.logical, 0
+        while key in to_write:
+            n += 1
+            key = f"{t.logical}#{n}"
+        to_write[key] = t.tensor
         report["entries"][t.logical] = (t.kind, NAMES[t.tensor.dtype], list(t.full_shape))
-        report["pieces"].setdefault(t.logical, []).extend(
-            Piece(filename, t.logical, box, at).to_json() for box, at in owned
-        )
+        report["pieces"].setdefault(t.logical, []).extend(Piece(filename, key, box, at).to_json() for box, at in owned)
     if to_write:
         crcs = write_tensors(folder / filename, to_write)
         report["files"][filename] = {"size": (folder / filename).stat().st_size, "crc32": crcs}

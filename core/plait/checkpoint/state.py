@@ -5,8 +5,10 @@ Optimizer extension point (ZeRO-1): an optimizer object may define
 
 * ``plait_state(names, specs) -> (list[LocalTensor], meta)``: the state this rank holds, each tensor with
   the boxes of its logical tensor (``optimizer/<param>/<key>``) it covers; a dp slice of a flattened
-  parameter is described with ``format.flat_range_boxes``. ``meta`` is JSON: hyperparameters, which group
-  each parameter is in, and per parameter the state keys (``"tensor"`` or a JSON value).
+  parameter is described with ``format.flat_range_boxes`` (several local tensors may share a logical name).
+  ``meta`` is JSON: ``class`` (the update rule, e.g. "AdamW" also under ZeRO-1, so that a checkpoint moves
+  between ZeRO and plain optimizers), ``groups`` (hyperparameters), ``membership`` (parameter -> group) and
+  ``state`` (per parameter, each state key: ``"tensor"`` or a JSON value), as ``torch_optimizer_state``.
 * ``plait_plan_load(names, specs, meta, entries) -> (reads, finish)``: the boxes it needs (``ReadOp``) and a
   callable run after they are filled that installs the state.
 
@@ -94,6 +96,13 @@ def optimizer_state(
     """This rank's optimizer state as boxes of logical tensors, plus its JSON part."""
     if hasattr(optimizer, "plait_state"):
         return optimizer.plait_state(names, specs)
+    return torch_optimizer_state(optimizer, names, specs)
+
+
+def torch_optimizer_state(
+    optimizer: torch.optim.Optimizer, names: dict[nn.Parameter, str], specs: dict[str, ShardSpec]
+) -> tuple[list[LocalTensor], dict[str, Any]]:
+    """The default for ``torch.optim`` optimizers: state tensors follow their parameter's spec."""
     state_dict = optimizer.state_dict()
     tensors: list[LocalTensor] = []
     groups, membership, keys = [], {}, {}
