@@ -139,6 +139,15 @@ def test_resharded_resume_matches_original_layout(trained, resumed, arch, case, 
     assert resumed[arch][case]["resharded"] and not resumed[arch][case]["rng_restored"]
 
 
+def test_zero1_checkpoint_resumes_and_regroups(trained, resumed):
+    """ZeRO-1 at dp=2 saves each parameter's AdamW state from the rank owning it; the index regroups it."""
+    zero, tp2 = trained["llama"]["zero"]["losses"], trained["llama"]["tp2"]["losses"]
+    got = resumed["llama"]
+    assert got["zero_same"]["losses"] == zero[N:], f"{got['zero_same']['losses']} vs {zero[N:]}"
+    assert rel_diff(got["zero_to_tp2"]["losses"], zero[N:]) <= RTOL, f"{got['zero_to_tp2']['losses']} vs {zero[N:]}"
+    assert rel_diff(got["tp2_to_zero"]["losses"], tp2[N:]) <= RTOL, f"{got['tp2_to_zero']['losses']} vs {tp2[N:]}"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_consolidated_model_loads_in_transformers(trained, arch):
     c = trained[arch]["consolidated"]

@@ -4,7 +4,8 @@ Modes (argv: MODE WORKDIR RESULTS_JSON):
   train   world 2: seeded init equal across layouts; N steps, save, N more at tp=2 and at tp=1 (dp=2);
           consolidate and compare logits with from_pretrained; load a Hugging Face directory at tp=2.
   resume  world 2, new processes: resume the tp=2 checkpoint (exact losses), reshard tp1 -> tp2 and
-          tp2 -> tp1, and try every damaged checkpoint the test prepared under WORKDIR/bad.
+          tp2 -> tp1, ZeRO-1 (dp=2) <-> plain AdamW at tp=2, and try every damaged checkpoint the test
+          prepared under WORKDIR/bad.
   kv4     world 4: Llama with 2 kv heads at tp=4 (replicated kv ranges), save, reshard to tp=2 and tp=1.
 The reference for losses is the same training at the saved layout; for weights, plain transformers.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig
 
 from plait import ParallelConfig, comm
@@ -45,8 +47,12 @@ def local_batch(step: int, vocab: int, pmodel) -> torch.Tensor:
     return ids.chunk(pmodel.mesh.dp)[pmodel.mesh.dp_rank]
 
 
-def make_optimizer(pmodel):
-    opt = torch.optim.AdamW(pmodel.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+def make_optimizer(pmodel, zero: bool = False):
+    kwargs = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    if zero:  # ZeRO-1: each dp rank holds the AdamW state of its partition of whole parameters
+        opt = ZeroRedundancyOptimizer(pmodel.parameters(), torch.optim.AdamW, pmodel.mesh.dp_group, **kwargs)
+    else:
+        opt = torch.optim.AdamW(pmodel.parameters(), **kwargs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4) * 0.9 ** s)
     return opt, sched
 
@@ -111,8 +117,11 @@ def mode_train(work: Path, rank: int) -> dict:
         r["buffer_diff"] = max([(b - ref_buffers[n]).abs().max().item() for n, b in pm2.module.named_buffers()],
                                default=0.0)
         r["buffers"] = sorted(n for n, _ in pm2.module.named_buffers())
-        for layout, pm in (("tp2", pm2), ("tp1", pm1)):
-            opt, sched = make_optimizer(pm)
+        layouts = [("tp2", pm2, False), ("tp1", pm1, False)]
+        if arch == "llama":
+            layouts.append(("zero", load_parallel_model(cfg, ParallelConfig(tp=1), seed=SEED), True))
+        for layout, pm, zero in layouts:
+            opt, sched = make_optimizer(pm, zero)
             losses = train(pm, opt, sched, 0, N)
             save_checkpoint(work / arch / layout / f"checkpoint-{N}", pm, opt, sched, step=N,
                             extra={"consumed_samples": N * BATCH})
@@ -142,14 +151,14 @@ def mode_train(work: Path, rank: int) -> dict:
     return results
 
 
-def resume(source: Path, cfg, layout: ParallelConfig, *, via_model: bool = False) -> dict:
+def resume(source: Path, cfg, layout: ParallelConfig, *, via_model: bool = False, zero: bool = False) -> dict:
     if via_model:  # build straight from the checkpoint (any layout), then restore optimizer state only
         pm = load_parallel_model(source, layout)
-        opt, sched = make_optimizer(pm)
+        opt, sched = make_optimizer(pm, zero)
         state = load_checkpoint(source, pm, opt, sched, weights=False)
     else:
         pm = load_parallel_model(cfg, layout, seed=SEED + 1)
-        opt, sched = make_optimizer(pm)
+        opt, sched = make_optimizer(pm, zero)
         state = load_checkpoint(source, pm, opt, sched)
     probe = torch.rand(4).tolist()
     losses = train(pm, opt, sched, state.step, state.step + N)
@@ -167,6 +176,12 @@ def mode_resume(work: Path, rank: int) -> dict:
             "tp2_to_tp1": resume(work / arch / "tp2" / f"checkpoint-{N}", cfg, ParallelConfig(tp=1), via_model=True),
         }
     llama = configs["llama"]
+    zero_ckpt, tp2_ckpt = work / "llama" / "zero" / f"checkpoint-{N}", work / "llama" / "tp2" / f"checkpoint-{N}"
+    results["llama"].update(
+        zero_same=resume(zero_ckpt, llama, ParallelConfig(tp=1), zero=True),
+        zero_to_tp2=resume(zero_ckpt, llama, ParallelConfig(tp=2)),
+        tp2_to_zero=resume(tp2_ckpt, llama, ParallelConfig(tp=1), zero=True),
+    )
     pm = load_parallel_model(llama, ParallelConfig(tp=2), seed=SEED)
     opt, sched = make_optimizer(pm)
     bad = {}

@@ -13,13 +13,17 @@ Optimizer extension point (ZeRO-1): an optimizer object may define
   callable run after they are filled that installs the state.
 
 Plain ``torch.optim`` optimizers (AdamW, SGD ...) need neither: their per-parameter state tensors have the
-parameter's local shape and follow its ``ShardSpec``; 0-d tensors (``step``) are replicated.
+parameter's local shape and follow its ``ShardSpec``; 0-d tensors (``step``) are replicated. Neither does
+``torch.distributed.optim.ZeroRedundancyOptimizer``: each dp rank saves the state of the whole parameters
+its partition owns (through its inner optimizer, so the checkpoint loads into plain AdamW or any other
+partition), and loads the state of the parameters it owns at the new layout.
 """
 
 from __future__ import annotations
 
 import base64
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +90,13 @@ def local_views(spec: ShardSpec, tensor: torch.Tensor, logical: str) -> list[Rea
 # --------------------------------------------------------------------------------------------------
 
 
+def _is_zero(optimizer: Any) -> bool:
+    """A ``ZeroRedundancyOptimizer`` (checked without importing torch.distributed.optim, which is slow and
+    warns about torch.jit: whoever built one has imported it)."""
+    module = sys.modules.get("torch.distributed.optim")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
+
+
 def optimizer_key(param: str, key: str) -> str:
     return f"optimizer/{param}/{key}"
 
@@ -96,6 +107,11 @@ def optimizer_state(
     """This rank's optimizer state as boxes of logical tensors, plus its JSON part."""
     if hasattr(optimizer, "plait_state"):
         return optimizer.plait_state(names, specs)
+    if _is_zero(optimizer):
+        tensors, meta = optimizer_state(optimizer.optim, names, specs)
+        # The outer groups are the ones LR schedulers change; the inner ones catch up only at the next step.
+        meta["groups"] = [to_json({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
+        return tensors, meta
     return torch_optimizer_state(optimizer, names, specs)
 
 
@@ -139,6 +155,15 @@ def plan_optimizer_load(
     """Check the saved state fits ``optimizer`` and return the reads that fill it plus the installer."""
     if hasattr(optimizer, "plait_plan_load"):
         return optimizer.plait_plan_load(names, specs, meta, entries)
+    if _is_zero(optimizer):
+        reads, finish_inner = plan_optimizer_load(optimizer.optim, names, specs, meta, entries)
+
+        def finish_zero() -> None:
+            finish_inner()
+            for outer, inner in zip(optimizer.param_groups, optimizer.optim.param_groups):
+                outer.update({k: v for k, v in inner.items() if k != "params"})  # LR schedulers use the outer groups
+
+        return reads, finish_zero
     if meta["class"] != type(optimizer).__name__:
         raise CheckpointError(
             f"checkpoint optimizer is {meta['class']}, this run uses {type(optimizer).__name__}; "
