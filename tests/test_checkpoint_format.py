@@ -290,6 +290,9 @@ def test_optimizer_mismatch_and_unshardable_state(saved, tmp_path):
     pmodel = load_parallel_model(llama_config(), ParallelConfig(), seed=2)
     with pytest.raises(CheckpointError, match="checkpoint optimizer is AdamW, this run uses SGD"):
         load_checkpoint(path, pmodel, torch.optim.SGD(pmodel.parameters(), lr=0.1))
+    masters = [p.detach().clone().requires_grad_() for p in pmodel.parameters()]
+    with pytest.raises(CheckpointError, match="not a parameter of the model .fp32 master weights"):
+        save_checkpoint(tmp_path / "checkpoint-1", pmodel, torch.optim.AdamW(masters), step=1)
     factored = torch.optim.Adafactor(pmodel.parameters(), lr=1e-2)
     train_steps(pmodel, factored, 1)
     with pytest.raises(CheckpointError, match="row_var.*plait cannot shard it"):

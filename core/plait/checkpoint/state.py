@@ -97,6 +97,16 @@ def _is_zero(optimizer: Any) -> bool:
     return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
+def _param_name(names: dict[nn.Parameter, str], param: torch.Tensor, optimizer: Any) -> str:
+    if param not in names:
+        raise CheckpointError(
+            f"{type(optimizer).__name__} steps a tensor of shape {list(param.shape)} that is not a parameter of the "
+            f"model (fp32 master weights?); such an optimizer must define plait_state / plait_plan_load "
+            f"(see plait.checkpoint.state)"
+        )
+    return names[param]
+
+
 def optimizer_key(param: str, key: str) -> str:
     return f"optimizer/{param}/{key}"
 
@@ -125,7 +135,7 @@ def torch_optimizer_state(
     for g, (group, saved) in enumerate(zip(optimizer.param_groups, state_dict["param_groups"])):
         groups.append(to_json({k: v for k, v in saved.items() if k != "params"}))
         for param, index in zip(group["params"], saved["params"]):
-            name = names[param]
+            name = _param_name(names, param, optimizer)
             membership[name] = g
             spec = specs[name]
             keys[name] = {}
@@ -181,7 +191,7 @@ def plan_optimizer_load(
     for g, group in enumerate(optimizer.param_groups):
         groups.append({**from_json(meta["groups"][g]), "params": list(range(index, index + len(group["params"])))})
         for param in group["params"]:
-            name = names[param]
+            name = _param_name(names, param, optimizer)
             if name not in meta["membership"]:
                 raise CheckpointError(f"checkpoint has no optimizer entry for parameter {name}")
             if meta["membership"][name] != g:
