@@ -159,7 +159,7 @@ def test_consolidated_model_loads_in_transformers(trained, arch):
 BAD = {
     "missing_shard": ["optim-rank00001.safetensors is missing"],
     "truncated": ["model-rank00000.safetensors has", "bytes, the index recorded"],
-    "corrupted": ["model-rank00001.safetensors", "is corrupted", "CRC-32"],
+    "corrupted": ["model-rank00001.safetensors", "is corrupted", "xxh3_64 checksum"],
     "bad_index": ["index.json is not valid JSON"],
     "other_architecture": ["holds a 'gpt2' model (GPT2LMHeadModel)", "this model is 'llama' (LlamaForCausalLM)"],
     "cannot_reshard": ["cannot be loaded at this layout", "is in no saved piece"],

@@ -6,8 +6,9 @@ the overlapping parts of its pieces. Peak memory is a few blocks, not the model.
 saved, and tied weights are written once under the name transformers keeps, so
 ``AutoModelForCausalLM.from_pretrained(output_dir)`` loads the result without missing or unexpected keys.
 
-Everything is checked (index, files, CRCs, names and shapes against the model config) before the output is
-created, and the output is written to a temporary folder renamed at the end: a bad checkpoint writes nothing.
+Everything is checked (index, files, names and shapes against the model config) before the output is
+created; checksums are checked while it is written to a temporary folder, which is renamed into place only when
+everything passed: a bad checkpoint writes nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -23,13 +25,17 @@ from transformers import CONFIG_MAPPING, PretrainedConfig
 
 from plait.checkpoint.format import CheckpointError, TensorEntry, full_box, read_index, write_json
 from plait.checkpoint.load import CheckpointReader
-from plait.checkpoint.st_io import CHUNK_BYTES, DTYPES, SafetensorsWriter, tensor_bytes
+from plait.checkpoint.st_io import DTYPES, SafetensorsWriter, byte_view, tensor_bytes
 from plait.checkpoint.state import local_params
 from plait.config import ConfigError
 from plait.meta import build_meta_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+# Tensors that pass through memory are assembled and written a block of rows at a time. A block that stays in
+# the CPU cache between the read that fills it and the pwrite that empties it made those writes 3-5x faster
+# than 16 MiB blocks (240 MiB of column-split weights: pwrite 0.1-0.2 s against 0.6-1.3 s).
+BLOCK_BYTES = 1 << 20
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                "float16": torch.float16, "fp16": torch.float16}
 
@@ -66,35 +72,23 @@ def consolidate(
     reader.validate_files({file for file, _ in stored})  # the model's files only: optimizer files are not needed
     for name in order:
         reader.check_covered(name, full_box(index.tensors[name].shape))
-    if verify:
-        reader.verify(stored)
-
     plan = []  # (name, entry, output dtype)
     for name in order:
         entry = index.tensors[name]
-        stored = DTYPES[entry.dtype]
-        plan.append((name, entry, out_dtype if out_dtype is not None and stored.is_floating_point else stored))
-    shards = _split(plan, max_bytes)
+        saved_dtype = DTYPES[entry.dtype]
+        plan.append((name, entry, out_dtype if out_dtype is not None and saved_dtype.is_floating_point else saved_dtype))
 
     tmp = output.with_name(f".{output.name}.consolidating")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        stem, ext = ("model", "safetensors") if format == "safetensors" else ("pytorch_model", "bin")
-        names = [f"{stem}.{ext}"] if len(shards) == 1 else \
-            [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i in range(len(shards))]
-        weight_map = {}
-        for filename, shard in zip(names, shards):
-            if format == "safetensors":
-                _write_safetensors(reader, tmp / filename, shard)
-            else:
-                _write_pytorch(reader, tmp / filename, shard)
-            weight_map.update({name: filename for name, _, _ in shard})
-        if len(shards) > 1:
-            total = sum(math.prod(e.shape) * torch.empty((), dtype=d).element_size() for _, e, d in plan)
-            write_json(tmp / f"{stem}.{ext}.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-        weights_dtype = next((d for _, _, d in plan if d.is_floating_point), torch.float32)
-        config.dtype = weights_dtype
+        # Checksums are verified while the output is written (both mostly wait on I/O), before it is moved into place.
+        with ThreadPoolExecutor(1) as pool:
+            checking = pool.submit(reader.verify, stored) if verify else None
+            _write_model(reader, tmp, plan, format, max_bytes)
+            if checking is not None:
+                checking.result()
+        config.dtype = next((d for _, _, d in plan if d.is_floating_point), torch.float32)
         config.save_pretrained(tmp)
         for extra in ("generation_config.json", *TOKENIZER_FILES):
             if (paths.root / extra).is_file():
@@ -106,6 +100,24 @@ def consolidate(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return output
+
+
+def _write_model(reader: CheckpointReader, folder: Path, plan: list, format: str, max_bytes: int) -> None:
+    """The weight files (one, or shards plus the index transformers reads) of ``plan`` into ``folder``."""
+    shards = _split(plan, max_bytes)
+    stem, ext = ("model", "safetensors") if format == "safetensors" else ("pytorch_model", "bin")
+    names = [f"{stem}.{ext}"] if len(shards) == 1 else \
+        [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i in range(len(shards))]
+    weight_map = {}
+    for filename, shard in zip(names, shards):
+        if format == "safetensors":
+            _write_safetensors(reader, folder / filename, shard)
+        else:
+            _write_pytorch(reader, folder / filename, shard)
+        weight_map.update({name: filename for name, _, _ in shard})
+    if len(shards) > 1:
+        total = sum(math.prod(e.shape) * torch.empty((), dtype=d).element_size() for _, e, d in plan)
+        write_json(folder / f"{stem}.{ext}.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 def _model_config(index) -> PretrainedConfig:
@@ -152,7 +164,7 @@ def _row_blocks(shape: tuple[int, ...], itemsize: int) -> tuple[int, int, int]:
     """(rows, bytes per row, rows per block) of a tensor seen as rows of its first dim (0-d: one row)."""
     rows = shape[0] if shape else 1
     row_bytes = math.prod(shape[1:]) * itemsize
-    return rows, row_bytes, max(1, CHUNK_BYTES // max(row_bytes, 1))
+    return rows, row_bytes, max(1, BLOCK_BYTES // max(row_bytes, 1))
 
 
 def _read_rows(reader: CheckpointReader, name: str, entry: TensorEntry, r0: int, r1: int) -> torch.Tensor:
@@ -183,23 +195,66 @@ def _row_pieces(reader: CheckpointReader, entry: TensorEntry):
     return found
 
 
-def _write_safetensors(reader: CheckpointReader, path: Path, shard: list) -> None:
+def _column_bands(reader: CheckpointReader, entry: TensorEntry):
+    """When every piece of a matrix is a band of whole stored rows (a column split): (file, piece, stored) each."""
+    if len(entry.shape) != 2:
+        return None
+    bands = []
+    for piece in entry.pieces:
+        file = reader.file(piece.file)
+        stored = file.entry(piece.key)
+        if piece.at[1] != 0 or piece.box[1][1] - piece.box[1][0] != stored.shape[1]:
+            return None
+        bands.append((file, piece, stored))
+    return bands
+
+
+def _read_bands(bands: list, entry: TensorEntry, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of a column-split matrix: each band's rows are one run of its file, scattered by a
+    ``preadv`` straight into their columns of the output rows (no temporary, no strided copy)."""
+    width = entry.shape[1]
+    out = torch.empty((r1 - r0, width), dtype=DTYPES[entry.dtype])
+    item = out.element_size()
+    memory = byte_view(out)
+    for file, piece, stored in bands:
+        (a0, b0), (c0, c1) = piece.box
+        lo, hi = max(r0, a0), min(r1, b0)
+        if lo >= hi:
+            continue
+        run = (c1 - c0) * item
+        views = [memory[((row - r0) * width + c0) * item:][:run] for row in range(lo, hi)]
+        file.read_scatter(stored.start + (lo - a0 + piece.at[0]) * stored.shape[1] * item, views)
+    return out
+
+
+def _write_safetensors(reader: CheckpointReader, path: Path, shard: list, threads: int = 2) -> None:
+    """Tensors are written by ``threads`` threads at their own offsets: the copies run in the kernel or in
+    torch with the GIL released, so two cores copy twice the bytes."""
     writer = SafetensorsWriter(path, [(name, dtype, entry.shape) for name, entry, dtype in shard])
-    try:
-        for name, entry, dtype in shard:
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            rows, row_bytes, block = _row_blocks(entry.shape, itemsize)
-            pieces = _row_pieces(reader, entry) if dtype == DTYPES[entry.dtype] else None
-            if pieces is not None:
-                for (a, b), piece, stored in pieces:
-                    with open(reader.file(piece.file).path, "rb") as src:
-                        writer.copy_from(src.fileno(), stored.start + piece.at[0] * row_bytes, (b - a) * row_bytes,
-                                         name, a * row_bytes)
-                continue
-            for r0 in range(0, rows, block):
-                r1 = min(r0 + block, rows)
+
+    def write_one(item) -> None:
+        name, entry, dtype = item
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        rows, row_bytes, block = _row_blocks(entry.shape, itemsize)
+        pieces = _row_pieces(reader, entry) if dtype == DTYPES[entry.dtype] else None
+        if pieces is not None:
+            for (a, b), piece, stored in pieces:
+                with open(reader.file(piece.file).path, "rb") as src:
+                    writer.copy_from(src.fileno(), stored.start + piece.at[0] * row_bytes, (b - a) * row_bytes,
+                                     name, a * row_bytes)
+            return
+        bands = _column_bands(reader, entry)
+        for r0 in range(0, rows, block):
+            r1 = min(r0 + block, rows)
+            if bands is not None:
+                data = _read_bands(bands, entry, r0, r1).to(dtype)
+            else:
                 data = _read_rows(reader, name, entry, r0, r1).to(dtype)
-                writer.write(name, tensor_bytes(data), r0 * row_bytes)
+            writer.write(name, tensor_bytes(data), r0 * row_bytes)
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(write_one, sorted(shard, key=lambda item: -math.prod(item[1].shape))))
     except BaseException:
         writer.abort()
         raise

@@ -183,7 +183,7 @@ class Index:
     parallel_config: dict[str, Any]
     world_size: int
     tensors: dict[str, TensorEntry]
-    files: dict[str, dict[str, Any]]  # file name -> {"size": bytes, "crc32": {key: crc}}
+    files: dict[str, dict[str, Any]]  # file name -> {"size": bytes, "xxh3_64": {key: checksum}}
     aliases: dict[str, str] = field(default_factory=dict)  # tied parameter name -> saved (canonical) name
     optimizer: dict[str, Any] | None = None
     scheduler: dict[str, Any] | None = None

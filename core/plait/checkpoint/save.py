@@ -20,7 +20,7 @@ import torch
 
 from plait import comm
 from plait.checkpoint.format import INDEX, SHARDS, CheckpointError, Index, Piece, TensorEntry, write_json
-from plait.checkpoint.st_io import NAMES, write_tensors
+from plait.checkpoint.st_io import CHECKSUM, NAMES, write_tensors
 from plait.checkpoint.state import (
     LocalTensor, local_params, optimizer_state, param_tensors, rng_state, scheduler_state, to_json,
 )
@@ -129,8 +129,8 @@ def _write_owned(
         report["entries"][t.logical] = (t.kind, NAMES[t.tensor.dtype], list(t.full_shape))
         report["pieces"].setdefault(t.logical, []).extend(Piece(filename, key, box, at).to_json() for box, at in owned)
     if to_write:
-        crcs = write_tensors(folder / filename, to_write)
-        report["files"][filename] = {"size": (folder / filename).stat().st_size, "crc32": crcs}
+        sums = write_tensors(folder / filename, to_write)
+        report["files"][filename] = {"size": (folder / filename).stat().st_size, CHECKSUM: sums}
 
 
 def _raise_errors(reports: list[dict[str, Any]], what: str) -> None:

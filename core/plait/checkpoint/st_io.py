@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
-import zlib
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 
 # safetensors dtype names <-> torch dtypes (the subset torch can hold).
 DTYPES: dict[str, torch.dtype] = {
@@ -31,8 +33,10 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+CHECKSUM = "xxh3_64"  # the name of ``checksum`` in checkpoint indexes
 CHUNK_BYTES = 16 * 1024 * 1024  # bound on temporary buffers while reading or assembling
 MIN_RUN_BYTES = 64 * 1024  # below this, one preadv per run costs more than reading whole rows
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 class SafetensorsError(ValueError):
@@ -130,7 +134,7 @@ class SafetensorsFile:
             if not full_rows and len(shape) == 2 and out.is_contiguous() and out.dtype == entry.dtype \
                     and sizes[1] * item >= MIN_RUN_BYTES:
                 # Long runs: one read per row, straight into the destination.
-                views = _byte_views(out)
+                views = byte_view(out)
                 run = sizes[1] * item
                 for i, r in enumerate(range(r_begin, r_end)):
                     _pread(fd, views[i * run:(i + 1) * run], entry.start + r * row_bytes + box[1][0] * item, self.path)
@@ -143,7 +147,7 @@ class SafetensorsFile:
                     self._read_into(offset, (c1 - c0) * row_bytes, dest, entry.dtype, fd)
                 else:
                     rows = torch.empty((c1 - c0, *shape[1:]), dtype=entry.dtype)
-                    _pread(fd, _byte_views(rows), offset, self.path)
+                    _pread(fd, byte_view(rows), offset, self.path)
                     dest.copy_(rows[(slice(None), *(slice(a, b) for a, b in box[1:]))])
 
     def _read_into(self, offset: int, nbytes: int, out: torch.Tensor, dtype: torch.dtype, fd: int | None = None) -> None:
@@ -152,11 +156,28 @@ class SafetensorsFile:
         target = out if direct else torch.empty(out.shape, dtype=dtype)
         if fd is None:
             with open(self.path, "rb", buffering=0) as f:
-                _pread(f.fileno(), _byte_views(target), offset, self.path)
+                _pread(f.fileno(), byte_view(target), offset, self.path)
         else:
-            _pread(fd, _byte_views(target), offset, self.path)
+            _pread(fd, byte_view(target), offset, self.path)
         if not direct:
             out.copy_(target)
+
+    def read_scatter(self, offset: int, views: Sequence[memoryview]) -> None:
+        """Fill ``views`` in order from the contiguous file bytes at absolute ``offset`` (``preadv`` scatters one
+        run of the file into many buffers: e.g. rows of a column band, each into its place in a wider row)."""
+        with open(self.path, "rb", buffering=0) as f:
+            for i in range(0, len(views), IOV_MAX):
+                group = views[i:i + IOV_MAX]
+                expected = sum(len(v) for v in group)
+                done = os.preadv(f.fileno(), group, offset)
+                if done < expected:  # a short read: finish view by view (and fail clearly at end of file)
+                    for view in group:
+                        skip = min(done, len(view))
+                        _pread(f.fileno(), view[skip:], offset + skip, self.path)
+                        done -= skip
+                        offset += len(view)
+                else:
+                    offset += expected
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor ``name`` (a fresh CPU tensor)."""
@@ -165,26 +186,34 @@ class SafetensorsFile:
         self.read_box(name, [(0, s) for s in entry.shape], out)
         return out
 
-    def crc32(self, name: str) -> int:
-        """CRC-32 of the stored bytes of ``name``, read in chunks (integrity check against the index)."""
+    def checksum(self, name: str) -> int:
+        """``checksum`` of the stored bytes of ``name`` (integrity check against the index).
+
+        Read through read-only mmap windows of at most CHUNK_BYTES, unmapped one after the other: no copy
+        into a buffer (5x less CPU than ``pread`` here) and never more than one window in the RSS.
+        """
         entry = self.entry(name)
-        crc = 0
+        digest = xxhash.xxh3_64()
         with open(self.path, "rb", buffering=0) as f:
             pos = entry.start
             while pos < entry.stop:
-                chunk = os.pread(f.fileno(), min(CHUNK_BYTES, entry.stop - pos), pos)
-                if not chunk:
-                    raise SafetensorsError(f"{self.path}: unexpected end of file at byte {pos}")
-                crc = zlib.crc32(chunk, crc)
-                pos += len(chunk)
-        return crc
+                base = pos - pos % mmap.ALLOCATIONGRANULARITY
+                length = min(CHUNK_BYTES, entry.stop - base)
+                try:
+                    window = mmap.mmap(f.fileno(), length, offset=base, access=mmap.ACCESS_READ)
+                except ValueError as exc:  # the file is shorter than the header says
+                    raise SafetensorsError(f"{self.path}: cannot read bytes {base}-{base + length} ({exc})") from None
+                with window, memoryview(window) as whole, whole[pos - base:] as part:
+                    digest.update(part)
+                pos = base + length
+        return digest.intdigest()
 
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _byte_views(tensor: torch.Tensor) -> memoryview:
+def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (any dtype, bf16 included)."""
     flat = tensor.detach().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
@@ -200,16 +229,23 @@ def _pread(fd: int, view: memoryview, offset: int, path: Path) -> None:
         done += n
 
 
+def checksum(data: memoryview | bytes) -> int:
+    """xxHash3 (64 bit) of ``data``: the per-tensor integrity check of plait checkpoints. CRC-32 (zlib) ran at
+    1.5 GB/s here, xxh3 at 9 GB/s, which keeps verification from dominating ``plait consolidate``."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """Read-only byte view of a tensor's data (made contiguous on CPU if needed) for writing and checksums."""
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    return _byte_views(t.contiguous())
+    return byte_view(t.contiguous())
 
 
 class SafetensorsWriter:
-    """Writes a safetensors file whose tensor list is known up front, one tensor (or part) at a time.
+    """Writes a safetensors file whose tensor list is known up front, one tensor (or part) at a time, from
+    any number of threads (every write goes to an absolute offset).
 
     The file is written as ``<name>.partial`` and moved into place by ``close`` once every byte has been
     written and synced, so a reader never sees a half-written file under the final name.
@@ -236,6 +272,7 @@ class SafetensorsWriter:
         self._fd = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._pwrite(struct.pack("<Q", len(raw)) + raw, 0)
         self._written = 0  # tensor bytes written so far (the header is not counted)
+        self._lock = threading.Lock()  # write / copy_from may be called from several threads
 
     def tensor_offset(self, name: str) -> int:
         """Absolute file offset of tensor ``name``'s first byte."""
@@ -247,7 +284,8 @@ class SafetensorsWriter:
         if at + len(data) > end - begin:
             raise ValueError(f"{self.path}: {len(data)} bytes at {at} overflow tensor {name!r} ({end - begin} bytes)")
         self._pwrite(data, self.data_start + begin + at)
-        self._written += len(data)
+        with self._lock:
+            self._written += len(data)
 
     def copy_from(self, src_fd: int, src_offset: int, nbytes: int, name: str, at: int = 0) -> None:
         """Copy ``nbytes`` from another file into tensor ``name`` in the kernel (no user-space buffer)."""
@@ -258,7 +296,8 @@ class SafetensorsWriter:
             if n <= 0:
                 raise SafetensorsError(f"copy into {self.path} stopped at {done} of {nbytes} bytes")
             done += n
-        self._written += nbytes
+        with self._lock:
+            self._written += nbytes
 
     def _pwrite(self, data: memoryview | bytes, offset: int) -> None:
         view = memoryview(data).cast("B")
@@ -283,16 +322,16 @@ class SafetensorsWriter:
 
 
 def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> dict[str, int]:
-    """Write ``tensors`` (CPU or device) to one safetensors file; return the CRC-32 of each tensor's bytes."""
+    """Write ``tensors`` (CPU or device) to one safetensors file; return the ``checksum`` of each tensor."""
     writer = SafetensorsWriter(path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
-    crcs = {}
+    sums = {}
     try:
         for name, tensor in tensors.items():
             data = tensor_bytes(tensor)
-            crcs[name] = zlib.crc32(data)
+            sums[name] = checksum(data)
             writer.write(name, data)
     except BaseException:
         writer.abort()
         raise
     writer.close()
-    return crcs
+    return sums
