@@ -156,7 +156,8 @@ def main() -> None:
         source.mkdir()
         start = time.perf_counter()
         model_bytes = write_model(source)
-        print(f"wrote {model_bytes / MIB:.0f} MiB of fp32 Llama weights in {time.perf_counter() - start:.1f}s ({source})")
+        seconds = time.perf_counter() - start
+        print(f"wrote {model_bytes / MIB:.0f} MiB of fp32 Llama weights in {seconds:.1f}s ({source})")
         runs = {}
         for mode in ("plait", "from_pretrained", "load_file"):
             out = tmp / f"{mode}.json"

@@ -125,7 +125,8 @@ def test_replicated_tensors_are_saved_once(trained, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_resume_in_a_new_process_is_bit_exact(trained, resumed, arch):
     straight, again = trained[arch]["tp2"], resumed[arch]["tp2_same"]
-    assert again["losses"] == straight["losses"][N:], f"{arch}: resumed {again['losses']} vs straight {straight['losses'][N:]}"
+    assert again["losses"] == straight["losses"][N:], \
+        f"{arch}: resumed {again['losses']} vs straight {straight['losses'][N:]}"
     assert again["probe"] == straight["probe"], f"{arch}: RNG after resume {again['probe']} vs {straight['probe']}"
     assert (again["step"], again["extra"]) == (N, {"consumed_samples": N * 4})
     assert again["rng_restored"] and not again["resharded"]

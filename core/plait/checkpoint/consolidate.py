@@ -54,7 +54,8 @@ def consolidate(
     ``format``: "safetensors" (model.safetensors, or shards plus model.safetensors.index.json above
     ``max_shard_size``) or "pytorch" (pytorch_model.bin, same sharding). ``dtype``: cast floating tensors
     (e.g. "bfloat16"); None keeps the saved dtype. Also writes config.json, generation_config.json and the
-    tokenizer files the checkpoint has. Returns ``output_dir``.
+    tokenizer files the checkpoint has. ``verify``: check every tensor's checksum (while writing). The
+    output directory must not exist or be empty. Returns ``output_dir``.
     """
     if format not in ("safetensors", "pytorch"):
         raise ConfigError(f"format={format!r} is unknown; choose 'safetensors' or 'pytorch'")
@@ -76,13 +77,14 @@ def consolidate(
     for name in order:
         entry = index.tensors[name]
         saved_dtype = DTYPES[entry.dtype]
-        plan.append((name, entry, out_dtype if out_dtype is not None and saved_dtype.is_floating_point else saved_dtype))
+        cast = out_dtype is not None and saved_dtype.is_floating_point
+        plan.append((name, entry, out_dtype if cast else saved_dtype))
 
     tmp = output.with_name(f".{output.name}.consolidating")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        # Checksums are verified while the output is written (both mostly wait on I/O), before it is moved into place.
+        # Checksums are verified while the output is written, and before it is moved into place.
         with ThreadPoolExecutor(1) as pool:
             checking = pool.submit(reader.verify, stored) if verify else None
             _write_model(reader, tmp, plan, format, max_bytes)

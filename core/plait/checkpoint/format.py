@@ -251,8 +251,9 @@ def read_index(path: str | os.PathLike) -> tuple[CheckpointPaths, Index]:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{file} is not valid JSON ({exc}); the checkpoint is damaged") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CheckpointError(f"{file} is not a plait checkpoint index (format {data.get('format') if isinstance(data, dict) else None!r})")
+    found = data.get("format") if isinstance(data, dict) else None
+    if found != FORMAT:
+        raise CheckpointError(f"{file} is not a plait checkpoint index (format {found!r}, expected {FORMAT!r})")
     if data.get("version") != VERSION:
         raise CheckpointError(f"{file} has format version {data.get('version')}; this plait reads version {VERSION}")
     try:

@@ -70,11 +70,14 @@ class CheckpointReader:
                 raise CheckpointError(f"the index of {self.paths.root} points to {name}, which it does not list")
             path = self.paths.shards / name
             if not path.is_file():
-                raise CheckpointError(f"checkpoint shard {path} is missing (the index lists it); the checkpoint is incomplete")
+                raise CheckpointError(
+                    f"checkpoint shard {path} is missing (the index lists it); the checkpoint is incomplete"
+                )
             size, recorded = path.stat().st_size, self.index.files[name]["size"]
             if size != recorded:
                 raise CheckpointError(
-                    f"checkpoint shard {path} has {size} bytes, the index recorded {recorded} (truncated or overwritten)"
+                    f"checkpoint shard {path} has {size} bytes, the index recorded {recorded} "
+                    f"(truncated or overwritten)"
                 )
             self.file(name)
         for logical, entry in self.index.tensors.items():
@@ -83,15 +86,18 @@ class CheckpointReader:
                     continue
                 stored = self.file(piece.file).entries.get(piece.key)
                 if stored is None:
-                    raise CheckpointError(f"checkpoint shard {self.paths.shards / piece.file} has no tensor {piece.key!r}")
+                    raise CheckpointError(
+                        f"checkpoint shard {self.paths.shards / piece.file} has no tensor {piece.key!r}"
+                    )
                 fits = len(piece.box) == len(stored.shape) == len(entry.shape) and all(
                     0 <= a < b <= full and 0 <= at and at + b - a <= s
                     for (a, b), at, s, full in zip(piece.box, piece.at, stored.shape, entry.shape)
                 )
                 if stored.dtype != DTYPES[entry.dtype] or not fits:
                     raise CheckpointError(
-                        f"{self.paths.shards / piece.file}: tensor {piece.key!r} ({stored.dtype}, {list(stored.shape)}) "
-                        f"does not hold box {[list(r) for r in piece.box]} of {logical} ({entry.dtype}, {list(entry.shape)})"
+                        f"{self.paths.shards / piece.file}: tensor {piece.key!r} ({stored.dtype}, "
+                        f"{list(stored.shape)}) does not hold box {[list(r) for r in piece.box]} of {logical} "
+                        f"({entry.dtype}, {list(entry.shape)})"
                     )
 
     def entry(self, logical: str) -> TensorEntry:
@@ -188,9 +194,13 @@ def load_checkpoint(
                 reads += local_views(pmodel.param_specs[name], param.data, name)
         if optimizer is not None:
             if index.optimizer is None:
-                raise CheckpointError(f"checkpoint {paths.root} has no optimizer state; pass optimizer=None to load weights only")
+                raise CheckpointError(
+                    f"checkpoint {paths.root} has no optimizer state; pass optimizer=None to load weights only"
+                )
             names = {param: name for name, param in params.items()}
-            opt_reads, finish = plan_optimizer_load(optimizer, names, pmodel.param_specs, index.optimizer, index.tensors)
+            opt_reads, finish = plan_optimizer_load(
+                optimizer, names, pmodel.param_specs, index.optimizer, index.tensors
+            )
             reads += opt_reads
         if scheduler is not None and index.scheduler is None:
             raise CheckpointError(f"checkpoint {paths.root} has no scheduler state; pass scheduler=None")

@@ -150,7 +150,9 @@ class SafetensorsFile:
                     _pread(fd, byte_view(rows), offset, self.path)
                     dest.copy_(rows[(slice(None), *(slice(a, b) for a, b in box[1:]))])
 
-    def _read_into(self, offset: int, nbytes: int, out: torch.Tensor, dtype: torch.dtype, fd: int | None = None) -> None:
+    def _read_into(
+        self, offset: int, nbytes: int, out: torch.Tensor, dtype: torch.dtype, fd: int | None = None
+    ) -> None:
         """Read ``nbytes`` at ``offset`` into ``out`` (directly when layout and dtype allow)."""
         direct = out.is_contiguous() and out.dtype == dtype
         target = out if direct else torch.empty(out.shape, dtype=dtype)

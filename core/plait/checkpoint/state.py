@@ -152,7 +152,8 @@ def torch_optimizer_state(
                 else:
                     raise CheckpointError(
                         f"optimizer state {key!r} of {name} has shape {list(value.shape)}, neither a scalar nor the "
-                        f"parameter's local shape {list(param.shape)}; plait cannot shard it ({type(optimizer).__name__})"
+                        f"parameter's local shape {list(param.shape)}; plait cannot shard it "
+                        f"({type(optimizer).__name__})"
                     )
     meta = {"class": type(optimizer).__name__, "groups": groups, "membership": membership, "state": keys}
     return tensors, meta
@@ -196,7 +197,8 @@ def plan_optimizer_load(
                 raise CheckpointError(f"checkpoint has no optimizer entry for parameter {name}")
             if meta["membership"][name] != g:
                 raise CheckpointError(
-                    f"parameter {name} is in param group {g} here but in group {meta['membership'][name]} in the checkpoint"
+                    f"parameter {name} is in param group {g} here but in group {meta['membership'][name]} "
+                    f"in the checkpoint"
                 )
             spec = specs[name]
             param_state: dict[str, Any] = {}
