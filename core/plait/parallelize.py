@@ -1,7 +1,8 @@
 """``parallelize(model, config)``: the one entry point, applying plans in a fixed order.
 
 config -> adapter (by architecture) -> plans (pure data) -> validation (no communication yet) -> mesh
-(process groups) -> tensor parallel layers -> sequence parallel region -> ParallelModel.
+(process groups) -> tensor parallel layers -> sequence parallel region -> activation checkpointing ->
+ParallelModel.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.checkpointing import apply_activation_checkpointing
 from plait.config import ConfigError, ParallelConfig
 from plait.grad_sync import sum_grads
 from plait.mesh import Mesh
@@ -89,11 +91,32 @@ class ParallelModel(nn.Module):
         # the padded slices and cutting at the vocab size gives the full logits.
         return comm.all_gather(padded, self.mesh.tp_group, dim=-1)[..., : self._applied.vocab_size]
 
-    def finish_grad_sync(self) -> None:
-        """Sum gradients over the tp groups that share parameters, then over data-parallel ranks."""
+    def finish_grad_sync(self, *, dp: bool = True) -> None:
+        """Sum gradients over the tp groups that share parameters, then (``dp``) over data-parallel ranks.
+
+        ``dp=False`` leaves the data-parallel reduction to the optimizer step: ZeRO-1 reduces each gradient
+        only to the rank that updates it (``plait.optim.OptimizerStep`` does this once per step).
+        """
         for group, params in self._tp_sums.items():
             sum_grads(params, group)
-        sum_grads([p for p in self.parameters() if p.requires_grad], self.mesh.dp_group)
+        if dp:
+            sum_grads([p for p in self.parameters() if p.requires_grad], self.mesh.dp_group)
+
+    def grad_norm_params(self) -> list[nn.Parameter]:
+        """The parameters whose gradients this rank counts in the global gradient norm.
+
+        Every distinct slice of every logical parameter is counted on exactly one rank of the tp group:
+        a tp-sharded slice on its rank, a replicated parameter (or a kv head shared by a block of ranks,
+        whose ShardSpec is then equal across the block) on the first rank holding that same slice. Summing
+        the squares over tp (and pp, and dp for the slices each dp rank updates) gives the norm of the
+        single-process model.
+        """
+        counted = []
+        for name, param in self.module.named_parameters():
+            spec = self.param_specs[name]
+            if not any(self._specs_by_rank[r][name] == spec for r in range(self.mesh.tp_rank)):
+                counted.append(param)
+        return counted
 
     def gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The full logical tensor of parameter ``name`` (or of its gradient) from every tp rank's shard."""
@@ -154,4 +177,6 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry 
     if sp_plan is not None:
         sp_params = sp_grad_sum_params(model, sp_plan, shards)
         install_sequence_parallel(model, sp_plan, mesh.tp_group, applied.head_is_parallel)
+    if config.gradient_checkpointing:
+        apply_activation_checkpointing(model, registry.leaf_modules(adapter, model.config))
     return ParallelModel(model, mesh, adapter, applied, specs_by_rank, sp_params)
