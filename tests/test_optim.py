@@ -82,3 +82,84 @@ def test_bf16_close_to_fp32(results, variant):
 def test_reduce_dtype_sets_bytes_on_the_wire(results):
     r = results["reduce_dtype"]
     assert (r["bf16_bytes"], r["fp32_bytes"]) == (2 * r["numel"], 4 * r["numel"]), r
+
+
+# ---- in one process (world of 1): state dicts, validation, recompute with dropout ----------------------
+
+def _tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))
+
+
+def _train_steps(pmodel, step, ids, n):
+    losses = []
+    for _ in range(n):
+        loss = pmodel(ids, labels=ids)
+        loss.backward()
+        step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_master_weights_resume_exactly():
+    from plait import ParallelConfig, parallelize
+    from plait.optim import OptimizerStep, build_optimizer
+
+    ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for resume in (False, True):
+        pmodel = parallelize(_tiny_llama().to(torch.bfloat16), ParallelConfig())
+        optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-2, optimizer_dtype=torch.float32)
+        step = OptimizerStep(pmodel, optimizer, max_grad_norm=1.0)
+        losses = _train_steps(pmodel, step, ids, 2)
+        if resume:  # a fresh model and optimizer from the bf16 weights and the optimizer state dict
+            saved = {"model": {k: v.clone() for k, v in pmodel.state_dict().items()}, "optim": optimizer.state_dict()}
+            pmodel = parallelize(_tiny_llama(seed=1).to(torch.bfloat16), ParallelConfig())
+            pmodel.load_state_dict(saved["model"])
+            optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-2, optimizer_dtype=torch.float32)
+            optimizer.load_state_dict(saved["optim"])
+            step = OptimizerStep(pmodel, optimizer, max_grad_norm=1.0)
+        runs.append(losses + _train_steps(pmodel, step, ids, 2))
+    assert runs[0] == runs[1], f"uninterrupted {runs[0]} vs resumed {runs[1]}"
+
+
+def test_bad_optimizer_settings_are_refused():
+    from plait import ConfigError, ParallelConfig, parallelize
+    from plait.optim import OptimizerStep, build_optimizer
+
+    pmodel = parallelize(_tiny_llama(), ParallelConfig())
+    with pytest.raises(ConfigError, match="optimizer_dtype=torch.bfloat16 is less precise"):
+        build_optimizer(pmodel, torch.optim.AdamW, optimizer_dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="max_grad_norm=0"):
+        OptimizerStep(pmodel, build_optimizer(pmodel), max_grad_norm=0)
+
+
+def test_checkpointing_needs_matching_leaf_modules():
+    from plait import ConfigError
+    from plait.checkpointing import apply_activation_checkpointing
+
+    with pytest.raises(ConfigError, match=r"matches the adapter's leaf modules \['decoder.\*'\]"):
+        apply_activation_checkpointing(_tiny_llama(), ["decoder.*"])
+
+
+def test_checkpointing_replays_dropout():
+    """Recomputation restores the RNG state: with dropout on, checkpointed grads equal plain ones."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from plait import ParallelConfig, parallelize
+
+    ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_embd=32, n_layer=2, n_head=4, n_positions=16,
+                                           resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3))
+        pmodel = parallelize(model, ParallelConfig(gradient_checkpointing=checkpointing)).train()
+        torch.manual_seed(1)
+        pmodel(ids, labels=ids).backward()
+        grads.append({n: p.grad for n, p in pmodel.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0, msg=name)
