@@ -105,7 +105,8 @@ def rss_worker(checkpointing: bool) -> None:
     from plait import ParallelConfig, parallelize
 
     torch.manual_seed(0)
-    pmodel = parallelize(LlamaForCausalLM(model_config(RSS_LAYERS)), ParallelConfig(gradient_checkpointing=checkpointing))
+    config = ParallelConfig(gradient_checkpointing=checkpointing)
+    pmodel = parallelize(LlamaForCausalLM(model_config(RSS_LAYERS)), config)
     ids = torch.randint(0, VOCAB, (RSS_BATCH, RSS_SEQ), generator=torch.Generator().manual_seed(1))
     before = psutil.Process().memory_info().rss
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
