@@ -139,10 +139,10 @@ def test_bad_optimizer_settings_are_refused():
 
 def test_checkpointing_needs_matching_leaf_modules():
     from plait import ConfigError
-    from plait.checkpointing import apply_activation_checkpointing
+    from plait.checkpointing import checkpoint_targets
 
     with pytest.raises(ConfigError, match=r"matches the adapter's leaf modules \['decoder.\*'\]"):
-        apply_activation_checkpointing(_tiny_llama(), ["decoder.*"])
+        checkpoint_targets(_tiny_llama(), ["decoder.*"])
 
 
 def test_checkpointing_replays_dropout():

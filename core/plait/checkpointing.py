@@ -33,10 +33,10 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def apply_activation_checkpointing(model: nn.Module, patterns: Sequence[str]) -> list[str]:
-    """Wrap the ``forward`` of every module matching one of ``patterns``; returns the wrapped names.
+def checkpoint_targets(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """Names of the modules matching one of ``patterns`` (pure: runs before any process group exists).
 
-    Raises ConfigError when no module matches (an adapter whose leaf patterns do not fit the model would
+    Raises ConfigError when none matches (an adapter whose leaf patterns do not fit the model would
     otherwise silently train without checkpointing).
     """
     names = [name for name, _ in model.named_modules() if any(matches(p, name) for p in patterns)]
@@ -45,7 +45,11 @@ def apply_activation_checkpointing(model: nn.Module, patterns: Sequence[str]) ->
             f"gradient checkpointing: no module of {type(model).__name__} matches the adapter's leaf modules "
             f"{list(patterns)}; fix the adapter's plait_leaf_modules or disable gradient checkpointing"
         )
+    return names
+
+
+def apply_activation_checkpointing(model: nn.Module, names: Sequence[str]) -> None:
+    """Wrap the ``forward`` of each named module (from ``checkpoint_targets``) in a non-reentrant checkpoint."""
     for name in names:
         module = model.get_submodule(name)
         module.forward = _checkpointed(module.forward)
-    return names

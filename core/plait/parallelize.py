@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
-from plait.checkpointing import apply_activation_checkpointing
+from plait.checkpointing import apply_activation_checkpointing, checkpoint_targets
 from plait.config import ConfigError, ParallelConfig
 from plait.grad_sync import sum_grads
 from plait.mesh import Mesh
@@ -168,6 +168,9 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry 
     sp_plan = registry.sp_plan(adapter, model.config) if config.sequence_parallel else None
     if sp_plan is not None:
         sp_grad_sum_params(model, sp_plan, shards_by_rank[0])  # validates the plan against the model
+    leaves = []
+    if config.gradient_checkpointing:
+        leaves = checkpoint_targets(model, registry.leaf_modules(adapter, model.config))
 
     mesh = Mesh.from_world(config)
     assert mesh.rank == rank
@@ -177,6 +180,5 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry 
     if sp_plan is not None:
         sp_params = sp_grad_sum_params(model, sp_plan, shards)
         install_sequence_parallel(model, sp_plan, mesh.tp_group, applied.head_is_parallel)
-    if config.gradient_checkpointing:
-        apply_activation_checkpointing(model, registry.leaf_modules(adapter, model.config))
+    apply_activation_checkpointing(model, leaves)
     return ParallelModel(model, mesh, adapter, applied, specs_by_rank, sp_params)
