@@ -130,7 +130,6 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry 
     adapter = registry.resolve(model.config)
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world_size > 1 else 0
-    config = config.resolve(world_size)
     _check_capabilities(adapter, config, model.config)
     if config.pp > 1:
         raise ConfigError(f"pp={config.pp}: pipeline parallelism is not available yet; use pp=1")
@@ -145,6 +144,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry 
     sp_plan = registry.sp_plan(adapter, model.config) if config.sequence_parallel else None
     if sp_plan is not None:
         sp_grad_sum_params(model, sp_plan, shards_by_rank[0])  # validates the plan against the model
+    config = config.resolve(world_size)  # after the model checks: they do not depend on the launch
 
     mesh = Mesh.from_world(config)
     assert mesh.rank == rank
