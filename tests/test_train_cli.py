@@ -102,3 +102,29 @@ def test_bad_flags_fail_fast_with_message(model_config, tmp_path, capsys, extra,
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_model_name_or_path_uses_its_weights_and_tokenizer(tmp_path):
+    """A local HF model dir: its weights are loaded and its own tokenizer makes the tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from plait.data import GlobalBatchSampler, default_corpus_path, train_bpe_tokenizer
+    from plait.data.pipeline import training_blocks
+
+    text = tmp_path / "small.txt"
+    text.write_text(default_corpus_path().read_text()[:20000])
+    model_dir = tmp_path / "model"
+    torch.manual_seed(123)  # not the trainer's seed: the loaded weights must win over random init
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=300))
+    model.save_pretrained(model_dir)
+    train_bpe_tokenizer([text], 300).save_pretrained(model_dir)
+
+    args = TrainArgs(model_name_or_path=str(model_dir), train_file=str(text), output_dir=str(tmp_path / "out"),
+                     max_steps=1, per_device_train_batch_size=2, block_size=16, seed=0)
+    loss = train(args)[0]["loss"]
+    blocks, tokenizer = training_blocks([text], 16, 300, tokenizer_dir=model_dir)
+    batch = blocks[GlobalBatchSampler(len(blocks), 2, 0).indices(0)]
+    expected = model(input_ids=batch, labels=batch).loss.item()
+    assert tokenizer is not None and len(tokenizer) == 300
+    assert loss == pytest.approx(expected, rel=1e-5)

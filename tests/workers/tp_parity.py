@@ -96,6 +96,13 @@ def run_case(name: str) -> dict:
             failures.append(f"gathered logits shape {tuple(logits.shape)} != {tuple(expected.shape)}")
         else:
             worst["logits_err"] = (logits - expected).abs().max().item()
+    if mesh.config.sequence_parallel:  # a sequence SP cannot split is refused before any collective
+        try:
+            pmodel(torch.zeros(1, SEQ - 1, dtype=torch.long))
+            failures.append(f"sequence length {SEQ - 1} under SP at tp={mesh.tp} was not refused")
+        except plait.ConfigError as err:
+            if f"sequence length {SEQ - 1} is not divisible by tp={mesh.tp}" not in str(err):
+                failures.append(f"unclear SP sequence error: {err}")
     if worst["loss_rel"] > 1e-5:
         failures.append(f"loss relative error {worst['loss_rel']:.3g} > 1e-5")
     tied = getattr(reference.config, "tie_word_embeddings", False)
