@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 
 from plait.config import ConfigError
@@ -16,9 +18,20 @@ from plait.train_args import TrainArgs, add_arguments, from_namespace
 
 
 def cmd_train(ns: argparse.Namespace) -> None:
+    args = from_namespace(ns, TrainArgs)
+    args.validate()
+    if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        # Not under torchrun yet: become torchrun, running this same command on every process.
+        argv = [a for a in sys.argv[1:]]
+        if "--nproc_per_node" in argv:
+            i = argv.index("--nproc_per_node")
+            del argv[i : i + 2]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc_per_node}",
+               "-m", "plait", *argv]
+        sys.exit(subprocess.call(cmd))
     from plait.trainer import train
 
-    train(from_namespace(ns, TrainArgs))
+    train(args)
 
 
 def cmd_plan(ns: argparse.Namespace) -> None:

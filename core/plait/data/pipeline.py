@@ -38,3 +38,30 @@ def training_blocks(
         return pack_blocks(byte_token_ids(files, vocab_size), block_size), None
     tokenizer = load_or_train_tokenizer(tokenizer_dir, files, vocab_size, cache_dir or default_cache_dir() / "tokenizers")
     return pack_blocks(tokenize_files(files, tokenizer), block_size), tokenizer
+
+
+def dataset_text_file(dataset_dir: Path, scratch_dir: Path) -> Path:
+    """The 'text' column of a local ``datasets`` dir (``save_to_disk``; its train split if it is a
+    DatasetDict) as a .jsonl file, so it goes through the same reader as --train_file."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError("--dataset_name needs the `datasets` package: pip install datasets") from None
+    data = datasets.load_from_disk(str(dataset_dir))
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data:
+            raise ValueError(f"{dataset_dir} has splits {sorted(data)}, but no 'train' split")
+        data = data["train"]
+    if "text" not in data.column_names:
+        raise ValueError(f"{dataset_dir} has columns {data.column_names}, but no 'text' column")
+    scratch_dir.mkdir(parents=True, exist_ok=True)
+    path = scratch_dir / f".dataset-{data._fingerprint}.jsonl"
+    if not path.exists():
+        import json
+
+        tmp = path.with_suffix(".tmp")
+        with tmp.open("w") as f:
+            for text in data["text"]:
+                f.write(json.dumps({"text": text}) + "\n")
+        tmp.replace(path)
+    return path
