@@ -153,7 +153,6 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry 
     adapter = registry.resolve(model.config)
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world_size > 1 else 0
-    config = config.resolve(world_size)
     _check_capabilities(adapter, config, model.config)
     if config.pp > 1:
         raise ConfigError(f"pp={config.pp}: pipeline parallelism is not available yet; use pp=1")
@@ -171,6 +170,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry 
     leaves = []
     if config.gradient_checkpointing:
         leaves = checkpoint_targets(model, registry.leaf_modules(adapter, model.config))
+    config = config.resolve(world_size)  # after the model checks: they do not depend on the launch
 
     mesh = Mesh.from_world(config)
     assert mesh.rank == rank
