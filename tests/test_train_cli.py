@@ -58,9 +58,10 @@ def test_tp2_under_launcher_matches_single_process(model_config, tmp_path, singl
     assert losses == pytest.approx(single_process_losses, rel=1e-5)
 
 
-def test_dp2_halves_per_device_batch_same_losses(model_config, tmp_path, single_process_losses):
-    """dp=2 with half the per-device batch has the same global batch, so the same losses."""
-    flags = common_flags(model_config, tmp_path)
+@pytest.mark.parametrize("flags", [[], ["--zero_1", "--gradient_checkpointing"]])
+def test_dp2_halves_per_device_batch_same_losses(model_config, tmp_path, single_process_losses, flags):
+    """dp=2 with half the per-device batch has the same global batch, so the same losses (ZeRO-1 too)."""
+    flags = common_flags(model_config, tmp_path) + flags
     flags[flags.index("--per_device_train_batch_size") + 1] = "2"
     launch(["-m", "plait", "train", *flags], 2, timeout=180)
     assert [r["loss"] for r in read_metrics(tmp_path)] == pytest.approx(single_process_losses, rel=1e-5)
@@ -91,6 +92,9 @@ def test_cli_exits_2_with_one_line(model_config, tmp_path):
         (["--model_name_or_path", "/tmp"], "not both"),
         (["--learning_rate", "0"], "--learning_rate=0.0 must be positive"),
         (["--max_steps", "-1"], "--max_steps=-1 must be >= 0"),
+        (["--optimizer_dtype", "float16"], "--optimizer_dtype='float16' is unknown; choose float32 or bfloat16"),
+        (["--max_grad_norm", "-1"], "--max_grad_norm=-1.0 must be >= 0"),
+        (["--bf16", "--bf16_autocast"], "not both"),
         (["--tensor_parallel_size", "2"], "world size 1 is not divisible by tp*pp = 2*1 = 2"),
         (["--tensor_parallel_size", "3", "--disable_sequence_parallel"], "num_attention_heads=4 is not divisible by tp=3"),
     ],
@@ -128,3 +132,12 @@ def test_model_name_or_path_uses_its_weights_and_tokenizer(tmp_path):
     expected = model(input_ids=batch, labels=batch).loss.item()
     assert tokenizer is not None and len(tokenizer) == 300
     assert loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_bf16_close_to_fp32(model_config, tmp_path, single_process_losses):
+    """bf16 parameters with fp32 master weights follow the fp32 curve within 2e-2."""
+    args = TrainArgs(model_config=str(model_config), output_dir=str(tmp_path), max_steps=3,
+                     per_device_train_batch_size=4, block_size=16, learning_rate=1e-3, bf16=True)
+    losses = [r["loss"] for r in train(args)]
+    assert losses == pytest.approx(single_process_losses, rel=2e-2)
+    assert all("grad_norm" in r and "lr" in r for r in read_metrics(tmp_path))

@@ -38,6 +38,12 @@ class TrainArgs:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     lr_scheduler_type: str = field(default="linear", metadata={"help": f"one of {', '.join(LR_SCHEDULERS)}"})
     warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
+    zero_1: bool = field(default=False, metadata={"help": "shard optimizer state over data-parallel ranks (ZeRO-1)"})
+    bf16: bool = field(default=False, metadata={"help": "bf16 parameters, with master weights in --optimizer_dtype"})
+    bf16_autocast: bool = field(default=False, metadata={"help": "fp32 parameters, bf16 matmuls (torch.autocast)"})
+    optimizer_dtype: str = field(default="float32", metadata={"help": "dtype of optimizer state and master weights: float32 or bfloat16"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "clip by the global gradient norm (0: no clipping)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute leaf modules (decoder layers) in backward"})
     logging_steps: int = field(default=1, metadata={"help": "print a log line every N steps (metrics.jsonl gets every step)"})
     nproc_per_node: int = field(default=1, metadata={"help": "launch this many processes with torchrun (when not already under torchrun)"})
     config: str | None = field(default=None, metadata={"help": "a TOML file whose keys are these flag names; flags override it"})
@@ -71,6 +77,12 @@ class TrainArgs:
             raise ConfigError(f"--learning_rate={self.learning_rate} must be positive")
         if self.weight_decay < 0:
             raise ConfigError(f"--weight_decay={self.weight_decay} must be >= 0")
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"--max_grad_norm={self.max_grad_norm} must be >= 0 (0 turns clipping off)")
+        if self.optimizer_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"--optimizer_dtype={self.optimizer_dtype!r} is unknown; choose float32 or bfloat16")
+        if self.bf16 and self.bf16_autocast:
+            raise ConfigError("give --bf16 (bf16 parameters) or --bf16_autocast (fp32 parameters), not both")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             raise ConfigError(f"--lr_scheduler_type={self.lr_scheduler_type!r} is unknown; choose one of {', '.join(LR_SCHEDULERS)}")
 
@@ -79,6 +91,8 @@ class TrainArgs:
             tp=self.tensor_parallel_size,
             sp=not self.disable_sequence_parallel,
             disable_embedding_parallelization=self.disable_embedding_parallelization,
+            zero_1=self.zero_1,
+            gradient_checkpointing=self.gradient_checkpointing,
         )
 
 

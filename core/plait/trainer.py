@@ -23,6 +23,7 @@ from plait.config import ConfigError
 from plait.data import GlobalBatchSampler, default_corpus_path, local_microbatch
 from plait.data.pipeline import dataset_text_file, training_blocks
 from plait.metrics import MetricsLog, peak_rss_mb, plot_loss_curve
+from plait.optim import OptimizerStep, autocast, build_optimizer
 from plait.parallelize import ParallelModel, parallelize
 from plait.runtime import init_distributed, is_main_process, pick_device
 from plait.train_args import TrainArgs
@@ -127,11 +128,15 @@ def train(args: TrainArgs) -> list[dict]:
     console = Console(stderr=True, quiet=not is_main_process())
 
     pmodel = parallelize(build_model(args, model_config), parallel).to(device)
+    if args.bf16:
+        pmodel.to(torch.bfloat16)
     mesh = pmodel.mesh
     accumulation = args.gradient_accumulation_steps
     global_batch = args.per_device_train_batch_size * mesh.dp * accumulation
     sampler = GlobalBatchSampler(len(blocks), global_batch, args.seed)
-    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=args.learning_rate, weight_decay=args.weight_decay,
+                                optimizer_dtype=getattr(torch, args.optimizer_dtype))
+    optimizer_step = OptimizerStep(pmodel, optimizer, args.max_grad_norm or None)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=max(args.max_steps, 1))
     local_params = sum(p.numel() for p in pmodel.parameters())
@@ -153,15 +158,15 @@ def train(args: TrainArgs) -> list[dict]:
             step_loss = torch.zeros((), device=device)
             for micro in range(accumulation):
                 batch = blocks[local_microbatch(indices, mesh.dp_rank, mesh.dp, accumulation, micro)].to(device)
-                loss = pmodel(batch, labels=batch, num_items_in_batch=num_items)
+                with autocast(pmodel, enabled=args.bf16_autocast):
+                    loss = pmodel(batch, labels=batch, num_items_in_batch=num_items)
                 loss.backward()
                 step_loss += loss.detach()
-            pmodel.finish_grad_sync()
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            lr = optimizer_step.lr
+            grad_norm = optimizer_step()
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
             record = {"step": step + 1, "loss": comm.all_reduce(step_loss, mesh.dp_group).item(), "lr": lr,
+                      "grad_norm": grad_norm.item(),
                       "tokens_per_s": global_batch * args.block_size / (time.perf_counter() - start),
                       "peak_rss_mb": peak_rss_mb()}
             is_last = step + 1 == args.max_steps

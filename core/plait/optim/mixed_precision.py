@@ -107,10 +107,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 param.copy_(master)
 
 
-def autocast(module: nn.Module, dtype: torch.dtype = torch.bfloat16) -> contextlib.AbstractContextManager:
+def autocast(
+    module: nn.Module, dtype: torch.dtype = torch.bfloat16, enabled: bool = True
+) -> contextlib.AbstractContextManager:
     """``torch.autocast`` on the device type of ``module``'s parameters (cpu, cuda, xla ... never hard-coded).
 
     Wrap the forward pass (and the loss) only; backward runs in the dtypes autocast chose.
     """
     device_type = next(module.parameters()).device.type
-    return torch.autocast(device_type=device_type, dtype=dtype)
+    return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled)
