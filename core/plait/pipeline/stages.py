@@ -101,6 +101,20 @@ def shell(module: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:
     return copied
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: it is sent to the previous stage, and
+    point-to-point sends and receive buffers need dense tensors (sequence-parallel gradients arrive as
+    transposed views)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 class StageChunk(nn.Module):
     """One pipeline stage: ``forward(x, attention_mask=None)`` maps the previous stage's output (input ids
     on the first stage) to the next stage's input (logits on the last stage).
@@ -133,7 +147,7 @@ class StageChunk(nn.Module):
         else:
             self._seq = x.shape[1] * self.seq_shards
             kwargs["inputs_embeds"] = x.new_zeros(()).expand(x.shape[0], self._seq, x.shape[2])
-            self._incoming = x
+            self._incoming = _ContiguousGrad.apply(x)
         try:
             output = self.shell(**kwargs, use_cache=False)
         finally:
@@ -142,7 +156,7 @@ class StageChunk(nn.Module):
         if self.is_last:
             return output.logits if hasattr(output, "logits") else output[0]
         result, self._outgoing = self._outgoing, None
-        return result
+        return result.contiguous()  # sent to the next stage: dense, whatever view the last layer returned
 
     def _swap_in(self, module, args, kwargs):
         if self._incoming is None:
