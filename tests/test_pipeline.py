@@ -60,7 +60,8 @@ def test_parity(results, check):
 def test_meta_model_never_materialises_other_stages(results):
     for rank, r in enumerate(results["meta-llama"]):
         assert r["foreign_with_storage"] == [], f"rank {rank} kept modules of other stages: {r['foreign_with_storage']}"
-        assert r["held_bytes"] == r["layout_bytes"], f"rank {rank}: holds {r['held_bytes']} B, layout says {r['layout_bytes']} B"
+        assert r["held_bytes"] == r["layout_bytes"], \
+            f"rank {rank}: holds {r['held_bytes']} B of parameters, the layout says {r['layout_bytes']} B"
         assert r["loss_rel"] <= TOL
     assert results["meta-llama"][0]["owned"] == ["model.embed_tokens", "model.layers.0", "model.layers.1"]
     assert results["meta-llama"][1]["owned"] == ["model.layers.2", "model.layers.3", "model.norm", "lm_head"]
@@ -132,7 +133,8 @@ def test_virtual_stages_are_looped():
      "num_microbatches=5 is not a multiple of its 2 rounds"),
     (dict(pp=2, num_microbatches=2, pipeline_cuts=("model.layers.0", "model.layers.1")),
      "pipeline_cuts has 2 cut(s) but pp*virtual_pipeline_size = 2*1 needs 1"),
-    (dict(pp=2, num_microbatches=2, pipeline_cuts=("model.norm",)), "'model.norm' is not a leaf module a stage can end after"),
+    (dict(pp=2, num_microbatches=2, pipeline_cuts=("model.norm",)),
+     "'model.norm' is not a leaf module a stage can end after"),
     (dict(pp=2, num_microbatches=2, pipeline_cuts=("model.layers.3",)), "'model.layers.3' is not a leaf module"),
     (dict(pp=3, num_microbatches=3, pipeline_cuts=("model.layers.2", "model.layers.1")),
      "must name distinct leaf modules in model order"),

@@ -20,7 +20,7 @@ from plait.grad_sync import sum_grads
 from plait.mesh import Mesh
 from plait.pipeline.layout import plan_stages, stages_of_rank, tied_across_stages
 from plait.pipeline.schedule import PipelineRunner
-from plait.pipeline.stages import StageChunk, is_placeholder, prune
+from plait.pipeline.stages import StageChunk, dropped, prune
 from plait.registry import Adapter, Registry, default_registry
 from plait.sequence_parallel import install_sequence_parallel, sp_grad_sum_params
 from plait.sharding import ShardSpec, param_specs, plan_tensor_parallel
@@ -80,12 +80,7 @@ class ParallelModel(nn.Module):
                 f"forward() runs the whole model, but pp={self.mesh.pp} spreads it over ranks; call "
                 f"train_step() or eval_loss(), which run the pipeline schedule"
             )
-        seq = input_ids.shape[1]
-        if self.config.sequence_parallel and seq % self.mesh.tp:
-            raise ConfigError(
-                f"sequence length {seq} is not divisible by tp={self.mesh.tp} under sequence parallelism; "
-                f"use a block size that is a multiple of {self.mesh.tp}, or disable sequence parallelism"
-            )
+        self._check_sequence(input_ids)
         try:
             logits = self.module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         finally:
@@ -128,7 +123,17 @@ class ParallelModel(nn.Module):
         with torch.no_grad():
             return self._run(input_ids, labels, attention_mask, num_items_in_batch, train=False)
 
+    def _check_sequence(self, input_ids: torch.Tensor) -> None:
+        seq = input_ids.shape[1]
+        if self.config.sequence_parallel and seq % self.mesh.tp:
+            raise ConfigError(
+                f"sequence length {seq} is not divisible by tp={self.mesh.tp} under sequence parallelism; "
+                f"use a block size that is a multiple of {self.mesh.tp}, or disable sequence parallelism"
+            )
+
     def _run(self, input_ids, labels, attention_mask, num_items_in_batch, train: bool) -> torch.Tensor:
+        """Checks first (identical on every rank, so a refusal never leaves a peer inside a collective)."""
+        self._check_sequence(input_ids)
         m = self.config.num_microbatches
         if input_ids.shape[0] % m:
             raise ConfigError(
@@ -225,7 +230,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry 
         prune(model, split, stage_ids)  # before anything touches weights: other stages' modules are gone
         kept = dict(model.named_parameters(remove_duplicate=False))
         specs_by_rank = [{n: spec for n, spec in specs.items() if n in kept} for specs in specs_by_rank]
-    owns = lambda name: not _is_dropped(model, name)  # noqa: E731
+    owns = lambda name: not dropped(model, name)  # noqa: E731
     shards = {name: shard for name, shard in shards_by_rank[mesh.tp_rank].items() if owns(name)}
     applied = apply_tensor_parallel(model, shards, mesh, config.sequence_parallel)
     sp_params: list[nn.Parameter] = []
@@ -243,13 +248,3 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry 
         pmodel.pipeline = PipelineRunner(chunks, stage_ids, mesh, pmodel.loss)
     return pmodel
 
-
-def _is_dropped(model: nn.Module, name: str) -> bool:
-    """True when ``name`` (or a module containing it) was replaced by another stage's placeholder."""
-    path = name.split(".")
-    module = model
-    for part in path:
-        module = module._modules.get(part)
-        if module is None or is_placeholder(module):
-            return True
-    return False

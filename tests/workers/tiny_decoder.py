@@ -56,7 +56,8 @@ class TinyDecoder(nn.Module):
         mask = torch.ones(s, s, dtype=torch.bool, device=hidden.device).tril()[None, None]
         if attention_mask is not None:
             # keys that are padding are hidden, but every query still sees itself (no empty softmax rows)
-            mask = mask & (attention_mask.bool()[:, None, None, :] | torch.eye(s, dtype=torch.bool, device=hidden.device))
+            own = torch.eye(s, dtype=torch.bool, device=hidden.device)
+            mask = mask & (attention_mask.bool()[:, None, None, :] | own)
         for block in self.blocks:
             hidden = block(hidden, mask)
         return CausalLMOutput(logits=self.head(self.norm(hidden)))

@@ -131,11 +131,15 @@ def split_stages(
             raise ConfigError(f"the pipeline plan names {name!r}, but {type(model).__name__} has no such module")
     container = modules[plan.layers]
     if not isinstance(container, nn.ModuleList):
-        raise ConfigError(f"the pipeline plan's layers {plan.layers!r} is a {type(container).__name__}, not an nn.ModuleList")
+        raise ConfigError(
+            f"the pipeline plan's layers {plan.layers!r} is a {type(container).__name__}, not an nn.ModuleList"
+        )
     layers = tuple(f"{plan.layers}.{i}" for i in range(len(container)))
     strays = [name for name in layers if not any(matches(p, name) for p in leaf_patterns)]
     if strays:
-        raise ConfigError(f"{strays[0]} is in the pipeline plan's layers but not a leaf module ({leaf_patterns}); fix the adapter")
+        raise ConfigError(
+            f"{strays[0]} is in the pipeline plan's layers but not a leaf module ({leaf_patterns}); fix the adapter"
+        )
     if len(layers) < num_stages:
         raise ConfigError(
             f"{len(layers)} layers cannot fill {num_stages} pipeline stages ({layout}); every stage needs at least "
@@ -151,7 +155,9 @@ def split_stages(
     return StageSplit(plan, layers, tuple(bounds), shared)
 
 
-def _bounds_from_cuts(layers: tuple[str, ...], cuts: tuple[str, ...], num_stages: int, layout: str) -> list[tuple[int, int]]:
+def _bounds_from_cuts(
+    layers: tuple[str, ...], cuts: tuple[str, ...], num_stages: int, layout: str
+) -> list[tuple[int, int]]:
     if len(cuts) != num_stages - 1:
         raise ConfigError(
             f"pipeline_cuts has {len(cuts)} cut(s) but {layout} needs {num_stages - 1} (one fewer than the "

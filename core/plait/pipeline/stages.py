@@ -177,3 +177,13 @@ class StageChunk(nn.Module):
 def is_placeholder(module: nn.Module) -> bool:
     """True for a module another stage owns (so no TP layer, SP hook or gradient sum applies to it)."""
     return isinstance(module, (Absent, PassThrough, ZeroContribution))
+
+
+def dropped(model: nn.Module, name: str) -> bool:
+    """True when module ``name`` is absent from this rank: it, or a module containing it, is a placeholder."""
+    module = model
+    for part in name.split("."):
+        module = module._modules.get(part)
+        if module is None or is_placeholder(module):
+            return True
+    return False
