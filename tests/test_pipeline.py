@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from plait import ConfigError, ParallelConfig, PipelinePlan, Registry, parallelize
-from plait.pipeline import pipeline_layout, stage_bytes
+from plait.pipeline import pipeline_layout, rank_of_stage, stage_bytes, stages_of_rank
 from plait.pipeline.cuts import balance, fallback_plan
 from plait.testing import launch
 
@@ -119,6 +119,8 @@ def test_virtual_stages_are_looped():
     rows = pipeline_layout(meta_llama(), ParallelConfig(pp=2, virtual_pipeline_size=2, num_microbatches=2,
                                                         pipeline_schedule="interleaved-1f1b"))
     assert [stage for name, stage, _ in rows if ".layers." in name] == [0, 1, 2, 3]
+    assert [rank_of_stage(stage, 2) for stage in range(4)] == [0, 1, 0, 1]
+    assert stages_of_rank(1, ParallelConfig(pp=2, virtual_pipeline_size=2)) == [1, 3]
 
 
 @pytest.mark.parametrize("kwargs, message", [
