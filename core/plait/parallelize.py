@@ -2,7 +2,7 @@
 
 config -> adapter (by architecture) -> plans (pure data) -> validation (no communication yet) -> mesh
 (process groups) -> pipeline pruning (drop other stages' modules) -> tensor parallel layers -> sequence
-parallel region -> pipeline stages -> ParallelModel.
+parallel region -> activation checkpointing -> pipeline stages -> ParallelModel.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.checkpointing import apply_activation_checkpointing, checkpoint_targets
 from plait.config import ConfigError, ParallelConfig
 from plait.grad_sync import sum_grads
 from plait.mesh import Mesh
@@ -163,14 +164,38 @@ class ParallelModel(nn.Module):
         # the padded slices and cutting at the vocab size gives the full logits.
         return comm.all_gather(padded, self.mesh.tp_group, dim=-1)[..., : self._applied.vocab_size]
 
-    def finish_grad_sync(self) -> None:
+    def finish_grad_sync(self, *, dp: bool = True) -> None:
         """Sum gradients over the tp groups that share parameters, over the two pipeline ends for tied
-        embeddings (so both copies take identical steps), then over data-parallel ranks."""
+        embeddings (so both copies take identical steps), then (``dp``) over data-parallel ranks.
+
+        ``dp=False`` leaves the data-parallel reduction to the optimizer step: ZeRO-1 reduces each gradient
+        only to the rank that updates it (``plait.optim.OptimizerStep`` does this once per step).
+        """
         for group, params in self._tp_sums.items():
             sum_grads(params, group)
         if self._tied_params:
             sum_grads(self._tied_params, self.mesh.pipeline_ends_group())
-        sum_grads([p for p in self.parameters() if p.requires_grad], self.mesh.dp_group)
+        if dp:
+            sum_grads([p for p in self.parameters() if p.requires_grad], self.mesh.dp_group)
+
+    def grad_norm_params(self) -> list[nn.Parameter]:
+        """The parameters whose gradients this rank counts in the global gradient norm.
+
+        Every distinct slice of every logical parameter is counted on exactly one rank of the tp group:
+        a tp-sharded slice on its rank, a replicated parameter (or a kv head shared by a block of ranks,
+        whose ShardSpec is then equal across the block) on the first rank holding that same slice. A tied
+        embedding held by both pipeline ends is counted on the first stage only. Summing the squares over
+        tp (and pp, and dp for the slices each dp rank updates) gives the norm of the single-process model.
+        """
+        counted = []
+        second_copies = {id(p) for p in self._tied_params} if self.mesh.pp_rank > 0 else set()
+        for name, param in self.module.named_parameters():
+            spec = self.param_specs[name]
+            if id(param) in second_copies:
+                continue
+            if not any(self._specs_by_rank[r][name] == spec for r in range(self.mesh.tp_rank)):
+                counted.append(param)
+        return counted
 
     def gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The full logical tensor of parameter ``name`` (or of its gradient) from every tp rank's shard."""
@@ -207,7 +232,6 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry 
     adapter = registry.resolve(model.config)
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world_size > 1 else 0
-    config = config.resolve(world_size)
     _check_capabilities(adapter, config, model.config)
     split = plan_stages(model, config, registry, adapter) if config.pp > 1 else None
     tied = tied_across_stages(model, split) if split is not None else []
@@ -222,6 +246,10 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry 
     sp_plan = registry.sp_plan(adapter, model.config) if config.sequence_parallel else None
     if sp_plan is not None:
         sp_grad_sum_params(model, sp_plan, shards_by_rank[0])  # validates the plan against the model
+    leaves = []
+    if config.gradient_checkpointing:
+        leaves = checkpoint_targets(model, registry.leaf_modules(adapter, model.config))
+    config = config.resolve(world_size)  # after the model checks: they do not depend on the launch
 
     mesh = Mesh.from_world(config)
     assert mesh.rank == rank
@@ -237,6 +265,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry 
     if sp_plan is not None:
         sp_params = sp_grad_sum_params(model, sp_plan, shards)
         install_sequence_parallel(model, sp_plan, mesh.tp_group, applied.head_is_parallel, owns)
+    apply_activation_checkpointing(model, [name for name in leaves if owns(name)])
     if tied:
         mesh.pipeline_ends_group()  # collective: every rank creates the groups, in the same order
     local = dict(model.named_parameters(remove_duplicate=False))
@@ -247,4 +276,3 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry 
         chunks = [StageChunk(model, split, s, seq_shards, applied.entry.clear) for s in stage_ids]
         pmodel.pipeline = PipelineRunner(chunks, stage_ids, mesh, pmodel.loss)
     return pmodel
-

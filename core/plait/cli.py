@@ -1,0 +1,91 @@
+"""The ``plait`` command: train, plan, adapters.
+
+Errors that are the user's to fix (bad layout, bad paths, unknown architecture) print one clear line and
+exit with status 2, rather than a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from plait.config import ConfigError
+from plait.registry import AdapterError, default_registry
+from plait.train_args import TrainArgs, add_arguments, from_namespace
+
+
+def cmd_train(ns: argparse.Namespace) -> None:
+    args = from_namespace(ns, TrainArgs)
+    args.validate()
+    if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        # Not under torchrun yet: become torchrun, running this same command on every process.
+        argv = [a for a in sys.argv[1:]]
+        if "--nproc_per_node" in argv:
+            i = argv.index("--nproc_per_node")
+            del argv[i : i + 2]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc_per_node}",
+               "-m", "plait", *argv]
+        sys.exit(subprocess.call(cmd))
+    from plait.trainer import train
+
+    train(args)
+
+
+def cmd_plan(ns: argparse.Namespace) -> None:
+    from plait.plan_report import print_plan
+
+    print_plan(ns.model_config, ns.tensor_parallel_size, sequence_parallel=not ns.disable_sequence_parallel,
+               parallel_embeddings=not ns.disable_embedding_parallelization)
+
+
+def cmd_adapters(ns: argparse.Namespace) -> None:
+    registry = default_registry()
+    rows = [
+        {"name": a.name, "version": a.version, "distribution": a.distribution,
+         "architectures": list(a.info.architectures), "capabilities": a.info.capabilities.supported(),
+         "hooks": a.hooks(registry.pm)}
+        for a in registry.adapters
+    ]
+    if ns.json:
+        print(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("name", "version", "architectures", "capabilities", "hooks")
+    for row in rows:
+        table.add_row(row["name"], row["version"] or "-", ", ".join(row["architectures"]),
+                      ", ".join(row["capabilities"]), ", ".join(h.removeprefix("plait_") for h in row["hooks"]))
+    Console(width=max(Console().width, 140)).print(table)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="plait", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a transformers causal LM under any layout")
+    add_arguments(train, TrainArgs)
+    train.set_defaults(func=cmd_train)
+
+    plan = sub.add_parser("plan", help="show how a model would be split, without building its weights")
+    plan.add_argument("--model_config", required=True, help="transformers config.json")
+    plan.add_argument("--tensor_parallel_size", type=int, default=1)
+    plan.add_argument("--disable_sequence_parallel", action="store_true")
+    plan.add_argument("--disable_embedding_parallelization", action="store_true")
+    plan.set_defaults(func=cmd_plan)
+
+    adapters = sub.add_parser("adapters", help="list installed architecture adapters")
+    adapters.add_argument("--json", action="store_true", help="print a JSON list")
+    adapters.set_defaults(func=cmd_adapters)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = build_parser().parse_args(argv)
+    try:
+        ns.func(ns)
+    except (ConfigError, AdapterError, FileNotFoundError) as err:
+        print(f"plait: error: {err}", file=sys.stderr)
+        sys.exit(2)
