@@ -51,6 +51,7 @@ def test_parity(results, check):
         assert r["loss_rel"] <= TOL, f"{where}: loss off by {r['loss_rel']:.2e} relative"
         assert r["grads_close"], f"{where}: gradients off by up to {r['grad_abs']:.2e} (rtol 1e-5, atol 1e-6)"
         assert r["eval_rel"] <= TOL, f"{where}: eval_loss off by {r['eval_rel']:.2e} relative"
+        assert r["norm_rel"] <= TOL, f"{where}: global gradient norm off by {r['norm_rel']:.2e} relative"
         if arch in TIED and r["tied_diff"] is not None:
             assert r["tied_diff"] == 0.0, f"{where}: tied embedding copies differ by {r['tied_diff']}"
     if arch in TIED:

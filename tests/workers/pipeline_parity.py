@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_decoder import TinyAdapter, TinyConfig, TinyDecoder  # noqa: E402
 
 from plait import ConfigError, ParallelConfig, Registry, parallelize  # noqa: E402
+from plait.optim.clip import global_grad_norm  # noqa: E402
 from plait.pipeline import pipeline_layout, stages_of_rank  # noqa: E402
 from plait.pipeline.stages import is_placeholder  # noqa: E402
 
@@ -87,7 +88,7 @@ def parity(arch: str, layout: dict, padding: bool = False, attn: str = "sdpa") -
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     local = dict(pm.module.named_parameters())
-    out = {"loss_rel": 0.0, "grad_abs": 0.0, "grads_close": True, "param_abs": 0.0, "losses": []}
+    out = {"loss_rel": 0.0, "grad_abs": 0.0, "grads_close": True, "param_abs": 0.0, "norm_rel": 0.0, "losses": []}
     rows = BATCH // mesh.dp
     for step in range(STEPS):
         ids, labels, mask = batch(step, padding)
@@ -101,6 +102,10 @@ def parity(arch: str, layout: dict, padding: bool = False, attn: str = "sdpa") -
         if mesh.dp_group is not None:
             dist.all_reduce(loss, group=mesh.dp_group)
         out["losses"].append([loss.item(), ref_loss.item()])
+        # the global gradient norm counts every logical parameter once (a tied embedding too)
+        norm = global_grad_norm(pm.grad_norm_params(), [mesh.tp_group, mesh.pp_group], torch.device("cpu"))
+        ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
+        out["norm_rel"] = max(out["norm_rel"], abs(norm.item() - ref_norm.item()) / ref_norm.item())
         out["loss_rel"] = max(out["loss_rel"], abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
         for name, param in local.items():
             full = pm.gather_full(name, param.grad)
@@ -192,6 +197,7 @@ CHECKS = {
                                                       "pipeline_schedule": "interleaved-1f1b"})
            for arch in ("llama", "mistral", "gpt2")},
         "llama-gpipe": (parity, "llama", {**PP2, "pipeline_schedule": "gpipe"}),
+        "llama-activation-checkpointing": (parity, "llama", {**PP2, "gradient_checkpointing": True}),
         "gpt2-zero-bubble": (parity, "gpt2", {**PP2, "pipeline_schedule": "zero-bubble"}),
         "llama-zero-bubble-v2": (parity, "llama", {**PP2, "pipeline_schedule": "zero-bubble",
                                                    "virtual_pipeline_size": 2}),

@@ -13,20 +13,15 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
 
 from plait import comm
 from plait.config import ConfigError, ParallelConfig
 from plait.mesh import Mesh
 
-SINGLE_STAGE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-MULTI_STAGE = {"interleaved-1f1b": ScheduleInterleaved1F1B, "zero-bubble": ScheduleInterleavedZeroBubble}
+# torch.distributed.pipelining class names; the module is imported on first use (it costs about a second
+# of start-up, which no pp=1 run should pay).
+SINGLE_STAGE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+MULTI_STAGE = {"interleaved-1f1b": "ScheduleInterleaved1F1B", "zero-bubble": "ScheduleInterleavedZeroBubble"}
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, "int | torch.Tensor"], torch.Tensor]
 
@@ -73,17 +68,20 @@ class PipelineRunner:
 
     def _schedule(self, key: tuple, device: torch.device):
         if key not in self._schedules:
+            from torch.distributed import pipelining
+
             stages = [
-                PipelineStage(chunk, stage, self.num_stages, device, group=self.mesh.pp_group)
+                pipelining.PipelineStage(chunk, stage, self.num_stages, device, group=self.mesh.pp_group)
                 for chunk, stage in zip(self.chunks, self.stage_ids)
             ]
             name = self.config.pipeline_schedule
             loss = lambda logits, labels: self.loss_fn(logits, labels, self._num_items)  # noqa: E731
             m = self.config.num_microbatches
             if name in SINGLE_STAGE:
-                self._schedules[key] = SINGLE_STAGE[name](stages[0], m, loss_fn=loss, scale_grads=False)
+                schedule = getattr(pipelining, SINGLE_STAGE[name])(stages[0], m, loss_fn=loss, scale_grads=False)
             else:
-                self._schedules[key] = MULTI_STAGE[name](stages, m, loss_fn=loss, scale_grads=False)
+                schedule = getattr(pipelining, MULTI_STAGE[name])(stages, m, loss_fn=loss, scale_grads=False)
+            self._schedules[key] = schedule
         return self._schedules[key]
 
     def run(
