@@ -99,6 +99,15 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: i
     return out.movedim(0, dim)
 
 
+def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup | None, src: int) -> torch.Tensor:
+    """In-place broadcast from the rank whose position in ``group`` is ``src``; returns ``tensor``."""
+    if group_size(group) == 1:
+        return tensor
+    _record("broadcast", tensor)
+    dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group)
+    return tensor
+
+
 def split(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
     """This rank's chunk along ``dim``; no communication."""
     size = group_size(group)
