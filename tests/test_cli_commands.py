@@ -44,6 +44,13 @@ def test_plan_prints_styles_and_bytes_per_rank(llama_config_file, capsys):
     assert "(31, 32)" in out
 
 
+def test_plan_shows_pipeline_stages(llama_config_file, capsys):
+    main(["plan", "--model_config", str(llama_config_file), "--tensor_parallel_size", "2",
+          "--pipeline_parallel_size", "2"])
+    out = capsys.readouterr().out
+    assert "model.layers.1" in out and "every stage" in out and "pp rank" in out
+
+
 def test_plan_bytes_add_up():
     """Bytes per rank: sharded parameters split, replicated ones (norms) counted on every rank."""
     import torch

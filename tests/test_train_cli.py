@@ -50,9 +50,21 @@ def test_metrics_written(single_process_losses):
 
 
 @pytest.mark.parametrize("flags", [["--tensor_parallel_size", "2"],
-                                   ["--tensor_parallel_size", "2", "--disable_sequence_parallel"]])
+                                   ["--tensor_parallel_size", "2", "--disable_sequence_parallel"],
+                                   ["--pipeline_parallel_size", "2", "--num_microbatches", "2"],
+                                   ["--pipeline_parallel_size", "2", "--num_microbatches", "2", "--virtual_pipeline_size",
+                                    "2", "--pipeline_schedule", "interleaved-1f1b", "--model_config_layers", "4"]])
 def test_tp2_under_launcher_matches_single_process(model_config, tmp_path, single_process_losses, flags):
-    """tp=2 sees the same tokens and (fp32) the same losses as one process: the batch depends only on the seed."""
+    """tp=2 and pp=2 see the same tokens and (fp32) the same losses as one process: the batch depends only on
+    the seed."""
+    if "--model_config_layers" in flags:  # interleaved v=2 over 2 ranks needs 4 layers: its own reference
+        flags = flags[:-2]
+        config = tmp_path / "config4.json"
+        config.write_text(tiny_config("llama", num_hidden_layers=4).to_json_string())
+        args = TrainArgs(model_config=str(config), output_dir=str(tmp_path / "ref"), max_steps=3,
+                         per_device_train_batch_size=4, block_size=16, learning_rate=1e-3)
+        single_process_losses = [r["loss"] for r in train(args)]
+        model_config = config
     launch(["-m", "plait", "train", *common_flags(model_config, tmp_path), *flags], 2, timeout=180)
     losses = [r["loss"] for r in read_metrics(tmp_path)]
     assert losses == pytest.approx(single_process_losses, rel=1e-5)
@@ -95,6 +107,8 @@ def test_cli_exits_2_with_one_line(model_config, tmp_path):
         (["--optimizer_dtype", "float16"], "--optimizer_dtype='float16' is unknown; choose float32 or bfloat16"),
         (["--max_grad_norm", "-1"], "--max_grad_norm=-1.0 must be >= 0"),
         (["--bf16", "--bf16_autocast"], "not both"),
+        (["--pipeline_schedule", "fast"], "pipeline_schedule='fast' is unknown"),
+        (["--pipeline_parallel_size", "3", "--num_microbatches", "4"], "layers"),
         (["--tensor_parallel_size", "2"], "world size 1 is not divisible by tp*pp = 2*1 = 2"),
         (["--tensor_parallel_size", "3", "--disable_sequence_parallel"], "num_attention_heads=4 is not divisible by tp=3"),
     ],

@@ -37,8 +37,14 @@ def cmd_train(ns: argparse.Namespace) -> None:
 def cmd_plan(ns: argparse.Namespace) -> None:
     from plait.plan_report import print_plan
 
+    from plait.config import ParallelConfig
+
+    cuts = tuple(c.strip() for c in ns.pipeline_cuts.split(",") if c.strip()) if ns.pipeline_cuts else ()
+    pipeline = ParallelConfig(pp=ns.pipeline_parallel_size, virtual_pipeline_size=ns.virtual_pipeline_size,
+                              pipeline_schedule="interleaved-1f1b" if ns.virtual_pipeline_size > 1 else "1f1b",
+                              num_microbatches=max(ns.pipeline_parallel_size, 1), pipeline_cuts=cuts)
     print_plan(ns.model_config, ns.tensor_parallel_size, sequence_parallel=not ns.disable_sequence_parallel,
-               parallel_embeddings=not ns.disable_embedding_parallelization)
+               parallel_embeddings=not ns.disable_embedding_parallelization, pipeline=pipeline)
 
 
 def cmd_adapters(ns: argparse.Namespace) -> None:
@@ -74,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tensor_parallel_size", type=int, default=1)
     plan.add_argument("--disable_sequence_parallel", action="store_true")
     plan.add_argument("--disable_embedding_parallelization", action="store_true")
+    plan.add_argument("--pipeline_parallel_size", type=int, default=1)
+    plan.add_argument("--virtual_pipeline_size", type=int, default=1)
+    plan.add_argument("--pipeline_cuts", help="comma-separated leaf modules to cut after")
     plan.set_defaults(func=cmd_plan)
 
     adapters = sub.add_parser("adapters", help="list installed architecture adapters")

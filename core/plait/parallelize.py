@@ -7,6 +7,7 @@ parallel region -> activation checkpointing -> pipeline stages -> ParallelModel.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from typing import Any
 
@@ -58,6 +59,15 @@ class ParallelModel(nn.Module):
             self._tp_sums[group].append(param)
         self._tied_params = tied_params or []
         self.pipeline: PipelineRunner | None = None  # set by parallelize when pp > 1
+        # bf16 autocast with fp32 parameters: set to torch.bfloat16 to run every forward (and only the
+        # forward: backward follows the dtypes autocast chose) under torch.autocast.
+        self.autocast_dtype: torch.dtype | None = None
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """torch.autocast around a forward pass when ``autocast_dtype`` is set, on the parameters' device type."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=next(self.parameters()).device.type, dtype=self.autocast_dtype)
 
     @property
     def config(self) -> ParallelConfig:
@@ -83,7 +93,8 @@ class ParallelModel(nn.Module):
             )
         self._check_sequence(input_ids)
         try:
-            logits = self.module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            with self.forward_context():
+                logits = self.module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         finally:
             self._applied.entry.clear()
         if labels is None:
@@ -273,6 +284,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry 
     pmodel = ParallelModel(model, mesh, adapter, applied, specs_by_rank, sp_params, tied_params)
     if split is not None:
         seq_shards = config.tp if config.sequence_parallel else 1
-        chunks = [StageChunk(model, split, s, seq_shards, applied.entry.clear) for s in stage_ids]
+        chunks = [StageChunk(model, split, s, seq_shards, applied.entry.clear, pmodel.forward_context)
+                  for s in stage_ids]
         pmodel.pipeline = PipelineRunner(chunks, stage_ids, mesh, pmodel.loss)
     return pmodel

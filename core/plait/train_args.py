@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from plait.config import ConfigError, ParallelConfig
+from plait.config import PIPELINE_SCHEDULES, ConfigError, ParallelConfig
 
 
 LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -38,6 +38,11 @@ class TrainArgs:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     lr_scheduler_type: str = field(default="linear", metadata={"help": f"one of {', '.join(LR_SCHEDULERS)}"})
     warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
+    pipeline_parallel_size: int = field(default=1, metadata={"help": "pp: pipeline stages (ranks) the layers are cut into"})
+    virtual_pipeline_size: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved schedules)"})
+    num_microbatches: int = field(default=1, metadata={"help": "pipeline microbatches per micro-step (divides the per-device batch)"})
+    pipeline_schedule: str = field(default="1f1b", metadata={"help": f"one of {', '.join(PIPELINE_SCHEDULES)}"})
+    pipeline_cuts: str | None = field(default=None, metadata={"help": "comma-separated leaf modules to cut after (default: balanced)"})
     zero_1: bool = field(default=False, metadata={"help": "shard optimizer state over data-parallel ranks (ZeRO-1)"})
     bf16: bool = field(default=False, metadata={"help": "bf16 parameters, with master weights in --optimizer_dtype"})
     bf16_autocast: bool = field(default=False, metadata={"help": "fp32 parameters, bf16 matmuls (torch.autocast)"})
@@ -66,7 +71,8 @@ class TrainArgs:
         if self.train_file and self.dataset_name:
             raise ConfigError("give --train_file or --dataset_name, not both")
         positive = ("per_device_train_batch_size", "block_size", "logging_steps", "ddp_timeout",
-                    "gradient_accumulation_steps", "tensor_parallel_size", "nproc_per_node")
+                    "gradient_accumulation_steps", "tensor_parallel_size", "nproc_per_node", "pipeline_parallel_size",
+                    "virtual_pipeline_size", "num_microbatches")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be positive")
@@ -89,6 +95,11 @@ class TrainArgs:
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
             tp=self.tensor_parallel_size,
+            pp=self.pipeline_parallel_size,
+            virtual_pipeline_size=self.virtual_pipeline_size,
+            num_microbatches=self.num_microbatches,
+            pipeline_schedule=self.pipeline_schedule,
+            pipeline_cuts=tuple(c.strip() for c in self.pipeline_cuts.split(",") if c.strip()) if self.pipeline_cuts else (),
             sp=not self.disable_sequence_parallel,
             disable_embedding_parallelization=self.disable_embedding_parallelization,
             zero_1=self.zero_1,

@@ -23,7 +23,7 @@ from plait.config import ConfigError
 from plait.data import GlobalBatchSampler, default_corpus_path, local_microbatch
 from plait.data.pipeline import dataset_text_file, training_blocks
 from plait.metrics import MetricsLog, peak_rss_mb, plot_loss_curve
-from plait.optim import OptimizerStep, autocast, build_optimizer
+from plait.optim import OptimizerStep, build_optimizer
 from plait.parallelize import ParallelModel, parallelize
 from plait.runtime import init_distributed, is_main_process, pick_device
 from plait.train_args import TrainArgs
@@ -103,13 +103,19 @@ def load_data(args: TrainArgs, vocab_size: int) -> tuple[torch.Tensor, torch.Ten
 def evaluate(pmodel: ParallelModel, blocks: torch.Tensor, batch_size: int, device: torch.device) -> dict:
     """Mean loss and perplexity over every validation block, split over data-parallel ranks."""
     mesh = pmodel.mesh
-    mine = blocks[mesh.dp_rank :: mesh.dp]
-    num_items = len(blocks) * (blocks.shape[1] - 1)
+    m = pmodel.config.num_microbatches
+    usable = len(blocks) // (mesh.dp * m) * (mesh.dp * m)  # every dp rank, whole pipeline microbatches
+    if usable == 0:
+        raise ConfigError(f"the validation data has {len(blocks)} blocks, fewer than dp*num_microbatches = "
+                          f"{mesh.dp * m}; use a larger --validation_file")
+    mine = blocks[:usable][mesh.dp_rank :: mesh.dp]
+    num_items = usable * (blocks.shape[1] - 1)
+    batch_size = max(batch_size // m * m, m)
     total = torch.zeros((), device=device)
     pmodel.eval()
     for start in range(0, len(mine), batch_size):
         batch = mine[start : start + batch_size].to(device)
-        total += pmodel(batch, labels=batch, num_items_in_batch=num_items)
+        total += pmodel.eval_loss(batch, batch, num_items_in_batch=num_items)
     pmodel.train()
     loss = comm.all_reduce(total, mesh.dp_group).item()
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
@@ -130,6 +136,8 @@ def train(args: TrainArgs) -> list[dict]:
     pmodel = parallelize(build_model(args, model_config), parallel).to(device)
     if args.bf16:
         pmodel.to(torch.bfloat16)
+    if args.bf16_autocast:
+        pmodel.autocast_dtype = torch.bfloat16
     mesh = pmodel.mesh
     accumulation = args.gradient_accumulation_steps
     global_batch = args.per_device_train_batch_size * mesh.dp * accumulation
@@ -158,10 +166,7 @@ def train(args: TrainArgs) -> list[dict]:
             step_loss = torch.zeros((), device=device)
             for micro in range(accumulation):
                 batch = blocks[local_microbatch(indices, mesh.dp_rank, mesh.dp, accumulation, micro)].to(device)
-                with autocast(pmodel, enabled=args.bf16_autocast):
-                    loss = pmodel(batch, labels=batch, num_items_in_batch=num_items)
-                loss.backward()
-                step_loss += loss.detach()
+                step_loss += pmodel.train_step(batch, batch, num_items_in_batch=num_items)
             lr = optimizer_step.lr
             grad_norm = optimizer_step()
             scheduler.step()

@@ -16,6 +16,8 @@ may reshape by it (GPT2's final ``view``).
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -120,13 +122,16 @@ class StageChunk(nn.Module):
     on the first stage) to the next stage's input (logits on the last stage).
 
     ``seq_shards`` is how many sequence shards the hidden states between stages are cut into (tp under
-    sequence parallelism, else 1). ``after_forward`` runs after every forward (it clears the TP entry cache).
+    sequence parallelism, else 1). ``after_forward`` runs after every forward (it clears the TP entry cache);
+    ``forward_context`` makes the context each forward runs in (autocast, when asked for).
     """
 
     def __init__(
-        self, pruned: nn.Module, split: StageSplit, stage: int, seq_shards: int, after_forward: Callable[[], None]
+        self, pruned: nn.Module, split: StageSplit, stage: int, seq_shards: int, after_forward: Callable[[], None],
+        forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
         super().__init__()
+        self._forward_context = forward_context
         self.shell = shell(pruned, _replacements(pruned, split, [stage]))
         self.stage, self.seq_shards, self._after_forward = stage, seq_shards, after_forward
         self.is_first, self.is_last = stage == 0, stage == split.num_stages - 1
@@ -149,7 +154,8 @@ class StageChunk(nn.Module):
             kwargs["inputs_embeds"] = x.new_zeros(()).expand(x.shape[0], self._seq, x.shape[2])
             self._incoming = _ContiguousGrad.apply(x)
         try:
-            output = self.shell(**kwargs, use_cache=False)
+            with self._forward_context():
+                output = self.shell(**kwargs, use_cache=False)
         finally:
             self._incoming, self._seq = None, 0
             self._after_forward()
