@@ -1,8 +1,7 @@
 """ZeRO-1, global-norm clipping, gradient accumulation, activation checkpointing and bf16 (plait.optim).
 
 One launch per layout (tests/workers/optim_parity.py) trains every variant against the same single-process
-reference; the tests below assert on its JSON. Adding a layout is one line in LAYOUTS, e.g. (1, 2) for
-pp=2 x dp=2 once pipeline parallelism is in ``parallelize``.
+reference; the tests below assert on its JSON. Adding a layout is one line in LAYOUTS.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import torch
 from plait.testing import launch
 
 WORKER = Path(__file__).parent / "workers" / "optim_parity.py"
-LAYOUTS = {"dp2": (1, 1), "tp2_dp2": (2, 1)}  # (tp, pp); dp = 2 in each
+LAYOUTS = {"dp2": (1, 1), "tp2_dp2": (2, 1), "pp2_dp2": (1, 2)}  # (tp, pp); dp = 2 in each
 TOL = 1e-5
 
 
@@ -59,14 +58,17 @@ def test_accumulation_matches_double_batch_and_defers_dp_reduction(results):
     assert r["first_micro_collectives"] == r["last_micro_collectives"], (
         f"micro-step 1 issued {r['first_micro_collectives']} collectives, the last {r['last_micro_collectives']}")
     assert r["step_reduce_ops"] == r["dp"], f"{r['step_reduce_ops']} reduce ops in the step (one bucket per owner)"
-    if r["tp"] == 1:  # with tp=1 every collective would be a dp one
+    if r["tp"] == 1 and r["pp"] == 1:  # then every collective would be a dp one
         assert r["first_micro_collectives"] == 0, r
 
 
 def test_activation_checkpointing_parity_and_recompute(results):
     r = results["checkpointing"]
     _parity(r)
-    assert (r["mlp_calls_without"], r["mlp_calls_per_micro_step"]) == (1, 2), r
+    # recomputation runs every checkpointed layer once more per microbatch (a pipeline's shape inference
+    # adds one forward to both runs, so compare the difference)
+    assert r["mlp_calls_per_micro_step"] - r["mlp_calls_without"] == pytest.approx(1.0), r
+    assert r["mlp_calls_without"] >= 1, r
 
 
 @pytest.mark.parametrize("variant", ["bf16_master", "bf16_autocast", "bf16_reduce_bf16", "bf16_reduce_fp32"])

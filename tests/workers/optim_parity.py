@@ -71,7 +71,8 @@ def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, 
     model = copy.deepcopy(base)
     if bf16_params:
         model.to(torch.bfloat16)
-    pmodel = parallelize(model, ParallelConfig(tp=tp, pp=pp, zero_1=zero_1, gradient_checkpointing=checkpointing))
+    pmodel = parallelize(model, ParallelConfig(tp=tp, pp=pp, zero_1=zero_1, gradient_checkpointing=checkpointing,
+                                               num_microbatches=2 if pp > 1 else 1))
     mesh = pmodel.mesh
     if plain_dp:  # the baseline ZeRO-1 must match bit for bit: torch AdamW on every parameter
         optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -81,16 +82,17 @@ def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, 
         step = OptimizerStep(pmodel, optimizer, max_norm, reduce_dtype=reduce_dtype)
     leaf_mlp_calls = []
     # a pre-hook: recomputation stops early, after the last saved tensor, so a post-hook of the mlp never fires
-    pmodel.module.get_submodule("model.layers.0.mlp").register_forward_pre_hook(lambda *_: leaf_mlp_calls.append(1))
+    # the first decoder layer this pipeline rank owns (other stages' layers are placeholders without an mlp)
+    first_mlp = next(m for n, m in pmodel.module.named_modules() if n.startswith("model.layers.") and n.endswith(".mlp"))
+    first_mlp.register_forward_pre_hook(lambda *_: leaf_mlp_calls.append(1))
     losses, norms = [], []
     for ids, labels in batches:
         total = torch.zeros(())
         for micro in range(accumulation):
             rows = local_microbatch(torch.arange(GLOBAL_BATCH), mesh.dp_rank, mesh.dp, accumulation, micro)
+            pmodel.autocast_dtype = torch.bfloat16 if bf16_autocast else None
             with comm.count_collectives() as counter:
-                with autocast(pmodel) if bf16_autocast else torch.autocast("cpu", enabled=False):
-                    loss = pmodel(ids[rows], labels[rows], num_items_in_batch=num_items(labels))
-                loss.backward()
+                loss = pmodel.train_step(ids[rows], labels[rows], num_items_in_batch=num_items(labels))
             if counters is not None:
                 counters.append(("micro", micro, counter.records))
             total += loss.detach().float()
@@ -105,7 +107,7 @@ def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, 
             counters.append(("step", None, counter.records))
         losses.append(comm.all_reduce(total, mesh.dp_group).item())
     return {"losses": losses, "norms": norms, "pmodel": pmodel, "optimizer": optimizer,
-            "mlp_calls_per_micro_step": len(leaf_mlp_calls) / (len(batches) * accumulation)}
+            "mlp_calls_per_micro_step": len(leaf_mlp_calls) / (len(batches) * accumulation * pmodel.config.num_microbatches)}
 
 
 def max_param_diff(pmodel, ref_params: dict) -> float:
@@ -161,7 +163,7 @@ def main() -> None:
     parity("accumulation", run, ref,
            first_micro_collectives=len(micro[0]), last_micro_collectives=len(micro[1]),
            micro_reduce_ops=sum(op == "reduce" for records in micro for op, _ in records),
-           step_reduce_ops=sum(op == "reduce" for op, _ in steps[0]), dp=run["pmodel"].mesh.dp, tp=tp)
+           step_reduce_ops=sum(op == "reduce" for op, _ in steps[0]), dp=run["pmodel"].mesh.dp, tp=tp, pp=layout[1])
 
     run = train(base, batches, layout, checkpointing=True)  # a leaf's inside runs again in backward
     parity("checkpointing", run, ref, mlp_calls_per_micro_step=run["mlp_calls_per_micro_step"],
