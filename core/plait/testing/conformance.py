@@ -4,9 +4,13 @@ For each adapter, the kit builds the model of its ``plait_tiny_config`` and, for
 trains it for 3 AdamW steps (lr 1e-3, fp32) twice on every rank: as plain transformers + torch (the
 reference) and through ``plait.parallelize`` in the row's layout. A row passes when every step's loss is
 within 1e-5 relative and every gradient within ``assert_close(rtol=1e-5, atol=1e-6)`` of the reference's.
-Parameters are not compared: the next step's loss and gradients depend on them, and Adam divides by the
-root of the second moment, so fp32 rounding noise on a near-zero gradient moves its parameter by 1e-5 or
-more however right the layout is (lr 1e-2 would push that noise into the losses, hence 1e-3).
+
+Adam's eps is 1e-6, not torch's 1e-8: the update g / (sqrt(v) + eps) changes by up to lr / eps per unit
+of gradient near g = 0, so with 1e-8 the fp32 rounding difference of two summation orders (1e-10 on a
+near-zero gradient) moves a parameter by ~1e-5, and the next step's gradients by ~1e-6 (measured: Mistral
+at tp=4, step-2 gradients at 1.07x the tolerance with eps 1e-8, 0.03x with 1e-6; step 1 at 0.02x either
+way). lr 1e-2 amplifies the same noise tenfold. A mis-sharded layer is off by 1e-4 or more at step 1.
+Parameters are not compared: every later loss and gradient depends on them.
 
 Rows are data: a new parallel mode is one ``Row`` in ``ROWS``, naming the plait feature it needs; while the
 feature is absent from the installed plait the row reports "skipped: requires <feature>". Rows the adapter
@@ -33,7 +37,7 @@ from plait.config import ConfigError, ParallelConfig
 from plait.plan import Attention
 from plait.registry import Adapter, AdapterError, Registry
 
-STEPS, LR, BATCH, SEQ = 3, 1e-3, 4, 16  # BATCH: sequences per data-parallel rank and step
+STEPS, LR, ADAM_EPS, BATCH, SEQ = 3, 1e-3, 1e-6, 4, 16  # BATCH: sequences per data-parallel rank and step
 LOSS_RTOL, RTOL, ATOL = 1e-5, 1e-5, 1e-6
 WORKER = "plait.testing.conformance_worker"
 
@@ -327,7 +331,7 @@ def render_table(results: Sequence[RowResult], console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"plait conformance: {STEPS} AdamW steps (lr {LR:g}, fp32) against one process; pass: "
+    table = Table(title=f"plait conformance: {STEPS} AdamW steps (lr {LR:g}, eps {ADAM_EPS:g}, fp32) against one process; pass: "
                         f"loss rel <= {LOSS_RTOL:g}, grad |Δ| <= {ATOL:g} + {RTOL:g}·|ref| (tol <= 1)")
     for column in ("adapter", "row", "layout", "result", "loss rel", "grad |Δ|", "grad tol", "note"):
         table.add_column(column, overflow="fold")

@@ -26,7 +26,7 @@ from plait import comm
 from plait.config import ParallelConfig
 from plait.parallelize import ParallelModel, parallelize
 from plait.testing.conformance import (
-    ATOL, BATCH, LOSS_RTOL, LR, ROWS, RTOL, SEQ, STEPS, Row, Subject, load_subject, with_overrides,
+    ADAM_EPS, ATOL, BATCH, LOSS_RTOL, LR, ROWS, RTOL, SEQ, STEPS, Row, Subject, load_subject, with_overrides,
 )
 
 MAX_FAILURES = 20
@@ -106,7 +106,7 @@ class PlainStep:
     """AdamW on every local parameter after ``finish_grad_sync``: the ParallelModel contract."""
 
     def __init__(self, pmodel: ParallelModel) -> None:
-        self.pmodel, self.optimizer = pmodel, torch.optim.AdamW(pmodel.parameters(), lr=LR)
+        self.pmodel, self.optimizer = pmodel, torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=ADAM_EPS)
 
     def __call__(self, record: Record, step: int) -> dict[str, torch.Tensor]:
         self.pmodel.finish_grad_sync()
@@ -123,7 +123,7 @@ class ZeroStep:
     def __init__(self, pmodel: ParallelModel) -> None:
         from plait.optim import OptimizerStep, build_optimizer
 
-        self.optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=LR)
+        self.optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=LR, eps=ADAM_EPS)
         self.run = OptimizerStep(pmodel, self.optimizer)
         owned = {id(p) for p in getattr(self.optimizer, "owned_params", pmodel.parameters())}
         self.named = [(n, p) for n, p in pmodel.module.named_parameters() if id(p) in owned]
@@ -166,7 +166,7 @@ def run_pair(subject: Subject, row: Row, out: Path) -> dict[str, Any]:
 
 def train(record: Record, pmodel: ParallelModel, reference: torch.nn.Module) -> None:
     mesh = pmodel.mesh
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=ADAM_EPS)
     optimizer_step = ZeroStep(pmodel) if pmodel.config.zero_1 else PlainStep(pmodel)
     gen = torch.Generator().manual_seed(1)
     vocab = reference.config.vocab_size
