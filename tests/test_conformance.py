@@ -14,7 +14,8 @@ import pytest
 
 from plait import AdapterError, AdapterInfo, ConfigError, hookimpl
 from plait.testing import conformance
-from plait.testing.conformance import LOSS_RTOL, ROWS, Feature, check_adapter_command, run_conformance
+from plait.testing.conformance import check_adapter_command, run_conformance
+from plait.testing.conformance_rows import LOSS_RTOL, ROWS, Feature
 
 # The plait_conformance fixture, as an adapter package uses it. pytest imports the plugin after this module,
 # so the tests below import from it inside their bodies.

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from plait import comm
 from plait.config import ParallelConfig
 from plait.parallelize import ParallelModel, parallelize
-from plait.testing.conformance import (
+from plait.testing.conformance_rows import (
     ADAM_EPS, ATOL, BATCH, LOSS_RTOL, LR, ROWS, RTOL, SEQ, STEPS, Row, Subject, load_subject, with_overrides,
 )
 
@@ -180,7 +180,8 @@ def train(record: Record, pmodel: ParallelModel, reference: torch.nn.Module) -> 
         rel = abs(global_loss - ref_loss.item()) / abs(ref_loss.item())
         record.worst("loss_rel", rel)
         if rel > LOSS_RTOL:
-            record.fail(f"step {step} loss {global_loss:.6f} vs {ref_loss.item():.6f}: rel err {rel:.2e} > {LOSS_RTOL:g}")
+            record.fail(f"step {step} loss {global_loss:.6f} vs {ref_loss.item():.6f}: "
+                        f"rel err {rel:.2e} > {LOSS_RTOL:g}")
         compare_grads(record, step, pmodel, reference, optimizer_step(record, step))
         ref_opt.step()
         ref_opt.zero_grad()
@@ -200,7 +201,8 @@ def check_consolidated(record: Record, pmodel: ParallelModel, path: Path) -> Non
     dist.barrier()
     loaded, info = AutoModelForCausalLM.from_pretrained(path / "hf", dtype=torch.float32, output_loading_info=True)
     if info["missing_keys"] or info["unexpected_keys"]:
-        record.fail(f"consolidated model: missing {sorted(info['missing_keys'])}, unexpected {sorted(info['unexpected_keys'])}")
+        record.fail(f"consolidated model: missing keys {sorted(info['missing_keys'])}, "
+                    f"unexpected keys {sorted(info['unexpected_keys'])}")
     for name, param in pmodel.module.named_parameters():
         expected = pmodel.param_specs[name].slice_full(loaded.get_parameter(name).detach())
         if not torch.equal(param.detach(), expected):
