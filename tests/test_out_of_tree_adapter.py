@@ -87,11 +87,13 @@ def test_biased_kv_head_is_replicated_with_its_bias(model_config):
         assert q.bias.ranges == q.weight.ranges == ((16 * rank, 16 * rank + 16),)
 
 
-def test_plait_train_tp2_sp_matches_one_process(env, model_config, tmp_path):
+def test_plait_train_tp2_sp_matches_one_process(env, model_config, tmp_path, monkeypatch):
+    from plait import registry
+    from plait.cli import main
+
     single, tp2 = tmp_path / "single", tmp_path / "tp2"
-    subprocess.run([sys.executable, "-m", "plait", "train", "--model_config", str(model_config), *TRAIN_FLAGS,
-                    "--output_dir", str(single)], env={**os.environ, **env}, check=True, timeout=300,
-                   capture_output=True)
+    monkeypatch.setattr(registry, "_default", None)  # this process's registry, reloaded with qwen2 installed
+    main(["train", "--model_config", str(model_config), *TRAIN_FLAGS, "--output_dir", str(single)])
     launch(["-m", "plait", "train", "--model_config", str(model_config), *TRAIN_FLAGS, "--tensor_parallel_size", "2",
             "--output_dir", str(tp2)], 2, env=env, timeout=300)
     metrics = [[json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] for out in (single, tp2)]
