@@ -140,6 +140,10 @@ class Registry:
     def leaf_modules(self, adapter: Adapter, config: Any) -> list[str]:
         return list(self._call(adapter.plugin, "plait_leaf_modules", config=config))
 
+    def tiny_config(self, adapter: Adapter) -> Any:
+        """The adapter's small config for conformance tests, or None when it has no ``plait_tiny_config``."""
+        return self._call(adapter.plugin, "plait_tiny_config")
+
     def init_weight(self, adapter: Adapter, **kwargs: Any) -> bool:
         return bool(self._call(adapter.plugin, "plait_init_weight", **kwargs))
 
