@@ -1,4 +1,4 @@
-"""The ``plait`` command: train, plan, adapters.
+"""The ``plait`` command: train, plan, adapters, check-adapter.
 
 Errors that are the user's to fix (bad layout, bad paths, unknown architecture) print one clear line and
 exit with status 2, rather than a traceback.
@@ -68,6 +68,12 @@ def cmd_adapters(ns: argparse.Namespace) -> None:
     Console(width=max(Console().width, 140)).print(table)
 
 
+def cmd_check_adapter(ns: argparse.Namespace) -> None:
+    from plait.testing.conformance import check_adapter_command
+
+    sys.exit(check_adapter_command(ns.name, ns.rows))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plait", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--virtual_pipeline_size", type=int, default=1)
     plan.add_argument("--pipeline_cuts", help="comma-separated leaf modules to cut after")
     plan.set_defaults(func=cmd_plan)
+
+    check = sub.add_parser("check-adapter", help="prove an adapter matches one process under every parallel mode")
+    check.add_argument("name", help="an installed adapter (see `plait adapters`) or an importable module of hooks")
+    check.add_argument("--rows", nargs="+", metavar="ROW", help="only these rows (default: all)")
+    check.set_defaults(func=cmd_check_adapter)
 
     adapters = sub.add_parser("adapters", help="list installed architecture adapters")
     adapters.add_argument("--json", action="store_true", help="print a JSON list")
