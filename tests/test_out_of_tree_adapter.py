@@ -87,18 +87,30 @@ def test_biased_kv_head_is_replicated_with_its_bias(model_config):
         assert q.bias.ranges == q.weight.ranges == ((16 * rank, 16 * rank + 16),)
 
 
-def test_plait_train_tp2_sp_matches_one_process(env, model_config, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def single_process_metrics(env, model_config, tmp_path_factory):
     from plait import registry
     from plait.cli import main
 
-    single, tp2 = tmp_path / "single", tmp_path / "tp2"
-    monkeypatch.setattr(registry, "_default", None)  # this process's registry, reloaded with qwen2 installed
-    main(["train", "--model_config", str(model_config), *TRAIN_FLAGS, "--output_dir", str(single)])
-    launch(["-m", "plait", "train", "--model_config", str(model_config), *TRAIN_FLAGS, "--tensor_parallel_size", "2",
-            "--output_dir", str(tp2)], 2, env=env, timeout=300)
-    metrics = [[json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] for out in (single, tp2)]
-    assert [r["step"] for r in metrics[1]] == [1, 2, 3]
-    assert [r["loss"] for r in metrics[1]] == pytest.approx([r["loss"] for r in metrics[0]], rel=1e-5)
+    single = tmp_path_factory.mktemp("single")
+    saved = registry._default
+    registry._default = None  # this process's registry, reloaded with qwen2 installed
+    try:
+        main(["train", "--model_config", str(model_config), *TRAIN_FLAGS, "--output_dir", str(single)])
+    finally:
+        registry._default = saved
+    return [json.loads(line) for line in (single / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("layout", [["--tensor_parallel_size", "2"],
+                                    ["--pipeline_parallel_size", "2", "--num_microbatches", "2"]])
+def test_plait_train_matches_one_process(env, model_config, tmp_path, single_process_metrics, layout):
+    """Installed from its own distribution, qwen2 trains under TP+SP and under PP with one process's losses."""
+    launch(["-m", "plait", "train", "--model_config", str(model_config), *TRAIN_FLAGS, *layout,
+            "--output_dir", str(tmp_path)], 2, env=env, timeout=300)
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in metrics] == [1, 2, 3]
+    assert [r["loss"] for r in metrics] == pytest.approx([r["loss"] for r in single_process_metrics], rel=1e-5)
 
 
 def test_conformance(installed):
