@@ -43,6 +43,16 @@ def plait_leaf_modules(config):
 
 
 @hookimpl
+def plait_tiny_config():
+    from transformers import GPT2Config
+
+    # Dropout 0: parity needs a deterministic forward. Embeddings are tied (GPT2's default); token ids
+    # inside the small vocabulary.
+    return GPT2Config(vocab_size=61, n_embd=32, n_layer=4, n_head=4, n_positions=64,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+
+@hookimpl
 def plait_init_weight(name, tensor, config, generator):
     # GPT-2 paper / transformers' GPT2PreTrainedModel: residual projections are scaled by 1/sqrt(2 * n_layer).
     if name.endswith("c_proj.weight"):

@@ -45,3 +45,12 @@ def plait_pipeline_plan(config):
 @hookimpl
 def plait_leaf_modules(config):
     return ["model.layers.*"]
+
+
+@hookimpl
+def plait_tiny_config():
+    from transformers import LlamaConfig
+
+    # 2 kv heads for 4 q heads: GQA, and kv-head replication at tp=4; vocab 61 pads under tp.
+    return LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

@@ -39,3 +39,12 @@ def plait_pipeline_plan(config):
 @hookimpl
 def plait_leaf_modules(config):
     return ["model.layers.*"]
+
+
+@hookimpl
+def plait_tiny_config():
+    from transformers import MistralConfig
+
+    # One kv head (replicated at any tp > 1) and a sliding window shorter than the test sequences.
+    return MistralConfig(vocab_size=67, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64, sliding_window=6)

@@ -62,6 +62,19 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = 
     return tensor
 
 
+def reduce(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum ``tensor`` over ranks into group rank ``dst`` (in place there; other ranks' buffers are scratch).
+
+    ZeRO-1 reduces each gradient to the one rank that updates it: on gloo this costs what an all-reduce
+    does (measured: 297 vs 287 ms for 184 MB), where ``reduce_scatter_single`` took 726 ms.
+    """
+    if group_size(group) == 1:
+        return tensor
+    _record("reduce", tensor)
+    dist.reduce(tensor, group_dst=dst, group=group)
+    return tensor
+
+
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along ``dim`` (rank order)."""
     size = group_size(group)
@@ -84,6 +97,15 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: i
     _record("reduce_scatter", moved)
     dist.reduce_scatter_single(out, moved, group=group)
     return out.movedim(0, dim)
+
+
+def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup | None, src: int) -> torch.Tensor:
+    """In-place broadcast from the rank whose position in ``group`` is ``src``; returns ``tensor``."""
+    if group_size(group) == 1:
+        return tensor
+    _record("broadcast", tensor)
+    dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group)
+    return tensor
 
 
 def split(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:

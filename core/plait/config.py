@@ -25,6 +25,7 @@ class ParallelConfig:
     sp: sequence parallelism inside the tp group (only meaningful when tp > 1).
     disable_embedding_parallelization: keep embeddings and the LM head replicated (optimum-neuron's flag).
     The pipeline and ZeRO fields are read by the pipeline and optimizer stages of ``parallelize``.
+    gradient_checkpointing: recompute each leaf module (adapter's ``plait_leaf_modules``) in backward.
     """
 
     tp: int = 1
@@ -37,6 +38,7 @@ class ParallelConfig:
     pipeline_schedule: str = "1f1b"
     pipeline_cuts: tuple[str, ...] = field(default_factory=tuple)
     zero_1: bool = False
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "virtual_pipeline_size", "num_microbatches"):

@@ -8,7 +8,8 @@ The core calls each hook on the one adapter chosen for a model's architecture, n
 implementation never needs to check whether the config is "its" model.
 
 Required hooks: ``plait_adapter_info``, ``plait_tp_plan`` and ``plait_leaf_modules``. ``plait_sp_plan`` is
-required when the adapter declares the ``sp`` capability. The others are optional.
+required when the adapter declares the ``sp`` capability. The others are optional; the conformance kit
+(``plait check-adapter``) needs ``plait_tiny_config``.
 
 Template: each docstring says what the hook returns, when the core calls it, and its parameters.
 """
@@ -110,4 +111,23 @@ def plait_init_weight(name: str, tensor: "torch.Tensor", config: "PretrainedConf
     :param tensor: a CPU tensor of the parameter's full shape and dtype, to fill.
     :param config: the transformers config of the model.
     :param generator: the torch.Generator to draw from.
+    """
+
+
+# --------------------------------------------------------------------------------------------------
+# Testing
+# --------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def plait_tiny_config() -> "PretrainedConfig":
+    """Return a small transformers config of this architecture for conformance tests (a few layers, hidden
+    32-64, vocab ~60-130).
+
+    Called by the conformance kit (``plait check-adapter``, ``plait.testing.assert_conformance``), which
+    builds a model from it and trains it for a few steps under every parallel mode against one process.
+    Choose sizes that exercise the adapter's paths: 4 layers (pp=2 with 2 virtual stages per rank needs
+    one per stage), an attention head count divisible by 4, fewer kv heads than heads where the
+    architecture has them (kv-head replication at tp=4), a vocabulary tp does not divide (padding), and
+    dropout 0 (parity needs a deterministic forward).
     """

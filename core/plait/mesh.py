@@ -31,6 +31,7 @@ class Mesh:
     pp_group: ProcessGroup | None = None
     dp_group: ProcessGroup | None = None
     _tp_blocks: dict[int, ProcessGroup | None] = field(default_factory=dict, repr=False)
+    _ends: tuple[ProcessGroup | None] | None = field(default=None, repr=False)
 
     @property
     def tp(self) -> int:
@@ -73,6 +74,23 @@ class Mesh:
                 grid = torch.arange(self.world_size).view(-1, block)
                 self._tp_blocks[block] = _new_groups(grid, self.rank)
         return self._tp_blocks[block]
+
+    def pipeline_ends_group(self) -> ProcessGroup | None:
+        """The group of the first and last pipeline ranks sharing this rank's (dp, tp) coordinates.
+
+        Tied embeddings live on both pipeline ends (the input embedding on the first stage, the LM head on
+        the last); their gradients are summed over this group. Every rank must call it (``new_group`` is
+        collective); ranks in the middle of the pipeline get None.
+        """
+        if self._ends is None:
+            if self.world_size == 1 or self.pp == 1:
+                self._ends = (None,)
+            else:
+                grid = torch.arange(self.world_size).view(self.dp, self.pp, self.tp)
+                ends = grid[:, [0, self.pp - 1], :].permute(0, 2, 1).reshape(-1, 2)
+                group = _new_groups(ends, self.rank)
+                self._ends = (group if self.pp_rank in (0, self.pp - 1) else None,)
+        return self._ends[0]
 
     def __str__(self) -> str:
         return (

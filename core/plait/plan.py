@@ -127,7 +127,9 @@ class PipelinePlan:
     """Returned by ``plait_pipeline_plan``: ``first`` modules run on the first stage (embeddings),
     ``layers`` is the container of repeated blocks split across stages, ``last`` modules run on the last
     stage (final norm, head); ``neutralize`` modules are replaced by no-ops on stages that do not own them
-    (e.g. GPT2 position embeddings and embedding dropout)."""
+    (e.g. GPT2 position embeddings and embedding dropout): an ``nn.Embedding`` adds zero, anything else
+    passes its input through. Parameter-free ``first``/``last`` modules (rotary tables) are not owned by
+    one stage: every stage recomputes them."""
 
     first: tuple[str, ...]
     layers: str

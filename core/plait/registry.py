@@ -68,7 +68,7 @@ class Registry:
 
     def register(self, plugin: Any, distribution: str | None = None, version: str | None = None) -> Adapter:
         """Register an adapter object or module (tests and notebooks call this directly)."""
-        missing = [hook for hook in REQUIRED_HOOKS if self.pm.parse_hookimpl_opts(plugin, hook) is None]
+        missing = [hook for hook in REQUIRED_HOOKS if not self._implements(plugin, hook)]
         if missing:
             raise AdapterError(
                 f"adapter {_label(plugin, distribution)} does not implement required hook(s) {', '.join(missing)}; "
@@ -80,7 +80,7 @@ class Registry:
             info = self._call(plugin, "plait_adapter_info")
             if not isinstance(info, AdapterInfo):
                 raise AdapterError(f"adapter {_label(plugin, distribution)}: plait_adapter_info must return AdapterInfo")
-            if info.capabilities.sp and self.pm.parse_hookimpl_opts(plugin, "plait_sp_plan") is None:
+            if info.capabilities.sp and not self._implements(plugin, "plait_sp_plan"):
                 raise AdapterError(f"adapter {info.name!r} declares the sp capability but has no plait_sp_plan hook")
             adapter = Adapter(info, plugin, distribution, version)
             self._check_claims(adapter)
@@ -89,6 +89,10 @@ class Registry:
             raise
         self._adapters[info.name] = adapter
         return adapter
+
+    def _implements(self, plugin: Any, hook: str) -> bool:
+        """True when ``plugin`` has ``hook`` decorated with ``@plait.hookimpl``."""
+        return hasattr(plugin, hook) and self.pm.parse_hookimpl_opts(plugin, hook) is not None
 
     def unregister(self, name: str) -> None:
         adapter = self._adapters.pop(name)
@@ -135,6 +139,10 @@ class Registry:
 
     def leaf_modules(self, adapter: Adapter, config: Any) -> list[str]:
         return list(self._call(adapter.plugin, "plait_leaf_modules", config=config))
+
+    def tiny_config(self, adapter: Adapter) -> Any:
+        """The adapter's small config for conformance tests, or None when it has no ``plait_tiny_config``."""
+        return self._call(adapter.plugin, "plait_tiny_config")
 
     def init_weight(self, adapter: Adapter, **kwargs: Any) -> bool:
         return bool(self._call(adapter.plugin, "plait_init_weight", **kwargs))

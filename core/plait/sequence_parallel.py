@@ -9,6 +9,8 @@ row-parallel layers reduce-scatter their output (tp/layers.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -57,12 +59,16 @@ def sp_grad_sum_params(model: nn.Module, plan: SPPlan, shards: dict[str, ModuleS
 
 
 def install_sequence_parallel(
-    model: nn.Module, plan: SPPlan, group: dist.ProcessGroup | None, head_is_parallel: bool
+    model: nn.Module, plan: SPPlan, group: dist.ProcessGroup | None, head_is_parallel: bool,
+    owns: Callable[[str], bool] = lambda name: True,
 ) -> list[torch.utils.hooks.RemovableHandle]:
     """Split the sequence at ``plan.begin``'s input and gather it at ``plan.end``'s output.
 
     The gather's backward reduce-scatters when a vocab-parallel head consumes it (each rank's input
     gradient is a partial sum over its vocab slice) and merely splits when the head is replicated.
+    Under pipeline parallelism a rank ``owns`` only some modules: the split happens only on the stage
+    holding ``plan.begin``, the gather on the one holding ``plan.end``; between stages the hidden states
+    travel as sequence shards.
     """
 
     def scatter(module, args, kwargs):
@@ -76,8 +82,9 @@ def install_sequence_parallel(
             return mappings.gather_from_seq(output, group, head_is_parallel)
         return (mappings.gather_from_seq(output[0], group, head_is_parallel), *output[1:])
 
-    begin, end = model.get_submodule(plan.begin), model.get_submodule(plan.end)
-    return [
-        begin.register_forward_pre_hook(scatter, with_kwargs=True),
-        end.register_forward_hook(gather),
-    ]
+    handles = []
+    if owns(plan.begin):
+        handles.append(model.get_submodule(plan.begin).register_forward_pre_hook(scatter, with_kwargs=True))
+    if owns(plan.end):
+        handles.append(model.get_submodule(plan.end).register_forward_hook(gather))
+    return handles

@@ -2,13 +2,15 @@
 
 Each rank holds logits for vocab rows [vocab_start, vocab_start + V_local). Three all-reduces of one
 number per token (max, target logit, sum of exponentials) give the exact softmax cross-entropy; the
-backward pass is local (softmax - one_hot). With tp=1 it is ordinary cross-entropy.
+backward pass is local (softmax - one_hot). With the whole vocabulary on one rank it is torch's own
+cross-entropy.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from plait import comm
 
@@ -56,7 +58,10 @@ def vocab_parallel_cross_entropy(
     """
     shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
     shift_labels = labels[:, 1:].reshape(-1)
-    per_token = _VocabParallelCrossEntropy.apply(shift_logits, shift_labels, vocab_start, group)
+    if comm.group_size(group) == 1:  # whole vocabulary here: torch's fused kernel is faster
+        total = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    else:
+        total = _VocabParallelCrossEntropy.apply(shift_logits, shift_labels, vocab_start, group).sum()
     if num_items_in_batch is None:
         num_items_in_batch = (shift_labels != IGNORE_INDEX).sum().clamp(min=1)
-    return per_token.sum() / num_items_in_batch
+    return total / num_items_in_batch

@@ -1,0 +1,111 @@
+"""The ``plait`` command: train, plan, adapters, check-adapter.
+
+Errors that are the user's to fix (bad layout, bad paths, unknown architecture) print one clear line and
+exit with status 2, rather than a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from plait.config import ConfigError
+from plait.registry import AdapterError, default_registry
+from plait.train_args import TrainArgs, add_arguments, from_namespace
+
+
+def cmd_train(ns: argparse.Namespace) -> None:
+    args = from_namespace(ns, TrainArgs)
+    args.validate()
+    if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        # Not under torchrun yet: become torchrun, running this same command on every process.
+        argv = [a for a in sys.argv[1:]]
+        if "--nproc_per_node" in argv:
+            i = argv.index("--nproc_per_node")
+            del argv[i : i + 2]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc_per_node}",
+               "-m", "plait", *argv]
+        sys.exit(subprocess.call(cmd))
+    from plait.trainer import train
+
+    train(args)
+
+
+def cmd_plan(ns: argparse.Namespace) -> None:
+    from plait.plan_report import print_plan
+
+    from plait.config import ParallelConfig
+
+    cuts = tuple(c.strip() for c in ns.pipeline_cuts.split(",") if c.strip()) if ns.pipeline_cuts else ()
+    pipeline = ParallelConfig(pp=ns.pipeline_parallel_size, virtual_pipeline_size=ns.virtual_pipeline_size,
+                              pipeline_schedule="interleaved-1f1b" if ns.virtual_pipeline_size > 1 else "1f1b",
+                              num_microbatches=max(ns.pipeline_parallel_size, 1), pipeline_cuts=cuts)
+    print_plan(ns.model_config, ns.tensor_parallel_size, sequence_parallel=not ns.disable_sequence_parallel,
+               parallel_embeddings=not ns.disable_embedding_parallelization, pipeline=pipeline)
+
+
+def cmd_adapters(ns: argparse.Namespace) -> None:
+    registry = default_registry()
+    rows = [
+        {"name": a.name, "version": a.version, "distribution": a.distribution,
+         "architectures": list(a.info.architectures), "capabilities": a.info.capabilities.supported(),
+         "hooks": a.hooks(registry.pm)}
+        for a in registry.adapters
+    ]
+    if ns.json:
+        print(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("name", "version", "architectures", "capabilities", "hooks")
+    for row in rows:
+        table.add_row(row["name"], row["version"] or "-", ", ".join(row["architectures"]),
+                      ", ".join(row["capabilities"]), ", ".join(h.removeprefix("plait_") for h in row["hooks"]))
+    Console(width=max(Console().width, 140)).print(table)
+
+
+def cmd_check_adapter(ns: argparse.Namespace) -> None:
+    from plait.testing.conformance import check_adapter_command
+
+    sys.exit(check_adapter_command(ns.name, ns.rows))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="plait", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a transformers causal LM under any layout")
+    add_arguments(train, TrainArgs)
+    train.set_defaults(func=cmd_train)
+
+    plan = sub.add_parser("plan", help="show how a model would be split, without building its weights")
+    plan.add_argument("--model_config", required=True, help="transformers config.json")
+    plan.add_argument("--tensor_parallel_size", type=int, default=1)
+    plan.add_argument("--disable_sequence_parallel", action="store_true")
+    plan.add_argument("--disable_embedding_parallelization", action="store_true")
+    plan.add_argument("--pipeline_parallel_size", type=int, default=1)
+    plan.add_argument("--virtual_pipeline_size", type=int, default=1)
+    plan.add_argument("--pipeline_cuts", help="comma-separated leaf modules to cut after")
+    plan.set_defaults(func=cmd_plan)
+
+    check = sub.add_parser("check-adapter", help="prove an adapter matches one process under every parallel mode")
+    check.add_argument("name", help="an installed adapter (see `plait adapters`) or an importable module of hooks")
+    check.add_argument("--rows", nargs="+", metavar="ROW", help="only these rows (default: all)")
+    check.set_defaults(func=cmd_check_adapter)
+
+    adapters = sub.add_parser("adapters", help="list installed architecture adapters")
+    adapters.add_argument("--json", action="store_true", help="print a JSON list")
+    adapters.set_defaults(func=cmd_adapters)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = build_parser().parse_args(argv)
+    try:
+        ns.func(ns)
+    except (ConfigError, AdapterError, FileNotFoundError) as err:
+        print(f"plait: error: {err}", file=sys.stderr)
+        sys.exit(2)

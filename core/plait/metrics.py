@@ -1,0 +1,64 @@
+"""What a run records: metrics.jsonl (one object per step), peak memory, and a loss-curve picture."""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from plait import comm
+from plait.runtime import is_main_process
+
+
+class MetricsLog:
+    """metrics.jsonl, one JSON object per line, written by rank 0 only (appending, so a resumed run
+    continues the file)."""
+
+    def __init__(self, output_dir: Path, fresh: bool = True) -> None:
+        self.path = output_dir / "metrics.jsonl"
+        self.enabled = is_main_process()
+        if self.enabled:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            if fresh or not self.path.exists():
+                self.path.write_text("")
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def peak_rss_mb() -> float:
+    """The largest peak resident memory of any rank, in MiB (a collective over the whole world)."""
+    own = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+    world = dist.group.WORLD if dist.is_initialized() else None
+    return comm.all_reduce(own, world, op="max").item()
+
+
+def plot_loss_curve(history: list[dict], path: Path) -> bool:
+    """Write the training (and eval) loss per step as a PNG; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in history], [r["loss"] for r in history], label="train loss")
+    evals = [r for r in history if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+    return True

@@ -1,0 +1,43 @@
+"""Gradient clipping by the global norm: the norm of the whole model's gradient, whatever the layout.
+
+Each rank adds the squares of the gradient slices it is responsible for (``ParallelModel.grad_norm_params``
+counts every distinct tp slice once; under ZeRO-1 each dp rank counts only the parameters it owns, the
+only ones whose reduced gradient it has), then the sums are added over the tp, pp and (ZeRO) dp groups.
+The clipping rule is torch's ``clip_grad_norm_``: scale by ``max_norm / (norm + 1e-6)`` when below 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait import comm
+from plait.grad_sync import grad_of
+
+
+def global_grad_norm(
+    params: Iterable[nn.Parameter], groups: Sequence[dist.ProcessGroup | None], device: torch.device,
+) -> torch.Tensor:
+    """The L2 norm (fp32, on ``device``) of the gradients of ``params`` with squares summed over ``groups``.
+
+    A rank with nothing to count (a ZeRO rank owning no counted parameter) still joins the all-reduces.
+    """
+    squares = [torch.linalg.vector_norm(g, dtype=torch.float32).square()
+               for g in (grad_of(p) for p in params) if g is not None]
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float32, device=device)
+    for group in groups:
+        comm.all_reduce(total, group)
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grads_(params: Iterable[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale the gradients of ``params`` so that the global norm ``total_norm`` becomes at most ``max_norm``."""
+    scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        grad = grad_of(p)
+        if grad is not None:
+            grad.mul_(scale.to(grad.dtype))

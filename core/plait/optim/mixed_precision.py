@@ -1,0 +1,118 @@
+"""Mixed precision for training: fp32 master weights for low-precision parameters, fp32 gradient
+accumulation across micro-steps, and bf16 autocast for fp32 parameters.
+
+Two ways to train in bf16, as in optimum-neuron and Megatron:
+- bf16 parameters (half the parameter and activation memory) with the optimizer stepping fp32 copies
+  ("master weights") and keeping its state in fp32; the bf16 parameters are refreshed from the masters after
+  every step. Updates far below bf16's resolution (lr * Adam's unit-sized step ~ 1e-4 of a weight ~ 1)
+  would otherwise round to nothing.
+- fp32 parameters with ``torch.autocast(dtype=bfloat16)`` around the forward pass: matmuls run in bf16,
+  everything stored is fp32.
+Gradients of bf16 parameters summed over many micro-steps lose the same low bits, so each backward's
+gradient is added into an fp32 ``main_grad`` buffer (optimum-neuron's ``use_grad_acc_hook``) and the bf16
+``.grad`` is freed at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.grad_sync import MAIN_GRAD, grad_of, zero_grads
+
+
+def accumulate_grads_in(params: Iterable[nn.Parameter], dtype: torch.dtype) -> list[Any]:
+    """Accumulate each backward's gradient of ``params`` into a ``dtype`` buffer ``param.main_grad``.
+
+    The buffers live as long as the parameters (as in Megatron), so a gradient's dtype is known on every
+    rank before any backward. Uses post-accumulate-grad hooks, which fire once per backward per parameter
+    (tied parameters included) after autograd has summed every use. Returns the hook handles.
+    """
+    handles = []
+    for param in params:
+        setattr(param, MAIN_GRAD, torch.zeros_like(param, dtype=dtype))
+        handles.append(param.register_post_accumulate_grad_hook(_accumulate))
+    return handles
+
+
+def _accumulate(param: nn.Parameter) -> None:
+    getattr(param, MAIN_GRAD).add_(param.grad)
+    param.grad = None
+
+
+class MasterWeightOptimizer(torch.optim.Optimizer):
+    """Runs any torch optimizer on ``dtype`` copies of the parameters it is given.
+
+    ``step`` hands each parameter's gradient (``grad_of``: the fp32 ``main_grad`` when accumulating in fp32)
+    to its master, steps the inner optimizer, and copies the masters back into the parameters. The masters
+    and every state tensor the inner optimizer creates are in ``dtype``. ``param_groups`` and ``state`` are
+    the inner optimizer's, so LR schedulers and state dicts work as on the inner optimizer; the state dict
+    also carries the masters (``master_weights``), which bf16 parameters cannot give back exactly.
+    Under ZeRO-1 this is the per-rank optimizer ``ZeroRedundancyOptimizer`` builds, so the masters exist only
+    for the rank's own partition.
+    """
+
+    def __init__(self, params: Any, optimizer_class: type[torch.optim.Optimizer], dtype: torch.dtype,
+                 **defaults: Any) -> None:
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.model_params: list[nn.Parameter] = []
+        master_groups = []
+        for group in groups:
+            masters = [p.detach().to(dtype, copy=True) for p in group["params"]]
+            self.model_params += group["params"]
+            master_groups.append({**group, "params": masters})
+        self.dtype = dtype
+        super().__init__(master_groups, defaults)
+        # The inner optimizer completes and then shares these very group dicts (lr changes reach it).
+        self.inner = optimizer_class(self.param_groups, **defaults)
+        self.state = self.inner.state
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        return [m for group in self.param_groups for m in group["params"]]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for param, master in zip(self.model_params, self.masters):
+            grad = grad_of(param)
+            master.grad = None if grad is None else grad.to(self.dtype)
+        loss = self.inner.step(closure)
+        for param, master in zip(self.model_params, self.masters):
+            param.copy_(master)
+            master.grad = None
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        zero_grads(self.model_params)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.inner.state_dict()
+        state["master_weights"] = [m.clone() for m in self.masters]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        masters = state_dict.pop("master_weights")
+        self.inner.load_state_dict(state_dict)
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        with torch.no_grad():
+            for param, master, saved in zip(self.model_params, self.masters, masters):
+                master.copy_(saved)
+                param.copy_(master)
+
+
+def autocast(
+    module: nn.Module, dtype: torch.dtype = torch.bfloat16, enabled: bool = True
+) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` on the device type of ``module``'s parameters (cpu, cuda, xla ... never hard-coded).
+
+    Wrap the forward pass (and the loss) only; backward runs in the dtypes autocast chose.
+    """
+    device_type = next(module.parameters()).device.type
+    return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled)

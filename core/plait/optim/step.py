@@ -1,0 +1,105 @@
+"""Building the optimizer after ``parallelize`` and running one optimizer step in the right order.
+
+The optimizer is built from the ParallelModel, never before it: the parameters are the rank's shards,
+and optimizer state (and fp32 masters) is only ever allocated for them (optimum-neuron's lazy optimizer
+constructor, here simply a function of the parallel model; ``functools.partial(build_optimizer, ...)``
+is the lazy constructor a trainer can hold before the model exists).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from plait.config import ConfigError
+from plait.grad_sync import BUCKET_BYTES, sum_grads
+from plait.optim.clip import clip_grads_, global_grad_norm
+from plait.optim.mixed_precision import MasterWeightOptimizer, accumulate_grads_in
+from plait.optim.zero import Zero1Optimizer
+from plait.parallelize import ParallelModel
+
+
+def build_optimizer(
+    pmodel: ParallelModel,
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    *,
+    zero_1: bool | None = None,
+    optimizer_dtype: torch.dtype | None = None,
+    main_grads: bool = True,
+    **optimizer_kwargs: Any,
+) -> torch.optim.Optimizer:
+    """The optimizer for ``pmodel``'s trainable parameters (any torch optimizer class and its kwargs).
+
+    zero_1: shard optimizer state over the dp group (None: ``pmodel.config.zero_1``); a no-op at dp=1.
+    optimizer_dtype: dtype of the optimizer's state and, for parameters of a lower precision (bf16), of fp32
+        master weights it steps instead of them (None: the parameters' dtype, no masters).
+    main_grads: with master weights, accumulate those parameters' gradients across micro-steps in
+        ``optimizer_dtype`` buffers (``param.main_grad``) rather than in their own dtype.
+    Returns a ``torch.optim.Optimizer`` (LR schedulers work on it): ``Zero1Optimizer`` under ZeRO-1.
+    """
+    params = [p for p in pmodel.parameters() if p.requires_grad]
+    zero_1 = pmodel.config.zero_1 if zero_1 is None else zero_1
+    low = [p for p in params if optimizer_dtype is not None and p.dtype != optimizer_dtype]
+    if low and any(torch.finfo(p.dtype).bits > torch.finfo(optimizer_dtype).bits for p in low):
+        dtypes = sorted({str(p.dtype) for p in low})
+        raise ConfigError(
+            f"optimizer_dtype={optimizer_dtype} is less precise than the parameters ({', '.join(dtypes)}); "
+            f"use optimizer_dtype=torch.float32 (master weights) or leave it unset"
+        )
+    constructor: Any = optimizer_class
+    if low:
+        constructor = functools.partial(MasterWeightOptimizer, optimizer_class=optimizer_class, dtype=optimizer_dtype)
+        if main_grads:
+            accumulate_grads_in(low, optimizer_dtype)
+    if zero_1 and pmodel.mesh.dp > 1:
+        return Zero1Optimizer(params, constructor, pmodel.mesh.dp_group, **optimizer_kwargs)
+    return constructor(params, **optimizer_kwargs)
+
+
+class OptimizerStep:
+    """Call once per optimizer step, after the backward of every micro-step; returns the global grad norm.
+
+    In order: sum gradients shared inside the model-parallel group (``finish_grad_sync(dp=False)``), reduce
+    over dp (to the owning rank under ZeRO-1, an all-reduce otherwise; either way once per step), compute
+    the global norm, clip to ``max_grad_norm`` (None: no clipping), step, zero the gradients.
+    ``reduce_dtype``: dtype of the dp reduction on the wire (float32 for bf16 gradients: optimum-neuron's
+    ``higher_cc_precision``); None keeps the gradients' dtype (fp32 when ``main_grads`` accumulate them).
+    """
+
+    def __init__(
+        self, pmodel: ParallelModel, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None,
+        *, reduce_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES,
+    ) -> None:
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise ConfigError(f"max_grad_norm={max_grad_norm} must be positive (or None for no clipping)")
+        self.pmodel, self.optimizer, self.max_grad_norm = pmodel, optimizer, max_grad_norm
+        self.reduce_dtype, self.bucket_bytes = reduce_dtype, bucket_bytes
+        self.zero = isinstance(optimizer, Zero1Optimizer)
+        params = [p for p in pmodel.parameters() if p.requires_grad]
+        self.updated = optimizer.owned_params if self.zero else params
+        counted = {id(p) for p in pmodel.grad_norm_params()}
+        self.norm_params = [p for p in self.updated if id(p) in counted]
+        mesh = pmodel.mesh
+        self.norm_groups = [mesh.tp_group, mesh.pp_group] + ([mesh.dp_group] if self.zero else [])
+        self.device = params[0].device
+
+    def __call__(self) -> torch.Tensor:
+        mesh = self.pmodel.mesh
+        self.pmodel.finish_grad_sync(dp=False)
+        if self.zero:
+            self.optimizer.reduce_gradients(self.bucket_bytes, self.reduce_dtype)
+        else:
+            sum_grads(self.updated, mesh.dp_group, self.bucket_bytes, self.reduce_dtype)
+        norm = global_grad_norm(self.norm_params, self.norm_groups, self.device)
+        if self.max_grad_norm is not None:
+            clip_grads_(self.updated, self.max_grad_norm, norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the first parameter group (what a trainer logs)."""
+        return float(self.optimizer.param_groups[0]["lr"])

@@ -1,0 +1,76 @@
+"""ZeRO-1 (Rajbhandari et al. 2020): each data-parallel rank keeps optimizer state for 1/dp of the
+parameters.
+
+Built on ``torch.distributed.optim.ZeroRedundancyOptimizer`` (DESIGN decision 5: bit-exact against AdamW,
+works on plait's plain-tensor TP shards): it partitions this rank's parameters over the dp group (whole
+parameters, greedily by size, so the state per rank is 1/dp of the total to within one parameter), builds
+the per-rank optimizer on its partition only (so with ``MasterWeightOptimizer`` the fp32 masters are
+sharded too), and after the step broadcasts each partition from its owner. Parameters are whatever this
+rank's ParallelModel holds (a tp shard, a pipeline stage), so the dp group from the mesh is all it needs.
+
+What plait adds is the gradient reduction: once per optimizer step (never per micro-step), each gradient
+is summed only into the rank that owns it (``reduce``, bucketed per owner) instead of all-reduced
+everywhere. Only owners' gradients are exact afterwards; clipping and the step read only those.
+Measured on gloo (184 MB, dp=2): reduce to owners 297 ms, all-reduce 287 ms, ``reduce_scatter_single``
+726 ms; on NCCL a reduce moves half an all-reduce's bytes. The parameter broadcast after the step is
+``ZeroRedundancyOptimizer``'s own (``dist.broadcast`` per parameter, 107 ms for the same bytes), so it is
+the one collective ``plait.comm.count_collectives`` does not see.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from plait import comm
+from plait.grad_sync import BUCKET_BYTES, buckets, flatten, grad_of, unflatten, zero_grads
+
+
+class Zero1Optimizer(ZeroRedundancyOptimizer):
+    """``ZeroRedundancyOptimizer`` over a dp group, plus ``reduce_gradients`` to the owning ranks."""
+
+    def __init__(self, params: Any, optimizer_class: Any, group: dist.ProcessGroup, **defaults: Any) -> None:
+        super().__init__(params, optimizer_class=optimizer_class, process_group=group, **defaults)
+        partition = self._partition_parameters()  # [dp rank][param group] -> {"params": [...]}
+        self.params_by_rank: list[list[nn.Parameter]] = [
+            [p for group_ in groups for p in group_["params"]] for groups in partition
+        ]
+
+    @property
+    def owned_params(self) -> list[nn.Parameter]:
+        """The parameters this rank updates (and holds optimizer state for)."""
+        return self.params_by_rank[self.rank]
+
+    @torch.no_grad()
+    def reduce_gradients(self, bucket_bytes: int = BUCKET_BYTES, reduce_dtype: torch.dtype | None = None) -> None:
+        """Sum every gradient over the dp group into its owner, in flat buckets (one ``reduce`` each).
+
+        ``reduce_dtype`` is the dtype on the wire (e.g. float32 for bf16 gradients); None keeps the
+        gradients'. A parameter without a gradient on this rank contributes zeros, so every rank issues
+        the same collectives.
+        """
+        for owner, params in enumerate(self.params_by_rank):
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for p in params:
+                grad = _grad_or_zeros(p)
+                by_dtype.setdefault(reduce_dtype or grad.dtype, []).append(grad)
+            for dtype, grads in by_dtype.items():
+                for bucket in buckets(grads, bucket_bytes):
+                    flat = comm.reduce(flatten(bucket, dtype), owner, self.process_group)
+                    if owner == self.rank:
+                        unflatten(flat, bucket)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        zero_grads(p for group in self.param_groups for p in group["params"])
+
+
+def _grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
+    """The gradient of ``param``; zeros (stored as its ``.grad``) when backward gave it none."""
+    grad = grad_of(param)
+    if grad is None:
+        param.grad = grad = torch.zeros_like(param)
+    return grad

@@ -1,0 +1,104 @@
+"""The pipeline layout of a model under a config: validated before any collective, printable by ``plait plan``.
+
+``plan_stages`` is what ``parallelize`` calls on every rank before creating process groups;
+``pipeline_layout`` is the same computation as a table for humans (it also works on a meta model).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from torch import nn
+
+from plait.config import ConfigError, ParallelConfig
+from plait.pipeline.cuts import StageSplit, fallback_plan, split_stages
+from plait.pipeline.schedule import check_schedule
+from plait.registry import Adapter, Registry, default_registry
+
+
+def plan_stages(model: nn.Module, config: ParallelConfig, registry: Registry, adapter: Adapter) -> StageSplit:
+    """The stage split for ``config`` (pp * virtual_pipeline_size stages), or a ConfigError naming the fix."""
+    num_stages = config.pp * config.virtual_pipeline_size
+    layout = f"pp*virtual_pipeline_size = {config.pp}*{config.virtual_pipeline_size}"
+    check_schedule(config)
+    leaf_patterns = registry.leaf_modules(adapter, model.config)
+    plan = registry.pipeline_plan(adapter, model.config) or fallback_plan(model, leaf_patterns)
+    split = split_stages(model, plan, leaf_patterns, num_stages, config.pipeline_cuts, layout)
+    tied_across_stages(model, split)
+    return split
+
+
+def tied_across_stages(model: nn.Module, split: StageSplit) -> list[list[str]]:
+    """Parameter names that are one tensor held by different stages (tied embeddings), per tensor.
+
+    Only the first and last stage may share one: their gradients are summed over the pipeline ends.
+    """
+    places: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        places[id(param)].append(name)
+    tied = []
+    for names in places.values():
+        stages = {_stage_of_param(split, name) for name in names}
+        if len(stages) < 2:
+            continue
+        if stages != {0, split.num_stages - 1}:
+            raise ConfigError(
+                f"parameters {names} are one tensor shared by pipeline stages {sorted(stages)}; plait syncs tied "
+                f"weights only between the first and last stage (embedding and LM head)"
+            )
+        tied.append(names)
+    return tied
+
+
+def _stage_of_param(split: StageSplit, param_name: str) -> int:
+    module = param_name.rpartition(".")[0]
+    while module:
+        try:
+            stage = split.stage_of(module)
+        except KeyError:
+            module = module.rpartition(".")[0]
+            continue
+        if stage is None:
+            raise ConfigError(f"{param_name} belongs to a module the pipeline plan treats as parameter-free")
+        return stage
+    raise ConfigError(
+        f"parameter {param_name} lies outside every pipeline unit (first, layers, last) of the plan; the "
+        f"adapter's pipeline plan does not cover this model"
+    )
+
+
+def pipeline_layout(
+    model: nn.Module, config: ParallelConfig, registry: Registry | None = None
+) -> list[tuple[str, int | None, int]]:
+    """(module name, stage, parameter bytes) of every pipeline unit, in execution order, for ``plait plan``.
+
+    ``stage`` is None for parameter-free modules every stage recomputes (rotary tables). Bytes are of the
+    full (unsharded) parameters at their current dtype; tensor parallelism divides most of them by tp. A
+    tied weight is counted on both stages that hold a copy. Works on a meta model; needs no process group.
+    """
+    registry = registry or default_registry()
+    adapter = registry.resolve(model.config)
+    split = plan_stages(model, config, registry, adapter)
+    rows: list[tuple[str, int | None, int]] = []
+    for name in (*split.plan.first, *split.layers, *split.plan.last):
+        module = model.get_submodule(name)
+        size = sum(p.numel() * p.element_size() for p in module.parameters())
+        rows.append((name, split.stage_of(name), size))
+    return rows
+
+
+def stage_bytes(rows: list[tuple[str, int | None, int]]) -> dict[int, int]:
+    """Parameter bytes per stage from ``pipeline_layout`` rows."""
+    total: dict[int, int] = defaultdict(int)
+    for _, stage, size in rows:
+        if stage is not None:
+            total[stage] += size
+    return dict(total)
+
+
+def rank_of_stage(stage: int, pp: int) -> int:
+    """Looped placement: stage s runs on pipeline rank s % pp (rank r holds stages r, r + pp, ...)."""
+    return stage % pp
+
+
+def stages_of_rank(pp_rank: int, config: ParallelConfig) -> list[int]:
+    return [pp_rank + chunk * config.pp for chunk in range(config.virtual_pipeline_size)]

@@ -1,0 +1,106 @@
+"""Running a step through ``torch.distributed.pipelining`` schedules (DESIGN decision 3).
+
+Schedules by name: gpipe and 1f1b run one stage per rank; interleaved-1f1b and zero-bubble (ZB1P, with
+the backward split into input and weight passes) run ``virtual_pipeline_size`` looped stages per rank
+(rank r holds stages r, r + pp, ...). Losses are sums over tokens divided by the global token count, so
+the schedule must not rescale gradients (``scale_grads=False``) and the step's loss is the sum over
+microbatches, broadcast from the last stage to the whole pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.config import ConfigError, ParallelConfig
+from plait.mesh import Mesh
+
+# torch.distributed.pipelining class names; the module is imported on first use (it costs about a second
+# of start-up, which no pp=1 run should pay).
+SINGLE_STAGE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+MULTI_STAGE = {"interleaved-1f1b": "ScheduleInterleaved1F1B", "zero-bubble": "ScheduleInterleavedZeroBubble"}
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, "int | torch.Tensor"], torch.Tensor]
+
+
+def check_schedule(config: ParallelConfig) -> None:
+    """Refuse, naming the numbers, a schedule that cannot run ``config`` (before any collective)."""
+    name, pp, v, m = config.pipeline_schedule, config.pp, config.virtual_pipeline_size, config.num_microbatches
+    if name in SINGLE_STAGE and v > 1:
+        raise ConfigError(
+            f"pipeline_schedule={name!r} runs one stage per rank but virtual_pipeline_size={v}; use "
+            f"'interleaved-1f1b' or 'zero-bubble' for virtual stages, or set virtual_pipeline_size=1"
+        )
+    if name == "interleaved-1f1b" and v == 1:
+        raise ConfigError(
+            "pipeline_schedule='interleaved-1f1b' needs virtual_pipeline_size > 1 (got 1); set "
+            "virtual_pipeline_size=2 or use pipeline_schedule='1f1b'"
+        )
+    if name != "gpipe" and m < pp:
+        raise ConfigError(
+            f"pipeline_schedule={name!r} needs num_microbatches >= pp, got num_microbatches={m} < pp={pp}; "
+            f"use at least {pp} microbatches or pipeline_schedule='gpipe'"
+        )
+    rounds = max(1, m // pp)
+    if name in MULTI_STAGE and m % rounds:
+        raise ConfigError(
+            f"pipeline_schedule={name!r} runs microbatches in rounds of pp={pp}: num_microbatches={m} is not a "
+            f"multiple of its {rounds} rounds; use a multiple of {pp}"
+        )
+
+
+class PipelineRunner:
+    """This rank's stages (``chunks``, stage ids ``stage_ids``) and the schedules that drive them.
+
+    A schedule is built per batch shape (its stages learn tensor shapes from the first microbatch) and
+    reused by later steps of that shape.
+    """
+
+    def __init__(self, chunks: list[nn.Module], stage_ids: list[int], mesh: Mesh, loss_fn: LossFn) -> None:
+        self.chunks, self.stage_ids, self.mesh, self.loss_fn = chunks, stage_ids, mesh, loss_fn
+        self.config = mesh.config
+        self.num_stages = mesh.pp * self.config.virtual_pipeline_size
+        self._schedules: dict[tuple, object] = {}
+        self._num_items: int | torch.Tensor = 1
+
+    def _schedule(self, key: tuple, device: torch.device):
+        if key not in self._schedules:
+            from torch.distributed import pipelining
+
+            stages = [
+                pipelining.PipelineStage(chunk, stage, self.num_stages, device, group=self.mesh.pp_group)
+                for chunk, stage in zip(self.chunks, self.stage_ids)
+            ]
+            name = self.config.pipeline_schedule
+            loss = lambda logits, labels: self.loss_fn(logits, labels, self._num_items)  # noqa: E731
+            m = self.config.num_microbatches
+            if name in SINGLE_STAGE:
+                schedule = getattr(pipelining, SINGLE_STAGE[name])(stages[0], m, loss_fn=loss, scale_grads=False)
+            else:
+                schedule = getattr(pipelining, MULTI_STAGE[name])(stages, m, loss_fn=loss, scale_grads=False)
+            self._schedules[key] = schedule
+        return self._schedules[key]
+
+    def run(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
+        num_items_in_batch: int | torch.Tensor, train: bool,
+    ) -> torch.Tensor:
+        """Forward (and backward when ``train``) of every microbatch; the summed loss, on every pp rank."""
+        key = (tuple(input_ids.shape), attention_mask is not None, train)
+        schedule = self._schedule(key, input_ids.device)
+        self._num_items = num_items_in_batch
+        kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+        losses: list[torch.Tensor] = []
+        if train:
+            schedule.step(input_ids, target=labels, losses=losses, return_outputs=False, **kwargs)
+        else:
+            with torch.no_grad():
+                schedule.eval(input_ids, target=labels, losses=losses, **kwargs)
+        if losses:
+            total = torch.stack([loss.detach().float() for loss in losses]).sum()
+        else:
+            total = torch.zeros((), dtype=torch.float32, device=input_ids.device)
+        return comm.broadcast(total, self.mesh.pp_group, src=self.mesh.pp - 1)

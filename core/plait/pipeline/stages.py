@@ -1,0 +1,195 @@
+"""Pipeline stages built by module name from a ``StageSplit`` (DESIGN decisions 3 and 4).
+
+Each rank keeps only the modules of its own stages (``prune``), so a meta-built model never materialises
+another stage's parameters. Each stage runs the transformers model's own forward, so position ids, rotary
+tables and the causal mask (with the batch's padding mask) are rebuilt locally on every stage; the
+modules it does not own are swapped for placeholders in a per-stage shell of the model.
+
+Only the stage's own layers touch real activations. Stages after the first hand transformers a free
+stand-in for ``inputs_embeds`` of the full sequence shape, and a pre-hook on the stage's first layer swaps
+in the hidden states received from the previous stage; stages before the last take their last layer's
+output (what is sent on) and hand a stand-in to the rest of the forward. Hence the stand-ins: under
+sequence parallelism the hidden states between stages are sequence shards, but transformers must see the
+full sequence length to build the mask and rotary tables (DESIGN decision 2), and code after the layers
+may reshape by it (GPT2's final ``view``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import copy
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from plait.pipeline.cuts import StageSplit
+
+
+class Absent(nn.Module):
+    """A module owned by another stage, which this stage's forward never calls (an input embedding when
+    the stage is fed ``inputs_embeds``). Holds no parameters; calling it is a bug worth a clear error."""
+
+    def __init__(self, name: str, owner: int | None) -> None:
+        super().__init__()
+        self.name, self.owner = name, owner
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(
+            f"{self.name} belongs to pipeline stage {self.owner} but was called on another stage; add it to "
+            f"the pipeline plan's neutralize list if every stage's forward calls it"
+        )
+
+
+class PassThrough(nn.Module):
+    """Returns its hidden-states input: other stages' layers, and the final norm and head on earlier stages."""
+
+    def forward(self, *args, **kwargs):
+        return args[0] if args else kwargs["hidden_states"]
+
+
+class ZeroContribution(nn.Module):
+    """A neutralised additive embedding (GPT2 position embeddings on later stages): adds nothing."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids.new_zeros((), dtype=torch.float32)  # a 0-dim tensor never changes the sum's dtype
+
+
+def _placeholder(model: nn.Module, split: StageSplit, name: str) -> nn.Module:
+    if name in split.layers or name in split.owned_last():
+        return PassThrough()
+    if name in split.plan.neutralize:
+        return ZeroContribution() if isinstance(model.get_submodule(name), nn.Embedding) else PassThrough()
+    return Absent(name, split.stage_of(name))
+
+
+def _replacements(model: nn.Module, split: StageSplit, stages: Iterable[int]) -> dict[str, nn.Module]:
+    """Placeholders for every pipeline unit that ``stages`` neither own nor recompute."""
+    stages = set(stages)
+    out = {}
+    for name in (*split.plan.first, *split.layers, *split.plan.last):
+        owner = split.stage_of(name)
+        present = owner in stages if owner is not None else (name not in split.plan.neutralize or 0 in stages)
+        if not present and not is_placeholder(model.get_submodule(name)):
+            out[name] = _placeholder(model, split, name)
+    return out
+
+
+def prune(model: nn.Module, split: StageSplit, stages: list[int]) -> None:
+    """Drop, in place, every module that none of ``stages`` owns (before any materialisation of a meta
+    model); parameter names of the kept modules stay those of the original model."""
+    for name, placeholder in _replacements(model, split, stages).items():
+        model.set_submodule(name, placeholder)
+
+
+def shell(module: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:
+    """A shallow copy of ``module`` with the named submodules replaced; every other module (and every
+    parameter) is shared with ``module``. Lets the stages of one rank share its pruned model."""
+    if not replacements:
+        return module
+    copied = copy.copy(module)
+    copied._modules = dict(module._modules)
+    nested: dict[str, dict[str, nn.Module]] = defaultdict(dict)
+    for name, new in replacements.items():
+        head, _, rest = name.partition(".")
+        if rest:
+            nested[head][rest] = new
+        else:
+            copied._modules[head] = new
+    for head, inner in nested.items():
+        copied._modules[head] = shell(module._modules[head], inner)
+    return copied
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: it is sent to the previous stage, and
+    point-to-point sends and receive buffers need dense tensors (sequence-parallel gradients arrive as
+    transposed views)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class StageChunk(nn.Module):
+    """One pipeline stage: ``forward(x, attention_mask=None)`` maps the previous stage's output (input ids
+    on the first stage) to the next stage's input (logits on the last stage).
+
+    ``seq_shards`` is how many sequence shards the hidden states between stages are cut into (tp under
+    sequence parallelism, else 1). ``after_forward`` runs after every forward (it clears the TP entry cache);
+    ``forward_context`` makes the context each forward runs in (autocast, when asked for).
+    """
+
+    def __init__(
+        self, pruned: nn.Module, split: StageSplit, stage: int, seq_shards: int, after_forward: Callable[[], None],
+        forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
+        super().__init__()
+        self._forward_context = forward_context
+        self.shell = shell(pruned, _replacements(pruned, split, [stage]))
+        self.stage, self.seq_shards, self._after_forward = stage, seq_shards, after_forward
+        self.is_first, self.is_last = stage == 0, stage == split.num_stages - 1
+        start, stop = split.bounds[stage]
+        self._incoming: torch.Tensor | None = None
+        self._outgoing: torch.Tensor | None = None
+        self._seq = 0  # full sequence length of the running forward; 0 outside it (hooks stay inert)
+        if not self.is_first:
+            self.shell.get_submodule(split.layers[start]).register_forward_pre_hook(self._swap_in, with_kwargs=True)
+        if not self.is_last:
+            self.shell.get_submodule(split.layers[stop - 1]).register_forward_hook(self._take_out)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+        if self.is_first:
+            self._seq = x.shape[1]
+            kwargs["input_ids"] = x
+        else:
+            self._seq = x.shape[1] * self.seq_shards
+            kwargs["inputs_embeds"] = x.new_zeros(()).expand(x.shape[0], self._seq, x.shape[2])
+            self._incoming = _ContiguousGrad.apply(x)
+        try:
+            with self._forward_context():
+                output = self.shell(**kwargs, use_cache=False)
+        finally:
+            self._incoming, self._seq = None, 0
+            self._after_forward()
+        if self.is_last:
+            return output.logits if hasattr(output, "logits") else output[0]
+        result, self._outgoing = self._outgoing, None
+        return result.contiguous()  # sent to the next stage: dense, whatever view the last layer returned
+
+    def _swap_in(self, module, args, kwargs):
+        if self._incoming is None:
+            return None
+        if args:
+            return (self._incoming, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self._incoming}
+
+    def _take_out(self, module, args, output):
+        if self._seq == 0:
+            return None
+        hidden = output if isinstance(output, torch.Tensor) else output[0]
+        self._outgoing = hidden
+        stand_in = hidden.new_zeros(()).expand(hidden.shape[0], self._seq, hidden.shape[-1])
+        return stand_in if isinstance(output, torch.Tensor) else (stand_in, *output[1:])
+
+
+def is_placeholder(module: nn.Module) -> bool:
+    """True for a module another stage owns (so no TP layer, SP hook or gradient sum applies to it)."""
+    return isinstance(module, (Absent, PassThrough, ZeroContribution))
+
+
+def dropped(model: nn.Module, name: str) -> bool:
+    """True when module ``name`` is absent from this rank: it, or a module containing it, is a placeholder."""
+    module = model
+    for part in name.split("."):
+        module = module._modules.get(part)
+        if module is None or is_placeholder(module):
+            return True
+    return False

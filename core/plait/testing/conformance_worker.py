@@ -1,0 +1,228 @@
+"""Worker of the conformance kit: every (adapter, row) pair of one world size, in one torchrun world.
+
+``python -m plait.testing.conformance_worker SPEC.json``, launched by ``run_conformance`` through
+``plait.testing.launch``. SPEC: ``{"out": dir, "runs": [[adapter ref, row name], ...]}``. Each rank writes
+``rank<N>.json`` mapping ``"<ref>|<row>"`` to its worst errors, failures and the parameters it compared.
+
+A pair that raises is recorded and the next pair runs: plait raises its errors before any collective,
+and an exception inside the model (a shape the plan got wrong) happens at the same point on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from plait import comm
+from plait.config import ParallelConfig
+from plait.parallelize import ParallelModel, parallelize
+from plait.testing.conformance_rows import (
+    ADAM_EPS, ATOL, BATCH, LOSS_RTOL, LR, ROWS, RTOL, SEQ, STEPS, Row, Subject, load_subject, with_overrides,
+)
+
+MAX_FAILURES = 20
+
+
+class Record:
+    """The worst errors of one pair on this rank, and the first failures in the order they happened."""
+
+    def __init__(self, expected: list[str]) -> None:
+        self.values: dict[str, Any] = {"loss_rel": None, "grad_err": None, "grad_tol": None, "failures": [],
+                                       "checked": set(), "expected": expected, "crashed": False}
+
+    def fail(self, message: str) -> None:
+        if len(self.values["failures"]) < MAX_FAILURES:
+            self.values["failures"].append(message)
+
+    def worst(self, key: str, value: float) -> None:
+        self.values[key] = max(self.values[key] or 0.0, value)
+
+    def json(self) -> dict[str, Any]:
+        return {**self.values, "checked": sorted(self.values["checked"])}
+
+
+def reference_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids, use_cache=False).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
+def perturb(model: torch.nn.Module) -> None:
+    """Add noise to every parameter, so that no zero-initialised bias or all-ones norm hides a mis-sharded
+    one (identical on every rank: the generator is seeded)."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.02)
+
+
+def forward_backward(pmodel: ParallelModel, ids: torch.Tensor, num_items: int) -> torch.Tensor:
+    """One step's forward and backward: through ``train_step`` (pipeline schedules) where plait has it."""
+    train_step = getattr(pmodel, "train_step", None)
+    if train_step is not None:
+        return train_step(ids, labels=ids, num_items_in_batch=num_items).detach()
+    loss = pmodel(ids, labels=ids, num_items_in_batch=num_items)
+    loss.backward()
+    return loss.detach()
+
+
+def compare_grads(record: Record, step: int, pmodel: ParallelModel, reference: torch.nn.Module,
+                  grads: dict[str, torch.Tensor]) -> None:
+    """Compare this rank's gradient shards with the same slices of the reference's full gradients.
+
+    No communication: ``ShardSpec.slice_full`` cuts a full tensor the way this rank holds it (vocab padding
+    rows included, which must stay zero), so a pipeline stage or a ZeRO owner checks exactly what it has.
+    """
+    for name, grad in grads.items():
+        expected = pmodel.param_specs[name].slice_full(reference.get_parameter(name).grad)
+        diff = (grad - expected).abs()
+        err, tol = diff.max().item(), (diff / (ATOL + RTOL * expected.abs())).max().item()
+        record.worst("grad_err", err)
+        record.worst("grad_tol", tol)
+        if tol > 1:
+            record.fail(f"step {step} grad {name}: max |Δ| {err:.2e} ({tol:.1e}x tolerance)")
+        record.values["checked"].add(name)
+
+
+def local_grads(record: Record, step: int, named: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, param in named:
+        if param.grad is None:
+            record.fail(f"step {step}: {name} has no gradient")
+        else:
+            grads[name] = param.grad.detach().clone()
+    return grads
+
+
+class PlainStep:
+    """AdamW on every local parameter after ``finish_grad_sync``: the ParallelModel contract."""
+
+    def __init__(self, pmodel: ParallelModel) -> None:
+        self.pmodel, self.optimizer = pmodel, torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=ADAM_EPS)
+
+    def __call__(self, record: Record, step: int) -> dict[str, torch.Tensor]:
+        self.pmodel.finish_grad_sync()
+        grads = local_grads(record, step, list(self.pmodel.module.named_parameters()))
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return grads
+
+
+class ZeroStep:
+    """plait's ZeRO-1 optimizer step. It reduces each gradient only to the rank that owns the parameter and
+    zeroes them after stepping, so the owners' gradients are read just before the inner step."""
+
+    def __init__(self, pmodel: ParallelModel) -> None:
+        from plait.optim import OptimizerStep, build_optimizer
+
+        self.optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=LR, eps=ADAM_EPS)
+        self.run = OptimizerStep(pmodel, self.optimizer)
+        owned = {id(p) for p in getattr(self.optimizer, "owned_params", pmodel.parameters())}
+        self.named = [(n, p) for n, p in pmodel.module.named_parameters() if id(p) in owned]
+
+    def __call__(self, record: Record, step: int) -> dict[str, torch.Tensor]:
+        seen: dict[str, torch.Tensor] = {}
+        inner = self.optimizer.step
+
+        def step_reading_grads(*args: Any, **kwargs: Any) -> Any:
+            seen.update(local_grads(record, step, self.named))
+            return inner(*args, **kwargs)
+
+        self.optimizer.step = step_reading_grads
+        try:
+            self.run()
+        finally:
+            del self.optimizer.step  # the class's own method again
+        return seen
+
+
+def run_pair(subject: Subject, row: Row, out: Path) -> dict[str, Any]:
+    config = with_overrides(subject.config, row.model)
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config)
+    perturb(reference)
+    record = Record([name for name, _ in reference.named_parameters()])
+    try:
+        pmodel = parallelize(copy.deepcopy(reference), ParallelConfig(**row.layout), registry=subject.registry)
+        train(record, pmodel, reference)
+        if row.after == "consolidate":
+            check_consolidated(record, pmodel, out / f"{subject.adapter.name}-{row.name}")
+    except Exception as err:  # recorded: the table shows it, and the next pair still runs
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        record.fail(f"raised {type(err).__name__}: {err} (at {Path(frame.filename).name}:{frame.lineno})")
+        record.values["crashed"] = True
+    return record.json()
+
+
+def train(record: Record, pmodel: ParallelModel, reference: torch.nn.Module) -> None:
+    mesh = pmodel.mesh
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=ADAM_EPS)
+    optimizer_step = ZeroStep(pmodel) if pmodel.config.zero_1 else PlainStep(pmodel)
+    gen = torch.Generator().manual_seed(1)
+    vocab = reference.config.vocab_size
+    for step in range(1, STEPS + 1):
+        # The global batch is the same for every layout; each dp rank takes its contiguous rows.
+        ids = torch.randint(0, vocab, (BATCH * mesh.dp, SEQ), generator=gen)
+        ref_loss = reference_loss(reference, ids)
+        ref_loss.backward()
+        loss = forward_backward(pmodel, ids.chunk(mesh.dp)[mesh.dp_rank], ids.shape[0] * (SEQ - 1))
+        global_loss = comm.all_reduce(loss.clone(), mesh.dp_group).item()
+        rel = abs(global_loss - ref_loss.item()) / abs(ref_loss.item())
+        record.worst("loss_rel", rel)
+        if rel > LOSS_RTOL:
+            record.fail(f"step {step} loss {global_loss:.6f} vs {ref_loss.item():.6f}: "
+                        f"rel err {rel:.2e} > {LOSS_RTOL:g}")
+        compare_grads(record, step, pmodel, reference, optimizer_step(record, step))
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+
+def check_consolidated(record: Record, pmodel: ParallelModel, path: Path) -> None:
+    """Save the trained model as a plait checkpoint, consolidate it (rank 0) to a Hugging Face directory,
+    load that with ``from_pretrained`` on every rank and compare it with this rank's trained shards: a
+    round trip copies bytes, so they must be equal."""
+    from transformers import AutoModelForCausalLM
+
+    from plait.checkpoint import consolidate, save_checkpoint
+
+    save_checkpoint(path / "checkpoint", pmodel, step=STEPS)
+    if dist.get_rank() == 0:
+        consolidate(path / "checkpoint", path / "hf")
+    dist.barrier()
+    loaded, info = AutoModelForCausalLM.from_pretrained(path / "hf", dtype=torch.float32, output_loading_info=True)
+    if info["missing_keys"] or info["unexpected_keys"]:
+        record.fail(f"consolidated model: missing keys {sorted(info['missing_keys'])}, "
+                    f"unexpected keys {sorted(info['unexpected_keys'])}")
+    for name, param in pmodel.module.named_parameters():
+        expected = pmodel.param_specs[name].slice_full(loaded.get_parameter(name).detach())
+        if not torch.equal(param.detach(), expected):
+            err = (param.detach() - expected).abs().max().item()
+            record.fail(f"consolidated {name} differs from the trained shard by up to {err:.2e}")
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(spec["out"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    subjects: dict[str, Subject] = {}
+    results = {}
+    for ref, row_name in spec["runs"]:
+        if ref not in subjects:
+            subjects[ref] = load_subject(ref)
+        results[f"{ref}|{row_name}"] = run_pair(subjects[ref], ROWS[row_name], out)
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

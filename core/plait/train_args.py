@@ -1,0 +1,150 @@
+"""The flags of ``plait train``: one dataclass, so the command line and a config file share their names.
+
+Names follow Hugging Face / optimum-neuron training scripts so existing launch scripts read naturally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from plait.config import PIPELINE_SCHEDULES, ConfigError, ParallelConfig
+
+
+LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+
+
+@dataclass
+class TrainArgs:
+    model_config: str | None = field(default=None, metadata={"help": "transformers config.json: random init"})
+    model_name_or_path: str | None = field(default=None, metadata={"help": "a local Hugging Face model dir"})
+    train_file: str | None = field(default=None, metadata={"help": ".txt or .jsonl ('text' field); default: bundled corpus"})
+    output_dir: str = field(default="runs/plait", metadata={"help": "metrics.jsonl (and later checkpoints) go here"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "tp: ranks that split each layer"})
+    disable_sequence_parallel: bool = field(default=False, metadata={"help": "keep activations between TP regions whole"})
+    disable_embedding_parallelization: bool = field(default=False, metadata={"help": "keep embeddings and LM head replicated"})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "sequences per data-parallel rank per micro-step"})
+    block_size: int = field(default=128, metadata={"help": "tokens per sequence"})
+    learning_rate: float = field(default=1e-3, metadata={"help": "AdamW learning rate"})
+    max_steps: int = field(default=100, metadata={"help": "optimizer steps"})
+    seed: int = field(default=0, metadata={"help": "the same seed gives the same weights and data for every layout"})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "a local tokenizer dir (default: the model dir's, else a BPE trained on the data)"})
+    dataset_name: str | None = field(default=None, metadata={"help": "a local `datasets` dir (save_to_disk) with a 'text' column"})
+    validation_file: str | None = field(default=None, metadata={"help": ".txt or .jsonl for eval loss and perplexity"})
+    eval_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0: only at the end, if a validation file is given)"})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    lr_scheduler_type: str = field(default="linear", metadata={"help": f"one of {', '.join(LR_SCHEDULERS)}"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
+    pipeline_parallel_size: int = field(default=1, metadata={"help": "pp: pipeline stages (ranks) the layers are cut into"})
+    virtual_pipeline_size: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved schedules)"})
+    num_microbatches: int = field(default=1, metadata={"help": "pipeline microbatches per micro-step (divides the per-device batch)"})
+    pipeline_schedule: str = field(default="1f1b", metadata={"help": f"one of {', '.join(PIPELINE_SCHEDULES)}"})
+    pipeline_cuts: str | None = field(default=None, metadata={"help": "comma-separated leaf modules to cut after (default: balanced)"})
+    zero_1: bool = field(default=False, metadata={"help": "shard optimizer state over data-parallel ranks (ZeRO-1)"})
+    bf16: bool = field(default=False, metadata={"help": "bf16 parameters, with master weights in --optimizer_dtype"})
+    bf16_autocast: bool = field(default=False, metadata={"help": "fp32 parameters, bf16 matmuls (torch.autocast)"})
+    optimizer_dtype: str = field(default="float32", metadata={"help": "dtype of optimizer state and master weights: float32 or bfloat16"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "clip by the global gradient norm (0: no clipping)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute leaf modules (decoder layers) in backward"})
+    logging_steps: int = field(default=1, metadata={"help": "print a log line every N steps (metrics.jsonl gets every step)"})
+    nproc_per_node: int = field(default=1, metadata={"help": "launch this many processes with torchrun (when not already under torchrun)"})
+    config: str | None = field(default=None, metadata={"help": "a TOML file whose keys are these flag names; flags override it"})
+    device: str = field(default="auto", metadata={"help": "auto (cuda if available, else cpu), cpu, cuda, or any torch device type"})
+    backend: str = field(default="auto", metadata={"help": "torch.distributed backend: auto (nccl on cuda, else gloo), gloo, nccl, xla"})
+    ddp_timeout: int = field(default=600, metadata={"help": "seconds a collective may wait before the job fails"})
+
+    def validate(self) -> None:
+        """Checks that need no model: fail before any process group or file exists."""
+        if self.model_config and self.model_name_or_path:
+            raise ConfigError("give --model_config (random init) or --model_name_or_path (load weights), not both")
+        for path_flag in ("model_config", "model_name_or_path", "train_file"):
+            value = getattr(self, path_flag)
+            if value is not None and not Path(value).exists():
+                raise ConfigError(f"--{path_flag} {value!r} does not exist")
+        for path_flag in ("tokenizer_name", "dataset_name", "validation_file"):
+            value = getattr(self, path_flag)
+            if value is not None and not Path(value).exists():
+                raise ConfigError(f"--{path_flag} {value!r} does not exist")
+        if self.train_file and self.dataset_name:
+            raise ConfigError("give --train_file or --dataset_name, not both")
+        positive = ("per_device_train_batch_size", "block_size", "logging_steps", "ddp_timeout",
+                    "gradient_accumulation_steps", "tensor_parallel_size", "nproc_per_node", "pipeline_parallel_size",
+                    "virtual_pipeline_size", "num_microbatches")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name}={getattr(self, name)} must be positive")
+        for name in ("max_steps", "eval_steps", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name}={getattr(self, name)} must be >= 0")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"--learning_rate={self.learning_rate} must be positive")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight_decay={self.weight_decay} must be >= 0")
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"--max_grad_norm={self.max_grad_norm} must be >= 0 (0 turns clipping off)")
+        if self.optimizer_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"--optimizer_dtype={self.optimizer_dtype!r} is unknown; choose float32 or bfloat16")
+        if self.bf16 and self.bf16_autocast:
+            raise ConfigError("give --bf16 (bf16 parameters) or --bf16_autocast (fp32 parameters), not both")
+        if self.lr_scheduler_type not in LR_SCHEDULERS:
+            raise ConfigError(f"--lr_scheduler_type={self.lr_scheduler_type!r} is unknown; choose one of {', '.join(LR_SCHEDULERS)}")
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tp=self.tensor_parallel_size,
+            pp=self.pipeline_parallel_size,
+            virtual_pipeline_size=self.virtual_pipeline_size,
+            num_microbatches=self.num_microbatches,
+            pipeline_schedule=self.pipeline_schedule,
+            pipeline_cuts=tuple(c.strip() for c in self.pipeline_cuts.split(",") if c.strip()) if self.pipeline_cuts else (),
+            sp=not self.disable_sequence_parallel,
+            disable_embedding_parallelization=self.disable_embedding_parallelization,
+            zero_1=self.zero_1,
+            gradient_checkpointing=self.gradient_checkpointing,
+        )
+
+
+def _kind(f: dataclasses.Field) -> type:
+    return {"int": int, "float": float, "bool": bool}.get(str(f.type), str)
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type = TrainArgs) -> None:
+    """One ``--name`` flag per dataclass field; booleans are switches. Defaults are None here, so that
+    ``from_namespace`` can tell a flag given on the command line from one left to the config file."""
+    for f in fields(cls):
+        help_text = f.metadata.get("help", "")
+        if _kind(f) is bool:
+            parser.add_argument(f"--{f.name}", action="store_true", default=None, help=help_text)
+        else:
+            parser.add_argument(f"--{f.name}", type=_kind(f), default=None, help=f"{help_text} (default: {f.default})")
+
+
+def read_config_file(path: str, cls: type = TrainArgs) -> dict:
+    """The TOML file's keys, checked against the flag names and types."""
+    import tomllib
+
+    try:
+        values = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"--config {path}: not valid TOML ({err})") from None
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
+    for key, value in values.items():
+        kind = _kind(known[key])
+        if not isinstance(value, kind) and not (kind is float and isinstance(value, int)):
+            raise ConfigError(f"--config {path}: {key} = {value!r} should be of type {kind.__name__}")
+    return values
+
+
+def from_namespace(ns: argparse.Namespace, cls: type = TrainArgs):
+    """Defaults, then the --config file, then flags given on the command line."""
+    given = {f.name: getattr(ns, f.name) for f in fields(cls) if getattr(ns, f.name) is not None}
+    from_file = read_config_file(given["config"], cls) if given.get("config") else {}
+    return cls(**{**from_file, **given})

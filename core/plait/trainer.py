@@ -1,0 +1,187 @@
+"""``plait train``: one training loop for every layout.
+
+The global batch of a step is a function of (seed, step) only (GlobalBatchSampler); each data-parallel
+rank takes its contiguous share of each micro-step, and losses are normalised by the global token count,
+so any layout with the same global batch trains on the same tokens and, in fp32, follows the same curve.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, get_scheduler
+
+from plait import comm
+from plait.config import ConfigError
+from plait.data import GlobalBatchSampler, default_corpus_path, local_microbatch
+from plait.data.pipeline import dataset_text_file, training_blocks
+from plait.metrics import MetricsLog, peak_rss_mb, plot_loss_curve
+from plait.optim import OptimizerStep, build_optimizer
+from plait.parallelize import ParallelModel, parallelize
+from plait.runtime import init_distributed, is_main_process, pick_device
+from plait.train_args import TrainArgs
+
+DEFAULT_MODEL_CONFIG = "tiny-llama.json"
+
+
+def read_model_config(args: TrainArgs) -> PretrainedConfig:
+    """The transformers config: from the model dir, the given config.json, or plait's tiny Llama."""
+    if args.model_name_or_path:
+        return AutoConfig.from_pretrained(args.model_name_or_path)
+    if args.model_config:
+        return load_config_file(Path(args.model_config))
+    return load_config_file(Path(str(resources.files("plait.configs").joinpath(DEFAULT_MODEL_CONFIG))))
+
+
+def load_config_file(path: Path) -> PretrainedConfig:
+    """A transformers config.json, without needing the rest of a model dir."""
+    values = json.loads(path.read_text())
+    if "model_type" not in values:
+        raise ConfigError(f"{path} has no 'model_type'; it must be a transformers config.json")
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
+    """Model-dependent checks, still before any process group exists."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and args.block_size > positions:
+        raise ConfigError(
+            f"--block_size={args.block_size} is larger than the model's max_position_embeddings={positions}; "
+            f"use --block_size {positions} or less"
+        )
+    parallel = args.parallel_config()
+    if parallel.sequence_parallel and args.block_size % parallel.tp:
+        raise ConfigError(
+            f"--block_size={args.block_size} is not divisible by --tensor_parallel_size={parallel.tp} under sequence "
+            f"parallelism; use a multiple of {parallel.tp} or --disable_sequence_parallel"
+        )
+
+
+def build_model(args: TrainArgs, config: PretrainedConfig) -> torch.nn.Module:
+    """The full model on CPU; the same seed gives the same weights on every rank and for every layout."""
+    if args.model_name_or_path:
+        return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+    torch.manual_seed(args.seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _tokenizer_dir(args: TrainArgs) -> Path | None:
+    """--tokenizer_name, else the model dir's own tokenizer (a pretrained model must see its own tokens)."""
+    if args.tokenizer_name:
+        return Path(args.tokenizer_name)
+    if args.model_name_or_path and any(
+        (Path(args.model_name_or_path) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        return Path(args.model_name_or_path)
+    return None
+
+
+def load_data(args: TrainArgs, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Training blocks and (with --validation_file) validation blocks, as [n, block_size] token ids."""
+    try:
+        if args.dataset_name:
+            files = [dataset_text_file(Path(args.dataset_name), Path(args.output_dir))]
+        else:
+            files = [Path(args.train_file) if args.train_file else default_corpus_path()]
+        blocks, _ = training_blocks(files, args.block_size, vocab_size, _tokenizer_dir(args))
+        val_blocks = None
+        if args.validation_file:
+            val_blocks, _ = training_blocks([Path(args.validation_file)], args.block_size, vocab_size, _tokenizer_dir(args))
+    except ValueError as err:  # empty file, too few tokens for one block, tokenizer larger than the model
+        raise ConfigError(str(err)) from err
+    return blocks, val_blocks
+
+
+@torch.no_grad()
+def evaluate(pmodel: ParallelModel, blocks: torch.Tensor, batch_size: int, device: torch.device) -> dict:
+    """Mean loss and perplexity over every validation block, split over data-parallel ranks."""
+    mesh = pmodel.mesh
+    m = pmodel.config.num_microbatches
+    usable = len(blocks) // (mesh.dp * m) * (mesh.dp * m)  # every dp rank, whole pipeline microbatches
+    if usable == 0:
+        raise ConfigError(f"the validation data has {len(blocks)} blocks, fewer than dp*num_microbatches = "
+                          f"{mesh.dp * m}; use a larger --validation_file")
+    mine = blocks[:usable][mesh.dp_rank :: mesh.dp]
+    num_items = usable * (blocks.shape[1] - 1)
+    batch_size = max(batch_size // m * m, m)
+    total = torch.zeros((), device=device)
+    pmodel.eval()
+    for start in range(0, len(mine), batch_size):
+        batch = mine[start : start + batch_size].to(device)
+        total += pmodel.eval_loss(batch, batch, num_items_in_batch=num_items)
+    pmodel.train()
+    loss = comm.all_reduce(total, mesh.dp_group).item()
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+
+def train(args: TrainArgs) -> list[dict]:
+    """Run the training job described by ``args``; returns the per-step metrics (every rank)."""
+    args.validate()
+    model_config = read_model_config(args)
+    check_model_fits(args, model_config)
+    # Data before any process group: a bad file fails every rank at once, never inside a collective.
+    blocks, val_blocks = load_data(args, model_config.vocab_size)
+    parallel = args.parallel_config()
+    device = pick_device(args.device)
+    init_distributed(device, args.backend, args.ddp_timeout)
+    console = Console(stderr=True, quiet=not is_main_process())
+
+    pmodel = parallelize(build_model(args, model_config), parallel).to(device)
+    if args.bf16:
+        pmodel.to(torch.bfloat16)
+    if args.bf16_autocast:
+        pmodel.autocast_dtype = torch.bfloat16
+    mesh = pmodel.mesh
+    accumulation = args.gradient_accumulation_steps
+    global_batch = args.per_device_train_batch_size * mesh.dp * accumulation
+    sampler = GlobalBatchSampler(len(blocks), global_batch, args.seed)
+    optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=args.learning_rate, weight_decay=args.weight_decay,
+                                optimizer_dtype=getattr(torch, args.optimizer_dtype))
+    optimizer_step = OptimizerStep(pmodel, optimizer, args.max_grad_norm or None)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
+                              num_training_steps=max(args.max_steps, 1))
+    local_params = sum(p.numel() for p in pmodel.parameters())
+    console.print(f"[bold]plait[/] layout {mesh.config.describe()} | adapter {pmodel.adapter.name} "
+                  f"({pmodel.adapter.distribution or 'in-process'}) | parameters on rank 0: {local_params:,} | "
+                  f"{len(blocks):,} blocks of {args.block_size} tokens, global batch {global_batch}")
+
+    output_dir = Path(args.output_dir)
+    log = MetricsLog(output_dir)
+    history = []
+    num_items = global_batch * (args.block_size - 1)  # packed blocks: every shifted label counts
+    progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.description}"),
+                        TimeRemainingColumn(), console=console, disable=not is_main_process())
+    with progress:
+        task = progress.add_task("", total=args.max_steps)
+        for step in range(args.max_steps):
+            start = time.perf_counter()
+            indices = sampler.indices(step)
+            step_loss = torch.zeros((), device=device)
+            for micro in range(accumulation):
+                batch = blocks[local_microbatch(indices, mesh.dp_rank, mesh.dp, accumulation, micro)].to(device)
+                step_loss += pmodel.train_step(batch, batch, num_items_in_batch=num_items)
+            lr = optimizer_step.lr
+            grad_norm = optimizer_step()
+            scheduler.step()
+            record = {"step": step + 1, "loss": comm.all_reduce(step_loss, mesh.dp_group).item(), "lr": lr,
+                      "grad_norm": grad_norm.item(),
+                      "tokens_per_s": global_batch * args.block_size / (time.perf_counter() - start),
+                      "peak_rss_mb": peak_rss_mb()}
+            is_last = step + 1 == args.max_steps
+            if val_blocks is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or is_last):
+                record.update(evaluate(pmodel, val_blocks, args.per_device_train_batch_size, device))
+            history.append(record)
+            log.write(record)
+            progress.update(task, advance=1, description=f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s")
+            if (step + 1) % args.logging_steps == 0 and not console.is_terminal:
+                console.print(json.dumps(record), soft_wrap=True)
+    if is_main_process() and history and plot_loss_curve(history, output_dir / "loss.png"):
+        console.print(f"loss curve: {output_dir / 'loss.png'}")
+    return history

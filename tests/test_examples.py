@@ -1,0 +1,78 @@
+"""The multi-node and Slurm examples, run as two torchrun "nodes" on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from plait.testing.launcher import free_port
+from plait.train_args import TrainArgs
+from plait.trainer import train
+from tiny_models import tiny_config
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    path.write_text(tiny_config("llama").to_json_string())
+    return path
+
+
+def train_flags(model_config: Path, out: Path) -> list[str]:
+    return ["--model_config", str(model_config), "--tensor_parallel_size", "2", "--max_steps", "2",
+            "--block_size", "16", "--per_device_train_batch_size", "2", "--output_dir", str(out)]
+
+
+@pytest.fixture(scope="module")
+def reference_losses(model_config, tmp_path_factory) -> list[float]:
+    out = tmp_path_factory.mktemp("ref")
+    args = TrainArgs(model_config=str(model_config), max_steps=2, block_size=16, per_device_train_batch_size=2,
+                     output_dir=str(out))
+    return [r["loss"] for r in train(args)]
+
+
+def run_all(commands: list[tuple[list[str], dict]]) -> None:
+    """Start every command at once; any failure or a hang ends them all with the failing output."""
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for cmd, env in commands]
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=TIMEOUT)
+            assert proc.returncode == 0, out[-4000:]
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_nodes_on_localhost(model_config, tmp_path, reference_losses):
+    port = str(free_port())
+    flags = train_flags(model_config, tmp_path)
+    run_all([(["bash", "examples/multinode.sh", *flags],
+              {"NNODES": "2", "NODE_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+               "NPROC_PER_NODE": "1"}) for rank in range(2)])
+    assert losses(tmp_path) == pytest.approx(reference_losses, rel=1e-5)
+
+
+def test_slurm_script_with_fake_srun(model_config, tmp_path, reference_losses):
+    """slurm.sbatch as Slurm would run it: a stand-in srun starts one task per node with SLURM_NODEID."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        '#!/usr/bin/env bash\nfor ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" & done\n'
+        'status=0; for job in $(jobs -p); do wait "$job" || status=1; done; exit $status\n')
+    (bin_dir / "srun").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_NNODES": "2", "SLURM_JOB_ID": "test",
+           "SLURM_GPUS_ON_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    run_all([(["bash", "examples/slurm.sbatch", *train_flags(model_config, tmp_path)], env)])
+    assert losses(tmp_path) == pytest.approx(reference_losses, rel=1e-5)

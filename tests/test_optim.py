@@ -1,0 +1,167 @@
+"""ZeRO-1, global-norm clipping, gradient accumulation, activation checkpointing and bf16 (plait.optim).
+
+One launch per layout (tests/workers/optim_parity.py) trains every variant against the same single-process
+reference; the tests below assert on its JSON. Adding a layout is one line in LAYOUTS.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.testing import launch
+
+WORKER = Path(__file__).parent / "workers" / "optim_parity.py"
+LAYOUTS = {"dp2": (1, 1), "tp2_dp2": (2, 1), "pp2_dp2": (1, 2)}  # (tp, pp); dp = 2 in each
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def results(request, tmp_path_factory) -> dict:
+    tp, pp = LAYOUTS[request.param]
+    out = tmp_path_factory.mktemp(request.param) / "results.json"
+    launch([str(WORKER), str(out), str(tp), str(pp)], tp * pp * 2, timeout=240)
+    return json.loads(out.read_text())
+
+
+def _parity(r: dict) -> None:
+    assert r["loss_rel"] <= TOL, f"losses {r['losses']} vs reference {r['ref_losses']}: max rel {r['loss_rel']:.2e}"
+    assert r["param_diff"] <= TOL, f"parameters differ from the reference by up to {r['param_diff']:.2e}"
+
+
+def test_zero1_matches_one_process(results):
+    _parity(results["zero1"])
+    assert results["zero1"]["owned_fraction"] <= 0.5 + 0.05, results["zero1"]
+
+
+def test_zero1_is_bit_exact_against_plain_dp(results):
+    r = results["zero1_vs_dp"]
+    assert r["losses"] == r["dp_losses"], r
+    assert r["max_local_param_diff"] == 0.0, f"ZeRO-1 vs AdamW after finish_grad_sync: {r['max_local_param_diff']:.2e}"
+
+
+@pytest.mark.parametrize("variant", ["clip_zero1", "clip_dp"])
+def test_clipping_uses_the_global_norm(results, variant):
+    r = results[variant]
+    assert min(r["ref_norms"]) > r["max_norm"], f"reference norms {r['ref_norms']} never clip at {r['max_norm']}"
+    assert r["norm_rel"] <= TOL, f"norms {r['norms']} vs clip_grad_norm_ {r['ref_norms']}"
+    _parity(r)
+
+
+def test_accumulation_matches_double_batch_and_defers_dp_reduction(results):
+    r = results["accumulation"]
+    _parity(r)
+    assert r["micro_reduce_ops"] == 0, f"{r['micro_reduce_ops']} dp reductions during micro-steps"
+    assert r["first_micro_collectives"] == r["last_micro_collectives"], (
+        f"micro-step 1 issued {r['first_micro_collectives']} collectives, the last {r['last_micro_collectives']}")
+    assert r["step_reduce_ops"] == r["dp"], f"{r['step_reduce_ops']} reduce ops in the step (one bucket per owner)"
+    if r["tp"] == 1 and r["pp"] == 1:  # then every collective would be a dp one
+        assert r["first_micro_collectives"] == 0, r
+
+
+def test_activation_checkpointing_parity_and_recompute(results):
+    r = results["checkpointing"]
+    _parity(r)
+    # recomputation runs every checkpointed layer once more per microbatch (a pipeline's shape inference
+    # adds one forward to both runs, so compare the difference)
+    assert r["mlp_calls_per_micro_step"] - r["mlp_calls_without"] == pytest.approx(1.0), r
+    assert r["mlp_calls_without"] >= 1, r
+
+
+@pytest.mark.parametrize("variant", ["bf16_master", "bf16_autocast", "bf16_reduce_bf16", "bf16_reduce_fp32"])
+def test_bf16_close_to_fp32(results, variant):
+    r = results[variant]
+    assert r["loss_rel"] <= 2e-2, f"{variant}: max rel loss difference {r['loss_rel']:.3e}"
+    assert r["stepped_dtypes"] == r["state_dtypes"] == [str(torch.float32)], r
+    bf16_params = variant != "bf16_autocast"
+    assert r["param_dtypes"] == [str(torch.bfloat16 if bf16_params else torch.float32)], r
+    assert r["local_optimizer"] == ("MasterWeightOptimizer" if bf16_params else "AdamW"), r
+
+
+def test_reduce_dtype_sets_bytes_on_the_wire(results):
+    r = results["reduce_dtype"]
+    assert (r["bf16_bytes"], r["fp32_bytes"]) == (2 * r["numel"], 4 * r["numel"]), r
+
+
+# ---- in one process (world of 1): state dicts, validation, recompute with dropout ----------------------
+
+def _tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))
+
+
+def _train_steps(pmodel, step, ids, n):
+    losses = []
+    for _ in range(n):
+        loss = pmodel(ids, labels=ids)
+        loss.backward()
+        step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_master_weights_resume_exactly():
+    from plait import ParallelConfig, parallelize
+    from plait.optim import OptimizerStep, build_optimizer
+
+    ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for resume in (False, True):
+        pmodel = parallelize(_tiny_llama().to(torch.bfloat16), ParallelConfig())
+        optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-2, optimizer_dtype=torch.float32)
+        step = OptimizerStep(pmodel, optimizer, max_grad_norm=1.0)
+        losses = _train_steps(pmodel, step, ids, 2)
+        if resume:  # a fresh model and optimizer from the bf16 weights and the optimizer state dict
+            saved = {"model": {k: v.clone() for k, v in pmodel.state_dict().items()}, "optim": optimizer.state_dict()}
+            pmodel = parallelize(_tiny_llama(seed=1).to(torch.bfloat16), ParallelConfig())
+            pmodel.load_state_dict(saved["model"])
+            optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-2, optimizer_dtype=torch.float32)
+            optimizer.load_state_dict(saved["optim"])
+            step = OptimizerStep(pmodel, optimizer, max_grad_norm=1.0)
+        runs.append(losses + _train_steps(pmodel, step, ids, 2))
+    assert runs[0] == runs[1], f"uninterrupted {runs[0]} vs resumed {runs[1]}"
+
+
+def test_bad_optimizer_settings_are_refused():
+    from plait import ConfigError, ParallelConfig, parallelize
+    from plait.optim import OptimizerStep, build_optimizer
+
+    pmodel = parallelize(_tiny_llama(), ParallelConfig())
+    with pytest.raises(ConfigError, match="optimizer_dtype=torch.bfloat16 is less precise"):
+        build_optimizer(pmodel, torch.optim.AdamW, optimizer_dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="max_grad_norm=0"):
+        OptimizerStep(pmodel, build_optimizer(pmodel), max_grad_norm=0)
+
+
+def test_checkpointing_needs_matching_leaf_modules():
+    from plait import ConfigError
+    from plait.checkpointing import checkpoint_targets
+
+    with pytest.raises(ConfigError, match=r"matches the adapter's leaf modules \['decoder.\*'\]"):
+        checkpoint_targets(_tiny_llama(), ["decoder.*"])
+
+
+def test_checkpointing_replays_dropout():
+    """Recomputation restores the RNG state: with dropout on, checkpointed grads equal plain ones."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from plait import ParallelConfig, parallelize
+
+    ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_embd=32, n_layer=2, n_head=4, n_positions=16,
+                                           resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3))
+        pmodel = parallelize(model, ParallelConfig(gradient_checkpointing=checkpointing)).train()
+        torch.manual_seed(1)
+        pmodel(ids, labels=ids).backward()
+        grads.append({n: p.grad for n, p in pmodel.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0, msg=name)

@@ -1,0 +1,131 @@
+"""Every layout refusal names the values and the fix, and happens before any collective (single process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import plait
+from plait import ConfigError, ParallelConfig
+from plait.parallelize import _check_capabilities
+from plait.registry import default_registry
+from plait.sequence_parallel import sp_grad_sum_params
+from plait.sharding import plan_tensor_parallel
+from tiny_models import tiny_config, tiny_model
+
+
+def tp_plan(model):
+    registry = default_registry()
+    return registry.tp_plan(registry.resolve(model.config), model.config)
+
+
+def meta_model(arch, **overrides):
+    with torch.device("meta"):
+        return tiny_model(arch, **overrides)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tp=0), r"tp=0 must be a positive integer"),
+        (dict(pp=-1), r"pp=-1 must be a positive integer"),
+        (dict(dp=0), r"dp=0 must be a positive integer or None"),
+        (dict(pipeline_schedule="fast"), r"pipeline_schedule='fast' is unknown; choose one of gpipe, 1f1b"),
+    ],
+)
+def test_bad_config_values(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ParallelConfig(**kwargs)
+
+
+def test_world_size_not_divisible():
+    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by tp\*pp = 4\*1 = 4"):
+        ParallelConfig(tp=4).resolve(6)
+
+
+def test_explicit_dp_mismatch():
+    with pytest.raises(ConfigError, match=r"tp\*pp\*dp = 2\*1\*2 = 4 != world size 2"):
+        ParallelConfig(tp=2, dp=2).resolve(2)
+
+
+def test_dp_derived():
+    assert ParallelConfig(tp=2, pp=2).resolve(8).dp == 2
+
+
+def test_parallelize_refuses_layout_larger_than_world():
+    with pytest.raises(ConfigError, match=r"world size 1 is not divisible by tp\*pp = 2\*1"):
+        plait.parallelize(tiny_model("llama"), ParallelConfig(tp=2))
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, tp, message",
+    [
+        ("llama", dict(num_attention_heads=4, num_key_value_heads=4), 3,
+         r"num_attention_heads=4 is not divisible by tp=3"),
+        ("llama", dict(num_attention_heads=12, num_key_value_heads=6, hidden_size=48), 4,
+         r"num_key_value_heads=6 is not divisible by tp=4"),
+        ("llama", dict(num_attention_heads=12, num_key_value_heads=4, hidden_size=48), 6,
+         r"tp=6 is not a multiple of num_key_value_heads=4"),
+        ("llama", dict(intermediate_size=66), 4, r"model.layers.0.mlp.gate_proj output features = 66 is not divisible by tp=4"),
+        ("gpt2", dict(n_head=4), 3, r"num_attention_heads=4 is not divisible by tp=3"),
+    ],
+)
+def test_sharding_refusals(arch, overrides, tp, message):
+    model = meta_model(arch, **overrides)
+    with pytest.raises(ConfigError, match=message):
+        plan_tensor_parallel(model, tp_plan(model), tp, 0)
+
+
+def test_plan_naming_missing_module():
+    model = meta_model("llama")
+    plan = plait.TPPlan((plait.Column("model.layers.*.mlp.not_there"),))
+    with pytest.raises(ConfigError, match=r"names 'model.layers.\*.mlp.not_there', but the model \(LlamaForCausalLM\) has no such module"):
+        plan_tensor_parallel(model, plan, 2, 0)
+
+
+def test_sp_plan_must_cover_replicated_params():
+    model = meta_model("llama")
+    plan = plait.SPPlan(begin="model.layers.0", end="model.norm", norms=("model.layers.*.input_layernorm",))
+    shards = plan_tensor_parallel(model, tp_plan(model), 2, 0)
+    with pytest.raises(ConfigError, match=r"post_attention_layernorm.weight is replicated inside the sequence-parallel region"):
+        sp_grad_sum_params(model, plan, shards)
+
+
+def test_sp_plan_unknown_module():
+    model = meta_model("llama")
+    plan = plait.SPPlan(begin="model.blocks.0", end="model.norm", norms=())
+    with pytest.raises(ConfigError, match=r"SP plan names 'model.blocks.0'"):
+        sp_grad_sum_params(model, plan, {})
+
+
+def test_capability_refused():
+    registry = plait.Registry(autoload=False)
+    import types
+
+    module = types.ModuleType("no_tp")
+
+    @plait.hookimpl
+    def plait_adapter_info():
+        return plait.AdapterInfo("no_tp", ("llama",), plait.Capabilities(tp=False, sp=False))
+
+    @plait.hookimpl
+    def plait_tp_plan(config):
+        return plait.TPPlan(())
+
+    @plait.hookimpl
+    def plait_leaf_modules(config):
+        return []
+
+    module.plait_adapter_info, module.plait_tp_plan, module.plait_leaf_modules = (
+        plait_adapter_info, plait_tp_plan, plait_leaf_modules)
+    adapter = registry.register(module)
+    with pytest.raises(ConfigError, match=r"adapter 'no_tp' does not support tp, sp \(it supports: pp, vpp, tied_embeddings\)"):
+        _check_capabilities(adapter, ParallelConfig(tp=2).resolve(2), tiny_config("llama"))
+
+
+def test_plan_patterns_match_one_component():
+    from plait.plan import matches
+
+    assert matches("model.layers.*.mlp", "model.layers.11.mlp")
+    assert not matches("model.layers.*.mlp", "model.layers.1.x.mlp")
+    assert not matches("model.layers.*", "model.layers.1.mlp")

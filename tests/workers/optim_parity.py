@@ -1,0 +1,213 @@
+"""Worker: ZeRO-1, clipping, accumulation, activation checkpointing and bf16 against one process.
+
+Run as a world of tp*pp*dp ranks: ``optim_parity.py OUT.json TP PP``. Every variant trains a copy of the
+same tiny Llama (tied embeddings, 4 q heads and 1 kv head, so tp=2 replicates the kv head) for STEPS
+optimizer steps on the same global batches; the reference is plain transformers + torch AdamW on the whole
+global batch in this process. Rank 0 writes, per check, the numbers the pytest module asserts on.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from plait import ParallelConfig, comm, parallelize
+from plait.data import local_microbatch
+from plait.optim import OptimizerStep, Zero1Optimizer, autocast, build_optimizer
+
+STEPS, GLOBAL_BATCH, SEQ, VOCAB = 5, 8, 16, 97
+LR, WEIGHT_DECAY, SMALL_NORM = 1e-2, 0.1, 0.05
+
+
+def make_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+                         max_position_embeddings=SEQ)
+    return LlamaForCausalLM(config)
+
+
+def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator)
+        labels = ids.clone()
+        labels[torch.rand(ids.shape, generator=generator) < 0.2] = -100  # uneven token counts per rank
+        batches.append((ids, labels))
+    return batches
+
+
+def num_items(labels: torch.Tensor) -> int:
+    return int((labels[:, 1:] != -100).sum())
+
+
+def reference(base: LlamaForCausalLM, batches, max_norm: float | None) -> dict:
+    model = copy.deepcopy(base)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, norms = [], []
+    for ids, labels in batches:
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm else float("inf"))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        norms.append(norm.item())
+    return {"losses": losses, "norms": norms, "params": dict(model.named_parameters(remove_duplicate=False))}
+
+
+def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, checkpointing=False,
+          bf16_params=False, bf16_autocast=False, main_grads=True, reduce_dtype=None, plain_dp=False,
+          counters=None) -> dict:
+    """Train a parallel copy of ``base``; returns global losses, norms and the ParallelModel."""
+    tp, pp = layout
+    model = copy.deepcopy(base)
+    if bf16_params:
+        model.to(torch.bfloat16)
+    pmodel = parallelize(model, ParallelConfig(tp=tp, pp=pp, zero_1=zero_1, gradient_checkpointing=checkpointing,
+                                               num_microbatches=2 if pp > 1 else 1))
+    mesh = pmodel.mesh
+    if plain_dp:  # the baseline ZeRO-1 must match bit for bit: torch AdamW on every parameter
+        optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    else:
+        optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY,
+                                    optimizer_dtype=torch.float32 if bf16_params else None, main_grads=main_grads)
+        step = OptimizerStep(pmodel, optimizer, max_norm, reduce_dtype=reduce_dtype)
+    leaf_mlp_calls = []
+    # a pre-hook: recomputation stops early, after the last saved tensor, so a post-hook of the mlp never fires
+    # the first decoder layer this pipeline rank owns (other stages' layers are placeholders without an mlp)
+    first_mlp = next(m for n, m in pmodel.module.named_modules() if n.startswith("model.layers.") and n.endswith(".mlp"))
+    first_mlp.register_forward_pre_hook(lambda *_: leaf_mlp_calls.append(1))
+    losses, norms = [], []
+    for ids, labels in batches:
+        total = torch.zeros(())
+        for micro in range(accumulation):
+            rows = local_microbatch(torch.arange(GLOBAL_BATCH), mesh.dp_rank, mesh.dp, accumulation, micro)
+            pmodel.autocast_dtype = torch.bfloat16 if bf16_autocast else None
+            with comm.count_collectives() as counter:
+                loss = pmodel.train_step(ids[rows], labels[rows], num_items_in_batch=num_items(labels))
+            if counters is not None:
+                counters.append(("micro", micro, counter.records))
+            total += loss.detach().float()
+        with comm.count_collectives() as counter:
+            if plain_dp:
+                pmodel.finish_grad_sync()
+                optimizer.step()
+                optimizer.zero_grad()
+            else:
+                norms.append(step().item())
+        if counters is not None:
+            counters.append(("step", None, counter.records))
+        losses.append(comm.all_reduce(total, mesh.dp_group).item())
+    return {"losses": losses, "norms": norms, "pmodel": pmodel, "optimizer": optimizer,
+            "mlp_calls_per_micro_step": len(leaf_mlp_calls) / (len(batches) * accumulation * pmodel.config.num_microbatches)}
+
+
+def max_param_diff(pmodel, ref_params: dict) -> float:
+    """Largest |parallel - reference| over every parameter slice of every rank (no tp gather needed)."""
+    worst = torch.zeros(())
+    for name, param in pmodel.module.named_parameters():
+        expected = pmodel.param_specs[name].slice_full(ref_params[name].detach())
+        worst = torch.maximum(worst, (param.detach().float() - expected).abs().max())
+    return dist_max(worst)
+
+
+def dist_max(value: torch.Tensor) -> float:
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
+def rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def main() -> None:
+    out, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    layout = (tp, pp)
+    base, batches = make_model(), make_batches()
+    ref = reference(base, batches, None)
+    ref_clip = reference(base, batches, SMALL_NORM)
+    results: dict[str, dict] = {}
+
+    def parity(name: str, run: dict, expected: dict, **extra) -> None:
+        results[name] = {"loss_rel": rel(run["losses"], expected["losses"]),
+                         "param_diff": max_param_diff(run["pmodel"], expected["params"]),
+                         "losses": run["losses"], "ref_losses": expected["losses"], **extra}
+
+    zero = train(base, batches, layout)
+    parity("zero1", zero, ref, owned_fraction=dist_max(torch.tensor(_owned_fraction(zero))))
+    plain = train(base, batches, layout, zero_1=False, plain_dp=True)
+    local_diff = max((a.detach() - b.detach()).abs().max() for a, b in
+                     zip(zero["pmodel"].parameters(), plain["pmodel"].parameters()))
+    results["zero1_vs_dp"] = {"losses": zero["losses"], "dp_losses": plain["losses"],
+                              "max_local_param_diff": dist_max(local_diff)}
+
+    for name, zero_1 in (("clip_zero1", True), ("clip_dp", False)):
+        run = train(base, batches, layout, zero_1=zero_1, max_norm=SMALL_NORM)
+        parity(name, run, ref_clip, norms=run["norms"], ref_norms=ref_clip["norms"],
+               norm_rel=rel(run["norms"], ref_clip["norms"]), max_norm=SMALL_NORM)
+
+    counters: list = []
+    run = train(base, batches, layout, accumulation=2, counters=counters)
+    micro = [records for kind, m, records in counters if kind == "micro"]
+    steps = [records for kind, _, records in counters if kind == "step"]
+    parity("accumulation", run, ref,
+           first_micro_collectives=len(micro[0]), last_micro_collectives=len(micro[1]),
+           micro_reduce_ops=sum(op == "reduce" for records in micro for op, _ in records),
+           step_reduce_ops=sum(op == "reduce" for op, _ in steps[0]), dp=run["pmodel"].mesh.dp, tp=tp, pp=layout[1])
+
+    run = train(base, batches, layout, checkpointing=True)  # a leaf's inside runs again in backward
+    parity("checkpointing", run, ref, mlp_calls_per_micro_step=run["mlp_calls_per_micro_step"],
+           mlp_calls_without=zero["mlp_calls_per_micro_step"])
+
+    run = train(base, batches, layout, bf16_params=True)
+    results["bf16_master"] = {"loss_rel": rel(run["losses"], ref["losses"]), **_dtypes(run)}
+    run = train(base, batches, layout, bf16_autocast=True)
+    results["bf16_autocast"] = {"loss_rel": rel(run["losses"], ref["losses"]), **_dtypes(run)}
+
+    wire = {}
+    for name, dtype in (("bf16", None), ("fp32", torch.float32)):  # bf16 grads reduced as bf16 or fp32
+        counters = []
+        run = train(base, batches, layout, bf16_params=True, main_grads=False, reduce_dtype=dtype, counters=counters)
+        wire[name] = sum(n for kind, _, records in counters if kind == "step" for op, n in records if op == "reduce")
+        results[f"bf16_reduce_{name}"] = {"loss_rel": rel(run["losses"], ref["losses"]), **_dtypes(run)}
+    results["reduce_dtype"] = {"bf16_bytes": wire["bf16"], "fp32_bytes": wire["fp32"],
+                               "numel": sum(p.numel() for p in run["pmodel"].parameters()) * STEPS}
+
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+def _owned_fraction(run: dict) -> float:
+    """This rank's share of the elements it keeps optimizer state for (1/dp ideally)."""
+    optimizer = run["optimizer"]
+    assert isinstance(optimizer, Zero1Optimizer)
+    total = sum(p.numel() for p in run["pmodel"].parameters())
+    return sum(p.numel() for p in optimizer.owned_params) / total
+
+
+def _dtypes(run: dict) -> dict:
+    """dtypes of the model's parameters, of what the optimizer steps (masters) and of its state."""
+    optimizer = run["optimizer"]
+    local = optimizer.optim if isinstance(optimizer, Zero1Optimizer) else optimizer
+    stepped = [p for group in local.param_groups for p in group["params"]]
+    state = [v for s in local.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    return {"param_dtypes": sorted({str(p.dtype) for p in run["pmodel"].parameters()}),
+            "stepped_dtypes": sorted({str(p.dtype) for p in stepped}),
+            "state_dtypes": sorted({str(v.dtype) for v in state}),
+            "local_optimizer": type(local).__name__}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Worker for tests/test_pipeline.py: many pipeline checks in one gloo world.
+
+argv: <out.json> <world tag: w2 | w4>. Each check builds the same tiny model on every rank (same seed),
+trains a plain transformers + torch copy of it on the full batch as the reference, and the plait layout
+on this rank's share, for 3 AdamW steps with fp32. Results go to rank 0, which writes
+{check: [per-rank result dict]}. A failure inside plait raises (the launcher stops the world).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_decoder import TinyAdapter, TinyConfig, TinyDecoder  # noqa: E402
+
+from plait import ConfigError, ParallelConfig, Registry, parallelize  # noqa: E402
+from plait.optim.clip import global_grad_norm  # noqa: E402
+from plait.pipeline import pipeline_layout, stages_of_rank  # noqa: E402
+from plait.pipeline.stages import is_placeholder  # noqa: E402
+
+VOCAB, BATCH, SEQ, STEPS = 61, 8, 16, 3
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def build(arch: str, attn: str = "sdpa", device: str = "cpu"):
+    torch.manual_seed(1234)
+    with torch.device(device):
+        if arch in ("llama", "llama_tied"):
+            return LlamaForCausalLM(LlamaConfig(
+                vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=arch == "llama_tied",
+                attn_implementation=attn, **TOKENS))
+        if arch == "mistral":
+            return MistralForCausalLM(MistralConfig(
+                vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, sliding_window=8, attn_implementation=attn,
+                **TOKENS))
+        if arch == "gpt2":
+            return GPT2LMHeadModel(GPT2Config(
+                vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                attn_pdrop=0.0, attn_implementation=attn, **TOKENS))
+        if arch == "custom":
+            return TinyDecoder(TinyConfig(vocab_size=VOCAB))
+    raise ValueError(arch)
+
+
+def batch(step: int, padding: bool):
+    gen = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    if padding:  # left padding: without the padding mask on every stage, real tokens would attend to it
+        for row, pad in ((0, 5), (3, 3), (6, 9)):
+            mask[row, :pad] = 0
+        ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, labels, (mask if padding else None)
+
+
+def reference_loss(model, ids, labels, mask):
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
+
+
+def registry_for(arch: str) -> Registry | None:
+    if arch != "custom":
+        return None
+    registry = Registry(autoload=False)
+    registry.register(TinyAdapter())
+    return registry
+
+
+def parity(arch: str, layout: dict, padding: bool = False, attn: str = "sdpa") -> dict:
+    """3 AdamW steps of plait vs the reference: per-step loss and gradient errors, final parameter errors."""
+    model = build(arch, attn)
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, ParallelConfig(**layout), registry=registry_for(arch))
+    mesh = pm.mesh
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    local = dict(pm.module.named_parameters())
+    out = {"loss_rel": 0.0, "grad_abs": 0.0, "grads_close": True, "param_abs": 0.0, "norm_rel": 0.0, "losses": []}
+    rows = BATCH // mesh.dp
+    for step in range(STEPS):
+        ids, labels, mask = batch(step, padding)
+        ref_opt.zero_grad()
+        ref_loss = reference_loss(ref, ids, labels, mask)
+        ref_loss.backward()
+        mine = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
+        num_items = int((labels[:, 1:] != -100).sum())
+        loss = pm.train_step(ids[mine], labels[mine], None if mask is None else mask[mine], num_items)
+        pm.finish_grad_sync()
+        if mesh.dp_group is not None:
+            dist.all_reduce(loss, group=mesh.dp_group)
+        out["losses"].append([loss.item(), ref_loss.item()])
+        # the global gradient norm counts every logical parameter once (a tied embedding too)
+        norm = global_grad_norm(pm.grad_norm_params(), [mesh.tp_group, mesh.pp_group], torch.device("cpu"))
+        ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
+        out["norm_rel"] = max(out["norm_rel"], abs(norm.item() - ref_norm.item()) / ref_norm.item())
+        out["loss_rel"] = max(out["loss_rel"], abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+        for name, param in local.items():
+            full = pm.gather_full(name, param.grad)
+            expected = ref_params[name].grad
+            out["grad_abs"] = max(out["grad_abs"], (full - expected).abs().max().item())
+            out["grads_close"] &= bool(torch.allclose(full, expected, rtol=1e-5, atol=1e-6))
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+    for name, param in local.items():
+        out["param_abs"] = max(out["param_abs"], (pm.gather_full(name, param) - ref_params[name]).abs().max().item())
+    ids, labels, mask = batch(STEPS, padding)
+    with torch.no_grad():
+        ref_eval = reference_loss(ref, ids, labels, mask).item()
+    mine = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
+    num_items = int((labels[:, 1:] != -100).sum())
+    eval_loss = pm.eval_loss(ids[mine], labels[mine], None if mask is None else mask[mine], num_items)
+    if mesh.dp_group is not None:
+        dist.all_reduce(eval_loss, group=mesh.dp_group)
+    out["eval_rel"] = abs(eval_loss.item() - ref_eval) / ref_eval
+    out["tied_diff"] = tied_difference(pm)
+    out["stages"] = stages_of_rank(mesh.pp_rank, pm.config)
+    return out
+
+
+def tied_difference(pm) -> float | None:
+    """Max difference between the tied weight's copies on the first and last stage (None if untied)."""
+    names = [n for n in ("transformer.wte.weight", "model.embed_tokens.weight", "lm_head.weight")]
+    local = dict(pm.module.named_parameters())
+    mine = {n: pm.gather_full(n, local[n]) for n in names if n in local}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (pm.mesh.dp_rank, pm.mesh.tp_rank, mine))
+    if not pm._tied_params:
+        return None
+    copies = [t for dp, tp, held in everyone if (dp, tp) == (pm.mesh.dp_rank, pm.mesh.tp_rank) for t in held.values()]
+    assert len(copies) == 2, f"expected the tied weight on two stages, found {len(copies)} copies"
+    return (copies[0] - copies[1]).abs().max().item()
+
+
+def meta_build(arch: str, layout: dict) -> dict:
+    """Build on meta: non-owned modules hold nothing; after to_empty + loading the owned weights, parity."""
+    model = build(arch, device="meta")
+    config = ParallelConfig(**layout)
+    rows = pipeline_layout(model, config)
+    pm = parallelize(model, config)
+    stages = stages_of_rank(pm.mesh.pp_rank, pm.config)
+    owned = [name for name, stage, _ in rows if stage in stages]
+    others = [name for name, stage, _ in rows if stage is not None and stage not in stages]
+    pm.module.to_empty(device="cpu")
+    held = sum(p.numel() * p.element_size() for p in pm.module.parameters())
+    expected = sum(size for name, stage, size in rows if stage in stages)
+    foreign = [n for n in others if not is_placeholder(pm.module.get_submodule(n))
+               or any(True for _ in pm.module.get_submodule(n).parameters())]
+    source = build(arch)
+    ref = copy.deepcopy(source)
+    weights = {**dict(source.named_parameters(remove_duplicate=False)), **dict(source.named_buffers())}
+    with torch.no_grad():  # what a loader does: fill the owned tensors (rotary inv_freq included)
+        for name, tensor in [*pm.module.named_parameters(), *pm.module.named_buffers()]:
+            tensor.copy_(weights[name])
+    ids, labels, _ = batch(0, False)
+    loss = pm.train_step(ids, labels)
+    ref_loss = reference_loss(ref, ids, labels, None)
+    return {"owned": owned, "foreign_with_storage": foreign, "held_bytes": held, "layout_bytes": expected,
+            "loss_rel": abs(loss.item() - ref_loss.item()) / ref_loss.item()}
+
+
+def refusals() -> dict:
+    """ConfigErrors raised on every rank before any collective; the world stays usable afterwards."""
+    out = {}
+    try:
+        parallelize(build("llama"), ParallelConfig(pp=2, pipeline_schedule="interleaved-1f1b", num_microbatches=4))
+    except ConfigError as e:
+        out["parallelize"] = str(e)
+    pm = parallelize(build("llama"), ParallelConfig(pp=2, num_microbatches=4))
+    ids, labels, _ = batch(0, False)
+    try:
+        pm.train_step(ids[:6], labels[:6])
+    except ConfigError as e:
+        out["train_step"] = str(e)
+    out["after"] = pm.train_step(ids, labels).item()
+    return out
+
+
+PP2 = dict(pp=2, num_microbatches=4)
+CHECKS = {
+    "w2": {
+        **{f"{arch}-1f1b": (parity, arch, PP2) for arch in ("llama", "mistral", "gpt2")},
+        **{f"{arch}-interleaved-v2": (parity, arch, {**PP2, "virtual_pipeline_size": 2,
+                                                      "pipeline_schedule": "interleaved-1f1b"})
+           for arch in ("llama", "mistral", "gpt2")},
+        "llama-gpipe": (parity, "llama", {**PP2, "pipeline_schedule": "gpipe"}),
+        "llama-activation-checkpointing": (parity, "llama", {**PP2, "gradient_checkpointing": True}),
+        "gpt2-zero-bubble": (parity, "gpt2", {**PP2, "pipeline_schedule": "zero-bubble"}),
+        "llama-zero-bubble-v2": (parity, "llama", {**PP2, "pipeline_schedule": "zero-bubble",
+                                                   "virtual_pipeline_size": 2}),
+        "llama-tied-1f1b": (parity, "llama_tied", PP2),
+        "llama-user-cuts": (parity, "llama", {**PP2, "pipeline_cuts": ("model.layers.0",)}),
+        "llama-eager-padding": (parity, "llama", PP2, True, "eager"),
+        "gpt2-eager-padding-v2": (parity, "gpt2", {**PP2, "virtual_pipeline_size": 2,
+                                                   "pipeline_schedule": "interleaved-1f1b"}, True, "eager"),
+        "custom-fallback-padding": (parity, "custom", PP2, True),
+        "meta-llama": (meta_build, "llama", PP2),
+        "refusals": (refusals,),
+    },
+    "w4": {
+        "llama-tp2-pp2-sp": (parity, "llama", {**PP2, "tp": 2}),
+        "llama-tp2-pp2-sp-interleaved": (parity, "llama", {**PP2, "tp": 2, "virtual_pipeline_size": 2,
+                                                            "pipeline_schedule": "interleaved-1f1b"}),
+        "gpt2-tp2-pp2-sp": (parity, "gpt2", {**PP2, "tp": 2}),
+        "mistral-tp2-pp2-zero-bubble": (parity, "mistral", {**PP2, "tp": 2, "pipeline_schedule": "zero-bubble"}),
+        "llama-pp2-dp2": (parity, "llama", PP2),
+        "gpt2-pp4": (parity, "gpt2", {"pp": 4, "num_microbatches": 4}),
+    },
+}
+
+
+def main() -> None:
+    out_path, world = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    results = {}
+    for name, (fn, *args) in CHECKS[world].items():
+        results[name] = fn(*args)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        merged = {name: [r[name] for r in gathered] for name in results}
+        Path(out_path).write_text(json.dumps(merged, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Worker: tensor/sequence-parallel parity against one process, many cases in one world.
+
+Run by tests/test_tp_parity.py through plait.testing.launch. For each case every rank trains the same
+tiny model twice for 3 AdamW steps: once as plain transformers + torch (the reference), once through
+plait; it records the worst relative loss error, gradient error and parameter error per case, and writes
+one JSON file per rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import plait  # noqa: E402
+from tiny_models import tiny_model  # noqa: E402
+
+STEPS, BATCH, SEQ, LR = 3, 2, 16, 1e-3
+
+# name -> (world size, arch, ParallelConfig kwargs, model config overrides)
+CASES = {
+    "llama-tp2-sp": (2, "llama", dict(tp=2, sp=True), {}),
+    "llama-tp2-nosp": (2, "llama", dict(tp=2, sp=False), {}),
+    "llama-tp2-sp-tied": (2, "llama", dict(tp=2, sp=True), dict(tie_word_embeddings=True)),
+    "llama-tp2-sp-replicated-embeddings": (2, "llama", dict(tp=2, sp=True, disable_embedding_parallelization=True), {}),
+    "mistral-tp2-sp": (2, "mistral", dict(tp=2, sp=True), {}),
+    "mistral-tp2-nosp": (2, "mistral", dict(tp=2, sp=False), {}),
+    "gpt2-tp2-sp": (2, "gpt2", dict(tp=2, sp=True), {}),
+    "gpt2-tp2-nosp": (2, "gpt2", dict(tp=2, sp=False), {}),
+    "gpt2-tp2-nosp-replicated-embeddings": (2, "gpt2", dict(tp=2, sp=False, disable_embedding_parallelization=True), {}),
+    "llama-dp2": (2, "llama", dict(tp=1), {}),
+    "llama-tp4-kv2-sp": (4, "llama", dict(tp=4, sp=True), {}),
+    "llama-tp4-kv2-nosp": (4, "llama", dict(tp=4, sp=False), {}),
+    "mistral-tp4-kv1-sp": (4, "mistral", dict(tp=4, sp=True), {}),
+    "gpt2-tp4-sp": (4, "gpt2", dict(tp=4, sp=True), {}),
+    "llama-tp2-dp2-sp": (4, "llama", dict(tp=2, sp=True), {}),
+}
+
+
+def reference_loss(model, ids):
+    logits = model(input_ids=ids, use_cache=False).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
+def run_case(name: str) -> dict:
+    _, arch, layout, overrides = CASES[name]
+    reference = tiny_model(arch, seed=0, **overrides)
+    pmodel = plait.parallelize(copy.deepcopy(reference), plait.ParallelConfig(**layout))
+    mesh = pmodel.mesh
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    par_opt = torch.optim.AdamW(pmodel.parameters(), lr=LR)
+    gen = torch.Generator().manual_seed(1)
+    vocab = reference.config.vocab_size
+    worst = {"loss_rel": 0.0, "grad_err": 0.0, "param_err": 0.0, "logits_err": 0.0}
+    failures = []
+    for step in range(STEPS):
+        # The global batch is the same for every layout; each dp rank takes its contiguous rows.
+        ids = torch.randint(0, vocab, (BATCH * mesh.dp, SEQ), generator=gen)
+        local = ids.chunk(mesh.dp)[mesh.dp_rank]
+        ref_loss = reference_loss(reference, ids)
+        ref_loss.backward()
+        num_items = ids.shape[0] * (SEQ - 1)
+        loss = pmodel(local, labels=local, num_items_in_batch=num_items)
+        loss.backward()
+        pmodel.finish_grad_sync()
+        global_loss = plait.comm.all_reduce(loss.detach().clone(), mesh.dp_group)
+        worst["loss_rel"] = max(worst["loss_rel"], abs(global_loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+        for pname, param in pmodel.module.named_parameters():
+            full = pmodel.gather_full(pname, param.grad)
+            expected = reference.get_parameter(pname).grad
+            worst["grad_err"] = max(worst["grad_err"], (full - expected).abs().max().item())
+            try:
+                torch.testing.assert_close(full, expected, rtol=1e-5, atol=1e-6)
+            except AssertionError as err:
+                failures.append(f"step {step} grad {pname}: {str(err).splitlines()[0:4]}")
+        ref_opt.step(), par_opt.step()
+        ref_opt.zero_grad(), par_opt.zero_grad()
+    for pname, param in pmodel.module.named_parameters():
+        err = (pmodel.gather_full(pname, param) - reference.get_parameter(pname)).abs().max().item()
+        worst["param_err"] = max(worst["param_err"], err)
+    with torch.no_grad():  # logits after training: full vocabulary, padding never shows
+        ids = torch.randint(0, vocab, (1, SEQ), generator=gen)
+        logits = pmodel.gather_logits(pmodel(ids))
+        expected = reference(input_ids=ids, use_cache=False).logits
+        if logits.shape != expected.shape:
+            failures.append(f"gathered logits shape {tuple(logits.shape)} != {tuple(expected.shape)}")
+        else:
+            worst["logits_err"] = (logits - expected).abs().max().item()
+    if mesh.config.sequence_parallel:  # a sequence SP cannot split is refused before any collective
+        try:
+            pmodel(torch.zeros(1, SEQ - 1, dtype=torch.long))
+            failures.append(f"sequence length {SEQ - 1} under SP at tp={mesh.tp} was not refused")
+        except plait.ConfigError as err:
+            if f"sequence length {SEQ - 1} is not divisible by tp={mesh.tp}" not in str(err):
+                failures.append(f"unclear SP sequence error: {err}")
+    if worst["loss_rel"] > 1e-5:
+        failures.append(f"loss relative error {worst['loss_rel']:.3g} > 1e-5")
+    tied = getattr(reference.config, "tie_word_embeddings", False)
+    if tied and pmodel.module.get_output_embeddings().weight is not pmodel.module.get_input_embeddings().weight:
+        failures.append("tied input/output embeddings are no longer the same tensor")
+    return {**worst, "failures": failures}
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    world = int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    results = {}
+    for name, (case_world, *_) in CASES.items():
+        if case_world != world:
+            continue
+        try:
+            results[name] = run_case(name)
+        except Exception:  # recorded, so one broken case does not hide the others
+            results[name] = {"failures": [traceback.format_exc()]}
+            raise
+    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
