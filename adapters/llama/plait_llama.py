@@ -10,24 +10,19 @@ def plait_adapter_info():
     return AdapterInfo(name="llama", architectures=("llama", "LlamaForCausalLM"))
 
 
-def decoder_tp_plan(config, prefix="model"):
-    """The Llama decoder plan, shared by architectures that copy Llama's module names (Mistral, Qwen2)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return TPPlan((
-        Attention(f"{prefix}.layers.*.self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
-                  num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-                  head_dim=head_dim, local_attrs={"num_key_value_groups": "kv_groups"}),
-        Column(f"{prefix}.layers.*.mlp.gate_proj"),
-        Column(f"{prefix}.layers.*.mlp.up_proj"),
-        Row(f"{prefix}.layers.*.mlp.down_proj"),
-        VocabEmbedding(f"{prefix}.embed_tokens"),
-        VocabHead("lm_head"),
-    ))
-
-
 @hookimpl
 def plait_tp_plan(config):
-    return decoder_tp_plan(config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return TPPlan((
+        Attention("model.layers.*.self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
+                  num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+                  head_dim=head_dim, local_attrs={"num_key_value_groups": "kv_groups"}),
+        Column("model.layers.*.mlp.gate_proj"),
+        Column("model.layers.*.mlp.up_proj"),
+        Row("model.layers.*.mlp.down_proj"),
+        VocabEmbedding("model.embed_tokens"),
+        VocabHead("lm_head"),
+    ))
 
 
 @hookimpl
