@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -38,17 +41,32 @@ def reference_losses(model_config, tmp_path_factory) -> list[float]:
     return [r["loss"] for r in train(args)]
 
 
-def run_all(commands: list[tuple[list[str], dict]]) -> None:
-    """Start every command at once; any failure or a hang ends them all with the failing output."""
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for cmd, env in commands]
+def run_all(commands: list[tuple[list[str], dict]], logdir: Path) -> None:
+    """Start every command at once, each in its own process group; the first failure, or a hang, ends
+    them all (children included) and fails with every command's output."""
+    logs = [logdir / f"node{i}.log" for i in range(len(commands))]
+    procs = []
+    for (cmd, env), log in zip(commands, logs):
+        with open(log, "wb") as out:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=out,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    deadline, failure = time.monotonic() + TIMEOUT, None
     try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=TIMEOUT)
-            assert proc.returncode == 0, out[-4000:]
+        while any(p.poll() is None for p in procs) and failure is None:
+            if any(p.poll() not in (None, 0) for p in procs):
+                failure = "a node failed"
+            elif time.monotonic() > deadline:
+                failure = f"timed out after {TIMEOUT}s"
+            time.sleep(0.2)
+        if failure is None and any(p.returncode != 0 for p in procs):
+            failure = "a node failed"
     finally:
-        for proc in procs:
-            proc.kill()
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    outputs = "\n".join(f"--- {log.name} ---\n{log.read_text(errors='replace')[-3000:]}" for log in logs)
+    assert failure is None, f"{failure}\n{outputs}"
 
 
 def losses(out: Path) -> list[float]:
@@ -60,7 +78,7 @@ def test_two_nodes_on_localhost(model_config, tmp_path, reference_losses):
     flags = train_flags(model_config, tmp_path)
     run_all([(["bash", "examples/multinode.sh", *flags],
               {"NNODES": "2", "NODE_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "NPROC_PER_NODE": "1"}) for rank in range(2)])
+               "NPROC_PER_NODE": "1"}) for rank in range(2)], tmp_path)
     assert losses(tmp_path) == pytest.approx(reference_losses, rel=1e-5)
 
 
@@ -74,5 +92,5 @@ def test_slurm_script_with_fake_srun(model_config, tmp_path, reference_losses):
     (bin_dir / "srun").chmod(0o755)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_NNODES": "2", "SLURM_JOB_ID": "test",
            "SLURM_GPUS_ON_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    run_all([(["bash", "examples/slurm.sbatch", *train_flags(model_config, tmp_path)], env)])
+    run_all([(["bash", "examples/slurm.sbatch", *train_flags(model_config, tmp_path)], env)], tmp_path)
     assert losses(tmp_path) == pytest.approx(reference_losses, rel=1e-5)
