@@ -83,6 +83,8 @@ def test_seeded_init_gives_same_full_weights_at_every_layout(trained, arch):
     r = trained[arch]
     assert r["init_diff_tp2_vs_tp1"] == 0.0, f"{arch}: tp=2 vs tp=1 full weights differ by {r['init_diff_tp2_vs_tp1']}"
     assert r["init_diff_other_seed"] > 1e-2, f"{arch}: another seed gave nearly the same weights"
+    if arch != "mistral":  # each stage's parameters (GPT2's last stage: the head, tied to the embedding)
+        assert r["init_diff_pp2_vs_tp1"] == 0.0, f"{arch}: pp=2 stage weights differ by {r['init_diff_pp2_vs_tp1']}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -138,6 +140,17 @@ def test_resharded_resume_matches_original_layout(trained, resumed, arch, case, 
     got, want = resumed[arch][case]["losses"], trained[arch][original]["losses"][N:]
     assert rel_diff(got, want) <= RTOL, f"{arch} {case}: {got} vs {want} (rel {rel_diff(got, want):.2e})"
     assert resumed[arch][case]["resharded"] and not resumed[arch][case]["rng_restored"]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_pipeline_checkpoint_resumes_reshards_and_consolidates(trained, resumed, arch):
+    """Each stage saves the modules it holds; GPT2's head on the last stage is the tied embedding, saved once."""
+    pp, tp2, got = trained[arch]["pp2"]["losses"], trained[arch]["tp2"]["losses"], resumed[arch]
+    assert got["pp2_same"]["losses"] == pp[N:], f"{arch}: {got['pp2_same']['losses']} vs {pp[N:]}"
+    assert rel_diff(got["pp2_to_tp2"]["losses"], pp[N:]) <= RTOL, f"{arch}: {got['pp2_to_tp2']['losses']} vs {pp[N:]}"
+    assert rel_diff(got["tp2_to_pp2"]["losses"], tp2[N:]) <= RTOL, f"{arch}: {got['tp2_to_pp2']['losses']} vs {tp2[N:]}"
+    c = got["pp2_consolidated"]
+    assert not any(c["loading_info"].values()) and c["logits_diff"] <= 1e-5, c
 
 
 def test_zero1_checkpoint_resumes_and_regroups(trained, resumed):

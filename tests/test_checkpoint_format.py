@@ -376,6 +376,34 @@ def test_resume_with_the_trainers_scheduler_is_exact(tmp_path):
     assert steps(pmodel, opt, sched, state.step, 6) == straight
 
 
+def test_bf16_with_fp32_master_weights_resumes_exactly(tmp_path):
+    """plait.optim's master weights (bf16 parameters, fp32 masters and moments) through the trainer's step."""
+    from plait.optim import OptimizerStep, build_optimizer
+
+    def setup(seed):
+        pmodel = load_parallel_model(llama_config(), ParallelConfig(), seed=seed, dtype=torch.bfloat16)
+        opt = build_optimizer(pmodel, torch.optim.AdamW, optimizer_dtype=torch.float32, lr=1e-2)
+        return pmodel, opt, OptimizerStep(pmodel, opt)
+
+    def steps(pmodel, step, start, stop):
+        losses = []
+        for i in range(start, stop):
+            ids = torch.randint(0, 61, (2, 8), generator=torch.Generator().manual_seed(i))
+            losses.append(pmodel.train_step(ids, ids).item())
+            step()
+        return losses
+
+    pmodel, opt, step = setup(0)
+    steps(pmodel, step, 0, 2)
+    path = save_checkpoint(tmp_path / "checkpoint-2", pmodel, opt, step=2)
+    masters = [m.clone() for m in opt.masters]
+    straight = steps(pmodel, step, 2, 4)
+    pmodel, opt, step = setup(1)
+    load_checkpoint(path, pmodel, opt)
+    assert all(torch.equal(a, b) for a, b in zip(opt.masters, masters))  # fp32, not re-rounded from bf16
+    assert steps(pmodel, step, 2, 4) == straight
+
+
 def test_hub_style_gpt2_names_load(tmp_path):
     """Hub GPT2 files name tensors without the ``transformer.`` prefix and omit the tied head."""
     config = GPT2Config(n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **TINY)

@@ -58,16 +58,16 @@ def load_parallel_model(
     config, kind, path = _resolve_source(source)
     model = build_meta_model(config, dtype)
     pmodel = parallelize(model, parallel_config, registry=registry)
-    params, aliases = local_params(pmodel.module)
-    hf = HFWeights(path, aliases, getattr(model, "base_model_prefix", "")) if kind == "hf" else None
+    found = local_params(pmodel.module, pmodel.param_specs)
+    hf = HFWeights(path, found.aliases, getattr(model, "base_model_prefix", "")) if kind == "hf" else None
     if hf is not None:
-        hf.check(params, pmodel.param_specs)
+        hf.check(found.specs)
     device = torch.device(device)
     materialize_buffers(pmodel.module, device)
     init = SeededInit(registry, pmodel.adapter, config, seed) if kind == "init" else None
     with torch.no_grad():
-        for name, param in params.items():
-            spec = pmodel.param_specs[name]
+        for name, param in found.params.items():
+            spec = found.specs[name]
             local = torch.empty(spec.local_shape, dtype=param.dtype)
             if spec.pad:
                 local.narrow(spec.dim, local.shape[spec.dim] - spec.pad, spec.pad).zero_()
@@ -174,9 +174,9 @@ class HFWeights:
                 return self._file(file), stored
         return None
 
-    def check(self, params: dict[str, nn.Parameter], specs: dict[str, ShardSpec]) -> None:
+    def check(self, specs: dict[str, ShardSpec]) -> None:
         missing, wrong = [], []
-        for name in params:
+        for name in specs:
             found = self.locate(name)
             if found is None:
                 missing.append(name)

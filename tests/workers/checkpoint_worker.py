@@ -1,11 +1,12 @@
 """Worker for tests/test_checkpoint_dist.py: one launch runs many checks and writes JSON results (rank 0).
 
 Modes (argv: MODE WORKDIR RESULTS_JSON):
-  train   world 2: seeded init equal across layouts; N steps, save, N more at tp=2 and at tp=1 (dp=2);
+  train   world 2: seeded init equal across layouts; N steps, save, N more at tp=2, tp=1 (dp=2), pp=2
+          and ZeRO-1;
           consolidate and compare logits with from_pretrained; load a Hugging Face directory at tp=2.
   resume  world 2, new processes: resume the tp=2 checkpoint (exact losses), reshard tp1 -> tp2 and
-          tp2 -> tp1, ZeRO-1 (dp=2) <-> plain AdamW at tp=2, and try every damaged checkpoint the test
-          prepared under WORKDIR/bad.
+          tp2 -> tp1, pp=2 <-> tp=2, ZeRO-1 (dp=2) <-> plain AdamW at tp=2, consolidate the pp=2 checkpoint,
+          and try every damaged checkpoint the test prepared under WORKDIR/bad.
   kv4     world 4: Llama with 2 kv heads at tp=4 (replicated kv ranges), save, reshard to tp=2 and tp=1.
 The reference for losses is the same training at the saved layout; for weights, plain transformers.
 """
@@ -18,15 +19,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig
 
 from plait import ParallelConfig, comm
 from plait.checkpoint import CheckpointError, consolidate, load_checkpoint, save_checkpoint
 from plait.checkpoint.format import read_index
 from plait.loading import load_parallel_model
+from plait.optim import OptimizerStep, build_optimizer
 
 SEED, N, BATCH, SEQ = 7, 3, 4, 16
+PP2 = ParallelConfig(pp=2, num_microbatches=2)
 
 
 def model_configs() -> dict:
@@ -48,26 +50,22 @@ def local_batch(step: int, vocab: int, pmodel) -> torch.Tensor:
 
 
 def make_optimizer(pmodel, zero: bool = False):
-    kwargs = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    if zero:  # ZeRO-1: each dp rank holds the AdamW state of its partition of whole parameters
-        opt = ZeroRedundancyOptimizer(pmodel.parameters(), torch.optim.AdamW, pmodel.mesh.dp_group, **kwargs)
-    else:
-        opt = torch.optim.AdamW(pmodel.parameters(), **kwargs)
+    """The trainer's optimizer; ``zero``: ZeRO-1, each dp rank holding the AdamW state of its partition."""
+    opt = build_optimizer(pmodel, torch.optim.AdamW, zero_1=zero, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4) * 0.9 ** s)
     return opt, sched
 
 
 def train(pmodel, opt, sched, start: int, stop: int) -> list[float]:
+    """Optimizer steps [start, stop) as plait's trainer runs them (train_step, then OptimizerStep)."""
     losses = []
     vocab = pmodel.module.config.vocab_size
+    optimizer_step = OptimizerStep(pmodel, opt)
     for step in range(start, stop):
         ids = local_batch(step, vocab, pmodel)
-        loss = pmodel(ids, labels=ids, num_items_in_batch=BATCH * (SEQ - 1))
-        loss.backward()
-        pmodel.finish_grad_sync()
-        opt.step()
+        loss = pmodel.train_step(ids, ids, num_items_in_batch=BATCH * (SEQ - 1))
+        optimizer_step()
         sched.step()
-        opt.zero_grad()
         losses.append(comm.all_reduce(loss.detach().clone(), pmodel.mesh.dp_group).item())
     return losses
 
@@ -118,6 +116,12 @@ def mode_train(work: Path, rank: int) -> dict:
                                default=0.0)
         r["buffers"] = sorted(n for n, _ in pm2.module.named_buffers())
         layouts = [("tp2", pm2, False), ("tp1", pm1, False)]
+        if arch != "mistral":  # pipeline stages (GPT2: the tied embedding and head on different stages)
+            pp2 = load_parallel_model(cfg, PP2, seed=SEED)
+            full = dict(pm1.module.named_parameters(remove_duplicate=False))  # tp=1: local == full
+            diff = max((p - full[n]).abs().max() for n, p in pp2.module.named_parameters())
+            r["init_diff_pp2_vs_tp1"] = comm.all_reduce(diff, comm.world_group(), op="max").item()  # both stages
+            layouts.append(("pp2", pp2, False))
         if arch == "llama":
             layouts.append(("zero", load_parallel_model(cfg, ParallelConfig(tp=1), seed=SEED), True))
         for layout, pm, zero in layouts:
@@ -175,6 +179,15 @@ def mode_resume(work: Path, rank: int) -> dict:
             "tp1_to_tp2": resume(work / arch / "tp1" / f"checkpoint-{N}" / "shards", cfg, ParallelConfig(tp=2)),
             "tp2_to_tp1": resume(work / arch / "tp2" / f"checkpoint-{N}", cfg, ParallelConfig(tp=1), via_model=True),
         }
+    for arch in ("gpt2", "llama"):
+        pp_ckpt = work / arch / "pp2" / f"checkpoint-{N}"
+        results[arch].update(
+            pp2_same=resume(pp_ckpt, configs[arch], PP2),
+            pp2_to_tp2=resume(pp_ckpt, configs[arch], ParallelConfig(tp=2)),
+            tp2_to_pp2=resume(work / arch / "tp2" / f"checkpoint-{N}", configs[arch], PP2),
+            pp2_consolidated=consolidated_check(load_parallel_model(pp_ckpt, ParallelConfig(tp=2)), pp_ckpt,
+                                                work / arch / "pp2_hf", rank),
+        )
     llama = configs["llama"]
     zero_ckpt, tp2_ckpt = work / "llama" / "zero" / f"checkpoint-{N}", work / "llama" / "tp2" / f"checkpoint-{N}"
     results["llama"].update(

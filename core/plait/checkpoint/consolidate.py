@@ -135,7 +135,7 @@ def _check_tensors(index, config: PretrainedConfig, root: Path) -> list[str]:
     model = build_meta_model(config)
     if not config.architectures:
         config.architectures = [type(model).__name__]
-    params, _ = local_params(model)
+    params = local_params(model).params
     saved = index.params()
     missing = [n for n in params if n not in saved]
     unexpected = [n for n in saved if n not in params]

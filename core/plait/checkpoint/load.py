@@ -29,6 +29,7 @@ from plait.checkpoint.state import (
 )
 from plait.config import ParallelConfig
 from plait.parallelize import ParallelModel
+from plait.sharding import ShardSpec
 
 # Config fields that do not change the weights; left out when explaining a mismatch.
 _IGNORED_CONFIG = {"architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path", "use_cache"}
@@ -186,12 +187,13 @@ def load_checkpoint(
     finish: Callable[[], None] | None = None
     stored: set[tuple[str, str]] = set()
     error = None
-    params, _ = local_params(pmodel.module)
+    found = local_params(pmodel.module, pmodel.param_specs)
+    params, specs = found.params, found.specs
     try:
-        _check_model(index, pmodel, params, paths)
+        _check_model(index, pmodel, specs, paths)
         if weights:
             for name, param in params.items():
-                reads += local_views(pmodel.param_specs[name], param.data, name)
+                reads += local_views(specs[name], param.data, name)
         if optimizer is not None:
             if index.optimizer is None:
                 raise CheckpointError(
@@ -199,7 +201,7 @@ def load_checkpoint(
                 )
             names = {param: name for name, param in params.items()}
             opt_reads, finish = plan_optimizer_load(
-                optimizer, names, pmodel.param_specs, index.optimizer, index.tensors
+                optimizer, names, specs, index.optimizer, index.tensors
             )
             reads += opt_reads
         if scheduler is not None and index.scheduler is None:
@@ -219,7 +221,7 @@ def load_checkpoint(
             for op in reads:
                 reader.read(op.logical, op.box, op.out)
             if weights:
-                _zero_padding(pmodel, params)
+                _zero_padding(params, specs)
     except CheckpointError as exc:
         error = str(exc)
     _share_errors(error, world)
@@ -244,14 +246,14 @@ def _share_errors(error: str | None, world) -> None:
         raise CheckpointError("; ".join(unique))
 
 
-def _zero_padding(pmodel: ParallelModel, params: dict[str, torch.nn.Parameter]) -> None:
+def _zero_padding(params: dict[str, torch.nn.Parameter], specs: dict[str, ShardSpec]) -> None:
     for name, param in params.items():
-        spec = pmodel.param_specs[name]
+        spec = specs[name]
         if spec.pad:
             param.data.narrow(spec.dim, param.shape[spec.dim] - spec.pad, spec.pad).zero_()
 
 
-def _check_model(index: Index, pmodel: ParallelModel, params: dict[str, Any], paths: CheckpointPaths) -> None:
+def _check_model(index: Index, pmodel: ParallelModel, specs: dict[str, ShardSpec], paths: CheckpointPaths) -> None:
     config = pmodel.module.config
     if index.model_type != config.model_type:
         classes = ", ".join(index.model_config.get("architectures") or [])
@@ -260,9 +262,9 @@ def _check_model(index: Index, pmodel: ParallelModel, params: dict[str, Any], pa
             f"this model is {config.model_type!r} ({type(pmodel.module).__name__})"
         )
     saved = index.params()
-    missing = [name for name in params if name not in saved]
-    wrong = [f"{name}: checkpoint {list(saved[name].shape)} vs model {list(pmodel.param_specs[name].full_shape)}"
-             for name in params if name in saved and saved[name].shape != pmodel.param_specs[name].full_shape]
+    missing = [name for name in specs if name not in saved]
+    wrong = [f"{name}: checkpoint {list(saved[name].shape)} vs model {list(spec.full_shape)}"
+             for name, spec in specs.items() if name in saved and saved[name].shape != spec.full_shape]
     if missing or wrong:
         current = config.to_dict()
         differs = [f"{k}: checkpoint {v!r} vs model {current.get(k)!r}" for k, v in index.model_config.items()

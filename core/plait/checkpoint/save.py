@@ -51,11 +51,12 @@ def save_checkpoint(
     tensors: list[LocalTensor] = []
     local: dict[str, Any] = {"rank": mesh.rank, "error": None, "optimizer": None}
     try:
-        params, aliases = local_params(pmodel.module)
-        tensors = param_tensors(params, pmodel.param_specs)
+        found = local_params(pmodel.module, pmodel.param_specs)
+        aliases = found.aliases
+        tensors = param_tensors(found.params, found.specs)
         if optimizer is not None:
-            names = {param: name for name, param in params.items()}
-            opt_tensors, local["optimizer"] = optimizer_state(optimizer, names, pmodel.param_specs)
+            names = {param: name for name, param in found.params.items()}
+            opt_tensors, local["optimizer"] = optimizer_state(optimizer, names, found.specs)
             tensors += opt_tensors
         local["scheduler"] = scheduler_state(scheduler) if scheduler is not None else None
         local["extra"] = to_json(extra or {})

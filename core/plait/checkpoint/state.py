@@ -16,7 +16,9 @@ Plain ``torch.optim`` optimizers (AdamW, SGD ...) need neither: their per-parame
 parameter's local shape and follow its ``ShardSpec``; 0-d tensors (``step``) are replicated. Neither does
 ``torch.distributed.optim.ZeroRedundancyOptimizer``: each dp rank saves the state of the whole parameters
 its partition owns (through its inner optimizer, so the checkpoint loads into plain AdamW or any other
-partition), and loads the state of the parameters it owns at the new layout.
+partition), and loads the state of the parameters it owns at the new layout. Nor does
+``plait.optim.MasterWeightOptimizer``: its fp32 masters are saved as ``optimizer/<param>/master`` beside the
+moments and restored exactly (from a checkpoint without masters, they start from the loaded parameters).
 """
 
 from __future__ import annotations
@@ -56,17 +58,29 @@ class ReadOp:
     out: torch.Tensor
 
 
-def local_params(module: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, str]]:
-    """This rank's parameters by canonical name, and the aliases (tied name -> canonical name).
+@dataclass
+class LocalParams:
+    """This rank's parameters and their specs by canonical name, and the aliases (tied name -> canonical)."""
 
-    Tied weights are saved once, under transformers' source name (GPT2: ``transformer.wte.weight``, not
-    ``lm_head.weight``), which is also the name ``save_pretrained`` keeps.
+    params: dict[str, nn.Parameter]
+    specs: dict[str, ShardSpec]
+    aliases: dict[str, str]
+
+
+def local_params(module: nn.Module, specs: dict[str, ShardSpec] | None = None) -> LocalParams:
+    """This rank's parameters by canonical name (``specs``: the model's, by local name; None: replicated).
+
+    Tied weights are one logical tensor under transformers' source name (GPT2: ``transformer.wte.weight``,
+    not ``lm_head.weight``), the name ``save_pretrained`` keeps. A pipeline stage that holds only the head
+    of a tied pair holds that same logical tensor: saved once, seeded the same, loaded from the same bytes.
     """
     aliases = dict(getattr(module, "all_tied_weights_keys", None) or {})
-    params = {}
+    found = LocalParams({}, {}, aliases)
     for name, param in module.named_parameters():
-        params[aliases.get(name, name)] = param
-    return params, aliases
+        canonical = aliases.get(name, name)
+        found.params[canonical] = param
+        found.specs[canonical] = specs[name] if specs is not None else ShardSpec(tuple(param.shape))
+    return found
 
 
 def param_tensors(params: dict[str, nn.Parameter], specs: dict[str, ShardSpec]) -> list[LocalTensor]:
@@ -97,6 +111,13 @@ def _is_zero(optimizer: Any) -> bool:
     return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
+def _has_masters(optimizer: Any) -> bool:
+    """A ``plait.optim.MasterWeightOptimizer``: it steps fp32 copies (masters) of lower-precision parameters;
+    its state is keyed by the masters, which are saved too (``optimizer/<param>/master``)."""
+    module = sys.modules.get("plait.optim.mixed_precision")
+    return module is not None and isinstance(optimizer, module.MasterWeightOptimizer)
+
+
 def _param_name(names: dict[nn.Parameter, str], param: torch.Tensor, optimizer: Any) -> str:
     if param not in names:
         raise CheckpointError(
@@ -117,6 +138,15 @@ def optimizer_state(
     """This rank's optimizer state as boxes of logical tensors, plus its JSON part."""
     if hasattr(optimizer, "plait_state"):
         return optimizer.plait_state(names, specs)
+    if _has_masters(optimizer):
+        pairs = list(zip(optimizer.model_params, optimizer.masters))
+        master_names = {master: _param_name(names, param, optimizer) for param, master in pairs}
+        tensors, meta = torch_optimizer_state(optimizer.inner, master_names, specs)
+        for _, master in pairs:
+            name = master_names[master]
+            tensors.append(LocalTensor(optimizer_key(name, "master"), "optim", specs[name].full_shape, master,
+                                       spec_boxes(specs[name])))
+        return tensors, meta
     if _is_zero(optimizer):
         tensors, meta = optimizer_state(optimizer.optim, names, specs)
         # The outer groups are the ones LR schedulers change; the inner ones catch up only at the next step.
@@ -175,6 +205,35 @@ def plan_optimizer_load(
                 outer.update({k: v for k, v in inner.items() if k != "params"})  # LR schedulers use the outer groups
 
         return reads, finish_zero
+    if _has_masters(optimizer):
+        pairs = list(zip(optimizer.model_params, optimizer.masters))
+        master_names = {master: _param_name(names, param, optimizer) for param, master in pairs}
+        reads, state_dict = _torch_load_plan(optimizer.inner, master_names, specs, meta, entries)
+        saved = []
+        for _, master in pairs:
+            name = master_names[master]
+            if optimizer_key(name, "master") in entries:
+                out = torch.zeros(master.shape, dtype=master.dtype)
+                reads += local_views(specs[name], out, optimizer_key(name, "master"))
+                saved.append(out)
+        if saved and len(saved) != len(pairs):
+            raise CheckpointError(f"checkpoint has master weights for {len(saved)} of {len(pairs)} parameters")
+
+        def finish_masters() -> None:
+            # From a checkpoint without masters (saved with fp32 parameters), the loaded parameters are the masters.
+            masters = saved or [param.detach().to(optimizer.dtype) for param, _ in pairs]
+            optimizer.load_state_dict({**state_dict, "master_weights": masters})
+
+        return reads, finish_masters
+    reads, state_dict = _torch_load_plan(optimizer, names, specs, meta, entries)
+    return reads, lambda: optimizer.load_state_dict(state_dict)
+
+
+def _torch_load_plan(
+    optimizer: torch.optim.Optimizer, names, specs: dict[str, ShardSpec], meta: dict[str, Any],
+    entries: dict[str, TensorEntry],
+) -> tuple[list[ReadOp], dict[str, Any]]:
+    """The reads and the ``load_state_dict`` argument (filled by the reads) of a ``torch.optim`` optimizer."""
     if meta["class"] != type(optimizer).__name__:
         raise CheckpointError(
             f"checkpoint optimizer is {meta['class']}, this run uses {type(optimizer).__name__}; "
@@ -225,11 +284,7 @@ def plan_optimizer_load(
             if param_state:
                 state[index] = param_state
             index += 1
-
-    def finish() -> None:
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-    return reads, finish
+    return reads, {"state": state, "param_groups": groups}
 
 
 # --------------------------------------------------------------------------------------------------
