@@ -7,8 +7,10 @@ so any layout with the same global batch trains on the same tokens and, in fp32,
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import os
 import time
 from importlib import resources
 from pathlib import Path
@@ -18,14 +20,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, get_scheduler
 
-from plait import comm
+from plait import comm, faults
 from plait.config import ConfigError
 from plait.data import GlobalBatchSampler, default_corpus_path, local_microbatch
 from plait.data.pipeline import dataset_text_file, training_blocks
 from plait.metrics import MetricsLog, peak_rss_mb, plot_loss_curve
 from plait.optim import OptimizerStep, build_optimizer
-from plait.parallelize import ParallelModel, parallelize
-from plait.runtime import init_distributed, is_main_process, pick_device
+from plait.parallelize import ParallelModel, parallelize, validate_layout
+from plait.runtime import explain_timeouts, init_distributed, is_main_process, pick_device
 from plait.train_args import TrainArgs
 
 DEFAULT_MODEL_CONFIG = "tiny-llama.json"
@@ -62,6 +64,14 @@ def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
             f"--block_size={args.block_size} is not divisible by --tensor_parallel_size={parallel.tp} under sequence "
             f"parallelism; use a multiple of {parallel.tp} or --disable_sequence_parallel"
         )
+
+
+def check_layout(args: TrainArgs, config: PretrainedConfig) -> None:
+    """Every refusal of ``parallelize`` (adapter, plans, tp/pp divisibility, world size), on a meta-device
+    model: before torch.distributed is initialised and before any weight is read or allocated."""
+    with torch.device("meta"):
+        meta_model = AutoModelForCausalLM.from_config(config)
+    validate_layout(meta_model, args.parallel_config(), int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def build_model(args: TrainArgs, config: PretrainedConfig) -> torch.nn.Module:
@@ -126,6 +136,7 @@ def train(args: TrainArgs) -> list[dict]:
     args.validate()
     model_config = read_model_config(args)
     check_model_fits(args, model_config)
+    check_layout(args, model_config)
     # Data before any process group: a bad file fails every rank at once, never inside a collective.
     blocks, val_blocks = load_data(args, model_config.vocab_size)
     parallel = args.parallel_config()
@@ -133,7 +144,8 @@ def train(args: TrainArgs) -> list[dict]:
     init_distributed(device, args.backend, args.ddp_timeout)
     console = Console(stderr=True, quiet=not is_main_process())
 
-    pmodel = parallelize(build_model(args, model_config), parallel).to(device)
+    pmodel = parallelize(build_model(args, model_config), parallel,
+                         timeout=datetime.timedelta(seconds=args.ddp_timeout)).to(device)
     if args.bf16:
         pmodel.to(torch.bfloat16)
     if args.bf16_autocast:
@@ -158,9 +170,10 @@ def train(args: TrainArgs) -> list[dict]:
     num_items = global_batch * (args.block_size - 1)  # packed blocks: every shifted label counts
     progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.description}"),
                         TimeRemainingColumn(), console=console, disable=not is_main_process())
-    with progress:
+    with progress, explain_timeouts(args.ddp_timeout):
         task = progress.add_task("", total=args.max_steps)
         for step in range(args.max_steps):
+            faults.maybe_inject(step + 1)  # testing aid: a no-op unless PLAIT_FAULT_INJECT is set
             start = time.perf_counter()
             indices = sampler.indices(step)
             step_loss = torch.zeros((), device=device)
