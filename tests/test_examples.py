@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from plait.metrics import read_metrics
 from plait.testing.launcher import free_port
 from plait.train_args import TrainArgs
 from plait.trainer import train
@@ -52,7 +52,7 @@ def run_all(commands: list[tuple[list[str], dict]]) -> None:
 
 
 def losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in read_metrics(out)]
 
 
 def test_two_nodes_on_localhost(model_config, tmp_path, reference_losses):

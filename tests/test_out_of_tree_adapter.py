@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from plait.metrics import read_metrics
 from plait.testing import assert_conformance, launch
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "plait-qwen2"
@@ -99,7 +100,7 @@ def single_process_metrics(env, model_config, tmp_path_factory):
         main(["train", "--model_config", str(model_config), *TRAIN_FLAGS, "--output_dir", str(single)])
     finally:
         registry._default = saved
-    return [json.loads(line) for line in (single / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(single)
 
 
 @pytest.mark.parametrize("layout", [["--tensor_parallel_size", "2"],
@@ -108,7 +109,7 @@ def test_plait_train_matches_one_process(env, model_config, tmp_path, single_pro
     """Installed from its own distribution, qwen2 trains under TP+SP and under PP with one process's losses."""
     launch(["-m", "plait", "train", "--model_config", str(model_config), *TRAIN_FLAGS, *layout,
             "--output_dir", str(tmp_path)], 2, env=env, timeout=300)
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(tmp_path)
     assert [r["step"] for r in metrics] == [1, 2, 3]
     assert [r["loss"] for r in metrics] == pytest.approx([r["loss"] for r in single_process_metrics], rel=1e-5)
 

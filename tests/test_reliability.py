@@ -7,7 +7,6 @@ non-zero status within a bounded time, with the reason on screen and no process 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from plait.metrics import read_metrics
 from plait.testing import launch
 from tiny_models import tiny_config
 
@@ -50,8 +50,7 @@ def train_flags(model_config, train_file):
 
 
 def metrics_steps(out: Path) -> int:
-    path = out / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    return len(read_metrics(out)) if (out / "metrics.jsonl").exists() else 0
 
 
 def run_torchrun_with_fault(flags: list[str], out: Path, fault: str, fault_step: int, timeout: float) -> dict:
@@ -121,7 +120,7 @@ def test_stuck_rank_is_ended_by_ddp_timeout(train_flags, tmp_path):
 
 
 def read_losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in read_metrics(out)]
 
 
 @pytest.mark.slow

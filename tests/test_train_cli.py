@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from plait.metrics import read_metrics
 from plait.cli import main
 from plait.testing import launch
 from plait.train_args import TrainArgs
@@ -26,10 +27,6 @@ def model_config(tmp_path_factory) -> Path:
 def common_flags(model_config: Path, out: Path) -> list[str]:
     return ["--model_config", str(model_config), "--output_dir", str(out), "--max_steps", "3",
             "--per_device_train_batch_size", "4", "--block_size", "16", "--learning_rate", "1e-3"]
-
-
-def read_metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

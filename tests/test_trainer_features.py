@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 
+from plait.metrics import read_metrics
 from plait.cli import build_parser, main
 from plait.train_args import TrainArgs, from_namespace
 from plait.trainer import train
@@ -113,4 +113,4 @@ def test_nproc_per_node_launches_torchrun(model_config, tmp_path):
          "--per_device_train_batch_size", "2"], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tp=2 pp=1 dp=1" in result.stderr
-    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]

@@ -1,6 +1,8 @@
 """plait adapter for transformers' GPT2: Conv1D (transposed linear) layers, a fused q|k|v projection,
 learned position embeddings and an LM head tied to the token embedding."""
 
+import math
+
 from plait import AdapterInfo, Attention, Column, PipelinePlan, Row, SPPlan, TPPlan, VocabEmbedding, VocabHead, hookimpl
 
 
@@ -48,3 +50,12 @@ def plait_tiny_config():
     # inside the small vocabulary.
     return GPT2Config(vocab_size=61, n_embd=32, n_layer=4, n_head=4, n_positions=64,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+
+@hookimpl
+def plait_init_weight(name, tensor, config, generator):
+    # GPT-2 paper / transformers' GPT2PreTrainedModel: residual projections are scaled by 1/sqrt(2 * n_layer).
+    if name.endswith("c_proj.weight"):
+        tensor.normal_(0.0, config.initializer_range / math.sqrt(2 * config.n_layer), generator=generator)
+        return True
+    return None

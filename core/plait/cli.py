@@ -1,4 +1,4 @@
-"""The ``plait`` command: train, plan, adapters, check-adapter.
+"""The ``plait`` command: train, plan, consolidate, adapters, check-adapter.
 
 Errors that are the user's to fix (bad layout, bad paths, unknown architecture) print one clear line and
 exit with status 2, rather than a traceback.
@@ -68,6 +68,14 @@ def cmd_adapters(ns: argparse.Namespace) -> None:
     Console(width=max(Console().width, 140)).print(table)
 
 
+def cmd_consolidate(ns: argparse.Namespace) -> None:
+    from plait.checkpoint import consolidate
+
+    out = consolidate(ns.checkpoint_dir, ns.output_dir, format=ns.format, dtype=ns.dtype,
+                      max_shard_size=ns.max_shard_size)
+    print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+
+
 def cmd_check_adapter(ns: argparse.Namespace) -> None:
     from plait.testing.conformance import check_adapter_command
 
@@ -90,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--virtual_pipeline_size", type=int, default=1)
     plan.add_argument("--pipeline_cuts", help="comma-separated leaf modules to cut after")
     plan.set_defaults(func=cmd_plan)
+
+    cons = sub.add_parser("consolidate", help="write a checkpoint as one Hugging Face model dir")
+    cons.add_argument("checkpoint_dir", help="a checkpoint-N dir (or its shard folder)")
+    cons.add_argument("output_dir", help="new (or empty) directory for config.json, weights, tokenizer")
+    cons.add_argument("--format", choices=("safetensors", "pytorch"), default="safetensors")
+    cons.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                      help="cast floating tensors (default: as saved)")
+    cons.add_argument("--max_shard_size", default="5GB", help="split weights into files of at most this size")
+    cons.set_defaults(func=cmd_consolidate)
 
     check = sub.add_parser("check-adapter", help="prove an adapter matches one process under every parallel mode")
     check.add_argument("name", help="an installed adapter (see `plait adapters`) or an importable module of hooks")

@@ -114,3 +114,25 @@ def split(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> to
     if size == 1:
         return tensor
     return tensor.chunk(size, dim=dim)[group_rank(group)].contiguous()
+
+
+def world_group() -> dist.ProcessGroup | None:
+    """The group of every rank, or None in a single process (so the functions here become the identity)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list:
+    """Every rank's picklable ``obj`` in group-rank order (checkpoint metadata, errors); ``[obj]`` alone."""
+    size = group_size(group)
+    if size == 1:
+        return [obj]
+    out: list = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group: dist.ProcessGroup | None) -> None:
+    if group_size(group) > 1:
+        dist.barrier(group=group)

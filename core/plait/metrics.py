@@ -62,3 +62,10 @@ def plot_loss_curve(history: list[dict], path: Path) -> bool:
     plt.close(fig)
     tmp.replace(path)
     return True
+
+
+def read_metrics(output_dir: str | Path, event: str | None = None) -> list[dict]:
+    """The records of a run's metrics.jsonl: optimizer steps by default, or the records of one ``event``
+    (e.g. "load": how long loading took and its peak memory)."""
+    records = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    return [r for r in records if r.get("event") == event]

@@ -147,6 +147,10 @@ class Registry:
     def init_weight(self, adapter: Adapter, **kwargs: Any) -> bool:
         return bool(self._call(adapter.plugin, "plait_init_weight", **kwargs))
 
+    def implements(self, adapter: Adapter, hook: str) -> bool:
+        """Whether ``adapter`` implements ``hook`` (lets the core skip work an absent hook would not use)."""
+        return any(impl.plugin is adapter.plugin for impl in getattr(self.pm.hook, hook).get_hookimpls())
+
     def _call(self, plugin: Any, hook: str, **kwargs: Any) -> Any:
         """Call one plugin's implementation of ``hook`` with the arguments it declares (None if absent)."""
         for impl in getattr(self.pm.hook, hook).get_hookimpls():

@@ -49,6 +49,9 @@ class TrainArgs:
     optimizer_dtype: str = field(default="float32", metadata={"help": "dtype of optimizer state and master weights: float32 or bfloat16"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "clip by the global gradient norm (0: no clipping)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute leaf modules (decoder layers) in backward"})
+    save_steps: int = field(default=0, metadata={"help": "save a sharded checkpoint every N steps and at the end (0: never)"})
+    save_total_limit: int = field(default=0, metadata={"help": "keep only the newest N checkpoints (0: keep all)"})
+    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "a checkpoint dir, or 'auto': the newest complete one in output_dir"})
     logging_steps: int = field(default=1, metadata={"help": "print a log line every N steps (metrics.jsonl gets every step)"})
     nproc_per_node: int = field(default=1, metadata={"help": "launch this many processes with torchrun (when not already under torchrun)"})
     config: str | None = field(default=None, metadata={"help": "a TOML file whose keys are these flag names; flags override it"})
@@ -64,6 +67,9 @@ class TrainArgs:
             value = getattr(self, path_flag)
             if value is not None and not Path(value).exists():
                 raise ConfigError(f"--{path_flag} {value!r} does not exist")
+        resume = self.resume_from_checkpoint
+        if resume not in (None, "auto") and not Path(resume).exists():
+            raise ConfigError(f"--resume_from_checkpoint {resume!r} does not exist (give a checkpoint dir, or 'auto')")
         for path_flag in ("tokenizer_name", "dataset_name", "validation_file"):
             value = getattr(self, path_flag)
             if value is not None and not Path(value).exists():
@@ -81,7 +87,7 @@ class TrainArgs:
                 f"--per_device_train_batch_size={self.per_device_train_batch_size} is not divisible by "
                 f"--num_microbatches={self.num_microbatches}; use a batch that is a multiple of {self.num_microbatches}"
             )
-        for name in ("max_steps", "eval_steps", "warmup_steps"):
+        for name in ("max_steps", "eval_steps", "warmup_steps", "save_steps", "save_total_limit"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be >= 0")
         if not self.learning_rate > 0:

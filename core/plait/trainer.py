@@ -14,11 +14,12 @@ import os
 import time
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, get_scheduler
+from transformers import AutoConfig, PretrainedConfig, get_scheduler
 
 from plait import comm, faults
 from plait.config import ConfigError
@@ -26,7 +27,12 @@ from plait.data import GlobalBatchSampler, default_corpus_path, local_microbatch
 from plait.data.pipeline import dataset_text_file, training_blocks
 from plait.metrics import MetricsLog, peak_rss_mb, plot_loss_curve
 from plait.optim import OptimizerStep, build_optimizer
-from plait.parallelize import ParallelModel, parallelize, validate_layout
+from plait.checkpoint import (
+    checkpoint_path, latest_checkpoint, load_checkpoint, rotate_checkpoints, save_checkpoint, should_save,
+)
+from plait.loading import load_parallel_model
+from plait.meta import build_meta_model
+from plait.parallelize import ParallelModel, validate_layout
 from plait.runtime import explain_timeouts, init_distributed, is_main_process, pick_device
 from plait.train_args import TrainArgs
 
@@ -69,17 +75,7 @@ def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
 def check_layout(args: TrainArgs, config: PretrainedConfig) -> None:
     """Every refusal of ``parallelize`` (adapter, plans, tp/pp divisibility, world size), on a meta-device
     model: before torch.distributed is initialised and before any weight is read or allocated."""
-    with torch.device("meta"):
-        meta_model = AutoModelForCausalLM.from_config(config)
-    validate_layout(meta_model, args.parallel_config(), int(os.environ.get("WORLD_SIZE", "1")))
-
-
-def build_model(args: TrainArgs, config: PretrainedConfig) -> torch.nn.Module:
-    """The full model on CPU; the same seed gives the same weights on every rank and for every layout."""
-    if args.model_name_or_path:
-        return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
-    torch.manual_seed(args.seed)
-    return AutoModelForCausalLM.from_config(config)
+    validate_layout(build_meta_model(config, torch.float32), args.parallel_config(), int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def _tokenizer_dir(args: TrainArgs) -> Path | None:
@@ -93,20 +89,21 @@ def _tokenizer_dir(args: TrainArgs) -> Path | None:
     return None
 
 
-def load_data(args: TrainArgs, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Training blocks and (with --validation_file) validation blocks, as [n, block_size] token ids."""
+def load_data(args: TrainArgs, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """Training blocks, validation blocks (with --validation_file), as [n, block_size] token ids, and the
+    tokenizer that made them (None for byte ids), saved with checkpoints."""
     try:
         if args.dataset_name:
             files = [dataset_text_file(Path(args.dataset_name), Path(args.output_dir))]
         else:
             files = [Path(args.train_file) if args.train_file else default_corpus_path()]
-        blocks, _ = training_blocks(files, args.block_size, vocab_size, _tokenizer_dir(args))
+        blocks, tokenizer = training_blocks(files, args.block_size, vocab_size, _tokenizer_dir(args))
         val_blocks = None
         if args.validation_file:
             val_blocks, _ = training_blocks([Path(args.validation_file)], args.block_size, vocab_size, _tokenizer_dir(args))
     except ValueError as err:  # empty file, too few tokens for one block, tokenizer larger than the model
         raise ConfigError(str(err)) from err
-    return blocks, val_blocks
+    return blocks, val_blocks, tokenizer
 
 
 @torch.no_grad()
@@ -131,6 +128,13 @@ def evaluate(pmodel: ParallelModel, blocks: torch.Tensor, batch_size: int, devic
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
 
+def resume_path(args: TrainArgs) -> Path | None:
+    """The checkpoint to resume from: the given one, or with 'auto' the newest complete one (None: fresh)."""
+    if args.resume_from_checkpoint == "auto":
+        return latest_checkpoint(args.output_dir)
+    return Path(args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+
+
 def train(args: TrainArgs) -> list[dict]:
     """Run the training job described by ``args``; returns the per-step metrics (every rank)."""
     args.validate()
@@ -138,16 +142,19 @@ def train(args: TrainArgs) -> list[dict]:
     check_model_fits(args, model_config)
     check_layout(args, model_config)
     # Data before any process group: a bad file fails every rank at once, never inside a collective.
-    blocks, val_blocks = load_data(args, model_config.vocab_size)
+    blocks, val_blocks, tokenizer = load_data(args, model_config.vocab_size)
+    resume = resume_path(args)
     parallel = args.parallel_config()
     device = pick_device(args.device)
     init_distributed(device, args.backend, args.ddp_timeout)
     console = Console(stderr=True, quiet=not is_main_process())
 
-    pmodel = parallelize(build_model(args, model_config), parallel,
-                         timeout=datetime.timedelta(seconds=args.ddp_timeout)).to(device)
-    if args.bf16:
-        pmodel.to(torch.bfloat16)
+    # Each rank materialises only its own shards: from the checkpoint, the model dir, or seeded init.
+    load_start = time.perf_counter()
+    source = resume or args.model_name_or_path or model_config
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    pmodel = load_parallel_model(source, parallel, seed=args.seed, dtype=dtype, device=device,
+                                 timeout=datetime.timedelta(seconds=args.ddp_timeout))
     if args.bf16_autocast:
         pmodel.autocast_dtype = torch.bfloat16
     mesh = pmodel.mesh
@@ -159,20 +166,34 @@ def train(args: TrainArgs) -> list[dict]:
     optimizer_step = OptimizerStep(pmodel, optimizer, args.max_grad_norm or None)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=max(args.max_steps, 1))
+    first_step = 0
+    if resume is not None:
+        state = load_checkpoint(resume, pmodel, optimizer, scheduler, weights=False)
+        sampler.load_state_dict(state.extra["sampler"])
+        first_step = state.step
+        console.print(f"resumed from {resume} at step {first_step}" + (" (resharded)" if state.resharded else ""))
+    output_dir = Path(args.output_dir)
+    log = MetricsLog(output_dir, fresh=resume is None)
+    log.write({"event": "load", "step": first_step, "load_seconds": time.perf_counter() - load_start,
+               "peak_rss_mb": peak_rss_mb(), "source": str(source) if not isinstance(source, PretrainedConfig) else "init"})
     local_params = sum(p.numel() for p in pmodel.parameters())
     console.print(f"[bold]plait[/] layout {mesh.config.describe()} | adapter {pmodel.adapter.name} "
                   f"({pmodel.adapter.distribution or 'in-process'}) | parameters on rank 0: {local_params:,} | "
                   f"{len(blocks):,} blocks of {args.block_size} tokens, global batch {global_batch}")
 
-    output_dir = Path(args.output_dir)
-    log = MetricsLog(output_dir)
+    def save(step: int) -> None:
+        path = save_checkpoint(checkpoint_path(output_dir, step), pmodel, optimizer, scheduler, step,
+                               {"sampler": sampler.state_dict()}, tokenizer=tokenizer)
+        rotate_checkpoints(output_dir, args.save_total_limit, mesh.rank)
+        console.print(f"saved {path}")
+
     history = []
     num_items = global_batch * (args.block_size - 1)  # packed blocks: every shifted label counts
     progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.description}"),
                         TimeRemainingColumn(), console=console, disable=not is_main_process())
     with progress, explain_timeouts(args.ddp_timeout):
-        task = progress.add_task("", total=args.max_steps)
-        for step in range(args.max_steps):
+        task = progress.add_task("", total=args.max_steps, completed=first_step)
+        for step in range(first_step, args.max_steps):
             faults.maybe_inject(step + 1)  # testing aid: a no-op unless PLAIT_FAULT_INJECT is set
             start = time.perf_counter()
             indices = sampler.indices(step)
@@ -195,6 +216,8 @@ def train(args: TrainArgs) -> list[dict]:
             progress.update(task, advance=1, description=f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s")
             if (step + 1) % args.logging_steps == 0 and not console.is_terminal:
                 console.print(json.dumps(record), soft_wrap=True)
+            if should_save(step + 1, args.save_steps) or (is_last and args.save_steps > 0):
+                save(step + 1)
     if is_main_process() and history and plot_loss_curve(history, output_dir / "loss.png"):
         console.print(f"loss curve: {output_dir / 'loss.png'}")
     return history

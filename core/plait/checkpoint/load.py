@@ -1,0 +1,288 @@
+"""``load_checkpoint``: fill a parallel model (and optimizer, scheduler, RNG) from any saved layout.
+
+Each rank asks, for every box of every local tensor, for exactly the overlapping parts of the saved boxes,
+and reads only those bytes (``st_io``). So the same code resumes at the saved layout and reshards to another
+tp / pp / dp. Everything that can be checked without reading tensor data (index, files, headers, names,
+shapes, coverage) is checked first on every rank; errors from any rank are shared before any tensor is read,
+so a bad checkpoint is the same clear error everywhere, never a hang and never half-loaded training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait import comm
+from plait.checkpoint.format import (
+    Box, CheckpointError, CheckpointPaths, Index, TensorEntry, intersect, read_index, uncovered,
+)
+from plait.checkpoint.st_io import CHECKSUM, DTYPES, SafetensorsError, SafetensorsFile
+from plait.checkpoint.state import (
+    ReadOp, load_scheduler_state, local_params, local_views, plan_optimizer_load, set_rng_state,
+)
+from plait.config import ParallelConfig
+from plait.parallelize import ParallelModel
+
+# Config fields that do not change the weights; left out when explaining a mismatch.
+_IGNORED_CONFIG = {"architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path", "use_cache"}
+
+
+@dataclass
+class CheckpointState:
+    """What ``load_checkpoint`` restored besides tensors: where training stands."""
+
+    path: Path
+    step: int
+    extra: dict[str, Any]
+    saved_config: ParallelConfig
+    resharded: bool  # the saved layout (tp, pp, dp) differs from this run's
+    rng_restored: bool  # RNG states are restored only at the saved layout (rank r gets rank r's states)
+
+
+class CheckpointReader:
+    """Reads any box of any logical tensor of a checkpoint, whatever layout saved it."""
+
+    def __init__(self, paths: CheckpointPaths, index: Index) -> None:
+        self.paths, self.index = paths, index
+        self._files: dict[str, SafetensorsFile] = {}
+
+    def file(self, name: str) -> SafetensorsFile:
+        if name not in self._files:
+            try:
+                self._files[name] = SafetensorsFile(self.paths.shards / name)
+            except SafetensorsError as exc:
+                raise CheckpointError(f"checkpoint shard {exc}") from None
+        return self._files[name]
+
+    def validate_files(self, names: Iterable[str] | None = None) -> None:
+        """Files the index names (all, or ``names``) exist, have the recorded size, a valid header and hold
+        the listed tensors with the dtype and shape their pieces need."""
+        wanted = set(self.index.files if names is None else names)
+        for name in sorted(wanted):
+            if name not in self.index.files:
+                raise CheckpointError(f"the index of {self.paths.root} points to {name}, which it does not list")
+            path = self.paths.shards / name
+            if not path.is_file():
+                raise CheckpointError(
+                    f"checkpoint shard {path} is missing (the index lists it); the checkpoint is incomplete"
+                )
+            size, recorded = path.stat().st_size, self.index.files[name]["size"]
+            if size != recorded:
+                raise CheckpointError(
+                    f"checkpoint shard {path} has {size} bytes, the index recorded {recorded} "
+                    f"(truncated or overwritten)"
+                )
+            self.file(name)
+        for logical, entry in self.index.tensors.items():
+            for piece in entry.pieces:
+                if piece.file not in wanted:
+                    continue
+                stored = self.file(piece.file).entries.get(piece.key)
+                if stored is None:
+                    raise CheckpointError(
+                        f"checkpoint shard {self.paths.shards / piece.file} has no tensor {piece.key!r}"
+                    )
+                fits = len(piece.box) == len(stored.shape) == len(entry.shape) and all(
+                    0 <= a < b <= full and 0 <= at and at + b - a <= s
+                    for (a, b), at, s, full in zip(piece.box, piece.at, stored.shape, entry.shape)
+                )
+                if stored.dtype != DTYPES[entry.dtype] or not fits:
+                    raise CheckpointError(
+                        f"{self.paths.shards / piece.file}: tensor {piece.key!r} ({stored.dtype}, "
+                        f"{list(stored.shape)}) does not hold box {[list(r) for r in piece.box]} of {logical} "
+                        f"({entry.dtype}, {list(entry.shape)})"
+                    )
+
+    def entry(self, logical: str) -> TensorEntry:
+        entry = self.index.tensors.get(logical)
+        if entry is None:
+            raise CheckpointError(f"checkpoint {self.paths.root} has no tensor {logical}")
+        return entry
+
+    def check_covered(self, logical: str, box: Box) -> None:
+        """The saved pieces of ``logical`` cover ``box`` (else this layout cannot be loaded from them)."""
+        entry = self.entry(logical)
+        hole = uncovered(box, [p.box for p in entry.pieces])
+        if hole is not None:
+            saved = [[list(r) for r in p.box] for p in entry.pieces]
+            raise CheckpointError(
+                f"checkpoint {self.paths.root} cannot be loaded at this layout: {logical} {list(entry.shape)} region "
+                f"{[list(r) for r in hole]} is in no saved piece (saved: {saved}); the checkpoint lacks the ranks "
+                f"that held it"
+            )
+
+    def read(self, logical: str, box: Box, out: torch.Tensor) -> None:
+        """Fill ``out`` (shape of ``box``, any dtype and device) with ``box`` of ``logical``."""
+        target = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype)
+        for piece in self.entry(logical).pieces:
+            inter = intersect(piece.box, box)
+            if inter is None:
+                continue
+            src = tuple((a - p0 + at, b - p0 + at) for (a, b), (p0, _), at in zip(inter, piece.box, piece.at))
+            dst = target
+            for d, ((a, b), (b0, _)) in enumerate(zip(inter, box)):
+                dst = dst.narrow(d, a - b0, b - a)
+            try:
+                self.file(piece.file).read_box(piece.key, src, dst)
+            except SafetensorsError as exc:
+                raise CheckpointError(f"checkpoint shard {exc}") from None
+        if target is not out:
+            out.copy_(target)
+
+    def stored_for(self, reads: Iterable[ReadOp]) -> set[tuple[str, str]]:
+        """(file, key) of every stored tensor the reads touch."""
+        touched = set()
+        for op in reads:
+            for piece in self.entry(op.logical).pieces:
+                if intersect(piece.box, op.box) is not None:
+                    touched.add((piece.file, piece.key))
+        return touched
+
+    def verify(self, stored: Iterable[tuple[str, str]], threads: int = 2) -> None:
+        """Compare the checksum of each stored tensor with the index (finds flipped or overwritten bytes).
+
+        Threads: ``pread`` and xxhash release the GIL, so files are checked in parallel.
+        """
+        stored = sorted(stored)
+        with ThreadPoolExecutor(threads) as pool:
+            actual = list(pool.map(lambda fk: self.file(fk[0]).checksum(fk[1]), stored))
+        for (file, key), value in zip(stored, actual):
+            expected = self.index.files[file][CHECKSUM][key]
+            if value != expected:
+                raise CheckpointError(
+                    f"checkpoint shard {self.paths.shards / file}: tensor {key!r} is corrupted "
+                    f"({CHECKSUM} checksum {value:#018x}, the index recorded {expected:#018x})"
+                )
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    pmodel: ParallelModel,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+    *,
+    weights: bool = True,
+    verify: bool = True,
+) -> CheckpointState:
+    """Restore ``pmodel`` (and optionally ``optimizer``, ``scheduler``) from ``path`` at this run's layout.
+
+    Every rank must call it. ``path`` is a checkpoint directory or its shard folder. ``weights=False``
+    skips the parameters (already loaded, e.g. by ``load_parallel_model(path)``). ``verify`` checks the
+    checksum of every stored tensor this rank reads from. Raises CheckpointError on every rank, naming the
+    file and values, when the checkpoint is missing, damaged or does not fit: before any tensor is read for
+    everything but flipped bytes, which the checksums find before training can start.
+    """
+    paths, index = read_index(path)
+    reader = CheckpointReader(paths, index)
+    world = comm.world_group()
+    reads: list[ReadOp] = []
+    finish: Callable[[], None] | None = None
+    stored: set[tuple[str, str]] = set()
+    error = None
+    params, _ = local_params(pmodel.module)
+    try:
+        _check_model(index, pmodel, params, paths)
+        if weights:
+            for name, param in params.items():
+                reads += local_views(pmodel.param_specs[name], param.data, name)
+        if optimizer is not None:
+            if index.optimizer is None:
+                raise CheckpointError(
+                    f"checkpoint {paths.root} has no optimizer state; pass optimizer=None to load weights only"
+                )
+            names = {param: name for name, param in params.items()}
+            opt_reads, finish = plan_optimizer_load(
+                optimizer, names, pmodel.param_specs, index.optimizer, index.tensors
+            )
+            reads += opt_reads
+        if scheduler is not None and index.scheduler is None:
+            raise CheckpointError(f"checkpoint {paths.root} has no scheduler state; pass scheduler=None")
+        for op in reads:
+            reader.check_covered(op.logical, op.box)
+        stored = reader.stored_for(reads)
+        reader.validate_files({file for file, _ in stored})
+    except CheckpointError as exc:
+        error = str(exc)
+    _share_errors(error, world)
+
+    try:
+        if verify:
+            reader.verify(stored)
+        with torch.no_grad():
+            for op in reads:
+                reader.read(op.logical, op.box, op.out)
+            if weights:
+                _zero_padding(pmodel, params)
+    except CheckpointError as exc:
+        error = str(exc)
+    _share_errors(error, world)
+
+    if finish is not None:
+        finish()
+    if scheduler is not None:
+        load_scheduler_state(scheduler, index.scheduler)
+    saved = _parallel_config(index)
+    layout = lambda c: (c.tp, c.pp, c.dp)  # noqa: E731
+    same_layout = layout(saved) == layout(pmodel.config) and index.world_size == pmodel.mesh.world_size
+    if same_layout:
+        set_rng_state(index.ranks[pmodel.mesh.rank]["rng"])
+    return CheckpointState(paths.root, index.step, index.extra, saved, not same_layout, same_layout)
+
+
+def _share_errors(error: str | None, world) -> None:
+    """Raise the same CheckpointError on every rank if any rank found a problem."""
+    errors = comm.all_gather_object(error, world)
+    unique = list(dict.fromkeys(e for e in errors if e))
+    if unique:
+        raise CheckpointError("; ".join(unique))
+
+
+def _zero_padding(pmodel: ParallelModel, params: dict[str, torch.nn.Parameter]) -> None:
+    for name, param in params.items():
+        spec = pmodel.param_specs[name]
+        if spec.pad:
+            param.data.narrow(spec.dim, param.shape[spec.dim] - spec.pad, spec.pad).zero_()
+
+
+def _check_model(index: Index, pmodel: ParallelModel, params: dict[str, Any], paths: CheckpointPaths) -> None:
+    config = pmodel.module.config
+    if index.model_type != config.model_type:
+        classes = ", ".join(index.model_config.get("architectures") or [])
+        raise CheckpointError(
+            f"checkpoint {paths.root} holds a {index.model_type!r} model{f' ({classes})' if classes else ''}; "
+            f"this model is {config.model_type!r} ({type(pmodel.module).__name__})"
+        )
+    saved = index.params()
+    missing = [name for name in params if name not in saved]
+    wrong = [f"{name}: checkpoint {list(saved[name].shape)} vs model {list(pmodel.param_specs[name].full_shape)}"
+             for name in params if name in saved and saved[name].shape != pmodel.param_specs[name].full_shape]
+    if missing or wrong:
+        current = config.to_dict()
+        differs = [f"{k}: checkpoint {v!r} vs model {current.get(k)!r}" for k, v in index.model_config.items()
+                   if k not in _IGNORED_CONFIG and current.get(k) != v and not isinstance(v, dict)]
+        problems = [f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}"] if missing else []
+        problems += wrong[:5]
+        raise CheckpointError(
+            f"checkpoint {paths.root} does not match the model config: {'; '.join(problems)}"
+            + (f" (config differs: {', '.join(differs[:8])})" if differs else "")
+        )
+
+
+def saved_layout(path: str | os.PathLike) -> ParallelConfig:
+    """The ParallelConfig a checkpoint was saved with (for logs and ``plait plan``)."""
+    return _parallel_config(read_index(path)[1])
+
+
+def _parallel_config(index: Index) -> ParallelConfig:
+    known = {f.name for f in dataclasses.fields(ParallelConfig)}
+    data = {k: v for k, v in index.parallel_config.items() if k in known}
+    data["pipeline_cuts"] = tuple(data.get("pipeline_cuts", ()))
+    return ParallelConfig(**data)
+

@@ -1,0 +1,184 @@
+"""``save_checkpoint``: every rank writes the boxes it owns, rank 0 writes the index, then one rename.
+
+A box held by several ranks (replicated tensors, dp replicas, kv heads shared by tp ranks) is written once,
+by the lowest rank holding it, so the checkpoint is the size of the model and its optimizer state whatever
+the layout. Everything is written into ``<path>.tmp`` (each file through ``.partial`` + ``os.replace``), and
+rank 0 renames the folder after every rank has reported success: a crash mid-save leaves only a ``.tmp``
+folder, never a checkpoint that looks complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait import comm
+from plait.checkpoint.format import INDEX, SHARDS, CheckpointError, Index, Piece, TensorEntry, write_json
+from plait.checkpoint.st_io import CHECKSUM, NAMES, write_tensors
+from plait.checkpoint.state import (
+    LocalTensor, local_params, optimizer_state, param_tensors, rng_state, scheduler_state, to_json,
+)
+from plait.parallelize import ParallelModel
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    pmodel: ParallelModel,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+    step: int = 0,
+    extra: dict[str, Any] | None = None,
+    *,
+    tokenizer: Any | None = None,
+) -> Path:
+    """Save model, optimizer, scheduler, RNG and data position (``step``, ``extra``) at ``path``.
+
+    Every rank must call it. ``extra`` is JSON-safe trainer state (e.g. the sampler's position);
+    ``tokenizer`` (rank 0's is used) is saved beside the weights so ``consolidate`` can ship it.
+    Returns the checkpoint directory; raises CheckpointError on every rank if any rank failed.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    mesh = pmodel.mesh
+    world = comm.world_group()
+
+    tensors: list[LocalTensor] = []
+    local: dict[str, Any] = {"rank": mesh.rank, "error": None, "optimizer": None}
+    try:
+        params, aliases = local_params(pmodel.module)
+        tensors = param_tensors(params, pmodel.param_specs)
+        if optimizer is not None:
+            names = {param: name for name, param in params.items()}
+            opt_tensors, local["optimizer"] = optimizer_state(optimizer, names, pmodel.param_specs)
+            tensors += opt_tensors
+        local["scheduler"] = scheduler_state(scheduler) if scheduler is not None else None
+        local["extra"] = to_json(extra or {})
+    except CheckpointError as exc:
+        local["error"] = str(exc)
+    local["coords"] = {"tp_rank": mesh.tp_rank, "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank}
+    local["rng"] = rng_state()
+    local["boxes"] = [(t.logical, [box for box, _ in t.boxes]) for t in tensors]
+    metas = comm.all_gather_object(local, world)
+    _raise_errors(metas, f"checkpoint {path} was not saved")
+
+    owner: dict[tuple[str, tuple], int] = {}
+    for meta in metas:
+        for logical, boxes in meta["boxes"]:
+            for box in boxes:
+                owner.setdefault((logical, tuple(box)), meta["rank"])
+
+    if mesh.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / SHARDS).mkdir(parents=True)
+    comm.barrier(world)
+
+    report: dict[str, Any] = {"error": None, "files": {}, "pieces": {}, "entries": {}}
+    try:
+        for kind, prefix in (("param", "model"), ("optim", "optim")):
+            _write_owned([t for t in tensors if t.kind == kind], owner, mesh.rank,
+                         f"{prefix}-rank{mesh.rank:05d}.safetensors", tmp / SHARDS, report)
+    except OSError as exc:
+        report["error"] = f"writing {tmp}: {exc}"
+    reports = comm.all_gather_object(report, world)
+    try:
+        _raise_errors(reports, f"checkpoint {path} was not saved")
+    except CheckpointError:
+        if mesh.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    if mesh.rank == 0:
+        if not pmodel.module.config.architectures:  # as transformers' save_pretrained does
+            pmodel.module.config.architectures = [type(pmodel.module).__name__]
+        index = _build_index(pmodel, step, metas, reports, aliases)
+        write_json(tmp / SHARDS / INDEX, index.to_json())
+        pmodel.module.config.save_pretrained(tmp)
+        if getattr(pmodel.module, "generation_config", None) is not None:
+            pmodel.module.generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _replace_dir(tmp, path)
+    comm.barrier(world)
+    return path
+
+
+def _write_owned(
+    tensors: list[LocalTensor], owner: dict, rank: int, filename: str, folder: Path, report: dict[str, Any]
+) -> None:
+    """Write the tensors holding at least one box this rank owns; record their pieces in ``report``.
+
+    A logical tensor may come in several local tensors (a ZeRO slice split into boxes): the second and later
+    are stored as ``<name>#1``, ``<name>#2`` ...
+    """
+    to_write: dict[str, torch.Tensor] = {}
+    for t in tensors:
+        owned = [(box, at) for box, at in t.boxes if owner[(t.logical, box)] == rank]
+        if not owned:
+            continue
+        key, n = t.logical, 0
+        while key in to_write:
+            n += 1
+            key = f"{t.logical}#{n}"
+        to_write[key] = t.tensor
+        report["entries"][t.logical] = (t.kind, NAMES[t.tensor.dtype], list(t.full_shape))
+        report["pieces"].setdefault(t.logical, []).extend(Piece(filename, key, box, at).to_json() for box, at in owned)
+    if to_write:
+        sums = write_tensors(folder / filename, to_write)
+        report["files"][filename] = {"size": (folder / filename).stat().st_size, CHECKSUM: sums}
+
+
+def _raise_errors(reports: list[dict[str, Any]], what: str) -> None:
+    errors = [f"rank {rank}: {r['error']}" for rank, r in enumerate(reports) if r["error"]]
+    if errors:
+        raise CheckpointError(f"{what}: " + "; ".join(errors))
+
+
+def _build_index(pmodel: ParallelModel, step: int, metas: list, reports: list, aliases: dict[str, str]) -> Index:
+    tensors: dict[str, TensorEntry] = {}
+    files: dict[str, dict[str, Any]] = {}
+    for report in reports:
+        files.update(report["files"])
+        for logical, (kind, dtype, shape) in report["entries"].items():
+            entry = tensors.setdefault(logical, TensorEntry(kind, dtype, tuple(shape)))
+            entry.pieces += [Piece.from_json(p) for p in report["pieces"][logical]]
+    optimizer = _merge_optimizer([m["optimizer"] for m in metas])
+    config = pmodel.module.config
+    return Index(
+        step=step, model_type=config.model_type, model_config=json.loads(config.to_json_string()),
+        parallel_config=dataclasses.asdict(pmodel.config), world_size=len(metas), tensors=tensors, files=files,
+        aliases=aliases, optimizer=optimizer, scheduler=metas[0]["scheduler"],
+        ranks=[{"rank": m["rank"], **m["coords"], "rng": m["rng"]} for m in metas], extra=metas[0]["extra"],
+    )
+
+
+def _merge_optimizer(metas: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One optimizer description from every rank's (ranks of different pipeline stages hold different params)."""
+    present = [m for m in metas if m is not None]
+    if not present:
+        return None
+    merged = {**present[0], "membership": {}, "state": {}}
+    for meta in present:
+        merged["membership"].update(meta["membership"])
+        merged["state"].update(meta["state"])
+    return merged
+
+
+def _replace_dir(tmp: Path, path: Path) -> None:
+    """Move the finished ``tmp`` folder to ``path``, replacing an older checkpoint there."""
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

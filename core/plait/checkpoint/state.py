@@ -1,0 +1,311 @@
+"""What a rank saves besides bytes: its parameters and optimizer state as boxes of logical tensors, its RNG
+states, and JSON-safe copies of optimizer hyperparameters and scheduler state.
+
+Optimizer extension point (ZeRO-1): an optimizer object may define
+
+* ``plait_state(names, specs) -> (list[LocalTensor], meta)``: the state this rank holds, each tensor with
+  the boxes of its logical tensor (``optimizer/<param>/<key>``) it covers; a dp slice of a flattened
+  parameter is described with ``format.flat_range_boxes`` (several local tensors may share a logical name).
+  ``meta`` is JSON: ``class`` (the update rule, e.g. "AdamW" also under ZeRO-1, so that a checkpoint moves
+  between ZeRO and plain optimizers), ``groups`` (hyperparameters), ``membership`` (parameter -> group) and
+  ``state`` (per parameter, each state key: ``"tensor"`` or a JSON value), as ``torch_optimizer_state``.
+* ``plait_plan_load(names, specs, meta, entries) -> (reads, finish)``: the boxes it needs (``ReadOp``) and a
+  callable run after they are filled that installs the state.
+
+Plain ``torch.optim`` optimizers (AdamW, SGD ...) need neither: their per-parameter state tensors have the
+parameter's local shape and follow its ``ShardSpec``; 0-d tensors (``step``) are replicated. Neither does
+``torch.distributed.optim.ZeroRedundancyOptimizer``: each dp rank saves the state of the whole parameters
+its partition owns (through its inner optimizer, so the checkpoint loads into plain AdamW or any other
+partition), and loads the state of the parameters it owns at the new layout.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.checkpoint.format import Box, CheckpointError, TensorEntry, full_box, spec_boxes
+from plait.checkpoint.st_io import DTYPES
+from plait.sharding import ShardSpec
+
+
+@dataclass
+class LocalTensor:
+    """A tensor this rank holds: ``boxes`` lists (box of the logical tensor, start of the box in ``tensor``)."""
+
+    logical: str
+    kind: str  # "param" or "optim"
+    full_shape: tuple[int, ...]
+    tensor: torch.Tensor
+    boxes: list[tuple[Box, tuple[int, ...]]]
+
+
+@dataclass
+class ReadOp:
+    """Fill ``out`` (a view into a local tensor) with ``box`` of logical tensor ``logical``."""
+
+    logical: str
+    box: Box
+    out: torch.Tensor
+
+
+def local_params(module: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, str]]:
+    """This rank's parameters by canonical name, and the aliases (tied name -> canonical name).
+
+    Tied weights are saved once, under transformers' source name (GPT2: ``transformer.wte.weight``, not
+    ``lm_head.weight``), which is also the name ``save_pretrained`` keeps.
+    """
+    aliases = dict(getattr(module, "all_tied_weights_keys", None) or {})
+    params = {}
+    for name, param in module.named_parameters():
+        params[aliases.get(name, name)] = param
+    return params, aliases
+
+
+def param_tensors(params: dict[str, nn.Parameter], specs: dict[str, ShardSpec]) -> list[LocalTensor]:
+    return [LocalTensor(name, "param", specs[name].full_shape, p.detach(), spec_boxes(specs[name]))
+            for name, p in params.items()]
+
+
+def local_views(spec: ShardSpec, tensor: torch.Tensor, logical: str) -> list[ReadOp]:
+    """Read operations filling ``tensor`` (laid out like ``spec``'s local shard) from ``logical``."""
+    reads = []
+    for box, at in spec_boxes(spec):
+        view = tensor
+        for d, ((a, b), start) in enumerate(zip(box, at)):
+            view = view.narrow(d, start, b - a)
+        reads.append(ReadOp(logical, box, view))
+    return reads
+
+
+# --------------------------------------------------------------------------------------------------
+# Optimizer state
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_zero(optimizer: Any) -> bool:
+    """A ``ZeroRedundancyOptimizer`` (checked without importing torch.distributed.optim, which is slow and
+    warns about torch.jit: whoever built one has imported it)."""
+    module = sys.modules.get("torch.distributed.optim")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
+
+
+def _param_name(names: dict[nn.Parameter, str], param: torch.Tensor, optimizer: Any) -> str:
+    if param not in names:
+        raise CheckpointError(
+            f"{type(optimizer).__name__} steps a tensor of shape {list(param.shape)} that is not a parameter of the "
+            f"model (fp32 master weights?); such an optimizer must define plait_state / plait_plan_load "
+            f"(see plait.checkpoint.state)"
+        )
+    return names[param]
+
+
+def optimizer_key(param: str, key: str) -> str:
+    return f"optimizer/{param}/{key}"
+
+
+def optimizer_state(
+    optimizer: torch.optim.Optimizer, names: dict[nn.Parameter, str], specs: dict[str, ShardSpec]
+) -> tuple[list[LocalTensor], dict[str, Any]]:
+    """This rank's optimizer state as boxes of logical tensors, plus its JSON part."""
+    if hasattr(optimizer, "plait_state"):
+        return optimizer.plait_state(names, specs)
+    if _is_zero(optimizer):
+        tensors, meta = optimizer_state(optimizer.optim, names, specs)
+        # The outer groups are the ones LR schedulers change; the inner ones catch up only at the next step.
+        meta["groups"] = [to_json({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
+        return tensors, meta
+    return torch_optimizer_state(optimizer, names, specs)
+
+
+def torch_optimizer_state(
+    optimizer: torch.optim.Optimizer, names: dict[nn.Parameter, str], specs: dict[str, ShardSpec]
+) -> tuple[list[LocalTensor], dict[str, Any]]:
+    """The default for ``torch.optim`` optimizers: state tensors follow their parameter's spec."""
+    state_dict = optimizer.state_dict()
+    tensors: list[LocalTensor] = []
+    groups, membership, keys = [], {}, {}
+    for g, (group, saved) in enumerate(zip(optimizer.param_groups, state_dict["param_groups"])):
+        groups.append(to_json({k: v for k, v in saved.items() if k != "params"}))
+        for param, index in zip(group["params"], saved["params"]):
+            name = _param_name(names, param, optimizer)
+            membership[name] = g
+            spec = specs[name]
+            keys[name] = {}
+            for key, value in state_dict["state"].get(index, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    keys[name][key] = to_json(value)
+                    continue
+                keys[name][key] = "tensor"
+                if value.dim() == 0:
+                    tensors.append(LocalTensor(optimizer_key(name, key), "optim", (), value, [((), ())]))
+                elif tuple(value.shape) == tuple(param.shape):
+                    tensors.append(LocalTensor(optimizer_key(name, key), "optim", spec.full_shape, value,
+                                               spec_boxes(spec)))
+                else:
+                    raise CheckpointError(
+                        f"optimizer state {key!r} of {name} has shape {list(value.shape)}, neither a scalar nor the "
+                        f"parameter's local shape {list(param.shape)}; plait cannot shard it "
+                        f"({type(optimizer).__name__})"
+                    )
+    meta = {"class": type(optimizer).__name__, "groups": groups, "membership": membership, "state": keys}
+    return tensors, meta
+
+
+def plan_optimizer_load(
+    optimizer: torch.optim.Optimizer, names: dict[nn.Parameter, str], specs: dict[str, ShardSpec],
+    meta: dict[str, Any], entries: dict[str, TensorEntry],
+) -> tuple[list[ReadOp], Callable[[], None]]:
+    """Check the saved state fits ``optimizer`` and return the reads that fill it plus the installer."""
+    if hasattr(optimizer, "plait_plan_load"):
+        return optimizer.plait_plan_load(names, specs, meta, entries)
+    if _is_zero(optimizer):
+        reads, finish_inner = plan_optimizer_load(optimizer.optim, names, specs, meta, entries)
+
+        def finish_zero() -> None:
+            finish_inner()
+            for outer, inner in zip(optimizer.param_groups, optimizer.optim.param_groups):
+                outer.update({k: v for k, v in inner.items() if k != "params"})  # LR schedulers use the outer groups
+
+        return reads, finish_zero
+    if meta["class"] != type(optimizer).__name__:
+        raise CheckpointError(
+            f"checkpoint optimizer is {meta['class']}, this run uses {type(optimizer).__name__}; "
+            f"use the same optimizer to resume, or load the weights only (optimizer=None)"
+        )
+    if len(meta["groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"checkpoint optimizer has {len(meta['groups'])} param groups, this optimizer has "
+            f"{len(optimizer.param_groups)}"
+        )
+    reads: list[ReadOp] = []
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for g, group in enumerate(optimizer.param_groups):
+        groups.append({**from_json(meta["groups"][g]), "params": list(range(index, index + len(group["params"])))})
+        for param in group["params"]:
+            name = _param_name(names, param, optimizer)
+            if name not in meta["membership"]:
+                raise CheckpointError(f"checkpoint has no optimizer entry for parameter {name}")
+            if meta["membership"][name] != g:
+                raise CheckpointError(
+                    f"parameter {name} is in param group {g} here but in group {meta['membership'][name]} "
+                    f"in the checkpoint"
+                )
+            spec = specs[name]
+            param_state: dict[str, Any] = {}
+            for key, kind in meta["state"].get(name, {}).items():
+                logical = optimizer_key(name, key)
+                if kind != "tensor":
+                    param_state[key] = from_json(kind)
+                    continue
+                entry = entries.get(logical)
+                if entry is None:
+                    raise CheckpointError(f"optimizer state tensor {logical} is listed but has no saved pieces")
+                if entry.shape == ():
+                    out = torch.empty((), dtype=DTYPES[entry.dtype])
+                    reads.append(ReadOp(logical, full_box(()), out))
+                elif entry.shape == tuple(spec.full_shape):
+                    out = torch.zeros(param.shape, dtype=DTYPES[entry.dtype])
+                    reads += local_views(spec, out, logical)
+                else:
+                    raise CheckpointError(
+                        f"optimizer state {logical} has full shape {list(entry.shape)} but parameter {name} has "
+                        f"{list(spec.full_shape)}"
+                    )
+                param_state[key] = out
+            if param_state:
+                state[index] = param_state
+            index += 1
+
+    def finish() -> None:
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    return reads, finish
+
+
+# --------------------------------------------------------------------------------------------------
+# JSON-safe state (optimizer hyperparameters, scheduler) and RNG
+# --------------------------------------------------------------------------------------------------
+
+
+def to_json(value: Any) -> Any:
+    """Plain JSON for optimizer/scheduler state; tuples become lists, tensors tagged dicts."""
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": value.detach().cpu().tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, dict):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise CheckpointError(f"cannot save state value {value!r} of type {type(value).__name__} (not JSON-serialisable)")
+
+
+def from_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+        return {k: from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    return value
+
+
+def scheduler_state(scheduler: Any) -> dict[str, Any]:
+    return to_json(scheduler.state_dict())
+
+
+def load_scheduler_state(scheduler: Any, state: dict[str, Any]) -> None:
+    scheduler.load_state_dict(from_json(state))
+
+
+def _b64(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.cpu().numpy().tobytes()).decode()
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy, torch CPU and accelerator RNG states of this process, as JSON."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": _b64(torch.get_rng_state())}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [kind, keys.tolist(), pos, has_gauss, cached]
+    except ImportError:
+        pass
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is not None:
+        module = torch.get_device_module(accelerator.type)
+        if hasattr(module, "get_rng_state_all"):
+            state["device"] = {"type": accelerator.type, "states": [_b64(s) for s in module.get_rng_state_all()]}
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    device = state.get("device")
+    if device and torch.accelerator.is_available():
+        module = torch.get_device_module(device["type"])
+        if hasattr(module, "set_rng_state_all"):
+            module.set_rng_state_all([_unb64(s) for s in device["states"]])

@@ -1,0 +1,257 @@
+"""Build a model no rank ever holds whole: meta build, ``parallelize``, then each rank materialises its shards.
+
+1. The transformers model is built under ``torch.device("meta")`` (shapes only, no memory), as
+   optimum-neuron's ``lazy_load_for_parallelism`` and NxD's meta init do.
+2. ``parallelize`` swaps in the TP layers; they are created from meta slices, so still no memory.
+3. Each rank allocates only its local shards and fills them from a Hugging Face checkpoint directory
+   (reading only its bytes of each tensor: ``checkpoint.st_io``, DESIGN decision 6), from a plait checkpoint
+   (any saved layout), or by seeded random init. Non-persistent buffers (rotary ``inv_freq``) are recomputed
+   by transformers' own ``_init_weights``; tied weights stay one tensor.
+
+Random init is seeded per parameter (and per block of rows) from ``(seed, name)``, then sliced, so the
+full logical weights are identical for every layout: tp=1 and tp=4 start from the same model.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
+
+from plait.checkpoint.format import INDEX, SHARDS, read_index
+from plait.checkpoint.load import load_checkpoint
+from plait.checkpoint.st_io import SafetensorsError, SafetensorsFile
+from plait.checkpoint.state import local_params, local_views
+from plait.config import ConfigError, ParallelConfig
+from plait.meta import build_meta_model
+from plait.parallelize import ParallelModel, parallelize
+from plait.registry import Adapter, Registry, default_registry
+from plait.sharding import ShardSpec
+
+INIT_CHUNK_ELEMENTS = 1 << 22  # rows of a parameter are drawn in blocks of about this many elements
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+def load_parallel_model(
+    source: PretrainedConfig | str | os.PathLike,
+    parallel_config: ParallelConfig,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    registry: Registry | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> ParallelModel:
+    """A ParallelModel whose ranks each hold only their shards.
+
+    ``source``: a transformers config (seeded random init), a Hugging Face model directory (config.json plus
+    model.safetensors or a sharded model.safetensors.index.json) or a plait checkpoint directory (any
+    saved layout). Every rank must call it. Missing or mismatched tensors raise before any weight is read.
+    ``timeout`` bounds collectives on the model's process groups (``parallelize``).
+    """
+    registry = registry or default_registry()
+    config, kind, path = _resolve_source(source)
+    model = build_meta_model(config, dtype)
+    pmodel = parallelize(model, parallel_config, registry=registry, timeout=timeout)
+    params, aliases = local_params(pmodel.module)
+    hf = HFWeights(path, aliases, getattr(model, "base_model_prefix", "")) if kind == "hf" else None
+    if hf is not None:
+        hf.check(params, pmodel.param_specs)
+    device = torch.device(device)
+    materialize_buffers(pmodel.module, device)
+    init = SeededInit(registry, pmodel.adapter, config, seed) if kind == "init" else None
+    with torch.no_grad():
+        for name, param in params.items():
+            spec = pmodel.param_specs[name]
+            local = torch.empty(spec.local_shape, dtype=param.dtype)
+            if spec.pad:
+                local.narrow(spec.dim, local.shape[spec.dim] - spec.pad, spec.pad).zero_()
+            if hf is not None:
+                hf.fill(name, spec, local)
+            elif init is not None:
+                init.fill(name, spec, local)
+            torch.utils.swap_tensors(param, nn.Parameter(local.to(device), requires_grad=param.requires_grad))
+    if kind == "checkpoint":
+        load_checkpoint(path, pmodel)
+    return pmodel
+
+
+def _resolve_source(source: PretrainedConfig | str | os.PathLike) -> tuple[PretrainedConfig, str, Path | None]:
+    """(config, "init" | "hf" | "checkpoint", directory)."""
+    if isinstance(source, PretrainedConfig):
+        return source, "init", None
+    path = Path(source)
+    if (path / SHARDS / INDEX).is_file() or (path / INDEX).is_file():
+        _, index = read_index(path)
+        data = dict(index.model_config)
+        config_class = CONFIG_MAPPING[data.pop("model_type")]
+        return config_class.from_dict(data), "checkpoint", path
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is neither a model directory (no config.json) nor a plait checkpoint")
+    return AutoConfig.from_pretrained(path), "hf", path
+
+
+# --------------------------------------------------------------------------------------------------
+# Buffers
+# --------------------------------------------------------------------------------------------------
+
+
+def materialize_buffers(model: nn.Module, device: torch.device) -> None:
+    """Recompute every meta buffer (rotary ``inv_freq``) with transformers' own ``_init_weights``.
+
+    Buffers are filled with NaN first; one still NaN afterwards was not recomputed and is an error naming it,
+    rather than a model that silently computes with garbage.
+    """
+    init_weights = getattr(model, "_init_weights", None)
+    for module_name, module in model.named_modules():
+        metas = {n: b for n, b in module._buffers.items() if b is not None and b.is_meta}
+        if not metas:
+            continue
+        for name, buffer in metas.items():
+            if not buffer.dtype.is_floating_point:
+                raise ConfigError(f"buffer {module_name}.{name} ({buffer.dtype}) cannot be rebuilt after a meta build")
+            module._buffers[name] = torch.full(buffer.shape, math.nan, dtype=buffer.dtype, device=device)
+        if init_weights is not None:
+            init_weights(module)
+        stale = [n for n in metas if torch.isnan(module._buffers[n]).any()]
+        if stale:
+            raise ConfigError(
+                f"buffers {[f'{module_name}.{n}' for n in stale]} were not recomputed after the meta build "
+                f"(transformers' _init_weights does not handle {type(module).__name__})"
+            )
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face checkpoint directories
+# --------------------------------------------------------------------------------------------------
+
+
+class HFWeights:
+    """The tensors of a Hugging Face model directory, read slice by slice (one or many safetensors files)."""
+
+    def __init__(self, path: Path, aliases: dict[str, str], base_prefix: str) -> None:
+        self.path = path
+        self.aliases = aliases
+        self.base_prefix = base_prefix
+        if (path / SAFE_INDEX).is_file():
+            weight_map = json.loads((path / SAFE_INDEX).read_text())["weight_map"]
+        elif (path / SAFE_WEIGHTS).is_file():
+            weight_map = None
+        else:
+            found = sorted(p.name for p in path.iterdir())
+            raise ConfigError(
+                f"{path} has no {SAFE_WEIGHTS} or {SAFE_INDEX} (found {found}); plait loads safetensors only: "
+                f"convert with transformers (from_pretrained, then save_pretrained)"
+            )
+        self._files: dict[str, SafetensorsFile] = {}
+        self.where: dict[str, tuple[str, str]] = {}
+        names = set(weight_map) if weight_map is not None else set(self._file(SAFE_WEIGHTS).entries)
+        for key in names:
+            self.where[key] = (weight_map[key] if weight_map is not None else SAFE_WEIGHTS, key)
+
+    def _file(self, name: str) -> SafetensorsFile:
+        if name not in self._files:
+            try:
+                self._files[name] = SafetensorsFile(self.path / name)
+            except SafetensorsError as exc:
+                raise ConfigError(str(exc)) from None
+        return self._files[name]
+
+    def locate(self, name: str) -> tuple[SafetensorsFile, str] | None:
+        """The file and key holding parameter ``name``: itself, a weight tied to it, or without the base prefix
+        (hub GPT2 files say ``h.0.attn...`` for ``transformer.h.0.attn...``)."""
+        candidates = [name, *(alias for alias, target in self.aliases.items() if target == name)]
+        prefix = f"{self.base_prefix}." if self.base_prefix else ""
+        candidates += [c.removeprefix(prefix) for c in candidates if prefix and c.startswith(prefix)]
+        for key in candidates:
+            if key in self.where:
+                file, stored = self.where[key]
+                return self._file(file), stored
+        return None
+
+    def check(self, params: dict[str, nn.Parameter], specs: dict[str, ShardSpec]) -> None:
+        missing, wrong = [], []
+        for name in params:
+            found = self.locate(name)
+            if found is None:
+                missing.append(name)
+                continue
+            stored = found[0].entry(found[1])
+            if stored.shape != tuple(specs[name].full_shape):
+                wrong.append(f"{name}: file {list(stored.shape)} vs model {list(specs[name].full_shape)}")
+        if missing or wrong:
+            raise ConfigError(
+                f"{self.path} does not match its config.json: "
+                + "; ".join(([f"missing {missing[:5]}"] if missing else []) + wrong[:5])
+            )
+
+    def fill(self, name: str, spec: ShardSpec, local: torch.Tensor) -> None:
+        file, key = self.locate(name)
+        for op in local_views(spec, local, name):
+            try:
+                file.read_box(key, op.box, op.out)
+            except SafetensorsError as exc:
+                raise ConfigError(str(exc)) from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Seeded random init, identical full weights for every layout
+# --------------------------------------------------------------------------------------------------
+
+
+def init_seed(seed: int, name: str, block: int | None = None) -> int:
+    """A 63-bit seed from (seed, parameter name, row block): stable across processes and Python versions."""
+    digest = hashlib.sha256(f"{seed}/{name}/{block}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class SeededInit:
+    """Fills local shards so that the full logical tensors depend only on (seed, name, full shape).
+
+    The adapter's ``plait_init_weight`` hook, if implemented, gets the full tensor and one generator per
+    parameter. plait's default draws rows in fixed blocks (each with its own generator), so a rank draws only
+    the blocks its rows fall in and never holds more than one block beyond its shard: normal(0,
+    initializer_range) for matrices and embeddings, zeros for biases, ones for other vectors (norm weights).
+    """
+
+    def __init__(self, registry: Registry, adapter: Adapter, config: PretrainedConfig, seed: int) -> None:
+        self.registry, self.adapter, self.config, self.seed = registry, adapter, config, seed
+        self.hook = registry.implements(adapter, "plait_init_weight")
+        self.std = getattr(config, "initializer_range", None) or 0.02
+
+    def fill(self, name: str, spec: ShardSpec, local: torch.Tensor) -> None:
+        if self.hook:
+            full = torch.empty(spec.full_shape, dtype=local.dtype)
+            generator = torch.Generator().manual_seed(init_seed(self.seed, name))
+            if self.registry.init_weight(self.adapter, name=name, tensor=full, config=self.config, generator=generator):
+                for op in local_views(spec, local, name):
+                    op.out.copy_(full[tuple(slice(a, b) for a, b in op.box)])
+                return
+            del full
+        shape = spec.full_shape
+        if len(shape) < 2:
+            value = 0.0 if name.endswith("bias") else 1.0
+            for op in local_views(spec, local, name):
+                op.out.fill_(value)
+            return
+        ops = local_views(spec, local, name)
+        block = max(1, INIT_CHUNK_ELEMENTS // math.prod(shape[1:]))
+        wanted = sorted({b for op in ops for b in range(op.box[0][0] // block, (op.box[0][1] - 1) // block + 1)})
+        for b in wanted:
+            r0, r1 = b * block, min((b + 1) * block, shape[0])
+            rows = torch.empty((r1 - r0, *shape[1:]), dtype=torch.float32)
+            rows.normal_(0.0, self.std, generator=torch.Generator().manual_seed(init_seed(self.seed, name, b)))
+            for op in ops:
+                lo, hi = max(r0, op.box[0][0]), min(r1, op.box[0][1])
+                if lo < hi:
+                    src = rows[(slice(lo - r0, hi - r0), *(slice(a, c) for a, c in op.box[1:]))]
+                    op.out[lo - op.box[0][0]: hi - op.box[0][0]].copy_(src)
+

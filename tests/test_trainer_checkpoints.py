@@ -1,0 +1,100 @@
+"""`plait train` with checkpoints: exact resume, 'auto', resharding on resume, load-only runs, rotation, and
+`plait consolidate` to a model and tokenizer transformers loads."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from plait.cli import main
+from plait.metrics import read_metrics
+from plait.testing import launch
+from plait.train_args import TrainArgs
+from plait.trainer import train
+from tiny_models import tiny_config
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    path.write_text(tiny_config("llama", vocab_size=300).to_json_string())  # 300: room for a BPE tokenizer
+    return str(path)
+
+
+def flags(model_config: str, out, *extra: str) -> list[str]:
+    return ["--model_config", model_config, "--output_dir", str(out), "--max_steps", "4", "--block_size", "16",
+            "--per_device_train_batch_size", "4", "--save_steps", "2", "--lr_scheduler_type", "constant", *extra]
+
+
+def run(argv: list[str]) -> list[dict]:
+    main(["train", *argv])
+    return read_metrics(argv[argv.index("--output_dir") + 1])
+
+
+@pytest.fixture(scope="module")
+def straight(model_config, tmp_path_factory):
+    """4 steps straight through, saving at steps 2 and 4 (single process)."""
+    out = tmp_path_factory.mktemp("straight")
+    return out, run(flags(model_config, out))
+
+
+def test_exact_resume_is_bit_identical(model_config, straight, tmp_path):
+    out, records = straight
+    resumed = run(flags(model_config, tmp_path, "--resume_from_checkpoint", str(out / "checkpoint-2")))
+    assert [r["step"] for r in resumed] == [3, 4]  # only the steps after the checkpoint are recomputed
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in records[2:]]
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in records[2:]]
+
+
+def test_auto_resume_at_tp2_and_reshard_to_tp1(model_config, straight, tmp_path):
+    """tp=2 trains 2 steps; 'auto' resumes it at tp=2 for 2 more; the same checkpoint resumed at tp=1
+    continues with the same losses (resharded)."""
+    _, records = straight
+    first = flags(model_config, tmp_path / "tp2", "--tensor_parallel_size", "2")
+    first[first.index("--max_steps") + 1] = "2"
+    launch(["-m", "plait", "train", *first], 2, timeout=240)
+    launch(["-m", "plait", "train", *flags(model_config, tmp_path / "tp2", "--tensor_parallel_size", "2",
+                                            "--resume_from_checkpoint", "auto")], 2, timeout=240)
+    tp2 = read_metrics(tmp_path / "tp2")
+    assert [r["step"] for r in tp2] == [1, 2, 3, 4]
+    assert [r["loss"] for r in tp2] == pytest.approx([r["loss"] for r in records], rel=1e-5)
+    resharded = run(flags(model_config, tmp_path / "tp1", "--resume_from_checkpoint",
+                          str(tmp_path / "tp2" / "checkpoint-2")))
+    assert [r["loss"] for r in resharded] == pytest.approx([r["loss"] for r in records[2:]], rel=1e-5)
+
+
+def test_max_steps_0_only_loads(model_config, straight, tmp_path):
+    out, _ = straight
+    argv = flags(model_config, tmp_path, "--resume_from_checkpoint", str(out / "checkpoint-4"))
+    argv[argv.index("--max_steps") + 1] = "0"
+    assert run(argv) == []
+    (load,) = read_metrics(tmp_path, event="load")
+    assert load["step"] == 4 and load["load_seconds"] > 0 and load["peak_rss_mb"] > 0
+    assert not list(tmp_path.glob("checkpoint-*"))
+
+
+def test_save_total_limit_keeps_newest(model_config, tmp_path):
+    run(flags(model_config, tmp_path, "--save_total_limit", "1", "--save_steps", "1"))
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
+
+
+def test_consolidated_model_and_tokenizer_load_in_transformers(model_config, straight, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, records = straight
+    main(["consolidate", str(out / "checkpoint-4"), str(tmp_path / "hf")])
+    assert "from_pretrained" in capsys.readouterr().out
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = tokenizer("ROMEO: good morrow", return_tensors="pt").input_ids
+    assert ids.max() < model.config.vocab_size
+    generated = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert generated.shape[1] == ids.shape[1] + 5
+
+
+def test_resume_missing_checkpoint_is_refused(model_config, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["train", *flags(model_config, tmp_path / "out", "--resume_from_checkpoint", str(tmp_path / "nope"))])
+    assert "--resume_from_checkpoint" in capsys.readouterr().err and not (tmp_path / "out").exists()
