@@ -27,6 +27,7 @@ from plait.data import GlobalBatchSampler, default_corpus_path, local_microbatch
 from plait.data.pipeline import dataset_text_file, training_blocks
 from plait.metrics import MetricsLog, peak_rss_mb, plot_loss_curve
 from plait.optim import OptimizerStep, build_optimizer
+from plait.checkpoint.format import remove_partial_checkpoints
 from plait.checkpoint import (
     checkpoint_path, latest_checkpoint, load_checkpoint, rotate_checkpoints, save_checkpoint, should_save,
 )
@@ -39,12 +40,15 @@ from plait.train_args import TrainArgs
 DEFAULT_MODEL_CONFIG = "tiny-llama.json"
 
 
-def read_model_config(args: TrainArgs) -> PretrainedConfig:
-    """The transformers config: from the model dir, the given config.json, or plait's tiny Llama."""
+def read_model_config(args: TrainArgs, resume: Path | None = None) -> PretrainedConfig:
+    """The transformers config: from the model dir, the given config.json, the checkpoint resumed from, or
+    plait's tiny Llama."""
     if args.model_name_or_path:
         return AutoConfig.from_pretrained(args.model_name_or_path)
     if args.model_config:
         return load_config_file(Path(args.model_config))
+    if resume is not None:
+        return AutoConfig.from_pretrained(resume)
     return load_config_file(Path(str(resources.files("plait.configs").joinpath(DEFAULT_MODEL_CONFIG))))
 
 
@@ -69,6 +73,24 @@ def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
         raise ConfigError(
             f"--block_size={args.block_size} is not divisible by --tensor_parallel_size={parallel.tp} under sequence "
             f"parallelism; use a multiple of {parallel.tp} or --disable_sequence_parallel"
+        )
+
+
+def check_resume_matches(args: TrainArgs, config: PretrainedConfig, resume: Path | None) -> None:
+    """A checkpoint of another model than --model_config / --model_name_or_path names is refused, rather than
+    silently training the checkpoint's model. Compares every parameter's name and shape (meta models)."""
+    if resume is None or not (args.model_config or args.model_name_or_path):
+        return
+    saved = AutoConfig.from_pretrained(resume)
+    shapes = [{n: tuple(p.shape) for n, p in build_meta_model(c, torch.float32).named_parameters()}
+              for c in (saved, config)]
+    if shapes[0] != shapes[1]:
+        flag = "--model_name_or_path" if args.model_name_or_path else "--model_config"
+        first = sorted(set(shapes[0].items()) ^ set(shapes[1].items()))[0][0]
+        raise ConfigError(
+            f"--resume_from_checkpoint {resume} holds a {saved.model_type} model ({', '.join(saved.architectures or [])}) "
+            f"that differs from {flag}'s {config.model_type} model (first difference: {first}); resume with the "
+            f"model it was saved from, or leave out {flag} to use the checkpoint's own config"
         )
 
 
@@ -138,12 +160,13 @@ def resume_path(args: TrainArgs) -> Path | None:
 def train(args: TrainArgs) -> list[dict]:
     """Run the training job described by ``args``; returns the per-step metrics (every rank)."""
     args.validate()
-    model_config = read_model_config(args)
+    resume = resume_path(args)
+    model_config = read_model_config(args, resume)
+    check_resume_matches(args, model_config, resume)
     check_model_fits(args, model_config)
     check_layout(args, model_config)
     # Data before any process group: a bad file fails every rank at once, never inside a collective.
     blocks, val_blocks, tokenizer = load_data(args, model_config.vocab_size)
-    resume = resume_path(args)
     parallel = args.parallel_config()
     device = pick_device(args.device)
     init_distributed(device, args.backend, args.ddp_timeout)
@@ -173,6 +196,9 @@ def train(args: TrainArgs) -> list[dict]:
         first_step = state.step
         console.print(f"resumed from {resume} at step {first_step}" + (" (resharded)" if state.resharded else ""))
     output_dir = Path(args.output_dir)
+    if is_main_process():
+        for partial in remove_partial_checkpoints(output_dir):
+            console.print(f"removed {partial}: a save that never finished")
     log = MetricsLog(output_dir, fresh=resume is None)
     log.write({"event": "load", "step": first_step, "load_seconds": time.perf_counter() - load_start,
                "peak_rss_mb": peak_rss_mb(), "source": str(source) if not isinstance(source, PretrainedConfig) else "init"})
