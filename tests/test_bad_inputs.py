@@ -258,3 +258,73 @@ def test_torchrun_world_mismatch_exits_without_rendezvous_hang(tmp_path):
     assert result.returncode != 0
     assert "world size 3 is not divisible by tp*pp = 2*1 = 2" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+# -- checkpoints: damaged or of another model -----------------------------------------------------------
+
+def _damage(how: str):
+    def setup(checkpoint: Path) -> None:
+        shard = checkpoint / "shards" / "model-rank00000.safetensors"
+        if how == "missing":
+            shard.unlink()
+        elif how == "truncated":
+            shard.write_bytes(shard.read_bytes()[:-100])
+        elif how == "corrupted":
+            data = bytearray(shard.read_bytes())
+            data[-50] ^= 0xFF  # inside the last tensor's bytes: only its checksum can tell
+            shard.write_bytes(bytes(data))
+    return setup
+
+
+CHECKPOINT_CASES = [
+    ("missing_shard", _damage("missing"), None, "model-rank00000.safetensors is missing (the index lists it)"),
+    ("truncated_shard", _damage("truncated"), None, "the index recorded 92080 (truncated or overwritten)"),
+    ("corrupted_shard", _damage("corrupted"), None, "is corrupted (xxh3_64 checksum"),
+    ("other_architecture", None, "gpt2", "holds a llama model (LlamaForCausalLM) that differs from --model_config's gpt2"),
+    ("other_model_size", None, "llama4", "differs from --model_config's llama model (first difference: model.layers.2."),
+]
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory) -> str:
+    from plait.data import default_corpus_path
+
+    path = tmp_path_factory.mktemp("data") / "train.txt"
+    path.write_text(default_corpus_path().read_text()[:30000])
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory, warm, small_text) -> Path:
+    """A single-process run of 2 steps with a checkpoint at step 2."""
+    tmp = tmp_path_factory.mktemp("ckpt")
+    main(["train", *base_flags(tmp), "--train_file", small_text, "--max_steps", "2", "--save_steps", "2", "--output_dir", str(tmp / "run"),
+          "--per_device_train_batch_size", "2"])
+    return tmp / "run" / "checkpoint-2"
+
+
+@pytest.mark.parametrize("damage, model_arch, message", [c[1:] for c in CHECKPOINT_CASES],
+                         ids=[c[0] for c in CHECKPOINT_CASES])
+def test_bad_checkpoint_refused(saved_checkpoint, small_text, tmp_path, capsys, damage, model_arch, message):
+    """Exit 2 with the file and the numbers named, within a second, before any training step."""
+    import shutil
+
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(saved_checkpoint, checkpoint)
+    if damage:
+        damage(checkpoint)
+    flags = base_flags(tmp_path) + ["--train_file", small_text, "--per_device_train_batch_size", "2",
+                                    "--resume_from_checkpoint", str(checkpoint)]
+    if model_arch:
+        config = tiny_config("gpt2") if model_arch == "gpt2" else tiny_config("llama", num_hidden_layers=4)
+        (tmp_path / "other.json").write_text(config.to_json_string())
+        flags += ["--model_config", str(tmp_path / "other.json")]
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *flags])
+    elapsed = time.perf_counter() - start
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert message in err.strip().splitlines()[-1], err
+    assert elapsed < 1.0, f"refused after {elapsed:.2f}s"
+    assert not (tmp_path / "out").exists()
