@@ -14,6 +14,7 @@ full logical weights are identical for every layout: tp=1 and tp=4 start from th
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import math
@@ -47,17 +48,19 @@ def load_parallel_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     registry: Registry | None = None,
+    timeout: datetime.timedelta | None = None,
 ) -> ParallelModel:
     """A ParallelModel whose ranks each hold only their shards.
 
     ``source``: a transformers config (seeded random init), a Hugging Face model directory (config.json plus
     model.safetensors or a sharded model.safetensors.index.json) or a plait checkpoint directory (any
     saved layout). Every rank must call it. Missing or mismatched tensors raise before any weight is read.
+    ``timeout`` bounds collectives on the model's process groups (``parallelize``).
     """
     registry = registry or default_registry()
     config, kind, path = _resolve_source(source)
     model = build_meta_model(config, dtype)
-    pmodel = parallelize(model, parallel_config, registry=registry)
+    pmodel = parallelize(model, parallel_config, registry=registry, timeout=timeout)
     found = local_params(pmodel.module, pmodel.param_specs)
     hf = HFWeights(path, found.aliases, getattr(model, "base_model_prefix", "")) if kind == "hf" else None
     if hf is not None:

@@ -7,6 +7,7 @@ groups are all None; every collective in ``plait.comm`` is the identity on such 
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,9 @@ class Mesh:
     dp_group: ProcessGroup | None = None
     _tp_blocks: dict[int, ProcessGroup | None] = field(default_factory=dict, repr=False)
     _ends: tuple[ProcessGroup | None] | None = field(default=None, repr=False)
+    # How long a collective on one of these groups may wait. torch gives every new_group() its own default
+    # (30 minutes for gloo), not the timeout the world was initialised with, so it is passed on here.
+    timeout: datetime.timedelta | None = field(default=None, repr=False)
 
     @property
     def tp(self) -> int:
@@ -47,19 +51,22 @@ class Mesh:
         return self.config.dp
 
     @classmethod
-    def from_world(cls, config: ParallelConfig) -> "Mesh":
-        """Resolve ``config`` against the running world and create every group (all ranks must call this)."""
+    def from_world(cls, config: ParallelConfig, timeout: datetime.timedelta | None = None) -> "Mesh":
+        """Resolve ``config`` against the running world and create every group (all ranks must call this).
+
+        ``timeout``: bounds every collective on these groups (the trainer passes --ddp_timeout); None keeps
+        torch's default for new groups."""
         distributed = dist.is_available() and dist.is_initialized()
         world_size = dist.get_world_size() if distributed else 1
         rank = dist.get_rank() if distributed else 0
         config = config.resolve(world_size)
         grid = torch.arange(world_size).view(config.dp, config.pp, config.tp)
         dp_i, pp_i, tp_i = (int(c) for c in (grid == rank).nonzero()[0])
-        mesh = cls(config, rank, world_size, tp_rank=tp_i, pp_rank=pp_i, dp_rank=dp_i)
+        mesh = cls(config, rank, world_size, tp_rank=tp_i, pp_rank=pp_i, dp_rank=dp_i, timeout=timeout)
         if distributed:
-            mesh.tp_group = _new_groups(grid.reshape(-1, config.tp), rank)
-            mesh.pp_group = _new_groups(grid.permute(0, 2, 1).reshape(-1, config.pp), rank)
-            mesh.dp_group = _new_groups(grid.permute(1, 2, 0).reshape(-1, config.dp), rank)
+            mesh.tp_group = _new_groups(grid.reshape(-1, config.tp), rank, timeout)
+            mesh.pp_group = _new_groups(grid.permute(0, 2, 1).reshape(-1, config.pp), rank, timeout)
+            mesh.dp_group = _new_groups(grid.permute(1, 2, 0).reshape(-1, config.dp), rank, timeout)
         return mesh
 
     def tp_block_group(self, block: int) -> ProcessGroup | None:
@@ -72,7 +79,7 @@ class Mesh:
                 self._tp_blocks[block] = None
             else:
                 grid = torch.arange(self.world_size).view(-1, block)
-                self._tp_blocks[block] = _new_groups(grid, self.rank)
+                self._tp_blocks[block] = _new_groups(grid, self.rank, self.timeout)
         return self._tp_blocks[block]
 
     def pipeline_ends_group(self) -> ProcessGroup | None:
@@ -88,7 +95,7 @@ class Mesh:
             else:
                 grid = torch.arange(self.world_size).view(self.dp, self.pp, self.tp)
                 ends = grid[:, [0, self.pp - 1], :].permute(0, 2, 1).reshape(-1, 2)
-                group = _new_groups(ends, self.rank)
+                group = _new_groups(ends, self.rank, self.timeout)
                 self._ends = (group if self.pp_rank in (0, self.pp - 1) else None,)
         return self._ends[0]
 
@@ -99,13 +106,13 @@ class Mesh:
         )
 
 
-def _new_groups(rows: torch.Tensor, rank: int) -> ProcessGroup | None:
+def _new_groups(rows: torch.Tensor, rank: int, timeout: datetime.timedelta | None) -> ProcessGroup | None:
     """Create one group per row (collectively) and return the one holding ``rank``; None for 1-rank rows."""
     mine = None
     for row in rows.tolist():
         if len(row) == 1:
             return None
-        group = dist.new_group(row)
+        group = dist.new_group(row, timeout=timeout)
         if rank in row:
             mine = group
     return mine

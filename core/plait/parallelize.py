@@ -8,7 +8,9 @@ parallel region -> activation checkpointing -> pipeline stages -> ParallelModel.
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -233,8 +235,57 @@ def _check_capabilities(adapter: Adapter, config: ParallelConfig, model_config: 
         )
 
 
-def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry | None = None) -> ParallelModel:
+@dataclass
+class _Plans:
+    """What parallelize applies, computed (and checked) from the model's structure alone."""
+
+    split: Any
+    tied: list[list[str]]
+    shards_by_rank: list[dict]
+    sp_plan: Any
+    leaves: list[str]
+
+
+def _plan(model: nn.Module, config: ParallelConfig, registry: Registry, adapter: Adapter) -> _Plans:
+    """Every layout check that needs the model: no communication, no weight values (meta tensors do)."""
+    _check_capabilities(adapter, config, model.config)
+    split = plan_stages(model, config, registry, adapter) if config.pp > 1 else None
+    tied = tied_across_stages(model, split) if split is not None else []
+    parallel_embeddings = not config.disable_embedding_parallelization
+    tp_plan = registry.tp_plan(adapter, model.config) if config.tp > 1 else None
+    shards_by_rank = [
+        plan_tensor_parallel(model, tp_plan, config.tp, r, parallel_embeddings) if tp_plan else {}
+        for r in range(config.tp)
+    ]
+    sp_plan = registry.sp_plan(adapter, model.config) if config.sequence_parallel else None
+    if sp_plan is not None:
+        sp_grad_sum_params(model, sp_plan, shards_by_rank[0])  # validates the plan against the model
+    leaves = []
+    if config.gradient_checkpointing:
+        leaves = checkpoint_targets(model, registry.leaf_modules(adapter, model.config))
+    return _Plans(split, tied, shards_by_rank, sp_plan, leaves)
+
+
+def validate_layout(
+    model: nn.Module, config: ParallelConfig, world_size: int, *, registry: Registry | None = None
+) -> ParallelConfig:
+    """Run every refusal of ``parallelize`` without a process group; return ``config`` resolved for the world.
+
+    ``model`` may be built on the meta device (``with torch.device("meta")``), so a trainer can refuse a
+    bad layout before it initialises torch.distributed or reads a single weight.
+    """
+    registry = registry or default_registry()
+    _plan(model, config, registry, registry.resolve(model.config))
+    return config.resolve(world_size)
+
+
+def parallelize(
+    model: nn.Module, config: ParallelConfig, *, registry: Registry | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> ParallelModel:
     """Lay ``model`` (a transformers causal LM, on CPU, GPU or meta) out over the running world.
+
+    ``timeout`` bounds every collective on the tp/pp/dp groups (see ``Mesh.from_world``).
 
     Every check that can fail runs before the first collective, so a bad layout is an error on every
     rank, never a hang.
@@ -243,26 +294,13 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, registry: Registry 
     adapter = registry.resolve(model.config)
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world_size > 1 else 0
-    _check_capabilities(adapter, config, model.config)
-    split = plan_stages(model, config, registry, adapter) if config.pp > 1 else None
-    tied = tied_across_stages(model, split) if split is not None else []
-
-    parallel_embeddings = not config.disable_embedding_parallelization
-    tp_plan = registry.tp_plan(adapter, model.config) if config.tp > 1 else None
-    shards_by_rank = [
-        plan_tensor_parallel(model, tp_plan, config.tp, r, parallel_embeddings) if tp_plan else {}
-        for r in range(config.tp)
-    ]
+    plans = _plan(model, config, registry, adapter)
+    split, tied, shards_by_rank, sp_plan, leaves = (plans.split, plans.tied, plans.shards_by_rank, plans.sp_plan,
+                                                    plans.leaves)
     specs_by_rank = [param_specs(model, shards) for shards in shards_by_rank]
-    sp_plan = registry.sp_plan(adapter, model.config) if config.sequence_parallel else None
-    if sp_plan is not None:
-        sp_grad_sum_params(model, sp_plan, shards_by_rank[0])  # validates the plan against the model
-    leaves = []
-    if config.gradient_checkpointing:
-        leaves = checkpoint_targets(model, registry.leaf_modules(adapter, model.config))
     config = config.resolve(world_size)  # after the model checks: they do not depend on the launch
 
-    mesh = Mesh.from_world(config)
+    mesh = Mesh.from_world(config, timeout)
     assert mesh.rank == rank
     stage_ids = stages_of_rank(mesh.pp_rank, config) if split is not None else []
     if split is not None:

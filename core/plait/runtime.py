@@ -6,8 +6,10 @@ GPU is present, else cpu + gloo), so an XLA device and backend can be named inst
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,3 +37,24 @@ def init_distributed(device: torch.device, backend: str, timeout_s: int) -> bool
 
 def is_main_process() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than --ddp_timeout: a peer rank is stuck or dead."""
+
+
+@contextlib.contextmanager
+def explain_timeouts(timeout_s: int) -> Iterator[None]:
+    """Re-raise a backend's collective timeout (gloo: "Timed out waiting ...") as one line naming the flag.
+
+    The backend's own text stays attached as the cause, so nothing is hidden.
+    """
+    try:
+        yield
+    except RuntimeError as err:
+        if "timed out" not in str(err).lower() or isinstance(err, CollectiveTimeout):
+            raise
+        raise CollectiveTimeout(
+            f"a collective waited longer than --ddp_timeout={timeout_s}s: another rank is stuck or has died (see "
+            f"its output above); if steps are legitimately this slow, raise --ddp_timeout"
+        ) from err

@@ -82,6 +82,11 @@ class TrainArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be positive")
+        if self.per_device_train_batch_size % self.num_microbatches:
+            raise ConfigError(
+                f"--per_device_train_batch_size={self.per_device_train_batch_size} is not divisible by "
+                f"--num_microbatches={self.num_microbatches}; use a batch that is a multiple of {self.num_microbatches}"
+            )
         for name in ("max_steps", "eval_steps", "warmup_steps", "save_steps", "save_total_limit"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be >= 0")

@@ -7,8 +7,10 @@ so any layout with the same global batch trains on the same tokens and, in fp32,
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import os
 import time
 from importlib import resources
 from pathlib import Path
@@ -19,29 +21,34 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import AutoConfig, PretrainedConfig, get_scheduler
 
-from plait import comm
+from plait import comm, faults
 from plait.config import ConfigError
 from plait.data import GlobalBatchSampler, default_corpus_path, local_microbatch
 from plait.data.pipeline import dataset_text_file, training_blocks
 from plait.metrics import MetricsLog, peak_rss_mb, plot_loss_curve
 from plait.optim import OptimizerStep, build_optimizer
+from plait.checkpoint.format import remove_partial_checkpoints
 from plait.checkpoint import (
     checkpoint_path, latest_checkpoint, load_checkpoint, rotate_checkpoints, save_checkpoint, should_save,
 )
 from plait.loading import load_parallel_model
-from plait.parallelize import ParallelModel
-from plait.runtime import init_distributed, is_main_process, pick_device
+from plait.meta import build_meta_model
+from plait.parallelize import ParallelModel, validate_layout
+from plait.runtime import explain_timeouts, init_distributed, is_main_process, pick_device
 from plait.train_args import TrainArgs
 
 DEFAULT_MODEL_CONFIG = "tiny-llama.json"
 
 
-def read_model_config(args: TrainArgs) -> PretrainedConfig:
-    """The transformers config: from the model dir, the given config.json, or plait's tiny Llama."""
+def read_model_config(args: TrainArgs, resume: Path | None = None) -> PretrainedConfig:
+    """The transformers config: from the model dir, the given config.json, the checkpoint resumed from, or
+    plait's tiny Llama."""
     if args.model_name_or_path:
         return AutoConfig.from_pretrained(args.model_name_or_path)
     if args.model_config:
         return load_config_file(Path(args.model_config))
+    if resume is not None:
+        return AutoConfig.from_pretrained(resume)
     return load_config_file(Path(str(resources.files("plait.configs").joinpath(DEFAULT_MODEL_CONFIG))))
 
 
@@ -67,6 +74,30 @@ def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
             f"--block_size={args.block_size} is not divisible by --tensor_parallel_size={parallel.tp} under sequence "
             f"parallelism; use a multiple of {parallel.tp} or --disable_sequence_parallel"
         )
+
+
+def check_resume_matches(args: TrainArgs, config: PretrainedConfig, resume: Path | None) -> None:
+    """A checkpoint of another model than --model_config / --model_name_or_path names is refused, rather than
+    silently training the checkpoint's model. Compares every parameter's name and shape (meta models)."""
+    if resume is None or not (args.model_config or args.model_name_or_path):
+        return
+    saved = AutoConfig.from_pretrained(resume)
+    shapes = [{n: tuple(p.shape) for n, p in build_meta_model(c, torch.float32).named_parameters()}
+              for c in (saved, config)]
+    if shapes[0] != shapes[1]:
+        flag = "--model_name_or_path" if args.model_name_or_path else "--model_config"
+        first = sorted(set(shapes[0].items()) ^ set(shapes[1].items()))[0][0]
+        raise ConfigError(
+            f"--resume_from_checkpoint {resume} holds a {saved.model_type} model ({', '.join(saved.architectures or [])}) "
+            f"that differs from {flag}'s {config.model_type} model (first difference: {first}); resume with the "
+            f"model it was saved from, or leave out {flag} to use the checkpoint's own config"
+        )
+
+
+def check_layout(args: TrainArgs, config: PretrainedConfig) -> None:
+    """Every refusal of ``parallelize`` (adapter, plans, tp/pp divisibility, world size), on a meta-device
+    model: before torch.distributed is initialised and before any weight is read or allocated."""
+    validate_layout(build_meta_model(config, torch.float32), args.parallel_config(), int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def _tokenizer_dir(args: TrainArgs) -> Path | None:
@@ -129,11 +160,13 @@ def resume_path(args: TrainArgs) -> Path | None:
 def train(args: TrainArgs) -> list[dict]:
     """Run the training job described by ``args``; returns the per-step metrics (every rank)."""
     args.validate()
-    model_config = read_model_config(args)
+    resume = resume_path(args)
+    model_config = read_model_config(args, resume)
+    check_resume_matches(args, model_config, resume)
     check_model_fits(args, model_config)
+    check_layout(args, model_config)
     # Data before any process group: a bad file fails every rank at once, never inside a collective.
     blocks, val_blocks, tokenizer = load_data(args, model_config.vocab_size)
-    resume = resume_path(args)
     parallel = args.parallel_config()
     device = pick_device(args.device)
     init_distributed(device, args.backend, args.ddp_timeout)
@@ -143,7 +176,8 @@ def train(args: TrainArgs) -> list[dict]:
     load_start = time.perf_counter()
     source = resume or args.model_name_or_path or model_config
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    pmodel = load_parallel_model(source, parallel, seed=args.seed, dtype=dtype, device=device)
+    pmodel = load_parallel_model(source, parallel, seed=args.seed, dtype=dtype, device=device,
+                                 timeout=datetime.timedelta(seconds=args.ddp_timeout))
     if args.bf16_autocast:
         pmodel.autocast_dtype = torch.bfloat16
     mesh = pmodel.mesh
@@ -162,6 +196,9 @@ def train(args: TrainArgs) -> list[dict]:
         first_step = state.step
         console.print(f"resumed from {resume} at step {first_step}" + (" (resharded)" if state.resharded else ""))
     output_dir = Path(args.output_dir)
+    if is_main_process():
+        for partial in remove_partial_checkpoints(output_dir):
+            console.print(f"removed {partial}: a save that never finished")
     log = MetricsLog(output_dir, fresh=resume is None)
     log.write({"event": "load", "step": first_step, "load_seconds": time.perf_counter() - load_start,
                "peak_rss_mb": peak_rss_mb(), "source": str(source) if not isinstance(source, PretrainedConfig) else "init"})
@@ -180,9 +217,10 @@ def train(args: TrainArgs) -> list[dict]:
     num_items = global_batch * (args.block_size - 1)  # packed blocks: every shifted label counts
     progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.description}"),
                         TimeRemainingColumn(), console=console, disable=not is_main_process())
-    with progress:
+    with progress, explain_timeouts(args.ddp_timeout):
         task = progress.add_task("", total=args.max_steps, completed=first_step)
         for step in range(first_step, args.max_steps):
+            faults.maybe_inject(step + 1)  # testing aid: a no-op unless PLAIT_FAULT_INJECT is set
             start = time.perf_counter()
             indices = sampler.indices(step)
             step_loss = torch.zeros((), device=device)

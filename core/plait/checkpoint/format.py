@@ -287,6 +287,16 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def remove_partial_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Delete ``checkpoint-N.tmp`` folders: saves a killed job never finished (``list_checkpoints`` already
+    ignores them). Call on one rank, at start-up, before this job saves anything."""
+    doomed = [child for child in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*.tmp")
+              if re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+\.tmp", child.name) and child.is_dir()]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     found = list_checkpoints(output_dir)
     return found[-1] if found else None

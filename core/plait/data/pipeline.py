@@ -25,7 +25,7 @@ def byte_token_ids(files: list[Path], vocab_size: int) -> torch.LongTensor:
     """Every byte of every document as one id, folded into ``vocab_size`` (for vocabularies under 257)."""
     data = b"".join(doc.encode("utf-8") for path in files for doc in read_documents(path))
     if not data:
-        raise ValueError(f"no text in {', '.join(map(str, files))}")
+        raise ValueError(f"no text in {', '.join(map(str, files))}: the file is empty; give a .txt or .jsonl with text")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long() % vocab_size
 
 

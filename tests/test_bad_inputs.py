@@ -1,0 +1,330 @@
+"""Bad input never costs a hang or data: one table of refusals of ``plait train``.
+
+Each row runs ``plait.cli.main`` in-process and checks: exit status 2, a message naming the values (and
+the fix), under a second of the command's own work (imports are warmed first), output_dir never created,
+and that neither torch.distributed nor a weight was touched (those entry points raise if reached).
+A few rows also run as real processes (`python -m plait`, torchrun) to prove the exit status there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import plait
+import plait.registry
+import plait.trainer
+from plait.cli import main
+from tiny_models import tiny_config
+
+
+def write_config(tmp_path: Path, arch: str = "llama", **overrides) -> str:
+    path = tmp_path / f"{arch}-config.json"
+    path.write_text(tiny_config(arch, **overrides).to_json_string())
+    return str(path)
+
+
+def _adapter(name: str, architectures: tuple[str, ...], *, tp_plan: plait.TPPlan | None = None,
+             hooks: tuple[str, ...] = ("info", "tp", "leaves")) -> types.ModuleType:
+    """An in-process adapter module with only the hooks named in ``hooks``."""
+    module = types.ModuleType(name)
+
+    @plait.hookimpl
+    def plait_adapter_info():
+        return plait.AdapterInfo(name, architectures, plait.Capabilities(sp=False))
+
+    @plait.hookimpl
+    def plait_tp_plan(config):
+        return tp_plan or plait.TPPlan(())
+
+    @plait.hookimpl
+    def plait_leaf_modules(config):
+        return ["model.layers.*"]
+
+    for key, fn in (("info", plait_adapter_info), ("tp", plait_tp_plan), ("leaves", plait_leaf_modules)):
+        if key in hooks:
+            setattr(module, fn.__name__, fn)
+    return module
+
+
+def load_extra_adapter(monkeypatch, module: types.ModuleType, *, block: str = "") -> None:
+    """The default registry, rebuilt on first use inside main(), loads ``module`` after the installed ones."""
+    original = plait.registry.Registry.load_entry_points
+
+    def load(self):
+        original(self)
+        self.register(module)
+
+    monkeypatch.setattr(plait.registry, "_default", None)
+    monkeypatch.setattr(plait.registry.Registry, "load_entry_points", load)
+    if block:
+        monkeypatch.setenv(plait.registry.BLOCKED_ENV, block)
+
+
+def duplicate_claim(monkeypatch, tmp_path):
+    load_extra_adapter(monkeypatch, _adapter("my_llama", ("llama",)))
+    return []
+
+
+def missing_hook(monkeypatch, tmp_path):
+    load_extra_adapter(monkeypatch, _adapter("half_done", ("opt",), hooks=("info", "tp")))
+    return []
+
+
+def plan_names_missing_module(monkeypatch, tmp_path):
+    plan = plait.TPPlan((plait.Column("model.layers.*.mlp.not_there"),))
+    load_extra_adapter(monkeypatch, _adapter("typo", ("llama",), tp_plan=plan), block="llama")
+    return ["--tensor_parallel_size", "2", "--disable_sequence_parallel"]
+
+
+def world_size(n: int):
+    def setup(monkeypatch, tmp_path):
+        monkeypatch.setenv("WORLD_SIZE", str(n))
+        return []
+    return setup
+
+
+def model(arch="llama", **overrides):
+    def setup(monkeypatch, tmp_path):
+        return ["--model_config", write_config(tmp_path, arch, **overrides)]
+    return setup
+
+
+def file_with(name: str, text: str, flag: str):
+    def setup(monkeypatch, tmp_path):
+        path = tmp_path / name
+        path.write_text(text)
+        return [flag, str(path)]
+    return setup
+
+
+FOUR_LAYERS = model(num_hidden_layers=4)
+OPT_CONFIG = ('{"model_type": "opt", "vocab_size": 61, "hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2, '
+              '"num_attention_heads": 4, "max_position_embeddings": 64, "word_embed_proj_dim": 32}')
+
+# (id, flags, setup(monkeypatch, tmp_path) -> more flags, substring of the message)
+CASES = [
+    ("heads_vs_tp", ["--tensor_parallel_size", "3", "--disable_sequence_parallel"], world_size(3),
+     "num_attention_heads=4 is not divisible by tp=3"),
+    ("kv_heads_vs_tp", ["--tensor_parallel_size", "4"],
+     model(num_attention_heads=12, num_key_value_heads=6, hidden_size=48), "num_key_value_heads=6 is not divisible by tp=4"),
+    ("tp_not_multiple_of_kv", ["--tensor_parallel_size", "6", "--disable_sequence_parallel"],
+     model(num_attention_heads=12, num_key_value_heads=4, hidden_size=48), "tp=6 is not a multiple of num_key_value_heads=4"),
+    ("intermediate_vs_tp", ["--tensor_parallel_size", "4"], model(intermediate_size=66),
+     "output features = 66 is not divisible by tp=4"),
+    ("layers_lt_stages", ["--pipeline_parallel_size", "3", "--num_microbatches", "4"], world_size(3),
+     "2 layers cannot fill 3 pipeline stages"),
+    ("virtual_stages_gt_layers", ["--pipeline_parallel_size", "2", "--virtual_pipeline_size", "3", "--num_microbatches",
+                                  "4", "--pipeline_schedule", "interleaved-1f1b"], FOUR_LAYERS,
+     "4 layers cannot fill 6 pipeline stages (pp*virtual_pipeline_size = 2*3)"),
+    ("interleaved_needs_v", ["--pipeline_parallel_size", "2", "--num_microbatches", "2", "--pipeline_schedule",
+                             "interleaved-1f1b"], None, "needs virtual_pipeline_size > 1"),
+    ("1f1b_with_v", ["--pipeline_parallel_size", "2", "--virtual_pipeline_size", "2", "--num_microbatches", "2"],
+     FOUR_LAYERS, "pipeline_schedule='1f1b' runs one stage per rank but virtual_pipeline_size=2"),
+    ("interleaved_rounds", ["--pipeline_parallel_size", "2", "--virtual_pipeline_size", "2", "--num_microbatches", "5",
+                            "--per_device_train_batch_size", "5", "--pipeline_schedule", "interleaved-1f1b"],
+     FOUR_LAYERS, "num_microbatches=5 is not a multiple of its 2 rounds; use a multiple of 2"),
+    ("batch_vs_microbatches", ["--num_microbatches", "3"], None,
+     "--per_device_train_batch_size=4 is not divisible by --num_microbatches=3"),
+    ("microbatches_lt_pp", ["--pipeline_parallel_size", "2", "--num_microbatches", "1"], None,
+     "needs num_microbatches >= pp, got num_microbatches=1 < pp=2"),
+    ("bad_pipeline_cut", ["--pipeline_parallel_size", "2", "--num_microbatches", "2", "--pipeline_cuts", "model.layers.7"],
+     None, "pipeline cut 'model.layers.7' is not a leaf module"),
+    ("seq_vs_tp_with_sp", ["--tensor_parallel_size", "2", "--block_size", "15"], None,
+     "--block_size=15 is not divisible by --tensor_parallel_size=2 under sequence parallelism"),
+    ("world_not_divisible", ["--tensor_parallel_size", "2"], world_size(3),
+     "world size 3 is not divisible by tp*pp = 2*1 = 2"),
+    ("layout_larger_than_world", ["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2", "--num_microbatches",
+                                  "2"], world_size(2), "world size 2 is not divisible by tp*pp = 2*2 = 4"),
+    ("unknown_architecture", [], file_with("config.json", OPT_CONFIG, "--model_config"),
+     "no plait adapter claims architecture 'opt'; installed adapters: gpt2 (gpt2"),
+    ("duplicate_adapter_claim", [], duplicate_claim, "claimed by two adapters: 'llama'"),
+    ("adapter_missing_hook", [], missing_hook, "'half_done' does not implement required hook(s) plait_leaf_modules"),
+    ("plan_names_missing_module", [], plan_names_missing_module,
+     "names 'model.layers.*.mlp.not_there', but the model (LlamaForCausalLM) has no such module"),
+    ("missing_train_file", ["--train_file", "/nonexistent/train.txt"], None,
+     "--train_file '/nonexistent/train.txt' does not exist"),
+    ("missing_model_config", ["--model_config", "/nonexistent/config.json"], None,
+     "--model_config '/nonexistent/config.json' does not exist"),
+    ("missing_validation_file", ["--validation_file", "/nonexistent/val.txt"], None, "--validation_file '/nonexistent/val.txt'"),
+    ("empty_train_file", [], file_with("empty.txt", "", "--train_file"), "empty.txt: the file is empty"),
+    ("empty_jsonl_big_vocab", [], lambda mp, tmp: [*model(vocab_size=300)(mp, tmp), *file_with("e.jsonl", "", "--train_file")(mp, tmp)],
+     "e.jsonl"),
+    ("config_without_model_type", [], file_with("config.json", '{"hidden_size": 32}', "--model_config"),
+     "has no 'model_type'"),
+    ("block_larger_than_positions", ["--block_size", "128"], None,
+     "--block_size=128 is larger than the model's max_position_embeddings=64; use --block_size 64 or less"),
+    ("config_and_pretrained", ["--model_name_or_path", "/tmp"], None, "not both"),
+    ("zero_learning_rate", ["--learning_rate", "0"], None, "--learning_rate=0.0 must be positive"),
+    ("negative_steps", ["--max_steps", "-1"], None, "--max_steps=-1 must be >= 0"),
+    ("zero_batch", ["--per_device_train_batch_size", "0"], None, "--per_device_train_batch_size=0 must be positive"),
+    ("unknown_scheduler", ["--lr_scheduler_type", "exp"], None, "--lr_scheduler_type='exp' is unknown; choose one of"),
+    ("unknown_optimizer_dtype", ["--optimizer_dtype", "float16"], None, "choose float32 or bfloat16"),
+    ("bf16_and_autocast", ["--bf16", "--bf16_autocast"], None, "not both"),
+    ("unknown_pipeline_schedule", ["--pipeline_schedule", "fast"], None, "pipeline_schedule='fast' is unknown"),
+    ("not_an_int", ["--max_steps", "ten"], None, "argument --max_steps: invalid int value: 'ten'"),
+    ("toml_unknown_key", [], file_with("run.toml", "learning_rate = 1e-3\nlearnin_rate = 2e-3\n", "--config"),
+     "unknown key(s) learnin_rate; valid keys:"),
+    ("toml_wrong_type", [], file_with("run.toml", 'max_steps = "ten"\n', "--config"),
+     "max_steps = 'ten' should be of type int"),
+    ("toml_invalid", [], file_with("run.toml", "max_steps = \n", "--config"), "not valid TOML"),
+]
+
+
+@pytest.fixture(scope="module")
+def warm():
+    """Pay the one-off import costs (lazy transformers model modules, adapter entry points) up front."""
+    from transformers import OPTConfig
+
+    for config in (tiny_config("llama"), tiny_config("gpt2"), OPTConfig(**json.loads(OPT_CONFIG))):
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)
+    plait.registry.default_registry()
+
+
+def base_flags(tmp_path: Path) -> list[str]:
+    path = tmp_path / "base-config.json"
+    path.write_text(tiny_config("llama").to_json_string())
+    return ["--model_config", str(path), "--output_dir", str(tmp_path / "out"), "--max_steps", "3",
+            "--per_device_train_batch_size", "4", "--block_size", "16"]
+
+
+def never(what: str):
+    def reached(*args, **kwargs):
+        raise AssertionError(f"bad input reached {what}")
+    return reached
+
+
+@pytest.mark.parametrize("flags, setup, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_refused_at_once(warm, tmp_path, monkeypatch, capsys, flags, setup, message):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(plait.trainer, "init_distributed", never("torch.distributed initialisation"))
+    monkeypatch.setattr(plait.trainer, "load_parallel_model", never("the weights"))
+    extra = setup(monkeypatch, tmp_path) if setup else []
+    argv = ["train", *base_flags(tmp_path), *flags, *extra]  # later flags override earlier ones
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    elapsed = time.perf_counter() - start
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert message in err.strip().splitlines()[-1], err  # the last line says it, without a traceback
+    assert elapsed < 1.0, f"refused after {elapsed:.2f}s"
+    assert not (tmp_path / "out").exists()
+
+
+def test_table_is_large_enough():
+    assert len(CASES) >= 25 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def run_plait(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.mark.parametrize("case", ["heads_vs_tp", "toml_unknown_key"])
+def test_subprocess_exit_code(tmp_path, case):
+    """As a real command: exit status 2 and the message as the last line, output_dir untouched."""
+    _, flags, setup, message = next(c for c in CASES if c[0] == case)
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        extra = setup(monkeypatch, tmp_path) if setup else []
+        env = {"WORLD_SIZE": os.environ["WORLD_SIZE"]} if "WORLD_SIZE" in os.environ else {}
+    finally:
+        monkeypatch.undo()
+    result = run_plait([sys.executable, "-m", "plait", "train", *base_flags(tmp_path), *flags, *extra], env)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_world_mismatch_exits_without_rendezvous_hang(tmp_path):
+    """tp=2 under a 3-process torchrun: every rank refuses before init_process_group, so nothing waits."""
+    start = time.monotonic()
+    result = run_plait([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
+                        "-m", "plait", "train", *base_flags(tmp_path), "--tensor_parallel_size", "2"])
+    elapsed = time.monotonic() - start
+    print(f"torchrun world-size mismatch: exit {result.returncode} after {elapsed:.1f}s")
+    assert result.returncode != 0
+    assert "world size 3 is not divisible by tp*pp = 2*1 = 2" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# -- checkpoints: damaged or of another model -----------------------------------------------------------
+
+def _damage(how: str):
+    def setup(checkpoint: Path) -> None:
+        shard = checkpoint / "shards" / "model-rank00000.safetensors"
+        if how == "missing":
+            shard.unlink()
+        elif how == "truncated":
+            shard.write_bytes(shard.read_bytes()[:-100])
+        elif how == "corrupted":
+            data = bytearray(shard.read_bytes())
+            data[-50] ^= 0xFF  # inside the last tensor's bytes: only its checksum can tell
+            shard.write_bytes(bytes(data))
+    return setup
+
+
+CHECKPOINT_CASES = [
+    ("missing_shard", _damage("missing"), None, "model-rank00000.safetensors is missing (the index lists it)"),
+    ("truncated_shard", _damage("truncated"), None, "the index recorded 92080 (truncated or overwritten)"),
+    ("corrupted_shard", _damage("corrupted"), None, "is corrupted (xxh3_64 checksum"),
+    ("other_architecture", None, "gpt2", "holds a llama model (LlamaForCausalLM) that differs from --model_config's gpt2"),
+    ("other_model_size", None, "llama4", "differs from --model_config's llama model (first difference: model.layers.2."),
+]
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory) -> str:
+    from plait.data import default_corpus_path
+
+    path = tmp_path_factory.mktemp("data") / "train.txt"
+    path.write_text(default_corpus_path().read_text()[:30000])
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory, warm, small_text) -> Path:
+    """A single-process run of 2 steps with a checkpoint at step 2."""
+    tmp = tmp_path_factory.mktemp("ckpt")
+    main(["train", *base_flags(tmp), "--train_file", small_text, "--max_steps", "2", "--save_steps", "2", "--output_dir", str(tmp / "run"),
+          "--per_device_train_batch_size", "2"])
+    return tmp / "run" / "checkpoint-2"
+
+
+@pytest.mark.parametrize("damage, model_arch, message", [c[1:] for c in CHECKPOINT_CASES],
+                         ids=[c[0] for c in CHECKPOINT_CASES])
+def test_bad_checkpoint_refused(saved_checkpoint, small_text, tmp_path, capsys, damage, model_arch, message):
+    """Exit 2 with the file and the numbers named, within a second, before any training step."""
+    import shutil
+
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(saved_checkpoint, checkpoint)
+    if damage:
+        damage(checkpoint)
+    flags = base_flags(tmp_path) + ["--train_file", small_text, "--per_device_train_batch_size", "2",
+                                    "--resume_from_checkpoint", str(checkpoint)]
+    if model_arch:
+        config = tiny_config("gpt2") if model_arch == "gpt2" else tiny_config("llama", num_hidden_layers=4)
+        (tmp_path / "other.json").write_text(config.to_json_string())
+        flags += ["--model_config", str(tmp_path / "other.json")]
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *flags])
+    elapsed = time.perf_counter() - start
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert message in err.strip().splitlines()[-1], err
+    assert elapsed < 1.0, f"refused after {elapsed:.2f}s"
+    assert not (tmp_path / "out").exists()

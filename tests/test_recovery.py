@@ -1,0 +1,134 @@
+"""Surviving failures with checkpoints: a SIGKILLed rank under ``torchrun --max-restarts 1`` resumes from the
+newest complete checkpoint and ends with the weights of an uninterrupted run; a save cut short (killed, or
+a full disk) never damages the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from plait.checkpoint.format import latest_checkpoint, list_checkpoints
+from plait.cli import main
+from plait.config import ParallelConfig
+from plait.loading import load_parallel_model
+from plait.metrics import read_metrics
+from plait.testing import launch
+from tiny_models import tiny_config
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    path.write_text(tiny_config("llama").to_json_string())
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def train_file(tmp_path_factory) -> str:
+    from plait.data import default_corpus_path
+
+    path = tmp_path_factory.mktemp("data") / "train.txt"
+    path.write_text(default_corpus_path().read_text()[:30000])
+    return str(path)
+
+
+def flags(model_config: str, train_file: str, out, steps: int, *extra: str) -> list[str]:
+    return ["--model_config", model_config, "--train_file", train_file, "--output_dir", str(out),
+            "--max_steps", str(steps), "--per_device_train_batch_size", "2", "--block_size", "16",
+            "--save_steps", "2", "--logging_steps", "100", *extra]
+
+
+def consolidated(checkpoint, out) -> dict[str, torch.Tensor]:
+    main(["consolidate", str(checkpoint), str(out)])
+    return load_file(str(out / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_killed_rank_restarts_and_matches_uninterrupted(model_config, train_file, tmp_path):
+    """Rank 1 is SIGKILLed at the start of step 5 (checkpoints at 2 and 4); torchrun restarts the job once,
+    'auto' resumes from checkpoint-4, steps 5-6 are recomputed, and the final weights are bit-identical to
+    an uninterrupted tp=2 run."""
+    ref_out, out = tmp_path / "ref", tmp_path / "killed"
+    launch(["-m", "plait", "train", *flags(model_config, train_file, ref_out, 6, "--tensor_parallel_size", "2")], 2,
+           timeout=180)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
+           "1", "-m", "plait", "train",
+           *flags(model_config, train_file, out, 6, "--tensor_parallel_size", "2", "--resume_from_checkpoint", "auto")]
+    start = time.monotonic()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "PLAIT_FAULT_INJECT": "1:5:kill", "OMP_NUM_THREADS": "1"})
+    print(f"killed rank, restarted: exit {result.returncode} after {time.monotonic() - start:.1f}s")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    loads = read_metrics(out, "load")
+    assert [r["step"] for r in loads] == [0, 4], loads  # fresh start, then (restarted) from checkpoint-4
+    steps = [r["step"] for r in read_metrics(out)]
+    assert steps == [1, 2, 3, 4, 5, 6], steps  # metrics.jsonl: steps 1-4 once, then only 5-6 recomputed
+    reference = [r["loss"] for r in read_metrics(ref_out)]
+    assert [r["loss"] for r in read_metrics(out)] == reference
+
+    want = consolidated(ref_out / "checkpoint-6", tmp_path / "ref-model")
+    got = consolidated(out / "checkpoint-6", tmp_path / "killed-model")
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
+@pytest.fixture
+def two_checkpoints(model_config, train_file, tmp_path):
+    """A single-process run with checkpoints at steps 2 and 4."""
+    out = tmp_path / "run"
+    main(["train", *flags(model_config, train_file, out, 4)])
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    return out
+
+
+def test_save_killed_midway_is_ignored_and_removed(model_config, train_file, two_checkpoints):
+    """What a kill during the save of step 6 leaves (a checkpoint-6.tmp folder with part of its files) is
+    ignored by 'auto', which resumes from checkpoint-4, and removed at start-up."""
+    out = two_checkpoints
+    partial = out / "checkpoint-6.tmp"
+    shutil.copytree(out / "checkpoint-4", partial)
+    (partial / "shards" / "index.json").unlink(missing_ok=True)
+    for shard in (partial / "shards").glob("*.safetensors"):
+        shard.write_bytes(shard.read_bytes()[:100])  # cut short mid-write
+    assert latest_checkpoint(out).name == "checkpoint-4"
+    main(["train", *flags(model_config, train_file, out, 5, "--resume_from_checkpoint", "auto")])
+    assert [r["step"] for r in read_metrics(out, "load")] == [0, 4]
+    assert not partial.exists()
+
+
+def _small_files(limit: int):
+    def preexec() -> None:  # a full disk, per file: writes past `limit` bytes fail with EFBIG
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return preexec
+
+
+def test_full_disk_during_save_keeps_previous_checkpoint(model_config, train_file, two_checkpoints):
+    """Resume from checkpoint-4 with files capped at 16 KiB (a model shard is ~45 KiB): saving step 6 fails
+    with a clear error, checkpoint-4 stays the newest and loads, and no partial folder is left."""
+    out = two_checkpoints
+    before = {p.name: p.stat().st_size for p in (out / "checkpoint-4" / "shards").iterdir()}
+    result = subprocess.run([sys.executable, "-m", "plait", "train",
+                             *flags(model_config, train_file, out, 6, "--resume_from_checkpoint", "auto")],
+                            capture_output=True, text=True, timeout=120, preexec_fn=_small_files(16 * 1024),
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert "checkpoint" in last and "File too large" in last, result.stderr[-2000:]
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    assert not list(out.glob("*.tmp"))
+    assert {p.name: p.stat().st_size for p in (out / "checkpoint-4" / "shards").iterdir()} == before
+    pmodel = load_parallel_model(out / "checkpoint-4", ParallelConfig())
+    assert all(torch.isfinite(p).all() for p in pmodel.parameters())
