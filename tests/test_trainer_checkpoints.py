@@ -3,16 +3,12 @@
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
-import torch
 
 from plait.cli import main
 from plait.metrics import read_metrics
 from plait.testing import launch
-from plait.train_args import TrainArgs
-from plait.trainer import train
 from tiny_models import tiny_config
 
 
