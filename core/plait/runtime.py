@@ -31,7 +31,16 @@ def init_distributed(device: torch.device, backend: str, timeout_s: int) -> bool
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0:
+        dist.init_process_group(backend, timeout=timeout)
+        return True
+    # After torchrun restarted the job, the store can still hold the killed attempt's gloo addresses; a
+    # fresh key prefix per attempt keeps ranks from connecting to those (gloo connectFullMesh: refused).
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"plait/attempt_{restart}", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
     return True
 
 
