@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from pathlib import Path
@@ -18,17 +19,10 @@ from plait.sharding import param_specs, plan_tensor_parallel
 from plait.trainer import load_config_file
 
 
-def _math_prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def parameter_bytes_per_rank(model: torch.nn.Module, specs_by_rank: list[dict]) -> list[int]:
     """Local parameter bytes of each tp rank (tied parameters counted once)."""
     sizes = {name: p.element_size() for name, p in model.named_parameters()}  # de-duplicated names only
-    return [sum(_math_prod(specs[name].local_shape) * size for name, size in sizes.items()) for specs in specs_by_rank]
+    return [sum(math.prod(specs[name].local_shape) * size for name, size in sizes.items()) for specs in specs_by_rank]
 
 
 def print_pipeline(console: Console, model: torch.nn.Module, config: ParallelConfig, tp: int) -> None:
