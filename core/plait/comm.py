@@ -3,11 +3,16 @@
 Keeping them in one place makes communication countable (``CommCounter``, used by bench/tp_comm.py) and
 keeps the backend open: only torch.distributed calls appear here, so gloo, NCCL and XLA all work. A group of
 None (single process) or of one rank makes each function the identity.
+
+``PLAIT_SINGLETON_GROUPS=1`` (read at import) turns that shortcut off for real groups of one rank, and the mesh
+then builds such groups: a one-GPU NCCL world passes every collective call site real device tensors. It is a
+testing aid for backends that cannot put two ranks on one device (NCCL refuses to).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -15,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 _counters: list["CommCounter"] = []
+SINGLETON_GROUPS = os.environ.get("PLAIT_SINGLETON_GROUPS") == "1"
 
 
 @dataclass
@@ -49,13 +55,27 @@ def group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def trivial(group: dist.ProcessGroup | None) -> bool:
+    """Whether collectives on ``group`` are the identity (no group, or one rank unless SINGLETON_GROUPS)."""
+    return group is None or (not SINGLETON_GROUPS and dist.get_world_size(group) == 1)
+
+
+def device_for(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a tensor made on the host (a metric, a flag) must live for a collective on ``group``: the CPU
+    when the group's backend takes CPU tensors (gloo), else the current accelerator (NCCL: the rank's GPU)."""
+    if trivial(group) or "gloo" in dist.get_backend(group):
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type, torch.accelerator.current_device_index()) if accelerator else torch.device("cpu")
+
+
 def group_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "sum") -> torch.Tensor:
     """In-place all-reduce; returns ``tensor``."""
-    if group_size(group) == 1:
+    if trivial(group):
         return tensor
     _record("all_reduce", tensor)
     dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
@@ -68,7 +88,7 @@ def reduce(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None) -> t
     ZeRO-1 reduces each gradient to the one rank that updates it: on gloo this costs what an all-reduce
     does (measured: 297 vs 287 ms for 184 MB), where ``reduce_scatter_single`` took 726 ms.
     """
-    if group_size(group) == 1:
+    if trivial(group):
         return tensor
     _record("reduce", tensor)
     dist.reduce(tensor, group_dst=dst, group=group)
@@ -78,7 +98,7 @@ def reduce(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None) -> t
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along ``dim`` (rank order)."""
     size = group_size(group)
-    if size == 1:
+    if trivial(group):
         return tensor
     moved = tensor.movedim(dim, 0).contiguous()
     out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
@@ -90,7 +110,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) 
 def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
     """Sum over ranks, then keep this rank's chunk along ``dim``."""
     size = group_size(group)
-    if size == 1:
+    if trivial(group):
         return tensor
     moved = tensor.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
@@ -101,7 +121,7 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: i
 
 def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup | None, src: int) -> torch.Tensor:
     """In-place broadcast from the rank whose position in ``group`` is ``src``; returns ``tensor``."""
-    if group_size(group) == 1:
+    if trivial(group):
         return tensor
     _record("broadcast", tensor)
     dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group)
@@ -118,7 +138,7 @@ def split(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> to
 
 def world_group() -> dist.ProcessGroup | None:
     """The group of every rank, or None in a single process (so the functions here become the identity)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_available() and dist.is_initialized() and (dist.get_world_size() > 1 or SINGLETON_GROUPS):
         return dist.group.WORLD
     return None
 
@@ -126,7 +146,7 @@ def world_group() -> dist.ProcessGroup | None:
 def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list:
     """Every rank's picklable ``obj`` in group-rank order (checkpoint metadata, errors); ``[obj]`` alone."""
     size = group_size(group)
-    if size == 1:
+    if trivial(group):
         return [obj]
     out: list = [None] * size
     dist.all_gather_object(out, obj, group=group)
@@ -134,5 +154,5 @@ def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list:
 
 
 def barrier(group: dist.ProcessGroup | None) -> None:
-    if group_size(group) > 1:
+    if not trivial(group):
         dist.barrier(group=group)

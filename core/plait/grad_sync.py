@@ -43,7 +43,7 @@ def sum_grads(
 
     ``reduce_dtype`` (e.g. float32 for bf16 gradients) is the dtype on the wire; None keeps each gradient's.
     """
-    if comm.group_size(group) == 1:
+    if comm.trivial(group):
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for p in params:

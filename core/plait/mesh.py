@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from plait import comm
 from plait.config import ParallelConfig
 
 ProcessGroup = dist.ProcessGroup
@@ -107,10 +108,11 @@ class Mesh:
 
 
 def _new_groups(rows: torch.Tensor, rank: int, timeout: datetime.timedelta | None) -> ProcessGroup | None:
-    """Create one group per row (collectively) and return the one holding ``rank``; None for 1-rank rows."""
+    """Create one group per row (collectively) and return the one holding ``rank``; None for 1-rank rows
+    (unless ``comm.SINGLETON_GROUPS``: a real group of one, so collectives run on it)."""
     mine = None
     for row in rows.tolist():
-        if len(row) == 1:
+        if len(row) == 1 and not comm.SINGLETON_GROUPS:
             return None
         group = dist.new_group(row, timeout=timeout)
         if rank in row:

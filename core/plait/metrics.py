@@ -7,7 +7,6 @@ import resource
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from plait import comm
 from plait.runtime import is_main_process
@@ -33,8 +32,9 @@ class MetricsLog:
 
 def peak_rss_mb() -> float:
     """The largest peak resident memory of any rank, in MiB (a collective over the whole world)."""
-    own = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
-    world = dist.group.WORLD if dist.is_initialized() else None
+    world = comm.world_group()
+    own = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64,
+                       device=comm.device_for(world))
     return comm.all_reduce(own, world, op="max").item()
 
 

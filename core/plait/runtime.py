@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from plait import comm
+
 
 def pick_device(device: str) -> torch.device:
     if device == "auto":
@@ -24,8 +26,10 @@ def pick_device(device: str) -> torch.device:
 
 
 def init_distributed(device: torch.device, backend: str, timeout_s: int) -> bool:
-    """Join the world torchrun started (WORLD_SIZE > 1); return whether it is distributed."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+    """Join the world torchrun started (WORLD_SIZE > 1, or any torchrun world with PLAIT_SINGLETON_GROUPS=1);
+    return whether it is distributed."""
+    wanted = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (comm.SINGLETON_GROUPS and "RANK" in os.environ)
+    if not wanted or dist.is_initialized():
         return dist.is_initialized()
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"

@@ -49,6 +49,8 @@ class TrainArgs:
     optimizer_dtype: str = field(default="float32", metadata={"help": "dtype of optimizer state and master weights: float32 or bfloat16"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "clip by the global gradient norm (0: no clipping)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute leaf modules (decoder layers) in backward"})
+    attn_implementation: str | None = field(default=None, metadata={"help": "transformers attention kernel: eager, sdpa, flash_attention_2, ... (default: transformers' choice)"})
+    torch_compile: bool = field(default=False, metadata={"help": "torch.compile each leaf module (decoder layer)"})
     save_steps: int = field(default=0, metadata={"help": "save a sharded checkpoint every N steps and at the end (0: never)"})
     save_total_limit: int = field(default=0, metadata={"help": "keep only the newest N checkpoints (0: keep all)"})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "a checkpoint dir, or 'auto': the newest complete one in output_dir"})

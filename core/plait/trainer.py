@@ -20,6 +20,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import AutoConfig, PretrainedConfig, get_scheduler
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from plait import comm, faults
 from plait.config import ConfigError
@@ -28,12 +29,14 @@ from plait.data.pipeline import dataset_text_file, training_blocks
 from plait.metrics import MetricsLog, peak_rss_mb, plot_loss_curve
 from plait.optim import OptimizerStep, build_optimizer
 from plait.checkpoint.format import remove_partial_checkpoints
+from plait.compile import compile_leaf_modules
 from plait.checkpoint import (
     checkpoint_path, latest_checkpoint, load_checkpoint, rotate_checkpoints, save_checkpoint, should_save,
 )
 from plait.loading import load_parallel_model
 from plait.meta import build_meta_model
 from plait.parallelize import ParallelModel, validate_layout
+from plait.registry import default_registry
 from plait.runtime import explain_timeouts, init_distributed, is_main_process, pick_device
 from plait.train_args import TrainArgs
 
@@ -44,12 +47,20 @@ def read_model_config(args: TrainArgs, resume: Path | None = None) -> Pretrained
     """The transformers config: from the model dir, the given config.json, the checkpoint resumed from, or
     plait's tiny Llama."""
     if args.model_name_or_path:
-        return AutoConfig.from_pretrained(args.model_name_or_path)
-    if args.model_config:
-        return load_config_file(Path(args.model_config))
-    if resume is not None:
-        return AutoConfig.from_pretrained(resume)
-    return load_config_file(Path(str(resources.files("plait.configs").joinpath(DEFAULT_MODEL_CONFIG))))
+        config = AutoConfig.from_pretrained(args.model_name_or_path)
+    elif args.model_config:
+        config = load_config_file(Path(args.model_config))
+    elif resume is not None:
+        config = AutoConfig.from_pretrained(resume)
+    else:
+        config = load_config_file(Path(str(resources.files("plait.configs").joinpath(DEFAULT_MODEL_CONFIG))))
+    if args.attn_implementation:
+        known = ["eager", *ALL_ATTENTION_FUNCTIONS.keys()]
+        if args.attn_implementation not in known:
+            raise ConfigError(f"--attn_implementation={args.attn_implementation!r} is unknown; choose one of "
+                              f"{', '.join(known)}")
+        config._attn_implementation = args.attn_implementation
+    return config
 
 
 def load_config_file(path: Path) -> PretrainedConfig:
@@ -180,12 +191,16 @@ def train(args: TrainArgs) -> list[dict]:
                                  timeout=datetime.timedelta(seconds=args.ddp_timeout))
     if args.bf16_autocast:
         pmodel.autocast_dtype = torch.bfloat16
+    if args.torch_compile:
+        compile_leaf_modules(pmodel.module, default_registry().leaf_modules(pmodel.adapter, model_config))
     mesh = pmodel.mesh
     accumulation = args.gradient_accumulation_steps
     global_batch = args.per_device_train_batch_size * mesh.dp * accumulation
     sampler = GlobalBatchSampler(len(blocks), global_batch, args.seed)
+    # On CUDA, AdamW's fused kernel (one launch for all parameters) rather than its per-tensor loop.
+    fused = {"fused": True} if device.type == "cuda" else {}
     optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=args.learning_rate, weight_decay=args.weight_decay,
-                                optimizer_dtype=getattr(torch, args.optimizer_dtype))
+                                optimizer_dtype=getattr(torch, args.optimizer_dtype), **fused)
     optimizer_step = OptimizerStep(pmodel, optimizer, args.max_grad_norm or None)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=max(args.max_steps, 1))

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from plait import comm
 from plait.config import ConfigError
 from plait.grad_sync import BUCKET_BYTES, sum_grads
 from plait.optim.clip import clip_grads_, global_grad_norm
@@ -53,7 +54,7 @@ def build_optimizer(
         constructor = functools.partial(MasterWeightOptimizer, optimizer_class=optimizer_class, dtype=optimizer_dtype)
         if main_grads:
             accumulate_grads_in(low, optimizer_dtype)
-    if zero_1 and pmodel.mesh.dp > 1:
+    if zero_1 and not comm.trivial(pmodel.mesh.dp_group):
         return Zero1Optimizer(params, constructor, pmodel.mesh.dp_group, **optimizer_kwargs)
     return constructor(params, **optimizer_kwargs)
 

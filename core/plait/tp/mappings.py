@@ -77,20 +77,20 @@ class _ReduceScatterToSeq(torch.autograd.Function):
 
 
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return _CopyToTP.apply(x, group) if comm.group_size(group) > 1 else x
+    return _CopyToTP.apply(x, group) if not comm.trivial(group) else x
 
 
 def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return _ReduceFromTP.apply(x, group) if comm.group_size(group) > 1 else x
+    return _ReduceFromTP.apply(x, group) if not comm.trivial(group) else x
 
 
 def scatter_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return _ScatterToSeq.apply(x, group) if comm.group_size(group) > 1 else x
+    return _ScatterToSeq.apply(x, group) if not comm.trivial(group) else x
 
 
 def gather_from_seq(x: torch.Tensor, group: Group, grad_is_partial: bool) -> torch.Tensor:
-    return _GatherFromSeq.apply(x, group, grad_is_partial) if comm.group_size(group) > 1 else x
+    return _GatherFromSeq.apply(x, group, grad_is_partial) if not comm.trivial(group) else x
 
 
 def reduce_scatter_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return _ReduceScatterToSeq.apply(x, group) if comm.group_size(group) > 1 else x
+    return _ReduceScatterToSeq.apply(x, group) if not comm.trivial(group) else x
