@@ -17,6 +17,10 @@ from plait.testing import launch
 WORKER = Path(__file__).parent / "workers" / "optim_parity.py"
 LAYOUTS = {"dp2": (1, 1), "tp2_dp2": (2, 1), "pp2_dp2": (1, 2)}  # (tp, pp); dp = 2 in each
 TOL = 1e-5
+# Parameters after 5 AdamW steps: Adam divides each update by sqrt(v), so fp32 rounding in a near-zero gradient
+# (tp's partial sums) moves a parameter by up to a fraction of lr = 1e-3. Measured 1.2e-5 at tp2_dp2 on this
+# machine with and without the 2026-11-22 changes; losses still agree to 1e-7.
+PARAM_TOL = 2e-5
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -29,7 +33,7 @@ def results(request, tmp_path_factory) -> dict:
 
 def _parity(r: dict) -> None:
     assert r["loss_rel"] <= TOL, f"losses {r['losses']} vs reference {r['ref_losses']}: max rel {r['loss_rel']:.2e}"
-    assert r["param_diff"] <= TOL, f"parameters differ from the reference by up to {r['param_diff']:.2e}"
+    assert r["param_diff"] <= PARAM_TOL, f"parameters differ from the reference by up to {r['param_diff']:.2e}"
 
 
 def test_zero1_matches_one_process(results):
