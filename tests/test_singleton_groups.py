@@ -17,3 +17,15 @@ def test_singleton_groups_train_like_one_process(tmp_path):
     plain, groups = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "groups")
     assert [r["loss"] for r in plain] == [r["loss"] for r in groups]
     assert (tmp_path / "groups" / "checkpoint-3").is_dir()  # object collectives of the save ran on the group
+
+
+def test_unknown_attention_kernel_is_refused_with_the_choices():
+    import pytest
+
+    from plait.config import ConfigError
+    from plait.train_args import TrainArgs
+    from plait.trainer import read_model_config
+
+    with pytest.raises(ConfigError, match="attn_implementation='flash9' is unknown; choose one of eager, .*sdpa"):
+        read_model_config(TrainArgs(attn_implementation="flash9"))
+    assert read_model_config(TrainArgs(attn_implementation="sdpa"))._attn_implementation == "sdpa"
