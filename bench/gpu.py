@@ -62,7 +62,7 @@ def run_variant(name: str, steps: int, batch: int, seq: int) -> dict:
     loop, dtype, autocast, ckpt, compile_ = VARIANTS[name]
     config = llama_1b()
     device = torch.device("cuda")
-    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device, generator=None)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
     if loop == "hf":
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -201,7 +201,7 @@ def main() -> None:
             load_rows.append(row)
         shutil.rmtree(workdir, ignore_errors=True)
     base = {r["variant"]: r for r in rows if "error" not in r}
-    print(f"\n| variant | step (s) | tokens/s | TFLOP/s | MFU | peak GPU GiB | vs hf same precision |")
+    print("\n| variant | step (s) | tokens/s | TFLOP/s | MFU | peak GPU GiB | vs hf same precision |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         if "error" in r:

@@ -26,8 +26,9 @@ TRAIN = ["-m", "plait", "train", "--device", "cuda", "--backend", "nccl", "--per
 
 
 def plait(*argv: str) -> str:
-    return launch([*TRAIN, *argv] if argv[:1] != ("consolidate",) else ["-m", "plait", *argv], 1, timeout=600,
-                  env=ENV)[0]
+    """``plait train`` on the GPU with TRAIN's flags, or another subcommand when argv starts with one."""
+    command = ["-m", "plait", *argv] if argv[0] == "consolidate" else [*TRAIN, *argv]
+    return launch(command, 1, timeout=600, env=ENV)[0]
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from plait.config import ConfigError
-from plait.plan import matches
+from plait.plan import leaf_module_names
 
 
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -34,18 +33,8 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def checkpoint_targets(model: nn.Module, patterns: Sequence[str]) -> list[str]:
-    """Names of the modules matching one of ``patterns`` (pure: runs before any process group exists).
-
-    Raises ConfigError when none matches (an adapter whose leaf patterns do not fit the model would
-    otherwise silently train without checkpointing).
-    """
-    names = [name for name, _ in model.named_modules() if any(matches(p, name) for p in patterns)]
-    if not names:
-        raise ConfigError(
-            f"gradient checkpointing: no module of {type(model).__name__} matches the adapter's leaf modules "
-            f"{list(patterns)}; fix the adapter's plait_leaf_modules or disable gradient checkpointing"
-        )
-    return names
+    """Names of the modules matching one of ``patterns`` (pure: runs before any process group exists)."""
+    return leaf_module_names(model, patterns, "gradient checkpointing")
 
 
 def apply_activation_checkpointing(model: nn.Module, names: Sequence[str]) -> None:

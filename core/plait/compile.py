@@ -12,18 +12,12 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from plait.config import ConfigError
-from plait.plan import matches
+from plait.plan import leaf_module_names
 
 
 def compile_leaf_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     """Compile every module of ``model`` whose name matches one of ``patterns``; return their names."""
-    names = [name for name, _ in model.named_modules() if any(matches(p, name) for p in patterns)]
-    if not names:
-        raise ConfigError(
-            f"--torch_compile: no module of {type(model).__name__} matches the adapter's leaf modules "
-            f"{list(patterns)}; fix the adapter's plait_leaf_modules or leave out --torch_compile"
-        )
+    names = leaf_module_names(model, patterns, "--torch_compile")
     for name in names:
         model.get_submodule(name).compile()
     return names
