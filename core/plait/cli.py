@@ -29,9 +29,15 @@ def cmd_train(ns: argparse.Namespace) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc_per_node}",
                "-m", "plait", *argv]
         sys.exit(subprocess.call(cmd))
+    import torch.distributed as dist
+
     from plait.trainer import train
 
     train(args)
+    if dist.is_initialized():
+        # Tear gloo/NCCL down before interpreter exit: a live process group's threads destroyed in static
+        # destructors can abort the process ("terminate called without an active exception") after a good run.
+        dist.destroy_process_group()
 
 
 def cmd_plan(ns: argparse.Namespace) -> None:
