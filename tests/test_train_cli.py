@@ -125,7 +125,7 @@ def test_model_name_or_path_uses_its_weights_and_tokenizer(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from plait.data import GlobalBatchSampler, default_corpus_path, train_bpe_tokenizer
-    from plait.data.pipeline import training_blocks
+    from plait.data.blocks import training_blocks
 
     text = tmp_path / "small.txt"
     text.write_text(default_corpus_path().read_text()[:20000])

@@ -14,7 +14,6 @@ import os
 import time
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import torch
 from rich.console import Console
@@ -24,8 +23,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from plait import comm, faults
 from plait.config import ConfigError
-from plait.data import GlobalBatchSampler, default_corpus_path, local_microbatch
-from plait.data.pipeline import dataset_text_file, training_blocks
+from plait.data import GlobalBatchSampler, local_microbatch
+from plait.data.train_data import load_data
 from plait.metrics import MetricsLog, peak_rss_mb, plot_loss_curve
 from plait.optim import OptimizerStep, build_optimizer
 from plait.checkpoint.format import remove_partial_checkpoints
@@ -109,34 +108,6 @@ def check_layout(args: TrainArgs, config: PretrainedConfig) -> None:
     """Every refusal of ``parallelize`` (adapter, plans, tp/pp divisibility, world size), on a meta-device
     model: before torch.distributed is initialised and before any weight is read or allocated."""
     validate_layout(build_meta_model(config, torch.float32), args.parallel_config(), int(os.environ.get("WORLD_SIZE", "1")))
-
-
-def _tokenizer_dir(args: TrainArgs) -> Path | None:
-    """--tokenizer_name, else the model dir's own tokenizer (a pretrained model must see its own tokens)."""
-    if args.tokenizer_name:
-        return Path(args.tokenizer_name)
-    if args.model_name_or_path and any(
-        (Path(args.model_name_or_path) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")
-    ):
-        return Path(args.model_name_or_path)
-    return None
-
-
-def load_data(args: TrainArgs, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-    """Training blocks, validation blocks (with --validation_file), as [n, block_size] token ids, and the
-    tokenizer that made them (None for byte ids), saved with checkpoints."""
-    try:
-        if args.dataset_name:
-            files = [dataset_text_file(Path(args.dataset_name), Path(args.output_dir))]
-        else:
-            files = [Path(args.train_file) if args.train_file else default_corpus_path()]
-        blocks, tokenizer = training_blocks(files, args.block_size, vocab_size, _tokenizer_dir(args))
-        val_blocks = None
-        if args.validation_file:
-            val_blocks, _ = training_blocks([Path(args.validation_file)], args.block_size, vocab_size, _tokenizer_dir(args))
-    except ValueError as err:  # empty file, too few tokens for one block, tokenizer larger than the model
-        raise ConfigError(str(err)) from err
-    return blocks, val_blocks, tokenizer
 
 
 @torch.no_grad()
