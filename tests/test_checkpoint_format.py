@@ -24,7 +24,7 @@ from plait.checkpoint.format import spec_boxes, uncovered
 from plait.checkpoint.state import LocalTensor, torch_optimizer_state
 from plait.config import ConfigError
 from plait.loading import SeededInit, load_parallel_model
-from plait.sharding import ShardSpec
+from plait.tp.sharding import ShardSpec
 
 TINY = dict(vocab_size=61, bos_token_id=0, eos_token_id=1)
 

@@ -9,8 +9,8 @@ import plait
 from plait import ConfigError, ParallelConfig
 from plait.parallelize import _check_capabilities
 from plait.registry import default_registry
-from plait.sequence_parallel import sp_grad_sum_params
-from plait.sharding import plan_tensor_parallel
+from plait.tp.sequence_parallel import sp_grad_sum_params
+from plait.tp.sharding import plan_tensor_parallel
 from tiny_models import tiny_config, tiny_model
 
 
@@ -124,7 +124,7 @@ def test_capability_refused():
 
 
 def test_plan_patterns_match_one_component():
-    from plait.plan import matches
+    from plait.patterns import matches
 
     assert matches("model.layers.*.mlp", "model.layers.11.mlp")
     assert not matches("model.layers.*.mlp", "model.layers.1.x.mlp")

@@ -4,19 +4,9 @@ from plait.config import ConfigError, ParallelConfig
 from plait.markers import hookimpl
 from plait.mesh import Mesh
 from plait.parallelize import ParallelModel, parallelize
-from plait.plan import (
-    AdapterInfo,
-    Attention,
-    Capabilities,
-    Column,
-    PipelinePlan,
-    Row,
-    SPPlan,
-    TPPlan,
-    VocabEmbedding,
-    VocabHead,
-)
+from plait.plan import AdapterInfo, Capabilities, PipelinePlan, SPPlan, TPPlan
 from plait.registry import AdapterError, Registry, default_registry, register
+from plait.tp.styles import Attention, Column, Row, VocabEmbedding, VocabHead
 
 __version__ = "0.1.0"
 

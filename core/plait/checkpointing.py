@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from plait.plan import leaf_module_names
+from plait.patterns import leaf_module_names
 
 
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from plait.plan import leaf_module_names
+from plait.patterns import leaf_module_names
 
 
 def compile_leaf_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:

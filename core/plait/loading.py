@@ -33,7 +33,7 @@ from plait.config import ConfigError, ParallelConfig
 from plait.meta import build_meta_model
 from plait.parallelize import ParallelModel, parallelize
 from plait.registry import Adapter, Registry, default_registry
-from plait.sharding import ShardSpec
+from plait.tp.sharding import ShardSpec
 
 INIT_CHUNK_ELEMENTS = 1 << 22  # rows of a parameter are drawn in blocks of about this many elements
 SAFE_WEIGHTS = "model.safetensors"

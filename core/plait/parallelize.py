@@ -26,8 +26,8 @@ from plait.pipeline.layout import plan_stages, stages_of_rank, tied_across_stage
 from plait.pipeline.schedule import PipelineRunner
 from plait.pipeline.stages import StageChunk, dropped, prune
 from plait.registry import Adapter, Registry, default_registry
-from plait.sequence_parallel import install_sequence_parallel, sp_grad_sum_params
-from plait.sharding import ShardSpec, param_specs, plan_tensor_parallel
+from plait.tp.sequence_parallel import install_sequence_parallel, sp_grad_sum_params
+from plait.tp.sharding import ShardSpec, param_specs, plan_tensor_parallel
 from plait.tp.apply import AppliedTP, apply_tensor_parallel
 from plait.tp.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 

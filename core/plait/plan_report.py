@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from plait.config import ParallelConfig
 from plait.pipeline.layout import pipeline_layout, rank_of_stage, stage_bytes
 from plait.registry import default_registry
-from plait.sharding import param_specs, plan_tensor_parallel
+from plait.tp.sharding import param_specs, plan_tensor_parallel
 from plait.trainer import load_config_file
 
 
@@ -56,7 +56,7 @@ def print_plan(model_config: str, tp: int, sequence_parallel: bool = True, paral
     # Repeated layers collapse into one row: model.layers.* ... (xN).
     rows: Counter = Counter()
     for name, shard in shards_by_rank[0].items():
-        key = (re.sub(r"\.\d+\.", ".*.", name), shard.style.value, shard.weight.full_shape, shard.weight.local_shape)
+        key = (re.sub(r"\.\d+\.", ".*.", name), shard.style.label, shard.weight.full_shape, shard.weight.local_shape)
         rows[key] += 1
     table = Table("module", "style", "full weight", "rank 0 weight", "count")
     for (name, style, full, local), count in rows.items():

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.config import ConfigError
-from plait.sharding import ShardSpec
+from plait.tp.sharding import ShardSpec
 
 FORMAT = "plait-checkpoint"
 VERSION = 1

@@ -29,7 +29,7 @@ from plait.checkpoint.state import (
 )
 from plait.config import ParallelConfig
 from plait.parallelize import ParallelModel
-from plait.sharding import ShardSpec
+from plait.tp.sharding import ShardSpec
 
 # Config fields that do not change the weights; left out when explaining a mismatch.
 _IGNORED_CONFIG = {"architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path", "use_cache"}

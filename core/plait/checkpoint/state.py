@@ -35,7 +35,7 @@ from torch import nn
 
 from plait.checkpoint.format import Box, CheckpointError, TensorEntry, full_box, spec_boxes
 from plait.checkpoint.st_io import DTYPES
-from plait.sharding import ShardSpec
+from plait.tp.sharding import ShardSpec
 
 
 @dataclass

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from plait.config import ConfigError
-from plait.plan import PipelinePlan, matches
+from plait.patterns import matches
+from plait.plan import PipelinePlan
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from plait.config import ConfigError
-from plait.plan import Attention
+from plait.tp.styles import Attention
 from plait.registry import Adapter, AdapterError, Registry
 
 STEPS, LR, ADAM_EPS, BATCH, SEQ = 3, 1e-3, 1e-6, 4, 16  # BATCH: sequences per data-parallel rank and step
@@ -96,7 +96,7 @@ def _plan_fits(subject: Subject, tp: int) -> str | None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from plait.sharding import plan_tensor_parallel
+    from plait.tp.sharding import plan_tensor_parallel
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(subject.config)

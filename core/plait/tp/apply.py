@@ -10,9 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.mesh import Mesh
-from plait.plan import Style
-from plait.sharding import ModuleShard
-from plait.tp.layers import ColumnParallelLinear, RowParallelLinear, TPRegionEntry, VocabParallelEmbedding
+from plait.tp.layers import TPRegionEntry
+from plait.tp.sharding import ModuleShard
+from plait.tp.styles import BuildContext, VocabHead
 
 
 @dataclass
@@ -24,30 +24,12 @@ class AppliedTP:
     vocab_start: int = 0  # first vocab id of this rank's logits (0 when the head is replicated)
     vocab_per_rank: int = 0  # padded vocab rows per rank (vocab-parallel head only)
     vocab_size: int = 0  # the real vocabulary (vocab-parallel head only)
-    row_layers: list[RowParallelLinear] = field(default_factory=list)
     grad_sums: list[tuple[nn.Parameter, dist.ProcessGroup | None]] = field(default_factory=list)
 
 
-def _build(shard: ModuleShard, module: nn.Module, mesh: Mesh, entry: TPRegionEntry, sp: bool) -> nn.Module:
-    weight = shard.weight.slice_full(module.weight.detach())
-    bias = shard.bias.slice_full(module.bias.detach()) if shard.bias is not None else None
-    if shard.style is Style.COLUMN:
-        return ColumnParallelLinear(weight, bias, shard.transposed, None if shard.entered_by_parent else entry)
-    if shard.style is Style.VOCAB_HEAD:
-        start, stop = shard.vocab_range
-        # Under SP the head's input was gathered from sequence shards already (see sequence_parallel.py).
-        return ColumnParallelLinear(weight, bias, shard.transposed, None if sp else entry, stop - start)
-    if shard.style is Style.ROW:
-        return RowParallelLinear(weight, bias, shard.transposed, mesh.tp_group, sp)
-    if shard.style is Style.VOCAB_EMBEDDING:
-        start, stop = shard.vocab_range
-        return VocabParallelEmbedding(weight, start, stop, module.num_embeddings, module.padding_idx, mesh.tp_group)
-    raise AssertionError(shard.style)
-
-
 def apply_tensor_parallel(model: nn.Module, shards: dict[str, ModuleShard], mesh: Mesh, sp: bool) -> AppliedTP:
-    entry = TPRegionEntry(mesh.tp_group, sp)
-    applied = AppliedTP(entry)
+    ctx = BuildContext(mesh, TPRegionEntry(mesh.tp_group, sp), sp)
+    applied = AppliedTP(ctx.entry)
     tied: dict[int, list[tuple[str, str]]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
         module_name, _, leaf = name.rpartition(".")
@@ -55,23 +37,19 @@ def apply_tensor_parallel(model: nn.Module, shards: dict[str, ModuleShard], mesh
 
     entered_parents: set[str] = set()
     for name, shard in shards.items():
-        if shard.entered_by_parent and name.rpartition(".")[0] not in entered_parents:
-            parent = name.rpartition(".")[0]
-            model.get_submodule(parent).register_forward_pre_hook(_enter_input(entry), with_kwargs=True)
-            entered_parents.add(parent)
-        old = model.get_submodule(name)
-        new = _build(shard, old, mesh, entry, sp)
+        parent_name = name.rpartition(".")[0]
+        if shard.entered_by_parent and parent_name not in entered_parents:
+            model.get_submodule(parent_name).register_forward_pre_hook(_enter_input(ctx.entry), with_kwargs=True)
+            entered_parents.add(parent_name)
+        new = shard.style.build(shard, model.get_submodule(name), ctx)
         model.set_submodule(name, new)
-        if isinstance(new, RowParallelLinear):
-            applied.row_layers.append(new)
-        if shard.style is Style.VOCAB_HEAD:
+        if isinstance(shard.style, VocabHead):
             applied.head_is_parallel, applied.vocab_start = True, shard.vocab_range[0]
             applied.vocab_size = shard.weight.full_shape[shard.weight.dim]
             applied.vocab_per_rank = shard.weight.local_shape[shard.weight.dim]
         if shard.grad_sum_block > 1:
             group = mesh.tp_block_group(shard.grad_sum_block)
             applied.grad_sums += [(p, group) for p in new.parameters()]
-        parent_name = name.rpartition(".")[0]
         for attr, value in shard.local_attrs.items():
             setattr(model.get_submodule(parent_name), attr, value)
 

@@ -1,5 +1,8 @@
 """From a TP plan and a model to per-parameter shard specs: pure functions, no communication.
 
+How one rule splits its modules lives with the rule (``tp/styles.py``); this module holds the shard types
+and walks a plan over a model.
+
 The same code answers "what does tp rank r hold?" for applying TP, for ``plait plan`` (on a meta model),
 for gathering full tensors in tests and checkpoints, and for validation. Every divisibility problem is
 found here, before any process group or weight read.
@@ -9,13 +12,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from plait.config import ConfigError
-from plait.plan import Attention, Rule, Style, TPPlan, matches
+
+if TYPE_CHECKING:
+    from plait.plan import TPPlan
+    from plait.tp.styles import TPStyle
+from plait.patterns import matches
 
 
 @dataclass(frozen=True)
@@ -67,7 +75,7 @@ class ModuleShard:
     """The decision for one module: its style, the spec of its weight and bias, and who shares it."""
 
     name: str
-    style: Style
+    style: "TPStyle"  # the rule that builds this module's replacement (tp/styles.py)
     transposed: bool  # transformers Conv1D: weight is [in, out]
     weight: ShardSpec
     bias: ShardSpec | None
@@ -79,14 +87,14 @@ class ModuleShard:
     entered_by_parent: bool = False
 
 
-def _even(total: int, tp: int, rank: int, what: str) -> tuple[int, int]:
+def even_range(total: int, tp: int, rank: int, what: str) -> tuple[int, int]:
     if total % tp:
         raise ConfigError(f"{what} = {total} is not divisible by tp={tp}; choose a tp that divides {total}")
     size = total // tp
     return rank * size, (rank + 1) * size
 
 
-def _linear_shape(module: nn.Module) -> tuple[int, int, bool]:
+def linear_shape(module: nn.Module) -> tuple[int, int, bool]:
     """(in_features, out_features, transposed) of a Linear or transformers Conv1D."""
     if isinstance(module, Conv1D):
         return module.weight.shape[0], module.weight.shape[1], True
@@ -95,8 +103,8 @@ def _linear_shape(module: nn.Module) -> tuple[int, int, bool]:
     raise ConfigError(f"module of type {type(module).__name__} cannot be split as a linear (expected Linear or Conv1D)")
 
 
-def _linear_shard(name: str, module: nn.Module, style: Style, out_ranges, in_ranges, pad: int = 0) -> ModuleShard:
-    fan_in, fan_out, transposed = _linear_shape(module)
+def linear_shard(name: str, module: nn.Module, style: "TPStyle", out_ranges, in_ranges, pad: int = 0) -> ModuleShard:
+    fan_in, fan_out, transposed = linear_shape(module)
     out_dim, in_dim = (1, 0) if transposed else (0, 1)
     full = tuple(module.weight.shape)
     if out_ranges is not None:
@@ -108,7 +116,7 @@ def _linear_shard(name: str, module: nn.Module, style: Style, out_ranges, in_ran
     return ModuleShard(name, style, transposed, weight, bias)
 
 
-def _vocab_split(vocab: int, tp: int, rank: int) -> tuple[int, int, int]:
+def vocab_split(vocab: int, tp: int, rank: int) -> tuple[int, int, int]:
     """(start, stop, pad) of real vocab rows for ``rank`` once vocab is padded to a multiple of tp."""
     per_rank = math.ceil(vocab / tp)
     start = min(rank * per_rank, vocab)
@@ -116,80 +124,8 @@ def _vocab_split(vocab: int, tp: int, rank: int) -> tuple[int, int, int]:
     return start, stop, per_rank - (stop - start)
 
 
-def _attention_shards(name: str, module: nn.Module, rule: Attention, tp: int, rank: int) -> list[ModuleShard]:
-    heads, kv_heads, hd = rule.num_heads, rule.num_kv_heads, rule.head_dim
-    if heads % tp:
-        raise ConfigError(f"num_attention_heads={heads} is not divisible by tp={tp}; choose a tp that divides {heads}")
-    if kv_heads >= tp and kv_heads % tp:
-        raise ConfigError(
-            f"num_key_value_heads={kv_heads} is not divisible by tp={tp}; choose tp dividing {kv_heads} "
-            f"(or a multiple of it that divides num_attention_heads={heads})"
-        )
-    if kv_heads < tp and tp % kv_heads:
-        raise ConfigError(
-            f"tp={tp} is not a multiple of num_key_value_heads={kv_heads}; kv heads are replicated only when "
-            f"tp is a multiple of them"
-        )
-    q_heads = heads // tp
-    q_range = (rank * q_heads * hd, (rank + 1) * q_heads * hd)
-    if kv_heads >= tp:
-        local_kv, block = kv_heads // tp, 1
-        kv_range = (rank * local_kv * hd, (rank + 1) * local_kv * hd)
-    else:
-        local_kv, block = 1, tp // kv_heads
-        head = rank // block
-        kv_range = (head * hd, (head + 1) * hd)
-    child = lambda attr: module.get_submodule(attr)  # noqa: E731
-    shards = []
-    if rule.qkv is not None:
-        if block > 1:
-            raise ConfigError(f"{name}: fused qkv with num_key_value_heads={kv_heads} < tp={tp} is not supported")
-        kv_width = kv_heads * hd
-        ranges = [q_range, (heads * hd + kv_range[0], heads * hd + kv_range[1]),
-                  (heads * hd + kv_width + kv_range[0], heads * hd + kv_width + kv_range[1])]
-        shards.append(_linear_shard(f"{name}.{rule.qkv}", child(rule.qkv), Style.COLUMN, ranges, None))
-    else:
-        shards.append(_linear_shard(f"{name}.{rule.q}", child(rule.q), Style.COLUMN, [q_range], None))
-        for attr in (rule.k, rule.v):
-            shard = _linear_shard(f"{name}.{attr}", child(attr), Style.COLUMN, [kv_range], None)
-            shard.grad_sum_block = block
-            shards.append(shard)
-    for shard in shards:
-        shard.entered_by_parent = True
-    shards.append(_linear_shard(f"{name}.{rule.o}", child(rule.o), Style.ROW, None, [q_range]))
-    quantities = {"q_heads": q_heads, "kv_heads": local_kv, "kv_groups": q_heads // local_kv,
-                  "q_width": q_heads * hd, "kv_width": local_kv * hd}
-    unknown = set(rule.local_attrs.values()) - set(quantities)
-    if unknown:
-        raise ConfigError(f"{name}: local_attrs use unknown quantities {sorted(unknown)}; use {sorted(quantities)}")
-    shards[0].local_attrs = {attr: quantities[q] for attr, q in rule.local_attrs.items()}
-    return shards
-
-
-def _rule_shard(name: str, module: nn.Module, rule: Rule, tp: int, rank: int) -> ModuleShard:
-    if rule.style is Style.COLUMN:
-        _, fan_out, _ = _linear_shape(module)
-        return _linear_shard(name, module, rule.style, [_even(fan_out, tp, rank, f"{name} output features")], None)
-    if rule.style is Style.ROW:
-        fan_in, _, _ = _linear_shape(module)
-        return _linear_shard(name, module, rule.style, None, [_even(fan_in, tp, rank, f"{name} input features")])
-    if rule.style is Style.VOCAB_HEAD:
-        _, vocab, _ = _linear_shape(module)
-        start, stop, pad = _vocab_split(vocab, tp, rank)
-        shard = _linear_shard(name, module, rule.style, [(start, stop)], None, pad)
-        shard.vocab_range = (start, stop)
-        return shard
-    if rule.style is Style.VOCAB_EMBEDDING:
-        if not isinstance(module, nn.Embedding):
-            raise ConfigError(f"{name} is a {type(module).__name__}, not an nn.Embedding; it cannot be vocab-parallel")
-        start, stop, pad = _vocab_split(module.num_embeddings, tp, rank)
-        weight = ShardSpec(tuple(module.weight.shape), 0, ((start, stop),), pad)
-        return ModuleShard(name, rule.style, False, weight, None, vocab_range=(start, stop))
-    raise ConfigError(f"{name}: style {rule.style} cannot be applied")
-
-
 def plan_tensor_parallel(
-    model: nn.Module, plan: TPPlan, tp: int, rank: int, parallel_embeddings: bool = True
+    model: nn.Module, plan: "TPPlan", tp: int, rank: int, parallel_embeddings: bool = True
 ) -> dict[str, ModuleShard]:
     """Shard decisions of tp rank ``rank`` for every module the plan names (works on meta models).
 
@@ -205,16 +141,10 @@ def plan_tensor_parallel(
                 f"the TP plan names {rule.pattern!r}, but the model ({type(model).__name__}) has no such module; "
                 f"the adapter does not fit this model"
             )
+        if rule.vocab_parallel and not parallel_embeddings:
+            continue
         for name in hits:
-            if isinstance(rule, Attention):
-                found = _attention_shards(name, modules[name], rule, tp, rank)
-            elif rule.style is Style.REPLICATED or (
-                not parallel_embeddings and rule.style in (Style.VOCAB_EMBEDDING, Style.VOCAB_HEAD)
-            ):
-                continue
-            else:
-                found = [_rule_shard(name, modules[name], rule, tp, rank)]
-            for shard in found:
+            for shard in rule.shards(name, modules[name], tp, rank):
                 shards[shard.name] = shard
     return shards
 

@@ -16,8 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.config import ConfigError
-from plait.plan import SPPlan, matches
-from plait.sharding import ModuleShard
+from plait.patterns import matches
+from plait.plan import SPPlan
+from plait.tp.sharding import ModuleShard
 from plait.tp import mappings
 
 
