@@ -89,14 +89,12 @@ def run_variant(name: str, steps: int, batch: int, seq: int) -> dict:
         from plait.optim import OptimizerStep, build_optimizer
         from plait.registry import default_registry
 
-        pmodel = load_parallel_model(config, plait.ParallelConfig(gradient_checkpointing=ckpt), dtype=dtype,
+        pmodel = load_parallel_model(config, plait.ParallelConfig(gradient_checkpointing=ckpt, bf16_autocast=autocast), dtype=dtype,
                                      device=device)
-        if autocast:
-            pmodel.autocast_dtype = torch.bfloat16
         if compile_:
             compile_leaf_modules(pmodel.module, default_registry().leaf_modules(pmodel.adapter, config))
         optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4, optimizer_dtype=torch.float32, fused=True)
-        optimizer_step = OptimizerStep(pmodel, optimizer, max_grad_norm=1.0)
+        optimizer_step = OptimizerStep(pmodel.grad_sync, optimizer, max_grad_norm=1.0)
         params = list(pmodel.parameters())
         num_items = batch * (seq - 1)
 
@@ -142,7 +140,7 @@ def run_load(stage: str, workdir: Path) -> dict:
         optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4, optimizer_dtype=torch.float32, fused=True)
         ids = torch.randint(0, 128256, (1, 512), device=device)
         pmodel.train_step(ids, ids)
-        OptimizerStep(pmodel, optimizer, 1.0)()
+        OptimizerStep(pmodel.grad_sync, optimizer, 1.0)()
         start = time.perf_counter()
         save_checkpoint(workdir / "checkpoint-1", pmodel, optimizer, None, 1, {})
     elif stage == "consolidate":

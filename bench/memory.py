@@ -82,7 +82,7 @@ def layout_worker(out: Path, tp: int, pp: int) -> None:
             pmodel(ids, labels=ids).backward()
             grads = tensor_bytes(g for g in (p.grad for p in params) if g is not None)
             main = tensor_bytes(grad_of(p) for p in params if hasattr(p, MAIN_GRAD))
-            OptimizerStep(pmodel, optimizer)()
+            OptimizerStep(pmodel.grad_sync, optimizer)()
             mine = {"params": tensor_bytes(params), "grads": grads, "fp32_acc": main,
                     "state": optimizer_state_bytes(optimizer), "psi": sum(p.numel() for p in params),
                     "largest": max(p.numel() for p in params)}

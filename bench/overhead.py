@@ -48,7 +48,7 @@ def main() -> None:
 
     def plait_step():
         pmodel(ids, labels=ids, num_items_in_batch=num_items).backward()
-        pmodel.finish_grad_sync()
+        pmodel.grad_sync.finish()
         plait_opt.step()
         plait_opt.zero_grad(set_to_none=True)
 

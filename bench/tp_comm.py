@@ -60,7 +60,7 @@ def worker(out_dir: Path, steps: int) -> None:
         def step():
             loss = pmodel(ids, labels=ids)
             loss.backward()
-            pmodel.finish_grad_sync()
+            pmodel.grad_sync.finish()
             opt.step()
             opt.zero_grad()
 

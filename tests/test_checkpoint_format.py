@@ -383,7 +383,7 @@ def test_bf16_with_fp32_master_weights_resumes_exactly(tmp_path):
     def setup(seed):
         pmodel = load_parallel_model(llama_config(), ParallelConfig(), seed=seed, dtype=torch.bfloat16)
         opt = build_optimizer(pmodel, torch.optim.AdamW, optimizer_dtype=torch.float32, lr=1e-2)
-        return pmodel, opt, OptimizerStep(pmodel, opt)
+        return pmodel, opt, OptimizerStep(pmodel.grad_sync, opt)
 
     def steps(pmodel, step, start, stop):
         losses = []

@@ -119,7 +119,7 @@ def test_master_weights_resume_exactly():
     for resume in (False, True):
         pmodel = parallelize(_tiny_llama().to(torch.bfloat16), ParallelConfig())
         optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-2, optimizer_dtype=torch.float32)
-        step = OptimizerStep(pmodel, optimizer, max_grad_norm=1.0)
+        step = OptimizerStep(pmodel.grad_sync, optimizer, max_grad_norm=1.0)
         losses = _train_steps(pmodel, step, ids, 2)
         if resume:  # a fresh model and optimizer from the bf16 weights and the optimizer state dict
             saved = {"model": {k: v.clone() for k, v in pmodel.state_dict().items()}, "optim": optimizer.state_dict()}
@@ -127,7 +127,7 @@ def test_master_weights_resume_exactly():
             pmodel.load_state_dict(saved["model"])
             optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-2, optimizer_dtype=torch.float32)
             optimizer.load_state_dict(saved["optim"])
-            step = OptimizerStep(pmodel, optimizer, max_grad_norm=1.0)
+            step = OptimizerStep(pmodel.grad_sync, optimizer, max_grad_norm=1.0)
         runs.append(losses + _train_steps(pmodel, step, ids, 2))
     assert runs[0] == runs[1], f"uninterrupted {runs[0]} vs resumed {runs[1]}"
 
@@ -140,12 +140,12 @@ def test_bad_optimizer_settings_are_refused():
     with pytest.raises(ConfigError, match="optimizer_dtype=torch.bfloat16 is less precise"):
         build_optimizer(pmodel, torch.optim.AdamW, optimizer_dtype=torch.bfloat16)
     with pytest.raises(ConfigError, match="max_grad_norm=0"):
-        OptimizerStep(pmodel, build_optimizer(pmodel), max_grad_norm=0)
+        OptimizerStep(pmodel.grad_sync, build_optimizer(pmodel), max_grad_norm=0)
 
 
 def test_checkpointing_needs_matching_leaf_modules():
     from plait import ConfigError
-    from plait.checkpointing import checkpoint_targets
+    from plait.activation_checkpoint import checkpoint_targets
 
     with pytest.raises(ConfigError, match=r"matches the adapter's leaf modules \['decoder.\*'\]"):
         checkpoint_targets(_tiny_llama(), ["decoder.*"])

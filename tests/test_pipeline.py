@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from plait import ConfigError, ParallelConfig, PipelinePlan, Registry, parallelize
-from plait.pipeline import pipeline_layout, rank_of_stage, stage_bytes, stages_of_rank
+from plait.layout_plan import pipeline_layout
+from plait.pipeline import rank_of_stage, stage_bytes, stages_of_rank
 from plait.pipeline.cuts import balance, fallback_plan
 from plait.testing import launch
 

@@ -7,7 +7,7 @@ import torch
 
 import plait
 from plait import ConfigError, ParallelConfig
-from plait.parallelize import _check_capabilities
+from plait.layout_plan import _check_capabilities
 from plait.registry import default_registry
 from plait.tp.sequence_parallel import sp_grad_sum_params
 from plait.tp.sharding import plan_tensor_parallel

@@ -26,6 +26,8 @@ class ParallelConfig:
     disable_embedding_parallelization: keep embeddings and the LM head replicated (optimum-neuron's flag).
     The pipeline and ZeRO fields are read by the pipeline and optimizer stages of ``parallelize``.
     gradient_checkpointing: recompute each leaf module (adapter's ``plait_leaf_modules``) in backward.
+    bf16_autocast: run every forward under ``torch.autocast(bfloat16)`` with fp32 parameters (backward follows
+    the dtypes autocast chose).
     """
 
     tp: int = 1
@@ -39,6 +41,7 @@ class ParallelConfig:
     pipeline_cuts: tuple[str, ...] = field(default_factory=tuple)
     zero_1: bool = False
     gradient_checkpointing: bool = False
+    bf16_autocast: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "virtual_pipeline_size", "num_microbatches"):

@@ -1,6 +1,8 @@
 """Gradient reductions after backward: sums over the groups that share a parameter.
 
-Coalesced into flat buckets so a model with hundreds of small parameters issues a handful of collectives.
+``GradSync`` is the one object that knows, for a laid-out model, which gradients are summed over which
+group and which gradients this rank counts in the global norm; the optimizer step drives it. Reductions are
+coalesced into flat buckets so a model with hundreds of small parameters issues a handful of collectives.
 A parameter whose gradients are accumulated in a higher-precision buffer (``main_grad``, set up by
 ``plait.optim.mixed_precision``) is reduced through that buffer: ``grad_of`` is the one place that knows.
 """
@@ -9,12 +11,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.mesh import Mesh
 
 BUCKET_BYTES = 32 * 1024 * 1024
 MAIN_GRAD = "main_grad"  # Megatron's name for a gradient kept apart from ``param.grad`` (e.g. in fp32)
@@ -81,3 +85,62 @@ def unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+class GradSync:
+    """Gradient sums of one rank of a laid-out model, and the parameters its share of the grad norm covers.
+
+    ``shared``: parameters replicated over a tp group (or a block of it) whose gradients each rank computes
+    only in part (sequence-parallel norms, row-parallel biases, kv heads shared by several ranks), by group.
+    ``tied``: the copies of a weight held by the first and last pipeline stage (tied embeddings), summed over
+    ``ends_group``.
+    ``norm_params``: the gradients this rank adds to the global norm (see ``norm_params``).
+    """
+
+    def __init__(
+        self, mesh: Mesh, params: list[nn.Parameter], shared: dict[Any, list[nn.Parameter]],
+        tied: list[nn.Parameter], ends_group: Any, norm_params: list[nn.Parameter],
+    ) -> None:
+        self.mesh, self.params, self.shared, self.tied = mesh, params, shared, tied
+        self.ends_group, self.norm_params = ends_group, norm_params
+
+    def model_parallel(self) -> None:
+        """Sum partial gradients over the tp groups that share parameters, and the tied copies over the two
+        pipeline ends (so both take identical steps)."""
+        for group, params in self.shared.items():
+            sum_grads(params, group)
+        if self.tied:
+            sum_grads(self.tied, self.ends_group)
+
+    def data_parallel(
+        self, params: list[nn.Parameter] | None = None, bucket_bytes: int = BUCKET_BYTES,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        """All-reduce ``params`` (default: every trainable parameter) over the data-parallel group."""
+        sum_grads(self.params if params is None else params, self.mesh.dp_group, bucket_bytes, reduce_dtype)
+
+    def finish(self) -> None:
+        """Both: what a plain (non-ZeRO) optimizer needs before its step."""
+        self.model_parallel()
+        self.data_parallel()
+
+
+def norm_params(
+    named_params: Iterable[tuple[str, nn.Parameter]], specs_by_rank: list[dict[str, Any]], tp_rank: int,
+    skip: Iterable[nn.Parameter] = (),
+) -> list[nn.Parameter]:
+    """The parameters whose gradients this rank counts in the global gradient norm.
+
+    Every distinct slice of every logical parameter is counted on exactly one rank of the tp group: a
+    tp-sharded slice on its rank, a replicated parameter (or a kv head shared by a block of ranks, whose
+    ShardSpec is then equal across the block) on the first rank holding that same slice. ``skip``: second
+    copies counted elsewhere (a tied embedding held by the last stage is counted on the first). Summing the
+    squares over tp (and pp, and dp for the slices each dp rank updates) gives the single-process norm.
+    """
+    skipped = {id(p) for p in skip}
+    counted = []
+    for name, param in named_params:
+        spec = specs_by_rank[tp_rank][name]
+        if id(param) not in skipped and not any(specs_by_rank[r][name] == spec for r in range(tp_rank)):
+            counted.append(param)
+    return counted

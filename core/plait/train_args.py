@@ -117,6 +117,7 @@ class TrainArgs:
             disable_embedding_parallelization=self.disable_embedding_parallelization,
             zero_1=self.zero_1,
             gradient_checkpointing=self.gradient_checkpointing,
+            bf16_autocast=self.bf16_autocast,
         )
 
 

@@ -160,8 +160,6 @@ def train(args: TrainArgs) -> list[dict]:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     pmodel = load_parallel_model(source, parallel, seed=args.seed, dtype=dtype, device=device,
                                  timeout=datetime.timedelta(seconds=args.ddp_timeout))
-    if args.bf16_autocast:
-        pmodel.autocast_dtype = torch.bfloat16
     if args.torch_compile:
         compile_leaf_modules(pmodel.module, default_registry().leaf_modules(pmodel.adapter, model_config))
     mesh = pmodel.mesh
@@ -172,7 +170,7 @@ def train(args: TrainArgs) -> list[dict]:
     fused = {"fused": True} if device.type == "cuda" else {}
     optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=args.learning_rate, weight_decay=args.weight_decay,
                                 optimizer_dtype=getattr(torch, args.optimizer_dtype), **fused)
-    optimizer_step = OptimizerStep(pmodel, optimizer, args.max_grad_norm or None)
+    optimizer_step = OptimizerStep(pmodel.grad_sync, optimizer, args.max_grad_norm or None)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=max(args.max_steps, 1))
     first_step = 0

@@ -26,6 +26,7 @@ from plait.checkpoint import CheckpointError, consolidate, load_checkpoint, save
 from plait.checkpoint.format import read_index
 from plait.loading import load_parallel_model
 from plait.optim import OptimizerStep, build_optimizer
+from plait.testing.gather import gather_full, gather_logits
 
 SEED, N, BATCH, SEQ = 7, 3, 4, 16
 PP2 = ParallelConfig(pp=2, num_microbatches=2)
@@ -60,7 +61,7 @@ def train(pmodel, opt, sched, start: int, stop: int) -> list[float]:
     """Optimizer steps [start, stop) as plait's trainer runs them (train_step, then OptimizerStep)."""
     losses = []
     vocab = pmodel.module.config.vocab_size
-    optimizer_step = OptimizerStep(pmodel, opt)
+    optimizer_step = OptimizerStep(pmodel.grad_sync, opt)
     for step in range(start, stop):
         ids = local_batch(step, vocab, pmodel)
         loss = pmodel.train_step(ids, ids, num_items_in_batch=BATCH * (SEQ - 1))
@@ -72,7 +73,7 @@ def train(pmodel, opt, sched, start: int, stop: int) -> list[float]:
 
 def full_logits(pmodel, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return pmodel.gather_logits(pmodel(ids))
+        return gather_logits(pmodel, pmodel(ids))
 
 
 def max_diff_to_layout(pmodel, other) -> float:
@@ -80,8 +81,8 @@ def max_diff_to_layout(pmodel, other) -> float:
     worst = 0.0
     others = dict(other.module.named_parameters())
     for name, param in pmodel.module.named_parameters():
-        a = pmodel.gather_full(name, param.data)
-        b = other.gather_full(name, others[name].data)
+        a = gather_full(pmodel, name, param.data)
+        b = gather_full(other, name, others[name].data)
         worst = max(worst, (a - b).abs().max().item())
     return worst
 
@@ -146,7 +147,7 @@ def mode_train(work: Path, rank: int) -> dict:
         dist.barrier()
         pm = load_parallel_model(src, ParallelConfig(tp=2))
         state = reference.state_dict()
-        r["hf_load_diff"] = max((pm.gather_full(n, p.data) - state[n]).abs().max().item()
+        r["hf_load_diff"] = max((gather_full(pm, n, p.data) - state[n]).abs().max().item()
                                 for n, p in pm.module.named_parameters())
         ids = torch.randint(0, cfg.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(6))
         with torch.no_grad():

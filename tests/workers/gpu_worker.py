@@ -41,7 +41,7 @@ def main(hf_dir: str) -> None:
     # bf16 parameters, fp32 masters, ZeRO-1 over a real (one-rank) dp group: every reduce and broadcast on NCCL.
     pmodel.to(torch.bfloat16)
     optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-3, optimizer_dtype=torch.float32, fused=True)
-    step = OptimizerStep(pmodel, optimizer, max_grad_norm=1.0)
+    step = OptimizerStep(pmodel.grad_sync, optimizer, max_grad_norm=1.0)
     losses = []
     with comm.count_collectives() as counter:
         for _ in range(3):

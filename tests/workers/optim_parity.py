@@ -72,6 +72,7 @@ def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, 
     if bf16_params:
         model.to(torch.bfloat16)
     pmodel = parallelize(model, ParallelConfig(tp=tp, pp=pp, zero_1=zero_1, gradient_checkpointing=checkpointing,
+                                               bf16_autocast=bf16_autocast,
                                                num_microbatches=2 if pp > 1 else 1))
     mesh = pmodel.mesh
     if plain_dp:  # the baseline ZeRO-1 must match bit for bit: torch AdamW on every parameter
@@ -79,7 +80,7 @@ def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, 
     else:
         optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY,
                                     optimizer_dtype=torch.float32 if bf16_params else None, main_grads=main_grads)
-        step = OptimizerStep(pmodel, optimizer, max_norm, reduce_dtype=reduce_dtype)
+        step = OptimizerStep(pmodel.grad_sync, optimizer, max_norm, reduce_dtype=reduce_dtype)
     leaf_mlp_calls = []
     # a pre-hook: recomputation stops early, after the last saved tensor, so a post-hook of the mlp never fires
     # the first decoder layer this pipeline rank owns (other stages' layers are placeholders without an mlp)
@@ -90,7 +91,6 @@ def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, 
         total = torch.zeros(())
         for micro in range(accumulation):
             rows = local_microbatch(torch.arange(GLOBAL_BATCH), mesh.dp_rank, mesh.dp, accumulation, micro)
-            pmodel.autocast_dtype = torch.bfloat16 if bf16_autocast else None
             with comm.count_collectives() as counter:
                 loss = pmodel.train_step(ids[rows], labels[rows], num_items_in_batch=num_items(labels))
             if counters is not None:
@@ -98,7 +98,7 @@ def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, 
             total += loss.detach().float()
         with comm.count_collectives() as counter:
             if plain_dp:
-                pmodel.finish_grad_sync()
+                pmodel.grad_sync.finish()
                 optimizer.step()
                 optimizer.zero_grad()
             else:

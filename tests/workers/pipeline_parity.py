@@ -24,8 +24,10 @@ from tiny_decoder import TinyAdapter, TinyConfig, TinyDecoder  # noqa: E402
 
 from plait import ConfigError, ParallelConfig, Registry, parallelize  # noqa: E402
 from plait.optim.clip import global_grad_norm  # noqa: E402
-from plait.pipeline import pipeline_layout, stages_of_rank  # noqa: E402
+from plait.layout_plan import pipeline_layout  # noqa: E402
+from plait.pipeline import stages_of_rank  # noqa: E402
 from plait.pipeline.stages import is_placeholder  # noqa: E402
+from plait.testing.gather import gather_full  # noqa: E402
 
 VOCAB, BATCH, SEQ, STEPS = 61, 8, 16, 3
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -98,17 +100,17 @@ def parity(arch: str, layout: dict, padding: bool = False, attn: str = "sdpa") -
         mine = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
         num_items = int((labels[:, 1:] != -100).sum())
         loss = pm.train_step(ids[mine], labels[mine], None if mask is None else mask[mine], num_items)
-        pm.finish_grad_sync()
+        pm.grad_sync.finish()
         if mesh.dp_group is not None:
             dist.all_reduce(loss, group=mesh.dp_group)
         out["losses"].append([loss.item(), ref_loss.item()])
         # the global gradient norm counts every logical parameter once (a tied embedding too)
-        norm = global_grad_norm(pm.grad_norm_params(), [mesh.tp_group, mesh.pp_group], torch.device("cpu"))
+        norm = global_grad_norm(pm.grad_sync.norm_params, [mesh.tp_group, mesh.pp_group], torch.device("cpu"))
         ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
         out["norm_rel"] = max(out["norm_rel"], abs(norm.item() - ref_norm.item()) / ref_norm.item())
         out["loss_rel"] = max(out["loss_rel"], abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
         for name, param in local.items():
-            full = pm.gather_full(name, param.grad)
+            full = gather_full(pm, name, param.grad)
             expected = ref_params[name].grad
             out["grad_abs"] = max(out["grad_abs"], (full - expected).abs().max().item())
             out["grads_close"] &= bool(torch.allclose(full, expected, rtol=1e-5, atol=1e-6))
@@ -116,7 +118,7 @@ def parity(arch: str, layout: dict, padding: bool = False, attn: str = "sdpa") -
         opt.zero_grad()
         ref_opt.step()
     for name, param in local.items():
-        out["param_abs"] = max(out["param_abs"], (pm.gather_full(name, param) - ref_params[name]).abs().max().item())
+        out["param_abs"] = max(out["param_abs"], (gather_full(pm, name, param) - ref_params[name]).abs().max().item())
     ids, labels, mask = batch(STEPS, padding)
     with torch.no_grad():
         ref_eval = reference_loss(ref, ids, labels, mask).item()
@@ -135,10 +137,10 @@ def tied_difference(pm) -> float | None:
     """Max difference between the tied weight's copies on the first and last stage (None if untied)."""
     names = [n for n in ("transformer.wte.weight", "model.embed_tokens.weight", "lm_head.weight")]
     local = dict(pm.module.named_parameters())
-    mine = {n: pm.gather_full(n, local[n]) for n in names if n in local}
+    mine = {n: gather_full(pm, n, local[n]) for n in names if n in local}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (pm.mesh.dp_rank, pm.mesh.tp_rank, mine))
-    if not pm._tied_params:
+    if not pm.grad_sync.tied:
         return None
     copies = [t for dp, tp, held in everyone if (dp, tp) == (pm.mesh.dp_rank, pm.mesh.tp_rank) for t in held.values()]
     assert len(copies) == 2, f"expected the tied weight on two stages, found {len(copies)} copies"

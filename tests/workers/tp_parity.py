@@ -23,6 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import plait  # noqa: E402
+from plait.testing.gather import gather_full, gather_logits  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 
 STEPS, BATCH, SEQ, LR = 3, 2, 16, 1e-3
@@ -72,11 +73,11 @@ def run_case(name: str) -> dict:
         num_items = ids.shape[0] * (SEQ - 1)
         loss = pmodel(local, labels=local, num_items_in_batch=num_items)
         loss.backward()
-        pmodel.finish_grad_sync()
+        pmodel.grad_sync.finish()
         global_loss = plait.comm.all_reduce(loss.detach().clone(), mesh.dp_group)
         worst["loss_rel"] = max(worst["loss_rel"], abs(global_loss.item() - ref_loss.item()) / abs(ref_loss.item()))
         for pname, param in pmodel.module.named_parameters():
-            full = pmodel.gather_full(pname, param.grad)
+            full = gather_full(pmodel, pname, param.grad)
             expected = reference.get_parameter(pname).grad
             worst["grad_err"] = max(worst["grad_err"], (full - expected).abs().max().item())
             try:
@@ -86,11 +87,11 @@ def run_case(name: str) -> dict:
         ref_opt.step(), par_opt.step()
         ref_opt.zero_grad(), par_opt.zero_grad()
     for pname, param in pmodel.module.named_parameters():
-        err = (pmodel.gather_full(pname, param) - reference.get_parameter(pname)).abs().max().item()
+        err = (gather_full(pmodel, pname, param) - reference.get_parameter(pname)).abs().max().item()
         worst["param_err"] = max(worst["param_err"], err)
     with torch.no_grad():  # logits after training: full vocabulary, padding never shows
         ids = torch.randint(0, vocab, (1, SEQ), generator=gen)
-        logits = pmodel.gather_logits(pmodel(ids))
+        logits = gather_logits(pmodel, pmodel(ids))
         expected = reference(input_ids=ids, use_cache=False).logits
         if logits.shape != expected.shape:
             failures.append(f"gathered logits shape {tuple(logits.shape)} != {tuple(expected.shape)}")

@@ -15,7 +15,7 @@ import torch
 
 from plait import comm
 from plait.config import ConfigError
-from plait.grad_sync import BUCKET_BYTES, sum_grads
+from plait.grad_sync import BUCKET_BYTES, GradSync
 from plait.optim.clip import clip_grads_, global_grad_norm
 from plait.optim.mixed_precision import MasterWeightOptimizer, accumulate_grads_in
 from plait.optim.zero import Zero1Optimizer
@@ -62,37 +62,36 @@ def build_optimizer(
 class OptimizerStep:
     """Call once per optimizer step, after the backward of every micro-step; returns the global grad norm.
 
-    In order: sum gradients shared inside the model-parallel group (``finish_grad_sync(dp=False)``), reduce
+    In order: sum gradients shared inside the model-parallel group (``grad_sync.model_parallel``), reduce
     over dp (to the owning rank under ZeRO-1, an all-reduce otherwise; either way once per step), compute
-    the global norm, clip to ``max_grad_norm`` (None: no clipping), step, zero the gradients.
-    ``reduce_dtype``: dtype of the dp reduction on the wire (float32 for bf16 gradients: optimum-neuron's
-    ``higher_cc_precision``); None keeps the gradients' dtype (fp32 when ``main_grads`` accumulate them).
+    the global norm over the gradients ``grad_sync`` says this rank counts, clip to ``max_grad_norm`` (None:
+    no clipping), step, zero the gradients. ``reduce_dtype``: dtype of the dp reduction on the wire (float32
+    for bf16 gradients: optimum-neuron's ``higher_cc_precision``); None keeps the gradients' dtype (fp32
+    when ``main_grads`` accumulate them).
     """
 
     def __init__(
-        self, pmodel: ParallelModel, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None,
+        self, grad_sync: GradSync, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None,
         *, reduce_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm={max_grad_norm} must be positive (or None for no clipping)")
-        self.pmodel, self.optimizer, self.max_grad_norm = pmodel, optimizer, max_grad_norm
+        self.grad_sync, self.optimizer, self.max_grad_norm = grad_sync, optimizer, max_grad_norm
         self.reduce_dtype, self.bucket_bytes = reduce_dtype, bucket_bytes
         self.zero = isinstance(optimizer, Zero1Optimizer)
-        params = [p for p in pmodel.parameters() if p.requires_grad]
-        self.updated = optimizer.owned_params if self.zero else params
-        counted = {id(p) for p in pmodel.grad_norm_params()}
+        self.updated = optimizer.owned_params if self.zero else grad_sync.params
+        counted = {id(p) for p in grad_sync.norm_params}
         self.norm_params = [p for p in self.updated if id(p) in counted]
-        mesh = pmodel.mesh
+        mesh = grad_sync.mesh
         self.norm_groups = [mesh.tp_group, mesh.pp_group] + ([mesh.dp_group] if self.zero else [])
-        self.device = params[0].device
+        self.device = grad_sync.params[0].device
 
     def __call__(self) -> torch.Tensor:
-        mesh = self.pmodel.mesh
-        self.pmodel.finish_grad_sync(dp=False)
+        self.grad_sync.model_parallel()
         if self.zero:
             self.optimizer.reduce_gradients(self.bucket_bytes, self.reduce_dtype)
         else:
-            sum_grads(self.updated, mesh.dp_group, self.bucket_bytes, self.reduce_dtype)
+            self.grad_sync.data_parallel(self.updated, self.bucket_bytes, self.reduce_dtype)
         norm = global_grad_norm(self.norm_params, self.norm_groups, self.device)
         if self.max_grad_norm is not None:
             clip_grads_(self.updated, self.max_grad_norm, norm)

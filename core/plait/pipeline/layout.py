@@ -1,7 +1,8 @@
 """The pipeline layout of a model under a config: validated before any collective, printable by ``plait plan``.
 
-``plan_stages`` is what ``parallelize`` calls on every rank before creating process groups;
-``pipeline_layout`` is the same computation as a table for humans (it also works on a meta model).
+``plan_stages`` is what ``plan_layout`` (``plait.layout_plan``) calls before any process group exists;
+``stage_rows`` shows a split as a table for humans (it also works on a meta model). This package knows
+nothing of adapters: it takes their pipeline plan and leaf patterns as values.
 """
 
 from __future__ import annotations
@@ -12,16 +13,19 @@ from torch import nn
 from plait.config import ConfigError, ParallelConfig
 from plait.pipeline.cuts import StageSplit, fallback_plan, split_stages
 from plait.pipeline.schedule import check_schedule
-from plait.registry import Adapter, Registry, default_registry
+from plait.plan import PipelinePlan
 
 
-def plan_stages(model: nn.Module, config: ParallelConfig, registry: Registry, adapter: Adapter) -> StageSplit:
-    """The stage split for ``config`` (pp * virtual_pipeline_size stages), or a ConfigError naming the fix."""
+def plan_stages(
+    model: nn.Module, config: ParallelConfig, plan: PipelinePlan | None, leaf_patterns: list[str]
+) -> StageSplit:
+    """The stage split for ``config`` (pp * virtual_pipeline_size stages), or a ConfigError naming the fix.
+
+    ``plan``: the adapter's pipeline plan (None: derived from the ModuleList holding the leaf modules)."""
     num_stages = config.pp * config.virtual_pipeline_size
     layout = f"pp*virtual_pipeline_size = {config.pp}*{config.virtual_pipeline_size}"
     check_schedule(config)
-    leaf_patterns = registry.leaf_modules(adapter, model.config)
-    plan = registry.pipeline_plan(adapter, model.config) or fallback_plan(model, leaf_patterns)
+    plan = plan or fallback_plan(model, leaf_patterns)
     split = split_stages(model, plan, leaf_patterns, num_stages, config.pipeline_cuts, layout)
     tied_across_stages(model, split)
     return split
@@ -66,18 +70,13 @@ def _stage_of_param(split: StageSplit, param_name: str) -> int:
     )
 
 
-def pipeline_layout(
-    model: nn.Module, config: ParallelConfig, registry: Registry | None = None
-) -> list[tuple[str, int | None, int]]:
+def stage_rows(model: nn.Module, split: StageSplit) -> list[tuple[str, int | None, int]]:
     """(module name, stage, parameter bytes) of every pipeline unit, in execution order, for ``plait plan``.
 
     ``stage`` is None for parameter-free modules every stage recomputes (rotary tables). Bytes are of the
     full (unsharded) parameters at their current dtype; tensor parallelism divides most of them by tp. A
     tied weight is counted on both stages that hold a copy. Works on a meta model; needs no process group.
     """
-    registry = registry or default_registry()
-    adapter = registry.resolve(model.config)
-    split = plan_stages(model, config, registry, adapter)
     rows: list[tuple[str, int | None, int]] = []
     for name in (*split.plan.first, *split.layers, *split.plan.last):
         module = model.get_submodule(name)
@@ -87,7 +86,7 @@ def pipeline_layout(
 
 
 def stage_bytes(rows: list[tuple[str, int | None, int]]) -> dict[int, int]:
-    """Parameter bytes per stage from ``pipeline_layout`` rows."""
+    """Parameter bytes per stage from ``stage_rows``."""
     total: dict[int, int] = defaultdict(int)
     for _, stage, size in rows:
         if stage is not None:

@@ -109,7 +109,7 @@ class PlainStep:
         self.pmodel, self.optimizer = pmodel, torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=ADAM_EPS)
 
     def __call__(self, record: Record, step: int) -> dict[str, torch.Tensor]:
-        self.pmodel.finish_grad_sync()
+        self.pmodel.grad_sync.finish()
         grads = local_grads(record, step, list(self.pmodel.module.named_parameters()))
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -124,7 +124,7 @@ class ZeroStep:
         from plait.optim import OptimizerStep, build_optimizer
 
         self.optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=LR, eps=ADAM_EPS)
-        self.run = OptimizerStep(pmodel, self.optimizer)
+        self.run = OptimizerStep(pmodel.grad_sync, self.optimizer)
         owned = {id(p) for p in getattr(self.optimizer, "owned_params", pmodel.parameters())}
         self.named = [(n, p) for n, p in pmodel.module.named_parameters() if id(p) in owned]
 

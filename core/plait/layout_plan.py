@@ -1,0 +1,108 @@
+"""The layout plan: everything ``parallelize`` will do, worked out once from a (meta) model and a config.
+
+``plan_layout`` asks the adapter for its plans, checks them against the model's structure and the layout
+(capabilities, pipeline schedule and cuts, tied weights across stages, tp divisibility of every sharded
+module, the sequence-parallel region, activation-checkpoint targets) and returns a frozen ``LayoutPlan``.
+Every refusal happens here, with no process group and no weight read: a trainer calls it on a meta model
+before ``init_process_group``. ``parallelize`` applies the plan; ``plait plan`` and the conformance kit
+render or consume the same value, so none of them can show or accept a layout the others refuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from plait.activation_checkpoint import checkpoint_targets
+from plait.config import ConfigError, ParallelConfig
+from plait.pipeline.cuts import StageSplit
+from plait.pipeline.layout import plan_stages, stage_rows, stages_of_rank, tied_across_stages
+from plait.plan import SPPlan
+from plait.registry import Adapter, Registry, default_registry
+from plait.tp.sequence_parallel import sp_grad_sum_params
+from plait.tp.sharding import ModuleShard, ShardSpec, param_specs, plan_tensor_parallel
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """What every rank of a layout holds and runs, as data.
+
+    ``config`` is resolved for the world (dp filled in). ``shards_by_rank[r]`` / ``specs_by_rank[r]``: tp rank
+    r's shard decision per module and spec per parameter (names as in the unpruned model; under pp a rank
+    keeps only its stages' entries). ``split``: the pipeline stages (None at pp=1); ``tied``: parameter names
+    that are one tensor held by the first and last stage. ``leaves``: modules to recompute in backward.
+    """
+
+    config: ParallelConfig
+    adapter: Adapter
+    model_config: Any
+    split: StageSplit | None
+    tied: tuple[tuple[str, ...], ...]
+    shards_by_rank: tuple[dict[str, ModuleShard], ...]
+    specs_by_rank: tuple[dict[str, ShardSpec], ...]
+    sp_plan: SPPlan | None
+    leaves: tuple[str, ...]
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The pipeline stages pipeline rank ``pp_rank`` runs (empty at pp=1)."""
+        return stages_of_rank(pp_rank, self.config) if self.split is not None else []
+
+
+def plan_layout(
+    model: nn.Module, config: ParallelConfig, world_size: int | None = None, registry: Registry | None = None
+) -> LayoutPlan:
+    """The plan for laying ``model`` (a transformers causal LM, meta or real) out as ``config`` over
+    ``world_size`` processes (None: the smallest world the layout needs, tp * pp * (dp or 1)).
+
+    Raises ConfigError (or AdapterError for an architecture no adapter claims), naming the values and the fix.
+    """
+    registry = registry or default_registry()
+    adapter = registry.resolve(model.config)
+    _check_capabilities(adapter, config, model.config)
+    leaf_patterns = registry.leaf_modules(adapter, model.config)
+    split = None
+    if config.pp > 1:
+        split = plan_stages(model, config, registry.pipeline_plan(adapter, model.config), leaf_patterns)
+    tied = tuple(tuple(names) for names in tied_across_stages(model, split)) if split is not None else ()
+    tp_plan = registry.tp_plan(adapter, model.config) if config.tp > 1 else None
+    parallel_embeddings = not config.disable_embedding_parallelization
+    shards_by_rank = tuple(
+        plan_tensor_parallel(model, tp_plan, config.tp, r, parallel_embeddings) if tp_plan else {}
+        for r in range(config.tp)
+    )
+    sp_plan = registry.sp_plan(adapter, model.config) if config.sequence_parallel else None
+    if sp_plan is not None:
+        sp_grad_sum_params(model, sp_plan, shards_by_rank[0])  # validates the plan against the model
+    leaves = tuple(checkpoint_targets(model, leaf_patterns)) if config.gradient_checkpointing else ()
+    world_size = world_size or config.tp * config.pp * (config.dp or 1)
+    return LayoutPlan(
+        config=config.resolve(world_size), adapter=adapter, model_config=model.config, split=split, tied=tied,
+        shards_by_rank=shards_by_rank, specs_by_rank=tuple(param_specs(model, s) for s in shards_by_rank),
+        sp_plan=sp_plan, leaves=leaves,
+    )
+
+
+def pipeline_layout(
+    model: nn.Module, config: ParallelConfig, registry: Registry | None = None
+) -> list[tuple[str, int | None, int]]:
+    """(module name, stage, parameter bytes) of every pipeline unit of ``model`` under ``config`` (pp > 1), in
+    execution order: the plan's stage split as rows for ``plait plan`` and tests."""
+    plan = plan_layout(model, config, registry=registry)
+    if plan.split is None:
+        raise ConfigError(f"pipeline_layout needs pp > 1 (got pp={config.pp})")
+    return stage_rows(model, plan.split)
+
+
+def _check_capabilities(adapter: Adapter, config: ParallelConfig, model_config: Any) -> None:
+    caps = adapter.info.capabilities
+    wanted = {"tp": config.tp > 1, "sp": config.sequence_parallel, "pp": config.pp > 1,
+              "vpp": config.virtual_pipeline_size > 1,
+              "tied_embeddings": config.tp * config.pp > 1 and bool(getattr(model_config, "tie_word_embeddings", False))}
+    refused = [name for name, needed in wanted.items() if needed and not getattr(caps, name)]
+    if refused:
+        raise ConfigError(
+            f"adapter {adapter.name!r} does not support {', '.join(refused)} (it supports: "
+            f"{', '.join(caps.supported()) or 'nothing'}); change the layout ({config.describe()})"
+        )
