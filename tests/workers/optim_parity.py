@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from plait import ParallelConfig, comm, parallelize
 from plait.data import local_microbatch
-from plait.optim import OptimizerStep, Zero1Optimizer, autocast, build_optimizer
+from plait.optim import OptimizerStep, Zero1Optimizer, build_optimizer
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 5, 8, 16, 97
 LR, WEIGHT_DECAY, SMALL_NORM = 1e-2, 0.1, 0.05

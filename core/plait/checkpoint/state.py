@@ -1,7 +1,7 @@
 """What a rank saves besides bytes: its parameters and optimizer state as boxes of logical tensors, its RNG
 states, and JSON-safe copies of optimizer hyperparameters and scheduler state.
 
-Optimizer extension point (ZeRO-1): an optimizer object may define
+Optimizers own their checkpoint state. An optimizer object may define
 
 * ``plait_state(names, specs) -> (list[LocalTensor], meta)``: the state this rank holds, each tensor with
   the boxes of its logical tensor (``optimizer/<param>/<key>``) it covers; a dp slice of a flattened
@@ -12,20 +12,21 @@ Optimizer extension point (ZeRO-1): an optimizer object may define
 * ``plait_plan_load(names, specs, meta, entries) -> (reads, finish)``: the boxes it needs (``ReadOp``) and a
   callable run after they are filled that installs the state.
 
-Plain ``torch.optim`` optimizers (AdamW, SGD ...) need neither: their per-parameter state tensors have the
-parameter's local shape and follow its ``ShardSpec``; 0-d tensors (``step``) are replicated. Neither does
-``torch.distributed.optim.ZeroRedundancyOptimizer``: each dp rank saves the state of the whole parameters
-its partition owns (through its inner optimizer, so the checkpoint loads into plain AdamW or any other
-partition), and loads the state of the parameters it owns at the new layout. Nor does
-``plait.optim.MasterWeightOptimizer``: its fp32 masters are saved as ``optimizer/<param>/master`` beside the
-moments and restored exactly (from a checkpoint without masters, they start from the loaded parameters).
+``names`` maps each model parameter to its logical name, ``specs`` each name to its ``ShardSpec``. Wrappers
+build on the functions here: ``plait.optim.Zero1Optimizer`` saves through its per-rank optimizer
+(``optimizer_state`` / ``plan_optimizer_load`` of the inner one), ``plait.optim.MasterWeightOptimizer`` adds
+its fp32 masters (``optimizer/<param>/master``) to ``torch_optimizer_state`` of its inner optimizer.
+
+Plain ``torch.optim`` optimizers (AdamW, SGD ...) need neither method: their per-parameter state tensors have
+the parameter's local shape and follow its ``ShardSpec``; 0-d tensors (``step``) are replicated. torch's own
+``ZeroRedundancyOptimizer`` is not one of them (its ``state_dict`` needs a consolidation on one rank): use
+``plait.optim.Zero1Optimizer``.
 """
 
 from __future__ import annotations
 
 import base64
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -104,21 +105,8 @@ def local_views(spec: ShardSpec, tensor: torch.Tensor, logical: str) -> list[Rea
 # --------------------------------------------------------------------------------------------------
 
 
-def _is_zero(optimizer: Any) -> bool:
-    """A ``ZeroRedundancyOptimizer`` (checked without importing torch.distributed.optim, which is slow and
-    warns about torch.jit: whoever built one has imported it)."""
-    module = sys.modules.get("torch.distributed.optim")
-    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
-
-
-def _has_masters(optimizer: Any) -> bool:
-    """A ``plait.optim.MasterWeightOptimizer``: it steps fp32 copies (masters) of lower-precision parameters;
-    its state is keyed by the masters, which are saved too (``optimizer/<param>/master``)."""
-    module = sys.modules.get("plait.optim.mixed_precision")
-    return module is not None and isinstance(optimizer, module.MasterWeightOptimizer)
-
-
-def _param_name(names: dict[nn.Parameter, str], param: torch.Tensor, optimizer: Any) -> str:
+def param_name(names: dict[nn.Parameter, str], param: torch.Tensor, optimizer: Any) -> str:
+    """The logical name of ``param``; CheckpointError when ``optimizer`` steps a tensor the model does not hold."""
     if param not in names:
         raise CheckpointError(
             f"{type(optimizer).__name__} steps a tensor of shape {list(param.shape)} that is not a parameter of the "
@@ -129,29 +117,22 @@ def _param_name(names: dict[nn.Parameter, str], param: torch.Tensor, optimizer: 
 
 
 def optimizer_key(param: str, key: str) -> str:
+    """The logical name of state ``key`` of parameter ``param``."""
     return f"optimizer/{param}/{key}"
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group without its parameters: what a checkpoint keeps of it."""
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def optimizer_state(
     optimizer: torch.optim.Optimizer, names: dict[nn.Parameter, str], specs: dict[str, ShardSpec]
 ) -> tuple[list[LocalTensor], dict[str, Any]]:
-    """This rank's optimizer state as boxes of logical tensors, plus its JSON part."""
+    """This rank's optimizer state as boxes of logical tensors, plus its JSON part: the optimizer's own
+    ``plait_state`` when it has one, else ``torch_optimizer_state``."""
     if hasattr(optimizer, "plait_state"):
         return optimizer.plait_state(names, specs)
-    if _has_masters(optimizer):
-        pairs = list(zip(optimizer.model_params, optimizer.masters))
-        master_names = {master: _param_name(names, param, optimizer) for param, master in pairs}
-        tensors, meta = torch_optimizer_state(optimizer.inner, master_names, specs)
-        for _, master in pairs:
-            name = master_names[master]
-            tensors.append(LocalTensor(optimizer_key(name, "master"), "optim", specs[name].full_shape, master,
-                                       spec_boxes(specs[name])))
-        return tensors, meta
-    if _is_zero(optimizer):
-        tensors, meta = optimizer_state(optimizer.optim, names, specs)
-        # The outer groups are the ones LR schedulers change; the inner ones catch up only at the next step.
-        meta["groups"] = [to_json({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
-        return tensors, meta
     return torch_optimizer_state(optimizer, names, specs)
 
 
@@ -163,9 +144,9 @@ def torch_optimizer_state(
     tensors: list[LocalTensor] = []
     groups, membership, keys = [], {}, {}
     for g, (group, saved) in enumerate(zip(optimizer.param_groups, state_dict["param_groups"])):
-        groups.append(to_json({k: v for k, v in saved.items() if k != "params"}))
+        groups.append(to_json(hyperparameters(saved)))
         for param, index in zip(group["params"], saved["params"]):
-            name = _param_name(names, param, optimizer)
+            name = param_name(names, param, optimizer)
             membership[name] = g
             spec = specs[name]
             keys[name] = {}
@@ -193,44 +174,16 @@ def plan_optimizer_load(
     optimizer: torch.optim.Optimizer, names: dict[nn.Parameter, str], specs: dict[str, ShardSpec],
     meta: dict[str, Any], entries: dict[str, TensorEntry],
 ) -> tuple[list[ReadOp], Callable[[], None]]:
-    """Check the saved state fits ``optimizer`` and return the reads that fill it plus the installer."""
+    """Check the saved state fits ``optimizer`` and return the reads that fill it plus the installer: the
+    optimizer's own ``plait_plan_load`` when it has one, else ``torch_load_plan`` and ``load_state_dict``."""
     if hasattr(optimizer, "plait_plan_load"):
         return optimizer.plait_plan_load(names, specs, meta, entries)
-    if _is_zero(optimizer):
-        reads, finish_inner = plan_optimizer_load(optimizer.optim, names, specs, meta, entries)
-
-        def finish_zero() -> None:
-            finish_inner()
-            for outer, inner in zip(optimizer.param_groups, optimizer.optim.param_groups):
-                outer.update({k: v for k, v in inner.items() if k != "params"})  # LR schedulers use the outer groups
-
-        return reads, finish_zero
-    if _has_masters(optimizer):
-        pairs = list(zip(optimizer.model_params, optimizer.masters))
-        master_names = {master: _param_name(names, param, optimizer) for param, master in pairs}
-        reads, state_dict = _torch_load_plan(optimizer.inner, master_names, specs, meta, entries)
-        saved = []
-        for _, master in pairs:
-            name = master_names[master]
-            if optimizer_key(name, "master") in entries:
-                out = torch.zeros(master.shape, dtype=master.dtype)
-                reads += local_views(specs[name], out, optimizer_key(name, "master"))
-                saved.append(out)
-        if saved and len(saved) != len(pairs):
-            raise CheckpointError(f"checkpoint has master weights for {len(saved)} of {len(pairs)} parameters")
-
-        def finish_masters() -> None:
-            # From a checkpoint without masters (saved with fp32 parameters), the loaded parameters are the masters.
-            masters = saved or [param.detach().to(optimizer.dtype) for param, _ in pairs]
-            optimizer.load_state_dict({**state_dict, "master_weights": masters})
-
-        return reads, finish_masters
-    reads, state_dict = _torch_load_plan(optimizer, names, specs, meta, entries)
+    reads, state_dict = torch_load_plan(optimizer, names, specs, meta, entries)
     return reads, lambda: optimizer.load_state_dict(state_dict)
 
 
-def _torch_load_plan(
-    optimizer: torch.optim.Optimizer, names, specs: dict[str, ShardSpec], meta: dict[str, Any],
+def torch_load_plan(
+    optimizer: torch.optim.Optimizer, names: dict[nn.Parameter, str], specs: dict[str, ShardSpec], meta: dict[str, Any],
     entries: dict[str, TensorEntry],
 ) -> tuple[list[ReadOp], dict[str, Any]]:
     """The reads and the ``load_state_dict`` argument (filled by the reads) of a ``torch.optim`` optimizer."""
@@ -251,7 +204,7 @@ def _torch_load_plan(
     for g, group in enumerate(optimizer.param_groups):
         groups.append({**from_json(meta["groups"][g]), "params": list(range(index, index + len(group["params"])))})
         for param in group["params"]:
-            name = _param_name(names, param, optimizer)
+            name = param_name(names, param, optimizer)
             if name not in meta["membership"]:
                 raise CheckpointError(f"checkpoint has no optimizer entry for parameter {name}")
             if meta["membership"][name] != g:

@@ -1,11 +1,11 @@
 """Optimizer side of plait: ZeRO-1, fp32 master weights, global-norm clipping, and the per-step driver."""
 
 from plait.optim.clip import clip_grads_, global_grad_norm
-from plait.optim.mixed_precision import MasterWeightOptimizer, accumulate_grads_in, autocast
+from plait.optim.mixed_precision import MasterWeightOptimizer, accumulate_grads_in
 from plait.optim.step import OptimizerStep, build_optimizer
 from plait.optim.zero import Zero1Optimizer
 
 __all__ = [
-    "MasterWeightOptimizer", "OptimizerStep", "Zero1Optimizer", "accumulate_grads_in", "autocast",
-    "build_optimizer", "clip_grads_", "global_grad_norm",
+    "MasterWeightOptimizer", "OptimizerStep", "Zero1Optimizer", "accumulate_grads_in", "build_optimizer",
+    "clip_grads_", "global_grad_norm",
 ]

@@ -1,13 +1,13 @@
-"""Mixed precision for training: fp32 master weights for low-precision parameters, fp32 gradient
-accumulation across micro-steps, and bf16 autocast for fp32 parameters.
+"""Mixed precision for training: fp32 master weights for low-precision parameters and fp32 gradient
+accumulation across micro-steps.
 
 Two ways to train in bf16, as in optimum-neuron and Megatron:
 - bf16 parameters (half the parameter and activation memory) with the optimizer stepping fp32 copies
   ("master weights") and keeping its state in fp32; the bf16 parameters are refreshed from the masters after
   every step. Updates far below bf16's resolution (lr * Adam's unit-sized step ~ 1e-4 of a weight ~ 1)
   would otherwise round to nothing.
-- fp32 parameters with ``torch.autocast(dtype=bfloat16)`` around the forward pass: matmuls run in bf16,
-  everything stored is fp32.
+- fp32 parameters with ``torch.autocast(dtype=bfloat16)`` around the forward pass (``--bf16_autocast``,
+  applied by ``plait.parallelize``): matmuls run in bf16, everything stored is fp32.
 Gradients of bf16 parameters summed over many micro-steps lose the same low bits, so each backward's
 gradient is added into an fp32 ``main_grad`` buffer (optimum-neuron's ``use_grad_acc_hook``) and the bf16
 ``.grad`` is freed at once.
@@ -15,14 +15,21 @@ gradient is added into an fp32 ``main_grad`` buffer (optimum-neuron's ``use_grad
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from plait.checkpoint.format import CheckpointError, spec_boxes
+from plait.checkpoint.state import (
+    LocalTensor, ReadOp, local_views, optimizer_key, param_name, torch_load_plan, torch_optimizer_state,
+)
 from plait.grad_sync import MAIN_GRAD, grad_of, zero_grads
+
+if TYPE_CHECKING:
+    from plait.checkpoint.format import TensorEntry
+    from plait.tp.sharding import ShardSpec
 
 
 def accumulate_grads_in(params: Iterable[nn.Parameter], dtype: torch.dtype) -> list[Any]:
@@ -106,13 +113,43 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 master.copy_(saved)
                 param.copy_(master)
 
+    def plait_state(
+        self, names: dict[nn.Parameter, str], specs: dict[str, ShardSpec]
+    ) -> tuple[list[LocalTensor], dict[str, Any]]:
+        """The inner optimizer's state under the parameters' names, plus the masters as
+        ``optimizer/<param>/master`` (sharded like their parameters): bf16 parameters cannot give them back."""
+        master_names = self._master_names(names)
+        tensors, meta = torch_optimizer_state(self.inner, master_names, specs)
+        for master in self.masters:
+            spec = specs[master_names[master]]
+            tensors.append(LocalTensor(optimizer_key(master_names[master], "master"), "optim", spec.full_shape,
+                                       master, spec_boxes(spec)))
+        return tensors, meta
 
-def autocast(
-    module: nn.Module, dtype: torch.dtype = torch.bfloat16, enabled: bool = True
-) -> contextlib.AbstractContextManager:
-    """``torch.autocast`` on the device type of ``module``'s parameters (cpu, cuda, xla ... never hard-coded).
+    def plait_plan_load(
+        self, names: dict[nn.Parameter, str], specs: dict[str, ShardSpec], meta: dict[str, Any],
+        entries: dict[str, TensorEntry],
+    ) -> tuple[list[ReadOp], Callable[[], None]]:
+        """Read the inner optimizer's state and the saved masters; from a checkpoint without masters (saved with
+        fp32 parameters), the loaded parameters become the masters."""
+        master_names = self._master_names(names)
+        reads, state_dict = torch_load_plan(self.inner, master_names, specs, meta, entries)
+        saved = []
+        for master in self.masters:
+            logical = optimizer_key(master_names[master], "master")
+            if logical in entries:
+                saved.append(torch.zeros(master.shape, dtype=master.dtype))
+                reads += local_views(specs[master_names[master]], saved[-1], logical)
+        if saved and len(saved) != len(self.masters):
+            raise CheckpointError(f"checkpoint has master weights for {len(saved)} of {len(self.masters)} parameters")
 
-    Wrap the forward pass (and the loss) only; backward runs in the dtypes autocast chose.
-    """
-    device_type = next(module.parameters()).device.type
-    return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled)
+        def finish() -> None:
+            masters = saved or [param.detach().to(self.dtype) for param in self.model_params]
+            self.load_state_dict({**state_dict, "master_weights": masters})
+
+        return reads, finish
+
+    def _master_names(self, names: dict[nn.Parameter, str]) -> dict[torch.Tensor, str]:
+        """Each master under its parameter's logical name (the inner optimizer's state is keyed by masters)."""
+        return {master: param_name(names, param, self) for param, master in zip(self.model_params, self.masters)}
+

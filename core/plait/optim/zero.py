@@ -19,7 +19,8 @@ the one collective ``plait.comm.count_collectives`` does not see.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,14 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from plait import comm
+from plait.checkpoint.state import (
+    LocalTensor, ReadOp, hyperparameters, optimizer_state, plan_optimizer_load, to_json,
+)
 from plait.grad_sync import BUCKET_BYTES, buckets, flatten, grad_of, unflatten, zero_grads
+
+if TYPE_CHECKING:
+    from plait.checkpoint.format import TensorEntry
+    from plait.tp.sharding import ShardSpec
 
 
 class Zero1Optimizer(ZeroRedundancyOptimizer):
@@ -66,6 +74,30 @@ class Zero1Optimizer(ZeroRedundancyOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         zero_grads(p for group in self.param_groups for p in group["params"])
+
+    def plait_state(
+        self, names: dict[nn.Parameter, str], specs: dict[str, ShardSpec]
+    ) -> tuple[list[LocalTensor], dict[str, Any]]:
+        """The state of the parameters this rank owns, saved as the per-rank optimizer saves it (class "AdamW",
+        not ZeRO): a checkpoint then loads into plain AdamW, or into ZeRO-1 at any dp size."""
+        tensors, meta = optimizer_state(self.optim, names, specs)
+        # The outer groups are the ones LR schedulers change; the inner ones catch up only at the next step.
+        meta["groups"] = [to_json(hyperparameters(group)) for group in self.param_groups]
+        return tensors, meta
+
+    def plait_plan_load(
+        self, names: dict[nn.Parameter, str], specs: dict[str, ShardSpec], meta: dict[str, Any],
+        entries: dict[str, TensorEntry],
+    ) -> tuple[list[ReadOp], Callable[[], None]]:
+        """Read the state of the parameters this rank owns at this layout (whatever partition saved it)."""
+        reads, finish_inner = plan_optimizer_load(self.optim, names, specs, meta, entries)
+
+        def finish() -> None:
+            finish_inner()
+            for outer, inner in zip(self.param_groups, self.optim.param_groups):
+                outer.update(hyperparameters(inner))  # LR schedulers use the outer groups
+
+        return reads, finish
 
 
 def _grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
