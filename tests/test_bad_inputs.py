@@ -208,7 +208,7 @@ def never(what: str):
 def test_bad_input_refused_at_once(warm, tmp_path, monkeypatch, capsys, flags, setup, message):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(plait.trainer, "init_distributed", never("torch.distributed initialisation"))
-    monkeypatch.setattr(plait.trainer, "load_parallel_model", never("the weights"))
+    monkeypatch.setattr(plait.trainer, "materialize", never("the weights"))
     extra = setup(monkeypatch, tmp_path) if setup else []
     argv = ["train", *base_flags(tmp_path), *flags, *extra]  # later flags override earlier ones
     start = time.perf_counter()

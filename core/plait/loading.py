@@ -58,15 +58,32 @@ def load_parallel_model(
     ``timeout`` bounds collectives on the model's process groups (``parallelize``).
     """
     registry = registry or default_registry()
-    config, kind, path = _resolve_source(source)
-    model = build_meta_model(config, dtype)
-    pmodel = parallelize(model, parallel_config, registry=registry, timeout=timeout)
-    found = local_params(pmodel.module, pmodel.param_specs)
+    config, kind, path = resolve_source(source)
+    pmodel = parallelize(build_meta_model(config, dtype), parallel_config, registry=registry, timeout=timeout)
+    materialize(pmodel, kind, path, seed=seed, device=device, registry=registry)
+    if kind == "checkpoint":
+        load_checkpoint(path, pmodel)
+    return pmodel
+
+
+def materialize(
+    pmodel: ParallelModel, kind: str, path: Path | None, *, seed: int = 0, device: str | torch.device = "cpu",
+    registry: Registry | None = None,
+) -> None:
+    """Give every parameter of a ParallelModel laid out on the meta device its local storage on ``device``.
+
+    ``kind`` (from ``resolve_source``): "init" fills seeded random weights, "hf" reads this rank's slices of
+    the model directory ``path``; "checkpoint" only allocates, for ``load_checkpoint`` to fill (together
+    with the optimizer state, in one read). Buffers are recomputed.
+    """
+    registry = registry or default_registry()
+    model, config = pmodel.module, pmodel.plan.model_config
+    found = local_params(model, pmodel.param_specs)
     hf = HFWeights(path, found.aliases, getattr(model, "base_model_prefix", "")) if kind == "hf" else None
     if hf is not None:
         hf.check(found.specs)
     device = torch.device(device)
-    materialize_buffers(pmodel.module, device)
+    materialize_buffers(model, device)
     init = SeededInit(registry, pmodel.adapter, config, seed) if kind == "init" else None
     with torch.no_grad():
         for name, param in found.params.items():
@@ -79,12 +96,9 @@ def load_parallel_model(
             elif init is not None:
                 init.fill(name, spec, local)
             torch.utils.swap_tensors(param, nn.Parameter(local.to(device), requires_grad=param.requires_grad))
-    if kind == "checkpoint":
-        load_checkpoint(path, pmodel)
-    return pmodel
 
 
-def _resolve_source(source: PretrainedConfig | str | os.PathLike) -> tuple[PretrainedConfig, str, Path | None]:
+def resolve_source(source: PretrainedConfig | str | os.PathLike) -> tuple[PretrainedConfig, str, Path | None]:
     """(config, "init" | "hf" | "checkpoint", directory)."""
     if isinstance(source, PretrainedConfig):
         return source, "init", None

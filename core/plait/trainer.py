@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import nn
 from transformers import AutoConfig, PretrainedConfig, get_scheduler
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -27,14 +28,16 @@ from plait.data import GlobalBatchSampler, local_microbatch
 from plait.data.train_data import load_data
 from plait.metrics import MetricsLog, peak_rss_mb, plot_loss_curve
 from plait.optim import OptimizerStep, build_optimizer
-from plait.checkpoint.format import remove_partial_checkpoints
+from plait.checkpoint.format import read_index, remove_partial_checkpoints
+from plait.checkpoint.state import local_params
 from plait.compile import compile_leaf_modules
 from plait.checkpoint import (
     checkpoint_path, latest_checkpoint, load_checkpoint, rotate_checkpoints, save_checkpoint, should_save,
 )
-from plait.loading import load_parallel_model
+from plait.layout_plan import plan_layout
+from plait.loading import materialize, resolve_source
 from plait.meta import build_meta_model
-from plait.parallelize import ParallelModel, validate_layout
+from plait.parallelize import ParallelModel, parallelize
 from plait.registry import default_registry
 from plait.runtime import explain_timeouts, init_distributed, is_main_process, pick_device
 from plait.train_args import TrainArgs
@@ -86,28 +89,25 @@ def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
         )
 
 
-def check_resume_matches(args: TrainArgs, config: PretrainedConfig, resume: Path | None) -> None:
+def check_resume_matches(args: TrainArgs, meta: nn.Module, resume: Path | None) -> None:
     """A checkpoint of another model than --model_config / --model_name_or_path names is refused, rather than
-    silently training the checkpoint's model. Compares every parameter's name and shape (meta models)."""
+    silently training the checkpoint's model. Compares every parameter's name and shape: the meta model's
+    against the checkpoint's index (no second model is built)."""
     if resume is None or not (args.model_config or args.model_name_or_path):
         return
-    saved = AutoConfig.from_pretrained(resume)
-    shapes = [{n: tuple(p.shape) for n, p in build_meta_model(c, torch.float32).named_parameters()}
-              for c in (saved, config)]
-    if shapes[0] != shapes[1]:
+    _, index = read_index(resume)
+    saved = {name: tuple(entry.shape) for name, entry in index.params().items()}
+    wanted = {name: tuple(p.shape) for name, p in local_params(meta).params.items()}
+    if saved != wanted:
         flag = "--model_name_or_path" if args.model_name_or_path else "--model_config"
-        first = sorted(set(shapes[0].items()) ^ set(shapes[1].items()))[0][0]
+        first = sorted(set(saved.items()) ^ set(wanted.items()))[0][0]
+        saved_type = index.model_config.get("model_type")
         raise ConfigError(
-            f"--resume_from_checkpoint {resume} holds a {saved.model_type} model ({', '.join(saved.architectures or [])}) "
-            f"that differs from {flag}'s {config.model_type} model (first difference: {first}); resume with the "
-            f"model it was saved from, or leave out {flag} to use the checkpoint's own config"
+            f"--resume_from_checkpoint {resume} holds a {saved_type} model "
+            f"({', '.join(index.model_config.get('architectures') or [])}) that differs from {flag}'s "
+            f"{meta.config.model_type} model (first difference: {first}); resume with the model it was saved "
+            f"from, or leave out {flag} to use the checkpoint's own config"
         )
-
-
-def check_layout(args: TrainArgs, config: PretrainedConfig) -> None:
-    """Every refusal of ``parallelize`` (adapter, plans, tp/pp divisibility, world size), on a meta-device
-    model: before torch.distributed is initialised and before any weight is read or allocated."""
-    validate_layout(build_meta_model(config, torch.float32), args.parallel_config(), int(os.environ.get("WORLD_SIZE", "1")))
 
 
 @torch.no_grad()
@@ -139,95 +139,123 @@ def resume_path(args: TrainArgs) -> Path | None:
     return Path(args.resume_from_checkpoint) if args.resume_from_checkpoint else None
 
 
+class Trainer:
+    """One training job: ``Trainer(args)`` builds everything (checks first, then the process group, the model,
+    optimizer and state), ``step(step)`` runs one optimizer step, ``train()`` runs the loop with logging,
+    evaluation and checkpoints.
+
+    The model is built once on the meta device; the layout is planned (every refusal) before any process
+    group exists; each rank then materialises only its shards, and a resume reads the checkpoint once
+    (weights, optimizer, scheduler and RNG together).
+    """
+
+    def __init__(self, args: TrainArgs) -> None:
+        args.validate()
+        self.args = args
+        resume = resume_path(args)
+        model_config = read_model_config(args, resume)
+        meta = build_meta_model(model_config, torch.bfloat16 if args.bf16 else torch.float32)
+        check_resume_matches(args, meta, resume)
+        check_model_fits(args, model_config)
+        plan = plan_layout(meta, args.parallel_config(), int(os.environ.get("WORLD_SIZE", "1")))
+        # Data before any process group: a bad file fails every rank at once, never inside a collective.
+        self.blocks, self.val_blocks, self.tokenizer = load_data(args, model_config.vocab_size)
+        self.device = device = pick_device(args.device)
+        init_distributed(device, args.backend, args.ddp_timeout)
+        self.console = Console(stderr=True, quiet=not is_main_process())
+
+        # Each rank materialises only its own shards: from the checkpoint, the model dir, or seeded init.
+        load_start = time.perf_counter()
+        source = resume or args.model_name_or_path or model_config
+        kind, path = ("checkpoint", resume) if resume else resolve_source(source)[1:]
+        self.pmodel = pmodel = parallelize(meta, plan, timeout=datetime.timedelta(seconds=args.ddp_timeout))
+        materialize(pmodel, kind, path, seed=args.seed, device=device)
+        if args.torch_compile:
+            compile_leaf_modules(pmodel.module, default_registry().leaf_modules(pmodel.adapter, model_config))
+        self.mesh = mesh = pmodel.mesh
+        self.global_batch = args.per_device_train_batch_size * mesh.dp * args.gradient_accumulation_steps
+        self.sampler = GlobalBatchSampler(len(self.blocks), self.global_batch, args.seed)
+        # On CUDA, AdamW's fused kernel (one launch for all parameters) rather than its per-tensor loop.
+        fused = {"fused": True} if device.type == "cuda" else {}
+        self.optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=args.learning_rate,
+                                         weight_decay=args.weight_decay,
+                                         optimizer_dtype=getattr(torch, args.optimizer_dtype), **fused)
+        self.optimizer_step = OptimizerStep(pmodel.grad_sync, self.optimizer, args.max_grad_norm or None)
+        self.scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer, num_warmup_steps=args.warmup_steps,
+                                       num_training_steps=max(args.max_steps, 1))
+        self.first_step = 0
+        if resume is not None:
+            state = load_checkpoint(resume, pmodel, self.optimizer, self.scheduler)
+            self.sampler.load_state_dict(state.extra["sampler"])
+            self.first_step = state.step
+            self.console.print(f"resumed from {resume} at step {self.first_step}"
+                               + (" (resharded)" if state.resharded else ""))
+        self.output_dir = Path(args.output_dir)
+        if is_main_process():
+            for partial in remove_partial_checkpoints(self.output_dir):
+                self.console.print(f"removed {partial}: a save that never finished")
+        self.log = MetricsLog(self.output_dir, fresh=resume is None)
+        self.log.write({"event": "load", "step": self.first_step, "load_seconds": time.perf_counter() - load_start,
+                        "peak_rss_mb": peak_rss_mb(), "source": "init" if kind == "init" else str(source)})
+        count = sum(p.numel() for p in pmodel.parameters())
+        self.console.print(
+            f"[bold]plait[/] layout {mesh.config.describe()} | adapter {pmodel.adapter.name} "
+            f"({pmodel.adapter.distribution or 'in-process'}) | parameters on rank 0: {count:,} | "
+            f"{len(self.blocks):,} blocks of {args.block_size} tokens, global batch {self.global_batch}")
+
+    def step(self, step: int) -> dict:
+        """Forward, backward and optimizer update of step ``step`` (0-based); returns its metrics record."""
+        args, mesh = self.args, self.mesh
+        start = time.perf_counter()
+        indices = self.sampler.indices(step)
+        num_items = self.global_batch * (args.block_size - 1)  # packed blocks: every shifted label counts
+        accumulation = args.gradient_accumulation_steps
+        step_loss = torch.zeros((), device=self.device)
+        for micro in range(accumulation):
+            rows = local_microbatch(indices, mesh.dp_rank, mesh.dp, accumulation, micro)
+            batch = self.blocks[rows].to(self.device)
+            step_loss += self.pmodel.train_step(batch, batch, num_items_in_batch=num_items)
+        lr = self.optimizer_step.lr
+        grad_norm = self.optimizer_step()
+        self.scheduler.step()
+        return {"step": step + 1, "loss": comm.all_reduce(step_loss, mesh.dp_group).item(), "lr": lr,
+                "grad_norm": grad_norm.item(),
+                "tokens_per_s": self.global_batch * args.block_size / (time.perf_counter() - start),
+                "peak_rss_mb": peak_rss_mb()}
+
+    def save(self, step: int) -> None:
+        path = save_checkpoint(checkpoint_path(self.output_dir, step), self.pmodel, self.optimizer, self.scheduler,
+                               step, {"sampler": self.sampler.state_dict()}, tokenizer=self.tokenizer)
+        rotate_checkpoints(self.output_dir, self.args.save_total_limit, self.mesh.rank)
+        self.console.print(f"saved {path}")
+
+    def train(self) -> list[dict]:
+        """Steps from the first (0, or the resumed one) to --max_steps; returns each one's metrics (every rank)."""
+        args, history = self.args, []
+        progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                            TextColumn("{task.description}"), TimeRemainingColumn(), console=self.console,
+                            disable=not is_main_process())
+        with progress, explain_timeouts(args.ddp_timeout):
+            task = progress.add_task("", total=args.max_steps, completed=self.first_step)
+            for step in range(self.first_step, args.max_steps):
+                faults.maybe_inject(step + 1)  # testing aid: a no-op unless PLAIT_FAULT_INJECT is set
+                record = self.step(step)
+                is_last = step + 1 == args.max_steps
+                if self.val_blocks is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or is_last):
+                    record.update(evaluate(self.pmodel, self.val_blocks, args.per_device_train_batch_size, self.device))
+                history.append(record)
+                self.log.write(record)
+                progress.update(task, advance=1,
+                                description=f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s")
+                if (step + 1) % args.logging_steps == 0 and not self.console.is_terminal:
+                    self.console.print(json.dumps(record), soft_wrap=True)
+                if should_save(step + 1, args.save_steps) or (is_last and args.save_steps > 0):
+                    self.save(step + 1)
+        if is_main_process() and history and plot_loss_curve(history, self.output_dir / "loss.png"):
+            self.console.print(f"loss curve: {self.output_dir / 'loss.png'}")
+        return history
+
+
 def train(args: TrainArgs) -> list[dict]:
     """Run the training job described by ``args``; returns the per-step metrics (every rank)."""
-    args.validate()
-    resume = resume_path(args)
-    model_config = read_model_config(args, resume)
-    check_resume_matches(args, model_config, resume)
-    check_model_fits(args, model_config)
-    check_layout(args, model_config)
-    # Data before any process group: a bad file fails every rank at once, never inside a collective.
-    blocks, val_blocks, tokenizer = load_data(args, model_config.vocab_size)
-    parallel = args.parallel_config()
-    device = pick_device(args.device)
-    init_distributed(device, args.backend, args.ddp_timeout)
-    console = Console(stderr=True, quiet=not is_main_process())
-
-    # Each rank materialises only its own shards: from the checkpoint, the model dir, or seeded init.
-    load_start = time.perf_counter()
-    source = resume or args.model_name_or_path or model_config
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    pmodel = load_parallel_model(source, parallel, seed=args.seed, dtype=dtype, device=device,
-                                 timeout=datetime.timedelta(seconds=args.ddp_timeout))
-    if args.torch_compile:
-        compile_leaf_modules(pmodel.module, default_registry().leaf_modules(pmodel.adapter, model_config))
-    mesh = pmodel.mesh
-    accumulation = args.gradient_accumulation_steps
-    global_batch = args.per_device_train_batch_size * mesh.dp * accumulation
-    sampler = GlobalBatchSampler(len(blocks), global_batch, args.seed)
-    # On CUDA, AdamW's fused kernel (one launch for all parameters) rather than its per-tensor loop.
-    fused = {"fused": True} if device.type == "cuda" else {}
-    optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=args.learning_rate, weight_decay=args.weight_decay,
-                                optimizer_dtype=getattr(torch, args.optimizer_dtype), **fused)
-    optimizer_step = OptimizerStep(pmodel.grad_sync, optimizer, args.max_grad_norm or None)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
-                              num_training_steps=max(args.max_steps, 1))
-    first_step = 0
-    if resume is not None:
-        state = load_checkpoint(resume, pmodel, optimizer, scheduler, weights=False)
-        sampler.load_state_dict(state.extra["sampler"])
-        first_step = state.step
-        console.print(f"resumed from {resume} at step {first_step}" + (" (resharded)" if state.resharded else ""))
-    output_dir = Path(args.output_dir)
-    if is_main_process():
-        for partial in remove_partial_checkpoints(output_dir):
-            console.print(f"removed {partial}: a save that never finished")
-    log = MetricsLog(output_dir, fresh=resume is None)
-    log.write({"event": "load", "step": first_step, "load_seconds": time.perf_counter() - load_start,
-               "peak_rss_mb": peak_rss_mb(), "source": str(source) if not isinstance(source, PretrainedConfig) else "init"})
-    local_params = sum(p.numel() for p in pmodel.parameters())
-    console.print(f"[bold]plait[/] layout {mesh.config.describe()} | adapter {pmodel.adapter.name} "
-                  f"({pmodel.adapter.distribution or 'in-process'}) | parameters on rank 0: {local_params:,} | "
-                  f"{len(blocks):,} blocks of {args.block_size} tokens, global batch {global_batch}")
-
-    def save(step: int) -> None:
-        path = save_checkpoint(checkpoint_path(output_dir, step), pmodel, optimizer, scheduler, step,
-                               {"sampler": sampler.state_dict()}, tokenizer=tokenizer)
-        rotate_checkpoints(output_dir, args.save_total_limit, mesh.rank)
-        console.print(f"saved {path}")
-
-    history = []
-    num_items = global_batch * (args.block_size - 1)  # packed blocks: every shifted label counts
-    progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.description}"),
-                        TimeRemainingColumn(), console=console, disable=not is_main_process())
-    with progress, explain_timeouts(args.ddp_timeout):
-        task = progress.add_task("", total=args.max_steps, completed=first_step)
-        for step in range(first_step, args.max_steps):
-            faults.maybe_inject(step + 1)  # testing aid: a no-op unless PLAIT_FAULT_INJECT is set
-            start = time.perf_counter()
-            indices = sampler.indices(step)
-            step_loss = torch.zeros((), device=device)
-            for micro in range(accumulation):
-                batch = blocks[local_microbatch(indices, mesh.dp_rank, mesh.dp, accumulation, micro)].to(device)
-                step_loss += pmodel.train_step(batch, batch, num_items_in_batch=num_items)
-            lr = optimizer_step.lr
-            grad_norm = optimizer_step()
-            scheduler.step()
-            record = {"step": step + 1, "loss": comm.all_reduce(step_loss, mesh.dp_group).item(), "lr": lr,
-                      "grad_norm": grad_norm.item(),
-                      "tokens_per_s": global_batch * args.block_size / (time.perf_counter() - start),
-                      "peak_rss_mb": peak_rss_mb()}
-            is_last = step + 1 == args.max_steps
-            if val_blocks is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or is_last):
-                record.update(evaluate(pmodel, val_blocks, args.per_device_train_batch_size, device))
-            history.append(record)
-            log.write(record)
-            progress.update(task, advance=1, description=f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s")
-            if (step + 1) % args.logging_steps == 0 and not console.is_terminal:
-                console.print(json.dumps(record), soft_wrap=True)
-            if should_save(step + 1, args.save_steps) or (is_last and args.save_steps > 0):
-                save(step + 1)
-    if is_main_process() and history and plot_loss_curve(history, output_dir / "loss.png"):
-        console.print(f"loss curve: {output_dir / 'loss.png'}")
-    return history
+    return Trainer(args).train()
