@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from plait import ParallelConfig, default_registry
 from plait.checkpoint import (
-    CheckpointError, checkpoint_path, consolidate, flat_range_boxes, latest_checkpoint, list_checkpoints,
-    load_checkpoint, rotate_checkpoints, save_checkpoint, should_save,
+    CheckpointError, checkpoint_path, consolidate, latest_checkpoint, list_checkpoints, load_checkpoint,
+    rotate_checkpoints, save_checkpoint, should_save,
 )
 from plait.checkpoint import st_io
-from plait.checkpoint.format import spec_boxes, uncovered
+from plait.checkpoint.format import flat_range_boxes, spec_boxes, uncovered
 from plait.checkpoint.state import LocalTensor, torch_optimizer_state
 from plait.config import ConfigError
 from plait.loading import SeededInit, load_parallel_model

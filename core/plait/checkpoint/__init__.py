@@ -6,13 +6,12 @@ See ``format`` for the on-disk layout. Entry points for the trainer and the CLI:
 
 from plait.checkpoint.consolidate import consolidate
 from plait.checkpoint.format import (
-    CheckpointError, checkpoint_path, flat_range_boxes, latest_checkpoint, list_checkpoints, rotate_checkpoints,
-    should_save,
+    CheckpointError, checkpoint_path, latest_checkpoint, list_checkpoints, rotate_checkpoints, should_save,
 )
 from plait.checkpoint.load import CheckpointState, load_checkpoint, saved_layout
 from plait.checkpoint.save import save_checkpoint
 
 __all__ = [
-    "CheckpointError", "CheckpointState", "checkpoint_path", "consolidate", "flat_range_boxes", "latest_checkpoint",
-    "list_checkpoints", "load_checkpoint", "rotate_checkpoints", "save_checkpoint", "saved_layout", "should_save",
+    "CheckpointError", "CheckpointState", "checkpoint_path", "consolidate", "latest_checkpoint", "list_checkpoints",
+    "load_checkpoint", "rotate_checkpoints", "save_checkpoint", "saved_layout", "should_save",
 ]

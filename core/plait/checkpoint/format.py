@@ -52,10 +52,6 @@ def full_box(shape: Sequence[int]) -> Box:
     return tuple((0, s) for s in shape)
 
 
-def box_numel(box: Box) -> int:
-    return math.prod(b - a for a, b in box)
-
-
 def intersect(a: Box, b: Box) -> Box | None:
     """The overlap of two boxes, or None when they do not overlap (or either is empty)."""
     out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
@@ -100,9 +96,10 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[
     """Decompose the flat (row-major) element range [start, stop) of a tensor of ``shape`` into boxes.
 
     Returns (box, flat_start, flat_stop) with each box's elements being exactly the flat range, so a slice
-    of a flattened buffer can be stored zero-copy as ``flat[flat_start:flat_stop].view(box sizes)``. This
-    is the extension point for ZeRO-1: an optimizer that keeps a dp rank's slice of a flattened parameter
-    saves it as these boxes, and the index can regroup them across any dp size.
+    of a flattened buffer can be stored zero-copy as ``flat[flat_start:flat_stop].view(box sizes)``. For
+    optimizers whose ``plait_state`` (see ``state``) holds a dp rank's slice of a flattened parameter: saved
+    as these boxes, the slices regroup on load at any dp size or into a plain optimizer. plait's own
+    ``Zero1Optimizer`` partitions whole parameters and does not need it.
     """
     if not 0 <= start <= stop <= math.prod(shape):
         raise ValueError(f"flat range [{start}, {stop}) outside a tensor of shape {list(shape)}")
