@@ -46,7 +46,7 @@ def test_plan_prints_styles_and_bytes_per_rank(llama_config_file, capsys):
 
 def test_plan_shows_pipeline_stages(llama_config_file, capsys):
     main(["plan", "--model_config", str(llama_config_file), "--tensor_parallel_size", "2",
-          "--pipeline_parallel_size", "2"])
+          "--pipeline_parallel_size", "2", "--num_microbatches", "2"])
     out = capsys.readouterr().out
     assert "model.layers.1" in out and "every stage" in out and "pp rank" in out
 
@@ -85,3 +85,11 @@ def test_plan_unknown_architecture(tmp_path, capsys):
 def test_every_hook_is_documented(name):
     doc = inspect.getdoc(getattr(hookspecs, name))
     assert doc and len(doc) > 80, f"hook {name} needs a docstring: it is the plugin author's reference"
+
+
+def test_plan_refuses_what_train_refuses(llama_config_file, capsys):
+    """`plait plan` renders the LayoutPlan `parallelize` applies: a schedule train refuses is refused here too."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model_config", str(llama_config_file), "--pipeline_parallel_size", "2"])
+    assert exit_info.value.code == 2
+    assert "needs num_microbatches >= pp, got num_microbatches=1 < pp=2" in capsys.readouterr().err

@@ -1,7 +1,7 @@
-"""The adapter conformance kit: the built-in adapters pass every row plait can run, broken adapters fail
-the rows their bug shows in, with the measured errors in the message.
+"""The adapter conformance kit: the built-in adapters pass every mode plait can run, broken adapters fail
+the modes their bug shows in, with the measured errors in the message.
 
-One launch per world size (2 and 4) runs every (adapter, row) pair of this module.
+One launch per world size (2 and 4) runs every (adapter, mode) pair of this module.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from plait import AdapterError, AdapterInfo, ConfigError, hookimpl
 from plait.testing import conformance
 from plait.testing.conformance import check_adapter_command, run_conformance
-from plait.testing.conformance_rows import LOSS_RTOL, ROWS, Feature
+from plait.testing.conformance_modes import LOSS_RTOL, MODES
 
 # The plait_conformance fixture, as an adapter package uses it. pytest imports the plugin after this module,
 # so the tests below import from it inside their bodies.
@@ -28,7 +28,7 @@ TP_ROWS = ("tp2-sp", "tp2", "tp2-sp-tied", "tp4-kv-replicated")
 
 
 @pytest.fixture(scope="module")
-def results(plait_conformance) -> dict[tuple[str, str], conformance.RowResult]:
+def results(plait_conformance) -> dict[tuple[str, str], conformance.ModeResult]:
     from plait.testing.pytest_plugin import format_results
 
     found = plait_conformance(*BUILTIN, *BROKEN)
@@ -36,23 +36,20 @@ def results(plait_conformance) -> dict[tuple[str, str], conformance.RowResult]:
     return found
 
 
-def expected_skip(adapter: str, row: str) -> str | None:
-    """Why a built-in adapter's row may not run: a plait feature not merged yet, or GPT2's lack of GQA."""
-    missing = [f.name for f in ROWS[row].requires if not f.present()]
-    if missing:
-        return f"requires {missing[0]}"
-    if adapter == "gpt2" and row == "tp4-kv-replicated":
+def expected_skip(adapter: str, mode: str) -> str | None:
+    """Why a built-in adapter's mode may not run: GPT2's lack of GQA."""
+    if adapter == "gpt2" and mode == "tp4-kv-replicated":
         return "no attention with fewer kv heads than tp=4 (kv heads: [4])"
     return None
 
 
-@pytest.mark.parametrize("row", list(ROWS))
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("adapter", BUILTIN)
-def test_builtin_adapter_conforms(results, adapter, row):
+def test_builtin_adapter_conforms(results, adapter, mode):
     from plait.testing.pytest_plugin import format_results
 
-    result = results[adapter, row]
-    skip = expected_skip(adapter, row)
+    result = results[adapter, mode]
+    skip = expected_skip(adapter, mode)
     if skip:
         assert result.status == "skipped" and skip in result.note, format_results([result])
         return
@@ -61,9 +58,9 @@ def test_builtin_adapter_conforms(results, adapter, row):
     assert result.grad_tol is not None and result.grad_tol <= 1
 
 
-@pytest.mark.parametrize("row", TP_ROWS)
-def test_wrong_kv_heads_fails_with_the_numbers(results, row):
-    result = results[WRONG_KV, row]
+@pytest.mark.parametrize("mode", TP_ROWS)
+def test_wrong_kv_heads_fails_with_the_numbers(results, mode):
+    result = results[WRONG_KV, mode]
     assert result.status == "FAIL"
     assert result.loss_rel > 1e-3 and result.grad_tol > 1
     assert re.search(r"step 1 loss \d\.\d{6} vs \d\.\d{6}: rel err \d\.\d\de-0\d > 1e-05", result.note), result.note
@@ -75,20 +72,20 @@ def test_wrong_kv_heads_passes_where_its_bug_does_not_act(results):
     assert results[WRONG_KV, "dp2"].status == "pass"
 
 
-@pytest.mark.parametrize("row", ("tp2-sp", "tp2", "tp2-sp-tied"))
-def test_o_proj_column_raises_and_the_world_goes_on(results, row):
-    result = results[O_PROJ_COLUMN, row]
+@pytest.mark.parametrize("mode", ("tp2-sp", "tp2", "tp2-sp-tied"))
+def test_o_proj_column_raises_and_the_world_goes_on(results, mode):
+    result = results[O_PROJ_COLUMN, mode]
     assert result.status == "FAIL" and "raised RuntimeError" in result.note, result.note
     assert results[O_PROJ_COLUMN, "dp2"].status == "pass"  # later pairs in the same world still ran
-    # Written without an Attention rule, it has no kv heads the kit could replicate: that row cannot run.
+    # Written without an Attention rule, it has no kv heads the kit could replicate: that mode cannot run.
     assert results[O_PROJ_COLUMN, "tp4-kv-replicated"].status == "skipped"
 
 
 def test_check_adapter_command_prints_table_and_exit_code(results, monkeypatch, capsys):
-    rows = ["tp2", "dp2"]
+    modes = ["tp2", "dp2"]
     for adapter, code in ((WRONG_KV, 1), ("llama", 0)):
-        monkeypatch.setattr(conformance, "run_conformance", lambda names, rows: [results[adapter, r] for r in rows])
-        assert check_adapter_command(adapter, rows) == code
+        monkeypatch.setattr(conformance, "run_conformance", lambda names, modes: [results[adapter, r] for r in modes])
+        assert check_adapter_command(adapter, modes) == code
         out = capsys.readouterr().out
         assert adapter in out and ("FAIL" in out) == (code == 1) and "pass" in out
 
@@ -97,9 +94,9 @@ def test_assert_conformance_shows_the_failing_rows(results, monkeypatch):
     from plait.testing import pytest_plugin
     from plait.testing.pytest_plugin import assert_conformance
 
-    monkeypatch.setattr(pytest_plugin, "run_conformance", lambda adapters, rows: [results[WRONG_KV, r] for r in rows])
+    monkeypatch.setattr(pytest_plugin, "run_conformance", lambda adapters, modes: [results[WRONG_KV, r] for r in modes])
     with pytest.raises(AssertionError, match=r"conformance failed for llama-wrong-kv-heads tp2:\n(.|\n)*rel err"):
-        assert_conformance("broken_adapters.wrong_kv_heads", rows=["tp2", "dp2"])
+        assert_conformance("broken_adapters.wrong_kv_heads", modes=["tp2", "dp2"])
 
 
 def test_unknown_adapter_exits_2_naming_installed_ones(capsys):
@@ -109,7 +106,7 @@ def test_unknown_adapter_exits_2_naming_installed_ones(capsys):
 
 
 def test_unknown_row_is_refused_before_launching():
-    with pytest.raises(ConfigError, match="unknown conformance row.*tp3.*choose from tp2-sp"):
+    with pytest.raises(ConfigError, match="unknown conformance mode.*tp3.*choose from tp2-sp"):
         run_conformance(["llama"], ["tp3"])
 
 
@@ -123,9 +120,3 @@ def test_adapter_without_tiny_config_is_told_to_implement_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "plait_no_tiny", module)
     with pytest.raises(AdapterError, match="'no-tiny' does not implement plait_tiny_config; implement it"):
         run_conformance(["plait_no_tiny"])
-
-
-def test_feature_detection():
-    assert Feature("x", "plait.parallelize", "ParallelModel.forward").present()
-    assert not Feature("x", "plait.parallelize", "ParallelModel.no_such_method").present()
-    assert not Feature("x", "plait.no_such_module", "anything").present()

@@ -62,10 +62,10 @@ def model_config(installed, tmp_path_factory) -> Path:
 def test_listed_by_plait_adapters(env):
     out = subprocess.run([sys.executable, "-m", "plait", "adapters", "--json"], env={**os.environ, **env},
                          capture_output=True, text=True, timeout=120, check=True).stdout
-    rows = {row["name"]: row for row in json.loads(out)}
-    assert rows["qwen2"]["distribution"] == "plait-qwen2" and rows["qwen2"]["version"] == "0.1.0"
-    assert rows["qwen2"]["architectures"] == ["qwen2", "Qwen2ForCausalLM"]
-    assert {"plait_tp_plan", "plait_sp_plan", "plait_tiny_config"} <= set(rows["qwen2"]["hooks"])
+    modes = {mode["name"]: mode for mode in json.loads(out)}
+    assert modes["qwen2"]["distribution"] == "plait-qwen2" and modes["qwen2"]["version"] == "0.1.0"
+    assert modes["qwen2"]["architectures"] == ["qwen2", "Qwen2ForCausalLM"]
+    assert {"plait_tp_plan", "plait_sp_plan", "plait_tiny_config"} <= set(modes["qwen2"]["hooks"])
 
 
 def test_biased_kv_head_is_replicated_with_its_bias(model_config):

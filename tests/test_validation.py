@@ -7,7 +7,7 @@ import torch
 
 import plait
 from plait import ConfigError, ParallelConfig
-from plait.layout_plan import _check_capabilities
+from plait.layout_plan import check_capabilities
 from plait.registry import default_registry
 from plait.tp.sequence_parallel import sp_grad_sum_params
 from plait.tp.sharding import plan_tensor_parallel
@@ -120,7 +120,7 @@ def test_capability_refused():
         plait_adapter_info, plait_tp_plan, plait_leaf_modules)
     adapter = registry.register(module)
     with pytest.raises(ConfigError, match=r"adapter 'no_tp' does not support tp, sp \(it supports: pp, vpp, tied_embeddings\)"):
-        _check_capabilities(adapter, ParallelConfig(tp=2).resolve(2), tiny_config("llama"))
+        check_capabilities(adapter, ParallelConfig(tp=2).resolve(2), tiny_config("llama"))
 
 
 def test_plan_patterns_match_one_component():

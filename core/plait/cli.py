@@ -41,16 +41,20 @@ def cmd_train(ns: argparse.Namespace) -> None:
 
 
 def cmd_plan(ns: argparse.Namespace) -> None:
+    """The layout ``plait train`` would use with the same flags, planned on a meta model."""
+    import torch
+
+    from plait.layout_plan import plan_layout
+    from plait.meta import build_meta_model
     from plait.plan_report import print_plan
+    from plait.trainer import read_model_config
 
-    from plait.config import ParallelConfig
-
-    cuts = tuple(c.strip() for c in ns.pipeline_cuts.split(",") if c.strip()) if ns.pipeline_cuts else ()
-    pipeline = ParallelConfig(pp=ns.pipeline_parallel_size, virtual_pipeline_size=ns.virtual_pipeline_size,
-                              pipeline_schedule="interleaved-1f1b" if ns.virtual_pipeline_size > 1 else "1f1b",
-                              num_microbatches=max(ns.pipeline_parallel_size, 1), pipeline_cuts=cuts)
-    print_plan(ns.model_config, ns.tensor_parallel_size, sequence_parallel=not ns.disable_sequence_parallel,
-               parallel_embeddings=not ns.disable_embedding_parallelization, pipeline=pipeline)
+    args = from_namespace(ns, TrainArgs)
+    args.validate()
+    parallel = args.parallel_config()
+    world_size = ns.world_size or (args.nproc_per_node if args.nproc_per_node > 1 else None)  # None: tp * pp
+    model = build_meta_model(read_model_config(args), torch.bfloat16 if args.bf16 else torch.float32)
+    print_plan(model, plan_layout(model, parallel, world_size))
 
 
 def cmd_adapters(ns: argparse.Namespace) -> None:
@@ -85,7 +89,7 @@ def cmd_consolidate(ns: argparse.Namespace) -> None:
 def cmd_check_adapter(ns: argparse.Namespace) -> None:
     from plait.testing.conformance import check_adapter_command
 
-    sys.exit(check_adapter_command(ns.name, ns.rows))
+    sys.exit(check_adapter_command(ns.name, ns.modes))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,14 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(train, TrainArgs)
     train.set_defaults(func=cmd_train)
 
-    plan = sub.add_parser("plan", help="show how a model would be split, without building its weights")
-    plan.add_argument("--model_config", required=True, help="transformers config.json")
-    plan.add_argument("--tensor_parallel_size", type=int, default=1)
-    plan.add_argument("--disable_sequence_parallel", action="store_true")
-    plan.add_argument("--disable_embedding_parallelization", action="store_true")
-    plan.add_argument("--pipeline_parallel_size", type=int, default=1)
-    plan.add_argument("--virtual_pipeline_size", type=int, default=1)
-    plan.add_argument("--pipeline_cuts", help="comma-separated leaf modules to cut after")
+    plan = sub.add_parser("plan", help="show how a model would be split (plait train's flags), without its weights")
+    add_arguments(plan, TrainArgs)
+    plan.add_argument("--world_size", type=int, default=None,
+                      help="processes of the run (default: --nproc_per_node, at least tp * pp)")
     plan.set_defaults(func=cmd_plan)
 
     cons = sub.add_parser("consolidate", help="write a checkpoint as one Hugging Face model dir")
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check-adapter", help="prove an adapter matches one process under every parallel mode")
     check.add_argument("name", help="an installed adapter (see `plait adapters`) or an importable module of hooks")
-    check.add_argument("--rows", nargs="+", metavar="ROW", help="only these rows (default: all)")
+    check.add_argument("--modes", nargs="+", metavar="MODE", help="only these modes (default: all)")
     check.set_defaults(func=cmd_check_adapter)
 
     adapters = sub.add_parser("adapters", help="list installed architecture adapters")

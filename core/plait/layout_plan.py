@@ -60,7 +60,7 @@ def plan_layout(
     """
     registry = registry or default_registry()
     adapter = registry.resolve(model.config)
-    _check_capabilities(adapter, config, model.config)
+    check_capabilities(adapter, config, model.config)
     leaf_patterns = registry.leaf_modules(adapter, model.config)
     split = None
     if config.pp > 1:
@@ -95,7 +95,7 @@ def pipeline_layout(
     return stage_rows(model, plan.split)
 
 
-def _check_capabilities(adapter: Adapter, config: ParallelConfig, model_config: Any) -> None:
+def check_capabilities(adapter: Adapter, config: ParallelConfig, model_config: Any) -> None:
     caps = adapter.info.capabilities
     wanted = {"tp": config.tp > 1, "sp": config.sequence_parallel, "pp": config.pp > 1,
               "vpp": config.virtual_pipeline_size > 1,

@@ -1,22 +1,18 @@
-"""``plait plan``: how a model would be split, from its config alone (meta device: no weights built)."""
+"""``plait plan``: how a model would be split, rendered from the same ``LayoutPlan`` that ``parallelize``
+applies (so it shows exactly the layouts ``plait train`` accepts), on a meta model: no weights built."""
 
 from __future__ import annotations
 
 import math
 import re
 from collections import Counter
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
-from transformers import AutoModelForCausalLM
 
-from plait.config import ParallelConfig
-from plait.pipeline.layout import pipeline_layout, rank_of_stage, stage_bytes
-from plait.registry import default_registry
-from plait.tp.sharding import param_specs, plan_tensor_parallel
-from plait.trainer import load_config_file
+from plait.layout_plan import LayoutPlan
+from plait.pipeline.layout import rank_of_stage, stage_bytes, stage_rows
 
 
 def parameter_bytes_per_rank(model: torch.nn.Module, specs_by_rank: list[dict]) -> list[int]:
@@ -25,37 +21,27 @@ def parameter_bytes_per_rank(model: torch.nn.Module, specs_by_rank: list[dict]) 
     return [sum(math.prod(specs[name].local_shape) * size for name, size in sizes.items()) for specs in specs_by_rank]
 
 
-def print_pipeline(console: Console, model: torch.nn.Module, config: ParallelConfig, tp: int) -> None:
+def print_pipeline(console: Console, model: torch.nn.Module, plan: LayoutPlan) -> None:
     """The stage (and pipeline rank) of every pipeline unit, and parameter bytes per stage."""
-    rows = pipeline_layout(model, config)
+    config, rows = plan.config, stage_rows(model, plan.split)
     table = Table("module", "stage", "pp rank", "parameter bytes (unsharded)")
     for name, stage, size in rows:
         where = ("every stage", "all") if stage is None else (str(stage), str(rank_of_stage(stage, config.pp)))
         table.add_row(name, *where, f"{size:,}")
     console.print(table)
-    per_stage = Table("stage", "pp rank", "parameter bytes", f"per tp rank (~/{tp})")
+    per_stage = Table("stage", "pp rank", "parameter bytes", f"per tp rank (~/{config.tp})")
     for stage, size in sorted(stage_bytes(rows).items()):
-        per_stage.add_row(str(stage), str(rank_of_stage(stage, config.pp)), f"{size:,}", f"{size // tp:,}")
+        per_stage.add_row(str(stage), str(rank_of_stage(stage, config.pp)), f"{size:,}", f"{size // config.tp:,}")
     console.print(per_stage)
 
 
-def print_plan(model_config: str, tp: int, sequence_parallel: bool = True, parallel_embeddings: bool = True,
-               pipeline: ParallelConfig | None = None) -> None:
-    config = load_config_file(Path(model_config))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    registry = default_registry()
-    adapter = registry.resolve(config)
-    plan = registry.tp_plan(adapter, config) if tp > 1 else None
-    shards_by_rank = [plan_tensor_parallel(model, plan, tp, r, parallel_embeddings) if plan else {} for r in range(tp)]
-    specs_by_rank = [param_specs(model, shards) for shards in shards_by_rank]
-
+def print_plan(model: torch.nn.Module, plan: LayoutPlan) -> None:
+    """Tables for humans: the style and shapes of every sharded module (repeated layers folded into one
+    row), parameter bytes per tp rank, and with pp > 1 the stage of every pipeline unit."""
     console = Console(width=max(Console().width, 140))
-    sp = sequence_parallel and tp > 1
-    console.print(f"[bold]{type(model).__name__}[/] via adapter {adapter.name!r}: tp={tp} sp={sp}")
-    # Repeated layers collapse into one row: model.layers.* ... (xN).
+    console.print(f"[bold]{type(model).__name__}[/] via adapter {plan.adapter.name!r}: {plan.config.describe()}")
     rows: Counter = Counter()
-    for name, shard in shards_by_rank[0].items():
+    for name, shard in plan.shards_by_rank[0].items():
         key = (re.sub(r"\.\d+\.", ".*.", name), shard.style.label, shard.weight.full_shape, shard.weight.local_shape)
         rows[key] += 1
     table = Table("module", "style", "full weight", "rank 0 weight", "count")
@@ -63,11 +49,10 @@ def print_plan(model_config: str, tp: int, sequence_parallel: bool = True, paral
         table.add_row(name, style, str(full), str(local), str(count))
     console.print(table)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    per_rank = parameter_bytes_per_rank(model, specs_by_rank)
     summary = Table("tp rank", "parameter bytes", "share of model")
-    for rank, size in enumerate(per_rank):
+    for rank, size in enumerate(parameter_bytes_per_rank(model, list(plan.specs_by_rank))):
         summary.add_row(str(rank), f"{size:,}", f"{size / total:.3f}")
     console.print(summary)
     console.print(f"unsharded model: {total:,} parameter bytes; everything not listed above is replicated")
-    if pipeline is not None and pipeline.pp > 1:
-        print_pipeline(console, model, pipeline, tp)
+    if plan.split is not None:
+        print_pipeline(console, model, plan)

@@ -1,5 +1,5 @@
 """Helpers for testing plait and plait adapters: a multi-process launcher with a watchdog, and the adapter
-conformance kit (``assert_conformance``; ``plait.testing.conformance`` for the rows and the table)."""
+conformance kit (``assert_conformance``; ``plait.testing.conformance`` for the modes and the table)."""
 
 from plait.testing.launcher import WorkerFailure, launch
 

@@ -1,8 +1,8 @@
 """The adapter conformance kit: does an adapter give one-process numbers under every parallel mode?
 
-For each adapter, the kit builds the model of its ``plait_tiny_config`` and, for every row of ``ROWS``,
+For each adapter, the kit builds the model of its ``plait_tiny_config`` and, for every mode of ``MODES``,
 trains it for 3 AdamW steps (lr 1e-3, fp32) twice on every rank: as plain transformers + torch (the
-reference) and through ``plait.parallelize`` in the row's layout. A row passes when every step's loss is
+reference) and through ``plait.parallelize`` in the mode's layout. A mode passes when every step's loss is
 within 1e-5 relative and every gradient within ``assert_close(rtol=1e-5, atol=1e-6)`` of the reference's.
 
 Adam's eps is 1e-6, not torch's 1e-8: the update g / (sqrt(v) + eps) changes by up to lr / eps per unit
@@ -12,10 +12,8 @@ at tp=4, step-2 gradients at 1.07x the tolerance with eps 1e-8, 0.03x with 1e-6;
 way). lr 1e-2 amplifies the same noise tenfold. A mis-sharded layer is off by 1e-4 or more at step 1.
 Parameters are not compared: every later loss and gradient depends on them.
 
-Rows are data (``conformance_rows.ROWS``): a new parallel mode is one ``Row``, naming the plait feature it
-needs; while the feature is absent from the installed plait the row reports "skipped: requires <feature>".
-Rows the adapter or its tiny config cannot run (a capability it does not declare, no kv heads fewer than
-tp) are skipped with the reason. One launch per world size runs every (adapter, row) pair of that size.
+Modes are data (``conformance_modes.MODES``): a new parallel mode is one ``Mode``. Modes the adapter or its tiny config cannot run (a capability it does not declare, no kv heads fewer than
+tp) are skipped with the reason. One launch per world size runs every (adapter, mode) pair of that size.
 """
 
 from __future__ import annotations
@@ -33,10 +31,10 @@ from types import ModuleType
 from typing import Any
 
 from plait.config import ConfigError, ParallelConfig
-from plait.parallelize import _check_capabilities
+from plait.layout_plan import check_capabilities
 from plait.registry import AdapterError
-from plait.testing.conformance_rows import (
-    ADAM_EPS, ATOL, LOSS_RTOL, LR, ROWS, RTOL, STEPS, Row, Subject, adapter_ref, load_subject, with_overrides,
+from plait.testing.conformance_modes import (
+    ADAM_EPS, ATOL, LOSS_RTOL, LR, MODES, RTOL, STEPS, Mode, Subject, adapter_ref, load_subject, with_overrides,
 )
 
 WORKER = "plait.testing.conformance_worker"
@@ -48,12 +46,12 @@ WORKER = "plait.testing.conformance_worker"
 
 
 @dataclass
-class RowResult:
-    """One (adapter, row) outcome. ``status``: "pass", "FAIL" or "skipped"; errors are the worst over steps
+class ModeResult:
+    """One (adapter, mode) outcome. ``status``: "pass", "FAIL" or "skipped"; errors are the worst over steps
     and ranks (``grad_tol``: worst |Δ| / (atol + rtol |reference|), at most 1 to pass)."""
 
     adapter: str
-    row: str
+    mode: str
     layout: str
     status: str
     note: str = ""
@@ -66,29 +64,26 @@ class RowResult:
         return self.status == "FAIL"
 
 
-def _skip_reason(subject: Subject, row: Row) -> str | None:
-    missing = [f.name for f in row.requires if not f.present()]
-    if missing:
-        return f"requires {', '.join(missing)}"
+def _skip_reason(subject: Subject, mode: Mode) -> str | None:
     try:
-        _check_capabilities(subject.adapter, ParallelConfig(**row.layout), with_overrides(subject.config, row.model))
+        check_capabilities(subject.adapter, ParallelConfig(**mode.layout), with_overrides(subject.config, mode.model))
     except ConfigError as err:
         return str(err)
-    return row.applies(subject) if row.applies else None
+    return mode.applies(subject) if mode.applies else None
 
 
-def select_rows(names: Sequence[str] | None) -> list[Row]:
+def select_modes(names: Sequence[str] | None) -> list[Mode]:
     if not names:
-        return list(ROWS.values())
-    unknown = [n for n in names if n not in ROWS]
+        return list(MODES.values())
+    unknown = [n for n in names if n not in MODES]
     if unknown:
-        raise ConfigError(f"unknown conformance row(s) {', '.join(unknown)}; choose from {', '.join(ROWS)}")
-    return [ROWS[n] for n in names]
+        raise ConfigError(f"unknown conformance mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    return [MODES[n] for n in names]
 
 
-def _merge(subject: Subject, row: Row, per_rank: list[dict]) -> RowResult:
-    """One row's result from every rank's record: worst numbers, the first distinct failures."""
-    result = RowResult(subject.name, row.name, row.describe(), "pass")
+def _merge(subject: Subject, mode: Mode, per_rank: list[dict]) -> ModeResult:
+    """One mode's result from every rank's record: worst numbers, the first distinct failures."""
+    result = ModeResult(subject.name, mode.name, mode.describe(), "pass")
     failures: list[str] = []
     for record in per_rank:
         failures += [f for f in record["failures"] if f not in failures]
@@ -105,26 +100,26 @@ def _merge(subject: Subject, row: Row, per_rank: list[dict]) -> RowResult:
 
 
 def run_conformance(
-    adapters: Sequence[str | ModuleType], rows: Sequence[str] | None = None, *, timeout: float | None = None,
-) -> list[RowResult]:
-    """Run the rows (default: all) for every adapter; one launch per world size covers all of them.
+    adapters: Sequence[str | ModuleType], modes: Sequence[str] | None = None, *, timeout: float | None = None,
+) -> list[ModeResult]:
+    """Run the modes (default: all) for every adapter; one launch per world size covers all of them.
 
-    Raises AdapterError (unknown adapter, no ``plait_tiny_config``) or ConfigError (unknown row) before
+    Raises AdapterError (unknown adapter, no ``plait_tiny_config``) or ConfigError (unknown mode) before
     launching anything.
     """
     from plait.testing.launcher import WorkerFailure, launch
 
     subjects = [load_subject(adapter_ref(a)) for a in adapters]
-    selected = select_rows(rows)
-    results: dict[tuple[str, str], RowResult] = {}
-    runs: dict[int, list[tuple[Subject, Row]]] = {}
+    selected = select_modes(modes)
+    results: dict[tuple[str, str], ModeResult] = {}
+    runs: dict[int, list[tuple[Subject, Mode]]] = {}
     for subject in subjects:
-        for row in selected:
-            reason = _skip_reason(subject, row)
+        for mode in selected:
+            reason = _skip_reason(subject, mode)
             if reason:
-                results[subject.ref, row.name] = RowResult(subject.name, row.name, row.describe(), "skipped", reason)
+                results[subject.ref, mode.name] = ModeResult(subject.name, mode.name, mode.describe(), "skipped", reason)
             else:
-                runs.setdefault(row.world, []).append((subject, row))
+                runs.setdefault(mode.world, []).append((subject, mode))
     for world, pairs in sorted(runs.items()):
         out = Path(tempfile.mkdtemp(prefix=f"plait-conformance-w{world}-"))
         spec = {"out": str(out), "runs": [[s.ref, r.name] for s, r in pairs]}
@@ -135,15 +130,15 @@ def run_conformance(
                    timeout=timeout or 240 + 30 * len(pairs) * math.ceil(world / 2))
             ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
         except WorkerFailure as err:
-            for subject, row in pairs:
-                results[subject.ref, row.name] = RowResult(subject.name, row.name, row.describe(), "FAIL",
+            for subject, mode in pairs:
+                results[subject.ref, mode.name] = ModeResult(subject.name, mode.name, mode.describe(), "FAIL",
                                                            f"the world crashed: {str(err)[-1500:]}")
             continue
         finally:
             shutil.rmtree(out, ignore_errors=True)
-        for subject, row in pairs:
-            key = f"{subject.ref}|{row.name}"
-            results[subject.ref, row.name] = _merge(subject, row, [rank[key] for rank in ranks])
+        for subject, mode in pairs:
+            key = f"{subject.ref}|{mode.name}"
+            results[subject.ref, mode.name] = _merge(subject, mode, [rank[key] for rank in ranks])
     return [results[s.ref, r.name] for s in subjects for r in selected]
 
 
@@ -156,27 +151,27 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.1e}"
 
 
-def render_table(results: Sequence[RowResult], console: Any = None) -> None:
+def render_table(results: Sequence[ModeResult], console: Any = None) -> None:
     """Print the pass/fail table (rich) with the measured errors."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"plait conformance: {STEPS} AdamW steps (lr {LR:g}, eps {ADAM_EPS:g}, fp32) against one "
                         f"process; pass: loss rel <= {LOSS_RTOL:g}, grad |Δ| <= {ATOL:g} + {RTOL:g}·|ref| (tol <= 1)")
-    for column in ("adapter", "row", "layout", "result", "loss rel", "grad |Δ|", "grad tol", "note"):
+    for column in ("adapter", "mode", "layout", "result", "loss rel", "grad |Δ|", "grad tol", "note"):
         table.add_column(column, overflow="fold")
     style = {"pass": "green", "FAIL": "bold red", "skipped": "dim"}
     for r in results:
-        table.add_row(r.adapter, r.row, r.layout, f"[{style[r.status]}]{r.status}[/]", _num(r.loss_rel),
+        table.add_row(r.adapter, r.mode, r.layout, f"[{style[r.status]}]{r.status}[/]", _num(r.loss_rel),
                       _num(r.grad_err), _num(r.grad_tol), r.note)
     (console or Console(width=max(Console().width, 160))).print(table)
 
 
-def check_adapter_command(name: str, rows: list[str] | None) -> int:
-    """``plait check-adapter NAME [--rows ...]``: print the table; 0 when no row fails, 1 when one does,
-    2 for an unknown adapter or row, or an adapter without ``plait_tiny_config``."""
+def check_adapter_command(name: str, modes: list[str] | None) -> int:
+    """``plait check-adapter NAME [--modes ...]``: print the table; 0 when no mode fails, 1 when one does,
+    2 for an unknown adapter or mode, or an adapter without ``plait_tiny_config``."""
     try:
-        results = run_conformance([name], rows)
+        results = run_conformance([name], modes)
     except (AdapterError, ConfigError) as err:
         print(f"plait: error: {err}", file=sys.stderr)
         return 2

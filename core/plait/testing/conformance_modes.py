@@ -1,10 +1,10 @@
 """The conformance kit's table of parallel modes, and how it finds the adapter under test.
 
-A mode is one ``Row`` in ``ROWS``: the world size, the ParallelConfig, model config overrides, the plait
-features it needs (detected by presence in the installed plait, so rows for features not merged yet read
-"skipped: requires <feature>"), and a check that the adapter's tiny config can express it. The worker
-runs every row the same way: parallelize, 3 steps through ``train_step`` (or forward + backward), the
-optimizer the layout asks for, gradients compared shard by shard, then the row's ``after`` check.
+A mode is one ``Mode`` in ``MODES``: the world size, the ParallelConfig, model config overrides, and a
+check that the adapter's tiny config can express it (answered by ``plan_layout``, the same refusals
+``parallelize`` makes). The worker
+runs every mode the same way: parallelize, 3 steps through ``train_step`` (or forward + backward), the
+optimizer the layout asks for, gradients compared shard by shard, then the mode's ``after`` check.
 """
 
 from __future__ import annotations
@@ -24,39 +24,7 @@ LOSS_RTOL, RTOL, ATOL = 1e-5, 1e-5, 1e-6
 
 
 # --------------------------------------------------------------------------------------------------
-# Features: parts of plait a row needs, detected by their presence in the installed plait
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Feature:
-    """A plait feature, present when ``module`` imports and has ``attr`` (``Class.attr`` paths allowed)."""
-
-    name: str
-    module: str
-    attr: str
-
-    def present(self) -> bool:
-        try:
-            obj: Any = importlib.import_module(self.module)
-        except ImportError:
-            return False
-        for part in self.attr.split("."):
-            if not hasattr(obj, part):
-                return False
-            obj = getattr(obj, part)
-        return True
-
-
-PIPELINE = Feature("pipeline parallelism (ParallelModel.train_step)", "plait.parallelize", "ParallelModel.train_step")
-ZERO_1 = Feature("ZeRO-1 (plait.optim.build_optimizer)", "plait.optim", "build_optimizer")
-CHECKPOINTS = Feature("checkpoints and consolidate (plait.checkpoint)", "plait.checkpoint", "consolidate")
-RECOMPUTE = Feature("activation checkpointing (ParallelConfig.gradient_checkpointing)", "plait.config",
-                    "ParallelConfig.gradient_checkpointing")
-
-
-# --------------------------------------------------------------------------------------------------
-# Rows
+# Modes
 # --------------------------------------------------------------------------------------------------
 
 
@@ -92,33 +60,27 @@ def _kv_heads_fewer_than(tp: int) -> Callable[[Subject], str | None]:
 
 
 def _plan_fits(subject: Subject, tp: int) -> str | None:
-    """None when the TP plan splits the tiny model over ``tp`` ranks, else plait's reason why not."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """None when the layout plan splits the tiny model over ``tp`` ranks, else plait's reason why not."""
+    from plait.config import ParallelConfig
+    from plait.layout_plan import plan_layout
+    from plait.meta import build_meta_model
 
-    from plait.tp.sharding import plan_tensor_parallel
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(subject.config)
-    plan = subject.registry.tp_plan(subject.adapter, subject.config)
     try:
-        for rank in range(tp):
-            plan_tensor_parallel(model, plan, tp, rank)
+        plan_layout(build_meta_model(subject.config), ParallelConfig(tp=tp), tp, subject.registry)
     except ConfigError as err:
         return f"tp={tp} does not fit the tiny config: {err}"
     return None
 
 
 @dataclass(frozen=True)
-class Row:
-    """One parallel mode: the world it needs, the ParallelConfig, model config overrides, the plait features
-    it needs, a check that the adapter's tiny config can express it, and an extra check after training."""
+class Mode:
+    """One parallel mode: the world it needs, the ParallelConfig, model config overrides, a check that the
+    adapter's tiny config can express it, and an extra check after training."""
 
     name: str
     world: int
     layout: dict[str, Any]
     model: dict[str, Any] = field(default_factory=dict)
-    requires: tuple[Feature, ...] = ()
     applies: Callable[[Subject], str | None] | None = None
     after: str | None = None  # "consolidate": save, consolidate and reload the trained model
 
@@ -128,18 +90,17 @@ class Row:
 
 
 PP2 = dict(pp=2, num_microbatches=4)
-ROWS: dict[str, Row] = {row.name: row for row in (
-    Row("tp2-sp", 2, dict(tp=2, sp=True)),
-    Row("tp2", 2, dict(tp=2, sp=False)),
-    Row("tp2-sp-tied", 2, dict(tp=2, sp=True), model=dict(tie_word_embeddings=True), applies=_has_tie_option),
-    Row("tp4-kv-replicated", 4, dict(tp=4, sp=True), applies=_kv_heads_fewer_than(4)),
-    Row("dp2", 2, dict(tp=1)),
-    Row("pp2-1f1b", 2, {**PP2, "pipeline_schedule": "1f1b"}, requires=(PIPELINE,)),
-    Row("pp2-interleaved-v2", 2, {**PP2, "pipeline_schedule": "interleaved-1f1b", "virtual_pipeline_size": 2},
-        requires=(PIPELINE,)),
-    Row("zero1-dp2", 2, dict(zero_1=True), requires=(ZERO_1,)),
-    Row("tp2-sp-recompute", 2, dict(tp=2, sp=True, gradient_checkpointing=True), requires=(RECOMPUTE,)),
-    Row("consolidate-tp2", 2, dict(tp=2, sp=True), requires=(CHECKPOINTS,), after="consolidate"),
+MODES: dict[str, Mode] = {mode.name: mode for mode in (
+    Mode("tp2-sp", 2, dict(tp=2, sp=True)),
+    Mode("tp2", 2, dict(tp=2, sp=False)),
+    Mode("tp2-sp-tied", 2, dict(tp=2, sp=True), model=dict(tie_word_embeddings=True), applies=_has_tie_option),
+    Mode("tp4-kv-replicated", 4, dict(tp=4, sp=True), applies=_kv_heads_fewer_than(4)),
+    Mode("dp2", 2, dict(tp=1)),
+    Mode("pp2-1f1b", 2, {**PP2, "pipeline_schedule": "1f1b"}),
+    Mode("pp2-interleaved-v2", 2, {**PP2, "pipeline_schedule": "interleaved-1f1b", "virtual_pipeline_size": 2}),
+    Mode("zero1-dp2", 2, dict(zero_1=True)),
+    Mode("tp2-sp-recompute", 2, dict(tp=2, sp=True, gradient_checkpointing=True)),
+    Mode("consolidate-tp2", 2, dict(tp=2, sp=True), after="consolidate"),
 )}
 
 

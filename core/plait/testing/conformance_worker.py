@@ -1,8 +1,8 @@
-"""Worker of the conformance kit: every (adapter, row) pair of one world size, in one torchrun world.
+"""Worker of the conformance kit: every (adapter, mode) pair of one world size, in one torchrun world.
 
 ``python -m plait.testing.conformance_worker SPEC.json``, launched by ``run_conformance`` through
-``plait.testing.launch``. SPEC: ``{"out": dir, "runs": [[adapter ref, row name], ...]}``. Each rank writes
-``rank<N>.json`` mapping ``"<ref>|<row>"`` to its worst errors, failures and the parameters it compared.
+``plait.testing.launch``. SPEC: ``{"out": dir, "runs": [[adapter ref, mode name], ...]}``. Each rank writes
+``rank<N>.json`` mapping ``"<ref>|<mode>"`` to its worst errors, failures and the parameters it compared.
 
 A pair that raises is recorded and the next pair runs: plait raises its errors before any collective,
 and an exception inside the model (a shape the plan got wrong) happens at the same point on every rank.
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from plait import comm
 from plait.config import ParallelConfig
 from plait.parallelize import ParallelModel, parallelize
-from plait.testing.conformance_rows import (
-    ADAM_EPS, ATOL, BATCH, LOSS_RTOL, LR, ROWS, RTOL, SEQ, STEPS, Row, Subject, load_subject, with_overrides,
+from plait.testing.conformance_modes import (
+    ADAM_EPS, ATOL, BATCH, LOSS_RTOL, LR, MODES, RTOL, SEQ, STEPS, Mode, Subject, load_subject, with_overrides,
 )
 
 MAX_FAILURES = 20
@@ -79,7 +79,7 @@ def compare_grads(record: Record, step: int, pmodel: ParallelModel, reference: t
     """Compare this rank's gradient shards with the same slices of the reference's full gradients.
 
     No communication: ``ShardSpec.slice_full`` cuts a full tensor the way this rank holds it (vocab padding
-    rows included, which must stay zero), so a pipeline stage or a ZeRO owner checks exactly what it has.
+    modes included, which must stay zero), so a pipeline stage or a ZeRO owner checks exactly what it has.
     """
     for name, grad in grads.items():
         expected = pmodel.param_specs[name].slice_full(reference.get_parameter(name).grad)
@@ -144,8 +144,8 @@ class ZeroStep:
         return seen
 
 
-def run_pair(subject: Subject, row: Row, out: Path) -> dict[str, Any]:
-    config = with_overrides(subject.config, row.model)
+def run_pair(subject: Subject, mode: Mode, out: Path) -> dict[str, Any]:
+    config = with_overrides(subject.config, mode.model)
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -153,10 +153,10 @@ def run_pair(subject: Subject, row: Row, out: Path) -> dict[str, Any]:
     perturb(reference)
     record = Record([name for name, _ in reference.named_parameters()])
     try:
-        pmodel = parallelize(copy.deepcopy(reference), ParallelConfig(**row.layout), registry=subject.registry)
+        pmodel = parallelize(copy.deepcopy(reference), ParallelConfig(**mode.layout), registry=subject.registry)
         train(record, pmodel, reference)
-        if row.after == "consolidate":
-            check_consolidated(record, pmodel, out / f"{subject.adapter.name}-{row.name}")
+        if mode.after == "consolidate":
+            check_consolidated(record, pmodel, out / f"{subject.adapter.name}-{mode.name}")
     except Exception as err:  # recorded: the table shows it, and the next pair still runs
         frame = traceback.extract_tb(err.__traceback__)[-1]
         record.fail(f"raised {type(err).__name__}: {err} (at {Path(frame.filename).name}:{frame.lineno})")
@@ -171,7 +171,7 @@ def train(record: Record, pmodel: ParallelModel, reference: torch.nn.Module) -> 
     gen = torch.Generator().manual_seed(1)
     vocab = reference.config.vocab_size
     for step in range(1, STEPS + 1):
-        # The global batch is the same for every layout; each dp rank takes its contiguous rows.
+        # The global batch is the same for every layout; each dp rank takes its contiguous modes.
         ids = torch.randint(0, vocab, (BATCH * mesh.dp, SEQ), generator=gen)
         ref_loss = reference_loss(reference, ids)
         ref_loss.backward()
@@ -216,10 +216,10 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     subjects: dict[str, Subject] = {}
     results = {}
-    for ref, row_name in spec["runs"]:
+    for ref, mode_name in spec["runs"]:
         if ref not in subjects:
             subjects[ref] = load_subject(ref)
-        results[f"{ref}|{row_name}"] = run_pair(subjects[ref], ROWS[row_name], out)
+        results[f"{ref}|{mode_name}"] = run_pair(subjects[ref], MODES[mode_name], out)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
