@@ -11,7 +11,7 @@ Formula (b = batch, s = sequence, h = hidden, L = layers, N = b*(s-1) predicted 
   ring bytes); the SP region adds the split at the first layer (all-gather backward) and the gather after the
   final norm (reduce-scatter backward) in place of the head's all-reduce, plus one all-reduce of the norm
   weight gradients ((2L+1)*h floats). plait keeps the embedding's forward all-reduce under SP (transformers
-  builds the mask and rotary tables from the full-length embedding output, DESIGN decision 2), where
+  builds the mask and rotary tables from the full-length embedding output, docs/decisions.md D2), where
   Megatron-SP reduce-scatters: (p-1)/p*b*s*h more ring bytes, once per step.
 Ring bytes per rank: all-reduce 2(p-1)/p*n, all-gather (p-1)*n_local, reduce-scatter (p-1)/p*n_input.
 """

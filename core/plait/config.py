@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-
 
 class ConfigError(ValueError):
     """A layout or model/layout combination that plait refuses, with a message naming values and fix."""
@@ -50,9 +48,11 @@ class ParallelConfig:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
         if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
             raise ConfigError(f"dp={self.dp!r} must be a positive integer or None (derived from the world size)")
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+        from plait.pipeline.schedule import SCHEDULES  # the table lives with the runner; imported late (no cycle)
+
+        if self.pipeline_schedule not in SCHEDULES:
             raise ConfigError(
-                f"pipeline_schedule={self.pipeline_schedule!r} is unknown; choose one of {', '.join(PIPELINE_SCHEDULES)}"
+                f"pipeline_schedule={self.pipeline_schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}"
             )
         object.__setattr__(self, "pipeline_cuts", tuple(self.pipeline_cuts))
 

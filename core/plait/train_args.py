@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from plait.config import PIPELINE_SCHEDULES, ConfigError, ParallelConfig
+from plait.config import ConfigError, ParallelConfig
+from plait.pipeline.schedule import SCHEDULES
 
 
 LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -41,7 +42,7 @@ class TrainArgs:
     pipeline_parallel_size: int = field(default=1, metadata={"help": "pp: pipeline stages (ranks) the layers are cut into"})
     virtual_pipeline_size: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved schedules)"})
     num_microbatches: int = field(default=1, metadata={"help": "pipeline microbatches per micro-step (divides the per-device batch)"})
-    pipeline_schedule: str = field(default="1f1b", metadata={"help": f"one of {', '.join(PIPELINE_SCHEDULES)}"})
+    pipeline_schedule: str = field(default="1f1b", metadata={"help": f"one of {', '.join(SCHEDULES)}"})
     pipeline_cuts: str | None = field(default=None, metadata={"help": "comma-separated leaf modules to cut after (default: balanced)"})
     zero_1: bool = field(default=False, metadata={"help": "shard optimizer state over data-parallel ranks (ZeRO-1)"})
     bf16: bool = field(default=False, metadata={"help": "bf16 parameters, with master weights in --optimizer_dtype"})

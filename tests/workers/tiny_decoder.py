@@ -1,6 +1,6 @@
 """A tiny transformers-style decoder that no installed adapter knows, and an in-process adapter for it
 that gives leaf modules but no pipeline plan: pipeline parallelism must come from plait's fallback
-(DESIGN decision 4: the ModuleList holding the leaf modules is the repeated part)."""
+(docs/decisions.md D4: the ModuleList holding the leaf modules is the repeated part)."""
 
 from __future__ import annotations
 

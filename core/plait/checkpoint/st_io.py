@@ -2,7 +2,7 @@
 
 Why not ``safetensors.safe_open(...).get_slice``: it reads through an mmap, and every file page it touches
 counts in the process RSS; a column slice of a row-major tensor touches every page, so a rank loading half of
-a 1 GiB file peaked at +1.5 GiB (DESIGN decision 6). Parsing the header and ``os.preadv``-ing only the bytes of
+a 1 GiB file peaked at +1.5 GiB (docs/decisions.md D6). Parsing the header and ``os.preadv``-ing only the bytes of
 a slice straight into the destination tensor peaks at the slice itself.
 
 Why not ``safetensors.torch.save_file`` for writing: it needs every tensor of a file in memory at once, while

@@ -1,7 +1,7 @@
 """ZeRO-1 (Rajbhandari et al. 2020): each data-parallel rank keeps optimizer state for 1/dp of the
 parameters.
 
-Built on ``torch.distributed.optim.ZeroRedundancyOptimizer`` (DESIGN decision 5: bit-exact against AdamW,
+Built on ``torch.distributed.optim.ZeroRedundancyOptimizer`` (docs/decisions.md D5: bit-exact against AdamW,
 works on plait's plain-tensor TP shards): it partitions this rank's parameters over the dp group (whole
 parameters, greedily by size, so the state per rank is 1/dp of the total to within one parameter), builds
 the per-rank optimizer on its partition only (so with ``MasterWeightOptimizer`` the fp32 masters are

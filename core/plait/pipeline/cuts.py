@@ -57,7 +57,7 @@ class StageSplit:
 
 
 def fallback_plan(model: nn.Module, leaf_patterns: list[str]) -> PipelinePlan:
-    """DESIGN decision 4: the ModuleList holding the leaf modules is the repeated part; the modules
+    """docs/decisions.md D4: the ModuleList holding the leaf modules is the repeated part; the modules
     registered before it (at every level of its path) go to the first stage, those after it to the last."""
     leaves = [name for name, _ in model.named_modules() if any(matches(p, name) for p in leaf_patterns)]
     parents = {name.rpartition(".")[0] for name in leaves}

@@ -1,4 +1,4 @@
-"""Running a step through ``torch.distributed.pipelining`` schedules (DESIGN decision 3).
+"""Running a step through ``torch.distributed.pipelining`` schedules (docs/decisions.md D3).
 
 Schedules by name: gpipe and 1f1b run one stage per rank; interleaved-1f1b and zero-bubble (ZB1P, with
 the backward split into input and weight passes) run ``virtual_pipeline_size`` looped stages per rank
@@ -10,6 +10,7 @@ microbatches, broadcast from the last stage to the whole pipeline.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,10 +19,25 @@ from plait import comm
 from plait.config import ConfigError, ParallelConfig
 from plait.mesh import Mesh
 
-# torch.distributed.pipelining class names; the module is imported on first use (it costs about a second
-# of start-up, which no pp=1 run should pay).
-SINGLE_STAGE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
-MULTI_STAGE = {"interleaved-1f1b": "ScheduleInterleaved1F1B", "zero-bubble": "ScheduleInterleavedZeroBubble"}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule by name: its ``torch.distributed.pipelining`` class (imported on first use: the
+    module costs about a second of start-up, which no pp=1 run should pay) and whether it runs several
+    looped stages per rank (``virtual_pipeline_size`` > 1) or exactly one."""
+
+    torch_class: str
+    multi_stage: bool
+
+
+# The one table of schedules: ParallelConfig's choices, the flags' help and the runner all read it.
+SCHEDULES = {
+    "gpipe": Schedule("ScheduleGPipe", multi_stage=False),
+    "1f1b": Schedule("Schedule1F1B", multi_stage=False),
+    "interleaved-1f1b": Schedule("ScheduleInterleaved1F1B", multi_stage=True),
+    "zero-bubble": Schedule("ScheduleInterleavedZeroBubble", multi_stage=True),
+}
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, "int | torch.Tensor"], torch.Tensor]
 
@@ -29,7 +45,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, "int | torch.Tensor"], torch.Tens
 def check_schedule(config: ParallelConfig) -> None:
     """Refuse, naming the numbers, a schedule that cannot run ``config`` (before any collective)."""
     name, pp, v, m = config.pipeline_schedule, config.pp, config.virtual_pipeline_size, config.num_microbatches
-    if name in SINGLE_STAGE and v > 1:
+    multi_stage = SCHEDULES[name].multi_stage
+    if not multi_stage and v > 1:
         raise ConfigError(
             f"pipeline_schedule={name!r} runs one stage per rank but virtual_pipeline_size={v}; use "
             f"'interleaved-1f1b' or 'zero-bubble' for virtual stages, or set virtual_pipeline_size=1"
@@ -45,7 +62,7 @@ def check_schedule(config: ParallelConfig) -> None:
             f"use at least {pp} microbatches or pipeline_schedule='gpipe'"
         )
     rounds = max(1, m // pp)
-    if name in MULTI_STAGE and m % rounds:
+    if multi_stage and m % rounds:
         raise ConfigError(
             f"pipeline_schedule={name!r} runs microbatches in rounds of pp={pp}: num_microbatches={m} is not a "
             f"multiple of its {rounds} rounds; use a multiple of {pp}"
@@ -76,11 +93,9 @@ class PipelineRunner:
             ]
             name = self.config.pipeline_schedule
             loss = lambda logits, labels: self.loss_fn(logits, labels, self._num_items)  # noqa: E731
-            m = self.config.num_microbatches
-            if name in SINGLE_STAGE:
-                schedule = getattr(pipelining, SINGLE_STAGE[name])(stages[0], m, loss_fn=loss, scale_grads=False)
-            else:
-                schedule = getattr(pipelining, MULTI_STAGE[name])(stages, m, loss_fn=loss, scale_grads=False)
+            m, kind = self.config.num_microbatches, SCHEDULES[name]
+            schedule_class = getattr(pipelining, kind.torch_class)
+            schedule = schedule_class(stages if kind.multi_stage else stages[0], m, loss_fn=loss, scale_grads=False)
             self._schedules[key] = schedule
         return self._schedules[key]
 

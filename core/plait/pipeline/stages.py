@@ -1,4 +1,4 @@
-"""Pipeline stages built by module name from a ``StageSplit`` (DESIGN decisions 3 and 4).
+"""Pipeline stages built by module name from a ``StageSplit`` (docs/decisions.md D3, D4).
 
 Each rank keeps only the modules of its own stages (``prune``), so a meta-built model never materialises
 another stage's parameters. Each stage runs the transformers model's own forward, so position ids, rotary
@@ -10,7 +10,7 @@ stand-in for ``inputs_embeds`` of the full sequence shape, and a pre-hook on the
 in the hidden states received from the previous stage; stages before the last take their last layer's
 output (what is sent on) and hand a stand-in to the rest of the forward. Hence the stand-ins: under
 sequence parallelism the hidden states between stages are sequence shards, but transformers must see the
-full sequence length to build the mask and rotary tables (DESIGN decision 2), and code after the layers
+full sequence length to build the mask and rotary tables (docs/decisions.md D2), and code after the layers
 may reshape by it (GPT2's final ``view``).
 """
 

@@ -2,7 +2,7 @@
 
 Parameters keep the layout of the module they replace (``nn.Linear``: [out, in]; transformers ``Conv1D``:
 [in, out]) so that state-dict names and slices map one-to-one onto Hugging Face checkpoints.
-Plain tensors (not DTensor) keep ZeroRedundancyOptimizer, gloo, NCCL and XLA working (DESIGN decision 1).
+Plain tensors (not DTensor) keep ZeroRedundancyOptimizer, gloo, NCCL and XLA working (docs/decisions.md D1).
 """
 
 from __future__ import annotations

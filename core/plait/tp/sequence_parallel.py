@@ -2,7 +2,7 @@
 shards, so norms, dropout and residual adds do 1/tp of the work and hold 1/tp of the activations.
 
 The region starts at the first decoder layer's input, after transformers has built position ids, rotary
-tables and the causal mask from the full sequence (DESIGN decision 2: starting at the embedding breaks
+tables and the causal mask from the full sequence (docs/decisions.md D2: starting at the embedding breaks
 rotary), and ends at the final norm's output. Inside it, column-parallel layers all-gather their input and
 row-parallel layers reduce-scatter their output (tp/layers.py).
 """
