@@ -3,10 +3,11 @@
 1. The transformers model is built under ``torch.device("meta")`` (shapes only, no memory), as
    optimum-neuron's ``lazy_load_for_parallelism`` and NxD's meta init do.
 2. ``parallelize`` swaps in the TP layers; they are created from meta slices, so still no memory.
-3. Each rank allocates only its local shards and fills them from a Hugging Face checkpoint directory
-   (reading only its bytes of each tensor: ``checkpoint.st_io``, DESIGN decision 6), from a plait checkpoint
-   (any saved layout), or by seeded random init. Non-persistent buffers (rotary ``inv_freq``) are recomputed
-   by transformers' own ``_init_weights``; tied weights stay one tensor.
+3. Each rank allocates only its local shards and fills them from a Hugging Face model directory or a plait
+   checkpoint (any saved layout), reading only its bytes of each tensor with one reader for both
+   (``checkpoint.load.CheckpointReader``; ``checkpoint.hf_dir`` sees a model directory as an index), or by
+   seeded random init. Non-persistent buffers (rotary ``inv_freq``) are recomputed by transformers' own
+   ``_init_weights``; tied weights stay one tensor.
 
 Random init is seeded per parameter (and per block of rows) from ``(seed, name)``, then sliced, so the
 full logical weights are identical for every layout: tp=1 and tp=4 start from the same model.
@@ -16,18 +17,17 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import json
 import math
 import os
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
-from plait.checkpoint.format import INDEX, SHARDS, read_index
+from plait.checkpoint.format import INDEX, SHARDS, model_config, read_index
+from plait.checkpoint.hf_dir import open_hf_dir, read_hf_index
 from plait.checkpoint.load import load_checkpoint
-from plait.checkpoint.st_io import SafetensorsError, SafetensorsFile
 from plait.checkpoint.state import local_params, local_views
 from plait.config import ConfigError, ParallelConfig
 from plait.meta import build_meta_model
@@ -36,8 +36,6 @@ from plait.registry import Adapter, Registry, default_registry
 from plait.tp.sharding import ShardSpec
 
 INIT_CHUNK_ELEMENTS = 1 << 22  # rows of a parameter are drawn in blocks of about this many elements
-SAFE_WEIGHTS = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
 
 
 def load_parallel_model(
@@ -79,9 +77,10 @@ def materialize(
     registry = registry or default_registry()
     model, config = pmodel.module, pmodel.plan.model_config
     found = local_params(model, pmodel.param_specs)
-    hf = HFWeights(path, found.aliases, getattr(model, "base_model_prefix", "")) if kind == "hf" else None
-    if hf is not None:
-        hf.check(found.specs)
+    hf = None  # a reader of the model directory, its tensors under the parameters' names
+    if kind == "hf":
+        shapes = {name: spec.full_shape for name, spec in found.specs.items()}
+        hf = open_hf_dir(path, shapes, found.aliases, getattr(model, "base_model_prefix", ""))
     device = torch.device(device)
     materialize_buffers(model, device)
     init = SeededInit(registry, pmodel.adapter, config, seed) if kind == "init" else None
@@ -92,25 +91,23 @@ def materialize(
             if spec.pad:
                 local.narrow(spec.dim, local.shape[spec.dim] - spec.pad, spec.pad).zero_()
             if hf is not None:
-                hf.fill(name, spec, local)
+                for op in local_views(spec, local, name):
+                    hf.read(op.logical, op.box, op.out)
             elif init is not None:
                 init.fill(name, spec, local)
             torch.utils.swap_tensors(param, nn.Parameter(local.to(device), requires_grad=param.requires_grad))
 
 
 def resolve_source(source: PretrainedConfig | str | os.PathLike) -> tuple[PretrainedConfig, str, Path | None]:
-    """(config, "init" | "hf" | "checkpoint", directory)."""
+    """(config, "init" | "hf" | "checkpoint", directory): a directory's config comes from its index."""
     if isinstance(source, PretrainedConfig):
         return source, "init", None
     path = Path(source)
     if (path / SHARDS / INDEX).is_file() or (path / INDEX).is_file():
-        _, index = read_index(path)
-        data = dict(index.model_config)
-        config_class = CONFIG_MAPPING[data.pop("model_type")]
-        return config_class.from_dict(data), "checkpoint", path
+        return model_config(read_index(path)[1]), "checkpoint", path
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path} is neither a model directory (no config.json) nor a plait checkpoint")
-    return AutoConfig.from_pretrained(path), "hf", path
+    return model_config(read_hf_index(path)[1]), "hf", path
 
 
 # --------------------------------------------------------------------------------------------------
@@ -141,79 +138,6 @@ def materialize_buffers(model: nn.Module, device: torch.device) -> None:
                 f"buffers {[f'{module_name}.{n}' for n in stale]} were not recomputed after the meta build "
                 f"(transformers' _init_weights does not handle {type(module).__name__})"
             )
-
-
-# --------------------------------------------------------------------------------------------------
-# Hugging Face checkpoint directories
-# --------------------------------------------------------------------------------------------------
-
-
-class HFWeights:
-    """The tensors of a Hugging Face model directory, read slice by slice (one or many safetensors files)."""
-
-    def __init__(self, path: Path, aliases: dict[str, str], base_prefix: str) -> None:
-        self.path = path
-        self.aliases = aliases
-        self.base_prefix = base_prefix
-        if (path / SAFE_INDEX).is_file():
-            weight_map = json.loads((path / SAFE_INDEX).read_text())["weight_map"]
-        elif (path / SAFE_WEIGHTS).is_file():
-            weight_map = None
-        else:
-            found = sorted(p.name for p in path.iterdir())
-            raise ConfigError(
-                f"{path} has no {SAFE_WEIGHTS} or {SAFE_INDEX} (found {found}); plait loads safetensors only: "
-                f"convert with transformers (from_pretrained, then save_pretrained)"
-            )
-        self._files: dict[str, SafetensorsFile] = {}
-        self.where: dict[str, tuple[str, str]] = {}
-        names = set(weight_map) if weight_map is not None else set(self._file(SAFE_WEIGHTS).entries)
-        for key in names:
-            self.where[key] = (weight_map[key] if weight_map is not None else SAFE_WEIGHTS, key)
-
-    def _file(self, name: str) -> SafetensorsFile:
-        if name not in self._files:
-            try:
-                self._files[name] = SafetensorsFile(self.path / name)
-            except SafetensorsError as exc:
-                raise ConfigError(str(exc)) from None
-        return self._files[name]
-
-    def locate(self, name: str) -> tuple[SafetensorsFile, str] | None:
-        """The file and key holding parameter ``name``: itself, a weight tied to it, or without the base prefix
-        (hub GPT2 files say ``h.0.attn...`` for ``transformer.h.0.attn...``)."""
-        candidates = [name, *(alias for alias, target in self.aliases.items() if target == name)]
-        prefix = f"{self.base_prefix}." if self.base_prefix else ""
-        candidates += [c.removeprefix(prefix) for c in candidates if prefix and c.startswith(prefix)]
-        for key in candidates:
-            if key in self.where:
-                file, stored = self.where[key]
-                return self._file(file), stored
-        return None
-
-    def check(self, specs: dict[str, ShardSpec]) -> None:
-        missing, wrong = [], []
-        for name in specs:
-            found = self.locate(name)
-            if found is None:
-                missing.append(name)
-                continue
-            stored = found[0].entry(found[1])
-            if stored.shape != tuple(specs[name].full_shape):
-                wrong.append(f"{name}: file {list(stored.shape)} vs model {list(specs[name].full_shape)}")
-        if missing or wrong:
-            raise ConfigError(
-                f"{self.path} does not match its config.json: "
-                + "; ".join(([f"missing {missing[:5]}"] if missing else []) + wrong[:5])
-            )
-
-    def fill(self, name: str, spec: ShardSpec, local: torch.Tensor) -> None:
-        file, key = self.locate(name)
-        for op in local_views(spec, local, name):
-            try:
-                file.read_box(key, op.box, op.out)
-            except SafetensorsError as exc:
-                raise ConfigError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------------------------------

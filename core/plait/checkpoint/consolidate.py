@@ -21,9 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from transformers import CONFIG_MAPPING, PretrainedConfig
+from transformers import PretrainedConfig
 
-from plait.checkpoint.format import CheckpointError, TensorEntry, full_box, read_index, write_json
+from plait.checkpoint.format import (
+    CheckpointError, TensorEntry, full_box, model_config, read_index, shape_problems, write_json,
+)
 from plait.checkpoint.load import CheckpointReader
 from plait.checkpoint.st_io import DTYPES, SafetensorsWriter, byte_view, tensor_bytes
 from plait.checkpoint.state import local_params
@@ -67,7 +69,7 @@ def consolidate(
 
     paths, index = read_index(checkpoint_dir)
     reader = CheckpointReader(paths, index)
-    config = _model_config(index)
+    config = model_config(index)
     order = _check_tensors(index, config, paths.root)
     stored = {(p.file, p.key) for name in order for p in index.tensors[name].pieces}
     reader.validate_files({file for file, _ in stored})  # the model's files only: optimizer files are not needed
@@ -122,14 +124,6 @@ def _write_model(reader: CheckpointReader, folder: Path, plan: list, format: str
         write_json(folder / f"{stem}.{ext}.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def _model_config(index) -> PretrainedConfig:
-    data = dict(index.model_config)
-    model_type = data.pop("model_type")
-    if model_type not in CONFIG_MAPPING:
-        raise CheckpointError(f"checkpoint model_type {model_type!r} is unknown to this transformers version")
-    return CONFIG_MAPPING[model_type].from_dict(data)
-
-
 def _check_tensors(index, config: PretrainedConfig, root: Path) -> list[str]:
     """The checkpoint's parameters, in the model's order; error if they are not exactly the model's."""
     model = build_meta_model(config)
@@ -137,13 +131,10 @@ def _check_tensors(index, config: PretrainedConfig, root: Path) -> list[str]:
         config.architectures = [type(model).__name__]
     params = local_params(model).params
     saved = index.params()
-    missing = [n for n in params if n not in saved]
     unexpected = [n for n in saved if n not in params]
-    wrong = [f"{n}: checkpoint {list(saved[n].shape)} vs config {list(p.shape)}"
-             for n, p in params.items() if n in saved and saved[n].shape != tuple(p.shape)]
-    if missing or unexpected or wrong:
-        problems = ([f"missing {missing[:5]}"] if missing else []) + \
-                   ([f"unexpected {unexpected[:5]}"] if unexpected else []) + wrong[:5]
+    problems = shape_problems(saved, {n: p.shape for n, p in params.items()}, "checkpoint", "config")
+    problems += [f"unexpected {unexpected[:5]}"] if unexpected else []
+    if problems:
         raise CheckpointError(f"checkpoint {root} does not match its model config: {'; '.join(problems)}")
     return list(params)
 

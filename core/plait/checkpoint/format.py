@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from transformers import CONFIG_MAPPING, PretrainedConfig
+
 from plait.config import ConfigError
 from plait.tp.sharding import ShardSpec
 
@@ -208,6 +210,27 @@ class Index:
 
     def params(self) -> dict[str, TensorEntry]:
         return {name: t for name, t in self.tensors.items() if t.kind == "param"}
+
+
+def model_config(index: Index) -> PretrainedConfig:
+    """The transformers config of the model an index holds (a checkpoint's, or a model directory's config.json)."""
+    data = dict(index.model_config)
+    model_type = data.pop("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise CheckpointError(f"checkpoint model_type {model_type!r} is unknown to this transformers version")
+    return CONFIG_MAPPING[model_type].from_dict(data)
+
+
+def shape_problems(
+    saved: dict[str, TensorEntry], wanted: dict[str, Sequence[int]], saved_as: str, wanted_as: str
+) -> list[str]:
+    """Why ``saved`` cannot fill the ``wanted`` tensors (name -> full shape): "missing [names]" and, for up to
+    five, "<name>: <saved_as> [shape] vs <wanted_as> [shape]". Empty when every wanted tensor is saved whole."""
+    missing = [name for name in wanted if name not in saved]
+    wrong = [f"{name}: {saved_as} {list(saved[name].shape)} vs {wanted_as} {list(shape)}"
+             for name, shape in wanted.items() if name in saved and saved[name].shape != tuple(shape)]
+    problems = [f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}"] if missing else []
+    return problems + wrong[:5]
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from plait import comm
 from plait.checkpoint.format import (
-    Box, CheckpointError, CheckpointPaths, Index, TensorEntry, intersect, read_index, uncovered,
+    Box, CheckpointError, CheckpointPaths, Index, TensorEntry, intersect, read_index, shape_problems, uncovered,
 )
 from plait.checkpoint.st_io import CHECKSUM, DTYPES, SafetensorsError, SafetensorsFile
 from plait.checkpoint.state import (
@@ -261,16 +261,12 @@ def _check_model(index: Index, pmodel: ParallelModel, specs: dict[str, ShardSpec
             f"checkpoint {paths.root} holds a {index.model_type!r} model{f' ({classes})' if classes else ''}; "
             f"this model is {config.model_type!r} ({type(pmodel.module).__name__})"
         )
-    saved = index.params()
-    missing = [name for name in specs if name not in saved]
-    wrong = [f"{name}: checkpoint {list(saved[name].shape)} vs model {list(spec.full_shape)}"
-             for name, spec in specs.items() if name in saved and saved[name].shape != spec.full_shape]
-    if missing or wrong:
+    problems = shape_problems(index.params(), {name: spec.full_shape for name, spec in specs.items()},
+                              "checkpoint", "model")
+    if problems:
         current = config.to_dict()
         differs = [f"{k}: checkpoint {v!r} vs model {current.get(k)!r}" for k, v in index.model_config.items()
                    if k not in _IGNORED_CONFIG and current.get(k) != v and not isinstance(v, dict)]
-        problems = [f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}"] if missing else []
-        problems += wrong[:5]
         raise CheckpointError(
             f"checkpoint {paths.root} does not match the model config: {'; '.join(problems)}"
             + (f" (config differs: {', '.join(differs[:8])})" if differs else "")

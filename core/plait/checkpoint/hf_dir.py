@@ -1,0 +1,99 @@
+"""A Hugging Face model directory read as a checkpoint.
+
+config.json plus model.safetensors (or the shards that model.safetensors.index.json names) is an index in
+which every tensor is one piece covering its full box. So one reader (``load.CheckpointReader``) serves
+both: a rank reads exactly the bytes of its slices, whether a plait checkpoint or a model directory holds
+them. Only the names differ: a model directory may store a tied weight under its other name, and hub GPT2
+files leave out the base model prefix (``h.0.attn...`` for ``transformer.h.0.attn...``), so
+``hf_names`` renames the index to the model's parameter names before anything is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Container, Iterable, Sequence
+from pathlib import Path
+
+from transformers import AutoConfig
+
+from plait.checkpoint.format import CheckpointPaths, Index, Piece, TensorEntry, full_box, shape_problems
+from plait.checkpoint.load import CheckpointReader
+from plait.checkpoint.st_io import NAMES, SafetensorsError, SafetensorsFile
+from plait.config import ConfigError
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+def open_hf_dir(
+    path: str | os.PathLike, shapes: dict[str, Sequence[int]], aliases: dict[str, str], base_prefix: str
+) -> CheckpointReader:
+    """A reader of the model directory ``path`` with its tensors under the model's names (``shapes``: this
+    rank's parameters and their full shapes; ``aliases``, ``base_prefix``: as ``hf_names``). ConfigError naming
+    the missing and mis-shaped tensors, before any is read."""
+    paths, index = read_hf_index(path)
+    index = hf_names(index, shapes, aliases, base_prefix)
+    problems = shape_problems(index.params(), shapes, "file", "model")
+    if problems:
+        raise ConfigError(f"{path} does not match its config.json: {'; '.join(problems)}")
+    return CheckpointReader(paths, index)
+
+
+def read_hf_index(path: str | os.PathLike) -> tuple[CheckpointPaths, Index]:
+    """The index of the model directory ``path``: its config (as transformers resolves config.json) and one
+    full-box piece per stored tensor, under the stored names. The files have no recorded checksums."""
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path)
+    tensors, files = {}, {}
+    for file in _weight_files(path):
+        header = _open(path / file)
+        files[file] = {"size": header.path.stat().st_size}
+        for name, stored in header.entries.items():
+            box = full_box(stored.shape)
+            tensors[name] = TensorEntry("param", NAMES[stored.dtype], stored.shape,
+                                        [Piece(file, name, box, (0,) * len(box))])
+    index = Index(step=0, model_type=config.model_type, model_config=json.loads(config.to_json_string()),
+                  parallel_config={}, world_size=1, tensors=tensors, files=files)
+    return CheckpointPaths(path, path), index
+
+
+def hf_names(index: Index, names: Iterable[str], aliases: dict[str, str], base_prefix: str) -> Index:
+    """``index`` with each of the model's parameter ``names`` under the stored tensor that holds it: itself, a
+    weight tied to it (``aliases``: tied name -> name) or either without ``base_prefix``. Names no stored
+    tensor holds are left out (the caller reports them as missing)."""
+    tensors = {}
+    for name in names:
+        key = _stored_key(index.tensors, name, aliases, base_prefix)
+        if key is not None:
+            tensors[name] = index.tensors[key]
+    return dataclasses.replace(index, tensors=tensors)
+
+
+def _stored_key(stored: Container[str], name: str, aliases: dict[str, str], base_prefix: str) -> str | None:
+    candidates = [name, *(alias for alias, target in aliases.items() if target == name)]
+    prefix = f"{base_prefix}." if base_prefix else ""
+    candidates += [c.removeprefix(prefix) for c in candidates if prefix and c.startswith(prefix)]
+    return next((key for key in candidates if key in stored), None)
+
+
+def _weight_files(path: Path) -> list[str]:
+    """The safetensors files of the model: the shards the shard index names, or the single weights file."""
+    if (path / SAFE_INDEX).is_file():
+        return sorted(set(json.loads((path / SAFE_INDEX).read_text())["weight_map"].values()))
+    if (path / SAFE_WEIGHTS).is_file():
+        return [SAFE_WEIGHTS]
+    found = sorted(p.name for p in path.iterdir())
+    raise ConfigError(
+        f"{path} has no {SAFE_WEIGHTS} or {SAFE_INDEX} (found {found}); plait loads safetensors only: "
+        f"convert with transformers (from_pretrained, then save_pretrained)"
+    )
+
+
+def _open(path: Path) -> SafetensorsFile:
+    """The parsed header of one weights file; ConfigError naming the file when it is missing or damaged."""
+    try:
+        return SafetensorsFile(path)
+    except SafetensorsError as exc:
+        raise ConfigError(str(exc)) from None
