@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import types
 
 import pytest
@@ -35,9 +36,13 @@ def make_adapter(name: str, architectures: tuple[str, ...], leaf: bool = True, s
 
 
 class FakeEntryPoint:
+    """One ``plait.adapters`` entry point, alone in a distribution of its own (what pluggy's loader reads)."""
+
+    group = registry_module.ENTRY_POINT_GROUP
+
     def __init__(self, name: str, module, dist_name: str) -> None:
         self.name, self._module = name, module
-        self.dist = types.SimpleNamespace(name=dist_name, version="9.9")
+        self.dist = types.SimpleNamespace(metadata={"name": dist_name}, version="9.9", entry_points=[self])
 
     def load(self):
         return self._module
@@ -45,9 +50,9 @@ class FakeEntryPoint:
 
 @pytest.fixture
 def fake_entry_points(monkeypatch):
-    """Replace the installed entry points with the list the test fills."""
+    """Replace the installed distributions with those of the entry points the test fills."""
     eps: list[FakeEntryPoint] = []
-    monkeypatch.setattr(registry_module.importlib.metadata, "entry_points", lambda group: list(eps))
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: [ep.dist for ep in eps])
     return eps
 
 

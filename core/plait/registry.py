@@ -6,7 +6,6 @@ hook it needs, and calls the hook on the single adapter that claims the model's 
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,6 @@ ENTRY_POINT_GROUP = "plait.adapters"
 DISABLE_AUTOLOAD_ENV = "PLAIT_DISABLE_PLUGIN_AUTOLOAD"
 BLOCKED_ENV = "PLAIT_BLOCKED_ADAPTERS"
 REQUIRED_HOOKS = ("plait_adapter_info", "plait_tp_plan", "plait_leaf_modules")
-PACKAGE_HINT = {"llama": "plait-llama", "gpt2": "plait-gpt2", "mistral": "plait-mistral"}
 
 
 class AdapterError(RuntimeError):
@@ -58,24 +56,28 @@ class Registry:
 
     # -- loading ---------------------------------------------------------------------------------
     def load_entry_points(self) -> None:
-        """Register every adapter in the ``plait.adapters`` entry-point group not blocked by name."""
-        blocked = {n.strip() for n in os.environ.get(BLOCKED_ENV, "").split(",") if n.strip()}
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if ep.name in blocked:
-                continue
-            dist = ep.dist
-            self.register(ep.load(), distribution=dist.name if dist else None, version=dist.version if dist else None)
+        """Let pluggy load the ``plait.adapters`` entry points, skipping the names blocked by
+        ``PLAIT_BLOCKED_ADAPTERS``, then hold each loaded plugin to the checks ``register`` makes.
+
+        pluggy registers plugins as it loads them, so the checks run afterwards, in load order; a plugin
+        that fails them is unregistered and the error raised, as ``register`` does.
+        """
+        for name in _blocked_names():
+            self.pm.set_blocked(name)
+        self.pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        for plugin, dist in self.pm.list_plugin_distinfo():
+            self._admit(plugin, dist.project_name, dist.version)
 
     def register(self, plugin: Any, distribution: str | None = None, version: str | None = None) -> Adapter:
         """Register an adapter object or module (tests and notebooks call this directly)."""
-        missing = [hook for hook in REQUIRED_HOOKS if not self._implements(plugin, hook)]
-        if missing:
-            raise AdapterError(
-                f"adapter {_label(plugin, distribution)} does not implement required hook(s) {', '.join(missing)}; "
-                f"see plait.hookspecs for what each must return"
-            )
-        self.pm.register(plugin)
+        if self.pm.register(plugin) is None:
+            raise AdapterError(f"adapter {_label(plugin, distribution)} is blocked by {BLOCKED_ENV}")
+        return self._admit(plugin, distribution, version)
+
+    def _admit(self, plugin: Any, distribution: str | None, version: str | None) -> Adapter:
+        """Check a plugin pluggy has registered and record it as an adapter; unregister it when it fails."""
         try:
+            self._check_required_hooks(plugin, distribution)
             self.pm.check_pending()
             info = self._call(plugin, "plait_adapter_info")
             if not isinstance(info, AdapterInfo):
@@ -89,6 +91,14 @@ class Registry:
             raise
         self._adapters[info.name] = adapter
         return adapter
+
+    def _check_required_hooks(self, plugin: Any, distribution: str | None) -> None:
+        missing = [hook for hook in REQUIRED_HOOKS if not self._implements(plugin, hook)]
+        if missing:
+            raise AdapterError(
+                f"adapter {_label(plugin, distribution)} does not implement required hook(s) {', '.join(missing)}; "
+                f"see plait.hookspecs for what each must return"
+            )
 
     def _implements(self, plugin: Any, hook: str) -> bool:
         """True when ``plugin`` has ``hook`` decorated with ``@plait.hookimpl``."""
@@ -121,10 +131,10 @@ class Registry:
                 return adapter
         installed = ", ".join(f"{a.name} ({', '.join(a.info.architectures)})" for a in self.adapters) or "none"
         model_type = keys[0]
-        hint = PACKAGE_HINT.get(model_type, f"an adapter package for {model_type!r} (see docs: write an adapter)")
         raise AdapterError(
             f"no plait adapter claims architecture {model_type!r}; installed adapters: {installed}. "
-            f"Install {hint}, or register one with plait.register()"
+            f"Install plait-{model_type} if that distribution exists, or another adapter that claims it; or write "
+            f"one (docs/writing-an-adapter.md) and install it or register it with plait.register()"
         )
 
     # -- hooks, one typed method each ------------------------------------------------------------
@@ -157,6 +167,11 @@ class Registry:
             if impl.plugin is plugin:
                 return impl.function(**{name: kwargs[name] for name in impl.argnames})
         return None
+
+
+def _blocked_names() -> list[str]:
+    """The entry-point names listed, comma-separated, in ``PLAIT_BLOCKED_ADAPTERS``."""
+    return [name.strip() for name in os.environ.get(BLOCKED_ENV, "").split(",") if name.strip()]
 
 
 def _label(plugin: Any, distribution: str | None) -> str:
