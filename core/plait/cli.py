@@ -14,6 +14,7 @@ import sys
 
 from plait.config import ConfigError
 from plait.registry import AdapterError, default_registry
+from plait.runtime import TrainingDiverged
 from plait.train_args import TrainArgs, add_arguments, from_namespace
 
 
@@ -132,3 +133,6 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, AdapterError, FileNotFoundError) as err:
         print(f"plait: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except TrainingDiverged as err:
+        print(f"plait: error: {err}", file=sys.stderr)
+        sys.exit(3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import resource
 from pathlib import Path
 
@@ -27,7 +28,16 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if self.enabled:
             with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json_line(record) + "\n")
+
+
+def json_line(record: dict) -> str:
+    """``record`` as strict JSON: a non-finite number (which ``json.dumps`` writes as a bare ``NaN`` that jq and
+    strict parsers reject) becomes null, and its key is listed under ``"nonfinite"``."""
+    bad = [key for key, value in record.items() if isinstance(value, float) and not math.isfinite(value)]
+    if bad:
+        record = {**{k: (None if k in bad else v) for k, v in record.items()}, "nonfinite": bad}
+    return json.dumps(record, allow_nan=False)
 
 
 def peak_rss_mb() -> float:

@@ -52,6 +52,11 @@ def is_main_process() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+class TrainingDiverged(RuntimeError):
+    """A step's loss or gradient norm was not finite (more often than --skip_nonfinite_steps allows); raised
+    on every rank at the same step, before the step is applied or anything is saved."""
+
+
 class CollectiveTimeout(RuntimeError):
     """A collective waited longer than --ddp_timeout: a peer rank is stuck or dead."""
 

@@ -61,6 +61,7 @@ class TrainArgs:
     device: str = field(default="auto", metadata={"help": "auto (cuda if available, else cpu), cpu, cuda, or any torch device type"})
     backend: str = field(default="auto", metadata={"help": "torch.distributed backend: auto (nccl on cuda, else gloo), gloo, nccl, xla"})
     ddp_timeout: int = field(default=600, metadata={"help": "seconds a collective may wait before the job fails"})
+    skip_nonfinite_steps: int = field(default=0, metadata={"help": "skip up to N steps whose loss or gradient norm is not finite (not applied, counted in metrics) before stopping (0: stop at the first)"})
 
     def validate(self) -> None:
         """Checks that need no model: fail before any process group or file exists."""
@@ -90,11 +91,11 @@ class TrainArgs:
                 f"--per_device_train_batch_size={self.per_device_train_batch_size} is not divisible by "
                 f"--num_microbatches={self.num_microbatches}; use a batch that is a multiple of {self.num_microbatches}"
             )
-        for name in ("max_steps", "eval_steps", "warmup_steps", "save_steps", "save_total_limit"):
+        for name in ("max_steps", "eval_steps", "warmup_steps", "save_steps", "save_total_limit", "skip_nonfinite_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be >= 0")
-        if not self.learning_rate > 0:
-            raise ConfigError(f"--learning_rate={self.learning_rate} must be positive")
+        if not self.learning_rate >= 0:  # 0 is a run that measures the loss without moving the weights
+            raise ConfigError(f"--learning_rate={self.learning_rate} must be >= 0")
         if self.weight_decay < 0:
             raise ConfigError(f"--weight_decay={self.weight_decay} must be >= 0")
         if self.max_grad_norm < 0:

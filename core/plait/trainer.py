@@ -23,11 +23,11 @@ from transformers import AutoConfig, PretrainedConfig, get_scheduler
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from plait import comm, faults
-from plait.config import ConfigError
+from plait.config import ConfigError, ParallelConfig
 from plait.data import GlobalBatchSampler, local_microbatch
 from plait.data.train_data import load_data
-from plait.metrics import MetricsLog, peak_rss_mb, plot_loss_curve
-from plait.optim import OptimizerStep, build_optimizer
+from plait.metrics import MetricsLog, json_line, peak_rss_mb, plot_loss_curve
+from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
 from plait.checkpoint.format import read_index, remove_partial_checkpoints
 from plait.checkpoint.state import local_params
 from plait.compile import compile_leaf_modules
@@ -39,7 +39,7 @@ from plait.loading import materialize, resolve_source
 from plait.meta import build_meta_model
 from plait.parallelize import ParallelModel, parallelize
 from plait.registry import default_registry
-from plait.runtime import explain_timeouts, init_distributed, is_main_process, pick_device
+from plait.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process, pick_device
 from plait.train_args import TrainArgs
 
 DEFAULT_MODEL_CONFIG = "tiny-llama.json"
@@ -110,15 +110,21 @@ def check_resume_matches(args: TrainArgs, meta: nn.Module, resume: Path | None) 
         )
 
 
+def check_validation_blocks(blocks: torch.Tensor | None, config: ParallelConfig) -> None:
+    """Evaluation splits whole pipeline microbatches over dp ranks: refuse too little validation data at
+    start-up rather than at the first evaluation, hours in."""
+    needed = config.dp * config.num_microbatches
+    if blocks is not None and len(blocks) < needed:
+        raise ConfigError(f"the validation data has {len(blocks)} blocks, fewer than dp*num_microbatches = "
+                          f"{needed}; use a larger --validation_file")
+
+
 @torch.no_grad()
 def evaluate(pmodel: ParallelModel, blocks: torch.Tensor, batch_size: int, device: torch.device) -> dict:
     """Mean loss and perplexity over every validation block, split over data-parallel ranks."""
     mesh = pmodel.mesh
     m = pmodel.config.num_microbatches
     usable = len(blocks) // (mesh.dp * m) * (mesh.dp * m)  # every dp rank, whole pipeline microbatches
-    if usable == 0:
-        raise ConfigError(f"the validation data has {len(blocks)} blocks, fewer than dp*num_microbatches = "
-                          f"{mesh.dp * m}; use a larger --validation_file")
     mine = blocks[:usable][mesh.dp_rank :: mesh.dp]
     num_items = usable * (blocks.shape[1] - 1)
     batch_size = max(batch_size // m * m, m)
@@ -130,6 +136,19 @@ def evaluate(pmodel: ParallelModel, blocks: torch.Tensor, batch_size: int, devic
     pmodel.train()
     loss = comm.all_reduce(total, mesh.dp_group).item()
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+
+def diverged_message(step: int, bad: NonFiniteStep, args: TrainArgs) -> str:
+    """One line: the step, the values, what was (not) done, and the likely fixes with the flags' values."""
+    fixes = [f"lower --learning_rate (now {args.learning_rate:g})",
+             f"clip harder with --max_grad_norm (now {args.max_grad_norm:g})" if args.max_grad_norm
+             else "clip with --max_grad_norm 1.0"]
+    if args.bf16 and args.optimizer_dtype != "float32":
+        fixes.append("keep fp32 master weights (--optimizer_dtype float32)")
+    elif args.bf16 or args.bf16_autocast:
+        fixes.append("train in fp32 (drop --bf16 / --bf16_autocast)")
+    return (f"step {step}: {bad}; the step was not applied and no checkpoint was saved (the last one on disk "
+            f"is from before it); likely fixes: {', '.join(fixes)}, or skip such steps with --skip_nonfinite_steps")
 
 
 def resume_path(args: TrainArgs) -> Path | None:
@@ -160,8 +179,10 @@ class Trainer:
         plan = plan_layout(meta, args.parallel_config(), int(os.environ.get("WORLD_SIZE", "1")))
         # Data before any process group: a bad file fails every rank at once, never inside a collective.
         self.blocks, self.val_blocks, self.tokenizer = load_data(args, model_config.vocab_size)
+        check_validation_blocks(self.val_blocks, plan.config)
         self.device = device = pick_device(args.device)
         init_distributed(device, args.backend, args.ddp_timeout)
+        torch.manual_seed(args.seed)  # the stream dropout draws from: a function of --seed, as is everything else
         self.console = Console(stderr=True, quiet=not is_main_process())
 
         # Each rank materialises only its own shards: from the checkpoint, the model dir, or seeded init.
@@ -183,10 +204,11 @@ class Trainer:
         self.optimizer_step = OptimizerStep(pmodel.grad_sync, self.optimizer, args.max_grad_norm or None)
         self.scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer, num_warmup_steps=args.warmup_steps,
                                        num_training_steps=max(args.max_steps, 1))
-        self.first_step = 0
+        self.first_step, self.skipped_steps = 0, 0
         if resume is not None:
             state = load_checkpoint(resume, pmodel, self.optimizer, self.scheduler)
             self.sampler.load_state_dict(state.extra["sampler"])
+            self.skipped_steps = state.extra.get("skipped_steps", 0)
             self.first_step = state.step
             self.console.print(f"resumed from {resume} at step {self.first_step}"
                                + (" (resharded)" if state.resharded else ""))
@@ -204,7 +226,10 @@ class Trainer:
             f"{len(self.blocks):,} blocks of {args.block_size} tokens, global batch {self.global_batch}")
 
     def step(self, step: int) -> dict:
-        """Forward, backward and optimizer update of step ``step`` (0-based); returns its metrics record."""
+        """Forward, backward and optimizer update of step ``step`` (0-based); returns its metrics record.
+
+        A step whose loss or gradient norm is not finite is not applied; up to --skip_nonfinite_steps of them
+        are skipped (counted in the record), the next one stops the run with ``TrainingDiverged``."""
         args, mesh = self.args, self.mesh
         start = time.perf_counter()
         indices = self.sampler.indices(step)
@@ -215,17 +240,28 @@ class Trainer:
             rows = local_microbatch(indices, mesh.dp_rank, mesh.dp, accumulation, micro)
             batch = self.blocks[rows].to(self.device)
             step_loss += self.pmodel.train_step(batch, batch, num_items_in_batch=num_items)
+        loss = comm.all_reduce(step_loss, mesh.dp_group)  # equal on every rank: all of them decide alike
         lr = self.optimizer_step.lr
-        grad_norm = self.optimizer_step()
+        record = {"step": step + 1, "loss": loss.item(), "lr": lr}
+        try:
+            record["grad_norm"] = self.optimizer_step(loss).item()
+        except NonFiniteStep as bad:
+            self.skipped_steps += 1
+            record.update(grad_norm=bad.values["grad_norm"], skipped=True)
+            if self.skipped_steps > args.skip_nonfinite_steps:
+                self.log.write({**record, "skipped_steps": self.skipped_steps})
+                raise TrainingDiverged(diverged_message(step + 1, bad, args)) from None
         self.scheduler.step()
-        return {"step": step + 1, "loss": comm.all_reduce(step_loss, mesh.dp_group).item(), "lr": lr,
-                "grad_norm": grad_norm.item(),
-                "tokens_per_s": self.global_batch * args.block_size / (time.perf_counter() - start),
-                "peak_rss_mb": peak_rss_mb()}
+        record.update(tokens_per_s=self.global_batch * args.block_size / (time.perf_counter() - start),
+                      peak_rss_mb=peak_rss_mb())
+        if self.skipped_steps:
+            record["skipped_steps"] = self.skipped_steps
+        return record
 
     def save(self, step: int) -> None:
+        extra = {"sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps}
         path = save_checkpoint(checkpoint_path(self.output_dir, step), self.pmodel, self.optimizer, self.scheduler,
-                               step, {"sampler": self.sampler.state_dict()}, tokenizer=self.tokenizer)
+                               step, extra, tokenizer=self.tokenizer)
         rotate_checkpoints(self.output_dir, self.args.save_total_limit, self.mesh.rank)
         self.console.print(f"saved {path}")
 
@@ -248,7 +284,7 @@ class Trainer:
                 progress.update(task, advance=1,
                                 description=f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s")
                 if (step + 1) % args.logging_steps == 0 and not self.console.is_terminal:
-                    self.console.print(json.dumps(record), soft_wrap=True)
+                    self.console.print(json_line(record), soft_wrap=True)
                 if should_save(step + 1, args.save_steps) or (is_last and args.save_steps > 0):
                     self.save(step + 1)
         if is_main_process() and history and plot_loss_curve(history, self.output_dir / "loss.png"):

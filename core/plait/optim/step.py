@@ -9,6 +9,7 @@ is the lazy constructor a trainer can hold before the model exists).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -59,6 +60,16 @@ def build_optimizer(
     return constructor(params, **optimizer_kwargs)
 
 
+class NonFiniteStep(RuntimeError):
+    """The loss or the global gradient norm of a step is not finite: the step was not applied (gradients are
+    dropped, parameters and optimizer state untouched)."""
+
+    def __init__(self, values: dict[str, float]) -> None:
+        self.values = values
+        bad = [name for name, value in values.items() if not math.isfinite(value)]
+        super().__init__(f"non-finite {' and '.join(bad)} ({', '.join(f'{k}={v}' for k, v in values.items())})")
+
+
 class OptimizerStep:
     """Call once per optimizer step, after the backward of every micro-step; returns the global grad norm.
 
@@ -68,6 +79,9 @@ class OptimizerStep:
     no clipping), step, zero the gradients. ``reduce_dtype``: dtype of the dp reduction on the wire (float32
     for bf16 gradients: optimum-neuron's ``higher_cc_precision``); None keeps the gradients' dtype (fp32
     when ``main_grads`` accumulate them).
+
+    Before the step it checks that the global grad norm (and the step's ``loss``, when given) are finite;
+    both are the same on every rank, so every rank raises ``NonFiniteStep`` together and none applies it.
     """
 
     def __init__(
@@ -86,13 +100,18 @@ class OptimizerStep:
         self.norm_groups = [mesh.tp_group, mesh.pp_group] + ([mesh.dp_group] if self.zero else [])
         self.device = grad_sync.params[0].device
 
-    def __call__(self) -> torch.Tensor:
+    def __call__(self, loss: torch.Tensor | None = None) -> torch.Tensor:
+        """``loss``: the step's loss, equal on every rank (reduced over dp), checked with the norm."""
         self.grad_sync.model_parallel()
         if self.zero:
             self.optimizer.reduce_gradients(self.bucket_bytes, self.reduce_dtype)
         else:
             self.grad_sync.data_parallel(self.updated, self.bucket_bytes, self.reduce_dtype)
         norm = global_grad_norm(self.norm_params, self.norm_groups, self.device)
+        checked = {"grad_norm": norm} if loss is None else {"loss": loss.to(norm), "grad_norm": norm}
+        if not torch.isfinite(torch.stack(list(checked.values()))).all():  # one host sync, with the norm's
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteStep({name: value.item() for name, value in checked.items()})
         if self.max_grad_norm is not None:
             clip_grads_(self.updated, self.max_grad_norm, norm)
         self.optimizer.step()

@@ -1,0 +1,93 @@
+"""Training health: a diverging run stops before it can save garbage, metrics stay strict JSON, lr 0 trains
+nothing, and `--skip_nonfinite_steps` skips (and counts) bad steps."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from plait.checkpoint import consolidate
+from plait.checkpoint.format import list_checkpoints
+from plait.cli import main
+from tiny_models import tiny_config
+
+DIVERGE = ["--learning_rate", "1e4", "--max_grad_norm", "0"]  # step 1 blows the weights up; step 2's gradients are NaN
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    path.write_text(tiny_config("llama").to_json_string())
+    return str(path)
+
+
+def train_flags(model_config: str, out, *extra: str) -> list[str]:
+    return ["train", "--model_config", model_config, "--output_dir", str(out), "--max_steps", "6",
+            "--block_size", "16", "--per_device_train_batch_size", "4", *extra]
+
+
+def strict_records(out) -> list[dict]:
+    """metrics.jsonl parsed as strict JSON: a bare NaN / Infinity token fails the parse."""
+    def refuse(token: str):
+        raise ValueError(f"non-strict JSON token {token}")
+    return [json.loads(line, parse_constant=refuse) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_diverging_run_stops_before_saving_garbage(model_config, tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(train_flags(model_config, out, *DIVERGE, "--save_steps", "1"))
+    assert exit_info.value.code == 3
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("plait: error: step 2: non-finite grad_norm")
+    assert "the step was not applied and no checkpoint was saved" in err and "lower --learning_rate (now 10000)" in err
+    records = strict_records(out)
+    bad = records[-1]
+    assert bad["step"] == 2 and bad["grad_norm"] is None and bad["nonfinite"] == ["grad_norm"] and bad["skipped"]
+    saved = list_checkpoints(out)
+    assert [p.name for p in saved] == ["checkpoint-1"]  # step 2 saved nothing
+    for checkpoint in saved:
+        weights = load_file(consolidate(checkpoint, tmp_path / f"hf-{checkpoint.name}") / "model.safetensors")
+        assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_skip_nonfinite_steps_counts_then_stops(model_config, tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(train_flags(model_config, out, *DIVERGE, "--skip_nonfinite_steps", "2"))
+    assert exit_info.value.code == 3
+    steps = [r for r in strict_records(out) if "step" in r and "event" not in r]
+    assert [(r["step"], r.get("skipped", False), r.get("skipped_steps", 0)) for r in steps] == [
+        (1, False, 0), (2, True, 1), (3, True, 2), (4, True, 3)]
+    assert "step 4: non-finite" in capsys.readouterr().err
+
+
+def test_learning_rate_zero_trains_nothing(model_config, tmp_path):
+    from plait import ParallelConfig
+    from plait.loading import load_parallel_model
+    from plait.trainer import load_config_file
+
+    out = tmp_path / "out"
+    main(train_flags(model_config, out, "--learning_rate", "0", "--max_steps", "3", "--save_steps", "3"))
+    records = [r for r in strict_records(out) if "loss" in r]
+    assert len(records) == 3 and all(r["lr"] == 0.0 and math.isfinite(r["loss"]) for r in records)
+    trained = load_file(consolidate(out / "checkpoint-3", tmp_path / "hf") / "model.safetensors")
+    init = load_parallel_model(load_config_file(Path(model_config)), ParallelConfig(), seed=0).module.state_dict()
+    assert all(torch.equal(trained[name], init[name]) for name in trained)
+
+
+def test_diverging_tp2_run_stops_every_rank(model_config, tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "plait", *train_flags(model_config, out, *DIVERGE),
+                             "--nproc_per_node", "2", "--tensor_parallel_size", "2"],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0
+    assert result.stderr.count("plait: error: step 2: non-finite") == 2  # both ranks, the same step
+    assert strict_records(out)[-1]["step"] == 2
