@@ -1,44 +1,15 @@
-"""plait adapter for transformers' Mistral: Llama's module layout, with sliding-window attention that
-transformers' own mask builder handles on every rank."""
+"""plait adapter for transformers' Mistral: Llama's module layout, so Llama's plans, re-exported from
+plait-llama. Sliding-window attention needs nothing from plait: transformers' own mask builder handles it on
+every rank."""
 
-from plait import AdapterInfo, Attention, Column, PipelinePlan, Row, SPPlan, TPPlan, VocabEmbedding, VocabHead, hookimpl
+from plait_llama import plait_leaf_modules, plait_pipeline_plan, plait_sp_plan, plait_tp_plan  # noqa: F401
+
+from plait import AdapterInfo, hookimpl
 
 
 @hookimpl
 def plait_adapter_info():
     return AdapterInfo(name="mistral", architectures=("mistral", "MistralForCausalLM"))
-
-
-@hookimpl
-def plait_tp_plan(config):
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return TPPlan((
-        Attention("model.layers.*.self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
-                  num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-                  head_dim=head_dim, local_attrs={"num_key_value_groups": "kv_groups"}),
-        Column("model.layers.*.mlp.gate_proj"),
-        Column("model.layers.*.mlp.up_proj"),
-        Row("model.layers.*.mlp.down_proj"),
-        VocabEmbedding("model.embed_tokens"),
-        VocabHead("lm_head"),
-    ))
-
-
-@hookimpl
-def plait_sp_plan(config):
-    return SPPlan(begin="model.layers.0", end="model.norm",
-                  norms=("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm", "model.norm"))
-
-
-@hookimpl
-def plait_pipeline_plan(config):
-    return PipelinePlan(first=("model.embed_tokens", "model.rotary_emb"), layers="model.layers",
-                        last=("model.norm", "lm_head"))
-
-
-@hookimpl
-def plait_leaf_modules(config):
-    return ["model.layers.*"]
 
 
 @hookimpl
