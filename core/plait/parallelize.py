@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import functools
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,8 +29,10 @@ from plait.pipeline.stages import StageChunk, dropped, prune
 from plait.registry import Adapter, Registry
 from plait.tp.apply import AppliedTP, apply_tensor_parallel
 from plait.tp.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
-from plait.tp.sequence_parallel import install_sequence_parallel, sp_grad_sum_params
-from plait.tp.sharding import ShardSpec
+from plait.tp.rng import install_dropout_rng
+from plait.tp.sequence_parallel import install_sequence_parallel, region_prefix, sp_grad_sum_params
+from plait.tp.sharding import ModuleShard, ShardSpec
+from plait.tp.styles import Row
 
 
 def precision_context(config: ParallelConfig, module: nn.Module) -> contextlib.AbstractContextManager:
@@ -198,6 +201,8 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh) -> ParallelModel:
     if plan.sp_plan is not None:
         sp_params = sp_grad_sum_params(model, plan.sp_plan, shards)
         install_sequence_parallel(model, plan.sp_plan, mesh.tp_group, applied.head_is_parallel, owns)
+    if config.tp > 1:
+        install_dropout_rng(model, mesh.tp_rank, *_dropout_regions(model, plan, shards, owns))
     apply_activation_checkpointing(model, [name for name in plan.leaves if owns(name)])
     grad_sync = _grad_sync(model, plan, mesh, applied, sp_params)
     loss_fn = _loss_fn(applied, mesh)
@@ -208,6 +213,21 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh) -> ParallelModel:
         chunks = [StageChunk(model, plan.split, s, seq_shards, applied.entry.clear, context) for s in stage_ids]
         pipeline = PipelineRunner(chunks, stage_ids, mesh, loss_fn)
     return ParallelModel(model, mesh, plan, applied, grad_sync, loss_fn, pipeline)
+
+
+def _dropout_regions(
+    model: nn.Module, plan: LayoutPlan, shards: dict[str, ModuleShard], owns: Callable[[str], bool]
+) -> tuple[list[str], list[str]]:
+    """Modules whose dropout must differ between tp ranks, and the row-parallel layers after which it must
+    not (see tp/rng.py): under SP every decoder layer of the region; without SP every attention block, with
+    its output projection handing back to the shared stream."""
+    if plan.sp_plan is not None:
+        container = region_prefix(plan.sp_plan.begin).rstrip(".")
+        layers = [f"{container}.{child}" for child, _ in model.get_submodule(container).named_children()]
+        return [name for name in layers if owns(name)], []
+    attention = sorted({name.rpartition(".")[0] for name, shard in shards.items() if shard.entered_by_parent})
+    rows = [name for name, shard in shards.items() if isinstance(shard.style, Row)]
+    return attention, rows
 
 
 def _grad_sync(

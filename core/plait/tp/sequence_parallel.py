@@ -22,7 +22,7 @@ from plait.tp.sharding import ModuleShard
 from plait.tp import mappings
 
 
-def _region_prefix(begin: str) -> str:
+def region_prefix(begin: str) -> str:
     """``model.layers.0`` -> ``model.layers.``: the repeated blocks all run on sequence shards."""
     return begin.rpartition(".")[0] + "."
 
@@ -37,7 +37,7 @@ def sp_grad_sum_params(model: nn.Module, plan: SPPlan, shards: dict[str, ModuleS
     for required in (plan.begin, plan.end):
         if required not in modules:
             raise ConfigError(f"the SP plan names {required!r}, but the model has no such module")
-    prefix = _region_prefix(plan.begin)
+    prefix = region_prefix(plan.begin)
     found: list[nn.Parameter] = []
     for name, param in model.named_parameters():
         module_name, _, leaf = name.rpartition(".")
