@@ -85,7 +85,7 @@ def run_variant(name: str, steps: int, batch: int, seq: int) -> dict:
     else:
         import plait
         from plait.compile import compile_leaf_modules
-        from plait.loading import load_parallel_model
+        from plait.materialize import load_parallel_model
         from plait.optim import OptimizerStep, build_optimizer
         from plait.registry import default_registry
 
@@ -129,7 +129,7 @@ def run_load(stage: str, workdir: Path) -> dict:
     import plait
     from plait.checkpoint import save_checkpoint
     from plait.checkpoint.consolidate import consolidate
-    from plait.loading import load_parallel_model
+    from plait.materialize import load_parallel_model
     from plait.optim import OptimizerStep, build_optimizer
 
     baseline = peak_rss_mib()

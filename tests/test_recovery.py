@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from plait.checkpoint.format import latest_checkpoint, list_checkpoints
 from plait.cli import main
 from plait.config import ParallelConfig
-from plait.loading import load_parallel_model
+from plait.materialize import load_parallel_model
 from plait.metrics import read_metrics
 from plait.testing import launch
 from tiny_models import tiny_config

@@ -71,7 +71,7 @@ def test_skip_nonfinite_steps_counts_then_stops(model_config, tmp_path, capsys):
 
 def test_learning_rate_zero_trains_nothing(model_config, tmp_path):
     from plait import ParallelConfig
-    from plait.loading import load_parallel_model
+    from plait.materialize import load_parallel_model
     from plait.trainer import load_config_file
 
     out = tmp_path / "out"

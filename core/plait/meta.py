@@ -1,6 +1,6 @@
 """Models on the meta device: a transformers model's structure and shapes without its memory.
 
-Used to build a model no rank holds whole (``plait.loading``, like optimum-neuron's
+Used to build a model no rank holds whole (``plait.materialize``, like optimum-neuron's
 ``lazy_load_for_parallelism`` and NxD's meta init) and to know a config's parameter names and shapes
 without allocating them (``plait consolidate``).
 """

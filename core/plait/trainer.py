@@ -28,6 +28,7 @@ from plait.data import GlobalBatchSampler, local_microbatch
 from plait.data.train_data import load_data
 from plait.metrics import MetricsLog, json_line, peak_rss_mb, plot_loss_curve
 from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
+from plait.checkpoint.format import model_config as saved_model_config
 from plait.checkpoint.format import read_index, remove_partial_checkpoints
 from plait.checkpoint.state import local_params
 from plait.compile import compile_leaf_modules
@@ -35,7 +36,7 @@ from plait.checkpoint import (
     checkpoint_path, latest_checkpoint, load_checkpoint, rotate_checkpoints, save_checkpoint, should_save,
 )
 from plait.layout_plan import plan_layout
-from plait.loading import materialize, resolve_source
+from plait.materialize import materialize, resolve_source
 from plait.meta import build_meta_model
 from plait.parallelize import ParallelModel, parallelize
 from plait.registry import default_registry
@@ -53,7 +54,7 @@ def read_model_config(args: TrainArgs, resume: Path | None = None) -> Pretrained
     elif args.model_config:
         config = load_config_file(Path(args.model_config))
     elif resume is not None:
-        config = AutoConfig.from_pretrained(resume)
+        config = saved_model_config(read_index(resume)[1])
     else:
         config = load_config_file(Path(str(resources.files("plait.configs").joinpath(DEFAULT_MODEL_CONFIG))))
     if args.attn_implementation:

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralC
 from plait import ParallelConfig, comm
 from plait.checkpoint import CheckpointError, consolidate, load_checkpoint, save_checkpoint
 from plait.checkpoint.format import read_index
-from plait.loading import load_parallel_model
+from plait.materialize import load_parallel_model
 from plait.optim import OptimizerStep, build_optimizer
 from plait.testing.gather import gather_full, gather_logits
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from plait import comm
 from plait.config import ParallelConfig
-from plait.loading import load_parallel_model
+from plait.materialize import load_parallel_model
 from plait.optim import OptimizerStep, build_optimizer
 from plait.runtime import init_distributed, pick_device
 
