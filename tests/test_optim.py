@@ -132,6 +132,27 @@ def test_master_weights_resume_exactly():
     assert runs[0] == runs[1], f"uninterrupted {runs[0]} vs resumed {runs[1]}"
 
 
+@pytest.mark.parametrize("decay_embeddings", [True, False])
+def test_weight_decay_skips_biases_and_norms(decay_embeddings):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from plait import ParallelConfig, parallelize
+    from plait.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_embd=32, n_layer=1, n_head=4, n_positions=16))
+    pmodel = parallelize(model, ParallelConfig())
+    optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-3, weight_decay=0.1,
+                                decay_embeddings=decay_embeddings)
+    names = {id(p): n for n, p in pmodel.module.named_parameters()}
+    decayed, kept = ({names[id(p)] for p in g["params"]} for g in optimizer.param_groups)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert "transformer.h.0.attn.c_attn.weight" in decayed and "transformer.h.0.mlp.c_proj.weight" in decayed
+    assert {"transformer.h.0.attn.c_attn.bias", "transformer.h.0.ln_1.weight", "transformer.ln_f.bias"} <= kept
+    embeddings = {"transformer.wte.weight", "transformer.wpe.weight"}  # lm_head is tied to wte
+    assert embeddings <= (decayed if decay_embeddings else kept)
+
+
 def test_bad_optimizer_settings_are_refused():
     from plait import ConfigError, ParallelConfig, parallelize
     from plait.optim import OptimizerStep, build_optimizer

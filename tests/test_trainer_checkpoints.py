@@ -94,3 +94,24 @@ def test_resume_missing_checkpoint_is_refused(model_config, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", *flags(model_config, tmp_path / "out", "--resume_from_checkpoint", str(tmp_path / "nope"))])
     assert "--resume_from_checkpoint" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_weight_decay_groups_agree_across_layouts_and_reshard(model_config, tmp_path):
+    """--weight_decay decays matrices only (biases and norms never): the groups are the same under ZeRO-1 at
+    dp=2 as in one process (same losses), the checkpoint records them, and a ZeRO-1 checkpoint resumes at
+    tp=2 with the one-process losses."""
+    from plait.checkpoint.format import read_index
+
+    decay = ("--weight_decay", "0.5", "--learning_rate", "1e-2")
+    one = run(flags(model_config, tmp_path / "one", *decay))
+    zero = flags(model_config, tmp_path / "zero", *decay, "--zero_1")
+    zero[zero.index("--max_steps") + 1] = "2"
+    zero[zero.index("--per_device_train_batch_size") + 1] = "2"  # dp=2: the same global batch of 4
+    launch(["-m", "plait", "train", *zero], 2, timeout=240)
+    groups = read_index(tmp_path / "zero" / "checkpoint-2")[1].optimizer["groups"]
+    assert [g["weight_decay"] for g in groups] == [0.5, 0.0]
+    launch(["-m", "plait", "train", *flags(model_config, tmp_path / "tp2", *decay, "--tensor_parallel_size", "2",
+                                            "--resume_from_checkpoint", str(tmp_path / "zero" / "checkpoint-2"))],
+           2, timeout=240)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "zero")] + [r["loss"] for r in read_metrics(tmp_path / "tp2")]
+    assert losses == pytest.approx([r["loss"] for r in one], rel=1e-5)

@@ -114,3 +114,14 @@ def test_nproc_per_node_launches_torchrun(model_config, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tp=2 pp=1 dp=1" in result.stderr
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def test_exclude_embeddings_from_weight_decay_flag(model_config, tmp_path):
+    from plait.trainer import Trainer
+
+    args = parse("--model_config", model_config, "--output_dir", str(tmp_path / "out"), "--block_size", "16",
+                 "--weight_decay", "0.1", "--exclude_embeddings_from_weight_decay")
+    trainer = Trainer(args)
+    embedding = trainer.pmodel.module.get_parameter("model.embed_tokens.weight")
+    decayed, kept = trainer.optimizer.param_groups
+    assert any(p is embedding for p in kept["params"]) and not any(p is embedding for p in decayed["params"])

@@ -201,6 +201,7 @@ class Trainer:
         fused = {"fused": True} if device.type == "cuda" else {}
         self.optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=args.learning_rate,
                                          weight_decay=args.weight_decay,
+                                         decay_embeddings=not args.exclude_embeddings_from_weight_decay,
                                          optimizer_dtype=getattr(torch, args.optimizer_dtype), **fused)
         self.optimizer_step = OptimizerStep(pmodel.grad_sync, self.optimizer, args.max_grad_norm or None)
         self.scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer, num_warmup_steps=args.warmup_steps,

@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from plait import ParallelConfig, comm, parallelize
 from plait.data import local_microbatch
+from plait.optim.param_groups import embedding_params, weight_decay_groups
 from plait.optim import OptimizerStep, Zero1Optimizer, build_optimizer
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 5, 8, 16, 97
@@ -50,7 +51,9 @@ def num_items(labels: torch.Tensor) -> int:
 
 def reference(base: LlamaForCausalLM, batches, max_norm: float | None) -> dict:
     model = copy.deepcopy(base)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    groups = weight_decay_groups(model.named_parameters(), shapes, embedding_params(model), WEIGHT_DECAY)
+    optimizer = torch.optim.AdamW(groups, lr=LR, weight_decay=WEIGHT_DECAY)
     losses, norms = [], []
     for ids, labels in batches:
         loss = model(input_ids=ids, labels=labels).loss
@@ -76,7 +79,10 @@ def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, 
                                                num_microbatches=2 if pp > 1 else 1))
     mesh = pmodel.mesh
     if plain_dp:  # the baseline ZeRO-1 must match bit for bit: torch AdamW on every parameter
-        optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        shapes = {name: spec.full_shape for name, spec in pmodel.param_specs.items()}
+        groups = weight_decay_groups(pmodel.module.named_parameters(), shapes, embedding_params(pmodel.module),
+                                     WEIGHT_DECAY)
+        optimizer = torch.optim.AdamW(groups, lr=LR, weight_decay=WEIGHT_DECAY)
     else:
         optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY,
                                     optimizer_dtype=torch.float32 if bf16_params else None, main_grads=main_grads)

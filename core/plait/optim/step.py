@@ -19,6 +19,7 @@ from plait.config import ConfigError
 from plait.grad_sync import BUCKET_BYTES, GradSync
 from plait.optim.clip import clip_grads_, global_grad_norm
 from plait.optim.mixed_precision import MasterWeightOptimizer, accumulate_grads_in
+from plait.optim.param_groups import embedding_params, weight_decay_groups
 from plait.optim.zero import Zero1Optimizer
 from plait.parallelize import ParallelModel
 
@@ -30,6 +31,7 @@ def build_optimizer(
     zero_1: bool | None = None,
     optimizer_dtype: torch.dtype | None = None,
     main_grads: bool = True,
+    decay_embeddings: bool = True,
     **optimizer_kwargs: Any,
 ) -> torch.optim.Optimizer:
     """The optimizer for ``pmodel``'s trainable parameters (any torch optimizer class and its kwargs).
@@ -39,6 +41,9 @@ def build_optimizer(
         master weights it steps instead of them (None: the parameters' dtype, no masters).
     main_grads: with master weights, accumulate those parameters' gradients across micro-steps in
         ``optimizer_dtype`` buffers (``param.main_grad``) rather than in their own dtype.
+    ``weight_decay`` (in ``optimizer_kwargs``) applies to matrices only, never to biases and norm weights,
+        and to embeddings unless ``decay_embeddings=False`` (``optim/param_groups.py``: the same groups for
+        every layout).
     Returns a ``torch.optim.Optimizer`` (LR schedulers work on it): ``Zero1Optimizer`` under ZeRO-1.
     """
     params = [p for p in pmodel.parameters() if p.requires_grad]
@@ -55,9 +60,14 @@ def build_optimizer(
         constructor = functools.partial(MasterWeightOptimizer, optimizer_class=optimizer_class, dtype=optimizer_dtype)
         if main_grads:
             accumulate_grads_in(low, optimizer_dtype)
+    groups: Any = params
+    if optimizer_kwargs.get("weight_decay"):
+        full_shapes = {name: spec.full_shape for name, spec in pmodel.param_specs.items()}
+        groups = weight_decay_groups(pmodel.module.named_parameters(), full_shapes, embedding_params(pmodel.module),
+                                     optimizer_kwargs["weight_decay"], decay_embeddings)
     if zero_1 and not comm.trivial(pmodel.mesh.dp_group):
-        return Zero1Optimizer(params, constructor, pmodel.mesh.dp_group, **optimizer_kwargs)
-    return constructor(params, **optimizer_kwargs)
+        return Zero1Optimizer(groups, constructor, pmodel.mesh.dp_group, **optimizer_kwargs)
+    return constructor(groups, **optimizer_kwargs)
 
 
 class NonFiniteStep(RuntimeError):
