@@ -129,3 +129,20 @@ def test_plan_patterns_match_one_component():
     assert matches("model.layers.*.mlp", "model.layers.11.mlp")
     assert not matches("model.layers.*.mlp", "model.layers.1.x.mlp")
     assert not matches("model.layers.*", "model.layers.1.mlp")
+
+
+def test_sequence_checked_once_per_step_at_pp1(monkeypatch):
+    """train_step checks the sequence length once, not again in each microbatch's forward."""
+    import torch
+
+    from plait import ParallelConfig, parallelize
+    from plait.parallelize import ParallelModel
+    from tiny_models import tiny_model
+
+    pmodel = parallelize(tiny_model("llama"), ParallelConfig(num_microbatches=2))
+    calls = []
+    original = ParallelModel._check_sequence
+    monkeypatch.setattr(ParallelModel, "_check_sequence", lambda self, ids: (calls.append(1), original(self, ids)))
+    ids = torch.randint(0, 61, (4, 16))
+    pmodel.train_step(ids, ids)
+    assert len(calls) == 1
