@@ -3,6 +3,7 @@
 from plait.config import ConfigError, ParallelConfig
 from plait.markers import hookimpl
 from plait.mesh import Mesh
+from plait.layout_plan import LayoutPlan, plan_layout
 from plait.parallelize import ParallelModel, parallelize
 from plait.plan import AdapterInfo, Capabilities, PipelinePlan, SPPlan, TPPlan
 from plait.registry import AdapterError, Registry, default_registry, register
@@ -12,6 +13,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdapterError", "AdapterInfo", "Attention", "Capabilities", "Column", "ConfigError", "Mesh",
-    "ParallelConfig", "ParallelModel", "PipelinePlan", "Registry", "Row", "SPPlan", "TPPlan", "VocabEmbedding",
-    "VocabHead", "default_registry", "hookimpl", "parallelize", "register",
+    "LayoutPlan", "ParallelConfig", "ParallelModel", "PipelinePlan", "Registry", "Row", "SPPlan", "TPPlan", "VocabEmbedding",
+    "VocabHead", "default_registry", "hookimpl", "parallelize", "plan_layout", "register",
 ]

@@ -159,17 +159,6 @@ class ParallelModel(nn.Module):
         return total
 
 
-def validate_layout(
-    model: nn.Module, config: ParallelConfig, world_size: int, *, registry: Registry | None = None
-) -> LayoutPlan:
-    """Run every refusal of ``parallelize`` without a process group; return the plan ``parallelize`` applies.
-
-    ``model`` may be built on the meta device (``with torch.device("meta")``), so a trainer can refuse a
-    bad layout before it initialises torch.distributed or reads a single weight.
-    """
-    return plan_layout(model, config, world_size, registry)
-
-
 def parallelize(
     model: nn.Module, config: ParallelConfig | LayoutPlan, *, registry: Registry | None = None,
     timeout: datetime.timedelta | None = None,
