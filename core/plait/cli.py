@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--modes", nargs="+", metavar="MODE", help="only these modes (default: all)")
     check.set_defaults(func=cmd_check_adapter)
 
+    from plait.data.prepare import add_prepare_data_parser  # plait prepare-data: tokenize into the cache first
+
+    add_prepare_data_parser(sub)
+
     adapters = sub.add_parser("adapters", help="list installed architecture adapters")
     adapters.add_argument("--json", action="store_true", help="print a JSON list")
     adapters.set_defaults(func=cmd_adapters)

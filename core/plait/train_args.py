@@ -63,6 +63,8 @@ class TrainArgs:
     backend: str = field(default="auto", metadata={"help": "torch.distributed backend: auto (nccl on cuda, else gloo), gloo, nccl, xla"})
     ddp_timeout: int = field(default=600, metadata={"help": "seconds a collective may wait before the job fails"})
     skip_nonfinite_steps: int = field(default=0, metadata={"help": "skip up to N steps whose loss or gradient norm is not finite (not applied, counted in metrics) before stopping (0: stop at the first)"})
+    text_field: str = field(default="text", metadata={"help": "the text field of .jsonl lines, and the text column of Parquet files and --dataset_name"})
+    data_cache_dir: str | None = field(default=None, metadata={"help": "where tokenized data and trained tokenizers are cached (default: $XDG_CACHE_HOME/plait, else ~/.cache/plait)"})
 
     def validate(self) -> None:
         """Checks that need no model: fail before any process group or file exists."""

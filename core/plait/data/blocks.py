@@ -1,7 +1,11 @@
-"""From text files to packed token blocks for a model of a given vocabulary size.
+"""Packed token blocks for a model of a given vocabulary size.
 
 A tokenizer sized to the model (the model dir's own, or a BPE trained on the text) when the vocabulary
 can hold one; raw bytes folded into the vocabulary otherwise (tiny test models of a few dozen tokens).
+
+:class:`TokenBlocks` reads blocks from a token cache file (``plait.data.cache``): what training uses.
+:func:`training_blocks` is the former in-memory path (the whole corpus tokenized into one tensor), kept as
+the reference the cache is tested against and that ``bench/data.py`` compares with.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -18,7 +23,9 @@ from plait.data.tokenizer import MIN_VOCAB_SIZE, load_or_train_tokenizer
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "plait"
+    from plait.data.cache import default_cache_root
+
+    return default_cache_root()
 
 
 def byte_token_ids(files: list[Path], vocab_size: int) -> torch.LongTensor:
@@ -40,28 +47,115 @@ def training_blocks(
     return pack_blocks(tokenize_files(files, tokenizer), block_size), tokenizer
 
 
-def dataset_text_file(dataset_dir: Path, scratch_dir: Path) -> Path:
-    """The 'text' column of a local ``datasets`` dir (``save_to_disk``; its train split if it is a
-    DatasetDict) as a .jsonl file, so it goes through the same reader as --train_file."""
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError("--dataset_name needs the `datasets` package: pip install datasets") from None
-    data = datasets.load_from_disk(str(dataset_dir))
-    if isinstance(data, datasets.DatasetDict):
-        if "train" not in data:
-            raise ValueError(f"{dataset_dir} has splits {sorted(data)}, but no 'train' split")
-        data = data["train"]
-    if "text" not in data.column_names:
-        raise ValueError(f"{dataset_dir} has columns {data.column_names}, but no 'text' column")
-    scratch_dir.mkdir(parents=True, exist_ok=True)
-    path = scratch_dir / f".dataset-{data._fingerprint}.jsonl"
-    if not path.exists():
-        import json
+class _FileHandle:
+    """A read-only descriptor opened on first use (again in a forked child), closed with the last view."""
 
-        tmp = path.with_suffix(".tmp")
-        with tmp.open("w") as f:
-            for text in data["text"]:
-                f.write(json.dumps({"text": text}) + "\n")
-        tmp.replace(path)
-    return path
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._pid: int | None = None
+
+    def fd(self) -> int:
+        if self._fd is None or self._pid != os.getpid():
+            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        return self._fd
+
+    def __del__(self) -> None:
+        if self._fd is not None and self._pid == os.getpid():
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "_fd": None, "_pid": None}
+
+
+class TokenBlocks:
+    """``[num_blocks, block_size]`` token ids read from a flat token file, a block at a time.
+
+    Block ``i`` is tokens ``[i * block_size, (i + 1) * block_size)`` of the file (the remainder is dropped),
+    so the blocks equal ``pack_blocks`` of the same stream. Indexing with a tensor (or list) of block indices
+    returns an int64 tensor holding only those rows, read with ``pread``: a rank reads the blocks of its own
+    micro-batches, and its resident memory does not grow as an epoch touches every block (the page cache
+    keeps the file once per machine). A slice returns a view of the same kind (``blocks[:n][rank::dp]``);
+    an int returns one row; ``.to(device)`` and ``tensor()`` read all rows of a view.
+    """
+
+    def __init__(self, path: str | os.PathLike, dtype: np.dtype | str, block_size: int, rows: range | None = None,
+                 num_tokens: int | None = None, handle: _FileHandle | None = None) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.path = Path(path)
+        self.token_dtype = np.dtype(dtype).newbyteorder("<")
+        self.block_size = block_size
+        if num_tokens is None:
+            num_tokens = self.path.stat().st_size // self.token_dtype.itemsize
+        self.num_tokens = num_tokens
+        num_blocks = num_tokens // block_size
+        if rows is None:
+            if num_blocks < 1:
+                raise ValueError(f"{num_tokens} tokens are fewer than one block of block_size={block_size}")
+            rows = range(num_blocks)
+        self.rows = rows
+        self._row_bytes = block_size * self.token_dtype.itemsize
+        self._handle = handle or _FileHandle(self.path)  # shared by views of the same file
+
+    # the tensor-like surface the trainer uses
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self.rows), self.block_size))
+
+    dtype = torch.long
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return TokenBlocks(self.path, self.token_dtype, self.block_size, self.rows[key], self.num_tokens,
+                               self._handle)
+        if isinstance(key, (int, np.integer)) or (torch.is_tensor(key) and key.dim() == 0):
+            return self._read(np.array([self.rows[int(key)]], dtype=np.int64))[0]
+        index = key.numpy() if torch.is_tensor(key) else np.asarray(key)
+        if index.dtype == bool:
+            raise TypeError("TokenBlocks does not support boolean masks; index with block indices")
+        index = index.astype(np.int64, copy=False).reshape(-1)
+        n = len(self.rows)
+        if index.size and (index.min() < -n or index.max() >= n):
+            raise IndexError(f"block index out of range for {n} blocks")
+        index = np.where(index < 0, index + n, index)
+        physical = self.rows.start + self.rows.step * index
+        return self._read(physical)
+
+    def to(self, *args, **kwargs) -> torch.Tensor:
+        return self.tensor().to(*args, **kwargs)
+
+    def tensor(self) -> torch.Tensor:
+        """Every row of this view as one int64 tensor."""
+        return self[np.arange(len(self.rows))]
+
+    def __iter__(self):
+        for i in range(len(self.rows)):
+            yield self[i]
+
+    def __repr__(self) -> str:
+        return (f"TokenBlocks({self.path}, {len(self.rows):,} blocks of {self.block_size}, "
+                f"{self.token_dtype.name})")
+
+    def _read(self, physical: np.ndarray) -> torch.Tensor:
+        out = np.empty((len(physical), self.block_size), dtype=self.token_dtype)
+        if hasattr(os, "preadv"):
+            fd = self._handle.fd()
+            for i, row in enumerate(physical.tolist()):
+                got = os.preadv(fd, [out[i]], row * self._row_bytes)
+                if got != self._row_bytes:
+                    raise OSError(f"{self.path}: read {got} of {self._row_bytes} bytes of block {row} (truncated?)")
+        else:  # a fresh map per read, so pages do not pile up in this process
+            tokens = np.memmap(self.path, dtype=self.token_dtype, mode="r")
+            out[:] = tokens[: len(tokens) // self.block_size * self.block_size].reshape(-1, self.block_size)[physical]
+            del tokens
+        return torch.from_numpy(out.astype(np.int64))

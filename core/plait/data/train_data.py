@@ -1,19 +1,26 @@
 """The data a training run needs, from its arguments: training blocks, validation blocks, tokenizer.
 
 The trainer's one entry into ``plait.data``; runs before any process group exists, so a bad file fails every
-rank at once, never inside a collective.
+rank at once, never inside a collective. The text is tokenized once per (corpus, tokenizer) into the token
+cache (``plait.data.cache``) by local rank 0 (or beforehand by ``plait prepare-data``); every other local
+rank waits for the cache file by polling it, and every rank then reads only the blocks it trains on.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from plait.config import ConfigError
-from plait.data.blocks import dataset_text_file, training_blocks
+from plait.data.blocks import TokenBlocks
+from plait.data.cache import ByteEncoder, TokenCache, TokenizerEncoder, default_cache_root
 from plait.data.corpus import default_corpus_path
+from plait.data.sources import Source, dataset_source, resolve_sources
+from plait.data.tokenizer import MIN_VOCAB_SIZE, cached_bpe_tokenizer, load_tokenizer
 from plait.train_args import TrainArgs
 
 
@@ -28,18 +35,95 @@ def tokenizer_dir(args: TrainArgs) -> Path | None:
     return None
 
 
-def load_data(args: TrainArgs, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-    """Training blocks, validation blocks (with --validation_file), as [n, block_size] token ids, and the
-    tokenizer that made them (None for byte ids), saved with checkpoints."""
+def cache_root(args: TrainArgs) -> Path:
+    """--data_cache_dir, else ``$XDG_CACHE_HOME/plait`` (``~/.cache/plait``)."""
+    return Path(args.data_cache_dir).expanduser() if getattr(args, "data_cache_dir", None) else default_cache_root()
+
+
+def train_sources(args: TrainArgs) -> list[Source]:
+    """--dataset_name, else --train_file (file, directory or glob), else the bundled corpus."""
+    text_field = getattr(args, "text_field", "text")
+    if args.dataset_name:
+        return [dataset_source(args.dataset_name, text_field)]
+    if args.train_file:
+        return resolve_sources(args.train_file, text_field, "--train_file")
+    return [Source("txt", default_corpus_path())]
+
+
+@dataclass
+class PreparedData:
+    """What ``prepare_data`` made or found: blocks, tokenizer, and the cache entries behind them."""
+
+    blocks: TokenBlocks
+    val_blocks: TokenBlocks | None
+    tokenizer: Any
+    train: TokenCache
+    train_meta: dict
+    validation: TokenCache | None
+    val_meta: dict | None
+    prepared: list[str]  # "train" / "validation": tokenized by this call (the rest came from the cache)
+
+
+def prepare_data(args: TrainArgs, vocab_size: int, local_rank: int = 0, progress: bool = True) -> PreparedData:
+    """Tokenizer, then the token cache of the training (and validation) data, made here on local rank 0 and
+    waited for on the other local ranks; then blocks over them.
+
+    Raises:
+        ValueError: bad input (empty, binary or unreadable file, a jsonl line without the text field, a
+            tokenizer larger than the model's vocabulary, fewer tokens than one block). A failed preparation
+            leaves no cache entry behind (nor the BPE it trained for it).
+    """
+    root, timeout = cache_root(args), float(args.ddp_timeout)
+    sources = train_sources(args)
+    val_sources = (resolve_sources(args.validation_file, getattr(args, "text_field", "text"), "--validation_file")
+                   if args.validation_file else None)
+    directory, trained_bpe = tokenizer_dir(args), None
+    if directory is not None:
+        tokenizer = load_tokenizer(directory, vocab_size)
+        encoder = TokenizerEncoder(tokenizer)
+    elif vocab_size < MIN_VOCAB_SIZE:
+        tokenizer, encoder = None, ByteEncoder(vocab_size)
+    else:
+        tokenizer, bpe_dir, trained = cached_bpe_tokenizer(sources, vocab_size, root / "tokenizers", local_rank, timeout)
+        trained_bpe = bpe_dir if trained else None
+        encoder = TokenizerEncoder(tokenizer)
     try:
-        if args.dataset_name:
-            files = [dataset_text_file(Path(args.dataset_name), Path(args.output_dir))]
-        else:
-            files = [Path(args.train_file) if args.train_file else default_corpus_path()]
-        blocks, tokenizer = training_blocks(files, args.block_size, vocab_size, tokenizer_dir(args))
-        val_blocks = None
-        if args.validation_file:
-            val_blocks, _ = training_blocks([Path(args.validation_file)], args.block_size, vocab_size, tokenizer_dir(args))
-    except ValueError as err:  # empty file, too few tokens for one block, tokenizer larger than the model
+        prepared = []
+        train = TokenCache(root, sources, encoder)
+        train_meta, made = train.ensure(local_rank, timeout, progress)
+        prepared += ["train"] * made
+        validation = val_meta = val_blocks = None
+        if val_sources is not None:
+            validation = TokenCache(root, val_sources, encoder)
+            val_meta, made = validation.ensure(local_rank, timeout, progress)
+            prepared += ["validation"] * made
+    except ValueError:
+        if trained_bpe is not None:  # trained for data that turned out bad: leave nothing behind
+            shutil.rmtree(trained_bpe, ignore_errors=True)
+        raise
+    blocks = _blocks(train, train_meta, args.block_size)
+    if validation is not None:
+        val_blocks = _blocks(validation, val_meta, args.block_size)
+    return PreparedData(blocks, val_blocks, tokenizer, train, train_meta, validation, val_meta, prepared)
+
+
+def _blocks(cache: TokenCache, meta: dict, block_size: int) -> TokenBlocks:
+    from plait.data.cache import TOKENS_FILE
+
+    return TokenBlocks(cache.path / TOKENS_FILE, meta["dtype"], block_size, num_tokens=meta["num_tokens"])
+
+
+def load_data(args: TrainArgs, vocab_size: int) -> tuple[TokenBlocks, TokenBlocks | None, Any]:
+    """Training blocks, validation blocks (with --validation_file), as [n, block_size] token ids read from
+    the token cache, and the tokenizer that made them (None for byte ids), saved with checkpoints."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    try:
+        data = prepare_data(args, vocab_size, local_rank=local_rank, progress=local_rank == 0)
+    except (ValueError, OSError) as err:  # bad file, too few tokens, tokenizer larger than the model, timeout
         raise ConfigError(str(err)) from err
-    return blocks, val_blocks, tokenizer
+    if local_rank == 0:
+        for name, cache, meta in (("train", data.train, data.train_meta), ("validation", data.validation, data.val_meta)):
+            if cache is not None and name not in data.prepared:
+                print(f"{name} data: {meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens, "
+                      f"cached in {cache.path}", file=sys.stderr)
+    return data.blocks, data.val_blocks, data.tokenizer

@@ -1,0 +1,75 @@
+"""``plait prepare-data``: tokenize a run's data into the cache before the run, and say how big it is.
+
+Takes ``plait train``'s flags (the same flags give the same cache entry, so the run that follows only reads
+it) and prints what to know before a long run: documents, tokens, blocks, the global batch, and the epochs
+that ``--max_steps`` implies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from plait.config import ConfigError
+from plait.train_args import TrainArgs, add_arguments, from_namespace
+
+
+def add_prepare_data_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("prepare-data", help="tokenize a run's data into the cache (plait train's flags) and "
+                                                 "print documents, tokens, blocks and epochs")
+    add_arguments(parser, TrainArgs)
+    parser.add_argument("--world_size", type=int, default=None,
+                        help="processes of the run, for the global batch (default: --nproc_per_node, at least tp * pp)")
+    parser.set_defaults(func=cmd_prepare_data)
+
+
+def data_parallel_size(args: TrainArgs, world_size: int | None) -> int:
+    model_parallel = args.tensor_parallel_size * args.pipeline_parallel_size
+    world = world_size or (args.nproc_per_node if args.nproc_per_node > 1 else model_parallel)
+    if world < 1 or world % model_parallel:
+        raise ConfigError(f"world size {world} is not divisible by tp*pp = {args.tensor_parallel_size}*"
+                          f"{args.pipeline_parallel_size} = {model_parallel}; give --world_size a multiple of it")
+    return world // model_parallel
+
+
+def cmd_prepare_data(ns: argparse.Namespace) -> None:
+    args = from_namespace(ns, TrainArgs)
+    if args.train_file and args.dataset_name:
+        raise ConfigError("give --train_file or --dataset_name, not both")
+    # Every other flag is checked as `plait train` checks it; the data paths by the data layer (globs too).
+    dataclasses.replace(args, train_file=None, validation_file=None).validate()
+    dp = data_parallel_size(args, ns.world_size)
+
+    from plait.data.train_data import prepare_data
+    from plait.trainer import read_model_config
+
+    vocab_size = read_model_config(args).vocab_size
+    try:
+        data = prepare_data(args, vocab_size, local_rank=0, progress=True)
+    except (ValueError, OSError) as err:
+        raise ConfigError(str(err)) from err
+    for line in report(data, args, dp):
+        print(line)
+
+
+def report(data, args: TrainArgs, dp: int) -> list[str]:
+    """The lines ``plait prepare-data`` prints."""
+    tokenizer = data.tokenizer
+    lines = [f"tokenizer: {data.train.encoder.name}"
+             + (f", {tokenizer.name_or_path}" if tokenizer is not None and tokenizer.name_or_path else "")]
+    for name, cache, meta, blocks in (("train", data.train, data.train_meta, data.blocks),
+                                      ("validation", data.validation, data.val_meta, data.val_blocks)):
+        if cache is None:
+            continue
+        how = (f"tokenized now in {meta['seconds']:.1f} s ({meta['input_bytes'] / max(meta['seconds'], 1e-9) / 1e6:.1f} MB/s)"
+               if name in data.prepared else "from the cache")
+        lines.append(f"{name}: {meta['input_bytes'] / 1e6:,.1f} MB in {len(cache.sources)} file(s) -> "
+                     f"{meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens ({meta['dtype']}), "
+                     f"{len(blocks):,} blocks of {args.block_size} tokens; {how}")
+        lines.append(f"{name} cache: {cache.path}")
+    global_batch = args.per_device_train_batch_size * dp * args.gradient_accumulation_steps
+    lines.append(f"global batch: {global_batch:,} blocks ({args.per_device_train_batch_size} per device x dp {dp} x "
+                 f"{args.gradient_accumulation_steps} accumulation steps) = {global_batch * args.block_size:,} tokens per step")
+    seen = args.max_steps * global_batch
+    lines.append(f"--max_steps {args.max_steps}: {seen:,} blocks = {seen / len(data.blocks):.3f} epochs of the training data")
+    return lines
