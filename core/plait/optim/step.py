@@ -104,8 +104,10 @@ class OptimizerStep:
         self.reduce_dtype, self.bucket_bytes = reduce_dtype, bucket_bytes
         self.zero = isinstance(optimizer, Zero1Optimizer)
         self.updated = optimizer.owned_params if self.zero else grad_sync.params
-        counted = {id(p) for p in grad_sync.norm_params}
-        self.norm_params = [p for p in self.updated if id(p) in counted]
+        # In the model's order, whatever order ZeRO-1 partitioned the parameters in: the same summation order
+        # as without ZeRO, so a one-rank dp group gives the plain run's norm to the last bit.
+        updated = {id(p) for p in self.updated}
+        self.norm_params = [p for p in grad_sync.norm_params if id(p) in updated]
         mesh = grad_sync.mesh
         self.norm_groups = [mesh.tp_group, mesh.pp_group] + ([mesh.dp_group] if self.zero else [])
         self.device = grad_sync.params[0].device
