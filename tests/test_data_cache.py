@@ -444,6 +444,24 @@ def test_bad_input_fails_at_once_and_leaves_no_cache(tmp_path, monkeypatch, caps
     assert [p for p in leftovers if p.is_file()] == []  # no tokens, no tokenizer, no lock
 
 
+def test_bad_data_past_the_bpe_sample_removes_the_bpe_too(tmp_path, monkeypatch, capsys):
+    """The BPE trains on the first 1,000 characters; the NUL byte is found later, by tokenization: the run
+    fails with the offset and leaves neither tokens nor the BPE it trained for them."""
+    import plait.data.tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "BPE_SAMPLE_CHARS", 1000)
+    monkeypatch.setattr(sources_module, "READ_CHUNK", 4096)
+    monkeypatch.setattr(sources_module, "PIECE_CHARS", 500)
+    path = tmp_path / "late.txt"
+    path.write_bytes(b"good text line\n" * 1000 + b"\x00")
+    with pytest.raises(SystemExit):
+        main(["train", "--model_config", write_model(tmp_path, 300), "--train_file", str(path), "--block_size", "8",
+              "--output_dir", str(tmp_path / "out"), "--data_cache_dir", str(tmp_path / "cache")])
+    assert "late.txt: a NUL byte at byte offset 15,000" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []
+    assert list((tmp_path / "cache" / "tokenizers").iterdir()) == []
+
+
 # -- the trainer and plait prepare-data ------------------------------------------------------------------------
 
 def test_training_reads_the_cache(tmp_path, encode_calls):

@@ -1,8 +1,9 @@
-"""Reading documents from text files.
+"""Reading whole documents from text files, in memory: the reader of the in-memory reference path
+(``plait.data.blocks.training_blocks``, ``tokenize_files``).
 
-Tokenizer training and tokenization both go through :func:`read_documents` so
-that the tokenizer is trained on exactly the text it will later encode (for
-``.jsonl`` that means the ``"text"`` fields, not the raw JSON).
+Training runs read through the streaming readers of :mod:`plait.data.sources` (the same documents, in
+bounded memory; tokenizer training and tokenization both use them, so the tokenizer is trained on exactly
+the text it will later encode).
 """
 
 import json

@@ -50,7 +50,7 @@ def _training_texts(sources: list[Source], sample_chars: int, seen: list[int]) -
         yield line
 
 
-def train_bpe_tokenizer(text_files: list, vocab_size: int, sample_chars: int = BPE_SAMPLE_CHARS) -> PreTrainedTokenizerFast:
+def train_bpe_tokenizer(text_files: list, vocab_size: int, sample_chars: int | None = None) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer with at most ``vocab_size`` tokens on a sample of at most
     ``sample_chars`` characters of ``text_files`` (paths or sources).
 
@@ -78,6 +78,7 @@ def train_bpe_tokenizer(text_files: list, vocab_size: int, sample_chars: int = B
         show_progress=False,
     )
     sources = as_sources(text_files)
+    sample_chars = BPE_SAMPLE_CHARS if sample_chars is None else sample_chars
     seen = [0]
     tokenizer.train_from_iterator(_training_texts(sources, sample_chars, seen), trainer=trainer)
     if not seen[0]:
@@ -97,19 +98,21 @@ def _cache_key(sources: list[Source], vocab_size: int, sample_chars: int) -> str
     return digest.hexdigest()[:24]
 
 
-def bpe_cache_path(text_files: list, vocab_size: int, cache_dir: Path, sample_chars: int = BPE_SAMPLE_CHARS) -> Path:
+def bpe_cache_path(text_files: list, vocab_size: int, cache_dir: Path, sample_chars: int | None = None) -> Path:
+    sample_chars = BPE_SAMPLE_CHARS if sample_chars is None else sample_chars
     return Path(cache_dir) / f"bpe-{vocab_size}-{_cache_key(as_sources(text_files), vocab_size, sample_chars)}"
 
 
 def cached_bpe_tokenizer(
     text_files: list, vocab_size: int, cache_dir: Path, local_rank: int = 0, timeout: float = 600.0,
-    sample_chars: int = BPE_SAMPLE_CHARS,
+    sample_chars: int | None = None,
 ) -> tuple[PreTrainedTokenizerBase, Path, bool]:
     """The BPE for ``text_files`` from the cache, trained first (local rank 0) if missing; other local ranks
     wait for it. Returns (tokenizer, its cache dir, trained by this call)."""
     from plait.data.cache import exclusive, publish, wait_for
 
     sources = as_sources(text_files)
+    sample_chars = BPE_SAMPLE_CHARS if sample_chars is None else sample_chars
     target = bpe_cache_path(sources, vocab_size, cache_dir, sample_chars)
     trained = False
     if not target.is_dir():

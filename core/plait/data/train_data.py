@@ -123,7 +123,10 @@ def load_data(args: TrainArgs, vocab_size: int) -> tuple[TokenBlocks, TokenBlock
         raise ConfigError(str(err)) from err
     if local_rank == 0:
         for name, cache, meta in (("train", data.train, data.train_meta), ("validation", data.validation, data.val_meta)):
-            if cache is not None and name not in data.prepared:
-                print(f"{name} data: {meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens, "
-                      f"cached in {cache.path}", file=sys.stderr)
+            if cache is not None:
+                how = (f"tokenized {meta['input_bytes'] / 1e6:,.1f} MB in {meta['seconds']:.1f} s "
+                       f"({meta['input_bytes'] / 1e6 / max(meta['seconds'], 1e-9):.1f} MB/s) into"
+                       if name in data.prepared else "read from")
+                print(f"{name} data: {meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens, {how} "
+                      f"{cache.path}", file=sys.stderr)
     return data.blocks, data.val_blocks, data.tokenizer
