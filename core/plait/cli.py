@@ -60,6 +60,9 @@ def cmd_plan(ns: argparse.Namespace) -> None:
 
 def cmd_adapters(ns: argparse.Namespace) -> None:
     registry = default_registry()
+    if ns.architectures:
+        print_served_architectures(registry, ns.json)
+        return
     rows = [
         {"name": a.name, "version": a.version, "distribution": a.distribution,
          "architectures": list(a.info.architectures), "capabilities": a.info.capabilities.supported(),
@@ -74,8 +77,26 @@ def cmd_adapters(ns: argparse.Namespace) -> None:
 
     table = Table("name", "version", "architectures", "capabilities", "hooks")
     for row in rows:
-        table.add_row(row["name"], row["version"] or "-", ", ".join(row["architectures"]),
+        claims = ", ".join(row["architectures"]) or "generic: decoder-only causal LMs with a transformers tp plan (--architectures)"
+        table.add_row(row["name"], row["version"] or "-", claims,
                       ", ".join(row["capabilities"]), ", ".join(h.removeprefix("plait_") for h in row["hooks"]))
+    Console(width=max(Console().width, 140)).print(table)
+
+
+def print_served_architectures(registry, as_json: bool) -> None:
+    """Which adapter serves each causal-LM architecture of the installed transformers, and why."""
+    from plait.registry import served_architectures
+
+    rows = served_architectures(registry)
+    if as_json:
+        print(json.dumps([{"architecture": a, "adapter": n, "why": w} for a, n, w in rows], indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("architecture", "adapter", "why")
+    for arch, name, why in rows:
+        table.add_row(arch, name or "[red]none[/]", why)
     Console(width=max(Console().width, 140)).print(table)
 
 
@@ -126,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     adapters = sub.add_parser("adapters", help="list installed architecture adapters")
     adapters.add_argument("--json", action="store_true", help="print a JSON list")
+    adapters.add_argument("--architectures", action="store_true",
+                          help="list every causal-LM architecture of the installed transformers with the adapter "
+                               "serving it and why (explicit adapters take precedence over the generic one)")
     adapters.set_defaults(func=cmd_adapters)
     return parser
 

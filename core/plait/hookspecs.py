@@ -44,6 +44,17 @@ def plait_adapter_info() -> "AdapterInfo":
     """
 
 
+@hookspec
+def plait_refusal(config: "PretrainedConfig") -> str | None:
+    """Generic adapters (``AdapterInfo.generic``) only: return None when the adapter can serve the model of
+    ``config``, else one line saying why not (the architecture, what is missing, the fix).
+
+    Called by the registry for an architecture that no explicit adapter claims, before any plan is asked for.
+
+    :param config: the transformers config of the model to parallelize.
+    """
+
+
 # --------------------------------------------------------------------------------------------------
 # Tensor and sequence parallelism
 # --------------------------------------------------------------------------------------------------
@@ -120,9 +131,12 @@ def plait_init_weight(name: str, tensor: "torch.Tensor", config: "PretrainedConf
 
 
 @hookspec
-def plait_tiny_config() -> "PretrainedConfig":
+def plait_tiny_config(architecture: str | None) -> "PretrainedConfig":
     """Return a small transformers config of this architecture for conformance tests (a few layers, hidden
     32-64, vocab ~60-130).
+
+    ``architecture``: the ``model_type`` asked for, for a generic adapter (``plait check-adapter
+    transformers:qwen3``); None for an adapter of fixed architectures, which may omit the parameter.
 
     Called by the conformance kit (``plait check-adapter``, ``plait.testing.assert_conformance``), which
     builds a model from it and trains it for a few steps under every parallel mode against one process.

@@ -30,11 +30,17 @@ class Capabilities:
 @dataclass(frozen=True)
 class AdapterInfo:
     """Returned by ``plait_adapter_info``: the name, the transformers ``model_type`` values (or model class
-    names) the adapter claims, and its capabilities."""
+    names) the adapter claims, and its capabilities.
+
+    ``generic``: the adapter derives its plans from what transformers declares for any model instead of
+    claiming fixed architectures (``architectures`` is then empty). The registry asks it, through
+    ``plait_refusal``, only for architectures no explicit adapter claims: an explicit adapter always wins.
+    """
 
     name: str
     architectures: tuple[str, ...]
     capabilities: Capabilities = field(default_factory=Capabilities)
+    generic: bool = False
 
 
 @dataclass(frozen=True)

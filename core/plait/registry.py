@@ -1,7 +1,11 @@
 """The adapter registry: pluggy plugin manager, entry-point loading, validation, and architecture lookup.
 
 Like tox's plugin manager, the core never touches ``pm.hook`` directly: ``Registry`` has one method per
-hook it needs, and calls the hook on the single adapter that claims the model's architecture.
+hook it needs, and calls the hook on the single adapter that serves the model's architecture.
+
+Precedence: an explicit adapter claiming the architecture always serves it; otherwise the one generic
+adapter (``AdapterInfo.generic``, e.g. plait-transformers) serves it unless its ``plait_refusal`` says why
+it cannot. Two explicit adapters claiming one architecture, or two generic adapters, are an error.
 """
 
 from __future__ import annotations
@@ -84,6 +88,9 @@ class Registry:
                 raise AdapterError(f"adapter {_label(plugin, distribution)}: plait_adapter_info must return AdapterInfo")
             if info.capabilities.sp and not self._implements(plugin, "plait_sp_plan"):
                 raise AdapterError(f"adapter {info.name!r} declares the sp capability but has no plait_sp_plan hook")
+            if info.generic and not self._implements(plugin, "plait_refusal"):
+                raise AdapterError(f"adapter {info.name!r} is generic but has no plait_refusal hook saying what it "
+                                   f"cannot serve; implement it (see plait.hookspecs)")
             adapter = Adapter(info, plugin, distribution, version)
             self._check_claims(adapter)
         except Exception:
@@ -109,8 +116,16 @@ class Registry:
         self.pm.unregister(adapter.plugin)
 
     def _check_claims(self, new: Adapter) -> None:
+        """Explicit adapters may not share an architecture, nor two generic adapters coexist: either would
+        leave the choice of adapter to load order."""
         for old in self._adapters.values():
             shared = sorted(set(old.info.architectures) & set(new.info.architectures))
+            if old.info.generic and new.info.generic and old.name != new.name:
+                raise AdapterError(
+                    f"two generic adapters are installed: {old.name!r} (from {old.distribution or 'in-process'}) and "
+                    f"{new.name!r} (from {new.distribution or 'in-process'}); uninstall one, or block one with "
+                    f"{BLOCKED_ENV}={new.name}"
+                )
             if shared or old.name == new.name:
                 raise AdapterError(
                     f"architecture(s) {shared or [new.name]} claimed by two adapters: {old.name!r} "
@@ -124,18 +139,33 @@ class Registry:
         return sorted(self._adapters.values(), key=lambda a: a.name)
 
     def resolve(self, config: Any) -> Adapter:
-        """The adapter claiming ``config.model_type`` or one of ``config.architectures``."""
+        """The adapter serving ``config``: the explicit one claiming ``config.model_type`` or one of
+        ``config.architectures``, else the generic adapter unless it refuses the model."""
+        adapter, why = self.explain(config)
+        if adapter is not None:
+            return adapter
+        installed = ", ".join(f"{a.name} ({', '.join(a.info.architectures) or 'generic'})" for a in self.adapters)
+        model_type = getattr(config, "model_type", None)
+        raise AdapterError(
+            f"no plait adapter claims architecture {model_type!r}; installed adapters: {installed or 'none'}. "
+            f"{why[:1].upper() + why[1:] + '. ' if why else ''}Install plait-{model_type} if that distribution exists, or another adapter that claims it; or "
+            f"write one (docs/writing-an-adapter.md) and install it or register it with plait.register()"
+        )
+
+    def explain(self, config: Any) -> tuple[Adapter | None, str]:
+        """(the adapter serving ``config`` or None, why): an explicit claim wins over the generic adapter,
+        which serves what it does not refuse."""
         keys = [getattr(config, "model_type", None), *(getattr(config, "architectures", None) or [])]
         for adapter in self._adapters.values():
-            if any(key in adapter.info.architectures for key in keys if key):
-                return adapter
-        installed = ", ".join(f"{a.name} ({', '.join(a.info.architectures)})" for a in self.adapters) or "none"
-        model_type = keys[0]
-        raise AdapterError(
-            f"no plait adapter claims architecture {model_type!r}; installed adapters: {installed}. "
-            f"Install plait-{model_type} if that distribution exists, or another adapter that claims it; or write "
-            f"one (docs/writing-an-adapter.md) and install it or register it with plait.register()"
-        )
+            if not adapter.info.generic and any(key in adapter.info.architectures for key in keys if key):
+                return adapter, f"claimed by the explicit adapter {adapter.name!r}"
+        generic = next((a for a in self._adapters.values() if a.info.generic), None)
+        if generic is None:
+            return None, ""
+        refusal = self._call(generic.plugin, "plait_refusal", config=config)
+        if refusal:
+            return None, f"the generic adapter {generic.name!r} does not serve it: {refusal}"
+        return generic, f"no explicit adapter claims it; the generic adapter {generic.name!r} derives its plans"
 
     # -- hooks, one typed method each ------------------------------------------------------------
     def tp_plan(self, adapter: Adapter, config: Any) -> TPPlan:
@@ -150,9 +180,10 @@ class Registry:
     def leaf_modules(self, adapter: Adapter, config: Any) -> list[str]:
         return list(self._call(adapter.plugin, "plait_leaf_modules", config=config))
 
-    def tiny_config(self, adapter: Adapter) -> Any:
-        """The adapter's small config for conformance tests, or None when it has no ``plait_tiny_config``."""
-        return self._call(adapter.plugin, "plait_tiny_config")
+    def tiny_config(self, adapter: Adapter, architecture: str | None = None) -> Any:
+        """The adapter's small config (of ``architecture``, for a generic adapter) for conformance tests, or
+        None when it has no ``plait_tiny_config``."""
+        return self._call(adapter.plugin, "plait_tiny_config", architecture=architecture)
 
     def init_weight(self, adapter: Adapter, **kwargs: Any) -> bool:
         return bool(self._call(adapter.plugin, "plait_init_weight", **kwargs))
@@ -167,6 +198,23 @@ class Registry:
             if impl.plugin is plugin:
                 return impl.function(**{name: kwargs[name] for name in impl.argnames})
         return None
+
+
+def served_architectures(registry: Registry) -> list[tuple[str, str | None, str]]:
+    """(model_type, serving adapter's name or None, why) for every causal-LM architecture of the installed
+    transformers, and every architecture an explicit adapter claims besides (``plait adapters --architectures``)."""
+    from types import SimpleNamespace
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    claimed = {arch for a in registry.adapters for arch in a.info.architectures if arch.islower()}
+    rows = []
+    for model_type in sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | claimed):
+        class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+        config = SimpleNamespace(model_type=model_type, architectures=[class_name] if class_name else None)
+        adapter, why = registry.explain(config)
+        rows.append((model_type, adapter.name if adapter else None, why or "no adapter claims it"))
+    return rows
 
 
 def _blocked_names() -> list[str]:

@@ -154,6 +154,7 @@ def _num(value: float | None) -> str:
 def render_table(results: Sequence[ModeResult], console: Any = None) -> None:
     """Print the pass/fail table (rich) with the measured errors."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"plait conformance: {STEPS} AdamW steps (lr {LR:g}, eps {ADAM_EPS:g}, fp32) against one "
@@ -163,7 +164,7 @@ def render_table(results: Sequence[ModeResult], console: Any = None) -> None:
     style = {"pass": "green", "FAIL": "bold red", "skipped": "dim"}
     for r in results:
         table.add_row(r.adapter, r.mode, r.layout, f"[{style[r.status]}]{r.status}[/]", _num(r.loss_rel),
-                      _num(r.grad_err), _num(r.grad_tol), r.note)
+                      _num(r.grad_err), _num(r.grad_tol), escape(r.note))  # notes quote errors: "[...]" is text
     (console or Console(width=max(Console().width, 160))).print(table)
 
 

@@ -39,7 +39,8 @@ class Subject:
 
     @property
     def name(self) -> str:
-        return self.adapter.name
+        """The adapter's name; ``adapter:architecture`` for one architecture of a generic adapter."""
+        return self.ref if self.adapter.info.generic else self.adapter.name
 
 
 def _has_tie_option(subject: Subject) -> str | None:
@@ -120,24 +121,32 @@ def load_subject(ref: str) -> Subject:
     """A registry holding only the adapter ``ref`` names, so an adapter that claims the same architecture
     as an installed one (a fork, a deliberately broken copy) is tested on its own.
 
-    ``ref``: the name of an installed adapter (``plait adapters``), or an importable module holding hooks.
+    ``ref``: the name of an installed adapter (``plait adapters``), an importable module holding hooks, or
+    ``ADAPTER:ARCHITECTURE`` for one architecture (``model_type``) of a generic adapter (``transformers:qwen3``).
     """
+    name, _, architecture = ref.partition(":")
     installed = Registry()
-    found = next((a for a in installed.adapters if a.name == ref), None)
+    found = next((a for a in installed.adapters if a.name == name), None)
     registry = Registry(autoload=False)
     if found is not None:
         adapter = registry.register(found.plugin, found.distribution, found.version)
     else:
         try:
-            module = importlib.import_module(ref)
+            module = importlib.import_module(name)
         except ImportError as err:
             names = ", ".join(a.name for a in installed.adapters) or "none"
             raise AdapterError(
-                f"no installed adapter is named {ref!r} and it is not an importable module ({err}); installed "
+                f"no installed adapter is named {name!r} and it is not an importable module ({err}); installed "
                 f"adapters: {names}"
             ) from err
         adapter = registry.register(module)
-    config = registry.tiny_config(adapter)
+    if adapter.info.generic != bool(architecture):
+        raise AdapterError(
+            f"adapter {adapter.name!r} is {'generic' if adapter.info.generic else 'not generic'}: name "
+            + (f"one of its architectures as {adapter.name}:MODEL_TYPE (e.g. {adapter.name}:qwen3)"
+               if adapter.info.generic else f"it as {adapter.name!r}, without an architecture")
+        )
+    config = registry.tiny_config(adapter, architecture or None)
     if config is None:
         raise AdapterError(
             f"adapter {adapter.name!r} does not implement plait_tiny_config; implement it to return a small "

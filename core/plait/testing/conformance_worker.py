@@ -156,7 +156,7 @@ def run_pair(subject: Subject, mode: Mode, out: Path) -> dict[str, Any]:
         pmodel = parallelize(copy.deepcopy(reference), ParallelConfig(**mode.layout), registry=subject.registry)
         train(record, pmodel, reference)
         if mode.after == "consolidate":
-            check_consolidated(record, pmodel, out / f"{subject.adapter.name}-{mode.name}")
+            check_consolidated(record, pmodel, out / f"{subject.name.replace(':', '-')}-{mode.name}")
     except Exception as err:  # recorded: the table shows it, and the next pair still runs
         frame = traceback.extract_tb(err.__traceback__)[-1]
         record.fail(f"raised {type(err).__name__}: {err} (at {Path(frame.filename).name}:{frame.lineno})")

@@ -133,3 +133,21 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"vocab=[{self.vocab_start}, {self.vocab_stop}) of {self.num_embeddings}, local={tuple(self.weight.shape)}"
+
+
+class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
+    """A vocab-parallel embedding whose lookups are multiplied by a constant, as transformers' scaled word
+    embeddings (Gemma3 ``Gemma3TextScaledWordEmbedding``) do inside the embedding module. The scale is applied
+    after the sum over tp, cast through float32 to the weight's dtype as transformers does, so the product is
+    bit-identical to the unsplit module's."""
+
+    def __init__(self, *args, scale: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(self.scale, dtype=torch.float32, device=self.weight.device).to(self.weight.dtype)
+        return super().forward(ids) * scale
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scale={self.scale:g}"

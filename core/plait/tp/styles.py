@@ -16,7 +16,9 @@ from torch import nn
 
 from plait.config import ConfigError
 from plait.mesh import Mesh
-from plait.tp.layers import ColumnParallelLinear, RowParallelLinear, TPRegionEntry, VocabParallelEmbedding
+from plait.tp.layers import (
+    ColumnParallelLinear, RowParallelLinear, ScaledVocabParallelEmbedding, TPRegionEntry, VocabParallelEmbedding,
+)
 from plait.tp.sharding import ModuleShard, ShardSpec, even_range, linear_shape, linear_shard, vocab_split
 
 
@@ -201,3 +203,51 @@ class Attention(TPRule):
                 f"tp={tp} is not a multiple of num_key_value_heads={kv_heads}; kv heads are replicated only when "
                 f"tp is a multiple of them"
             )
+
+
+@dataclass(frozen=True)
+class ScaledVocabEmbedding(VocabEmbedding):
+    """``VocabEmbedding`` for an embedding module that multiplies its lookups by a constant (transformers'
+    scaled word embeddings, e.g. Gemma3's): the float attribute ``scale_attr`` of the module holds it."""
+
+    scale_attr: str = "scalar_embed_scale"
+    label: ClassVar[str] = "scaled_vocab_embedding"
+
+    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
+        if not isinstance(getattr(module, self.scale_attr, None), (int, float)):
+            raise ConfigError(f"{name} ({type(module).__name__}) has no number {self.scale_attr!r} to scale lookups by")
+        return super().shards(name, module, tp, rank)
+
+    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
+        weight, _ = _local(shard, module)
+        start, stop = shard.vocab_range
+        return ScaledVocabParallelEmbedding(weight, start, stop, module.num_embeddings, module.padding_idx,
+                                            ctx.mesh.tp_group, scale=float(getattr(module, self.scale_attr)))
+
+
+@dataclass(frozen=True)
+class ReplicatedGradSum(TPRule):
+    """A module kept whole on every rank whose gradient each rank computes only in part, summed over tp:
+    per-head q/k norms (Qwen3, Gemma3) inside an attention block see only this rank's heads.
+
+    Its spec names the full range along dim 0 on every rank (not ``dim=None``), so that the sequence-parallel
+    region does not count it a second time as a norm on sequence shards; ranks holding equal specs count
+    its gradient once in the norm, as for replicated kv heads.
+    """
+
+    label: ClassVar[str] = "replicated_grad_sum"
+
+    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
+        specs = {}
+        for leaf in ("weight", "bias"):
+            param = getattr(module, leaf, None)
+            specs[leaf] = ShardSpec(tuple(param.shape), 0, ((0, param.shape[0]),)) if param is not None else None
+        others = sorted(n for n, _ in module.named_parameters() if n not in specs)
+        if specs["weight"] is None or others:
+            raise ConfigError(f"{name} ({type(module).__name__}): replicated_grad_sum handles modules with a weight "
+                              f"(and a bias) only, found parameters {others or 'without a weight'}")
+        shard = ModuleShard(name, self, False, specs["weight"], specs["bias"], grad_sum_block=tp)
+        return [shard]
+
+    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
+        return module

@@ -1,0 +1,117 @@
+"""plait's generic adapter: plans for any decoder-only transformers causal LM, derived from what transformers
+declares for it (``base_model_tp_plan``, ``base_model_pp_plan``, ``_no_split_modules``) and checked against
+the model built on the meta device (plait_transformers_derive.py).
+
+It claims no fixed architectures: the registry hands it only models no explicit adapter claims, so an
+explicit adapter (plait-llama, ...) always wins and stays the way to override a derived plan. It serves a
+model whose config transformers gives a tp plan; what it cannot derive correctly is refused with the
+architecture, the module and the reason when a layout needs that plan.
+"""
+
+from __future__ import annotations
+
+from plait import AdapterInfo, ConfigError, hookimpl
+from plait_transformers_derive import Refusal, derive
+from plait_transformers_tiny import tiny_config
+
+
+@hookimpl
+def plait_adapter_info():
+    return AdapterInfo(name="transformers", architectures=(), generic=True)
+
+
+@hookimpl
+def plait_refusal(config):
+    model_type = getattr(config, "model_type", None)
+    config_class = _config_class(model_type)
+    if config_class is None:
+        return f"transformers has no config class for model_type {model_type!r}"
+    if getattr(config, "is_encoder_decoder", False) or getattr(config_class, "is_encoder_decoder", False):
+        return f"{model_type} is an encoder-decoder model; plait trains decoder-only causal LMs"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return f"transformers has no causal-LM class for {model_type!r}"
+    if not getattr(config_class, "base_model_tp_plan", None):
+        return (f"{config_class.__name__} declares no base_model_tp_plan, so there is nothing to derive plait's "
+                f"plans from")
+    return None
+
+
+@hookimpl
+def plait_tp_plan(config):
+    return _plan(derive(config).tp)
+
+
+@hookimpl
+def plait_sp_plan(config):
+    return _plan(derive(config).sp)
+
+
+@hookimpl
+def plait_pipeline_plan(config):
+    return _plan(derive(config).pipeline)
+
+
+@hookimpl
+def plait_leaf_modules(config):
+    return derive(config).leaves
+
+
+@hookimpl
+def plait_tiny_config(architecture):
+    config_class = _config_class(architecture)
+    refusal = plait_refusal(config_class()) if config_class is not None else f"unknown model_type {architecture!r}"
+    if refusal:
+        raise ConfigError(f"the generic adapter cannot serve {architecture!r}: {refusal}")
+    return tiny_config(config_class)
+
+
+def _plan(plan):
+    if isinstance(plan, Refusal):
+        raise ConfigError(f"the generic transformers adapter cannot derive this plan: {plan}")
+    return plan
+
+
+def _config_class(model_type: str | None):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[model_type]
+    except KeyError:
+        return None
+
+
+def show_derived(source: str) -> str:
+    """The plans derived for ``source`` (a ``model_type``, whose tiny config is used, or a config.json path),
+    as adapter code to start an explicit adapter from; refused plans and notes as comments."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from plait_transformers_derive import derive
+
+    config = AutoConfig.from_pretrained(source) if Path(source).exists() else plait_tiny_config(source)
+    derived = derive(config)
+    lines = [f"# Plans plait-transformers derives for {type(config).__name__} ({derived.architecture}); head counts",
+             "# and sizes are this config's: read them from `config` in your adapter.",
+             "from plait import *  # noqa: F403", "from plait.tp.styles import ReplicatedGradSum, ScaledVocabEmbedding",
+             "", ""]
+    for hook, plan in (("plait_tp_plan", derived.tp), ("plait_sp_plan", derived.sp),
+                       ("plait_pipeline_plan", derived.pipeline)):
+        lines += ["@hookimpl", f"def {hook}(config):"]
+        if isinstance(plan, Refusal):
+            lines += [f"    # refused: {plan}", "    raise NotImplementedError", "", ""]
+        elif hook == "plait_tp_plan":
+            lines += ["    return TPPlan((", *(f"        {rule!r}," for rule in plan.rules), "    ))", "", ""]
+        else:
+            lines += [f"    return {plan!r}", "", ""]
+    lines += ["@hookimpl", "def plait_leaf_modules(config):", f"    return {derived.leaves!r}"]
+    lines += [f"# note: {note}" for note in derived.notes]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(show_derived(sys.argv[1]))
