@@ -260,8 +260,8 @@ def bench(work: Path, sizes: list[int]) -> None:
         over_cold = max(r["cold_rss"].get(k, 0) - base["warm_rss"].get(k, 0) for k in (0, 1)) / MIB
         over_warm = max(r["warm_rss"].get(k, 0) - base["warm_rss"].get(k, 0) for k in (0, 1)) / MIB
         ok = "ok" if max(over_cold, over_warm) <= GOAL_RSS_MIB else "MISS"
-        print(f"{str(size) + ' MB':>8} {pair(r['cold_rss']):>27} {pair(r['warm_rss']):>15} {pair(base['warm_rss']):>15} "
-              f"{over_cold:22,.0f} {over_warm:21,.0f} {ok:>5}")
+        print(f"{str(size) + ' MB':>8} {pair(r['cold_rss']):>27} {pair(r['warm_rss']):>15} "
+              f"{pair(base['warm_rss']):>15} {over_cold:22,.0f} {over_warm:21,.0f} {ok:>5}")
 
     old = [s for s in sizes if s <= 32]
     if old:

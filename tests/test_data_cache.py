@@ -19,7 +19,7 @@ import plait.trainer
 from plait.cli import main
 from plait.data import GlobalBatchSampler, default_corpus_path, train_bpe_tokenizer
 from plait.data.blocks import TokenBlocks, training_blocks
-from plait.data.cache import ByteEncoder, CacheTimeout, TokenCache, TokenizerEncoder
+from plait.data.cache import ByteEncoder, TokenCache, TokenizerEncoder
 from plait.data.sources import resolve_sources, sample_lines
 from plait.data.train_data import load_data, prepare_data
 from plait.train_args import TrainArgs
@@ -322,7 +322,7 @@ def test_jsonl_text_field(tokenizer, tmp_path):
     args = TrainArgs(train_file=str(data), text_field="content", block_size=2, data_cache_dir=str(tmp_path / "c"))
     got = prepare_data(args, 61, progress=False).train.tokens().tolist()
     assert got == [b % 61 for b in b"alpha betagamma"]  # byte ids: documents concatenated, as before
-    with pytest.raises(ValueError, match=r'd.jsonl:1: expected a JSON object with a string "text" field .*--text_field'):
+    with pytest.raises(ValueError, match=r'd.jsonl:1: expected a JSON object with a string "text" field .*--text_'):
         prepare_data(TrainArgs(**{**vars(args), "text_field": "text"}), 61, progress=False)
 
 
@@ -415,7 +415,8 @@ BAD_INPUTS = [
      r"latin.txt: invalid UTF-8 \(invalid start byte\) at byte offset 31"),
     ("empty_corpus", 300, lambda p: p.write_text("\n\n"), "empty.jsonl", r"empty.jsonl: the file is empty"),
     ("jsonl_without_field", 61, lambda p: p.write_text('{"text": "ok"}\n{"body": "no text"}\n'), "d.jsonl",
-     r'd.jsonl:2: expected a JSON object with a string "text" field \(found: body\); choose the field with --text_field'),
+     r'd.jsonl:2: expected a JSON object with a string "text" field \(found: body\); choose the field with '
+     r'--text_field'),
     ("jsonl_not_json", 61, lambda p: p.write_text('{"text": "ok"}\nnot json\n'), "d.jsonl",
      r"d.jsonl:2 \(byte offset 15\): not valid JSON"),
     ("tokenizer_larger_than_model", 290, None, "slice.txt", r"has 300 tokens, more than the model's vocab_size=290"),
@@ -460,6 +461,27 @@ def test_bad_data_past_the_bpe_sample_removes_the_bpe_too(tmp_path, monkeypatch,
     assert "late.txt: a NUL byte at byte offset 15,000" in capsys.readouterr().err.strip().splitlines()[-1]
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []
     assert list((tmp_path / "cache" / "tokenizers").iterdir()) == []
+
+
+def test_unreadable_file_and_unwritable_cache(tmp_path, monkeypatch):
+    """(As root, permissions do not stop a read, so the refusal of the open is simulated.)"""
+    path = tmp_path / "locked.txt"
+    path.write_text("text")
+    original = Path.open
+
+    def refuse(self, *args, **kwargs):
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refuse)
+    with pytest.raises(ValueError, match=r"cannot read .*locked.txt: Permission denied; check the path and its "):
+        list(resolve_sources(path)[0].pieces())
+    monkeypatch.setattr(Path, "open", original)
+    (tmp_path / "file").write_text("not a directory")
+    args = TrainArgs(train_file=str(path), block_size=2, data_cache_dir=str(tmp_path / "file" / "cache"))
+    with pytest.raises(ValueError, match=r"cannot write the data cache in .*file/cache .*--data_cache_dir"):
+        prepare_data(args, 61, progress=False)
 
 
 # -- the trainer and plait prepare-data ------------------------------------------------------------------------

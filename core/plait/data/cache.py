@@ -203,6 +203,7 @@ def exclusive(final: Path, is_complete: Callable[[], bool], timeout: float, what
         while True:
             if is_complete():
                 yield False
+                _remove(lock_path)  # nobody needs it once the entry is complete
                 return
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -217,7 +218,7 @@ def exclusive(final: Path, is_complete: Callable[[], bool], timeout: float, what
         stop = threading.Event()
 
         def beat() -> None:
-            while not stop.wait(min(HEARTBEAT_S, timeout / 4)):
+            while not stop.wait(max(min(HEARTBEAT_S, timeout / 4), 0.05)):
                 with contextlib.suppress(OSError):
                     os.utime(busy)
 

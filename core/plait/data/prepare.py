@@ -61,15 +61,18 @@ def report(data, args: TrainArgs, dp: int) -> list[str]:
                                       ("validation", data.validation, data.val_meta, data.val_blocks)):
         if cache is None:
             continue
-        how = (f"tokenized now in {meta['seconds']:.1f} s ({meta['input_bytes'] / max(meta['seconds'], 1e-9) / 1e6:.1f} MB/s)"
-               if name in data.prepared else "from the cache")
+        rate = meta["input_bytes"] / max(meta["seconds"], 1e-9) / 1e6
+        how = (f"tokenized now in {meta['seconds']:.1f} s ({rate:.1f} MB/s)" if name in data.prepared
+               else "from the cache")
         lines.append(f"{name}: {meta['input_bytes'] / 1e6:,.1f} MB in {len(cache.sources)} file(s) -> "
                      f"{meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens ({meta['dtype']}), "
                      f"{len(blocks):,} blocks of {args.block_size} tokens; {how}")
         lines.append(f"{name} cache: {cache.path}")
     global_batch = args.per_device_train_batch_size * dp * args.gradient_accumulation_steps
     lines.append(f"global batch: {global_batch:,} blocks ({args.per_device_train_batch_size} per device x dp {dp} x "
-                 f"{args.gradient_accumulation_steps} accumulation steps) = {global_batch * args.block_size:,} tokens per step")
+                 f"{args.gradient_accumulation_steps} accumulation steps) = {global_batch * args.block_size:,} tokens "
+                 f"per step")
     seen = args.max_steps * global_batch
-    lines.append(f"--max_steps {args.max_steps}: {seen:,} blocks = {seen / len(data.blocks):.3f} epochs of the training data")
+    lines.append(f"--max_steps {args.max_steps}: {seen:,} blocks = {seen / len(data.blocks):.3f} epochs of the "
+                 f"training data")
     return lines

@@ -128,7 +128,8 @@ def _load_dataset(dataset_dir: Path):
     try:
         data = datasets.load_from_disk(str(dataset_dir))
     except FileNotFoundError as err:
-        raise ValueError(f"--dataset_name {str(dataset_dir)!r} is not a dataset saved with save_to_disk ({err})") from None
+        raise ValueError(f"--dataset_name {str(dataset_dir)!r} is not a dataset saved with save_to_disk "
+                         f"({err})") from None
     split = None
     if isinstance(data, datasets.DatasetDict):
         if "train" not in data:

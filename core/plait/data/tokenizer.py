@@ -12,8 +12,8 @@ files' identity (path, size, mtime), the vocabulary size, the sample size and th
 
 import hashlib
 import json
+import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -109,7 +109,7 @@ def cached_bpe_tokenizer(
 ) -> tuple[PreTrainedTokenizerBase, Path, bool]:
     """The BPE for ``text_files`` from the cache, trained first (local rank 0) if missing; other local ranks
     wait for it. Returns (tokenizer, its cache dir, trained by this call)."""
-    from plait.data.cache import exclusive, publish, wait_for
+    from plait.data.cache import _host, _stale_temporaries, exclusive, publish, wait_for
 
     sources = as_sources(text_files)
     sample_chars = BPE_SAMPLE_CHARS if sample_chars is None else sample_chars
@@ -122,7 +122,10 @@ def cached_bpe_tokenizer(
             with exclusive(target, target.is_dir, timeout, "the tokenizer") as mine:
                 if mine:
                     tokenizer = train_bpe_tokenizer(sources, vocab_size, sample_chars)
-                    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+                    for stale in _stale_temporaries(target):  # left by a killed trainer
+                        shutil.rmtree(stale, ignore_errors=True)
+                    staging = target.parent / f".{target.name}.tmp-{_host()}-{os.getpid()}"
+                    shutil.rmtree(staging, ignore_errors=True)
                     try:
                         tokenizer.save_pretrained(staging)
                         publish(staging, target)

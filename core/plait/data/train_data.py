@@ -65,6 +65,18 @@ class PreparedData:
 
 
 def prepare_data(args: TrainArgs, vocab_size: int, local_rank: int = 0, progress: bool = True) -> PreparedData:
+    """See ``_prepare_data``; a cache directory that cannot be written is one line naming it and the flag."""
+    try:
+        return _prepare_data(args, vocab_size, local_rank, progress)
+    except OSError as err:
+        root = cache_root(args)
+        if err.filename is not None and str(err.filename).startswith(str(root)):
+            raise ValueError(f"cannot write the data cache in {root} ({err.strerror or err}); choose a writable "
+                             f"directory with enough space with --data_cache_dir") from err
+        raise
+
+
+def _prepare_data(args: TrainArgs, vocab_size: int, local_rank: int, progress: bool) -> PreparedData:
     """Tokenizer, then the token cache of the training (and validation) data, made here on local rank 0 and
     waited for on the other local ranks; then blocks over them.
 
@@ -84,7 +96,8 @@ def prepare_data(args: TrainArgs, vocab_size: int, local_rank: int = 0, progress
     elif vocab_size < MIN_VOCAB_SIZE:
         tokenizer, encoder = None, ByteEncoder(vocab_size)
     else:
-        tokenizer, bpe_dir, trained = cached_bpe_tokenizer(sources, vocab_size, root / "tokenizers", local_rank, timeout)
+        tokenizer, bpe_dir, trained = cached_bpe_tokenizer(sources, vocab_size, root / "tokenizers", local_rank,
+                                                           timeout)
         trained_bpe = bpe_dir if trained else None
         encoder = TokenizerEncoder(tokenizer)
     try:
@@ -122,7 +135,8 @@ def load_data(args: TrainArgs, vocab_size: int) -> tuple[TokenBlocks, TokenBlock
     except (ValueError, OSError) as err:  # bad file, too few tokens, tokenizer larger than the model, timeout
         raise ConfigError(str(err)) from err
     if local_rank == 0:
-        for name, cache, meta in (("train", data.train, data.train_meta), ("validation", data.validation, data.val_meta)):
+        for name, cache, meta in (("train", data.train, data.train_meta),
+                                  ("validation", data.validation, data.val_meta)):
             if cache is not None:
                 how = (f"tokenized {meta['input_bytes'] / 1e6:,.1f} MB in {meta['seconds']:.1f} s "
                        f"({meta['input_bytes'] / 1e6 / max(meta['seconds'], 1e-9):.1f} MB/s) into"
