@@ -515,3 +515,13 @@ def test_prepare_data_prints_documents_tokens_blocks_epochs(tmp_path, capsys, to
     assert f"--max_steps 30: 480 blocks = {480 / blocks:.3f} epochs of the training data" in out
     main(argv)
     assert "; from the cache" in capsys.readouterr().out
+
+
+def test_train_file_may_be_a_glob(tmp_path):
+    from plait.config import ConfigError
+    from plait.train_args import TrainArgs
+
+    (tmp_path / "a.txt").write_text("some text")
+    TrainArgs(train_file=str(tmp_path / "*.txt"), output_dir=str(tmp_path / "out")).validate()
+    with pytest.raises(ConfigError, match=r"--train_file '.*\*\.jsonl' does not exist \(nor matches a file as a glob\)"):
+        TrainArgs(train_file=str(tmp_path / "*.jsonl"), output_dir=str(tmp_path / "out")).validate()

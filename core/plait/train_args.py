@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -21,7 +22,7 @@ LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 class TrainArgs:
     model_config: str | None = field(default=None, metadata={"help": "transformers config.json: random init"})
     model_name_or_path: str | None = field(default=None, metadata={"help": "a local Hugging Face model dir"})
-    train_file: str | None = field(default=None, metadata={"help": ".txt or .jsonl ('text' field); default: bundled corpus"})
+    train_file: str | None = field(default=None, metadata={"help": ".txt, .jsonl, .parquet, a directory or a glob of them (text field: --text_field); default: bundled corpus"})
     output_dir: str = field(default="runs/plait", metadata={"help": "metrics.jsonl (and later checkpoints) go here"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "tp: ranks that split each layer"})
     disable_sequence_parallel: bool = field(default=False, metadata={"help": "keep activations between TP regions whole"})
@@ -70,14 +71,18 @@ class TrainArgs:
         """Checks that need no model: fail before any process group or file exists."""
         if self.model_config and self.model_name_or_path:
             raise ConfigError("give --model_config (random init) or --model_name_or_path (load weights), not both")
-        for path_flag in ("model_config", "model_name_or_path", "train_file"):
+        for path_flag in ("model_config", "model_name_or_path"):
             value = getattr(self, path_flag)
             if value is not None and not Path(value).exists():
                 raise ConfigError(f"--{path_flag} {value!r} does not exist")
+        for path_flag in ("train_file", "validation_file"):  # a file, a directory, or a glob of them
+            value = getattr(self, path_flag)
+            if value is not None and not Path(value).exists() and not glob.glob(value, recursive=True):
+                raise ConfigError(f"--{path_flag} {value!r} does not exist (nor matches a file as a glob)")
         resume = self.resume_from_checkpoint
         if resume not in (None, "auto") and not Path(resume).exists():
             raise ConfigError(f"--resume_from_checkpoint {resume!r} does not exist (give a checkpoint dir, or 'auto')")
-        for path_flag in ("tokenizer_name", "dataset_name", "validation_file"):
+        for path_flag in ("tokenizer_name", "dataset_name"):
             value = getattr(self, path_flag)
             if value is not None and not Path(value).exists():
                 raise ConfigError(f"--{path_flag} {value!r} does not exist")
