@@ -1,0 +1,145 @@
+"""Activation memory of one micro-batch, traced on the meta device.
+
+Rather than a per-architecture formula (Korthikanti et al.'s 34*s*b*h + 5*a*s^2*b holds for Megatron's GPT,
+not for a transformers Llama in eager PyTorch), the model itself is run forward, with its loss, on meta
+tensors of one sequence, and every tensor autograd saves for backward is recorded
+(``torch.autograd.graph.saved_tensors_hooks``): its bytes, the pipeline unit it was saved in (embedding,
+decoder layer i, norm/head/loss) and the innermost module saving it. Parameters are not activations;
+tensors saved twice (one storage) count once. Meta tensors have shapes and no memory, so this takes
+milliseconds even for a 70B config.
+
+Each saved tensor then scales to a tp rank by what it is: a hidden-sized tensor (last dim = hidden size)
+is whole on every tp rank, except inside the sequence-parallel region where only a column-parallel linear's
+(gathered) input stays whole; every other tensor of a decoder layer (heads, MLP intermediate) is split by tp,
+and logits are split when the LM head is vocab-parallel. Fused attention (sdpa, flash) keeps no s x s
+probabilities: those are dropped when tracing with any kernel other than eager (the meta device runs sdpa's
+math fallback, which would save them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from plait.pipeline.cuts import fallback_plan
+from plait.plan import PipelinePlan
+from plait.registry import Registry
+
+FIRST, LAST = "first", "last"
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One saved tensor of one sequence: bytes, and how tp divides it."""
+
+    nbytes: int
+    hidden: bool  # last dim is the hidden size
+    module: str  # the innermost module saving it ("" outside any tracked linear)
+
+
+@dataclass
+class UnitTrace:
+    """What one pipeline unit (``first``, a decoder layer, or ``last``) saves for one sequence."""
+
+    saved: list[Saved] = field(default_factory=list)
+    leaf_input: int = 0  # bytes of the hidden states entering it (what a recomputed leaf keeps)
+
+
+@dataclass(frozen=True)
+class ActivationTrace:
+    """Saved tensors of one sequence of ``seq`` tokens, per unit: ``layers[i]`` is decoder layer i."""
+
+    seq: int
+    first: UnitTrace
+    layers: tuple[UnitTrace, ...]
+    last: UnitTrace
+    attn_implementation: str
+
+
+def units_of(model: nn.Module, registry: Registry, adapter) -> tuple[PipelinePlan, list[str]]:
+    """The adapter's pipeline units (first modules, decoder layers, last modules), also at pp=1."""
+    leaf_patterns = registry.leaf_modules(adapter, model.config)
+    plan = registry.pipeline_plan(adapter, model.config) or fallback_plan(model, leaf_patterns)
+    layers = [f"{plan.layers}.{name}" for name, _ in model.get_submodule(plan.layers).named_children()]
+    return plan, layers
+
+
+def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter) -> ActivationTrace:
+    """Run ``model`` (on the meta device) forward with its loss on one sequence of ``seq`` tokens and record
+    what autograd saves, per unit, and which linear (if any) saved it."""
+    plan, layer_names = units_of(model, registry, adapter)
+    hidden = model.config.get_text_config().hidden_size
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    units = {FIRST: UnitTrace(), LAST: UnitTrace(), **{name: UnitTrace() for name in layer_names}}
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen: set[int] = set()
+    where = {"unit": FIRST, "stack": []}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = tensor.untyped_storage()._cdata
+        if key in params or key in seen:
+            return tensor
+        seen.add(key)
+        if impl != "eager" and tensor.dim() == 4 and tuple(tensor.shape[-2:]) == (seq, seq) and tensor.is_floating_point():
+            return tensor  # attention probabilities: a fused kernel keeps only its output and logsumexp
+        inner = where["stack"][-1] if where["stack"] else ""
+        units[where["unit"]].saved.append(Saved(
+            tensor.untyped_storage().nbytes(), tensor.dim() > 0 and tensor.shape[-1] == hidden, inner))
+        return tensor
+
+    handles = []
+    for name in layer_names:
+        handles.append(model.get_submodule(name).register_forward_pre_hook(_enter_layer(units, where, name),
+                                                                           with_kwargs=True))
+    for name in plan.last:
+        handles.append(model.get_submodule(name).register_forward_pre_hook(lambda *_: where.update(unit=LAST)))
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, Conv1D)):
+            handles.append(module.register_forward_pre_hook(lambda m, a, n=name: where["stack"].append(n)))
+            handles.append(module.register_forward_hook(lambda *_: _pop(where["stack"])))
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    try:
+        model.train()  # what training saves (dropout masks included)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ActivationTrace(seq, units[FIRST], tuple(units[n] for n in layer_names), units[LAST], impl)
+
+
+def _pop(stack: list) -> None:
+    stack.pop()  # a forward hook returning a value would replace the module's output
+
+
+def _enter_layer(units: dict, where: dict, name: str):
+    def hook(module, args, kwargs):
+        where["unit"] = name
+        states = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(states, torch.Tensor):
+            units[name].leaf_input = states.numel() * states.element_size()
+    return hook
+
+
+def unit_bytes(unit: UnitTrace, tp: int, sp: bool, split_others: bool, columns: set[str]) -> tuple[int, int]:
+    """(bytes saved, largest single tensor) of ``unit`` for one sequence on one tp rank.
+
+    ``sp``: the unit lies in the sequence-parallel region. ``split_others``: its non-hidden tensors are split by
+    tp (decoder layers; the head and loss when the LM head is vocab-parallel). ``columns``: column-parallel
+    linears, whose (gathered) input is whole on every tp rank under SP too."""
+    total = largest = 0
+    for s in unit.saved:
+        if s.hidden:
+            size = s.nbytes if (s.module in columns or not sp) else _ceil(s.nbytes, tp)
+        else:
+            size = _ceil(s.nbytes, tp) if split_others else s.nbytes
+        total += size
+        largest = max(largest, size)
+    return total, largest
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)

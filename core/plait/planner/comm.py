@@ -1,0 +1,162 @@
+"""Communication of one training step, per rank, by group and op: what ``plait.comm`` would record.
+
+Tensor parallelism (per micro-step; bench/tp_comm.py checks the same counts against a real step): each
+row-parallel linear all-reduces its output forward and the input of its column-parallel region backward;
+with SP those become a reduce-scatter + all-gather pair each, the region adds the sequence split at its first
+layer and the gather after its final norm, and the norms' weight gradients are all-reduced once per step.
+A vocab-parallel embedding all-reduces its output; a vocab-parallel head all-reduces its input's gradient
+(without SP) and the cross-entropy three vectors of one float per predicted token.
+Pipeline (per micro-step): each micro-batch's hidden states cross every stage boundary forward and their
+gradient backward; the loss is broadcast from the last stage; tied embeddings sum their gradient over the
+pipeline ends once per step. Data parallel (once per step): gradients all-reduced in 32 MiB buckets, or under
+ZeRO-1 reduced to their owners and the updated parameters broadcast one by one.
+Bytes are the tensor sizes handed to the collective (as ``count_collectives`` records them); ``ring`` is
+what a ring algorithm sends per rank: all-reduce 2(p-1)/p n, all-gather (p-1) n_local, reduce-scatter
+(p-1)/p n, reduce and broadcast n (p-1)/p on average, send/recv n.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from plait.grad_sync import BUCKET_BYTES
+from plait.layout_plan import LayoutPlan
+from plait.planner.memory import Precision, RankParam, zero1_owned
+from plait.planner.tp_modules import VOCAB_LABELS
+from plait.tp.sequence_parallel import sp_grad_sum_params
+
+
+@dataclass(frozen=True)
+class CommOp:
+    group: str  # tp, pp, dp
+    op: str
+    count: int
+    bytes: int
+
+    def ring(self, size: int) -> float:
+        """Bytes one rank sends for these collectives over a group of ``size`` ranks (ring algorithms)."""
+        if self.op in ("send", "recv"):
+            return float(self.bytes if self.op == "send" else 0)
+        factor = {"all_reduce": 2 * (size - 1) / size, "all_gather": size - 1, "reduce_scatter": (size - 1) / size,
+                  "reduce": (size - 1) / size, "broadcast": (size - 1) / size}[self.op]
+        return factor * self.bytes
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The tensors one micro-step moves: sequences per device (all micro-batches), tokens, hidden size."""
+
+    batch: int
+    seq: int
+    hidden: int
+    act_bytes: int  # per activation element
+    accumulation: int
+
+
+def step_comm(
+    model: nn.Module, plan: LayoutPlan, pp_rank: int, held: list[RankParam], shape: StepShape,
+    precision: Precision, rows: set[str],
+) -> list[CommOp]:
+    """Collectives of one optimizer step on (any tp rank of) pipeline rank ``pp_rank`` holding ``held``."""
+    config = plan.config
+    ops: list[CommOp] = []
+    acc = shape.accumulation
+    act = shape.batch * shape.seq * shape.hidden * shape.act_bytes
+    local = act // config.tp
+    split = plan.split
+    stages = plan.stages_of(pp_rank)
+    has_first = split is None or 0 in stages
+    has_last = split is None or split.num_stages - 1 in stages
+    if config.tp > 1:
+        labels = {shard.style.label for shard in plan.shards_by_rank[0].values()}
+        vocab_embedding = bool(labels & set(VOCAB_LABELS[:2]))
+        vocab_head = "vocab_head" in labels
+        r = sum(1 for n in rows if any(p.name.startswith(n + ".") for p in held))  # this rank's row linears
+        tokens = shape.batch * (shape.seq - 1)
+        counts: dict[str, list[int]] = {"all_reduce": [0, 0], "all_gather": [0, 0], "reduce_scatter": [0, 0]}
+
+        def add(op: str, n: int, size: int) -> None:
+            counts[op][0] += n
+            counts[op][1] += n * size
+
+        if has_first and vocab_embedding:
+            add("all_reduce", 1, act)
+        if has_last and vocab_head:
+            add("all_reduce", 3, tokens * 4)
+        if config.sequence_parallel:
+            add("all_gather", 2 * r, local)
+            add("reduce_scatter", 2 * r, act)
+            if has_first:
+                add("all_gather", 1, local)  # backward of the split at the first layer
+            if has_last:
+                add("all_gather", 1, local)
+                add("reduce_scatter", 1, act)
+        else:
+            add("all_reduce", 2 * r, act)
+            if has_last and vocab_head:
+                add("all_reduce", 1, act)
+        # Under pp every micro-batch runs its own collectives (same bytes in all, m times the count).
+        per_mb = config.num_microbatches if split is not None else 1
+        for op, (n, size) in counts.items():
+            if n:
+                ops.append(CommOp("tp", op, n * per_mb * acc, size * acc))
+        # Gradient sums inside tp, once per step, one bucketed all-reduce per group: the SP region's norms over
+        # the tp group, and modules whose gradient several tp ranks compute in part (replicated kv heads,
+        # per-head norms) over blocks of adjacent ranks.
+        summed: dict[object, int] = {}
+        if config.sequence_parallel:
+            norm_ids = {id(p) for p in sp_grad_sum_params(model, plan.sp_plan, plan.shards_by_rank[0])}
+            norms = {n for n, p in model.named_parameters() if id(p) in norm_ids}
+            summed["sp"] = sum(p.numel for p in held if p.name in norms)
+        for module, shard in plan.shards_by_rank[0].items():
+            if shard.grad_sum_block > 1:
+                numel = sum(p.numel for p in held if p.name.rpartition(".")[0] == module)
+                summed[shard.grad_sum_block] = summed.get(shard.grad_sum_block, 0) + numel
+        for numel in summed.values():
+            if numel:
+                size = numel * precision.grad_bytes
+                ops.append(CommOp("tp", "all_reduce", math.ceil(size / BUCKET_BYTES), size))
+    if split is not None:
+        m = config.num_microbatches
+        mb_act = (local if config.sequence_parallel else act) // m  # SP sends sequence shards between stages
+        # Each boundary a stage has sends one tensor per micro-batch one way and receives one the other way.
+        boundaries = sum(1 for s in stages if s != split.num_stages - 1) + sum(1 for s in stages if s != 0)
+        ops.append(CommOp("pp", "send", boundaries * m * acc, boundaries * m * mb_act * acc))
+        ops.append(CommOp("pp", "recv", boundaries * m * acc, boundaries * m * mb_act * acc))
+        ops.append(CommOp("pp", "broadcast", acc, 4 * acc))  # the loss
+        if plan.tied and (has_first or has_last):
+            tied = sum(p.numel for p in held if any(p.name in group for group in plan.tied))
+            ops.append(CommOp("pp", "all_reduce", 1, tied * precision.grad_bytes))
+    dp = config.dp or 1
+    # The global gradient norm: one float summed over each group whose ranks hold different gradients.
+    for group, size in (("tp", config.tp), ("pp", config.pp), ("dp", dp if config.zero_1 else 1)):
+        if size > 1:
+            ops.append(CommOp(group, "all_reduce", 1, 4))
+    if dp > 1:
+        grads = sum(p.numel for p in held) * precision.grad_bytes
+        if config.zero_1:
+            owners = zero1_owned(held, dp, 0.0, True)
+            reduces = sum(math.ceil(sum(p.numel for p in o) * precision.grad_bytes / BUCKET_BYTES) for o in owners)
+            ops.append(CommOp("dp", "reduce", reduces, grads))
+            ops.append(CommOp("dp", "broadcast", len(held), sum(p.numel for p in held) * _param_bytes(precision)))
+        else:
+            ops.append(CommOp("dp", "all_reduce", math.ceil(grads / BUCKET_BYTES), grads))
+    return merged(ops)
+
+
+def merged(ops: list[CommOp]) -> list[CommOp]:
+    """One entry per (group, op), counts and bytes summed."""
+    totals: dict[tuple[str, str], list[int]] = {}
+    for op in ops:
+        entry = totals.setdefault((op.group, op.op), [0, 0])
+        entry[0] += op.count
+        entry[1] += op.bytes
+    return [CommOp(group, op, count, size) for (group, op), (count, size) in totals.items()]
+
+
+def _param_bytes(precision: Precision) -> int:
+    return torch.empty((), dtype=precision.param).element_size()

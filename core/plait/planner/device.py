@@ -1,0 +1,148 @@
+"""A small device model for step-time estimates: peak FLOP/s, memory and link bandwidths, per preset.
+
+The presets are vendor figures (docs/plan.md lists the sources); ``efficiency`` is the fraction of peak
+FLOP/s a transformer step's matmuls reach, an assumption (Megatron-LM and torchtitan report 40-55% MFU on
+H100/A100). ``calibrate`` measures this machine instead: a one-thread fp32 matmul (torchrun gives each of
+several local processes one thread), a copy for memory bandwidth, and a gloo all-reduce between 2 local
+processes for link bandwidth and latency, cached so that a second ``plait plan --calibrate`` is instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or CPU process) and its links. Bandwidths in bytes/s one way; latency in seconds."""
+
+    name: str
+    memory_bytes: int
+    flops_bf16: float
+    flops_fp32: float
+    efficiency: float
+    memory_bandwidth: float
+    intra_bandwidth: float  # within a node (NVLink, NeuronLink, loopback)
+    inter_bandwidth: float  # between nodes (InfiniBand, EFA)
+    per_node: int
+    latency: float
+
+    def flops(self, low_precision: bool) -> float:
+        return (self.flops_bf16 if low_precision else self.flops_fp32) * self.efficiency
+
+
+PRESETS = {
+    # H100 SXM5: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s (450 GB/s
+    # each way), 8 per node, ConnectX-7 400 Gb/s per GPU.
+    "h100": Device("h100", 80 * GiB, 989e12, 67e12, 0.5, 3.35e12, 450e9, 50e9, 8, 10e-6),
+    # A100 SXM4 80GB: 312 TFLOP/s dense bf16, 19.5 TFLOP/s fp32, 2.0 TB/s HBM2e, NVLink 3 600 GB/s (300 each
+    # way), 8 per node, 200 Gb/s HDR InfiniBand per GPU.
+    "a100": Device("a100", 80 * GiB, 312e12, 19.5e12, 0.5, 2.0e12, 300e9, 25e9, 8, 10e-6),
+    # Trainium1 chip (trn1.32xlarge / 16): 190 TFLOP/s bf16, 47.5 TFLOP/s fp32, 32 GiB HBM at 820 GB/s,
+    # NeuronLink-v2 768 GB/s per instance ring (~384 GB/s each way per chip), EFA 800 Gb/s per instance.
+    "trn1": Device("trn1", 32 * GiB, 190e12, 47.5e12, 0.4, 820e9, 384e9 / 2, 100e9 / 16, 16, 20e-6),
+    # Trainium2 chip (trn2.48xlarge / 16): 667 TFLOP/s dense bf16, 181 TFLOP/s fp32, 96 GiB HBM at 2.9 TB/s,
+    # NeuronLink-v3 1 TB/s per chip, EFA 3.2 Tb/s per instance.
+    "trn2": Device("trn2", 96 * GiB, 667e12, 181e12, 0.4, 2.9e12, 500e9, 400e9 / 16, 16, 20e-6),
+    # A generic CPU process (one core, gloo over loopback): placeholders; prefer --calibrate.
+    "cpu": Device("cpu", 16 * GiB, 50e9, 50e9, 1.0, 10e9, 2e9, 1e9, 1, 100e-6),
+}
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "plait" / "calibration.json"
+
+
+def calibrate(memory_bytes: int | None = None, refresh: bool = False) -> Device:
+    """This machine as a ``Device`` (measured once, then read from ``cache_path()``)."""
+    path = cache_path()
+    if path.exists() and not refresh:
+        fields = json.loads(path.read_text())
+    else:
+        fields = _measure()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+            tmp.write(json.dumps(fields))
+        os.replace(tmp.name, path)
+    device = Device(**fields)
+    return dataclasses.replace(device, memory_bytes=memory_bytes) if memory_bytes else device
+
+
+def _measure() -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        flops = _matmul_flops()
+        copy_bw = _copy_bandwidth()
+    finally:
+        torch.set_num_threads(threads)
+    bandwidth, latency = _gloo_allreduce()
+    import psutil
+
+    return {"name": "calibrated", "memory_bytes": psutil.virtual_memory().total, "flops_bf16": flops,
+            "flops_fp32": flops, "efficiency": 1.0, "memory_bandwidth": copy_bw, "intra_bandwidth": bandwidth,
+            "inter_bandwidth": bandwidth, "per_node": os.cpu_count() or 1, "latency": latency}
+
+
+def _matmul_flops(n: int = 512, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def _copy_bandwidth(numel: int = 16 * 2**20, repeats: int = 3) -> float:
+    src, dst = torch.randn(numel), torch.empty(numel)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * numel * 4 / best  # read + write
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _gloo_allreduce() -> tuple[float, float]:
+    """(bytes/s of a ring all-reduce's per-rank traffic, seconds of a 4-byte all-reduce) between 2 processes."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "allreduce.json"
+        mp.start_processes(_allreduce_worker, args=(port, str(out)), nprocs=2, start_method="spawn")
+        result = json.loads(out.read_text())
+    return result["bandwidth"], result["latency"]
+
+
+def _allreduce_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    big, small = torch.ones(4 * 2**20), torch.ones(1)
+    dist.all_reduce(big)
+    dist.barrier()
+    seconds = min(_timed(lambda: dist.all_reduce(big)) for _ in range(3))
+    latency = min(_timed(lambda: dist.all_reduce(small)) for _ in range(20))
+    if rank == 0:
+        ring = 2 * (2 - 1) / 2 * big.numel() * 4  # what each rank sends in a ring all-reduce
+        Path(out).write_text(json.dumps({"bandwidth": ring / max(seconds - latency, 1e-9), "latency": latency}))
+    dist.destroy_process_group()

@@ -1,0 +1,158 @@
+"""One layout's answer: memory per rank, communication per step, bubble, FLOPs and (with a device) step time.
+
+``estimate_layout`` takes the meta model and its ``LayoutPlan``; the activation trace is shared by every
+layout of one search (it depends only on the model, the sequence length and the attention kernel).
+Step time = compute / (1 - bubble) + communication, with compute = matmul FLOPs / (peak * efficiency) plus
+the activation bytes written and read again / memory bandwidth, and communication = ring bytes / the link's
+bandwidth + a latency per collective (tp and pp inside a node when they fit in one, dp across nodes when the
+world does not). plait's collectives are not overlapped with compute, so the terms add.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from plait.grad_sync import BUCKET_BYTES
+from plait.layout_plan import LayoutPlan
+from plait.planner.activations import ActivationTrace
+from plait.planner.bubble import bubble_fraction
+from plait.planner.comm import CommOp, StepShape, step_comm
+from plait.planner.tp_modules import row_modules
+from plait.planner.device import Device
+from plait.planner.memory import ActivationBytes, Precision, StaticBytes, activation_bytes, rank_params, static_bytes
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Per data-parallel rank: sequences per micro-step (split into the pipeline's micro-batches), tokens per
+    sequence, micro-steps per optimizer step."""
+
+    per_device: int
+    seq: int
+    accumulation: int = 1
+
+
+@dataclass(frozen=True)
+class RankEstimate:
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    static: StaticBytes
+    activations: ActivationBytes
+    dp_buffer: int  # a flattened gradient bucket during the dp reduction
+
+    @property
+    def peak(self) -> int:
+        s, a = self.static, self.activations
+        return s.parameters + s.gradients + s.optimizer + a.in_flight + a.transient + self.dp_buffer
+
+
+@dataclass
+class LayoutEstimate:
+    """Everything ``plait plan`` prints for one layout."""
+
+    plan: LayoutPlan
+    batch: Batch
+    precision: Precision
+    ranks: list[RankEstimate]
+    comm: dict[int, list[CommOp]]  # pp rank -> ops of one step (the same on every tp and dp rank)
+    bubble: float
+    flops: dict[int, float]  # pp rank -> FLOPs of one step on one of its ranks
+    act_bytes_moved: dict[int, int]
+    attn_implementation: str
+    step_seconds: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max(r.peak for r in self.ranks)
+
+    def for_rank(self, rank: int) -> RankEstimate:
+        """The estimate of global rank ``rank`` (rank = (dp_rank * pp + pp_rank) * tp + tp_rank)."""
+        config = self.plan.config
+        tp_rank, pp_rank, dp_rank = rank % config.tp, rank // config.tp % config.pp, rank // (config.tp * config.pp)
+        dp_rank = dp_rank if config.zero_1 else 0
+        return next(r for r in self.ranks if (r.tp_rank, r.pp_rank, r.dp_rank) == (tp_rank, pp_rank, dp_rank))
+
+    def step_time(self, device: Device) -> float:
+        """Seconds per optimizer step on ``device`` (the slowest pipeline rank; all wait for it)."""
+        config = self.plan.config
+        low = self.precision.param != torch.float32 or config.bf16_autocast
+        per_node = device.per_node
+        bandwidth = {"tp": device.intra_bandwidth if config.tp <= per_node else device.inter_bandwidth,
+                     "pp": device.intra_bandwidth if config.tp * config.pp <= per_node else device.inter_bandwidth,
+                     "dp": device.intra_bandwidth if config.tp * config.pp * (config.dp or 1) <= per_node
+                     else device.inter_bandwidth}
+        size = {"tp": config.tp, "pp": 2, "dp": config.dp or 1}
+        worst = 0.0
+        for pp_rank, ops in self.comm.items():
+            compute = self.flops[pp_rank] / device.flops(low) + self.act_bytes_moved[pp_rank] / device.memory_bandwidth
+            comm = sum(op.ring(size[op.group]) / bandwidth[op.group] + op.count * device.latency for op in ops)
+            worst = max(worst, compute / (1 - self.bubble) + comm)
+        return worst
+
+
+def estimate_layout(
+    model: nn.Module, plan: LayoutPlan, batch: Batch, precision: Precision, trace: ActivationTrace,
+    weight_decay: float = 0.0, decay_embeddings: bool = True,
+) -> LayoutEstimate:
+    """Memory, communication, bubble and FLOPs of ``plan`` for ``batch`` (``trace``: ``trace_activations`` of
+    the same model at ``batch.seq``)."""
+    config = plan.config
+    tp, pp, dp = config.tp, config.pp, config.dp or 1
+    microbatch = batch.per_device // config.num_microbatches
+    act_dtype = torch.bfloat16 if config.bf16_autocast else precision.param
+    hidden = model.config.get_text_config().hidden_size
+    shape = StepShape(batch.per_device, batch.seq, hidden, torch.empty((), dtype=act_dtype).element_size(),
+                      batch.accumulation)
+    rows = row_modules(model, plan)
+    zero_dp = dp if config.zero_1 else 1
+    ranks, comm, flops, moved = [], {}, {}, {}
+    for pp_rank in range(pp):
+        acts = activation_bytes(model, trace, plan, pp_rank, microbatch)
+        for tp_rank in range(tp):
+            held = rank_params(model, plan, tp_rank, pp_rank)
+            if tp_rank == 0:
+                comm[pp_rank] = step_comm(model, plan, pp_rank, held, shape, precision, rows)
+                flops[pp_rank] = _step_flops(model, plan, pp_rank, held, batch, trace)
+                moved[pp_rank] = 2 * acts.per_microbatch * config.num_microbatches * batch.accumulation
+            grads = sum(p.numel for p in held) * precision.grad_bytes
+            for dp_rank in range(zero_dp if config.zero_1 else 1):
+                static = static_bytes(held, precision, zero_dp, dp_rank, weight_decay, decay_embeddings)
+                rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+                ranks.append(RankEstimate(rank, tp_rank, pp_rank, dp_rank, static, acts,
+                                          min(grads, BUCKET_BYTES) if dp > 1 else 0))
+    notes = [f"attention: {trace.attn_implementation}"
+             + (" (eager keeps the s x s probabilities of every layer)" if trace.attn_implementation == "eager"
+                else " (fused: no s x s probabilities kept)")]
+    if config.gradient_checkpointing:
+        notes.append("activation checkpointing: each decoder layer keeps its input; one layer is recomputed at a time")
+    if config.zero_1 and dp > 1:
+        notes.append("ZeRO-1: optimizer state and master weights of the parameters each dp rank owns")
+    return LayoutEstimate(plan, batch, precision, ranks, comm, bubble_fraction(config), flops, moved,
+                          trace.attn_implementation, notes=notes)
+
+
+def _step_flops(model: nn.Module, plan: LayoutPlan, pp_rank: int, held, batch: Batch, trace: ActivationTrace) -> float:
+    """Matmul FLOPs of one optimizer step on one rank: 2 per weight element per token forward (embeddings are
+    lookups; a tied LM head counts), 4 * seq * attention width per token per layer for QK^T and AV, backward
+    twice the forward, one more forward for recomputed layers."""
+    config = plan.config
+    text = model.config.get_text_config()
+    tokens = batch.per_device * batch.seq * batch.accumulation
+    weights = sum(p.numel for p in held if len(p.full_shape) >= 2 and not p.embedding)
+    has_last = plan.split is None or plan.split.num_stages - 1 in plan.stages_of(pp_rank)
+    if has_last and getattr(text, "tie_word_embeddings", False):
+        weights += sum(p.numel for p in held if p.embedding and p.full_shape[0] == text.vocab_size)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if plan.split is None:
+        layers = len(trace.layers)
+    else:
+        layers = sum(b - a for s in plan.stages_of(pp_rank) for a, b in [plan.split.bounds[s]])
+    forward = 2 * weights * tokens + 4 * batch.seq * heads * head_dim / config.tp * layers * tokens
+    return forward * (4 if config.gradient_checkpointing else 3)

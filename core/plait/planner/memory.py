@@ -1,0 +1,188 @@
+"""Bytes each rank holds: parameters, gradients and optimizer state (exact), activations and the peak.
+
+Parameters, gradients and optimizer state follow the code that allocates them, from the plan's shard specs:
+- parameters: the local shape of every parameter of the rank's stages (``ShardSpec.local_shape``, vocab
+  padding included); a tied weight is one tensor on its rank, one copy on each of the first and last stage;
+- gradients: one per parameter, in the parameter dtype; with bf16 parameters and an fp32 optimizer,
+  ``optim/mixed_precision.py`` keeps an fp32 ``main_grad`` per parameter for the whole run instead;
+- optimizer state: AdamW's ``exp_avg`` and ``exp_avg_sq`` in the optimizer dtype plus a float32 ``step``
+  scalar per parameter, and fp32 master copies of bf16 parameters; under ZeRO-1 only for the parameters the
+  rank owns, partitioned exactly as ``ZeroRedundancyOptimizer`` does (per parameter group, largest first,
+  each to the rank with the fewest elements so far).
+Activations come from ``activations.trace_activations`` and the schedule's in-flight micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from plait.layout_plan import LayoutPlan
+from plait.optim.param_groups import decays, embedding_params
+from plait.planner.activations import ActivationTrace, unit_bytes
+from plait.planner.bubble import in_flight
+from plait.planner.tp_modules import column_modules
+
+ADAM_STATES = 2  # exp_avg, exp_avg_sq
+STEP_BYTES = 4  # AdamW's per-parameter float32 step tensor
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Parameter dtype (``--bf16``: bfloat16) and optimizer dtype (``--optimizer_dtype``)."""
+
+    param: torch.dtype = torch.float32
+    optimizer: torch.dtype = torch.float32
+
+    @property
+    def masters(self) -> bool:
+        return self.param != self.optimizer
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element: fp32 ``main_grad`` buffers with master weights, else the parameter's."""
+        return _size(self.optimizer if self.masters else self.param)
+
+
+@dataclass(frozen=True)
+class RankParam:
+    name: str
+    numel: int
+    full_shape: tuple[int, ...]
+    embedding: bool
+
+
+def rank_params(model: nn.Module, plan: LayoutPlan, tp_rank: int, pp_rank: int) -> list[RankParam]:
+    """The parameters tp rank ``tp_rank`` of pipeline rank ``pp_rank`` holds, in the model's order."""
+    specs = plan.specs_by_rank[tp_rank]
+    stages = set(plan.stages_of(pp_rank))
+    embeddings = embedding_params(model)
+    tied_spec = {name: names[0] for names in plan.tied for name in names}
+    held: list[RankParam] = []
+    seen: set[int] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if plan.split is not None:
+            if _stage_of(plan, name) not in stages:
+                continue
+        key = id(param)
+        if key in seen:
+            continue
+        seen.add(key)
+        spec = specs.get(name) or specs.get(tied_spec.get(name, ""))
+        shape = spec.local_shape if spec is not None else tuple(param.shape)
+        held.append(RankParam(name, math.prod(shape), tuple(param.shape), name in embeddings))
+    return held
+
+
+def _stage_of(plan: LayoutPlan, param_name: str) -> int | None:
+    module = param_name.rpartition(".")[0]
+    while module:
+        try:
+            return plan.split.stage_of(module)
+        except KeyError:
+            module = module.rpartition(".")[0]
+    return None
+
+
+def zero1_owned(params: list[RankParam], dp: int, weight_decay: float, decay_embeddings: bool) -> list[list[RankParam]]:
+    """The parameters each dp rank owns under ZeRO-1: ``ZeroRedundancyOptimizer._partition_parameters`` on
+    ``build_optimizer``'s groups (two weight-decay groups when ``weight_decay`` > 0)."""
+    if weight_decay:
+        groups = [[p for p in params if decays(p.full_shape, p.embedding, decay_embeddings)],
+                  [p for p in params if not decays(p.full_shape, p.embedding, decay_embeddings)]]
+    else:
+        groups = [params]
+    owned: list[list[RankParam]] = [[] for _ in range(dp)]
+    sizes = [0] * dp
+    for group in groups:
+        for p in sorted(group, key=lambda q: q.numel, reverse=True):
+            rank = sizes.index(min(sizes))
+            owned[rank].append(p)
+            sizes[rank] += p.numel
+    return owned
+
+
+def optimizer_bytes(params: list[RankParam], precision: Precision) -> int:
+    """AdamW state (and master weights) for ``params``."""
+    per_element = ADAM_STATES * _size(precision.optimizer) + (_size(precision.optimizer) if precision.masters else 0)
+    return sum(p.numel * per_element + STEP_BYTES for p in params)
+
+
+@dataclass(frozen=True)
+class StaticBytes:
+    parameters: int
+    gradients: int
+    optimizer: int
+
+
+def static_bytes(
+    params: list[RankParam], precision: Precision, zero1_dp: int, dp_rank: int, weight_decay: float = 0.0,
+    decay_embeddings: bool = True,
+) -> StaticBytes:
+    """Parameter, gradient and optimizer bytes of one rank holding ``params`` (``zero1_dp`` > 1: ZeRO-1 over a
+    dp group of that size, this being dp rank ``dp_rank``)."""
+    numel = sum(p.numel for p in params)
+    owned = zero1_owned(params, zero1_dp, weight_decay, decay_embeddings)[dp_rank] if zero1_dp > 1 else params
+    return StaticBytes(numel * _size(precision.param), numel * precision.grad_bytes, optimizer_bytes(owned, precision))
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Activations of one pipeline rank: per micro-batch (all its stages), in flight at the peak, and the
+    transient working set of a backward on top."""
+
+    per_microbatch: int
+    in_flight_microbatches: float
+    in_flight: int
+    transient: int
+
+
+def activation_bytes(
+    model: nn.Module, trace: ActivationTrace, plan: LayoutPlan, pp_rank: int, microbatch: int) -> ActivationBytes:
+    """Activation bytes of pipeline rank ``pp_rank`` for micro-batches of ``microbatch`` sequences.
+
+    The trace runs in the parameter dtype (``--bf16_autocast``'s bf16 matmul outputs are not modelled). With activation checkpointing a decoder layer keeps only its input, and one layer's activations
+    live again while it is recomputed."""
+    config = plan.config
+    tp, sp = config.tp, config.sequence_parallel
+    vocab_parallel = tp > 1 and not config.disable_embedding_parallelization
+    layers = _layers_of(plan, pp_rank, len(trace.layers))
+    columns = column_modules(model, plan)
+    has_first = plan.split is None or 0 in plan.stages_of(pp_rank)
+    has_last = plan.split is None or plan.split.num_stages - 1 in plan.stages_of(pp_rank)
+    total = largest = recompute = 0
+    for index in layers:
+        unit = trace.layers[index]
+        saved, big = unit_bytes(unit, tp, sp, True, columns)
+        largest = max(largest, big)
+        if config.gradient_checkpointing:
+            total += _ceil(unit.leaf_input, tp) if sp else unit.leaf_input
+            recompute = max(recompute, saved)
+        else:
+            total += saved
+    for present, unit, in_sp in ((has_first, trace.first, False), (has_last, trace.last, True)):
+        if present:
+            saved, big = unit_bytes(unit, tp, sp and in_sp, vocab_parallel, columns)
+            total += saved
+            largest = max(largest, big)
+    per_mb = total * microbatch
+    flight = in_flight(config, pp_rank)
+    transient = (2 * largest + recompute) * microbatch
+    return ActivationBytes(per_mb, flight, int(per_mb * flight), transient)
+
+
+def _layers_of(plan: LayoutPlan, pp_rank: int, num_layers: int) -> list[int]:
+    if plan.split is None:
+        return list(range(num_layers))
+    return [i for stage in plan.stages_of(pp_rank) for i in range(*plan.split.bounds[stage])]
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,113 @@
+"""``plait plan --search``: every layout of a world, estimated, refused with a reason or ranked by step time.
+
+The global batch (per-device batch x dp x accumulation of the layout asked for) is kept: a layout with another
+dp gets the per-device batch that keeps it, or is refused when that does not divide. Enumerated: tp and pp
+dividing the world, virtual stages 1 or 2 (interleaved 1f1b and zero-bubble at 2), micro-batches from pp up to
+the per-device batch (powers of two times pp that divide it), SP on/off at tp > 1, ZeRO-1 on/off at dp > 1,
+activation checkpointing on/off. A layout the adapter or the pipeline refuses (``plan_layout``'s ConfigError),
+or whose peak exceeds the device memory, is listed with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from plait.config import ConfigError, ParallelConfig
+from plait.layout_plan import LayoutPlan, plan_layout
+from plait.planner.activations import ActivationTrace
+from plait.planner.device import Device
+from plait.planner.estimate import Batch, LayoutEstimate, estimate_layout
+from plait.planner.memory import Precision
+from plait.registry import AdapterError, Registry
+
+
+@dataclass
+class SearchResult:
+    """Layouts that fit, fastest first, with their estimated seconds per step; refusals as (layout, reason)."""
+
+    ranked: list[tuple[LayoutEstimate, float]] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
+
+
+def search_layouts(
+    model: nn.Module, base: ParallelConfig, world_size: int, batch: Batch, precision: Precision,
+    trace: ActivationTrace, device: Device, registry: Registry, weight_decay: float = 0.0,
+    decay_embeddings: bool = True,
+) -> SearchResult:
+    """Estimate every layout of ``world_size`` ranks for the global batch of ``base`` and ``batch``."""
+    global_batch = batch.per_device * (base.dp or world_size // (base.tp * base.pp))
+    result = SearchResult()
+    plans: dict[tuple, LayoutPlan | str] = {}
+    for config in candidates(base, world_size, global_batch):
+        label = describe(config)
+        per_device, rest = divmod(global_batch, config.dp)
+        if rest:
+            result.refused.append((label, f"global batch {global_batch} does not divide over dp={config.dp}"))
+            continue
+        if per_device % config.num_microbatches:
+            result.refused.append((label, f"per-device batch {per_device} does not divide into "
+                                          f"{config.num_microbatches} micro-batches"))
+            continue
+        key = dataclasses.astuple(dataclasses.replace(config, zero_1=False))
+        if key not in plans:
+            try:
+                plans[key] = plan_layout(model, dataclasses.replace(config, dp=None), world_size, registry)
+            except (ConfigError, AdapterError) as err:
+                plans[key] = str(err)
+        plan = plans[key]
+        if isinstance(plan, str):
+            result.refused.append((label, plan))
+            continue
+        plan = dataclasses.replace(plan, config=config)
+        estimate = estimate_layout(model, plan, dataclasses.replace(batch, per_device=per_device), precision,
+                                   trace, weight_decay, decay_embeddings)
+        if estimate.peak > device.memory_bytes:
+            result.refused.append((label, f"does not fit: peak {estimate.peak / 2**30:.2f} GiB > "
+                                          f"{device.memory_bytes / 2**30:.2f} GiB per device"))
+            continue
+        seconds = estimate.step_time(device)
+        estimate.step_seconds = seconds
+        result.ranked.append((estimate, seconds))
+    result.ranked.sort(key=lambda item: item[1])
+    return result
+
+
+def candidates(base: ParallelConfig, world_size: int, global_batch: int) -> list[ParallelConfig]:
+    """The layouts ``search_layouts`` tries (resolved: dp filled in)."""
+    out = []
+    for tp in _divisors(world_size):
+        for pp in _divisors(world_size // tp):
+            dp = world_size // (tp * pp)
+            per_device = max(1, global_batch // dp)
+            for vpp, schedule in ([(1, "1f1b")] if pp == 1 else
+                                  [(1, "1f1b"), (2, "interleaved-1f1b"), (2, "zero-bubble")]):
+                micro = [1] if pp == 1 else [pp * 2**k for k in range(8) if pp * 2**k <= per_device] or [pp]
+                for m, sp, zero, ckpt in itertools.product(
+                        micro, [True, False] if tp > 1 else [False], [False, True] if dp > 1 else [False],
+                        [False, True]):
+                    out.append(dataclasses.replace(
+                        base, tp=tp, pp=pp, dp=dp, virtual_pipeline_size=vpp, pipeline_schedule=schedule,
+                        num_microbatches=m, sp=sp, zero_1=zero, gradient_checkpointing=ckpt, pipeline_cuts=()))
+    return out
+
+
+def describe(config: ParallelConfig) -> str:
+    """One short line per layout, for tables."""
+    parts = [f"tp={config.tp}", f"pp={config.pp}", f"dp={config.dp}"]
+    if config.pp > 1:
+        parts += [f"vpp={config.virtual_pipeline_size}", f"m={config.num_microbatches}", config.pipeline_schedule]
+    if config.sequence_parallel:
+        parts.append("sp")
+    if config.zero_1:
+        parts.append("zero1")
+    if config.gradient_checkpointing:
+        parts.append("recompute")
+    return " ".join(parts)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

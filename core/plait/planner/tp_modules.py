@@ -1,0 +1,29 @@
+"""Which sharded linears are row- and which column-parallel, read off a plan's shard specs."""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from plait.layout_plan import LayoutPlan
+
+VOCAB_LABELS = ("vocab_embedding", "scaled_vocab_embedding", "vocab_head")
+
+
+def row_modules(model: nn.Module, plan: LayoutPlan) -> set[str]:
+    """Row-parallel linears: the weight is split along its input dimension."""
+    rows = set()
+    for name, shard in plan.shards_by_rank[0].items():
+        module = model.get_submodule(name)
+        in_dim = 0 if isinstance(module, Conv1D) else 1
+        if shard.style.label not in VOCAB_LABELS and shard.weight.dim == in_dim:
+            rows.add(name)
+    return rows
+
+
+def column_modules(model: nn.Module, plan: LayoutPlan) -> set[str]:
+    """Column-parallel linears (split along the output dimension, the vocab-parallel head included): their input
+    is whole on every tp rank."""
+    rows = row_modules(model, plan)
+    return {name for name, shard in plan.shards_by_rank[0].items()
+            if name not in rows and shard.style.label not in VOCAB_LABELS[:2] and shard.weight.dim is not None}

@@ -1,0 +1,94 @@
+"""Worker: what each rank of several layouts holds, measured beside ``plait.planner``'s prediction.
+
+Run as a world of 4 ranks: ``planner_worker.py OUT.json``. For each layout, a tiny Llama (tied embeddings,
+vocab 61: padded under tp) is laid out, its optimizer built as ``plait train`` builds it, and one step run;
+each rank records its parameter, gradient (after backward) and optimizer bytes (after the step), the
+collectives ``plait.comm`` saw in the second step (the first infers pipeline shapes), and the planner's numbers for that rank. Rank 0 writes them all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from plait import ParallelConfig, parallelize
+from plait.comm import count_collectives
+from plait.layout_plan import plan_layout
+from plait.meta import build_meta_model
+from plait.optim import OptimizerStep, build_optimizer
+from plait.planner.activations import trace_activations
+from plait.planner.estimate import Batch, estimate_layout
+from plait.planner.measure import gradient_bytes, optimizer_bytes, parameter_bytes
+from plait.planner.memory import Precision
+from plait.registry import default_registry
+
+SEQ, BATCH = 16, 4
+# name -> (layout, bf16 parameters, weight decay)
+LAYOUTS = {
+    "tp2_dp2_zero1_wd": (ParallelConfig(tp=2, zero_1=True), False, 0.1),
+    "pp2_dp2_zero1_bf16": (ParallelConfig(pp=2, num_microbatches=2, zero_1=True), True, 0.0),
+    "tp2_pp2_sp": (ParallelConfig(tp=2, pp=2, num_microbatches=2), False, 0.0),
+    "tp4_nosp": (ParallelConfig(tp=4, sp=False), False, 0.0),
+    "pp2_vpp2_dp2": (ParallelConfig(pp=2, virtual_pipeline_size=2, num_microbatches=2,
+                                    pipeline_schedule="interleaved-1f1b"), False, 0.0),
+    "dp4_zero1_bf16_wd": (ParallelConfig(zero_1=True), True, 0.1),
+}
+
+
+def model_config() -> LlamaConfig:
+    return LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                       max_position_embeddings=SEQ)
+
+
+def run(name: str, config: ParallelConfig, bf16: bool, weight_decay: float) -> dict:
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    world, rank = dist.get_world_size(), dist.get_rank()
+    registry = default_registry()
+    meta = build_meta_model(model_config(), dtype)
+    plan = plan_layout(meta, config, world, registry)
+    per_device = BATCH
+    estimate = estimate_layout(meta, plan, Batch(per_device, SEQ), Precision(dtype, torch.float32),
+                               trace_activations(meta, SEQ, registry, plan.adapter), weight_decay)
+    predicted = estimate.for_rank(rank)
+    torch.manual_seed(0)
+    pmodel = parallelize(LlamaForCausalLM(model_config()).to(dtype), config)
+    optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-3, weight_decay=weight_decay,
+                                optimizer_dtype=torch.float32)
+    step = OptimizerStep(pmodel.grad_sync, optimizer, 1.0)
+    ids = torch.randint(0, 61, (per_device, SEQ), generator=torch.Generator().manual_seed(rank))
+    num_items = per_device * (SEQ - 1) * pmodel.mesh.dp
+    pmodel.train_step(ids, ids, num_items_in_batch=num_items)  # warm-up: the pipeline infers shapes (a forward)
+    step()
+    with count_collectives() as counter:
+        pmodel.train_step(ids, ids, num_items_in_batch=num_items)
+        grads = gradient_bytes(pmodel)
+        step()
+    return {
+        "measured": {"parameters": parameter_bytes(pmodel), "gradients": grads, "optimizer": optimizer_bytes(optimizer)},
+        "predicted": {"parameters": predicted.static.parameters, "gradients": predicted.static.gradients,
+                      "optimizer": predicted.static.optimizer},
+        "records": counter.records,
+        "predicted_comm": [[op.group, op.op, op.count, op.bytes] for op in estimate.comm[predicted.pp_rank]],
+    }
+
+
+def main() -> None:
+    out = sys.argv[1]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    results = {name: run(name, *spec) for name, spec in LAYOUTS.items()}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
