@@ -42,20 +42,13 @@ def cmd_train(ns: argparse.Namespace) -> None:
 
 
 def cmd_plan(ns: argparse.Namespace) -> None:
-    """The layout ``plait train`` would use with the same flags, planned on a meta model."""
-    import torch
-
-    from plait.layout_plan import plan_layout
-    from plait.meta import build_meta_model
-    from plait.plan_report import print_plan
-    from plait.trainer import read_model_config
+    """The layout ``plait train`` would use with the same flags, planned on a meta model, with its memory,
+    communication and bubble; ``--search``: the fastest layouts that fit."""
+    from plait.plan_report import run_plan
 
     args = from_namespace(ns, TrainArgs)
     args.validate()
-    parallel = args.parallel_config()
-    world_size = ns.world_size or (args.nproc_per_node if args.nproc_per_node > 1 else None)  # None: tp * pp
-    model = build_meta_model(read_model_config(args), torch.bfloat16 if args.bf16 else torch.float32)
-    print_plan(model, plan_layout(model, parallel, world_size))
+    run_plan(ns, args)
 
 
 def cmd_adapters(ns: argparse.Namespace) -> None:
@@ -121,10 +114,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(train, TrainArgs)
     train.set_defaults(func=cmd_train)
 
-    plan = sub.add_parser("plan", help="show how a model would be split (plait train's flags), without its weights")
+    plan = sub.add_parser("plan", help="how a model would be split, what each rank holds and sends, which layout "
+                                       "is fastest (plait train's flags), without its weights")
     add_arguments(plan, TrainArgs)
     plan.add_argument("--world_size", type=int, default=None,
                       help="processes of the run (default: --nproc_per_node, at least tp * pp)")
+    from plait.planner.device import PRESETS  # plan's own flags: docs/plan.md
+
+    plan.add_argument("--device_memory", type=float, default=None, help="GiB per device to fit in (default: the "
+                      "--hardware preset's)")
+    plan.add_argument("--hardware", choices=sorted(PRESETS), default=None, help="device model for step times")
+    plan.add_argument("--calibrate", action="store_true", help="device model measured on this machine (cached)")
+    plan.add_argument("--recalibrate", action="store_true", help="measure again, replacing the cached calibration")
+    plan.add_argument("--search", action="store_true", help="rank every layout of the world that fits")
+    plan.add_argument("--top", type=int, default=5, help="layouts --search prints (default: 5)")
+    plan.add_argument("--json", action="store_true", help="print JSON for tools")
     plan.set_defaults(func=cmd_plan)
 
     cons = sub.add_parser("consolidate", help="write a checkpoint as one Hugging Face model dir")

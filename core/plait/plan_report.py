@@ -1,8 +1,10 @@
 """``plait plan``: how a model would be split, rendered from the same ``LayoutPlan`` that ``parallelize``
-applies (so it shows exactly the layouts ``plait train`` accepts), on a meta model: no weights built."""
+applies (so it shows exactly the layouts ``plait train`` accepts), on a meta model: no weights built; then
+what each rank would hold and send (``plait.planner``), or with ``--search`` which layout to use."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections import Counter
@@ -42,11 +44,16 @@ def print_plan(model: torch.nn.Module, plan: LayoutPlan) -> None:
     console.print(f"[bold]{type(model).__name__}[/] via adapter {plan.adapter.name!r}: {plan.config.describe()}")
     rows: Counter = Counter()
     for name, shard in plan.shards_by_rank[0].items():
-        key = (re.sub(r"\.\d+\.", ".*.", name), shard.style.label, shard.weight.full_shape, shard.weight.local_shape)
+        split = "sharded" if shard.weight.local_shape != shard.weight.full_shape else \
+            "replicated" + (", grad summed" if shard.grad_sum_block > 1 else "")
+        key = (re.sub(r"\.\d+\.", ".*.", name), shard.style.label, split, shard.weight.full_shape,
+               shard.weight.local_shape)
         rows[key] += 1
-    table = Table("module", "style", "full weight", "rank 0 weight", "count")
-    for (name, style, full, local), count in rows.items():
-        table.add_row(name, style, str(full), str(local), str(count))
+    # "sharded": each rank computes on its slice, nothing gathered in between (fused projections, full-width
+    # norms and experts included, where transformers' own plan gathers the activations)
+    table = Table("module", "style", "split", "full weight", "rank 0 weight", "count")
+    for (name, style, split, full, local), count in rows.items():
+        table.add_row(name, style, split, str(full), str(local), str(count))
     console.print(table)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     summary = Table("tp rank", "parameter bytes", "share of model")
@@ -56,3 +63,87 @@ def print_plan(model: torch.nn.Module, plan: LayoutPlan) -> None:
     console.print(f"unsharded model: {total:,} parameter bytes; everything not listed above is replicated")
     if plan.split is not None:
         print_pipeline(console, model, plan)
+
+
+def train_command(args, config, per_device: int) -> str:
+    """The ``plait train`` command running ``config`` with the rest of ``args`` (a ``TrainArgs``) unchanged."""
+    import shlex
+
+    world = config.tp * config.pp * (config.dp or 1)
+    flags: list[str] = ["plait", "train"]
+    for name in ("model_config", "model_name_or_path", "train_file", "dataset_name", "tokenizer_name", "config",
+                 "attn_implementation"):
+        if getattr(args, name):
+            flags += [f"--{name}", str(getattr(args, name))]
+    flags += ["--block_size", str(args.block_size), "--per_device_train_batch_size", str(per_device)]
+    if args.gradient_accumulation_steps != 1:
+        flags += ["--gradient_accumulation_steps", str(args.gradient_accumulation_steps)]
+    flags += ["--tensor_parallel_size", str(config.tp), "--pipeline_parallel_size", str(config.pp)]
+    if config.pp > 1:
+        flags += ["--num_microbatches", str(config.num_microbatches), "--pipeline_schedule", config.pipeline_schedule]
+        if config.virtual_pipeline_size > 1:
+            flags += ["--virtual_pipeline_size", str(config.virtual_pipeline_size)]
+    switches = {"disable_sequence_parallel": config.tp > 1 and not config.sp, "zero_1": config.zero_1,
+                "gradient_checkpointing": config.gradient_checkpointing, "bf16": args.bf16,
+                "bf16_autocast": config.bf16_autocast,
+                "disable_embedding_parallelization": config.disable_embedding_parallelization}
+    flags += [f"--{name}" for name, on in switches.items() if on]
+    if args.bf16 and args.optimizer_dtype != "float32":
+        flags += ["--optimizer_dtype", args.optimizer_dtype]
+    flags += ["--nproc_per_node", str(world)]
+    return shlex.join(flags)
+
+
+def run_plan(ns, args) -> None:
+    """``plait plan``: the layout tables, memory per rank, communication and bubble of the layout asked for,
+    or with ``--search`` the fastest layouts that fit (``ns``: the parsed plan flags; ``args``: TrainArgs)."""
+    import json
+
+    from plait.config import ConfigError
+    from plait.layout_plan import plan_layout
+    from plait.meta import build_meta_model
+    from plait.planner.activations import trace_activations
+    from plait.planner.device import PRESETS, calibrate
+    from plait.planner.estimate import Batch, estimate_layout
+    from plait.planner.memory import Precision
+    from plait.planner.render import estimate_json, print_estimate, print_search, search_json
+    from plait.planner.search import search_layouts
+    from plait.registry import default_registry
+    from plait.trainer import read_model_config
+
+    parallel = args.parallel_config()
+    world_size = ns.world_size or (args.nproc_per_node if args.nproc_per_node > 1 else None)  # None: tp * pp
+    if ns.device_memory is not None and ns.device_memory <= 0:
+        raise ConfigError(f"--device_memory={ns.device_memory} must be positive (GiB per device)")
+    device = calibrate(refresh=ns.recalibrate) if ns.calibrate or ns.recalibrate else (
+        PRESETS[ns.hardware] if ns.hardware else None)
+    memory = int(ns.device_memory * 2**30) if ns.device_memory else (device.memory_bytes if device else None)
+    if device is not None and memory is not None:
+        device = dataclasses.replace(device, memory_bytes=memory)
+    if ns.search and device is None:
+        raise ConfigError("--search ranks layouts by estimated step time: give a device model, --hardware "
+                          f"({', '.join(PRESETS)}) or --calibrate (measure this machine)")
+    param_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    precision = Precision(param_dtype, getattr(torch, args.optimizer_dtype) if args.bf16 else param_dtype)
+    registry = default_registry()
+    model = build_meta_model(read_model_config(args), param_dtype)
+    plan = plan_layout(model, parallel, world_size, registry)
+    batch = Batch(args.per_device_train_batch_size, args.block_size, args.gradient_accumulation_steps)
+    trace = trace_activations(model, args.block_size, registry, plan.adapter)
+    decay = {"weight_decay": args.weight_decay, "decay_embeddings": not args.exclude_embeddings_from_weight_decay}
+    console = Console(width=max(Console().width, 140))
+    if ns.search:
+        world = plan.config.tp * plan.config.pp * (plan.config.dp or 1)
+        result = search_layouts(model, plan.config, world, batch, precision, trace, device, registry, **decay)
+        commands = [train_command(args, e.plan.config, e.batch.per_device) for e, _ in result.ranked[:ns.top]]
+        if ns.json:
+            print(json.dumps(search_json(result, device, commands, ns.top), indent=2))
+        else:
+            print_search(console, result, device, commands, ns.top)
+        return
+    estimate = estimate_layout(model, plan, batch, precision, trace, **decay)
+    if ns.json:
+        print(json.dumps(estimate_json(estimate, device, memory), indent=2))
+        return
+    print_plan(model, plan)
+    print_estimate(console, estimate, device, memory)

@@ -36,7 +36,6 @@ LAYOUTS = {
     "tp4_nosp": (ParallelConfig(tp=4, sp=False), False, 0.0),
     "pp2_vpp2_dp2": (ParallelConfig(pp=2, virtual_pipeline_size=2, num_microbatches=2,
                                     pipeline_schedule="interleaved-1f1b"), False, 0.0),
-    "dp4_zero1_bf16_wd": (ParallelConfig(zero_1=True), True, 0.1),
 }
 
 

@@ -1,0 +1,126 @@
+"""Tables for humans and JSON for tools, from ``LayoutEstimate`` and ``SearchResult`` values.
+
+JSON schema (``plait plan --json``): {"layout": {...ParallelConfig...}, "world_size", "batch": {"per_device",
+"seq", "accumulation"}, "ranks": [{"rank", "tp_rank", "pp_rank", "dp_rank", "parameters", "gradients",
+"optimizer", "activations_per_microbatch", "in_flight_microbatches", "activations_in_flight", "transient",
+"peak"}], "peak", "device_memory" (or null), "fits" (or null), "communication": [{"pp_rank", "group", "op",
+"count", "bytes"}], "bubble", "flops_per_step": {pp_rank: FLOPs}, "step_seconds" (or null), "notes"}.
+``--search --json``: {"device": {...}, "ranked": [{"layout", "step_seconds", "peak", "bubble", "command"}],
+"refused": [{"layout", "reason"}], "command"} (the ``plait train`` command of the fastest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+from rich.console import Console
+from rich.table import Table
+
+from plait.planner.device import Device
+from plait.planner.estimate import LayoutEstimate
+from plait.planner.search import SearchResult, describe
+
+
+def gib(n: float) -> str:
+    if n < 2**20:
+        return f"{n:,.0f} B"
+    return f"{n / 2**30:.3f} GiB" if n >= 2**27 else f"{n / 2**20:.2f} MiB"
+
+
+def estimate_json(estimate: LayoutEstimate, device: Device | None, memory: int | None) -> dict:
+    """``memory``: bytes per device to check the peak against (None: no check); ``device``: for the step time."""
+    config = estimate.plan.config
+    ranks = [{"rank": r.rank, "tp_rank": r.tp_rank, "pp_rank": r.pp_rank, "dp_rank": r.dp_rank,
+              "parameters": r.static.parameters, "gradients": r.static.gradients, "optimizer": r.static.optimizer,
+              "activations_per_microbatch": r.activations.per_microbatch,
+              "in_flight_microbatches": r.activations.in_flight_microbatches,
+              "activations_in_flight": r.activations.in_flight, "transient": r.activations.transient + r.dp_buffer,
+              "peak": r.peak} for r in estimate.ranks]
+    layout = dataclasses.asdict(config)
+    layout["pipeline_cuts"] = list(config.pipeline_cuts)
+    return {
+        "layout": layout, "world_size": config.tp * config.pp * (config.dp or 1),
+        "batch": dataclasses.asdict(estimate.batch), "ranks": ranks, "peak": estimate.peak,
+        "device_memory": memory, "fits": estimate.peak <= memory if memory else None,
+        "communication": [{"pp_rank": pp_rank, "group": op.group, "op": op.op, "count": op.count, "bytes": op.bytes}
+                          for pp_rank, ops in estimate.comm.items() for op in ops],
+        "bubble": estimate.bubble, "flops_per_step": {str(k): v for k, v in estimate.flops.items()},
+        "step_seconds": estimate.step_time(device) if device else None, "notes": estimate.notes,
+    }
+
+
+def print_estimate(console: Console, estimate: LayoutEstimate, device: Device | None, memory: int | None) -> None:
+    """Memory per rank (ranks with equal numbers folded into one row), communication per pipeline rank, the
+    bubble and, with a device, the fit and step time."""
+    config = estimate.plan.config
+    rows: dict[tuple, list[int]] = defaultdict(list)
+    for r in estimate.ranks:
+        a = r.activations
+        key = (r.static.parameters, r.static.gradients, r.static.optimizer, a.per_microbatch,
+               a.in_flight_microbatches, a.in_flight, a.transient + r.dp_buffer, r.peak)
+        rows[key].append(r.rank)
+    table = Table("ranks", "parameters", "gradients", "optimizer", "activations / micro-batch", "in flight",
+                  "activations", "transient", "peak", title=f"memory per rank ({config.describe()})")
+    for (params, grads, optim, per_mb, flight, acts, transient, peak), ranks in rows.items():
+        mark = "" if memory is None or peak <= memory else " [red](does not fit)[/]"
+        table.add_row(_ranks(ranks), gib(params), gib(grads), gib(optim), gib(per_mb), f"{flight:g}", gib(acts),
+                      gib(transient), gib(peak) + mark)
+    console.print(table)
+    comm = Table("pp rank", "group", "op", "count", "bytes", title="communication per optimizer step (one rank)")
+    for pp_rank, ops in estimate.comm.items():
+        for op in ops:
+            comm.add_row(str(pp_rank), op.group, op.op, f"{op.count:,}", gib(op.bytes))
+    console.print(comm)
+    if config.pp > 1:
+        console.print(f"pipeline bubble ({config.pipeline_schedule}, p={config.pp}, m={config.num_microbatches}, "
+                      f"v={config.virtual_pipeline_size}): {estimate.bubble:.3f} of a step idle")
+    for note in estimate.notes:
+        console.print(note)
+    if memory is not None:
+        fits = estimate.peak <= memory
+        console.print(f"peak {gib(estimate.peak)} of {gib(memory)} per device: "
+                      + ("fits" if fits else "[red]does not fit[/]: see plait plan --search"))
+    if device is not None:
+        console.print(f"estimated step on {device.name}: {estimate.step_time(device):.4g} s")
+
+
+def search_json(result: SearchResult, device: Device, commands: list[str], top: int) -> dict:
+    return {
+        "device": dataclasses.asdict(device),
+        "ranked": [{"layout": describe(e.plan.config), "step_seconds": s, "peak": e.peak, "bubble": e.bubble,
+                    "command": c} for (e, s), c in zip(result.ranked[:top], commands)],
+        "refused": [{"layout": label, "reason": reason} for label, reason in result.refused],
+        "command": commands[0] if commands else None,
+    }
+
+
+def print_search(console: Console, result: SearchResult, device: Device, commands: list[str], top: int) -> None:
+    table = Table("#", "layout", "step (s)", "peak", "bubble", "tokens/s/device",
+                  title=f"fastest layouts on {device.name} ({len(result.ranked)} fit, {len(result.refused)} refused)")
+    for i, (estimate, seconds) in enumerate(result.ranked[:top], 1):
+        b = estimate.batch
+        tokens = b.per_device * b.seq * b.accumulation * (estimate.plan.config.dp or 1)
+        world = estimate.plan.config.tp * estimate.plan.config.pp * (estimate.plan.config.dp or 1)
+        table.add_row(str(i), describe(estimate.plan.config), f"{seconds:.4g}", gib(estimate.peak),
+                      f"{estimate.bubble:.3f}", f"{tokens / seconds / world:,.0f}")
+    console.print(table)
+    reasons: dict[str, list[str]] = defaultdict(list)
+    for label, reason in result.refused:
+        reasons[reason].append(label)
+    refused = Table("refused layouts", "reason", title="refused")
+    for reason, labels in list(reasons.items())[:20]:
+        refused.add_row("\n".join(labels[:4]) + (f"\n... and {len(labels) - 4} more" if len(labels) > 4 else ""),
+                        reason)
+    if reasons:
+        console.print(refused)
+    if commands:
+        console.print(f"[bold]best:[/] {commands[0]}")
+    else:
+        console.print("[red]no layout fits[/]: see the refusals above")
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]},... ({len(ranks)} ranks)"
