@@ -13,13 +13,19 @@ from plait import AdapterError, AdapterInfo, Attention, Column, ConfigError, Par
 from plait.layout_plan import plan_layout
 from plait.meta import build_meta_model
 from plait.registry import served_architectures
-from plait.tp.styles import ReplicatedGradSum, ScaledVocabEmbedding, VocabEmbedding, VocabHead
+from plait.tp.styles import (
+    FullWidthNormAttention, FusedColumn, HeadInterleavedAttention, LocalConfigAttention, MoEExperts, ReplicatedGradSum,
+    ScaledVocabEmbedding, VocabEmbedding, VocabHead,
+)
 
 import plait_transformers
+from plait_transformers_tiny import tiny_config
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 
 def tiny(arch: str, **overrides):
-    config = plait_transformers.plait_tiny_config(arch)
+    """The generic adapter's tiny config, without its forward-pass check (plans need only the structure)."""
+    config = tiny_config(CONFIG_MAPPING[arch])
     for key, value in overrides.items():
         setattr(config, key, value)
     return config
@@ -135,14 +141,64 @@ def test_phi_partial_rotary_and_dense_output_projection(registry):
     assert registry.sp_plan(registry.resolve(config), config).end == "model.final_layernorm"
 
 
+def rules_of(registry, config) -> dict:
+    return {r.pattern: r for r in registry.tp_plan(registry.resolve(config), config).rules}
+
+
+def test_phi3_fused_qkv_and_gate_up_are_split_for_real(registry):
+    """transformers gathers qkv_proj and gate_up_proj (colwise_gather_output); plait keeps whole q, k and v
+    heads and matching gate / up halves on each rank, and gives the block a config with its head counts."""
+    config = tiny("phi3")
+    rules = rules_of(registry, config)
+    attention, mlp = rules["model.layers.*.self_attn"], rules["model.layers.*.mlp.gate_up_proj"]
+    assert isinstance(attention, LocalConfigAttention) and attention.qkv == "qkv_proj"
+    assert attention.config_attrs == {"num_attention_heads": "q_heads"}
+    assert isinstance(mlp, FusedColumn) and mlp.chunks == 2
+    shards = plan(config, registry, tp=2, sp=True).shards_by_rank[1]
+    qkv = shards["model.layers.0.self_attn.qkv_proj"]
+    assert qkv.weight.ranges == ((16, 32), (40, 48), (56, 64))  # q heads 2-3, kv head 1 of k, of v
+    assert qkv.local_attrs["config"].num_attention_heads == 2 and config.num_attention_heads == 4
+    assert shards["model.layers.0.mlp.gate_up_proj"].weight.ranges == ((32, 64), (96, 128))
+
+
+def test_gpt_neox_head_interleaved_qkv(registry):
+    rules = rules_of(registry, tiny("gpt_neox"))
+    attention = rules["gpt_neox.layers.*.attention"]
+    assert isinstance(attention, HeadInterleavedAttention) and (attention.qkv, attention.o) == ("query_key_value", "dense")
+    shards = plan(tiny("gpt_neox"), registry, tp=2, sp=True).shards_by_rank[1]
+    assert shards["gpt_neox.layers.0.attention.query_key_value"].weight.ranges == ((48, 96),)  # heads 2-3, q k v each
+
+
+def test_olmo2_full_width_norms_reduce_their_sum_of_squares(registry):
+    rules = rules_of(registry, tiny("olmo2"))
+    attention = rules["model.layers.*.self_attn"]
+    assert isinstance(attention, FullWidthNormAttention) and (attention.q_norm, attention.k_norm) == ("q_norm", "k_norm")
+    shards = plan(tiny("olmo2"), registry, tp=4, sp=True).shards_by_rank[3]
+    q_norm, k_norm = shards["model.layers.0.self_attn.q_norm"], shards["model.layers.0.self_attn.k_norm"]
+    assert q_norm.style.label == "split_rms_norm" and q_norm.weight.ranges == ((24, 32),) and q_norm.grad_sum_block == 1
+    assert k_norm.weight.ranges == ((8, 16),) and k_norm.grad_sum_block == 2 and k_norm.style.copies == 2
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_moe_experts_split_on_the_intermediate_dim_router_replicated(registry, arch):
+    config = tiny(arch)
+    rules = rules_of(registry, config)
+    assert isinstance(rules["model.layers.*.mlp.experts"], MoEExperts)
+    assert "model.layers.*.mlp.gate" not in rules
+    assert "model.layers.*.mlp.gate" in registry.sp_plan(registry.resolve(config), config).norms  # token-wise
+    shard = plan(config, registry, tp=2, sp=True).shards_by_rank[1]["model.layers.0.mlp.experts"]
+    inter = config.moe_intermediate_size if arch == "qwen3_moe" else config.intermediate_size
+    half = inter // 2
+    assert shard.params["gate_up_proj"].ranges == ((half, inter), (inter + half, 2 * inter))
+    assert shard.params["down_proj"].dim == 2 and shard.params["down_proj"].ranges == ((half, inter),)
+
+
 # --------------------------------------------------------------------------------------------------
 # Refusals: before any process group, naming the architecture, the module and what is missing
 # --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("arch", "layout", "message"), [
-    ("olmo2", dict(tp=2, sp=False),
-     "olmo2: model.layers.*.self_attn.q_proj: transformers' style 'colwise_gather_output' gathers the projection's output"),
     ("youtu", dict(tp=2, sp=True),
      "youtu: model.layers.*.self_attn.q_a_proj: Linear has replicated matrices inside the decoder layers"),
     ("apertus", dict(tp=2, sp=False),
@@ -153,7 +209,7 @@ def test_refused_before_any_process_group(registry, arch, layout, message):
         plan(tiny(arch), registry, **layout)
 
 
-@pytest.mark.parametrize("arch", ["olmo2", "youtu", "apertus"])
+@pytest.mark.parametrize("arch", ["youtu", "apertus"])
 def test_refused_plans_still_train_data_parallel(registry, arch):
     """tp=pp=1 needs no plan: an architecture whose tp plan is refused still lays out (and trains) over dp."""
     layout = plan(tiny(arch), registry, tp=1, pp=1, gradient_checkpointing=True)
@@ -185,3 +241,11 @@ def test_tiny_config_alternates_layer_kinds():
 def test_tiny_config_of_a_refused_architecture_says_why():
     with pytest.raises(ConfigError, match="cannot serve 'opt': OPTConfig declares no base_model_tp_plan"):
         plait_transformers.plait_tiny_config("opt")
+
+
+def test_tiny_config_that_cannot_run_or_is_not_tiny_is_refused():
+    with pytest.raises(ConfigError, match="the tiny qwen3 config derived from Qwen3Config's defaults does not run one "
+                                          "forward pass"):
+        plait_transformers.checked(tiny("qwen3", num_key_value_heads=3))
+    with pytest.raises(ConfigError, match="still has 6,437,216 parameters"):
+        plait_transformers.checked(tiny("qwen3", vocab_size=100_000))

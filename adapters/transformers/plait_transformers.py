@@ -14,6 +14,8 @@ from plait import AdapterInfo, ConfigError, hookimpl
 from plait_transformers_derive import Refusal, derive
 from plait_transformers_tiny import tiny_config
 
+MAX_TINY_PARAMETERS = 5_000_000  # a tiny config's model is built for real on every rank of a test world
+
 
 @hookimpl
 def plait_adapter_info():
@@ -64,7 +66,30 @@ def plait_tiny_config(architecture):
     refusal = plait_refusal(config_class()) if config_class is not None else f"unknown model_type {architecture!r}"
     if refusal:
         raise ConfigError(f"the generic adapter cannot serve {architecture!r}: {refusal}")
-    return tiny_config(config_class)
+    return checked(tiny_config(config_class))
+
+
+def checked(config):
+    """``config`` once a model built from it runs a forward pass: transformers' defaults for some classes, shrunk
+    or not, build models that do not (a test model that cannot run one process proves nothing)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from plait.meta import build_meta_model
+
+    size = sum(p.numel() for p in build_meta_model(config).parameters())
+    if size > MAX_TINY_PARAMETERS:
+        raise ConfigError(f"the tiny {config.model_type} config derived from {type(config).__name__}'s defaults still "
+                          f"has {size:,} parameters (a size it does not shrink); give the architecture an adapter "
+                          f"with its own plait_tiny_config")
+    try:
+        with torch.no_grad():
+            AutoModelForCausalLM.from_config(config)(input_ids=torch.arange(8).view(1, 8) % config.vocab_size)
+    except Exception as err:
+        raise ConfigError(f"the tiny {config.model_type} config derived from {type(config).__name__}'s defaults does "
+                          f"not run one forward pass ({type(err).__name__}: {err}); give the architecture an "
+                          f"adapter with its own plait_tiny_config") from err
+    return config
 
 
 def _plan(plan):

@@ -25,17 +25,27 @@ from transformers.pytorch_utils import Conv1D
 from plait import Attention, Column, ConfigError, PipelinePlan, Row, SPPlan, TPPlan, VocabEmbedding, VocabHead
 from plait.meta import build_meta_model
 from plait.patterns import matches
-from plait.tp.styles import ReplicatedGradSum, ScaledVocabEmbedding, TPRule
+from plait.tp.sharding import linear_shape
+from plait.tp.styles import (
+    FullWidthNormAttention, FusedColumn, HeadInterleavedAttention, LocalConfigAttention, MoEExperts, MoERouter,
+    ReplicatedGradSum, ScaledVocabEmbedding, TPRule,
+)
 
 # Child names of an attention block's projections, as transformers' models spell them.
 Q, K, V = ("q_proj", "query", "q"), ("k_proj", "key", "k"), ("v_proj", "value", "v")
 O = ("o_proj", "dense", "out_proj", "o", "c_proj")
+QKV = ("qkv_proj", "query_key_value", "qkv", "Wqkv", "c_attn")  # fused q, k and v
 # Attention-module attributes that hold a head count read from the config at init: per rank under tp.
 LOCAL_ATTRS = {"num_heads": "q_heads", "num_attention_heads": "q_heads", "num_key_value_heads": "kv_heads",
                "num_kv_heads": "kv_heads", "num_key_value_groups": "kv_groups"}
 # Head counts an attention forward must not read from the (shared, unsplit) config.
-CONFIG_READS = ("config.num_attention_heads", "config.num_key_value_heads")
+CONFIG_READS = {"config.num_attention_heads": "q_heads", "config.num_key_value_heads": "kv_heads"}
 LINEAR_STYLES = ("colwise", "rowwise")
+# transformers' styles that gather a column-parallel output / split a row-parallel input again because an op
+# over the full width sits between them (a fused projection's split, a norm over all heads): plait splits for
+# real where it knows that op (FusedColumn, fused qkv layouts, SplitNorm) and refuses otherwise.
+GATHERED = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}
+MOE_STYLES = ("moe_tp_experts",)  # transformers' fused experts module (gate_up_proj [E, 2I, H], down_proj)
 LM_HEAD_STYLES = ("colwise_gather_output", "colwise_rep", "colwise")  # what transformers gives the LM head
 
 
@@ -143,10 +153,13 @@ def tp_plan(model: nn.Module, config, layers: str | None, notes: list[str]) -> T
     modules = dict(model.named_modules())
     styled: dict[str, str] = {}  # pattern (layer index folded) -> style
     example: dict[str, str] = {}  # pattern -> one module it matches
+    moe = [p for p, style in declared.items() if style in MOE_STYLES]
     for pattern, style in declared.items():
         hits = [name for name in modules if matches(pattern, name)]
         if not hits:
             params = [n for n, _ in model.named_parameters() if matches(pattern, n)]
+            if params and any(pattern.startswith(m + ".") for m in moe):
+                continue  # an experts module's own parameter: MoEExperts splits it
             if params:
                 raise refuse(arch, pattern, f"transformers shards the parameter itself ({style}); plait has no rule for "
                                             f"a bare parameter")
@@ -167,8 +180,40 @@ def tp_plan(model: nn.Module, config, layers: str | None, notes: list[str]) -> T
         children[parent][child] = style
         blocks.setdefault(parent, model.get_submodule(example[pattern].rpartition(".")[0]))
     for parent, styles in children.items():
-        rules += _block_rules(model, config, parent, blocks[parent], styles)
+        experts = [c for c, style in styles.items() if style in MOE_STYLES]
+        if experts:
+            rules += _moe_rules(model, config, parent, blocks[parent], styles, experts)
+        else:
+            rules += _block_rules(model, config, parent, blocks[parent], styles)
     return TPPlan(tuple(rules))
+
+
+def _moe_rules(model, config, parent: str, block: nn.Module, styles: dict[str, str], experts: list[str]) -> list:
+    """A sparse MoE block: the fused experts module split on its intermediate dimension (its own tensor-parallel
+    region), the router replicated. Any other child with parameters (a shared expert) must be a Column / Row
+    pair of its own in transformers' plan, else it is refused."""
+    arch = config.model_type
+    rules: list[TPRule] = [MoEExperts(f"{parent}.{e}") for e in experts]
+    for child, style in styles.items():
+        if child not in experts:
+            raise refuse(arch, f"{parent}.{child}", f"transformers' style {style!r} beside an experts module has no "
+                                                    f"plait rule")
+    for name, module in block.named_children():
+        if name in experts or not own_params_deep(module):
+            continue
+        if not is_router(module):
+            raise refuse(arch, f"{parent}.{name}", f"{type(module).__name__} beside the experts with parameters "
+                                                    f"transformers' tp plan does not split (a shared expert?)")
+        if getattr(config, "output_router_logits", False):
+            rules.append(MoERouter(f"{parent}.{name}"))  # its logits, gathered under SP, feed the aux loss
+    return rules
+
+
+def is_router(module: nn.Module) -> bool:
+    """An MoE router: one [experts, hidden] matrix (and a bias), applied token by token."""
+    params = dict(module.named_parameters())
+    return "Router" in type(module).__name__ and set(params) <= {"weight", "bias", "e_score_correction_bias"} and \
+        params.get("weight") is not None and params["weight"].dim() == 2
 
 
 def _embedding_rules(model, styled, notes) -> tuple[list[TPRule], list[TPRule]]:
@@ -199,18 +244,24 @@ def _block_rules(model, config, parent: str, block: nn.Module, styles: dict[str,
     roles = {role: next((c for c in names if c in styles), None) for role, names in (("q", Q), ("k", K), ("v", V), ("o", O))}
     if roles["q"] and roles["k"] and roles["v"]:
         return _attention_rules(config, parent, block, styles, roles)
+    fused = next((c for c in QKV if c in styles), None)
+    if fused and roles["o"]:
+        return _fused_attention_rules(config, parent, block, styles, fused, roles["o"])
     if is_attention(block):
-        raise refuse(arch, parent, f"attention whose projections {sorted(styles)} are not separate q, k, v (a fused "
-                                   f"layout); plait has no rule for it")
+        raise refuse(arch, parent, f"attention whose projections {sorted(styles)} are neither separate q, k, v nor "
+                                   f"a fused qkv plait knows; plait has no rule for it")
     rules: list[TPRule] = []
     for child, style in styles.items():
         name = f"{parent}.{child}"
         module = block.get_submodule(child)
-        if style not in LINEAR_STYLES:
+        if style not in LINEAR_STYLES and style not in GATHERED:
             raise refuse(arch, name, f"transformers' style {style!r} has no plait rule")
         if not is_linear(module):
             raise refuse(arch, name, f"{style} on a {type(module).__name__}; plait splits only Linear / Conv1D")
-        rules.append(Column(name) if style == "colwise" else Row(name))
+        if style == "colwise_gather_output":
+            rules.append(_fused_column(arch, name, block, child, styles))
+        else:
+            rules.append(Column(name) if style == "colwise" else Row(name))
     if not (any(isinstance(r, Column) for r in rules) and any(isinstance(r, Row) for r in rules)):
         raise refuse(arch, parent, f"{sorted(styles)} do not pair column-parallel with row-parallel projections, so "
                                    f"the split activations would leave the block")
@@ -221,16 +272,65 @@ def _block_rules(model, config, parent: str, block: nn.Module, styles: dict[str,
     return rules
 
 
+def _fused_column(arch: str, name: str, block: nn.Module, child: str, styles: dict[str, str]) -> TPRule:
+    """A column-parallel projection transformers gathers because its output is two projections side by side
+    (``gate_up_proj``: gate | up, chunked in two and multiplied): each rank keeps matching halves (FusedColumn).
+    Anything else gathered is refused: plait cannot tell which full-width op follows it."""
+    rows = [c for c, style in styles.items() if GATHERED.get(style, style) == "rowwise"]
+    fan_in = linear_shape(block.get_submodule(rows[0]))[0] if len(rows) == 1 else None
+    if "gate_up" in child and ".chunk(2" in inspect.getsource(type(block).forward) and \
+            _out_features(block.get_submodule(child)) == 2 * (fan_in or -1):
+        return FusedColumn(name, chunks=2)
+    raise refuse(arch, name, "transformers gathers this projection's output (colwise_gather_output) for an op over "
+                             "the full width that plait does not know; it has no real split for it")
+
+
+def _fused_attention_rules(config, parent, block, styles, qkv: str, o: str) -> list[TPRule]:
+    """Attention with one fused q/k/v projection, in one of the two layouts transformers' models use, read from
+    the forward's source: q | k | v side by side, sliced at ``num_attention_heads * head_dim`` (Phi3
+    ``qkv_proj``; LocalConfigAttention gives the block a config holding this rank's head counts), or head by
+    head, viewed as (heads, 3 * head_dim) and chunked in three (GPT-NeoX ``query_key_value``;
+    HeadInterleavedAttention). Any other layout is refused."""
+    arch = config.model_type
+    if GATHERED.get(styles[o], styles[o]) != "rowwise" or GATHERED.get(styles[qkv], styles[qkv]) != "colwise":
+        raise refuse(arch, parent, f"fused attention styles {styles} are not column-parallel qkv and row-parallel out")
+    stray = [n for n, m in block.named_modules() if n and n not in (qkv, o) and own_params(m)]
+    if stray or len(styles) != 2:
+        raise refuse(arch, f"{parent}.{(stray or sorted(set(styles) - {qkv, o}))[0]}",
+                     "a module inside fused attention beside qkv and out; plait has no rule for it")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(block, "head_dim", None) or getattr(block, "head_size", None) or \
+        getattr(config, "head_dim", None) or config.hidden_size // heads
+    width = _out_features(block.get_submodule(qkv))
+    if width != (heads + 2 * kv_heads) * head_dim:
+        raise refuse(arch, f"{parent}.{qkv}", f"fused width {width} is not (heads + 2 kv heads) x head_dim = "
+                                              f"({heads} + 2 x {kv_heads}) x {head_dim}")
+    source = inspect.getsource(type(block).forward)
+    local = {attr: q for attr, q in LOCAL_ATTRS.items() if isinstance(vars(block).get(attr), int)}
+    common = dict(qkv=qkv, o=o, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, local_attrs=local)
+    interleaved = ".chunk(3" in source and ("3 * self.head_size" in source or "3 * self.head_dim" in source)
+    if interleaved and kv_heads == heads:
+        return [HeadInterleavedAttention(parent, **common)]
+    sliced = "config.num_attention_heads * self.head_dim" in source
+    if sliced and not interleaved:
+        reads = {r.partition(".")[2]: q for r, q in CONFIG_READS.items() if r in source}
+        return [LocalConfigAttention(parent, config_attrs=reads, **common)]
+    raise refuse(arch, f"{parent}.{qkv}", f"{type(block).__name__}.forward splits its fused qkv in a layout plait does "
+                                          f"not recognise (neither q|k|v sliced by head counts nor per-head "
+                                          f"interleaved)")
+
+
 def _attention_rules(config, parent, block, styles, roles) -> list[TPRule]:
     """One Attention rule (heads from the config, checked against the projections' shapes), per-head norms
     as ReplicatedGradSum."""
     arch = config.model_type
+    gathered = any(styles[roles[r]] == "colwise_gather_output" for r in ("q", "k", "v"))
     for role in ("q", "k", "v"):
-        if styles[roles[role]] != "colwise":
-            raise refuse(arch, f"{parent}.{roles[role]}",
-                         f"transformers' style {styles[roles[role]]!r} gathers the projection's output (a norm or op "
-                         f"over the full width follows); plait has no rule for it")
-    if not roles["o"] or styles[roles["o"]] != "rowwise":
+        if GATHERED.get(styles[roles[role]], styles[roles[role]]) != "colwise":
+            raise refuse(arch, f"{parent}.{roles[role]}", f"transformers' style {styles[roles[role]]!r} on a q/k/v "
+                                                          f"projection has no plait rule")
+    if not roles["o"] or GATHERED.get(styles[roles["o"]], styles[roles["o"]]) != "rowwise":
         raise refuse(arch, parent, f"attention without a row-parallel output projection ({styles})")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -241,12 +341,18 @@ def _attention_rules(config, parent, block, styles, roles) -> list[TPRule]:
         raise refuse(arch, parent, f"projection widths {widths} are not heads x head_dim {expected} "
                                    f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}, head_dim={head_dim})")
     source = inspect.getsource(type(block).forward)
-    reads = [r for r in CONFIG_READS if r in source]
-    if reads:
-        raise refuse(arch, parent, f"{type(block).__name__}.forward reads {reads[0]} from the shared config; a "
-                                   f"per-rank head count cannot be set there")
+    reads = {r.partition(".")[2]: q for r, q in CONFIG_READS.items() if r in source}
     rules: list[TPRule] = []
     projections = {roles[r] for r in ("q", "k", "v", "o")}
+    local = {attr: q for attr, q in LOCAL_ATTRS.items() if isinstance(vars(block).get(attr), int)}
+    common = dict(q=roles["q"], k=roles["k"], v=roles["v"], o=roles["o"], num_heads=heads, num_kv_heads=kv_heads,
+                  head_dim=head_dim, local_attrs=local)
+    if gathered:
+        norms = _full_width_norms(arch, parent, block, roles, heads * head_dim, kv_heads * head_dim)
+        if reads:
+            raise refuse(arch, parent, f"{type(block).__name__}.forward reads {sorted(reads)} from the config beside "
+                                       f"full-width q/k norms; plait has no rule for both")
+        return [FullWidthNormAttention(parent, q_norm=norms[0], k_norm=norms[1], **common)]
     for child, style in styles.items():
         if child in projections:
             continue
@@ -259,9 +365,31 @@ def _attention_rules(config, parent, block, styles, roles) -> list[TPRule]:
             raise refuse(arch, f"{parent}.{name}", f"a replicated module inside attention whose parameters are not "
                                                    f"per head (head_dim={head_dim}); its input is split over tp")
         rules.append(ReplicatedGradSum(f"{parent}.{name}"))
-    local = {attr: q for attr, q in LOCAL_ATTRS.items() if isinstance(vars(block).get(attr), int)}
-    return [Attention(parent, q=roles["q"], k=roles["k"], v=roles["v"], o=roles["o"], num_heads=heads,
-                      num_kv_heads=kv_heads, head_dim=head_dim, local_attrs=local), *rules]
+    if reads:  # the forward reads head counts from the config: the block gets a copy holding this rank's
+        return [LocalConfigAttention(parent, config_attrs=reads, **common), *rules]
+    return [Attention(parent, **common), *rules]
+
+
+def _full_width_norms(arch, parent, block, roles, q_width: int, kv_width: int) -> tuple[str, str]:
+    """The RMSNorms over the whole projected q and k (OLMo2's q_norm / k_norm) that make transformers gather q
+    and k: plait splits them (SplitNorm, the sum of squares all-reduced). v gathered too, or anything else
+    inside the block, is refused."""
+    found = {}
+    for name, module in block.named_modules():
+        if not name or name in {roles[r] for r in ("q", "k", "v", "o")} or not own_params(module):
+            continue
+        params = dict(module.named_parameters())
+        width = params["weight"].shape[0] if set(params) == {"weight"} and params["weight"].dim() == 1 else None
+        if "RMSNorm" not in type(module).__name__ or width not in (q_width, kv_width):
+            raise refuse(arch, f"{parent}.{name}", f"{type(module).__name__} inside attention whose q/k/v transformers "
+                                                   f"gathers; plait splits only full-width RMSNorms on q and k")
+        found[name] = width
+    q_norm = next((n for n in found if "q" in n and found[n] == q_width), None)
+    k_norm = next((n for n in found if "k" in n and found[n] == kv_width), None)
+    if q_norm is None or k_norm is None or len(found) != 2:
+        raise refuse(arch, parent, f"transformers gathers q/k/v, but the block's norms {sorted(found)} are not one "
+                                   f"full-width RMSNorm each on q and k; plait has no real split for it")
+    return q_norm, k_norm
 
 
 def is_attention(block: nn.Module) -> bool:
@@ -288,10 +416,14 @@ def sp_plan(model: nn.Module, arch: str, layers: str | None, tp: TPPlan | Refusa
         raise refuse(arch, type(model).__name__, "no decoder layer list found (pp plan or _no_split_modules)")
     end = _final_norm(model, arch, layers)
     covered = [r.pattern for r in tp.rules]
+    experts = [r.pattern for r in tp.rules if isinstance(r, MoEExperts)]
     norms: list[str] = []
     for name, module in model.get_submodule(layers).named_modules(prefix=layers):
         pattern = layer_pattern(name, layers)
         if not own_params(module) or pattern in norms:
+            continue
+        if is_router(module) and any(c.rpartition(".")[0] == pattern.rpartition(".")[0] for c in experts):
+            norms.append(pattern)  # token-wise: on a sequence shard it routes that shard's tokens
             continue
         if any(pattern == c or pattern.startswith(c + ".") for c in covered):
             continue  # sharded, or inside an attention block (its own rules account for it)
@@ -333,6 +465,10 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     stages that do not own them."""
     if layers is None:
         raise refuse(arch, type(model).__name__, "no decoder layer list found (pp plan or _no_split_modules)")
+    if getattr(model.config, "output_router_logits", False):
+        raise refuse(arch, "output_router_logits", "the router's load-balancing loss combines the routing statistics "
+                                                   "of every layer of a forward, which pipeline stages do not share; "
+                                                   "set output_router_logits=False (no aux loss) or pp=1")
     plan = model.pp_plan or {}
     parent = layers.rpartition(".")[0]
     siblings = [f"{parent}.{n}" if parent else n for n in model.get_submodule(parent)._modules]

@@ -37,6 +37,8 @@ def tiny_config(config_class: type[PretrainedConfig]) -> PretrainedConfig:
     values = defaults.to_dict()
     layers = values.get("num_hidden_layers")
     overrides = {k: v for k, v in SIZES.items() if k in values and (values[k] is not None or k in EXPLICIT)}
+    if "qk_rope_head_dim" in values and "head_dim" in values:
+        overrides["head_dim"] = SIZES["qk_rope_head_dim"]  # multi-head latent attention: head_dim is the rotary part
     for key, value in values.items():
         if isinstance(value, float) and not isinstance(value, bool) and ("dropout" in key or "pdrop" in key):
             overrides[key] = 0.0

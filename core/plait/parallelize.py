@@ -88,18 +88,25 @@ class ParallelModel(nn.Module):
                 f"forward() runs the whole model, but pp={self.mesh.pp} spreads it over ranks; call "
                 f"train_step() or eval_loss(), which run the pipeline schedule"
             )
-        self._check_sequence(input_ids)
+        self._check_sequence(input_ids, attention_mask)
         return self._forward(input_ids, labels, attention_mask, num_items_in_batch)
 
     def _forward(self, input_ids, labels, attention_mask, num_items_in_batch) -> torch.Tensor:
         try:
             with precision_context(self.config, self.module):
-                logits = self.module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+                out = self.module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         finally:
             self.applied.entry.clear()
         if labels is None:
-            return logits
-        return self.loss(logits, labels, num_items_in_batch)
+            return out.logits
+        loss = self.loss(out.logits, labels, num_items_in_batch)
+        aux = getattr(out, "aux_loss", None)  # MoE load balancing, when the config sets output_router_logits
+        if aux is not None:
+            # transformers adds coef * aux per forward; plait trains on its mean over a step's forwards (the
+            # microbatches of every dp rank), which the gradient sum over dp and microbatches makes exact.
+            coef = self.module.config.router_aux_loss_coef
+            loss = loss + aux * (coef / (self.mesh.dp * self.config.num_microbatches))
+        return loss
 
     def train_step(
         self,
@@ -128,7 +135,14 @@ class ParallelModel(nn.Module):
         with torch.no_grad():
             return self._run(input_ids, labels, attention_mask, num_items_in_batch, train=False)
 
-    def _check_sequence(self, input_ids: torch.Tensor) -> None:
+    def _check_sequence(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        if attention_mask is not None and self.config.sequence_parallel and \
+                getattr(self.module.config, "output_router_logits", False):
+            raise ConfigError(
+                "an attention_mask with output_router_logits under sequence parallelism: the router loss gathers "
+                "the logits of sequence shards rank by rank, out of the mask's order; pack sequences without a "
+                "mask, disable sequence parallelism, or set output_router_logits=False"
+            )
         seq = input_ids.shape[1]
         if self.config.sequence_parallel and seq % self.mesh.tp:
             raise ConfigError(
@@ -138,7 +152,7 @@ class ParallelModel(nn.Module):
 
     def _run(self, input_ids, labels, attention_mask, num_items_in_batch, train: bool) -> torch.Tensor:
         """Checks first (identical on every rank, so a refusal never leaves a peer inside a collective)."""
-        self._check_sequence(input_ids)
+        self._check_sequence(input_ids, attention_mask)
         m = self.config.num_microbatches
         if input_ids.shape[0] % m:
             raise ConfigError(

@@ -72,7 +72,7 @@ def _enter_input(entry: TPRegionEntry):
 def _retie(model: nn.Module, shards: dict[str, ModuleShard], groups: list[list[tuple[str, str]]]) -> None:
     """Make parameters that were one tensor before sharding one tensor again (tied embeddings)."""
     for places in groups:
-        specs = {getattr(shards.get(m), leaf, None) for m, leaf in places}
+        specs = {shards[m].spec(leaf) if m in shards else None for m, leaf in places}
         if len(specs) > 1:
             names = [f"{m}.{leaf}" for m, leaf in places]
             raise ValueError(

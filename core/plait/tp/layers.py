@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from plait import comm
 from plait.tp import mappings
 
 Group = dist.ProcessGroup | None
@@ -151,3 +152,126 @@ class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, scale={self.scale:g}"
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather flattened tokens ([tokens, ...], dim 0); backward reduce-scatters (the consumer's gradient
+    is a partial sum over tp) or, for a consumer whose gradient is whole, splits."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, grad_is_partial: bool) -> torch.Tensor:
+        ctx.group, ctx.grad_is_partial = group, grad_is_partial
+        return comm.all_gather(x, group, 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.grad_is_partial:
+            return comm.reduce_scatter(grad.contiguous(), ctx.group, 0), None, None
+        return comm.split(grad, ctx.group, 0), None, None
+
+
+class _ReduceScatterTokens(torch.autograd.Function):
+    """Sum partial outputs over tp and keep this rank's tokens (dim 0); backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return comm.reduce_scatter(x.contiguous(), group, 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return comm.all_gather(grad.contiguous(), ctx.group, 0), None
+
+
+class ExpertsRegion:
+    """Makes a transformers experts module (``forward(hidden_states, top_k_index, top_k_weights)`` on flattened
+    tokens, expert weights split over tp on their intermediate dimension) its own tensor-parallel region.
+
+    Each rank computes every routed token's partial output through its slice of every expert; the partial
+    outputs are summed over tp. Without SP the tokens and routing are the same on every rank: they enter with
+    ``copy_to_tp`` (their gradients, partial, are summed in backward) and the output leaves with an all-reduce.
+    Under SP a rank holds only its sequence shard's tokens, routed locally: tokens, expert indices and routing
+    weights are all-gathered, and the partial outputs reduce-scattered back to the rank's own tokens (the
+    flattened tokens of a sequence shard are one contiguous chunk, so dim 0 is the token dimension).
+    """
+
+    ARGS = ("hidden_states", "top_k_index", "top_k_weights")
+
+    def __init__(self, group: Group, sequence_parallel: bool) -> None:
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def install(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self._enter, with_kwargs=True)
+        module.register_forward_hook(self._leave)
+
+    def _enter(self, module, args, kwargs):
+        values = dict(zip(self.ARGS, args)) | {k: kwargs.pop(k) for k in self.ARGS if k in kwargs}
+        hidden, index, weights = (values[k] for k in self.ARGS)
+        if self.sequence_parallel:
+            hidden = _GatherTokens.apply(hidden, self.group, True)
+            index = comm.all_gather(index.contiguous(), self.group, 0)
+            weights = _GatherTokens.apply(weights, self.group, True)
+        else:
+            hidden, weights = mappings.copy_to_tp(hidden, self.group), mappings.copy_to_tp(weights, self.group)
+        return (hidden, index, weights, *args[len(self.ARGS):]), kwargs
+
+    def _leave(self, module, args, output):
+        if self.sequence_parallel:
+            return _ReduceScatterTokens.apply(output, self.group)
+        return mappings.reduce_from_tp(output, self.group)
+
+
+class RouterLogitsGather:
+    """Under SP, replaces the router logits a router returns (its first output, [tokens, experts] of this rank's
+    sequence shard) with all ranks' logits, so transformers' load-balancing loss (computed from the recorded
+    logits) sees the whole sequence on every rank, as one process does. Every rank then computes the same loss;
+    backward hands each rank the gradient of its own tokens' logits (a split, not a sum). The tokens come
+    rank by rank: the loss sums over tokens, so their order matters only with an attention mask, which
+    ``ParallelModel`` refuses beside the router loss under SP. Prepended, so the hook transformers installs
+    to record the logits sees the gathered ones."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+
+    def install(self, module: nn.Module) -> None:
+        module.register_forward_hook(self._gather, prepend=True)
+
+    def _gather(self, module, args, output):
+        return (_GatherTokens.apply(output[0], self.group, False), *output[1:])
+
+
+class _SumOverTP(torch.autograd.Function):
+    """All-reduce (sum) forward and backward: a sum every rank consumes in part (a norm's sum of squares)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return comm.all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return comm.all_reduce(grad.contiguous().clone(), ctx.group), None
+
+
+class SplitRMSNorm(nn.Module):
+    """RMSNorm over a feature dimension split over tp (OLMo2's q/k norms over all heads' features): the sum of
+    squares is all-reduced instead of gathering the activations. ``copies``: how many tp ranks hold each slice
+    (replicated kv heads), so the sum counts every feature once. Computes in float32 and multiplies the weight
+    there, as transformers' ``Olmo2RMSNorm`` does."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, full_width: int, copies: int, group: Group) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.eps, self.full_width, self.copies, self.group = eps, full_width, copies, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        sum_sq = x.pow(2).sum(-1, keepdim=True)
+        if not comm.trivial(self.group):
+            sum_sq = _SumOverTP.apply(sum_sq, self.group)
+        variance = sum_sq / (self.full_width * self.copies)
+        return (self.weight * (x * torch.rsqrt(variance + self.eps))).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"local={tuple(self.weight.shape)} of {self.full_width}, eps={self.eps}, copies={self.copies}"

@@ -45,7 +45,7 @@ def sp_grad_sum_params(model: nn.Module, plan: SPPlan, shards: dict[str, ModuleS
         if not in_region:
             continue
         shard = shards.get(module_name)
-        if shard is not None and getattr(shard, leaf) is not None and getattr(shard, leaf).dim is not None:
+        if shard is not None and shard.spec(leaf) is not None and shard.spec(leaf).dim is not None:
             continue  # sharded over tp: each rank owns its gradient
         if shard is not None and leaf == "bias":
             found.append(param)  # row-parallel bias, added after the reduce-scatter

@@ -85,6 +85,12 @@ class ModuleShard:
     # q/k/v of an attention block: the block's own input enters the TP region (attention code reshapes by
     # its input's sequence length, which must already be the full sequence under SP).
     entered_by_parent: bool = False
+    # specs of parameters other than weight and bias (e.g. an experts module's gate_up_proj and down_proj)
+    params: dict[str, ShardSpec] = field(default_factory=dict)
+
+    def spec(self, leaf: str) -> ShardSpec | None:
+        """The spec of this module's parameter ``leaf`` (None: replicated)."""
+        return getattr(self, leaf) if leaf in ("weight", "bias") else self.params.get(leaf)
 
 
 def even_range(total: int, tp: int, rank: int, what: str) -> tuple[int, int]:
@@ -155,6 +161,6 @@ def param_specs(model: nn.Module, shards: dict[str, ModuleShard]) -> dict[str, S
     for name, param in model.named_parameters(remove_duplicate=False):
         module_name, _, leaf = name.rpartition(".")
         shard = shards.get(module_name)
-        spec = getattr(shard, leaf, None) if shard is not None else None
+        spec = shard.spec(leaf) if shard is not None else None
         specs[name] = spec if spec is not None else ShardSpec(tuple(param.shape))
     return specs

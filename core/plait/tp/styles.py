@@ -17,7 +17,8 @@ from torch import nn
 from plait.config import ConfigError
 from plait.mesh import Mesh
 from plait.tp.layers import (
-    ColumnParallelLinear, RowParallelLinear, ScaledVocabParallelEmbedding, TPRegionEntry, VocabParallelEmbedding,
+    ColumnParallelLinear, ExpertsRegion, RouterLogitsGather, RowParallelLinear, ScaledVocabParallelEmbedding, SplitRMSNorm, TPRegionEntry,
+    VocabParallelEmbedding,
 )
 from plait.tp.sharding import ModuleShard, ShardSpec, even_range, linear_shape, linear_shard, vocab_split
 
@@ -67,6 +68,14 @@ class Column(TPRule):
     def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
         weight, bias = _local(shard, module)
         return ColumnParallelLinear(weight, bias, shard.transposed, None if shard.entered_by_parent else ctx.entry)
+
+
+@dataclass(frozen=True)
+class FusedQKV(Column):
+    """The fused q/k/v projection of an ``Attention`` block (built as a Column; its ranges, whole heads of q, k
+    and v, come from the block's rule). Its own label says in ``plait plan`` that nothing is gathered."""
+
+    label: ClassVar[str] = "fused_qkv"
 
 
 @dataclass(frozen=True)
@@ -172,7 +181,7 @@ class Attention(TPRule):
             kv_width = kv_heads * hd
             ranges = [q_range, (heads * hd + kv_range[0], heads * hd + kv_range[1]),
                       (heads * hd + kv_width + kv_range[0], heads * hd + kv_width + kv_range[1])]
-            projections = [linear_shard(*child(self.qkv), Column(f"{name}.{self.qkv}"), ranges, None)]
+            projections = [linear_shard(*child(self.qkv), FusedQKV(f"{name}.{self.qkv}"), ranges, None)]
         else:
             projections = [linear_shard(*child(self.q), Column(f"{name}.{self.q}"), [q_range], None)]
             for attr in (self.k, self.v):
@@ -250,4 +259,183 @@ class ReplicatedGradSum(TPRule):
         return [shard]
 
     def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
+        return module
+
+
+@dataclass(frozen=True)
+class FusedColumn(Column):
+    """A column-parallel linear whose output is ``chunks`` projections side by side (Phi3's ``gate_up_proj``:
+    gate | up): each rank keeps the same slice of every chunk, so a chunk(2) of its output pairs matching gate
+    and up features for a row-parallel projection after it."""
+
+    chunks: int = 2
+    label: ClassVar[str] = "fused_column"
+
+    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
+        _, fan_out, _ = linear_shape(module)
+        if fan_out % self.chunks:
+            raise ConfigError(f"{name}: {fan_out} output features do not split into {self.chunks} fused projections")
+        width = fan_out // self.chunks
+        start, stop = even_range(width, tp, rank, f"{name} output features per fused projection")
+        ranges = [(c * width + start, c * width + stop) for c in range(self.chunks)]
+        return [linear_shard(name, module, self, ranges, None)]
+
+
+def _head_split(heads: int, kv_heads: int, head_dim: int, tp: int, rank: int) -> tuple:
+    """(q range, kv range, local kv heads, ranks sharing a kv head) of rank ``rank``, as ``Attention`` splits."""
+    q_heads = heads // tp
+    q_range = (rank * q_heads * head_dim, (rank + 1) * q_heads * head_dim)
+    if kv_heads >= tp:
+        local_kv, block = kv_heads // tp, 1
+        return q_range, (rank * local_kv * head_dim, (rank + 1) * local_kv * head_dim), local_kv, block
+    block = tp // kv_heads
+    head = rank // block
+    return q_range, (head * head_dim, (head + 1) * head_dim), 1, block
+
+
+@dataclass(frozen=True)
+class LocalConfigAttention(Attention):
+    """``Attention`` for a module whose forward reads head counts from its config (Phi3 slices its fused
+    ``qkv_proj`` output at ``config.num_attention_heads * head_dim``): the module gets its own shallow copy of
+    the config holding this rank's values. ``config_attrs`` maps config attributes to the quantities of
+    ``Attention.local_attrs`` (q_heads, kv_heads, ...)."""
+
+    config_attrs: dict[str, str] = field(default_factory=dict)
+    label: ClassVar[str] = "attention"
+
+    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
+        import copy
+
+        shards = super().shards(name, module, tp, rank)
+        _, _, local_kv, _ = _head_split(self.num_heads, self.num_kv_heads, self.head_dim, tp, rank)
+        q_heads = self.num_heads // tp
+        quantities = {"q_heads": q_heads, "kv_heads": local_kv, "kv_groups": q_heads // local_kv,
+                      "q_width": q_heads * self.head_dim, "kv_width": local_kv * self.head_dim}
+        config = copy.copy(module.config)
+        for attr, quantity in self.config_attrs.items():
+            setattr(config, attr, quantities[quantity])
+        shards[0].local_attrs = {**shards[0].local_attrs, "config": config}
+        return shards
+
+
+@dataclass(frozen=True)
+class HeadInterleavedAttention(Attention):
+    """``Attention`` whose fused ``qkv`` projection is laid out head by head (GPT-NeoX ``query_key_value``:
+    [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], viewed as (heads, 3 * head_dim)): each rank keeps a contiguous run of
+    whole heads, q, k and v together. Multi-head attention only (no grouped kv heads in this layout)."""
+
+    label: ClassVar[str] = "attention"
+
+    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
+        if self.qkv is None or self.num_kv_heads != self.num_heads:
+            raise ConfigError(f"{name}: a head-interleaved qkv needs qkv= and num_kv_heads == num_heads")
+        self._check_heads(tp)
+        q_heads, hd = self.num_heads // tp, self.head_dim
+        fused = (rank * q_heads * 3 * hd, (rank + 1) * q_heads * 3 * hd)
+        q_range = (rank * q_heads * hd, (rank + 1) * q_heads * hd)
+        child = lambda attr: (f"{name}.{attr}", module.get_submodule(attr))  # noqa: E731
+        qkv = linear_shard(*child(self.qkv), FusedQKV(f"{name}.{self.qkv}"), [fused], None)
+        qkv.entered_by_parent = True
+        quantities = {"q_heads": q_heads, "kv_heads": q_heads, "kv_groups": 1, "q_width": q_heads * hd,
+                      "kv_width": q_heads * hd}
+        qkv.local_attrs = {attr: quantities[q] for attr, q in self.local_attrs.items()}
+        return [qkv, linear_shard(*child(self.o), Row(f"{name}.{self.o}"), None, [q_range])]
+
+
+@dataclass(frozen=True)
+class SplitNorm(TPRule):
+    """An RMSNorm over features a column-parallel projection split (built by ``FullWidthNormAttention``):
+    weight sliced like the features, sum of squares all-reduced (``layers.SplitRMSNorm``)."""
+
+    full_width: int = 0
+    copies: int = 1
+    label: ClassVar[str] = "split_rms_norm"
+
+    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
+        weight, _ = _local(shard, module)
+        eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps")
+        return SplitRMSNorm(weight, eps, self.full_width, self.copies, ctx.mesh.tp_group)
+
+
+@dataclass(frozen=True)
+class FullWidthNormAttention(Attention):
+    """``Attention`` with RMSNorms over the whole projected q and k (OLMo2's ``q_norm`` / ``k_norm``, over
+    heads x head_dim, not per head): the norms keep this rank's slice of their weight and all-reduce the sum of
+    squares (``SplitNorm``) instead of gathering q and k. A k slice replicated over a block of ranks (kv heads
+    fewer than tp) is counted once, and its weight's gradient summed over the block like k_proj's."""
+
+    q_norm: str = "q_norm"
+    k_norm: str = "k_norm"
+    label: ClassVar[str] = "attention"
+
+    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
+        shards = super().shards(name, module, tp, rank)
+        q_range, kv_range, _, block = _head_split(self.num_heads, self.num_kv_heads, self.head_dim, tp, rank)
+        for attr, rows, width, copies in ((self.q_norm, q_range, self.num_heads * self.head_dim, 1),
+                                          (self.k_norm, kv_range, self.num_kv_heads * self.head_dim, block)):
+            norm = module.get_submodule(attr)
+            if tuple(norm.weight.shape) != (width,) or [n for n, _ in norm.named_parameters()] != ["weight"]:
+                raise ConfigError(f"{name}.{attr}: expected an RMSNorm with one weight of {width} features")
+            spec = ShardSpec((width,), 0, (rows,))
+            style = SplitNorm(f"{name}.{attr}", full_width=width, copies=copies)
+            shards.append(ModuleShard(f"{name}.{attr}", style, False, spec, None, grad_sum_block=copies))
+        return shards
+
+
+@dataclass(frozen=True)
+class MoEExperts(TPRule):
+    """A transformers experts module (weights fused over experts: ``gate_up_proj`` [E, 2I, H] or ``up_proj``
+    [E, I, H], and ``down_proj`` [E, H, I]; transposed when ``is_transposed``; gate and up side by side, or
+    interleaved when ``is_concatenated`` is False) split over tp on the intermediate dimension I: every rank
+    holds a slice of every expert, matching halves of gate and up. The router stays replicated; the module
+    becomes its own tensor-parallel region (``layers.ExpertsRegion``)."""
+
+    label: ClassVar[str] = "moe_experts"
+
+    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
+        params = dict(module.named_parameters(recurse=False))
+        fused = "gate_up_proj" if "gate_up_proj" in params else "up_proj"
+        unknown = sorted(set(params) - {fused, "down_proj"})
+        if unknown or "down_proj" not in params or getattr(module, "has_post_expert_norm", False):
+            raise ConfigError(f"{name} ({type(module).__name__}): moe_experts splits gate_up_proj / up_proj and "
+                              f"down_proj only; found {sorted(params)}")
+        transposed = bool(getattr(module, "is_transposed", False))
+        up_dim, down_dim = (2, 1) if transposed else (1, 2)
+        inter = params["down_proj"].shape[down_dim]
+        start, stop = even_range(inter, tp, rank, f"{name} expert intermediate size")
+        if fused == "up_proj":
+            up_ranges = [(start, stop)]
+        elif getattr(module, "is_concatenated", True):
+            up_ranges = [(start, stop), (inter + start, inter + stop)]
+        else:  # [gate_0, up_0, gate_1, up_1, ...]
+            up_ranges = [(2 * start, 2 * stop)]
+        specs = {fused: ShardSpec(tuple(params[fused].shape), up_dim, tuple(up_ranges)),
+                 "down_proj": ShardSpec(tuple(params["down_proj"].shape), down_dim, ((start, stop),))}
+        return [ModuleShard(name, self, transposed, specs[fused], None, params=specs)]
+
+    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
+        for leaf, spec in shard.params.items():
+            old = module._parameters[leaf]
+            module._parameters[leaf] = nn.Parameter(spec.slice_full(old.detach()), requires_grad=old.requires_grad)
+        ExpertsRegion(ctx.mesh.tp_group, ctx.sequence_parallel).install(module)
+        return module
+
+
+@dataclass(frozen=True)
+class MoERouter(TPRule):
+    """An MoE router kept whole on every rank, for a model whose config asks for router logits (the
+    load-balancing loss, ``output_router_logits``): under SP each rank routes its sequence shard's tokens, and
+    the logits it returns for the loss are all-gathered (``layers.RouterLogitsGather``) so that every rank
+    computes transformers' loss over the whole sequence. Routing itself stays local."""
+
+    label: ClassVar[str] = "moe_router"
+
+    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
+        bias = getattr(module, "bias", None)
+        return [ModuleShard(name, self, False, ShardSpec(tuple(module.weight.shape)),
+                            ShardSpec(tuple(bias.shape)) if isinstance(bias, nn.Parameter) else None)]
+
+    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
+        if ctx.sequence_parallel:
+            RouterLogitsGather(ctx.mesh.tp_group).install(module)
         return module
