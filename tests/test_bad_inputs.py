@@ -141,6 +141,9 @@ CASES = [
      None, "pipeline cut 'model.layers.7' is not a leaf module"),
     ("seq_vs_tp_with_sp", ["--tensor_parallel_size", "2", "--block_size", "15"], None,
      "--block_size=15 is not divisible by --tensor_parallel_size=2 under sequence parallelism"),
+    ("seq_vs_tp3_with_sp", ["--tensor_parallel_size", "3", "--block_size", "32"], world_size(3),
+     "--block_size=32 is not divisible by --tensor_parallel_size=3 under sequence parallelism; use --block_size 30 or "
+     "33 (a multiple of 3) or --disable_sequence_parallel"),
     ("world_not_divisible", ["--tensor_parallel_size", "2"], world_size(3),
      "world size 3 is not divisible by tp*pp = 2*1 = 2"),
     ("layout_larger_than_world", ["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2", "--num_microbatches",

@@ -84,9 +84,11 @@ def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
         )
     parallel = args.parallel_config()
     if parallel.sequence_parallel and args.block_size % parallel.tp:
-        raise ConfigError(
+        lower = args.block_size - args.block_size % parallel.tp
+        nearest = f"{lower} or {lower + parallel.tp}" if lower else f"{parallel.tp}"
+        raise ConfigError(  # kept a refusal, not padded: docs/decisions.md D9
             f"--block_size={args.block_size} is not divisible by --tensor_parallel_size={parallel.tp} under sequence "
-            f"parallelism; use a multiple of {parallel.tp} or --disable_sequence_parallel"
+            f"parallelism; use --block_size {nearest} (a multiple of {parallel.tp}) or --disable_sequence_parallel"
         )
 
 
