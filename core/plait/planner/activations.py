@@ -10,7 +10,8 @@ milliseconds even for a 70B config.
 
 Each saved tensor then scales to a tp rank by what it is: a hidden-sized tensor (last dim = hidden size)
 is whole on every tp rank, except inside the sequence-parallel region where only a column-parallel linear's
-(gathered) input stays whole; every other tensor of a decoder layer (heads, MLP intermediate) is split by tp,
+(gathered) input stays whole, and there each column-parallel linear keeps its own gathered copy (q, k and v
+share one input without SP, three copies with it: measured by bench/plan_check.py's saved-bytes column); every other tensor of a decoder layer (heads, MLP intermediate) is split by tp,
 and logits are split when the LM head is vocab-parallel. Fused attention (sdpa, flash) keeps no s x s
 probabilities: those are dropped when tracing with any kernel other than eager (the meta device runs sdpa's
 math fallback, which would save them).
@@ -38,6 +39,7 @@ class Saved:
     nbytes: int
     hidden: bool  # last dim is the hidden size
     module: str  # the innermost module saving it ("" outside any tracked linear)
+    copy: bool = False  # a second linear saving the same input: one tensor here, its own gathered copy under SP
 
 
 @dataclass
@@ -75,17 +77,22 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter) -
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
     units = {FIRST: UnitTrace(), LAST: UnitTrace(), **{name: UnitTrace() for name in layer_names}}
     params = {p.untyped_storage()._cdata for p in model.parameters()}
-    seen: set[int] = set()
+    seen: set = set()  # storages, and (storage, linear) pairs
     where = {"unit": FIRST, "stack": []}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         key = tensor.untyped_storage()._cdata
-        if key in params or key in seen:
+        inner = where["stack"][-1] if where["stack"] else ""
+        if key in params or (key, inner) in seen:
             return tensor
-        seen.add(key)
+        if key in seen:  # saved again, by another linear
+            if inner:
+                seen.add((key, inner))
+                units[where["unit"]].saved.append(Saved(tensor.untyped_storage().nbytes(), True, inner, copy=True))
+            return tensor
+        seen.update((key, (key, inner)))
         if impl != "eager" and tensor.dim() == 4 and tuple(tensor.shape[-2:]) == (seq, seq) and tensor.is_floating_point():
             return tensor  # attention probabilities: a fused kernel keeps only its output and logsumexp
-        inner = where["stack"][-1] if where["stack"] else ""
         units[where["unit"]].saved.append(Saved(
             tensor.untyped_storage().nbytes(), tensor.dim() > 0 and tensor.shape[-1] == hidden, inner))
         return tensor
@@ -132,7 +139,9 @@ def unit_bytes(unit: UnitTrace, tp: int, sp: bool, split_others: bool, columns: 
     linears, whose (gathered) input is whole on every tp rank under SP too."""
     total = largest = 0
     for s in unit.saved:
-        if s.hidden:
+        if s.copy:  # plait's SP linears each keep their own gathered input; without SP they share one
+            size = s.nbytes if sp and s.module in columns else 0
+        elif s.hidden:
             size = s.nbytes if (s.module in columns or not sp) else _ceil(s.nbytes, tp)
         else:
             size = _ceil(s.nbytes, tp) if split_others else s.nbytes

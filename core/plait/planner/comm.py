@@ -6,6 +6,7 @@ with SP those become a reduce-scatter + all-gather pair each, the region adds th
 layer and the gather after its final norm, and the norms' weight gradients are all-reduced once per step.
 A vocab-parallel embedding all-reduces its output; a vocab-parallel head all-reduces its input's gradient
 (without SP) and the cross-entropy three vectors of one float per predicted token.
+Activation checkpointing repeats a layer's forward collectives in backward, all but its last row-parallel one.
 Pipeline (per micro-step): each micro-batch's hidden states cross every stage boundary forward and their
 gradient backward; the loss is broadcast from the last stage; tied embeddings sum their gradient over the
 pipeline ends once per step. Data parallel (once per step): gradients all-reduced in 32 MiB buckets, or under
@@ -99,6 +100,15 @@ def step_comm(
             add("all_reduce", 2 * r, act)
             if has_last and vocab_head:
                 add("all_reduce", 1, act)
+        # A recomputed layer repeats its forward collectives in backward, up to the last one whose output backward
+        # needs: the final row-parallel output is not recomputed (torch's checkpoint stops early).
+        for leaf in plan.leaves:
+            r_leaf = sum(1 for n in rows if n.startswith(leaf + ".") and any(p.name.startswith(n + ".") for p in held))
+            if r_leaf and config.sequence_parallel:
+                add("all_gather", r_leaf, local)
+                add("reduce_scatter", r_leaf - 1, act)
+            elif r_leaf:
+                add("all_reduce", r_leaf - 1, act)
         # Under pp every micro-batch runs its own collectives (same bytes in all, m times the count).
         per_mb = config.num_microbatches if split is not None else 1
         for op, (n, size) in counts.items():

@@ -144,8 +144,9 @@ def activation_bytes(
     model: nn.Module, trace: ActivationTrace, plan: LayoutPlan, pp_rank: int, microbatch: int) -> ActivationBytes:
     """Activation bytes of pipeline rank ``pp_rank`` for micro-batches of ``microbatch`` sequences.
 
-    The trace runs in the parameter dtype (``--bf16_autocast``'s bf16 matmul outputs are not modelled). With activation checkpointing a decoder layer keeps only its input, and one layer's activations
-    live again while it is recomputed."""
+    The trace runs in the parameter dtype (``--bf16_autocast``'s bf16 matmul outputs are not modelled). With
+    activation checkpointing a decoder layer keeps only its input, and one layer's activations live again
+    while it is recomputed."""
     config = plan.config
     tp, sp = config.tp, config.sequence_parallel
     vocab_parallel = tp > 1 and not config.disable_embedding_parallelization
@@ -153,24 +154,31 @@ def activation_bytes(
     columns = column_modules(model, plan)
     has_first = plan.split is None or 0 in plan.stages_of(pp_rank)
     has_last = plan.split is None or plan.split.num_stages - 1 in plan.stages_of(pp_rank)
-    total = largest = recompute = 0
+    total = largest = recompute = leaf_inputs = 0
     for index in layers:
         unit = trace.layers[index]
         saved, big = unit_bytes(unit, tp, sp, True, columns)
         largest = max(largest, big)
         if config.gradient_checkpointing:
-            total += _ceil(unit.leaf_input, tp) if sp else unit.leaf_input
+            leaf_inputs += _ceil(unit.leaf_input, tp) if sp else unit.leaf_input
             recompute = max(recompute, saved)
         else:
             total += saved
-    for present, unit, in_sp in ((has_first, trace.first, False), (has_last, trace.last, True)):
-        if present:
-            saved, big = unit_bytes(unit, tp, sp and in_sp, vocab_parallel, columns)
-            total += saved
-            largest = max(largest, big)
-    per_mb = total * microbatch
+    if has_first:
+        total += unit_bytes(trace.first, tp, False, vocab_parallel, columns)[0]
+    if has_last:
+        saved, largest = unit_bytes(trace.last, tp, sp, vocab_parallel, columns)
+        total += saved
+    # Backward starts with the gradient of the biggest saved tensor beside everything saved: the loss's
+    # log-softmax on the last stage, else a layer's (attention probabilities). With recomputation a layer's
+    # saved tensors live again one layer at a time, once the head's and loss's are freed: the transient is
+    # whichever is larger.
+    transient = largest
+    if config.gradient_checkpointing:
+        transient = max(largest, recompute - total)
+    per_mb = (total + leaf_inputs) * microbatch
     flight = in_flight(config, pp_rank)
-    transient = (2 * largest + recompute) * microbatch
+    transient *= microbatch
     return ActivationBytes(per_mb, flight, int(per_mb * flight), transient)
 
 

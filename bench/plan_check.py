@@ -1,0 +1,412 @@
+"""``plait plan`` against measurement, side by side in one run (issue 14's acceptance), on 2 CPU ranks (gloo).
+
+    python bench/plan_check.py [--tiny] [--steps 3]
+
+1. Bytes: parameters, gradients, optimizer state that built ranks hold vs the planner, per rank and layout
+   (ZeRO-1, pp, bf16 with fp32 masters included): must be equal.
+2. Peak memory over the post-load baseline, per rank, for 9 layouts of a Llama whose activations dominate
+   (eager attention, s=256): within 20%. Measured as the kernel's resident-set high-water mark (VmHWM, reset
+   through /proc/self/clear_refs before the step) minus the resident set before it, with glibc told to mmap
+   every block over 64 KiB (MALLOC_MMAP_THRESHOLD_), so freed tensors leave the resident set at once and
+   RSS follows live tensor bytes; torch's CPU allocator does not cache. The prediction over that baseline is
+   the planner's peak minus what the baseline already holds (parameters, optimizer state, fp32 main_grads).
+   The first step (optimizer state, pipeline shape inference) runs before the baseline. The "saved" columns:
+   bytes of the distinct tensors autograd saved in the step (all micro-batches; saved_tensors_hooks) vs the
+   planner's traced activations, which separates an activation error from a transient one.
+3. Communication: the planner's collectives beside those plait.comm counts in the measured step, and beside
+   bench/tp_comm.py's formula for its model (counts and bytes equal); bubble beside bench/pp_bubble.py's formulas.
+4. Step time with ``--calibrate``: for several batch shapes, the planner's 5 best layouts of 2 ranks are run;
+   the planner's first must be within 10% of the fastest measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tp_comm, pp_bubble
+
+MEMORY_LAYOUTS = {  # name -> ParallelConfig kwargs, on 2 ranks
+    "dp2": {},
+    "dp2_zero1": {"zero_1": True},
+    "dp2_recompute": {"gradient_checkpointing": True},
+    "tp2_sp": {"tp": 2},
+    "tp2_nosp": {"tp": 2, "sp": False},
+    "tp2_sp_recompute": {"tp": 2, "gradient_checkpointing": True},
+    "tp2_nosp_recompute": {"tp": 2, "sp": False, "gradient_checkpointing": True},
+    "pp2_m2": {"pp": 2, "num_microbatches": 2},
+    "pp2_m4": {"pp": 2, "num_microbatches": 4},
+    "pp2_vpp2_m2": {"pp": 2, "virtual_pipeline_size": 2, "num_microbatches": 2, "pipeline_schedule": "interleaved-1f1b"},
+}
+BYTES_LAYOUTS = {  # name -> (kwargs, bf16 parameters, weight decay)
+    "tp2_zero1_wd": ({"tp": 2, "zero_1": True}, False, 0.1),
+    "dp2_zero1_bf16": ({"zero_1": True}, True, 0.0),
+    "pp2_bf16": ({"pp": 2, "num_microbatches": 2}, True, 0.0),
+}
+SHAPES = [(8, 128), (4, 256), (16, 64)]  # (sequences per rank at dp=2, tokens): the global batch is kept
+MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def model_config(tiny: bool, time_model: bool = False):
+    from transformers import LlamaConfig
+
+    if time_model:
+        return LlamaConfig(vocab_size=2048, hidden_size=256 if not tiny else 64, intermediate_size=768 if not tiny else 128,
+                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
+    config = LlamaConfig(vocab_size=1024, hidden_size=128 if not tiny else 32, intermediate_size=256 if not tiny else 64,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    config._attn_implementation = "eager"
+    return config
+
+
+def memory_seq(tiny: bool) -> tuple[int, int]:
+    return (4, 64) if tiny else (8, 256)  # per-device batch, tokens
+
+
+# ---------------------------------------------------------------------------------------------- worker side
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _build(config_kwargs: dict, model_cfg, dtype, weight_decay: float = 0.0):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from plait import ParallelConfig, parallelize
+    from plait.optim import OptimizerStep, build_optimizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_cfg).to(dtype)
+    pmodel = parallelize(model, ParallelConfig(**config_kwargs))
+    optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4, weight_decay=weight_decay,
+                                optimizer_dtype=torch.float32)
+    return pmodel, optimizer, OptimizerStep(pmodel.grad_sync, optimizer, 1.0)
+
+
+def _predict(config_kwargs: dict, model_cfg, dtype, per_device: int, seq: int, weight_decay: float = 0.0):
+    import torch
+    import torch.distributed as dist
+
+    from plait import ParallelConfig
+    from plait.layout_plan import plan_layout
+    from plait.meta import build_meta_model
+    from plait.planner.activations import trace_activations
+    from plait.planner.estimate import Batch, estimate_layout
+    from plait.planner.memory import Precision
+    from plait.registry import default_registry
+
+    registry = default_registry()
+    meta = build_meta_model(model_cfg, dtype)
+    plan = plan_layout(meta, ParallelConfig(**config_kwargs), dist.get_world_size(), registry)
+    trace = trace_activations(meta, seq, registry, plan.adapter)
+    return estimate_layout(meta, plan, Batch(per_device, seq), Precision(dtype, torch.float32), trace, weight_decay)
+
+
+class _SavedBytes:
+    """Bytes of the distinct tensors autograd saves while the context is open (parameters excluded): the
+    activations of all micro-batches of a step, for comparing with the planner's per-micro-batch figure."""
+
+    def __init__(self) -> None:
+        self.total, self._seen = 0, set()
+
+    def __enter__(self):
+        import torch
+
+        self._params = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def _pack(self, tensor):
+        key = tensor.untyped_storage().data_ptr()
+        if not isinstance(tensor, __import__("torch").nn.Parameter) and key not in self._seen:
+            self._seen.add(key)
+            self.total += tensor.untyped_storage().nbytes()
+        return tensor
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _measure_bytes(kwargs: dict, bf16: bool, weight_decay: float, rank: int) -> dict:
+    """Parameter, gradient (after backward) and optimizer (after the step) bytes of this rank, and the planner's."""
+    import torch
+
+    from plait.planner.measure import gradient_bytes, optimizer_bytes, parameter_bytes
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    b, s = memory_seq(True)
+    cfg = model_config(True)
+    predicted = _predict(kwargs, cfg, dtype, b, s, weight_decay).for_rank(rank).static
+    pmodel, optimizer, step = _build(kwargs, cfg, dtype, weight_decay)
+    ids = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(rank))
+    pmodel.train_step(ids, ids, num_items_in_batch=b * (s - 1) * pmodel.mesh.dp)
+    grads = gradient_bytes(pmodel)
+    step()
+    return {"measured": [parameter_bytes(pmodel), grads, optimizer_bytes(optimizer)],
+            "predicted": [predicted.parameters, predicted.gradients, predicted.optimizer]}
+
+
+def _measure_memory(kwargs: dict, tiny: bool, rank: int) -> dict:
+    """One layout's peak over the post-load baseline on this rank, beside the planner's (module docstring)."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from plait.comm import count_collectives
+
+    b, s = memory_seq(tiny)
+    cfg = model_config(tiny)
+    estimate = _predict(kwargs, cfg, torch.float32, b, s)
+    mine = estimate.for_rank(rank)
+    pmodel, _, step = _build(kwargs, cfg, torch.float32)
+    ids = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(rank))
+    items = b * (s - 1) * pmodel.mesh.dp
+
+    def one_step():
+        pmodel.train_step(ids, ids, num_items_in_batch=items)
+        step()
+
+    one_step()  # optimizer state, pipeline shapes
+    gc.collect()
+    dist.barrier()
+    baseline = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    with count_collectives() as counter, _SavedBytes() as saved:
+        one_step()
+    peak = _status("VmHWM") - baseline
+    held = mine.static.parameters + mine.static.optimizer + (mine.static.gradients if estimate.precision.masters else 0)
+    return {"measured": peak, "predicted": mine.peak - held, "activations": mine.activations.in_flight,
+            "saved": saved.total, "saved_per_microbatch": mine.activations.per_microbatch, "records": counter.records,
+            "planned_comm": [[op.group, op.op, op.count, op.bytes] for op in estimate.comm[mine.pp_rank]]}
+
+
+def worker(out: str, tiny: bool, steps: int, jobs: str) -> None:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    rank = dist.get_rank()
+    results: dict = {"bytes": {}, "memory": {}, "time": {}}
+    spec = json.loads(Path(jobs).read_text())
+    for name, (kwargs, bf16, wd) in spec["bytes"].items():
+        results["bytes"][name] = _measure_bytes(kwargs, bf16, wd, rank)
+    for name, kwargs in spec["memory"].items():
+        results["memory"][name] = _measure_memory(kwargs, tiny, rank)
+        gc.collect()
+    for key, kwargs in spec["time"].items():
+        b, s = (int(x) for x in key.split("|")[0].split("x"))
+        cfg = model_config(tiny, time_model=True)
+        pmodel, optimizer, step = _build(kwargs, cfg, torch.float32)
+        ids = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(rank))
+        items = b * (s - 1) * pmodel.mesh.dp
+        times = []
+        for i in range(steps + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            pmodel.train_step(ids, ids, num_items_in_batch=items)
+            step()
+            dist.barrier()
+            if i:
+                times.append(time.perf_counter() - start)
+        results["time"][key] = statistics.median(times)
+        del pmodel, optimizer, step
+        gc.collect()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        Path(out).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- main side
+
+def rank_layouts(tiny: bool, calibrate: bool):
+    """(jobs: key -> ParallelConfig kwargs to time, per batch shape the planner's top 5 as (key, estimated
+    seconds, label), the device model used)."""
+    import torch
+
+    from plait import ParallelConfig
+    from plait.layout_plan import plan_layout
+    from plait.meta import build_meta_model
+    from plait.planner.activations import trace_activations
+    from plait.planner.device import PRESETS, calibrate as measure_device
+    from plait.planner.estimate import Batch
+    from plait.planner.memory import Precision
+    from plait.planner.search import describe, search_layouts
+    from plait.registry import default_registry
+
+    device = measure_device() if calibrate else PRESETS["cpu"]
+    registry = default_registry()
+    meta = build_meta_model(model_config(tiny, time_model=True), torch.float32)
+    plan = plan_layout(meta, ParallelConfig(), 2, registry)
+    jobs, ranked = {}, {}
+    for b, s in SHAPES:
+        trace = trace_activations(meta, s, registry, plan.adapter)
+        result = search_layouts(meta, plan.config, 2, Batch(b, s), Precision(), trace, device, registry)
+        ranked[(b, s)] = []
+        for estimate, seconds in result.ranked[:5]:
+            c = estimate.plan.config
+            kwargs = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "pipeline_cuts"}
+            key = f"{estimate.batch.per_device}x{s}|{json.dumps(kwargs, sort_keys=True)}"
+            jobs[key] = kwargs
+            ranked[(b, s)].append((key, seconds, describe(c)))
+    return jobs, ranked, device
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="small sizes: checks the script runs, not the numbers")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per layout (after 1 warm-up)")
+    parser.add_argument("--no-calibrate", action="store_true", help="rank with the cpu preset instead of measuring")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    ns = parser.parse_args()
+    if ns.worker:
+        worker(ns.worker[0], ns.tiny, ns.steps, ns.worker[1])
+        return
+    from plait.testing import launch
+
+    jobs, ranked, device = rank_layouts(ns.tiny, not ns.no_calibrate)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "jobs.json"
+        spec.write_text(json.dumps({"bytes": BYTES_LAYOUTS, "memory": MEMORY_LAYOUTS, "time": jobs}))
+        out = Path(tmp) / "out.json"
+        argv = [__file__, "--worker", str(out), str(spec), "--steps", str(ns.steps)] + (["--tiny"] if ns.tiny else [])
+        launch(argv, 2, timeout=3000, env=MMAP_ENV)
+        per_rank = json.loads(out.read_text())
+    failures = report_bytes(per_rank) + report_memory(per_rank, ns.tiny) + report_comm(per_rank)
+    failures += report_bubble() + report_time(per_rank, ranked, device)
+    print(f"\n{'all checks pass' if not failures else 'FAILED: ' + ', '.join(failures)}")
+
+
+def report_bytes(per_rank) -> list[str]:
+    print("1. bytes per rank: parameters / gradients / optimizer, built vs planned")
+    bad = []
+    for name in BYTES_LAYOUTS:
+        for rank, r in enumerate(per_rank):
+            m, p = r["bytes"][name]["measured"], r["bytes"][name]["predicted"]
+            ok = m == p
+            bad += [] if ok else [f"bytes {name} rank {rank}"]
+            print(f"  {name:18} rank {rank}: built {m} planned {p} {'equal' if ok else 'MISMATCH'}")
+    return bad
+
+
+def report_memory(per_rank, tiny: bool) -> list[str]:
+    b, s = memory_seq(tiny)
+    print(f"\n2. peak over the post-load baseline (RSS high-water mark), Llama h={model_config(tiny).hidden_size} "
+          f"L=4 eager attention, b={b} s={s}, fp32")
+    print(f"  {'layout':20} {'rank':>4} {'measured MiB':>13} {'planned MiB':>12} {'of it activations':>18} {'ratio':>6}"
+          f" {'saved: measured':>16} {'planned':>8}")
+    bad = []
+    for name in MEMORY_LAYOUTS:
+        for rank, r in enumerate(per_rank):
+            x = r["memory"][name]
+            ratio = x["predicted"] / x["measured"] if x["measured"] > 0 else float("inf")
+            ok = abs(ratio - 1) <= 0.2
+            bad += [] if ok else [f"memory {name} rank {rank}"]
+            m = MEMORY_LAYOUTS[name].get("num_microbatches", 1)
+            print(f"  {name:20} {rank:>4} {x['measured'] / 2**20:13.2f} {x['predicted'] / 2**20:12.2f} "
+                  f"{x['activations'] / 2**20:18.2f} {ratio:6.2f} {x['saved'] / 2**20:16.2f} "
+                  f"{x['saved_per_microbatch'] * m / 2**20:8.2f}{'' if ok else '  OUTSIDE 20%'}")
+    return bad
+
+
+def report_comm(per_rank) -> list[str]:
+    import tp_comm
+
+    from plait import ParallelConfig
+    from plait.layout_plan import plan_layout
+    from plait.meta import build_meta_model
+    from plait.planner.activations import trace_activations
+    from plait.planner.estimate import Batch, estimate_layout
+    from plait.planner.memory import Precision
+    from plait.registry import default_registry
+
+    print("\n3. communication of one step: plait.comm's count vs planned (count, bytes), rank 0")
+    unrecorded = {("pp", "send"), ("pp", "recv"), ("dp", "broadcast")}
+    bad = []
+    for name in MEMORY_LAYOUTS:
+        x = per_rank[0]["memory"][name]
+        counted = {op: (sum(1 for o, _ in x["records"] if o == op), sum(n for o, n in x["records"] if o == op))
+                   for op in {o for o, _ in x["records"]}}
+        planned: dict[str, list[int]] = {}
+        for group, op, count, size in x["planned_comm"]:
+            if (group, op) not in unrecorded:
+                entry = planned.setdefault(op, [0, 0])
+                entry[0], entry[1] = entry[0] + count, entry[1] + size
+        planned_t = {op: tuple(v) for op, v in planned.items()}
+        ok = counted == planned_t
+        bad += [] if ok else [f"comm {name}"]
+        print(f"  {name:18} {'equal' if ok else 'MISMATCH'}  counted {counted}  planned {planned_t}")
+    registry = default_registry()
+    meta = build_meta_model(tp_comm.model_config("llama"))
+    for sp in (False, True):
+        plan = plan_layout(meta, ParallelConfig(tp=2, sp=sp), 2, registry)
+        trace = trace_activations(meta, tp_comm.S, registry, plan.adapter)
+        estimate = estimate_layout(meta, plan, Batch(tp_comm.B, tp_comm.S), Precision(), trace)
+        mine = {op.op: (op.count, op.bytes) for op in estimate.comm[0] if op.group == "tp"}
+        formula = tp_comm.formula(sp, 2)
+        # tp_comm's formula counts collectives of activations; the planner adds the grad-norm scalar (4 bytes).
+        scalar = mine["all_reduce"][0] - formula["all_reduce"][0] == 1 and \
+            mine["all_reduce"][1] - formula["all_reduce"][1] == 4
+        same = all(mine[op] == formula[op] for op in formula if op != "all_reduce") and scalar
+        bad += [] if same else [f"tp_comm formula sp={sp}"]
+        print(f"  bench/tp_comm.py model sp={sp}: formula {formula} planned {mine} "
+              f"{'equal (+ the grad-norm scalar)' if same else 'MISMATCH'}")
+    return bad
+
+
+def report_bubble() -> list[str]:
+    import pp_bubble
+
+    from plait import ParallelConfig
+    from plait.planner.bubble import bubble_fraction
+
+    print("\n4. bubble: planner vs bench/pp_bubble.py's formulas (its measured figures: run it)")
+    bad = []
+    for p in (2, 4):
+        for m, v in pp_bubble.CONFIGS:
+            config = ParallelConfig(pp=p, num_microbatches=m, virtual_pipeline_size=v,
+                                    pipeline_schedule=pp_bubble.schedule_name(v))
+            formula = (p - 1) / (v * m + p - 1)
+            ok = abs(bubble_fraction(config) - formula) < 1e-12
+            bad += [] if ok else [f"bubble p={p} m={m} v={v}"]
+            print(f"  p={p} m={m} v={v}: planner {bubble_fraction(config):.3f} formula {formula:.3f}")
+    return bad
+
+
+def report_time(per_rank, ranked, device) -> list[str]:
+    print(f"\n5. step time on this machine ({device.name}): the planner's top 5 per batch shape, measured")
+    bad = []
+    for (b, s), rows in ranked.items():
+        measured = [(label, max(r["time"][key] for r in per_rank), seconds) for key, seconds, label in rows]
+        fastest = min(t for _, t, _ in measured)
+        first = measured[0][1]
+        ok = first <= 1.10 * fastest
+        bad += [] if ok else [f"ranking b={b} s={s}"]
+        print(f"  {b} sequences x {s} tokens per rank at dp=2 (global batch {2 * b}):")
+        for label, t, seconds in measured:
+            print(f"    planned {seconds:8.4f} s  measured {t:8.4f} s  {label}")
+        print(f"    planner's first {first:.4f} s vs fastest measured {fastest:.4f} s: "
+              f"{first / fastest:.2f} {'ok' if ok else 'MORE THAN 10% SLOWER'}")
+    return bad
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "core"))
+    main()
