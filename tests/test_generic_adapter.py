@@ -193,12 +193,28 @@ def test_moe_experts_split_on_the_intermediate_dim_router_replicated(registry, a
     assert shard.params["down_proj"].dim == 2 and shard.params["down_proj"].ranges == ((half, inter),)
 
 
+def test_moe_shared_expert_and_dense_layers(registry):
+    """ernie4_5_moe: the dense MLP of its first layer is split Column / Row; the shared expert of the MoE
+    layers runs on flattened tokens and stays replicated (token-wise: summed over tp under SP)."""
+    config = tiny("ernie4_5_moe")
+    rules = rules_of(registry, config)
+    assert isinstance(rules["model.layers.*.mlp.gate_proj"], Column) and isinstance(rules["model.layers.*.mlp.down_proj"], Row)
+    assert not any("shared_experts" in pattern for pattern in rules)
+    shards = plan(config, registry, tp=2, sp=True).shards_by_rank[0]
+    assert "model.layers.0.mlp.gate_proj" in shards and "model.layers.1.mlp.gate_proj" not in shards
+    assert "model.layers.*.mlp.shared_experts.gate_proj" in registry.sp_plan(registry.resolve(config), config).norms
+
+
 # --------------------------------------------------------------------------------------------------
 # Refusals: before any process group, naming the architecture, the module and what is missing
 # --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("arch", "layout", "message"), [
+    ("minimax_m3_vl_text", dict(tp=2, sp=False), "minimax_m3_vl_text: model.layers.*.self_attn.q_norm: "
+     "MiniMaxM3VLRMSNorm inside attention whose q/k/v transformers gathers; plait splits only full-width RMSNorms"),
+    ("granite_swa", dict(tp=2, sp=False), "granite_swa: model.layers.*.self_attn.sinks: transformers shards the "
+     "parameter itself"),
     ("youtu", dict(tp=2, sp=True),
      "youtu: model.layers.*.self_attn.q_a_proj: Linear has replicated matrices inside the decoder layers"),
     ("apertus", dict(tp=2, sp=False),
@@ -219,6 +235,41 @@ def test_refused_plans_still_train_data_parallel(registry, arch):
 def test_youtu_tensor_parallel_without_sp_keeps_its_attention_replicated(registry):
     layout = plan(tiny("youtu"), registry, tp=2, sp=False)
     assert not any("self_attn" in name for name in layout.shards_by_rank[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# plait plan --show-derived: the derived plans as an explicit adapter to start from
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["phi3", "olmo2", "gpt_neox", "mixtral", "youtu"])
+def test_show_derived_code_loads_as_an_adapter_with_the_same_plans(arch):
+    from plait_transformers_derive import Refusal, derive
+
+    module = types.ModuleType(f"derived_{arch}")
+    exec(compile(plait_transformers.show_derived(arch), f"<derived {arch}>", "exec"), module.__dict__)
+    registry = Registry(autoload=False)
+    adapter = registry.register(module)
+    config = plait_transformers.plait_tiny_config(arch)
+    assert registry.resolve(config) is adapter and adapter.info.architectures == (arch,)
+    derived = derive(config)
+    for hook, plan in (("tp_plan", derived.tp), ("sp_plan", derived.sp), ("pipeline_plan", derived.pipeline)):
+        if isinstance(plan, Refusal):
+            with pytest.raises(ConfigError, match=str(plan).replace("*", r"\*").replace("(", r"\(").replace(")", r"\)")):
+                getattr(registry, hook)(adapter, config)
+        else:
+            assert getattr(registry, hook)(adapter, config) == plan
+    assert registry.leaf_modules(adapter, config) == derived.leaves
+
+
+def test_plan_show_derived_prints_adapter_code(capsys):
+    from plait.cli import main
+
+    main(["plan", "--show-derived", "phi3"])
+    out = capsys.readouterr().out
+    assert out.startswith('"""plait adapter for phi3, started from the plans plait-transformers derives for Phi3Config')
+    assert "FusedColumn(pattern='model.layers.*.mlp.gate_up_proj', chunks=2)" in out
+    assert "config_attrs={'num_attention_heads': 'q_heads'}" in out
 
 
 # --------------------------------------------------------------------------------------------------

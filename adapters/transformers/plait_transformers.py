@@ -108,32 +108,37 @@ def _config_class(model_type: str | None):
 
 
 def show_derived(source: str) -> str:
-    """The plans derived for ``source`` (a ``model_type``, whose tiny config is used, or a config.json path),
-    as adapter code to start an explicit adapter from; refused plans and notes as comments."""
+    """The plans derived for ``source`` (a ``model_type``, whose tiny config is used, or a config.json path or
+    model directory) as the code of an explicit adapter module to start from: it loads as is and gives the
+    same plans (head counts and sizes are the config's; read them from ``config`` to generalise). Refused
+    plans become a hook raising the refusal; the derivation's notes are comments."""
     from pathlib import Path
 
     from transformers import AutoConfig
 
-    from plait_transformers_derive import derive
-
     config = AutoConfig.from_pretrained(source) if Path(source).exists() else plait_tiny_config(source)
     derived = derive(config)
-    lines = [f"# Plans plait-transformers derives for {type(config).__name__} ({derived.architecture}); head counts",
-             "# and sizes are this config's: read them from `config` in your adapter.",
-             "from plait import *  # noqa: F403", "from plait.tp.styles import ReplicatedGradSum, ScaledVocabEmbedding",
-             "", ""]
-    for hook, plan in (("plait_tp_plan", derived.tp), ("plait_sp_plan", derived.sp),
-                       ("plait_pipeline_plan", derived.pipeline)):
+    plans = {"plait_tp_plan": derived.tp, "plait_sp_plan": derived.sp, "plait_pipeline_plan": derived.pipeline}
+    styles = sorted({type(r).__name__ for r in getattr(derived.tp, "rules", ())})
+    lines = [f'"""plait adapter for {derived.architecture}, started from the plans plait-transformers derives for '
+             f'{type(config).__name__}', f"(`plait plan --show-derived {source}`). Head counts and sizes are this "
+             f'config\'s."""', "", "from plait import AdapterInfo, ConfigError, PipelinePlan, SPPlan, TPPlan, hookimpl"]
+    if styles:
+        lines.append(f"from plait.tp.styles import {', '.join(styles)}")
+    lines += ["", "", "@hookimpl", "def plait_adapter_info():",
+              f"    return AdapterInfo(name={derived.architecture + '-explicit'!r}, "
+              f"architectures=({derived.architecture!r},))", "", ""]
+    for hook, plan in plans.items():
         lines += ["@hookimpl", f"def {hook}(config):"]
         if isinstance(plan, Refusal):
-            lines += [f"    # refused: {plan}", "    raise NotImplementedError", "", ""]
+            lines += [f"    raise ConfigError({str(plan)!r})", "", ""]
         elif hook == "plait_tp_plan":
             lines += ["    return TPPlan((", *(f"        {rule!r}," for rule in plan.rules), "    ))", "", ""]
         else:
             lines += [f"    return {plan!r}", "", ""]
     lines += ["@hookimpl", "def plait_leaf_modules(config):", f"    return {derived.leaves!r}"]
-    lines += [f"# note: {note}" for note in derived.notes]
-    return "\n".join(lines)
+    lines += [f"# derived: {note}" for note in derived.notes]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -179,41 +179,56 @@ def tp_plan(model: nn.Module, config, layers: str | None, notes: list[str]) -> T
         parent, _, child = pattern.rpartition(".")
         children[parent][child] = style
         blocks.setdefault(parent, model.get_submodule(example[pattern].rpartition(".")[0]))
+    moe_blocks = {p for p, styles in children.items() if any(style in MOE_STYLES for style in styles.values())}
     for parent, styles in children.items():
+        if any(parent.startswith(block + ".") for block in moe_blocks):
+            # a shared expert: it runs on the MoE block's flattened tokens ([tokens, hidden]), which under SP the
+            # sequence all-gather of a Column cannot take; replicated it is exact (token-wise) in every layout
+            notes.append(f"{parent} ({sorted(styles)}) inside an MoE block: kept replicated, token by token")
+            continue
         experts = [c for c, style in styles.items() if style in MOE_STYLES]
         if experts:
-            rules += _moe_rules(model, config, parent, blocks[parent], styles, experts)
+            rules += _moe_rules(model, config, parent, styles, experts)
         else:
             rules += _block_rules(model, config, parent, blocks[parent], styles)
     return TPPlan(tuple(rules))
 
 
-def _moe_rules(model, config, parent: str, block: nn.Module, styles: dict[str, str], experts: list[str]) -> list:
+def _moe_rules(model, config, parent: str, styles: dict[str, str], experts: list[str]) -> list:
     """A sparse MoE block: the fused experts module split on its intermediate dimension (its own tensor-parallel
-    region), the router replicated. Any other child with parameters (a shared expert) must be a Column / Row
-    pair of its own in transformers' plan, else it is refused."""
+    region). Every other child with parameters that transformers' plan does not split (the router, a shared
+    expert, its gate) stays replicated: it works token by token on the block's flattened tokens, so on every
+    rank without SP, and on a sequence shard under SP (its gradient summed over tp), it is exact. Column / Row
+    styles on the same (folded) parent are the dense MLP of the layers without experts (DeepSeek-V3's first
+    layers); they must pair like any MLP."""
     arch = config.model_type
+    modules = dict(model.named_modules())
+    block_name = next(n for n in modules if matches(f"{parent}.{experts[0]}", n)).rpartition(".")[0]
     rules: list[TPRule] = [MoEExperts(f"{parent}.{e}") for e in experts]
-    for child, style in styles.items():
-        if child not in experts:
-            raise refuse(arch, f"{parent}.{child}", f"transformers' style {style!r} beside an experts module has no "
-                                                    f"plait rule")
-    for name, module in block.named_children():
-        if name in experts or not own_params_deep(module):
-            continue
-        if not is_router(module):
-            raise refuse(arch, f"{parent}.{name}", f"{type(module).__name__} beside the experts with parameters "
-                                                    f"transformers' tp plan does not split (a shared expert?)")
-        if getattr(config, "output_router_logits", False):
-            rules.append(MoERouter(f"{parent}.{name}"))  # its logits, gathered under SP, feed the aux loss
+    dense = {c: style for c, style in styles.items() if c not in experts}
+    for child, style in dense.items():
+        name = f"{parent}.{child}"
+        if style not in LINEAR_STYLES or not all(is_linear(modules[n]) for n in modules if matches(name, n)):
+            raise refuse(arch, name, f"transformers' style {style!r} beside an experts module has no plait rule")
+        rules.append(Column(name) if style == "colwise" else Row(name))
+    if dense and sorted(set(dense.values())) != ["colwise", "rowwise"]:
+        raise refuse(arch, parent, f"{sorted(dense)} beside the experts do not pair column- with row-parallel "
+                                   f"projections")
+    if getattr(config, "output_router_logits", False):
+        rules += _router_rules(model, arch, parent, modules[block_name])
     return rules
 
 
-def is_router(module: nn.Module) -> bool:
-    """An MoE router: one [experts, hidden] matrix (and a bias), applied token by token."""
-    params = dict(module.named_parameters())
-    return "Router" in type(module).__name__ and set(params) <= {"weight", "bias", "e_score_correction_bias"} and \
-        params.get("weight") is not None and params["weight"].dim() == 2
+def _router_rules(model, arch: str, parent: str, block: nn.Module) -> list[TPRule]:
+    """The router whose logits transformers records for the load-balancing loss (``_can_record_outputs``), as
+    a MoERouter: gathered from sequence shards under SP. A loss fed from anything else is refused: on
+    sequence shards it would silently see one shard's tokens."""
+    recorder = (getattr(model.base_model, "_can_record_outputs", None) or {}).get("router_logits")
+    found = [n for n, m in block.named_children() if recorder is not None and type(m) is recorder.target_class]
+    if len(found) != 1 or recorder.index != 0:
+        raise refuse(arch, parent, "output_router_logits is set, but the router logits transformers records are not "
+                                   "the first output of one child of the MoE block; plait cannot gather them")
+    return [MoERouter(f"{parent}.{found[0]}")]
 
 
 def _embedding_rules(model, styled, notes) -> tuple[list[TPRule], list[TPRule]]:
@@ -416,17 +431,18 @@ def sp_plan(model: nn.Module, arch: str, layers: str | None, tp: TPPlan | Refusa
         raise refuse(arch, type(model).__name__, "no decoder layer list found (pp plan or _no_split_modules)")
     end = _final_norm(model, arch, layers)
     covered = [r.pattern for r in tp.rules]
-    experts = [r.pattern for r in tp.rules if isinstance(r, MoEExperts)]
+    moe_blocks = {r.pattern.rpartition(".")[0] for r in tp.rules if isinstance(r, MoEExperts)}
+    routers = {r.pattern for r in tp.rules if isinstance(r, MoERouter)}
     norms: list[str] = []
     for name, module in model.get_submodule(layers).named_modules(prefix=layers):
         pattern = layer_pattern(name, layers)
         if not own_params(module) or pattern in norms:
             continue
-        if is_router(module) and any(c.rpartition(".")[0] == pattern.rpartition(".")[0] for c in experts):
-            norms.append(pattern)  # token-wise: on a sequence shard it routes that shard's tokens
-            continue
-        if any(pattern == c or pattern.startswith(c + ".") for c in covered):
+        if any(pattern == c or pattern.startswith(c + ".") for c in covered if c not in routers):
             continue  # sharded, or inside an attention block (its own rules account for it)
+        if any(pattern.startswith(block + ".") for block in moe_blocks):
+            norms.append(pattern)  # router, shared expert: token-wise, on a sequence shard it sees that shard's tokens
+            continue
         if any(p.dim() > 1 for p in own_params(module)):
             raise refuse(arch, pattern, f"{type(module).__name__} has replicated matrices inside the decoder layers "
                                         f"(e.g. a state-space or recurrent mixer); on sequence shards it would be "

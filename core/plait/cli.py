@@ -46,9 +46,20 @@ def cmd_plan(ns: argparse.Namespace) -> None:
     communication and bubble; ``--search``: the fastest layouts that fit."""
     from plait.plan_report import run_plan
 
+    if ns.show_derived:
+        print(show_derived(ns.show_derived), end="")
+        return
     args = from_namespace(ns, TrainArgs)
     args.validate()
     run_plan(ns, args)
+
+
+def show_derived(source: str) -> str:
+    """The generic adapter's derived plans for ``source`` (a model_type or a config), as adapter code."""
+    generic = next((a for a in default_registry().adapters if a.info.generic), None)
+    if generic is None or not hasattr(generic.plugin, "show_derived"):
+        raise ConfigError("--show-derived needs the generic adapter plait-transformers; install adapters/transformers")
+    return generic.plugin.show_derived(source)
 
 
 def cmd_adapters(ns: argparse.Namespace) -> None:
@@ -129,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--search", action="store_true", help="rank every layout of the world that fits")
     plan.add_argument("--top", type=int, default=5, help="layouts --search prints (default: 5)")
     plan.add_argument("--json", action="store_true", help="print JSON for tools")
+    plan.add_argument("--show-derived", metavar="ARCH", default=None,
+                      help="print the plans plait-transformers derives for ARCH (a model_type, a config.json or a "
+                           "model directory) as the code of an explicit adapter to start from")
     plan.set_defaults(func=cmd_plan)
 
     cons = sub.add_parser("consolidate", help="write a checkpoint as one Hugging Face model dir")

@@ -1,0 +1,209 @@
+"""Which transformers architectures plait trains, proven: the conformance kit over every decoder-only causal LM
+of the installed transformers that declares a tp plan, in a reduced matrix, written to docs/architectures.md.
+
+    python scripts/architecture_sweep.py [--out docs/architectures.md] [--only qwen3 gemma2 ...] [--fresh]
+
+Each architecture gets the tiny config of the adapter serving it (an explicit adapter where one claims it,
+else plait-transformers' derived one) and three modes: tp=2 with sequence parallelism, pp=2 (1F1B), and the
+tp=2 save -> consolidate -> from_pretrained round trip, each 3 AdamW steps against one process. A mode the
+layout plan refuses (``plan_layout`` on the meta model, before any process) is "refused" with plait's reason;
+what runs is "pass" or "FAIL" with the measured errors. Architectures are run a chunk per world; a world
+that crashes is rerun one architecture at a time, so a crash is pinned on its architecture.
+
+The whole sweep is CPU-heavy; ``--only`` runs a part of it. Results accumulate in ``--state`` (a JSON file,
+one entry per architecture; ``--fresh`` starts it over) and the table is written from it after every run,
+with the architectures not run yet marked so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MODES = ("tp2-sp", "pp2-1f1b", "consolidate-tp2")
+CHUNK = 12  # architectures per world: bounds what one crash costs
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Row:
+    """One architecture's line of the table."""
+
+    architecture: str
+    adapter: str = "-"
+    ref: str | None = None  # what the conformance kit loads (adapter name, or transformers:ARCH)
+    cells: dict[str, str] = field(default_factory=dict)  # mode -> result text
+    passed: dict[str, bool] = field(default_factory=dict)
+
+
+def architectures() -> list[str]:
+    """Decoder-only causal-LM model types whose config class declares a tp plan."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        config_class = CONFIG_MAPPING[model_type]
+        if getattr(config_class, "base_model_tp_plan", None) and not getattr(config_class, "is_encoder_decoder", False):
+            found.append(model_type)
+    return sorted(found)
+
+
+def one_line(error: BaseException) -> str:
+    """The error in one line: plait's own refusals as they are, anything else prefixed with its type."""
+    from plait.config import ConfigError
+    from plait.registry import AdapterError
+
+    text = " ".join(str(error).split()).removeprefix("the generic transformers adapter cannot derive this plan: ")
+    return text if isinstance(error, (ConfigError, AdapterError)) else f"{type(error).__name__}: {text}"
+
+
+def prepare(arch: str) -> Row:
+    """The serving adapter, its tiny config, and each mode refused by the layout plan or left to run."""
+    from types import SimpleNamespace
+
+    from plait.config import ParallelConfig
+    from plait.layout_plan import plan_layout
+    from plait.meta import build_meta_model
+    from plait.registry import default_registry
+    from plait.testing.conformance_modes import MODES as KIT_MODES
+    from plait.testing.conformance_modes import load_subject
+
+    row = Row(arch)
+    adapter, why = default_registry().explain(SimpleNamespace(model_type=arch))
+    if adapter is None:
+        row.cells = {mode: f"refused: {why}" for mode in MODES}
+        return row
+    row.adapter = adapter.name
+    ref = f"{adapter.name}:{arch}" if adapter.info.generic else adapter.name
+    try:
+        subject = load_subject(ref)
+        model = build_meta_model(subject.config)
+    except Exception as err:  # a config class whose defaults transformers itself cannot build, shrunk or not
+        row.cells = {mode: f"refused: {one_line(err)}" for mode in MODES}
+        return row
+    for mode in MODES:
+        layout = KIT_MODES[mode]
+        try:
+            plan_layout(model, ParallelConfig(**layout.layout), layout.world, subject.registry)
+        except Exception as err:
+            row.cells[mode] = f"refused: {one_line(err)}"
+    row.ref = ref
+    return row
+
+
+def run(rows: list[Row]) -> None:
+    """Run every mode not refused, grouped by mode set, a chunk of architectures per world."""
+    from plait.testing.conformance import run_conformance
+
+    groups: dict[tuple[str, ...], list[Row]] = defaultdict(list)
+    for row in rows:
+        todo = tuple(m for m in MODES if m not in row.cells)
+        if row.ref and todo:
+            groups[todo].append(row)
+    for modes, members in groups.items():
+        for start in range(0, len(members), CHUNK):
+            chunk = members[start:start + CHUNK]
+            results = run_conformance([r.ref for r in chunk], list(modes))
+            crashed = any("the world crashed" in r.note for r in results)
+            if crashed and len(chunk) > 1:
+                for row in chunk:  # pin the crash on its architecture
+                    record(row, run_conformance([row.ref], list(modes)))
+            else:
+                for row in chunk:  # the kit names a result by its subject: the ref, for both kinds of adapter
+                    record(row, [r for r in results if r.adapter == row.ref])
+
+
+def record(row: Row, results) -> None:
+    for result in results:
+        numbers = f"loss {result.loss_rel:.0e}, grad {result.grad_tol:.2f}" if result.loss_rel is not None else ""
+        if result.status == "pass":
+            row.cells[result.mode] = f"pass ({numbers})"
+        elif result.status == "skipped":
+            row.cells[result.mode] = f"refused: {' '.join(result.note.split())}"
+        else:
+            note = " ".join(result.note.split())
+            row.cells[result.mode] = f"FAIL ({numbers}{'; ' if numbers else ''}{note[:300]})"
+        row.passed[result.mode] = result.status == "pass"
+
+
+def render(rows: list[Row], seconds: float) -> str:
+    import torch
+    import transformers
+
+    passing = [r for r in rows if len(r.passed) == len(MODES) and all(r.passed.values())]
+    failing = [r for r in rows if any(c.startswith("FAIL") for c in r.cells.values())]
+    not_run = [r for r in rows if not r.cells]
+    lines = [
+        "# Architectures plait trains",
+        "",
+        f"Written by `scripts/architecture_sweep.py` (transformers {transformers.__version__}, torch "
+        f"{torch.__version__}, gloo on CPU, {seconds / 60:.0f} min). Every decoder-only causal LM of the installed "
+        f"transformers whose config declares a `base_model_tp_plan`, with the tiny config of the adapter serving it "
+        f"(`transformers` is the generic plait-transformers), under the conformance kit's modes: "
+        + ", ".join(f"`{m}`" for m in MODES) + ". Each mode trains 3 AdamW steps (fp32) against one process; "
+        "pass: every step's loss within 1e-5 relative and every gradient within the kit's tolerance "
+        "(`grad` is the worst |Δ| / (1e-6 + 1e-5·|ref|), at most 1). `refused` is plait's own refusal, made "
+        "before any process starts, with its reason.",
+        "",
+        f"**{len(passing)} of {len(rows)} pass every mode; {len(failing)} fail a mode; "
+        f"{len(rows) - len(passing) - len(failing) - len(not_run)} are refused in at least one"
+        + (f"; {len(not_run)} not run yet" if not_run else "") + ".**",
+        "",
+        "| architecture | adapter | " + " | ".join(MODES) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in MODES) + " |",
+    ]
+    for row in rows:
+        cells = [row.cells.get(m, "not run" if not row.cells else "-").replace("|", "\\|") for m in MODES]
+        lines.append(f"| {row.architecture} | {row.adapter} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "architectures.md")
+    parser.add_argument("--state", type=Path, default=ROOT / "build" / "architecture_sweep.json")
+    parser.add_argument("--only", nargs="+", metavar="MODEL_TYPE", help="these architectures only")
+    parser.add_argument("--fresh", action="store_true", help="forget the results of earlier runs")
+    args = parser.parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    state = {} if args.fresh or not args.state.exists() else json.loads(args.state.read_text())
+    start = time.monotonic()
+    everything = architectures()
+    unknown = sorted(set(args.only or ()) - set(everything))
+    if unknown:
+        parser.error(f"{unknown} are not decoder-only causal LMs with a tp plan; choose from {everything}")
+    rows = []
+    for arch in args.only or everything:
+        rows.append(prepare(arch))
+        print(f"{arch}: {rows[-1].adapter}, to run: {[m for m in MODES if m not in rows[-1].cells]}", file=sys.stderr)
+    print(f"{len(rows)} architectures; {sum(1 for r in rows if r.ref)} with modes to run", file=sys.stderr)
+    run(rows)
+    seconds = time.monotonic() - start + state.pop("_seconds", 0.0)
+    state.update({r.architecture: {"adapter": r.adapter, "cells": r.cells, "passed": r.passed} for r in rows})
+    state["_seconds"] = seconds
+    write(args.state, json.dumps(state, indent=1))
+    table = [Row(a, **{k: v for k, v in state[a].items()}) if a in state else Row(a) for a in everything]
+    write(args.out, render(table, seconds))
+    print(f"wrote {args.out} and {args.state}", file=sys.stderr)
+    return 0
+
+
+def write(path: Path, text: str) -> None:
+    """Write through a temporary file and a rename, so an interrupted run leaves the old file whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temp.write_text(text)
+    temp.replace(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
