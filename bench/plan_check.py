@@ -3,7 +3,7 @@
     python bench/plan_check.py [--tiny] [--steps 3]
 
 1. Bytes: parameters, gradients, optimizer state that built ranks hold vs the planner, per rank and layout
-   (ZeRO-1, pp, bf16 with fp32 masters included): must be equal.
+   (tp, ZeRO-1 with weight-decay groups, pp, bf16 with fp32 masters): must be equal.
 2. Peak memory over the post-load baseline, per rank, for 9 layouts of a Llama whose activations dominate
    (eager attention, s=256): within 20%. Measured as the kernel's resident-set high-water mark (VmHWM, reset
    through /proc/self/clear_refs before the step) minus the resident set before it, with glibc told to mmap
@@ -46,7 +46,8 @@ MEMORY_LAYOUTS = {  # name -> ParallelConfig kwargs, on 2 ranks
     "pp2_vpp2_m2": {"pp": 2, "virtual_pipeline_size": 2, "num_microbatches": 2, "pipeline_schedule": "interleaved-1f1b"},
 }
 BYTES_LAYOUTS = {  # name -> (kwargs, bf16 parameters, weight decay)
-    "tp2_zero1_wd": ({"tp": 2, "zero_1": True}, False, 0.1),
+    "tp2_wd": ({"tp": 2}, False, 0.1),
+    "dp2_zero1_wd": ({"zero_1": True}, False, 0.1),
     "dp2_zero1_bf16": ({"zero_1": True}, True, 0.0),
     "pp2_bf16": ({"pp": 2, "num_microbatches": 2}, True, 0.0),
 }

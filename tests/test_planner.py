@@ -1,7 +1,7 @@
 """``plait plan``'s planner: exact bytes and collectives against built ranks, refusals, bubble, JSON, a 70B
 config from the config alone, and the CLI.
 
-One launch of 4 ranks (tests/workers/planner_worker.py) builds several layouts and records what each rank holds
+One launch of 2 ranks (tests/workers/planner_worker.py) builds several layouts and records what each rank holds
 and which collectives it issues, beside the planner's prediction; the tests assert on its JSON.
 """
 
@@ -40,7 +40,7 @@ UNRECORDED = {("pp", "send"), ("pp", "recv"), ("dp", "broadcast")}
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("planner") / "results.json"
-    launch([str(WORKER), str(out)], 4, timeout=300)
+    launch([str(WORKER), str(out)], 2, timeout=300)
     return json.loads(out.read_text())
 
 

@@ -1,7 +1,7 @@
 """Worker: what each rank of several layouts holds, measured beside ``plait.planner``'s prediction.
 
-Run as a world of 4 ranks: ``planner_worker.py OUT.json``. For each layout, a tiny Llama (tied embeddings,
-vocab 61: padded under tp) is laid out, its optimizer built as ``plait train`` builds it, and one step run;
+Run as a world of 2 ranks: ``planner_worker.py OUT.json``. For each layout, a tiny Llama (tied embeddings,
+vocab 61: padded under tp; one kv head: replicated under tp, its gradient summed) is laid out, its optimizer built as ``plait train`` builds it, and one step run;
 each rank records its parameter, gradient (after backward) and optimizer bytes (after the step), the
 collectives ``plait.comm`` saw in the second step (the first infers pipeline shapes), and the planner's numbers for that rank. Rank 0 writes them all.
 """
@@ -30,18 +30,17 @@ from plait.registry import default_registry
 SEQ, BATCH = 16, 4
 # name -> (layout, bf16 parameters, weight decay)
 LAYOUTS = {
-    "tp2_dp2_zero1_wd": (ParallelConfig(tp=2, zero_1=True), False, 0.1),
-    "pp2_dp2_zero1_bf16": (ParallelConfig(pp=2, num_microbatches=2, zero_1=True), True, 0.0),
-    "tp2_pp2_sp": (ParallelConfig(tp=2, pp=2, num_microbatches=2), False, 0.0),
-    "tp4_nosp": (ParallelConfig(tp=4, sp=False), False, 0.0),
-    "pp2_vpp2_dp2": (ParallelConfig(pp=2, virtual_pipeline_size=2, num_microbatches=2,
-                                    pipeline_schedule="interleaved-1f1b"), False, 0.0),
+    "dp2_zero1_wd": (ParallelConfig(zero_1=True), False, 0.1),
+    "dp2_zero1_bf16": (ParallelConfig(zero_1=True), True, 0.0),
+    "pp2_bf16": (ParallelConfig(pp=2, num_microbatches=2), True, 0.0),
+    "tp2_sp_recompute": (ParallelConfig(tp=2, gradient_checkpointing=True), False, 0.0),
+    "tp2_nosp": (ParallelConfig(tp=2, sp=False), False, 0.0),
 }
 
 
 def model_config() -> LlamaConfig:
     return LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                       num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
                        max_position_embeddings=SEQ)
 
 
