@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from peft import LoraConfig
 from torch import nn
 
 from plait.activation_checkpoint import checkpoint_targets
 from plait.config import ConfigError, ParallelConfig
+from plait.lora.plan import LoraPlan, plan_lora
 from plait.pipeline.cuts import StageSplit
 from plait.pipeline.layout import plan_stages, stage_rows, stages_of_rank, tied_across_stages
 from plait.plan import SPPlan
@@ -44,6 +46,7 @@ class LayoutPlan:
     specs_by_rank: tuple[dict[str, ShardSpec], ...]
     sp_plan: SPPlan | None
     leaves: tuple[str, ...]
+    lora: LoraPlan | None = None  # LoRA adapters (their specs are in specs_by_rank); the base is frozen
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The pipeline stages pipeline rank ``pp_rank`` runs (empty at pp=1)."""
@@ -51,11 +54,13 @@ class LayoutPlan:
 
 
 def plan_layout(
-    model: nn.Module, config: ParallelConfig, world_size: int | None = None, registry: Registry | None = None
+    model: nn.Module, config: ParallelConfig, world_size: int | None = None, registry: Registry | None = None,
+    lora: LoraConfig | None = None,
 ) -> LayoutPlan:
     """The plan for laying ``model`` (a transformers causal LM, meta or real) out as ``config`` over
     ``world_size`` processes (None: the smallest world the layout needs, tp * pp * (dp or 1)).
 
+    ``lora``: train LoRA adapters (peft's config) on a frozen model instead of every parameter.
     Raises ConfigError (or AdapterError for an architecture no adapter claims), naming the values and the fix.
     """
     registry = registry or default_registry()
@@ -77,10 +82,17 @@ def plan_layout(
         sp_grad_sum_params(model, sp_plan, shards_by_rank[0])  # validates the plan against the model
     leaves = tuple(checkpoint_targets(model, leaf_patterns)) if config.gradient_checkpointing else ()
     world_size = world_size or config.tp * config.pp * (config.dp or 1)
+    lora_plan = None
+    if lora is not None:
+        lora_tp_plan = tp_plan
+        if lora_tp_plan is None and lora.target_modules is None:  # the default targets come from the TP plan
+            lora_tp_plan = registry.tp_plan(adapter, model.config)
+        lora_plan = plan_lora(model, lora, shards_by_rank, lora_tp_plan, config.sequence_parallel)
+    specs_by_rank = tuple(param_specs(model, s) | (lora_plan.specs(r) if lora_plan else {})
+                          for r, s in enumerate(shards_by_rank))
     return LayoutPlan(
         config=config.resolve(world_size), adapter=adapter, model_config=model.config, split=split, tied=tied,
-        shards_by_rank=shards_by_rank, specs_by_rank=tuple(param_specs(model, s) for s in shards_by_rank),
-        sp_plan=sp_plan, leaves=leaves,
+        shards_by_rank=shards_by_rank, specs_by_rank=specs_by_rank, sp_plan=sp_plan, leaves=leaves, lora=lora_plan,
     )
 
 

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 import torch
+from peft import LoraConfig
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -30,6 +31,7 @@ from plait.checkpoint.hf_dir import open_hf_dir, read_hf_index
 from plait.checkpoint.load import load_checkpoint
 from plait.checkpoint.state import local_params, local_views
 from plait.config import ConfigError, ParallelConfig
+from plait.lora.layers import local_init
 from plait.meta import build_meta_model
 from plait.parallelize import ParallelModel, parallelize
 from plait.registry import Adapter, Registry, default_registry
@@ -47,17 +49,20 @@ def load_parallel_model(
     device: str | torch.device = "cpu",
     registry: Registry | None = None,
     timeout: datetime.timedelta | None = None,
+    lora: LoraConfig | None = None,
 ) -> ParallelModel:
     """A ParallelModel whose ranks each hold only their shards.
 
     ``source``: a transformers config (seeded random init), a Hugging Face model directory (config.json plus
     model.safetensors or a sharded model.safetensors.index.json) or a plait checkpoint directory (any
     saved layout). Every rank must call it. Missing or mismatched tensors raise before any weight is read.
-    ``timeout`` bounds collectives on the model's process groups (``parallelize``).
+    ``timeout`` bounds collectives on the model's process groups (``parallelize``). ``lora``: train LoRA
+    adapters on the frozen model (seeded from ``seed``, like random weights).
     """
     registry = registry or default_registry()
     config, kind, path = resolve_source(source)
-    pmodel = parallelize(build_meta_model(config, dtype), parallel_config, registry=registry, timeout=timeout)
+    pmodel = parallelize(build_meta_model(config, dtype), parallel_config, registry=registry, timeout=timeout,
+                         lora=lora)
     materialize(pmodel, kind, path, seed=seed, device=device, registry=registry)
     if kind == "checkpoint":
         load_checkpoint(path, pmodel)
@@ -77,9 +82,11 @@ def materialize(
     registry = registry or default_registry()
     model, config = pmodel.module, pmodel.plan.model_config
     found = local_params(model, pmodel.param_specs)
+    lora = pmodel.plan.lora
+    adapters = lora.param_names() if lora is not None else set()  # LoRA starts from its own init, not a file
     hf = None  # a reader of the model directory, its tensors under the parameters' names
     if kind == "hf":
-        shapes = {name: spec.full_shape for name, spec in found.specs.items()}
+        shapes = {name: spec.full_shape for name, spec in found.specs.items() if name not in adapters}
         hf = open_hf_dir(path, shapes, found.aliases, getattr(model, "base_model_prefix", ""))
     device = torch.device(device)
     materialize_buffers(model, device)
@@ -90,7 +97,9 @@ def materialize(
             local = torch.empty(spec.local_shape, dtype=param.dtype)
             if spec.pad:
                 local.narrow(spec.dim, local.shape[spec.dim] - spec.pad, spec.pad).zero_()
-            if hf is not None:
+            if name in adapters and kind != "checkpoint":
+                local.copy_(local_init(lora, name, spec, seed, param.dtype))
+            elif hf is not None:
                 for op in local_views(spec, local, name):
                     hf.read(op.logical, op.box, op.out)
             elif init is not None:

@@ -17,12 +17,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from peft import LoraConfig
 from torch import nn
 
 from plait.activation_checkpoint import apply_activation_checkpointing
 from plait.config import ConfigError, ParallelConfig
 from plait.grad_sync import GradSync, norm_params
 from plait.layout_plan import LayoutPlan, plan_layout
+from plait.lora.layers import apply_lora
 from plait.mesh import Mesh
 from plait.pipeline.schedule import LossFn, PipelineRunner
 from plait.pipeline.stages import StageChunk, dropped, prune
@@ -81,6 +83,7 @@ class ParallelModel(nn.Module):
         labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Loss when ``labels`` are given (causal shift inside), else this rank's vocab slice of the logits."""
         if self.pipeline is not None:
@@ -89,12 +92,13 @@ class ParallelModel(nn.Module):
                 f"train_step() or eval_loss(), which run the pipeline schedule"
             )
         self._check_sequence(input_ids, attention_mask)
-        return self._forward(input_ids, labels, attention_mask, num_items_in_batch)
+        return self._forward(input_ids, labels, attention_mask, num_items_in_batch, position_ids)
 
-    def _forward(self, input_ids, labels, attention_mask, num_items_in_batch) -> torch.Tensor:
+    def _forward(self, input_ids, labels, attention_mask, num_items_in_batch, position_ids=None) -> torch.Tensor:
+        positions = {} if position_ids is None else {"position_ids": position_ids}
         try:
             with precision_context(self.config, self.module):
-                out = self.module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                out = self.module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **positions)
         finally:
             self.applied.entry.clear()
         if labels is None:
@@ -114,6 +118,7 @@ class ParallelModel(nn.Module):
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one optimizer step's local batch, split into ``num_microbatches``;
         gradients accumulate into ``.grad``. Returns the loss (summed over microbatches: the step's loss
@@ -121,8 +126,10 @@ class ParallelModel(nn.Module):
 
         ``num_items_in_batch``: tokens with a label in the global batch (all dp ranks); None counts this
         rank's batch, right only for dp=1. Sync gradients afterwards (``OptimizerStep`` or ``grad_sync``).
+        ``position_ids`` ([batch, seq], whole sequences): restarting at 0 inside a row marks packed documents,
+        which transformers' mask then keeps apart (block-diagonal attention, on every pipeline stage).
         """
-        return self._run(input_ids, labels, attention_mask, num_items_in_batch, train=True)
+        return self._run(input_ids, labels, attention_mask, num_items_in_batch, position_ids, train=True)
 
     def eval_loss(
         self,
@@ -130,10 +137,11 @@ class ParallelModel(nn.Module):
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``train_step`` without backward (validation loss), on every rank of the pipeline."""
         with torch.no_grad():
-            return self._run(input_ids, labels, attention_mask, num_items_in_batch, train=False)
+            return self._run(input_ids, labels, attention_mask, num_items_in_batch, position_ids, train=False)
 
     def _check_sequence(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         if attention_mask is not None and self.config.sequence_parallel and \
@@ -150,7 +158,7 @@ class ParallelModel(nn.Module):
                 f"use a block size that is a multiple of {self.mesh.tp}, or disable sequence parallelism"
             )
 
-    def _run(self, input_ids, labels, attention_mask, num_items_in_batch, train: bool) -> torch.Tensor:
+    def _run(self, input_ids, labels, attention_mask, num_items_in_batch, position_ids, train: bool) -> torch.Tensor:
         """Checks first (identical on every rank, so a refusal never leaves a peer inside a collective)."""
         self._check_sequence(input_ids, attention_mask)
         m = self.config.num_microbatches
@@ -162,11 +170,12 @@ class ParallelModel(nn.Module):
         if num_items_in_batch is None:
             num_items_in_batch = (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
         if self.pipeline is not None:
-            return self.pipeline.run(input_ids, labels, attention_mask, num_items_in_batch, train)
+            return self.pipeline.run(input_ids, labels, attention_mask, num_items_in_batch, train, position_ids)
         total = torch.zeros((), dtype=torch.float32, device=input_ids.device)
         masks = attention_mask.chunk(m) if attention_mask is not None else [None] * m
-        for ids, labs, mask in zip(input_ids.chunk(m), labels.chunk(m), masks):
-            loss = self._forward(ids, labs, mask, num_items_in_batch)
+        positions = position_ids.chunk(m) if position_ids is not None else [None] * m
+        for ids, labs, mask, pos in zip(input_ids.chunk(m), labels.chunk(m), masks, positions):
+            loss = self._forward(ids, labs, mask, num_items_in_batch, pos)
             if train:
                 loss.backward()
             total += loss.detach().float()
@@ -175,11 +184,13 @@ class ParallelModel(nn.Module):
 
 def parallelize(
     model: nn.Module, config: ParallelConfig | LayoutPlan, *, registry: Registry | None = None,
-    timeout: datetime.timedelta | None = None,
+    timeout: datetime.timedelta | None = None, lora: LoraConfig | None = None, lora_seed: int = 0,
 ) -> ParallelModel:
     """Lay ``model`` (a transformers causal LM, on CPU, GPU or meta) out over the running world.
 
     ``config``: the layout, or a ``LayoutPlan`` already computed for this model (``plan_layout``).
+    ``lora``: freeze the model and train LoRA adapters (peft's config; ``plait.lora``), initialised from
+    ``lora_seed`` when the model holds weights (a meta model gets them from ``materialize``).
     ``timeout`` bounds every collective on the tp/pp/dp groups (see ``Mesh.from_world``). Every check that
     can fail runs before the first collective, so a bad layout is an error on every rank, never a hang.
     """
@@ -188,11 +199,11 @@ def parallelize(
         plan = config
         plan.config.resolve(world_size)  # a plan made for another world size: raises, naming the numbers
     else:
-        plan = plan_layout(model, config, world_size, registry)
-    return _apply(model, plan, Mesh.from_world(plan.config, timeout))
+        plan = plan_layout(model, config, world_size, registry, lora)
+    return _apply(model, plan, Mesh.from_world(plan.config, timeout), lora_seed)
 
 
-def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh) -> ParallelModel:
+def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -> ParallelModel:
     config = plan.config
     stage_ids = plan.stages_of(mesh.pp_rank)
     if plan.split is not None:
@@ -204,6 +215,8 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh) -> ParallelModel:
     if plan.sp_plan is not None:
         sp_params = sp_grad_sum_params(model, plan.sp_plan, shards)
         install_sequence_parallel(model, plan.sp_plan, mesh.tp_group, applied.head_is_parallel, owns)
+    if plan.lora is not None:  # after the SP region is checked: LoRA's own sums are in lora/plan.py
+        applied.grad_sums += apply_lora(model, plan.lora, mesh, config.sequence_parallel, owns, lora_seed)
     if config.tp > 1:
         install_dropout_rng(model, mesh.tp_rank, *_dropout_regions(model, plan, shards, owns))
     apply_activation_checkpointing(model, [name for name in plan.leaves if owns(name)])
@@ -238,13 +251,16 @@ def _grad_sync(
 ) -> GradSync:
     shared: dict[Any, list[nn.Parameter]] = defaultdict(list)
     for param in sp_params:
-        shared[mesh.tp_group].append(param)
+        if param.requires_grad:  # frozen (LoRA's base) parameters have no gradient to sum
+            shared[mesh.tp_group].append(param)
     for param, group in applied.grad_sums:
-        shared[group].append(param)
+        if param.requires_grad:
+            shared[group].append(param)
     local = dict(model.named_parameters(remove_duplicate=False))
-    tied = list({id(p): p for names in plan.tied for n in names if (p := local.get(n)) is not None}.values())
-    counted = norm_params(model.named_parameters(), list(plan.specs_by_rank), mesh.tp_rank,
-                          skip=tied if mesh.pp_rank > 0 else ())
+    tied = list({id(p): p for names in plan.tied for n in names
+                 if (p := local.get(n)) is not None and p.requires_grad}.values())
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    counted = norm_params(trained, list(plan.specs_by_rank), mesh.tp_rank, skip=tied if mesh.pp_rank > 0 else ())
     trainable = [p for p in model.parameters() if p.requires_grad]
     # A collective: every rank creates the group, in the same order, even a middle stage holding no copy.
     ends_group = mesh.pipeline_ends_group() if plan.tied else None

@@ -1,0 +1,116 @@
+"""LoRA out of plait: a peft adapter directory, or the base model with the update merged in.
+
+Both start from full LoRA tensors under plait's names (``model.layers.0.self_attn.q_proj.lora_A.weight``, peft's
+names without its ``base_model.model.`` prefix and adapter name), read from a checkpoint (``consolidate_lora``)
+or gathered from a running model (``gather_lora``). The adapter is written with peft's own config class and
+key names, so ``PeftModel.from_pretrained(base, dir)`` loads it on the unmodified base; the merged model is
+``W + scale * B @ A`` (transposed for Conv1D weights), saved with ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+from safetensors.torch import save_file
+from torch import nn
+
+from plait import comm
+from plait.config import ConfigError
+from plait.lora.config import scaling
+from plait.lora.plan import LORA_A, LORA_B
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def gather_lora(pmodel) -> dict[str, torch.Tensor]:
+    """Every full LoRA tensor of a running ParallelModel, on every rank (a collective over the world: tp
+    slices are gathered, pipeline stages exchange theirs)."""
+    from plait.testing.gather import gather_full
+
+    lora = pmodel.plan.lora
+    if lora is None:
+        raise ConfigError("this model trains no LoRA adapters (parallelize(..., lora=LoraConfig(...)))")
+    local = {}
+    for name, param in pmodel.module.named_parameters():
+        if name in lora.param_names():
+            full = gather_full(pmodel, name, param)
+            if pmodel.mesh.tp_rank == 0:
+                local[name] = full.cpu()
+    merged: dict[str, torch.Tensor] = {}
+    for part in comm.all_gather_object(local, comm.world_group()):
+        merged.update(part)
+    return merged
+
+
+def adapter_config(config: LoraConfig, base: nn.Module | None, base_path: str | None) -> LoraConfig:
+    """The config saved beside the weights: peft sets ``fan_in_fan_out`` for Conv1D bases (GPT2) itself when
+    it adapts them, so it is written as peft would."""
+    from transformers.pytorch_utils import Conv1D
+
+    saved = LoraConfig(**{k: v for k, v in config.to_dict().items() if k in LoraConfig.__dataclass_fields__
+                          and k not in ("peft_type", "auto_mapping", "peft_version")})
+    if base is not None:
+        saved.fan_in_fan_out = any(isinstance(m, Conv1D) for n, m in base.named_modules()
+                                   if n and config.target_modules and _targeted(config, n))
+    saved.base_model_name_or_path = base_path
+    saved.inference_mode = True
+    return saved
+
+
+def _targeted(config: LoraConfig, name: str) -> bool:
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    return bool(check_target_module_exists(config, name))
+
+
+def save_adapter(path: str | os.PathLike, tensors: dict[str, torch.Tensor], config: LoraConfig,
+                 base: nn.Module | None = None, base_path: str | None = None) -> Path:
+    """Write a peft adapter directory (adapter_config.json + adapter_model.safetensors) to a temporary folder,
+    renamed to ``path`` when complete."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.writing")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    adapter_config(config, base, base_path).save_pretrained(str(tmp))
+    save_file({PEFT_PREFIX + name: t.detach().contiguous() for name, t in tensors.items()},
+              str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+@torch.no_grad()
+def merge_into(model: nn.Module, tensors: dict[str, torch.Tensor], config: LoraConfig) -> nn.Module:
+    """Add ``scale * B @ A`` to every adapted weight of ``model`` (a whole transformers model), in place."""
+    from transformers.pytorch_utils import Conv1D
+
+    scale = scaling(config)
+    suffix = f".{LORA_A}.weight"
+    for name in (n for n in tensors if n.endswith(suffix)):
+        module_name = name[: -len(suffix)]
+        module = model.get_submodule(module_name)
+        a, b = tensors[name].float(), tensors[f"{module_name}.{LORA_B}.weight"].float()
+        delta = (b @ a) * scale  # [out, in]
+        if isinstance(module, Conv1D):
+            delta = delta.T
+        module.weight.copy_((module.weight.float() + delta).to(module.weight.dtype))
+    return model
+
+
+def save_merged(path: str | os.PathLike, model: nn.Module, tensors: dict[str, torch.Tensor],
+                config: LoraConfig) -> Path:
+    """``merge_into`` then ``save_pretrained`` to a temporary folder renamed to ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.writing")
+    shutil.rmtree(tmp, ignore_errors=True)
+    merge_into(model, tensors, config).save_pretrained(str(tmp))
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path

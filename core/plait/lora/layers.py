@@ -1,0 +1,105 @@
+"""LoRA on plait's layers: A and B registered on the base layer (``<base>.lora_A.weight``, peft's names) and a
+forward hook adding ``scale * B(A(dropout(x)))`` to the base output, with the collectives of its base.
+
+The base layer is left as it is (its class, its parameter names, its hooks), so tensor, sequence and pipeline
+parallelism, activation checkpointing and checkpoints see the same modules with LoRA or without.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.lora.plan import LORA_A, LORA_B, LoraPlan
+from plait.mesh import Mesh
+from plait.tp import mappings
+
+
+class LoraWeight(nn.Module):
+    """Holds one LoRA matrix as ``weight`` so that its name is peft's (``q_proj.lora_A.weight``)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+
+    def extra_repr(self) -> str:
+        return f"local={tuple(self.weight.shape)}"
+
+
+def full_init(name: str, shape: tuple[int, ...], init_b_zero: bool, seed: int) -> torch.Tensor:
+    """The full LoRA matrix ``name`` as peft initialises it: kaiming-uniform (a=sqrt(5), nn.Linear's default)
+    for A, zeros for B unless ``init_lora_weights=False``; drawn from a generator seeded by (seed, name) so
+    every layout starts from the same adapter."""
+    from plait.materialize import init_seed  # materialize imports parallelize, which imports this module
+
+    full = torch.empty(shape, dtype=torch.float32)
+    if init_b_zero and name.endswith(f"{LORA_B}.weight"):
+        return full.zero_()
+    generator = torch.Generator().manual_seed(init_seed(seed, name))
+    return nn.init.kaiming_uniform_(full, a=5 ** 0.5, generator=generator)
+
+
+def local_init(plan: LoraPlan, name: str, spec, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's slice of LoRA parameter ``name`` at its initial value."""
+    full = full_init(name, spec.full_shape, plan.config.init_lora_weights is True, seed)
+    return spec.slice_full(full).to(dtype)
+
+
+def apply_lora(
+    model: nn.Module, plan: LoraPlan, mesh: Mesh, sequence_parallel: bool, owns, seed: int = 0,
+) -> list[tuple[nn.Parameter, object]]:
+    """Freeze every parameter of ``model``, add this rank's LoRA matrices to its adapted modules (on the base
+    weight's device; left empty on meta for ``materialize``) and return the (parameter, group) pairs whose
+    gradients are summed over a group of tp ranks."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    sums = []
+    for name, placed in plan.modules_by_rank[mesh.tp_rank].items():
+        if not owns(name):
+            continue
+        base = model.get_submodule(name)
+        weight = base.weight
+        for attr, spec, pname in ((LORA_A, placed.a, placed.a_name), (LORA_B, placed.b, placed.b_name)):
+            if weight.is_meta:
+                local = torch.empty(spec.local_shape, dtype=weight.dtype, device="meta")
+            else:
+                local = local_init(plan, pname, spec, seed, weight.dtype).to(weight.device)
+            setattr(base, attr, LoraWeight(local))
+        base.lora_dropout = nn.Dropout(plan.config.lora_dropout) if plan.config.lora_dropout else nn.Identity()
+        base.register_forward_hook(_row_hook(plan.scale, mesh, sequence_parallel) if placed.kind == "row"
+                                   else _column_hook(plan.scale))
+        for param, block in ((base.lora_A.weight, placed.a_grad_sum), (base.lora_B.weight, placed.b_grad_sum)):
+            if block > 1:
+                sums.append((param, mesh.tp_group if block == mesh.tp else mesh.tp_block_group(block)))
+    return sums
+
+
+def _column_hook(scale: float):
+    """A column-parallel (or whole) base: A on the entered input (the base's ``entry`` remembers it, so this
+    is the same tensor, gathered once under SP), B's rows are the base's output features."""
+
+    def hook(module, args, output):
+        x = args[0]
+        entry = getattr(module, "entry", None)
+        if entry is not None:
+            x = entry(x)
+        update = F.linear(F.linear(module.lora_dropout(x), module.lora_A.weight), module.lora_B.weight)
+        return output + update * scale
+
+    return hook
+
+
+def _row_hook(scale: float, mesh: Mesh, sequence_parallel: bool):
+    """A row-parallel base: A on this rank's input features; the partial rank-r result is summed over tp
+    (reduce-scattered to sequence shards under SP), as the base output is, before B."""
+
+    def hook(module, args, output):
+        low = F.linear(module.lora_dropout(args[0]), module.lora_A.weight)
+        if sequence_parallel:
+            low = mappings.reduce_scatter_to_seq(low, mesh.tp_group)
+        else:
+            low = mappings.reduce_from_tp(low, mesh.tp_group)
+        return output + F.linear(low, module.lora_B.weight) * scale
+
+    return hook
