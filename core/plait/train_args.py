@@ -10,12 +10,17 @@ import dataclasses
 import glob
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from plait.config import ConfigError, ParallelConfig
 from plait.pipeline.schedule import SCHEDULES
 
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
 
 LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+DATA_FORMATS = ("auto", "text", "chat", "prompt_completion")
 
 
 @dataclass
@@ -66,6 +71,23 @@ class TrainArgs:
     skip_nonfinite_steps: int = field(default=0, metadata={"help": "skip up to N steps whose loss or gradient norm is not finite (not applied, counted in metrics) before stopping (0: stop at the first)"})
     text_field: str = field(default="text", metadata={"help": "the text field of .jsonl lines, and the text column of Parquet files and --dataset_name"})
     data_cache_dir: str | None = field(default=None, metadata={"help": "where tokenized data and trained tokenizers are cached (default: $XDG_CACHE_HOME/plait, else ~/.cache/plait)"})
+    data_format: str = field(default="auto", metadata={"help": "auto, text (packed plain text), chat (.jsonl 'messages', rendered with the tokenizer's chat template) or prompt_completion (.jsonl 'prompt' + 'completion'); auto reads the first .jsonl line"})
+    train_on_prompt: bool = field(default=False, metadata={"help": "SFT: train on prompt / user tokens too (default: only completion / assistant tokens count)"})
+    packing: bool = field(default=False, metadata={"help": "SFT: pack several examples per block, attention kept within each (default: one example per block, padded)"})
+    overlong: str = field(default="truncate", metadata={"help": "SFT examples longer than --block_size: truncate or refuse"})
+    lora_r: int = field(default=0, metadata={"help": "train LoRA adapters of this rank on the frozen model (0: train every parameter)"})
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r (peft's LoraConfig)"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input (0 with tp > 1)"})
+    lora_target_modules: str | None = field(default=None, metadata={"help": "comma-separated module names as peft takes them (default: the attention and MLP projections of the adapter's TP plan)"})
+
+    def lora(self) -> "LoraConfig | None":
+        """peft's LoraConfig from the --lora_* flags (None without --lora_r)."""
+        if not self.lora_r:
+            return None
+        from plait.lora.config import lora_config
+
+        targets = [t.strip() for t in self.lora_target_modules.split(",") if t.strip()] if self.lora_target_modules else None
+        return lora_config(self.lora_r, self.lora_alpha, self.lora_dropout, targets)
 
     def validate(self) -> None:
         """Checks that need no model: fail before any process group or file exists."""
@@ -112,6 +134,13 @@ class TrainArgs:
             raise ConfigError(f"--optimizer_dtype={self.optimizer_dtype!r} is unknown; choose float32 or bfloat16")
         if self.bf16 and self.bf16_autocast:
             raise ConfigError("give --bf16 (bf16 parameters) or --bf16_autocast (fp32 parameters), not both")
+        if self.data_format not in DATA_FORMATS:
+            raise ConfigError(f"--data_format={self.data_format!r} is unknown; choose one of {', '.join(DATA_FORMATS)}")
+        if self.overlong not in ("truncate", "refuse"):
+            raise ConfigError(f"--overlong={self.overlong!r} is unknown; choose truncate or refuse")
+        if self.lora_r < 0:
+            raise ConfigError(f"--lora_r={self.lora_r} must be >= 0 (0: no LoRA)")
+        self.lora()  # the LoRA flags' own checks
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             raise ConfigError(f"--lr_scheduler_type={self.lr_scheduler_type!r} is unknown; choose one of {', '.join(LR_SCHEDULERS)}")
 

@@ -25,6 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from plait import comm, faults
 from plait.config import ConfigError, ParallelConfig
 from plait.data import GlobalBatchSampler, local_microbatch
+from plait.data.sft_blocks import batch_inputs, count_labels
 from plait.data.train_data import load_data
 from plait.metrics import MetricsLog, json_line, peak_rss_mb, plot_loss_curve
 from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
@@ -36,6 +37,7 @@ from plait.checkpoint import (
     checkpoint_path, latest_checkpoint, load_checkpoint, rotate_checkpoints, save_checkpoint, should_save,
 )
 from plait.layout_plan import plan_layout
+from plait.lora.base import check_base, saved_lora
 from plait.materialize import materialize, resolve_source
 from plait.meta import build_meta_model
 from plait.parallelize import ParallelModel, parallelize
@@ -128,14 +130,14 @@ def evaluate(pmodel: ParallelModel, blocks: torch.Tensor, batch_size: int, devic
     mesh = pmodel.mesh
     m = pmodel.config.num_microbatches
     usable = len(blocks) // (mesh.dp * m) * (mesh.dp * m)  # every dp rank, whole pipeline microbatches
-    mine = blocks[:usable][mesh.dp_rank :: mesh.dp]
-    num_items = usable * (blocks.shape[1] - 1)
+    mine = torch.arange(usable)[mesh.dp_rank :: mesh.dp]
+    num_items = count_labels(blocks, torch.arange(usable))
     batch_size = max(batch_size // m * m, m)
     total = torch.zeros((), device=device)
     pmodel.eval()
     for start in range(0, len(mine), batch_size):
-        batch = mine[start : start + batch_size].to(device)
-        total += pmodel.eval_loss(batch, batch, num_items_in_batch=num_items)
+        ids, labels, positions = batch_inputs(blocks, mine[start : start + batch_size], device)
+        total += pmodel.eval_loss(ids, labels, num_items_in_batch=num_items, position_ids=positions)
     pmodel.train()
     loss = comm.all_reduce(total, mesh.dp_group).item()
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
@@ -179,7 +181,10 @@ class Trainer:
         meta = build_meta_model(model_config, torch.bfloat16 if args.bf16 else torch.float32)
         check_resume_matches(args, meta, resume)
         check_model_fits(args, model_config)
-        plan = plan_layout(meta, args.parallel_config(), int(os.environ.get("WORLD_SIZE", "1")))
+        saved = saved_lora(read_index(resume)[1].extra) if resume is not None else None
+        if saved is not None:
+            check_base(saved[1], str(resume))
+        plan = plan_layout(meta, args.parallel_config(), int(os.environ.get("WORLD_SIZE", "1")), lora=args.lora())
         # Data before any process group: a bad file fails every rank at once, never inside a collective.
         self.blocks, self.val_blocks, self.tokenizer = load_data(args, model_config.vocab_size)
         check_validation_blocks(self.val_blocks, plan.config)
@@ -192,8 +197,10 @@ class Trainer:
         load_start = time.perf_counter()
         source = resume or args.model_name_or_path or model_config
         kind, path = ("checkpoint", resume) if resume else resolve_source(source)[1:]
+        if saved is not None:  # a LoRA checkpoint: the frozen base from its reference, the adapters from it
+            kind, path = saved[1]["kind"], Path(saved[1]["path"]) if saved[1]["kind"] == "hf" else None
         self.pmodel = pmodel = parallelize(meta, plan, timeout=datetime.timedelta(seconds=args.ddp_timeout))
-        materialize(pmodel, kind, path, seed=args.seed, device=device)
+        materialize(pmodel, kind, path, seed=saved[1].get("seed", args.seed) if saved else args.seed, device=device)
         if args.torch_compile:
             compile_leaf_modules(pmodel.module, default_registry().leaf_modules(pmodel.adapter, model_config))
         self.mesh = mesh = pmodel.mesh
@@ -237,13 +244,14 @@ class Trainer:
         args, mesh = self.args, self.mesh
         start = time.perf_counter()
         indices = self.sampler.indices(step)
-        num_items = self.global_batch * (args.block_size - 1)  # packed blocks: every shifted label counts
+        # sum of token losses / labelled tokens of the whole global batch (every micro-step, every dp rank)
+        num_items = count_labels(self.blocks, indices)
         accumulation = args.gradient_accumulation_steps
         step_loss = torch.zeros((), device=self.device)
         for micro in range(accumulation):
             rows = local_microbatch(indices, mesh.dp_rank, mesh.dp, accumulation, micro)
-            batch = self.blocks[rows].to(self.device)
-            step_loss += self.pmodel.train_step(batch, batch, num_items_in_batch=num_items)
+            ids, labels, positions = batch_inputs(self.blocks, rows, self.device)
+            step_loss += self.pmodel.train_step(ids, labels, num_items_in_batch=num_items, position_ids=positions)
         loss = comm.all_reduce(step_loss, mesh.dp_group)  # equal on every rank: all of them decide alike
         lr = self.optimizer_step.lr
         record = {"step": step + 1, "loss": loss.item(), "lr": lr}

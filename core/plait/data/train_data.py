@@ -128,7 +128,15 @@ def _blocks(cache: TokenCache, meta: dict, block_size: int) -> TokenBlocks:
 
 def load_data(args: TrainArgs, vocab_size: int) -> tuple[TokenBlocks, TokenBlocks | None, Any]:
     """Training blocks, validation blocks (with --validation_file), as [n, block_size] token ids read from
-    the token cache, and the tokenizer that made them (None for byte ids), saved with checkpoints."""
+    the token cache, and the tokenizer that made them (None for byte ids), saved with checkpoints.
+    SFT data (--data_format chat / prompt_completion, or detected) gives ``SFTBlocks`` instead
+    (``plait.data.sft``)."""
+    from plait.data.sft import SFT_FORMATS, data_format, load_sft_data
+
+    fmt = data_format(args)
+    if fmt in SFT_FORMATS:  # conversations or prompt/completion: padded or packed SFT blocks
+        sft = load_sft_data(args, vocab_size, fmt)
+        return sft.blocks, sft.val_blocks, sft.tokenizer
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     try:
         data = prepare_data(args, vocab_size, local_rank=local_rank, progress=local_rank == 0)

@@ -101,13 +101,16 @@ class PipelineRunner:
 
     def run(
         self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
-        num_items_in_batch: int | torch.Tensor, train: bool,
+        num_items_in_batch: int | torch.Tensor, train: bool, position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Forward (and backward when ``train``) of every microbatch; the summed loss, on every pp rank."""
-        key = (tuple(input_ids.shape), attention_mask is not None, train)
+        """Forward (and backward when ``train``) of every microbatch; the summed loss, on every pp rank.
+        The attention mask and position ids go to every stage (each rebuilds the causal mask)."""
+        key = (tuple(input_ids.shape), attention_mask is not None, position_ids is not None, train)
         schedule = self._schedule(key, input_ids.device)
         self._num_items = num_items_in_batch
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
         losses: list[torch.Tensor] = []
         if train:
             schedule.step(input_ids, target=labels, losses=losses, return_outputs=False, **kwargs)

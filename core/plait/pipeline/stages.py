@@ -118,7 +118,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 class StageChunk(nn.Module):
-    """One pipeline stage: ``forward(x, attention_mask=None)`` maps the previous stage's output (input ids
+    """One pipeline stage: ``forward(x, attention_mask=None, position_ids=None)`` maps the previous stage's output (input ids
     on the first stage) to the next stage's input (logits on the last stage).
 
     ``seq_shards`` is how many sequence shards the hidden states between stages are cut into (tp under
@@ -144,8 +144,11 @@ class StageChunk(nn.Module):
         if not self.is_last:
             self.shell.get_submodule(split.layers[stop - 1]).register_forward_hook(self._take_out)
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
         if self.is_first:
             self._seq = x.shape[1]
             kwargs["input_ids"] = x

@@ -1,0 +1,311 @@
+"""Supervised fine-tuning data: .jsonl conversations (``messages``) or ``prompt`` + ``completion`` pairs.
+
+Conversations are rendered with the tokenizer's own chat template (transformers' ``apply_chat_template``);
+the assistant turns are found by rendering the conversation up to each of them (the prefix ending in the
+generation prompt, then the prefix including the turn) and mapping those character spans onto tokens with
+the fast tokenizer's offsets, so any template works without ``{% generation %}`` markers. Only assistant /
+completion tokens are trained on unless ``--train_on_prompt``.
+
+Tokenized examples go through a cache like the text token cache (``plait.data.cache``: one writer per key,
+temp dir + rename, others poll): ``tokens.bin`` (ids), ``trainable.bin`` (one byte per token),
+``docs.bin`` (end offset and source line per example), ``meta.json``. The key holds the files' identity,
+the tokenizer's fingerprint, the chat template, the format and ``--train_on_prompt``; ``--block_size``,
+``--packing`` and ``--overlong`` are not in it: blocks are laid out when read (``sft_blocks.lay_out``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from plait.config import ConfigError
+from plait.data.cache import _host, _remove, _stale_temporaries, exclusive, publish, tokenizer_fingerprint, wait_for
+from plait.data.sft_blocks import Example, SFTBlocks, lay_out
+from plait.data.sources import Source, resolve_sources
+from plait.data.tokenizer import load_tokenizer
+
+SFT_FORMATS = ("chat", "prompt_completion")
+CACHE_FORMAT = "plait-sft-v1"
+TOKENS_FILE, TRAINABLE_FILE, DOCS_FILE, META_FILE = "tokens.bin", "trainable.bin", "docs.bin", "meta.json"
+
+
+def record_format(record: Any, text_field: str = "text") -> str | None:
+    """chat, prompt_completion or text, from a parsed .jsonl line's fields; None for none of them."""
+    if not isinstance(record, dict):
+        return None
+    if "messages" in record:
+        return "chat"
+    if "prompt" in record and "completion" in record:
+        return "prompt_completion"
+    if text_field in record:
+        return "text"
+    return None
+
+
+def data_format(args) -> str:
+    """--data_format, or with ``auto`` the format of the first line of the first .jsonl training file
+    (anything else is plain text)."""
+    if args.data_format != "auto":
+        return args.data_format
+    if args.dataset_name or not args.train_file:
+        return "text"
+    sources = resolve_sources(args.train_file, args.text_field, "--train_file")
+    first = sources[0]
+    if first.kind != "jsonl":
+        return "text"
+    for number, line in _lines(first.path):
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            raise ConfigError(f"{first.path} line {number}: not valid JSON ({err})") from None
+        return record_format(record, args.text_field) or "text"  # a bad line: the text reader names it
+    return "text"
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                yield number, line
+
+
+def read_records(path: Path, fmt: str) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of every non-blank line, each checked against ``fmt``.
+
+    Raises:
+        ValueError: naming the file and line, for a line that is not JSON or not in ``fmt``.
+    """
+    for number, line in _lines(path):
+        where = f"{path} line {number}"
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            raise ValueError(f"{where}: not valid JSON ({err})") from None
+        problem = _format_problem(record, fmt)
+        if problem:
+            found = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f"{where}: {problem} (found {found}); every line of a {fmt} file needs "
+                             f"{_EXPECTED[fmt]}, or choose another --data_format")
+        yield number, record
+
+
+_EXPECTED = {"chat": "'messages': a list of {'role': ..., 'content': ...} with at least one assistant turn",
+             "prompt_completion": "'prompt' and 'completion' strings"}
+
+
+def _format_problem(record: Any, fmt: str) -> str | None:
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if fmt == "chat":
+        messages = record.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return "no 'messages' list"
+        for m in messages:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                return "a message is not {'role': str, 'content': str}"
+        if not any(m["role"] == "assistant" for m in messages):
+            return "no assistant message"
+        return None
+    if not (isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)):
+        return "no 'prompt' and 'completion' strings"
+    return None
+
+
+class SFTEncoder:
+    """Records of one format -> (ids, trainable) through a transformers tokenizer."""
+
+    def __init__(self, tokenizer, fmt: str, train_on_prompt: bool, where: str = "the tokenizer") -> None:
+        if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"{where} has no chat template, which chat data needs; give --tokenizer_name a "
+                             f"tokenizer dir whose tokenizer_config.json sets chat_template, or use "
+                             f"prompt/completion data")
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError(f"{where} is a slow tokenizer; SFT maps turns to tokens by offsets, which needs a fast "
+                             f"(tokenizers-backed) one")
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"{where} has no eos token to end completions; give a tokenizer with an eos_token")
+        self.tokenizer, self.fmt, self.train_on_prompt = tokenizer, fmt, train_on_prompt
+        self.key = {"tokenizer": tokenizer_fingerprint(tokenizer), "format": fmt, "train_on_prompt": train_on_prompt,
+                    "chat_template": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()[:24]
+                    if fmt == "chat" else None}
+
+    def encode(self, record: dict, where: str) -> tuple[np.ndarray, np.ndarray]:
+        if self.fmt == "chat":
+            return self._chat(record["messages"], where)
+        tok = self.tokenizer
+        prompt = tok(record["prompt"], add_special_tokens=True)["input_ids"]
+        completion = tok(record["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids = np.asarray(prompt + completion, dtype=np.int64)
+        trainable = np.zeros(len(ids), dtype=bool)
+        trainable[len(prompt):] = True
+        return ids, trainable | self.train_on_prompt
+
+    def _chat(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
+        render = self.tokenizer.apply_chat_template
+        text = render(messages, tokenize=False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = render(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+            upto = render(messages[: i + 1], tokenize=False)
+            if not (upto.startswith(before) and text.startswith(upto)):
+                raise ValueError(f"{where}: the chat template does not render a conversation's beginning as a "
+                                 f"prefix of the whole, so assistant turns cannot be located; use a template that "
+                                 f"does, or --train_on_prompt")
+            spans.append((len(before), len(upto)))
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(encoded["input_ids"], dtype=np.int64)
+        starts = np.asarray([start for start, _ in encoded["offset_mapping"]], dtype=np.int64)
+        trainable = np.zeros(len(ids), dtype=bool)
+        for lo, hi in spans:
+            trainable |= (starts >= lo) & (starts < hi)
+        return ids, trainable | self.train_on_prompt
+
+
+def _read_meta(entry: Path) -> dict | None:
+    try:
+        meta = json.loads((entry / META_FILE).read_text())
+        ok = (meta.get("format") == CACHE_FORMAT
+              and (entry / TOKENS_FILE).stat().st_size == meta["num_tokens"] * 4
+              and (entry / TRAINABLE_FILE).stat().st_size == meta["num_tokens"]
+              and (entry / DOCS_FILE).stat().st_size == meta["num_documents"] * 16)
+        return meta if ok else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class SFTCache:
+    """The cache entry of ``sources`` encoded by ``encoder`` under ``root``/sft."""
+
+    def __init__(self, root: Path, sources: list[Source], encoder: SFTEncoder) -> None:
+        self.sources, self.encoder = sources, encoder
+        self.key_fields = {"format": CACHE_FORMAT, "sources": [s.identity() for s in sources], **encoder.key}
+        digest = hashlib.sha256(json.dumps(self.key_fields, sort_keys=True).encode()).hexdigest()[:20]
+        stem = "".join(c if c.isalnum() or c in "._" else "_" for c in sources[0].path.name)[:40]
+        self.path = Path(root) / "sft" / f"{stem}-{digest}"
+
+    def is_complete(self) -> bool:
+        return _read_meta(self.path) is not None
+
+    def ensure(self, local_rank: int, timeout: float) -> tuple[dict, bool]:
+        """(meta, prepared here): local rank 0 prepares a missing entry, the others wait for it."""
+        meta = _read_meta(self.path)
+        if meta is not None:
+            return meta, False
+        if local_rank != 0:
+            wait_for(self.path, self.is_complete, timeout, "the tokenized SFT data")
+            return _read_meta(self.path), False
+        with exclusive(self.path, self.is_complete, timeout, "the tokenized SFT data") as mine:
+            if mine:
+                self._prepare()
+        return _read_meta(self.path), mine
+
+    def _prepare(self) -> None:
+        for stale in _stale_temporaries(self.path):
+            shutil.rmtree(stale, ignore_errors=True)
+        if self.path.exists():  # failed the completeness check: rebuilt
+            shutil.rmtree(self.path)
+        tmp = self.path.parent / f".{self.path.name}.tmp-{_host()}-{os.getpid()}"
+        _remove(tmp)
+        tmp.mkdir(parents=True)
+        try:
+            start, ids, flags, docs = time.perf_counter(), [], [], []
+            total = 0
+            for index, source in enumerate(self.sources):
+                if source.kind != "jsonl":
+                    raise ValueError(f"{source.path}: SFT data must be .jsonl files (got {source.kind})")
+                for number, record in read_records(source.path, self.encoder.fmt):
+                    doc_ids, trainable = self.encoder.encode(record, f"{source.path} line {number}")
+                    ids.append(doc_ids.astype("<i4"))
+                    flags.append(trainable.astype(np.uint8))
+                    total += len(doc_ids)
+                    docs.append((total, index, number))
+            if not docs:
+                raise ValueError(f"{self.sources[0].path}: no examples (every line is blank)")
+            (tmp / TOKENS_FILE).write_bytes(np.concatenate(ids).tobytes())
+            (tmp / TRAINABLE_FILE).write_bytes(np.concatenate(flags).tobytes())
+            ends = np.asarray([[end, (index << 40) | number] for end, index, number in docs], dtype="<u8")
+            (tmp / DOCS_FILE).write_bytes(ends.tobytes())
+            meta = {"format": CACHE_FORMAT, "num_tokens": total, "num_documents": len(docs),
+                    "num_trainable": int(sum(int(f.sum()) for f in flags)),
+                    "seconds": round(time.perf_counter() - start, 3), "key": self.key_fields}
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+            publish(tmp, self.path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def examples(self) -> list[Example]:
+        """Every cached example, in input order, with the file and line it came from."""
+        ids = np.fromfile(self.path / TOKENS_FILE, dtype="<i4")
+        trainable = np.fromfile(self.path / TRAINABLE_FILE, dtype=np.uint8).astype(bool)
+        docs = np.fromfile(self.path / DOCS_FILE, dtype="<u8").reshape(-1, 2)
+        out, start = [], 0
+        for end, where in docs.tolist():
+            path = self.sources[where >> 40].path
+            out.append(Example(ids[start:end], trainable[start:end], f"{path} line {where & ((1 << 40) - 1)}"))
+            start = end
+        return out
+
+
+@dataclass
+class SFTData:
+    """What ``load_sft_data`` returns: blocks for training (and validation) and the tokenizer."""
+
+    blocks: SFTBlocks
+    val_blocks: SFTBlocks | None
+    tokenizer: Any
+
+
+def load_sft_data(args, vocab_size: int, fmt: str | None = None) -> SFTData:
+    """SFT blocks from ``args`` (--train_file, --validation_file, --tokenizer_name or the model dir's tokenizer,
+    --data_format, --train_on_prompt, --block_size, --packing, --overlong, --data_cache_dir); before any
+    process group, so a bad line fails every rank at once (ConfigError naming the file and line)."""
+    from plait.data.train_data import cache_root, tokenizer_dir
+
+    fmt = fmt or data_format(args)
+    directory = tokenizer_dir(args)
+    if directory is None:
+        raise ConfigError(f"--data_format {fmt} needs a tokenizer (with a chat template for chat data); give "
+                          f"--tokenizer_name DIR or a --model_name_or_path dir holding one")
+    if args.dataset_name or not args.train_file:
+        raise ConfigError(f"--data_format {fmt} reads .jsonl files: give --train_file")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    try:
+        tokenizer = load_tokenizer(directory, vocab_size)
+        encoder = SFTEncoder(tokenizer, fmt, args.train_on_prompt, f"the tokenizer at {directory}")
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        sets = []
+        for name, spec, flag in (("train", args.train_file, "--train_file"),
+                                 ("validation", args.validation_file, "--validation_file")):
+            if spec is None:
+                sets.append(None)
+                continue
+            cache = SFTCache(cache_root(args), resolve_sources(spec, args.text_field, flag), encoder)
+            meta, made = cache.ensure(local_rank, float(args.ddp_timeout))
+            blocks = lay_out(cache.examples(), args.block_size, pad_id, args.packing, args.overlong)
+            if blocks.labels[:, 1:].ne(-100).sum() == 0:
+                raise ValueError(f"{spec}: no example has a token to train on after --block_size="
+                                 f"{args.block_size} truncation; raise --block_size")
+            if local_rank == 0:
+                print(f"{name} data ({fmt}): {meta['num_documents']:,} examples, {blocks.real_tokens:,} tokens "
+                      f"({meta['num_trainable']:,} trained on) in {len(blocks):,} {'packed' if args.packing else 'padded'}"
+                      f" blocks of {args.block_size} ({blocks.pad_tokens:,} padding), "
+                      f"{'tokenized into' if made else 'read from'} {cache.path}", file=sys.stderr)
+            sets.append(blocks)
+    except OSError as err:
+        raise ConfigError(f"SFT data: {err}") from err
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    return SFTData(sets[0], sets[1], tokenizer)

@@ -1,0 +1,137 @@
+"""SFT examples laid into blocks of ``block_size`` tokens: padded (one example per block) or packed.
+
+An example is its token ids and a per-token "trainable" flag (assistant / completion tokens). Labels are
+the ids where trainable, else -100; the first token of every example is -100 too, so that in a packed
+block no token is ever predicted from the end of the previous example, and an example's loss is the same
+whether padded or packed.
+
+Padded: the example, then pad tokens labelled -100. No attention mask is needed: attention is causal and
+the padding comes after the real tokens, so no real token ever sees it, and the padding's own outputs carry
+no label. Packed: examples placed by best-fit decreasing (fewest blocks for skewed lengths), with
+``position_ids`` restarting at 0 at every example (and for the padding tail); transformers'
+``create_causal_mask`` reads those restarts (``find_packed_sequence_indices``, when no attention mask is
+given) and builds a block-diagonal causal mask, on every pipeline stage and from the whole sequence under
+sequence parallelism (the mask is built before the SP region starts).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from plait.tp.loss import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized example: ``ids`` and ``trainable`` of equal length; ``where`` names its source line."""
+
+    ids: np.ndarray
+    trainable: np.ndarray
+    where: str
+
+
+@dataclass
+class SFTBlocks:
+    """Rows of ``block_size`` tokens: ``input_ids``, ``labels``, and ``position_ids`` when packed (None when
+    padded: the default positions are right). Stored as int32, handed out as int64 per batch."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor | None
+    num_examples: int
+    real_tokens: int  # tokens of examples (after truncation); the rest of the rows is padding
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.input_ids.shape
+
+    @property
+    def pad_tokens(self) -> int:
+        return self.input_ids.numel() - self.real_tokens
+
+
+def lay_out(examples: Sequence[Example], block_size: int, pad_id: int, packing: bool, overlong: str) -> SFTBlocks:
+    """Blocks of ``examples``. An example longer than ``block_size`` is cut to its first ``block_size``
+    tokens (``overlong="truncate"``) or refused (``"refuse"``: ValueError naming its line and length)."""
+    pieces = []
+    for example in examples:
+        n = len(example.ids)
+        if n > block_size:
+            if overlong == "refuse":
+                raise ValueError(f"{example.where}: the example has {n} tokens, more than --block_size={block_size}; "
+                                 f"raise --block_size, shorten it, or cut such examples with --overlong truncate")
+            n = block_size
+        if n == 0:
+            continue
+        labels = np.where(example.trainable[:n], example.ids[:n], IGNORE_INDEX)
+        labels[0] = IGNORE_INDEX
+        pieces.append((example.ids[:n], labels))
+    if not pieces:
+        raise ValueError("no SFT example has any token")
+    rows = _pack(pieces, block_size) if packing else [[i] for i in range(len(pieces))]
+    ids = np.full((len(rows), block_size), pad_id, dtype=np.int32)
+    labels = np.full((len(rows), block_size), IGNORE_INDEX, dtype=np.int32)
+    positions = np.zeros((len(rows), block_size), dtype=np.int32) if packing else None
+    real = 0
+    for r, members in enumerate(rows):
+        at = 0
+        for i in members:
+            piece_ids, piece_labels = pieces[i]
+            n = len(piece_ids)
+            ids[r, at:at + n], labels[r, at:at + n] = piece_ids, piece_labels
+            if positions is not None:
+                positions[r, at:at + n] = np.arange(n)
+            at += n
+        real += at
+        if positions is not None:  # the padding tail is a document of its own: real tokens never see it
+            positions[r, at:] = np.arange(block_size - at)
+    return SFTBlocks(torch.from_numpy(ids), torch.from_numpy(labels),
+                     None if positions is None else torch.from_numpy(positions), len(pieces), real)
+
+
+def _pack(pieces: list[tuple[np.ndarray, np.ndarray]], block_size: int) -> list[list[int]]:
+    """Best-fit decreasing: longest first, each into the fullest block it fits in. Deterministic."""
+    order = sorted(range(len(pieces)), key=lambda i: (-len(pieces[i][0]), i))
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, row) sorted: the first with room >= n is the best fit
+    for i in order:
+        n = len(pieces[i][0])
+        at = bisect.bisect_left(free, (n, -1))
+        if at == len(free):
+            rows.append([i])
+            row, room = len(rows) - 1, block_size - n
+        else:
+            room, row = free.pop(at)
+            rows[row].append(i)
+            room -= n
+        if room > 0:
+            bisect.insort(free, (room, row))
+    return rows
+
+
+def batch_inputs(blocks, rows: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor | None]:
+    """(input_ids, labels, position_ids) of ``rows``: SFT blocks, or packed plain-text blocks (labels are the
+    ids, positions the default)."""
+    if isinstance(blocks, SFTBlocks):
+        positions = None if blocks.position_ids is None else blocks.position_ids[rows].long().to(device)
+        return blocks.input_ids[rows].long().to(device), blocks.labels[rows].long().to(device), positions
+    batch = blocks[rows].to(device)
+    return batch, batch, None
+
+
+def count_labels(blocks, rows: torch.Tensor) -> int:
+    """Tokens with a label (after the causal shift) in ``rows``: the loss's divisor for a global batch, known
+    on every rank without communication since every rank knows the global batch's rows. Plain-text blocks:
+    every shifted token counts."""
+    if isinstance(blocks, SFTBlocks):
+        return int((blocks.labels[rows][:, 1:] != IGNORE_INDEX).sum())
+    return len(rows) * (blocks.shape[1] - 1)
