@@ -59,6 +59,8 @@ class ActivationTrace:
     layers: tuple[UnitTrace, ...]
     last: UnitTrace
     attn_implementation: str
+    hidden_bytes: int  # one token's hidden state, what pipeline stages pass on
+    logits_bytes: int  # one token's logits (fp32 after the loss's upcast), what the last stage returns
 
 
 def units_of(model: nn.Module, registry: Registry, adapter) -> tuple[PipelinePlan, list[str]]:
@@ -115,7 +117,10 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter) -
     finally:
         for handle in handles:
             handle.remove()
-    return ActivationTrace(seq, units[FIRST], tuple(units[n] for n in layer_names), units[LAST], impl)
+    element = next(model.parameters()).element_size()
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return ActivationTrace(seq, units[FIRST], tuple(units[n] for n in layer_names), units[LAST], impl,
+                           hidden * element, vocab * element)
 
 
 def _pop(stack: list) -> None:

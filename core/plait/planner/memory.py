@@ -176,6 +176,12 @@ def activation_bytes(
     transient = largest
     if config.gradient_checkpointing:
         transient = max(largest, recompute - total)
+    if plan.split is not None:
+        # torch.distributed.pipelining keeps each in-flight micro-batch's stage input and output until its
+        # backward: hidden states between stages (sequence shards under SP), logits out of the last stage.
+        hidden = _ceil(trace.hidden_bytes, tp) if sp else trace.hidden_bytes
+        out = _ceil(trace.logits_bytes, tp) if (has_last and vocab_parallel) else trace.logits_bytes
+        total += trace.seq * ((out if has_last else hidden) + (0 if has_first else hidden))
     per_mb = (total + leaf_inputs) * microbatch
     flight = in_flight(config, pp_rank)
     transient *= microbatch
