@@ -1,0 +1,196 @@
+"""SFT data on one process: format detection, bad lines, label masks, padding and packing, the cache, the
+block-diagonal mask transformers builds from packed position ids, and a short `plait train` run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from plait.config import ConfigError
+from plait.data.chat_tokenizer import chat_tokenizer, save_chat_tokenizer
+from plait.data.sft import SFTCache, SFTEncoder, data_format, load_sft_data, read_records
+from plait.data.sft_blocks import Example, batch_inputs, count_labels, lay_out
+from plait.data.sources import resolve_sources
+from plait.train_args import TrainArgs
+
+from tiny_models import tiny_model
+
+WORDS = ["what is two plus two", "four", "name a colour", "blue", "hello there", "hi, how can I help"]
+CHATS = [
+    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is two plus two"},
+                  {"role": "assistant", "content": "four"}, {"role": "user", "content": "name a colour"},
+                  {"role": "assistant", "content": "blue"}]},
+    {"messages": [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi, how can I help"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return chat_tokenizer(WORDS * 20, 300)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return save_chat_tokenizer(WORDS * 20, 300, tmp_path_factory.mktemp("tok") / "tokenizer")
+
+
+def write_jsonl(path: Path, records) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def test_chat_labels_are_the_assistant_turns(tokenizer):
+    ids, trainable = SFTEncoder(tokenizer, "chat", False).encode(CHATS[0], "x")
+    assert tokenizer.decode(ids[trainable]) == "four<|im_end|>\nblue<|im_end|>\n"
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(CHATS[0]["messages"], tokenize=False)
+    _, everything = SFTEncoder(tokenizer, "chat", True).encode(CHATS[0], "x")
+    assert everything.all()
+
+
+def test_prompt_completion_labels(tokenizer):
+    ids, trainable = SFTEncoder(tokenizer, "prompt_completion", False).encode(
+        {"prompt": "name a colour", "completion": " blue"}, "x")
+    assert tokenizer.decode(ids[~trainable]) == "name a colour"
+    assert tokenizer.decode(ids[trainable]) == " blue<|im_end|>"  # ends in eos: generation learns to stop
+
+
+def test_a_tokenizer_without_chat_template_is_refused(tokenizer):
+    plain = chat_tokenizer(WORDS, 300)
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        SFTEncoder(plain, "chat", False)
+
+
+def test_format_detection(tmp_path):
+    chat = write_jsonl(tmp_path / "chat.jsonl", CHATS)
+    pc = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "a", "completion": "b"}])
+    text = write_jsonl(tmp_path / "text.jsonl", [{"text": "hello"}])
+    assert data_format(TrainArgs(train_file=str(chat))) == "chat"
+    assert data_format(TrainArgs(train_file=str(pc))) == "prompt_completion"
+    assert data_format(TrainArgs(train_file=str(text))) == "text"
+    assert data_format(TrainArgs()) == "text"
+    assert data_format(TrainArgs(train_file=str(text), data_format="chat")) == "chat"
+
+
+@pytest.mark.parametrize("line, problem", [
+    ('{"prompt": "a"}', "no 'prompt' and 'completion' strings"),
+    ('{"prompt": "a", "completion": 3}', "no 'prompt' and 'completion' strings"),
+    ("[1, 2]", "not a JSON object"),
+    ("{oops", "not valid JSON"),
+])
+def test_bad_line_names_file_and_line(tmp_path, line, problem):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}, "", line])
+    with pytest.raises(ValueError, match=rf"d.jsonl line 3: {problem}"):
+        list(read_records(path, "prompt_completion"))
+
+
+def test_bad_chat_lines(tmp_path):
+    no_assistant = {"messages": [{"role": "user", "content": "hi"}]}
+    bad_message = {"messages": [{"role": "user", "text": "hi"}]}
+    for record, problem in ((no_assistant, "no assistant message"), (bad_message, "a message is not")):
+        path = write_jsonl(tmp_path / "c.jsonl", [CHATS[0], record])
+        with pytest.raises(ValueError, match=f"c.jsonl line 2: {problem}"):
+            list(read_records(path, "chat"))
+
+
+def _examples(lengths, trainable_from=1):
+    return [Example(np.arange(1, n + 1), np.arange(n) >= trainable_from, f"line {i + 1}") for i, n in enumerate(lengths)]
+
+
+def test_padding_masks_pad_and_first_tokens():
+    blocks = lay_out(_examples([3, 5]), 6, pad_id=0, packing=False, overlong="truncate")
+    assert blocks.position_ids is None
+    assert blocks.input_ids.tolist() == [[1, 2, 3, 0, 0, 0], [1, 2, 3, 4, 5, 0]]
+    assert blocks.labels.tolist() == [[-100, 2, 3, -100, -100, -100], [-100, 2, 3, 4, 5, -100]]
+    assert (blocks.real_tokens, blocks.pad_tokens) == (8, 4)
+    assert count_labels(blocks, torch.arange(2)) == 6
+
+
+def test_packing_restarts_positions_per_example():
+    blocks = lay_out(_examples([5, 3, 2, 4], trainable_from=0), 8, pad_id=0, packing=True, overlong="truncate")
+    # best fit, longest first: [5 + 3], [4 + 2 + padding]
+    assert blocks.input_ids.tolist() == [[1, 2, 3, 4, 5, 1, 2, 3], [1, 2, 3, 4, 1, 2, 0, 0]]
+    assert blocks.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 0, 1, 0, 1]]
+    # no token is predicted across an example boundary: every example's first label is masked
+    assert blocks.labels.tolist() == [[-100, 2, 3, 4, 5, -100, 2, 3], [-100, 2, 3, 4, -100, 2, -100, -100]]
+    ids, labels, positions = batch_inputs(blocks, torch.tensor([1]), torch.device("cpu"))
+    assert ids.dtype == labels.dtype == positions.dtype == torch.int64
+    assert (len(blocks), blocks.pad_tokens, blocks.num_examples) == (2, 2, 4)
+
+
+def test_overlong_truncated_or_refused():
+    blocks = lay_out(_examples([9]), 4, pad_id=0, packing=True, overlong="truncate")
+    assert blocks.input_ids.tolist() == [[1, 2, 3, 4]]
+    with pytest.raises(ValueError, match=r"line 2: the example has 9 tokens, more than --block_size=4"):
+        lay_out(_examples([2, 9]), 4, pad_id=0, packing=False, overlong="refuse")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_rows_attend_within_each_example(arch, attn):
+    """transformers builds a block-diagonal causal mask from restarting position ids: each packed example's
+    logits equal the example run alone."""
+    model = tiny_model(arch, attn_implementation=attn).eval()
+    model.config._attn_implementation = attn
+    blocks = lay_out(_examples([7, 5, 4, 3, 6, 2]), 12, pad_id=0, packing=True, overlong="truncate")
+    ids, _, positions = batch_inputs(blocks, torch.arange(len(blocks)), torch.device("cpu"))
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        unmasked = model(input_ids=ids, use_cache=False).logits
+        for row in range(len(blocks)):
+            starts = (positions[row] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+            for a, b in zip(starts[:-1], starts[1:]):
+                alone = model(input_ids=ids[row:row + 1, a:b], use_cache=False).logits[0]
+                torch.testing.assert_close(packed[row, a:b], alone, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(packed, unmasked, atol=1e-4)  # the mask is really there
+
+
+def test_cache_reuses_entries_and_keys_masking(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "chat.jsonl", CHATS)
+    sources = resolve_sources(path)
+    first = SFTCache(tmp_path / "cache", sources, SFTEncoder(tokenizer, "chat", False))
+    assert first.ensure(0, 10.0)[1] is True
+    again = SFTCache(tmp_path / "cache", sources, SFTEncoder(tokenizer, "chat", False))
+    meta, made = again.ensure(0, 10.0)
+    assert made is False and meta["num_documents"] == 2
+    other = SFTCache(tmp_path / "cache", sources, SFTEncoder(tokenizer, "chat", True))
+    assert other.path != first.path
+    examples = again.examples()
+    assert [e.where for e in examples] == [f"{path} line 1", f"{path} line 2"]
+    ids, trainable = SFTEncoder(tokenizer, "chat", False).encode(CHATS[1], "x")
+    assert examples[1].ids.tolist() == ids.tolist() and examples[1].trainable.tolist() == trainable.tolist()
+    assert not list((tmp_path / "cache" / "sft").glob(".*tmp*"))
+
+
+def test_load_sft_data_errors_before_any_process_group(tmp_path, tokenizer_dir):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [CHATS[0], {"prompt": "x", "completion": "y"}])
+    args = TrainArgs(train_file=str(bad), tokenizer_name=str(tokenizer_dir), data_cache_dir=str(tmp_path / "c"),
+                     block_size=64)
+    with pytest.raises(ConfigError, match="bad.jsonl line 2: no 'messages' list"):
+        load_sft_data(args, 300)
+    good = write_jsonl(tmp_path / "good.jsonl", CHATS)
+    with pytest.raises(ConfigError, match="needs a tokenizer"):
+        load_sft_data(TrainArgs(train_file=str(good), data_cache_dir=str(tmp_path / "c")), 300)
+    with pytest.raises(ConfigError, match="more than --block_size=8"):
+        load_sft_data(TrainArgs(train_file=str(good), tokenizer_name=str(tokenizer_dir), block_size=8,
+                                overlong="refuse", data_cache_dir=str(tmp_path / "c")), 300)
+
+
+def test_plait_train_on_chat_data(tmp_path, tokenizer_dir):
+    from plait.trainer import train
+
+    data = write_jsonl(tmp_path / "chat.jsonl", CHATS * 8)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "vocab_size": 320, "hidden_size": 32,
+                                  "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "max_position_embeddings": 64}))
+    history = train(TrainArgs(model_config=str(config), train_file=str(data), validation_file=str(data),
+                              tokenizer_name=str(tokenizer_dir), block_size=64, packing=True, max_steps=3,
+                              per_device_train_batch_size=2, output_dir=str(tmp_path / "run"), device="cpu",
+                              data_cache_dir=str(tmp_path / "cache"), learning_rate=1e-2))
+    assert len(history) == 3 and all(np.isfinite(r["loss"]) for r in history)
+    assert history[-1]["loss"] < history[0]["loss"] and "eval_loss" in history[-1]
