@@ -253,7 +253,7 @@ def rank_layouts(tiny: bool, calibrate: bool):
     from plait.planner.search import describe, search_layouts
     from plait.registry import default_registry
 
-    device = measure_device() if calibrate else PRESETS["cpu"]
+    device = measure_device(refresh=True) if calibrate else PRESETS["cpu"]  # this run's machine, measured now
     registry = default_registry()
     meta = build_meta_model(model_config(tiny, time_model=True), torch.float32)
     plan = plan_layout(meta, ParallelConfig(), 2, registry)
