@@ -107,6 +107,14 @@ def print_served_architectures(registry, as_json: bool) -> None:
 def cmd_consolidate(ns: argparse.Namespace) -> None:
     from plait.checkpoint import consolidate
 
+    if ns.lora:
+        from plait.lora.export import consolidate_lora
+
+        out = consolidate_lora(ns.checkpoint_dir, ns.output_dir, ns.lora)
+        loader = "peft.PeftModel.from_pretrained(base, {!r})" if ns.lora == "adapter" else \
+            "transformers.AutoModelForCausalLM.from_pretrained({!r})"
+        print(f"wrote {out}: load it with {loader.format(str(out))}")
+        return
     out = consolidate(ns.checkpoint_dir, ns.output_dir, format=ns.format, dtype=ns.dtype,
                       max_shard_size=ns.max_shard_size)
     print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
@@ -152,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     cons.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                       help="cast floating tensors (default: as saved)")
     cons.add_argument("--max_shard_size", default="5GB", help="split weights into files of at most this size")
+    cons.add_argument("--lora", choices=("merged", "adapter"), default=None,
+                      help="a LoRA checkpoint: the base with the adapters merged in, or a peft adapter dir")
     cons.set_defaults(func=cmd_consolidate)
 
     check = sub.add_parser("check-adapter", help="prove an adapter matches one process under every parallel mode")

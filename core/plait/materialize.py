@@ -31,6 +31,7 @@ from plait.checkpoint.hf_dir import open_hf_dir, read_hf_index
 from plait.checkpoint.load import load_checkpoint
 from plait.checkpoint.state import local_params, local_views
 from plait.config import ConfigError, ParallelConfig
+from plait.lora.base import base_reference, check_base, saved_lora
 from plait.lora.layers import local_init
 from plait.meta import build_meta_model
 from plait.parallelize import ParallelModel, parallelize
@@ -61,11 +62,18 @@ def load_parallel_model(
     """
     registry = registry or default_registry()
     config, kind, path = resolve_source(source)
+    checkpoint = path if kind == "checkpoint" else None
+    saved = saved_lora(read_index(path)[1].extra) if checkpoint is not None else None
+    if saved is not None:  # a LoRA checkpoint holds the adapters; the frozen base comes from its reference
+        lora = lora or saved[0]
+        check_base(saved[1], str(path))
+        kind, path = (saved[1]["kind"], Path(saved[1]["path"]) if saved[1]["kind"] == "hf" else None)
+        seed = saved[1].get("seed", seed)
     pmodel = parallelize(build_meta_model(config, dtype), parallel_config, registry=registry, timeout=timeout,
                          lora=lora)
     materialize(pmodel, kind, path, seed=seed, device=device, registry=registry)
-    if kind == "checkpoint":
-        load_checkpoint(path, pmodel)
+    if checkpoint is not None:
+        load_checkpoint(checkpoint, pmodel)
     return pmodel
 
 
@@ -84,6 +92,8 @@ def materialize(
     found = local_params(model, pmodel.param_specs)
     lora = pmodel.plan.lora
     adapters = lora.param_names() if lora is not None else set()  # LoRA starts from its own init, not a file
+    if lora is not None and kind != "checkpoint":
+        pmodel.lora_base = base_reference(kind, path, seed)
     hf = None  # a reader of the model directory, its tensors under the parameters' names
     if kind == "hf":
         shapes = {name: spec.full_shape for name, spec in found.specs.items() if name not in adapters}

@@ -64,6 +64,7 @@ class ParallelModel(nn.Module):
         super().__init__()
         self.module, self.mesh, self.plan, self.applied = module, mesh, plan, applied
         self.grad_sync, self.loss, self.pipeline = grad_sync, loss_fn, pipeline
+        self.lora_base: dict | None = None  # a LoRA run's frozen weights: where from (plait.lora.base)
         local = {name for name, _ in module.named_parameters(remove_duplicate=False)}
         self.param_specs: dict[str, ShardSpec] = {
             name: spec for name, spec in plan.specs_by_rank[mesh.tp_rank].items() if name in local

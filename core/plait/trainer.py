@@ -101,6 +101,13 @@ def check_resume_matches(args: TrainArgs, meta: nn.Module, resume: Path | None) 
     if resume is None or not (args.model_config or args.model_name_or_path):
         return
     _, index = read_index(resume)
+    lora = saved_lora(index.extra)
+    if lora is not None:  # adapters only: the base is the one the checkpoint names (its identity is checked)
+        named = lora[1].get("path")
+        if args.model_name_or_path and named != str(Path(args.model_name_or_path).resolve()):
+            raise ConfigError(f"--resume_from_checkpoint {resume} holds LoRA adapters of the base {named}, not of "
+                              f"--model_name_or_path {args.model_name_or_path}; leave the flag out or name that base")
+        return
     saved = {name: tuple(entry.shape) for name, entry in index.params().items()}
     wanted = {name: tuple(p.shape) for name, p in local_params(meta).params.items()}
     if saved != wanted:

@@ -190,6 +190,14 @@ def load_checkpoint(
     found = local_params(pmodel.module, pmodel.param_specs)
     params, specs = found.params, found.specs
     try:
+        if pmodel.plan.lora is not None:  # the base came from the checkpoint's reference (materialize)
+            params = {n: p for n, p in params.items() if n in pmodel.plan.lora.param_names()}
+            specs = {n: specs[n] for n in params}
+        if (pmodel.plan.lora is None) != ("lora" not in index.extra):
+            raise CheckpointError(
+                f"checkpoint {paths.root} {'holds' if 'lora' in index.extra else 'holds no'} LoRA adapters but the "
+                f"model {'trains none' if pmodel.plan.lora is None else 'trains LoRA'}; resume with the same --lora_r"
+            )
         _check_model(index, pmodel, specs, paths)
         if weights:
             for name, param in params.items():

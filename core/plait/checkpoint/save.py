@@ -24,6 +24,7 @@ from plait.checkpoint.st_io import CHECKSUM, NAMES, write_tensors
 from plait.checkpoint.state import (
     LocalTensor, local_params, optimizer_state, param_tensors, rng_state, scheduler_state, to_json,
 )
+from plait.lora.base import lora_record
 from plait.parallelize import ParallelModel
 
 
@@ -53,6 +54,9 @@ def save_checkpoint(
     try:
         found = local_params(pmodel.module, pmodel.param_specs)
         aliases = found.aliases
+        if pmodel.plan.lora is not None:  # only what changes: the adapters, and a reference to the frozen base
+            found.params = {n: p for n, p in found.params.items() if n in pmodel.plan.lora.param_names()}
+            extra = {**(extra or {}), "lora": lora_record(pmodel)}
         tensors = param_tensors(found.params, found.specs)
         if optimizer is not None:
             names = {param: name for name, param in found.params.items()}

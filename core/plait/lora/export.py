@@ -114,3 +114,49 @@ def save_merged(path: str | os.PathLike, model: nn.Module, tensors: dict[str, to
         shutil.rmtree(path)
     os.replace(tmp, path)
     return path
+
+
+def consolidate_lora(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, mode: str) -> Path:
+    """A LoRA checkpoint (any layout) as a peft adapter directory (``mode="adapter"``) or as its base with the
+    update merged in (``mode="merged"``, a ``from_pretrained`` directory, tokenizer files copied). The base is
+    reloaded from the checkpoint's reference, checked against the identity it recorded."""
+    from plait.checkpoint.consolidate import TOKENIZER_FILES
+    from plait.checkpoint.format import full_box, model_config, read_index
+    from plait.checkpoint.load import CheckpointReader
+    from plait.checkpoint.st_io import DTYPES
+    from plait.lora.base import check_base, saved_lora
+    from plait.meta import build_meta_model
+
+    if mode not in ("adapter", "merged"):
+        raise ConfigError(f"--lora {mode!r} is unknown; choose adapter (a peft directory) or merged")
+    output = Path(output_dir)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ConfigError(f"output directory {output} exists and is not empty; choose a new one")
+    paths, index = read_index(checkpoint_dir)
+    saved = saved_lora(index.extra)
+    if saved is None:
+        raise ConfigError(f"{paths.root} is a full checkpoint, not a LoRA one; consolidate it without --lora")
+    config, base = saved
+    reader = CheckpointReader(paths, index)
+    tensors = {}
+    for name, entry in index.params().items():
+        tensors[name] = torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
+        reader.read(name, full_box(entry.shape), tensors[name])
+    model_cfg = model_config(index)
+    if mode == "adapter":
+        return save_adapter(output, tensors, config, build_meta_model(model_cfg), base.get("path"))
+    check_base(base, str(paths.root))
+    if base["kind"] == "hf":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(base["path"], dtype=torch.float32)
+    else:  # seeded random weights: rebuilt exactly as the run built them
+        from plait.config import ParallelConfig
+        from plait.materialize import load_parallel_model
+
+        model = load_parallel_model(model_cfg, ParallelConfig(), seed=base["seed"]).module
+    save_merged(output, model, tensors, config)
+    for extra in TOKENIZER_FILES:
+        if (paths.root / extra).is_file():
+            shutil.copyfile(paths.root / extra, output / extra)
+    return output

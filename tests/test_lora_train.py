@@ -1,0 +1,101 @@
+"""`plait train --lora_r`: a checkpoint holds only the adapters plus a reference to the base, resumes exactly
+(and at tp=2), and `plait consolidate --lora adapter|merged` gives a peft directory and a merged model that
+agree with each other on the unmodified base."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from plait.cli import main
+from plait.config import ConfigError
+from plait.lora.export import consolidate_lora
+from plait.metrics import read_metrics
+from plait.testing import launch
+from tiny_models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("base") / "model"
+    tiny_model("llama", vocab_size=300).save_pretrained(path)  # 300: room for a BPE tokenizer
+    return path
+
+
+def flags(base, out, *extra: str) -> list[str]:
+    return ["--model_name_or_path", str(base), "--output_dir", str(out), "--max_steps", "4", "--block_size", "16",
+            "--per_device_train_batch_size", "4", "--save_steps", "2", "--lr_scheduler_type", "constant",
+            "--learning_rate", "1e-2", "--lora_r", "4", "--lora_alpha", "8", *extra]
+
+
+def run(argv: list[str]) -> list[dict]:
+    main(["train", *argv])
+    return read_metrics(argv[argv.index("--output_dir") + 1])
+
+
+@pytest.fixture(scope="module")
+def straight(base_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_run")
+    return out, run(flags(base_dir, out))
+
+
+def test_checkpoint_holds_only_adapters_and_the_base_reference(base_dir, straight):
+    out, records = straight
+    index = json.loads((out / "checkpoint-2" / "shards" / "index.json").read_text())
+    params = [n for n, t in index["tensors"].items() if t["kind"] == "param"]
+    assert params and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in params), params
+    assert len(params) == 2 * 7 * 2  # 7 projections x 2 layers, A and B
+    base = index["extra"]["lora"]["base"]
+    assert base["kind"] == "hf" and base["path"] == str(base_dir.resolve()) and base["identity"]
+
+
+def test_lora_resume_is_exact_and_reshards_to_tp2(base_dir, straight, tmp_path):
+    out, records = straight
+    resumed = run(flags(base_dir, tmp_path / "tp1", "--resume_from_checkpoint", str(out / "checkpoint-2")))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in records[2:]]
+    launch(["-m", "plait", "train", *flags(base_dir, tmp_path / "tp2", "--tensor_parallel_size", "2",
+                                            "--resume_from_checkpoint", str(out / "checkpoint-2"))], 2, timeout=240)
+    tp2 = read_metrics(tmp_path / "tp2")
+    assert [r["loss"] for r in tp2] == pytest.approx([r["loss"] for r in records[2:]], rel=1e-5)
+
+
+def test_consolidate_adapter_and_merged_agree_on_the_base(base_dir, straight, tmp_path):
+    out, _ = straight
+    main(["consolidate", str(out / "checkpoint-4"), str(tmp_path / "adapter"), "--lora", "adapter"])
+    main(["consolidate", str(out / "checkpoint-4"), str(tmp_path / "merged"), "--lora", "merged"])
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["base_model_name_or_path"] == str(base_dir.resolve())
+    keys = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(input_ids=ids).logits
+    assert (adapted - merged).abs().max() <= 1e-5
+    assert (adapted - plain).abs().max() > 1e-3  # the adapters learned something
+    assert (tmp_path / "merged" / "tokenizer.json").is_file()
+
+
+def test_a_changed_base_is_refused(base_dir, straight, tmp_path):
+    out, _ = straight
+    moved = tmp_path / "base"
+    shutil.copytree(base_dir, moved)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(out / "checkpoint-4", ckpt)
+    index_path = ckpt / "shards" / "index.json"
+    index = json.loads(index_path.read_text())
+    index["extra"]["lora"]["base"]["path"] = str(moved)
+    index_path.write_text(json.dumps(index))
+    weights = load_file(moved / "model.safetensors")
+    weights["model.norm.weight"] += 1
+    save_file(weights, moved / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="weight files changed"):
+        consolidate_lora(ckpt, tmp_path / "merged", "merged")
