@@ -44,7 +44,8 @@ MEMORY_LAYOUTS = {  # name -> ParallelConfig kwargs, on 2 ranks
     "tp2_nosp_recompute": {"tp": 2, "sp": False, "gradient_checkpointing": True},
     "pp2_m2": {"pp": 2, "num_microbatches": 2},
     "pp2_m4": {"pp": 2, "num_microbatches": 4},
-    "pp2_vpp2_m2": {"pp": 2, "virtual_pipeline_size": 2, "num_microbatches": 2, "pipeline_schedule": "interleaved-1f1b"},
+    "pp2_vpp2_m2": {"pp": 2, "virtual_pipeline_size": 2, "num_microbatches": 2,
+                    "pipeline_schedule": "interleaved-1f1b"},
 }
 BYTES_LAYOUTS = {  # name -> (kwargs, bf16 parameters, weight decay)
     "tp2_wd": ({"tp": 2}, False, 0.1),
@@ -60,9 +61,10 @@ def model_config(tiny: bool, time_model: bool = False):
     from transformers import LlamaConfig
 
     if time_model:
-        return LlamaConfig(vocab_size=2048, hidden_size=256 if not tiny else 64, intermediate_size=768 if not tiny else 128,
-                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
-    config = LlamaConfig(vocab_size=1024, hidden_size=128 if not tiny else 32, intermediate_size=256 if not tiny else 64,
+        return LlamaConfig(vocab_size=2048, hidden_size=64 if tiny else 256, intermediate_size=128 if tiny else 768,
+                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                           max_position_embeddings=256)
+    config = LlamaConfig(vocab_size=1024, hidden_size=32 if tiny else 128, intermediate_size=64 if tiny else 256,
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=True)
     config._attn_implementation = "eager"

@@ -47,7 +47,8 @@ def built(tmp_path_factory) -> list[dict]:
 def test_bytes_equal_what_built_ranks_hold(built):
     for rank, layouts in enumerate(built):
         for name, r in layouts.items():
-            assert r["measured"] == r["predicted"], f"{name} rank {rank}: built {r['measured']}, planned {r['predicted']}"
+            assert r["measured"] == r["predicted"], \
+                f"{name} rank {rank}: built {r['measured']}, planned {r['predicted']}"
 
 
 def test_collectives_equal_what_a_step_issues(built):

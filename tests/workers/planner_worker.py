@@ -1,9 +1,10 @@
 """Worker: what each rank of several layouts holds, measured beside ``plait.planner``'s prediction.
 
 Run as a world of 2 ranks: ``planner_worker.py OUT.json``. For each layout, a tiny Llama (tied embeddings,
-vocab 61: padded under tp; one kv head: replicated under tp, its gradient summed) is laid out, its optimizer built as ``plait train`` builds it, and one step run;
-each rank records its parameter, gradient (after backward) and optimizer bytes (after the step), the
-collectives ``plait.comm`` saw in the second step (the first infers pipeline shapes), and the planner's numbers for that rank. Rank 0 writes them all.
+vocab 61: padded under tp; one kv head: replicated under tp, its gradient summed) is laid out, its optimizer
+built as ``plait train`` builds it, and two steps run; each rank records its parameter, gradient (after
+backward) and optimizer bytes (after the step), the collectives ``plait.comm`` saw in the second step (the
+first infers pipeline shapes), and the planner's numbers for that rank. Rank 0 writes them all.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def run(name: str, config: ParallelConfig, bf16: bool, weight_decay: float) -> d
         grads = gradient_bytes(pmodel)
         step()
     return {
-        "measured": {"parameters": parameter_bytes(pmodel), "gradients": grads, "optimizer": optimizer_bytes(optimizer)},
+        "measured": {"parameters": parameter_bytes(pmodel), "gradients": grads,
+                     "optimizer": optimizer_bytes(optimizer)},
         "predicted": {"parameters": predicted.static.parameters, "gradients": predicted.static.gradients,
                       "optimizer": predicted.static.optimizer},
         "records": counter.records,

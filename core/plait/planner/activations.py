@@ -5,16 +5,16 @@ not for a transformers Llama in eager PyTorch), the model itself is run forward,
 tensors of one sequence, and every tensor autograd saves for backward is recorded
 (``torch.autograd.graph.saved_tensors_hooks``): its bytes, the pipeline unit it was saved in (embedding,
 decoder layer i, norm/head/loss) and the innermost module saving it. Parameters are not activations;
-tensors saved twice (one storage) count once. Meta tensors have shapes and no memory, so this takes
-milliseconds even for a 70B config.
+tensors saved twice (one storage) count once. Meta tensors have shapes and no memory, so this takes about
+two seconds for a 70B config at 4096 tokens.
 
 Each saved tensor then scales to a tp rank by what it is: a hidden-sized tensor (last dim = hidden size)
 is whole on every tp rank, except inside the sequence-parallel region where only a column-parallel linear's
 (gathered) input stays whole, and there each column-parallel linear keeps its own gathered copy (q, k and v
-share one input without SP, three copies with it: measured by bench/plan_check.py's saved-bytes column); every other tensor of a decoder layer (heads, MLP intermediate) is split by tp,
-and logits are split when the LM head is vocab-parallel. Fused attention (sdpa, flash) keeps no s x s
-probabilities: those are dropped when tracing with any kernel other than eager (the meta device runs sdpa's
-math fallback, which would save them).
+share one input without SP, three copies with it: bench/plan_check.py's saved-bytes column); every other
+tensor of a decoder layer (heads, MLP intermediate) is split by tp, and logits are split when the LM head is
+vocab-parallel. Fused attention (sdpa, flash) keeps no s x s probabilities: those are dropped when tracing
+with any kernel other than eager (the meta device runs sdpa's math fallback, which would save them).
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter) -
                 units[where["unit"]].saved.append(Saved(tensor.untyped_storage().nbytes(), True, inner, copy=True))
             return tensor
         seen.update((key, (key, inner)))
-        if impl != "eager" and tensor.dim() == 4 and tuple(tensor.shape[-2:]) == (seq, seq) and tensor.is_floating_point():
+        square = tensor.dim() == 4 and tuple(tensor.shape[-2:]) == (seq, seq) and tensor.is_floating_point()
+        if impl != "eager" and square:
             return tensor  # attention probabilities: a fused kernel keeps only its output and logsumexp
         units[where["unit"]].saved.append(Saved(
             tensor.untyped_storage().nbytes(), tensor.dim() > 0 and tensor.shape[-1] == hidden, inner))
