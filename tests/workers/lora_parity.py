@@ -7,7 +7,8 @@ global batch in this process. STEPS AdamW steps; per step the global loss and ev
 holds (the owner's, under ZeRO-1) are compared; afterwards the base weights must be bit-unchanged. At pp=1 the
 adapter is also exported: as a peft directory loaded by ``PeftModel.from_pretrained`` on the unmodified base,
 and merged into the base (``from_pretrained``), both must give the parallel model's logits. Rank 0 writes
-the worst numbers per case, and what failed, for tests/test_lora.py.
+the worst numbers per case, and what failed, for tests/test_lora.py. SFT + LoRA: packed, prompt-masked
+blocks (plait.data.sft_blocks) at tp=2 + SP and pp=2.
 """
 
 from __future__ import annotations
@@ -19,19 +20,56 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Config
 
 from plait import ParallelConfig, comm, parallelize
+from plait.data.sft_blocks import Example, batch_inputs, count_labels, lay_out
 from plait.lora.config import lora_config
 from plait.lora.export import gather_lora, save_adapter, save_merged
 from plait.optim import OptimizerStep, build_optimizer
 from plait.testing.gather import gather_logits
 
 STEPS, BATCH, SEQ, VOCAB, LR = 3, 4, 16, 61, 1e-2
-LAYOUTS = {"tp2_sp": dict(tp=2, sp=True), "tp2": dict(tp=2, sp=False), "pp2": dict(pp=2, num_microbatches=2), "zero1_dp2": dict(zero_1=True)}
+LAYOUTS = {"tp2_sp": dict(tp=2, sp=True), "tp2": dict(tp=2, sp=False), "pp2": dict(pp=2, num_microbatches=2),
+           "zero1_dp2": dict(zero_1=True)}
+SFT_LAYOUTS = ("tp2_sp", "pp2")  # SFT + LoRA: packed examples, prompt tokens masked, restarting position ids
+
+
+def sft_blocks():
+    """Packed SFT blocks of skewed lengths whose first half (the prompt) carries no label."""
+    rng = np.random.default_rng(7)
+    examples = []
+    for i in range(40):
+        n = int(rng.choice([3, 4, 6, 9, 13, 20]))
+        examples.append(Example(rng.integers(3, VOCAB, n), np.arange(n) >= n // 2, f"example {i}"))
+    return lay_out(examples, SEQ, 0, True, "truncate")
+
+
+def batches(sft: bool):
+    """(ids, labels, position ids or None, labelled tokens of the global batch) for every step."""
+    if sft:
+        blocks = sft_blocks()
+        for step in range(STEPS):
+            rows = torch.arange(step * BATCH, (step + 1) * BATCH)
+            ids, labels, positions = batch_inputs(blocks, rows, torch.device("cpu"))
+            yield ids, labels, positions, count_labels(blocks, rows)
+        return
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        yield ids, ids.clone(), None, BATCH * (SEQ - 1)
+
+
+def reference_loss(model, ids, labels, positions, num_items: int) -> torch.Tensor:
+    logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    total = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
+                            reduction="sum")
+    return total / num_items
 
 
 def base_model(arch: str) -> torch.nn.Module:
@@ -54,7 +92,7 @@ def plait_name(peft_name: str) -> str:
     return peft_name.removeprefix("base_model.model.").replace(".default.", ".")
 
 
-def run_case(arch: str, layout: dict, out_dir: Path) -> dict:
+def run_case(arch: str, layout: dict, out_dir: Path, sft: bool = False) -> dict:
     base = base_model(arch)
     pmodel = parallelize(copy.deepcopy(base), ParallelConfig(**layout),
                          lora=lora_config(4, 8, init_lora_weights=False), lora_seed=7)
@@ -77,13 +115,12 @@ def run_case(arch: str, layout: dict, out_dir: Path) -> dict:
     inner_optimizer = getattr(optimizer, "optim", optimizer)  # ZeRO-1 wraps the optimizer of its own slice
     stepped = [p for group in inner_optimizer.param_groups for p in group["params"]]
     result["frozen_stepped"] = sum(not p.requires_grad for p in stepped)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(STEPS):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-        ref_loss = reference(input_ids=ids, labels=ids).loss
+    for step, (ids, labels, positions, num_items) in enumerate(batches(sft)):
+        ref_loss = reference_loss(reference, ids, labels, positions, num_items)
         ref_loss.backward()
-        local = ids.chunk(mesh.dp)[mesh.dp_rank]
-        loss = pmodel.train_step(local, local.clone(), num_items_in_batch=BATCH * (SEQ - 1))
+        mine = slice(mesh.dp_rank * BATCH // mesh.dp, (mesh.dp_rank + 1) * BATCH // mesh.dp)
+        loss = pmodel.train_step(ids[mine], labels[mine], num_items_in_batch=num_items,
+                                 position_ids=None if positions is None else positions[mine])
         loss = comm.all_reduce(loss.detach().clone(), mesh.dp_group).item()
         result["loss_rel"] = max(result["loss_rel"], abs(loss - ref_loss.item()) / abs(ref_loss.item()))
         seen = {}
@@ -116,7 +153,7 @@ def run_case(arch: str, layout: dict, out_dir: Path) -> dict:
         p.detach(), pmodel.param_specs[n].slice_full(base.get_parameter(n).detach()))]
     result["base_changed"] = changed
     result["frozen_grads"] = [n for n, p in pmodel.module.named_parameters() if not p.requires_grad and p.grad is not None]
-    if mesh.pp == 1:
+    if mesh.pp == 1 and not sft:
         _check_export(pmodel, reference, base, config, out_dir, result)
     return result
 
@@ -150,6 +187,8 @@ def main() -> None:
             for name, layout in LAYOUTS.items():
                 case = Path(shared) / f"{arch}-{name}"
                 results[f"{arch}/{name}"] = run_case(arch, layout, case)
+            for name in SFT_LAYOUTS:
+                results[f"{arch}/sft_{name}"] = run_case(arch, LAYOUTS[name], Path(shared), sft=True)
         dist.barrier()
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=1))
