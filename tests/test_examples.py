@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -94,3 +95,13 @@ def test_slurm_script_with_fake_srun(model_config, tmp_path, reference_losses):
            "SLURM_GPUS_ON_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     run_all([(["bash", "examples/slurm.sbatch", *train_flags(model_config, tmp_path)], env)], tmp_path)
     assert losses(tmp_path) == pytest.approx(reference_losses, rel=1e-5)
+
+
+def test_sft_chat_example_ends_in_a_model_generate_uses(tmp_path):
+    """examples/sft_chat.py, 2 steps on one process: tokenizer, chat SFT, consolidate, generate."""
+    out = subprocess.run([sys.executable, "examples/sft_chat.py", "--output_dir", str(tmp_path), "--max_steps", "2",
+                          "--nproc", "1"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "user: What colour is grass?\nassistant:" in out.stdout
+    assert "chat_template" in (tmp_path / "hf" / "tokenizer_config.json").read_text() or \
+        (tmp_path / "hf" / "chat_template.jinja").exists()
