@@ -194,3 +194,20 @@ def test_plait_train_on_chat_data(tmp_path, tokenizer_dir):
                               data_cache_dir=str(tmp_path / "cache"), learning_rate=1e-2))
     assert len(history) == 3 and all(np.isfinite(r["loss"]) for r in history)
     assert history[-1]["loss"] < history[0]["loss"] and "eval_loss" in history[-1]
+
+
+def test_prepare_data_fills_the_sft_cache(tmp_path, tokenizer_dir, capsys):
+    from plait.cli import main
+
+    data = write_jsonl(tmp_path / "chat.jsonl", CHATS * 4)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "vocab_size": 320, "hidden_size": 32,
+                                  "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4}))
+    flags = ["--model_config", str(config), "--train_file", str(data), "--tokenizer_name", str(tokenizer_dir),
+             "--block_size", "64", "--packing", "--max_steps", "4", "--data_cache_dir", str(tmp_path / "cache")]
+    main(["prepare-data", *flags])
+    out = capsys.readouterr()
+    assert "train data (chat): 8 examples" in out.err and "tokenized into" in out.err
+    assert "--max_steps 4: 32 blocks" in out.out
+    main(["prepare-data", *flags])
+    assert "read from" in capsys.readouterr().err  # the run that follows only reads the entry

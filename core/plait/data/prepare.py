@@ -44,6 +44,12 @@ def cmd_prepare_data(ns: argparse.Namespace) -> None:
     from plait.trainer import read_model_config
 
     vocab_size = read_model_config(args).vocab_size
+    from plait.data.sft import SFT_FORMATS, data_format, load_sft_data
+
+    if data_format(args) in SFT_FORMATS:  # load_sft_data prints examples, tokens, blocks and the cache entry
+        for line in batch_lines(args, dp, len(load_sft_data(args, vocab_size).blocks)):
+            print(line)
+        return
     try:
         data = prepare_data(args, vocab_size, local_rank=0, progress=True)
     except (ValueError, OSError) as err:
@@ -68,11 +74,17 @@ def report(data, args: TrainArgs, dp: int) -> list[str]:
                      f"{meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens ({meta['dtype']}), "
                      f"{len(blocks):,} blocks of {args.block_size} tokens; {how}")
         lines.append(f"{name} cache: {cache.path}")
+    return lines + batch_lines(args, dp, len(data.blocks))
+
+
+def batch_lines(args: TrainArgs, dp: int, num_blocks: int) -> list[str]:
+    """The global batch and the epochs --max_steps implies."""
+    lines = []
     global_batch = args.per_device_train_batch_size * dp * args.gradient_accumulation_steps
     lines.append(f"global batch: {global_batch:,} blocks ({args.per_device_train_batch_size} per device x dp {dp} x "
                  f"{args.gradient_accumulation_steps} accumulation steps) = {global_batch * args.block_size:,} tokens "
                  f"per step")
     seen = args.max_steps * global_batch
-    lines.append(f"--max_steps {args.max_steps}: {seen:,} blocks = {seen / len(data.blocks):.3f} epochs of the "
+    lines.append(f"--max_steps {args.max_steps}: {seen:,} blocks = {seen / num_blocks:.3f} epochs of the "
                  f"training data")
     return lines

@@ -50,10 +50,6 @@ class SFTBlocks:
         return len(self.input_ids)
 
     @property
-    def shape(self) -> torch.Size:
-        return self.input_ids.shape
-
-    @property
     def pad_tokens(self) -> int:
         return self.input_ids.numel() - self.real_tokens
 
