@@ -61,6 +61,15 @@ def test_exported_adapter_and_merged_model_give_the_parallel_logits(results, arc
     assert r["logits_reference"] <= TRAINED_LOGITS_TOL, r
 
 
+@pytest.mark.parametrize("layout", ["tp2_sp", "tp2"])
+def test_lora_dropout_masks_follow_the_base_under_tp(results, layout):
+    r = results[f"dropout/{layout}"]
+    assert r["calls"] == 2 * 7 and r["row_calls"] == 2 * 2 and r["dropped"] > 0, r
+    assert r["replicated_equal"], "a column-parallel LoRA input was dropped differently on the two tp ranks"
+    assert r["row_differ"], "a row-parallel LoRA input (different features per rank) got the same mask on both"
+    assert r["recompute_equal"], "activation checkpointing redrew different LoRA dropout masks"
+
+
 def _peft_pair(arch: str, **options):
     base = tiny_model(arch)
     pmodel = parallelize(copy.deepcopy(base), ParallelConfig(), lora=lora_config(4, 16, **options), lora_seed=3)
@@ -104,7 +113,6 @@ def test_one_process_lora_is_peft_lora(arch):
     (dict(target_modules=["nothing_here"]), "match no module"),
     (dict(use_dora=True), "use_dora"),
     (dict(target_modules=["lm_head"], layout=dict(tp=2)), "vocab_head"),
-    (dict(dropout=0.1, layout=dict(tp=2)), "--lora_dropout=0.1 with tp=2"),
 ])
 def test_bad_lora_settings_are_refused_before_any_group(options, message):
     layout = options.pop("layout", {})

@@ -24,7 +24,7 @@ from plait.activation_checkpoint import apply_activation_checkpointing
 from plait.config import ConfigError, ParallelConfig
 from plait.grad_sync import GradSync, norm_params
 from plait.layout_plan import LayoutPlan, plan_layout
-from plait.lora.layers import apply_lora
+from plait.lora.layers import LoraDropout, apply_lora
 from plait.mesh import Mesh
 from plait.pipeline.schedule import LossFn, PipelineRunner
 from plait.pipeline.stages import StageChunk, dropped, prune
@@ -219,7 +219,10 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
     if plan.lora is not None:  # after the SP region is checked: LoRA's own sums are in lora/plan.py
         applied.grad_sums += apply_lora(model, plan.lora, mesh, config.sequence_parallel, owns, lora_seed)
     if config.tp > 1:
-        install_dropout_rng(model, mesh.tp_rank, *_dropout_regions(model, plan, shards, owns))
+        rng = install_dropout_rng(model, mesh.tp_rank, *_dropout_regions(model, plan, shards, owns))
+        for module in model.modules():
+            if isinstance(module, LoraDropout):
+                module.rng = rng
     apply_activation_checkpointing(model, [name for name in plan.leaves if owns(name)])
     grad_sync = _grad_sync(model, plan, mesh, applied, sp_params)
     loss_fn = _loss_fn(applied, mesh)

@@ -77,7 +77,7 @@ class TrainArgs:
     overlong: str = field(default="truncate", metadata={"help": "SFT examples longer than --block_size: truncate or refuse"})
     lora_r: int = field(default=0, metadata={"help": "train LoRA adapters of this rank on the frozen model (0: train every parameter)"})
     lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r (peft's LoraConfig)"})
-    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input (0 with tp > 1)"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input (peft's lora_dropout)"})
     lora_target_modules: str | None = field(default=None, metadata={"help": "comma-separated module names as peft takes them (default: the attention and MLP projections of the adapter's TP plan)"})
 
     def lora(self) -> "LoraConfig | None":

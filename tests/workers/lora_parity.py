@@ -176,6 +176,36 @@ def _check_export(pmodel, reference, base, config, out_dir: Path, result: dict) 
     result["adapter_target_modules"] = sorted(keys["target_modules"])
 
 
+def dropout_case(layout: dict) -> dict:
+    """LoRA dropout (0.1) on llama at tp=2: each column-parallel LoRA input gets one mask on both tp ranks (it
+    is replicated), each row-parallel one a mask per rank (its own features); recomputation under activation
+    checkpointing redraws the same masks (equal gradients)."""
+    from plait.lora.layers import LoraDropout
+
+    grads, result = {}, {}
+    for checkpointing in (False, True):
+        pmodel = parallelize(base_model("llama"), ParallelConfig(**layout, gradient_checkpointing=checkpointing),
+                             lora=lora_config(4, 8, 0.1, init_lora_weights=False), lora_seed=7)
+        masks = []
+        for name, module in pmodel.module.named_modules():
+            if isinstance(module, LoraDropout):
+                module.register_forward_hook(
+                    lambda m, args, out, name=name: masks.append((name, m.replicated, (out == 0) & (args[0] != 0))))
+        torch.manual_seed(11)
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+        pmodel.train_step(ids, ids.clone())
+        grads[checkpointing] = {n: p.grad.clone() for n, p in pmodel.module.named_parameters() if p.requires_grad}
+        if not checkpointing:
+            other = comm.all_gather_object([(n, r, m) for n, r, m in masks], pmodel.mesh.tp_group)[1 - pmodel.mesh.tp_rank]
+            result["calls"] = len(masks)
+            result["dropped"] = min(int(m.sum()) for _, _, m in masks)
+            result["replicated_equal"] = all(torch.equal(m, o) for (_, r, m), (_, _, o) in zip(masks, other) if r)
+            result["row_differ"] = all(not torch.equal(m, o) for (_, r, m), (_, _, o) in zip(masks, other) if not r)
+            result["row_calls"] = sum(not r for _, r, _ in masks)
+    result["recompute_equal"] = all(torch.equal(grads[False][n], grads[True][n]) for n in grads[False])
+    return result
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     archs = sys.argv[2:] or ["llama", "gpt2", "qwen3"]
@@ -189,6 +219,8 @@ def main() -> None:
                 results[f"{arch}/{name}"] = run_case(arch, layout, case)
             for name in SFT_LAYOUTS:
                 results[f"{arch}/sft_{name}"] = run_case(arch, LAYOUTS[name], Path(shared), sft=True)
+        for name in ("tp2_sp", "tp2"):
+            results[f"dropout/{name}"] = dropout_case(LAYOUTS[name])
         dist.barrier()
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=1))

@@ -27,6 +27,23 @@ class LoraWeight(nn.Module):
         return f"local={tuple(self.weight.shape)}"
 
 
+class LoraDropout(nn.Dropout):
+    """Dropout on a LoRA input, on the right stream under TP (tp/rng.py): the input of a column-parallel base is
+    replicated over tp (entered, or gathered from sequence shards), so every tp rank draws the same mask from the
+    shared stream, even inside a per-rank region; the input of a row-parallel base holds this rank's features,
+    so it draws from this rank's own stream. ``rng`` is set once the dropout streams exist (tp > 1)."""
+
+    def __init__(self, p: float, replicated: bool) -> None:
+        super().__init__(p)
+        self.replicated, self.rng = replicated, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rng is None or not self.training:
+            return super().forward(x)
+        with self.rng.shared(x.device) if self.replicated else self.rng.distinct(x.device):
+            return super().forward(x)
+
+
 def full_init(name: str, shape: tuple[int, ...], init_b_zero: bool, seed: int) -> torch.Tensor:
     """The full LoRA matrix ``name`` as peft initialises it: kaiming-uniform (a=sqrt(5), nn.Linear's default)
     for A, zeros for B unless ``init_lora_weights=False``; drawn from a generator seeded by (seed, name) so
@@ -66,7 +83,8 @@ def apply_lora(
             else:
                 local = local_init(plan, pname, spec, seed, weight.dtype).to(weight.device)
             setattr(base, attr, LoraWeight(local))
-        base.lora_dropout = nn.Dropout(plan.config.lora_dropout) if plan.config.lora_dropout else nn.Identity()
+        base.lora_dropout = LoraDropout(plan.config.lora_dropout, placed.kind != "row") if plan.config.lora_dropout \
+            else nn.Identity()
         base.register_forward_hook(_row_hook(plan.scale, mesh, sequence_parallel) if placed.kind == "row"
                                    else _column_hook(plan.scale))
         for param, block in ((base.lora_A.weight, placed.a_grad_sum), (base.lora_B.weight, placed.b_grad_sum)):

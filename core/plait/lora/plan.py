@@ -92,10 +92,6 @@ def plan_lora(
     if config.target_modules is None:
         config.target_modules = default_targets(model, tp_plan)
     tp = len(shards_by_rank)
-    if tp > 1 and config.lora_dropout:
-        raise ConfigError(f"--lora_dropout={config.lora_dropout} with tp={tp}: LoRA dropout on a column-parallel "
-                          f"input needs one mask on every tp rank, which the per-rank dropout streams inside "
-                          f"attention blocks and the SP region do not give; use --lora_dropout 0 with tp > 1")
     targets = [name for name, _ in model.named_modules() if name and check_target_module_exists(config, name)]
     if not targets:
         raise ConfigError(f"--lora_target_modules {config.target_modules} match no module of "

@@ -57,6 +57,21 @@ class DropoutRNG:
                 _restore(*self._saved)
             self._saved = None
 
+    @contextlib.contextmanager
+    def shared(self, device: torch.device) -> Iterator[None]:
+        """Run the body on the shared stream, also inside a region (a replicated activation there: LoRA's input
+        of a column-parallel base), which then goes on with this rank's stream where it was."""
+        if self._saved is None or self._resumed:
+            yield
+            return
+        own = (torch.get_rng_state(), _accelerator_state(device), device)
+        _restore(*self._saved)
+        try:
+            yield
+        finally:
+            self._saved = (torch.get_rng_state(), _accelerator_state(device), device)  # the shared stream moved on
+            _restore(*own)
+
     def resume_shared(self) -> None:
         """Back to the shared stream for the rest of the region: what follows is equal on every rank."""
         if self._saved is not None and not self._resumed:
