@@ -1,12 +1,12 @@
 """LoRA vs full fine-tuning: gradient and optimizer-state bytes per rank, and step time beside peft.
 
-    python bench/lora.py [--hidden 1024 --layers 8 --vocab 8192 --seq 512 --batch 4 --r 16 --steps 10]
-                         [--world 2 --tp 2 | --world 2 --zero_1]
+    python bench/lora.py [--hidden 2048 --layers 4 --vocab 8192 --seq 256 --batch 2 --r 8 --steps 10]
+                         [--world 2 --tp 2 | --world 2 --tp 1 --zero_1]
 
 1. Bytes per rank (a world of --world processes laid out as --tp, dp = world / tp, ZeRO-1 with --zero_1): after
    one optimizer step, the bytes of every gradient a rank holds and of its optimizer state (AdamW's exp_avg and
    exp_avg_sq; under ZeRO-1 only its slice), for full fine-tuning and for LoRA on the same Llama. LoRA should
-   be well under 1% of full fine-tuning: 2 r (in + out) numbers per adapted projection against in * out.
+   be well under 1% of full fine-tuning: r (in + out) numbers per adapted projection against in * out.
 2. Step time on one process: plait's LoRA layers against peft's ``LoraModel`` on the same model and batch
    (forward, backward, AdamW step), median of --steps after one warm-up step.
 """
@@ -106,12 +106,12 @@ def step_times(args) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--r", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--r", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2)
