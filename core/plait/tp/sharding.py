@@ -81,7 +81,7 @@ class ModuleShard:
     bias: ShardSpec | None
     grad_sum_block: int = 1  # >1: replicated kv head shared by this many adjacent tp ranks
     vocab_range: tuple[int, int] | None = None  # vocab styles: [start, stop) of real rows this rank owns
-    local_attrs: dict[str, int] = field(default_factory=dict)
+    local_attrs: dict[str, object] = field(default_factory=dict)  # head counts; a per-rank config copy
     # q/k/v of an attention block: the block's own input enters the TP region (attention code reshapes by
     # its input's sequence length, which must already be the full sequence under SP).
     entered_by_parent: bool = False

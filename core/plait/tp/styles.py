@@ -9,6 +9,7 @@ both handled.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -177,7 +178,8 @@ class Attention(TPRule):
         child = lambda attr: (f"{name}.{attr}", module.get_submodule(attr))  # noqa: E731
         if self.qkv is not None:
             if block > 1:
-                raise ConfigError(f"{name}: fused qkv with num_key_value_heads={kv_heads} < tp={tp} is not supported")
+                raise ConfigError(f"{name}: fused qkv with num_key_value_heads={kv_heads} < tp={tp} is not supported; use a tp "
+                                  f"that divides {kv_heads}")
             kv_width = kv_heads * hd
             ranges = [q_range, (heads * hd + kv_range[0], heads * hd + kv_range[1]),
                       (heads * hd + kv_width + kv_range[0], heads * hd + kv_width + kv_range[1])]
@@ -304,8 +306,6 @@ class LocalConfigAttention(Attention):
     label: ClassVar[str] = "attention"
 
     def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
-        import copy
-
         shards = super().shards(name, module, tp, rank)
         _, _, local_kv, _ = _head_split(self.num_heads, self.num_kv_heads, self.head_dim, tp, rank)
         q_heads = self.num_heads // tp
