@@ -238,9 +238,11 @@ class Trainer:
         self.log.write({"event": "load", "step": self.first_step, "load_seconds": time.perf_counter() - load_start,
                         "peak_rss_mb": peak_rss_mb(), "source": "init" if kind == "init" else str(source)})
         count = sum(p.numel() for p in pmodel.parameters())
+        trained = sum(p.numel() for p in pmodel.parameters() if p.requires_grad)
+        lora = f" (LoRA r={args.lora_r}: {trained:,} trained)" if pmodel.plan.lora is not None else ""
         self.console.print(
             f"[bold]plait[/] layout {mesh.config.describe()} | adapter {pmodel.adapter.name} "
-            f"({pmodel.adapter.distribution or 'in-process'}) | parameters on rank 0: {count:,} | "
+            f"({pmodel.adapter.distribution or 'in-process'}) | parameters on rank 0: {count:,}{lora} | "
             f"{len(self.blocks):,} blocks of {args.block_size} tokens, global batch {self.global_batch}")
 
     def step(self, step: int) -> dict:
