@@ -76,7 +76,8 @@ def step_comm(
         labels = {shard.style.label for shard in plan.shards_by_rank[0].values()}
         vocab_embedding = bool(labels & set(VOCAB_LABELS[:2]))
         vocab_head = "vocab_head" in labels
-        r = sum(1 for n in rows if any(p.name.startswith(n + ".") for p in held))  # this rank's row linears
+        held_modules = {p.name.rpartition(".")[0] for p in held}
+        r = sum(1 for n in rows if n in held_modules)  # this rank's row linears
         tokens = shape.batch * (shape.seq - 1)
         counts: dict[str, list[int]] = {"all_reduce": [0, 0], "all_gather": [0, 0], "reduce_scatter": [0, 0]}
 
@@ -103,7 +104,7 @@ def step_comm(
         # A recomputed layer repeats its forward collectives in backward, up to the last one whose output backward
         # needs: the final row-parallel output is not recomputed (torch's checkpoint stops early).
         for leaf in plan.leaves:
-            r_leaf = sum(1 for n in rows if n.startswith(leaf + ".") and any(p.name.startswith(n + ".") for p in held))
+            r_leaf = sum(1 for n in rows if n.startswith(leaf + ".") and n in held_modules)
             if r_leaf and config.sequence_parallel:
                 add("all_gather", r_leaf, local)
                 add("reduce_scatter", r_leaf - 1, act)

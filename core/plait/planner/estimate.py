@@ -20,7 +20,8 @@ from plait.layout_plan import LayoutPlan
 from plait.planner.activations import ActivationTrace
 from plait.planner.bubble import bubble_fraction
 from plait.planner.comm import CommOp, StepShape, step_comm
-from plait.planner.tp_modules import row_modules
+from plait.optim.param_groups import embedding_params
+from plait.planner.tp_modules import column_modules, row_modules
 from plait.planner.device import Device
 from plait.planner.memory import ActivationBytes, Precision, StaticBytes, activation_bytes, rank_params, static_bytes
 
@@ -98,10 +99,12 @@ class LayoutEstimate:
 
 def estimate_layout(
     model: nn.Module, plan: LayoutPlan, batch: Batch, precision: Precision, trace: ActivationTrace,
-    weight_decay: float = 0.0, decay_embeddings: bool = True,
+    weight_decay: float = 0.0, decay_embeddings: bool = True, cache: dict | None = None,
 ) -> LayoutEstimate:
     """Memory, communication, bubble and FLOPs of ``plan`` for ``batch`` (``trace``: ``trace_activations`` of
-    the same model at ``batch.seq``)."""
+    the same model at ``batch.seq``). ``cache``: a dict kept across the layouts of one search, holding what
+    depends only on the model and the plan's sharding and split (each rank's parameters, row/column linears)."""
+    cache = {} if cache is None else cache
     config = plan.config
     tp, pp, dp = config.tp, config.pp, config.dp or 1
     microbatch = batch.per_device // config.num_microbatches
@@ -109,20 +112,28 @@ def estimate_layout(
     hidden = model.config.get_text_config().hidden_size
     shape = StepShape(batch.per_device, batch.seq, hidden, torch.empty((), dtype=act_dtype).element_size(),
                       batch.accumulation)
-    rows = row_modules(model, plan)
+    if "named" not in cache:
+        cache["named"] = list(model.named_parameters(remove_duplicate=False))
+        cache["embeddings"] = embedding_params(model)
+    shards_key = id(plan.shards_by_rank)
+    if ("linears", shards_key) not in cache:
+        cache["linears", shards_key] = row_modules(model, plan), column_modules(model, plan)
+    rows, columns = cache["linears", shards_key]
     zero_dp = dp if config.zero_1 else 1
     ranks, comm, flops, moved = [], {}, {}, {}
     for pp_rank in range(pp):
-        acts = activation_bytes(model, trace, plan, pp_rank, microbatch)
+        acts = activation_bytes(trace, plan, pp_rank, microbatch, columns)
         for tp_rank in range(tp):
-            held = rank_params(model, plan, tp_rank, pp_rank)
+            key = ("held", id(plan.specs_by_rank), id(plan.split), tp_rank, pp_rank)
+            if key not in cache:
+                cache[key] = rank_params(model, plan, tp_rank, pp_rank, cache["embeddings"], cache["named"])
+            held = cache[key]
             if tp_rank == 0:
                 comm[pp_rank] = step_comm(model, plan, pp_rank, held, shape, precision, rows)
                 flops[pp_rank] = _step_flops(model, plan, pp_rank, held, batch, trace)
                 moved[pp_rank] = 2 * acts.per_microbatch * config.num_microbatches * batch.accumulation
             grads = sum(p.numel for p in held) * precision.grad_bytes
-            for dp_rank in range(zero_dp if config.zero_1 else 1):
-                static = static_bytes(held, precision, zero_dp, dp_rank, weight_decay, decay_embeddings)
+            for dp_rank, static in enumerate(static_bytes(held, precision, zero_dp, weight_decay, decay_embeddings)):
                 rank = (dp_rank * pp + pp_rank) * tp + tp_rank
                 ranks.append(RankEstimate(rank, tp_rank, pp_rank, dp_rank, static, acts,
                                           min(grads, BUCKET_BYTES) if dp > 1 else 0))

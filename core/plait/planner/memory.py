@@ -14,6 +14,7 @@ Activations come from ``activations.trace_activations`` and the schedule's in-fl
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -21,10 +22,10 @@ import torch
 from torch import nn
 
 from plait.layout_plan import LayoutPlan
+from plait.pipeline.cuts import StageSplit
 from plait.optim.param_groups import decays, embedding_params
 from plait.planner.activations import ActivationTrace, unit_bytes
 from plait.planner.bubble import in_flight
-from plait.planner.tp_modules import column_modules
 
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
 STEP_BYTES = 4  # AdamW's per-parameter float32 step tensor
@@ -55,18 +56,24 @@ class RankParam:
     embedding: bool
 
 
-def rank_params(model: nn.Module, plan: LayoutPlan, tp_rank: int, pp_rank: int) -> list[RankParam]:
-    """The parameters tp rank ``tp_rank`` of pipeline rank ``pp_rank`` holds, in the model's order."""
+def rank_params(
+    model: nn.Module, plan: LayoutPlan, tp_rank: int, pp_rank: int, embeddings: set[str] | None = None,
+    named: list[tuple[str, nn.Parameter]] | None = None,
+) -> list[RankParam]:
+    """The parameters tp rank ``tp_rank`` of pipeline rank ``pp_rank`` holds, in the model's order
+    (``embeddings``: ``embedding_params(model)``; ``named``: ``named_parameters(remove_duplicate=False)``;
+    both computed here when not given, a search passes them once for all layouts)."""
     specs = plan.specs_by_rank[tp_rank]
     stages = set(plan.stages_of(pp_rank))
-    embeddings = embedding_params(model)
+    embeddings = embedding_params(model) if embeddings is None else embeddings
+    named = list(model.named_parameters(remove_duplicate=False)) if named is None else named
+    stage_of = _stage_map(plan.split) if plan.split is not None else {}
     tied_spec = {name: names[0] for names in plan.tied for name in names}
     held: list[RankParam] = []
     seen: set[int] = set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if plan.split is not None:
-            if _stage_of(plan, name) not in stages:
-                continue
+    for name, param in named:
+        if plan.split is not None and _stage_of(stage_of, name) not in stages:
+            continue
         key = id(param)
         if key in seen:
             continue
@@ -77,13 +84,18 @@ def rank_params(model: nn.Module, plan: LayoutPlan, tp_rank: int, pp_rank: int) 
     return held
 
 
-def _stage_of(plan: LayoutPlan, param_name: str) -> int | None:
+@functools.lru_cache(maxsize=64)
+def _stage_map(split: StageSplit) -> dict[str, int]:
+    """Module name -> owning stage, once per split (``StageSplit.stage_of`` rebuilds stage lists per call)."""
+    return {name: stage for stage in range(split.num_stages) for name in split.modules(stage)}
+
+
+def _stage_of(stage_of: dict[str, int], param_name: str) -> int | None:
     module = param_name.rpartition(".")[0]
     while module:
-        try:
-            return plan.split.stage_of(module)
-        except KeyError:
-            module = module.rpartition(".")[0]
+        if module in stage_of:
+            return stage_of[module]
+        module = module.rpartition(".")[0]
     return None
 
 
@@ -119,14 +131,15 @@ class StaticBytes:
 
 
 def static_bytes(
-    params: list[RankParam], precision: Precision, zero1_dp: int, dp_rank: int, weight_decay: float = 0.0,
+    params: list[RankParam], precision: Precision, zero1_dp: int, weight_decay: float = 0.0,
     decay_embeddings: bool = True,
-) -> StaticBytes:
-    """Parameter, gradient and optimizer bytes of one rank holding ``params`` (``zero1_dp`` > 1: ZeRO-1 over a
-    dp group of that size, this being dp rank ``dp_rank``)."""
+) -> list[StaticBytes]:
+    """Parameter, gradient and optimizer bytes of the ranks holding ``params``: one per dp rank under ZeRO-1
+    over a dp group of ``zero1_dp`` > 1 ranks, else one for all."""
     numel = sum(p.numel for p in params)
-    owned = zero1_owned(params, zero1_dp, weight_decay, decay_embeddings)[dp_rank] if zero1_dp > 1 else params
-    return StaticBytes(numel * _size(precision.param), numel * precision.grad_bytes, optimizer_bytes(owned, precision))
+    owned = zero1_owned(params, zero1_dp, weight_decay, decay_embeddings) if zero1_dp > 1 else [params]
+    return [StaticBytes(numel * _size(precision.param), numel * precision.grad_bytes, optimizer_bytes(o, precision))
+            for o in owned]
 
 
 @dataclass(frozen=True)
@@ -141,17 +154,16 @@ class ActivationBytes:
 
 
 def activation_bytes(
-    model: nn.Module, trace: ActivationTrace, plan: LayoutPlan, pp_rank: int, microbatch: int) -> ActivationBytes:
+    trace: ActivationTrace, plan: LayoutPlan, pp_rank: int, microbatch: int, columns: set[str]) -> ActivationBytes:
     """Activation bytes of pipeline rank ``pp_rank`` for micro-batches of ``microbatch`` sequences.
 
     The trace runs in the parameter dtype (``--bf16_autocast``'s bf16 matmul outputs are not modelled). With
     activation checkpointing a decoder layer keeps only its input, and one layer's activations live again
-    while it is recomputed."""
+    while it is recomputed. ``columns``: the plan's column-parallel linears (``tp_modules.column_modules``)."""
     config = plan.config
     tp, sp = config.tp, config.sequence_parallel
     vocab_parallel = tp > 1 and not config.disable_embedding_parallelization
     layers = _layers_of(plan, pp_rank, len(trace.layers))
-    columns = column_modules(model, plan)
     has_first = plan.split is None or 0 in plan.stages_of(pp_rank)
     has_last = plan.split is None or plan.split.num_stages - 1 in plan.stages_of(pp_rank)
     total = largest = recompute = leaf_inputs = 0

@@ -42,6 +42,7 @@ def search_layouts(
     global_batch = batch.per_device * (base.dp or world_size // (base.tp * base.pp))
     result = SearchResult()
     plans: dict[tuple, LayoutPlan | str] = {}
+    cache: dict = {}  # estimate_layout's, shared by the layouts of one plan (the plans above stay alive)
     for config in candidates(base, world_size, global_batch):
         label = describe(config)
         per_device, rest = divmod(global_batch, config.dp)
@@ -52,19 +53,22 @@ def search_layouts(
             result.refused.append((label, f"per-device batch {per_device} does not divide into "
                                           f"{config.num_microbatches} micro-batches"))
             continue
-        key = dataclasses.astuple(dataclasses.replace(config, zero_1=False))
+        # One plan per split and sharding: micro-batches (always pp * 2^k here, which every schedule accepts),
+        # ZeRO-1 and recomputation change neither; the recompute leaves are planned once and dropped when off.
+        key = (config.tp, config.pp, config.virtual_pipeline_size, config.pipeline_schedule, config.sp)
         if key not in plans:
             try:
-                plans[key] = plan_layout(model, dataclasses.replace(config, dp=None), world_size, registry)
+                plans[key] = plan_layout(model, dataclasses.replace(config, dp=None, gradient_checkpointing=True),
+                                         world_size, registry)
             except (ConfigError, AdapterError) as err:
                 plans[key] = str(err)
         plan = plans[key]
         if isinstance(plan, str):
             result.refused.append((label, plan))
             continue
-        plan = dataclasses.replace(plan, config=config)
+        plan = dataclasses.replace(plan, config=config, leaves=plan.leaves if config.gradient_checkpointing else ())
         estimate = estimate_layout(model, plan, dataclasses.replace(batch, per_device=per_device), precision,
-                                   trace, weight_decay, decay_embeddings)
+                                   trace, weight_decay, decay_embeddings, cache)
         if estimate.peak > device.memory_bytes:
             result.refused.append((label, f"does not fit: peak {estimate.peak / 2**30:.2f} GiB > "
                                           f"{device.memory_bytes / 2**30:.2f} GiB per device"))
