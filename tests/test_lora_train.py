@@ -60,7 +60,11 @@ def test_checkpoint_holds_only_adapters_and_the_base_reference(base_dir, straigh
 
 def test_lora_resume_is_exact_and_reshards_to_tp2(base_dir, straight, tmp_path):
     out, records = straight
-    resumed = run(flags(base_dir, tmp_path / "tp1", "--resume_from_checkpoint", str(out / "checkpoint-2")))
+    argv = flags(base_dir, tmp_path / "tp1", "--resume_from_checkpoint", str(out / "checkpoint-2"))
+    for flag in ("--model_name_or_path", "--lora_r", "--lora_alpha"):  # the checkpoint names its base and LoRA
+        at = argv.index(flag)
+        del argv[at:at + 2]
+    resumed = run(argv)
     assert [r["loss"] for r in resumed] == [r["loss"] for r in records[2:]]
     launch(["-m", "plait", "train", *flags(base_dir, tmp_path / "tp2", "--tensor_parallel_size", "2",
                                             "--resume_from_checkpoint", str(out / "checkpoint-2"))], 2, timeout=240)

@@ -191,7 +191,8 @@ class Trainer:
         saved = saved_lora(read_index(resume)[1].extra) if resume is not None else None
         if saved is not None:
             check_base(saved[1], str(resume))
-        plan = plan_layout(meta, args.parallel_config(), int(os.environ.get("WORLD_SIZE", "1")), lora=args.lora())
+        lora = args.lora() or (saved[0] if saved is not None else None)  # a LoRA checkpoint names its own config
+        plan = plan_layout(meta, args.parallel_config(), int(os.environ.get("WORLD_SIZE", "1")), lora=lora)
         # Data before any process group: a bad file fails every rank at once, never inside a collective.
         self.blocks, self.val_blocks, self.tokenizer = load_data(args, model_config.vocab_size)
         check_validation_blocks(self.val_blocks, plan.config)
@@ -239,7 +240,7 @@ class Trainer:
                         "peak_rss_mb": peak_rss_mb(), "source": "init" if kind == "init" else str(source)})
         count = sum(p.numel() for p in pmodel.parameters())
         trained = sum(p.numel() for p in pmodel.parameters() if p.requires_grad)
-        lora = f" (LoRA r={args.lora_r}: {trained:,} trained)" if pmodel.plan.lora is not None else ""
+        lora = f" (LoRA r={pmodel.plan.lora.config.r}: {trained:,} trained)" if pmodel.plan.lora is not None else ""
         self.console.print(
             f"[bold]plait[/] layout {mesh.config.describe()} | adapter {pmodel.adapter.name} "
             f"({pmodel.adapter.distribution or 'in-process'}) | parameters on rank 0: {count:,}{lora} | "
