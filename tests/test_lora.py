@@ -35,7 +35,7 @@ TRAINED_LOGITS_TOL = 1e-4
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("lora") / "results.json"
-    launch([str(WORKER), str(out), *ARCHS], 2, timeout=600)
+    launch([str(WORKER), str(out), *ARCHS, "phi3"], 2, timeout=600)
     return json.loads(out.read_text())
 
 
@@ -50,6 +50,16 @@ def test_lora_parity_with_peft_on_one_process(results, arch, layout):
     assert r["base_changed"] == [], f"frozen base weights changed: {r['base_changed']}"
     assert r["frozen_grads"] == [] and r["frozen_stepped"] == 0, r
     assert r["state_numel"] == 2 * r["trained_numel"], "AdamW state beyond the LoRA parameters"
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp", "tp2"])
+def test_phi3_fused_projections_split_per_head_and_per_chunk(results, layout):
+    """Phi3's qkv_proj (whole heads of q, k and v per rank) and gate_up_proj (the same slice of gate and of up):
+    B follows the base's ranges."""
+    test_lora_parity_with_peft_on_one_process(results, "phi3", layout)
+    r = results[f"phi3/{layout}"]
+    assert r["adapter_target_modules"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"], r
+    assert r["logits_peft_dir"] <= LOGITS_TOL and r["logits_merged"] <= LOGITS_TOL, r
 
 
 @pytest.mark.parametrize("layout", ["tp2_sp", "tp2", "zero1_dp2"])

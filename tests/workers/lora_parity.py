@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from peft import PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Phi3Config, Qwen3Config
 
 from plait import ParallelConfig, comm, parallelize
 from plait.data.sft_blocks import Example, batch_inputs, count_labels, lay_out
@@ -37,6 +37,8 @@ from plait.testing.gather import gather_logits
 STEPS, BATCH, SEQ, VOCAB, LR = 3, 4, 16, 61, 1e-2
 LAYOUTS = {"tp2_sp": dict(tp=2, sp=True), "tp2": dict(tp=2, sp=False), "pp2": dict(pp=2, num_microbatches=2),
            "zero1_dp2": dict(zero_1=True)}
+FUSED_ONLY = ("phi3",)  # architectures checked for their fused projections' split only
+FUSED_LAYOUTS = {name: LAYOUTS[name] for name in ("tp2_sp", "tp2")}
 SFT_LAYOUTS = ("tp2_sp", "pp2")  # SFT + LoRA: packed examples, prompt tokens masked, restarting position ids
 
 
@@ -82,6 +84,10 @@ def base_model(arch: str) -> torch.nn.Module:
     elif arch == "qwen3":  # the generic adapter; per-head q/k norms; 1 kv head replicated over tp=2
         config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=1, head_dim=8, max_position_embeddings=SEQ)
+    elif arch == "phi3":  # the generic adapter; fused qkv_proj (per head) and gate_up_proj (gate | up)
+        config = Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                            pad_token_id=0, bos_token_id=0, eos_token_id=0)
     else:
         raise ValueError(arch)
     torch.manual_seed(0)
@@ -214,10 +220,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         shared = comm.all_gather_object(tmp, comm.world_group())[0]  # one folder all ranks read
         for arch in archs:
-            for name, layout in LAYOUTS.items():
+            layouts = FUSED_LAYOUTS if arch in FUSED_ONLY else LAYOUTS
+            for name, layout in layouts.items():
                 case = Path(shared) / f"{arch}-{name}"
                 results[f"{arch}/{name}"] = run_case(arch, layout, case)
-            for name in SFT_LAYOUTS:
+            for name in SFT_LAYOUTS if arch not in FUSED_ONLY else ():
                 results[f"{arch}/sft_{name}"] = run_case(arch, LAYOUTS[name], Path(shared), sft=True)
         for name in ("tp2_sp", "tp2"):
             results[f"dropout/{name}"] = dropout_case(LAYOUTS[name])
