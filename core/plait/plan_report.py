@@ -65,12 +65,17 @@ def print_plan(model: torch.nn.Module, plan: LayoutPlan) -> None:
         print_pipeline(console, model, plan)
 
 
-def train_command(args, config, per_device: int) -> str:
-    """The ``plait train`` command running ``config`` with the rest of ``args`` (a ``TrainArgs``) unchanged."""
+def train_command(args, config, per_device: int, per_node: int | None = None) -> str:
+    """The ``plait train`` command running ``config`` with the rest of ``args`` (a ``TrainArgs``) unchanged: one
+    node launches its processes itself; a world larger than ``per_node`` devices runs under torchrun on each
+    node (HOST: the rendezvous node)."""
     import shlex
 
     world = config.tp * config.pp * (config.dp or 1)
-    flags: list[str] = ["plait", "train"]
+    nodes = -(-world // per_node) if per_node and world > per_node else 1
+    flags: list[str] = ["plait", "train"] if nodes == 1 else [
+        "torchrun", f"--nnodes={nodes}", f"--nproc_per_node={world // nodes}", "--rdzv_backend=c10d",
+        "--rdzv_endpoint=HOST:29500", "-m", "plait", "train"]
     for name in ("model_config", "model_name_or_path", "train_file", "dataset_name", "tokenizer_name", "config",
                  "attn_implementation"):
         if getattr(args, name):
@@ -90,7 +95,8 @@ def train_command(args, config, per_device: int) -> str:
     flags += [f"--{name}" for name, on in switches.items() if on]
     if args.bf16 and args.optimizer_dtype != "float32":
         flags += ["--optimizer_dtype", args.optimizer_dtype]
-    flags += ["--nproc_per_node", str(world)]
+    if nodes == 1:
+        flags += ["--nproc_per_node", str(world)]
     return shlex.join(flags)
 
 
@@ -135,7 +141,8 @@ def run_plan(ns, args) -> None:
     if ns.search:
         world = plan.config.tp * plan.config.pp * (plan.config.dp or 1)
         result = search_layouts(model, plan.config, world, batch, precision, trace, device, registry, **decay)
-        commands = [train_command(args, e.plan.config, e.batch.per_device) for e, _ in result.ranked[:ns.top]]
+        commands = [train_command(args, e.plan.config, e.batch.per_device, device.per_node)
+                    for e, _ in result.ranked[:ns.top]]
         if ns.json:
             print(json.dumps(search_json(result, device, commands, ns.top), indent=2))
         else:
