@@ -213,6 +213,8 @@ def test_moe_shared_expert_and_dense_layers(registry):
 @pytest.mark.parametrize(("arch", "layout", "message"), [
     ("minimax_m3_vl_text", dict(tp=2, sp=False), "minimax_m3_vl_text: model.layers.*.self_attn.q_norm: "
      "MiniMaxM3VLRMSNorm inside attention whose q/k/v transformers gathers; plait splits only full-width RMSNorms"),
+    ("nemotron_h", dict(tp=2, sp=False), "nemotron_h: model.layers.*.mixer: model.layers.0.mixer is a "
+     "NemotronHMamba2Mixer, where other layers hold the experts: layers of different kinds at one module path"),
     ("granite_swa", dict(tp=2, sp=False), "granite_swa: model.layers.*.self_attn.sinks: transformers shards the "
      "parameter itself"),
     ("youtu", dict(tp=2, sp=True),

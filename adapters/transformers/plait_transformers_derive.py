@@ -204,6 +204,14 @@ def _moe_rules(model, config, parent: str, styles: dict[str, str], experts: list
     arch = config.model_type
     modules = dict(model.named_modules())
     block_name = next(n for n in modules if matches(f"{parent}.{experts[0]}", n)).rpartition(".")[0]
+    for name in (n for n in modules if matches(parent, n)):
+        block = modules[name]
+        if experts[0] in block._modules:
+            continue
+        if is_attention(block) or any(own_params(m) and not is_linear(m) for _, m in block.named_modules()):
+            raise refuse(arch, parent, f"{name} is a {type(block).__name__}, where other layers hold the experts: "
+                                       f"layers of different kinds at one module path, which plait's patterns "
+                                       f"cannot tell apart")
     rules: list[TPRule] = [MoEExperts(f"{parent}.{e}") for e in experts]
     dense = {c: style for c, style in styles.items() if c not in experts}
     for child, style in dense.items():
@@ -432,6 +440,7 @@ def sp_plan(model: nn.Module, arch: str, layers: str | None, tp: TPPlan | Refusa
     end = _final_norm(model, arch, layers)
     covered = [r.pattern for r in tp.rules]
     moe_blocks = {r.pattern.rpartition(".")[0] for r in tp.rules if isinstance(r, MoEExperts)}
+    experts = {r.pattern.rpartition(".")[2] for r in tp.rules if isinstance(r, MoEExperts)}
     routers = {r.pattern for r in tp.rules if isinstance(r, MoERouter)}
     norms: list[str] = []
     for name, module in model.get_submodule(layers).named_modules(prefix=layers):
@@ -440,7 +449,7 @@ def sp_plan(model: nn.Module, arch: str, layers: str | None, tp: TPPlan | Refusa
             continue
         if any(pattern == c or pattern.startswith(c + ".") for c in covered if c not in routers):
             continue  # sharded, or inside an attention block (its own rules account for it)
-        if any(pattern.startswith(block + ".") for block in moe_blocks):
+        if in_moe_block(model, name, moe_blocks, experts):
             norms.append(pattern)  # router, shared expert: token-wise, on a sequence shard it sees that shard's tokens
             continue
         if any(p.dim() > 1 for p in own_params(module)):
@@ -449,6 +458,18 @@ def sp_plan(model: nn.Module, arch: str, layers: str | None, tp: TPPlan | Refusa
                                         f"wrong: disable sequence parallelism")
         norms.append(pattern)
     return SPPlan(begin=f"{layers}.0", end=end, norms=(*norms, end))
+
+
+def in_moe_block(model: nn.Module, name: str, moe_blocks: set[str], experts: set[str]) -> bool:
+    """Whether module ``name`` lies inside a real MoE block (one holding an experts child), not merely at a
+    path some other layer's MoE block also has (a hybrid model's mixer)."""
+    parts = name.split(".")
+    for block in moe_blocks:
+        depth = block.count(".") + 1
+        if len(parts) > depth and matches(block, ".".join(parts[:depth])):
+            if experts & set(model.get_submodule(".".join(parts[:depth]))._modules):
+                return True
+    return False
 
 
 def _final_norm(model: nn.Module, arch: str, layers: str) -> str:
