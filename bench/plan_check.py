@@ -198,10 +198,44 @@ def _measure_memory(kwargs: dict, tiny: bool, rank: int) -> dict:
             "planned_comm": [[op.group, op.op, op.count, op.bytes] for op in estimate.comm[mine.pp_rank]]}
 
 
-def worker(out: str, tiny: bool, steps: int, jobs: str) -> None:
+def _time_layouts(jobs: dict, tiny: bool, steps: int) -> dict[str, float]:
+    """Median seconds per step of each job ("BxS|layout" -> ParallelConfig kwargs). Layouts of one batch shape
+    are built together and timed in turns (round-robin), so a slow spell of a shared machine hits them all."""
     import gc
 
     import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    cfg = model_config(tiny, time_model=True)
+    by_shape: dict[str, list[str]] = {}
+    for key in jobs:
+        by_shape.setdefault(key.split("|")[0], []).append(key)
+    times: dict[str, list[float]] = {key: [] for key in jobs}
+    for shape, keys in by_shape.items():
+        b, s = (int(x) for x in shape.split("x"))
+        ids = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(rank))
+        built = {}
+        for key in keys:
+            pmodel, _, step = _build(jobs[key], cfg, torch.float32)
+            built[key] = (pmodel, step, b * (s - 1) * pmodel.mesh.dp)
+        for turn in range(steps + 1):  # turn 0 warms up
+            for key, (pmodel, step, items) in built.items():
+                dist.barrier()
+                start = time.perf_counter()
+                pmodel.train_step(ids, ids, num_items_in_batch=items)
+                step()
+                dist.barrier()
+                if turn:
+                    times[key].append(time.perf_counter() - start)
+        del built
+        gc.collect()
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def worker(out: str, tiny: bool, steps: int, jobs: str) -> None:
+    import gc
+
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
@@ -213,24 +247,7 @@ def worker(out: str, tiny: bool, steps: int, jobs: str) -> None:
     for name, kwargs in spec["memory"].items():
         results["memory"][name] = _measure_memory(kwargs, tiny, rank)
         gc.collect()
-    for key, kwargs in spec["time"].items():
-        b, s = (int(x) for x in key.split("|")[0].split("x"))
-        cfg = model_config(tiny, time_model=True)
-        pmodel, optimizer, step = _build(kwargs, cfg, torch.float32)
-        ids = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(rank))
-        items = b * (s - 1) * pmodel.mesh.dp
-        times = []
-        for i in range(steps + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            pmodel.train_step(ids, ids, num_items_in_batch=items)
-            step()
-            dist.barrier()
-            if i:
-                times.append(time.perf_counter() - start)
-        results["time"][key] = statistics.median(times)
-        del pmodel, optimizer, step
-        gc.collect()
+    results["time"] = _time_layouts(spec["time"], tiny, steps)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     if rank == 0:

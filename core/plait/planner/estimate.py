@@ -3,7 +3,8 @@
 ``estimate_layout`` takes the meta model and its ``LayoutPlan``; the activation trace is shared by every
 layout of one search (it depends only on the model, the sequence length and the attention kernel).
 Step time = compute / (1 - bubble) + communication, with compute = matmul FLOPs / (peak * efficiency) plus
-the activation bytes written and read again / memory bandwidth, and communication = ring bytes / the link's
+the activation bytes written and read again and the optimizer's bytes (AdamW over the parameters the rank
+steps: all it holds, or its ZeRO-1 share) / memory bandwidth, and communication = ring bytes / the link's
 bandwidth + a latency per collective (tp and pp inside a node when they fit in one, dp across nodes when the
 world does not). plait's collectives are not overlapped with compute, so the terms add.
 """
@@ -89,9 +90,15 @@ class LayoutEstimate:
                      "dp": device.intra_bandwidth if config.tp * config.pp * (config.dp or 1) <= per_node
                      else device.inter_bandwidth}
         size = {"tp": config.tp, "pp": 2, "dp": config.dp or 1}
+        # AdamW reads parameter, gradient and both moments and writes parameter and moments (masters: plus the
+        # low-precision copy written back): bytes per stepped element.
+        opt, param = self.precision.optimizer.itemsize, self.precision.param.itemsize
+        adam = 3 * opt + self.precision.grad_bytes + 3 * opt + (opt + param if self.precision.masters else 0)
         worst = 0.0
         for pp_rank, ops in self.comm.items():
-            compute = self.flops[pp_rank] / device.flops(low) + self.act_bytes_moved[pp_rank] / device.memory_bandwidth
+            stepped = max(r.static.stepped for r in self.ranks if r.pp_rank == pp_rank)
+            compute = (self.flops[pp_rank] / device.flops(low)
+                       + (self.act_bytes_moved[pp_rank] + stepped * adam) / device.memory_bandwidth)
             comm = sum(op.ring(size[op.group]) / bandwidth[op.group] + op.count * device.latency for op in ops)
             worst = max(worst, compute / (1 - self.bubble) + comm)
         return worst

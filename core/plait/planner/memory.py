@@ -128,6 +128,7 @@ class StaticBytes:
     parameters: int
     gradients: int
     optimizer: int
+    stepped: int  # parameter elements this rank's optimizer updates (all it holds, or its ZeRO-1 share)
 
 
 def static_bytes(
@@ -138,8 +139,8 @@ def static_bytes(
     over a dp group of ``zero1_dp`` > 1 ranks, else one for all."""
     numel = sum(p.numel for p in params)
     owned = zero1_owned(params, zero1_dp, weight_decay, decay_embeddings) if zero1_dp > 1 else [params]
-    return [StaticBytes(numel * _size(precision.param), numel * precision.grad_bytes, optimizer_bytes(o, precision))
-            for o in owned]
+    return [StaticBytes(numel * _size(precision.param), numel * precision.grad_bytes, optimizer_bytes(o, precision),
+                        sum(p.numel for p in o)) for o in owned]
 
 
 @dataclass(frozen=True)
