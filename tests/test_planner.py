@@ -164,3 +164,6 @@ def test_cli_plan_json_and_search(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*common, "--search"])  # no device model
     assert "--hardware" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*common, "--lora_r", "8"])  # not modelled: refused rather than answered as a full fine-tune
+    assert "LoRA" in capsys.readouterr().err
