@@ -119,7 +119,8 @@ def run_plan(ns, args) -> None:
 
     if getattr(args, "lora_r", 0):
         raise ConfigError(f"plait plan does not model LoRA yet (--lora_r={args.lora_r}): frozen weights have no "
-                          f"gradients or optimizer state; drop --lora_r for the full fine-tune's numbers, an upper bound")
+                          f"gradients or optimizer state; drop --lora_r for the full fine-tune's numbers, "
+                          f"an upper bound")
     parallel = args.parallel_config()
     world_size = ns.world_size or (args.nproc_per_node if args.nproc_per_node > 1 else None)  # None: tp * pp
     if ns.device_memory is not None and ns.device_memory <= 0:
