@@ -51,6 +51,12 @@ def test_bytes_equal_what_built_ranks_hold(built):
                 f"{name} rank {rank}: built {r['measured']}, planned {r['predicted']}"
 
 
+def test_no_activation_is_held_past_the_step(built):
+    for rank, results in enumerate(built):
+        for name, r in results.items():
+            assert not r["entry_held_after_step"], f"{name} rank {rank}: the tp region entry kept its input"
+
+
 def test_collectives_equal_what_a_step_issues(built):
     for rank, layouts in enumerate(built):
         for name, r in layouts.items():

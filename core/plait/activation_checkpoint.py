@@ -6,7 +6,9 @@ inside a layer in the same order on every rank (non-reentrant ``torch.utils.chec
 restores the RNG state for dropout). The module's ``forward`` is wrapped in place rather than the module
 being replaced by a wrapper, so parameter names (and with them shard specs, checkpoints and the optimizer)
 do not change. ``TPRegionEntry`` stays correct: recomputed activations are new tensors, so its identity
-cache misses on them and enters each once, like the original forward did.
+cache misses on them and enters each once, like the original forward did; ``after`` (the entry's ``clear``) runs
+when each leaf's forward or recomputation ends, so the last recomputed layer's entered input (under SP, a whole
+gathered sequence) is not kept alive through the optimizer step until the next forward.
 """
 
 from __future__ import annotations
@@ -22,12 +24,18 @@ from torch.utils.checkpoint import checkpoint
 from plait.patterns import leaf_module_names
 
 
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+def _checkpointed(forward: Callable[..., Any], after: Callable[[], None]) -> Callable[..., Any]:
+    def forward_then(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            after()
+
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward_then, *args, use_reentrant=False, **kwargs)
 
     return run
 
@@ -37,8 +45,9 @@ def checkpoint_targets(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     return leaf_module_names(model, patterns, "gradient checkpointing")
 
 
-def apply_activation_checkpointing(model: nn.Module, names: Sequence[str]) -> None:
-    """Wrap the ``forward`` of each named module (from ``checkpoint_targets``) in a non-reentrant checkpoint."""
+def apply_activation_checkpointing(model: nn.Module, names: Sequence[str], after: Callable[[], None]) -> None:
+    """Wrap the ``forward`` of each named module (from ``checkpoint_targets``) in a non-reentrant checkpoint;
+    ``after`` runs when each forward or recomputation of one ends."""
     for name in names:
         module = model.get_submodule(name)
-        module.forward = _checkpointed(module.forward)
+        module.forward = _checkpointed(module.forward, after)

@@ -223,7 +223,7 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
         for module in model.modules():
             if isinstance(module, LoraDropout):
                 module.rng = rng
-    apply_activation_checkpointing(model, [name for name in plan.leaves if owns(name)])
+    apply_activation_checkpointing(model, [name for name in plan.leaves if owns(name)], applied.entry.clear)
     grad_sync = _grad_sync(model, plan, mesh, applied, sp_params)
     loss_fn = _loss_fn(applied, mesh)
     pipeline = None

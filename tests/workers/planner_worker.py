@@ -75,6 +75,9 @@ def run(name: str, config: ParallelConfig, bf16: bool, weight_decay: float) -> d
                       "optimizer": predicted.static.optimizer},
         "records": counter.records,
         "predicted_comm": [[op.group, op.op, op.count, op.bytes] for op in estimate.comm[predicted.pp_rank]],
+        # the tp region entry's cached input (under SP a gathered sequence) must not outlive the step, which the
+        # planner's peak assumes; recomputation re-enters it inside backward
+        "entry_held_after_step": pmodel.applied.entry._last is not None,
     }
 
 
