@@ -26,7 +26,7 @@ from plait.checkpoint import CheckpointError, consolidate, load_checkpoint, save
 from plait.checkpoint.format import read_index
 from plait.materialize import load_parallel_model
 from plait.optim import OptimizerStep, build_optimizer
-from plait.testing.gather import gather_full, gather_logits
+from plait.gather import gather_full, gather_logits
 
 SEED, N, BATCH, SEQ = 7, 3, 4, 16
 PP2 = ParallelConfig(pp=2, num_microbatches=2)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import plait  # noqa: E402
-from plait.testing.gather import gather_full, gather_logits  # noqa: E402
+from plait.gather import gather_full, gather_logits  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 
 STEPS, BATCH, SEQ, LR = 3, 2, 16, 1e-3

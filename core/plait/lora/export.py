@@ -30,7 +30,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 def gather_lora(pmodel) -> dict[str, torch.Tensor]:
     """Every full LoRA tensor of a running ParallelModel, on every rank (a collective over the world: tp
     slices are gathered, pipeline stages exchange theirs)."""
-    from plait.testing.gather import gather_full
+    from plait.gather import gather_full
 
     lora = pmodel.plan.lora
     if lora is None:

@@ -1,4 +1,5 @@
-"""Whole tensors from a laid-out model, for comparing it with one process (tests, the conformance kit).
+"""Whole tensors from a laid-out model: for comparing it with one process (tests, the conformance kit) and for
+exporting what a running model trained (``plait.lora.export.gather_lora``).
 
 Training never needs these: each rank works on its shards. They all-gather over the tp group, so every tp
 rank must call them together.
