@@ -127,10 +127,22 @@ def record(row: Row, results) -> None:
             row.cells[result.mode] = f"pass ({numbers})"
         elif result.status == "skipped":
             row.cells[result.mode] = f"refused: {' '.join(result.note.split())}"
+        elif fp32_noise(result):
+            row.cells[result.mode] = f"NOISE ({numbers}; step 1 within tolerance, {result.note.split(':')[0]} over it)"
         else:
             note = " ".join(result.note.split())
             row.cells[result.mode] = f"FAIL ({numbers}{'; ' if numbers else ''}{note[:300]})"
         row.passed[result.mode] = result.status == "pass"
+
+
+def fp32_noise(result) -> bool:
+    """A failure only in gradients after step 1, by less than 5x the tolerance, with every loss right: fp32
+    reordering noise that Adam (eps 1e-6) amplifies in some tiny models (gemma3_text, mixtral, olmo2 in
+    tests/test_generic_conformance.py, where float64 makes it exact). A mis-split module is off by 1e-4 or
+    more at step 1 (the kit's tolerance is 1e-6 + 1e-5*|ref|), so it never lands here."""
+    first = result.note.lstrip()
+    return (result.loss_rel is not None and result.loss_rel <= 1e-5 and result.grad_tol is not None
+            and result.grad_tol < 5 and first.startswith(("step 2 grad", "step 3 grad")))
 
 
 def render(rows: list[Row], seconds: float) -> str:
@@ -139,6 +151,7 @@ def render(rows: list[Row], seconds: float) -> str:
 
     passing = [r for r in rows if len(r.passed) == len(MODES) and all(r.passed.values())]
     failing = [r for r in rows if any(c.startswith("FAIL") for c in r.cells.values())]
+    noisy = [r for r in rows if r not in failing and any(c.startswith("NOISE") for c in r.cells.values())]
     not_run = [r for r in rows if not r.cells]
     lines = [
         "# Architectures plait trains",
@@ -152,9 +165,15 @@ def render(rows: list[Row], seconds: float) -> str:
         "(`grad` is the worst |Δ| / (1e-6 + 1e-5·|ref|), at most 1). `refused` is plait's own refusal, made "
         "before any process starts, with its reason.",
         "",
-        f"**{len(passing)} of {len(rows)} pass every mode; {len(failing)} fail a mode; "
-        f"{len(rows) - len(passing) - len(failing) - len(not_run)} are refused in at least one"
+        f"**{len(passing)} of {len(rows)} pass every mode; {len(noisy)} more are within tolerance at step 1 and "
+        f"exceed it only later by fp32 noise (`NOISE`); {len(failing)} fail a mode; "
+        f"{len(rows) - len(passing) - len(failing) - len(noisy) - len(not_run)} are refused in at least one"
         + (f"; {len(not_run)} not run yet" if not_run else "") + ".**",
+        "",
+        "`NOISE`: every loss within 1e-5 and every step-1 gradient within tolerance, but a later step's gradient "
+        "over it by less than 5x: Adam (eps 1e-6) amplifies fp32 reordering noise in some tiny models, as "
+        "tests/test_generic_conformance.py measures for gemma3_text (exact in float64), mixtral and olmo2. A "
+        "mis-split module is off by 1e-4 or more at step 1.",
         "",
         "| architecture | adapter | " + " | ".join(MODES) + " |",
         "| --- | --- | " + " | ".join("---" for _ in MODES) + " |",

@@ -2,9 +2,9 @@
 
 The conformance kit needs a model small enough for a 2-core CI that still exercises every path: 4 layers
 (pp=2 with 2 virtual stages), 4 heads over 2 kv heads (GQA; kv-head replication at tp=4), a vocabulary tp
-does not divide (padding), dropout 0 (parity needs a deterministic forward), a sliding window shorter than
-the test sequences, and each kind of layer the architecture alternates between. Sizes are set only on the
-keys the class has; lists with one entry per layer are rebuilt for 4 layers.
+does not divide (padding), dropout and router jitter 0 (parity needs a deterministic forward), a sliding
+window shorter than the test sequences, and each kind of layer the architecture alternates between. Sizes are
+set only on the keys the class has; lists with one entry per layer are rebuilt for 4 layers.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ SIZES: dict[str, Any] = {
     "qk_nope_head_dim": 4, "v_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 2, "attention_chunk_size": 8,
 }
+# Training-time randomness (dropout, router jitter) off: parity needs a deterministic forward.
+NOISE_KEYS = ("dropout", "pdrop", "jitter")
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 # Set even where the default is None (None there means "derive it", which the small sizes make explicit);
 # elsewhere None switches a feature off (no sliding window, no q LoRA) and stays.
@@ -40,7 +42,7 @@ def tiny_config(config_class: type[PretrainedConfig]) -> PretrainedConfig:
     if "qk_rope_head_dim" in values and "head_dim" in values:
         overrides["head_dim"] = SIZES["qk_rope_head_dim"]  # multi-head latent attention: head_dim is the rotary part
     for key, value in values.items():
-        if isinstance(value, float) and not isinstance(value, bool) and ("dropout" in key or "pdrop" in key):
+        if isinstance(value, float) and not isinstance(value, bool) and any(k in key for k in NOISE_KEYS):
             overrides[key] = 0.0
         elif key in TOKEN_IDS and value is not None:
             overrides[key] = TOKEN_IDS[key]

@@ -10,6 +10,7 @@ both handled.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -382,6 +383,20 @@ class FullWidthNormAttention(Attention):
         return shards
 
 
+def _experts_transposed(module: nn.Module, up, down, fused: bool) -> bool:
+    """Whether expert weights are stored [E, in, out] (Llama4: gate_up_proj [E, H, 2I], down_proj [E, I, H]) rather
+    than transformers' usual [E, out, in]: the module's ``is_transposed`` when it says, else the shapes (the
+    up projection's output pairs with the down projection's input)."""
+    if hasattr(module, "is_transposed"):
+        return bool(module.is_transposed)
+    factor = 2 if fused else 1
+    usual, transposed = up.shape[1] == factor * down.shape[2], up.shape[2] == factor * down.shape[1]
+    if usual == transposed:
+        raise ConfigError(f"{type(module).__name__}: expert weight shapes {tuple(up.shape)} and {tuple(down.shape)} do "
+                          f"not say which dimension is the intermediate one")
+    return transposed
+
+
 @dataclass(frozen=True)
 class MoEExperts(TPRule):
     """A transformers experts module (weights fused over experts: ``gate_up_proj`` [E, 2I, H] or ``up_proj``
@@ -394,12 +409,16 @@ class MoEExperts(TPRule):
 
     def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
         params = dict(module.named_parameters(recurse=False))
+        arguments = list(inspect.signature(module.forward).parameters)[:len(ExpertsRegion.ARGS)]
+        if tuple(arguments) != ExpertsRegion.ARGS:
+            raise ConfigError(f"{name} ({type(module).__name__}): moe_experts needs forward{ExpertsRegion.ARGS} (tokens "
+                              f"and their routing), found forward({', '.join(arguments)})")
         fused = "gate_up_proj" if "gate_up_proj" in params else "up_proj"
         unknown = sorted(set(params) - {fused, "down_proj"})
         if unknown or "down_proj" not in params or getattr(module, "has_post_expert_norm", False):
             raise ConfigError(f"{name} ({type(module).__name__}): moe_experts splits gate_up_proj / up_proj and "
                               f"down_proj only; found {sorted(params)}")
-        transposed = bool(getattr(module, "is_transposed", False))
+        transposed = _experts_transposed(module, params[fused], params["down_proj"], fused == "gate_up_proj")
         up_dim, down_dim = (2, 1) if transposed else (1, 2)
         inter = params["down_proj"].shape[down_dim]
         start, stop = even_range(inter, tp, rank, f"{name} expert intermediate size")
