@@ -173,3 +173,17 @@ def test_cli_plan_json_and_search(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*common, "--lora_r", "8"])  # not modelled: refused rather than answered as a full fine-tune
     assert "LoRA" in capsys.readouterr().err
+
+
+def test_routed_experts_are_refused_in_one_line(tmp_path, capsys):
+    """The meta device cannot route tokens: plait plan says so instead of failing inside transformers."""
+    from plait_transformers import plait_tiny_config
+
+    path = tmp_path / "config.json"
+    plait_tiny_config("mixtral").to_json_file(path)
+    with pytest.raises(SystemExit):
+        main(["plan", "--model_config", str(path), "--block_size", "16", "--tensor_parallel_size", "2",
+              "--world_size", "2"])
+    err = capsys.readouterr().err
+    assert "does not model the activations of routed experts yet (mixtral: model.layers.0.mlp.experts" in err
+    assert "Traceback" not in err

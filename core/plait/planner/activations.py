@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from plait.config import ConfigError
 from plait.pipeline.cuts import fallback_plan
 from plait.plan import PipelinePlan
 from plait.registry import Registry
@@ -110,6 +111,7 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter) -
         if isinstance(module, (nn.Linear, Conv1D)):
             handles.append(module.register_forward_pre_hook(lambda m, a, n=name: where["stack"].append(n)))
             handles.append(module.register_forward_hook(lambda *_: _pop(where["stack"])))
+    _refuse_routed_experts(model)
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     try:
         model.train()  # what training saves (dropout masks included)
@@ -122,6 +124,17 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter) -
     vocab = model.get_output_embeddings().weight.shape[0]
     return ActivationTrace(seq, units[FIRST], tuple(units[n] for n in layer_names), units[LAST], impl,
                            hidden * element, vocab * element)
+
+
+def _refuse_routed_experts(model: nn.Module) -> None:
+    """Routed experts (parameters stacked over experts, 3-D) decide which tokens reach which expert from the data,
+    which the meta device cannot run (transformers' grouped matmul and per-expert loops need real routing)."""
+    stacked = next((name for name, p in model.named_parameters() if p.dim() == 3), None)
+    if stacked is not None:
+        raise ConfigError(
+            f"plait plan does not model the activations of routed experts yet ({model.config.model_type}: "
+            f"{stacked} is stacked over experts, and routing needs real data); plan a dense architecture, or "
+            f"size the run with plait train --max_steps 2")
 
 
 def _pop(stack: list) -> None:
