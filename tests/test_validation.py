@@ -142,7 +142,7 @@ def test_sequence_checked_once_per_step_at_pp1(monkeypatch):
     pmodel = parallelize(tiny_model("llama"), ParallelConfig(num_microbatches=2))
     calls = []
     original = ParallelModel._check_sequence
-    monkeypatch.setattr(ParallelModel, "_check_sequence", lambda self, ids: (calls.append(1), original(self, ids)))
+    monkeypatch.setattr(ParallelModel, "_check_sequence", lambda self, *args: (calls.append(1), original(self, *args)))
     ids = torch.randint(0, 61, (4, 16))
     pmodel.train_step(ids, ids)
     assert len(calls) == 1
