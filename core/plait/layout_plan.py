@@ -11,9 +11,8 @@ render or consume the same value, so none of them can show or accept a layout th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from peft import LoraConfig
 from torch import nn
 
 from plait.activation_checkpoint import checkpoint_targets
@@ -25,6 +24,9 @@ from plait.plan import SPPlan
 from plait.registry import Adapter, Registry, default_registry
 from plait.tp.sequence_parallel import sp_grad_sum_params
 from plait.tp.sharding import ModuleShard, ShardSpec, param_specs, plan_tensor_parallel
+
+if TYPE_CHECKING:  # peft is imported only where LoRA is used: it costs every process seconds
+    from peft import LoraConfig
 
 
 @dataclass(frozen=True)

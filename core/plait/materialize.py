@@ -15,6 +15,7 @@ full logical weights are identical for every layout: tp=1 and tp=4 start from th
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 import datetime
 import hashlib
 import math
@@ -22,7 +23,6 @@ import os
 from pathlib import Path
 
 import torch
-from peft import LoraConfig
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -37,6 +37,10 @@ from plait.meta import build_meta_model
 from plait.parallelize import ParallelModel, parallelize
 from plait.registry import Adapter, Registry, default_registry
 from plait.tp.sharding import ShardSpec
+
+if TYPE_CHECKING:  # peft is imported only where LoRA is used: it costs every process seconds
+    from peft import LoraConfig
+
 
 INIT_CHUNK_ELEMENTS = 1 << 22  # rows of a parameter are drawn in blocks of about this many elements
 

@@ -13,11 +13,10 @@ import datetime
 import functools
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from peft import LoraConfig
 from torch import nn
 
 from plait.activation_checkpoint import apply_activation_checkpointing
@@ -35,6 +34,9 @@ from plait.tp.rng import install_dropout_rng
 from plait.tp.sequence_parallel import install_sequence_parallel, region_prefix, sp_grad_sum_params
 from plait.tp.sharding import ModuleShard, ShardSpec
 from plait.tp.styles import Row
+
+if TYPE_CHECKING:  # peft is imported only where LoRA is used: it costs every process seconds
+    from peft import LoraConfig
 
 
 def precision_context(config: ParallelConfig, module: nn.Module) -> contextlib.AbstractContextManager:

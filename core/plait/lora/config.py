@@ -10,11 +10,12 @@ refused here, by name, before any process group exists.
 from __future__ import annotations
 
 import math
-from typing import Any
-
-from peft import LoraConfig
+from typing import TYPE_CHECKING, Any
 
 from plait.config import ConfigError
+
+if TYPE_CHECKING:  # peft is imported only where LoRA is used: it costs every process seconds
+    from peft import LoraConfig
 
 # LoraConfig fields plait implements, and the value every other field must keep (peft's default)
 _REFUSED_UNLESS_DEFAULT = (
@@ -28,6 +29,8 @@ def lora_config(
 ) -> LoraConfig:
     """A peft ``LoraConfig`` from plait's flags (``target_modules`` None: the adapter's projections, filled in
     by ``plan_lora`` once the model is known). Raises ConfigError for values plait cannot train."""
+    from peft import LoraConfig
+
     if not isinstance(r, int) or r < 1:
         raise ConfigError(f"--lora_r={r!r} must be a positive integer (the adapter rank, e.g. 8)")
     if not 0.0 <= dropout < 1.0:
@@ -40,6 +43,8 @@ def lora_config(
 
 def check_supported(config: LoraConfig) -> None:
     """Refuse peft options that plait's parallel layers do not implement, naming them."""
+    from peft import LoraConfig
+
     default = LoraConfig()
     changed = [name for name in _REFUSED_UNLESS_DEFAULT if getattr(config, name) != getattr(default, name)]
     if config.bias != "none":

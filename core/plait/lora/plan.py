@@ -14,16 +14,19 @@ LoRA follows its base layer (docs/lora.md). In peft's layout, A is [r, in] and B
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from dataclasses import dataclass
 
-from peft import LoraConfig
-from peft.tuners.tuners_utils import check_target_module_exists
 from torch import nn
 
 from plait.config import ConfigError
 from plait.lora.config import check_supported, scaling
 from plait.tp.sharding import ModuleShard, ShardSpec, linear_shape, plan_tensor_parallel
 from plait.tp.styles import Column, Row
+
+if TYPE_CHECKING:  # peft is imported only where LoRA is used: it costs every process seconds
+    from peft import LoraConfig
+
 
 LORA_A, LORA_B = "lora_A", "lora_B"
 
@@ -92,6 +95,8 @@ def plan_lora(
     if config.target_modules is None:
         config.target_modules = default_targets(model, tp_plan)
     tp = len(shards_by_rank)
+    from peft.tuners.tuners_utils import check_target_module_exists
+
     targets = [name for name, _ in model.named_modules() if name and check_target_module_exists(config, name)]
     if not targets:
         raise ConfigError(f"--lora_target_modules {config.target_modules} match no module of "
