@@ -271,41 +271,48 @@ def read_meta(entry: Path) -> dict | None:
         return None
 
 
-class TokenCache:
-    """The cache entry of ``sources`` tokenized by ``encoder`` under ``root``."""
+class CacheEntry:
+    """One cache entry under ``root``/``kind``, named by a digest of ``key_fields``: local rank 0 writes it in a
+    temporary directory (``_write`` returns its metadata) and renames it into place; other ranks wait for it.
+    Subclasses say what a complete entry is (``read_meta``) and how to write one (``_write``)."""
 
-    def __init__(self, root: Path, sources: list[Source], encoder) -> None:
-        self.root = Path(root)
-        self.sources = sources
-        self.encoder = encoder
-        self.key_fields = {"format": FORMAT, "sources": [s.identity() for s in sources], "encoder": encoder.key,
-                           "eos_between_documents": encoder.eos}
-        digest = hashlib.sha256(json.dumps(self.key_fields, sort_keys=True).encode()).hexdigest()[:20]
+    kind = ""
+    what = ""
+
+    def __init__(self, root: Path, sources: list[Source], key_fields: dict) -> None:
+        self.root, self.sources, self.key_fields = Path(root), sources, key_fields
+        digest = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:20]
         stem = "".join(c if c.isalnum() or c in "._" else "_" for c in sources[0].path.name)[:40]
-        self.path = self.root / "tokens" / f"{stem}-{digest}"
+        self.path = self.root / self.kind / f"{stem}-{digest}"
+
+    def read_meta(self) -> dict | None:
+        raise NotImplementedError
+
+    def _write(self, tmp: Path, **options) -> dict:
+        raise NotImplementedError
 
     @property
     def meta(self) -> dict | None:
-        return read_meta(self.path)
+        return self.read_meta()
 
     def is_complete(self) -> bool:
         return self.meta is not None
 
-    def ensure(self, local_rank: int = 0, timeout: float = 600.0, progress: bool = True) -> tuple[dict, bool]:
+    def ensure(self, local_rank: int = 0, timeout: float = 600.0, **options) -> tuple[dict, bool]:
         """The entry's metadata, preparing it first on local rank 0 if needed (other ranks wait for it).
         Returns (meta, prepared_here)."""
         meta = self.meta
         if meta is not None:
             return meta, False
         if local_rank != 0:
-            wait_for(self.path, self.is_complete, timeout, "the tokenized data")
+            wait_for(self.path, self.is_complete, timeout, self.what)
             return self.meta, False
-        with exclusive(self.path, self.is_complete, timeout, "the tokenized data") as mine:
+        with exclusive(self.path, self.is_complete, timeout, self.what) as mine:
             if mine:
-                self._prepare(progress)
+                self._prepare(**options)
         return self.meta, mine
 
-    def _prepare(self, progress: bool) -> None:
+    def _prepare(self, **options) -> None:
         for stale in _stale_temporaries(self.path):
             shutil.rmtree(stale, ignore_errors=True)
         if self.path.exists():  # a directory that failed the completeness check: never read, rebuilt
@@ -314,9 +321,9 @@ class TokenCache:
         _remove(tmp)
         tmp.mkdir(parents=True)
         try:
-            meta = self._write(tmp, progress)
-            for name in (TOKENS_FILE, DOCS_FILE):
-                _fsync(tmp / name)
+            meta = self._write(tmp, **options)
+            for written in tmp.iterdir():
+                _fsync(written)
             (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
             _fsync(tmp / META_FILE)
             publish(tmp, self.path)
@@ -324,7 +331,21 @@ class TokenCache:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def _write(self, tmp: Path, progress: bool) -> dict:
+
+class TokenCache(CacheEntry):
+    """The cache entry of ``sources`` tokenized by ``encoder`` under ``root``."""
+
+    kind, what = "tokens", "the tokenized data"
+
+    def __init__(self, root: Path, sources: list[Source], encoder) -> None:
+        self.encoder = encoder
+        super().__init__(root, sources, {"format": FORMAT, "sources": [s.identity() for s in sources],
+                                         "encoder": encoder.key, "eos_between_documents": encoder.eos})
+
+    def read_meta(self) -> dict | None:
+        return read_meta(self.path)
+
+    def _write(self, tmp: Path, progress: bool = True) -> dict:
         encoder, dtype = self.encoder, self.encoder.dtype
         eos = None if encoder.eos is None else np.array([encoder.eos], dtype=dtype)
         counts = {"tokens": 0, "documents": 0}

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from plait.config import ConfigError
-from plait.data.cache import _host, _remove, _stale_temporaries, exclusive, publish, tokenizer_fingerprint, wait_for
+from plait.data.cache import CacheEntry, tokenizer_fingerprint
 from plait.data.sft_blocks import Example, SFTBlocks, lay_out
 from plait.data.sources import Source, resolve_sources
 from plait.data.tokenizer import load_tokenizer
@@ -185,66 +184,40 @@ def _read_meta(entry: Path) -> dict | None:
         return None
 
 
-class SFTCache:
+class SFTCache(CacheEntry):
     """The cache entry of ``sources`` encoded by ``encoder`` under ``root``/sft."""
 
+    kind, what = "sft", "the tokenized SFT data"
+
     def __init__(self, root: Path, sources: list[Source], encoder: SFTEncoder) -> None:
-        self.sources, self.encoder = sources, encoder
-        self.key_fields = {"format": CACHE_FORMAT, "sources": [s.identity() for s in sources], **encoder.key}
-        digest = hashlib.sha256(json.dumps(self.key_fields, sort_keys=True).encode()).hexdigest()[:20]
-        stem = "".join(c if c.isalnum() or c in "._" else "_" for c in sources[0].path.name)[:40]
-        self.path = Path(root) / "sft" / f"{stem}-{digest}"
+        self.encoder = encoder
+        super().__init__(root, sources, {"format": CACHE_FORMAT, "sources": [s.identity() for s in sources],
+                                         **encoder.key})
 
-    def is_complete(self) -> bool:
-        return _read_meta(self.path) is not None
+    def read_meta(self) -> dict | None:
+        return _read_meta(self.path)
 
-    def ensure(self, local_rank: int, timeout: float) -> tuple[dict, bool]:
-        """(meta, prepared here): local rank 0 prepares a missing entry, the others wait for it."""
-        meta = _read_meta(self.path)
-        if meta is not None:
-            return meta, False
-        if local_rank != 0:
-            wait_for(self.path, self.is_complete, timeout, "the tokenized SFT data")
-            return _read_meta(self.path), False
-        with exclusive(self.path, self.is_complete, timeout, "the tokenized SFT data") as mine:
-            if mine:
-                self._prepare()
-        return _read_meta(self.path), mine
-
-    def _prepare(self) -> None:
-        for stale in _stale_temporaries(self.path):
-            shutil.rmtree(stale, ignore_errors=True)
-        if self.path.exists():  # failed the completeness check: rebuilt
-            shutil.rmtree(self.path)
-        tmp = self.path.parent / f".{self.path.name}.tmp-{_host()}-{os.getpid()}"
-        _remove(tmp)
-        tmp.mkdir(parents=True)
-        try:
-            start, ids, flags, docs = time.perf_counter(), [], [], []
-            total = 0
-            for index, source in enumerate(self.sources):
-                if source.kind != "jsonl":
-                    raise ValueError(f"{source.path}: SFT data must be .jsonl files (got {source.kind})")
-                for number, record in read_records(source.path, self.encoder.fmt):
-                    doc_ids, trainable = self.encoder.encode(record, f"{source.path} line {number}")
-                    ids.append(doc_ids.astype("<i4"))
-                    flags.append(trainable.astype(np.uint8))
-                    total += len(doc_ids)
-                    docs.append((total, index, number))
-            if not docs:
-                raise ValueError(f"{self.sources[0].path}: no examples (every line is blank)")
-            (tmp / TOKENS_FILE).write_bytes(np.concatenate(ids).tobytes())
-            (tmp / TRAINABLE_FILE).write_bytes(np.concatenate(flags).tobytes())
-            ends = np.asarray([[end, (index << 40) | number] for end, index, number in docs], dtype="<u8")
-            (tmp / DOCS_FILE).write_bytes(ends.tobytes())
-            meta = {"format": CACHE_FORMAT, "num_tokens": total, "num_documents": len(docs),
-                    "num_trainable": int(sum(int(f.sum()) for f in flags)),
-                    "seconds": round(time.perf_counter() - start, 3), "key": self.key_fields}
-            (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
-            publish(tmp, self.path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    def _write(self, tmp: Path) -> dict:
+        start, ids, flags, docs = time.perf_counter(), [], [], []
+        total = 0
+        for index, source in enumerate(self.sources):
+            if source.kind != "jsonl":
+                raise ValueError(f"{source.path}: SFT data must be .jsonl files (got {source.kind})")
+            for number, record in read_records(source.path, self.encoder.fmt):
+                doc_ids, trainable = self.encoder.encode(record, f"{source.path} line {number}")
+                ids.append(doc_ids.astype("<i4"))
+                flags.append(trainable.astype(np.uint8))
+                total += len(doc_ids)
+                docs.append((total, index, number))
+        if not docs:
+            raise ValueError(f"{self.sources[0].path}: no examples (every line is blank)")
+        (tmp / TOKENS_FILE).write_bytes(np.concatenate(ids).tobytes())
+        (tmp / TRAINABLE_FILE).write_bytes(np.concatenate(flags).tobytes())
+        ends = np.asarray([[end, (index << 40) | number] for end, index, number in docs], dtype="<u8")
+        (tmp / DOCS_FILE).write_bytes(ends.tobytes())
+        return {"format": CACHE_FORMAT, "num_tokens": total, "num_documents": len(docs),
+                "num_trainable": int(sum(int(f.sum()) for f in flags)),
+                "seconds": round(time.perf_counter() - start, 3), "key": self.key_fields}
 
     def examples(self) -> list[Example]:
         """Every cached example, in input order, with the file and line it came from."""

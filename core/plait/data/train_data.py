@@ -103,12 +103,12 @@ def _prepare_data(args: TrainArgs, vocab_size: int, local_rank: int, progress: b
     try:
         prepared = []
         train = TokenCache(root, sources, encoder)
-        train_meta, made = train.ensure(local_rank, timeout, progress)
+        train_meta, made = train.ensure(local_rank, timeout, progress=progress)
         prepared += ["train"] * made
         validation = val_meta = val_blocks = None
         if val_sources is not None:
             validation = TokenCache(root, val_sources, encoder)
-            val_meta, made = validation.ensure(local_rank, timeout, progress)
+            val_meta, made = validation.ensure(local_rank, timeout, progress=progress)
             prepared += ["validation"] * made
     except ValueError:
         if trained_bpe is not None:  # trained for data that turned out bad: leave nothing behind
