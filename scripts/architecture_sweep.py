@@ -118,6 +118,32 @@ def run(rows: list[Row]) -> None:
             else:
                 for row in chunk:  # the kit names a result by its subject: the ref, for both kinds of adapter
                     record(row, [r for r in results if r.adapter == row.ref])
+    recheck_float64(rows)
+
+
+def recheck_float64(rows: list[Row]) -> None:
+    """Run the NOISE cells again in float64, where fp32 reordering noise shrinks 20-300x and a mis-split layer
+    stays off by 1e-4 (see plait.testing.conformance): pass there makes the cell a pass, with both numbers."""
+    from plait.testing.conformance import run_conformance
+
+    groups: dict[tuple[str, ...], list[Row]] = defaultdict(list)
+    for row in rows:
+        noisy = tuple(m for m in MODES if row.cells.get(m, "").startswith("NOISE"))
+        if noisy:
+            groups[noisy].append(row)
+    for modes, members in groups.items():
+        for start in range(0, len(members), CHUNK):
+            chunk = members[start:start + CHUNK]
+            for result in run_conformance([r.ref for r in chunk], list(modes), dtype="float64"):
+                row = next(r for r in chunk if r.ref == result.adapter)
+                fp32 = row.cells[result.mode].removeprefix("NOISE (").removesuffix(")")
+                if result.status == "pass":
+                    row.cells[result.mode] = f"pass (float64: loss {result.loss_rel:.0e}, grad {result.grad_tol:.0e}; " \
+                                             f"fp32: {fp32})"
+                    row.passed[result.mode] = True
+                else:
+                    note = " ".join(result.note.split())
+                    row.cells[result.mode] = f"FAIL (float64: {note[:200]}; fp32: {fp32})"
 
 
 def record(row: Row, results) -> None:
@@ -127,7 +153,7 @@ def record(row: Row, results) -> None:
             row.cells[result.mode] = f"pass ({numbers})"
         elif result.status == "skipped":
             row.cells[result.mode] = f"refused: {' '.join(result.note.split())}"
-        elif fp32_noise(result):
+        elif fp32_noise(result):  # rechecked in float64 by recheck_float64
             row.cells[result.mode] = f"NOISE ({numbers}; step 1 within tolerance, {result.note.split(':')[0]} over it)"
         else:
             note = " ".join(result.note.split())
@@ -150,6 +176,7 @@ def render(rows: list[Row], seconds: float) -> str:
     import transformers
 
     passing = [r for r in rows if len(r.passed) == len(MODES) and all(r.passed.values())]
+    via_float64 = [r for r in passing if any("float64" in c for c in r.cells.values())]
     failing = [r for r in rows if any(c.startswith("FAIL") for c in r.cells.values())]
     noisy = [r for r in rows if r not in failing and any(c.startswith("NOISE") for c in r.cells.values())]
     not_run = [r for r in rows if not r.cells]
@@ -165,15 +192,17 @@ def render(rows: list[Row], seconds: float) -> str:
         "(`grad` is the worst |Δ| / (1e-6 + 1e-5·|ref|), at most 1). `refused` is plait's own refusal, made "
         "before any process starts, with its reason.",
         "",
-        f"**{len(passing)} of {len(rows)} pass every mode; {len(noisy)} more are within tolerance at step 1 and "
-        f"exceed it only later by fp32 noise (`NOISE`); {len(failing)} fail a mode; "
+        f"**{len(passing)} of {len(rows)} pass every mode ({len(via_float64)} of them through the float64 recheck "
+        f"below); {len(failing)} fail a mode; "
         f"{len(rows) - len(passing) - len(failing) - len(noisy) - len(not_run)} are refused in at least one"
+        + (f"; {len(noisy)} are fp32 noise not yet rechecked" if noisy else "")
         + (f"; {len(not_run)} not run yet" if not_run else "") + ".**",
         "",
-        "`NOISE`: every loss within 1e-5 and every step-1 gradient within tolerance, but a later step's gradient "
-        "over it by less than 5x: Adam (eps 1e-6) amplifies fp32 reordering noise in some tiny models, as "
-        "tests/test_generic_conformance.py measures for gemma3_text (exact in float64), mixtral and olmo2. A "
-        "mis-split module is off by 1e-4 or more at step 1.",
+        "`pass (float64: ...; fp32: ...)`: in fp32 every loss was within 1e-5 and every step-1 gradient within "
+        "tolerance, but a later step's gradient was over it by less than 5x: Adam (eps 1e-6) amplifies fp32 "
+        "reordering noise in some tiny models (tests/test_generic_conformance.py measures it for gemma3_text, "
+        "mixtral and olmo2). The same mode then ran in float64, where that noise shrinks 20-300x while a "
+        "mis-split module stays off by 1e-4 or more, and passed there.",
         "",
         "| architecture | adapter | " + " | ".join(MODES) + " |",
         "| --- | --- | " + " | ".join("---" for _ in MODES) + " |",

@@ -84,7 +84,8 @@ def test_o_proj_column_raises_and_the_world_goes_on(results, mode):
 def test_check_adapter_command_prints_table_and_exit_code(results, monkeypatch, capsys):
     modes = ["tp2", "dp2"]
     for adapter, code in ((WRONG_KV, 1), ("llama", 0)):
-        monkeypatch.setattr(conformance, "run_conformance", lambda names, modes: [results[adapter, r] for r in modes])
+        monkeypatch.setattr(conformance, "run_conformance",
+                            lambda names, modes, dtype: [results[adapter, r] for r in modes])
         assert check_adapter_command(adapter, modes) == code
         out = capsys.readouterr().out
         assert adapter in out and ("FAIL" in out) == (code == 1) and "pass" in out
@@ -108,6 +109,11 @@ def test_unknown_adapter_exits_2_naming_installed_ones(capsys):
 def test_unknown_row_is_refused_before_launching():
     with pytest.raises(ConfigError, match="unknown conformance mode.*tp3.*choose from tp2-sp"):
         run_conformance(["llama"], ["tp3"])
+
+
+def test_unknown_dtype_is_refused_before_launching():
+    with pytest.raises(ConfigError, match="conformance dtype 'float16' is not one of float32, float64"):
+        run_conformance(["llama"], ["tp2-sp"], dtype="float16")
 
 
 def test_adapter_without_tiny_config_is_told_to_implement_it(monkeypatch):

@@ -123,7 +123,7 @@ def cmd_consolidate(ns: argparse.Namespace) -> None:
 def cmd_check_adapter(ns: argparse.Namespace) -> None:
     from plait.testing.conformance import check_adapter_command
 
-    sys.exit(check_adapter_command(ns.name, ns.modes))
+    sys.exit(check_adapter_command(ns.name, ns.modes, ns.dtype))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-adapter", help="prove an adapter matches one process under every parallel mode")
     check.add_argument("name", help="an installed adapter (see `plait adapters`) or an importable module of hooks")
     check.add_argument("--modes", nargs="+", metavar="MODE", help="only these modes (default: all)")
+    check.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                       help="float64 tells a mis-split layer from fp32 noise that Adam amplified by step 2-3")
     check.set_defaults(func=cmd_check_adapter)
 
     from plait.data.prepare import add_prepare_data_parser  # plait prepare-data: tokenize into the cache first

@@ -12,6 +12,13 @@ at tp=4, step-2 gradients at 1.07x the tolerance with eps 1e-8, 0.03x with 1e-6;
 way). lr 1e-2 amplifies the same noise tenfold. A mis-sharded layer is off by 1e-4 or more at step 1.
 Parameters are not compared: every later loss and gradient depends on them.
 
+``dtype="float64"`` runs the same check in double precision. Some tiny models amplify fp32 reordering noise
+past the tolerance by step 2 or 3 even with eps 1e-6 (Adam divides by sqrt(v)). In float64 the matmuls and
+tp reductions reorder at 1e-16 (transformers still takes softmax and some norms through fp32), so that noise
+drops 20-300x (measured at tp=2 with SP: gemma3_text 2.5x the tolerance in fp32, 0.04x in float64; mixtral
+1.9x, 0.008x; olmo2 0.12x in float64), while a mis-split layer stays off by 1e-4: a float64 pass tells the
+two apart. MoE experts run transformers' eager kernel there (torch's grouped matmul takes no float64).
+
 Modes are data (``conformance_modes.MODES``): a new parallel mode is one ``Mode``. Modes the adapter or its tiny config cannot run (a capability it does not declare, no kv heads fewer than
 tp) are skipped with the reason. One launch per world size runs every (adapter, mode) pair of that size.
 """
@@ -38,6 +45,7 @@ from plait.testing.conformance_modes import (
 )
 
 WORKER = "plait.testing.conformance_worker"
+DTYPES = ("float32", "float64")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -58,6 +66,7 @@ class ModeResult:
     loss_rel: float | None = None
     grad_err: float | None = None
     grad_tol: float | None = None
+    dtype: str = "float32"
 
     @property
     def failed(self) -> bool:
@@ -81,9 +90,9 @@ def select_modes(names: Sequence[str] | None) -> list[Mode]:
     return [MODES[n] for n in names]
 
 
-def _merge(subject: Subject, mode: Mode, per_rank: list[dict]) -> ModeResult:
+def _merge(subject: Subject, mode: Mode, per_rank: list[dict], dtype: str) -> ModeResult:
     """One mode's result from every rank's record: worst numbers, the first distinct failures."""
-    result = ModeResult(subject.name, mode.name, mode.describe(), "pass")
+    result = ModeResult(subject.name, mode.name, mode.describe(), "pass", dtype=dtype)
     failures: list[str] = []
     for record in per_rank:
         failures += [f for f in record["failures"] if f not in failures]
@@ -101,14 +110,17 @@ def _merge(subject: Subject, mode: Mode, per_rank: list[dict]) -> ModeResult:
 
 def run_conformance(
     adapters: Sequence[str | ModuleType], modes: Sequence[str] | None = None, *, timeout: float | None = None,
+    dtype: str = "float32",
 ) -> list[ModeResult]:
     """Run the modes (default: all) for every adapter; one launch per world size covers all of them.
 
-    Raises AdapterError (unknown adapter, no ``plait_tiny_config``) or ConfigError (unknown mode) before
-    launching anything.
+    Raises AdapterError (unknown adapter, no ``plait_tiny_config``) or ConfigError (unknown mode or dtype)
+    before launching anything.
     """
     from plait.testing.launcher import WorkerFailure, launch
 
+    if dtype not in DTYPES:
+        raise ConfigError(f"conformance dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     subjects = [load_subject(adapter_ref(a)) for a in adapters]
     selected = select_modes(modes)
     results: dict[tuple[str, str], ModeResult] = {}
@@ -117,12 +129,13 @@ def run_conformance(
         for mode in selected:
             reason = _skip_reason(subject, mode)
             if reason:
-                results[subject.ref, mode.name] = ModeResult(subject.name, mode.name, mode.describe(), "skipped", reason)
+                results[subject.ref, mode.name] = ModeResult(subject.name, mode.name, mode.describe(), "skipped", reason,
+                                                              dtype=dtype)
             else:
                 runs.setdefault(mode.world, []).append((subject, mode))
     for world, pairs in sorted(runs.items()):
         out = Path(tempfile.mkdtemp(prefix=f"plait-conformance-w{world}-"))
-        spec = {"out": str(out), "runs": [[s.ref, r.name] for s, r in pairs]}
+        spec = {"out": str(out), "dtype": dtype, "runs": [[s.ref, r.name] for s, r in pairs]}
         (out / "spec.json").write_text(json.dumps(spec))
         env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the worker imports what we import
         try:
@@ -132,13 +145,13 @@ def run_conformance(
         except WorkerFailure as err:
             for subject, mode in pairs:
                 results[subject.ref, mode.name] = ModeResult(subject.name, mode.name, mode.describe(), "FAIL",
-                                                           f"the world crashed: {str(err)[-1500:]}")
+                                                           f"the world crashed: {str(err)[-1500:]}", dtype=dtype)
             continue
         finally:
             shutil.rmtree(out, ignore_errors=True)
         for subject, mode in pairs:
             key = f"{subject.ref}|{mode.name}"
-            results[subject.ref, mode.name] = _merge(subject, mode, [rank[key] for rank in ranks])
+            results[subject.ref, mode.name] = _merge(subject, mode, [rank[key] for rank in ranks], dtype)
     return [results[s.ref, r.name] for s in subjects for r in selected]
 
 
@@ -157,7 +170,8 @@ def render_table(results: Sequence[ModeResult], console: Any = None) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"plait conformance: {STEPS} AdamW steps (lr {LR:g}, eps {ADAM_EPS:g}, fp32) against one "
+    dtypes = "/".join(sorted({r.dtype for r in results})) or "float32"
+    table = Table(title=f"plait conformance: {STEPS} AdamW steps (lr {LR:g}, eps {ADAM_EPS:g}, {dtypes}) against one "
                         f"process; pass: loss rel <= {LOSS_RTOL:g}, grad |Δ| <= {ATOL:g} + {RTOL:g}·|ref| (tol <= 1)")
     for column in ("adapter", "mode", "layout", "result", "loss rel", "grad |Δ|", "grad tol", "note"):
         table.add_column(column, overflow="fold")
@@ -168,11 +182,11 @@ def render_table(results: Sequence[ModeResult], console: Any = None) -> None:
     (console or Console(width=max(Console().width, 160))).print(table)
 
 
-def check_adapter_command(name: str, modes: list[str] | None) -> int:
-    """``plait check-adapter NAME [--modes ...]``: print the table; 0 when no mode fails, 1 when one does,
-    2 for an unknown adapter or mode, or an adapter without ``plait_tiny_config``."""
+def check_adapter_command(name: str, modes: list[str] | None, dtype: str = "float32") -> int:
+    """``plait check-adapter NAME [--modes ...] [--dtype ...]``: print the table; 0 when no mode fails, 1 when
+    one does, 2 for an unknown adapter or mode, or an adapter without ``plait_tiny_config``."""
     try:
-        results = run_conformance([name], modes)
+        results = run_conformance([name], modes, dtype=dtype)
     except (AdapterError, ConfigError) as err:
         print(f"plait: error: {err}", file=sys.stderr)
         return 2

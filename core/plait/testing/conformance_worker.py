@@ -1,7 +1,8 @@
 """Worker of the conformance kit: every (adapter, mode) pair of one world size, in one torchrun world.
 
 ``python -m plait.testing.conformance_worker SPEC.json``, launched by ``run_conformance`` through
-``plait.testing.launch``. SPEC: ``{"out": dir, "runs": [[adapter ref, mode name], ...]}``. Each rank writes
+``plait.testing.launch``. SPEC: ``{"out": dir, "dtype": "float32" | "float64", "runs": [[adapter ref, mode
+name], ...]}``. Each rank writes
 ``rank<N>.json`` mapping ``"<ref>|<mode>"`` to its worst errors, failures and the parameters it compared.
 
 A pair that raises is recorded and the next pair runs: plait raises its errors before any collective,
@@ -53,7 +54,8 @@ class Record:
 
 def reference_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=ids, use_cache=False).logits
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32, as plait's loss
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
 def perturb(model: torch.nn.Module) -> None:
@@ -147,12 +149,14 @@ class ZeroStep:
         return seen
 
 
-def run_pair(subject: Subject, mode: Mode, out: Path) -> dict[str, Any]:
+def run_pair(subject: Subject, mode: Mode, out: Path, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     config = with_overrides(subject.config, mode.model)
+    if dtype == torch.float64 and hasattr(config, "_experts_implementation"):
+        config._experts_implementation = "eager"  # torch's grouped matmul (the default) takes no float64
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(config)
+    reference = AutoModelForCausalLM.from_config(config).to(dtype)
     perturb(reference)
     record = Record([name for name, _ in reference.named_parameters()])
     try:
@@ -203,7 +207,8 @@ def check_consolidated(record: Record, pmodel: ParallelModel, path: Path) -> Non
     if dist.get_rank() == 0:
         consolidate(path / "checkpoint", path / "hf")
     dist.barrier()
-    loaded, info = AutoModelForCausalLM.from_pretrained(path / "hf", dtype=torch.float32, output_loading_info=True)
+    dtype = next(pmodel.module.parameters()).dtype
+    loaded, info = AutoModelForCausalLM.from_pretrained(path / "hf", dtype=dtype, output_loading_info=True)
     if info["missing_keys"] or info["unexpected_keys"]:
         record.fail(f"consolidated model: missing keys {sorted(info['missing_keys'])}, "
                     f"unexpected keys {sorted(info['unexpected_keys'])}")
@@ -216,14 +221,14 @@ def check_consolidated(record: Record, pmodel: ParallelModel, path: Path) -> Non
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(spec["out"])
+    out, dtype = Path(spec["out"]), getattr(torch, spec.get("dtype", "float32"))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     subjects: dict[str, Subject] = {}
     results = {}
     for ref, mode_name in spec["runs"]:
         if ref not in subjects:
             subjects[ref] = load_subject(ref)
-        results[f"{ref}|{mode_name}"] = run_pair(subjects[ref], MODES[mode_name], out)
+        results[f"{ref}|{mode_name}"] = run_pair(subjects[ref], MODES[mode_name], out, dtype)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 

@@ -42,14 +42,15 @@ def assert_conformance(*adapters: str | ModuleType, modes: Sequence[str] | None 
 
 @pytest.fixture(scope="session")
 def plait_conformance() -> Callable[..., dict[tuple[str, str], ModeResult]]:
-    """``plait_conformance(*adapters, modes=None)`` -> {(adapter name, mode name): ModeResult}, run once per
-    distinct argument list in the session."""
+    """``plait_conformance(*adapters, modes=None, dtype="float32")`` -> {(adapter name, mode name): ModeResult},
+    run once per distinct argument list in the session."""
     cache: dict[tuple, dict[tuple[str, str], ModeResult]] = {}
 
-    def run(*adapters: str | ModuleType, modes: Sequence[str] | None = None) -> dict[tuple[str, str], ModeResult]:
-        key = (tuple(adapter_ref(a) for a in adapters), tuple(modes or ()))
+    def run(*adapters: str | ModuleType, modes: Sequence[str] | None = None,
+            dtype: str = "float32") -> dict[tuple[str, str], ModeResult]:
+        key = (tuple(adapter_ref(a) for a in adapters), tuple(modes or ()), dtype)
         if key not in cache:
-            cache[key] = {(r.adapter, r.mode): r for r in run_conformance(adapters, modes)}
+            cache[key] = {(r.adapter, r.mode): r for r in run_conformance(adapters, modes, dtype=dtype)}
         return cache[key]
 
     return run
