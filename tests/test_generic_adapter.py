@@ -211,32 +211,21 @@ def test_moe_shared_expert_and_dense_layers(registry):
 
 
 @pytest.mark.parametrize(("arch", "layout", "message"), [
-    ("minimax_m3_vl_text", dict(tp=2, sp=False), "minimax_m3_vl_text: model.layers.*.self_attn.q_norm: "
-     "MiniMaxM3VLRMSNorm inside attention whose q/k/v transformers gathers; plait splits only full-width RMSNorms"),
     ("nemotron_h", dict(tp=2, sp=False), "nemotron_h: model.layers.*.mixer: model.layers.0.mixer is a "
      "NemotronHMamba2Mixer, where other layers hold the experts: layers of different kinds at one module path"),
-    ("granite_swa", dict(tp=2, sp=False), "granite_swa: model.layers.*.self_attn.sinks: transformers shards the "
-     "parameter itself"),
-    ("youtu", dict(tp=2, sp=True),
-     "youtu: model.layers.*.self_attn.q_a_proj: Linear has replicated matrices inside the decoder layers"),
-    ("apertus", dict(tp=2, sp=False),
-     "apertus: model.layers.*.mlp.act_fn: replicated parameters inside a tensor-parallel block"),
+    ("doge", dict(tp=2, sp=False), "doge: model.layers.*.self_attn.dt_proj: transformers' style 'rowwise' inside "
+     "attention has no plait rule"),
 ])
 def test_refused_before_any_process_group(registry, arch, layout, message):
     with pytest.raises(ConfigError, match="cannot derive this plan: " + message.replace("*", r"\*")):
         plan(tiny(arch), registry, **layout)
 
 
-@pytest.mark.parametrize("arch", ["youtu", "apertus"])
+@pytest.mark.parametrize("arch", ["nemotron_h"])
 def test_refused_plans_still_train_data_parallel(registry, arch):
     """tp=pp=1 needs no plan: an architecture whose tp plan is refused still lays out (and trains) over dp."""
     layout = plan(tiny(arch), registry, tp=1, pp=1, gradient_checkpointing=True)
     assert layout.adapter.name == "transformers" and layout.leaves
-
-
-def test_youtu_tensor_parallel_without_sp_keeps_its_attention_replicated(registry):
-    layout = plan(tiny("youtu"), registry, tp=2, sp=False)
-    assert not any("self_attn" in name for name in layout.shards_by_rank[0])
 
 
 # --------------------------------------------------------------------------------------------------

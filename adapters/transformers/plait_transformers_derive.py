@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from torch import nn
+from transformers.activations import ACT2CLS
 from transformers.pytorch_utils import Conv1D
 
 from plait import Attention, Column, ConfigError, PipelinePlan, Row, SPPlan, TPPlan, VocabEmbedding, VocabHead
@@ -28,8 +30,9 @@ from plait.patterns import matches
 from plait.tp.sharding import linear_shape
 from plait.tp.styles import (
     FullWidthNormAttention, FusedColumn, HeadInterleavedAttention, LocalConfigAttention, MoEExperts, MoERouter,
-    ReplicatedGradSum, ScaledVocabEmbedding, TPRule,
+    ReplicatedGradSum, ScaledVocabEmbedding, TPRule, WholeSequence,
 )
+from plait.tp.styles import LatentAttention
 
 # Child names of an attention block's projections, as transformers' models spell them.
 Q, K, V = ("q_proj", "query", "q"), ("k_proj", "key", "k"), ("v_proj", "value", "v")
@@ -45,6 +48,8 @@ LINEAR_STYLES = ("colwise", "rowwise")
 # over the full width sits between them (a fused projection's split, a norm over all heads): plait splits for
 # real where it knows that op (FusedColumn, fused qkv layouts, SplitNorm) and refuses otherwise.
 GATHERED = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}
+# transformers' marker on the owner of bare parameters (attention sinks) that their own entries shard
+LOCAL_PARAMS = "local_params"
 MOE_STYLES = ("moe_tp_experts",)  # transformers' fused experts module (gate_up_proj [E, 2I, H], down_proj)
 LM_HEAD_STYLES = ("colwise_gather_output", "colwise_rep", "colwise")  # what transformers gives the LM head
 
@@ -77,21 +82,33 @@ def derive(config) -> Derived:
 
 
 def _derive(config) -> Derived:
-    model = build_meta_model(config)
     arch = config.model_type
+    try:
+        model = build_meta_model(config)
+    except Exception as err:  # transformers' own error for a config it cannot build: one line, not a traceback
+        refusal = refuse(arch, type(config).__name__, f"transformers cannot build the model: {_one_line(err)}")
+        return Derived(arch, [], refusal, refusal, refusal)
     layers = layer_container(model)
     notes: list[str] = []
-    tp = _attempt(lambda: tp_plan(model, config, layers, notes))
-    sp = _attempt(lambda: sp_plan(model, arch, layers, tp))
-    pipeline = _attempt(lambda: pipeline_plan(model, arch, layers))
+    tp = _attempt(arch, lambda: tp_plan(model, config, layers, notes))
+    sp = _attempt(arch, lambda: sp_plan(model, arch, layers, tp))
+    pipeline = _attempt(arch, lambda: pipeline_plan(model, arch, layers))
     return Derived(arch, [f"{layers}.*"] if layers else [], tp, sp, pipeline, notes)
 
 
-def _attempt(make):
+def _attempt(arch: str, make):
+    """The plan ``make`` derives, or the reason it cannot: an exception transformers raises while plait
+    inspects the model (a KeyError from an unusual module) becomes a one-line refusal, not a traceback."""
     try:
         return make()
     except Refusal as refusal:
         return refusal
+    except Exception as err:
+        return Refusal(f"{arch}: transformers raised {_one_line(err)} while plait inspected the model")
+
+
+def _one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: " + " ".join(str(err).split())
 
 
 def refuse(arch: str, module: str, missing: str) -> Refusal:
@@ -154,15 +171,19 @@ def tp_plan(model: nn.Module, config, layers: str | None, notes: list[str]) -> T
     styled: dict[str, str] = {}  # pattern (layer index folded) -> style
     example: dict[str, str] = {}  # pattern -> one module it matches
     moe = [p for p, style in declared.items() if style in MOE_STYLES]
+    bare: dict[str, dict[str, str]] = defaultdict(dict)  # parent pattern -> {parameter: style}
     for pattern, style in declared.items():
+        if style == LOCAL_PARAMS:
+            continue  # marks the owner of bare parameters sharded by their own entries (handled with those)
         hits = [name for name in modules if matches(pattern, name)]
         if not hits:
             params = [n for n, _ in model.named_parameters() if matches(pattern, n)]
             if params and any(pattern.startswith(m + ".") for m in moe):
                 continue  # an experts module's own parameter: MoEExperts splits it
             if params:
-                raise refuse(arch, pattern, f"transformers shards the parameter itself ({style}); plait has no rule for "
-                                            f"a bare parameter")
+                parent, _, leaf = pattern.rpartition(".")
+                bare[parent][leaf] = style  # an attention block's per-head parameter (sinks), else refused below
+                continue
             notes.append(f"{pattern} ({style}) matches no module of this config: ignored")
             continue
         for name in hits:
@@ -179,6 +200,12 @@ def tp_plan(model: nn.Module, config, layers: str | None, notes: list[str]) -> T
         parent, _, child = pattern.rpartition(".")
         children[parent][child] = style
         blocks.setdefault(parent, model.get_submodule(example[pattern].rpartition(".")[0]))
+    _unplanned_latent_attention(model, layers, children, blocks, notes)
+    for pattern, (block, styles, sinks) in undeclared_attention(model, layers, children).items():
+        children[pattern], blocks[pattern] = styles, block
+        bare[pattern].update(sinks)
+        notes.append(f"{pattern} ({type(block).__name__}): attention transformers' plan leaves out, split by heads as "
+                     f"a declared one (q/k/v column-, o row-parallel)")
     moe_blocks = {p for p, styles in children.items() if any(style in MOE_STYLES for style in styles.values())}
     for parent, styles in children.items():
         if any(parent.startswith(block + ".") for block in moe_blocks):
@@ -190,7 +217,10 @@ def tp_plan(model: nn.Module, config, layers: str | None, notes: list[str]) -> T
         if experts:
             rules += _moe_rules(model, config, parent, styles, experts)
         else:
-            rules += _block_rules(model, config, parent, blocks[parent], styles)
+            rules += _block_rules(model, config, parent, blocks[parent], styles, bare.pop(parent, {}))
+    for parent, params in bare.items():
+        raise bare_refusal(arch, parent, params)
+    rules += undeclared_mixers(model, arch, layers, rules, notes)
     return TPPlan(tuple(rules))
 
 
@@ -262,14 +292,115 @@ def _embedding_rules(model, styled, notes) -> tuple[list[TPRule], list[TPRule]]:
     return embedding, head
 
 
-def _block_rules(model, config, parent: str, block: nn.Module, styles: dict[str, str]) -> list[TPRule]:
+def undeclared_attention(model: nn.Module, layers: str | None,
+                         children: dict[str, dict[str, str]]) -> dict[str, tuple[nn.Module, dict[str, str], dict[str, str]]]:
+    """Attention blocks in the decoder layers that transformers' plan leaves out (granitemoe's and phimoe's
+    declare only the experts), found by inspecting the model: a block calling transformers' attention functions
+    with separate Linear q, k, v and o projections and no styled child gets the styles transformers declares
+    for such blocks elsewhere (q/k/v colwise, o rowwise); ``_attention_rules`` checks its widths and heads as for
+    a declared one. Its sinks (a parameter the forward passes as the attention functions' ``s_aux``, one logit per q
+    head) are split with the q heads, as transformers' plans declare them elsewhere. Keyed by layer pattern: (one
+    block, its styles, its sinks' styles)."""
+    found: dict[str, tuple[nn.Module, dict[str, str], dict[str, str]]] = {}
+    if layers is None:
+        return found
+    for name, module in model.get_submodule(layers).named_modules(prefix=layers):
+        pattern = layer_pattern(name, layers)
+        if pattern in children or pattern in found or not is_attention(module):
+            continue
+        roles = {role: next((c for c in names if isinstance(module._modules.get(c), nn.Linear)), None)
+                 for role, names in (("q", Q), ("k", K), ("v", V), ("o", O))}
+        source = inspect.getsource(type(module).forward)
+        if None in roles.values() or "ALL_ATTENTION_FUNCTIONS" not in source:
+            continue
+        styles = {roles[r]: "colwise" for r in ("q", "k", "v")}
+        gates = {c: "colwise" for c in _output_gates(module, source, set(roles.values()))}
+        sinks = {leaf: "colwise" for leaf in module._parameters if f"s_aux=self.{leaf}," in source}
+        found[pattern] = (module, {**styles, **gates, roles["o"]: "rowwise"}, sinks)
+    return found
+
+
+def undeclared_mixers(model: nn.Module, arch: str, layers: str | None, rules: list[TPRule],
+                      notes: list[str]) -> list[TPRule]:
+    """Children of the decoder layers holding matrices that no rule touches and that are not softmax attention
+    (a recurrent mixer transformers' plan leaves out, such as OLMo-Hybrid's gated delta net): kept whole on every
+    rank, which is exact without SP, and run on the whole sequence under SP (WholeSequence). One rule per layer
+    pattern when every layer's module there is untouched, else one per layer."""
+    if layers is None:
+        return []
+    patterns = [r.pattern for r in rules]
+    found: dict[str, list[tuple[str, nn.Module]]] = defaultdict(list)  # pattern -> untouched (name, module)
+    seen: dict[str, int] = defaultdict(int)  # pattern -> layers holding a child there
+    for index, layer in enumerate(model.get_submodule(layers)):
+        for child, module in layer.named_children():
+            name, pattern = f"{layers}.{index}.{child}", f"{layers}.*.{child}"
+            seen[pattern] += 1
+            if not any(p.dim() > 1 for p in module.parameters()) or _softmax_attention(module):
+                continue
+            if not any(_covered(n, patterns) for n, _ in module.named_modules(prefix=name)):
+                found[pattern].append((name, module))
+    mixers: list[TPRule] = []
+    for pattern, hits in found.items():
+        each = [whole_sequence(arch, name, module) for name, module in hits]
+        mixers += [WholeSequence(pattern, argument=each[0].argument)] if len(hits) == seen[pattern] else each
+        notes.append(f"{pattern} ({type(hits[0][1]).__name__}): no rule splits it; kept whole on every rank and run "
+                     f"on the whole sequence under SP")
+    return mixers
+
+
+def _output_gates(block: nn.Module, source: str, projections: set[str]) -> list[str]:
+    """Linear children of an attention block whose output, read from the block's input, multiplies the attention
+    output through a sigmoid (AFMoE: ``gate_states = self.gate_proj(hidden_states)`` ...
+    ``output * torch.sigmoid(gate_states)``): elementwise per head, so split with the q heads."""
+    gates = []
+    for child, module in block.named_children():
+        if child in projections or not isinstance(module, nn.Linear):
+            continue
+        read = re.search(rf"(\w+) = self\.{child}\(hidden_states\)", source)
+        if read and f"* torch.sigmoid({read.group(1)}" in source:
+            gates.append(child)
+    return gates
+
+
+def _softmax_attention(block: nn.Module) -> bool:
+    """Whether a block calls transformers' attention functions (softmax attention over heads)."""
+    return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(type(block).forward)
+
+
+def whole_sequence(arch: str, pattern: str, block: nn.Module) -> WholeSequence:
+    """A block kept whole on every rank and run on the whole sequence under SP (a recurrent or state-space mixer):
+    WholeSequence gathers its forward's first argument, the hidden states."""
+    first = next(iter(inspect.signature(block.forward).parameters), None)
+    if first is None:
+        raise refuse(arch, pattern, f"{type(block).__name__} is kept whole and must see the whole sequence under SP, but "
+                                    f"its forward takes no hidden states")
+    return WholeSequence(pattern, argument=first)
+
+
+def bare_refusal(arch: str, parent: str, params: dict[str, str]) -> Refusal:
+    """The refusal for parameters transformers' plan shards by themselves where plait has no rule for them."""
+    leaf, style = next(iter(params.items()))
+    return refuse(arch, f"{parent}.{leaf}", f"transformers shards the parameter itself ({style}); plait has no rule "
+                                            f"for a bare parameter outside an attention block's q heads")
+
+
+def _block_rules(model, config, parent: str, block: nn.Module, styles: dict[str, str],
+                 bare: dict[str, str]) -> list[TPRule]:
+    """The rules of one block transformers' plan styles children of (``bare``: its parameters the plan styles)."""
     arch = config.model_type
     roles = {role: next((c for c in names if c in styles), None) for role, names in (("q", Q), ("k", K), ("v", V), ("o", O))}
     if roles["q"] and roles["k"] and roles["v"]:
-        return _attention_rules(config, parent, block, styles, roles)
+        return _attention_rules(model, config, parent, styles, roles, bare)
+    if bare:
+        raise bare_refusal(arch, parent, bare)
     fused = next((c for c in QKV if c in styles), None)
     if fused and roles["o"]:
         return _fused_attention_rules(config, parent, block, styles, fused, roles["o"])
+    if is_latent_attention(block):
+        return _latent_attention_rules(model, config, parent, block, styles)
+    if all(style == "colwise_gather_output" for style in styles.values()) and not _softmax_attention(block):
+        # transformers gathers every projection's output: it computes the block whole on every rank
+        return [whole_sequence(arch, parent, block)]
     if is_attention(block):
         raise refuse(arch, parent, f"attention whose projections {sorted(styles)} are neither separate q, k, v nor "
                                    f"a fused qkv plait knows; plait has no rule for it")
@@ -289,10 +420,26 @@ def _block_rules(model, config, parent: str, block: nn.Module, styles: dict[str,
         raise refuse(arch, parent, f"{sorted(styles)} do not pair column-parallel with row-parallel projections, so "
                                    f"the split activations would leave the block")
     stray = [n for n, m in block.named_modules() if n and n not in styles and own_params(m)]
-    if stray:
-        raise refuse(arch, f"{parent}.{stray[0]}", "replicated parameters inside a tensor-parallel block see split "
-                                                    "activations; plait cannot tell how to sum their gradients")
-    return rules
+    columns = [r.pattern.rpartition(".")[2] for r in rules if isinstance(r, Column)]
+    unknown = [n for n in stray if not _scalar_activation(block, n, columns)]
+    if unknown:
+        raise refuse(arch, f"{parent}.{unknown[0]}", "replicated parameters inside a tensor-parallel block see split "
+                                                     "activations; plait cannot tell how to sum their gradients")
+    return [*rules, *(ReplicatedGradSum(f"{parent}.{n}") for n in stray)]
+
+
+def _scalar_activation(block: nn.Module, child: str, columns: list[str]) -> bool:
+    """Whether ``child`` is one of transformers' activation functions (elementwise) whose parameters are single
+    numbers (Apertus' xIELU ``alpha_p``, ``alpha_n``: shape [1], broadcast over every feature), applied by the
+    block's forward directly to a column-parallel projection's output. Each rank then computes their gradient over
+    its own slice of the features only, and the sum over tp is exact (ReplicatedGradSum). A per-feature
+    parameter, or one applied elsewhere (to the block's unsplit input), is not this case."""
+    module = block.get_submodule(child)
+    activations = {c[0] if isinstance(c, tuple) else c for c in ACT2CLS.values()}
+    if "." in child or type(module) not in activations or any(p.numel() != 1 for p in module.parameters()):
+        return False
+    source = inspect.getsource(type(block).forward)
+    return any(re.search(rf"self\.{child}\(\s*self\.{column}\(", source) for column in columns)
 
 
 def _fused_column(arch: str, name: str, block: nn.Module, child: str, styles: dict[str, str]) -> TPRule:
@@ -344,9 +491,12 @@ def _fused_attention_rules(config, parent, block, styles, qkv: str, o: str) -> l
                                           f"interleaved)")
 
 
-def _attention_rules(config, parent, block, styles, roles) -> list[TPRule]:
-    """One Attention rule (heads from the config, checked against the projections' shapes), per-head norms
-    as ReplicatedGradSum."""
+def _attention_rules(model, config, parent, styles, roles, bare) -> list[TPRule]:
+    """The Attention rule(s) of the blocks ``parent`` matches: heads from the config, or per layer from the
+    projections' widths where the block's own head-count attributes confirm them (one rule per layer when
+    layers differ); q projections carrying a per-head gate (``q_chunks``); colwise children whose output is per
+    q head (``head_columns``: gates) and per-head bare parameters (``bare``: sinks) split with the q heads, as
+    transformers' own colwise splits them; per-head norms as ReplicatedGradSum."""
     arch = config.model_type
     gathered = any(styles[roles[r]] == "colwise_gather_output" for r in ("q", "k", "v"))
     for role in ("q", "k", "v"):
@@ -355,42 +505,117 @@ def _attention_rules(config, parent, block, styles, roles) -> list[TPRule]:
                                                           f"projection has no plait rule")
     if not roles["o"] or GATHERED.get(styles[roles["o"]], styles[roles["o"]]) != "rowwise":
         raise refuse(arch, parent, f"attention without a row-parallel output projection ({styles})")
+    matched = {name: module for name, module in model.named_modules() if matches(parent, name)}
+    blocks = {name: b for name, b in matched.items() if all(_get(b, roles[r]) is not None for r in ("q", "k", "v", "o"))}
+    # other layers' blocks at this path without these projections: a linear attention (MiniMax's lightning
+    # attention) is kept whole on every rank and run on the whole sequence; anything else is refused
+    others = {name: b for name, b in matched.items() if name not in blocks}
+    kinds = {type(b) for b in blocks.values()} | {type(b) for b in others.values() if _softmax_attention(b)}
+    if len(kinds) > 1:
+        raise refuse(arch, parent, f"attention blocks of different classes {sorted(k.__name__ for k in kinds)} "
+                                   f"at one module path, which plait's patterns cannot tell apart")
+    mixers = [whole_sequence(arch, name, b) for name, b in others.items()]
+    if not blocks:
+        raise refuse(arch, parent, f"no block at this path has the projections {sorted(styles)} transformers' plan names")
+    block = next(iter(blocks.values()))
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(block, "head_dim", None) or getattr(config, "head_dim", None) or config.hidden_size // heads
-    widths = {role: _out_features(_get(block, roles[role])) for role in ("q", "k", "v")}
-    expected = {"q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim}
-    if widths != expected:
-        raise refuse(arch, parent, f"projection widths {widths} are not heads x head_dim {expected} "
-                                   f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}, head_dim={head_dim})")
     source = inspect.getsource(type(block).forward)
-    reads = {r.partition(".")[2]: q for r, q in CONFIG_READS.items() if r in source}
-    rules: list[TPRule] = []
+    q_chunks = 2 if _gated_query(source) else 1
     projections = {roles[r] for r in ("q", "k", "v", "o")}
+    head_columns = tuple(c for c, style in styles.items() if c not in projections and style == "colwise")
+    for child, style in styles.items():
+        if child not in projections and child not in head_columns and style != "replicated_with_grad_allreduce":
+            raise refuse(arch, f"{parent}.{child}", f"transformers' style {style!r} inside attention has no plait rule")
+    for leaf, style in bare.items():
+        if style != "colwise":
+            raise refuse(arch, f"{parent}.{leaf}", f"transformers' style {style!r} on a bare parameter of attention "
+                                                   f"has no plait rule")
+    layouts = {name: _head_layout(arch, parent, b, roles, config, head_dim, q_chunks, head_columns, bare)
+               for name, b in blocks.items()}
+    reads = {r.partition(".")[2]: q for r, q in CONFIG_READS.items() if r in source}
     local = {attr: q for attr, q in LOCAL_ATTRS.items() if isinstance(vars(block).get(attr), int)}
-    common = dict(q=roles["q"], k=roles["k"], v=roles["v"], o=roles["o"], num_heads=heads, num_kv_heads=kv_heads,
-                  head_dim=head_dim, local_attrs=local)
+    common = dict(q=roles["q"], k=roles["k"], v=roles["v"], o=roles["o"], head_dim=head_dim, local_attrs=local,
+                  q_chunks=q_chunks, head_columns=head_columns)
+    inner = [m for b in blocks.values() for n, m in b.named_modules() if n and n not in projections and own_params(m)]
+    if gathered and inner and all(p.dim() == 1 and p.shape[0] == head_dim for m in inner for p in own_params(m)):
+        gathered = False  # transformers gathers q/k/v for norms that are per head (MiniMax-M3): local to a rank's heads
     if gathered:
-        norms = _full_width_norms(arch, parent, block, roles, heads * head_dim, kv_heads * head_dim)
+        if len(set(layouts.values())) > 1 or q_chunks > 1 or head_columns or others:
+            raise refuse(arch, parent, "full-width q/k norms beside per-layer head counts, a gated q or per-head "
+                                       "gates; plait has no rule for both")
+        q_heads, kv_heads, head_params = layouts[next(iter(blocks))]
+        norms = _full_width_norms(arch, parent, block, roles, q_heads * head_dim, kv_heads * head_dim)
         if reads:
             raise refuse(arch, parent, f"{type(block).__name__}.forward reads {sorted(reads)} from the config beside "
                                        f"full-width q/k norms; plait has no rule for both")
-        return [FullWidthNormAttention(parent, q_norm=norms[0], k_norm=norms[1], **common)]
-    for child, style in styles.items():
-        if child in projections:
+        return [FullWidthNormAttention(parent, q_norm=norms[0], k_norm=norms[1], num_heads=q_heads,
+                                       num_kv_heads=kv_heads, head_params=head_params, **common)]
+    per_layer = bool(others) or len(set(layouts.values())) > 1
+    rules: list[TPRule] = []
+    for name in sorted({n for b in blocks.values() for n, m in b.named_modules() if n and own_params(m)}):
+        if name in projections or name in head_columns:
             continue
-        if style != "replicated_with_grad_allreduce":
-            raise refuse(arch, f"{parent}.{child}", f"transformers' style {style!r} inside attention has no plait rule")
-    for name, module in block.named_modules():
-        if not name or name in projections or not own_params(module):
-            continue
-        if any(p.dim() != 1 or p.shape[0] != head_dim for p in own_params(module)):
-            raise refuse(arch, f"{parent}.{name}", f"a replicated module inside attention whose parameters are not "
-                                                   f"per head (head_dim={head_dim}); its input is split over tp")
-        rules.append(ReplicatedGradSum(f"{parent}.{name}"))
-    if reads:  # the forward reads head counts from the config: the block gets a copy holding this rank's
-        return [LocalConfigAttention(parent, config_attrs=reads, **common), *rules]
-    return [Attention(parent, **common), *rules]
+        for b in blocks.values():
+            module = _get(b, name)
+            if module is not None and any(p.dim() != 1 or p.shape[0] != head_dim for p in own_params(module)):
+                raise refuse(arch, f"{parent}.{name}", f"a replicated module inside attention whose parameters are "
+                                                       f"not per head (head_dim={head_dim}); its input is split over tp")
+        owners = [n for n, b in blocks.items() if _get(b, name) is not None] if per_layer else [parent]
+        rules += [ReplicatedGradSum(f"{owner}.{name}") for owner in owners]
+    style = LocalConfigAttention if reads else Attention
+    extra = dict(config_attrs=reads) if reads else {}
+    # one rule for the pattern when every layer has the same heads, else one per layer (e.g. MiMo-V2-Flash's sliding
+    # layers: twice the kv heads, and sinks)
+    groups = list(layouts.items()) if per_layer else [(parent, layouts[next(iter(blocks))])]
+    attention = [style(pattern, num_heads=q_heads, num_kv_heads=kv_heads, head_params=head_params, **common, **extra)
+                 for pattern, (q_heads, kv_heads, head_params) in groups]
+    return [*attention, *rules, *mixers]
+
+
+def _gated_query(source: str) -> bool:
+    """Whether an attention forward reads its q projection head by head as query | gate (Qwen3-Next:
+    ``torch.chunk(self.q_proj(x).view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)``)."""
+    return "-1, self.head_dim * 2)" in source and ("torch.chunk(" in source or ".chunk(2" in source)
+
+
+def _head_layout(arch, parent, block, roles, config, head_dim: int, q_chunks: int, head_columns: tuple[str, ...],
+                 bare: dict[str, str]) -> tuple[int, int, tuple[str, ...]]:
+    """(q heads, kv heads, per-head bare parameters) of one attention block. Heads come from the config; where the
+    projections' widths say otherwise (per-layer head counts), from the widths, but only when the block's own
+    head-count attributes (``num_heads``, ``num_key_value_groups``, ...) agree with them."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    widths = {role: _out_features(_get(block, roles[role])) for role in ("q", "k", "v")}
+    widths["o input"] = linear_shape(_get(block, roles["o"]))[0]
+    expected = {"q": heads * head_dim * q_chunks, "k": kv_heads * head_dim, "v": kv_heads * head_dim,
+                "o input": heads * head_dim}
+    if widths != expected:
+        q_heads, kv = widths["q"] // (head_dim * q_chunks), widths["k"] // head_dim
+        layout = {"q": q_heads * head_dim * q_chunks, "k": kv * head_dim, "v": kv * head_dim, "o input": q_heads * head_dim}
+        own = {attr: vars(block)[attr] for attr in LOCAL_ATTRS if isinstance(vars(block).get(attr), int)}
+        counts = {"q_heads": q_heads, "kv_heads": kv, "kv_groups": q_heads // kv if kv and not q_heads % kv else None}
+        if widths != layout or not own or any(counts[LOCAL_ATTRS[a]] != value for a, value in own.items()):
+            raise refuse(arch, parent, f"projection widths {widths} are not heads x head_dim {expected} "
+                                       f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}, "
+                                       f"head_dim={head_dim}{', q | gate per head' if q_chunks > 1 else ''}), nor "
+                                       f"per-layer head counts the block's attributes {own} confirm")
+        heads, kv_heads = q_heads, kv
+    for child in head_columns:
+        width = _out_features(block.get_submodule(child))
+        if width % heads:
+            raise refuse(arch, f"{parent}.{child}", f"a column-parallel projection inside attention whose {width} "
+                                                    f"outputs are not per q head (heads={heads})")
+    params = {n: p for n, p in block._parameters.items() if p is not None}
+    stray = sorted(set(params) - set(bare))
+    if stray:
+        raise refuse(arch, f"{parent}.{stray[0]}", "a parameter of the attention block itself that transformers' plan "
+                                                   "does not split; plait cannot tell how its heads use it")
+    for leaf, param in params.items():
+        if tuple(param.shape) != (heads,):
+            raise refuse(arch, f"{parent}.{leaf}", f"transformers shards the parameter itself ({bare[leaf]}), but its "
+                                                   f"shape {tuple(param.shape)} is not one entry per q head ({heads})")
+    return heads, kv_heads, tuple(params)
 
 
 def _full_width_norms(arch, parent, block, roles, q_width: int, kv_width: int) -> tuple[str, str]:
@@ -426,28 +651,112 @@ def _out_features(module: nn.Module) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
+# Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, GLM-4-MoE-Lite, ...)
+# --------------------------------------------------------------------------------------------------
+
+# The low-rank down projections and their norms, kept whole on every rank (LatentAttention's ``replicated``).
+MLA_DOWN = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
+# transformers' styles for the block's children, where its plan names them: what plait's split by heads agrees with.
+MLA_STYLES = {"q_proj": "colwise", "q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise",
+              "kv_a_proj_with_mqa": "mla_kv_a_proj"}
+# How the forward reads the projections (q per head as nope | rope, kv_a as latent | shared rotary key, kv_b per
+# head as k_nope | v): the layout in which a contiguous run of whole heads is a column split.
+MLA_LAYOUT = ("[self.qk_nope_head_dim, self.qk_rope_head_dim]", "[self.kv_lora_rank, self.qk_rope_head_dim]",
+              "self.qk_nope_head_dim + self.v_head_dim", "[self.qk_nope_head_dim, self.v_head_dim]")
+
+
+def is_latent_attention(block: nn.Module) -> bool:
+    """A multi-head latent attention block: a down projection to the kv latent and an up projection to heads."""
+    return {"kv_a_proj_with_mqa", "kv_b_proj"} <= set(block._modules)
+
+
+def _unplanned_latent_attention(model, layers: str | None, children: dict, blocks: dict, notes: list[str]) -> None:
+    """Latent attention blocks transformers' plan leaves out (DeepSeek-V3, Youtu, AXK1: replicated there, which
+    sequence parallelism cannot run), added to ``children`` without styles so that they are split by heads."""
+    if layers is None:
+        return
+    for name, module in model.get_submodule(layers).named_modules(prefix=layers):
+        pattern = layer_pattern(name, layers)
+        if is_latent_attention(module) and pattern not in children:
+            children[pattern], blocks[pattern] = {}, module
+            notes.append(f"{pattern}: latent attention transformers' plan leaves replicated: split by heads")
+
+
+def _latent_attention_rules(model, config, parent: str, block: nn.Module, styles: dict[str, str]) -> list[TPRule]:
+    """A LatentAttention rule, once the block is the layout it splits: only the down projections and their norms,
+    ``q_b_proj`` (or ``q_proj``), ``kv_b_proj`` and ``o_proj`` hold parameters, in every layer the pattern matches;
+    their widths are the config's heads times the block's head dims; the forward reads them per head (MLA_LAYOUT)
+    and no head count from the config; transformers' styles, where its plan has them, agree (MLA_STYLES)."""
+    arch = config.model_type
+    others = [n for n, m in model.named_modules() if matches(parent, n) and not is_latent_attention(m)]
+    if others:
+        raise refuse(arch, parent, f"{others[0]} is a {type(model.get_submodule(others[0])).__name__}, where other "
+                                   f"layers hold latent attention: layers of different kinds at one module path")
+    q = "q_b_proj" if "q_b_proj" in block._modules else "q_proj"
+    down = tuple(d for d in MLA_DOWN if d in block._modules)
+    known = {q, "kv_b_proj", "o_proj", *down}
+    stray = sorted(n for n, m in block.named_modules() if n and n.split(".")[0] not in known and own_params(m))
+    if stray:
+        raise refuse(arch, f"{parent}.{stray[0]}", "a module with parameters inside latent attention beside its "
+                                                   "projections and norms; plait has no rule for it")
+    differ = {child: style for child, style in styles.items() if MLA_STYLES.get(child) != style}
+    if differ:
+        raise refuse(arch, parent, f"transformers' styles {differ} on latent attention are not the split by heads "
+                                   f"plait makes ({MLA_STYLES})")
+    dims = {a: getattr(block, a, None) for a in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")}
+    if not all(isinstance(d, int) for d in dims.values()):
+        raise refuse(arch, parent, f"latent attention without integer head dims {dims}")
+    nope, rope, v, rank = dims.values()
+    heads = config.num_attention_heads
+    widths = {q: _out_features(block.get_submodule(q)), "kv_b_proj": _out_features(block.kv_b_proj),
+              "kv_a_proj_with_mqa": _out_features(block.kv_a_proj_with_mqa), "o_proj input": linear_shape(block.o_proj)[0]}
+    expected = {q: heads * (nope + rope), "kv_b_proj": heads * (nope + v), "kv_a_proj_with_mqa": rank + rope,
+                "o_proj input": heads * v}
+    if widths != expected:
+        raise refuse(arch, parent, f"latent attention widths {widths} are not {expected} (num_attention_heads={heads}, "
+                                   f"{dims})")
+    source = "".join(inspect.getsource(getattr(type(block), f)) for f in ("forward", "expand_kv")
+                     if hasattr(type(block), f))
+    unread = [s for s in MLA_LAYOUT if s not in source] + [r for r in CONFIG_READS if r in source]
+    if unread:
+        raise refuse(arch, parent, f"{type(block).__name__} does not read its projections head by head as plait's split "
+                                   f"assumes ({', '.join(unread)}); plait has no rule for it")
+    local = tuple(a for a, q_heads in LOCAL_ATTRS.items() if q_heads == "q_heads" and isinstance(vars(block).get(a), int))
+    return [LatentAttention(parent, q=q, kv_b="kv_b_proj", o="o_proj", num_heads=heads, q_head_dim=nope + rope,
+                            kv_head_dim=nope + v, v_head_dim=v, replicated=down, local_attrs=local)]
+
+
+# --------------------------------------------------------------------------------------------------
 # Sequence parallelism
 # --------------------------------------------------------------------------------------------------
 
 
 def sp_plan(model: nn.Module, arch: str, layers: str | None, tp: TPPlan | Refusal) -> SPPlan:
     """From the first decoder layer to the final norm; every replicated module with parameters in between
-    must be token-wise (a norm: 1-D parameters only), or its work on sequence shards would be wrong."""
+    must be token-wise (a norm: 1-D parameters only), or its work on sequence shards would be wrong, or inside a
+    block kept whole and run on the whole sequence (WholeSequence), whose modules' gradients are summed like
+    the norms'."""
     if isinstance(tp, Refusal):
         raise tp
     if layers is None:
         raise refuse(arch, type(model).__name__, "no decoder layer list found (pp plan or _no_split_modules)")
-    end = _final_norm(model, arch, layers)
+    norm = _final_norm(model, arch, layers)
+    end = _region_end(model, arch, layers, norm)
     covered = [r.pattern for r in tp.rules]
     moe_blocks = {r.pattern.rpartition(".")[0] for r in tp.rules if isinstance(r, MoEExperts)}
     experts = {r.pattern.rpartition(".")[2] for r in tp.rules if isinstance(r, MoEExperts)}
     routers = {r.pattern for r in tp.rules if isinstance(r, MoERouter)}
+    # kept whole, run on the whole sequence: each rank's gradients cover its output shard, summed as the norms'
+    whole = [r.pattern for r in tp.rules if isinstance(r, WholeSequence)]
     norms: list[str] = []
     for name, module in model.get_submodule(layers).named_modules(prefix=layers):
         pattern = layer_pattern(name, layers)
         if not own_params(module) or pattern in norms:
             continue
-        if any(pattern == c or pattern.startswith(c + ".") for c in covered if c not in routers):
+        if _covered(name, whole):
+            norms.append(pattern)
+            continue
+        if _covered(name, [c for c in covered if c not in routers]):
             continue  # sharded, or inside an attention block (its own rules account for it)
         if in_moe_block(model, name, moe_blocks, experts):
             norms.append(pattern)  # router, shared expert: token-wise, on a sequence shard it sees that shard's tokens
@@ -457,7 +766,34 @@ def sp_plan(model: nn.Module, arch: str, layers: str | None, tp: TPPlan | Refusa
                                         f"(e.g. a state-space or recurrent mixer); on sequence shards it would be "
                                         f"wrong: disable sequence parallelism")
         norms.append(pattern)
-    return SPPlan(begin=f"{layers}.0", end=end, norms=(*norms, end))
+    return SPPlan(begin=f"{layers}.0", end=end, norms=(*norms, end) if end == norm else tuple(norms))
+
+
+def _region_end(model: nn.Module, arch: str, layers: str, norm: str) -> str:
+    """Where the sequence-parallel region ends: at the final norm's output, unless the forward also calls that
+    norm before the layers (NanoChat normalises the embeddings with it), where the gather at its output would
+    fire on the full-length embeddings too. A parameter-free such norm then runs after the region, which ends
+    at the last layer (exact: the norm holds nothing to sum over tp); one with parameters is refused."""
+    parent, _, child = norm.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    try:
+        calls = inspect.getsource(type(owner).forward).count(f"self.{child}(")
+    except (OSError, TypeError):
+        return norm
+    if calls <= 1:
+        return norm
+    if own_params_deep(model.get_submodule(norm)):
+        raise refuse(arch, norm, f"{type(owner).__name__}.forward calls the final norm {calls} times (also before the "
+                                 f"layers), so the sequence-parallel region cannot end at it: disable sequence "
+                                 f"parallelism")
+    return f"{layers}.{len(model.get_submodule(layers)) - 1}"
+
+
+def _covered(name: str, patterns: list[str]) -> bool:
+    """Whether module ``name`` or a block holding it matches one of the tp plan's ``patterns`` (per-layer rules
+    name layers literally, so compare with concrete names, not folded patterns)."""
+    parts = name.split(".")
+    return any(matches(p, ".".join(parts[:i])) for p in patterns for i in range(1, len(parts) + 1))
 
 
 def in_moe_block(model: nn.Module, name: str, moe_blocks: set[str], experts: set[str]) -> bool:

@@ -221,6 +221,35 @@ class ExpertsRegion:
         return mappings.reduce_from_tp(output, self.group)
 
 
+class WholeSequenceRegion:
+    """Under SP, runs a block kept whole on every rank over the whole sequence (a recurrent or state-space mixer:
+    its scan and causal convolution run along the sequence, so a sequence shard alone gives wrong outputs).
+
+    The block's input (its first argument, by position or by the name ``argument``) is all-gathered from the
+    sequence shards by the region entry, whose backward reduce-scatters: each rank's input gradient is partial.
+    Each rank keeps its own shard of the output (``mappings.keep_seq_shard``, zero-padded in backward), so its
+    parameter gradients cover its shard's outputs only: they are summed over tp like the sequence-parallel norms'.
+    """
+
+    def __init__(self, entry: TPRegionEntry, group: Group, argument: str = "hidden_states") -> None:
+        self.entry, self.group, self.argument = entry, group, argument
+
+    def install(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self._enter, with_kwargs=True)
+        module.register_forward_hook(self._leave)
+
+    def _enter(self, module, args, kwargs):
+        if args:
+            return (self.entry(args[0]), *args[1:]), kwargs
+        kwargs[self.argument] = self.entry(kwargs[self.argument])
+        return args, kwargs
+
+    def _leave(self, module, args, output):
+        if isinstance(output, torch.Tensor):
+            return mappings.keep_seq_shard(output, self.group)
+        return (mappings.keep_seq_shard(output[0], self.group), *output[1:])
+
+
 class RouterLogitsGather:
     """Under SP, replaces the router logits a router returns (its first output, [tokens, experts] of this rank's
     sequence shard) with all ranks' logits, so transformers' load-balancing loss (computed from the recorded

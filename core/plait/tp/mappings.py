@@ -1,12 +1,15 @@
 """The Megatron mappings (Shoeybi et al. 2019, Korthikanti et al. 2022) as tiny autograd functions.
 
-Tensor parallelism is these five operators placed at region boundaries; everything else composes them:
+Tensor parallelism is these operators placed at region boundaries; everything else composes them:
 - ``copy_to_tp``          f: identity forward, all-reduce backward (entering a column-parallel region)
 - ``reduce_from_tp``      g: all-reduce forward, identity backward (leaving a row-parallel region)
 - ``scatter_to_seq``      split along the sequence forward, all-gather backward (entering SP)
 - ``gather_from_seq``     all-gather forward; backward reduce-scatter when the consumer's gradient is a
                           partial sum over tp (column-parallel consumer), else split (replicated consumer)
 - ``reduce_scatter_to_seq`` reduce-scatter forward, all-gather backward (row-parallel output under SP)
+- ``keep_seq_shard``      split along the sequence forward, zero-padded backward (leaving a computation every
+                          rank ran whole: each rank's gradient covers its own shard; the partial sums are added
+                          where the computation entered, by ``gather_from_seq``'s reduce-scatter)
 """
 
 from __future__ import annotations
@@ -94,3 +97,22 @@ def gather_from_seq(x: torch.Tensor, group: Group, grad_is_partial: bool) -> tor
 
 def reduce_scatter_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _ReduceScatterToSeq.apply(x, group) if not comm.trivial(group) else x
+
+
+class _KeepSeqShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group, ctx.length = group, x.shape[SEQ_DIM]
+        return comm.split(x, group, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape = list(grad.shape)
+        shape[SEQ_DIM] = ctx.length
+        full = grad.new_zeros(shape)
+        full.narrow(SEQ_DIM, comm.group_rank(ctx.group) * grad.shape[SEQ_DIM], grad.shape[SEQ_DIM]).copy_(grad)
+        return full, None
+
+
+def keep_seq_shard(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _KeepSeqShard.apply(x, group) if not comm.trivial(group) else x

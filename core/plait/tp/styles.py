@@ -20,7 +20,7 @@ from plait.config import ConfigError
 from plait.mesh import Mesh
 from plait.tp.layers import (
     ColumnParallelLinear, ExpertsRegion, RouterLogitsGather, RowParallelLinear, ScaledVocabParallelEmbedding, SplitRMSNorm, TPRegionEntry,
-    VocabParallelEmbedding,
+    VocabParallelEmbedding, WholeSequenceRegion,
 )
 from plait.tp.sharding import ModuleShard, ShardSpec, even_range, linear_shape, linear_shard, vocab_split
 
@@ -146,6 +146,14 @@ class Attention(TPRule):
     kv head per rank when KV < tp (its gradient summed over the ranks sharing it). ``local_attrs`` names
     attributes of the attention module that transformers read from the config and that must hold per-rank
     values, mapped to one of: q_heads, kv_heads, kv_groups, q_width, kv_width.
+
+    ``q_chunks``: the q projection's width per head in head_dims, > 1 when it emits more than the query per
+    head, laid out head by head (Qwen3-Next's ``q_proj``: [q_0 gate_0 | q_1 gate_1 | ...], viewed as
+    (heads, 2 * head_dim) and chunked): a contiguous run of whole heads is still a column split.
+    ``head_columns``: column-parallel children whose outputs are per q head, a multiple of the heads wide (gates:
+    Laguna's ``g_proj``), split with the q heads.
+    ``head_params``: bare parameters of the block with one entry per q head (attention sinks, [heads]),
+    split with the q heads (``HeadParams``).
     """
 
     o: str
@@ -157,18 +165,30 @@ class Attention(TPRule):
     v: str | None = None
     qkv: str | None = None
     local_attrs: dict[str, str] = field(default_factory=dict)
+    q_chunks: int = 1
+    head_columns: tuple[str, ...] = ()
+    head_params: tuple[str, ...] = ()
     label: ClassVar[str] = "attention"
 
     def __post_init__(self) -> None:
         named = [p is not None for p in (self.q, self.k, self.v)]
         if not (all(named) and self.qkv is None or not any(named) and self.qkv is not None):
             raise ValueError(f"Attention({self.pattern!r}) needs either q, k and v, or qkv (fused), not both")
+        if self.q_chunks != 1 and self.qkv is not None:
+            raise ValueError(f"Attention({self.pattern!r}): q_chunks applies to a separate q projection, not a fused qkv")
 
     def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
+        shards = self._projection_shards(name, module, tp, rank)
+        if self.head_params:
+            shards.append(HeadParams(name).block_shard(name, module, self.head_params, self.num_heads, tp, rank))
+        return shards
+
+    def _projection_shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
         heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
         self._check_heads(tp)
         q_heads = heads // tp
         q_range = (rank * q_heads * hd, (rank + 1) * q_heads * hd)
+        q_out = (q_range[0] * self.q_chunks, q_range[1] * self.q_chunks)
         if kv_heads >= tp:
             local_kv, block = kv_heads // tp, 1
             kv_range = (rank * local_kv * hd, (rank + 1) * local_kv * hd)
@@ -186,11 +206,18 @@ class Attention(TPRule):
                       (heads * hd + kv_width + kv_range[0], heads * hd + kv_width + kv_range[1])]
             projections = [linear_shard(*child(self.qkv), FusedQKV(f"{name}.{self.qkv}"), ranges, None)]
         else:
-            projections = [linear_shard(*child(self.q), Column(f"{name}.{self.q}"), [q_range], None)]
+            projections = [linear_shard(*child(self.q), Column(f"{name}.{self.q}"), [q_out], None)]
             for attr in (self.k, self.v):
                 shard = linear_shard(*child(attr), Column(f"{name}.{attr}"), [kv_range], None)
                 shard.grad_sum_block = block
                 projections.append(shard)
+        for attr in self.head_columns:  # outputs per q head (gates): the same contiguous run of heads
+            width = linear_shape(child(attr)[1])[1]
+            if width % heads:
+                raise ConfigError(f"{name}.{attr}: {width} output features are not per q head (num_heads={heads})")
+            per_head = width // heads
+            projections.append(linear_shard(*child(attr), Column(f"{name}.{attr}"),
+                                            [(rank * q_heads * per_head, (rank + 1) * q_heads * per_head)], None))
         for shard in projections:
             shard.entered_by_parent = True
         quantities = {"q_heads": q_heads, "kv_heads": local_kv, "kv_groups": q_heads // local_kv,
@@ -240,28 +267,61 @@ class ScaledVocabEmbedding(VocabEmbedding):
 @dataclass(frozen=True)
 class ReplicatedGradSum(TPRule):
     """A module kept whole on every rank whose gradient each rank computes only in part, summed over tp:
-    per-head q/k norms (Qwen3, Gemma3) inside an attention block see only this rank's heads.
+    per-head q/k norms (Qwen3, Gemma3) inside an attention block see only this rank's heads; the low-rank down
+    projections of latent attention feed only this rank's heads (``LatentAttention``); a learned activation's
+    scalars, applied elementwise to the features a column-parallel projection split (Apertus' xIELU
+    ``alpha_p`` and ``alpha_n``), see only this rank's features.
 
-    Its spec names the full range along dim 0 on every rank (not ``dim=None``), so that the sequence-parallel
+    Its specs name the full range along dim 0 on every rank (not ``dim=None``), so that the sequence-parallel
     region does not count it a second time as a norm on sequence shards; ranks holding equal specs count
-    its gradient once in the norm, as for replicated kv heads.
+    its gradient once in the norm, as for replicated kv heads. Parameters other than a weight and a bias go
+    to ``ModuleShard.params``.
     """
 
     label: ClassVar[str] = "replicated_grad_sum"
 
     def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
-        specs = {}
-        for leaf in ("weight", "bias"):
-            param = getattr(module, leaf, None)
-            specs[leaf] = ShardSpec(tuple(param.shape), 0, ((0, param.shape[0]),)) if param is not None else None
-        others = sorted(n for n, _ in module.named_parameters() if n not in specs)
-        if specs["weight"] is None or others:
-            raise ConfigError(f"{name} ({type(module).__name__}): replicated_grad_sum handles modules with a weight "
-                              f"(and a bias) only, found parameters {others or 'without a weight'}")
-        shard = ModuleShard(name, self, False, specs["weight"], specs["bias"], grad_sum_block=tp)
-        return [shard]
+        params = dict(module.named_parameters())
+        if not params or any("." in leaf or p.dim() == 0 for leaf, p in params.items()):
+            found = {leaf: tuple(p.shape) for leaf, p in params.items()}
+            raise ConfigError(f"{name} ({type(module).__name__}): replicated_grad_sum handles a module's own "
+                              f"parameters of one dimension or more, found {found or 'none'}")
+        specs = {leaf: ShardSpec(tuple(p.shape), 0, ((0, p.shape[0]),)) for leaf, p in params.items()}
+        weight = specs.get("weight", next(iter(specs.values())))  # ModuleShard always names one spec as its weight
+        others = {leaf: spec for leaf, spec in specs.items() if leaf not in ("weight", "bias")}
+        return [ModuleShard(name, self, False, weight, specs.get("bias"), grad_sum_block=tp, params=others)]
 
     def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
+        return module
+
+
+@dataclass(frozen=True)
+class HeadParams(TPRule):
+    """Bare parameters of an attention block with one entry per q head (attention sinks: ``sinks``
+    [num_attention_heads], read as one logit per local head by the attention function), built by ``Attention``
+    when it names them in ``head_params``: each rank keeps the entries of its own q heads, which never repeat
+    across ranks (kv heads may, q heads do not), so each rank owns its slice's gradient."""
+
+    label: ClassVar[str] = "head_params"
+
+    def block_shard(self, name: str, module: nn.Module, leaves: tuple[str, ...], heads: int, tp: int,
+                    rank: int) -> ModuleShard:
+        """The shard of block ``name``'s parameters ``leaves`` (each [heads]) for tp rank ``rank``."""
+        q_heads = heads // tp
+        specs = {}
+        for leaf in leaves:
+            param = module._parameters.get(leaf)
+            if param is None or tuple(param.shape) != (heads,):
+                found = None if param is None else tuple(param.shape)
+                raise ConfigError(f"{name}.{leaf}: a per-head parameter needs shape ({heads},) (one entry per q "
+                                  f"head), found {found}")
+            specs[leaf] = ShardSpec((heads,), 0, ((rank * q_heads, (rank + 1) * q_heads),))
+        return ModuleShard(name, self, False, specs[leaves[0]], None, params=specs)
+
+    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
+        for leaf, spec in shard.params.items():
+            old = module._parameters[leaf]
+            module._parameters[leaf] = nn.Parameter(spec.slice_full(old.detach()), requires_grad=old.requires_grad)
         return module
 
 
@@ -330,6 +390,8 @@ class HeadInterleavedAttention(Attention):
     def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
         if self.qkv is None or self.num_kv_heads != self.num_heads:
             raise ConfigError(f"{name}: a head-interleaved qkv needs qkv= and num_kv_heads == num_heads")
+        if self.head_params:
+            raise ConfigError(f"{name}: head_params {self.head_params} are not split by a head-interleaved qkv")
         self._check_heads(tp)
         q_heads, hd = self.num_heads // tp, self.head_dim
         fused = (rank * q_heads * 3 * hd, (rank + 1) * q_heads * 3 * hd)
@@ -457,4 +519,75 @@ class MoERouter(TPRule):
     def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
         if ctx.sequence_parallel:
             RouterLogitsGather(ctx.mesh.tp_group).install(module)
+        return module
+
+
+@dataclass(frozen=True)
+class LatentAttention(TPRule):
+    """Multi-head latent attention (DeepSeek-V2/V3's MLA) split by heads, as Megatron splits it: the low-rank down
+    projections (``q_a_proj``, ``kv_a_proj_with_mqa``) and their norms, named in ``replicated``, stay whole on
+    every rank; the up projections to heads (``q``: ``q_b_proj``, or ``q_proj`` without a q LoRA, q_head_dim =
+    nope + rope per head; ``kv_b``: ``kv_b_proj``, [k_nope | v] per head, kv_head_dim = nope + v) are
+    column-parallel by whole heads, and ``o`` row-parallel over heads x v_head_dim.
+
+    The block's input enters the tensor-parallel region once (gathered from sequence shards under SP), so the
+    down projections run on the full sequence on every rank, and the rotary key part they produce (one ``k_pe``
+    shared by all heads) is the same everywhere. Each rank's gradient for them covers only its own heads: their
+    parameter gradients are summed over tp (``ReplicatedGradSum``), and their input gradient, partial like every
+    projection's, is summed once by the region's entry (all-reduce, or reduce-scatter under SP), not again.
+    ``local_attrs``: attributes of the block holding the head count (``num_heads``), set to this rank's.
+    """
+
+    q: str
+    kv_b: str
+    o: str
+    num_heads: int
+    q_head_dim: int
+    kv_head_dim: int
+    v_head_dim: int
+    replicated: tuple[str, ...] = ()
+    local_attrs: tuple[str, ...] = ()
+    label: ClassVar[str] = "attention"
+
+    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
+        if self.num_heads % tp:
+            raise ConfigError(f"num_attention_heads={self.num_heads} is not divisible by tp={tp}; choose a tp that "
+                              f"divides {self.num_heads}")
+        heads = self.num_heads // tp
+        first, last = rank * heads, (rank + 1) * heads
+        child = lambda attr: (f"{name}.{attr}", module.get_submodule(attr))  # noqa: E731
+        up = [linear_shard(*child(attr), Column(f"{name}.{attr}"), [(first * width, last * width)], None)
+              for attr, width in ((self.q, self.q_head_dim), (self.kv_b, self.kv_head_dim))]
+        for shard in up:
+            shard.entered_by_parent = True
+        up[0].local_attrs = {attr: heads for attr in self.local_attrs}
+        down = [shard for attr in self.replicated
+                for shard in ReplicatedGradSum(f"{name}.{attr}").shards(*child(attr), tp, rank)]
+        o = linear_shard(*child(self.o), Row(f"{name}.{self.o}"), None, [(first * self.v_head_dim,
+                                                                          last * self.v_head_dim)])
+        return [*up, *down, o]
+
+
+@dataclass(frozen=True)
+class WholeSequence(TPRule):
+    """A block kept whole on every rank that must see the whole sequence: a recurrent or state-space mixer
+    (Qwen3-Next's gated delta net, for which transformers' own plan gathers every projection's output, i.e.
+    computes the block whole on every rank). Without SP its input and output are the same on every rank, so it is
+    an ordinary replicated block; under SP it runs on the gathered sequence and keeps this rank's shard of its
+    output (``layers.WholeSequenceRegion``), its parameters' gradients summed over tp as the SP plan's norms'
+    (the SP plan must name its modules). Its work is repeated on every tp rank, as in transformers' plan."""
+
+    argument: str = "hidden_states"  # the forward's first parameter, the hidden states, when passed by keyword
+    label: ClassVar[str] = "whole_sequence"
+
+    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
+        own = sorted(n for n, _ in module.named_parameters(recurse=False) if n in ("weight", "bias"))
+        if own:
+            raise ConfigError(f"{name} ({type(module).__name__}): whole_sequence wraps a block, not a layer with its own "
+                              f"{own}")
+        return [ModuleShard(name, self, False, ShardSpec(()), None)]
+
+    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
+        if ctx.sequence_parallel:
+            WholeSequenceRegion(ctx.entry, ctx.mesh.tp_group, self.argument).install(module)
         return module

@@ -1,0 +1,147 @@
+"""What the generic adapter derives for attention blocks beyond plain q/k/v/o: per-head bare parameters
+(attention sinks), q projections carrying a per-head gate, per-layer head counts, per-head gate projections,
+and attention blocks transformers' plan leaves out; and what it refuses there. Single process, meta models;
+parity is shown by scripts/architecture_sweep.py (tp2-sp, pp2-1f1b, consolidate-tp2 for each)."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait import Attention, ConfigError, ParallelConfig, Registry
+from plait.layout_plan import plan_layout
+from plait.meta import build_meta_model
+from plait.tp.styles import HeadParams, ReplicatedGradSum
+
+from plait_transformers_derive import derive
+from plait_transformers_tiny import tiny_config
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+
+@pytest.fixture(scope="module")
+def registry() -> Registry:
+    return Registry()
+
+
+def tiny(arch: str):
+    return tiny_config(CONFIG_MAPPING[arch])
+
+
+def rules_of(config) -> dict:
+    return {r.pattern: r for r in derive(config).tp.rules}
+
+
+def shards(config, registry, rank: int, **layout) -> dict:
+    layout = plan_layout(build_meta_model(config), ParallelConfig(**{"tp": 2, "sp": True, **layout}), registry=registry)
+    return layout.shards_by_rank[rank]
+
+
+@pytest.mark.parametrize("arch", ["granite_swa", "granitemoe_swa"])
+def test_sinks_split_with_the_q_heads(registry, arch):
+    """transformers shards ``sinks`` [heads] colwise beside q; plait keeps each rank's heads' sinks."""
+    attention = rules_of(tiny(arch))["model.layers.*.self_attn"]
+    assert isinstance(attention, Attention) and attention.head_params == ("sinks",)
+    for rank, heads in ((0, (0, 2)), (1, (2, 4))):
+        block = shards(tiny(arch), registry, rank)["model.layers.0.self_attn"]
+        assert isinstance(block.style, HeadParams) and block.spec("sinks").ranges == (heads,)
+        assert block.spec("sinks").full_shape == (4,) and block.grad_sum_block == 1
+
+
+def test_sinks_with_kv_heads_replicated_stay_per_q_head(registry):
+    """kv heads fewer than tp are replicated, q heads (and their sinks) never are."""
+    layout = shards(tiny("granite_swa"), registry, 3, tp=4)
+    assert layout["model.layers.0.self_attn"].spec("sinks").ranges == ((3, 4),)
+    assert layout["model.layers.0.self_attn.k_proj"].grad_sum_block == 2
+
+
+def test_per_layer_kv_heads_and_sinks_give_one_rule_per_layer(registry):
+    """MiMo-V2-Flash's sliding layers have twice the kv heads and sinks; full layers neither."""
+    config = tiny("mimo_v2_flash")
+    rules = rules_of(config)
+    assert "model.layers.*.self_attn" not in rules
+    sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
+    assert sliding and len(sliding) < 4
+    for i in range(4):
+        attention = rules[f"model.layers.{i}.self_attn"]
+        swa = i in sliding
+        assert (attention.num_kv_heads, attention.head_params) == ((4, ("sinks",)) if swa else (2, ()))
+    layout = shards(config, registry, 1)
+    assert layout[f"model.layers.{sliding[0]}.self_attn.k_proj"].weight.ranges == ((16, 32),)
+    assert layout[f"model.layers.{sliding[0]}.self_attn"].spec("sinks").ranges == ((2, 4),)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"])
+def test_gated_q_projection_split_by_whole_heads(registry, arch):
+    """q_proj emits [q_h | gate_h] per head (viewed as (heads, 2 x head_dim), chunked): each rank keeps its
+    heads' query and gate, one contiguous column range."""
+    attention = rules_of(tiny(arch))["model.layers.*.self_attn"]
+    assert attention.q_chunks == 2 and (attention.num_heads, attention.head_dim) == (4, 8)
+    layout = plan_layout(build_meta_model(tiny(arch)), ParallelConfig(tp=2), registry=registry).shards_by_rank[1]
+    name = next(n for n in layout if n.endswith("self_attn.q_proj"))
+    assert layout[name].weight.ranges == ((32, 64),)
+    assert layout[name.replace("q_proj", "o_proj")].weight.ranges == ((16, 32),)
+
+
+@pytest.mark.parametrize(("arch", "declared"), [("qwen3_next", True), ("olmo_hybrid", False)])
+def test_linear_attention_kept_whole_and_run_on_the_whole_sequence(registry, arch, declared):
+    """A gated delta net scans along the sequence: transformers' plan gathers all its projections (Qwen3-Next) or
+    leaves it out (OLMo-Hybrid); plait keeps it whole on every rank (WholeSequence: gathered under SP, its
+    gradients summed over tp as the SP norms')."""
+    config = tiny(arch)
+    derived = derive(config)
+    rule = {r.pattern: r for r in derived.tp.rules}["model.layers.*.linear_attn"]
+    assert type(rule).__name__ == "WholeSequence"
+    assert any("linear_attn" in note and "whole sequence" in note for note in derived.notes) == (not declared)
+    assert not any(r.pattern.startswith("model.layers.*.linear_attn.") for r in derived.tp.rules)
+    norms = derived.sp.norms
+    model = build_meta_model(config)
+    inner = {f"model.layers.*.linear_attn.{n}" if n else "model.layers.*.linear_attn"
+             for n, m in next(l.linear_attn for l in model.model.layers if hasattr(l, "linear_attn")).named_modules()
+             if any(True for _ in m.parameters(recurse=False))}
+    assert inner and inner <= set(norms)
+    layout = plan_layout(model, ParallelConfig(tp=2, sp=True), registry=registry)
+    name = next(n for n in layout.shards_by_rank[0] if n.endswith("linear_attn"))
+    assert layout.shards_by_rank[0][name].style.label == "whole_sequence"
+
+
+def test_laguna_per_layer_heads_and_per_head_gate(registry):
+    """Laguna's layers set their own q head count (num_attention_heads_per_layer) and gate each head's output by
+    g_proj: heads read from the widths, confirmed by the block's num_heads; g_proj split with the heads."""
+    config = tiny("laguna")
+    attention = rules_of(config)["model.layers.*.self_attn"]
+    heads = config.num_attention_heads_per_layer[0]
+    assert attention.num_heads == heads and attention.head_columns == ("g_proj",)
+    assert isinstance(rules_of(config)["model.layers.*.self_attn.q_norm"], ReplicatedGradSum)
+    layout = shards(config, registry, 1)
+    g_width = build_meta_model(config).model.layers[0].self_attn.g_proj.out_features
+    assert layout["model.layers.0.self_attn.g_proj"].weight.ranges == ((g_width // 2, g_width),)
+
+
+@pytest.mark.parametrize(("arch", "sinks"), [("granitemoe", ()), ("granitemoeshared", ()), ("phimoe", ()),
+                                             ("hunyuan_v1_moe", ()), ("flint", ("sinks",))])
+def test_attention_the_plan_leaves_out_is_split_by_heads(registry, arch, sinks):
+    """These plans declare only the experts; the attention blocks found in the model get the declared kind's
+    rule (Flint's sinks, passed to the attention function as ``s_aux``, split with the heads), and the
+    derivation says so."""
+    derived = derive(tiny(arch))
+    attention = {r.pattern: r for r in derived.tp.rules}["model.layers.*.self_attn"]
+    assert isinstance(attention, Attention) and (attention.num_heads, attention.num_kv_heads) == (4, 2)
+    assert attention.head_params == sinks
+    assert any("leaves out" in note and "self_attn" in note for note in derived.notes)
+    layout = shards(tiny(arch), registry, 0)
+    assert layout["model.layers.0.self_attn.q_proj"].weight.ranges == ((0, 16),)
+
+
+def test_undeclared_attention_output_gate_split_with_the_heads(registry):
+    """AFMoE's attention (left out of its plan) multiplies its output by sigmoid(gate_proj(hidden_states)),
+    elementwise over heads x head_dim: gate_proj is split with the q heads."""
+    attention = rules_of(tiny("afmoe"))["model.layers.*.self_attn"]
+    assert attention.head_columns == ("gate_proj",)
+    assert shards(tiny("afmoe"), registry, 1)["model.layers.0.self_attn.gate_proj"].weight.ranges == ((16, 32),)
+
+
+@pytest.mark.parametrize(("arch", "message"), [
+    ("doge", "doge: model.layers.*.self_attn.dt_proj: transformers' style 'rowwise' inside attention has no plait rule"),
+])
+def test_refused_with_the_module_and_the_reason(registry, arch, message):
+    with pytest.raises(ConfigError, match="cannot derive this plan: " + message.replace("*", r"\*")):
+        shards(tiny(arch), registry, 0)
