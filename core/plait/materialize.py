@@ -6,8 +6,9 @@
 3. Each rank allocates only its local shards and fills them from a Hugging Face model directory or a plait
    checkpoint (any saved layout), reading only its bytes of each tensor with one reader for both
    (``checkpoint.load.CheckpointReader``; ``checkpoint.hf_dir`` sees a model directory as an index), or by
-   seeded random init. Non-persistent buffers (rotary ``inv_freq``) are recomputed by transformers' own
-   ``_init_weights``; tied weights stay one tensor.
+   seeded random init. Buffers are recomputed by transformers' own ``_init_weights`` (rotary ``inv_freq``);
+   persistent ones (model state, e.g. a router's ``e_score_correction_bias``) are then read from the source
+   where it has them; tied weights stay one tensor.
 
 Random init is seeded per parameter (and per block of rows) from ``(seed, name)``, then sliced, so the
 full logical weights are identical for every layout: tp=1 and tp=4 start from the same model.
@@ -26,10 +27,10 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from plait.checkpoint.format import INDEX, SHARDS, model_config, read_index
+from plait.checkpoint.format import INDEX, SHARDS, full_box, model_config, read_index
 from plait.checkpoint.hf_dir import open_hf_dir, read_hf_index
 from plait.checkpoint.load import load_checkpoint
-from plait.checkpoint.state import local_params, local_views
+from plait.checkpoint.state import local_params, local_views, persistent_buffers
 from plait.config import ConfigError, ParallelConfig
 from plait.lora.base import base_reference, check_base, saved_lora
 from plait.lora.layers import local_init
@@ -101,9 +102,15 @@ def materialize(
     hf = None  # a reader of the model directory, its tensors under the parameters' names
     if kind == "hf":
         shapes = {name: spec.full_shape for name, spec in found.specs.items() if name not in adapters}
-        hf = open_hf_dir(path, shapes, found.aliases, getattr(model, "base_model_prefix", ""))
+        buffers = {name: tuple(b.shape) for name, b in found.buffers.items()}
+        hf = open_hf_dir(path, shapes, found.aliases, getattr(model, "base_model_prefix", ""), optional=buffers)
     device = torch.device(device)
     materialize_buffers(model, device)
+    if hf is not None:  # persistent buffers are model state (a trained router bias): the directory's values
+        with torch.no_grad():
+            for name, buffer in persistent_buffers(model).items():
+                if name in hf.index.tensors:
+                    hf.read(name, full_box(tuple(buffer.shape)), buffer)
     init = SeededInit(registry, pmodel.adapter, config, seed) if kind == "init" else None
     with torch.no_grad():
         for name, param in found.params.items():

@@ -109,7 +109,7 @@ def check_resume_matches(args: TrainArgs, meta: nn.Module, resume: Path | None) 
                               f"--model_name_or_path {args.model_name_or_path}; leave the flag out or name that base")
         return
     saved = {name: tuple(entry.shape) for name, entry in index.params().items()}
-    wanted = {name: tuple(p.shape) for name, p in local_params(meta).params.items()}
+    wanted = local_params(meta).shapes()  # parameters and persistent buffers, as a checkpoint saves them
     if saved != wanted:
         flag = "--model_name_or_path" if args.model_name_or_path else "--model_config"
         first = sorted(set(saved.items()) ^ set(wanted.items()))[0][0]

@@ -125,18 +125,19 @@ def _write_model(reader: CheckpointReader, folder: Path, plan: list, format: str
 
 
 def _check_tensors(index, config: PretrainedConfig, root: Path) -> list[str]:
-    """The checkpoint's parameters, in the model's order; error if they are not exactly the model's."""
+    """The checkpoint's model tensors (parameters, then persistent buffers: the model's ``state_dict``), in the
+    model's order; error if they are not exactly the model's."""
     model = build_meta_model(config)
     if not config.architectures:
         config.architectures = [type(model).__name__]
-    params = local_params(model).params
+    shapes = local_params(model).shapes()
     saved = index.params()
-    unexpected = [n for n in saved if n not in params]
-    problems = shape_problems(saved, {n: p.shape for n, p in params.items()}, "checkpoint", "config")
+    unexpected = [n for n in saved if n not in shapes]
+    problems = shape_problems(saved, shapes, "checkpoint", "config")
     problems += [f"unexpected {unexpected[:5]}"] if unexpected else []
     if problems:
         raise CheckpointError(f"checkpoint {root} does not match its model config: {'; '.join(problems)}")
-    return list(params)
+    return list(shapes)
 
 
 def _split(plan: list, max_bytes: int) -> list[list]:

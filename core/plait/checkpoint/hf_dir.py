@@ -28,14 +28,19 @@ SAFE_INDEX = "model.safetensors.index.json"
 
 
 def open_hf_dir(
-    path: str | os.PathLike, shapes: dict[str, Sequence[int]], aliases: dict[str, str], base_prefix: str
+    path: str | os.PathLike, shapes: dict[str, Sequence[int]], aliases: dict[str, str], base_prefix: str,
+    optional: dict[str, Sequence[int]] | None = None,
 ) -> CheckpointReader:
     """A reader of the model directory ``path`` with its tensors under the model's names (``shapes``: this
-    rank's parameters and their full shapes; ``aliases``, ``base_prefix``: as ``hf_names``). ConfigError naming
-    the missing and mis-shaped tensors, before any is read."""
+    rank's parameters and their full shapes; ``aliases``, ``base_prefix``: as ``hf_names``). ``optional``: more
+    tensors (persistent buffers) it holds where the directory has them; like ``from_pretrained``, a buffer a
+    directory lacks keeps the value the model initialises it with. ConfigError naming the missing and
+    mis-shaped tensors, before any is read."""
     paths, index = read_hf_index(path)
-    index = hf_names(index, shapes, aliases, base_prefix)
-    problems = shape_problems(index.params(), shapes, "file", "model")
+    optional = optional or {}
+    index = hf_names(index, [*shapes, *optional], aliases, base_prefix)
+    present = {name: shape for name, shape in optional.items() if name in index.tensors}
+    problems = shape_problems(index.params(), {**shapes, **present}, "file", "model")
     if problems:
         raise ConfigError(f"{path} does not match its config.json: {'; '.join(problems)}")
     return CheckpointReader(paths, index)

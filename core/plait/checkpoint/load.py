@@ -21,7 +21,8 @@ import torch
 
 from plait import comm
 from plait.checkpoint.format import (
-    Box, CheckpointError, CheckpointPaths, Index, TensorEntry, intersect, read_index, shape_problems, uncovered,
+    Box, CheckpointError, CheckpointPaths, Index, TensorEntry, full_box, intersect, read_index, shape_problems,
+    uncovered,
 )
 from plait.checkpoint.st_io import CHECKSUM, DTYPES, SafetensorsError, SafetensorsFile
 from plait.checkpoint.state import (
@@ -188,20 +189,23 @@ def load_checkpoint(
     stored: set[tuple[str, str]] = set()
     error = None
     found = local_params(pmodel.module, pmodel.param_specs)
-    params, specs = found.params, found.specs
+    params, specs, buffers = found.params, found.specs, found.buffers
     try:
         if pmodel.plan.lora is not None:  # the base came from the checkpoint's reference (materialize)
             params = {n: p for n, p in params.items() if n in pmodel.plan.lora.param_names()}
             specs = {n: specs[n] for n in params}
+            buffers = {}  # the base's, as its parameters: from the checkpoint's reference
         if (pmodel.plan.lora is None) != ("lora" not in index.extra):
             raise CheckpointError(
                 f"checkpoint {paths.root} {'holds' if 'lora' in index.extra else 'holds no'} LoRA adapters but the "
                 f"model {'trains none' if pmodel.plan.lora is None else 'trains LoRA'}; resume with the same --lora_r"
             )
-        _check_model(index, pmodel, specs, paths)
+        _check_model(index, pmodel, specs, buffers, paths)
         if weights:
             for name, param in params.items():
                 reads += local_views(specs[name], param.data, name)
+            for name, buffer in buffers.items():
+                reads.append(ReadOp(name, full_box(tuple(buffer.shape)), buffer))
         if optimizer is not None:
             if index.optimizer is None:
                 raise CheckpointError(
@@ -261,7 +265,10 @@ def _zero_padding(params: dict[str, torch.nn.Parameter], specs: dict[str, ShardS
             param.data.narrow(spec.dim, param.shape[spec.dim] - spec.pad, spec.pad).zero_()
 
 
-def _check_model(index: Index, pmodel: ParallelModel, specs: dict[str, ShardSpec], paths: CheckpointPaths) -> None:
+def _check_model(
+    index: Index, pmodel: ParallelModel, specs: dict[str, ShardSpec], buffers: dict[str, torch.Tensor],
+    paths: CheckpointPaths,
+) -> None:
     config = pmodel.module.config
     if index.model_type != config.model_type:
         classes = ", ".join(index.model_config.get("architectures") or [])
@@ -269,8 +276,8 @@ def _check_model(index: Index, pmodel: ParallelModel, specs: dict[str, ShardSpec
             f"checkpoint {paths.root} holds a {index.model_type!r} model{f' ({classes})' if classes else ''}; "
             f"this model is {config.model_type!r} ({type(pmodel.module).__name__})"
         )
-    problems = shape_problems(index.params(), {name: spec.full_shape for name, spec in specs.items()},
-                              "checkpoint", "model")
+    wanted = {**{name: spec.full_shape for name, spec in specs.items()}, **{n: b.shape for n, b in buffers.items()}}
+    problems = shape_problems(index.params(), wanted, "checkpoint", "model")
     if problems:
         current = config.to_dict()
         differs = [f"{k}: checkpoint {v!r} vs model {current.get(k)!r}" for k, v in index.model_config.items()

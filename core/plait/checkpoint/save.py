@@ -22,7 +22,7 @@ from plait import comm
 from plait.checkpoint.format import INDEX, SHARDS, CheckpointError, Index, Piece, TensorEntry, write_json
 from plait.checkpoint.st_io import CHECKSUM, NAMES, write_tensors
 from plait.checkpoint.state import (
-    LocalTensor, local_params, optimizer_state, param_tensors, rng_state, scheduler_state, to_json,
+    LocalTensor, buffer_tensors, local_params, optimizer_state, param_tensors, rng_state, scheduler_state, to_json,
 )
 from plait.lora.base import lora_record
 from plait.parallelize import ParallelModel
@@ -58,6 +58,8 @@ def save_checkpoint(
             found.params = {n: p for n, p in found.params.items() if n in pmodel.plan.lora.param_names()}
             extra = {**(extra or {}), "lora": lora_record(pmodel)}
         tensors = param_tensors(found.params, found.specs)
+        if pmodel.plan.lora is None:  # a LoRA checkpoint's base (buffers included) comes from its reference
+            tensors += buffer_tensors(found.buffers)
         if optimizer is not None:
             names = {param: name for name, param in found.params.items()}
             opt_tensors, local["optimizer"] = optimizer_state(optimizer, names, found.specs)

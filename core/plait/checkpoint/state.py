@@ -28,7 +28,7 @@ from __future__ import annotations
 import base64
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,11 +61,18 @@ class ReadOp:
 
 @dataclass
 class LocalParams:
-    """This rank's parameters and their specs by canonical name, and the aliases (tied name -> canonical)."""
+    """This rank's parameters and their specs by canonical name, the aliases (tied name -> canonical), and its
+    persistent buffers by name (replicated: see ``persistent_buffers``)."""
 
     params: dict[str, nn.Parameter]
     specs: dict[str, ShardSpec]
     aliases: dict[str, str]
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full shape of every tensor of the model's state: parameters, then persistent buffers."""
+        return {**{n: tuple(s.full_shape) for n, s in self.specs.items()},
+                **{n: tuple(b.shape) for n, b in self.buffers.items()}}
 
 
 def local_params(module: nn.Module, specs: dict[str, ShardSpec] | None = None) -> LocalParams:
@@ -76,7 +83,7 @@ def local_params(module: nn.Module, specs: dict[str, ShardSpec] | None = None) -
     of a tied pair holds that same logical tensor: saved once, seeded the same, loaded from the same bytes.
     """
     aliases = dict(getattr(module, "all_tied_weights_keys", None) or {})
-    found = LocalParams({}, {}, aliases)
+    found = LocalParams({}, {}, aliases, persistent_buffers(module))
     for name, param in module.named_parameters():
         canonical = aliases.get(name, name)
         found.params[canonical] = param
@@ -84,9 +91,27 @@ def local_params(module: nn.Module, specs: dict[str, ShardSpec] | None = None) -
     return found
 
 
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers in ``module``'s ``state_dict`` (DeepSeek-V3's router ``e_score_correction_bias``): model
+    state that ``save_pretrained`` writes and ``from_pretrained`` reads, so checkpoints carry them too. No
+    tensor-parallel rule splits a buffer, so each is whole (replicated) on every rank that holds its module;
+    non-persistent ones (rotary ``inv_freq``) are recomputed instead (``materialize.materialize_buffers``)."""
+    found = {}
+    for prefix, sub in module.named_modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and name not in sub._non_persistent_buffers_set:
+                found[f"{prefix}.{name}" if prefix else name] = buffer
+    return found
+
+
 def param_tensors(params: dict[str, nn.Parameter], specs: dict[str, ShardSpec]) -> list[LocalTensor]:
     return [LocalTensor(name, "param", specs[name].full_shape, p.detach(), spec_boxes(specs[name]))
             for name, p in params.items()]
+
+
+def buffer_tensors(buffers: dict[str, torch.Tensor]) -> list[LocalTensor]:
+    """Persistent buffers as whole (replicated) model tensors: saved once, by the lowest rank holding each."""
+    return param_tensors(buffers, {name: ShardSpec(tuple(b.shape)) for name, b in buffers.items()})
 
 
 def local_views(spec: ShardSpec, tensor: torch.Tensor, logical: str) -> list[ReadOp]:
