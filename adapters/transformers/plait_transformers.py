@@ -66,7 +66,11 @@ def plait_tiny_config(architecture):
     refusal = plait_refusal(config_class()) if config_class is not None else f"unknown model_type {architecture!r}"
     if refusal:
         raise ConfigError(f"the generic adapter cannot serve {architecture!r}: {refusal}")
-    return checked(tiny_config(config_class))
+    try:
+        config = tiny_config(config_class)
+    except Exception as err:  # the class's own validation of the shrunk values: one line, not a traceback
+        raise _tiny_error(architecture, config_class, "are refused by the config class", err) from err
+    return checked(config)
 
 
 def checked(config):
@@ -77,19 +81,28 @@ def checked(config):
 
     from plait.meta import build_meta_model
 
-    size = sum(p.numel() for p in build_meta_model(config).parameters())
+    try:
+        size = sum(p.numel() for p in build_meta_model(config).parameters())
+    except Exception as err:
+        raise _tiny_error(config.model_type, type(config), "do not build a model", err) from err
     if size > MAX_TINY_PARAMETERS:
         raise ConfigError(f"the tiny {config.model_type} config derived from {type(config).__name__}'s defaults still "
                           f"has {size:,} parameters (a size it does not shrink); give the architecture an adapter "
                           f"with its own plait_tiny_config")
     try:
         with torch.no_grad():
-            AutoModelForCausalLM.from_config(config)(input_ids=torch.arange(8).view(1, 8) % config.vocab_size)
+            vocab = config.get_text_config().vocab_size  # a composite (Llama4) holds it in its text config
+            AutoModelForCausalLM.from_config(config)(input_ids=torch.arange(8).view(1, 8) % vocab)
     except Exception as err:
-        raise ConfigError(f"the tiny {config.model_type} config derived from {type(config).__name__}'s defaults does "
-                          f"not run one forward pass ({type(err).__name__}: {err}); give the architecture an "
-                          f"adapter with its own plait_tiny_config") from err
+        raise _tiny_error(config.model_type, type(config), "do not run one forward pass", err) from err
     return config
+
+
+def _tiny_error(architecture: str, config_class: type, what: str, err: Exception) -> ConfigError:
+    """One line naming the architecture and transformers' own error, for a tiny config that does not work."""
+    return ConfigError(f"the tiny {architecture} config values derived from {config_class.__name__}'s defaults {what} "
+                       f"({type(err).__name__}: {' '.join(str(err).split())}); give the architecture an adapter with "
+                       f"its own plait_tiny_config")
 
 
 def _plan(plan):

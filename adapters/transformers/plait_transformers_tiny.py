@@ -24,13 +24,48 @@ SIZES: dict[str, Any] = {
     "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4,
     "qk_nope_head_dim": 4, "v_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 2, "attention_chunk_size": 8,
+    "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8, "laurel_rank": 4, "index_n_heads": 4,
+    "index_head_dim": 8, "mamba_n_heads": 4, "mamba_d_state": 8, "linear_num_heads": 4, "linear_head_dim": 8,
+    "num_expert_group": 1, "num_experts_per_token": 2,
 }
+# Counts of layers of one kind (the last 15 of 35 share their kv cache, the first 2 are dense): scaled to 4 layers,
+# at least one where the default has any.
+LAYER_COUNTS = ("num_kv_shared_layers", "num_dense_layers")
 # Training-time randomness (dropout, router jitter) off: parity needs a deterministic forward.
 NOISE_KEYS = ("dropout", "pdrop", "jitter")
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 # Set even where the default is None (None there means "derive it", which the small sizes make explicit);
 # elsewhere None switches a feature off (no sliding window, no q LoRA) and stays.
 EXPLICIT = ("head_dim", "num_key_value_heads", "n_routed_experts", "num_experts_per_tok")
+# Where a class's own defaults do not build a model that runs (shrunk or not), the values that make them.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    # rope_parameters defaults to {}, but the rotary module reads one entry per layer type (M-RoPE sections)
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "mrope_section": [2, 1, 1]}}},
+    # n_shared_experts defaults to None, which the MoE block multiplies by
+    "dots1": {"n_shared_experts": 1},
+    # layer_types defaults to None, which every layer indexes: one short-conv and one attention layer, twice
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"] * (LAYERS // 2)},
+    # multi-head latent attention expanding keys for every head, whose attention still divides the heads by
+    # num_key_value_heads (or whose class checks they are equal): the two must be equal
+    **{arch: {"num_key_value_heads": SIZES["num_attention_heads"]} for arch in ("axk2", "deepseek_v32", "glm_moe_dsa")},
+    # num_layers_per_stack is stored beside num_hidden_layers (stacks x cycles of it); None derives it again
+    "hrm_text": {"num_layers_per_stack": None},
+    # its own names for the layer count, the experts per token and the zero (identity) experts
+    "longcat_flash": {"num_layers": LAYERS, "moe_topk": 2, "zero_expert_num": 2},
+    # head_dim is the whole q/k head here, of which partial_rotary_factor (1/8) is the rotary part
+    "deepseek_v4": {"head_dim": 32, "o_groups": 2, "o_lora_rank": 16},
+    # its SWA layers' head_dim (per_layer_config) must be the two MLA parts, not the rotary one alone
+    "dots3_note_text": {"num_key_value_heads": SIZES["num_attention_heads"], "head_dim": 8},
+    # every default layer is a Mamba one, and transformers' cache then has no attention layer to count tokens by
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"] * (LAYERS // 2)},
+    # the QSA indexer of its indexed-attention layers has no defaults (all None); hc_lowrank is a width
+    "qwen4_exp_text": {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 4,
+                       "indexer_compress_ratio": 2, "hc_lowrank": 8},
+    # the audio encoder of phi4_multimodal's causal LM: its own names for depth and convolution widths
+    "phi4_multimodal_audio": {"num_blocks": 2, "nemo_conv_channels": 32, "ext_pw_out_channel": 32,
+                              "depthwise_separable_out_channel": 32},
+}
 
 
 def tiny_config(config_class: type[PretrainedConfig]) -> PretrainedConfig:
@@ -38,28 +73,77 @@ def tiny_config(config_class: type[PretrainedConfig]) -> PretrainedConfig:
     defaults = config_class()
     values = defaults.to_dict()
     layers = values.get("num_hidden_layers")
-    overrides = {k: v for k, v in SIZES.items() if k in values and (values[k] is not None or k in EXPLICIT)}
-    if "qk_rope_head_dim" in values and "head_dim" in values:
-        overrides["head_dim"] = SIZES["qk_rope_head_dim"]  # multi-head latent attention: head_dim is the rotary part
+    overrides = _sizes(values)
+    overrides.update(_periods(values))
+    overrides.update({k: max(1, round(values[k] * LAYERS / layers)) for k in LAYER_COUNTS if values.get(k) and layers})
+    if isinstance(values.get("per_layer_config"), dict) and layers:
+        overrides["per_layer_config"] = _per_layer_config(values["per_layer_config"], values.get("layer_types"), layers,
+                                                          ARCHITECTURES.get(defaults.model_type, {}))
+    for key, sub_class in config_class.sub_configs.items():  # a composite (Llama4: text and vision configs)
+        if isinstance(values.get(key), dict) and isinstance(sub_class, type) and issubclass(sub_class, PretrainedConfig):
+            overrides[key] = tiny_config(sub_class).to_dict()
     for key, value in values.items():
         if isinstance(value, float) and not isinstance(value, bool) and any(k in key for k in NOISE_KEYS):
             overrides[key] = 0.0
         elif key in TOKEN_IDS and value is not None:
             overrides[key] = TOKEN_IDS[key]
-        elif isinstance(value, list) and layers and len(value) == layers:
+        elif isinstance(value, list) and layers and len(value) == layers and key not in SIZES:
             overrides[key] = _per_layer(value)
+    overrides.update(ARCHITECTURES.get(defaults.model_type, {}))
     config = config_class(**{**values, **overrides})
     if hasattr(defaults, "tie_word_embeddings"):
         config.tie_word_embeddings = defaults.tie_word_embeddings
     return config
 
 
+def _sizes(values: dict[str, Any]) -> dict[str, Any]:
+    """Test sizes for the keys of ``values`` (a config's, or one layer's overrides of it) that SIZES has."""
+    sizes = {k: v for k, v in SIZES.items() if k in values and (values[k] is not None or k in EXPLICIT)}
+    if "qk_rope_head_dim" in values and "head_dim" in values:
+        sizes["head_dim"] = SIZES["qk_rope_head_dim"]  # multi-head latent attention: head_dim is the rotary part
+    if "qk_head_dim" in values:  # derived by the class from the two parts, and stored
+        sizes["qk_head_dim"] = SIZES["qk_nope_head_dim"] + SIZES["qk_rope_head_dim"]
+    if "mamba_d_head" in values and "mamba_expand" in values:  # heads x head size = the expanded width
+        sizes["mamba_d_head"] = values["mamba_expand"] * SIZES["hidden_size"] // SIZES["mamba_n_heads"]
+    return sizes
+
+
+def _periods(values: dict[str, Any]) -> dict[str, int]:
+    """Layer kinds placed by period and offset (Jamba: attention every 8th layer from the 4th) every other layer
+    from the second, so 4 layers hold both kinds."""
+    found = {}
+    for key, value in values.items():
+        stem = key.removesuffix("_period")
+        if key.endswith("_period") and isinstance(value, int) and value > 2 and f"{stem}_offset" in values:
+            found.update({key: 2, f"{stem}_offset": 1})
+    return found
+
+
 def _per_layer(value: list) -> list:
     """A 4-layer list with each distinct entry of ``value`` in the order it first appears, cycled
     (``[sliding] * 5 + [full]`` -> ``[sliding, full, sliding, full]``)."""
-    distinct = list(dict.fromkeys(map(_hashable, value)))
-    kinds = [value[[_hashable(v) for v in value].index(d)] for d in distinct]
-    return [kinds[i % len(kinds)] for i in range(LAYERS)]
+    return [value[i] for i in _sources(value)]
+
+
+def _sources(value: list) -> list[int]:
+    """For each of the 4 tiny layers, the layer of ``value`` it copies: the first of each distinct entry, cycled."""
+    keys = [_hashable(v) for v in value]
+    firsts = [keys.index(k) for k in dict.fromkeys(keys)]
+    return [firsts[i % len(firsts)] for i in range(LAYERS)]
+
+
+def _per_layer_config(overrides: dict, layer_types: Any, layers: int, fixed: dict[str, Any]) -> dict[int, dict]:
+    """transformers' sparse per-layer overrides (layer index -> the attributes that differ, Gemma4's wider
+    full-attention heads) for the tiny layers: each takes the overrides of the layer it copies in
+    ``layer_types`` (else in the overrides themselves), with test sizes (and the ``fixed`` values of its
+    architecture)."""
+    entries = [overrides.get(i, overrides.get(str(i))) for i in range(layers)]
+    kinds = layer_types if isinstance(layer_types, list) and len(layer_types) == layers else entries
+
+    def shrunk(entry: dict) -> dict:
+        return {**entry, **_sizes(entry), **{k: v for k, v in fixed.items() if k in entry}}
+
+    return {new: shrunk(entries[old]) for new, old in enumerate(_sources(kinds)) if entries[old]}
 
 
 def _hashable(value: Any) -> Any:

@@ -44,7 +44,26 @@ class Absent(nn.Module):
 
 
 class PassThrough(nn.Module):
-    """Returns its hidden-states input: other stages' layers, and the final norm and head on earlier stages."""
+    """Returns its hidden-states input: other stages' layers, and the final norm and head on earlier stages.
+
+    It keeps the plain attributes of the module it stands for, its class's included (not its methods,
+    submodules, parameters or tensors): some models' forwards read them off every layer to choose that layer's
+    inputs (Nemotron-H's ``block_type``, Inkling2's class-level ``attention_type``). The choice is then made
+    as on one process, and ignored."""
+
+    def __init__(self, original: nn.Module | None = None) -> None:
+        super().__init__()
+        if original is None:
+            return
+        found: dict = {}
+        for cls in reversed(type(original).__mro__):
+            if cls not in nn.Module.__mro__:
+                found.update({k: v for k, v in vars(cls).items() if not hasattr(type(v), "__get__")})
+        found.update(vars(original))
+        for key, value in found.items():
+            plain = not isinstance(value, (nn.Module, torch.Tensor)) and not hasattr(PassThrough, key)
+            if plain and not key.startswith("_") and key != "training":
+                setattr(self, key, value)
 
     def forward(self, *args, **kwargs):
         return args[0] if args else kwargs["hidden_states"]
@@ -59,9 +78,10 @@ class ZeroContribution(nn.Module):
 
 def _placeholder(model: nn.Module, split: StageSplit, name: str) -> nn.Module:
     if name in split.layers or name in split.owned_last():
-        return PassThrough()
+        return PassThrough(model.get_submodule(name))
     if name in split.plan.neutralize:
-        return ZeroContribution() if isinstance(model.get_submodule(name), nn.Embedding) else PassThrough()
+        module = model.get_submodule(name)
+        return ZeroContribution() if isinstance(module, nn.Embedding) else PassThrough(module)
     return Absent(name, split.stage_of(name))
 
 

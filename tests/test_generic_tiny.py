@@ -1,0 +1,108 @@
+"""Single-process checks of what the generic adapter's tiny configs and plans need beyond the plans themselves:
+persistent buffers (a router's ``e_score_correction_bias``) through save / load / consolidate / a model directory,
+tiny configs of architectures whose defaults do not shrink on their own, and pipeline placeholders that keep the
+attributes transformers' forwards read off every layer. Parity of the architectures under tp / pp is shown by
+scripts/architecture_sweep.py."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from plait import ConfigError, ParallelConfig
+from plait.checkpoint import consolidate, load_checkpoint, save_checkpoint
+from plait.checkpoint.state import persistent_buffers
+from plait.materialize import load_parallel_model
+from plait.meta import build_meta_model
+from plait.pipeline.stages import PassThrough
+from plait_transformers import plait_tiny_config, plait_tp_plan
+from plait_transformers_derive import Refusal, derive
+
+BIAS = "e_score_correction_bias"
+
+
+def _set_biases(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Distinct non-zero values in every router bias (as a trained DeepSeek-V3-style checkpoint holds)."""
+    found = {n: b for n, b in persistent_buffers(model).items() if n.endswith(BIAS)}
+    with torch.no_grad():
+        for i, buffer in enumerate(found.values()):
+            buffer.copy_(torch.arange(buffer.numel(), dtype=buffer.dtype).view_as(buffer) * 0.25 + i)
+    return {n: b.clone() for n, b in found.items()}
+
+
+def test_persistent_buffers_round_trip_through_checkpoint_consolidate_and_model_dir(tmp_path):
+    config = plait_tiny_config("glm4_moe")
+    pmodel = load_parallel_model(config, ParallelConfig(), seed=3)
+    biases = _set_biases(pmodel.module)
+    assert len(biases) >= 2, "the tiny glm4_moe config should have routed layers with a router bias"
+
+    path = save_checkpoint(tmp_path / "checkpoint-1", pmodel, step=1)
+    out = consolidate(path, tmp_path / "hf")
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    state = loaded.state_dict()
+    for name, value in biases.items():
+        assert torch.equal(state[name], value), name
+
+    resumed = load_parallel_model(path, ParallelConfig(), seed=7)  # the lazy path: buffers read with the weights
+    fresh = load_parallel_model(config, ParallelConfig(), seed=7)
+    load_checkpoint(path, fresh)  # resume into a built model
+    from_dir = load_parallel_model(out, ParallelConfig(), seed=7)  # a from_pretrained directory
+    for model in (resumed, fresh, from_dir):
+        found = persistent_buffers(model.module)
+        for name, value in biases.items():
+            assert torch.equal(found[name], value), name
+        for (name, a), b in zip(model.module.named_parameters(), pmodel.module.parameters()):
+            assert torch.equal(a, b), name
+
+
+# Tiny configs the derivation had to learn: per-layer overrides keyed by layer index (per_layer_config), layer
+# kinds placed by period and offset, sizes of more keys, and a small table of class defaults that do not run.
+BUILT = ["axk2", "bailing_hybrid", "cohere_compass_text", "deepseek_v32", "deepseek_v4", "dots1", "dots3_note_text",
+         "gemma3n_text", "gemma4_text", "gemma4_unified_text", "glm_moe_dsa", "granitemoehybrid", "hrm_text", "jamba",
+         "kimi_linear", "lfm2_moe", "llama4", "longcat_flash", "phi4_multimodal", "qwen4_exp_text"]
+
+
+@pytest.mark.parametrize("arch", BUILT)
+def test_tiny_config_builds_and_runs_one_forward(arch):
+    config = plait_tiny_config(arch)  # checked: builds, stays small, runs one forward pass
+    per_layer = getattr(config, "per_layer_config", None)
+    if isinstance(per_layer, dict):
+        assert all(0 <= int(i) < config.num_hidden_layers for i in per_layer), per_layer
+
+
+def test_a_config_transformers_cannot_build_is_a_one_line_refusal_naming_the_architecture():
+    config = plait_tiny_config("qwen3")
+    config.hidden_act = "no_such_activation"  # transformers raises a KeyError building the MLP
+    derived = derive(config)
+    for plan in (derived.tp, derived.sp, derived.pipeline):
+        assert isinstance(plan, Refusal)
+        assert str(plan).startswith("qwen3: Qwen3Config: transformers cannot build the model: KeyError")
+        assert "\n" not in str(plan)
+    with pytest.raises(ConfigError, match="cannot derive this plan: qwen3: Qwen3Config"):
+        plait_tp_plan(config)
+
+
+def test_a_tiny_config_the_class_rejects_is_a_one_line_refusal(monkeypatch):
+    import plait_transformers
+
+    monkeypatch.setattr(plait_transformers, "tiny_config", lambda cls: cls(hidden_size=30, num_attention_heads=4,
+                                                                          head_dim=None))
+    with pytest.raises(ConfigError, match=r"^the tiny qwen3 config values derived from Qwen3Config's defaults") as err:
+        plait_tiny_config("qwen3")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("arch, attribute", [("nemotron_h", "block_type"), ("inkling2_text", "attention_type")])
+def test_pipeline_placeholder_keeps_the_attributes_the_forward_reads_off_every_layer(arch, attribute):
+    layer = build_meta_model(plait_tiny_config(arch)).model.layers[1]
+    placeholder = PassThrough(layer)
+    assert getattr(placeholder, attribute) == getattr(layer, attribute)
+    assert not list(placeholder.parameters()) and not list(placeholder.children())
+    hidden = torch.ones(1, 2, 3)
+    assert placeholder(hidden) is hidden
+
+
+def test_a_final_norm_also_run_before_the_layers_ends_no_sequence_parallel_region():
+    sp = derive(plait_tiny_config("nanochat")).sp  # NanoChat normalises the embeddings with its final norm
+    assert sp.end == "model.layers.3" and "model.norm" not in sp.norms
+    assert derive(plait_tiny_config("qwen3")).sp.end == "model.norm"
