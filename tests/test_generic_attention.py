@@ -136,7 +136,41 @@ def test_undeclared_attention_output_gate_split_with_the_heads(registry):
     elementwise over heads x head_dim: gate_proj is split with the q heads."""
     attention = rules_of(tiny("afmoe"))["model.layers.*.self_attn"]
     assert attention.head_columns == ("gate_proj",)
-    assert shards(tiny("afmoe"), registry, 1)["model.layers.0.self_attn.gate_proj"].weight.ranges == ((16, 32),)
+    layout = shards(tiny("afmoe"), registry, 1)
+    assert layout["model.layers.0.self_attn.gate_proj"].weight.ranges == ((16, 32),)
+    # its first layer's dense MLP, also left out of the plan, is kept whole (its forward takes ``x``)
+    assert rules_of(tiny("afmoe"))["model.layers.0.mlp"].argument == "x"
+    assert layout["model.layers.0.mlp"].style.label == "whole_sequence"
+
+
+def test_beam_gate_and_per_head_gate_bias(registry):
+    """Beam gates each head's output by sigmoid(gate_proj(x) + gate_bias[head]); transformers shards both
+    colwise: gate_proj's outputs and the bare gate_bias [heads] go with the q heads."""
+    attention = rules_of(tiny("beam"))["model.layers.*.self_attn"]
+    assert (attention.head_columns, attention.head_params) == (("gate_proj",), ("gate_bias",))
+    layout = shards(tiny("beam"), registry, 1)
+    assert layout["model.layers.0.self_attn"].spec("gate_bias").ranges == ((2, 4),)
+
+
+def test_minimax_lightning_layers_kept_whole_softmax_layers_split(registry):
+    """MiniMax alternates softmax attention (q/k/v/o, split by heads) with lightning attention (a linear
+    attention scanning the sequence, no q_proj) at the same path: one rule per layer, the lightning blocks kept
+    whole and run on the whole sequence under SP."""
+    config = tiny("minimax")
+    rules = rules_of(config)
+    for i, kind in enumerate(config.layer_types):
+        rule = rules[f"model.layers.{i}.self_attn"]
+        assert type(rule).__name__ == ("Attention" if kind == "full_attention" else "WholeSequence")
+    assert "model.layers.*.self_attn.qkv_proj" in derive(config).sp.norms
+    assert "model.layers.1.self_attn.qkv_proj" not in shards(config, registry, 0)
+
+
+def test_per_head_norms_stay_local_where_transformers_gathers_q_k_v(registry):
+    """MiniMax-M3's plan gathers q, k and v around norms that are per head (head_dim wide): each rank's heads
+    need only their own, so the attention splits by heads and the norms' gradients are summed."""
+    rules = rules_of(tiny("minimax_m3_vl_text"))
+    assert type(rules["model.layers.*.self_attn"]) is Attention
+    assert isinstance(rules["model.layers.*.self_attn.q_norm"], ReplicatedGradSum)
 
 
 @pytest.mark.parametrize(("arch", "message"), [

@@ -72,7 +72,9 @@ class _ReduceScatterToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
-        return comm.reduce_scatter(x, group, SEQ_DIM)
+        # contiguous, as the residual stream is in one process: elementwise ops keep a strided layout, and model
+        # code views it later (Beam's MoE: hidden_states.view(-1, hidden) after sandwich norms and a residual add)
+        return comm.reduce_scatter(x, group, SEQ_DIM).contiguous()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
