@@ -106,3 +106,10 @@ def test_a_final_norm_also_run_before_the_layers_ends_no_sequence_parallel_regio
     sp = derive(plait_tiny_config("nanochat")).sp  # NanoChat normalises the embeddings with its final norm
     assert sp.end == "model.layers.3" and "model.norm" not in sp.norms
     assert derive(plait_tiny_config("qwen3")).sp.end == "model.norm"
+
+
+def test_a_layer_input_threaded_from_layer_to_layer_refuses_pipeline_stages():
+    derived = derive(plait_tiny_config("inkling2_text"))  # each layer also takes the earlier blocks' outputs
+    assert isinstance(derived.pipeline, Refusal) and "\n" not in str(derived.pipeline)
+    assert str(derived.pipeline).startswith("inkling2_text: model.layers: ") and "['block_states']" in str(derived.pipeline)
+    assert not isinstance(derive(plait_tiny_config("nemotron_h")).pipeline, Refusal)

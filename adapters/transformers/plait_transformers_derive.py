@@ -842,6 +842,7 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
         raise refuse(arch, "output_router_logits", "the router's load-balancing loss combines the routing statistics "
                                                    "of every layer of a forward, which pipeline stages do not share; "
                                                    "set output_router_logits=False (no aux loss) or pp=1")
+    _check_layer_inputs(model, arch, layers)
     plan = model.pp_plan or {}
     parent = layers.rpartition(".")[0]
     siblings = [f"{parent}.{n}" if parent else n for n in model.get_submodule(parent)._modules]
@@ -863,6 +864,24 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     embedding = model.get_input_embeddings()
     neutralize = [n for n in first if own_params_deep(_get(model, n)) and _get(model, n) is not embedding]
     return PipelinePlan(first=tuple(first), layers=layers, last=tuple(last), neutralize=tuple(neutralize))
+
+
+# Decoder-layer inputs every pipeline stage rebuilds itself from the full sequence (docs/decisions.md D2).
+STAGE_BUILT = ("attention_mask", "position_embeddings", "position_ids", "cache_position", "past_key_values")
+
+
+def _check_layer_inputs(model: nn.Module, arch: str, layers: str) -> None:
+    """Pipeline stages hand on the hidden states alone. A decoder layer that needs another input the model
+    threads from layer to layer (Inkling2's ``block_states``, the outputs of earlier blocks) would get, on a
+    later stage, a value that never saw the earlier stage's layers: refused, not silently wrong."""
+    for cls in dict.fromkeys(type(layer) for layer in model.get_submodule(layers)):
+        params = list(inspect.signature(cls.forward).parameters.values())[2:]  # self, the hidden states
+        threaded = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in STAGE_BUILT
+                    and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if threaded:
+            raise refuse(arch, layers, f"{cls.__name__}.forward takes {threaded} besides the hidden states, threaded "
+                                       f"from layer to layer by the model; pipeline stages hand on only the hidden "
+                                       f"states: use pp=1")
 
 
 def own_params_deep(module: nn.Module | None) -> bool:

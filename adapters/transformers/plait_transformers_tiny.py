@@ -4,7 +4,10 @@ The conformance kit needs a model small enough for a 2-core CI that still exerci
 (pp=2 with 2 virtual stages), 4 heads over 2 kv heads (GQA; kv-head replication at tp=4), a vocabulary tp
 does not divide (padding), dropout and router jitter 0 (parity needs a deterministic forward), a sliding
 window shorter than the test sequences, and each kind of layer the architecture alternates between. Sizes are
-set only on the keys the class has; lists with one entry per layer are rebuilt for 4 layers.
+set only on the keys the class has; lists with one entry per layer, per-layer overrides keyed by layer index
+(``per_layer_config``), layer kinds placed by period and offset and counts of layers of one kind are rebuilt for
+4 layers; a composite config's sub-configs are shrunk the same way. ARCHITECTURES holds the few values a class's
+own defaults need to build a model that runs at all, each with why.
 """
 
 from __future__ import annotations
