@@ -173,6 +173,23 @@ def test_per_head_norms_stay_local_where_transformers_gathers_q_k_v(registry):
     assert isinstance(rules["model.layers.*.self_attn.q_norm"], ReplicatedGradSum)
 
 
+@pytest.mark.parametrize("arch", ["granite_swa", "qwen3_next", "minimax"])
+def test_show_derived_prints_the_new_rules_as_loadable_code(arch):
+    """``plait plan --show-derived``: per-head parameters, gated q, per-layer and whole-sequence rules print as an
+    adapter giving the same plans."""
+    import types
+
+    import plait_transformers
+
+    module = types.ModuleType(f"derived_{arch}")
+    exec(compile(plait_transformers.show_derived(arch), f"<derived {arch}>", "exec"), module.__dict__)
+    registry = Registry(autoload=False)
+    adapter = registry.register(module)
+    config = plait_transformers.plait_tiny_config(arch)
+    assert registry.tp_plan(adapter, config) == derive(config).tp
+    assert registry.sp_plan(adapter, config) == derive(config).sp
+
+
 @pytest.mark.parametrize(("arch", "message"), [
     ("doge", "doge: model.layers.*.self_attn.dt_proj: transformers' style 'rowwise' inside attention has no plait rule"),
 ])

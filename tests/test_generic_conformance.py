@@ -7,7 +7,8 @@ vocab-parallel loss (gemma, gemma2), biases everywhere (starcoder2), logit_scale
 (granite), no-rope layers (smollm3), partial rotary and a parallel residual (phi), tied heads (gemma*); and
 where transformers' own plan gathers, plait's real splits: fused q|k|v and gate|up (phi3), per-head interleaved
 qkv with partial rotary and a parallel residual (gpt_neox), full-width q/k norms (olmo2), fused experts split
-on their intermediate dimension with a replicated router (mixtral, qwen3_moe).
+on their intermediate dimension with a replicated router (mixtral, qwen3_moe), a q projection carrying a
+per-head gate and a gated delta net kept whole, run on the whole sequence under SP (qwen3_next).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from plait.testing.conformance_modes import LOSS_RTOL, MODES
 pytest_plugins = ["plait.testing.pytest_plugin"]
 
 ARCHITECTURES = ("qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "starcoder2", "cohere", "granite", "smollm3", "phi",
-                 "phi3", "olmo2", "gpt_neox", "mixtral", "qwen3_moe")
+                 "phi3", "olmo2", "gpt_neox", "mixtral", "qwen3_moe", "qwen3_next")
 # gemma3_text under tensor parallelism: in fp32 its step-2/3 gradients exceed the kit's tolerance by 1.2-2.5x:
 # Adam (eps 1e-6) amplifies the ~1e-7 reordering noise of step 1 about 200-fold in this model. These pairs are
 # rerun in float64 (results_float64), where they must pass outright.
