@@ -32,7 +32,7 @@ from plait.tp.styles import (
     FullWidthNormAttention, FusedColumn, HeadInterleavedAttention, LocalConfigAttention, MoEExperts, MoERouter,
     ReplicatedGradSum, ScaledVocabEmbedding, TPRule, WholeSequence,
 )
-from plait.tp.styles import LatentAttention
+from plait.tp.styles import ExpertMajorExperts, LatentAttention
 
 # Child names of an attention block's projections, as transformers' models spell them.
 Q, K, V = ("q_proj", "query", "q"), ("k_proj", "key", "k"), ("v_proj", "value", "v")
@@ -242,7 +242,7 @@ def _moe_rules(model, config, parent: str, styles: dict[str, str], experts: list
             raise refuse(arch, parent, f"{name} is a {type(block).__name__}, where other layers hold the experts: "
                                        f"layers of different kinds at one module path, which plait's patterns "
                                        f"cannot tell apart")
-    rules: list[TPRule] = [MoEExperts(f"{parent}.{e}") for e in experts]
+    rules: list[TPRule] = [_experts_rule(modules, f"{parent}.{e}") for e in experts]
     dense = {c: style for c, style in styles.items() if c not in experts}
     for child, style in dense.items():
         name = f"{parent}.{child}"
@@ -255,6 +255,17 @@ def _moe_rules(model, config, parent: str, styles: dict[str, str], experts: list
     if getattr(config, "output_router_logits", False):
         rules += _router_rules(model, arch, parent, modules[block_name])
     return rules
+
+
+def _experts_rule(modules: dict[str, nn.Module], pattern: str) -> MoEExperts:
+    """MoEExperts for transformers' usual experts module (``forward(hidden_states, top_k_index, top_k_weights)``);
+    ExpertMajorExperts for one that takes every token once per expert, pre-scaled by its routing score, and views
+    them expert-major (Llama4: ``forward(hidden_states)``, ``hidden_states.view(self.gate_up_proj.shape[0], -1,
+    ...)``). Any other forward gets MoEExperts, which refuses it naming the arguments it needs."""
+    module = next(m for n, m in modules.items() if matches(pattern, n))
+    arguments = list(inspect.signature(module.forward).parameters)
+    expert_major = "hidden_states.view(self.gate_up_proj.shape[0], -1" in inspect.getsource(type(module).forward)
+    return ExpertMajorExperts(pattern) if arguments == ["hidden_states"] and expert_major else MoEExperts(pattern)
 
 
 def _router_rules(model, arch: str, parent: str, block: nn.Module) -> list[TPRule]:
@@ -510,10 +521,15 @@ def _attention_rules(model, config, parent, styles, roles, bare) -> list[TPRule]
     # other layers' blocks at this path without these projections: a linear attention (MiniMax's lightning
     # attention) is kept whole on every rank and run on the whole sequence; anything else is refused
     others = {name: b for name, b in matched.items() if name not in blocks}
-    kinds = {type(b) for b in blocks.values()} | {type(b) for b in others.values() if _softmax_attention(b)}
+    kinds = {type(b) for b in blocks.values()}
     if len(kinds) > 1:
         raise refuse(arch, parent, f"attention blocks of different classes {sorted(k.__name__ for k in kinds)} "
                                    f"at one module path, which plait's patterns cannot tell apart")
+    lacking = next((name for name, b in others.items() if _softmax_attention(b)), None)
+    if lacking is not None:
+        missing = sorted(roles[r] for r in ("q", "k", "v", "o") if _get(matched[lacking], roles[r]) is None)
+        raise refuse(arch, parent, f"{lacking} ({type(matched[lacking]).__name__}) is softmax attention without "
+                                   f"{missing}, unlike other layers' blocks at this path; plait has no rule for it")
     mixers = [whole_sequence(arch, name, b) for name, b in others.items()]
     if not blocks:
         raise refuse(arch, parent, f"no block at this path has the projections {sorted(styles)} transformers' plan names")
