@@ -250,6 +250,40 @@ class WholeSequenceRegion:
         return (mappings.keep_seq_shard(output[0], self.group), *output[1:])
 
 
+class ExpertMajorRegion:
+    """``ExpertsRegion`` for an experts module that takes every token once per expert, already scaled by its
+    routing score, expert-major (Llama4 ``Llama4TextExperts.forward(hidden_states)``: [experts * tokens, hidden],
+    viewed as [experts, tokens, hidden]). Without SP it enters and leaves like ``ExpertsRegion``. Under SP the
+    tokens are gathered along the tokens dimension of that view, not along dim 0 (which would interleave the
+    ranks' experts), and the partial outputs reduce-scattered back along it."""
+
+    ARGS = ("hidden_states",)
+
+    def __init__(self, group: Group, sequence_parallel: bool) -> None:
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.experts = 0
+
+    def install(self, module: nn.Module) -> None:
+        self.experts = next(module.parameters()).shape[0]  # expert weights are [experts, ...]
+        module.register_forward_pre_hook(self._enter, with_kwargs=True)
+        module.register_forward_hook(self._leave)
+
+    def _enter(self, module, args, kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        if self.sequence_parallel:
+            by_token = hidden.view(self.experts, -1, hidden.shape[-1]).transpose(0, 1).contiguous()
+            hidden = _GatherTokens.apply(by_token, self.group, True).transpose(0, 1).reshape(-1, hidden.shape[-1])
+        else:
+            hidden = mappings.copy_to_tp(hidden, self.group)
+        return (hidden, *args[1:]), kwargs
+
+    def _leave(self, module, args, output):
+        if self.sequence_parallel:
+            by_token = output.view(self.experts, -1, output.shape[-1]).transpose(0, 1).contiguous()
+            return _ReduceScatterTokens.apply(by_token, self.group).transpose(0, 1).reshape(-1, output.shape[-1])
+        return mappings.reduce_from_tp(output, self.group)
+
+
 class RouterLogitsGather:
     """Under SP, replaces the router logits a router returns (its first output, [tokens, experts] of this rank's
     sequence shard) with all ranks' logits, so transformers' load-balancing loss (computed from the recorded

@@ -19,7 +19,7 @@ from torch import nn
 from plait.config import ConfigError
 from plait.mesh import Mesh
 from plait.tp.layers import (
-    ColumnParallelLinear, ExpertsRegion, RouterLogitsGather, RowParallelLinear, ScaledVocabParallelEmbedding, SplitRMSNorm, TPRegionEntry,
+    ColumnParallelLinear, ExpertMajorRegion, ExpertsRegion, RouterLogitsGather, RowParallelLinear, ScaledVocabParallelEmbedding, SplitRMSNorm, TPRegionEntry,
     VocabParallelEmbedding, WholeSequenceRegion,
 )
 from plait.tp.sharding import ModuleShard, ShardSpec, even_range, linear_shape, linear_shard, vocab_split
@@ -468,13 +468,14 @@ class MoEExperts(TPRule):
     becomes its own tensor-parallel region (``layers.ExpertsRegion``)."""
 
     label: ClassVar[str] = "moe_experts"
+    region: ClassVar[type] = ExpertsRegion  # how tokens enter and leave the module (its forward's arguments)
 
     def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
         params = dict(module.named_parameters(recurse=False))
-        arguments = list(inspect.signature(module.forward).parameters)[:len(ExpertsRegion.ARGS)]
-        if tuple(arguments) != ExpertsRegion.ARGS:
-            raise ConfigError(f"{name} ({type(module).__name__}): moe_experts needs forward{ExpertsRegion.ARGS} (tokens "
-                              f"and their routing), found forward({', '.join(arguments)})")
+        arguments = list(inspect.signature(module.forward).parameters)[:len(self.region.ARGS)]
+        if tuple(arguments) != self.region.ARGS:
+            raise ConfigError(f"{name} ({type(module).__name__}): {self.label} needs forward{self.region.ARGS} "
+                              f"(tokens and their routing), found forward({', '.join(arguments)})")
         fused = "gate_up_proj" if "gate_up_proj" in params else "up_proj"
         unknown = sorted(set(params) - {fused, "down_proj"})
         if unknown or "down_proj" not in params or getattr(module, "has_post_expert_norm", False):
@@ -498,7 +499,7 @@ class MoEExperts(TPRule):
         for leaf, spec in shard.params.items():
             old = module._parameters[leaf]
             module._parameters[leaf] = nn.Parameter(spec.slice_full(old.detach()), requires_grad=old.requires_grad)
-        ExpertsRegion(ctx.mesh.tp_group, ctx.sequence_parallel).install(module)
+        self.region(ctx.mesh.tp_group, ctx.sequence_parallel).install(module)
         return module
 
 
@@ -591,3 +592,13 @@ class WholeSequence(TPRule):
         if ctx.sequence_parallel:
             WholeSequenceRegion(ctx.entry, ctx.mesh.tp_group, self.argument).install(module)
         return module
+
+
+@dataclass(frozen=True)
+class ExpertMajorExperts(MoEExperts):
+    """``MoEExperts`` for an experts module that takes every token once per expert, pre-scaled by its routing
+    score, expert-major (Llama4's ``forward(hidden_states)``, [experts * tokens, hidden]): split the same way,
+    entered and left through ``layers.ExpertMajorRegion``."""
+
+    label: ClassVar[str] = "moe_experts_expert_major"
+    region: ClassVar[type] = ExpertMajorRegion
