@@ -140,9 +140,10 @@ def test_undeclared_attention_output_gate_split_with_the_heads(registry):
     assert attention.head_columns == ("gate_proj",)
     layout = shards(tiny("afmoe"), registry, 1)
     assert layout["model.layers.0.self_attn.gate_proj"].weight.ranges == ((16, 32),)
-    # its first layer's dense MLP, also left out of the plan, is kept whole (its forward takes ``x``)
-    assert rules_of(tiny("afmoe"))["model.layers.0.mlp"].argument == "x"
-    assert layout["model.layers.0.mlp"].style.label == "whole_sequence"
+    # its first layer's dense MLP, down(act(gate(x)) * up(x)), also left out of the plan, is split column / row
+    assert layout["model.layers.0.mlp.gate_proj"].style.label == "column"
+    assert layout["model.layers.0.mlp.down_proj"].style.label == "row"
+    assert "model.layers.1.mlp.gate_proj" not in layout  # layer 1 holds the experts there
 
 
 def test_beam_gate_and_per_head_gate_bias(registry):

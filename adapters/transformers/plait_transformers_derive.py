@@ -352,11 +352,33 @@ def undeclared_mixers(model: nn.Module, arch: str, layers: str | None, rules: li
                 found[pattern].append((name, module))
     mixers: list[TPRule] = []
     for pattern, hits in found.items():
+        names = [pattern] if len(hits) == seen[pattern] else [name for name, _ in hits]
+        mlp = gated_mlp(hits[0][1])
+        if mlp and all(gated_mlp(module) == mlp for _, module in hits):
+            mixers += [style(f"{name}.{child}") for name in names for style, child in zip((Column, Column, Row), mlp)]
+            notes.append(f"{pattern} ({type(hits[0][1]).__name__}): an MLP transformers' plan leaves out, split as "
+                         f"declared ones ({mlp[0]}, {mlp[1]} column-, {mlp[2]} row-parallel)")
+            continue
         each = [whole_sequence(arch, name, module) for name, module in hits]
         mixers += [WholeSequence(pattern, argument=each[0].argument)] if len(hits) == seen[pattern] else each
         notes.append(f"{pattern} ({type(hits[0][1]).__name__}): no rule splits it; kept whole on every rank and run "
                      f"on the whole sequence under SP")
     return mixers
+
+
+def gated_mlp(block: nn.Module) -> tuple[str, str, str] | None:
+    """(gate, up, down) of a gated MLP whose forward is ``down(act(gate(x)) * up(x))`` over three Linear children
+    and nothing else with parameters (AFMoE's dense layers; LFM2-MoE's ``w2(F.silu(w1(x)) * w3(x))``), else None."""
+    found = re.search(r"self\.(\w+)\(\s*[\w.]+\(self\.(\w+)\((\w+)\)\)\s*\*\s*self\.(\w+)\(\3\)\s*\)",
+                      inspect.getsource(type(block).forward))
+    if found is None:
+        return None
+    down, gate, _, up = found.groups()
+    names = (gate, up, down)
+    with_params = {n for n, m in block.named_modules() if own_params(m)}
+    if with_params != set(names) or not all(isinstance(block._modules.get(n), nn.Linear) for n in names):
+        return None
+    return names
 
 
 def _output_gates(block: nn.Module, source: str, projections: set[str]) -> list[str]:
