@@ -199,6 +199,9 @@ def test_show_derived_prints_the_new_rules_as_loadable_code(arch):
      "attention without ['k_proj', 'v_proj'], unlike other layers' blocks at this path"),
     ("inkling2_text", "inkling2_text: model.layers.*.self_attn: attention blocks of different classes "
      "['Inkling2FullAttention', 'Inkling2SlidingAttention'] at one module path"),
+    # sinks beside multi-head latent attention (q_b_proj, kv_b_proj): LatentAttention does not split them yet
+    ("hy_v4", "hy_v4: model.layers.*.self_attn.sinks: transformers shards the parameter itself (colwise); plait splits "
+     "bare parameters only with the q heads of a q/k/v attention block"),
 ])
 def test_refused_with_the_module_and_the_reason(registry, arch, message):
     with pytest.raises(ConfigError, match="cannot derive this plan: " + re.escape(message)):

@@ -413,8 +413,8 @@ def whole_sequence(arch: str, pattern: str, block: nn.Module) -> WholeSequence:
 def bare_refusal(arch: str, parent: str, params: dict[str, str]) -> Refusal:
     """The refusal for parameters transformers' plan shards by themselves where plait has no rule for them."""
     leaf, style = next(iter(params.items()))
-    return refuse(arch, f"{parent}.{leaf}", f"transformers shards the parameter itself ({style}); plait has no rule "
-                                            f"for a bare parameter outside an attention block's q heads")
+    return refuse(arch, f"{parent}.{leaf}", f"transformers shards the parameter itself ({style}); plait splits bare "
+                                            f"parameters only with the q heads of a q/k/v attention block")
 
 
 def _block_rules(model, config, parent: str, block: nn.Module, styles: dict[str, str],
