@@ -1,7 +1,9 @@
 """What the generic adapter derives for multi-head latent attention (DeepSeek-V2/V3's MLA and the models built on
-it) and for replicated parameters inside a tensor-parallel block, and what it still refuses. No process group:
-plans are checked on meta models; their parity is shown by scripts/architecture_sweep.py (tp2-sp, pp2-1f1b,
-consolidate-tp2) and, for deepseek_v3, by tests/test_generic_conformance.py."""
+it), for replicated parameters inside a tensor-parallel block and for Llama4's expert-major experts, and what it
+still refuses. No process group: plans are checked on meta models; their parity is shown by
+scripts/architecture_sweep.py (tp2-sp, pp2-1f1b, consolidate-tp2: deepseek_v2, deepseek_v3, axk1, youtu,
+glm4_moe_lite, minicpm3, apertus, llama4_text) and by the conformance kit's full matrix for deepseek_v3
+(``plait check-adapter transformers:deepseek_v3``)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from torch import nn
 from plait import ConfigError, ParallelConfig, Registry
 from plait.layout_plan import plan_layout
 from plait.meta import build_meta_model
-from plait.tp.styles import LatentAttention, ReplicatedGradSum
+from plait.tp.styles import ExpertMajorExperts, LatentAttention, MoEExperts, ReplicatedGradSum
 
 import plait_transformers
 from plait_transformers_derive import MLA_DOWN, Refusal, _latent_attention_rules, _scalar_activation, tp_plan
@@ -143,3 +145,25 @@ def test_per_feature_parameters_inside_a_tensor_parallel_block_stay_refused():
                                       r"activations; plait cannot tell how to sum their gradients"):
         tp_plan(model, config, "model.layers", [])
 
+
+
+# --------------------------------------------------------------------------------------------------
+# Experts taking every token once per expert (Llama4)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_llama4_expert_major_experts_split_on_the_intermediate_dim(registry):
+    """Llama4TextExperts.forward(hidden_states) takes [experts * tokens, hidden], pre-scaled by the router: split
+    like the usual experts (stored [E, in, out]), entered through the expert-major region."""
+    config = tiny("llama4_text")
+    rules = rules_of(registry, config)
+    assert type(rules["model.layers.*.feed_forward.experts"]) is ExpertMajorExperts
+    shard = plan(config, registry, tp=2, sp=True).shards_by_rank[1]["model.layers.0.feed_forward.experts"]
+    inter = config.intermediate_size
+    assert shard.transposed and shard.params["gate_up_proj"].dim == 2
+    assert shard.params["gate_up_proj"].ranges == ((inter // 2, inter), (inter + inter // 2, 2 * inter))
+    assert shard.params["down_proj"].dim == 1 and shard.params["down_proj"].ranges == ((inter // 2, inter),)
+
+
+def test_usual_experts_keep_the_routing_region(registry):
+    assert type(rules_of(registry, tiny("qwen3_moe"))["model.layers.*.mlp.experts"]) is MoEExperts
