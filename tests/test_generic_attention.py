@@ -193,6 +193,21 @@ def test_show_derived_prints_the_new_rules_as_loadable_code(arch):
     assert registry.sp_plan(adapter, config) == derive(config).sp
 
 
+def test_plan_models_a_linear_attention_model(tmp_path, capsys):
+    """plait plan traces Qwen3.5's layers (a gated delta net's conv kernel is 3-D, not experts stacked) and shows
+    the delta net kept whole."""
+    from plait.cli import main
+
+    import plait_transformers
+
+    path = tmp_path / "config.json"
+    plait_transformers.plait_tiny_config("qwen3_5_text").to_json_file(path)
+    main(["plan", "--model_config", str(path), "--block_size", "16", "--tensor_parallel_size", "2",
+          "--per_device_train_batch_size", "1"])
+    out = capsys.readouterr().out
+    assert "model.layers.*.linear_attn" in out and "whole_sequence" in out
+
+
 @pytest.mark.parametrize(("arch", "message"), [
     ("doge", "doge: model.layers.*.self_attn.dt_proj: transformers' style 'rowwise' inside attention has no plait rule"),
     ("gemma3n_text", "gemma3n_text: model.layers.*.self_attn: model.layers.2.self_attn (Gemma3nTextAttention) is softmax "

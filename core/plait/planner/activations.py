@@ -129,7 +129,8 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter) -
 def _refuse_routed_experts(model: nn.Module) -> None:
     """Routed experts (parameters stacked over experts, 3-D) decide which tokens reach which expert from the data,
     which the meta device cannot run (transformers' grouped matmul and per-expert loops need real routing)."""
-    stacked = next((name for name, p in model.named_parameters() if p.dim() == 3), None)
+    stacked = next((f"{name}.{leaf}" for name, module in model.named_modules() if not isinstance(module, nn.Conv1d)
+                    for leaf, p in module.named_parameters(recurse=False) if p.dim() == 3), None)  # not a conv kernel
     if stacked is not None:
         raise ConfigError(
             f"plait plan does not model the activations of routed experts yet ({model.config.model_type}: "
