@@ -576,7 +576,8 @@ class WholeSequence(TPRule):
     computes the block whole on every rank). Without SP its input and output are the same on every rank, so it is
     an ordinary replicated block; under SP it runs on the gathered sequence and keeps this rank's shard of its
     output (``layers.WholeSequenceRegion``), its parameters' gradients summed over tp as the SP plan's norms'
-    (the SP plan must name its modules). Its work is repeated on every tp rank, as in transformers' plan."""
+    (the SP plan must name its modules). Its work is repeated on every tp rank, as in transformers' plan
+    (docs/decisions.md D10)."""
 
     argument: str = "hidden_states"  # the forward's first parameter, the hidden states, when passed by keyword
     label: ClassVar[str] = "whole_sequence"
