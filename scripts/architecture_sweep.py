@@ -162,13 +162,14 @@ def record(row: Row, results) -> None:
 
 
 def fp32_noise(result) -> bool:
-    """A failure only in gradients after step 1, by less than 5x the tolerance, with every loss right: fp32
-    reordering noise that Adam (eps 1e-6) amplifies in some tiny models (gemma3_text, mixtral, olmo2 in
-    tests/test_generic_conformance.py, where float64 makes it exact). A mis-split module is off by 1e-4 or
-    more at step 1 (the kit's tolerance is 1e-6 + 1e-5*|ref|), so it never lands here."""
+    """A failure only in gradients after step 1, with every loss right: possibly fp32 reordering noise that
+    Adam (eps 1e-6) amplifies in some tiny models (gemma3_text, mixtral, olmo2 in
+    tests/test_generic_conformance.py). Such a cell is not a pass: ``recheck_float64`` runs it again in float64,
+    which decides. A mis-split module is off by 1e-4 or more at step 1 already (the kit's tolerance is
+    1e-6 + 1e-5*|ref|)."""
     first = result.note.lstrip()
     return (result.loss_rel is not None and result.loss_rel <= 1e-5 and result.grad_tol is not None
-            and result.grad_tol < 5 and first.startswith(("step 2 grad", "step 3 grad")))
+            and first.startswith(("step 2 grad", "step 3 grad")))
 
 
 def render(rows: list[Row], seconds: float) -> str:
@@ -199,7 +200,7 @@ def render(rows: list[Row], seconds: float) -> str:
         + (f"; {len(not_run)} not run yet" if not_run else "") + ".**",
         "",
         "`pass (float64: ...; fp32: ...)`: in fp32 every loss was within 1e-5 and every step-1 gradient within "
-        "tolerance, but a later step's gradient was over it by less than 5x: Adam (eps 1e-6) amplifies fp32 "
+        "tolerance, but a later step's gradient was over it: Adam (eps 1e-6) amplifies fp32 "
         "reordering noise in some tiny models (tests/test_generic_conformance.py measures it for gemma3_text, "
         "mixtral and olmo2). The same mode then ran in float64, where that noise shrinks 20-300x while a "
         "mis-split module stays off by 1e-4 or more, and passed there.",

@@ -1,8 +1,8 @@
 """What the generic adapter derives for multi-head latent attention (DeepSeek-V2/V3's MLA and the models built on
 it), for replicated parameters inside a tensor-parallel block and for Llama4's expert-major experts, and what it
 still refuses. No process group: plans are checked on meta models; their parity is shown by
-scripts/architecture_sweep.py (tp2-sp, pp2-1f1b, consolidate-tp2: deepseek_v2, deepseek_v3, axk1, youtu,
-glm4_moe_lite, minicpm3, apertus, llama4_text) and by the conformance kit's full matrix for deepseek_v3
+scripts/architecture_sweep.py (tp2-sp, pp2-1f1b, consolidate-tp2: deepseek_v2, deepseek_v3, deepseek_v32, axk1,
+youtu, glm4_moe_lite, minicpm3, apertus, llama4_text) and by the conformance kit's full matrix for deepseek_v3
 (``plait check-adapter transformers:deepseek_v3``)."""
 
 from __future__ import annotations
@@ -86,6 +86,16 @@ def test_latent_attention_without_a_q_lora_splits_q_proj(registry):
     shard = plan(config, registry, tp=2, sp=True).shards_by_rank[0]["model.layers.0.self_attn.q_proj"]
     assert shard.weight.ranges == ((0, 16),) and shard.weight.full_shape == (32, 32)
 
+
+def test_sparse_attention_indexer_computing_without_gradients_is_replicated(registry):
+    """DeepSeek-V3.2's indexer (forward under torch.no_grad) picks the tokens each query attends to: replicated on the
+    full sequence it picks the same ones on every rank, and it has no gradient to sum."""
+    config = tiny("deepseek_v32")
+    attention = rules_of(registry, config)[ATTENTION]
+    indexer = ("indexer.wq_b", "indexer.wk", "indexer.k_norm", "indexer.weights_proj")
+    assert isinstance(attention, LatentAttention) and attention.replicated == (*MLA_DOWN, *indexer)
+    shard = plan(config, registry, tp=2, sp=True).shards_by_rank[1]["model.layers.0.self_attn.indexer.k_norm"]
+    assert shard.weight.local_shape == shard.weight.full_shape and shard.bias is not None
 
 def test_latent_attention_heads_tp_does_not_divide_are_refused(registry):
     config = tiny("deepseek_v3")

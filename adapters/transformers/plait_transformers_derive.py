@@ -722,7 +722,8 @@ def _unplanned_latent_attention(model, layers: str | None, children: dict, block
 
 def _latent_attention_rules(model, config, parent: str, block: nn.Module, styles: dict[str, str]) -> list[TPRule]:
     """A LatentAttention rule, once the block is the layout it splits: only the down projections and their norms,
-    ``q_b_proj`` (or ``q_proj``), ``kv_b_proj`` and ``o_proj`` hold parameters, in every layer the pattern matches;
+    ``q_b_proj`` (or ``q_proj``), ``kv_b_proj``, ``o_proj`` and children computing without gradients (a sparse-attention
+    indexer, replicated) hold parameters, in every layer the pattern matches;
     their widths are the config's heads times the block's head dims; the forward reads them per head (MLA_LAYOUT)
     and no head count from the config; transformers' styles, where its plan has them, agree (MLA_STYLES)."""
     arch = config.model_type
@@ -732,7 +733,11 @@ def _latent_attention_rules(model, config, parent: str, block: nn.Module, styles
                                    f"layers hold latent attention: layers of different kinds at one module path")
     q = "q_b_proj" if "q_b_proj" in block._modules else "q_proj"
     down = tuple(d for d in MLA_DOWN if d in block._modules)
-    known = {q, "kv_b_proj", "o_proj", *down}
+    # a child computing without gradients (DeepSeek-V3.2's sparse-attention indexer, @torch.no_grad): replicated on the
+    # full sequence, it gives every rank the same token selection and no parameter gradient to sum
+    frozen = [n for n, m in block.named_children() if n not in {q, "kv_b_proj", "o_proj", *down} and own_params_deep(m)
+              and "@torch.no_grad()" in inspect.getsource(type(m).forward)]
+    known = {q, "kv_b_proj", "o_proj", *down, *frozen}
     stray = sorted(n for n, m in block.named_modules() if n and n.split(".")[0] not in known and own_params(m))
     if stray:
         raise refuse(arch, f"{parent}.{stray[0]}", "a module with parameters inside latent attention beside its "
@@ -760,8 +765,9 @@ def _latent_attention_rules(model, config, parent: str, block: nn.Module, styles
         raise refuse(arch, parent, f"{type(block).__name__} does not read its projections head by head as plait's split "
                                    f"assumes ({', '.join(unread)}); plait has no rule for it")
     local = tuple(a for a, q_heads in LOCAL_ATTRS.items() if q_heads == "q_heads" and isinstance(vars(block).get(a), int))
+    indexers = tuple(f"{f}.{n}" for f in frozen for n, m in block.get_submodule(f).named_modules() if own_params(m))
     return [LatentAttention(parent, q=q, kv_b="kv_b_proj", o="o_proj", num_heads=heads, q_head_dim=nope + rope,
-                            kv_head_dim=nope + v, v_head_dim=v, replicated=down, local_attrs=local)]
+                            kv_head_dim=nope + v, v_head_dim=v, replicated=(*down, *indexers), local_attrs=local)]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -536,6 +536,8 @@ class LatentAttention(TPRule):
     shared by all heads) is the same everywhere. Each rank's gradient for them covers only its own heads: their
     parameter gradients are summed over tp (``ReplicatedGradSum``), and their input gradient, partial like every
     projection's, is summed once by the region's entry (all-reduce, or reduce-scatter under SP), not again.
+    ``replicated`` may also name the modules of a child that computes without gradients on the same full-sequence
+    inputs (DeepSeek-V3.2's sparse-attention indexer): every rank then selects the same tokens.
     ``local_attrs``: attributes of the block holding the head count (``num_heads``), set to this rank's.
     """
 
