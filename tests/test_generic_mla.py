@@ -2,7 +2,7 @@
 it), for replicated parameters inside a tensor-parallel block and for Llama4's expert-major experts, and what it
 still refuses. No process group: plans are checked on meta models; their parity is shown by
 scripts/architecture_sweep.py (tp2-sp, pp2-1f1b, consolidate-tp2: deepseek_v2, deepseek_v3, deepseek_v32, axk1,
-youtu, glm4_moe_lite, minicpm3, apertus, llama4_text) and by the conformance kit's full matrix for deepseek_v3
+youtu, glm4_moe_lite, minicpm3, kimi_linear, bailing_hybrid, apertus, llama4_text) and by the conformance kit's full matrix for deepseek_v3
 (``plait check-adapter transformers:deepseek_v3``)."""
 
 from __future__ import annotations
@@ -96,6 +96,22 @@ def test_sparse_attention_indexer_computing_without_gradients_is_replicated(regi
     assert isinstance(attention, LatentAttention) and attention.replicated == (*MLA_DOWN, *indexer)
     shard = plan(config, registry, tp=2, sp=True).shards_by_rank[1]["model.layers.0.self_attn.indexer.k_norm"]
     assert shard.weight.local_shape == shard.weight.full_shape and shard.bias is not None
+
+@pytest.mark.parametrize(("arch", "gates"), [("kimi_linear", ()), ("bailing_hybrid", ("g_proj",))])
+def test_hybrid_latent_attention_layers_get_one_rule_each(registry, arch, gates):
+    """Kimi-Linear and Bailing-Hybrid alternate delta attention and latent attention at ``self_attn``: one
+    LatentAttention per latent layer, the delta attention kept whole (run on the whole sequence under SP).
+    Bailing-Hybrid's per-head output gate (g_proj: one value per head) splits with the heads."""
+    config = tiny(arch)
+    rules = rules_of(registry, config)
+    latent = sorted(p for p, r in rules.items() if isinstance(r, LatentAttention))
+    assert latent == ["model.layers.1.self_attn", "model.layers.3.self_attn"]
+    assert all(rules[p].head_columns == gates for p in latent)
+    assert {"model.layers.0.self_attn", "model.layers.2.self_attn"} <= {p for p, r in rules.items()
+                                                                       if type(r).__name__ == "WholeSequence"}
+    if gates:
+        shard = plan(config, registry, tp=2, sp=True).shards_by_rank[1]["model.layers.1.self_attn.g_proj"]
+        assert shard.weight.ranges == ((2, 4),) and shard.entered_by_parent
 
 def test_latent_attention_heads_tp_does_not_divide_are_refused(registry):
     config = tiny("deepseek_v3")

@@ -697,9 +697,9 @@ MLA_DOWN = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
 # transformers' styles for the block's children, where its plan names them: what plait's split by heads agrees with.
 MLA_STYLES = {"q_proj": "colwise", "q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise",
               "kv_a_proj_with_mqa": "mla_kv_a_proj"}
-# How the forward reads the projections (q per head as nope | rope, kv_a as latent | shared rotary key, kv_b per
+# How the forward reads the projections (q per head, nope | rope, kv_a as latent | shared rotary key, kv_b per
 # head as k_nope | v): the layout in which a contiguous run of whole heads is a column split.
-MLA_LAYOUT = ("[self.qk_nope_head_dim, self.qk_rope_head_dim]", "[self.kv_lora_rank, self.qk_rope_head_dim]",
+MLA_LAYOUT = ("(batch_size, seq_length, -1, self.qk_head_dim)", "[self.kv_lora_rank, self.qk_rope_head_dim]",
               "self.qk_nope_head_dim + self.v_head_dim", "[self.qk_nope_head_dim, self.v_head_dim]")
 
 
@@ -723,21 +723,32 @@ def _unplanned_latent_attention(model, layers: str | None, children: dict, block
 def _latent_attention_rules(model, config, parent: str, block: nn.Module, styles: dict[str, str]) -> list[TPRule]:
     """A LatentAttention rule, once the block is the layout it splits: only the down projections and their norms,
     ``q_b_proj`` (or ``q_proj``), ``kv_b_proj``, ``o_proj`` and children computing without gradients (a sparse-attention
-    indexer, replicated) hold parameters, in every layer the pattern matches;
+    indexer, replicated) hold parameters, alike in every layer the pattern matches;
     their widths are the config's heads times the block's head dims; the forward reads them per head (MLA_LAYOUT)
-    and no head count from the config; transformers' styles, where its plan has them, agree (MLA_STYLES)."""
+    and no head count from the config; transformers' styles, where its plan has them, agree (MLA_STYLES).
+    In a hybrid whose other layers hold another mixer at the same path (Kimi-Linear's, Bailing-Hybrid's delta
+    attention) and whose plan styles none of them, one rule per latent-attention layer; the other mixers are left to
+    the rules for mixers no plan names (``undeclared_mixers``)."""
     arch = config.model_type
-    others = [n for n, m in model.named_modules() if matches(parent, n) and not is_latent_attention(m)]
-    if others:
+    hits = [(n, m) for n, m in model.named_modules() if matches(parent, n)]
+    others = [n for n, m in hits if not is_latent_attention(m)]
+    if others and styles:
         raise refuse(arch, parent, f"{others[0]} is a {type(model.get_submodule(others[0])).__name__}, where other "
                                    f"layers hold latent attention: layers of different kinds at one module path")
+    shapes = {(n, tuple(p.shape)) for n, p in block.named_parameters()}
+    unlike = [n for n, m in hits if n not in others and {(k, tuple(p.shape)) for k, p in m.named_parameters()} != shapes]
+    if unlike:
+        raise refuse(arch, parent, f"{unlike[0]}'s parameters differ from the other latent-attention layers'; plait has "
+                                   f"no rule for it")
     q = "q_b_proj" if "q_b_proj" in block._modules else "q_proj"
     down = tuple(d for d in MLA_DOWN if d in block._modules)
     # a child computing without gradients (DeepSeek-V3.2's sparse-attention indexer, @torch.no_grad): replicated on the
     # full sequence, it gives every rank the same token selection and no parameter gradient to sum
     frozen = [n for n, m in block.named_children() if n not in {q, "kv_b_proj", "o_proj", *down} and own_params_deep(m)
               and "@torch.no_grad()" in inspect.getsource(type(m).forward)]
-    known = {q, "kv_b_proj", "o_proj", *down, *frozen}
+    gates = [n for n, m in block.named_children()
+             if isinstance(m, nn.Linear) and m.out_features == config.num_attention_heads and _head_gate(type(block), n)]
+    known = {q, "kv_b_proj", "o_proj", *down, *frozen, *gates}
     stray = sorted(n for n, m in block.named_modules() if n and n.split(".")[0] not in known and own_params(m))
     if stray:
         raise refuse(arch, f"{parent}.{stray[0]}", "a module with parameters inside latent attention beside its "
@@ -766,8 +777,19 @@ def _latent_attention_rules(model, config, parent: str, block: nn.Module, styles
                                    f"assumes ({', '.join(unread)}); plait has no rule for it")
     local = tuple(a for a, q_heads in LOCAL_ATTRS.items() if q_heads == "q_heads" and isinstance(vars(block).get(a), int))
     indexers = tuple(f"{f}.{n}" for f in frozen for n, m in block.get_submodule(f).named_modules() if own_params(m))
-    return [LatentAttention(parent, q=q, kv_b="kv_b_proj", o="o_proj", num_heads=heads, q_head_dim=nope + rope,
-                            kv_head_dim=nope + v, v_head_dim=v, replicated=(*down, *indexers), local_attrs=local)]
+    names = [n for n, _ in hits if n not in others] if others else [parent]
+    return [LatentAttention(name, q=q, kv_b="kv_b_proj", o="o_proj", num_heads=heads, q_head_dim=nope + rope,
+                            kv_head_dim=nope + v, v_head_dim=v, replicated=(*down, *indexers), local_attrs=local,
+                            head_columns=tuple(gates))
+            for name in names]
+
+
+def _head_gate(cls: type, child: str) -> bool:
+    """Whether ``cls.forward`` gates each head's attention output by one value of ``child`` (Bailing-Hybrid:
+    ``gate = torch.sigmoid(self.g_proj(hidden_states)...)``, ``attn_output * gate.unsqueeze(-1)`` on [b, s, heads, v])."""
+    source = inspect.getsource(cls.forward)
+    found = re.search(rf"(\w+) = [^\n]*self\.{child}\(hidden_states\)", source)
+    return found is not None and f"attn_output * {found.group(1)}.unsqueeze(-1)" in source
 
 
 # --------------------------------------------------------------------------------------------------

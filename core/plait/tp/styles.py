@@ -538,6 +538,8 @@ class LatentAttention(TPRule):
     projection's, is summed once by the region's entry (all-reduce, or reduce-scatter under SP), not again.
     ``replicated`` may also name the modules of a child that computes without gradients on the same full-sequence
     inputs (DeepSeek-V3.2's sparse-attention indexer): every rank then selects the same tokens.
+    ``head_columns``: projections with one output per head (Bailing-Hybrid's sigmoid output gate ``g_proj``
+    [heads, hidden]), column-parallel with the heads.
     ``local_attrs``: attributes of the block holding the head count (``num_heads``), set to this rank's.
     """
 
@@ -550,6 +552,7 @@ class LatentAttention(TPRule):
     v_head_dim: int
     replicated: tuple[str, ...] = ()
     local_attrs: tuple[str, ...] = ()
+    head_columns: tuple[str, ...] = ()
     label: ClassVar[str] = "attention"
 
     def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
@@ -559,8 +562,9 @@ class LatentAttention(TPRule):
         heads = self.num_heads // tp
         first, last = rank * heads, (rank + 1) * heads
         child = lambda attr: (f"{name}.{attr}", module.get_submodule(attr))  # noqa: E731
+        widths = ((self.q, self.q_head_dim), (self.kv_b, self.kv_head_dim), *((c, 1) for c in self.head_columns))
         up = [linear_shard(*child(attr), Column(f"{name}.{attr}"), [(first * width, last * width)], None)
-              for attr, width in ((self.q, self.q_head_dim), (self.kv_b, self.kv_head_dim))]
+              for attr, width in widths]
         for shard in up:
             shard.entered_by_parent = True
         up[0].local_attrs = {attr: heads for attr in self.local_attrs}
