@@ -2,8 +2,8 @@
 it), for replicated parameters inside a tensor-parallel block and for Llama4's expert-major experts, and what it
 still refuses. No process group: plans are checked on meta models; their parity is shown by
 scripts/architecture_sweep.py (tp2-sp, pp2-1f1b, consolidate-tp2: deepseek_v2, deepseek_v3, deepseek_v32, axk1,
-youtu, glm4_moe_lite, minicpm3, kimi_linear, bailing_hybrid, apertus, llama4_text) and by the conformance kit's full matrix for deepseek_v3
-(``plait check-adapter transformers:deepseek_v3``)."""
+axk2, youtu, glm4_moe_lite, minicpm3, kimi_linear, bailing_hybrid, apertus, llama4_text) and by the conformance
+kit's full matrix for deepseek_v3 (``plait check-adapter transformers:deepseek_v3``)."""
 
 from __future__ import annotations
 
@@ -112,6 +112,14 @@ def test_hybrid_latent_attention_layers_get_one_rule_each(registry, arch, gates)
     if gates:
         shard = plan(config, registry, tp=2, sp=True).shards_by_rank[1]["model.layers.1.self_attn.g_proj"]
         assert shard.weight.ranges == ((2, 4),) and shard.entered_by_parent
+
+def test_latent_attention_with_a_gated_query_splits_q_and_gate_per_head(registry):
+    """AXK2's q_gate_proj projects [q | gate] per head (nope 4 + rope 4 | v 8): whole heads of both per rank."""
+    config = tiny("axk2")
+    attention = rules_of(registry, config)[ATTENTION]
+    assert attention.q == "q_gate_proj" and attention.q_head_dim == 16
+    shard = plan(config, registry, tp=2, sp=True).shards_by_rank[1]["model.layers.0.self_attn.q_gate_proj"]
+    assert shard.weight.ranges == ((32, 64),)
 
 def test_latent_attention_heads_tp_does_not_divide_are_refused(registry):
     config = tiny("deepseek_v3")

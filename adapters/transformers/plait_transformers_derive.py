@@ -695,12 +695,18 @@ def _out_features(module: nn.Module) -> int:
 # The low-rank down projections and their norms, kept whole on every rank (LatentAttention's ``replicated``).
 MLA_DOWN = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
 # transformers' styles for the block's children, where its plan names them: what plait's split by heads agrees with.
-MLA_STYLES = {"q_proj": "colwise", "q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise",
-              "kv_a_proj_with_mqa": "mla_kv_a_proj"}
+MLA_STYLES = {"q_proj": "colwise", "q_b_proj": "colwise", "q_gate_proj": "colwise", "kv_b_proj": "colwise",
+              "o_proj": "rowwise", "kv_a_proj_with_mqa": "mla_kv_a_proj"}
 # How the forward reads the projections (q per head, nope | rope, kv_a as latent | shared rotary key, kv_b per
 # head as k_nope | v): the layout in which a contiguous run of whole heads is a column split.
 MLA_LAYOUT = ("(batch_size, seq_length, -1, self.qk_head_dim)", "[self.kv_lora_rank, self.qk_rope_head_dim]",
               "self.qk_nope_head_dim + self.v_head_dim", "[self.qk_nope_head_dim, self.v_head_dim]")
+
+
+# The up projection to query heads: from the q latent, from the hidden states (no q LoRA), or fused with a per-head
+# output gate, from the q latent and its normalised copy (AXK2's q_gate_proj, [q | gate] per head).
+MLA_Q = ("q_b_proj", "q_gate_proj", "q_proj")
+MLA_GATED_Q = "(batch_size, seq_length, -1, self.qk_head_dim + self.v_head_dim)"
 
 
 def is_latent_attention(block: nn.Module) -> bool:
@@ -740,7 +746,8 @@ def _latent_attention_rules(model, config, parent: str, block: nn.Module, styles
     if unlike:
         raise refuse(arch, parent, f"{unlike[0]}'s parameters differ from the other latent-attention layers'; plait has "
                                    f"no rule for it")
-    q = "q_b_proj" if "q_b_proj" in block._modules else "q_proj"
+    q = next((c for c in MLA_Q if c in block._modules), "q_proj")
+    gated_q = q == "q_gate_proj"  # [q | gate] per head, the gate multiplying the head's output (AXK2)
     down = tuple(d for d in MLA_DOWN if d in block._modules)
     # a child computing without gradients (DeepSeek-V3.2's sparse-attention indexer, @torch.no_grad): replicated on the
     # full sequence, it gives every rank the same token selection and no parameter gradient to sum
@@ -764,21 +771,22 @@ def _latent_attention_rules(model, config, parent: str, block: nn.Module, styles
     heads = config.num_attention_heads
     widths = {q: _out_features(block.get_submodule(q)), "kv_b_proj": _out_features(block.kv_b_proj),
               "kv_a_proj_with_mqa": _out_features(block.kv_a_proj_with_mqa), "o_proj input": linear_shape(block.o_proj)[0]}
-    expected = {q: heads * (nope + rope), "kv_b_proj": heads * (nope + v), "kv_a_proj_with_mqa": rank + rope,
+    expected = {q: heads * (nope + rope + (v if gated_q else 0)), "kv_b_proj": heads * (nope + v), "kv_a_proj_with_mqa": rank + rope,
                 "o_proj input": heads * v}
     if widths != expected:
         raise refuse(arch, parent, f"latent attention widths {widths} are not {expected} (num_attention_heads={heads}, "
                                    f"{dims})")
     source = "".join(inspect.getsource(getattr(type(block), f)) for f in ("forward", "expand_kv")
                      if hasattr(type(block), f))
-    unread = [s for s in MLA_LAYOUT if s not in source] + [r for r in CONFIG_READS if r in source]
+    layout = (MLA_GATED_Q if gated_q else MLA_LAYOUT[0], *MLA_LAYOUT[1:])
+    unread = [s for s in layout if s not in source] + [r for r in CONFIG_READS if r in source]
     if unread:
         raise refuse(arch, parent, f"{type(block).__name__} does not read its projections head by head as plait's split "
                                    f"assumes ({', '.join(unread)}); plait has no rule for it")
     local = tuple(a for a, q_heads in LOCAL_ATTRS.items() if q_heads == "q_heads" and isinstance(vars(block).get(a), int))
     indexers = tuple(f"{f}.{n}" for f in frozen for n, m in block.get_submodule(f).named_modules() if own_params(m))
     names = [n for n, _ in hits if n not in others] if others else [parent]
-    return [LatentAttention(name, q=q, kv_b="kv_b_proj", o="o_proj", num_heads=heads, q_head_dim=nope + rope,
+    return [LatentAttention(name, q=q, kv_b="kv_b_proj", o="o_proj", num_heads=heads, q_head_dim=nope + rope + (v if gated_q else 0),
                             kv_head_dim=nope + v, v_head_dim=v, replicated=(*down, *indexers), local_attrs=local,
                             head_columns=tuple(gates))
             for name in names]
