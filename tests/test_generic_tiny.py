@@ -113,3 +113,25 @@ def test_a_layer_input_threaded_from_layer_to_layer_refuses_pipeline_stages():
     assert isinstance(derived.pipeline, Refusal) and "\n" not in str(derived.pipeline)
     assert str(derived.pipeline).startswith("inkling2_text: model.layers: ") and "['block_states']" in str(derived.pipeline)
     assert not isinstance(derive(plait_tiny_config("nemotron_h")).pipeline, Refusal)
+
+
+@pytest.mark.parametrize("arch, plan, words", [
+    ("glm_moe_dsa", "pipeline", "each layer returns hidden_states,topk_indices"),  # indexer top-k handed on
+    ("longcat_flash", "tp", "identity (zero-compute) experts"),  # would be added once per tp rank
+    ("hrm_text", "sp", "runs its 4 layers 32 times"),  # HRM's cycles would split the sequence on every run
+])
+def test_what_the_layouts_cannot_split_is_refused_in_one_line(arch, plan, words):
+    refusal = getattr(derive(plait_tiny_config(arch)), plan)
+    assert isinstance(refusal, Refusal) and str(refusal).startswith(f"{arch}: ") and "\n" not in str(refusal)
+    assert words in str(refusal)
+
+
+def test_an_index_config_with_infinity_reads_back():
+    import json
+
+    from plait.checkpoint.format import Index, model_config
+
+    config = plait_tiny_config("granitemoehybrid")  # time_step_limit (0.0, inf), written as {"__float__": ...}
+    index = Index(step=0, model_type=config.model_type, model_config=json.loads(config.to_json_string()),
+                  parallel_config={}, world_size=1, tensors={}, files={})
+    assert tuple(model_config(index).time_step_limit) == (0.0, float("inf"))

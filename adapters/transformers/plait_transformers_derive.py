@@ -233,6 +233,7 @@ def _moe_rules(model, config, parent: str, styles: dict[str, str], experts: list
     layers); they must pair like any MLP."""
     arch = config.model_type
     modules = dict(model.named_modules())
+    _check_no_identity_experts(arch, modules, parent, experts)
     block_name = next(n for n in modules if matches(f"{parent}.{experts[0]}", n)).rpartition(".")[0]
     for name in (n for n in modules if matches(parent, n)):
         block = modules[name]
@@ -266,6 +267,19 @@ def _experts_rule(modules: dict[str, nn.Module], pattern: str) -> MoEExperts:
     arguments = list(inspect.signature(module.forward).parameters)
     expert_major = "hidden_states.view(self.gate_up_proj.shape[0], -1" in inspect.getsource(type(module).forward)
     return ExpertMajorExperts(pattern) if arguments == ["hidden_states"] and expert_major else MoEExperts(pattern)
+
+
+def _check_no_identity_experts(arch: str, modules: dict[str, nn.Module], parent: str, experts: list[str]) -> None:
+    """Experts split on their intermediate dimension are summed over tp. Zero-compute (identity) experts inside
+    the experts module's forward (LongCat-Flash: more gate_up than down experts, an nn.Identity) would be added
+    by every rank, tp times: refused."""
+    for pattern in (f"{parent}.{e}" for e in experts):
+        module = next(m for n, m in modules.items() if matches(pattern, n))
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        counts = {getattr(p, "shape", (None,))[0] for p in (gate_up, down) if isinstance(p, nn.Parameter)}
+        if len(counts) > 1 or any(isinstance(m, nn.Identity) for m in module.modules()):
+            raise refuse(arch, pattern, "the experts module also runs identity (zero-compute) experts in its forward, "
+                                        "which every tensor-parallel rank would add again; plait has no rule for it")
 
 
 def _router_rules(model, arch: str, parent: str, block: nn.Module) -> list[TPRule]:
@@ -814,6 +828,7 @@ def sp_plan(model: nn.Module, arch: str, layers: str | None, tp: TPPlan | Refusa
         raise tp
     if layers is None:
         raise refuse(arch, type(model).__name__, "no decoder layer list found (pp plan or _no_split_modules)")
+    _check_layers_run_once(model, arch, layers)
     norm = _final_norm(model, arch, layers)
     end = _region_end(model, arch, layers, norm)
     covered = [r.pattern for r in tp.rules]
@@ -841,6 +856,16 @@ def sp_plan(model: nn.Module, arch: str, layers: str | None, tp: TPPlan | Refusa
                                         f"wrong: disable sequence parallelism")
         norms.append(pattern)
     return SPPlan(begin=f"{layers}.0", end=end, norms=(*norms, end) if end == norm else tuple(norms))
+
+
+def _check_layers_run_once(model: nn.Module, arch: str, layers: str) -> None:
+    """The region is entered at the first layer's input: a model that runs its layers several times per forward
+    (HRM's cycles: config.num_hidden_layers counts the runs) would split the sequence again on every run."""
+    runs, count = getattr(model.config, "num_hidden_layers", None), len(model.get_submodule(layers))
+    if isinstance(runs, int) and runs > count:
+        raise refuse(arch, layers, f"the model runs its {count} layers {runs} times in all per forward "
+                                   f"(num_hidden_layers={runs}); a sequence-parallel region entered at the first "
+                                   f"layer would split the sequence again on each run: disable sequence parallelism")
 
 
 def _region_end(model: nn.Module, arch: str, layers: str, norm: str) -> str:
@@ -948,6 +973,13 @@ def _check_layer_inputs(model: nn.Module, arch: str, layers: str) -> None:
     """Pipeline stages hand on the hidden states alone. A decoder layer that needs another input the model
     threads from layer to layer (Inkling2's ``block_states``, the outputs of earlier blocks) would get, on a
     later stage, a value that never saw the earlier stage's layers: refused, not silently wrong."""
+    parent = layers.rpartition(".")[0]
+    source = inspect.getsource(type(model.get_submodule(parent) if parent else model).forward)
+    loop = re.search(rf"for (?:\w+, )?(\w+) in (?:enumerate\()?self\.{layers.rpartition('.')[2]}\b", source)
+    unpacked = loop and re.search(rf"(\w+(?:\s*,\s*\w+)+)\s*=\s*{loop.group(1)}\(", source)
+    if unpacked:  # GlmMoeDsa: hidden_states, topk_indices = decoder_layer(...)
+        raise refuse(arch, layers, f"each layer returns {unpacked.group(1).replace(' ', '')}, which the model hands "
+                                   f"to the next layer; pipeline stages hand on only the hidden states: use pp=1")
     for cls in dict.fromkeys(type(layer) for layer in model.get_submodule(layers)):
         params = list(inspect.signature(cls.forward).parameters.values())[2:]  # self, the hidden states
         threaded = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in STAGE_BUILT

@@ -218,7 +218,10 @@ def model_config(index: Index) -> PretrainedConfig:
     model_type = data.pop("model_type")
     if model_type not in CONFIG_MAPPING:
         raise CheckpointError(f"checkpoint model_type {model_type!r} is unknown to this transformers version")
-    return CONFIG_MAPPING[model_type].from_dict(data)
+    config_class = CONFIG_MAPPING[model_type]
+    # to_json_string writes inf / nan as {"__float__": "Infinity"} (GraniteMoeHybrid's time_step_limit); the
+    # JSON of an index is read back with transformers' own decoder of that encoding, as from_pretrained reads it
+    return config_class.from_dict(config_class._decode_special_floats(data))
 
 
 def shape_problems(
