@@ -286,8 +286,8 @@ def test_tiny_config_of_a_refused_architecture_says_why():
 
 
 def test_tiny_config_that_cannot_run_or_is_not_tiny_is_refused():
-    with pytest.raises(ConfigError, match="the tiny qwen3 config derived from Qwen3Config's defaults does not run one "
-                                          "forward pass"):
+    with pytest.raises(ConfigError, match="the tiny qwen3 config values derived from Qwen3Config's defaults do not run "
+                                          "one forward pass"):
         plait_transformers.checked(tiny("qwen3", num_key_value_heads=3))
     with pytest.raises(ConfigError, match="still has 6,437,216 parameters"):
         plait_transformers.checked(tiny("qwen3", vocab_size=100_000))

@@ -8,7 +8,9 @@ vocab-parallel loss (gemma, gemma2), biases everywhere (starcoder2), logit_scale
 where transformers' own plan gathers, plait's real splits: fused q|k|v and gate|up (phi3), per-head interleaved
 qkv with partial rotary and a parallel residual (gpt_neox), full-width q/k norms (olmo2), fused experts split
 on their intermediate dimension with a replicated router (mixtral, qwen3_moe), a q projection carrying a
-per-head gate and a gated delta net kept whole, run on the whole sequence under SP (qwen3_next).
+per-head gate and a gated delta net kept whole, run on the whole sequence under SP (qwen3_next), multi-head
+latent attention split by heads with its low-rank down projections replicated, and MoE with shared experts
+and a dense first layer (deepseek_v3).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from plait.testing.conformance_modes import LOSS_RTOL, MODES
 pytest_plugins = ["plait.testing.pytest_plugin"]
 
 ARCHITECTURES = ("qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "starcoder2", "cohere", "granite", "smollm3", "phi",
-                 "phi3", "olmo2", "gpt_neox", "mixtral", "qwen3_moe", "qwen3_next")
+                 "phi3", "olmo2", "gpt_neox", "mixtral", "qwen3_moe", "qwen3_next", "deepseek_v3")
 # gemma3_text under tensor parallelism: in fp32 its step-2/3 gradients exceed the kit's tolerance by 1.2-2.5x:
 # Adam (eps 1e-6) amplifies the ~1e-7 reordering noise of step 1 about 200-fold in this model. These pairs are
 # rerun in float64 (results_float64), where they must pass outright.
@@ -31,7 +33,8 @@ FP32_SENSITIVE |= {("mixtral", m) for m in ("tp2-sp", "tp2", "tp4-kv-replicated"
 FP32_SENSITIVE |= {("olmo2", m) for m in ("tp2-sp", "tp2", "tp4-kv-replicated", "tp2-sp-recompute", "consolidate-tp2")}
 # Modes a tiny config cannot express, with the reason the kit must give.
 SKIPPED = {("phi3", "tp4-kv-replicated"): "fused qkv with num_key_value_heads=2 < tp=4 is not supported",
-           ("gpt_neox", "tp4-kv-replicated"): "no attention with fewer kv heads than tp=4"}
+           ("gpt_neox", "tp4-kv-replicated"): "no attention with fewer kv heads than tp=4",
+           ("deepseek_v3", "tp4-kv-replicated"): "no attention with fewer kv heads than tp=4"}  # latent: no kv heads
 
 
 @pytest.fixture(scope="module")
