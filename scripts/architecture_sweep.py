@@ -203,7 +203,9 @@ def render(rows: list[Row], seconds: float) -> str:
         "tolerance, but a later step's gradient was over it: Adam (eps 1e-6) amplifies fp32 "
         "reordering noise in some tiny models (tests/test_generic_conformance.py measures it for gemma3_text, "
         "mixtral and olmo2). The same mode then ran in float64, where that noise shrinks 20-300x while a "
-        "mis-split module stays off by 1e-4 or more, and passed there.",
+        "mis-split module stays off by 1e-4 or more, and passed there. transformers computes RMSNorm in fp32 even "
+        "in a float64 model, so where plait splits a norm over tp (full-width q/k norms: `SplitRMSNorm`) some fp32 "
+        "reordering noise stays in the float64 run too (`FAIL (float64: ...)` at a later step, step 1 right).",
         "",
         "| architecture | adapter | " + " | ".join(MODES) + " |",
         "| --- | --- | " + " | ".join("---" for _ in MODES) + " |",
