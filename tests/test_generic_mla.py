@@ -16,7 +16,10 @@ from plait.meta import build_meta_model
 from plait.tp.styles import ExpertMajorExperts, LatentAttention, MoEExperts, ReplicatedGradSum
 
 import plait_transformers
-from plait_transformers_derive import MLA_DOWN, Refusal, _latent_attention_rules, _scalar_activation, tp_plan
+from plait_transformers_blocks import is_scalar_activation
+from plait_transformers_common import Refusal
+from plait_transformers_derive import tp_plan
+from plait_transformers_latent import MLA_DOWN, latent_attention_rules
 
 MLA = ("deepseek_v2", "deepseek_v3", "axk1", "youtu", "glm4_moe_lite", "minicpm3")
 ATTENTION = "model.layers.*.self_attn"
@@ -143,7 +146,7 @@ def test_latent_attention_styles_other_than_the_split_by_heads_are_refused():
     config = tiny("deepseek_v2")
     block = build_meta_model(config).get_submodule("model.layers.0.self_attn")
     with pytest.raises(Refusal, match=r"transformers' styles \{'q_b_proj': 'rowwise'\} on latent attention"):
-        _latent_attention_rules(build_meta_model(config), config, ATTENTION, block, {"q_b_proj": "rowwise"})
+        latent_attention_rules(build_meta_model(config), config, ATTENTION, block, {"q_b_proj": "rowwise"})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -162,12 +165,12 @@ def test_scalar_activation_parameters_are_summed_over_tp(registry):
 
 def test_only_scalar_activations_on_split_features_qualify():
     mlp = build_meta_model(tiny("apertus")).get_submodule("model.layers.0.mlp")
-    assert _scalar_activation(mlp, "act_fn", ["up_proj"])
-    assert not _scalar_activation(mlp, "act_fn", ["down_proj"])  # not what the forward applies it to
+    assert is_scalar_activation(mlp, "act_fn", ["up_proj"])
+    assert not is_scalar_activation(mlp, "act_fn", ["down_proj"])  # not what the forward applies it to
     mlp.act_fn = nn.PReLU(64, device="meta")  # one parameter per feature: it would need a split of its own
-    assert not _scalar_activation(mlp, "act_fn", ["up_proj"])
+    assert not is_scalar_activation(mlp, "act_fn", ["up_proj"])
     mlp.act_fn = nn.PReLU(1, device="meta")
-    assert _scalar_activation(mlp, "act_fn", ["up_proj"])
+    assert is_scalar_activation(mlp, "act_fn", ["up_proj"])
 
 
 def test_per_feature_parameters_inside_a_tensor_parallel_block_stay_refused():

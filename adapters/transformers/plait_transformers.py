@@ -1,6 +1,6 @@
 """plait's generic adapter: plans for any decoder-only transformers causal LM, derived from what transformers
 declares for it (``base_model_tp_plan``, ``base_model_pp_plan``, ``_no_split_modules``) and checked against
-the model built on the meta device (plait_transformers_derive.py).
+the model built on the meta device (plait_transformers_derive.py and the modules it names).
 
 It claims no fixed architectures: the registry hands it only models no explicit adapter claims, so an
 explicit adapter (plait-llama, ...) always wins and stays the way to override a derived plan. It serves a

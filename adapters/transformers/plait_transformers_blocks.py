@@ -1,0 +1,388 @@
+"""Tensor-parallel rules for one block of a decoder layer: attention (separate q/k/v, fused qkv in the two layouts
+transformers' models use, per-head and full-width q/k norms, gates, sinks), a latent-attention block
+(plait_transformers_latent), an MLP (column / row, fused gate|up, scalar activation parameters), blocks
+transformers' plan leaves out but the model's structure shows, and recurrent mixers kept whole.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections import defaultdict
+
+from torch import nn
+from transformers.activations import ACT2CLS
+
+from plait import Attention, Column, Row
+from plait.patterns import matches
+from plait.tp.sharding import linear_shape
+from plait.tp.styles import (
+    FullWidthNormAttention, FusedColumn, HeadInterleavedAttention, LocalConfigAttention, ReplicatedGradSum, TPRule,
+    WholeSequence,
+)
+
+from plait_transformers_common import (
+    CONFIG_READS, GATHERED, K, LINEAR_STYLES, LOCAL_ATTRS, O, Q, QKV, V, get_module, is_attention, is_covered,
+    is_linear, is_softmax_attention, layer_pattern, out_features, own_params, Refusal, refuse, whole_sequence,
+)
+from plait_transformers_latent import latent_attention_rules, is_latent_attention
+
+
+def undeclared_attention(model: nn.Module, layers: str | None,
+                         children: dict[str, dict[str, str]]) -> dict[str, tuple[nn.Module, dict[str, str], dict[str, str]]]:
+    """Attention blocks in the decoder layers that transformers' plan leaves out (granitemoe's and phimoe's
+    declare only the experts), found by inspecting the model: a block calling transformers' attention functions
+    with separate Linear q, k, v and o projections and no styled child gets the styles transformers declares
+    for such blocks elsewhere (q/k/v colwise, o rowwise); ``_attention_rules`` checks its widths and heads as for
+    a declared one. Its sinks (a parameter the forward passes as the attention functions' ``s_aux``, one logit per q
+    head) are split with the q heads, as transformers' plans declare them elsewhere. Keyed by layer pattern: (one
+    block, its styles, its sinks' styles)."""
+    found: dict[str, tuple[nn.Module, dict[str, str], dict[str, str]]] = {}
+    if layers is None:
+        return found
+    for name, module in model.get_submodule(layers).named_modules(prefix=layers):
+        pattern = layer_pattern(name, layers)
+        if pattern in children or pattern in found or not is_attention(module):
+            continue
+        roles = {role: next((c for c in names if isinstance(module._modules.get(c), nn.Linear)), None)
+                 for role, names in (("q", Q), ("k", K), ("v", V), ("o", O))}
+        source = inspect.getsource(type(module).forward)
+        if None in roles.values() or "ALL_ATTENTION_FUNCTIONS" not in source:
+            continue
+        styles = {roles[r]: "colwise" for r in ("q", "k", "v")}
+        gates = {c: "colwise" for c in _output_gates(module, source, set(roles.values()))}
+        sinks = {leaf: "colwise" for leaf in module._parameters if f"s_aux=self.{leaf}," in source}
+        found[pattern] = (module, {**styles, **gates, roles["o"]: "rowwise"}, sinks)
+    return found
+
+
+def undeclared_mixers(model: nn.Module, arch: str, layers: str | None, rules: list[TPRule],
+                      notes: list[str]) -> list[TPRule]:
+    """Children of the decoder layers holding matrices that no rule touches and that are not softmax attention
+    (a recurrent mixer transformers' plan leaves out, such as OLMo-Hybrid's gated delta net): kept whole on every
+    rank, which is exact without SP, and run on the whole sequence under SP (WholeSequence). One rule per layer
+    pattern when every layer's module there is untouched, else one per layer."""
+    if layers is None:
+        return []
+    patterns = [r.pattern for r in rules]
+    found: dict[str, list[tuple[str, nn.Module]]] = defaultdict(list)  # pattern -> untouched (name, module)
+    seen: dict[str, int] = defaultdict(int)  # pattern -> layers holding a child there
+    for index, layer in enumerate(model.get_submodule(layers)):
+        for child, module in layer.named_children():
+            name, pattern = f"{layers}.{index}.{child}", f"{layers}.*.{child}"
+            seen[pattern] += 1
+            if not any(p.dim() > 1 for p in module.parameters()) or is_softmax_attention(module):
+                continue
+            if not any(is_covered(n, patterns) for n, _ in module.named_modules(prefix=name)):
+                found[pattern].append((name, module))
+    mixers: list[TPRule] = []
+    for pattern, hits in found.items():
+        names = [pattern] if len(hits) == seen[pattern] else [name for name, _ in hits]
+        mlp = gated_mlp(hits[0][1])
+        if mlp and all(gated_mlp(module) == mlp for _, module in hits):
+            mixers += [style(f"{name}.{child}") for name in names for style, child in zip((Column, Column, Row), mlp)]
+            notes.append(f"{pattern} ({type(hits[0][1]).__name__}): an MLP transformers' plan leaves out, split as "
+                         f"declared ones ({mlp[0]}, {mlp[1]} column-, {mlp[2]} row-parallel)")
+            continue
+        each = [whole_sequence(arch, name, module) for name, module in hits]
+        mixers += [WholeSequence(pattern, argument=each[0].argument)] if len(hits) == seen[pattern] else each
+        notes.append(f"{pattern} ({type(hits[0][1]).__name__}): no rule splits it; kept whole on every rank and run "
+                     f"on the whole sequence under SP")
+    return mixers
+
+
+def gated_mlp(block: nn.Module) -> tuple[str, str, str] | None:
+    """(gate, up, down) of a gated MLP whose forward is ``down(act(gate(x)) * up(x))`` over three Linear children
+    and nothing else with parameters (AFMoE's dense layers; LFM2-MoE's ``w2(F.silu(w1(x)) * w3(x))``), else None."""
+    found = re.search(r"self\.(\w+)\(\s*[\w.]+\(self\.(\w+)\((\w+)\)\)\s*\*\s*self\.(\w+)\(\3\)\s*\)",
+                      inspect.getsource(type(block).forward))
+    if found is None:
+        return None
+    down, gate, _, up = found.groups()
+    names = (gate, up, down)
+    with_params = {n for n, m in block.named_modules() if own_params(m)}
+    if with_params != set(names) or not all(isinstance(block._modules.get(n), nn.Linear) for n in names):
+        return None
+    return names
+
+
+def _output_gates(block: nn.Module, source: str, projections: set[str]) -> list[str]:
+    """Linear children of an attention block whose output, read from the block's input, multiplies the attention
+    output through a sigmoid (AFMoE: ``gate_states = self.gate_proj(hidden_states)`` ...
+    ``output * torch.sigmoid(gate_states)``): elementwise per head, so split with the q heads."""
+    gates = []
+    for child, module in block.named_children():
+        if child in projections or not isinstance(module, nn.Linear):
+            continue
+        read = re.search(rf"(\w+) = self\.{child}\(hidden_states\)", source)
+        if read and f"* torch.sigmoid({read.group(1)}" in source:
+            gates.append(child)
+    return gates
+
+
+def bare_refusal(arch: str, parent: str, params: dict[str, str]) -> Refusal:
+    """The refusal for parameters transformers' plan shards by themselves where plait has no rule for them."""
+    leaf, style = next(iter(params.items()))
+    return refuse(arch, f"{parent}.{leaf}", f"transformers shards the parameter itself ({style}); plait splits bare "
+                                            f"parameters only with the q heads of a q/k/v attention block")
+
+
+def block_rules(model, config, parent: str, block: nn.Module, styles: dict[str, str],
+                 bare: dict[str, str]) -> list[TPRule]:
+    """The rules of one block transformers' plan styles children of (``bare``: its parameters the plan styles)."""
+    arch = config.model_type
+    roles = {role: next((c for c in names if c in styles), None) for role, names in (("q", Q), ("k", K), ("v", V), ("o", O))}
+    if roles["q"] and roles["k"] and roles["v"]:
+        return _attention_rules(model, config, parent, styles, roles, bare)
+    if bare:
+        raise bare_refusal(arch, parent, bare)
+    fused = next((c for c in QKV if c in styles), None)
+    if fused and roles["o"]:
+        return _fused_attention_rules(config, parent, block, styles, fused, roles["o"])
+    if is_latent_attention(block):
+        return latent_attention_rules(model, config, parent, block, styles)
+    if all(style == "colwise_gather_output" for style in styles.values()) and not is_softmax_attention(block):
+        # transformers gathers every projection's output: it computes the block whole on every rank
+        return [whole_sequence(arch, parent, block)]
+    if is_attention(block):
+        raise refuse(arch, parent, f"attention whose projections {sorted(styles)} are neither separate q, k, v nor "
+                                   f"a fused qkv plait knows; plait has no rule for it")
+    rules: list[TPRule] = []
+    for child, style in styles.items():
+        name = f"{parent}.{child}"
+        module = block.get_submodule(child)
+        if style not in LINEAR_STYLES and style not in GATHERED:
+            raise refuse(arch, name, f"transformers' style {style!r} has no plait rule")
+        if not is_linear(module):
+            raise refuse(arch, name, f"{style} on a {type(module).__name__}; plait splits only Linear / Conv1D")
+        if style == "colwise_gather_output":
+            rules.append(_fused_column(arch, name, block, child, styles))
+        else:
+            rules.append(Column(name) if style == "colwise" else Row(name))
+    if not (any(isinstance(r, Column) for r in rules) and any(isinstance(r, Row) for r in rules)):
+        raise refuse(arch, parent, f"{sorted(styles)} do not pair column-parallel with row-parallel projections, so "
+                                   f"the split activations would leave the block")
+    stray = [n for n, m in block.named_modules() if n and n not in styles and own_params(m)]
+    columns = [r.pattern.rpartition(".")[2] for r in rules if isinstance(r, Column)]
+    unknown = [n for n in stray if not is_scalar_activation(block, n, columns)]
+    if unknown:
+        raise refuse(arch, f"{parent}.{unknown[0]}", "replicated parameters inside a tensor-parallel block see split "
+                                                     "activations; plait cannot tell how to sum their gradients")
+    return [*rules, *(ReplicatedGradSum(f"{parent}.{n}") for n in stray)]
+
+
+def is_scalar_activation(block: nn.Module, child: str, columns: list[str]) -> bool:
+    """Whether ``child`` is one of transformers' activation functions (elementwise) whose parameters are single
+    numbers (Apertus' xIELU ``alpha_p``, ``alpha_n``: shape [1], broadcast over every feature), applied by the
+    block's forward directly to a column-parallel projection's output. Each rank then computes their gradient over
+    its own slice of the features only, and the sum over tp is exact (ReplicatedGradSum). A per-feature
+    parameter, or one applied elsewhere (to the block's unsplit input), is not this case."""
+    module = block.get_submodule(child)
+    activations = {c[0] if isinstance(c, tuple) else c for c in ACT2CLS.values()}
+    if "." in child or type(module) not in activations or any(p.numel() != 1 for p in module.parameters()):
+        return False
+    source = inspect.getsource(type(block).forward)
+    return any(re.search(rf"self\.{child}\(\s*self\.{column}\(", source) for column in columns)
+
+
+def _fused_column(arch: str, name: str, block: nn.Module, child: str, styles: dict[str, str]) -> TPRule:
+    """A column-parallel projection transformers gathers because its output is two projections side by side
+    (``gate_up_proj``: gate | up, chunked in two and multiplied): each rank keeps matching halves (FusedColumn).
+    Anything else gathered is refused: plait cannot tell which full-width op follows it."""
+    rows = [c for c, style in styles.items() if GATHERED.get(style, style) == "rowwise"]
+    fan_in = linear_shape(block.get_submodule(rows[0]))[0] if len(rows) == 1 else None
+    if "gate_up" in child and ".chunk(2" in inspect.getsource(type(block).forward) and \
+            out_features(block.get_submodule(child)) == 2 * (fan_in or -1):
+        return FusedColumn(name, chunks=2)
+    raise refuse(arch, name, "transformers gathers this projection's output (colwise_gather_output) for an op over "
+                             "the full width that plait does not know; it has no real split for it")
+
+
+def _fused_attention_rules(config, parent, block, styles, qkv: str, o: str) -> list[TPRule]:
+    """Attention with one fused q/k/v projection, in one of the two layouts transformers' models use, read from
+    the forward's source: q | k | v side by side, sliced at ``num_attention_heads * head_dim`` (Phi3
+    ``qkv_proj``; LocalConfigAttention gives the block a config holding this rank's head counts), or head by
+    head, viewed as (heads, 3 * head_dim) and chunked in three (GPT-NeoX ``query_key_value``;
+    HeadInterleavedAttention). Any other layout is refused."""
+    arch = config.model_type
+    if GATHERED.get(styles[o], styles[o]) != "rowwise" or GATHERED.get(styles[qkv], styles[qkv]) != "colwise":
+        raise refuse(arch, parent, f"fused attention styles {styles} are not column-parallel qkv and row-parallel out")
+    stray = [n for n, m in block.named_modules() if n and n not in (qkv, o) and own_params(m)]
+    if stray or len(styles) != 2:
+        raise refuse(arch, f"{parent}.{(stray or sorted(set(styles) - {qkv, o}))[0]}",
+                     "a module inside fused attention beside qkv and out; plait has no rule for it")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(block, "head_dim", None) or getattr(block, "head_size", None) or \
+        getattr(config, "head_dim", None) or config.hidden_size // heads
+    width = out_features(block.get_submodule(qkv))
+    if width != (heads + 2 * kv_heads) * head_dim:
+        raise refuse(arch, f"{parent}.{qkv}", f"fused width {width} is not (heads + 2 kv heads) x head_dim = "
+                                              f"({heads} + 2 x {kv_heads}) x {head_dim}")
+    source = inspect.getsource(type(block).forward)
+    local = {attr: q for attr, q in LOCAL_ATTRS.items() if isinstance(vars(block).get(attr), int)}
+    common = dict(qkv=qkv, o=o, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, local_attrs=local)
+    interleaved = ".chunk(3" in source and ("3 * self.head_size" in source or "3 * self.head_dim" in source)
+    if interleaved and kv_heads == heads:
+        return [HeadInterleavedAttention(parent, **common)]
+    sliced = "config.num_attention_heads * self.head_dim" in source
+    if sliced and not interleaved:
+        reads = {r.partition(".")[2]: q for r, q in CONFIG_READS.items() if r in source}
+        return [LocalConfigAttention(parent, config_attrs=reads, **common)]
+    raise refuse(arch, f"{parent}.{qkv}", f"{type(block).__name__}.forward splits its fused qkv in a layout plait does "
+                                          f"not recognise (neither q|k|v sliced by head counts nor per-head "
+                                          f"interleaved)")
+
+
+def _attention_rules(model, config, parent, styles, roles, bare) -> list[TPRule]:
+    """The Attention rule(s) of the blocks ``parent`` matches: heads from the config, or per layer from the
+    projections' widths where the block's own head-count attributes confirm them (one rule per layer when
+    layers differ); q projections carrying a per-head gate (``q_chunks``); colwise children whose output is per
+    q head (``head_columns``: gates) and per-head bare parameters (``bare``: sinks) split with the q heads, as
+    transformers' own colwise splits them; per-head norms as ReplicatedGradSum."""
+    arch = config.model_type
+    gathered = any(styles[roles[r]] == "colwise_gather_output" for r in ("q", "k", "v"))
+    for role in ("q", "k", "v"):
+        if GATHERED.get(styles[roles[role]], styles[roles[role]]) != "colwise":
+            raise refuse(arch, f"{parent}.{roles[role]}", f"transformers' style {styles[roles[role]]!r} on a q/k/v "
+                                                          f"projection has no plait rule")
+    if not roles["o"] or GATHERED.get(styles[roles["o"]], styles[roles["o"]]) != "rowwise":
+        raise refuse(arch, parent, f"attention without a row-parallel output projection ({styles})")
+    matched = {name: module for name, module in model.named_modules() if matches(parent, name)}
+    blocks = {name: b for name, b in matched.items() if all(get_module(b, roles[r]) is not None for r in ("q", "k", "v", "o"))}
+    # other layers' blocks at this path without these projections: a linear attention (MiniMax's lightning
+    # attention) is kept whole on every rank and run on the whole sequence; anything else is refused
+    others = {name: b for name, b in matched.items() if name not in blocks}
+    kinds = {type(b) for b in blocks.values()}
+    if len(kinds) > 1:
+        raise refuse(arch, parent, f"attention blocks of different classes {sorted(k.__name__ for k in kinds)} "
+                                   f"at one module path, which plait's patterns cannot tell apart")
+    lacking = next((name for name, b in others.items() if is_softmax_attention(b)), None)
+    if lacking is not None:
+        missing = sorted(roles[r] for r in ("q", "k", "v", "o") if get_module(matched[lacking], roles[r]) is None)
+        raise refuse(arch, parent, f"{lacking} ({type(matched[lacking]).__name__}) is softmax attention without "
+                                   f"{missing}, unlike other layers' blocks at this path; plait has no rule for it")
+    mixers = [whole_sequence(arch, name, b) for name, b in others.items()]
+    if not blocks:
+        raise refuse(arch, parent, f"no block at this path has the projections {sorted(styles)} transformers' plan names")
+    block = next(iter(blocks.values()))
+    heads = config.num_attention_heads
+    head_dim = getattr(block, "head_dim", None) or getattr(config, "head_dim", None) or config.hidden_size // heads
+    source = inspect.getsource(type(block).forward)
+    q_chunks = 2 if _gated_query(source) else 1
+    projections = {roles[r] for r in ("q", "k", "v", "o")}
+    head_columns = tuple(c for c, style in styles.items() if c not in projections and style == "colwise")
+    for child, style in styles.items():
+        if child not in projections and child not in head_columns and style != "replicated_with_grad_allreduce":
+            raise refuse(arch, f"{parent}.{child}", f"transformers' style {style!r} inside attention has no plait rule")
+    for leaf, style in bare.items():
+        if style != "colwise":
+            raise refuse(arch, f"{parent}.{leaf}", f"transformers' style {style!r} on a bare parameter of attention "
+                                                   f"has no plait rule")
+    layouts = {name: _head_layout(arch, parent, b, roles, config, head_dim, q_chunks, head_columns, bare)
+               for name, b in blocks.items()}
+    reads = {r.partition(".")[2]: q for r, q in CONFIG_READS.items() if r in source}
+    local = {attr: q for attr, q in LOCAL_ATTRS.items() if isinstance(vars(block).get(attr), int)}
+    common = dict(q=roles["q"], k=roles["k"], v=roles["v"], o=roles["o"], head_dim=head_dim, local_attrs=local,
+                  q_chunks=q_chunks, head_columns=head_columns)
+    inner = [m for b in blocks.values() for n, m in b.named_modules() if n and n not in projections and own_params(m)]
+    if gathered and inner and all(p.dim() == 1 and p.shape[0] == head_dim for m in inner for p in own_params(m)):
+        gathered = False  # transformers gathers q/k/v for norms that are per head (MiniMax-M3): local to a rank's heads
+    if gathered:
+        if len(set(layouts.values())) > 1 or q_chunks > 1 or head_columns or others:
+            raise refuse(arch, parent, "full-width q/k norms beside per-layer head counts, a gated q or per-head "
+                                       "gates; plait has no rule for both")
+        q_heads, kv_heads, head_params = layouts[next(iter(blocks))]
+        norms = _full_width_norms(arch, parent, block, roles, q_heads * head_dim, kv_heads * head_dim)
+        if reads:
+            raise refuse(arch, parent, f"{type(block).__name__}.forward reads {sorted(reads)} from the config beside "
+                                       f"full-width q/k norms; plait has no rule for both")
+        return [FullWidthNormAttention(parent, q_norm=norms[0], k_norm=norms[1], num_heads=q_heads,
+                                       num_kv_heads=kv_heads, head_params=head_params, **common)]
+    per_layer = bool(others) or len(set(layouts.values())) > 1
+    rules: list[TPRule] = []
+    for name in sorted({n for b in blocks.values() for n, m in b.named_modules() if n and own_params(m)}):
+        if name in projections or name in head_columns:
+            continue
+        for b in blocks.values():
+            module = get_module(b, name)
+            if module is not None and any(p.dim() != 1 or p.shape[0] != head_dim for p in own_params(module)):
+                raise refuse(arch, f"{parent}.{name}", f"a replicated module inside attention whose parameters are "
+                                                       f"not per head (head_dim={head_dim}); its input is split over tp")
+        owners = [n for n, b in blocks.items() if get_module(b, name) is not None] if per_layer else [parent]
+        rules += [ReplicatedGradSum(f"{owner}.{name}") for owner in owners]
+    style = LocalConfigAttention if reads else Attention
+    extra = dict(config_attrs=reads) if reads else {}
+    # one rule for the pattern when every layer has the same heads, else one per layer (e.g. MiMo-V2-Flash's sliding
+    # layers: twice the kv heads, and sinks)
+    groups = list(layouts.items()) if per_layer else [(parent, layouts[next(iter(blocks))])]
+    attention = [style(pattern, num_heads=q_heads, num_kv_heads=kv_heads, head_params=head_params, **common, **extra)
+                 for pattern, (q_heads, kv_heads, head_params) in groups]
+    return [*attention, *rules, *mixers]
+
+
+def _gated_query(source: str) -> bool:
+    """Whether an attention forward reads its q projection head by head as query | gate (Qwen3-Next:
+    ``torch.chunk(self.q_proj(x).view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)``)."""
+    return "-1, self.head_dim * 2)" in source and ("torch.chunk(" in source or ".chunk(2" in source)
+
+
+def _head_layout(arch, parent, block, roles, config, head_dim: int, q_chunks: int, head_columns: tuple[str, ...],
+                 bare: dict[str, str]) -> tuple[int, int, tuple[str, ...]]:
+    """(q heads, kv heads, per-head bare parameters) of one attention block. Heads come from the config; where the
+    projections' widths say otherwise (per-layer head counts), from the widths, but only when the block's own
+    head-count attributes (``num_heads``, ``num_key_value_groups``, ...) agree with them."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    widths = {role: out_features(get_module(block, roles[role])) for role in ("q", "k", "v")}
+    widths["o input"] = linear_shape(get_module(block, roles["o"]))[0]
+    expected = {"q": heads * head_dim * q_chunks, "k": kv_heads * head_dim, "v": kv_heads * head_dim,
+                "o input": heads * head_dim}
+    if widths != expected:
+        q_heads, kv = widths["q"] // (head_dim * q_chunks), widths["k"] // head_dim
+        layout = {"q": q_heads * head_dim * q_chunks, "k": kv * head_dim, "v": kv * head_dim, "o input": q_heads * head_dim}
+        own = {attr: vars(block)[attr] for attr in LOCAL_ATTRS if isinstance(vars(block).get(attr), int)}
+        counts = {"q_heads": q_heads, "kv_heads": kv, "kv_groups": q_heads // kv if kv and not q_heads % kv else None}
+        if widths != layout or not own or any(counts[LOCAL_ATTRS[a]] != value for a, value in own.items()):
+            raise refuse(arch, parent, f"projection widths {widths} are not heads x head_dim {expected} "
+                                       f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}, "
+                                       f"head_dim={head_dim}{', q | gate per head' if q_chunks > 1 else ''}), nor "
+                                       f"per-layer head counts the block's attributes {own} confirm")
+        heads, kv_heads = q_heads, kv
+    for child in head_columns:
+        width = out_features(block.get_submodule(child))
+        if width % heads:
+            raise refuse(arch, f"{parent}.{child}", f"a column-parallel projection inside attention whose {width} "
+                                                    f"outputs are not per q head (heads={heads})")
+    params = {n: p for n, p in block._parameters.items() if p is not None}
+    stray = sorted(set(params) - set(bare))
+    if stray:
+        raise refuse(arch, f"{parent}.{stray[0]}", "a parameter of the attention block itself that transformers' plan "
+                                                   "does not split; plait cannot tell how its heads use it")
+    for leaf, param in params.items():
+        if tuple(param.shape) != (heads,):
+            raise refuse(arch, f"{parent}.{leaf}", f"transformers shards the parameter itself ({bare[leaf]}), but its "
+                                                   f"shape {tuple(param.shape)} is not one entry per q head ({heads})")
+    return heads, kv_heads, tuple(params)
+
+
+def _full_width_norms(arch, parent, block, roles, q_width: int, kv_width: int) -> tuple[str, str]:
+    """The RMSNorms over the whole projected q and k (OLMo2's q_norm / k_norm) that make transformers gather q
+    and k: plait splits them (SplitNorm, the sum of squares all-reduced). v gathered too, or anything else
+    inside the block, is refused."""
+    found = {}
+    for name, module in block.named_modules():
+        if not name or name in {roles[r] for r in ("q", "k", "v", "o")} or not own_params(module):
+            continue
+        params = dict(module.named_parameters())
+        width = params["weight"].shape[0] if set(params) == {"weight"} and params["weight"].dim() == 1 else None
+        if "RMSNorm" not in type(module).__name__ or width not in (q_width, kv_width):
+            raise refuse(arch, f"{parent}.{name}", f"{type(module).__name__} inside attention whose q/k/v transformers "
+                                                   f"gathers; plait splits only full-width RMSNorms on q and k")
+        found[name] = width
+    q_norm = next((n for n in found if "q" in n and found[n] == q_width), None)
+    k_norm = next((n for n in found if "k" in n and found[n] == kv_width), None)
+    if q_norm is None or k_norm is None or len(found) != 2:
+        raise refuse(arch, parent, f"transformers gathers q/k/v, but the block's norms {sorted(found)} are not one "
+                                   f"full-width RMSNorm each on q and k; plait has no real split for it")
+    return q_norm, k_norm

@@ -1,0 +1,132 @@
+"""What every part of the generic adapter's derivation shares: the child names transformers' models give an
+attention block's projections, its style names, the one-line Refusal, and small readers of a model built on
+the meta device (its decoder-layer list, a module's own parameters, a layer path with its index folded).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from plait import ConfigError
+from plait.patterns import matches
+from plait.tp.styles import WholeSequence
+
+
+# Child names of an attention block's projections, as transformers' models spell them.
+Q, K, V = ("q_proj", "query", "q"), ("k_proj", "key", "k"), ("v_proj", "value", "v")
+
+
+O = ("o_proj", "dense", "out_proj", "o", "c_proj")
+
+
+QKV = ("qkv_proj", "query_key_value", "qkv", "Wqkv", "c_attn")  # fused q, k and v
+
+
+# Attention-module attributes that hold a head count read from the config at init: per rank under tp.
+LOCAL_ATTRS = {"num_heads": "q_heads", "num_attention_heads": "q_heads", "num_key_value_heads": "kv_heads",
+               "num_kv_heads": "kv_heads", "num_key_value_groups": "kv_groups"}
+
+
+# Head counts an attention forward must not read from the (shared, unsplit) config.
+CONFIG_READS = {"config.num_attention_heads": "q_heads", "config.num_key_value_heads": "kv_heads"}
+
+
+LINEAR_STYLES = ("colwise", "rowwise")
+
+
+# transformers' styles that gather a column-parallel output / split a row-parallel input again because an op
+# over the full width sits between them (a fused projection's split, a norm over all heads): plait splits for
+# real where it knows that op (FusedColumn, fused qkv layouts, SplitNorm) and refuses otherwise.
+GATHERED = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}
+
+
+# transformers' marker on the owner of bare parameters (attention sinks) that their own entries shard
+LOCAL_PARAMS = "local_params"
+
+
+MOE_STYLES = ("moe_tp_experts",)  # transformers' fused experts module (gate_up_proj [E, 2I, H], down_proj)
+
+
+LM_HEAD_STYLES = ("colwise_gather_output", "colwise_rep", "colwise")  # what transformers gives the LM head
+
+
+class Refusal(ConfigError):
+    """A plan the generic adapter cannot derive correctly; the message names architecture, module, reason."""
+
+
+def refuse(arch: str, module: str, missing: str) -> Refusal:
+    return Refusal(f"{arch}: {module}: {missing}")
+
+
+def layer_container(model: nn.Module) -> str | None:
+    """The ModuleList of decoder layers: the pp plan's list, else the one holding ``_no_split_modules``."""
+    for name in (model.pp_plan or {}):
+        if isinstance(get_module(model, name), nn.ModuleList):
+            return name
+    decoder_classes = set(getattr(model, "_no_split_modules", None) or ())
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and any(type(c).__name__ in decoder_classes for c in module):
+            return name
+    return None
+
+
+def get_module(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def own_params(module: nn.Module) -> list[nn.Parameter]:
+    return list(module.parameters(recurse=False))
+
+
+def layer_pattern(name: str, layers: str) -> str:
+    """``model.layers.3.mlp.fc1`` -> ``model.layers.*.mlp.fc1``."""
+    if name.startswith(layers + "."):
+        rest = name[len(layers) + 1:].partition(".")[2]
+        return f"{layers}.*" + (f".{rest}" if rest else "")
+    return name
+
+
+def is_linear(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Linear, Conv1D))
+
+
+def is_attention(block: nn.Module) -> bool:
+    """An attention module: reshaped by heads, so splitting it needs an Attention rule, not Column / Row."""
+    name = type(block).__name__
+    return "Attention" in name or "Attn" in name or any(hasattr(block, a) for a in ("head_dim", "head_size"))
+
+
+def out_features(module: nn.Module) -> int:
+    return module.weight.shape[1] if isinstance(module, Conv1D) else module.out_features
+
+
+def own_params_deep(module: nn.Module | None) -> bool:
+    return module is not None and any(True for _ in module.parameters())
+
+
+def is_softmax_attention(block: nn.Module) -> bool:
+    """Whether a block calls transformers' attention functions (softmax attention over heads)."""
+    return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(type(block).forward)
+
+
+def whole_sequence(arch: str, pattern: str, block: nn.Module) -> WholeSequence:
+    """A block kept whole on every rank and run on the whole sequence under SP (a recurrent or state-space mixer):
+    WholeSequence gathers its forward's first argument, the hidden states."""
+    first = next(iter(inspect.signature(block.forward).parameters), None)
+    if first is None:
+        raise refuse(arch, pattern, f"{type(block).__name__} is kept whole and must see the whole sequence under SP, but "
+                                    f"its forward takes no hidden states")
+    return WholeSequence(pattern, argument=first)
+
+
+def is_covered(name: str, patterns: list[str]) -> bool:
+    """Whether module ``name`` or a block holding it matches one of the tp plan's ``patterns`` (per-layer rules
+    name layers literally, so compare with concrete names, not folded patterns)."""
+    parts = name.split(".")
+    return any(matches(p, ".".join(parts[:i])) for p in patterns for i in range(1, len(parts) + 1))
