@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,26 +99,32 @@ def prepare(arch: str) -> Row:
     return row
 
 
+def chunks(rows: list[Row], modes_of) -> Iterator[tuple[tuple[str, ...], list[Row]]]:
+    """(modes, architectures) to run in one world each: rows grouped by the modes ``modes_of(row)`` leaves them
+    to run (none: skipped), at most CHUNK architectures per world."""
+    groups: dict[tuple[str, ...], list[Row]] = defaultdict(list)
+    for row in rows:
+        modes = modes_of(row)
+        if modes:
+            groups[modes].append(row)
+    for modes, members in groups.items():
+        for start in range(0, len(members), CHUNK):
+            yield modes, members[start:start + CHUNK]
+
+
 def run(rows: list[Row]) -> None:
     """Run every mode not refused, grouped by mode set, a chunk of architectures per world."""
     from plait.testing.conformance import run_conformance
 
-    groups: dict[tuple[str, ...], list[Row]] = defaultdict(list)
-    for row in rows:
-        todo = tuple(m for m in MODES if m not in row.cells)
-        if row.ref and todo:
-            groups[todo].append(row)
-    for modes, members in groups.items():
-        for start in range(0, len(members), CHUNK):
-            chunk = members[start:start + CHUNK]
-            results = run_conformance([r.ref for r in chunk], list(modes))
-            crashed = any("the world crashed" in r.note for r in results)
-            if crashed and len(chunk) > 1:
-                for row in chunk:  # pin the crash on its architecture
-                    record(row, run_conformance([row.ref], list(modes)))
-            else:
-                for row in chunk:  # the kit names a result by its subject: the ref, for both kinds of adapter
-                    record(row, [r for r in results if r.adapter == row.ref])
+    for modes, chunk in chunks(rows, lambda row: tuple(m for m in MODES if m not in row.cells) if row.ref else ()):
+        results = run_conformance([r.ref for r in chunk], list(modes))
+        crashed = any("the world crashed" in r.note for r in results)
+        if crashed and len(chunk) > 1:
+            for row in chunk:  # pin the crash on its architecture
+                record(row, run_conformance([row.ref], list(modes)))
+        else:
+            for row in chunk:  # the kit names a result by its subject: the ref, for both kinds of adapter
+                record(row, [r for r in results if r.adapter == row.ref])
     recheck_float64(rows)
 
 
@@ -126,24 +133,17 @@ def recheck_float64(rows: list[Row]) -> None:
     stays off by 1e-4 (see plait.testing.conformance): pass there makes the cell a pass, with both numbers."""
     from plait.testing.conformance import run_conformance
 
-    groups: dict[tuple[str, ...], list[Row]] = defaultdict(list)
-    for row in rows:
-        noisy = tuple(m for m in MODES if row.cells.get(m, "").startswith("NOISE"))
-        if noisy:
-            groups[noisy].append(row)
-    for modes, members in groups.items():
-        for start in range(0, len(members), CHUNK):
-            chunk = members[start:start + CHUNK]
-            for result in run_conformance([r.ref for r in chunk], list(modes), dtype="float64"):
-                row = next(r for r in chunk if r.ref == result.adapter)
-                fp32 = row.cells[result.mode].removeprefix("NOISE (").removesuffix(")")
-                if result.status == "pass":
-                    row.cells[result.mode] = f"pass (float64: loss {result.loss_rel:.0e}, grad {result.grad_tol:.0e}; " \
-                                             f"fp32: {fp32})"
-                    row.passed[result.mode] = True
-                else:
-                    note = " ".join(result.note.split())
-                    row.cells[result.mode] = f"FAIL (float64: {note[:200]}; fp32: {fp32})"
+    for modes, chunk in chunks(rows, lambda row: tuple(m for m in MODES if row.cells.get(m, "").startswith("NOISE"))):
+        for result in run_conformance([r.ref for r in chunk], list(modes), dtype="float64"):
+            row = next(r for r in chunk if r.ref == result.adapter)
+            fp32 = row.cells[result.mode].removeprefix("NOISE (").removesuffix(")")
+            if result.status == "pass":
+                row.cells[result.mode] = f"pass (float64: loss {result.loss_rel:.0e}, grad {result.grad_tol:.0e}; " \
+                                         f"fp32: {fp32})"
+                row.passed[result.mode] = True
+            else:
+                note = " ".join(result.note.split())
+                row.cells[result.mode] = f"FAIL (float64: {note[:200]}; fp32: {fp32})"
 
 
 def record(row: Row, results) -> None:

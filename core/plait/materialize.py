@@ -16,12 +16,12 @@ full logical weights are identical for every layout: tp=1 and tp=4 start from th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import datetime
 import hashlib
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
