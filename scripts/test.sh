@@ -1,6 +1,25 @@
 #!/usr/bin/env bash
 # The test command: set up (idempotent), then run the whole suite.
+#   bash scripts/test.sh [pytest args]           the versions the suite was proven with (constraints/tested.txt),
+#                                                installed into the active Python environment
+#   bash scripts/test.sh --latest [pytest args]  the newest releases, in a fresh virtual environment .venv-latest
+#   bash scripts/test.sh --oldest [pytest args]  the oldest versions pyproject.toml allows, in .venv-oldest
+# The --latest / --oldest runs write what they installed to .venv-*/tested.txt: after a green --latest run,
+# copying it over constraints/tested.txt moves the pins forward (README, "Dependencies").
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+  --latest|--oldest)
+    deps=${1#--}
+    shift
+    venv=.venv-$deps
+    "${PYTHON:-python3}" -m venv --clear "$venv"
+    PYTHON=$venv/bin/python PLAIT_DEPS=$deps bash scripts/setup.sh
+    "$venv/bin/python" -m pip freeze --exclude-editable | sed -E 's/^(torch==[^+]*)\+.*/\1/' > "$venv/tested.txt"
+    echo "testing with: $(grep -iE '^(torch|transformers|peft|accelerate|tokenizers|datasets|safetensors|pluggy)==' \
+      "$venv/tested.txt" | paste -sd' ') (all: $venv/tested.txt)"
+    exec "$venv/bin/python" -m pytest -q "$@"
+    ;;
+esac
 bash scripts/setup.sh
 exec "${PYTHON:-python3}" -m pytest -q "$@"

@@ -40,6 +40,11 @@ TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 # Set even where the default is None (None there means "derive it", which the small sizes make explicit);
 # elsewhere None switches a feature off (no sliding window, no q LoRA) and stays.
 EXPLICIT = ("head_dim", "num_key_value_heads", "n_routed_experts", "num_experts_per_tok")
+# A key a release adds under a prefix of its own beside the plain key (a second attention kind's
+# ``swa_num_attention_heads`` and ``swa_head_dim``, ``unpadded_vocab_size``) is shrunk to the plain key's size, so
+# that a new release's config still shrinks; never grown (``type_vocab_size`` 2 stays), and keys SIZES names
+# itself keep their own sizes.
+SUFFIXED = ("num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
 # Where a class's own defaults do not build a model that runs (shrunk or not), the values that make them.
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     # rope_parameters defaults to {}, but the rotary module reads one entry per layer type (M-RoPE sections)
@@ -102,6 +107,10 @@ def tiny_config(config_class: type[PretrainedConfig]) -> PretrainedConfig:
 def _sizes(values: dict[str, Any]) -> dict[str, Any]:
     """Test sizes for the keys of ``values`` (a config's, or one layer's overrides of it) that SIZES has."""
     sizes = {k: v for k, v in SIZES.items() if k in values and (values[k] is not None or k in EXPLICIT)}
+    for key, value in values.items():
+        suffix = next((s for s in SUFFIXED if key.endswith("_" + s)), None)
+        if suffix in values and key not in SIZES and isinstance(value, int) and not isinstance(value, bool):
+            sizes[key] = min(value, SIZES[suffix])
     if "qk_rope_head_dim" in values and "head_dim" in values:
         sizes["head_dim"] = SIZES["qk_rope_head_dim"]  # multi-head latent attention: head_dim is the rotary part
     if "qk_head_dim" in values:  # derived by the class from the two parts, and stored

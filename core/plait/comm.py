@@ -4,7 +4,8 @@ Keeping them in one place makes communication countable (``CommCounter``, used b
 keeps the backend open: only torch.distributed calls appear here, so gloo, NCCL and XLA all work. A group of
 None (single process) or of one rank makes each function the identity.
 
-``PLAIT_SINGLETON_GROUPS=1`` (read at import) turns that shortcut off for real groups of one rank, and the mesh
+``PLAIT_SINGLETON_GROUPS=1`` (read at each call, not at import: a rank forked from a preloaded server
+sets its environment after importing) turns that shortcut off for real groups of one rank, and the mesh
 then builds such groups: a one-GPU NCCL world passes every collective call site real device tensors. It is a
 testing aid for backends that cannot put two ranks on one device (NCCL refuses to).
 """
@@ -20,7 +21,11 @@ import torch
 import torch.distributed as dist
 
 _counters: list["CommCounter"] = []
-SINGLETON_GROUPS = os.environ.get("PLAIT_SINGLETON_GROUPS") == "1"
+
+
+def singleton_groups() -> bool:
+    """Whether groups of one rank are real groups (``PLAIT_SINGLETON_GROUPS=1``): collectives then run on them."""
+    return os.environ.get("PLAIT_SINGLETON_GROUPS") == "1"
 
 
 @dataclass
@@ -56,8 +61,8 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 
 
 def trivial(group: dist.ProcessGroup | None) -> bool:
-    """Whether collectives on ``group`` are the identity (no group, or one rank unless SINGLETON_GROUPS)."""
-    return group is None or (not SINGLETON_GROUPS and dist.get_world_size(group) == 1)
+    """Whether collectives on ``group`` are the identity (no group, or one rank unless singleton_groups())."""
+    return group is None or (not singleton_groups() and dist.get_world_size(group) == 1)
 
 
 def device_for(group: dist.ProcessGroup | None) -> torch.device:
@@ -138,7 +143,7 @@ def split(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> to
 
 def world_group() -> dist.ProcessGroup | None:
     """The group of every rank, or None in a single process (so the functions here become the identity)."""
-    if dist.is_available() and dist.is_initialized() and (dist.get_world_size() > 1 or SINGLETON_GROUPS):
+    if dist.is_available() and dist.is_initialized() and (dist.get_world_size() > 1 or singleton_groups()):
         return dist.group.WORLD
     return None
 

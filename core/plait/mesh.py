@@ -109,10 +109,10 @@ class Mesh:
 
 def _new_groups(rows: torch.Tensor, rank: int, timeout: datetime.timedelta | None) -> ProcessGroup | None:
     """Create one group per row (collectively) and return the one holding ``rank``; None for 1-rank rows
-    (unless ``comm.SINGLETON_GROUPS``: a real group of one, so collectives run on it)."""
+    (unless ``comm.singleton_groups()``: a real group of one, so collectives run on it)."""
     mine = None
     for row in rows.tolist():
-        if len(row) == 1 and not comm.SINGLETON_GROUPS:
+        if len(row) == 1 and not comm.singleton_groups():
             return None
         group = dist.new_group(row, timeout=timeout)
         if rank in row:

@@ -28,7 +28,7 @@ def pick_device(device: str) -> torch.device:
 def init_distributed(device: torch.device, backend: str, timeout_s: int) -> bool:
     """Join the world torchrun started (WORLD_SIZE > 1, or any torchrun world with PLAIT_SINGLETON_GROUPS=1);
     return whether it is distributed."""
-    wanted = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (comm.SINGLETON_GROUPS and "RANK" in os.environ)
+    wanted = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (comm.singleton_groups() and "RANK" in os.environ)
     if not wanted or dist.is_initialized():
         return dist.is_initialized()
     if backend == "auto":

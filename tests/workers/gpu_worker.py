@@ -20,7 +20,7 @@ from plait.runtime import init_distributed, pick_device
 
 
 def main(hf_dir: str) -> None:
-    assert comm.SINGLETON_GROUPS, "run with PLAIT_SINGLETON_GROUPS=1"
+    assert comm.singleton_groups(), "run with PLAIT_SINGLETON_GROUPS=1"
     device = pick_device("cuda")
     assert init_distributed(device, "nccl", 120)
     assert torch.distributed.get_backend() == "nccl"

@@ -1,6 +1,6 @@
 """Worker: LoRA under tp=2 + SP, pp=2 and ZeRO-1 dp=2 against peft on one process, in one world of 2 ranks.
 
-``lora_parity.py OUT.json [ARCH ...]``. For each architecture and layout, a tiny model gets LoRA (both A and B
+``lora_parity.py OUT.json [--float64] [ARCH ...]``. For each architecture and layout, a tiny model gets LoRA (both A and B
 random: ``init_lora_weights=False``, so that A's gradient is not zero at the first step) from plait, and the
 same adapter values are copied into peft's ``LoraModel`` on a copy of the base, which trains on the whole
 global batch in this process. STEPS AdamW steps; per step the global loss and every LoRA gradient slice a rank
@@ -8,7 +8,8 @@ holds (the owner's, under ZeRO-1) are compared; afterwards the base weights must
 adapter is also exported: as a peft directory loaded by ``PeftModel.from_pretrained`` on the unmodified base,
 and merged into the base (``from_pretrained``), both must give the parallel model's logits. Rank 0 writes
 the worst numbers per case, and what failed, for tests/test_lora.py. SFT + LoRA: packed, prompt-masked
-blocks (plait.data.sft_blocks) at tp=2 + SP and pp=2.
+blocks (plait.data.sft_blocks) at tp=2 + SP and pp=2. ``--float64`` runs every model in float64: the recheck
+that tells fp32 rounding (shrinks ~1e8-fold) from a real difference (stays).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def batches(sft: bool):
 
 def reference_loss(model, ids, labels, positions, num_items: int) -> torch.Tensor:
     logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-    total = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    total = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
                             reduction="sum")
     return total / num_items
 
@@ -106,7 +108,8 @@ def run_case(arch: str, layout: dict, out_dir: Path, sft: bool = False) -> dict:
     start = gather_lora(pmodel)
     reference = get_peft_model(copy.deepcopy(base), copy.deepcopy(config))
     ref_params = {plait_name(n): p for n, p in reference.named_parameters() if p.requires_grad}
-    result = {"failures": [], "loss_rel": 0.0, "grad_err": 0.0, "checked": 0, "lora_params": len(ref_params)}
+    result = {"failures": [], "loss_rel": 0.0, "grad_err": 0.0, "checked": 0, "lora_params": len(ref_params),
+              "grad_err_by_step": [0.0] * STEPS}
     if set(ref_params) != set(start):
         result["failures"].append(f"peft adapts {sorted(set(ref_params) ^ set(start))} differently")
         return result
@@ -146,6 +149,7 @@ def run_case(arch: str, layout: dict, out_dir: Path, sft: bool = False) -> dict:
             # a summation order moves later gradients by up to ~5e-5 of the tensor's largest (GPT2, step 3, at
             # pp=2 as at tp=2), element by element far more where an entry is near zero
             err = ((seen[name] - expected).abs().max() / (1e-6 + 1e-4 * expected.abs().max())).item()
+            result["grad_err_by_step"][step] = max(result["grad_err_by_step"][step], err)
             if err > result["grad_err"]:
                 result["grad_err"], result["grad_worst"] = err, f"step {step} {name}: max |d| " \
                     f"{(seen[name] - expected).abs().max().item():.2e}, max |g| {expected.abs().max().item():.2e}"
@@ -213,8 +217,11 @@ def dropout_case(layout: dict) -> dict:
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    archs = sys.argv[2:] or ["llama", "gpt2", "qwen3"]
+    out, args = Path(sys.argv[1]), sys.argv[2:]
+    if "--float64" in args:
+        args.remove("--float64")
+        torch.set_default_dtype(torch.float64)
+    archs = args or ["llama", "gpt2", "qwen3"]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

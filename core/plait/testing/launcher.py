@@ -4,18 +4,39 @@ A distributed test must never hang and never hide which rank failed: the first r
 ends every other rank at once, and a world that outlives ``timeout`` is killed whole; either way the
 error names the rank and shows the end of its output. Workers get the torchrun environment (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so any torchrun script can be a worker.
+
+Two ways to start the ranks, the same watchdog over both:
+- a fresh ``python`` per rank (the default): nothing shared with the caller;
+- forked from a server that has imported torch and transformers once (``PLAIT_LAUNCH=fork``, what the test
+  suite sets): a rank then starts in a fraction of a second instead of paying ~6-10 s of imports, which is
+  most of a small world's time (docs/decisions.md D8). The server is the standard library's
+  ``multiprocessing`` forkserver, started on first use and gone with the caller. A forked rank runs its
+  script as ``python`` would (``__main__``, ``sys.argv``, the script's directory or the cwd first on
+  ``sys.path``) with the environment it was given; what the preloaded modules read from the environment at
+  import time is the only thing it cannot change, so that list stays short (``FORK_PRELOAD``).
 """
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
 import os
+import random
+import runpy
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+LAUNCH_ENV = "PLAIT_LAUNCH"  # "fork": ranks forked from a preloaded server; anything else: fresh processes
+# Imported once by the fork server: the costly part of every worker's start-up. They read no environment
+# variable a test world sets (plait itself is not preloaded: it reads PLAIT_* variables at import).
+FORK_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils",
+                "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"]
 
 
 class WorkerFailure(AssertionError):
@@ -33,6 +54,91 @@ def _tail(path: Path, chars: int = 6000) -> str:
     return text[-chars:]
 
 
+class _Rank:
+    """One running rank, whichever way it was started: ``poll()`` (None while running, else the exit code,
+    negative for a signal) and ``kill()``."""
+
+    def __init__(self, poll: Callable[[], int | None], kill: Callable[[], None]):
+        self.poll, self.kill = poll, kill
+
+
+def _start_subprocess(argv: Sequence[str], env: dict[str, str], cwd: str | None, log: Path) -> _Rank:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+
+    def kill() -> None:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+    return _Rank(proc.poll, kill)
+
+
+def _fork_context() -> multiprocessing.context.BaseContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORK_PRELOAD)
+    return context
+
+
+def _start_forked(argv: Sequence[str], env: dict[str, str], cwd: str | None, log: Path) -> _Rank:
+    process = _fork_context().Process(target=_run_forked, args=(list(argv), env, cwd, str(log)), daemon=False)
+    process.start()
+
+    def kill() -> None:
+        if process.exitcode is None:
+            process.kill()
+        process.join()
+        process.close()
+
+    return _Rank(lambda: process.exitcode, kill)
+
+
+def _run_forked(argv: list[str], env: dict[str, str], cwd: str | None, log: str) -> None:
+    """In the forked rank: become ``python argv...`` with ``env`` in ``cwd``, output to ``log``; exit with
+    the code the script would have exited with."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    extra_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    random.seed()  # a fresh process draws its own seed; a forked one would share the server's
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # OpenMP read the variable in the server
+    code = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv = ["-m", *argv[2:]]
+            sys.path[:0] = [os.getcwd(), *extra_path]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(argv[0])
+            sys.argv = [script, *argv[1:]]
+            sys.path[:0] = [os.path.dirname(script), *extra_path]
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()  # as an interpreter exit would: the multiprocessing exit skips them
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def launch(
     argv: Sequence[str], world_size: int, *, timeout: float, env: dict[str, str] | None = None,
     cwd: str | os.PathLike | None = None,
@@ -40,21 +146,19 @@ def launch(
     """Run ``python argv...`` as ``world_size`` ranks; return each rank's combined output on success."""
     port = free_port()
     logdir = Path(tempfile.mkdtemp(prefix="plait-launch-"))
-    procs, logs = [], []
-    for rank in range(world_size):
-        rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                    "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        log = logdir / f"rank{rank}.log"
-        logs.append(log)
-        with open(log, "wb") as out:
-            procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, cwd=cwd, stdout=out,
-                                          stderr=subprocess.STDOUT))
+    start = _start_forked if os.environ.get(LAUNCH_ENV) == "fork" else _start_subprocess
+    ranks, logs = [], []
     deadline = time.monotonic() + timeout
     failure = None
     try:
+        for rank in range(world_size):
+            rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+            logs.append(logdir / f"rank{rank}.log")
+            ranks.append(start(argv, rank_env, None if cwd is None else str(cwd), logs[-1]))
         while True:
-            codes = [p.poll() for p in procs]
+            codes = [r.poll() for r in ranks]
             bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
                 rank = bad[0]
@@ -69,11 +173,8 @@ def launch(
                 break
             time.sleep(0.05)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait()
+        for r in ranks:
+            r.kill()
     if failure:
         raise WorkerFailure(failure)
     return [log.read_text(errors="replace") for log in logs]

@@ -1,0 +1,78 @@
+"""The versions the suite is proven with are the ones the set-up installs, and pyproject.toml's ranges are the
+ones tested: constraints/tested.txt pins every package inside its range, constraints/oldest.txt holds exactly
+the lower bounds (what `bash scripts/test.sh --oldest` installs), and this environment has the pins."""
+
+from __future__ import annotations
+
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def requirements() -> list[Requirement]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = [r for group in project["optional-dependencies"].values() for r in group]
+    return [Requirement(r) for r in [*project["dependencies"], *extras]]
+
+
+def pins(name: str) -> dict[str, Version]:
+    found = {}
+    for line in (ROOT / "constraints" / name).read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            package, _, pinned = line.partition("==")
+            assert pinned, f"constraints/{name}: {line!r} is not an exact pin (name==version)"
+            found[canonicalize_name(package)] = Version(pinned)
+    return found
+
+
+def lower_bound(requirement: Requirement) -> Version:
+    bounds = [Version(s.version) for s in requirement.specifier if s.operator == ">="]
+    assert len(bounds) == 1, f"pyproject.toml: {requirement} needs one lower bound (>=) the tests cover"
+    assert any(s.operator == "<" for s in requirement.specifier), f"pyproject.toml: {requirement} has no upper bound"
+    return bounds[0]
+
+
+def test_every_requirement_is_pinned_inside_its_range():
+    tested = pins("tested.txt")
+    for requirement in requirements():
+        name = canonicalize_name(requirement.name)
+        assert name in tested, f"constraints/tested.txt does not pin {requirement.name}"
+        assert requirement.specifier.contains(tested[name]), \
+            f"constraints/tested.txt pins {name}=={tested[name]}, outside pyproject.toml's {requirement}"
+
+
+def test_the_oldest_constraints_are_the_lower_bounds():
+    oldest = pins("oldest.txt")
+    expected = {canonicalize_name(r.name): lower_bound(r) for r in requirements()}
+    assert oldest == expected, f"constraints/oldest.txt {oldest} != pyproject.toml's lower bounds {expected}"
+
+
+def test_this_environment_has_the_tested_versions():
+    """What scripts/setup.sh installed (CI runs it first): a package at another version means the set-up no
+    longer installs what the suite was proven with. Skipped in the --latest / --oldest environments and where a
+    torch other than the pinned one was kept (a CUDA build)."""
+    if Path(sys.prefix).name in (".venv-latest", ".venv-oldest"):
+        pytest.skip("a --latest / --oldest run tests other versions on purpose")
+    tested = pins("tested.txt")
+    wrong = {}
+    for name in (canonicalize_name(r.name) for r in requirements()):
+        try:
+            installed = Version(Version(version(name)).base_version)
+        except PackageNotFoundError:
+            installed = None
+        if installed != tested[name] and name != "torch":
+            wrong[name] = f"{installed} (tested {tested[name]})"
+    assert not wrong, f"installed versions differ from constraints/tested.txt: {wrong}; run bash scripts/setup.sh"

@@ -1,0 +1,84 @@
+"""The test launcher (plait.testing.launch): every rank runs as ``python argv`` would, one failure or a hang
+ends the whole world with the culprit named, the same whether ranks are fresh processes or forked from the
+preloaded server (``PLAIT_LAUNCH=fork``, what this suite's conftest sets)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from plait.testing import WorkerFailure, launch
+from plait.testing.launcher import LAUNCH_ENV
+
+WORKER = """
+import os, sys
+preloaded = "transformers.modeling_utils" in sys.modules
+import helper_beside_the_script
+rank = int(os.environ["RANK"])
+print(f"rank={rank} world={os.environ['WORLD_SIZE']} flag={os.environ.get('PLAIT_TEST_FLAG')} "
+      f"cwd={os.getcwd()} argv={sys.argv[1:]} preloaded={preloaded} name={__name__}")
+mode = sys.argv[1]
+if mode == "exit" and rank == 1:
+    sys.exit(3)
+if mode == "raise" and rank == 1:
+    raise RuntimeError("rank one broke")
+if mode in ("exit", "raise") and rank == 0:
+    import time; time.sleep(60)
+if mode == "hang":
+    import time; time.sleep(60)
+"""
+
+
+@pytest.fixture(params=["subprocess", "fork"])
+def mode(request, monkeypatch, tmp_path):
+    monkeypatch.setenv(LAUNCH_ENV, request.param)
+    (tmp_path / "worker.py").write_text(WORKER)
+    (tmp_path / "helper_beside_the_script.py").write_text("")
+    return request.param
+
+
+def test_each_rank_runs_the_script_as_python_would(mode, tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    outputs = launch([str(tmp_path / "worker.py"), "ok", "x y"], 2, timeout=120, env={"PLAIT_TEST_FLAG": "on"},
+                     cwd=tmp_path / "elsewhere")
+    for rank, out in enumerate(outputs):
+        assert f"rank={rank} world=2 flag=on cwd={tmp_path / 'elsewhere'} argv=['ok', 'x y']" in out, out
+        assert f"preloaded={mode == 'fork'} name=__main__" in out, out
+
+
+def test_a_module_runs_with_dash_m(mode, tmp_path):
+    outputs = launch(["-m", "worker", "ok"], 1, timeout=120, cwd=tmp_path)  # the cwd is on the path, as for -m
+    assert "rank=0 world=1" in outputs[0] and "argv=['ok']" in outputs[0], outputs[0]
+
+
+@pytest.mark.parametrize("how, words", [("exit", "rank 1 exited with code 3"),
+                                        ("raise", "RuntimeError: rank one broke")])
+def test_one_failing_rank_ends_the_world_and_is_named(mode, tmp_path, how, words):
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match="rank 1 exited with code") as failure:
+        launch([str(tmp_path / "worker.py"), how], 2, timeout=120)
+    assert words in str(failure.value) and "other ranks were stopped" in str(failure.value)
+    assert time.monotonic() - start < 50, "rank 0 (sleeping 60 s) was not stopped"
+
+
+def test_a_hang_is_killed_at_the_timeout(mode, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match=r"world of 2 timed out after 8s \(a hang\); all ranks killed"):
+        launch([str(tmp_path / "worker.py"), "hang"], 2, timeout=8)
+    assert time.monotonic() - start < 50
+
+
+def test_forked_ranks_do_not_share_the_servers_random_state(tmp_path, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, "fork")
+    (tmp_path / "draw.py").write_text("import random, numpy\nprint('draw', random.random(), numpy.random.rand())\n")
+    first, second = launch([str(tmp_path / "draw.py")], 2, timeout=120)
+    draw = [line for line in first.splitlines() if line.startswith("draw")]
+    assert draw and draw != [line for line in second.splitlines() if line.startswith("draw")]
+
+
+def test_the_suite_forks_its_worlds():
+    """tests/conftest.py turns the fork server on for the whole run (the suite's start-up cost, D8) unless the
+    caller chose otherwise (``PLAIT_LAUNCH=subprocess pytest``)."""
+    assert os.environ.get(LAUNCH_ENV) in ("fork", "subprocess")
