@@ -25,7 +25,7 @@ from plait.grad_sync import GradSync, norm_params
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.layers import LoraDropout, apply_lora
 from plait.mesh import Mesh
-from plait.pipeline.schedule import LossFn, PipelineRunner
+from plait.pipeline.runner import LossFn, PipelineRunner
 from plait.pipeline.stages import StageChunk, dropped, prune
 from plait.registry import Adapter, Registry
 from plait.tp.apply import AppliedTP, apply_tensor_parallel

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from plait.config import ConfigError, ParallelConfig
-from plait.pipeline.schedule import SCHEDULES
+from plait.pipeline_schedules import SCHEDULES
 
 if TYPE_CHECKING:
     from peft import LoraConfig

@@ -12,7 +12,7 @@ from torch import nn
 
 from plait.config import ConfigError, ParallelConfig
 from plait.pipeline.cuts import StageSplit, fallback_plan, split_stages
-from plait.pipeline.schedule import check_schedule
+from plait.pipeline.runner import check_schedule
 from plait.plan import PipelinePlan
 
 
