@@ -115,7 +115,7 @@ def run_plan(ns, args) -> None:
     from plait.planner.render import estimate_json, print_estimate, print_search, search_json
     from plait.planner.search import search_layouts
     from plait.registry import default_registry
-    from plait.trainer import read_model_config
+    from plait.model_config import read_model_config
 
     if getattr(args, "lora_r", 0):
         raise ConfigError(f"plait plan does not model LoRA yet (--lora_r={args.lora_r}): frozen weights have no "
