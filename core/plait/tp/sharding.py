@@ -21,7 +21,7 @@ from transformers.pytorch_utils import Conv1D
 from plait.config import ConfigError
 
 if TYPE_CHECKING:
-    from plait.plan import TPPlan
+    from plait.declarations import TPPlan
     from plait.tp.styles import TPStyle
 from plait.patterns import matches
 
