@@ -57,7 +57,7 @@ def test_plan_bytes_add_up():
     from transformers import AutoModelForCausalLM
 
     from plait.registry import default_registry
-    from plait.tp.sharding import param_specs, plan_tensor_parallel
+    from plait.tp.layout import param_specs, plan_tensor_parallel
 
     config = tiny_config("llama")
     with torch.device("meta"):

@@ -21,7 +21,7 @@ from torch import nn
 from plait import comm
 from plait.config import ConfigError
 from plait.lora.config import scaling
-from plait.lora.plan import LORA_A, LORA_B
+from plait.lora.layout import LORA_A, LORA_B
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.lora.plan import LORA_A, LORA_B, LoraPlan
+from plait.lora.layout import LORA_A, LORA_B, LoraPlan
 from plait.mesh import Mesh
 from plait.seeds import init_seed
 from plait.tp import mappings
