@@ -9,7 +9,7 @@ import pytest
 
 from plait import hookspecs
 from plait.cli import main
-from plait.plan_report import parameter_bytes_per_rank
+from plait.plan_command import parameter_bytes_per_rank
 from tiny_models import tiny_config
 
 

@@ -44,7 +44,7 @@ def cmd_train(ns: argparse.Namespace) -> None:
 def cmd_plan(ns: argparse.Namespace) -> None:
     """The layout ``plait train`` would use with the same flags, planned on a meta model, with its memory,
     communication and bubble; ``--search``: the fastest layouts that fit."""
-    from plait.plan_report import run_plan
+    from plait.plan_command import run_plan
 
     if ns.show_derived:
         print(show_derived(ns.show_derived), end="")
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(plan, TrainArgs)
     plan.add_argument("--world_size", type=int, default=None,
                       help="processes of the run (default: --nproc_per_node, at least tp * pp)")
-    from plait.planner.device import PRESETS  # plan's own flags: docs/plan.md
+    from plait.costs.device import PRESETS  # plan's own flags: docs/plan.md
 
     plan.add_argument("--device_memory", type=float, default=None, help="GiB per device to fit in (default: the "
                       "--hardware preset's)")

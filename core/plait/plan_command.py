@@ -1,6 +1,6 @@
 """``plait plan``: how a model would be split, rendered from the same ``LayoutPlan`` that ``parallelize``
 applies (so it shows exactly the layouts ``plait train`` accepts), on a meta model: no weights built; then
-what each rank would hold and send (``plait.planner``), or with ``--search`` which layout to use."""
+what each rank would hold and send (``plait.costs``), or with ``--search`` which layout to use."""
 
 from __future__ import annotations
 
@@ -108,12 +108,12 @@ def run_plan(ns, args) -> None:
     from plait.config import ConfigError
     from plait.layout_plan import plan_layout
     from plait.meta import build_meta_model
-    from plait.planner.activations import trace_activations
-    from plait.planner.device import PRESETS, calibrate
-    from plait.planner.estimate import Batch, estimate_layout
-    from plait.planner.memory import Precision
-    from plait.planner.render import estimate_json, print_estimate, print_search, search_json
-    from plait.planner.search import search_layouts
+    from plait.costs.activations import trace_activations
+    from plait.costs.device import PRESETS, calibrate
+    from plait.costs.estimate import Batch, estimate_layout
+    from plait.costs.memory import Precision
+    from plait.costs.render import estimate_json, print_estimate, print_search, search_json
+    from plait.costs.search import search_layouts
     from plait.registry import default_registry
     from plait.model_config import read_model_config
 
