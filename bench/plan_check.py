@@ -106,9 +106,9 @@ def _predict(config_kwargs: dict, model_cfg, dtype, per_device: int, seq: int, w
     from plait import ParallelConfig
     from plait.layout_plan import plan_layout
     from plait.meta import build_meta_model
-    from plait.planner.activations import trace_activations
-    from plait.planner.estimate import Batch, estimate_layout
-    from plait.planner.memory import Precision
+    from plait.costs.activations import trace_activations
+    from plait.costs.estimate import Batch, estimate_layout
+    from plait.costs.memory import Precision
     from plait.registry import default_registry
 
     registry = default_registry()
@@ -148,7 +148,7 @@ def _measure_bytes(kwargs: dict, bf16: bool, weight_decay: float, rank: int) -> 
     """Parameter, gradient (after backward) and optimizer (after the step) bytes of this rank, and the planner's."""
     import torch
 
-    from plait.planner.measure import gradient_bytes, optimizer_bytes, parameter_bytes
+    from plait.costs.measure import gradient_bytes, optimizer_bytes, parameter_bytes
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     b, s = memory_seq(True)
@@ -265,11 +265,11 @@ def rank_layouts(tiny: bool, calibrate: bool):
     from plait import ParallelConfig
     from plait.layout_plan import plan_layout
     from plait.meta import build_meta_model
-    from plait.planner.activations import trace_activations
-    from plait.planner.device import PRESETS, calibrate as measure_device
-    from plait.planner.estimate import Batch
-    from plait.planner.memory import Precision
-    from plait.planner.search import describe, search_layouts
+    from plait.costs.activations import trace_activations
+    from plait.costs.device import PRESETS, calibrate as measure_device
+    from plait.costs.estimate import Batch
+    from plait.costs.memory import Precision
+    from plait.costs.search import describe, search_layouts
     from plait.registry import default_registry
 
     device = measure_device(refresh=True) if calibrate else PRESETS["cpu"]  # this run's machine, measured now
@@ -361,9 +361,9 @@ def report_comm(per_rank) -> list[str]:
     from plait import ParallelConfig
     from plait.layout_plan import plan_layout
     from plait.meta import build_meta_model
-    from plait.planner.activations import trace_activations
-    from plait.planner.estimate import Batch, estimate_layout
-    from plait.planner.memory import Precision
+    from plait.costs.activations import trace_activations
+    from plait.costs.estimate import Batch, estimate_layout
+    from plait.costs.memory import Precision
     from plait.registry import default_registry
 
     print("\n3. communication of one step: plait.comm's count vs planned (count, bytes), rank 0")
@@ -404,7 +404,7 @@ def report_bubble() -> list[str]:
     import pp_bubble
 
     from plait import ParallelConfig
-    from plait.planner.bubble import bubble_fraction
+    from plait.costs.bubble import bubble_fraction
 
     print("\n4. bubble: planner vs bench/pp_bubble.py's formulas (its measured figures: run it)")
     bad = []

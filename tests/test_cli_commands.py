@@ -9,7 +9,7 @@ import pytest
 
 from plait import hookspecs
 from plait.cli import main
-from plait.plan_report import parameter_bytes_per_rank
+from plait.plan_command import parameter_bytes_per_rank
 from tiny_models import tiny_config
 
 
@@ -57,7 +57,7 @@ def test_plan_bytes_add_up():
     from transformers import AutoModelForCausalLM
 
     from plait.registry import default_registry
-    from plait.tp.sharding import param_specs, plan_tensor_parallel
+    from plait.tp.layout import param_specs, plan_tensor_parallel
 
     config = tiny_config("llama")
     with torch.device("meta"):

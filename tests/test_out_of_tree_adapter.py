@@ -74,7 +74,7 @@ def test_biased_kv_head_is_replicated_with_its_bias(model_config):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from plait import Registry
-    from plait.tp.sharding import plan_tensor_parallel
+    from plait.tp.layout import plan_tensor_parallel
 
     config = AutoConfig.from_pretrained(model_config.parent)
     with torch.device("meta"):

@@ -20,14 +20,14 @@ from transformers import LlamaConfig
 import plait
 from plait import AdapterInfo, ParallelConfig, Registry, TPPlan, hookimpl
 from plait.cli import main
+from plait.costs.activations import trace_activations
+from plait.costs.bubble import bubble_fraction, in_flight
+from plait.costs.device import PRESETS
+from plait.costs.estimate import Batch, estimate_layout
+from plait.costs.memory import Precision
+from plait.costs.search import search_layouts
 from plait.layout_plan import plan_layout
 from plait.meta import build_meta_model
-from plait.planner.activations import trace_activations
-from plait.planner.bubble import bubble_fraction, in_flight
-from plait.planner.device import PRESETS
-from plait.planner.estimate import Batch, estimate_layout
-from plait.planner.memory import Precision
-from plait.planner.search import search_layouts
 from plait.registry import default_registry
 from plait.testing import launch
 

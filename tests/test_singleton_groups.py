@@ -23,8 +23,8 @@ def test_unknown_attention_kernel_is_refused_with_the_choices():
     import pytest
 
     from plait.config import ConfigError
+    from plait.model_config import read_model_config
     from plait.train_args import TrainArgs
-    from plait.trainer import read_model_config
 
     with pytest.raises(ConfigError, match="attn_implementation='flash9' is unknown; choose one of eager, .*sdpa"):
         read_model_config(TrainArgs(attn_implementation="flash9"))

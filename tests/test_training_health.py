@@ -72,7 +72,7 @@ def test_skip_nonfinite_steps_counts_then_stops(model_config, tmp_path, capsys):
 def test_learning_rate_zero_trains_nothing(model_config, tmp_path):
     from plait import ParallelConfig
     from plait.materialize import load_parallel_model
-    from plait.trainer import load_config_file
+    from plait.model_config import load_config_file
 
     out = tmp_path / "out"
     main(train_flags(model_config, out, "--learning_rate", "0", "--max_steps", "3", "--save_steps", "3"))

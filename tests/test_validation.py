@@ -9,8 +9,8 @@ import plait
 from plait import ConfigError, ParallelConfig
 from plait.layout_plan import check_capabilities
 from plait.registry import default_registry
+from plait.tp.layout import plan_tensor_parallel
 from plait.tp.sequence_parallel import sp_grad_sum_params
-from plait.tp.sharding import plan_tensor_parallel
 from tiny_models import tiny_config, tiny_model
 
 

@@ -1,11 +1,11 @@
 """plait: tensor, sequence and pipeline parallelism and ZeRO-1 for Hugging Face transformers models."""
 
 from plait.config import ConfigError, ParallelConfig
+from plait.declarations import AdapterInfo, Capabilities, PipelinePlan, SPPlan, TPPlan
+from plait.layout_plan import LayoutPlan, plan_layout
 from plait.markers import hookimpl
 from plait.mesh import Mesh
-from plait.layout_plan import LayoutPlan, plan_layout
 from plait.parallelize import ParallelModel, parallelize
-from plait.plan import AdapterInfo, Capabilities, PipelinePlan, SPPlan, TPPlan
 from plait.registry import AdapterError, Registry, default_registry, register
 from plait.tp.styles import Attention, Column, Row, VocabEmbedding, VocabHead
 

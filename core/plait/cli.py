@@ -1,7 +1,9 @@
 """The ``plait`` command: train, plan, consolidate, adapters, check-adapter.
 
 Errors that are the user's to fix (bad layout, bad paths, unknown architecture) print one clear line and
-exit with status 2, rather than a traceback.
+exit with status 2, rather than a traceback. Each command imports its implementation when it runs (the
+trainer, plait plan's estimates, LoRA export's peft and the conformance kit cost seconds of start-up), so
+``plait --help`` or ``plait adapters`` pays for none of them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import subprocess
 import sys
 
 from plait.config import ConfigError
-from plait.registry import AdapterError, default_registry
+from plait.costs.device import PRESETS
+from plait.data.prepare import add_prepare_data_parser
+from plait.registry import AdapterError, default_registry, served_architectures
 from plait.runtime import TrainingDiverged
 from plait.train_args import TrainArgs, add_arguments, from_namespace
 
@@ -32,7 +36,7 @@ def cmd_train(ns: argparse.Namespace) -> None:
         sys.exit(subprocess.call(cmd))
     import torch.distributed as dist
 
-    from plait.trainer import train
+    from plait.trainer import train  # when run (module docstring)
 
     train(args)
     if dist.is_initialized():
@@ -44,7 +48,7 @@ def cmd_train(ns: argparse.Namespace) -> None:
 def cmd_plan(ns: argparse.Namespace) -> None:
     """The layout ``plait train`` would use with the same flags, planned on a meta model, with its memory,
     communication and bubble; ``--search``: the fastest layouts that fit."""
-    from plait.plan_report import run_plan
+    from plait.plan_command import run_plan  # when run (module docstring)
 
     if ns.show_derived:
         print(show_derived(ns.show_derived), end="")
@@ -89,8 +93,6 @@ def cmd_adapters(ns: argparse.Namespace) -> None:
 
 def print_served_architectures(registry, as_json: bool) -> None:
     """Which adapter serves each causal-LM architecture of the installed transformers, and why."""
-    from plait.registry import served_architectures
-
     rows = served_architectures(registry)
     if as_json:
         print(json.dumps([{"architecture": a, "adapter": n, "why": w} for a, n, w in rows], indent=2))
@@ -105,10 +107,10 @@ def print_served_architectures(registry, as_json: bool) -> None:
 
 
 def cmd_consolidate(ns: argparse.Namespace) -> None:
-    from plait.checkpoint import consolidate
+    from plait.checkpoint import consolidate  # when run (module docstring)
 
     if ns.lora:
-        from plait.lora.export import consolidate_lora
+        from plait.lora.export import consolidate_lora  # when run (module docstring)
 
         out = consolidate_lora(ns.checkpoint_dir, ns.output_dir, ns.lora)
         loader = "peft.PeftModel.from_pretrained(base, {!r})" if ns.lora == "adapter" else \
@@ -121,7 +123,7 @@ def cmd_consolidate(ns: argparse.Namespace) -> None:
 
 
 def cmd_check_adapter(ns: argparse.Namespace) -> None:
-    from plait.testing.conformance import check_adapter_command
+    from plait.testing.conformance import check_adapter_command  # when run (module docstring)
 
     sys.exit(check_adapter_command(ns.name, ns.modes, ns.dtype))
 
@@ -138,8 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(plan, TrainArgs)
     plan.add_argument("--world_size", type=int, default=None,
                       help="processes of the run (default: --nproc_per_node, at least tp * pp)")
-    from plait.planner.device import PRESETS  # plan's own flags: docs/plan.md
-
     plan.add_argument("--device_memory", type=float, default=None, help="GiB per device to fit in (default: the "
                       "--hardware preset's)")
     plan.add_argument("--hardware", choices=sorted(PRESETS), default=None, help="device model for step times")
@@ -171,9 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="float64 tells a mis-split layer from fp32 noise that Adam amplified by step 2-3")
     check.set_defaults(func=cmd_check_adapter)
 
-    from plait.data.prepare import add_prepare_data_parser  # plait prepare-data: tokenize into the cache first
-
-    add_prepare_data_parser(sub)
+    add_prepare_data_parser(sub)  # plait prepare-data: tokenize into the cache first
 
     adapters = sub.add_parser("adapters", help="list installed architecture adapters")
     adapters.add_argument("--json", action="store_true", help="print a JSON list")

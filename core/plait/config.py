@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from plait.pipeline_schedules import SCHEDULES
+
 
 class ConfigError(ValueError):
     """A layout or model/layout combination that plait refuses, with a message naming values and fix."""
@@ -48,8 +50,6 @@ class ParallelConfig:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
         if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
             raise ConfigError(f"dp={self.dp!r} must be a positive integer or None (derived from the world size)")
-        from plait.pipeline.schedule import SCHEDULES  # the table lives with the runner; imported late (no cycle)
-
         if self.pipeline_schedule not in SCHEDULES:
             raise ConfigError(
                 f"pipeline_schedule={self.pipeline_schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}"

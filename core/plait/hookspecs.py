@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from plait.plan import AdapterInfo, PipelinePlan, SPPlan, TPPlan
+    from plait.declarations import AdapterInfo, PipelinePlan, SPPlan, TPPlan
 
 hookspec = pluggy.HookspecMarker("plait")
 

@@ -17,13 +17,14 @@ from torch import nn
 
 from plait.activation_checkpoint import checkpoint_targets
 from plait.config import ConfigError, ParallelConfig
-from plait.lora.plan import LoraPlan, plan_lora
+from plait.declarations import SPPlan
+from plait.lora.layout import LoraPlan, plan_lora
 from plait.pipeline.cuts import StageSplit
 from plait.pipeline.layout import plan_stages, stage_rows, stages_of_rank, tied_across_stages
-from plait.plan import SPPlan
 from plait.registry import Adapter, Registry, default_registry
+from plait.tp.layout import param_specs, plan_tensor_parallel
 from plait.tp.sequence_parallel import sp_grad_sum_params
-from plait.tp.sharding import ModuleShard, ShardSpec, param_specs, plan_tensor_parallel
+from plait.tp.sharding import ModuleShard, ShardSpec
 
 if TYPE_CHECKING:  # peft is imported only where LoRA is used: it costs every process seconds
     from peft import LoraConfig

@@ -17,7 +17,6 @@ full logical weights are identical for every layout: tp=1 and tp=4 start from th
 from __future__ import annotations
 
 import datetime
-import hashlib
 import math
 import os
 from pathlib import Path
@@ -37,6 +36,7 @@ from plait.lora.layers import local_init
 from plait.meta import build_meta_model
 from plait.parallelize import ParallelModel, parallelize
 from plait.registry import Adapter, Registry, default_registry
+from plait.seeds import init_seed
 from plait.tp.sharding import ShardSpec
 
 if TYPE_CHECKING:  # peft is imported only where LoRA is used: it costs every process seconds
@@ -173,12 +173,6 @@ def materialize_buffers(model: nn.Module, device: torch.device) -> None:
 # --------------------------------------------------------------------------------------------------
 # Seeded random init, identical full weights for every layout
 # --------------------------------------------------------------------------------------------------
-
-
-def init_seed(seed: int, name: str, block: int | None = None) -> int:
-    """A 63-bit seed from (seed, parameter name, row block): stable across processes and Python versions."""
-    digest = hashlib.sha256(f"{seed}/{name}/{block}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class SeededInit:

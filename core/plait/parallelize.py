@@ -25,7 +25,7 @@ from plait.grad_sync import GradSync, norm_params
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.layers import LoraDropout, apply_lora
 from plait.mesh import Mesh
-from plait.pipeline.schedule import LossFn, PipelineRunner
+from plait.pipeline.runner import LossFn, PipelineRunner
 from plait.pipeline.stages import StageChunk, dropped, prune
 from plait.registry import Adapter, Registry
 from plait.tp.apply import AppliedTP, apply_tensor_parallel
@@ -218,7 +218,7 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
     if plan.sp_plan is not None:
         sp_params = sp_grad_sum_params(model, plan.sp_plan, shards)
         install_sequence_parallel(model, plan.sp_plan, mesh.tp_group, applied.head_is_parallel, owns)
-    if plan.lora is not None:  # after the SP region is checked: LoRA's own sums are in lora/plan.py
+    if plan.lora is not None:  # after the SP region is checked: LoRA's own sums are in lora/layout.py
         applied.grad_sums += apply_lora(model, plan.lora, mesh, config.sequence_parallel, owns, lora_seed)
     if config.tp > 1:
         rng = install_dropout_rng(model, mesh.tp_rank, *_dropout_regions(model, plan, shards, owns))

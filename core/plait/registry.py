@@ -17,7 +17,7 @@ from typing import Any
 import pluggy
 
 from plait import hookspecs
-from plait.plan import AdapterInfo, PipelinePlan, SPPlan, TPPlan
+from plait.declarations import AdapterInfo, PipelinePlan, SPPlan, TPPlan
 
 ENTRY_POINT_GROUP = "plait.adapters"
 DISABLE_AUTOLOAD_ENV = "PLAIT_DISABLE_PLUGIN_AUTOLOAD"

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from plait.config import ConfigError, ParallelConfig
-from plait.pipeline.schedule import SCHEDULES
+from plait.lora.config import lora_config
+from plait.pipeline_schedules import SCHEDULES
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -84,8 +85,6 @@ class TrainArgs:
         """peft's LoraConfig from the --lora_* flags (None without --lora_r)."""
         if not self.lora_r:
             return None
-        from plait.lora.config import lora_config
-
         targets = [t.strip() for t in self.lora_target_modules.split(",") if t.strip()] if self.lora_target_modules else None
         return lora_config(self.lora_r, self.lora_alpha, self.lora_dropout, targets)
 

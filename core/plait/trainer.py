@@ -8,19 +8,16 @@ so any layout with the same global batch trains on the same tokens and, in fp32,
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import time
-from importlib import resources
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig, get_scheduler
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers import PretrainedConfig, get_scheduler
 
 from plait import comm, faults
 from plait.config import ConfigError, ParallelConfig
@@ -29,7 +26,6 @@ from plait.data.sft_blocks import batch_inputs, count_labels
 from plait.data.train_data import load_data
 from plait.metrics import MetricsLog, json_line, peak_rss_mb, plot_loss_curve
 from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
-from plait.checkpoint.format import model_config as saved_model_config
 from plait.checkpoint.format import read_index, remove_partial_checkpoints
 from plait.checkpoint.state import local_params
 from plait.compile import compile_leaf_modules
@@ -40,41 +36,11 @@ from plait.layout_plan import plan_layout
 from plait.lora.base import check_base, saved_lora
 from plait.materialize import materialize, resolve_source
 from plait.meta import build_meta_model
+from plait.model_config import read_model_config
 from plait.parallelize import ParallelModel, parallelize
 from plait.registry import default_registry
 from plait.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process, pick_device
 from plait.train_args import TrainArgs
-
-DEFAULT_MODEL_CONFIG = "tiny-llama.json"
-
-
-def read_model_config(args: TrainArgs, resume: Path | None = None) -> PretrainedConfig:
-    """The transformers config: from the model dir, the given config.json, the checkpoint resumed from, or
-    plait's tiny Llama."""
-    if args.model_name_or_path:
-        config = AutoConfig.from_pretrained(args.model_name_or_path)
-    elif args.model_config:
-        config = load_config_file(Path(args.model_config))
-    elif resume is not None:
-        config = saved_model_config(read_index(resume)[1])
-    else:
-        config = load_config_file(Path(str(resources.files("plait.configs").joinpath(DEFAULT_MODEL_CONFIG))))
-    if args.attn_implementation:
-        known = ["eager", *ALL_ATTENTION_FUNCTIONS.keys()]
-        if args.attn_implementation not in known:
-            raise ConfigError(f"--attn_implementation={args.attn_implementation!r} is unknown; choose one of "
-                              f"{', '.join(known)}")
-        config._attn_implementation = args.attn_implementation
-    return config
-
-
-def load_config_file(path: Path) -> PretrainedConfig:
-    """A transformers config.json, without needing the rest of a model dir."""
-    values = json.loads(path.read_text())
-    if "model_type" not in values:
-        raise ConfigError(f"{path} has no 'model_type'; it must be a transformers config.json")
-    return AutoConfig.for_model(values.pop("model_type"), **values)
-
 
 def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
     """Model-dependent checks, still before any process group exists."""

@@ -1,4 +1,4 @@
-"""Worker: what each rank of several layouts holds, measured beside ``plait.planner``'s prediction.
+"""Worker: what each rank of several layouts holds, measured beside ``plait.costs``'s prediction.
 
 Run as a world of 2 ranks: ``planner_worker.py OUT.json``. For each layout, a tiny Llama (tied embeddings,
 vocab 61: padded under tp; one kv head: replicated under tp, its gradient summed) is laid out, its optimizer
@@ -19,13 +19,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from plait import ParallelConfig, parallelize
 from plait.comm import count_collectives
+from plait.costs.activations import trace_activations
+from plait.costs.estimate import Batch, estimate_layout
+from plait.costs.measure import gradient_bytes, optimizer_bytes, parameter_bytes
+from plait.costs.memory import Precision
 from plait.layout_plan import plan_layout
 from plait.meta import build_meta_model
 from plait.optim import OptimizerStep, build_optimizer
-from plait.planner.activations import trace_activations
-from plait.planner.estimate import Batch, estimate_layout
-from plait.planner.measure import gradient_bytes, optimizer_bytes, parameter_bytes
-from plait.planner.memory import Precision
 from plait.registry import default_registry
 
 SEQ, BATCH = 16, 4

@@ -17,14 +17,13 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from plait.data.cache import default_cache_root
 from plait.data.dataset import pack_blocks, tokenize_files
 from plait.data.documents import read_documents
 from plait.data.tokenizer import MIN_VOCAB_SIZE, load_or_train_tokenizer
 
 
 def default_cache_dir() -> Path:
-    from plait.data.cache import default_cache_root
-
     return default_cache_root()
 
 

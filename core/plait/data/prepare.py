@@ -40,12 +40,12 @@ def cmd_prepare_data(ns: argparse.Namespace) -> None:
     dataclasses.replace(args, train_file=None, validation_file=None).validate()
     dp = data_parallel_size(args, ns.world_size)
 
+    # Imported when the command runs: every ``plait`` command builds this parser, and these cost seconds.
+    from plait.data.sft import SFT_FORMATS, data_format, load_sft_data
     from plait.data.train_data import prepare_data
-    from plait.trainer import read_model_config
+    from plait.model_config import read_model_config
 
     vocab_size = read_model_config(args).vocab_size
-    from plait.data.sft import SFT_FORMATS, data_format, load_sft_data
-
     if data_format(args) in SFT_FORMATS:  # load_sft_data prints examples, tokens, blocks and the cache entry
         for line in batch_lines(args, dp, len(load_sft_data(args, vocab_size).blocks)):
             print(line)

@@ -29,6 +29,7 @@ import numpy as np
 
 from plait.config import ConfigError
 from plait.data.cache import CacheEntry, tokenizer_fingerprint
+from plait.data.paths import cache_root, tokenizer_dir
 from plait.data.sft_blocks import Example, SFTBlocks, lay_out
 from plait.data.sources import Source, resolve_sources
 from plait.data.tokenizer import load_tokenizer
@@ -245,8 +246,6 @@ def load_sft_data(args, vocab_size: int, fmt: str | None = None) -> SFTData:
     """SFT blocks from ``args`` (--train_file, --validation_file, --tokenizer_name or the model dir's tokenizer,
     --data_format, --train_on_prompt, --block_size, --packing, --overlong, --data_cache_dir); before any
     process group, so a bad line fails every rank at once (ConfigError naming the file and line)."""
-    from plait.data.train_data import cache_root, tokenizer_dir
-
     fmt = fmt or data_format(args)
     directory = tokenizer_dir(args)
     if directory is None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from plait.data.cache import _host, _stale_temporaries, empty_message, exclusive, publish, wait_for
 from plait.data.sources import Source, resolve_sources, sample_lines
 
 EOS_TOKEN = "<|endoftext|>"
@@ -82,8 +83,6 @@ def train_bpe_tokenizer(text_files: list, vocab_size: int, sample_chars: int | N
     seen = [0]
     tokenizer.train_from_iterator(_training_texts(sources, sample_chars, seen), trainer=trainer)
     if not seen[0]:
-        from plait.data.cache import empty_message
-
         raise EmptySample(empty_message(sources))
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN
@@ -109,8 +108,6 @@ def cached_bpe_tokenizer(
 ) -> tuple[PreTrainedTokenizerBase, Path, bool]:
     """The BPE for ``text_files`` from the cache, trained first (local rank 0) if missing; other local ranks
     wait for it. Returns (tokenizer, its cache dir, trained by this call)."""
-    from plait.data.cache import _host, _stale_temporaries, exclusive, publish, wait_for
-
     sources = as_sources(text_files)
     sample_chars = BPE_SAMPLE_CHARS if sample_chars is None else sample_chars
     target = bpe_cache_path(sources, vocab_size, cache_dir, sample_chars)

@@ -12,32 +12,17 @@ import os
 import shutil
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from plait.config import ConfigError
 from plait.data.blocks import TokenBlocks
-from plait.data.cache import ByteEncoder, TokenCache, TokenizerEncoder, default_cache_root
+from plait.data.cache import TOKENS_FILE, ByteEncoder, TokenCache, TokenizerEncoder
 from plait.data.corpus import default_corpus_path
+from plait.data.paths import cache_root, tokenizer_dir
+from plait.data.sft import SFT_FORMATS, data_format, load_sft_data
 from plait.data.sources import Source, dataset_source, resolve_sources
 from plait.data.tokenizer import MIN_VOCAB_SIZE, cached_bpe_tokenizer, load_tokenizer
 from plait.train_args import TrainArgs
-
-
-def tokenizer_dir(args: TrainArgs) -> Path | None:
-    """--tokenizer_name, else the model dir's own tokenizer (a pretrained model must see its own tokens)."""
-    if args.tokenizer_name:
-        return Path(args.tokenizer_name)
-    if args.model_name_or_path and any(
-        (Path(args.model_name_or_path) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")
-    ):
-        return Path(args.model_name_or_path)
-    return None
-
-
-def cache_root(args: TrainArgs) -> Path:
-    """--data_cache_dir, else ``$XDG_CACHE_HOME/plait`` (``~/.cache/plait``)."""
-    return Path(args.data_cache_dir).expanduser() if getattr(args, "data_cache_dir", None) else default_cache_root()
 
 
 def train_sources(args: TrainArgs) -> list[Source]:
@@ -121,8 +106,6 @@ def _prepare_data(args: TrainArgs, vocab_size: int, local_rank: int, progress: b
 
 
 def _blocks(cache: TokenCache, meta: dict, block_size: int) -> TokenBlocks:
-    from plait.data.cache import TOKENS_FILE
-
     return TokenBlocks(cache.path / TOKENS_FILE, meta["dtype"], block_size, num_tokens=meta["num_tokens"])
 
 
@@ -131,8 +114,6 @@ def load_data(args: TrainArgs, vocab_size: int) -> tuple[TokenBlocks, TokenBlock
     the token cache, and the tokenizer that made them (None for byte ids), saved with checkpoints.
     SFT data (--data_format chat / prompt_completion, or detected) gives ``SFTBlocks`` instead
     (``plait.data.sft``)."""
-    from plait.data.sft import SFT_FORMATS, data_format, load_sft_data
-
     fmt = data_format(args)
     if fmt in SFT_FORMATS:  # conversations or prompt/completion: padded or packed SFT blocks
         sft = load_sft_data(args, vocab_size, fmt)

@@ -19,9 +19,17 @@ from safetensors.torch import save_file
 from torch import nn
 
 from plait import comm
-from plait.config import ConfigError
+from plait.checkpoint.consolidate import TOKENIZER_FILES
+from plait.checkpoint.format import full_box, model_config, read_index
+from plait.checkpoint.load import CheckpointReader
+from plait.checkpoint.st_io import DTYPES
+from plait.config import ConfigError, ParallelConfig
+from plait.gather import gather_full
+from plait.lora.base import check_base, saved_lora
 from plait.lora.config import scaling
-from plait.lora.plan import LORA_A, LORA_B
+from plait.lora.layout import LORA_A, LORA_B
+from plait.materialize import load_parallel_model
+from plait.meta import build_meta_model
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -30,8 +38,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 def gather_lora(pmodel) -> dict[str, torch.Tensor]:
     """Every full LoRA tensor of a running ParallelModel, on every rank (a collective over the world: tp
     slices are gathered, pipeline stages exchange theirs)."""
-    from plait.gather import gather_full
-
     lora = pmodel.plan.lora
     if lora is None:
         raise ConfigError("this model trains no LoRA adapters (parallelize(..., lora=LoraConfig(...)))")
@@ -120,13 +126,6 @@ def consolidate_lora(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pat
     """A LoRA checkpoint (any layout) as a peft adapter directory (``mode="adapter"``) or as its base with the
     update merged in (``mode="merged"``, a ``from_pretrained`` directory, tokenizer files copied). The base is
     reloaded from the checkpoint's reference, checked against the identity it recorded."""
-    from plait.checkpoint.consolidate import TOKENIZER_FILES
-    from plait.checkpoint.format import full_box, model_config, read_index
-    from plait.checkpoint.load import CheckpointReader
-    from plait.checkpoint.st_io import DTYPES
-    from plait.lora.base import check_base, saved_lora
-    from plait.meta import build_meta_model
-
     if mode not in ("adapter", "merged"):
         raise ConfigError(f"--lora {mode!r} is unknown; choose adapter (a peft directory) or merged")
     output = Path(output_dir)
@@ -151,9 +150,6 @@ def consolidate_lora(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pat
 
         model = AutoModelForCausalLM.from_pretrained(base["path"], dtype=torch.float32)
     else:  # seeded random weights: rebuilt exactly as the run built them
-        from plait.config import ParallelConfig
-        from plait.materialize import load_parallel_model
-
         model = load_parallel_model(model_cfg, ParallelConfig(), seed=base["seed"]).module
     save_merged(output, model, tensors, config)
     for extra in TOKENIZER_FILES:

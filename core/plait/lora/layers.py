@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.lora.plan import LORA_A, LORA_B, LoraPlan
+from plait.lora.layout import LORA_A, LORA_B, LoraPlan
 from plait.mesh import Mesh
+from plait.seeds import init_seed
 from plait.tp import mappings
 
 
@@ -48,8 +49,6 @@ def full_init(name: str, shape: tuple[int, ...], init_b_zero: bool, seed: int) -
     """The full LoRA matrix ``name`` as peft initialises it: kaiming-uniform (a=sqrt(5), nn.Linear's default)
     for A, zeros for B unless ``init_lora_weights=False``; drawn from a generator seeded by (seed, name) so
     every layout starts from the same adapter."""
-    from plait.materialize import init_seed  # materialize imports parallelize, which imports this module
-
     full = torch.empty(shape, dtype=torch.float32)
     if init_b_zero and name.endswith(f"{LORA_B}.weight"):
         return full.zero_()

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from plait.config import ConfigError
+from plait.declarations import PipelinePlan
 from plait.patterns import matches
-from plait.plan import PipelinePlan
 
 
 @dataclass(frozen=True)

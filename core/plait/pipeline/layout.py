@@ -11,9 +11,9 @@ from collections import defaultdict
 from torch import nn
 
 from plait.config import ConfigError, ParallelConfig
+from plait.declarations import PipelinePlan
 from plait.pipeline.cuts import StageSplit, fallback_plan, split_stages
-from plait.pipeline.schedule import check_schedule
-from plait.plan import PipelinePlan
+from plait.pipeline.runner import check_schedule
 
 
 def plan_stages(

@@ -43,6 +43,7 @@ from plait.registry import AdapterError
 from plait.testing.conformance_modes import (
     ADAM_EPS, ATOL, LOSS_RTOL, LR, MODES, RTOL, STEPS, Mode, Subject, adapter_ref, load_subject, with_overrides,
 )
+from plait.testing.launcher import WorkerFailure, launch
 
 WORKER = "plait.testing.conformance_worker"
 DTYPES = ("float32", "float64")
@@ -117,8 +118,6 @@ def run_conformance(
     Raises AdapterError (unknown adapter, no ``plait_tiny_config``) or ConfigError (unknown mode or dtype)
     before launching anything.
     """
-    from plait.testing.launcher import WorkerFailure, launch
-
     if dtype not in DTYPES:
         raise ConfigError(f"conformance dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     subjects = [load_subject(adapter_ref(a)) for a in adapters]

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from plait.config import ConfigError
-from plait.tp.styles import Attention
+from plait.config import ConfigError, ParallelConfig
+from plait.layout_plan import plan_layout
+from plait.meta import build_meta_model
 from plait.registry import Adapter, AdapterError, Registry
+from plait.tp.styles import Attention
 
 STEPS, LR, ADAM_EPS, BATCH, SEQ = 3, 1e-3, 1e-6, 4, 16  # BATCH: sequences per data-parallel rank and step
 LOSS_RTOL, RTOL, ATOL = 1e-5, 1e-5, 1e-6
@@ -62,10 +64,6 @@ def _kv_heads_fewer_than(tp: int) -> Callable[[Subject], str | None]:
 
 def _plan_fits(subject: Subject, tp: int) -> str | None:
     """None when the layout plan splits the tiny model over ``tp`` ranks, else plait's reason why not."""
-    from plait.config import ParallelConfig
-    from plait.layout_plan import plan_layout
-    from plait.meta import build_meta_model
-
     try:
         plan_layout(build_meta_model(subject.config), ParallelConfig(tp=tp), tp, subject.registry)
     except ConfigError as err:

@@ -24,7 +24,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plait import comm
+from plait.checkpoint import consolidate, save_checkpoint
 from plait.config import ParallelConfig
+from plait.optim import OptimizerStep, build_optimizer
 from plait.parallelize import ParallelModel, parallelize
 from plait.testing.conformance_modes import (
     ADAM_EPS, ATOL, BATCH, LOSS_RTOL, LR, MODES, RTOL, SEQ, STEPS, Mode, Subject, load_subject, with_overrides,
@@ -126,8 +128,6 @@ class ZeroStep:
     zeroes them after stepping, so the owners' gradients are read just before the inner step."""
 
     def __init__(self, pmodel: ParallelModel) -> None:
-        from plait.optim import OptimizerStep, build_optimizer
-
         self.optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=LR, eps=ADAM_EPS)
         self.run = OptimizerStep(pmodel.grad_sync, self.optimizer)
         owned = {id(p) for p in getattr(self.optimizer, "owned_params", pmodel.parameters())}
@@ -200,8 +200,6 @@ def check_consolidated(record: Record, pmodel: ParallelModel, path: Path) -> Non
     load that with ``from_pretrained`` on every rank and compare it with this rank's trained shards: a
     round trip copies bytes, so they must be equal."""
     from transformers import AutoModelForCausalLM
-
-    from plait.checkpoint import consolidate, save_checkpoint
 
     save_checkpoint(path / "checkpoint", pmodel, step=STEPS)
     if dist.get_rank() == 0:

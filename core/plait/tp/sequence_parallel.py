@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.config import ConfigError
+from plait.declarations import SPPlan
 from plait.patterns import matches
-from plait.plan import SPPlan
-from plait.tp.sharding import ModuleShard
 from plait.tp import mappings
+from plait.tp.sharding import ModuleShard
 
 
 def region_prefix(begin: str) -> str:

@@ -1,29 +1,24 @@
-"""From a TP plan and a model to per-parameter shard specs: pure functions, no communication.
+"""Shard specs and shard decisions: what a tp rank holds of a tensor and of a module. Pure, no communication.
 
-How one rule splits its modules lives with the rule (``tp/styles.py``); this module holds the shard types
-and walks a plan over a model.
+How one rule splits its modules lives with the rule (``tp/styles.py``, built on this module); walking a TP plan
+over a model is ``tp/layout.py``. This module holds the shard types and the range arithmetic the rules share.
 
-The same code answers "what does tp rank r hold?" for applying TP, for ``plait plan`` (on a meta model),
+The same types answer "what does tp rank r hold?" for applying TP, for ``plait plan`` (on a meta model),
 for gathering full tensors in tests and checkpoints, and for validation. Every divisibility problem is
-found here, before any process group or weight read.
+found before any process group or weight read.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from plait.config import ConfigError
-
-if TYPE_CHECKING:
-    from plait.plan import TPPlan
-    from plait.tp.styles import TPStyle
-from plait.patterns import matches
 
 
 @dataclass(frozen=True)
@@ -75,7 +70,7 @@ class ModuleShard:
     """The decision for one module: its style, the spec of its weight and bias, and who shares it."""
 
     name: str
-    style: "TPStyle"  # the rule that builds this module's replacement (tp/styles.py)
+    style: Any  # the TPRule that decided it and builds the module's replacement (tp/styles.py, above this module)
     transposed: bool  # transformers Conv1D: weight is [in, out]
     weight: ShardSpec
     bias: ShardSpec | None
@@ -109,7 +104,7 @@ def linear_shape(module: nn.Module) -> tuple[int, int, bool]:
     raise ConfigError(f"module of type {type(module).__name__} cannot be split as a linear (expected Linear or Conv1D)")
 
 
-def linear_shard(name: str, module: nn.Module, style: "TPStyle", out_ranges, in_ranges, pad: int = 0) -> ModuleShard:
+def linear_shard(name: str, module: nn.Module, style: Any, out_ranges, in_ranges, pad: int = 0) -> ModuleShard:
     fan_in, fan_out, transposed = linear_shape(module)
     out_dim, in_dim = (1, 0) if transposed else (0, 1)
     full = tuple(module.weight.shape)
@@ -128,39 +123,3 @@ def vocab_split(vocab: int, tp: int, rank: int) -> tuple[int, int, int]:
     start = min(rank * per_rank, vocab)
     stop = min(start + per_rank, vocab)
     return start, stop, per_rank - (stop - start)
-
-
-def plan_tensor_parallel(
-    model: nn.Module, plan: "TPPlan", tp: int, rank: int, parallel_embeddings: bool = True
-) -> dict[str, ModuleShard]:
-    """Shard decisions of tp rank ``rank`` for every module the plan names (works on meta models).
-
-    Raises ConfigError, naming the values, for sizes that do not divide, and for a plan rule that matches
-    no module of the model (a plan written for another model version).
-    """
-    modules = dict(model.named_modules())
-    shards: dict[str, ModuleShard] = {}
-    for rule in plan.rules:
-        hits = [name for name in modules if matches(rule.pattern, name)]
-        if not hits:
-            raise ConfigError(
-                f"the TP plan names {rule.pattern!r}, but the model ({type(model).__name__}) has no such module; "
-                f"the adapter does not fit this model"
-            )
-        if rule.vocab_parallel and not parallel_embeddings:
-            continue
-        for name in hits:
-            for shard in rule.shards(name, modules[name], tp, rank):
-                shards[shard.name] = shard
-    return shards
-
-
-def param_specs(model: nn.Module, shards: dict[str, ModuleShard]) -> dict[str, ShardSpec]:
-    """Spec of every parameter name of ``model`` (replicated unless a shard decision says otherwise)."""
-    specs = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        module_name, _, leaf = name.rpartition(".")
-        shard = shards.get(module_name)
-        spec = shard.spec(leaf) if shard is not None else None
-        specs[name] = spec if spec is not None else ShardSpec(tuple(param.shape))
-    return specs

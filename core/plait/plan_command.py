@@ -1,20 +1,32 @@
 """``plait plan``: how a model would be split, rendered from the same ``LayoutPlan`` that ``parallelize``
 applies (so it shows exactly the layouts ``plait train`` accepts), on a meta model: no weights built; then
-what each rank would hold and send (``plait.planner``), or with ``--search`` which layout to use."""
+what each rank would hold and send (``plait.costs``), or with ``--search`` which layout to use."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
+import shlex
 from collections import Counter
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from plait.layout_plan import LayoutPlan
+from plait.config import ConfigError
+from plait.costs.activations import trace_activations
+from plait.costs.device import PRESETS, calibrate
+from plait.costs.estimate import Batch, estimate_layout
+from plait.costs.memory import Precision
+from plait.costs.render import estimate_json, print_estimate, print_search, search_json
+from plait.costs.search import search_layouts
+from plait.layout_plan import LayoutPlan, plan_layout
+from plait.meta import build_meta_model
+from plait.model_config import read_model_config
 from plait.pipeline.layout import rank_of_stage, stage_bytes, stage_rows
+from plait.registry import default_registry
 
 
 def parameter_bytes_per_rank(model: torch.nn.Module, specs_by_rank: list[dict]) -> list[int]:
@@ -69,8 +81,6 @@ def train_command(args, config, per_device: int, per_node: int | None = None) ->
     """The ``plait train`` command running ``config`` with the rest of ``args`` (a ``TrainArgs``) unchanged: one
     node launches its processes itself; a world larger than ``per_node`` devices runs under torchrun on each
     node (HOST: the rendezvous node)."""
-    import shlex
-
     world = config.tp * config.pp * (config.dp or 1)
     nodes = -(-world // per_node) if per_node and world > per_node else 1
     flags: list[str] = ["plait", "train"] if nodes == 1 else [
@@ -103,20 +113,6 @@ def train_command(args, config, per_device: int, per_node: int | None = None) ->
 def run_plan(ns, args) -> None:
     """``plait plan``: the layout tables, memory per rank, communication and bubble of the layout asked for,
     or with ``--search`` the fastest layouts that fit (``ns``: the parsed plan flags; ``args``: TrainArgs)."""
-    import json
-
-    from plait.config import ConfigError
-    from plait.layout_plan import plan_layout
-    from plait.meta import build_meta_model
-    from plait.planner.activations import trace_activations
-    from plait.planner.device import PRESETS, calibrate
-    from plait.planner.estimate import Batch, estimate_layout
-    from plait.planner.memory import Precision
-    from plait.planner.render import estimate_json, print_estimate, print_search, search_json
-    from plait.planner.search import search_layouts
-    from plait.registry import default_registry
-    from plait.trainer import read_model_config
-
     if getattr(args, "lora_r", 0):
         raise ConfigError(f"plait plan does not model LoRA yet (--lora_r={args.lora_r}): frozen weights have no "
                           f"gradients or optimizer state; drop --lora_r for the full fine-tune's numbers, "

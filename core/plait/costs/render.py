@@ -17,9 +17,9 @@ from collections import defaultdict
 from rich.console import Console
 from rich.table import Table
 
-from plait.planner.device import Device
-from plait.planner.estimate import LayoutEstimate
-from plait.planner.search import SearchResult, describe
+from plait.costs.device import Device
+from plait.costs.estimate import LayoutEstimate
+from plait.costs.search import SearchResult, describe
 
 
 def gib(n: float) -> str:

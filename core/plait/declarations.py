@@ -1,7 +1,9 @@
-"""The data adapters return: what an architecture is, and how its modules parallelize.
+"""What an adapter declares: what an architecture is (``AdapterInfo``, ``Capabilities``) and how its modules
+parallelize (``TPPlan``, ``SPPlan``, ``PipelinePlan``), the data its hooks return.
 
-Plans are plain frozen dataclasses. Adapters build them from a model config and never touch
-torch.distributed; the core validates them against the model and applies them in one fixed order.
+Declarations are plain frozen dataclasses; adapters import them from ``plait`` (``plait.TPPlan``). Adapters build
+them from a model config and never touch torch.distributed; the core validates them against the model and
+resolves them into the ``LayoutPlan`` (``plait.layout_plan``), which ``parallelize`` applies in one fixed order.
 Module names are dotted paths as in ``model.named_modules()``; ``*`` matches exactly one path component
 (``model.layers.*.mlp.up_proj``).
 """

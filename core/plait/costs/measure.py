@@ -1,4 +1,4 @@
-"""What a built rank actually holds, for checking the planner against (tests and bench/plan_check.py)."""
+"""What a built rank actually holds, for checking the estimates against (tests and bench/plan_check.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Where every LoRA adapter goes and what each tp rank holds of it: pure, on a meta model, before any group.
+"""LoRA's part of the layout plan: where every LoRA adapter goes and what each tp rank holds of it; pure, on a
+meta model, before any group.
 
 LoRA follows its base layer (docs/lora.md). In peft's layout, A is [r, in] and B is [out, r]:
 
@@ -21,7 +22,8 @@ from torch import nn
 
 from plait.config import ConfigError
 from plait.lora.config import check_supported, scaling
-from plait.tp.sharding import ModuleShard, ShardSpec, linear_shape, plan_tensor_parallel
+from plait.tp.layout import plan_tensor_parallel
+from plait.tp.sharding import ModuleShard, ShardSpec, linear_shape
 from plait.tp.styles import Column, Row
 
 if TYPE_CHECKING:  # peft is imported only where LoRA is used: it costs every process seconds

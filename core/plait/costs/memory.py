@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait.costs.activations import ActivationTrace, unit_bytes
+from plait.costs.bubble import in_flight
 from plait.layout_plan import LayoutPlan
-from plait.pipeline.cuts import StageSplit
 from plait.optim.param_groups import decays, embedding_params
-from plait.planner.activations import ActivationTrace, unit_bytes
-from plait.planner.bubble import in_flight
+from plait.pipeline.cuts import StageSplit
 
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
 STEP_BYTES = 4  # AdamW's per-parameter float32 step tensor

@@ -26,8 +26,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from plait.config import ConfigError
+from plait.declarations import PipelinePlan
 from plait.pipeline.cuts import fallback_plan
-from plait.plan import PipelinePlan
 from plait.registry import Registry
 
 FIRST, LAST = "first", "last"

@@ -1,16 +1,15 @@
 """Running a step through ``torch.distributed.pipelining`` schedules (docs/decisions.md D3).
 
-Schedules by name: gpipe and 1f1b run one stage per rank; interleaved-1f1b and zero-bubble (ZB1P, with
-the backward split into input and weight passes) run ``virtual_pipeline_size`` looped stages per rank
-(rank r holds stages r, r + pp, ...). Losses are sums over tokens divided by the global token count, so
-the schedule must not rescale gradients (``scale_grads=False``) and the step's loss is the sum over
-microbatches, broadcast from the last stage to the whole pipeline.
+Schedules by name (the table is ``plait.pipeline_schedules``): gpipe and 1f1b run one stage per rank;
+interleaved-1f1b and zero-bubble (ZB1P, with the backward split into input and weight passes) run
+``virtual_pipeline_size`` looped stages per rank (rank r holds stages r, r + pp, ...). Losses are sums over
+tokens divided by the global token count, so the schedule must not rescale gradients (``scale_grads=False``)
+and the step's loss is the sum over microbatches, broadcast from the last stage to the whole pipeline.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,26 +17,7 @@ from torch import nn
 from plait import comm
 from plait.config import ConfigError, ParallelConfig
 from plait.mesh import Mesh
-
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """A pipeline schedule by name: its ``torch.distributed.pipelining`` class (imported on first use: the
-    module costs about a second of start-up, which no pp=1 run should pay) and whether it runs several
-    looped stages per rank (``virtual_pipeline_size`` > 1) or exactly one."""
-
-    torch_class: str
-    multi_stage: bool
-
-
-# The one table of schedules: ParallelConfig's choices, the flags' help and the runner all read it.
-SCHEDULES = {
-    "gpipe": Schedule("ScheduleGPipe", multi_stage=False),
-    "1f1b": Schedule("Schedule1F1B", multi_stage=False),
-    "interleaved-1f1b": Schedule("ScheduleInterleaved1F1B", multi_stage=True),
-    "zero-bubble": Schedule("ScheduleInterleavedZeroBubble", multi_stage=True),
-}
+from plait.pipeline_schedules import SCHEDULES
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, "int | torch.Tensor"], torch.Tensor]
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait.costs.memory import Precision, RankParam, zero1_owned
+from plait.costs.tp_modules import VOCAB_LABELS
 from plait.grad_sync import BUCKET_BYTES
 from plait.layout_plan import LayoutPlan
-from plait.planner.memory import Precision, RankParam, zero1_owned
-from plait.planner.tp_modules import VOCAB_LABELS
 from plait.tp.sequence_parallel import sp_grad_sum_params
 
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from plait.config import ConfigError, ParallelConfig
+from plait.costs.activations import ActivationTrace
+from plait.costs.device import Device
+from plait.costs.estimate import Batch, LayoutEstimate, estimate_layout
+from plait.costs.memory import Precision
 from plait.layout_plan import LayoutPlan, plan_layout
-from plait.planner.activations import ActivationTrace
-from plait.planner.device import Device
-from plait.planner.estimate import Batch, LayoutEstimate, estimate_layout
-from plait.planner.memory import Precision
 from plait.registry import AdapterError, Registry
 
 

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from plait.costs.activations import ActivationTrace
+from plait.costs.bubble import bubble_fraction
+from plait.costs.comm import CommOp, StepShape, step_comm
+from plait.costs.device import Device
+from plait.costs.memory import ActivationBytes, Precision, StaticBytes, activation_bytes, rank_params, static_bytes
+from plait.costs.tp_modules import column_modules, row_modules
 from plait.grad_sync import BUCKET_BYTES
 from plait.layout_plan import LayoutPlan
-from plait.planner.activations import ActivationTrace
-from plait.planner.bubble import bubble_fraction
-from plait.planner.comm import CommOp, StepShape, step_comm
 from plait.optim.param_groups import embedding_params
-from plait.planner.tp_modules import column_modules, row_modules
-from plait.planner.device import Device
-from plait.planner.memory import ActivationBytes, Precision, StaticBytes, activation_bytes, rank_params, static_bytes
 
 
 @dataclass(frozen=True)
