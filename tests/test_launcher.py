@@ -5,6 +5,8 @@ preloaded server (``PLAIT_LAUNCH=fork``, what this suite's conftest sets)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -82,3 +84,15 @@ def test_the_suite_forks_its_worlds():
     """tests/conftest.py turns the fork server on for the whole run (the suite's start-up cost, D8) unless the
     caller chose otherwise (``PLAIT_LAUNCH=subprocess pytest``)."""
     assert os.environ.get(LAUNCH_ENV) in ("fork", "subprocess")
+
+
+def test_a_caller_whose_main_is_stdin_gets_fresh_processes(tmp_path):
+    """multiprocessing imports the caller's main module in each forked rank; ``python -`` has none to import."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    (tmp_path / "helper_beside_the_script.py").write_text("")
+    caller = (f"from plait.testing import launch\n"
+              f"print(launch([{str(tmp_path / 'worker.py')!r}, 'ok'], 2, timeout=120)[1])\n")
+    done = subprocess.run([sys.executable, "-"], input=caller, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, LAUNCH_ENV: "fork"})
+    assert done.returncode == 0, done.stderr
+    assert "rank=1 world=2" in done.stdout and "preloaded=False" in done.stdout, done.stdout

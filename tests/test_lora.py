@@ -32,31 +32,51 @@ LOSS_RTOL, LOGITS_TOL = 1e-5, 1e-5
 TRAINED_LOGITS_TOL = 1e-4
 
 
+# Gradients are compared per tensor: max |d| <= 1e-6 + 1e-4 * max |g| (grad_err <= 1). In fp32 that holds at the
+# first step; the later ones move by fp32 rounding that AdamW (lr 1e-2) amplifies: GPT2's c_fc.lora_A at step 3
+# measured 0.7-0.83 here and 1.14-1.18 on another machine (transformers 5.24, peft 0.21.2). The same cases in
+# float64 match to 2e-9 of that tolerance at every step (GPT2, Llama; a mis-split adapter is off by the order of
+# the gradient itself, 1e4), so every step is checked there, 10 times tighter than fp32: Qwen3's per-head q/k
+# RMSNorm, which transformers computes in fp32 even in a float64 model, keeps some fp32 noise (0.022 at step 3).
+FLOAT64_GRAD_ERR = 0.1
+
+
+def run_worker(tmp_path_factory, *flags: str) -> dict:
+    out = tmp_path_factory.mktemp("lora") / "results.json"
+    launch([str(WORKER), str(out), *flags, *ARCHS, "phi3"], 2, timeout=600)
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("lora") / "results.json"
-    launch([str(WORKER), str(out), *ARCHS, "phi3"], 2, timeout=600)
-    return json.loads(out.read_text())
+    return run_worker(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def results64(tmp_path_factory) -> dict:
+    return run_worker(tmp_path_factory, "--float64")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_lora_parity_with_peft_on_one_process(results, arch, layout):
-    r = results[f"{arch}/{layout}"]
-    assert not r["failures"], r["failures"]
-    assert r["loss_rel"] <= LOSS_RTOL, r
-    assert r["checked"] >= r["lora_params"], f"only {r['checked']} gradient slices compared: {r}"
-    assert r["grad_err"] <= 1.0, r.get("grad_worst")
+def test_lora_parity_with_peft_on_one_process(results, results64, arch, layout):
+    r, r64 = results[f"{arch}/{layout}"], results64[f"{arch}/{layout}"]
+    for case in (r, r64):
+        assert not case["failures"], case["failures"]
+        assert case["loss_rel"] <= LOSS_RTOL, case
+        assert case["checked"] >= case["lora_params"], f"only {case['checked']} gradient slices compared: {case}"
+    assert r["grad_err_by_step"][0] <= 1.0, r.get("grad_worst")
+    assert max(r64["grad_err_by_step"]) <= FLOAT64_GRAD_ERR, r64.get("grad_worst")
     assert r["base_changed"] == [], f"frozen base weights changed: {r['base_changed']}"
     assert r["frozen_grads"] == [] and r["frozen_stepped"] == 0, r
     assert r["state_numel"] == 2 * r["trained_numel"], "AdamW state beyond the LoRA parameters"
 
 
 @pytest.mark.parametrize("layout", ["tp2_sp", "tp2"])
-def test_phi3_fused_projections_split_per_head_and_per_chunk(results, layout):
+def test_phi3_fused_projections_split_per_head_and_per_chunk(results, results64, layout):
     """Phi3's qkv_proj (whole heads of q, k and v per rank) and gate_up_proj (the same slice of gate and of up):
     B follows the base's ranges."""
-    test_lora_parity_with_peft_on_one_process(results, "phi3", layout)
+    test_lora_parity_with_peft_on_one_process(results, results64, "phi3", layout)
     r = results[f"phi3/{layout}"]
     assert r["adapter_target_modules"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"], r
     assert r["logits_peft_dir"] <= LOGITS_TOL and r["logits_merged"] <= LOGITS_TOL, r

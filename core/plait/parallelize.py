@@ -174,14 +174,14 @@ class ParallelModel(nn.Module):
             num_items_in_batch = (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
         if self.pipeline is not None:
             return self.pipeline.run(input_ids, labels, attention_mask, num_items_in_batch, train, position_ids)
-        total = torch.zeros((), dtype=torch.float32, device=input_ids.device)
+        total = None  # in the loss's own dtype: fp32 at least, float64 for a float64 model
         masks = attention_mask.chunk(m) if attention_mask is not None else [None] * m
         positions = position_ids.chunk(m) if position_ids is not None else [None] * m
         for ids, labs, mask, pos in zip(input_ids.chunk(m), labels.chunk(m), masks, positions):
             loss = self._forward(ids, labs, mask, num_items_in_batch, pos)
             if train:
                 loss.backward()
-            total += loss.detach().float()
+            total = loss.detach() if total is None else total + loss.detach()
         return total
 
 

@@ -20,14 +20,17 @@ from plait.grad_sync import grad_of
 
 def global_grad_norm(
     params: Iterable[nn.Parameter], groups: Sequence[dist.ProcessGroup | None], device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The L2 norm (fp32, on ``device``) of the gradients of ``params`` with squares summed over ``groups``.
+    """The L2 norm (in ``dtype``, on ``device``) of the gradients of ``params`` with squares summed over ``groups``.
 
-    A rank with nothing to count (a ZeRO rank owning no counted parameter) still joins the all-reduces.
+    ``dtype`` must be the same on every rank (the all-reduces sum one tensor of it): fp32 for fp32, bf16 or fp16
+    gradients, float64 for a float64 model. A rank with nothing to count (a ZeRO rank owning no counted
+    parameter) still joins the all-reduces.
     """
-    squares = [torch.linalg.vector_norm(g, dtype=torch.float32).square()
+    squares = [torch.linalg.vector_norm(g, dtype=dtype).square()
                for g in (grad_of(p) for p in params) if g is not None]
-    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=dtype, device=device)
     for group in groups:
         comm.all_reduce(total, group)
     return total.sqrt()

@@ -111,6 +111,8 @@ class OptimizerStep:
         mesh = grad_sync.mesh
         self.norm_groups = [mesh.tp_group, mesh.pp_group] + ([mesh.dp_group] if self.zero else [])
         self.device = grad_sync.params[0].device
+        # fp32 at least, float64 for a float64 model: the same on every rank, whatever each one owns
+        self.norm_dtype = torch.promote_types(torch.float32, grad_sync.params[0].dtype)
 
     def __call__(self, loss: torch.Tensor | None = None) -> torch.Tensor:
         """``loss``: the step's loss, equal on every rank (reduced over dp), checked with the norm."""
@@ -119,7 +121,7 @@ class OptimizerStep:
             self.optimizer.reduce_gradients(self.bucket_bytes, self.reduce_dtype)
         else:
             self.grad_sync.data_parallel(self.updated, self.bucket_bytes, self.reduce_dtype)
-        norm = global_grad_norm(self.norm_params, self.norm_groups, self.device)
+        norm = global_grad_norm(self.norm_params, self.norm_groups, self.device, self.norm_dtype)
         checked = {"grad_norm": norm} if loss is None else {"loss": loss.to(norm), "grad_norm": norm}
         if not torch.isfinite(torch.stack(list(checked.values()))).all():  # one host sync, with the norm's
             self.optimizer.zero_grad(set_to_none=True)

@@ -13,7 +13,10 @@ Two ways to start the ranks, the same watchdog over both:
   ``multiprocessing`` forkserver, started on first use and gone with the caller. A forked rank runs its
   script as ``python`` would (``__main__``, ``sys.argv``, the script's directory or the cwd first on
   ``sys.path``) with the environment it was given; what the preloaded modules read from the environment at
-  import time is the only thing it cannot change, so that list stays short (``FORK_PRELOAD``).
+  import time is the only thing it cannot change, so that list stays short (``FORK_PRELOAD``). As with any
+  multiprocessing start, the caller's main script is imported in each rank under ``__mp_main__`` (a
+  ``__name__ == "__main__"`` guard keeps its body from running); a caller whose main is no file
+  (``python -``) gets fresh processes.
 """
 
 from __future__ import annotations
@@ -78,6 +81,14 @@ def _fork_context() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(FORK_PRELOAD)
     return context
+
+
+def _main_is_importable() -> bool:
+    """Whether a forked rank can import the caller's main module, as multiprocessing does before the target
+    runs: run by module name (``python -m pytest``), or from a file that exists (not stdin or ``-c``)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return getattr(getattr(main, "__spec__", None), "name", None) is not None or path is None or os.path.isfile(path)
 
 
 def _start_forked(argv: Sequence[str], env: dict[str, str], cwd: str | None, log: Path) -> _Rank:
@@ -146,7 +157,7 @@ def launch(
     """Run ``python argv...`` as ``world_size`` ranks; return each rank's combined output on success."""
     port = free_port()
     logdir = Path(tempfile.mkdtemp(prefix="plait-launch-"))
-    start = _start_forked if os.environ.get(LAUNCH_ENV) == "fork" else _start_subprocess
+    start = _start_forked if os.environ.get(LAUNCH_ENV) == "fork" and _main_is_importable() else _start_subprocess
     ranks, logs = [], []
     deadline = time.monotonic() + timeout
     failure = None
@@ -156,6 +167,7 @@ def launch(
                         "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
             logs.append(logdir / f"rank{rank}.log")
+            logs[-1].touch()  # a rank that dies before writing a line still has a (empty) log to show
             ranks.append(start(argv, rank_env, None if cwd is None else str(cwd), logs[-1]))
         while True:
             codes = [r.poll() for r in ranks]
