@@ -12,7 +12,7 @@ pinned_torch=$(sed -n 's/^torch==//p' constraints/tested.txt)
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==$pinned_torch"  # without a GPU this machine's CPU build
 fi
-installed_torch=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")
+installed_torch=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null)
 constraints="${TMPDIR:-/tmp}/plait-constraints-$$.txt"
 trap 'rm -f "$constraints"' EXIT
 upgrade=()

@@ -18,6 +18,7 @@ case "${1:-}" in
     "$venv/bin/python" -m pip freeze --exclude-editable | sed -E 's/^(torch==[^+]*)\+.*/\1/' > "$venv/tested.txt"
     echo "testing with: $(grep -iE '^(torch|transformers|peft|accelerate|tokenizers|datasets|safetensors|pluggy)==' \
       "$venv/tested.txt" | paste -sd' ') (all: $venv/tested.txt)"
+    export VIRTUAL_ENV=$PWD/$venv PATH=$PWD/$venv/bin:$PATH  # what the tests start by name (torchrun, python3)
     exec "$venv/bin/python" -m pytest -q "$@"
     ;;
 esac
