@@ -181,7 +181,7 @@ class ParallelModel(nn.Module):
             loss = self._forward(ids, labs, mask, num_items_in_batch, pos)
             if train:
                 loss.backward()
-            total = loss.detach() if total is None else total + loss.detach()
+            total = loss.detach().clone() if total is None else total + loss.detach()
         return total
 
 
