@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from plait.testing.launcher import LAUNCH_ENV, launch
+from suite_time import time_suite  # bench/, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = """
@@ -44,13 +44,6 @@ def time_world(mode: str, script: Path) -> float:
     return time.monotonic() - start
 
 
-def time_suite(mode: str) -> tuple[float, str]:
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=ROOT,
-                          env={**os.environ, LAUNCH_ENV: mode}, capture_output=True, text=True)
-    return time.monotonic() - start, done.stdout.strip().splitlines()[-1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -73,7 +66,8 @@ def main() -> None:
         print("\n| ranks started as | whole suite, s | result |")
         print("| --- | ---: | --- |")
         for mode in ("subprocess", "fork"):
-            seconds, result = time_suite(mode)
+            os.environ[LAUNCH_ENV] = mode  # tests/conftest.py keeps a value it is given
+            seconds, result = time_suite(sys.executable, ROOT, [])
             print(f"| {mode} | {seconds:.0f} | {result} |")
 
 

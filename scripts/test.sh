@@ -19,6 +19,7 @@ case "${1:-}" in
     echo "testing with: $(grep -iE '^(torch|transformers|peft|accelerate|tokenizers|datasets|safetensors|pluggy)==' \
       "$venv/tested.txt" | paste -sd' ') (all: $venv/tested.txt)"
     export VIRTUAL_ENV=$PWD/$venv PATH=$PWD/$venv/bin:$PATH  # what the tests start by name (torchrun, python3)
+    export PLAIT_DEPS=$deps  # tests/test_dependencies.py: these versions differ from the pins on purpose
     exec "$venv/bin/python" -m pytest -q "$@"
     ;;
 esac

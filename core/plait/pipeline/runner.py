@@ -62,6 +62,9 @@ class PipelineRunner:
         self.num_stages = mesh.pp * self.config.virtual_pipeline_size
         self._schedules: dict[tuple, object] = {}
         self._num_items: int | torch.Tensor = 1
+        # the step loss: fp32 at least, float64 for a float64 model; the same on every stage, for the broadcast
+        param = next((p for chunk in chunks for p in chunk.parameters()), None)
+        self.loss_dtype = torch.float32 if param is None else torch.promote_types(torch.float32, param.dtype)
 
     def _schedule(self, key: tuple, device: torch.device):
         if key not in self._schedules:
@@ -97,11 +100,8 @@ class PipelineRunner:
         else:
             with torch.no_grad():
                 schedule.eval(input_ids, target=labels, losses=losses, **kwargs)
-        # fp32 at least, float64 for a float64 model: the same dtype on every stage, for the broadcast
-        param = next((p for chunk in self.chunks for p in chunk.parameters()), None)
-        dtype = torch.float32 if param is None else torch.promote_types(torch.float32, param.dtype)
         if losses:
-            total = torch.stack([loss.detach().to(dtype) for loss in losses]).sum()
+            total = torch.stack([loss.detach().to(self.loss_dtype) for loss in losses]).sum()
         else:
-            total = torch.zeros((), dtype=dtype, device=input_ids.device)
+            total = torch.zeros((), dtype=self.loss_dtype, device=input_ids.device)
         return comm.broadcast(total, self.mesh.pp_group, src=self.mesh.pp - 1)
