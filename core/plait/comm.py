@@ -124,6 +124,36 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: i
     return out.movedim(0, dim)
 
 
+def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split ``tensor`` into group-size chunks along ``scatter_dim``, send chunk j to rank j, and concatenate
+    what every rank sent here along ``gather_dim`` (rank order): one all-to-all of equal splits."""
+    size = group_size(group)
+    if trivial(group):
+        return tensor
+    send = torch.stack(tensor.chunk(size, dim=scatter_dim)).contiguous()  # [size, ...chunk]
+    recv = torch.empty_like(send)
+    _record("all_to_all", send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+def ring_shift(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Send ``tensors`` to the next rank of ``group`` and return the previous rank's (a ring of point-to-point
+    exchanges, all posted at once so no rank waits on its neighbour's order)."""
+    if trivial(group):
+        return tensors
+    rank, size = group_rank(group), group_size(group)
+    nxt, prev = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
+    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    ops = []
+    for t, r in zip(tensors, received):
+        _record("send", t)
+        ops += [dist.P2POp(dist.isend, t.contiguous(), nxt, group), dist.P2POp(dist.irecv, r, prev, group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
+
+
 def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup | None, src: int) -> torch.Tensor:
     """In-place broadcast from the rank whose position in ``group`` is ``src``; returns ``tensor``."""
     if trivial(group):

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from plait.pipeline_schedules import SCHEDULES
 
+CP_ATTENTION = ("auto", "all-to-all", "ring")
+
 
 class ConfigError(ValueError):
     """A layout or model/layout combination that plait refuses, with a message naming values and fix."""
@@ -20,8 +22,10 @@ class ConfigError(ValueError):
 class ParallelConfig:
     """How to lay a model out over a torchrun world.
 
-    tp: tensor-parallel size (ranks of one tp group are adjacent: rank = (dp_i * pp + pp_i) * tp + tp_i).
-    pp: pipeline-parallel size. dp: data-parallel size; None derives it as world_size // (tp * pp).
+    tp: tensor-parallel size (ranks of one tp group are adjacent: rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i).
+    pp: pipeline-parallel size. dp: data-parallel size; None derives it as world_size // (tp * cp * pp).
+    cp: context-parallel size: every sequence split over cp ranks from the embedding to the loss (plait.cp);
+    cp_attention: how attention sees the whole sequence, "all-to-all" (Ulysses), "ring" or "auto".
     sp: sequence parallelism inside the tp group (only meaningful when tp > 1).
     disable_embedding_parallelization: keep embeddings and the LM head replicated (optimum-neuron's flag).
     The pipeline and ZeRO fields are read by the pipeline and optimizer stages of ``parallelize``.
@@ -33,6 +37,8 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     dp: int | None = None
+    cp: int = 1
+    cp_attention: str = "auto"
     sp: bool = True
     disable_embedding_parallelization: bool = False
     virtual_pipeline_size: int = 1
@@ -44,7 +50,7 @@ class ParallelConfig:
     bf16_autocast: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "virtual_pipeline_size", "num_microbatches"):
+        for name in ("tp", "pp", "cp", "virtual_pipeline_size", "num_microbatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
@@ -54,6 +60,10 @@ class ParallelConfig:
             raise ConfigError(
                 f"pipeline_schedule={self.pipeline_schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}"
             )
+        if self.cp_attention not in CP_ATTENTION:
+            raise ConfigError(
+                f"cp_attention={self.cp_attention!r} is unknown; choose one of {', '.join(CP_ATTENTION)}"
+            )
         object.__setattr__(self, "pipeline_cuts", tuple(self.pipeline_cuts))
 
     @property
@@ -62,24 +72,27 @@ class ParallelConfig:
         return self.sp and self.tp > 1
 
     def resolve(self, world_size: int) -> "ParallelConfig":
-        """Return a copy with dp filled in, after checking tp * pp * dp == world_size."""
-        model_parallel = self.tp * self.pp
+        """Return a copy with dp filled in, after checking tp * cp * pp * dp == world_size."""
+        model_parallel = self.tp * self.cp * self.pp
+        names = "tp*cp*pp" if self.cp > 1 else "tp*pp"
+        values = f"{self.tp}*{self.cp}*{self.pp}" if self.cp > 1 else f"{self.tp}*{self.pp}"
         if world_size % model_parallel != 0:
             raise ConfigError(
-                f"world size {world_size} is not divisible by tp*pp = {self.tp}*{self.pp} = {model_parallel}; "
-                f"launch a multiple of {model_parallel} processes or change tp/pp"
+                f"world size {world_size} is not divisible by {names} = {values} = {model_parallel}; "
+                f"launch a multiple of {model_parallel} processes or change {names.replace('*', '/')}"
             )
         dp = world_size // model_parallel if self.dp is None else self.dp
-        if self.tp * self.pp * dp != world_size:
+        if model_parallel * dp != world_size:
             raise ConfigError(
-                f"tp*pp*dp = {self.tp}*{self.pp}*{dp} = {self.tp * self.pp * dp} != world size {world_size}; "
-                f"leave dp unset to derive it, or launch {self.tp * self.pp * dp} processes"
+                f"{names}*dp = {values}*{dp} = {model_parallel * dp} != world size {world_size}; "
+                f"leave dp unset to derive it, or launch {model_parallel * dp} processes"
             )
         return dataclasses.replace(self, dp=dp)
 
     def describe(self) -> str:
         """One line for logs: the layout as the user would write it."""
+        cp = f" cp={self.cp} ({self.cp_attention})" if self.cp > 1 else ""
         return (
-            f"tp={self.tp} pp={self.pp} dp={self.dp} sp={self.sequence_parallel} "
+            f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} sp={self.sequence_parallel} "
             f"vpp={self.virtual_pipeline_size} zero1={self.zero_1}"
         )

@@ -116,8 +116,8 @@ class GradSync:
         self, params: list[nn.Parameter] | None = None, bucket_bytes: int = BUCKET_BYTES,
         reduce_dtype: torch.dtype | None = None,
     ) -> None:
-        """All-reduce ``params`` (default: every trainable parameter) over the data-parallel group."""
-        sum_grads(self.params if params is None else params, self.mesh.dp_group, bucket_bytes, reduce_dtype)
+        """All-reduce ``params`` (default: every trainable parameter) over the replica group (dp x cp)."""
+        sum_grads(self.params if params is None else params, self.mesh.replica_group, bucket_bytes, reduce_dtype)
 
     def finish(self) -> None:
         """Both: what a plain (non-ZeRO) optimizer needs before its step."""

@@ -17,6 +17,7 @@ from torch import nn
 
 from plait.activation_checkpoint import checkpoint_targets
 from plait.config import ConfigError, ParallelConfig
+from plait.cp.layout import CPPlan, plan_context_parallel
 from plait.declarations import SPPlan
 from plait.lora.layout import LoraPlan, plan_lora
 from plait.pipeline.cuts import StageSplit
@@ -50,6 +51,7 @@ class LayoutPlan:
     sp_plan: SPPlan | None
     leaves: tuple[str, ...]
     lora: LoraPlan | None = None  # LoRA adapters (their specs are in specs_by_rank); the base is frozen
+    cp: CPPlan | None = None  # context parallelism: the attention strategies that apply (None at cp=1)
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The pipeline stages pipeline rank ``pp_rank`` runs (empty at pp=1)."""
@@ -61,7 +63,7 @@ def plan_layout(
     lora: LoraConfig | None = None,
 ) -> LayoutPlan:
     """The plan for laying ``model`` (a transformers causal LM, meta or real) out as ``config`` over
-    ``world_size`` processes (None: the smallest world the layout needs, tp * pp * (dp or 1)).
+    ``world_size`` processes (None: the smallest world the layout needs, tp * cp * pp * (dp or 1)).
 
     ``lora``: train LoRA adapters (peft's config) on a frozen model instead of every parameter.
     Raises ConfigError (or AdapterError for an architecture no adapter claims), naming the values and the fix.
@@ -69,6 +71,7 @@ def plan_layout(
     registry = registry or default_registry()
     adapter = registry.resolve(model.config)
     check_capabilities(adapter, config, model.config)
+    cp_plan = plan_context_parallel(model, config)
     leaf_patterns = registry.leaf_modules(adapter, model.config)
     split = None
     if config.pp > 1:
@@ -84,7 +87,7 @@ def plan_layout(
     if sp_plan is not None:
         sp_grad_sum_params(model, sp_plan, shards_by_rank[0])  # validates the plan against the model
     leaves = tuple(checkpoint_targets(model, leaf_patterns)) if config.gradient_checkpointing else ()
-    world_size = world_size or config.tp * config.pp * (config.dp or 1)
+    world_size = world_size or config.tp * config.cp * config.pp * (config.dp or 1)
     lora_plan = None
     if lora is not None:
         lora_tp_plan = tp_plan
@@ -96,6 +99,7 @@ def plan_layout(
     return LayoutPlan(
         config=config.resolve(world_size), adapter=adapter, model_config=model.config, split=split, tied=tied,
         shards_by_rank=shards_by_rank, specs_by_rank=specs_by_rank, sp_plan=sp_plan, leaves=leaves, lora=lora_plan,
+        cp=cp_plan,
     )
 
 

@@ -1,7 +1,9 @@
-"""Mesh: the tp / pp / dp process groups of one torchrun world, built once and passed explicitly.
+"""Mesh: the tp / cp / pp / dp process groups of one torchrun world, built once and passed explicitly.
 
-Ranks are laid out as ``torch.arange(world).view(dp, pp, tp)`` (picotron's grid): tp ranks are adjacent so
-the chattiest groups share a node. A world of one process (no torch.distributed) is a valid mesh whose
+Ranks are laid out as ``torch.arange(world).view(dp, pp, cp, tp)`` (picotron's grid with Megatron's cp next
+to tp): tp ranks are adjacent, then cp ranks, so the chattiest groups share a node. The ranks of one dp
+replica's cp group hold the same parameters and different parts of each sequence, so gradients are summed,
+and ZeRO shards optimizer state, over the ``replica_group`` (dp x cp); the batch is split over dp only. A world of one process (no torch.distributed) is a valid mesh whose
 groups are all None; every collective in ``plait.comm`` is the identity on such a group.
 """
 
@@ -29,9 +31,12 @@ class Mesh:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    cp_rank: int = 0
     tp_group: ProcessGroup | None = None
     pp_group: ProcessGroup | None = None
     dp_group: ProcessGroup | None = None
+    cp_group: ProcessGroup | None = None
+    replica_group: ProcessGroup | None = None  # dp x cp: every rank holding this rank's parameters
     _tp_blocks: dict[int, ProcessGroup | None] = field(default_factory=dict, repr=False)
     _ends: tuple[ProcessGroup | None] | None = field(default=None, repr=False)
     # How long a collective on one of these groups may wait. torch gives every new_group() its own default
@@ -51,6 +56,13 @@ class Mesh:
         assert self.config.dp is not None
         return self.config.dp
 
+    @property
+    def cp(self) -> int:
+        return self.config.cp
+
+    def _grid(self) -> torch.Tensor:
+        return torch.arange(self.world_size).view(self.dp, self.pp, self.cp, self.tp)
+
     @classmethod
     def from_world(cls, config: ParallelConfig, timeout: datetime.timedelta | None = None) -> "Mesh":
         """Resolve ``config`` against the running world and create every group (all ranks must call this).
@@ -61,13 +73,19 @@ class Mesh:
         world_size = dist.get_world_size() if distributed else 1
         rank = dist.get_rank() if distributed else 0
         config = config.resolve(world_size)
-        grid = torch.arange(world_size).view(config.dp, config.pp, config.tp)
-        dp_i, pp_i, tp_i = (int(c) for c in (grid == rank).nonzero()[0])
-        mesh = cls(config, rank, world_size, tp_rank=tp_i, pp_rank=pp_i, dp_rank=dp_i, timeout=timeout)
+        grid = torch.arange(world_size).view(config.dp, config.pp, config.cp, config.tp)
+        dp_i, pp_i, cp_i, tp_i = (int(c) for c in (grid == rank).nonzero()[0])
+        mesh = cls(config, rank, world_size, tp_rank=tp_i, pp_rank=pp_i, dp_rank=dp_i, cp_rank=cp_i, timeout=timeout)
         if distributed:
             mesh.tp_group = _new_groups(grid.reshape(-1, config.tp), rank, timeout)
-            mesh.pp_group = _new_groups(grid.permute(0, 2, 1).reshape(-1, config.pp), rank, timeout)
-            mesh.dp_group = _new_groups(grid.permute(1, 2, 0).reshape(-1, config.dp), rank, timeout)
+            mesh.pp_group = _new_groups(grid.permute(0, 2, 3, 1).reshape(-1, config.pp), rank, timeout)
+            mesh.dp_group = _new_groups(grid.permute(1, 2, 3, 0).reshape(-1, config.dp), rank, timeout)
+            if config.cp > 1:
+                mesh.cp_group = _new_groups(grid.permute(0, 1, 3, 2).reshape(-1, config.cp), rank, timeout)
+                replicas = grid.permute(1, 3, 0, 2).reshape(-1, config.dp * config.cp)
+                mesh.replica_group = _new_groups(replicas, rank, timeout)
+        if config.cp == 1:
+            mesh.replica_group = mesh.dp_group
         return mesh
 
     def tp_block_group(self, block: int) -> ProcessGroup | None:
@@ -94,15 +112,15 @@ class Mesh:
             if self.world_size == 1 or self.pp == 1:
                 self._ends = (None,)
             else:
-                grid = torch.arange(self.world_size).view(self.dp, self.pp, self.tp)
-                ends = grid[:, [0, self.pp - 1], :].permute(0, 2, 1).reshape(-1, 2)
+                ends = self._grid()[:, [0, self.pp - 1]].permute(0, 2, 3, 1).reshape(-1, 2)
                 group = _new_groups(ends, self.rank, self.timeout)
                 self._ends = (group if self.pp_rank in (0, self.pp - 1) else None,)
         return self._ends[0]
 
     def __str__(self) -> str:
+        cp = f" cp {self.cp_rank}/{self.cp}" if self.cp > 1 else ""
         return (
-            f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp} "
+            f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp}{cp} "
             f"pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp}"
         )
 

@@ -21,6 +21,9 @@ from torch import nn
 
 from plait.activation_checkpoint import apply_activation_checkpointing
 from plait.config import ConfigError, ParallelConfig
+from plait.cp.attention import install_context_parallel
+from plait.cp.context import ContextParallel
+from plait.cp.sequence import check_length
 from plait.grad_sync import GradSync, norm_params
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.layers import LoraDropout, apply_lora
@@ -61,11 +64,11 @@ class ParallelModel(nn.Module):
 
     def __init__(
         self, module: nn.Module, mesh: Mesh, plan: LayoutPlan, applied: AppliedTP, grad_sync: GradSync,
-        loss_fn: LossFn, pipeline: PipelineRunner | None,
+        loss_fn: LossFn, pipeline: PipelineRunner | None, cp: ContextParallel | None = None,
     ) -> None:
         super().__init__()
         self.module, self.mesh, self.plan, self.applied = module, mesh, plan, applied
-        self.grad_sync, self.loss, self.pipeline = grad_sync, loss_fn, pipeline
+        self.grad_sync, self.loss, self.pipeline, self.cp = grad_sync, loss_fn, pipeline, cp
         self.lora_base: dict | None = None  # a LoRA run's frozen weights: where from (plait.lora.base)
         local = {name for name, _ in module.named_parameters(remove_duplicate=False)}
         self.param_specs: dict[str, ShardSpec] = {
@@ -88,7 +91,8 @@ class ParallelModel(nn.Module):
         num_items_in_batch: int | torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Loss when ``labels`` are given (causal shift inside), else this rank's vocab slice of the logits."""
+        """Loss when ``labels`` are given (causal shift inside), else this rank's vocab slice of the logits
+        (under cp, of this rank's tokens: ``self.cp.take`` picks the matching slice of a whole tensor)."""
         if self.pipeline is not None:
             raise ConfigError(
                 f"forward() runs the whole model, but pp={self.mesh.pp} spreads it over ranks; call "
@@ -98,12 +102,13 @@ class ParallelModel(nn.Module):
         return self._forward(input_ids, labels, attention_mask, num_items_in_batch, position_ids)
 
     def _forward(self, input_ids, labels, attention_mask, num_items_in_batch, position_ids=None) -> torch.Tensor:
-        positions = {} if position_ids is None else {"position_ids": position_ids}
-        try:
-            with precision_context(self.config, self.module):
-                out = self.module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **positions)
-        finally:
-            self.applied.entry.clear()
+        if self.cp is not None:  # this rank's tokens, the whole sequence's positions and mask at hand
+            batch, seq = input_ids.shape
+            labels = None if labels is None else self.cp.shard_labels(labels)
+            with self.cp.forward(batch, seq, attention_mask, position_ids, input_ids.device) as local:
+                out = self._model(self.cp.take(input_ids), local.get("attention_mask"), local["position_ids"])
+        else:
+            out = self._model(input_ids, attention_mask, position_ids)
         if labels is None:
             return out.logits
         loss = self.loss(out.logits, labels, num_items_in_batch)
@@ -114,6 +119,14 @@ class ParallelModel(nn.Module):
             coef = self.module.config.router_aux_loss_coef
             loss = loss + aux * (coef / (self.mesh.dp * self.config.num_microbatches))
         return loss
+
+    def _model(self, input_ids, attention_mask, position_ids) -> Any:
+        positions = {} if position_ids is None else {"position_ids": position_ids}
+        try:
+            with precision_context(self.config, self.module):
+                return self.module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **positions)
+        finally:
+            self.applied.entry.clear()
 
     def train_step(
         self,
@@ -155,7 +168,9 @@ class ParallelModel(nn.Module):
                 "mask, disable sequence parallelism, or set output_router_logits=False"
             )
         seq = input_ids.shape[1]
-        if self.config.sequence_parallel and seq % self.mesh.tp:
+        if self.cp is not None:
+            check_length(seq, self.cp.size, self.mesh.tp, self.config.sequence_parallel)
+        elif self.config.sequence_parallel and seq % self.mesh.tp:
             raise ConfigError(
                 f"sequence length {seq} is not divisible by tp={self.mesh.tp} under sequence parallelism; "
                 f"use a block size that is a multiple of {self.mesh.tp}, or disable sequence parallelism"
@@ -173,6 +188,10 @@ class ParallelModel(nn.Module):
         if num_items_in_batch is None:
             num_items_in_batch = (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
         if self.pipeline is not None:
+            if self.cp is not None:  # stages get this rank's tokens and the whole positions (StageChunk)
+                if position_ids is None:
+                    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+                input_ids, labels = self.cp.take(input_ids), self.cp.shard_labels(labels)
             return self.pipeline.run(input_ids, labels, attention_mask, num_items_in_batch, train, position_ids)
         total = None  # in the loss's own dtype: fp32 at least, float64 for a float64 model
         masks = attention_mask.chunk(m) if attention_mask is not None else [None] * m
@@ -214,6 +233,9 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
     owns = lambda name: not dropped(model, name)  # noqa: E731
     shards = {name: shard for name, shard in plan.shards_by_rank[mesh.tp_rank].items() if owns(name)}
     applied = apply_tensor_parallel(model, shards, mesh, config.sequence_parallel)
+    cp = None
+    if plan.cp is not None:
+        cp = ContextParallel(mesh.cp_group, mesh.cp_rank, plan.cp, install_context_parallel(model))
     sp_params: list[nn.Parameter] = []
     if plan.sp_plan is not None:
         sp_params = sp_grad_sum_params(model, plan.sp_plan, shards)
@@ -227,14 +249,14 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
                 module.rng = rng
     apply_activation_checkpointing(model, [name for name in plan.leaves if owns(name)], applied.entry.clear)
     grad_sync = _grad_sync(model, plan, mesh, applied, sp_params)
-    loss_fn = _loss_fn(applied, mesh)
+    loss_fn = _loss_fn(applied, mesh, shift=cp is None)
     pipeline = None
     if plan.split is not None:
         seq_shards = config.tp if config.sequence_parallel else 1
         context = functools.partial(precision_context, config, model)
-        chunks = [StageChunk(model, plan.split, s, seq_shards, applied.entry.clear, context) for s in stage_ids]
+        chunks = [StageChunk(model, plan.split, s, seq_shards, applied.entry.clear, context, cp) for s in stage_ids]
         pipeline = PipelineRunner(chunks, stage_ids, mesh, loss_fn)
-    return ParallelModel(model, mesh, plan, applied, grad_sync, loss_fn, pipeline)
+    return ParallelModel(model, mesh, plan, applied, grad_sync, loss_fn, pipeline, cp)
 
 
 def _dropout_regions(
@@ -273,11 +295,12 @@ def _grad_sync(
     return GradSync(mesh, trainable, dict(shared), tied, ends_group, counted)
 
 
-def _loss_fn(applied: AppliedTP, mesh: Mesh) -> LossFn:
-    """The causal-LM loss of this rank's logits (vocab-parallel when the head is split over tp)."""
+def _loss_fn(applied: AppliedTP, mesh: Mesh, shift: bool = True) -> LossFn:
+    """The causal-LM loss of this rank's logits (vocab-parallel when the head is split over tp); ``shift``:
+    False when the labels come already shifted (context parallelism)."""
     group = mesh.tp_group if applied.head_is_parallel else None
 
     def loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None):
-        return vocab_parallel_cross_entropy(logits, labels, applied.vocab_start, group, num_items_in_batch)
+        return vocab_parallel_cross_entropy(logits, labels, applied.vocab_start, group, num_items_in_batch, shift)
 
     return loss

@@ -65,8 +65,8 @@ def build_optimizer(
         full_shapes = {name: spec.full_shape for name, spec in pmodel.param_specs.items()}
         groups = weight_decay_groups(pmodel.module.named_parameters(), full_shapes, embedding_params(pmodel.module),
                                      optimizer_kwargs["weight_decay"], decay_embeddings)
-    if zero_1 and not comm.trivial(pmodel.mesh.dp_group):
-        return Zero1Optimizer(groups, constructor, pmodel.mesh.dp_group, **optimizer_kwargs)
+    if zero_1 and not comm.trivial(pmodel.mesh.replica_group):
+        return Zero1Optimizer(groups, constructor, pmodel.mesh.replica_group, **optimizer_kwargs)
     return constructor(groups, **optimizer_kwargs)
 
 
@@ -109,7 +109,7 @@ class OptimizerStep:
         updated = {id(p) for p in self.updated}
         self.norm_params = [p for p in grad_sync.norm_params if id(p) in updated]
         mesh = grad_sync.mesh
-        self.norm_groups = [mesh.tp_group, mesh.pp_group] + ([mesh.dp_group] if self.zero else [])
+        self.norm_groups = [mesh.tp_group, mesh.pp_group] + ([mesh.replica_group] if self.zero else [])
         self.device = grad_sync.params[0].device
         # fp32 at least, float64 for a float64 model: the same on every rank, whatever each one owns
         self.norm_dtype = torch.promote_types(torch.float32, grad_sync.params[0].dtype)

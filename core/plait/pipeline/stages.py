@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from plait.cp.context import ContextParallel
 from plait.pipeline.cuts import StageSplit
 
 
@@ -143,15 +144,18 @@ class StageChunk(nn.Module):
 
     ``seq_shards`` is how many sequence shards the hidden states between stages are cut into (tp under
     sequence parallelism, else 1). ``after_forward`` runs after every forward (it clears the TP entry cache);
-    ``forward_context`` makes the context each forward runs in (autocast, when asked for).
+    ``forward_context`` makes the context each forward runs in (autocast, when asked for). ``cp``: under
+    context parallelism, the stage gets this rank's slice of ``x`` with the whole sequence's position ids
+    and padding mask, and runs inside ``cp.forward`` (which hands the model their slices).
     """
 
     def __init__(
         self, pruned: nn.Module, split: StageSplit, stage: int, seq_shards: int, after_forward: Callable[[], None],
         forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        cp: ContextParallel | None = None,
     ) -> None:
         super().__init__()
-        self._forward_context = forward_context
+        self._forward_context, self.cp = forward_context, cp
         self.shell = shell(pruned, _replacements(pruned, split, [stage]))
         self.stage, self.seq_shards, self._after_forward = stage, seq_shards, after_forward
         self.is_first, self.is_last = stage == 0, stage == split.num_stages - 1
@@ -166,6 +170,14 @@ class StageChunk(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.cp is not None:
+            whole = self.cp.forward(x.shape[0], position_ids.shape[1], attention_mask, position_ids, x.device)
+            with whole as local:
+                return self._forward(x, **local)
+        return self._forward(x, attention_mask, position_ids)
+
+    def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
         if position_ids is not None:
             kwargs["position_ids"] = position_ids

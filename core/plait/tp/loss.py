@@ -49,16 +49,21 @@ def vocab_parallel_cross_entropy(
     vocab_start: int,
     group: dist.ProcessGroup | None,
     num_items_in_batch: int | torch.Tensor | None = None,
+    shift: bool = True,
 ) -> torch.Tensor:
     """Causal-LM loss as in transformers (labels shifted left, -100 ignored, computed in at least fp32).
 
     logits: [batch, seq, V_local] for this rank's vocab slice; labels: [batch, seq] full-vocab ids.
+    ``shift=False``: the labels are already aligned with the logits (context parallelism shifts them on the
+    whole sequence before cutting it).
     Returns the sum over tokens divided by ``num_items_in_batch`` when given (so that data-parallel ranks
     and accumulation steps can be summed exactly), else the mean over non-ignored tokens.
     """
     # at least fp32 (bf16 logits are upcast, as transformers does); float64 stays float64
-    shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
-    shift_labels = labels[:, 1:].reshape(-1)
+    if shift:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    shift_logits = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
+    shift_labels = labels.reshape(-1)
     if comm.group_size(group) == 1:  # whole vocabulary here: torch's fused kernel is faster
         total = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
     else:

@@ -1,0 +1,60 @@
+"""plait's context-parallel attention implementation, and installing it on a model.
+
+transformers' attention modules call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` and build masks
+with ``ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]``; both are open registries. Registering
+``plait_cp`` in each and pointing the model's config at it puts every attention call of the model through
+``context_parallel_attention`` with a whole-sequence ``SequenceMask``, whatever the architecture, while the
+model's own choice (eager, sdpa, ...) stays the implementation each strategy computes with.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from plait.cp.masks import SequenceMask, sequence_mask_interface, wrap_mask_builders
+from plait.cp.ring import ring_attention
+from plait.cp.ulysses import ulysses_attention
+
+IMPLEMENTATION = "plait_cp"
+
+
+def context_parallel_attention(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention function every layer of a cp model calls (transformers' attention-function signature)."""
+    if not isinstance(attention_mask, SequenceMask):
+        raise RuntimeError(
+            f"{type(module).__module__}.{type(module).__name__} was handed a {type(attention_mask).__name__} "
+            f"mask, not one plait built over the whole sequence: its model builds masks without "
+            f"transformers.masking_utils, which context parallelism needs"
+        )
+    cp = attention_mask.context.cp
+    if cp.strategy_for(attention_mask.seq) == "ring":
+        return ring_attention(module, query, key, value, attention_mask, **kwargs), None
+    return ulysses_attention(module, query, key, value, attention_mask, cp.implementation, **kwargs), None
+
+
+def install_context_parallel(model: nn.Module) -> str:
+    """Route every attention call and mask of ``model`` through plait's cp implementation; returns the
+    implementation the model had (what the strategies compute with). The model gets its own copy of its
+    config, so another model sharing the config object (a reference copy) is left as it was."""
+    AttentionInterface.register(IMPLEMENTATION, context_parallel_attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, sequence_mask_interface)
+    wrap_mask_builders(model)
+    original = model.config
+    implementation = original._attn_implementation or "eager"
+    if implementation == IMPLEMENTATION:
+        raise RuntimeError("context parallelism is already installed on this model")
+    config = copy.copy(original)
+    config._attn_implementation = IMPLEMENTATION
+    for module in model.modules():
+        if getattr(module, "config", None) is original:
+            module.config = config
+    return implementation

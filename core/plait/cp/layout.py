@@ -1,0 +1,109 @@
+"""What context parallelism can do for a model, decided on the (meta) model before any process group.
+
+Everything but attention runs per token, so cp is exact for a model whose only sequence mixing is attention
+built with transformers' mask builders. Refused, naming the module or field: recurrent and linear-attention
+mixers (Mamba, RWKV, gated delta nets, short convolutions: their state crosses the slices), models that
+build masks on their own, and the MoE router's auxiliary loss (a product of per-batch averages, which the
+slices do not add up to).
+
+The two strategies (plait.cp.ulysses, plait.cp.ring) have their own limits: all-to-all needs the query
+heads of a tp rank to divide by C; the ring has no exact attention dropout. ``auto`` takes all-to-all where
+it applies, since it moves fewer bytes and runs the model's own attention code, except on sequences longer
+than ``RING_FROM`` tokens, where the whole-sequence mask it materialises (S^2 per sequence) costs more than
+the ring's blocks; the ring otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from plait.config import ConfigError, ParallelConfig
+from plait.cp.masks import mask_builders
+
+RING_FROM = 32768  # tokens: above this auto prefers the ring (all-to-all's mask would be >= 1 GiB a sequence)
+_RECURRENT = ("mamba", "rwkv", "deltanet", "linearattention", "lightning", "shortconv", "ssm", "retention",
+              "recurrent", "xlstm", "hyena")
+_ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
+
+
+@dataclass(frozen=True)
+class CPPlan:
+    """The cp size, the strategy asked for, and why each strategy does not apply (None: it does)."""
+
+    size: int
+    requested: str
+    all_to_all_refusal: str | None
+    ring_refusal: str | None
+
+    def strategy_for(self, seq: int) -> str:
+        """The strategy a forward over ``seq``-token sequences uses."""
+        if self.requested != "auto":
+            return self.requested
+        if self.all_to_all_refusal is None and (self.ring_refusal is not None or seq <= RING_FROM):
+            return "all-to-all"
+        return "ring"
+
+    def describe(self) -> str:
+        if self.requested != "auto":
+            return self.requested
+        if self.all_to_all_refusal is None and self.ring_refusal is None:
+            return f"auto: all-to-all up to {RING_FROM} tokens, ring beyond"
+        return f"auto: {'ring' if self.all_to_all_refusal else 'all-to-all'}"
+
+
+def plan_context_parallel(model: nn.Module, config: ParallelConfig) -> CPPlan | None:
+    """The cp plan of ``model`` under ``config`` (None at cp=1); raises ConfigError for what cp cannot match."""
+    if config.cp == 1:
+        return None
+    mc = model.config
+    _check_mixers(model, mc)
+    if not mask_builders(model):
+        raise ConfigError(
+            f"context parallelism needs the model to build its attention masks with transformers.masking_utils; "
+            f"{type(model).__module__} does not; use cp=1"
+        )
+    if getattr(mc, "output_router_logits", False):
+        raise ConfigError(
+            "output_router_logits=True under context parallelism: the router's auxiliary loss averages over the "
+            "whole batch, which the sequence slices do not add up to; set output_router_logits=False or use cp=1"
+        )
+    heads = getattr(mc, "num_attention_heads", None)
+    local_heads = heads // config.tp if heads else None
+    all_to_all = None
+    if not local_heads or local_heads % config.cp:
+        all_to_all = (f"all-to-all needs the attention heads of a tp rank ({heads} / tp={config.tp} = {local_heads}) "
+                      f"to divide by cp={config.cp}")
+    dropout = {f: getattr(mc, f) for f in _DROPOUT_FIELDS if getattr(mc, f, 0)}
+    ring = None
+    if dropout:
+        field, value = next(iter(dropout.items()))
+        ring = f"the ring has no exact attention dropout ({field}={value}); set it to 0"
+    plan = CPPlan(config.cp, config.cp_attention, all_to_all, ring)
+    refusal = {"all-to-all": all_to_all, "ring": ring}.get(config.cp_attention)
+    if config.cp_attention == "auto" and all_to_all and ring:
+        refusal = f"{all_to_all}, and {ring}"
+    if refusal:
+        raise ConfigError(f"cp_attention={config.cp_attention}: {refusal}")
+    return plan
+
+
+def _check_mixers(model: nn.Module, model_config: Any) -> None:
+    """Refuse sequence mixers other than attention, naming the first one found."""
+    for kind in getattr(model_config, "layer_types", None) or ():
+        if kind not in _ATTENTION_LAYERS:
+            raise ConfigError(
+                f"layer type {kind!r} (config.layer_types) carries state along the sequence, which context "
+                f"parallelism cannot split exactly; use cp=1"
+            )
+    for name, module in model.named_modules():
+        cls = type(module).__name__.lower()
+        hit = next((word for word in _RECURRENT if word in cls), None)
+        if hit or isinstance(module, nn.Conv1d):
+            raise ConfigError(
+                f"{name} ({type(module).__name__}) mixes the sequence without attention, which context "
+                f"parallelism cannot split exactly; use cp=1"
+            )

@@ -1,0 +1,137 @@
+"""The whole sequence's attention mask under context parallelism, exactly as transformers builds it.
+
+A model builds its masks with ``transformers.masking_utils`` (``create_causal_mask``,
+``create_sliding_window_causal_mask``, ...): those turn the config (sliding windows, chunks), the position ids
+(packed documents: transformers finds them where positions restart, and measures windows within a document)
+and the padding mask into one index function ``mask_function(batch, head, q, kv) -> bool``, then hand it to
+the mask interface of the attention implementation to materialise. Under cp two things change:
+
+* the builders a modeling module imported are wrapped so that, while a cp forward runs, they see the whole
+  sequence's position ids, padding mask and length instead of the local slices the model was called with;
+  the index function then speaks whole-sequence coordinates. Outside a cp forward the wrappers pass through;
+* the model's attention implementation is plait's (``plait.cp.attention``), whose mask interface returns a
+  ``SequenceMask`` (the index function and its arguments) instead of a tensor, so each strategy evaluates
+  exactly the block of the mask it needs: all of it for all-to-all, one (query chunk, key chunk) pair at a
+  time for the ring, through transformers' own mask interface of the implementation the model chose.
+
+Whatever mask transformers computes for an architecture is therefore the mask cp applies; nothing here
+knows what a sliding window or a document is.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import masking_utils
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from plait.cp.sequence import SequenceContext, current
+
+_WRAPPED = "__plait_cp_wrapped__"
+
+
+@dataclass
+class SequenceMask:
+    """A mask over the whole sequence, not yet materialised: what a mask builder handed the mask interface."""
+
+    mask_function: Callable
+    batch_size: int
+    seq: int
+    padding: torch.Tensor | None  # [batch, S] bool, or None
+    options: dict[str, Any]  # the rest of the mask interface's arguments (dtype, config, use_vmap, ...)
+    context: SequenceContext
+
+    def materialise(self, implementation: str) -> Any:
+        """The whole mask as transformers builds it for ``implementation`` (None where sdpa may skip it)."""
+        interface = ALL_MASK_ATTENTION_FUNCTIONS[implementation]
+        return interface(
+            batch_size=self.batch_size, q_length=self.seq, kv_length=self.seq, q_offset=0, kv_offset=0,
+            mask_function=self.mask_function, attention_mask=self.padding, **self.options,
+        )
+
+    def block(self, q: tuple[int, int], kv: tuple[int, int]) -> torch.Tensor:
+        """Boolean [batch, 1, q rows, kv columns] block for query positions [q0, q1) and key positions
+        [kv0, kv1) of the whole sequence (True: attend)."""
+        return sdpa_mask(
+            batch_size=self.batch_size, q_length=q[1] - q[0], kv_length=kv[1] - kv[0], q_offset=q[0],
+            kv_offset=kv[0], mask_function=self.mask_function, attention_mask=self.padding,
+            allow_is_causal_skip=False, use_vmap=self.options.get("use_vmap", False),
+            device=self.options.get("device", "cpu"),
+        ).expand(self.batch_size, 1, q[1] - q[0], kv[1] - kv[0])
+
+
+def sequence_mask_interface(
+    batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+    mask_function: Callable = masking_utils.causal_mask_function, attention_mask: torch.Tensor | None = None,
+    **options: Any,
+) -> SequenceMask:
+    """The mask interface of plait's cp attention: keeps the index function instead of materialising it."""
+    context = current()
+    if context is None or q_length != context.seq or kv_length != context.seq or q_offset or kv_offset:
+        raise RuntimeError(
+            f"a mask of {q_length} queries x {kv_length} keys was built outside a context-parallel forward of "
+            f"whole sequences (a cache, or a mask builder plait did not wrap); cp supports training forwards only"
+        )
+    return SequenceMask(mask_function, batch_size, context.seq, attention_mask, options, context)
+
+
+def _whole_sequence(builder: Callable) -> Callable:
+    """``builder`` (a transformers mask builder) fed the whole sequence's inputs while a cp forward runs."""
+    signature = inspect.signature(builder)
+
+    @functools.wraps(builder)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        context = current()
+        if context is None:
+            return builder(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        arguments = bound.arguments
+        embeds = "inputs_embeds" if "inputs_embeds" in arguments else "input_embeds"
+        if embeds in arguments and arguments[embeds] is not None:
+            local = arguments[embeds]  # only its batch, length, dtype and device are read: a free stand-in
+            arguments[embeds] = local[:, :1].expand(local.shape[0], context.seq, *local.shape[2:])
+        if isinstance(arguments.get("attention_mask"), torch.Tensor) and arguments["attention_mask"].dim() == 2:
+            arguments["attention_mask"] = context.attention_mask
+        if arguments.get("position_ids") is not None:
+            arguments["position_ids"] = context.position_ids
+        if arguments.get("block_sequence_ids") is not None:
+            raise RuntimeError("block_sequence_ids (token groups) are not supported under context parallelism")
+        return builder(*bound.args, **bound.kwargs)
+
+    setattr(wrapper, _WRAPPED, True)
+    return wrapper
+
+
+def mask_builders(model: nn.Module) -> dict[str, list[str]]:
+    """The transformers mask builders each modeling module of ``model`` calls, by module name."""
+    found: dict[str, list[str]] = {}
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(name)
+        names = [key for key, value in vars(module).items() if _is_builder(value)] if module else []
+        if names:
+            found[name] = names
+    return found
+
+
+def _is_builder(value: Any) -> bool:
+    target = getattr(value, "__wrapped__", value) if getattr(value, _WRAPPED, False) else value
+    return (callable(target) and getattr(target, "__module__", None) == masking_utils.__name__
+            and getattr(target, "__name__", "").startswith("create_") and target.__name__.endswith("mask"))
+
+
+def wrap_mask_builders(model: nn.Module) -> None:
+    """Wrap, once per process, the mask builders the modeling modules of ``model`` imported (pass-through
+    outside a cp forward, so other models in the process are unaffected)."""
+    for module_name, names in mask_builders(model).items():
+        module = sys.modules[module_name]
+        for key in names:
+            value = getattr(module, key)
+            if not getattr(value, _WRAPPED, False):
+                setattr(module, key, _whole_sequence(value))

@@ -1,0 +1,155 @@
+"""Ring attention: key/value blocks passed around the cp group, partial softmaxes merged exactly.
+
+Each rank keeps its queries and sends its keys and values on around the ring; at each of C steps it attends
+to the block it holds and merges the result into a running output with the log-sum-exp rule (the softmax
+over all keys, computed a block at a time, as flash attention does within one device). The mask block of
+each (query chunk, key chunk) pair comes from transformers' own index function (``SequenceMask.block``);
+a pair the mask empties entirely (most future chunks under a causal mask, other documents, outside a
+window) is not computed. No head-count limit: grouped query heads are attended as extra rows of their
+key/value head, so only the model's own kv heads travel.
+
+The attention itself is the eager definition transformers uses: softmax(q k^T * scaling, soft-capped as
+``tanh(x / cap) * cap`` when the model passes ``softcap``, masked, with the per-head sink logits of
+``s_aux`` in the denominator) @ v. Backward recomputes each block from the saved log-sum-exp and sends the
+key/value gradients around the ring behind their blocks, so they arrive home after C steps. Attention
+dropout has no exact counterpart here and is refused (plait.cp.layout picks all-to-all instead).
+
+Communication per attention call: C-1 ring shifts of k and v forward; backward C-1 of k and v and C of
+their gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from plait import comm
+from plait.cp.masks import SequenceMask
+from plait.cp.sequence import chunk_bounds
+
+_NEG_INF = float("-inf")
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (rows that attend to nothing yet) replaced by 0, so exp(x - lse) stays 0, not nan."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+class _Pairs:
+    """The (query chunk, key chunk) pairs of one ring step that the mask does not empty, with their blocks."""
+
+    def __init__(self, mask: SequenceMask, rank: int, owner: int, chunk: int) -> None:
+        seq, size = mask.seq, mask.context.cp.size
+        mine, theirs = chunk_bounds(seq, size, rank), chunk_bounds(seq, size, owner)
+        self.items = []
+        for a, q in enumerate(mine):
+            for b, kv in enumerate(theirs):
+                block = mask.block(q, kv)
+                if bool(block.any()):
+                    self.items.append((slice(a * chunk, (a + 1) * chunk), slice(b * chunk, (b + 1) * chunk),
+                                       block[:, :, None]))  # [batch, 1, 1, rows, cols]: over kv heads and groups
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 at least (bf16 inputs are attended in fp32, as eager's softmax is), float64 stays float64."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float, softcap: float | None):
+    """Soft-capped scores [b, kv heads, groups, rows, cols] and the tanh (for backward) or None."""
+    x = torch.einsum("bhgnd,bhmd->bhgnm", q, k) * scaling
+    if softcap is None:
+        return x, None
+    t = torch.tanh(x / softcap)
+    return t * softcap, t
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, mask: SequenceMask, scaling: float, softcap: float | None):
+        cp = mask.context.cp
+        batch, kv_heads, n, _ = k.shape
+        groups = q.shape[1] // kv_heads
+        chunk = n // 2
+        dtype = _compute_dtype(q)
+        qg = q.to(dtype).view(batch, kv_heads, groups, n, q.shape[-1])
+        lse = qg.new_full((batch, kv_heads, groups, n), _NEG_INF)
+        out = qg.new_zeros((batch, kv_heads, groups, n, v.shape[-1]))
+        block_k, block_v = k, v
+        for step in range(cp.size):
+            if step:
+                block_k, block_v = comm.ring_shift([block_k, block_v], cp.group)
+            owner = (cp.rank - step) % cp.size
+            for rows, cols, allowed in _Pairs(mask, cp.rank, owner, chunk).items:
+                x, _ = _scores(qg[:, :, :, rows], block_k[:, :, cols].to(dtype), scaling, softcap)
+                x = x.masked_fill(~allowed, _NEG_INF)
+                block_lse = torch.logsumexp(x, dim=-1)
+                p = torch.exp(x - _finite(block_lse)[..., None])
+                o = torch.einsum("bhgnm,bhmd->bhgnd", p, block_v[:, :, cols].to(dtype))
+                new = torch.logaddexp(lse[..., rows], block_lse)
+                keep, add = torch.exp(lse[..., rows] - _finite(new)), torch.exp(block_lse - _finite(new))
+                out[..., rows, :] = out[..., rows, :] * keep[..., None] + o * add[..., None]
+                lse[..., rows] = new
+        if sinks is not None:
+            sink = sinks.to(dtype).view(1, kv_heads, groups, 1)
+            total = torch.logaddexp(lse, sink.expand_as(lse))
+            out = out * torch.exp(lse - total)[..., None]
+            lse = total
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.mask, ctx.scaling, ctx.softcap = mask, scaling, softcap
+        return out.view(batch, kv_heads * groups, n, v.shape[-1]).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        mask, scaling, softcap = ctx.mask, ctx.scaling, ctx.softcap
+        cp = mask.context.cp
+        batch, kv_heads, n, _ = k.shape
+        groups = q.shape[1] // kv_heads
+        chunk = n // 2
+        dtype = _compute_dtype(q)
+        qg = q.to(dtype).view(batch, kv_heads, groups, n, q.shape[-1])
+        dout = grad_out.to(dtype).reshape(batch, kv_heads, groups, n, v.shape[-1])
+        delta = (dout * out).sum(-1)  # [b, h, g, n]
+        dq = torch.zeros_like(qg)
+        block_k, block_v = k, v
+        dk, dv = torch.zeros_like(k, dtype=dtype), torch.zeros_like(v, dtype=dtype)
+        for step in range(cp.size):
+            if step:
+                block_k, block_v, dk, dv = comm.ring_shift([block_k, block_v, dk, dv], cp.group)
+            owner = (cp.rank - step) % cp.size
+            for rows, cols, allowed in _Pairs(mask, cp.rank, owner, chunk).items:
+                kb, vb = block_k[:, :, cols].to(dtype), block_v[:, :, cols].to(dtype)
+                x, t = _scores(qg[:, :, :, rows], kb, scaling, softcap)
+                p = torch.exp(x - lse[..., rows, None]).masked_fill(~allowed, 0.0)
+                dv[:, :, cols] += torch.einsum("bhgnm,bhgnd->bhmd", p, dout[..., rows, :])
+                ds = p * (torch.einsum("bhgnd,bhmd->bhgnm", dout[..., rows, :], vb) - delta[..., rows, None])
+                if t is not None:
+                    ds = ds * (1 - t * t)
+                dq[..., rows, :] += torch.einsum("bhgnm,bhmd->bhgnd", ds, kb) * scaling
+                dk[:, :, cols] += torch.einsum("bhgnm,bhgnd->bhmd", ds, qg[:, :, :, rows]) * scaling
+        dk, dv = comm.ring_shift([dk, dv], cp.group)  # home: the block this rank started with
+        dsinks = None
+        if sinks is not None:
+            p_sink = torch.exp(sinks.to(dtype).view(1, kv_heads, groups, 1) - lse)
+            dsinks = (-(p_sink * delta)).sum(dim=(0, 3)).reshape(sinks.shape).to(sinks.dtype)
+        return (dq.view_as(q).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None)
+
+
+def ring_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: SequenceMask,
+    scaling: float | None = None, dropout: float = 0.0, softcap: float | None = None,
+    s_aux: torch.Tensor | None = None, **_: Any,
+) -> torch.Tensor:
+    """Attention of this rank's [batch, heads, S/C, dim] slices over the whole sequence (eager semantics);
+    returns [batch, S/C, heads, value dim] as transformers' attention functions do."""
+    if dropout:
+        raise RuntimeError(
+            f"{type(module).__name__}: attention dropout {dropout} has no exact ring counterpart; use "
+            f"--cp_attention all-to-all (or auto) or set attention_dropout=0"
+        )
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = _RingAttention.apply(query, key, value, s_aux, mask, scaling, softcap)
+    return out.transpose(1, 2).contiguous()

@@ -1,0 +1,165 @@
+"""Worker: context-parallel parity against one process, many cases in one world.
+
+Run by tests/test_cp_parity.py through plait.testing.launch. For each case every rank trains the same tiny
+model twice for 3 AdamW steps: as plain transformers (the reference, whole sequences) and through plait at
+the case's layout; it compares the loss and every gradient slice this rank holds at the conformance kit's
+tolerance, every step. Batches: plain causal, packed documents (position ids restarting, documents that
+cross the slice boundaries and one longer than a slice, labels cut at each document's end as SFT packing
+does), or right padding (an attention mask). One JSON file per rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+import plait
+from plait.optim.step import OptimizerStep, build_optimizer
+from plait import comm
+from plait.testing.conformance_modes import ADAM_EPS, ATOL, LOSS_RTOL, LR, RTOL, load_subject, with_overrides
+from plait.testing.conformance_worker import perturb
+
+STEPS, BATCH, SEQ = 3, 2, 32
+DTYPE = getattr(torch, os.environ.get("CP_PARITY_DTYPE", "float32"))  # float64: rounding out of the way
+IGNORE = -100
+# documents of a packed row (lengths sum to SEQ): at cp=2 slices are chunks of 8 tokens, at cp=4 of 4
+PACKED = (5, 13, 3, 11)
+
+# name -> (world, subject, ParallelConfig kwargs, model overrides, batch kind)
+CASES = {
+    "llama-cp2-a2a": (2, "llama", dict(cp=2, cp_attention="all-to-all"), {}, "causal"),
+    "llama-cp2-ring": (2, "llama", dict(cp=2, cp_attention="ring"), {}, "causal"),
+    "llama-cp2-a2a-packed": (2, "llama", dict(cp=2, cp_attention="all-to-all"), {}, "packed"),
+    "llama-cp2-ring-packed": (2, "llama", dict(cp=2, cp_attention="ring"), {}, "packed"),
+    "llama-cp2-ring-padded": (2, "llama", dict(cp=2, cp_attention="ring"), {}, "padded"),
+    "llama-cp2-a2a-padded": (2, "llama", dict(cp=2, cp_attention="all-to-all"), {}, "padded"),
+    "mistral-cp2-ring-window-packed": (2, "mistral", dict(cp=2, cp_attention="ring"), {}, "packed"),
+    "mistral-cp2-a2a-window": (2, "mistral", dict(cp=2, cp_attention="all-to-all"), {}, "causal"),
+    "gpt2-cp2-ring": (2, "gpt2", dict(cp=2, cp_attention="ring"), {}, "packed"),
+    "gpt2-cp2-a2a-recompute": (2, "gpt2", dict(cp=2, gradient_checkpointing=True), {}, "causal"),
+    "llama-cp2-zero1": (2, "llama", dict(cp=2, zero_1=True), {}, "packed"),
+    "llama-cp4-a2a-packed": (4, "llama", dict(cp=4, cp_attention="all-to-all"), {}, "packed"),
+    "llama-cp4-ring-packed": (4, "llama", dict(cp=4, cp_attention="ring"), {}, "packed"),
+    "mistral-cp4-ring-window": (4, "mistral", dict(cp=4, cp_attention="ring"), {}, "causal"),
+    "llama-cp2-tp2-sp-a2a": (4, "llama", dict(cp=2, tp=2, sp=True, cp_attention="all-to-all"), {}, "packed"),
+    "llama-cp2-tp2-sp-ring": (4, "llama", dict(cp=2, tp=2, sp=True, cp_attention="ring"), {}, "packed"),
+    "llama-cp2-pp2-ring": (4, "llama", dict(cp=2, pp=2, num_microbatches=2, cp_attention="ring"), {}, "packed"),
+    "llama-cp2-pp2-a2a": (4, "llama", dict(cp=2, pp=2, num_microbatches=2), {}, "causal"),
+    "llama-cp2-dp2": (4, "llama", dict(cp=2), {}, "packed"),
+}
+
+
+def batch(kind: str, rows: int, vocab: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, vocab, (rows, SEQ), generator=gen)
+    labels = ids.clone()
+    out = {"input_ids": ids}
+    if kind == "packed":
+        positions, end = [], 0
+        for length in PACKED:
+            positions.append(torch.arange(length))
+            end += length
+            if end < SEQ:
+                labels[:, end] = IGNORE  # the first token of a document is not predicted from the last one
+        out["position_ids"] = torch.cat(positions).expand(rows, SEQ).contiguous()
+    elif kind == "padded":
+        mask = torch.ones(rows, SEQ, dtype=torch.long)
+        mask[0, SEQ - 7:] = 0
+        labels[mask == 0] = IGNORE
+        out["attention_mask"] = mask
+    out["labels"] = labels
+    return out
+
+
+def reference_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    kwargs = {k: v for k, v in inputs.items() if k != "labels"}
+    logits = model(**kwargs, use_cache=False).logits
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    labels = inputs["labels"][:, 1:].reshape(-1)
+    total = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels, ignore_index=IGNORE, reduction="sum")
+    count = int((labels != IGNORE).sum())
+    return total / count, count
+
+
+def run_case(name: str) -> dict:
+    _, arch, layout, overrides, kind = CASES[name]
+    subject = load_subject(arch)
+    config = with_overrides(subject.config, overrides)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).to(DTYPE)
+    perturb(reference)
+    pmodel = plait.parallelize(copy.deepcopy(reference), plait.ParallelConfig(**layout), registry=subject.registry)
+    mesh = pmodel.mesh
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=ADAM_EPS)
+    optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=LR, eps=ADAM_EPS, zero_1=pmodel.config.zero_1)
+    step_fn = OptimizerStep(pmodel.grad_sync, optimizer)
+    owned = {id(p) for p in getattr(optimizer, "owned_params", pmodel.parameters())}
+    gen = torch.Generator().manual_seed(1)
+    worst = {"loss_rel": 0.0, "grad_tol": 0.0, "checked": 0}
+    failures: list[str] = []
+    for step in range(1, STEPS + 1):
+        inputs = batch(kind, BATCH * mesh.dp, reference.config.vocab_size, gen)
+        ref_loss, count = reference_loss(reference, inputs)
+        ref_loss.backward()
+        local = {k: v.chunk(mesh.dp)[mesh.dp_rank] for k, v in inputs.items()}
+        loss = pmodel.train_step(local["input_ids"], local["labels"], local.get("attention_mask"), count,
+                                 local.get("position_ids"))
+        loss = comm.all_reduce(loss.detach().clone(), mesh.replica_group).item()
+        rel = abs(loss - ref_loss.item()) / abs(ref_loss.item())
+        worst["loss_rel"] = max(worst["loss_rel"], rel)
+        if rel > LOSS_RTOL:
+            failures.append(f"step {step} loss {loss:.6f} vs {ref_loss.item():.6f} (rel {rel:.2e})")
+        seen: dict[str, torch.Tensor] = {}
+        inner = optimizer.step
+
+        def reading(*args, **kwargs):  # the gradients each rank steps on: after every reduction
+            seen.update({n: p.grad.clone() for n, p in pmodel.module.named_parameters()
+                         if id(p) in owned and p.grad is not None})
+            return inner(*args, **kwargs)
+
+        optimizer.step = reading
+        step_fn()
+        del optimizer.step
+        for pname, grad in seen.items():
+            expected = pmodel.param_specs[pname].slice_full(reference.get_parameter(pname).grad)
+            tol = ((grad - expected).abs() / (ATOL + RTOL * expected.abs())).max().item()
+            worst["grad_tol"] = max(worst["grad_tol"], tol)
+            worst["checked"] += 1
+            if tol > 1 and (DTYPE == torch.float64 or step == 1):  # fp32 decides step 1 (see test_cp_parity)
+                failures.append(f"step {step} grad {pname}: {tol:.2f}x tolerance")
+        ref_opt.step()
+        ref_opt.zero_grad()
+    if not seen:
+        failures.append("no gradient was compared on this rank")
+    return {**worst, "failures": failures[:10]}
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    world = int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    results = {}
+    for name, (case_world, *_) in CASES.items():
+        if case_world != world or (only and name not in only):
+            continue
+        try:
+            results[name] = run_case(name)
+        except Exception:  # recorded, so one broken case does not hide the others
+            results[name] = {"failures": [traceback.format_exc()]}
+            raise
+    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
