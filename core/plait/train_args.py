@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from plait.cp.sequence import check_length
 from plait.config import ConfigError, ParallelConfig
 from plait.lora.config import lora_config
 from plait.pipeline_schedules import SCHEDULES
@@ -47,6 +48,9 @@ class TrainArgs:
     exclude_embeddings_from_weight_decay: bool = field(default=False, metadata={"help": "do not decay token and position embeddings either"})
     lr_scheduler_type: str = field(default="linear", metadata={"help": f"one of {', '.join(LR_SCHEDULERS)}"})
     warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
+    context_parallel_size: int = field(default=1, metadata={"help": "cp: ranks that split every sequence (long contexts)"})
+    cp_attention: str = field(default="auto", metadata={"help": "attention across cp ranks: auto, all-to-all (Ulysses) or ring",
+                                                      "choices": ["auto", "all-to-all", "ring"]})
     pipeline_parallel_size: int = field(default=1, metadata={"help": "pp: pipeline stages (ranks) the layers are cut into"})
     virtual_pipeline_size: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved schedules)"})
     num_microbatches: int = field(default=1, metadata={"help": "pipeline microbatches per micro-step (divides the per-device batch)"})
@@ -111,10 +115,14 @@ class TrainArgs:
             raise ConfigError("give --train_file or --dataset_name, not both")
         positive = ("per_device_train_batch_size", "block_size", "logging_steps", "ddp_timeout",
                     "gradient_accumulation_steps", "tensor_parallel_size", "nproc_per_node", "pipeline_parallel_size",
+                    "context_parallel_size",
                     "virtual_pipeline_size", "num_microbatches")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be positive")
+        if self.context_parallel_size > 1:
+            config = self.parallel_config()
+            check_length(self.block_size, config.cp, config.tp, config.sequence_parallel)
         if self.per_device_train_batch_size % self.num_microbatches:
             raise ConfigError(
                 f"--per_device_train_batch_size={self.per_device_train_batch_size} is not divisible by "
@@ -146,6 +154,8 @@ class TrainArgs:
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
             tp=self.tensor_parallel_size,
+            cp=self.context_parallel_size,
+            cp_attention=self.cp_attention,
             pp=self.pipeline_parallel_size,
             virtual_pipeline_size=self.virtual_pipeline_size,
             num_microbatches=self.num_microbatches,
