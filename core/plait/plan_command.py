@@ -20,7 +20,7 @@ from plait.costs.activations import trace_activations
 from plait.costs.device import PRESETS, calibrate
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.memory import Precision
-from plait.costs.render import estimate_json, print_estimate, print_search, search_json
+from plait.costs.render import estimate_json, print_estimate, print_search, search_json, world_of
 from plait.costs.search import search_layouts
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.meta import build_meta_model
@@ -54,6 +54,9 @@ def print_plan(model: torch.nn.Module, plan: LayoutPlan) -> None:
     row), parameter bytes per tp rank, and with pp > 1 the stage of every pipeline unit."""
     console = Console(width=max(Console().width, 140))
     console.print(f"[bold]{type(model).__name__}[/] via adapter {plan.adapter.name!r}: {plan.config.describe()}")
+    if plan.cp is not None:
+        console.print(f"context parallelism: every sequence split over cp={plan.cp.size} ranks; attention: "
+                      f"{plan.cp.describe()}")
     rows: Counter = Counter()
     for name, shard in plan.shards_by_rank[0].items():
         split = "sharded" if shard.weight.local_shape != shard.weight.full_shape else \
@@ -81,7 +84,7 @@ def train_command(args, config, per_device: int, per_node: int | None = None) ->
     """The ``plait train`` command running ``config`` with the rest of ``args`` (a ``TrainArgs``) unchanged: one
     node launches its processes itself; a world larger than ``per_node`` devices runs under torchrun on each
     node (HOST: the rendezvous node)."""
-    world = config.tp * config.pp * (config.dp or 1)
+    world = world_of(config)
     nodes = -(-world // per_node) if per_node and world > per_node else 1
     flags: list[str] = ["plait", "train"] if nodes == 1 else [
         "torchrun", f"--nnodes={nodes}", f"--nproc_per_node={world // nodes}", "--rdzv_backend=c10d",
@@ -94,6 +97,10 @@ def train_command(args, config, per_device: int, per_node: int | None = None) ->
     if args.gradient_accumulation_steps != 1:
         flags += ["--gradient_accumulation_steps", str(args.gradient_accumulation_steps)]
     flags += ["--tensor_parallel_size", str(config.tp), "--pipeline_parallel_size", str(config.pp)]
+    if config.cp > 1:
+        flags += ["--context_parallel_size", str(config.cp)]
+        if config.cp_attention != "auto":
+            flags += ["--cp_attention", config.cp_attention]
     if config.pp > 1:
         flags += ["--num_microbatches", str(config.num_microbatches), "--pipeline_schedule", config.pipeline_schedule]
         if config.virtual_pipeline_size > 1:
@@ -118,7 +125,7 @@ def run_plan(ns, args) -> None:
                           f"gradients or optimizer state; drop --lora_r for the full fine-tune's numbers, "
                           f"an upper bound")
     parallel = args.parallel_config()
-    world_size = ns.world_size or (args.nproc_per_node if args.nproc_per_node > 1 else None)  # None: tp * pp
+    world_size = ns.world_size or (args.nproc_per_node if args.nproc_per_node > 1 else None)  # None: tp*cp*pp
     if ns.device_memory is not None and ns.device_memory <= 0:
         raise ConfigError(f"--device_memory={ns.device_memory} must be positive (GiB per device)")
     device = calibrate(refresh=ns.recalibrate) if ns.calibrate or ns.recalibrate else (
@@ -139,7 +146,7 @@ def run_plan(ns, args) -> None:
     decay = {"weight_decay": args.weight_decay, "decay_embeddings": not args.exclude_embeddings_from_weight_decay}
     console = Console(width=max(Console().width, 140))
     if ns.search:
-        world = plan.config.tp * plan.config.pp * (plan.config.dp or 1)
+        world = world_of(plan.config)
         result = search_layouts(model, plan.config, world, batch, precision, trace, device, registry, **decay)
         commands = [train_command(args, e.plan.config, e.batch.per_device, device.per_node)
                     for e, _ in result.ranked[:ns.top]]

@@ -41,6 +41,7 @@ class Saved:
     hidden: bool  # last dim is the hidden size
     module: str  # the innermost module saving it ("" outside any tracked linear)
     copy: bool = False  # a second linear saving the same input: one tensor here, its own gathered copy under SP
+    square: bool = False  # eager attention's s x s probabilities (per head, not per token)
 
 
 @dataclass
@@ -98,7 +99,7 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter) -
         if impl != "eager" and square:
             return tensor  # attention probabilities: a fused kernel keeps only its output and logsumexp
         units[where["unit"]].saved.append(Saved(
-            tensor.untyped_storage().nbytes(), tensor.dim() > 0 and tensor.shape[-1] == hidden, inner))
+            tensor.untyped_storage().nbytes(), tensor.dim() > 0 and tensor.shape[-1] == hidden, inner, square=square))
         return tensor
 
     handles = []
@@ -151,20 +152,29 @@ def _enter_layer(units: dict, where: dict, name: str):
     return hook
 
 
-def unit_bytes(unit: UnitTrace, tp: int, sp: bool, split_others: bool, columns: set[str]) -> tuple[int, int]:
+def unit_bytes(
+    unit: UnitTrace, tp: int, sp: bool, split_others: bool, columns: set[str], cp: int = 1,
+    drop_squares: bool = False,
+) -> tuple[int, int]:
     """(bytes saved, largest single tensor) of ``unit`` for one sequence on one tp rank.
 
     ``sp``: the unit lies in the sequence-parallel region. ``split_others``: its non-hidden tensors are split by
     tp (decoder layers; the head and loss when the LM head is vocab-parallel). ``columns``: column-parallel
-    linears, whose (gathered) input is whole on every tp rank under SP too."""
+    linears, whose (gathered) input is whole on every tp rank under SP too. ``cp``: context-parallel ranks
+    sharing the sequence; each holds 1/cp of every tensor (per-token tensors on its S/cp tokens; eager's S x S
+    probabilities on all-to-all's 1/cp of the heads). ``drop_squares``: leave out eager's probabilities (the
+    ring attention keeps none)."""
     total = largest = 0
     for s in unit.saved:
+        if s.square and drop_squares:
+            continue
         if s.copy:  # plait's SP linears each keep their own gathered input; without SP they share one
             size = s.nbytes if sp and s.module in columns else 0
         elif s.hidden:
             size = s.nbytes if (s.module in columns or not sp) else _ceil(s.nbytes, tp)
         else:
             size = _ceil(s.nbytes, tp) if split_others else s.nbytes
+        size = _ceil(size, cp)
         total += size
         largest = max(largest, size)
     return total, largest

@@ -9,11 +9,15 @@ A vocab-parallel embedding all-reduces its output; a vocab-parallel head all-red
 Activation checkpointing repeats a layer's forward collectives in backward, all but its last row-parallel one.
 Pipeline (per micro-step): each micro-batch's hidden states cross every stage boundary forward and their
 gradient backward; the loss is broadcast from the last stage; tied embeddings sum their gradient over the
-pipeline ends once per step. Data parallel (once per step): gradients all-reduced in 32 MiB buckets, or under
-ZeRO-1 reduced to their owners and the updated parameters broadcast one by one.
+pipeline ends once per step. Context parallelism (group "cp", per micro-step): each rank's tensors above
+are those of its S/cp tokens, and every decoder layer's attention moves q, k, v and the output by
+all-to-all, or k and v (and their gradients) around the ring (``context_parallel`` has the formulas).
+Data parallel (group "dp", once per step; under cp the replica group of dp x cp ranks, which all hold the
+same parameters): gradients all-reduced in 32 MiB buckets, or under ZeRO-1 reduced to their owners and the
+updated parameters broadcast one by one.
 Bytes are the tensor sizes handed to the collective (as ``count_collectives`` records them); ``ring`` is
 what a ring algorithm sends per rank: all-reduce 2(p-1)/p n, all-gather (p-1) n_local, reduce-scatter
-(p-1)/p n, reduce and broadcast n (p-1)/p on average, send/recv n.
+(p-1)/p n, reduce and broadcast n (p-1)/p on average, all-to-all (p-1)/p n, send/recv n.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait.costs.context_parallel import attention_comm
 from plait.costs.memory import Precision, RankParam, zero1_owned
 from plait.costs.tp_modules import VOCAB_LABELS
 from plait.grad_sync import BUCKET_BYTES
@@ -33,7 +38,7 @@ from plait.tp.sequence_parallel import sp_grad_sum_params
 
 @dataclass(frozen=True)
 class CommOp:
-    group: str  # tp, pp, dp
+    group: str  # tp, cp, pp, dp (dp: the replica group, dp x cp ranks under cp)
     op: str
     count: int
     bytes: int
@@ -43,13 +48,15 @@ class CommOp:
         if self.op in ("send", "recv"):
             return float(self.bytes if self.op == "send" else 0)
         factor = {"all_reduce": 2 * (size - 1) / size, "all_gather": size - 1, "reduce_scatter": (size - 1) / size,
-                  "reduce": (size - 1) / size, "broadcast": (size - 1) / size}[self.op]
+                  "reduce": (size - 1) / size, "broadcast": (size - 1) / size,
+                  "all_to_all": (size - 1) / size}[self.op]
         return factor * self.bytes
 
 
 @dataclass(frozen=True)
 class StepShape:
-    """The tensors one micro-step moves: sequences per device (all micro-batches), tokens, hidden size."""
+    """The tensors one micro-step moves: sequences per device (all micro-batches), tokens per sequence (the
+    whole sequence: under cp a rank holds seq / cp of them), hidden size."""
 
     batch: int
     seq: int
@@ -66,7 +73,8 @@ def step_comm(
     config = plan.config
     ops: list[CommOp] = []
     acc = shape.accumulation
-    act = shape.batch * shape.seq * shape.hidden * shape.act_bytes
+    cp = config.cp
+    act = shape.batch * shape.seq // cp * shape.hidden * shape.act_bytes  # this rank's tokens
     local = act // config.tp
     split = plan.split
     stages = plan.stages_of(pp_rank)
@@ -78,7 +86,8 @@ def step_comm(
         vocab_head = "vocab_head" in labels
         held_modules = {p.name.rpartition(".")[0] for p in held}
         r = sum(1 for n in rows if n in held_modules)  # this rank's row linears
-        tokens = shape.batch * (shape.seq - 1)
+        # predicted tokens: under cp the labels are shifted before the cut, every local token is scored
+        tokens = shape.batch * (shape.seq - 1 if cp == 1 else shape.seq // cp)
         counts: dict[str, list[int]] = {"all_reduce": [0, 0], "all_gather": [0, 0], "reduce_scatter": [0, 0]}
 
         def add(op: str, n: int, size: int) -> None:
@@ -131,6 +140,14 @@ def step_comm(
             if numel:
                 size = numel * precision.grad_bytes
                 ops.append(CommOp("tp", "all_reduce", math.ceil(size / BUCKET_BYTES), size))
+    if cp > 1:
+        compute = max(shape.act_bytes, 4)  # the ring's gradient accumulators: fp32 at least
+        layers = [i for s in stages for i in range(*split.bounds[s])] if split is not None else None
+        held_modules = {p.name.rpartition(".")[0] for p in held}
+        leaves = [leaf for leaf in plan.leaves if any(n == leaf or n.startswith(leaf + ".") for n in held_modules)]
+        count = len(layers) if layers is not None else _decoder_layers(model)
+        op, n, size = attention_comm(plan, shape.seq, shape.batch, shape.act_bytes, compute, count, len(leaves))
+        ops.append(CommOp("cp", op, n * acc, size * acc))
     if split is not None:
         m = config.num_microbatches
         mb_act = (local if config.sequence_parallel else act) // m  # SP sends sequence shards between stages
@@ -142,7 +159,7 @@ def step_comm(
         if plan.tied and (has_first or has_last):
             tied = sum(p.numel for p in held if any(p.name in group for group in plan.tied))
             ops.append(CommOp("pp", "all_reduce", 1, tied * precision.grad_bytes))
-    dp = config.dp or 1
+    dp = (config.dp or 1) * cp  # the replica group: every rank holding these parameters
     # The global gradient norm: one float summed over each group whose ranks hold different gradients.
     for group, size in (("tp", config.tp), ("pp", config.pp), ("dp", dp if config.zero_1 else 1)):
         if size > 1:
@@ -157,6 +174,11 @@ def step_comm(
         else:
             ops.append(CommOp("dp", "all_reduce", math.ceil(grads / BUCKET_BYTES), grads))
     return merged(ops)
+
+
+def _decoder_layers(model: nn.Module) -> int:
+    text = model.config.get_text_config()
+    return text.num_hidden_layers
 
 
 def merged(ops: list[CommOp]) -> list[CommOp]:

@@ -46,6 +46,7 @@ class RankEstimate:
     static: StaticBytes
     activations: ActivationBytes
     dp_buffer: int  # a flattened gradient bucket during the dp reduction
+    cp_rank: int = 0
 
     @property
     def peak(self) -> int:
@@ -74,22 +75,25 @@ class LayoutEstimate:
         return max(r.peak for r in self.ranks)
 
     def for_rank(self, rank: int) -> RankEstimate:
-        """The estimate of global rank ``rank`` (rank = (dp_rank * pp + pp_rank) * tp + tp_rank)."""
+        """The estimate of global rank ``rank`` (rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank)."""
         config = self.plan.config
-        tp_rank, pp_rank, dp_rank = rank % config.tp, rank // config.tp % config.pp, rank // (config.tp * config.pp)
-        dp_rank = dp_rank if config.zero_1 else 0
-        return next(r for r in self.ranks if (r.tp_rank, r.pp_rank, r.dp_rank) == (tp_rank, pp_rank, dp_rank))
+        tp_rank, cp_rank = rank % config.tp, rank // config.tp % config.cp
+        pp_rank, dp_rank = rank // (config.tp * config.cp) % config.pp, rank // (config.tp * config.cp * config.pp)
+        if not config.zero_1:  # every replica holds the same bytes: one estimate for all
+            dp_rank = cp_rank = 0
+        return next(r for r in self.ranks
+                    if (r.tp_rank, r.pp_rank, r.dp_rank, r.cp_rank) == (tp_rank, pp_rank, dp_rank, cp_rank))
 
     def step_time(self, device: Device) -> float:
         """Seconds per optimizer step on ``device`` (the slowest pipeline rank; all wait for it)."""
         config = self.plan.config
         low = self.precision.param != torch.float32 or config.bf16_autocast
         per_node = device.per_node
-        bandwidth = {"tp": device.intra_bandwidth if config.tp <= per_node else device.inter_bandwidth,
-                     "pp": device.intra_bandwidth if config.tp * config.pp <= per_node else device.inter_bandwidth,
-                     "dp": device.intra_bandwidth if config.tp * config.pp * (config.dp or 1) <= per_node
-                     else device.inter_bandwidth}
-        size = {"tp": config.tp, "pp": 2, "dp": config.dp or 1}
+        tp, cp, pp, dp = config.tp, config.cp, config.pp, config.dp or 1
+        # Ranks are laid out (dp, pp, cp, tp): a group is inside a node when the block of ranks it spans fits.
+        link = lambda span: device.intra_bandwidth if span <= per_node else device.inter_bandwidth  # noqa: E731
+        bandwidth = {"tp": link(tp), "cp": link(tp * cp), "pp": link(tp * cp * pp), "dp": link(tp * cp * pp * dp)}
+        size = {"tp": tp, "cp": cp, "pp": 2, "dp": dp * cp}  # "dp": the replica group, dp x cp
         # AdamW reads parameter, gradient and both moments and writes parameter and moments (masters: plus the
         # low-precision copy written back): bytes per stepped element.
         opt, param = self.precision.optimizer.itemsize, self.precision.param.itemsize
@@ -113,7 +117,7 @@ def estimate_layout(
     depends only on the model and the plan's sharding and split (each rank's parameters, row/column linears)."""
     cache = {} if cache is None else cache
     config = plan.config
-    tp, pp, dp = config.tp, config.pp, config.dp or 1
+    tp, pp, dp, cp = config.tp, config.pp, config.dp or 1, config.cp
     microbatch = batch.per_device // config.num_microbatches
     act_dtype = torch.bfloat16 if config.bf16_autocast else precision.param
     hidden = model.config.get_text_config().hidden_size
@@ -126,7 +130,8 @@ def estimate_layout(
     if ("linears", shards_key) not in cache:
         cache["linears", shards_key] = row_modules(model, plan), column_modules(model, plan)
     rows, columns = cache["linears", shards_key]
-    zero_dp = dp if config.zero_1 else 1
+    replicas = dp * cp  # ranks holding the same parameters: gradients summed and ZeRO-1 sharded over them
+    zero_dp = replicas if config.zero_1 else 1
     ranks, comm, flops, moved = [], {}, {}, {}
     for pp_rank in range(pp):
         acts = activation_bytes(trace, plan, pp_rank, microbatch, columns)
@@ -140,17 +145,25 @@ def estimate_layout(
                 flops[pp_rank] = _step_flops(model, plan, pp_rank, held, batch, trace)
                 moved[pp_rank] = 2 * acts.per_microbatch * config.num_microbatches * batch.accumulation
             grads = sum(p.numel for p in held) * precision.grad_bytes
-            for dp_rank, static in enumerate(static_bytes(held, precision, zero_dp, weight_decay, decay_embeddings)):
-                rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+            for replica, static in enumerate(static_bytes(held, precision, zero_dp, weight_decay, decay_embeddings)):
+                dp_rank, cp_rank = divmod(replica, cp)  # the replica group's order: dp-major, then cp
+                rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
                 ranks.append(RankEstimate(rank, tp_rank, pp_rank, dp_rank, static, acts,
-                                          min(grads, BUCKET_BYTES) if dp > 1 else 0))
+                                          min(grads, BUCKET_BYTES) if replicas > 1 else 0, cp_rank))
     notes = [f"attention: {trace.attn_implementation}"
              + (" (eager keeps the s x s probabilities of every layer)" if trace.attn_implementation == "eager"
                 else " (fused: no s x s probabilities kept)")]
     if config.gradient_checkpointing:
         notes.append("activation checkpointing: each decoder layer keeps its input; one layer is recomputed at a time")
-    if config.zero_1 and dp > 1:
-        notes.append("ZeRO-1: optimizer state and master weights of the parameters each dp rank owns")
+    if config.zero_1 and replicas > 1:
+        notes.append("ZeRO-1: optimizer state and master weights of the parameters each dp rank owns"
+                     + (f" (over the dp x cp = {replicas} ranks of a replica group)" if cp > 1 else ""))
+    if plan.cp is not None:
+        attention = plan.cp.strategy_for(batch.seq)
+        notes.append(f"context parallelism: cp={cp}, each rank holds {batch.seq // cp} of {batch.seq} tokens; "
+                     f"attention {attention} for {batch.seq}-token sequences (cp_attention {plan.cp.describe()})"
+                     + ("; all-to-all's whole-sequence mask counted as a transient"
+                        if attention == "all-to-all" and trace.attn_implementation in ("sdpa", "eager") else ""))
     return LayoutEstimate(plan, batch, precision, ranks, comm, bubble_fraction(config), flops, moved,
                           trace.attn_implementation, notes=notes)
 
@@ -161,7 +174,7 @@ def _step_flops(model: nn.Module, plan: LayoutPlan, pp_rank: int, held, batch: B
     twice the forward, one more forward for recomputed layers."""
     config = plan.config
     text = model.config.get_text_config()
-    tokens = batch.per_device * batch.seq * batch.accumulation
+    tokens = batch.per_device * batch.seq * batch.accumulation // config.cp  # cp: each rank has 1/cp of them
     weights = sum(p.numel for p in held if len(p.full_shape) >= 2 and not p.embedding)
     has_last = plan.split is None or plan.split.num_stages - 1 in plan.stages_of(pp_rank)
     if has_last and getattr(text, "tie_word_embeddings", False):

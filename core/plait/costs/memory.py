@@ -23,6 +23,7 @@ from torch import nn
 
 from plait.costs.activations import ActivationTrace, unit_bytes
 from plait.costs.bubble import in_flight
+from plait.costs.context_parallel import attention_memory, strategy
 from plait.layout_plan import LayoutPlan
 from plait.optim.param_groups import decays, embedding_params
 from plait.pipeline.cuts import StageSplit
@@ -160,27 +161,36 @@ def activation_bytes(
 
     The trace runs in the parameter dtype (``--bf16_autocast``'s bf16 matmul outputs are not modelled). With
     activation checkpointing a decoder layer keeps only its input, and one layer's activations live again
-    while it is recomputed. ``columns``: the plan's column-parallel linears (``tp_modules.column_modules``)."""
+    while it is recomputed. ``columns``: the plan's column-parallel linears (``tp_modules.column_modules``).
+    Under context parallelism every traced tensor is 1/cp (each rank holds S/cp tokens), plus what the
+    attention strategy adds (``context_parallel.attention_memory``)."""
     config = plan.config
-    tp, sp = config.tp, config.sequence_parallel
+    tp, sp, cp = config.tp, config.sequence_parallel, config.cp
     vocab_parallel = tp > 1 and not config.disable_embedding_parallelization
     layers = _layers_of(plan, pp_rank, len(trace.layers))
     has_first = plan.split is None or 0 in plan.stages_of(pp_rank)
     has_last = plan.split is None or plan.split.num_stages - 1 in plan.stages_of(pp_rank)
+    ring = strategy(plan, trace.seq) == "ring"
+    layer_extra = attention_transient = 0
+    if cp > 1:
+        element = trace.hidden_bytes // plan.model_config.get_text_config().hidden_size
+        layer_extra, attention_transient = attention_memory(plan, trace.seq, 1, element, max(element, 4),
+                                                            trace.attn_implementation)
     total = largest = recompute = leaf_inputs = 0
     for index in layers:
         unit = trace.layers[index]
-        saved, big = unit_bytes(unit, tp, sp, True, columns)
+        saved, big = unit_bytes(unit, tp, sp, True, columns, cp, ring)
+        saved += layer_extra
         largest = max(largest, big)
         if config.gradient_checkpointing:
-            leaf_inputs += _ceil(unit.leaf_input, tp) if sp else unit.leaf_input
+            leaf_inputs += _ceil(_ceil(unit.leaf_input, tp) if sp else unit.leaf_input, cp)
             recompute = max(recompute, saved)
         else:
             total += saved
     if has_first:
-        total += unit_bytes(trace.first, tp, False, vocab_parallel, columns)[0]
+        total += unit_bytes(trace.first, tp, False, vocab_parallel, columns, cp)[0]
     if has_last:
-        saved, largest = unit_bytes(trace.last, tp, sp, vocab_parallel, columns)
+        saved, largest = unit_bytes(trace.last, tp, sp, vocab_parallel, columns, cp)
         total += saved
     # Backward starts with the gradient of the biggest saved tensor beside everything saved: the loss's
     # log-softmax on the last stage, else a layer's (attention probabilities). With recomputation a layer's
@@ -189,12 +199,14 @@ def activation_bytes(
     transient = largest
     if config.gradient_checkpointing:
         transient = max(largest, recompute - total)
+    if layers:  # one attention call's working set under cp (its mask, or the ring's blocks) on top
+        transient += attention_transient
     if plan.split is not None:
         # torch.distributed.pipelining keeps each in-flight micro-batch's stage input and output until its
         # backward: hidden states between stages (sequence shards under SP), logits out of the last stage.
         hidden = _ceil(trace.hidden_bytes, tp) if sp else trace.hidden_bytes
         out = _ceil(trace.logits_bytes, tp) if (has_last and vocab_parallel) else trace.logits_bytes
-        total += trace.seq * ((out if has_last else hidden) + (0 if has_first else hidden))
+        total += trace.seq // cp * ((out if has_last else hidden) + (0 if has_first else hidden))
     per_mb = (total + leaf_inputs) * microbatch
     flight = in_flight(config, pp_rank)
     transient *= microbatch

@@ -1,10 +1,12 @@
 """Tables for humans and JSON for tools, from ``LayoutEstimate`` and ``SearchResult`` values.
 
 JSON schema (``plait plan --json``): {"layout": {...ParallelConfig...}, "world_size", "batch": {"per_device",
-"seq", "accumulation"}, "ranks": [{"rank", "tp_rank", "pp_rank", "dp_rank", "parameters", "gradients",
+"seq", "accumulation"}, "ranks": [{"rank", "tp_rank", "pp_rank", "dp_rank", "cp_rank", "parameters", "gradients",
 "optimizer", "activations_per_microbatch", "in_flight_microbatches", "activations_in_flight", "transient",
 "peak"}], "peak", "device_memory" (or null), "fits" (or null), "communication": [{"pp_rank", "group", "op",
-"count", "bytes"}], "bubble", "flops_per_step": {pp_rank: FLOPs}, "step_seconds" (or null), "notes"}.
+"count", "bytes"}], "bubble", "flops_per_step": {pp_rank: FLOPs}, "step_seconds" (or null), "notes",
+"cp_attention" (the strategy for the block size under cp, or null)}. Group "dp" is the replica group: dp x cp
+ranks under context parallelism.
 ``--search --json``: {"device": {...}, "ranked": [{"layout", "step_seconds", "peak", "bubble", "command"}],
 "refused": [{"layout", "reason"}], "command"} (the ``plait train`` command of the fastest).
 """
@@ -31,7 +33,7 @@ def gib(n: float) -> str:
 def estimate_json(estimate: LayoutEstimate, device: Device | None, memory: int | None) -> dict:
     """``memory``: bytes per device to check the peak against (None: no check); ``device``: for the step time."""
     config = estimate.plan.config
-    ranks = [{"rank": r.rank, "tp_rank": r.tp_rank, "pp_rank": r.pp_rank, "dp_rank": r.dp_rank,
+    ranks = [{"rank": r.rank, "tp_rank": r.tp_rank, "pp_rank": r.pp_rank, "dp_rank": r.dp_rank, "cp_rank": r.cp_rank,
               "parameters": r.static.parameters, "gradients": r.static.gradients, "optimizer": r.static.optimizer,
               "activations_per_microbatch": r.activations.per_microbatch,
               "in_flight_microbatches": r.activations.in_flight_microbatches,
@@ -40,13 +42,14 @@ def estimate_json(estimate: LayoutEstimate, device: Device | None, memory: int |
     layout = dataclasses.asdict(config)
     layout["pipeline_cuts"] = list(config.pipeline_cuts)
     return {
-        "layout": layout, "world_size": config.tp * config.pp * (config.dp or 1),
+        "layout": layout, "world_size": world_of(config),
         "batch": dataclasses.asdict(estimate.batch), "ranks": ranks, "peak": estimate.peak,
         "device_memory": memory, "fits": estimate.peak <= memory if memory else None,
         "communication": [{"pp_rank": pp_rank, "group": op.group, "op": op.op, "count": op.count, "bytes": op.bytes}
                           for pp_rank, ops in estimate.comm.items() for op in ops],
         "bubble": estimate.bubble, "flops_per_step": {str(k): v for k, v in estimate.flops.items()},
         "step_seconds": estimate.step_time(device) if device else None, "notes": estimate.notes,
+        "cp_attention": estimate.plan.cp.strategy_for(estimate.batch.seq) if estimate.plan.cp else None,
     }
 
 
@@ -70,7 +73,8 @@ def print_estimate(console: Console, estimate: LayoutEstimate, device: Device | 
     comm = Table("pp rank", "group", "op", "count", "bytes", title="communication per optimizer step (one rank)")
     for pp_rank, ops in estimate.comm.items():
         for op in ops:
-            comm.add_row(str(pp_rank), op.group, op.op, f"{op.count:,}", gib(op.bytes))
+            group = "dp×cp" if op.group == "dp" and config.cp > 1 else op.group  # the replica group
+            comm.add_row(str(pp_rank), group, op.op, f"{op.count:,}", gib(op.bytes))
     console.print(comm)
     if config.pp > 1:
         console.print(f"pipeline bubble ({config.pipeline_schedule}, p={config.pp}, m={config.num_microbatches}, "
@@ -101,7 +105,7 @@ def print_search(console: Console, result: SearchResult, device: Device, command
     for i, (estimate, seconds) in enumerate(result.ranked[:top], 1):
         b = estimate.batch
         tokens = b.per_device * b.seq * b.accumulation * (estimate.plan.config.dp or 1)
-        world = estimate.plan.config.tp * estimate.plan.config.pp * (estimate.plan.config.dp or 1)
+        world = world_of(estimate.plan.config)
         table.add_row(str(i), describe(estimate.plan.config), f"{seconds:.4g}", gib(estimate.peak),
                       f"{estimate.bubble:.3f}", f"{tokens / seconds / world:,.0f}")
     console.print(table)
@@ -118,6 +122,11 @@ def print_search(console: Console, result: SearchResult, device: Device, command
         console.print(f"[bold]best:[/] {commands[0]}")
     else:
         console.print("[red]no layout fits[/]: see the refusals above")
+
+
+def world_of(config) -> int:
+    """Ranks of a resolved layout: tp x cp x pp x dp."""
+    return config.tp * config.cp * config.pp * (config.dp or 1)
 
 
 def _ranks(ranks: list[int]) -> str:

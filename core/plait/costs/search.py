@@ -1,11 +1,13 @@
 """``plait plan --search``: every layout of a world, estimated, refused with a reason or ranked by step time.
 
 The global batch (per-device batch x dp x accumulation of the layout asked for) is kept: a layout with another
-dp gets the per-device batch that keeps it, or is refused when that does not divide. Enumerated: tp and pp
-dividing the world, virtual stages 1 or 2 (interleaved 1f1b and zero-bubble at 2), micro-batches from pp up to
-the per-device batch (powers of two times pp that divide it), SP on/off at tp > 1, ZeRO-1 on/off at dp > 1,
-activation checkpointing on/off. A layout the adapter or the pipeline refuses (``plan_layout``'s ConfigError),
-or whose peak exceeds the device memory, is listed with the reason.
+dp gets the per-device batch that keeps it, or is refused when that does not divide. Enumerated: tp, cp and pp
+dividing the world (cp with the strategy asked for, ``auto`` by default), virtual stages 1 or 2 (interleaved
+1f1b and zero-bubble at 2), micro-batches from pp up to the per-device batch (powers of two times pp that
+divide it), SP on/off at tp > 1, ZeRO-1 on/off at dp x cp > 1, activation checkpointing on/off. A layout
+whose block size the cp split cannot cut (2 cp, or 2 cp tp under SP, must divide it), that the adapter or the
+pipeline refuses (``plan_layout``'s ConfigError, cp's own refusals included), or whose peak exceeds the device
+memory, is listed with the reason.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from plait.costs.activations import ActivationTrace
 from plait.costs.device import Device
 from plait.costs.estimate import Batch, LayoutEstimate, estimate_layout
 from plait.costs.memory import Precision
+from plait.cp.sequence import check_length
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.registry import AdapterError, Registry
 
@@ -39,7 +42,7 @@ def search_layouts(
     decay_embeddings: bool = True,
 ) -> SearchResult:
     """Estimate every layout of ``world_size`` ranks for the global batch of ``base`` and ``batch``."""
-    global_batch = batch.per_device * (base.dp or world_size // (base.tp * base.pp))
+    global_batch = batch.per_device * (base.dp or world_size // (base.tp * base.cp * base.pp))
     result = SearchResult()
     plans: dict[tuple, LayoutPlan | str] = {}
     cache: dict = {}  # estimate_layout's, shared by the layouts of one plan (the plans above stay alive)
@@ -53,9 +56,15 @@ def search_layouts(
             result.refused.append((label, f"per-device batch {per_device} does not divide into "
                                           f"{config.num_microbatches} micro-batches"))
             continue
+        if config.cp > 1:
+            try:
+                check_length(batch.seq, config.cp, config.tp, config.sequence_parallel)
+            except ConfigError as err:
+                result.refused.append((label, str(err)))
+                continue
         # One plan per split and sharding: micro-batches (always pp * 2^k here, which every schedule accepts),
         # ZeRO-1 and recomputation change neither; the recompute leaves are planned once and dropped when off.
-        key = (config.tp, config.pp, config.virtual_pipeline_size, config.pipeline_schedule, config.sp)
+        key = (config.tp, config.cp, config.pp, config.virtual_pipeline_size, config.pipeline_schedule, config.sp)
         if key not in plans:
             try:
                 plans[key] = plan_layout(model, dataclasses.replace(config, dp=None, gradient_checkpointing=True),
@@ -83,18 +92,18 @@ def search_layouts(
 def candidates(base: ParallelConfig, world_size: int, global_batch: int) -> list[ParallelConfig]:
     """The layouts ``search_layouts`` tries (resolved: dp filled in)."""
     out = []
-    for tp in _divisors(world_size):
-        for pp in _divisors(world_size // tp):
-            dp = world_size // (tp * pp)
+    for tp, cp in ((tp, cp) for tp in _divisors(world_size) for cp in _divisors(world_size // tp)):
+        for pp in _divisors(world_size // (tp * cp)):
+            dp = world_size // (tp * cp * pp)
             per_device = max(1, global_batch // dp)
             for vpp, schedule in ([(1, "1f1b")] if pp == 1 else
                                   [(1, "1f1b"), (2, "interleaved-1f1b"), (2, "zero-bubble")]):
                 micro = [1] if pp == 1 else [pp * 2**k for k in range(8) if pp * 2**k <= per_device] or [pp]
                 for m, sp, zero, ckpt in itertools.product(
-                        micro, [True, False] if tp > 1 else [False], [False, True] if dp > 1 else [False],
+                        micro, [True, False] if tp > 1 else [False], [False, True] if dp * cp > 1 else [False],
                         [False, True]):
                     out.append(dataclasses.replace(
-                        base, tp=tp, pp=pp, dp=dp, virtual_pipeline_size=vpp, pipeline_schedule=schedule,
+                        base, tp=tp, cp=cp, pp=pp, dp=dp, virtual_pipeline_size=vpp, pipeline_schedule=schedule,
                         num_microbatches=m, sp=sp, zero_1=zero, gradient_checkpointing=ckpt, pipeline_cuts=()))
     return out
 
@@ -102,6 +111,8 @@ def candidates(base: ParallelConfig, world_size: int, global_batch: int) -> list
 def describe(config: ParallelConfig) -> str:
     """One short line per layout, for tables."""
     parts = [f"tp={config.tp}", f"pp={config.pp}", f"dp={config.dp}"]
+    if config.cp > 1:
+        parts.append(f"cp={config.cp}" + (f" ({config.cp_attention})" if config.cp_attention != "auto" else ""))
     if config.pp > 1:
         parts += [f"vpp={config.virtual_pipeline_size}", f"m={config.num_microbatches}", config.pipeline_schedule]
     if config.sequence_parallel:
