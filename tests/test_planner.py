@@ -8,6 +8,7 @@ and which collectives it issues, beside the planner's prediction; the tests asse
 from __future__ import annotations
 
 import json
+import math
 import time
 import types
 from collections import Counter
@@ -25,7 +26,7 @@ from plait.costs.bubble import bubble_fraction, in_flight
 from plait.costs.device import PRESETS
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.memory import Precision
-from plait.costs.search import search_layouts
+from plait.costs.search import describe, search_layouts
 from plait.layout_plan import plan_layout
 from plait.meta import build_meta_model
 from plait.registry import default_registry
@@ -187,3 +188,161 @@ def test_routed_experts_are_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "does not model the activations of routed experts yet (mixtral: model.layers.0.mlp.experts" in err
     assert "Traceback" not in err
+
+
+# Context parallelism: every rank holds S/C tokens; attention moves q/k/v/out (all-to-all) or k/v (ring).
+
+def _estimate(model, config: ParallelConfig, world: int, batch: Batch, trace, weight_decay: float = 0.0):
+    registry = default_registry()
+    return estimate_layout(model, plan_layout(model, config, world, registry), batch, Precision(), trace, weight_decay)
+
+
+def test_cp_activations_are_a_cp_th_of_cp1s():
+    """At cp=2 a rank saves half of cp=1's tensors: equal (to rounding) to cp=1 on a sequence of S/2 tokens. The
+    only tensors not per token are the loss's: cp scores all S/2 local tokens (labels shifted before the cut),
+    cp=1 scores S-1 of S, and S/2-1 of S/2: the three differ by at most one token's bytes per sequence."""
+    registry = default_registry()
+    model = build_meta_model(tiny_llama())  # sdpa: no S x S tensors
+    seq, b = 64, 2
+    trace = trace_activations(model, seq, registry, registry.resolve(model.config))
+    half_trace = trace_activations(model, seq // 2, registry, registry.resolve(model.config))
+    one = _estimate(model, ParallelConfig(), 1, Batch(b, seq), trace).ranks[0].activations
+    two = _estimate(model, ParallelConfig(cp=2), 2, Batch(b, seq), trace).ranks[0].activations
+    half = _estimate(model, ParallelConfig(), 1, Batch(b, seq // 2), half_trace).ranks[0].activations
+    token = half.per_microbatch / (b * seq // 2)  # saved bytes per token, all tensors
+    assert abs(two.per_microbatch - one.per_microbatch / 2) <= b * len([s for u in trace.layers for s in u.saved]
+                                                                        + trace.first.saved + trace.last.saved)
+    assert abs(two.per_microbatch - half.per_microbatch) <= b * token
+    # all-to-all (auto below 32768 tokens) adds one attention call's whole-sequence sdpa mask (bool) on top
+    assert two.transient - b * seq * seq == pytest.approx(one.transient / 2, abs=b)
+    # with recomputation a layer keeps its input: S/2 tokens of hidden states
+    ckpt = _estimate(model, ParallelConfig(cp=2, gradient_checkpointing=True), 2, Batch(b, seq), trace)
+    ckpt1 = _estimate(model, ParallelConfig(gradient_checkpointing=True), 1, Batch(b, seq), trace)
+    assert ckpt.ranks[0].activations.per_microbatch == pytest.approx(ckpt1.ranks[0].activations.per_microbatch / 2,
+                                                                     abs=b * 64)
+
+
+def test_cp_ring_keeps_no_eager_probabilities():
+    registry = default_registry()
+    config = tiny_llama(layers=2)
+    config._attn_implementation = "eager"
+    model = build_meta_model(config)
+    seq = 64
+    trace = trace_activations(model, seq, registry, registry.resolve(model.config))
+    squares = sum(s.nbytes for u in trace.layers for s in u.saved if s.square)
+    assert squares >= 2 * 4 * seq * seq * 4  # 2 layers' fp32 probabilities of 4 heads
+    a2a = _estimate(model, ParallelConfig(cp=2, cp_attention="all-to-all"), 2, Batch(1, seq), trace)
+    ring = _estimate(model, ParallelConfig(cp=2, cp_attention="ring"), 2, Batch(1, seq), trace)
+    # all-to-all holds 1/2 of the heads over S x S; the ring none
+    assert a2a.ranks[0].activations.per_microbatch - ring.ranks[0].activations.per_microbatch == squares // 2
+
+
+def _cp_expected(attention: str, batch: int, seq: int, cp: int, q_heads: int, kv_heads: int, head_dim: int,
+                 layers: int, recompute: bool) -> tuple[str, int, int]:
+    """(op, count, bytes) of one step's cp attention, written out from plait.cp.ulysses and plait.cp.ring."""
+    n, e = seq // cp, 4  # fp32 activations
+    if attention == "all-to-all":
+        copies = cp // math.gcd(kv_heads, cp)
+        q = batch * q_heads * n * head_dim * e
+        k = v = batch * kv_heads * copies * n * head_dim * e
+        out = batch * q_heads * n * head_dim * e
+        passes = 2 + (1 if recompute else 0)  # forward, backward, forward again
+        return "all_to_all", 4 * passes * layers, (q + k + v + out) * passes * layers
+    k = v = batch * kv_heads * n * head_dim * e
+    dk = dv = batch * kv_heads * n * head_dim * 4  # fp32 accumulators
+    forwards = 1 + (1 if recompute else 0)
+    count = layers * (forwards * 2 * (cp - 1) + 2 * (cp - 1) + 2 * cp)
+    size = layers * (forwards * (cp - 1) * (k + v) + (cp - 1) * (k + v) + cp * (dk + dv))
+    return "send", count, size
+
+
+@pytest.mark.parametrize("attention,kv_heads,tp,recompute", [
+    ("all-to-all", 2, 1, False), ("all-to-all", 1, 1, True), ("all-to-all", 2, 2, False),
+    ("ring", 2, 1, False), ("ring", 1, 1, True), ("ring", 2, 2, True)])
+def test_cp_comm_follows_the_formulas(attention, kv_heads, tp, recompute):
+    registry = default_registry()
+    config = tiny_llama()
+    config.num_key_value_heads = kv_heads
+    model = build_meta_model(config)
+    batch, seq, cp, accumulation = 3, 16, 2, 2
+    trace = trace_activations(model, seq, registry, registry.resolve(model.config))
+    layout = ParallelConfig(tp=tp, cp=cp, cp_attention=attention, gradient_checkpointing=recompute)
+    estimate = _estimate(model, layout, tp * cp, Batch(batch, seq, accumulation), trace)
+    rows = {(op.group, op.op): op for op in estimate.comm[0]}
+    local_kv = kv_heads // tp if kv_heads >= tp else 1
+    op, count, size = _cp_expected(attention, batch, seq, cp, 4 // tp, local_kv, 8, 4, recompute)
+    assert [key for key in rows if key[0] == "cp"] == [("cp", op)]
+    assert (rows["cp", op].count, rows["cp", op].bytes) == (count * accumulation, size * accumulation)
+    # gradients summed over the replica group (dp x cp = 2 ranks): one bucket of every parameter held
+    held = sum(math.prod(s.local_shape) for s in estimate.plan.specs_by_rank[0].values()) if tp > 1 else \
+        sum(p.numel() for p in model.parameters())
+    assert (rows["dp", "all_reduce"].count, rows["dp", "all_reduce"].bytes) == (1, 4 * held)
+    # the ring factor of an all-to-all: (C-1)/C of the bytes handed in
+    assert rows["cp", op].ring(cp) == (size * accumulation / 2 if op == "all_to_all" else size * accumulation)
+
+
+def test_cp_zero1_shards_over_dp_x_cp():
+    """ZeRO-1 at cp=2 dp=1 shards the optimizer over the 2 ranks of the replica group, as dp=2 does."""
+    registry = default_registry()
+    model = build_meta_model(tiny_llama())
+    trace = trace_activations(model, 16, registry, registry.resolve(model.config))
+    cp = _estimate(model, ParallelConfig(cp=2, zero_1=True), 2, Batch(2, 16), trace, weight_decay=0.1)
+    dp = _estimate(model, ParallelConfig(zero_1=True), 2, Batch(2, 16), trace, weight_decay=0.1)
+    assert [r.static for r in cp.ranks] == [r.static for r in dp.ranks]
+    assert len({r.static.optimizer for r in cp.ranks}) == 2  # two different shares
+    assert [(r.rank, r.dp_rank, r.cp_rank) for r in cp.ranks] == [(0, 0, 0), (1, 0, 1)]
+    assert cp.for_rank(1).static == dp.for_rank(1).static
+    # grad-norm scalar, reduce to owners and the parameter broadcast over the replica group, as at dp=2
+    assert {(o.group, o.op, o.count, o.bytes) for o in cp.comm[0] if o.group == "dp"} == \
+        {(o.group, o.op, o.count, o.bytes) for o in dp.comm[0]}
+
+
+def test_search_proposes_cp_when_memory_forces_it(tmp_path, capsys):
+    """Eager attention at 512 tokens: every cp=1 layout holds S x S probabilities (tp and pp only divide them by
+    2); the ring keeps none, so within 4.5 MiB only cp=2 fits, and the command says so."""
+    config = tiny_llama(layers=2)
+    config.max_position_embeddings = 512
+    path = tmp_path / "config.json"
+    config.to_json_file(path)
+    main(["plan", "--model_config", str(path), "--attn_implementation", "eager", "--block_size", "512",
+          "--per_device_train_batch_size", "1", "--cp_attention", "ring", "--world_size", "2", "--search",
+          "--hardware", "h100", "--device_memory", str(4.5 / 1024), "--json"])
+    found = json.loads(capsys.readouterr().out)
+    assert found["ranked"] and all("cp=2 (ring)" in r["layout"] for r in found["ranked"]), found["ranked"]
+    assert "--context_parallel_size 2 --cp_attention ring" in found["command"]
+    assert "--nproc_per_node 2" in found["command"]
+    cp1 = [r for r in found["refused"] if "cp=" not in r["layout"] and "does not fit" in r["reason"]]
+    assert {r["layout"] for r in cp1} >= {"tp=1 pp=1 dp=2", "tp=1 pp=1 dp=2 recompute", "tp=2 pp=1 dp=1 sp"}
+
+
+def test_search_refuses_cp_that_cannot_cut_the_block():
+    registry = default_registry()
+    model = build_meta_model(tiny_llama(layers=2))
+    base = plan_layout(model, ParallelConfig(), 4, registry).config
+    trace = trace_activations(model, 20, registry, registry.resolve(model.config))
+    result = search_layouts(model, base, 4, Batch(2, 20), Precision(), trace, PRESETS["h100"], registry)
+    reasons = {label: reason for label, reason in result.refused}
+    assert "not divisible by 2*cp = 8" in reasons["tp=1 pp=1 dp=1 cp=4"]
+    assert "under sequence parallelism" in reasons["tp=2 pp=1 dp=1 cp=2 sp"]  # 2 * 2 * 2 does not divide 20
+    ranked = {describe(e.plan.config) for e, _ in result.ranked}
+    assert {"tp=1 pp=1 dp=2 cp=2", "tp=2 pp=1 dp=1 cp=2"} <= ranked  # 4 and tp=2 without SP divide 20
+    assert not any("cp=4" in label for label in ranked)
+
+
+def test_cli_plan_cp(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    tiny_llama().to_json_file(path)
+    main(["plan", "--model_config", str(path), "--block_size", "16", "--per_device_train_batch_size", "4",
+          "--context_parallel_size", "2", "--world_size", "4", "--zero_1", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["world_size"] == 4 and out["layout"]["cp"] == 2 and out["layout"]["dp"] == 2
+    assert out["cp_attention"] == "all-to-all"
+    assert {c["group"] for c in out["communication"]} == {"cp", "dp"}
+    assert [(r["rank"], r["dp_rank"], r["cp_rank"]) for r in out["ranks"]] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    main(["plan", "--model_config", str(path), "--block_size", "16", "--per_device_train_batch_size", "4",
+          "--context_parallel_size", "2", "--cp_attention", "ring", "--world_size", "2"])
+    text = capsys.readouterr().out
+    assert "cp=2 (ring)" in text and "attention ring for 16-token sequences" in text and "send" in text
+    with pytest.raises(SystemExit):
+        main(["plan", "--model_config", str(path), "--block_size", "18", "--context_parallel_size", "2"])
+    assert "not divisible by 2*cp = 4" in capsys.readouterr().err

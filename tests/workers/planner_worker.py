@@ -1,7 +1,8 @@
 """Worker: what each rank of several layouts holds, measured beside ``plait.costs``'s prediction.
 
 Run as a world of 2 ranks: ``planner_worker.py OUT.json``. For each layout, a tiny Llama (tied embeddings,
-vocab 61: padded under tp; one kv head: replicated under tp, its gradient summed) is laid out, its optimizer
+vocab 61: padded under tp; one kv head: replicated under tp, its gradient summed, repeated by cp's
+all-to-all) is laid out, its optimizer
 built as ``plait train`` builds it, and two steps run; each rank records its parameter, gradient (after
 backward) and optimizer bytes (after the step), the collectives ``plait.comm`` saw in the second step (the
 first infers pipeline shapes), and the planner's numbers for that rank. Rank 0 writes them all.
@@ -36,6 +37,9 @@ LAYOUTS = {
     "pp2_bf16": (ParallelConfig(pp=2, num_microbatches=2), True, 0.0),
     "tp2_sp_recompute": (ParallelConfig(tp=2, gradient_checkpointing=True), False, 0.0),
     "tp2_nosp": (ParallelConfig(tp=2, sp=False), False, 0.0),
+    # cp: one kv head repeated for all-to-all; ZeRO-1 and gradients over the replica group (dp x cp = 2)
+    "cp2_zero1_wd": (ParallelConfig(cp=2, zero_1=True), False, 0.1),
+    "cp2_ring_recompute": (ParallelConfig(cp=2, cp_attention="ring", gradient_checkpointing=True), False, 0.0),
 }
 
 
@@ -60,7 +64,8 @@ def run(name: str, config: ParallelConfig, bf16: bool, weight_decay: float) -> d
     optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-3, weight_decay=weight_decay,
                                 optimizer_dtype=torch.float32)
     step = OptimizerStep(pmodel.grad_sync, optimizer, 1.0)
-    ids = torch.randint(0, 61, (per_device, SEQ), generator=torch.Generator().manual_seed(rank))
+    # the same sequences on the ranks of a dp replica (a cp group splits them; tp ranks share them)
+    ids = torch.randint(0, 61, (per_device, SEQ), generator=torch.Generator().manual_seed(pmodel.mesh.dp_rank))
     num_items = per_device * (SEQ - 1) * pmodel.mesh.dp
     pmodel.train_step(ids, ids, num_items_in_batch=num_items)  # warm-up: the pipeline infers shapes (a forward)
     step()
