@@ -15,6 +15,8 @@ share one input without SP, three copies with it: bench/plan_check.py's saved-by
 tensor of a decoder layer (heads, MLP intermediate) is split by tp, and logits are split when the LM head is
 vocab-parallel. Fused attention (sdpa, flash) keeps no s x s probabilities: those are dropped when tracing
 with any kernel other than eager (the meta device runs sdpa's math fallback, which would save them).
+Under context parallelism the trace of the whole sequence is divided by cp (``unit_bytes``): every tensor is
+per token except eager's probabilities, of which all-to-all keeps 1/cp of the heads and the ring none.
 """
 
 from __future__ import annotations

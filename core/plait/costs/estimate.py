@@ -5,8 +5,11 @@ layout of one search (it depends only on the model, the sequence length and the 
 Step time = compute / (1 - bubble) + communication, with compute = matmul FLOPs / (peak * efficiency) plus
 the activation bytes written and read again and the optimizer's bytes (AdamW over the parameters the rank
 steps: all it holds, or its ZeRO-1 share) / memory bandwidth, and communication = ring bytes / the link's
-bandwidth + a latency per collective (tp and pp inside a node when they fit in one, dp across nodes when the
-world does not). plait's collectives are not overlapped with compute, so the terms add.
+bandwidth + a latency per collective (tp, cp and pp inside a node when the block of ranks they span fits in
+one, dp across nodes when the world does not). plait's collectives are not overlapped with compute, so the
+terms add. Under context parallelism each rank computes 1/cp of the tokens (FLOPs and activations 1/cp), its
+"dp" collectives span the replica group (dp x cp ranks) and the attention's all-to-alls or ring sends are the
+"cp" group's (``context_parallel``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from plait.optim.param_groups import embedding_params
 @dataclass(frozen=True)
 class Batch:
     """Per data-parallel rank: sequences per micro-step (split into the pipeline's micro-batches), tokens per
-    sequence, micro-steps per optimizer step."""
+    sequence, micro-steps per optimizer step. Under cp every rank of a cp group gets these same sequences and
+    holds seq / cp tokens of each."""
 
     per_device: int
     seq: int
