@@ -256,23 +256,32 @@ def _cp_expected(attention: str, batch: int, seq: int, cp: int, q_heads: int, kv
     return "send", count, size
 
 
-@pytest.mark.parametrize("attention,kv_heads,tp,recompute", [
-    ("all-to-all", 2, 1, False), ("all-to-all", 1, 1, True), ("all-to-all", 2, 2, False),
-    ("ring", 2, 1, False), ("ring", 1, 1, True), ("ring", 2, 2, True)])
-def test_cp_comm_follows_the_formulas(attention, kv_heads, tp, recompute):
+@pytest.mark.parametrize("attention,kv_heads,tp,pp,recompute", [
+    ("all-to-all", 2, 1, 1, False), ("all-to-all", 1, 1, 1, True), ("all-to-all", 2, 2, 1, False),
+    ("all-to-all", 1, 1, 2, True), ("ring", 2, 1, 1, False), ("ring", 1, 1, 1, True), ("ring", 2, 2, 1, True),
+    ("ring", 2, 1, 2, False)])
+def test_cp_comm_follows_the_formulas(attention, kv_heads, tp, pp, recompute):
+    """Under pp each rank's 2 of the 4 layers run once per micro-batch (m=2: twice the collectives, the same
+    bytes)."""
     registry = default_registry()
     config = tiny_llama()
     config.num_key_value_heads = kv_heads
     model = build_meta_model(config)
     batch, seq, cp, accumulation = 3, 16, 2, 2
     trace = trace_activations(model, seq, registry, registry.resolve(model.config))
-    layout = ParallelConfig(tp=tp, cp=cp, cp_attention=attention, gradient_checkpointing=recompute)
-    estimate = _estimate(model, layout, tp * cp, Batch(batch, seq, accumulation), trace)
-    rows = {(op.group, op.op): op for op in estimate.comm[0]}
+    m = 2 if pp > 1 else 1
+    batch *= m
+    layout = ParallelConfig(tp=tp, cp=cp, pp=pp, num_microbatches=m, cp_attention=attention,
+                            gradient_checkpointing=recompute)
+    estimate = _estimate(model, layout, tp * cp * pp, Batch(batch, seq, accumulation), trace)
     local_kv = kv_heads // tp if kv_heads >= tp else 1
-    op, count, size = _cp_expected(attention, batch, seq, cp, 4 // tp, local_kv, 8, 4, recompute)
-    assert [key for key in rows if key[0] == "cp"] == [("cp", op)]
-    assert (rows["cp", op].count, rows["cp", op].bytes) == (count * accumulation, size * accumulation)
+    op, count, size = _cp_expected(attention, batch, seq, cp, 4 // tp, local_kv, 8, 4 // pp, recompute)
+    for ops in estimate.comm.values():
+        rows = {(o.group, o.op): o for o in ops}
+        assert [key for key in rows if key[0] == "cp"] == [("cp", op)]
+        assert (rows["cp", op].count, rows["cp", op].bytes) == (count * m * accumulation, size * accumulation)
+    if pp > 1:
+        return
     # gradients summed over the replica group (dp x cp = 2 ranks): one bucket of every parameter held
     held = sum(math.prod(s.local_shape) for s in estimate.plan.specs_by_rank[0].values()) if tp > 1 else \
         sum(p.numel() for p in model.parameters())

@@ -143,10 +143,10 @@ def step_comm(
     if cp > 1:
         compute = max(shape.act_bytes, 4)  # the ring's gradient accumulators: fp32 at least
         layers = [i for s in stages for i in range(*split.bounds[s])] if split is not None else None
-        held_modules = {p.name.rpartition(".")[0] for p in held}
-        leaves = [leaf for leaf in plan.leaves if any(n == leaf or n.startswith(leaf + ".") for n in held_modules)]
+        enclosing = {p.name[:i] for p in held for i, c in enumerate(p.name) if c == "."}  # modules holding them
+        recomputed = sum(1 for leaf in plan.leaves if leaf in enclosing)
         count = len(layers) if layers is not None else _decoder_layers(model)
-        op, n, size = attention_comm(plan, shape.seq, shape.batch, shape.act_bytes, compute, count, len(leaves))
+        op, n, size = attention_comm(plan, shape.seq, shape.batch, shape.act_bytes, compute, count, recomputed)
         ops.append(CommOp("cp", op, n * acc, size * acc))
     if split is not None:
         m = config.num_microbatches
