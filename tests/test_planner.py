@@ -347,7 +347,8 @@ def test_cli_plan_cp(tmp_path, capsys):
     assert out["world_size"] == 4 and out["layout"]["cp"] == 2 and out["layout"]["dp"] == 2
     assert out["cp_attention"] == "all-to-all"
     assert {c["group"] for c in out["communication"]} == {"cp", "dp"}
-    assert [(r["rank"], r["dp_rank"], r["cp_rank"]) for r in out["ranks"]] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    assert [(r["rank"], r["dp_rank"], r["cp_rank"]) for r in out["ranks"]] == \
+        [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
     main(["plan", "--model_config", str(path), "--block_size", "16", "--per_device_train_batch_size", "4",
           "--context_parallel_size", "2", "--cp_attention", "ring", "--world_size", "2"])
     text = capsys.readouterr().out
