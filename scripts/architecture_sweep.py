@@ -4,8 +4,9 @@ of the installed transformers that declares a tp plan, in a reduced matrix, writ
     python scripts/architecture_sweep.py [--out docs/architectures.md] [--only qwen3 gemma2 ...] [--fresh]
 
 Each architecture gets the tiny config of the adapter serving it (an explicit adapter where one claims it,
-else plait-transformers' derived one) and three modes: tp=2 with sequence parallelism, pp=2 (1F1B), and the
-tp=2 save -> consolidate -> from_pretrained round trip, each 3 AdamW steps against one process. A mode the
+else plait-transformers' derived one) and four modes: tp=2 with sequence parallelism, pp=2 (1F1B), the
+tp=2 save -> consolidate -> from_pretrained round trip, and context parallelism over 2 ranks (cp=2, the
+attention strategy ``auto`` picks), each 3 AdamW steps against one process. A mode the
 layout plan refuses (``plan_layout`` on the meta model, before any process) is "refused" with plait's reason;
 what runs is "pass" or "FAIL" with the measured errors. Architectures are run a chunk per world; a world
 that crashes is rerun one architecture at a time, so a crash is pinned on its architecture.
@@ -27,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MODES = ("tp2-sp", "pp2-1f1b", "consolidate-tp2")
+MODES = ("tp2-sp", "pp2-1f1b", "consolidate-tp2", "cp2")
 CHUNK = 12  # architectures per world: bounds what one crash costs
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -172,6 +173,14 @@ def fp32_noise(result) -> bool:
             and first.startswith(("step 2 grad", "step 3 grad")))
 
 
+def column_counts(rows: list[Row], mode: str) -> str:
+    """'N pass, M refused, K fail' for one mode's column."""
+    cells = [r.cells.get(mode, "") for r in rows]
+    passed = sum(1 for r in rows if r.passed.get(mode))
+    refused = sum(1 for c in cells if c.startswith("refused"))
+    return f"{passed} pass, {refused} refused, {len(rows) - passed - refused} fail or not run"
+
+
 def render(rows: list[Row], seconds: float) -> str:
     import torch
     import transformers
@@ -198,6 +207,8 @@ def render(rows: list[Row], seconds: float) -> str:
         f"{len(rows) - len(passing) - len(failing) - len(noisy) - len(not_run)} are refused in at least one"
         + (f"; {len(noisy)} are fp32 noise not yet rechecked" if noisy else "")
         + (f"; {len(not_run)} not run yet" if not_run else "") + ".**",
+        "",
+        "Per mode: " + "; ".join(f"`{m}` {column_counts(rows, m)}" for m in MODES) + ".",
         "",
         "`pass (float64: ...; fp32: ...)`: in fp32 every loss was within 1e-5 and every step-1 gradient within "
         "tolerance, but a later step's gradient was over it: Adam (eps 1e-6) amplifies fp32 "

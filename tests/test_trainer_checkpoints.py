@@ -115,3 +115,20 @@ def test_weight_decay_groups_agree_across_layouts_and_reshard(model_config, tmp_
            2, timeout=240)
     losses = [r["loss"] for r in read_metrics(tmp_path / "zero")] + [r["loss"] for r in read_metrics(tmp_path / "tp2")]
     assert losses == pytest.approx([r["loss"] for r in one], rel=1e-5)
+
+
+def test_cp2_zero1_run_resumes_at_tp2(model_config, straight, tmp_path):
+    """Context parallelism through the trainer: cp=2 with ZeRO-1 (optimizer state sharded over the cp pair)
+    gives the one-process losses, and its checkpoint (layout-free) resumes at tp=2 with the same losses."""
+    _, records = straight
+    first = flags(model_config, tmp_path / "cp2", "--context_parallel_size", "2", "--zero_1")
+    first[first.index("--max_steps") + 1] = "2"
+    launch(["-m", "plait", "train", *first], 2, timeout=240)
+    cp2 = read_metrics(tmp_path / "cp2")
+    assert [r["loss"] for r in cp2] == pytest.approx([r["loss"] for r in records[:2]], rel=1e-5)
+    launch(["-m", "plait", "train", *flags(model_config, tmp_path / "tp2", "--tensor_parallel_size", "2",
+                                            "--resume_from_checkpoint", str(tmp_path / "cp2" / "checkpoint-2"))],
+           2, timeout=240)
+    resumed = read_metrics(tmp_path / "tp2")
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in records[2:]], rel=1e-5)

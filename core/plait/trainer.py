@@ -39,6 +39,7 @@ from plait.meta import build_meta_model
 from plait.model_config import read_model_config
 from plait.parallelize import ParallelModel, parallelize
 from plait.registry import default_registry
+from plait.seeds import init_seed
 from plait.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process, pick_device
 from plait.train_args import TrainArgs
 
@@ -112,7 +113,7 @@ def evaluate(pmodel: ParallelModel, blocks: torch.Tensor, batch_size: int, devic
         ids, labels, positions = batch_inputs(blocks, mine[start : start + batch_size], device)
         total += pmodel.eval_loss(ids, labels, num_items_in_batch=num_items, position_ids=positions)
     pmodel.train()
-    loss = comm.all_reduce(total, mesh.dp_group).item()
+    loss = comm.all_reduce(total, mesh.replica_group).item()  # dp ranks' batches, cp ranks' tokens
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
 
@@ -178,6 +179,8 @@ class Trainer:
         if args.torch_compile:
             compile_leaf_modules(pmodel.module, default_registry().leaf_modules(pmodel.adapter, model_config))
         self.mesh = mesh = pmodel.mesh
+        if mesh.cp > 1:  # each cp rank drops out its own tokens: its own stream (alike over its tp group)
+            torch.manual_seed(init_seed(args.seed, "dropout", mesh.cp_rank))
         self.global_batch = args.per_device_train_batch_size * mesh.dp * args.gradient_accumulation_steps
         self.sampler = GlobalBatchSampler(len(self.blocks), self.global_batch, args.seed)
         # On CUDA, AdamW's fused kernel (one launch for all parameters) rather than its per-tensor loop.
@@ -207,8 +210,9 @@ class Trainer:
         count = sum(p.numel() for p in pmodel.parameters())
         trained = sum(p.numel() for p in pmodel.parameters() if p.requires_grad)
         lora = f" (LoRA r={pmodel.plan.lora.config.r}: {trained:,} trained)" if pmodel.plan.lora is not None else ""
+        cp = f" | cp attention {pmodel.plan.cp.strategy_for(args.block_size)}" if pmodel.plan.cp is not None else ""
         self.console.print(
-            f"[bold]plait[/] layout {mesh.config.describe()} | adapter {pmodel.adapter.name} "
+            f"[bold]plait[/] layout {mesh.config.describe()}{cp} | adapter {pmodel.adapter.name} "
             f"({pmodel.adapter.distribution or 'in-process'}) | parameters on rank 0: {count:,}{lora} | "
             f"{len(self.blocks):,} blocks of {args.block_size} tokens, global batch {self.global_batch}")
 
@@ -228,7 +232,7 @@ class Trainer:
             rows = local_microbatch(indices, mesh.dp_rank, mesh.dp, accumulation, micro)
             ids, labels, positions = batch_inputs(self.blocks, rows, self.device)
             step_loss += self.pmodel.train_step(ids, labels, num_items_in_batch=num_items, position_ids=positions)
-        loss = comm.all_reduce(step_loss, mesh.dp_group)  # equal on every rank: all of them decide alike
+        loss = comm.all_reduce(step_loss, mesh.replica_group)  # equal on every rank: all of them decide alike
         lr = self.optimizer_step.lr
         record = {"step": step + 1, "loss": loss.item(), "lr": lr}
         try:

@@ -243,7 +243,7 @@ def load_checkpoint(
     if scheduler is not None:
         load_scheduler_state(scheduler, index.scheduler)
     saved = _parallel_config(index)
-    layout = lambda c: (c.tp, c.pp, c.dp)  # noqa: E731
+    layout = lambda c: (c.tp, c.cp, c.pp, c.dp)  # noqa: E731
     same_layout = layout(saved) == layout(pmodel.config) and index.world_size == pmodel.mesh.world_size
     if same_layout:
         set_rng_state(index.ranks[pmodel.mesh.rank]["rng"])

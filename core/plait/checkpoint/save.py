@@ -68,7 +68,7 @@ def save_checkpoint(
         local["extra"] = to_json(extra or {})
     except CheckpointError as exc:
         local["error"] = str(exc)
-    local["coords"] = {"tp_rank": mesh.tp_rank, "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank}
+    local["coords"] = {"tp_rank": mesh.tp_rank, "cp_rank": mesh.cp_rank, "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank}
     local["rng"] = rng_state()
     local["boxes"] = [(t.logical, [box for box, _ in t.boxes]) for t in tensors]
     metas = comm.all_gather_object(local, world)

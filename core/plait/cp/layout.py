@@ -7,7 +7,8 @@ build masks on their own, and the MoE router's auxiliary loss (a product of per-
 slices do not add up to).
 
 The two strategies (plait.cp.ulysses, plait.cp.ring) have their own limits: all-to-all needs the query
-heads of a tp rank to divide by C; the ring has no exact attention dropout. ``auto`` takes all-to-all where
+heads of a tp rank to divide by C, and attention code that reads no per-head parameter off its module
+(gpt_oss's sinks are); the ring has no exact attention dropout. ``auto`` takes all-to-all where
 it applies, since it moves fewer bytes and runs the model's own attention code, except on sequences longer
 than ``RING_FROM`` tokens, where the whole-sequence mask it materialises (S^2 per sequence) costs more than
 the ring's blocks; the ring otherwise.
@@ -15,6 +16,7 @@ the ring's blocks; the ring otherwise.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +26,9 @@ from plait.config import ConfigError, ParallelConfig
 from plait.cp.masks import mask_builders
 
 RING_FROM = 32768  # tokens: above this auto prefers the ring (all-to-all's mask would be >= 1 GiB a sequence)
-_RECURRENT = ("mamba", "rwkv", "deltanet", "linearattention", "lightning", "shortconv", "ssm", "retention",
-              "recurrent", "xlstm", "hyena")
+# words of a module class name (CamelCase split into snake_case) that name a recurrent or convolutional mixer
+_RECURRENT = re.compile(r"(?:^|_)(mamba|rwkv|delta_net|linear_attention|lightning|short_conv|ssm|retention|"
+                        r"recurrent|xlstm|hyena)(?:_|$|\d)")
 _ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
 _DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
 
@@ -74,9 +77,13 @@ def plan_context_parallel(model: nn.Module, config: ParallelConfig) -> CPPlan | 
     heads = getattr(mc, "num_attention_heads", None)
     local_heads = heads // config.tp if heads else None
     all_to_all = None
+    sinks = next((name for name, m in model.named_modules() if isinstance(getattr(m, "sinks", None), nn.Parameter)), None)
     if not local_heads or local_heads % config.cp:
         all_to_all = (f"all-to-all needs the attention heads of a tp rank ({heads} / tp={config.tp} = {local_heads}) "
                       f"to divide by cp={config.cp}")
+    elif sinks is not None:
+        all_to_all = (f"all-to-all hands the model's attention a subset of the heads, but {sinks}.sinks (per-head "
+                      f"attention sinks) is read whole off the module")
     dropout = {f: getattr(mc, f) for f in _DROPOUT_FIELDS if getattr(mc, f, 0)}
     ring = None
     if dropout:
@@ -100,9 +107,8 @@ def _check_mixers(model: nn.Module, model_config: Any) -> None:
                 f"parallelism cannot split exactly; use cp=1"
             )
     for name, module in model.named_modules():
-        cls = type(module).__name__.lower()
-        hit = next((word for word in _RECURRENT if word in cls), None)
-        if hit or isinstance(module, nn.Conv1d):
+        words = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", type(module).__name__).lower()
+        if _RECURRENT.search(words) or isinstance(module, nn.Conv1d):
             raise ConfigError(
                 f"{name} ({type(module).__name__}) mixes the sequence without attention, which context "
                 f"parallelism cannot split exactly; use cp=1"

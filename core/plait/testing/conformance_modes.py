@@ -71,6 +71,20 @@ def _plan_fits(subject: Subject, tp: int) -> str | None:
     return None
 
 
+def _layout_fits(layout: dict[str, Any], world: int) -> Callable[[Subject], str | None]:
+    """None when plait plans ``layout`` for the tiny model (cp: the model's mixers, masks and heads), else
+    plait's reason why not."""
+
+    def check(subject: Subject) -> str | None:
+        try:
+            plan_layout(build_meta_model(subject.config), ParallelConfig(**layout), world, subject.registry)
+        except ConfigError as err:
+            return str(err)
+        return None
+
+    return check
+
+
 @dataclass(frozen=True)
 class Mode:
     """One parallel mode: the world it needs, the ParallelConfig, model config overrides, a check that the
@@ -89,6 +103,7 @@ class Mode:
 
 
 PP2 = dict(pp=2, num_microbatches=4)
+CP2, CP2_RING, CP2_TP2 = dict(cp=2), dict(cp=2, cp_attention="ring"), dict(cp=2, tp=2, sp=True)
 MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode("tp2-sp", 2, dict(tp=2, sp=True)),
     Mode("tp2", 2, dict(tp=2, sp=False)),
@@ -100,6 +115,9 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode("zero1-dp2", 2, dict(zero_1=True)),
     Mode("tp2-sp-recompute", 2, dict(tp=2, sp=True, gradient_checkpointing=True)),
     Mode("consolidate-tp2", 2, dict(tp=2, sp=True), after="consolidate"),
+    Mode("cp2", 2, CP2, applies=_layout_fits(CP2, 2)),
+    Mode("cp2-ring", 2, CP2_RING, applies=_layout_fits(CP2_RING, 2)),
+    Mode("cp2-tp2", 4, CP2_TP2, applies=_layout_fits(CP2_TP2, 4)),
 )}
 
 

@@ -184,7 +184,7 @@ def train(record: Record, pmodel: ParallelModel, reference: torch.nn.Module) -> 
         ref_loss.backward()
         record.no_grad = {name for name, p in reference.named_parameters() if p.grad is None}
         loss = forward_backward(pmodel, ids.chunk(mesh.dp)[mesh.dp_rank], ids.shape[0] * (SEQ - 1))
-        global_loss = comm.all_reduce(loss.clone(), mesh.dp_group).item()
+        global_loss = comm.all_reduce(loss.clone(), mesh.replica_group).item()  # dp ranks' rows, cp ranks' tokens
         rel = abs(global_loss - ref_loss.item()) / abs(ref_loss.item())
         record.worst("loss_rel", rel)
         if rel > LOSS_RTOL:
