@@ -31,17 +31,23 @@ FP32_SENSITIVE = {("gemma3_text", m) for m in ("tp2-sp", "tp2", "tp2-sp-tied", "
 # mis-split expert is off by 1e-4 there) and olmo2 at tp=4 (0.3x at step 1, its one-process noise level).
 FP32_SENSITIVE |= {("mixtral", m) for m in ("tp2-sp", "tp2", "tp4-kv-replicated", "tp2-sp-recompute", "consolidate-tp2")}
 FP32_SENSITIVE |= {("olmo2", m) for m in ("tp2-sp", "tp2", "tp4-kv-replicated", "tp2-sp-recompute", "consolidate-tp2")}
+# Context parallelism x tp reorders fp32 sums the same way (gemma3_text, mixtral: 1.3-2.8x at step 2-3 only).
+FP32_SENSITIVE |= {("gemma3_text", "cp2-tp2"), ("mixtral", "cp2-tp2")}
+# The ring strategy is not run here: tests/test_cp_parity.py runs both strategies at cp 2 and 4 on 9 architectures.
+KIT_MODES = [m for m in MODES if m != "cp2-ring"]
 # Modes a tiny config cannot express, with the reason the kit must give.
 SKIPPED = {("phi3", "tp4-kv-replicated"): "fused qkv with num_key_value_heads=2 < tp=4 is not supported",
            ("gpt_neox", "tp4-kv-replicated"): "no attention with fewer kv heads than tp=4",
            ("deepseek_v3", "tp4-kv-replicated"): "no attention with fewer kv heads than tp=4"}  # latent: no kv heads
+SKIPPED |= {("qwen3_next", m): "layer type 'linear_attention' (config.layer_types) carries state along the sequence"
+            for m in ("cp2", "cp2-tp2")}
 
 
 @pytest.fixture(scope="module")
 def results(plait_conformance):
     from plait.testing.pytest_plugin import format_results
 
-    found = plait_conformance(*(f"transformers:{a}" for a in ARCHITECTURES))
+    found = plait_conformance(*(f"transformers:{a}" for a in ARCHITECTURES), modes=KIT_MODES)
     print(format_results(list(found.values())))  # the table, for pytest -s
     return found
 
@@ -54,7 +60,7 @@ def results_float64(plait_conformance):
     return plait_conformance(*(f"transformers:{a}" for a in archs), modes=modes, dtype="float64")
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", KIT_MODES)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_generic_adapter_conforms(request, results, arch, mode):
     from plait.testing.pytest_plugin import format_results

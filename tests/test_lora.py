@@ -24,7 +24,7 @@ from tiny_models import tiny_model
 
 WORKER = Path(__file__).parent / "workers" / "lora_parity.py"
 ARCHS = ("llama", "gpt2", "qwen3")
-LAYOUTS = ("tp2_sp", "tp2", "pp2", "zero1_dp2", "sft_tp2_sp", "sft_pp2")  # sft_: packed, prompt-masked
+LAYOUTS = ("tp2_sp", "tp2", "pp2", "zero1_dp2", "cp2", "sft_tp2_sp", "sft_pp2", "sft_cp2")  # sft_: packed, prompt-masked
 LOSS_RTOL, LOGITS_TOL = 1e-5, 1e-5
 # After 3 AdamW steps fp32 rounding moves the adapter (and so the logits) by up to ~4e-5 against peft's own
 # training on one process: measured at ZeRO-1 dp=2 as at tp=2 (GPT2). The exports are compared with the

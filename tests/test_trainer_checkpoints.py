@@ -132,3 +132,17 @@ def test_cp2_zero1_run_resumes_at_tp2(model_config, straight, tmp_path):
     resumed = read_metrics(tmp_path / "tp2")
     assert [r["step"] for r in resumed] == [3, 4]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in records[2:]], rel=1e-5)
+
+
+def test_cp2_bf16_with_accumulation_follows_fp32(model_config, straight, tmp_path):
+    """cp=2 with bf16 parameters (fp32 masters), the global batch of 4 as 2 x 2 accumulation steps: the fp32
+    one-process curve within bf16's 2e-2 (as test_train_cli's bf16 check), the strategy printed."""
+    _, records = straight
+    argv = flags(model_config, tmp_path, "--context_parallel_size", "2", "--bf16", "--gradient_accumulation_steps",
+                 "2", "--save_steps", "0")
+    argv[argv.index("--per_device_train_batch_size") + 1] = "2"
+    argv[argv.index("--max_steps") + 1] = "2"
+    output = launch(["-m", "plait", "train", *argv], 2, timeout=240)
+    assert [r["loss"] for r in read_metrics(tmp_path)] == pytest.approx([r["loss"] for r in records[:2]], rel=2e-2)
+    layout = " ".join(output[0].split())  # the console wraps long lines
+    assert "cp=2 (auto)" in layout and "cp attention all-to-all" in layout

@@ -53,6 +53,11 @@ CASES = {
     "gpt2-cp2-pp2-interleaved-ring": (4, "gpt2", dict(cp=2, pp=2, num_microbatches=2, cp_attention="ring",
                                                       pipeline_schedule="interleaved-1f1b", virtual_pipeline_size=2), {}, "packed"),
     "llama-cp2-dp2-zero1": (4, "llama", dict(cp=2, zero_1=True), {}, "packed"),
+    "llama-cp2-pp2-zero-bubble-ring": (4, "llama", dict(cp=2, pp=2, num_microbatches=2, cp_attention="ring",
+                                                       pipeline_schedule="zero-bubble", virtual_pipeline_size=2),
+                                       {}, "packed"),
+    "llama-cp2-pp2-gpipe-a2a": (4, "llama", dict(cp=2, pp=2, num_microbatches=2, pipeline_schedule="gpipe"), {},
+                                "padded"),
 }
 # the architectures at cp=2 and cp=4, both strategies, on packed documents that cross the slices
 ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "gpt2": "gpt2", "gemma2": "transformers:gemma2",

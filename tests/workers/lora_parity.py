@@ -1,4 +1,4 @@
-"""Worker: LoRA under tp=2 + SP, pp=2 and ZeRO-1 dp=2 against peft on one process, in one world of 2 ranks.
+"""Worker: LoRA under tp=2 + SP, pp=2, ZeRO-1 dp=2 and cp=2 against peft on one process, in one world of 2 ranks.
 
 ``lora_parity.py OUT.json [--float64] [ARCH ...]``. For each architecture and layout, a tiny model gets LoRA (both A and B
 random: ``init_lora_weights=False``, so that A's gradient is not zero at the first step) from plait, and the
@@ -38,10 +38,10 @@ from plait.gather import gather_logits
 
 STEPS, BATCH, SEQ, VOCAB, LR = 3, 4, 16, 61, 1e-2
 LAYOUTS = {"tp2_sp": dict(tp=2, sp=True), "tp2": dict(tp=2, sp=False), "pp2": dict(pp=2, num_microbatches=2),
-           "zero1_dp2": dict(zero_1=True)}
+           "zero1_dp2": dict(zero_1=True), "cp2": dict(cp=2)}
 FUSED_ONLY = ("phi3",)  # architectures checked for their fused projections' split only
 FUSED_LAYOUTS = {name: LAYOUTS[name] for name in ("tp2_sp", "tp2")}
-SFT_LAYOUTS = ("tp2_sp", "pp2")  # SFT + LoRA: packed examples, prompt tokens masked, restarting position ids
+SFT_LAYOUTS = ("tp2_sp", "pp2", "cp2")  # SFT + LoRA: packed examples, prompt tokens masked, restarting position ids
 
 
 def sft_blocks():
@@ -131,7 +131,7 @@ def run_case(arch: str, layout: dict, out_dir: Path, sft: bool = False) -> dict:
         mine = slice(mesh.dp_rank * BATCH // mesh.dp, (mesh.dp_rank + 1) * BATCH // mesh.dp)
         loss = pmodel.train_step(ids[mine], labels[mine], num_items_in_batch=num_items,
                                  position_ids=None if positions is None else positions[mine])
-        loss = comm.all_reduce(loss.detach().clone(), mesh.dp_group).item()
+        loss = comm.all_reduce(loss.detach().clone(), mesh.replica_group).item()  # dp rows, cp tokens
         result["loss_rel"] = max(result["loss_rel"], abs(loss - ref_loss.item()) / abs(ref_loss.item()))
         seen = {}
         inner = optimizer.step
@@ -164,7 +164,7 @@ def run_case(arch: str, layout: dict, out_dir: Path, sft: bool = False) -> dict:
         p.detach(), pmodel.param_specs[n].slice_full(base.get_parameter(n).detach()))]
     result["base_changed"] = changed
     result["frozen_grads"] = [n for n, p in pmodel.module.named_parameters() if not p.requires_grad and p.grad is not None]
-    if mesh.pp == 1 and not sft and torch.get_default_dtype() == torch.float32:
+    if mesh.pp == 1 and mesh.cp == 1 and not sft and torch.get_default_dtype() == torch.float32:
         _check_export(pmodel, reference, base, config, out_dir, result)
     return result
 

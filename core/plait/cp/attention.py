@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.masking_utils import AttentionMaskInterface
 
 from plait.cp.masks import SequenceMask, sequence_mask_interface, wrap_mask_builders
@@ -43,18 +43,20 @@ def context_parallel_attention(
 
 def install_context_parallel(model: nn.Module) -> str:
     """Route every attention call and mask of ``model`` through plait's cp implementation; returns the
-    implementation the model had (what the strategies compute with). The model gets its own copy of its
-    config, so another model sharing the config object (a reference copy) is left as it was."""
+    implementation the model had (what the strategies compute with). The model's modules get their own copies
+    of their configs, so another model sharing a config object (a reference copy) is left as it was."""
     AttentionInterface.register(IMPLEMENTATION, context_parallel_attention)
     AttentionMaskInterface.register(IMPLEMENTATION, sequence_mask_interface)
     wrap_mask_builders(model)
-    original = model.config
-    implementation = original._attn_implementation or "eager"
+    implementation = model.config._attn_implementation or "eager"
     if implementation == IMPLEMENTATION:
         raise RuntimeError("context parallelism is already installed on this model")
-    config = copy.copy(original)
-    config._attn_implementation = IMPLEMENTATION
+    copies: dict[int, PretrainedConfig] = {}  # one copy per config object (TP may give a module its own)
     for module in model.modules():
-        if getattr(module, "config", None) is original:
-            module.config = config
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig):
+            if id(config) not in copies:
+                copies[id(config)] = copy.copy(config)
+                copies[id(config)]._attn_implementation = IMPLEMENTATION
+            module.config = copies[id(config)]
     return implementation
