@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -137,11 +137,12 @@ def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None, scatter_di
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
-def ring_shift(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
-    """Send ``tensors`` to the next rank of ``group`` and return the previous rank's (a ring of point-to-point
-    exchanges, all posted at once so no rank waits on its neighbour's order)."""
+def ring_shift(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> Callable[[], list[torch.Tensor]]:
+    """Start sending ``tensors`` to the next rank of ``group`` and receiving the previous rank's; returns the
+    wait that gives the received tensors. All exchanges are posted at once (no rank waits on its neighbour's
+    order) and run while the caller computes (ring attention overlaps each block's transfer with the last)."""
     if trivial(group):
-        return tensors
+        return lambda: tensors
     rank, size = group_rank(group), group_size(group)
     nxt, prev = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
     received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
@@ -149,9 +150,14 @@ def ring_shift(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> 
     for t, r in zip(tensors, received):
         _record("send", t)
         ops += [dist.P2POp(dist.isend, t.contiguous(), nxt, group), dist.P2POp(dist.irecv, r, prev, group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return received
+    works = dist.batch_isend_irecv(ops)
+
+    def wait() -> list[torch.Tensor]:
+        for work in works:
+            work.wait()
+        return received
+
+    return wait
 
 
 def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup | None, src: int) -> torch.Tensor:

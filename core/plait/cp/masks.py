@@ -24,7 +24,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,6 +47,8 @@ class SequenceMask:
     padding: torch.Tensor | None  # [batch, S] bool, or None
     options: dict[str, Any]  # the rest of the mask interface's arguments (dtype, config, use_vmap, ...)
     context: SequenceContext
+    blocks: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)  # every layer asks for the same
+
 
     def materialise(self, implementation: str) -> Any:
         """The whole mask as transformers builds it for ``implementation`` (None where sdpa may skip it)."""
@@ -59,6 +61,11 @@ class SequenceMask:
     def block(self, q: tuple[int, int], kv: tuple[int, int]) -> torch.Tensor:
         """Boolean [batch, 1, q rows, kv columns] block for query positions [q0, q1) and key positions
         [kv0, kv1) of the whole sequence (True: attend)."""
+        if (q, kv) not in self.blocks:
+            self.blocks[q, kv] = self._block(q, kv)
+        return self.blocks[q, kv]
+
+    def _block(self, q: tuple[int, int], kv: tuple[int, int]) -> torch.Tensor:
         return sdpa_mask(
             batch_size=self.batch_size, q_length=q[1] - q[0], kv_length=kv[1] - kv[0], q_offset=q[0],
             kv_offset=kv[0], mask_function=self.mask_function, attention_mask=self.padding,

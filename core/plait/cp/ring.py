@@ -78,8 +78,8 @@ class _RingAttention(torch.autograd.Function):
         out = qg.new_zeros((batch, kv_heads, groups, n, v.shape[-1]))
         block_k, block_v = k, v
         for step in range(cp.size):
-            if step:
-                block_k, block_v = comm.ring_shift([block_k, block_v], cp.group)
+            last = step == cp.size - 1
+            arriving = None if last else comm.ring_shift([block_k, block_v], cp.group)  # overlaps this block
             owner = (cp.rank - step) % cp.size
             for rows, cols, allowed in _Pairs(mask, cp.rank, owner, chunk).items:
                 x, _ = _scores(qg[:, :, :, rows], block_k[:, :, cols].to(dtype), scaling, softcap)
@@ -91,6 +91,8 @@ class _RingAttention(torch.autograd.Function):
                 keep, add = torch.exp(lse[..., rows] - _finite(new)), torch.exp(block_lse - _finite(new))
                 out[..., rows, :] = out[..., rows, :] * keep[..., None] + o * add[..., None]
                 lse[..., rows] = new
+            if arriving is not None:
+                block_k, block_v = arriving()
         if sinks is not None:
             sink = sinks.to(dtype).view(1, kv_heads, groups, 1)
             total = torch.logaddexp(lse, sink.expand_as(lse))
@@ -114,11 +116,12 @@ class _RingAttention(torch.autograd.Function):
         delta = (dout * out).sum(-1)  # [b, h, g, n]
         dq = torch.zeros_like(qg)
         block_k, block_v = k, v
-        dk, dv = torch.zeros_like(k, dtype=dtype), torch.zeros_like(v, dtype=dtype)
+        grads_arriving = None  # the gradients of the block now held, accumulated by the ranks it visited before
         for step in range(cp.size):
-            if step:
-                block_k, block_v, dk, dv = comm.ring_shift([block_k, block_v, dk, dv], cp.group)
+            last = step == cp.size - 1
+            arriving = None if last else comm.ring_shift([block_k, block_v], cp.group)  # overlaps this block
             owner = (cp.rank - step) % cp.size
+            dk, dv = torch.zeros_like(k, dtype=dtype), torch.zeros_like(v, dtype=dtype)
             for rows, cols, allowed in _Pairs(mask, cp.rank, owner, chunk).items:
                 kb, vb = block_k[:, :, cols].to(dtype), block_v[:, :, cols].to(dtype)
                 x, t = _scores(qg[:, :, :, rows], kb, scaling, softcap)
@@ -129,7 +132,13 @@ class _RingAttention(torch.autograd.Function):
                     ds = ds * (1 - t * t)
                 dq[..., rows, :] += torch.einsum("bhgnm,bhmd->bhgnd", ds, kb) * scaling
                 dk[:, :, cols] += torch.einsum("bhgnm,bhgnd->bhmd", ds, qg[:, :, :, rows]) * scaling
-        dk, dv = comm.ring_shift([dk, dv], cp.group)  # home: the block this rank started with
+            if grads_arriving is not None:
+                earlier_dk, earlier_dv = grads_arriving()
+                dk, dv = dk + earlier_dk, dv + earlier_dv
+            grads_arriving = comm.ring_shift([dk, dv], cp.group)  # on behind the block; after C steps, home
+            if arriving is not None:
+                block_k, block_v = arriving()
+        dk, dv = grads_arriving()  # the gradients of the block this rank started with
         dsinks = None
         if sinks is not None:
             p_sink = torch.exp(sinks.to(dtype).view(1, kv_heads, groups, 1) - lse)
