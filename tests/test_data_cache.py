@@ -18,6 +18,7 @@ import plait.data.sources as sources_module
 import plait.trainer
 from plait.cli import main
 from plait.data import GlobalBatchSampler, default_corpus_path, train_bpe_tokenizer
+from plait.cp.sequence import read_spans
 from plait.data.blocks import TokenBlocks, training_blocks
 from plait.data.cache import ByteEncoder, TokenCache, TokenizerEncoder
 from plait.data.sources import resolve_sources, sample_lines
@@ -169,6 +170,15 @@ def test_blocks_and_global_batch_equal_the_in_memory_path(corpus_slice, tmp_path
     assert len(mine) == len(reference[:usable][1::2]) and mine.shape[1] == 16
     assert torch.equal(mine[3:7].to("cpu"), reference[:usable][1::2][3:7])
     assert torch.equal(data.blocks[-1], reference[-1]) and torch.equal(data.blocks[[2, -2]], reference[[2, -2]])
+    # a context-parallel rank's read: its two chunks and each one's next token, nothing else
+    for cp, cp_rank in ((2, 0), (2, 1), (4, 3)):
+        spans = read_spans(16, cp, cp_rank)
+        held = torch.zeros(16, dtype=torch.bool)
+        for a, b in spans:
+            held[a:b] = True
+        part = data.blocks.read_spans(rows, spans)
+        assert torch.equal(part[:, held], reference[rows][:, held]) and not part[:, ~held].any()
+        assert held.sum() <= 16 // cp + 2  # the slice, and the labels of its chunks' last tokens
 
 
 def test_txt_pieces_tokenize_like_the_whole_file(tokenizer, tmp_path, monkeypatch):

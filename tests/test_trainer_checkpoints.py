@@ -126,6 +126,11 @@ def test_cp2_zero1_run_resumes_at_tp2(model_config, straight, tmp_path):
     launch(["-m", "plait", "train", *first], 2, timeout=240)
     cp2 = read_metrics(tmp_path / "cp2")
     assert [r["loss"] for r in cp2] == pytest.approx([r["loss"] for r in records[:2]], rel=1e-5)
+    from plait.checkpoint.format import read_index
+
+    ranks = read_index(tmp_path / "cp2" / "checkpoint-2")[1].ranks
+    assert [r["cp_rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["rng"]["torch"] != ranks[1]["rng"]["torch"], "cp ranks share one dropout stream"
     launch(["-m", "plait", "train", *flags(model_config, tmp_path / "tp2", "--tensor_parallel_size", "2",
                                             "--resume_from_checkpoint", str(tmp_path / "cp2" / "checkpoint-2"))],
            2, timeout=240)

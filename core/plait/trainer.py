@@ -21,6 +21,7 @@ from transformers import PretrainedConfig, get_scheduler
 
 from plait import comm, faults
 from plait.config import ConfigError, ParallelConfig
+from plait.cp.sequence import read_spans
 from plait.data import GlobalBatchSampler, local_microbatch
 from plait.data.sft_blocks import batch_inputs, count_labels
 from plait.data.train_data import load_data
@@ -179,6 +180,8 @@ class Trainer:
         if args.torch_compile:
             compile_leaf_modules(pmodel.module, default_registry().leaf_modules(pmodel.adapter, model_config))
         self.mesh = mesh = pmodel.mesh
+        # a cp rank reads only the tokens of its slice of each block (and their labels) from a token file
+        self.spans = read_spans(args.block_size, mesh.cp, mesh.cp_rank) if mesh.cp > 1 else None
         if mesh.cp > 1:  # each cp rank drops out its own tokens: its own stream (alike over its tp group)
             torch.manual_seed(init_seed(args.seed, "dropout", mesh.cp_rank))
         self.global_batch = args.per_device_train_batch_size * mesh.dp * args.gradient_accumulation_steps
@@ -230,7 +233,7 @@ class Trainer:
         step_loss = torch.zeros((), device=self.device)
         for micro in range(accumulation):
             rows = local_microbatch(indices, mesh.dp_rank, mesh.dp, accumulation, micro)
-            ids, labels, positions = batch_inputs(self.blocks, rows, self.device)
+            ids, labels, positions = batch_inputs(self.blocks, rows, self.device, self.spans)
             step_loss += self.pmodel.train_step(ids, labels, num_items_in_batch=num_items, position_ids=positions)
         loss = comm.all_reduce(step_loss, mesh.replica_group)  # equal on every rank: all of them decide alike
         lr = self.optimizer_step.lr

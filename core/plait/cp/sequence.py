@@ -33,6 +33,12 @@ def local_index(seq: int, size: int, rank: int, device: torch.device | None = No
     return torch.cat([torch.arange(a, b, device=device) for a, b in chunk_bounds(seq, size, rank)])
 
 
+def read_spans(seq: int, size: int, rank: int) -> list[tuple[int, int]]:
+    """The token ranges of a ``seq``-token block cp rank ``rank`` reads: its two chunks, each with the next
+    token (the label of its last one)."""
+    return [(a, min(b + 1, seq)) for a, b in chunk_bounds(seq, size, rank)]
+
+
 def natural_order(seq: int, size: int, device: torch.device | None = None) -> torch.Tensor:
     """The permutation that puts the ranks' slices, concatenated in rank order, back into sequence order."""
     held = torch.cat([local_index(seq, size, r, device) for r in range(size)])

@@ -119,6 +119,16 @@ class TokenBlocks:
                                self._handle)
         if isinstance(key, (int, np.integer)) or (torch.is_tensor(key) and key.dim() == 0):
             return self._read(np.array([self.rows[int(key)]], dtype=np.int64))[0]
+        return self._read(self._physical(key))
+
+    def read_spans(self, key, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """Blocks ``key`` (a tensor or list of block indices) with only the token ranges ``spans`` of each read,
+        zeros elsewhere: a context-parallel rank reads its slice of each block (and the tokens its labels need),
+        not the whole block."""
+        return self._read(self._physical(key), spans)
+
+    def _physical(self, key) -> np.ndarray:
+        """Rows of the file for block indices ``key`` of this view (negative indices count from the end)."""
         index = key.numpy() if torch.is_tensor(key) else np.asarray(key)
         if index.dtype == bool:
             raise TypeError("TokenBlocks does not support boolean masks; index with block indices")
@@ -127,8 +137,7 @@ class TokenBlocks:
         if index.size and (index.min() < -n or index.max() >= n):
             raise IndexError(f"block index out of range for {n} blocks")
         index = np.where(index < 0, index + n, index)
-        physical = self.rows.start + self.rows.step * index
-        return self._read(physical)
+        return self.rows.start + self.rows.step * index
 
     def to(self, *args, **kwargs) -> torch.Tensor:
         return self.tensor().to(*args, **kwargs)
@@ -145,16 +154,22 @@ class TokenBlocks:
         return (f"TokenBlocks({self.path}, {len(self.rows):,} blocks of {self.block_size}, "
                 f"{self.token_dtype.name})")
 
-    def _read(self, physical: np.ndarray) -> torch.Tensor:
-        out = np.empty((len(physical), self.block_size), dtype=self.token_dtype)
+    def _read(self, physical: np.ndarray, spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        spans = spans or [(0, self.block_size)]
+        out = np.zeros((len(physical), self.block_size), dtype=self.token_dtype)
+        size = self.token_dtype.itemsize
         if hasattr(os, "preadv"):
             fd = self._handle.fd()
             for i, row in enumerate(physical.tolist()):
-                got = os.preadv(fd, [out[i]], row * self._row_bytes)
-                if got != self._row_bytes:
-                    raise OSError(f"{self.path}: read {got} of {self._row_bytes} bytes of block {row} (truncated?)")
+                for a, b in spans:
+                    got = os.preadv(fd, [out[i, a:b]], row * self._row_bytes + a * size)
+                    if got != (b - a) * size:
+                        raise OSError(f"{self.path}: read {got} of {(b - a) * size} bytes of block {row} "
+                                      f"(truncated?)")
         else:  # a fresh map per read, so pages do not pile up in this process
             tokens = np.memmap(self.path, dtype=self.token_dtype, mode="r")
-            out[:] = tokens[: len(tokens) // self.block_size * self.block_size].reshape(-1, self.block_size)[physical]
-            del tokens
+            whole = tokens[: len(tokens) // self.block_size * self.block_size].reshape(-1, self.block_size)
+            for a, b in spans:
+                out[:, a:b] = whole[physical, a:b]
+            del tokens, whole
         return torch.from_numpy(out.astype(np.int64))

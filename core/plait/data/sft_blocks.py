@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from plait.data.blocks import TokenBlocks
 from plait.tp.loss import IGNORE_INDEX
 
 
@@ -113,14 +114,16 @@ def _pack(pieces: list[tuple[np.ndarray, np.ndarray]], block_size: int) -> list[
     return rows
 
 
-def batch_inputs(blocks, rows: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor,
-                                                                              torch.Tensor | None]:
+def batch_inputs(blocks, rows: torch.Tensor, device: torch.device, spans: list[tuple[int, int]] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(input_ids, labels, position_ids) of ``rows``: SFT blocks, or packed plain-text blocks (labels are the
-    ids, positions the default)."""
+    ids, positions the default). ``spans``: the token ranges of each block the caller will read (a cp rank's
+    slice); a token file then reads only those, the rest of each row is zeros."""
     if isinstance(blocks, SFTBlocks):
         positions = None if blocks.position_ids is None else blocks.position_ids[rows].long().to(device)
         return blocks.input_ids[rows].long().to(device), blocks.labels[rows].long().to(device), positions
-    batch = blocks[rows].to(device)
+    batch = (blocks.read_spans(rows, spans) if spans is not None and isinstance(blocks, TokenBlocks)
+             else blocks[rows]).to(device)
     return batch, batch, None
 
 
