@@ -91,14 +91,18 @@ class ParallelModel(nn.Module):
         num_items_in_batch: int | torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Loss when ``labels`` are given (causal shift inside), else this rank's vocab slice of the logits
-        (under cp, of this rank's tokens: ``self.cp.take`` picks the matching slice of a whole tensor)."""
+        """Loss when ``labels`` are given (causal shift inside), else this rank's vocab slice of the logits.
+
+        Under cp the logits are this rank's tokens' (``self.cp.take`` picks the matching slice of a whole
+        tensor) and the loss is this rank's share: summed over the cp group it is the whole batch's."""
         if self.pipeline is not None:
             raise ConfigError(
                 f"forward() runs the whole model, but pp={self.mesh.pp} spreads it over ranks; call "
                 f"train_step() or eval_loss(), which run the pipeline schedule"
             )
         self._check_sequence(input_ids, attention_mask)
+        if self.cp is not None and labels is not None and num_items_in_batch is None:  # whole sequences' count
+            num_items_in_batch = (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
         return self._forward(input_ids, labels, attention_mask, num_items_in_batch, position_ids)
 
     def _forward(self, input_ids, labels, attention_mask, num_items_in_batch, position_ids=None) -> torch.Tensor:

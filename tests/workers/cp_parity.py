@@ -156,6 +156,15 @@ def run_case(name: str) -> dict:
         ref_opt.zero_grad()
     if not seen:
         failures.append("no gradient was compared on this rank")
+    if mesh.pp == 1 and mesh.dp == 1:  # forward(): each cp rank's share of the loss, normalised by the whole batch
+        with torch.no_grad():
+            inputs = batch(kind, BATCH, reference.config.vocab_size, gen)
+            ref_loss, _ = reference_loss(reference, inputs)
+            share = pmodel(inputs["input_ids"], labels=inputs["labels"], attention_mask=inputs.get("attention_mask"),
+                           position_ids=inputs.get("position_ids"))
+            loss = comm.all_reduce(share.clone(), mesh.cp_group).item()
+        if abs(loss - ref_loss.item()) > LOSS_RTOL * abs(ref_loss.item()):
+            failures.append(f"forward() loss summed over cp {loss:.6f} vs {ref_loss.item():.6f}")
     return {**worst, "failures": failures[:10]}
 
 
