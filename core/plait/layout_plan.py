@@ -17,6 +17,7 @@ from torch import nn
 
 from plait.activation_checkpoint import checkpoint_targets
 from plait.config import ConfigError, ParallelConfig
+from plait.cp.dry_run import check_on_meta
 from plait.cp.layout import CPPlan, plan_context_parallel
 from plait.declarations import SPPlan
 from plait.lora.layout import LoraPlan, plan_lora
@@ -72,6 +73,8 @@ def plan_layout(
     adapter = registry.resolve(model.config)
     check_capabilities(adapter, config, model.config)
     cp_plan = plan_context_parallel(model, config)
+    if cp_plan is not None:
+        check_on_meta(model)
     leaf_patterns = registry.leaf_modules(adapter, model.config)
     split = None
     if config.pp > 1:

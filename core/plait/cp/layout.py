@@ -30,6 +30,7 @@ RING_FROM = 32768  # tokens: above this auto prefers the ring (all-to-all's mask
 _RECURRENT = re.compile(r"(?:^|_)(mamba|rwkv|delta_net|linear_attention|lightning|short_conv|ssm|retention|"
                         r"recurrent|xlstm|hyena)(?:_|$|\d)")
 _ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+_STATEFUL_LAYERS = {"linear_attention", "conv", "mamba", "recurrent", "rwkv", "ssm", "deltanet", "lightning"}
 _DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
 
 
@@ -101,10 +102,15 @@ def plan_context_parallel(model: nn.Module, config: ParallelConfig) -> CPPlan | 
 def _check_mixers(model: nn.Module, model_config: Any) -> None:
     """Refuse sequence mixers other than attention, naming the first one found."""
     for kind in getattr(model_config, "layer_types", None) or ():
-        if kind not in _ATTENTION_LAYERS:
+        if kind in _STATEFUL_LAYERS:
             raise ConfigError(
                 f"layer type {kind!r} (config.layer_types) carries state along the sequence, which context "
                 f"parallelism cannot split exactly; use cp=1"
+            )
+        if kind not in _ATTENTION_LAYERS:
+            raise ConfigError(
+                f"layer type {kind!r} (config.layer_types) is not one context parallelism knows to split exactly "
+                f"({', '.join(sorted(_ATTENTION_LAYERS))}); use cp=1"
             )
     for name, module in model.named_modules():
         words = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", type(module).__name__).lower()

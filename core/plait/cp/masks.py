@@ -37,9 +37,17 @@ from plait.cp.sequence import SequenceContext, current
 _WRAPPED = "__plait_cp_wrapped__"
 
 
+class MaskRead(AttributeError):
+    """Model code used a cp ``SequenceMask`` as a tensor: it works on the mask itself (e.g. Doge's dynamic mask),
+    which context parallelism cannot hand it whole."""
+
+
 @dataclass
 class SequenceMask:
-    """A mask over the whole sequence, not yet materialised: what a mask builder handed the mask interface."""
+    """A mask over the whole sequence, not yet materialised: what a mask builder handed the mask interface.
+
+    Only plait's attention function reads it; model code that treats it as a tensor (``.dtype``, indexing)
+    gets ``MaskRead``, naming what it read."""
 
     mask_function: Callable
     batch_size: int
@@ -49,6 +57,12 @@ class SequenceMask:
     context: SequenceContext
     blocks: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)  # every layer asks for the same
 
+
+    def __getattr__(self, name: str) -> Any:  # only called for attributes a SequenceMask does not have
+        raise MaskRead(f"attention_mask.{name} was read off context parallelism's whole-sequence mask object")
+
+    def __getitem__(self, key: Any) -> Any:
+        raise MaskRead("attention_mask[...] was indexed where context parallelism hands a whole-sequence mask object")
 
     def materialise(self, implementation: str) -> Any:
         """The whole mask as transformers builds it for ``implementation`` (None where sdpa may skip it)."""
@@ -106,8 +120,8 @@ def _whole_sequence(builder: Callable) -> Callable:
             arguments[embeds] = local[:, :1].expand(local.shape[0], context.seq, *local.shape[2:])
         if isinstance(arguments.get("attention_mask"), torch.Tensor) and arguments["attention_mask"].dim() == 2:
             arguments["attention_mask"] = context.attention_mask
-        if arguments.get("position_ids") is not None:
-            arguments["position_ids"] = context.position_ids
+        if arguments.get("position_ids") is not None:  # (a meta dry run has no documents to find)
+            arguments["position_ids"] = None if context.position_ids.is_meta else context.position_ids
         if arguments.get("block_sequence_ids") is not None:
             raise RuntimeError("block_sequence_ids (token groups) are not supported under context parallelism")
         return builder(*bound.args, **bound.kwargs)
