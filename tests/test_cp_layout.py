@@ -1,0 +1,100 @@
+"""Context parallelism before launch: the load-balanced split, the strategy choice, and every refusal (one
+process, meta models: no group, no weight)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.config import ConfigError, ParallelConfig
+from plait.cp.layout import RING_FROM
+from plait.cp.sequence import chunk_bounds, local_index, natural_order, read_spans
+from plait.layout_plan import plan_layout
+from plait.meta import build_meta_model
+from plait.testing.conformance_modes import load_subject, with_overrides
+from plait.train_args import TrainArgs
+
+
+def plan(subject: str, world: int, overrides: dict | None = None, **layout):
+    s = load_subject(subject)
+    return plan_layout(build_meta_model(with_overrides(s.config, overrides or {})), ParallelConfig(**layout), world,
+                       s.registry)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+def test_split_is_balanced_and_invertible(size):
+    seq = 16 * size
+    held = [local_index(seq, size, r) for r in range(size)]
+    assert sorted(torch.cat(held).tolist()) == list(range(seq))  # every token on exactly one rank
+    assert torch.equal(torch.cat(held)[natural_order(seq, size)], torch.arange(seq))
+    work = [int((index + 1).sum()) for index in held]  # causal attention: token t attends to t + 1 keys
+    assert len(set(work)) == 1, work  # chunks i and 2C-1-i: the same work on every rank
+    for r in range(size):
+        (a, b), (c, d) = chunk_bounds(seq, size, r)
+        assert read_spans(seq, size, r) == [(a, b + 1), (c, min(d + 1, seq))]
+
+
+def test_layout_values_are_checked():
+    with pytest.raises(ConfigError, match="cp=0 must be a positive integer"):
+        ParallelConfig(cp=0)
+    with pytest.raises(ConfigError, match="cp_attention='ulysses' is unknown; choose one of auto, all-to-all, ring"):
+        ParallelConfig(cp=2, cp_attention="ulysses")
+    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by tp\*cp\*pp = 2\*2\*1 = 4"):
+        ParallelConfig(tp=2, cp=2).resolve(6)
+    assert ParallelConfig(tp=2, cp=2).resolve(8).dp == 2
+    assert "cp=2 (ring)" in ParallelConfig(cp=2, cp_attention="ring").resolve(2).describe()
+
+
+def test_block_size_must_cut_into_2c_chunks(tmp_path):
+    args = TrainArgs(output_dir=str(tmp_path), block_size=18, context_parallel_size=2)
+    with pytest.raises(ConfigError, match="sequence length 18 is not divisible by 2\\*cp = 4; use a block size that is a "
+                                          "multiple of 4"):
+        args.validate()
+    args = TrainArgs(output_dir=str(tmp_path), block_size=20, context_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="not divisible by 2\\*cp = 4 \\(and by tp=2 under sequence parallelism\\); "
+                                          "use a block size that is a multiple of 8"):
+        args.validate()
+
+
+def test_auto_takes_all_to_all_where_heads_allow_and_ring_beyond_it():
+    both = plan("llama", 2, cp=2).cp  # 4 heads over 2 ranks, no attention dropout
+    assert both.strategy_for(4096) == "all-to-all" and both.strategy_for(2 * RING_FROM) == "ring"
+    eight = plan("llama", 8, cp=8).cp  # 4 heads cannot split over 8 ranks
+    assert eight.strategy_for(64) == "ring" and "4 / tp=1 = 4" in eight.all_to_all_refusal
+    with pytest.raises(ConfigError, match=r"cp_attention=all-to-all: all-to-all needs the attention heads of a tp rank "
+                                          r"\(4 / tp=2 = 2\) to divide by cp=4"):
+        plan("llama", 8, cp=4, tp=2, cp_attention="all-to-all")
+
+
+def test_attention_dropout_keeps_the_ring_out():
+    dropout = plan("llama", 2, {"attention_dropout": 0.1}, cp=2).cp
+    assert dropout.strategy_for(2 * RING_FROM) == "all-to-all"
+    with pytest.raises(ConfigError, match=r"cp_attention=ring: the ring has no exact attention dropout "
+                                          r"\(attention_dropout=0.1\)"):
+        plan("llama", 2, {"attention_dropout": 0.1}, cp=2, cp_attention="ring")
+    with pytest.raises(ConfigError, match="to divide by cp=8, and the ring has no exact attention dropout"):
+        plan("llama", 8, {"attention_dropout": 0.1}, cp=8)
+
+
+def test_sinks_keep_all_to_all_out():
+    sinks = plan("transformers:gpt_oss", 2, cp=2).cp
+    assert sinks.strategy_for(64) == "ring" and "self_attn.sinks (per-head attention sinks)" in sinks.all_to_all_refusal
+
+
+@pytest.mark.parametrize("subject, overrides, message", [
+    ("transformers:qwen3_next", {}, "layer type 'linear_attention' (config.layer_types) carries state along the "
+                                    "sequence, which context parallelism cannot split exactly; use cp=1"),
+    ("transformers:lfm2_moe", {}, "layer type 'conv' (config.layer_types) carries state along the sequence"),
+    ("transformers:mixtral", {"output_router_logits": True},
+     "output_router_logits=True under context parallelism: the router's auxiliary loss averages over the whole batch"),
+    ("transformers:doge", {}, "DogeForCausalLM works on the attention mask itself (modeling_doge.py:"),
+])
+def test_what_cp_cannot_match_is_refused_naming_it(subject, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        plan(subject, 2, overrides, cp=2)
+    assert message in str(err.value)
+
+
+def test_cp_needs_no_adapter_hook_and_leaves_the_plan_at_cp1():
+    assert plan("llama", 1).cp is None
+    assert plan("gpt2", 4, cp=2, tp=2).cp.size == 2
