@@ -180,7 +180,8 @@ def main() -> None:
         return worker(args)
     out = Path(tempfile.mkdtemp(prefix="plait-bench-cp-"))
     if "comm" in args.parts:
-        print("## Collectives of one train_step at cp=2 (attention only; plus the gradient all-reduce)\n")
+        print("## Collectives of one train_step (forward and backward) at cp=2; the gradient all-reduce over dp x cp "
+              "follows at the optimizer step\n")
         print("| strategy | op | count | formula | bytes | formula |")
         print("| --- | --- | ---: | ---: | ---: | ---: |")
         for strategy in ("all-to-all", "ring"):
