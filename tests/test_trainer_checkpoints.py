@@ -5,6 +5,7 @@ from __future__ import annotations
 
 
 import pytest
+import torch
 
 from plait.cli import main
 from plait.metrics import read_metrics
@@ -131,6 +132,15 @@ def test_cp2_zero1_run_resumes_at_tp2(model_config, straight, tmp_path):
     ranks = read_index(tmp_path / "cp2" / "checkpoint-2")[1].ranks
     assert [r["cp_rank"] for r in ranks] == [0, 1]
     assert ranks[0]["rng"]["torch"] != ranks[1]["rng"]["torch"], "cp ranks share one dropout stream"
+    # consolidated like any checkpoint: the one-process run's weights at the same step
+    from transformers import AutoModelForCausalLM
+
+    main(["consolidate", str(tmp_path / "cp2" / "checkpoint-2"), str(tmp_path / "hf-cp2")])
+    main(["consolidate", str(straight[0] / "checkpoint-2"), str(tmp_path / "hf-one")])
+    cp_model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-cp2")
+    one = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-one")
+    for name, param in one.named_parameters():
+        torch.testing.assert_close(cp_model.get_parameter(name), param, rtol=1e-5, atol=1e-6)
     launch(["-m", "plait", "train", *flags(model_config, tmp_path / "tp2", "--tensor_parallel_size", "2",
                                             "--resume_from_checkpoint", str(tmp_path / "cp2" / "checkpoint-2"))],
            2, timeout=240)

@@ -43,6 +43,7 @@ CASES = {
     "gpt2-cp2-a2a-recompute": (2, "gpt2", dict(cp=2, gradient_checkpointing=True), {}, "causal"),
     "gpt2-cp2-ring-recompute": (2, "gpt2", dict(cp=2, cp_attention="ring", gradient_checkpointing=True), {}, "packed"),
     "llama-cp2-zero1": (2, "llama", dict(cp=2, zero_1=True), {}, "packed"),
+    "llama-cp2-microbatches": (2, "llama", dict(cp=2, num_microbatches=2), {}, "packed"),
     "gpt_oss-cp2-ring-sinks": (2, "transformers:gpt_oss", dict(cp=2), {}, "packed"),
     "gemma3_text-cp2-ring": (2, "transformers:gemma3_text", dict(cp=2, cp_attention="ring"), {}, "packed"),
     "llama-cp2-tp2-sp-a2a": (4, "llama", dict(cp=2, tp=2, sp=True, cp_attention="all-to-all"), {}, "packed"),
