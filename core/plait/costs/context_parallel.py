@@ -25,7 +25,8 @@ repetition; backward C - 1 shifts of k and v and C of their gradients, accumulat
 or float64 for a float64 model: c bytes); recomputation repeats the forward shifts. ``plait.comm`` records
 each tensor of a shift as one ``send`` (each paired with a receive of the same bytes, not listed). Memory:
 the ring keeps no probabilities (eager's S x S tensors are dropped from the trace, as for fused kernels);
-its transient is the scores of one (query chunk, key chunk) pair, [b, Hq, n/2, n/2] in the compute dtype,
+its transient is the scores of one (query tile, key tile) block, [b, Hq, t, t] with t = min(n/2, ring.TILE) in
+the compute dtype,
 three alive in backward (scores, probabilities, their gradient), plus the blocks in flight: k, v and their
 gradients received beside the ones held (2 b Hkv n (d + dv) (e + c)).
 """
@@ -36,6 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from plait.cp.ring import TILE
 from plait.layout_plan import LayoutPlan
 
 
@@ -106,6 +108,6 @@ def attention_memory(plan: LayoutPlan, seq: int, sequences: int, act_bytes: int,
         extra = (kv_copies(shape.kv_heads, size) - 1) * sequences * shape.kv_heads * n * dims * act_bytes
         mask = {"sdpa": 1, "eager": act_bytes}.get(implementation, 0) * sequences * seq * seq
         return extra, mask
-    scores = 3 * sequences * shape.q_heads * (n // 2) ** 2 * compute_bytes
+    scores = 3 * sequences * shape.q_heads * min(n // 2, TILE) ** 2 * compute_bytes
     blocks = 2 * sequences * shape.kv_heads * n * dims * (act_bytes + compute_bytes)
     return 0, scores + blocks

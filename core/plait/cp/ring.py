@@ -2,10 +2,10 @@
 
 Each rank keeps its queries and sends its keys and values on around the ring; at each of C steps it attends
 to the block it holds and merges the result into a running output with the log-sum-exp rule (the softmax
-over all keys, computed a block at a time, as flash attention does within one device). The mask block of
-each (query chunk, key chunk) pair comes from transformers' own index function (``SequenceMask.block``);
-a pair the mask empties entirely (most future chunks under a causal mask, other documents, outside a
-window) is not computed. No head-count limit: grouped query heads are attended as extra rows of their
+over all keys, computed a tile at a time, as flash attention does within one device). The mask of each
+(query tile, key tile) pair comes from transformers' own index function (``SequenceMask.block``); a tile the
+mask empties entirely (the future under a causal mask, other documents, outside a window) is not computed,
+and tiles of at most ``TILE`` tokens bound the memory of one block's scores. No head-count limit: grouped query heads are attended as extra rows of their
 key/value head, so only the model's own kv heads travel.
 
 The attention itself is the eager definition transformers uses: softmax(q k^T * scaling, soft-capped as
@@ -29,6 +29,7 @@ from plait.cp.masks import SequenceMask
 from plait.cp.sequence import chunk_bounds
 
 _NEG_INF = float("-inf")
+TILE = 1024  # tokens: the scores of one block are [batch, heads, TILE, TILE] at most
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -36,19 +37,27 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-class _Pairs:
-    """The (query chunk, key chunk) pairs of one ring step that the mask does not empty, with their blocks."""
+def _tiles(start: int, stop: int) -> list[tuple[int, int]]:
+    return [(a, min(a + TILE, stop)) for a in range(start, stop, TILE)]
 
-    def __init__(self, mask: SequenceMask, rank: int, owner: int, chunk: int) -> None:
-        seq, size = mask.seq, mask.context.cp.size
-        mine, theirs = chunk_bounds(seq, size, rank), chunk_bounds(seq, size, owner)
-        self.items = []
-        for a, q in enumerate(mine):
-            for b, kv in enumerate(theirs):
-                block = mask.block(q, kv)
-                if bool(block.any()):
-                    self.items.append((slice(a * chunk, (a + 1) * chunk), slice(b * chunk, (b + 1) * chunk),
-                                       block[:, :, None]))  # [batch, 1, 1, rows, cols]: over kv heads and groups
+
+def _blocks(mask: SequenceMask, rank: int, owner: int) -> list[tuple[slice, slice, torch.Tensor]]:
+    """The (query tile, key tile) blocks of one ring step that the mask does not empty: (rows of this rank's
+    queries, columns of the block held, the mask [batch, 1, 1, rows, cols] broadcast over kv heads and groups).
+    Tiles of at most TILE tokens bound the scores of one block; an empty tile is skipped (under a causal mask
+    the future, under a window the far past, across packed documents the other documents)."""
+    seq, size = mask.seq, mask.context.cp.size
+    found = []
+    for qa, q in zip((0, 1), chunk_bounds(seq, size, rank)):
+        for kb, kv in zip((0, 1), chunk_bounds(seq, size, owner)):
+            for q0, q1 in _tiles(*q):
+                for k0, k1 in _tiles(*kv):
+                    block = mask.block((q0, q1), (k0, k1))
+                    if bool(block.any()):
+                        rows = slice(qa * (q[1] - q[0]) + q0 - q[0], qa * (q[1] - q[0]) + q1 - q[0])
+                        cols = slice(kb * (kv[1] - kv[0]) + k0 - kv[0], kb * (kv[1] - kv[0]) + k1 - kv[0])
+                        found.append((rows, cols, block[:, :, None]))
+    return found
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -71,7 +80,6 @@ class _RingAttention(torch.autograd.Function):
         cp = mask.context.cp
         batch, kv_heads, n, _ = k.shape
         groups = q.shape[1] // kv_heads
-        chunk = n // 2
         dtype = _compute_dtype(q)
         qg = q.to(dtype).view(batch, kv_heads, groups, n, q.shape[-1])
         lse = qg.new_full((batch, kv_heads, groups, n), _NEG_INF)
@@ -81,7 +89,7 @@ class _RingAttention(torch.autograd.Function):
             last = step == cp.size - 1
             arriving = None if last else comm.ring_shift([block_k, block_v], cp.group)  # overlaps this block
             owner = (cp.rank - step) % cp.size
-            for rows, cols, allowed in _Pairs(mask, cp.rank, owner, chunk).items:
+            for rows, cols, allowed in _blocks(mask, cp.rank, owner):
                 x, _ = _scores(qg[:, :, :, rows], block_k[:, :, cols].to(dtype), scaling, softcap)
                 x = x.masked_fill(~allowed, _NEG_INF)
                 block_lse = torch.logsumexp(x, dim=-1)
@@ -109,7 +117,6 @@ class _RingAttention(torch.autograd.Function):
         cp = mask.context.cp
         batch, kv_heads, n, _ = k.shape
         groups = q.shape[1] // kv_heads
-        chunk = n // 2
         dtype = _compute_dtype(q)
         qg = q.to(dtype).view(batch, kv_heads, groups, n, q.shape[-1])
         dout = grad_out.to(dtype).reshape(batch, kv_heads, groups, n, v.shape[-1])
@@ -122,7 +129,7 @@ class _RingAttention(torch.autograd.Function):
             arriving = None if last else comm.ring_shift([block_k, block_v], cp.group)  # overlaps this block
             owner = (cp.rank - step) % cp.size
             dk, dv = torch.zeros_like(k, dtype=dtype), torch.zeros_like(v, dtype=dtype)
-            for rows, cols, allowed in _Pairs(mask, cp.rank, owner, chunk).items:
+            for rows, cols, allowed in _blocks(mask, cp.rank, owner):
                 kb, vb = block_k[:, :, cols].to(dtype), block_v[:, :, cols].to(dtype)
                 x, t = _scores(qg[:, :, :, rows], kb, scaling, softcap)
                 p = torch.exp(x - lse[..., rows, None]).masked_fill(~allowed, 0.0)
