@@ -83,10 +83,13 @@ def test_learning_rate_zero_trains_nothing(model_config, tmp_path):
     assert all(torch.equal(trained[name], init[name]) for name in trained)
 
 
-def test_diverging_tp2_run_stops_every_rank(model_config, tmp_path):
+@pytest.mark.parametrize("layout", ["--tensor_parallel_size", "--context_parallel_size"])
+def test_diverging_run_stops_every_rank(model_config, tmp_path, layout):
+    """At tp=2 and cp=2 (each rank a part of every token or of every sequence) both ranks see the same loss
+    and norm, so they stop at the same step."""
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "plait", *train_flags(model_config, out, *DIVERGE),
-                             "--nproc_per_node", "2", "--tensor_parallel_size", "2"],
+                             "--nproc_per_node", "2", layout, "2"],
                             capture_output=True, text=True, timeout=240)
     assert result.returncode != 0
     assert result.stderr.count("plait: error: step 2: non-finite") == 2  # both ranks, the same step
