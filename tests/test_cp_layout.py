@@ -85,8 +85,6 @@ def test_sinks_keep_all_to_all_out():
     ("transformers:qwen3_next", {}, "layer type 'linear_attention' (config.layer_types) carries state along the "
                                     "sequence, which context parallelism cannot split exactly; use cp=1"),
     ("transformers:lfm2_moe", {}, "layer type 'conv' (config.layer_types) carries state along the sequence"),
-    ("transformers:mixtral", {"output_router_logits": True},
-     "output_router_logits=True under context parallelism: the router's auxiliary loss averages over the whole batch"),
     ("transformers:doge", {}, "DogeForCausalLM works on the attention mask itself (modeling_doge.py:"),
 ])
 def test_what_cp_cannot_match_is_refused_naming_it(subject, overrides, message):
@@ -98,3 +96,12 @@ def test_what_cp_cannot_match_is_refused_naming_it(subject, overrides, message):
 def test_cp_needs_no_adapter_hook_and_leaves_the_plan_at_cp1():
     assert plan("llama", 1).cp is None
     assert plan("gpt2", 4, cp=2, tp=2).cp.size == 2
+
+
+def test_router_loss_needs_router_logits_to_gather(monkeypatch):
+    assert plan("transformers:mixtral", 2, {"output_router_logits": True}, cp=2).cp is not None  # gathered
+    import plait.cp.layout
+
+    monkeypatch.setattr(plait.cp.layout, "router_recorders", lambda model: [])  # a model that records none
+    with pytest.raises(ConfigError, match="MixtralForCausalLM records no router logits plait can gather over cp"):
+        plan("transformers:mixtral", 2, {"output_router_logits": True}, cp=2)

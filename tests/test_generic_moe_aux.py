@@ -1,7 +1,7 @@
 """The MoE router's load-balancing loss through the generic adapter (mixtral, qwen3_moe): with
 ``output_router_logits`` on, plait trains on transformers' loss (cross-entropy + coef x aux) averaged over a
 step's forwards, under tp with and without SP (router logits gathered from sequence shards), dp, ZeRO-1,
-recomputation and microbatches; pp, and an attention mask beside SP, are refused before any collective."""
+recomputation, microbatches and cp (both strategies: the logits gathered over the cp group); pp, and an attention mask beside SP, are refused before any collective."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from plait.testing import launch
 
 WORKER = str(Path(__file__).parent / "workers" / "moe_aux_worker.py")
 CASES = [f"{arch}|{name}" for arch in ("mixtral", "qwen3_moe")
-         for name in ("tp2-sp", "tp2", "dp2", "zero1-dp2", "tp2-sp-recompute", "tp2-sp-microbatches2")]
+         for name in ("tp2-sp", "tp2", "dp2", "zero1-dp2", "tp2-sp-recompute", "tp2-sp-microbatches2", "cp2",
+                      "cp2-ring-microbatches2")]
 
 
 @pytest.fixture(scope="module")
@@ -42,3 +43,4 @@ def test_aux_loss_under_pipeline_parallelism_is_refused(results):
 
 def test_aux_loss_with_a_mask_under_sp_is_refused(results):
     assert results["refused|mask-sp"].startswith("an attention_mask with output_router_logits under sequence parallelism")
+    assert results["refused|mask-cp"].startswith("an attention_mask with output_router_logits under context parallelism")

@@ -23,6 +23,7 @@ from plait.activation_checkpoint import apply_activation_checkpointing
 from plait.config import ConfigError, ParallelConfig
 from plait.cp.attention import install_context_parallel
 from plait.cp.context import ContextParallel
+from plait.cp.router import install_router_gather
 from plait.cp.sequence import check_length
 from plait.grad_sync import GradSync, norm_params
 from plait.layout_plan import LayoutPlan, plan_layout
@@ -120,8 +121,9 @@ class ParallelModel(nn.Module):
         if aux is not None:
             # transformers adds coef * aux per forward; plait trains on its mean over a step's forwards (the
             # microbatches of every dp rank), which the gradient sum over dp and microbatches makes exact.
+            # Under cp every rank computes the whole forward's aux (plait.cp.router) and adds 1/cp of it.
             coef = self.module.config.router_aux_loss_coef
-            loss = loss + aux * (coef / (self.mesh.dp * self.config.num_microbatches))
+            loss = loss + aux * (coef / (self.mesh.dp * self.mesh.cp * self.config.num_microbatches))
         return loss
 
     def _model(self, input_ids, attention_mask, position_ids) -> Any:
@@ -164,12 +166,13 @@ class ParallelModel(nn.Module):
             return self._run(input_ids, labels, attention_mask, num_items_in_batch, position_ids, train=False)
 
     def _check_sequence(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-        if attention_mask is not None and self.config.sequence_parallel and \
+        if attention_mask is not None and (self.config.sequence_parallel or self.cp is not None) and \
                 getattr(self.module.config, "output_router_logits", False):
+            where = "context parallelism" if self.cp is not None else "sequence parallelism"
             raise ConfigError(
-                "an attention_mask with output_router_logits under sequence parallelism: the router loss gathers "
-                "the logits of sequence shards rank by rank, out of the mask's order; pack sequences without a "
-                "mask, disable sequence parallelism, or set output_router_logits=False"
+                f"an attention_mask with output_router_logits under {where}: the router loss gathers the logits of "
+                f"sequence shards rank by rank, out of the mask's order; pack sequences without a mask, disable "
+                f"{where}, or set output_router_logits=False"
             )
         seq = input_ids.shape[1]
         if self.cp is not None:
@@ -240,6 +243,8 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
     cp = None
     if plan.cp is not None:
         cp = ContextParallel(mesh.cp_group, mesh.cp_rank, plan.cp, install_context_parallel(model))
+        if getattr(model.config, "output_router_logits", False):
+            install_router_gather(model, mesh.cp_group)  # every cp rank computes the whole aux loss
     sp_params: list[nn.Parameter] = []
     if plan.sp_plan is not None:
         sp_params = sp_grad_sum_params(model, plan.sp_plan, shards)

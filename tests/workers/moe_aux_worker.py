@@ -27,6 +27,7 @@ LAYOUTS = {
     "tp2-sp": dict(tp=2, sp=True), "tp2": dict(tp=2, sp=False), "dp2": dict(tp=1),
     "zero1-dp2": dict(zero_1=True), "tp2-sp-recompute": dict(tp=2, sp=True, gradient_checkpointing=True),
     "tp2-sp-microbatches2": dict(tp=2, sp=True, num_microbatches=2),
+    "cp2": dict(cp=2), "cp2-ring-microbatches2": dict(cp=2, cp_attention="ring", num_microbatches=2),
 }
 COEF = 0.5  # large, so that a dropped or mis-gathered aux loss is far outside the tolerance
 # SGD, not the kit's AdamW: Adam divides by the root of tiny second moments and lifts mixtral's fp32 reordering
@@ -71,7 +72,7 @@ def run_case(arch: str, layout: dict) -> dict:
         ref_loss.backward()
         local = ids.chunk(mesh.dp)[mesh.dp_rank]
         loss = pmodel.train_step(local, labels=local, num_items_in_batch=ids.shape[0] * (SEQ - 1)).detach()
-        global_loss = comm.all_reduce(loss.clone(), mesh.dp_group).item()
+        global_loss = comm.all_reduce(loss.clone(), mesh.replica_group).item()  # dp rows, cp tokens
         rel = abs(global_loss - ref_loss.item()) / abs(ref_loss.item())
         record.worst("loss_rel", rel)
         record.worst("aux_share", aux_share)
@@ -143,6 +144,7 @@ def main() -> None:
             results[f"{arch}|{name}"] = run_case(arch, layout)
     results["refused|pp2"] = refusal("mixtral", dict(pp=2, num_microbatches=2))
     results["refused|mask-sp"] = refusal("mixtral", dict(tp=2, sp=True), mask=True)
+    results["refused|mask-cp"] = refusal("mixtral", dict(cp=2), mask=True)
     if dist.get_rank() == 0:
         (out / "moe_aux.json").write_text(json.dumps(results))
     dist.destroy_process_group()

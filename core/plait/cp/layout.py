@@ -3,8 +3,8 @@
 Everything but attention runs per token, so cp is exact for a model whose only sequence mixing is attention
 built with transformers' mask builders. Refused, naming the module or field: recurrent and linear-attention
 mixers (Mamba, RWKV, gated delta nets, short convolutions: their state crosses the slices), models that
-build masks on their own, and the MoE router's auxiliary loss (a product of per-batch averages, which the
-slices do not add up to).
+build masks on their own, and the MoE router's auxiliary loss where transformers records no router logits
+to gather (plait.cp.router).
 
 The two strategies (plait.cp.ulysses, plait.cp.ring) have their own limits: all-to-all needs the query
 heads of a tp rank to divide by C, and attention code that reads no per-head parameter off its module
@@ -24,6 +24,7 @@ from torch import nn
 
 from plait.config import ConfigError, ParallelConfig
 from plait.cp.masks import mask_builders
+from plait.cp.router import router_recorders
 
 RING_FROM = 32768  # tokens: above this auto prefers the ring (all-to-all's mask would be >= 1 GiB a sequence)
 # words of a module class name (CamelCase split into snake_case) that name a recurrent or convolutional mixer
@@ -70,10 +71,11 @@ def plan_context_parallel(model: nn.Module, config: ParallelConfig) -> CPPlan | 
             f"context parallelism needs the model to build its attention masks with transformers.masking_utils; "
             f"{type(model).__module__} does not; use cp=1"
         )
-    if getattr(mc, "output_router_logits", False):
+    if getattr(mc, "output_router_logits", False) and not router_recorders(model):
         raise ConfigError(
-            "output_router_logits=True under context parallelism: the router's auxiliary loss averages over the "
-            "whole batch, which the sequence slices do not add up to; set output_router_logits=False or use cp=1"
+            f"output_router_logits=True under context parallelism: the aux loss averages over every token, and "
+            f"{type(model).__name__} records no router logits plait can gather over cp; set "
+            f"output_router_logits=False or use cp=1"
         )
     heads = getattr(mc, "num_attention_heads", None)
     local_heads = heads // config.tp if heads else None

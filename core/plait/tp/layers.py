@@ -170,6 +170,11 @@ class _GatherTokens(torch.autograd.Function):
         return comm.split(grad, ctx.group, 0), None, None
 
 
+def gather_tokens(x: torch.Tensor, group: Group, grad_is_partial: bool) -> torch.Tensor:
+    """Every rank's tokens ([tokens, ...]) along dim 0, rank by rank (see ``_GatherTokens`` for the backward)."""
+    return _GatherTokens.apply(x, group, grad_is_partial)
+
+
 class _ReduceScatterTokens(torch.autograd.Function):
     """Sum partial outputs over tp and keep this rank's tokens (dim 0); backward all-gathers."""
 
