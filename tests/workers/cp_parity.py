@@ -47,6 +47,10 @@ CASES = {
     "llama-cp2-zero1": (2, "llama", dict(cp=2, zero_1=True), {}, "packed"),
     "llama-cp2-microbatches": (2, "llama", dict(cp=2, num_microbatches=2), {}, "packed"),
     "mistral-cp2-ring-tiled": (2, "mistral", dict(cp=2, cp_attention="ring"), {}, "packed"),  # TILE = 3 tokens
+    "llama-cp2-a2a-eager-padded": (2, "llama", dict(cp=2, cp_attention="all-to-all"),
+                                   {"_attn_implementation": "eager"}, "padded"),
+    "mistral-cp2-a2a-eager-packed": (2, "mistral", dict(cp=2, cp_attention="all-to-all"),
+                                     {"_attn_implementation": "eager"}, "packed"),
     "gpt_oss-cp2-ring-sinks": (2, "transformers:gpt_oss", dict(cp=2), {}, "packed"),
     "gemma3_text-cp2-ring": (2, "transformers:gemma3_text", dict(cp=2, cp_attention="ring"), {}, "packed"),
     "llama-cp2-tp2-sp-a2a": (4, "llama", dict(cp=2, tp=2, sp=True, cp_attention="all-to-all"), {}, "packed"),

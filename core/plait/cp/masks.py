@@ -37,6 +37,9 @@ from plait.cp.sequence import SequenceContext, current
 _WRAPPED = "__plait_cp_wrapped__"
 
 
+EMPTY, FULL = "empty", "full"  # a tile the mask excludes entirely, or keeps entirely
+
+
 class MaskRead(AttributeError):
     """Model code used a cp ``SequenceMask`` as a tensor: it works on the mask itself (e.g. Doge's dynamic mask),
     which context parallelism cannot hand it whole."""
@@ -55,8 +58,11 @@ class SequenceMask:
     padding: torch.Tensor | None  # [batch, S] bool, or None
     options: dict[str, Any]  # the rest of the mask interface's arguments (dtype, config, use_vmap, ...)
     context: SequenceContext
-    blocks: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)  # every layer asks for the same
-
+    # Shared by every layer of the forward and its backward: the whole mask per implementation (all-to-all),
+    # and per ring tile either EMPTY, FULL or its boolean block (so that only the tiles a mask cuts through,
+    # e.g. the causal diagonal, hold memory: about b * S/C * TILE bytes per rank, not b * S^2 / C).
+    whole: dict[str, Any] = field(default_factory=dict, repr=False)
+    tiles: dict[tuple, Any] = field(default_factory=dict, repr=False)
 
     def __getattr__(self, name: str) -> Any:  # only called for attributes a SequenceMask does not have
         raise MaskRead(f"attention_mask.{name} was read off context parallelism's whole-sequence mask object")
@@ -66,20 +72,24 @@ class SequenceMask:
 
     def materialise(self, implementation: str) -> Any:
         """The whole mask as transformers builds it for ``implementation`` (None where sdpa may skip it)."""
-        interface = ALL_MASK_ATTENTION_FUNCTIONS[implementation]
-        return interface(
-            batch_size=self.batch_size, q_length=self.seq, kv_length=self.seq, q_offset=0, kv_offset=0,
-            mask_function=self.mask_function, attention_mask=self.padding, **self.options,
-        )
+        if implementation not in self.whole:
+            interface = ALL_MASK_ATTENTION_FUNCTIONS[implementation]
+            self.whole[implementation] = interface(
+                batch_size=self.batch_size, q_length=self.seq, kv_length=self.seq, q_offset=0, kv_offset=0,
+                mask_function=self.mask_function, attention_mask=self.padding, **self.options,
+            )
+        return self.whole[implementation]
+
+    def tile(self, q: tuple[int, int], kv: tuple[int, int]) -> Any:
+        """Query positions [q0, q1) against key positions [kv0, kv1) of the whole sequence: EMPTY (nothing
+        attends), FULL (everything does) or the boolean [batch, 1, rows, columns] block (True: attend)."""
+        if (q, kv) not in self.tiles:
+            block = self.block(q, kv)
+            self.tiles[q, kv] = EMPTY if not bool(block.any()) else FULL if bool(block.all()) else block
+        return self.tiles[q, kv]
 
     def block(self, q: tuple[int, int], kv: tuple[int, int]) -> torch.Tensor:
-        """Boolean [batch, 1, q rows, kv columns] block for query positions [q0, q1) and key positions
-        [kv0, kv1) of the whole sequence (True: attend)."""
-        if (q, kv) not in self.blocks:
-            self.blocks[q, kv] = self._block(q, kv)
-        return self.blocks[q, kv]
-
-    def _block(self, q: tuple[int, int], kv: tuple[int, int]) -> torch.Tensor:
+        """The boolean [batch, 1, q rows, kv columns] block of the mask for [q0, q1) x [kv0, kv1)."""
         return sdpa_mask(
             batch_size=self.batch_size, q_length=q[1] - q[0], kv_length=kv[1] - kv[0], q_offset=q[0],
             kv_offset=kv[0], mask_function=self.mask_function, attention_mask=self.padding,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from plait import comm
-from plait.cp.masks import SequenceMask
+from plait.cp.masks import EMPTY, FULL, SequenceMask
 from plait.cp.sequence import chunk_bounds
 
 _NEG_INF = float("-inf")
@@ -41,22 +41,23 @@ def _tiles(start: int, stop: int) -> list[tuple[int, int]]:
     return [(a, min(a + TILE, stop)) for a in range(start, stop, TILE)]
 
 
-def _blocks(mask: SequenceMask, rank: int, owner: int) -> list[tuple[slice, slice, torch.Tensor]]:
+def _blocks(mask: SequenceMask, rank: int, owner: int) -> list[tuple[slice, slice, torch.Tensor | None]]:
     """The (query tile, key tile) blocks of one ring step that the mask does not empty: (rows of this rank's
-    queries, columns of the block held, the mask [batch, 1, 1, rows, cols] broadcast over kv heads and groups).
-    Tiles of at most TILE tokens bound the scores of one block; an empty tile is skipped (under a causal mask
-    the future, under a window the far past, across packed documents the other documents)."""
+    queries, columns of the block held, the mask [batch, 1, 1, rows, cols] broadcast over kv heads and groups,
+    or None where it keeps everything). Tiles of at most TILE tokens bound the scores of one block; an empty
+    tile is skipped (under a causal mask the future, under a window the far past, across packed documents the
+    other documents)."""
     seq, size = mask.seq, mask.context.cp.size
     found = []
     for qa, q in zip((0, 1), chunk_bounds(seq, size, rank)):
         for kb, kv in zip((0, 1), chunk_bounds(seq, size, owner)):
             for q0, q1 in _tiles(*q):
                 for k0, k1 in _tiles(*kv):
-                    block = mask.block((q0, q1), (k0, k1))
-                    if bool(block.any()):
+                    tile = mask.tile((q0, q1), (k0, k1))
+                    if tile is not EMPTY:
                         rows = slice(qa * (q[1] - q[0]) + q0 - q[0], qa * (q[1] - q[0]) + q1 - q[0])
                         cols = slice(kb * (kv[1] - kv[0]) + k0 - kv[0], kb * (kv[1] - kv[0]) + k1 - kv[0])
-                        found.append((rows, cols, block[:, :, None]))
+                        found.append((rows, cols, None if tile is FULL else tile[:, :, None]))
     return found
 
 
@@ -91,7 +92,8 @@ class _RingAttention(torch.autograd.Function):
             owner = (cp.rank - step) % cp.size
             for rows, cols, allowed in _blocks(mask, cp.rank, owner):
                 x, _ = _scores(qg[:, :, :, rows], block_k[:, :, cols].to(dtype), scaling, softcap)
-                x = x.masked_fill(~allowed, _NEG_INF)
+                if allowed is not None:
+                    x = x.masked_fill(~allowed, _NEG_INF)
                 block_lse = torch.logsumexp(x, dim=-1)
                 p = torch.exp(x - _finite(block_lse)[..., None])
                 o = torch.einsum("bhgnm,bhmd->bhgnd", p, block_v[:, :, cols].to(dtype))
@@ -132,7 +134,9 @@ class _RingAttention(torch.autograd.Function):
             for rows, cols, allowed in _blocks(mask, cp.rank, owner):
                 kb, vb = block_k[:, :, cols].to(dtype), block_v[:, :, cols].to(dtype)
                 x, t = _scores(qg[:, :, :, rows], kb, scaling, softcap)
-                p = torch.exp(x - lse[..., rows, None]).masked_fill(~allowed, 0.0)
+                p = torch.exp(x - lse[..., rows, None])
+                if allowed is not None:
+                    p = p.masked_fill(~allowed, 0.0)
                 dv[:, :, cols] += torch.einsum("bhgnm,bhgnd->bhmd", p, dout[..., rows, :])
                 ds = p * (torch.einsum("bhgnd,bhmd->bhgnm", dout[..., rows, :], vb) - delta[..., rows, None])
                 if t is not None:
