@@ -50,7 +50,7 @@ class ContextParallel:
         rank (its slices of the position ids and padding mask) while the whole ones are the current context."""
         if position_ids is None:  # the local slice needs its true positions, so they are always passed
             position_ids = torch.arange(seq, device=device).expand(batch, seq)
-        context = SequenceContext(position_ids, attention_mask, local_index(seq, self.size, self.rank, device), self)
+        context = SequenceContext(position_ids, attention_mask, self)
         token = enter(context)
         try:
             local = {"position_ids": self.take(position_ids)}

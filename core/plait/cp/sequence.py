@@ -62,7 +62,6 @@ class SequenceContext:
 
     position_ids: torch.Tensor  # [batch, S]
     attention_mask: torch.Tensor | None  # [batch, S] padding mask, or None
-    index: torch.Tensor  # [S / C] positions this rank holds
     cp: Any  # the plait.cp.context.ContextParallel running the forward
 
     @property
