@@ -45,6 +45,11 @@ def test_layout_values_are_checked():
     assert "cp=2 (ring)" in ParallelConfig(cp=2, cp_attention="ring").resolve(2).describe()
 
 
+def test_unknown_strategy_is_refused_with_the_choices(tmp_path):
+    with pytest.raises(ConfigError, match="--cp_attention='ulysses' is unknown; choose one of auto, all-to-all, ring"):
+        TrainArgs(output_dir=str(tmp_path), cp_attention="ulysses").validate()
+
+
 def test_block_size_must_cut_into_2c_chunks(tmp_path):
     args = TrainArgs(output_dir=str(tmp_path), block_size=18, context_parallel_size=2)
     with pytest.raises(ConfigError, match="sequence length 18 is not divisible by 2\\*cp = 4; use a block size that is a "

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from plait.cp.sequence import check_length
-from plait.config import ConfigError, ParallelConfig
+from plait.config import CP_ATTENTION, ConfigError, ParallelConfig
 from plait.lora.config import lora_config
 from plait.pipeline_schedules import SCHEDULES
 
@@ -49,8 +49,7 @@ class TrainArgs:
     lr_scheduler_type: str = field(default="linear", metadata={"help": f"one of {', '.join(LR_SCHEDULERS)}"})
     warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
     context_parallel_size: int = field(default=1, metadata={"help": "cp: ranks that split every sequence (long contexts)"})
-    cp_attention: str = field(default="auto", metadata={"help": "attention across cp ranks: auto, all-to-all (Ulysses) or ring",
-                                                      "choices": ["auto", "all-to-all", "ring"]})
+    cp_attention: str = field(default="auto", metadata={"help": f"attention across cp ranks: one of {', '.join(CP_ATTENTION)}"})
     pipeline_parallel_size: int = field(default=1, metadata={"help": "pp: pipeline stages (ranks) the layers are cut into"})
     virtual_pipeline_size: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved schedules)"})
     num_microbatches: int = field(default=1, metadata={"help": "pipeline microbatches per micro-step (divides the per-device batch)"})
@@ -148,6 +147,8 @@ class TrainArgs:
         if self.lora_r < 0:
             raise ConfigError(f"--lora_r={self.lora_r} must be >= 0 (0: no LoRA)")
         self.lora()  # the LoRA flags' own checks
+        if self.cp_attention not in CP_ATTENTION:
+            raise ConfigError(f"--cp_attention={self.cp_attention!r} is unknown; choose one of {', '.join(CP_ATTENTION)}")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             raise ConfigError(f"--lr_scheduler_type={self.lr_scheduler_type!r} is unknown; choose one of {', '.join(LR_SCHEDULERS)}")
 
