@@ -4,7 +4,7 @@
 
 1. Bytes: parameters, gradients, optimizer state that built ranks hold vs the planner, per rank and layout
    (tp, ZeRO-1 with weight-decay groups, pp, bf16 with fp32 masters): must be equal.
-2. Peak memory over the post-load baseline, per rank, for 9 layouts of a Llama whose activations dominate
+2. Peak memory over the post-load baseline, per rank, for 13 layouts of a Llama whose activations dominate
    (eager attention, s=256): within 20%. Measured as the kernel's resident-set high-water mark (VmHWM, reset
    through /proc/self/clear_refs before the step) minus the resident set before it, with glibc told to mmap
    every block over 64 KiB (MALLOC_MMAP_THRESHOLD_), so freed tensors leave the resident set at once and
@@ -46,6 +46,9 @@ MEMORY_LAYOUTS = {  # name -> ParallelConfig kwargs, on 2 ranks
     "pp2_m4": {"pp": 2, "num_microbatches": 4},
     "pp2_vpp2_m2": {"pp": 2, "virtual_pipeline_size": 2, "num_microbatches": 2,
                     "pipeline_schedule": "interleaved-1f1b"},
+    "cp2_all_to_all": {"cp": 2, "cp_attention": "all-to-all"},
+    "cp2_ring": {"cp": 2, "cp_attention": "ring"},
+    "cp2_ring_recompute": {"cp": 2, "cp_attention": "ring", "gradient_checkpointing": True},
 }
 BYTES_LAYOUTS = {  # name -> (kwargs, bf16 parameters, weight decay)
     "tp2_wd": ({"tp": 2}, False, 0.1),

@@ -213,8 +213,9 @@ def test_cp_activations_are_a_cp_th_of_cp1s():
     assert abs(two.per_microbatch - one.per_microbatch / 2) <= b * len([s for u in trace.layers for s in u.saved]
                                                                         + trace.first.saved + trace.last.saved)
     assert abs(two.per_microbatch - half.per_microbatch) <= b * token
-    # all-to-all (auto below 32768 tokens) adds one attention call's whole-sequence sdpa mask (bool) on top
-    assert two.transient - b * seq * seq == pytest.approx(one.transient / 2, abs=b)
+    # all-to-all (auto below 32768 tokens): one attention call's whole-sequence sdpa mask (bool) is a layer's
+    # working set, after the loss's gradient (the largest transient) is freed: the larger of the two
+    assert two.transient == pytest.approx(max(one.transient / 2, b * seq * seq), abs=b)
     # with recomputation a layer keeps its input: S/2 tokens of hidden states
     ckpt = _estimate(model, ParallelConfig(cp=2, gradient_checkpointing=True), 2, Batch(b, seq), trace)
     ckpt1 = _estimate(model, ParallelConfig(gradient_checkpointing=True), 1, Batch(b, seq), trace)

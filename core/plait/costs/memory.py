@@ -195,12 +195,11 @@ def activation_bytes(
     # Backward starts with the gradient of the biggest saved tensor beside everything saved: the loss's
     # log-softmax on the last stage, else a layer's (attention probabilities). With recomputation a layer's
     # saved tensors live again one layer at a time, once the head's and loss's are freed: the transient is
-    # whichever is larger.
-    transient = largest
-    if config.gradient_checkpointing:
-        transient = max(largest, recompute - total)
-    if layers:  # one attention call's working set under cp (its mask, or the ring's blocks) on top
-        transient += attention_transient
+    # whichever is larger. One attention call's working set under cp (its mask, or the ring's blocks) comes on
+    # top of its layer's, not of the loss's: a layer's backward runs after the loss's gradient is freed
+    # (bench/plan_check.py: adding it to the loss's over-predicted the ring's peak by 10-31%).
+    layer = recompute - total if config.gradient_checkpointing else 0
+    transient = max(largest, layer + (attention_transient if layers else 0))
     if plan.split is not None:
         # torch.distributed.pipelining keeps each in-flight micro-batch's stage input and output until its
         # backward: hidden states between stages (sequence shards under SP), logits out of the last stage.
