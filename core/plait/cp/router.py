@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from plait.tp.layers import gather_tokens
+from plait.tp.layers import RouterLogitsGather
 
 
 def router_recorders(model: nn.Module) -> list[tuple[type, int]]:
@@ -38,15 +38,6 @@ def install_router_gather(model: nn.Module, group: Any) -> int:
     for module in model.modules():
         for target, index in recorders:
             if isinstance(module, target):
-                module.register_forward_hook(_gather_output(index, group), prepend=True)
+                RouterLogitsGather(group, grad_is_partial=True, index=index).install(module)
                 count += 1
     return count
-
-
-def _gather_output(index: int, group: Any):
-    def hook(module: nn.Module, args: Any, output: Any) -> Any:
-        if not isinstance(output, tuple):
-            return gather_tokens(output, group, True)
-        return (*output[:index], gather_tokens(output[index], group, True), *output[index + 1:])
-
-    return hook

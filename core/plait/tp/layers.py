@@ -170,11 +170,6 @@ class _GatherTokens(torch.autograd.Function):
         return comm.split(grad, ctx.group, 0), None, None
 
 
-def gather_tokens(x: torch.Tensor, group: Group, grad_is_partial: bool) -> torch.Tensor:
-    """Every rank's tokens ([tokens, ...]) along dim 0, rank by rank (see ``_GatherTokens`` for the backward)."""
-    return _GatherTokens.apply(x, group, grad_is_partial)
-
-
 class _ReduceScatterTokens(torch.autograd.Function):
     """Sum partial outputs over tp and keep this rank's tokens (dim 0); backward all-gathers."""
 
@@ -290,22 +285,28 @@ class ExpertMajorRegion:
 
 
 class RouterLogitsGather:
-    """Under SP, replaces the router logits a router returns (its first output, [tokens, experts] of this rank's
-    sequence shard) with all ranks' logits, so transformers' load-balancing loss (computed from the recorded
-    logits) sees the whole sequence on every rank, as one process does. Every rank then computes the same loss;
-    backward hands each rank the gradient of its own tokens' logits (a split, not a sum). The tokens come
-    rank by rank: the loss sums over tokens, so their order matters only with an attention mask, which
-    ``ParallelModel`` refuses beside the router loss under SP. Prepended, so the hook transformers installs
-    to record the logits sees the gathered ones."""
+    """Replaces the router logits a router returns (output ``index``, [tokens, experts] of this rank's sequence
+    shard) with all ranks' logits, so transformers' load-balancing loss (computed from the recorded logits) sees
+    the whole sequence on every rank, as one process does. The tokens come rank by rank: the loss sums over
+    tokens, so their order matters only with an attention mask, which ``ParallelModel`` refuses beside the
+    router loss under SP and cp. Prepended, so the hook transformers installs to record the logits sees the
+    gathered ones.
 
-    def __init__(self, group: Group) -> None:
-        self.group = group
+    Backward: under SP (``grad_is_partial=False``) each rank takes the gradient of its own tokens' logits (a
+    split; the router's weight gradients are then summed over tp); under cp (True) the ranks' gradients are
+    summed first (the gather's adjoint), each rank adding 1/cp of the loss (plait.cp.router)."""
+
+    def __init__(self, group: Group, grad_is_partial: bool = False, index: int = 0) -> None:
+        self.group, self.grad_is_partial, self.index = group, grad_is_partial, index
 
     def install(self, module: nn.Module) -> None:
         module.register_forward_hook(self._gather, prepend=True)
 
     def _gather(self, module, args, output):
-        return (_GatherTokens.apply(output[0], self.group, False), *output[1:])
+        if not isinstance(output, tuple):
+            return _GatherTokens.apply(output, self.group, self.grad_is_partial)
+        i = self.index
+        return (*output[:i], _GatherTokens.apply(output[i], self.group, self.grad_is_partial), *output[i + 1:])
 
 
 class _SumOverTP(torch.autograd.Function):
