@@ -26,6 +26,9 @@ class ParallelConfig:
     pp: pipeline-parallel size. dp: data-parallel size; None derives it as world_size // (tp * cp * pp).
     cp: context-parallel size: every sequence split over cp ranks from the embedding to the loss (plait.cp);
     cp_attention: how attention sees the whole sequence, "all-to-all" (Ulysses), "ring" or "auto".
+    ep: expert-parallel size: each MoE layer's experts divided over ep ranks carved from the dp x cp ranks
+    (plait.ep); tokens go to their experts' ranks with an all-to-all. moe_capacity_factor: None is dropless;
+    a number caps the (token, expert) pairs a rank sends each expert at ceil(factor * pairs / experts).
     sp: sequence parallelism inside the tp group (only meaningful when tp > 1).
     disable_embedding_parallelization: keep embeddings and the LM head replicated (optimum-neuron's flag).
     The pipeline and ZeRO fields are read by the pipeline and optimizer stages of ``parallelize``.
@@ -39,6 +42,8 @@ class ParallelConfig:
     dp: int | None = None
     cp: int = 1
     cp_attention: str = "auto"
+    ep: int = 1
+    moe_capacity_factor: float | None = None
     sp: bool = True
     disable_embedding_parallelization: bool = False
     virtual_pipeline_size: int = 1
@@ -50,7 +55,7 @@ class ParallelConfig:
     bf16_autocast: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "virtual_pipeline_size", "num_microbatches"):
+        for name in ("tp", "pp", "cp", "ep", "virtual_pipeline_size", "num_microbatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
@@ -64,6 +69,9 @@ class ParallelConfig:
             raise ConfigError(
                 f"cp_attention={self.cp_attention!r} is unknown; choose one of {', '.join(CP_ATTENTION)}"
             )
+        factor = self.moe_capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
+            raise ConfigError(f"moe_capacity_factor={factor!r} must be a positive number (or None: dropless)")
         object.__setattr__(self, "pipeline_cuts", tuple(self.pipeline_cuts))
 
     @property
@@ -87,11 +95,19 @@ class ParallelConfig:
                 f"{names}*dp = {values}*{dp} = {model_parallel * dp} != world size {world_size}; "
                 f"leave dp unset to derive it, or launch {model_parallel * dp} processes"
             )
+        if (dp * self.cp) % self.ep:
+            carved = f"dp*cp = {dp}*{self.cp} = {dp * self.cp}" if self.cp > 1 else f"dp = {dp}"
+            raise ConfigError(
+                f"ep={self.ep} must divide the ranks it is carved from, {carved}; choose an ep that divides "
+                f"{dp * self.cp}, or launch more data-parallel ranks"
+            )
         return dataclasses.replace(self, dp=dp)
 
     def describe(self) -> str:
         """One line for logs: the layout as the user would write it."""
         cp = f" cp={self.cp} ({self.cp_attention})" if self.cp > 1 else ""
+        if self.ep > 1:
+            cp += f" ep={self.ep}" + (f" capacity={self.moe_capacity_factor:g}" if self.moe_capacity_factor else "")
         return (
             f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} sp={self.sequence_parallel} "
             f"vpp={self.virtual_pipeline_size} zero1={self.zero_1}"

@@ -3,8 +3,15 @@
 Ranks are laid out as ``torch.arange(world).view(dp, pp, cp, tp)`` (picotron's grid with Megatron's cp next
 to tp): tp ranks are adjacent, then cp ranks, so the chattiest groups share a node. The ranks of one dp
 replica's cp group hold the same parameters and different parts of each sequence, so gradients are summed,
-and ZeRO shards optimizer state, over the ``replica_group`` (dp x cp); the batch is split over dp only. A world of one process (no torch.distributed) is a valid mesh whose
-groups are all None; every collective in ``plait.comm`` is the identity on such a group.
+and ZeRO shards optimizer state, over the ``replica_group`` (dp x cp); the batch is split over dp only.
+
+Expert parallelism is carved out of the replica ranks, as in torchtitan and Megatron: each (pp, tp) position's
+dp x cp ranks, in order (dp major), form consecutive ``ep_group``s of ep ranks that divide each MoE layer's
+experts; the ranks holding the same experts (one per ep group) form the ``expert_replica_group`` (dp x cp / ep),
+over which expert gradients are summed and expert optimizer state is sharded.
+
+A world of one process (no torch.distributed) is a valid mesh whose groups are all None; every collective in
+``plait.comm`` is the identity on such a group.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ class Mesh:
     dp_group: ProcessGroup | None = None
     cp_group: ProcessGroup | None = None
     replica_group: ProcessGroup | None = None  # dp x cp: every rank holding this rank's parameters
+    ep_rank: int = 0
+    ep_group: ProcessGroup | None = None  # ranks dividing the experts of each MoE layer (carved from dp x cp)
+    expert_replica_group: ProcessGroup | None = None  # dp x cp / ep: every rank holding this rank's experts
     _tp_blocks: dict[int, ProcessGroup | None] = field(default_factory=dict, repr=False)
     _ends: tuple[ProcessGroup | None] | None = field(default=None, repr=False)
     # How long a collective on one of these groups may wait. torch gives every new_group() its own default
@@ -60,6 +70,10 @@ class Mesh:
     def cp(self) -> int:
         return self.config.cp
 
+    @property
+    def ep(self) -> int:
+        return self.config.ep
+
     def _grid(self) -> torch.Tensor:
         return torch.arange(self.world_size).view(self.dp, self.pp, self.cp, self.tp)
 
@@ -75,7 +89,9 @@ class Mesh:
         config = config.resolve(world_size)
         grid = torch.arange(world_size).view(config.dp, config.pp, config.cp, config.tp)
         dp_i, pp_i, cp_i, tp_i = (int(c) for c in (grid == rank).nonzero()[0])
-        mesh = cls(config, rank, world_size, tp_rank=tp_i, pp_rank=pp_i, dp_rank=dp_i, cp_rank=cp_i, timeout=timeout)
+        ep_i = (dp_i * config.cp + cp_i) % config.ep  # position in the replica ranks' order, dp major
+        mesh = cls(config, rank, world_size, tp_rank=tp_i, pp_rank=pp_i, dp_rank=dp_i, cp_rank=cp_i, ep_rank=ep_i,
+                   timeout=timeout)
         if distributed:
             mesh.tp_group = _new_groups(grid.reshape(-1, config.tp), rank, timeout)
             mesh.pp_group = _new_groups(grid.permute(0, 2, 3, 1).reshape(-1, config.pp), rank, timeout)
@@ -84,8 +100,15 @@ class Mesh:
                 mesh.cp_group = _new_groups(grid.permute(0, 1, 3, 2).reshape(-1, config.cp), rank, timeout)
                 replicas = grid.permute(1, 3, 0, 2).reshape(-1, config.dp * config.cp)
                 mesh.replica_group = _new_groups(replicas, rank, timeout)
+            if config.ep > 1:
+                replicas = grid.permute(1, 3, 0, 2).reshape(-1, config.dp * config.cp // config.ep, config.ep)
+                mesh.ep_group = _new_groups(replicas.reshape(-1, config.ep), rank, timeout)
+                mesh.expert_replica_group = _new_groups(replicas.transpose(1, 2).reshape(-1, replicas.shape[1]),
+                                                        rank, timeout)
         if config.cp == 1:
             mesh.replica_group = mesh.dp_group
+        if config.ep == 1:
+            mesh.expert_replica_group = mesh.replica_group
         return mesh
 
     def tp_block_group(self, block: int) -> ProcessGroup | None:
@@ -119,6 +142,7 @@ class Mesh:
 
     def __str__(self) -> str:
         cp = f" cp {self.cp_rank}/{self.cp}" if self.cp > 1 else ""
+        cp += f" ep {self.ep_rank}/{self.ep}" if self.ep > 1 else ""
         return (
             f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp}{cp} "
             f"pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp}"

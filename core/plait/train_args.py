@@ -50,6 +50,8 @@ class TrainArgs:
     warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
     context_parallel_size: int = field(default=1, metadata={"help": "cp: ranks that split every sequence (long contexts)"})
     cp_attention: str = field(default="auto", metadata={"help": f"attention across cp ranks: one of {', '.join(CP_ATTENTION)}"})
+    expert_parallel_size: int = field(default=1, metadata={"help": "ep: ranks each MoE layer's experts are divided over, carved from the data-parallel (x cp) ranks"})
+    moe_capacity_factor: float = field(default=0.0, metadata={"help": "under ep, cap the tokens a rank sends each expert at factor x its even share, dropping the rest (0: dropless)"})
     pipeline_parallel_size: int = field(default=1, metadata={"help": "pp: pipeline stages (ranks) the layers are cut into"})
     virtual_pipeline_size: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved schedules)"})
     num_microbatches: int = field(default=1, metadata={"help": "pipeline microbatches per micro-step (divides the per-device batch)"})
@@ -114,7 +116,7 @@ class TrainArgs:
             raise ConfigError("give --train_file or --dataset_name, not both")
         positive = ("per_device_train_batch_size", "block_size", "logging_steps", "ddp_timeout",
                     "gradient_accumulation_steps", "tensor_parallel_size", "nproc_per_node", "pipeline_parallel_size",
-                    "context_parallel_size",
+                    "context_parallel_size", "expert_parallel_size",
                     "virtual_pipeline_size", "num_microbatches")
         for name in positive:
             if getattr(self, name) < 1:
@@ -134,6 +136,8 @@ class TrainArgs:
             raise ConfigError(f"--learning_rate={self.learning_rate} must be >= 0")
         if self.weight_decay < 0:
             raise ConfigError(f"--weight_decay={self.weight_decay} must be >= 0")
+        if self.moe_capacity_factor < 0:
+            raise ConfigError(f"--moe_capacity_factor={self.moe_capacity_factor} must be >= 0 (0: dropless)")
         if self.max_grad_norm < 0:
             raise ConfigError(f"--max_grad_norm={self.max_grad_norm} must be >= 0 (0 turns clipping off)")
         if self.optimizer_dtype not in ("float32", "bfloat16"):
@@ -157,6 +161,8 @@ class TrainArgs:
             tp=self.tensor_parallel_size,
             cp=self.context_parallel_size,
             cp_attention=self.cp_attention,
+            ep=self.expert_parallel_size,
+            moe_capacity_factor=self.moe_capacity_factor or None,
             pp=self.pipeline_parallel_size,
             virtual_pipeline_size=self.virtual_pipeline_size,
             num_microbatches=self.num_microbatches,
