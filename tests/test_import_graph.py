@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, set[str]]] = [
                              "plait.tp.sharding", "plait.cp.sequence", "plait.cp.masks", "plait.cp.ring",
                              "plait.cp.ulysses"}),
     ("adapter declarations", {"plait.tp.styles", "plait.declarations", "plait.hookspecs"}),
-    ("mechanisms", {"plait.registry", "plait.tp", "plait.cp", "plait.pipeline", "plait.lora", "plait.grad_sync",
+    ("mechanisms", {"plait.registry", "plait.tp", "plait.cp", "plait.ep", "plait.pipeline", "plait.lora", "plait.grad_sync",
                     "plait.activation_checkpoint", "plait.compile"}),
     ("layout plan", {"plait.layout_plan"}),
     ("apply", {"plait.parallelize"}),

@@ -137,6 +137,18 @@ def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None, scatter_di
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
+def all_to_all_rows(tensor: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Send rows of ``tensor`` (dim 0) to the ranks of ``group`` in consecutive blocks of ``send[j]`` rows to rank
+    j, and return the ``recv[i]`` rows each rank i sent here, in rank order: one all-to-all of variable splits
+    (expert parallelism's dispatch)."""
+    if trivial(group):
+        return tensor
+    out = tensor.new_empty((sum(recv), *tensor.shape[1:]))
+    _record("all_to_all", tensor)
+    dist.all_to_all_single(out, tensor.contiguous(), recv, send, group=group)
+    return out
+
+
 def ring_shift(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> Callable[[], list[torch.Tensor]]:
     """Start sending ``tensors`` to the next rank of ``group`` and receiving the previous rank's; returns the
     wait that gives the received tensors. All exchanges are posted at once (no rank waits on its neighbour's

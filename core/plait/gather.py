@@ -14,15 +14,20 @@ from plait.parallelize import ParallelModel
 
 
 def gather_full(pmodel: ParallelModel, name: str, local: torch.Tensor) -> torch.Tensor:
-    """The full logical tensor of parameter ``name`` (or of its gradient) from every tp rank's shard."""
+    """The full logical tensor of parameter ``name`` (or of its gradient) from every tp rank's shard (and, for
+    an expert parameter under expert parallelism, every ep rank's experts)."""
     spec = pmodel.param_specs[name]
     if spec.dim is None:
-        return local.detach().clone()
-    pieces = comm.all_gather(local.detach().unsqueeze(0), pmodel.mesh.tp_group, dim=0)
-    full = local.new_zeros(spec.full_shape)
-    for rank, piece in enumerate(pieces):
-        pmodel.plan.specs_by_rank[rank][name].place(piece, full)
-    return full
+        held = local.detach().clone()
+    else:
+        pieces = comm.all_gather(local.detach().unsqueeze(0), pmodel.mesh.tp_group, dim=0)
+        shape = spec.full_shape if spec.experts is None else (spec.local_shape[0], *spec.full_shape[1:])
+        held = local.new_zeros(shape)  # the full tensor, or under ep this rank's experts, each whole
+        for rank, piece in enumerate(pieces):  # tp splits inside each expert (never dim 0)
+            pmodel.plan.specs_by_rank[rank][name].place(piece, held)
+    if spec.experts is None:
+        return held
+    return comm.all_gather(held.contiguous(), pmodel.mesh.ep_group, dim=0)  # ep ranks hold consecutive experts
 
 
 def gather_logits(pmodel: ParallelModel, local_logits: torch.Tensor) -> torch.Tensor:

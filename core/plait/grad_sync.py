@@ -95,14 +95,22 @@ class GradSync:
     ``tied``: the copies of a weight held by the first and last pipeline stage (tied embeddings), summed over
     ``ends_group``.
     ``norm_params``: the gradients this rank adds to the global norm (see ``norm_params``).
+    ``experts``: parameters of this rank's experts under expert parallelism, held by the expert-replica group
+    (dp x cp / ep ranks) only: their gradients are summed there, and the other ep ranks hold other experts.
     """
 
     def __init__(
         self, mesh: Mesh, params: list[nn.Parameter], shared: dict[Any, list[nn.Parameter]],
         tied: list[nn.Parameter], ends_group: Any, norm_params: list[nn.Parameter],
+        experts: list[nn.Parameter] | None = None,
     ) -> None:
         self.mesh, self.params, self.shared, self.tied = mesh, params, shared, tied
         self.ends_group, self.norm_params = ends_group, norm_params
+        self.experts = experts or []
+        self._expert_ids = {id(p) for p in self.experts}
+
+    def is_expert(self, param: nn.Parameter) -> bool:
+        return id(param) in self._expert_ids
 
     def model_parallel(self) -> None:
         """Sum partial gradients over the tp groups that share parameters, and the tied copies over the two
@@ -116,8 +124,14 @@ class GradSync:
         self, params: list[nn.Parameter] | None = None, bucket_bytes: int = BUCKET_BYTES,
         reduce_dtype: torch.dtype | None = None,
     ) -> None:
-        """All-reduce ``params`` (default: every trainable parameter) over the replica group (dp x cp)."""
-        sum_grads(self.params if params is None else params, self.mesh.replica_group, bucket_bytes, reduce_dtype)
+        """All-reduce ``params`` (default: every trainable parameter) over the replica group (dp x cp), expert
+        parameters over the expert-replica group."""
+        params = self.params if params is None else params
+        dense = [p for p in params if not self.is_expert(p)]
+        sum_grads(dense, self.mesh.replica_group, bucket_bytes, reduce_dtype)
+        experts = [p for p in params if self.is_expert(p)]
+        if experts:
+            sum_grads(experts, self.mesh.expert_replica_group, bucket_bytes, reduce_dtype)
 
     def finish(self) -> None:
         """Both: what a plain (non-ZeRO) optimizer needs before its step."""

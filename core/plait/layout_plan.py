@@ -20,6 +20,7 @@ from plait.config import ConfigError, ParallelConfig
 from plait.cp.dry_run import check_on_meta
 from plait.cp.layout import CPPlan, plan_context_parallel
 from plait.declarations import SPPlan
+from plait.ep.layout import EPPlan, plan_expert_parallel
 from plait.lora.layout import LoraPlan, plan_lora
 from plait.pipeline.cuts import StageSplit
 from plait.pipeline.layout import plan_stages, stage_rows, stages_of_rank, tied_across_stages
@@ -38,7 +39,7 @@ class LayoutPlan:
 
     ``config`` is resolved for the world (dp filled in). ``shards_by_rank[r]`` / ``specs_by_rank[r]``: tp rank
     r's shard decision per module and spec per parameter (names as in the unpruned model; under pp a rank
-    keeps only its stages' entries). ``split``: the pipeline stages (None at pp=1); ``tied``: parameter names
+    keeps only its stages' entries; under ep, ``ep.localize`` narrows the expert parameters to an ep rank's). ``split``: the pipeline stages (None at pp=1); ``tied``: parameter names
     that are one tensor held by the first and last stage. ``leaves``: modules to recompute in backward.
     """
 
@@ -53,6 +54,7 @@ class LayoutPlan:
     leaves: tuple[str, ...]
     lora: LoraPlan | None = None  # LoRA adapters (their specs are in specs_by_rank); the base is frozen
     cp: CPPlan | None = None  # context parallelism: the attention strategies that apply (None at cp=1)
+    ep: EPPlan | None = None  # expert parallelism: the routed-experts modules (None at ep=1)
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The pipeline stages pipeline rank ``pp_rank`` runs (empty at pp=1)."""
@@ -72,6 +74,7 @@ def plan_layout(
     registry = registry or default_registry()
     adapter = registry.resolve(model.config)
     check_capabilities(adapter, config, model.config)
+    ep_plan = plan_expert_parallel(model, config)
     cp_plan = plan_context_parallel(model, config)
     if cp_plan is not None:
         check_on_meta(model)
@@ -102,7 +105,7 @@ def plan_layout(
     return LayoutPlan(
         config=config.resolve(world_size), adapter=adapter, model_config=model.config, split=split, tied=tied,
         shards_by_rank=shards_by_rank, specs_by_rank=specs_by_rank, sp_plan=sp_plan, leaves=leaves, lora=lora_plan,
-        cp=cp_plan,
+        cp=cp_plan, ep=ep_plan,
     )
 
 

@@ -25,6 +25,7 @@ from plait.cp.attention import install_context_parallel
 from plait.cp.context import ContextParallel
 from plait.cp.router import install_router_gather
 from plait.cp.sequence import check_length
+from plait.ep.apply import apply_expert_parallel
 from plait.grad_sync import GradSync, norm_params
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.layers import LoraDropout, apply_lora
@@ -72,8 +73,11 @@ class ParallelModel(nn.Module):
         self.grad_sync, self.loss, self.pipeline, self.cp = grad_sync, loss_fn, pipeline, cp
         self.lora_base: dict | None = None  # a LoRA run's frozen weights: where from (plait.lora.base)
         local = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+        specs = plan.specs_by_rank[mesh.tp_rank]
+        if plan.ep is not None:
+            specs = plan.ep.localize(specs, mesh.ep_rank)
         self.param_specs: dict[str, ShardSpec] = {
-            name: spec for name, spec in plan.specs_by_rank[mesh.tp_rank].items() if name in local
+            name: spec for name, spec in specs.items() if name in local
         }  # shard spec of every parameter of ``module`` on this rank (names as in the original model)
 
     @property
@@ -240,6 +244,9 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
     owns = lambda name: not dropped(model, name)  # noqa: E731
     shards = {name: shard for name, shard in plan.shards_by_rank[mesh.tp_rank].items() if owns(name)}
     applied = apply_tensor_parallel(model, shards, mesh, config.sequence_parallel)
+    experts: list[nn.Parameter] = []
+    if plan.ep is not None:
+        experts = apply_expert_parallel(model, plan.ep, mesh, owns)
     cp = None
     if plan.cp is not None:
         cp = ContextParallel(mesh.cp_group, mesh.cp_rank, plan.cp, install_context_parallel(model))
@@ -257,7 +264,7 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
             if isinstance(module, LoraDropout):
                 module.rng = rng
     apply_activation_checkpointing(model, [name for name in plan.leaves if owns(name)], applied.entry.clear)
-    grad_sync = _grad_sync(model, plan, mesh, applied, sp_params)
+    grad_sync = _grad_sync(model, plan, mesh, applied, sp_params, experts)
     loss_fn = _loss_fn(applied, mesh, shift=cp is None)
     pipeline = None
     if plan.split is not None:
@@ -284,7 +291,8 @@ def _dropout_regions(
 
 
 def _grad_sync(
-    model: nn.Module, plan: LayoutPlan, mesh: Mesh, applied: AppliedTP, sp_params: list[nn.Parameter]
+    model: nn.Module, plan: LayoutPlan, mesh: Mesh, applied: AppliedTP, sp_params: list[nn.Parameter],
+    experts: list[nn.Parameter],
 ) -> GradSync:
     shared: dict[Any, list[nn.Parameter]] = defaultdict(list)
     for param in sp_params:
@@ -301,7 +309,8 @@ def _grad_sync(
     trainable = [p for p in model.parameters() if p.requires_grad]
     # A collective: every rank creates the group, in the same order, even a middle stage holding no copy.
     ends_group = mesh.pipeline_ends_group() if plan.tied else None
-    return GradSync(mesh, trainable, dict(shared), tied, ends_group, counted)
+    return GradSync(mesh, trainable, dict(shared), tied, ends_group, counted,
+                    [p for p in experts if p.requires_grad])
 
 
 def _loss_fn(applied: AppliedTP, mesh: Mesh, shift: bool = True) -> LossFn:

@@ -66,11 +66,14 @@ def spec_boxes(spec: ShardSpec) -> list[tuple[Box, tuple[int, ...]]]:
     Vocab padding is not part of any box: it is never saved as data.
     """
     rank = len(spec.full_shape)
+    whole = list(full_box(spec.full_shape))
+    if spec.experts is not None:  # expert parallelism: this rank's experts only (dim 0)
+        whole[0] = spec.experts
     if spec.dim is None:
-        return [(full_box(spec.full_shape), (0,) * rank)]
+        return [(tuple(whole), (0,) * rank)]
     pieces, offset = [], 0
     for a, b in spec.ranges:
-        box = tuple((a, b) if d == spec.dim else (0, s) for d, s in enumerate(spec.full_shape))
+        box = tuple((a, b) if d == spec.dim else whole[d] for d in range(rank))
         at = tuple(offset if d == spec.dim else 0 for d in range(rank))
         pieces.append((box, at))
         offset += b - a

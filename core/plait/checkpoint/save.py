@@ -22,7 +22,8 @@ from plait import comm
 from plait.checkpoint.format import INDEX, SHARDS, CheckpointError, Index, Piece, TensorEntry, write_json
 from plait.checkpoint.st_io import CHECKSUM, NAMES, write_tensors
 from plait.checkpoint.state import (
-    LocalTensor, buffer_tensors, local_params, optimizer_state, param_tensors, rng_state, scheduler_state, to_json,
+    LocalTensor, buffer_tensors, local_params, merge_optimizer_meta, optimizer_state, param_tensors, rng_state,
+    scheduler_state, to_json,
 )
 from plait.lora.base import lora_record
 from plait.parallelize import ParallelModel
@@ -68,7 +69,8 @@ def save_checkpoint(
         local["extra"] = to_json(extra or {})
     except CheckpointError as exc:
         local["error"] = str(exc)
-    local["coords"] = {"tp_rank": mesh.tp_rank, "cp_rank": mesh.cp_rank, "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank}
+    local["coords"] = {"tp_rank": mesh.tp_rank, "cp_rank": mesh.cp_rank, "ep_rank": mesh.ep_rank, "pp_rank": mesh.pp_rank,
+                       "dp_rank": mesh.dp_rank}
     local["rng"] = rng_state()
     local["boxes"] = [(t.logical, [box for box, _ in t.boxes]) for t in tensors]
     metas = comm.all_gather_object(local, world)
@@ -154,7 +156,7 @@ def _build_index(pmodel: ParallelModel, step: int, metas: list, reports: list, a
         for logical, (kind, dtype, shape) in report["entries"].items():
             entry = tensors.setdefault(logical, TensorEntry(kind, dtype, tuple(shape)))
             entry.pieces += [Piece.from_json(p) for p in report["pieces"][logical]]
-    optimizer = _merge_optimizer([m["optimizer"] for m in metas])
+    optimizer = merge_optimizer_meta([m["optimizer"] for m in metas])
     config = pmodel.module.config
     return Index(
         step=step, model_type=config.model_type, model_config=json.loads(config.to_json_string()),
@@ -162,18 +164,6 @@ def _build_index(pmodel: ParallelModel, step: int, metas: list, reports: list, a
         aliases=aliases, optimizer=optimizer, scheduler=metas[0]["scheduler"],
         ranks=[{"rank": m["rank"], **m["coords"], "rng": m["rng"]} for m in metas], extra=metas[0]["extra"],
     )
-
-
-def _merge_optimizer(metas: list[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """One optimizer description from every rank's (ranks of different pipeline stages hold different params)."""
-    present = [m for m in metas if m is not None]
-    if not present:
-        return None
-    merged = {**present[0], "membership": {}, "state": {}}
-    for meta in present:
-        merged["membership"].update(meta["membership"])
-        merged["state"].update(meta["state"])
-    return merged
 
 
 def _replace_dir(tmp: Path, path: Path) -> None:

@@ -195,6 +195,19 @@ def torch_optimizer_state(
     return tensors, meta
 
 
+def merge_optimizer_meta(metas: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One optimizer description from several holding different parameters with the same groups (ranks of
+    different pipeline stages or ep ranks; the two parts of ``ExpertZero1Optimizer``)."""
+    present = [m for m in metas if m is not None]
+    if not present:
+        return None
+    merged = {**present[0], "membership": {}, "state": {}}
+    for meta in present:
+        merged["membership"].update(meta["membership"])
+        merged["state"].update(meta["state"])
+    return merged
+
+
 def plan_optimizer_load(
     optimizer: torch.optim.Optimizer, names: dict[nn.Parameter, str], specs: dict[str, ShardSpec],
     meta: dict[str, Any], entries: dict[str, TensorEntry],

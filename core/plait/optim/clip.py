@@ -20,20 +20,31 @@ from plait.grad_sync import grad_of
 
 def global_grad_norm(
     params: Iterable[nn.Parameter], groups: Sequence[dist.ProcessGroup | None], device: torch.device,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, experts: Iterable[nn.Parameter] = (), ep_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The L2 norm (in ``dtype``, on ``device``) of the gradients of ``params`` with squares summed over ``groups``.
+
+    ``experts``: gradients of expert-parallel parameters, which the other ranks of ``ep_group`` hold other experts
+    of: their squares are summed over ``ep_group`` first (under ZeRO-1 pass them in ``params`` instead: each
+    expert slice then has one owner in the replica group, which ``groups`` already sums over).
 
     ``dtype`` must be the same on every rank (the all-reduces sum one tensor of it): fp32 for fp32, bf16 or fp16
     gradients, float64 for a float64 model. A rank with nothing to count (a ZeRO rank owning no counted
     parameter) still joins the all-reduces.
     """
-    squares = [torch.linalg.vector_norm(g, dtype=dtype).square()
-               for g in (grad_of(p) for p in params) if g is not None]
-    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=dtype, device=device)
+    total = _squares(params, device, dtype)
+    experts = list(experts)
+    if experts:
+        total = total + comm.all_reduce(_squares(experts, device, dtype), ep_group)
     for group in groups:
         comm.all_reduce(total, group)
     return total.sqrt()
+
+
+def _squares(params: Iterable[nn.Parameter], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    squares = [torch.linalg.vector_norm(g, dtype=dtype).square()
+               for g in (grad_of(p) for p in params) if g is not None]
+    return torch.stack(squares).sum() if squares else torch.zeros((), dtype=dtype, device=device)
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from plait import comm
 from plait.config import ConfigError
 from plait.grad_sync import BUCKET_BYTES, GradSync
 from plait.optim.clip import clip_grads_, global_grad_norm
+from plait.optim.expert_zero import ExpertZero1Optimizer
 from plait.optim.mixed_precision import MasterWeightOptimizer, accumulate_grads_in
 from plait.optim.param_groups import embedding_params, weight_decay_groups
 from plait.optim.zero import Zero1Optimizer
@@ -44,7 +45,8 @@ def build_optimizer(
     ``weight_decay`` (in ``optimizer_kwargs``) applies to matrices only, never to biases and norm weights,
         and to embeddings unless ``decay_embeddings=False`` (``optim/param_groups.py``: the same groups for
         every layout).
-    Returns a ``torch.optim.Optimizer`` (LR schedulers work on it): ``Zero1Optimizer`` under ZeRO-1.
+    Returns a ``torch.optim.Optimizer`` (LR schedulers work on it): ``Zero1Optimizer`` under ZeRO-1
+    (``ExpertZero1Optimizer`` with expert parallelism: expert state sharded over the expert-replica group).
     """
     params = [p for p in pmodel.parameters() if p.requires_grad]
     zero_1 = pmodel.config.zero_1 if zero_1 is None else zero_1
@@ -65,8 +67,13 @@ def build_optimizer(
         full_shapes = {name: spec.full_shape for name, spec in pmodel.param_specs.items()}
         groups = weight_decay_groups(pmodel.module.named_parameters(), full_shapes, embedding_params(pmodel.module),
                                      optimizer_kwargs["weight_decay"], decay_embeddings)
-    if zero_1 and not comm.trivial(pmodel.mesh.replica_group):
-        return Zero1Optimizer(groups, constructor, pmodel.mesh.replica_group, **optimizer_kwargs)
+    mesh = pmodel.mesh
+    if zero_1 and pmodel.grad_sync.experts and not comm.trivial(mesh.replica_group):
+        groups = groups if isinstance(groups[0], dict) else [{"params": groups}]
+        return ExpertZero1Optimizer(groups, pmodel.grad_sync.is_expert, constructor, mesh.replica_group,
+                                    mesh.expert_replica_group, **optimizer_kwargs)
+    if zero_1 and not comm.trivial(mesh.replica_group):
+        return Zero1Optimizer(groups, constructor, mesh.replica_group, **optimizer_kwargs)
     return constructor(groups, **optimizer_kwargs)
 
 
@@ -102,12 +109,16 @@ class OptimizerStep:
             raise ConfigError(f"max_grad_norm={max_grad_norm} must be positive (or None for no clipping)")
         self.grad_sync, self.optimizer, self.max_grad_norm = grad_sync, optimizer, max_grad_norm
         self.reduce_dtype, self.bucket_bytes = reduce_dtype, bucket_bytes
-        self.zero = isinstance(optimizer, Zero1Optimizer)
+        self.zero = isinstance(optimizer, (Zero1Optimizer, ExpertZero1Optimizer))
         self.updated = optimizer.owned_params if self.zero else grad_sync.params
         # In the model's order, whatever order ZeRO-1 partitioned the parameters in: the same summation order
         # as without ZeRO, so a one-rank dp group gives the plain run's norm to the last bit.
         updated = {id(p) for p in self.updated}
         self.norm_params = [p for p in grad_sync.norm_params if id(p) in updated]
+        # Without ZeRO, expert parameters are summed over the ep group (its ranks hold the other experts); under
+        # ZeRO each expert slice has one owner in the replica group, like every dense parameter.
+        self.norm_experts = [] if self.zero else [p for p in self.norm_params if grad_sync.is_expert(p)]
+        self.norm_params = [p for p in self.norm_params if self.zero or not grad_sync.is_expert(p)]
         mesh = grad_sync.mesh
         self.norm_groups = [mesh.tp_group, mesh.pp_group] + ([mesh.replica_group] if self.zero else [])
         self.device = grad_sync.params[0].device
@@ -121,7 +132,8 @@ class OptimizerStep:
             self.optimizer.reduce_gradients(self.bucket_bytes, self.reduce_dtype)
         else:
             self.grad_sync.data_parallel(self.updated, self.bucket_bytes, self.reduce_dtype)
-        norm = global_grad_norm(self.norm_params, self.norm_groups, self.device, self.norm_dtype)
+        norm = global_grad_norm(self.norm_params, self.norm_groups, self.device, self.norm_dtype, self.norm_experts,
+                                self.grad_sync.mesh.ep_group)
         checked = {"grad_norm": norm} if loss is None else {"loss": loss.to(norm), "grad_norm": norm}
         if not torch.isfinite(torch.stack(list(checked.values()))).all():  # one host sync, with the norm's
             self.optimizer.zero_grad(set_to_none=True)

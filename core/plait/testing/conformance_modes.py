@@ -104,6 +104,7 @@ class Mode:
 
 PP2 = dict(pp=2, num_microbatches=4)
 CP2, CP2_RING, CP2_TP2 = dict(cp=2), dict(cp=2, cp_attention="ring"), dict(cp=2, tp=2, sp=True)
+EP2, EP2_ZERO1, EP2_TP2, EP2_PP2 = dict(ep=2), dict(ep=2, zero_1=True), dict(ep=2, tp=2, sp=True), dict(ep=2, **PP2)
 MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode("tp2-sp", 2, dict(tp=2, sp=True)),
     Mode("tp2", 2, dict(tp=2, sp=False)),
@@ -118,6 +119,10 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode("cp2", 2, CP2, applies=_layout_fits(CP2, 2)),
     Mode("cp2-ring", 2, CP2_RING, applies=_layout_fits(CP2_RING, 2)),
     Mode("cp2-tp2", 4, CP2_TP2, applies=_layout_fits(CP2_TP2, 4)),
+    Mode("ep2", 2, EP2, applies=_layout_fits(EP2, 2)),
+    Mode("ep2-zero1", 2, EP2_ZERO1, applies=_layout_fits(EP2_ZERO1, 2)),
+    Mode("ep2-tp2", 4, EP2_TP2, applies=_layout_fits(EP2_TP2, 4)),
+    Mode("ep2-pp2", 4, EP2_PP2, applies=_layout_fits(EP2_PP2, 4)),
 )}
 
 

@@ -10,6 +10,7 @@ found before any process group or weight read.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,24 +28,43 @@ class ShardSpec:
 
     The local tensor is the concatenation along ``dim`` of ``full.narrow(dim, start, stop - start)`` for
     each (start, stop) in ``ranges``, followed by ``pad`` zero slices (vocab padding). ``dim`` None means
-    replicated (local == full).
+    replicated (local == full). ``experts``: a range of whole experts (dim 0 of a tensor stacked over experts)
+    that this rank holds under expert parallelism, applied before ``dim`` / ``ranges`` (which then split
+    each expert, as tp does on its intermediate dimension).
     """
 
     full_shape: tuple[int, ...]
     dim: int | None = None
     ranges: tuple[tuple[int, int], ...] = ()
     pad: int = 0
+    experts: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.experts is not None and self.dim == 0:
+            raise ValueError(f"a shard split on dim 0 cannot also hold a range of experts (dim 0): {self}")
+
+    def with_experts(self, start: int, stop: int) -> "ShardSpec":
+        """This spec restricted to experts [start, stop) of dim 0."""
+        return dataclasses.replace(self, experts=(start, stop))
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        if self.dim is None:
-            return self.full_shape
         shape = list(self.full_shape)
-        shape[self.dim] = sum(b - a for a, b in self.ranges) + self.pad
+        if self.dim is not None:
+            shape[self.dim] = sum(b - a for a, b in self.ranges) + self.pad
+        if self.experts is not None:
+            shape[0] = self.experts[1] - self.experts[0]
         return tuple(shape)
+
+    def _held(self, full: torch.Tensor) -> torch.Tensor:
+        """The experts of ``full`` this rank holds (all of it without expert parallelism)."""
+        if self.experts is None:
+            return full
+        return full.narrow(0, self.experts[0], self.experts[1] - self.experts[0])
 
     def slice_full(self, full: torch.Tensor) -> torch.Tensor:
         """This shard of a full tensor (a copy)."""
+        full = self._held(full)
         if self.dim is None:
             return full.clone()
         pieces = [full.narrow(self.dim, a, b - a) for a, b in self.ranges]
@@ -56,6 +76,7 @@ class ShardSpec:
 
     def place(self, local: torch.Tensor, full: torch.Tensor) -> None:
         """Write this shard's data (not its padding) into ``full``."""
+        full = self._held(full)
         if self.dim is None:
             full.copy_(local)
             return
