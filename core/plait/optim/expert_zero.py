@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 
 class ExpertZero1Optimizer(torch.optim.Optimizer):
     """Two optimizers stepped as one: ``dense`` (ZeRO-1 over dp x cp) and ``experts`` (ZeRO-1 over the
-    expert-replica group, or plain). ``param_groups`` lists both parts' groups (LR schedulers change them all)."""
+    expert-replica group, or plain). ``param_groups`` are the dense part's, as many as a run without ep has (so
+    an LR scheduler's state moves between layouts); their hyperparameters reach the expert part's groups at each
+    step, as ZeroRedundancyOptimizer's outer groups reach its inner optimizer."""
 
     def __init__(self, groups: list[dict[str, Any]], is_expert: Callable[[nn.Parameter], bool], constructor: Any,
                  replica_group: dist.ProcessGroup, expert_group: dist.ProcessGroup | None, **defaults: Any) -> None:
@@ -48,7 +50,7 @@ class ExpertZero1Optimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.dense.param_groups + self.experts.param_groups
+        return self.dense.param_groups
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
@@ -71,8 +73,13 @@ class ExpertZero1Optimizer(torch.optim.Optimizer):
                       reduce_dtype)
 
     def step(self, closure: Any = None) -> Any:
+        self._sync_groups()
         self.experts.step()
         return self.dense.step(closure)
+
+    def _sync_groups(self) -> None:
+        for dense, experts in zip(self.dense.param_groups, self.experts.param_groups):
+            experts.update({key: value for key, value in dense.items() if key != "params"})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.dense.zero_grad(set_to_none)
@@ -96,5 +103,6 @@ class ExpertZero1Optimizer(torch.optim.Optimizer):
         def finish() -> None:
             finish_dense()
             finish_experts()
+            self._sync_groups()
 
         return dense_reads + expert_reads, finish

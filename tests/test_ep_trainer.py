@@ -1,0 +1,69 @@
+"""`plait train --expert_parallel_size`: an ep=2 ZeRO-1 run gives the one-process losses, its checkpoint is
+layout-free (it resumes at tp=2 without ep with the one-process losses, and consolidates to the one-process
+weights), and a router's persistent buffer (DeepSeek-V3's ``e_score_correction_bias``, read from the source
+model) survives training, checkpoint and consolidation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from plait.cli import main
+from plait.metrics import read_metrics
+from plait.testing import launch
+from plait.testing.conformance_modes import load_subject
+
+BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"  # layer 0 is dense (first_k_dense_replace=1)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A tiny DeepSeek-V3 (4 routed experts, a shared one, a dense first layer) saved with random router biases."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_subject("transformers:deepseek_v3").config
+    config.vocab_size, config.num_key_value_heads = 300, 4  # 300: room for a BPE tokenizer; MLA keys per head
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.get_buffer(BIAS).copy_(torch.randn(config.n_routed_experts))
+    path = tmp_path_factory.mktemp("deepseek")
+    config.save_pretrained(path)  # the weights as the model holds them (fused experts), as plait consolidate writes
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path / "model.safetensors", {"format": "pt"})
+    return path, model.get_buffer(BIAS).clone()
+
+
+def flags(source, out, *extra: str) -> list[str]:
+    return ["--model_name_or_path", str(source[0]), "--output_dir", str(out), "--max_steps", "4", "--block_size", "16",
+            "--save_steps", "2", "--lr_scheduler_type", "constant", "--learning_rate", "1e-3", *extra]
+
+
+def test_ep2_zero1_matches_one_process_and_resumes_at_tp2(source, tmp_path, capfd):
+    from transformers import AutoModelForCausalLM
+
+    main(["train", *flags(source, tmp_path / "one", "--per_device_train_batch_size", "4")])
+    one = read_metrics(tmp_path / "one")
+    ep = flags(source, tmp_path / "ep2", "--expert_parallel_size", "2", "--zero_1", "--per_device_train_batch_size", "2")
+    ep[ep.index("--max_steps") + 1] = "2"
+    output = "\n".join(launch(["-m", "plait", "train", *ep], 2, timeout=240))
+    assert "ep=2" in output
+    ep2 = read_metrics(tmp_path / "ep2")
+    assert [r["loss"] for r in ep2] == pytest.approx([r["loss"] for r in one[:2]], rel=1e-5)
+    assert [r["grad_norm"] for r in ep2] == pytest.approx([r["grad_norm"] for r in one[:2]], rel=1e-5)
+
+    main(["consolidate", str(tmp_path / "ep2" / "checkpoint-2"), str(tmp_path / "hf-ep2")])
+    main(["consolidate", str(tmp_path / "one" / "checkpoint-2"), str(tmp_path / "hf-one")])
+    from_ep = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-ep2")
+    from_one = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-one")
+    for name, param in from_one.named_parameters():
+        torch.testing.assert_close(from_ep.get_parameter(name), param, rtol=1e-5, atol=1e-6)
+    assert torch.equal(from_ep.get_buffer(BIAS), source[1])  # the source's bias, not an initialiser's
+
+    launch(["-m", "plait", "train", *flags(source, tmp_path / "tp2", "--tensor_parallel_size", "2",
+                                            "--per_device_train_batch_size", "4",
+                                            "--resume_from_checkpoint", str(tmp_path / "ep2" / "checkpoint-2"))],
+           2, timeout=240)
+    resumed = read_metrics(tmp_path / "tp2")
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in one[2:]], rel=1e-5)
