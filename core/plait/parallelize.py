@@ -72,6 +72,7 @@ class ParallelModel(nn.Module):
         self.module, self.mesh, self.plan, self.applied = module, mesh, plan, applied
         self.grad_sync, self.loss, self.pipeline, self.cp = grad_sync, loss_fn, pipeline, cp
         self.lora_base: dict | None = None  # a LoRA run's frozen weights: where from (plait.lora.base)
+        self.aux_loss_sum: torch.Tensor | None = None  # training forwards' aux-loss terms (moe_metrics reads)
         local = {name for name, _ in module.named_parameters(remove_duplicate=False)}
         specs = plan.specs_by_rank[mesh.tp_rank]
         if plan.ep is not None:
@@ -127,7 +128,10 @@ class ParallelModel(nn.Module):
             # microbatches of every dp rank), which the gradient sum over dp and microbatches makes exact.
             # Under cp every rank computes the whole forward's aux (plait.cp.router) and adds 1/cp of it.
             coef = self.module.config.router_aux_loss_coef
-            loss = loss + aux * (coef / (self.mesh.dp * self.mesh.cp * self.config.num_microbatches))
+            term = aux * (coef / (self.mesh.dp * self.mesh.cp * self.config.num_microbatches))
+            if torch.is_grad_enabled():  # a training forward (not evaluation): the step's metrics report the sum
+                self.aux_loss_sum = term.detach() + (0 if self.aux_loss_sum is None else self.aux_loss_sum)
+            loss = loss + term
         return loss
 
     def _model(self, input_ids, attention_mask, position_ids) -> Any:

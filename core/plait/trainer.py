@@ -38,6 +38,7 @@ from plait.lora.base import check_base, saved_lora
 from plait.materialize import materialize, resolve_source
 from plait.meta import build_meta_model
 from plait.model_config import read_model_config
+from plait.moe_metrics import RoutingMetrics
 from plait.parallelize import ParallelModel, parallelize
 from plait.registry import default_registry
 from plait.seeds import init_seed
@@ -203,13 +204,15 @@ class Trainer:
             self.first_step = state.step
             self.console.print(f"resumed from {resume} at step {self.first_step}"
                                + (" (resharded)" if state.resharded else ""))
+        self.routing = RoutingMetrics.install(pmodel)  # None for a dense model
         self.output_dir = Path(args.output_dir)
         if is_main_process():
             for partial in remove_partial_checkpoints(self.output_dir):
                 self.console.print(f"removed {partial}: a save that never finished")
         self.log = MetricsLog(self.output_dir, fresh=resume is None)
         self.log.write({"event": "load", "step": self.first_step, "load_seconds": time.perf_counter() - load_start,
-                        "peak_rss_mb": peak_rss_mb(), "source": "init" if kind == "init" else str(source)})
+                        "peak_rss_mb": peak_rss_mb(), "source": "init" if kind == "init" else str(source),
+                        **({"moe_layers": self.routing.names} if self.routing is not None else {})})
         count = sum(p.numel() for p in pmodel.parameters())
         trained = sum(p.numel() for p in pmodel.parameters() if p.requires_grad)
         lora = f" (LoRA r={pmodel.plan.lora.config.r}: {trained:,} trained)" if pmodel.plan.lora is not None else ""
@@ -238,6 +241,8 @@ class Trainer:
         loss = comm.all_reduce(step_loss, mesh.replica_group)  # equal on every rank: all of them decide alike
         lr = self.optimizer_step.lr
         record = {"step": step + 1, "loss": loss.item(), "lr": lr}
+        if self.routing is not None:
+            record.update(self.routing.take().record())
         try:
             record["grad_norm"] = self.optimizer_step(loss).item()
         except NonFiniteStep as bad:
@@ -276,8 +281,7 @@ class Trainer:
                     record.update(evaluate(self.pmodel, self.val_blocks, args.per_device_train_batch_size, self.device))
                 history.append(record)
                 self.log.write(record)
-                progress.update(task, advance=1,
-                                description=f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s")
+                progress.update(task, advance=1, description=progress_text(record))
                 if (step + 1) % args.logging_steps == 0 and not self.console.is_terminal:
                     self.console.print(json_line(record), soft_wrap=True)
                 if should_save(step + 1, args.save_steps) or (is_last and args.save_steps > 0):
@@ -285,6 +289,14 @@ class Trainer:
         if is_main_process() and history and plot_loss_curve(history, self.output_dir / "loss.png"):
             self.console.print(f"loss curve: {self.output_dir / 'loss.png'}")
         return history
+
+
+def progress_text(record: dict) -> str:
+    """What the progress bar shows of a step: its loss, throughput and, for an MoE model, the worst layer's load."""
+    text = f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s"
+    if "moe_load_max_over_mean" in record:
+        text += f" | moe max/mean {record['moe_load_max_over_mean']:.2f}"
+    return text
 
 
 def train(args: TrainArgs) -> list[dict]:
