@@ -46,3 +46,4 @@ def test_expert_parallel_grad_norm_and_capacity(ranks):
         assert rank["norm"]["norm"] == pytest.approx(rank["norm"]["expected"], rel=1e-5)
         capacity = rank["capacity"]
         assert capacity["dropped"] == capacity["expected"] > 0 and capacity["finite"]
+        assert capacity["reported"] == capacity["expected_total"]  # the step's metrics, summed over ranks

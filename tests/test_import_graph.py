@@ -20,7 +20,7 @@ ROOT = "plait"
 # places elsewhere (plait.lora, but plait.lora.export); the root package stands for plait/__init__.py alone.
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundation", {"plait.config", "plait.pipeline_schedules", "plait.comm", "plait.patterns", "plait.markers",
-                    "plait.meta", "plait.seeds"}),
+                    "plait.meta", "plait.seeds", "plait.training_forward"}),
     ("parallel primitives", {"plait.mesh", "plait.tp.mappings", "plait.tp.layers", "plait.tp.loss", "plait.tp.rng",
                              "plait.tp.sharding", "plait.cp.sequence", "plait.cp.masks", "plait.cp.ring",
                              "plait.cp.ulysses"}),

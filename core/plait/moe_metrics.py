@@ -8,13 +8,8 @@ under SP the experts' tensor-parallel region gathers every tp rank's tokens into
 see a rank's tokens once. Expert-major experts modules (Llama4's ``forward(hidden_states)``: every token once per
 expert, scaled by its score) carry no routing in their arguments and are not counted.
 
-Only training forwards count. Evaluation runs under ``no_grad``; activation checkpointing runs a layer's forward
-a second time inside backward, where the autograd engine has a graph task running
-(``torch._C._current_graph_task_id() != -1``), so the recomputation is not counted again. Under pp, torch's
-pipeline schedule learns its stages' tensor shapes by running each stage once more when it is built (its first
-step), on the first microbatch or on uninitialised stand-ins (``PipelineStage._forward_metadata_inference``); a
-forward with that function on the stack is not counted (tests/test_moe_metrics.py's pp2 case fails if torch
-renames it).
+Only training forwards count (``plait.training_forward``): not evaluation, not activation checkpointing's
+recomputation inside backward, not the stage runs torch's pipeline schedule makes to learn tensor shapes.
 
 At the step's end one all-reduce over the world sums the counts: replica ranks (dp x cp) route different tokens,
 as do tp ranks under SP (each its sequence shard); pipeline ranks hold different layers (a layer's row is zero on
@@ -24,7 +19,6 @@ the others). Without SP the tp ranks route the same tokens, so the sum is divide
 from __future__ import annotations
 
 import functools
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +27,7 @@ from torch import nn
 
 from plait import comm
 from plait.parallelize import ParallelModel
+from plait.training_forward import is_training_forward
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -47,20 +42,8 @@ def _model_order(name: str) -> list[tuple[int, int, str]]:
     return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split(".")]
 
 
-def _inferring_shapes() -> bool:
-    """Whether torch's pipeline schedule is running a stage only to learn its tensor shapes."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "_forward_metadata_inference":
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _count(counts: torch.Tensor, pipelined: bool, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
-        return  # evaluation, or activation checkpointing recomputing the layer inside backward
-    if pipelined and _inferring_shapes():
+def _count(counts: torch.Tensor, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    if not is_training_forward():
         return
     index = (args[1] if len(args) > 1 else kwargs["top_k_index"]).reshape(-1).long()
     counts.scatter_add_(0, index, torch.ones_like(index))
@@ -69,13 +52,14 @@ def _count(counts: torch.Tensor, pipelined: bool, module: nn.Module, args: tuple
 @dataclass
 class StepRouting:
     """One step's routing, over the whole world. ``tokens[i]``: the tokens routed to each expert of MoE layer
-    ``names[i]`` by every training forward of the step (a token counts once for each of its top-k experts);
-    ``aux_loss``: the load-balancing term the step's loss holds (``loss - aux_loss`` is the cross-entropy), None
+    ``names[i]`` by every training forward of the step (a token counts once for each of its top-k experts, as
+    routed: before a capacity drops any); ``aux_loss``: the load-balancing term the step's loss holds (``loss - aux_loss`` is the cross-entropy), None
     when the model computes none."""
 
     names: list[str]
     tokens: list[torch.Tensor]
     aux_loss: float | None
+    dropped: int | None = None  # (token, expert) pairs dropped for capacity (expert parallelism), None: dropless
 
     def loads(self) -> list[float]:
         """Per layer, the busiest expert's tokens over the mean per expert: 1 is even, num_experts all on one."""
@@ -87,6 +71,8 @@ class StepRouting:
         record: dict[str, Any] = {"moe_load_max_over_mean": max(loads), "moe_load": [round(x, 4) for x in loads]}
         if self.aux_loss is not None:
             record["aux_loss"] = self.aux_loss
+        if self.dropped is not None:
+            record["moe_dropped_pairs"] = self.dropped
         return record
 
 
@@ -103,9 +89,8 @@ class RoutingMetrics:
         device = next(iter(pmodel.parameters())).device
         # one bin past the experts: transformers' experts forwards take index num_experts as "no expert"
         self.counts = torch.zeros(len(local), self.width + 1, dtype=torch.int64, device=device)
-        pipelined = pmodel.pipeline is not None
         for row, (_, module) in enumerate(local):
-            module.register_forward_pre_hook(functools.partial(_count, self.counts[row], pipelined), prepend=True,
+            module.register_forward_pre_hook(functools.partial(_count, self.counts[row]), prepend=True,
                                              with_kwargs=True)
 
     @classmethod
@@ -114,7 +99,9 @@ class RoutingMetrics:
 
         A collective over the world (the names of every pipeline stage's MoE layers): every rank calls it."""
         local = experts_modules(pmodel.module)
-        found = comm.all_gather_object([(name, module.num_experts) for name, module in local], comm.world_group())
+        ep = pmodel.plan.ep  # under expert parallelism a module's num_experts is its rank's share
+        found = comm.all_gather_object([(name, ep.num_experts if ep else module.num_experts) for name, module in local],
+                                       comm.world_group())
         experts = dict(sorted({pair for pairs in found for pair in pairs}, key=lambda pair: _model_order(pair[0])))
         return cls(pmodel, local, experts) if experts else None
 
@@ -123,8 +110,9 @@ class RoutingMetrics:
 
         A collective over the world: every rank calls it at the same point of the step."""
         world, mesh = comm.world_group(), self.pmodel.mesh
-        total = torch.zeros(len(self.names) * self.width + 2, dtype=torch.float64, device=comm.device_for(world))
-        tokens = total[:-2].view(len(self.names), self.width)
+        total = torch.zeros(len(self.names) * self.width + 3, dtype=torch.float64, device=comm.device_for(world))
+        tokens = total[:-3].view(len(self.names), self.width)
+        total[-3] = self.pmodel.experts.take_dropped()
         tokens[self.rows] = self.counts[:, :self.width].to(total)
         aux = self.pmodel.aux_loss_sum
         if aux is not None:
@@ -135,4 +123,8 @@ class RoutingMetrics:
         copies = 1 if mesh.config.sequence_parallel else mesh.tp  # tp ranks routing the same tokens
         per_layer = [(tokens[i, :n] / copies).long() for i, n in enumerate(self.experts)]
         # every tp rank holds the same aux loss (computed from the whole forward's router logits)
-        return StepRouting(self.names, per_layer, (total[-2] / mesh.tp).item() if total[-1] else None)
+        aux_loss = (total[-2] / mesh.tp).item() if total[-1] else None
+        capacity = mesh.config.moe_capacity_factor is not None
+        # each tp rank dispatches the same pairs (under SP, all of the tp group's)
+        dropped = int(total[-3].item()) // mesh.tp if capacity else None
+        return StepRouting(self.names, per_layer, aux_loss, dropped)

@@ -25,7 +25,7 @@ from plait.cp.attention import install_context_parallel
 from plait.cp.context import ContextParallel
 from plait.cp.router import install_router_gather
 from plait.cp.sequence import check_length
-from plait.ep.apply import apply_expert_parallel
+from plait.ep.apply import AppliedEP, apply_expert_parallel
 from plait.grad_sync import GradSync, norm_params
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.layers import LoraDropout, apply_lora
@@ -67,10 +67,12 @@ class ParallelModel(nn.Module):
     def __init__(
         self, module: nn.Module, mesh: Mesh, plan: LayoutPlan, applied: AppliedTP, grad_sync: GradSync,
         loss_fn: LossFn, pipeline: PipelineRunner | None, cp: ContextParallel | None = None,
+        experts: AppliedEP | None = None,
     ) -> None:
         super().__init__()
         self.module, self.mesh, self.plan, self.applied = module, mesh, plan, applied
         self.grad_sync, self.loss, self.pipeline, self.cp = grad_sync, loss_fn, pipeline, cp
+        self.experts = experts or AppliedEP()  # expert parallelism's parameters and dispatches (empty at ep=1)
         self.lora_base: dict | None = None  # a LoRA run's frozen weights: where from (plait.lora.base)
         self.aux_loss_sum: torch.Tensor | None = None  # training forwards' aux-loss terms (moe_metrics reads)
         local = {name for name, _ in module.named_parameters(remove_duplicate=False)}
@@ -248,9 +250,7 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
     owns = lambda name: not dropped(model, name)  # noqa: E731
     shards = {name: shard for name, shard in plan.shards_by_rank[mesh.tp_rank].items() if owns(name)}
     applied = apply_tensor_parallel(model, shards, mesh, config.sequence_parallel)
-    experts: list[nn.Parameter] = []
-    if plan.ep is not None:
-        experts = apply_expert_parallel(model, plan.ep, mesh, owns)
+    experts = apply_expert_parallel(model, plan.ep, mesh, owns) if plan.ep is not None else AppliedEP()
     cp = None
     if plan.cp is not None:
         cp = ContextParallel(mesh.cp_group, mesh.cp_rank, plan.cp, install_context_parallel(model))
@@ -268,7 +268,7 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
             if isinstance(module, LoraDropout):
                 module.rng = rng
     apply_activation_checkpointing(model, [name for name in plan.leaves if owns(name)], applied.entry.clear)
-    grad_sync = _grad_sync(model, plan, mesh, applied, sp_params, experts)
+    grad_sync = _grad_sync(model, plan, mesh, applied, sp_params, experts.params)
     loss_fn = _loss_fn(applied, mesh, shift=cp is None)
     pipeline = None
     if plan.split is not None:
@@ -276,7 +276,7 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
         context = functools.partial(precision_context, config, model)
         chunks = [StageChunk(model, plan.split, s, seq_shards, applied.entry.clear, context, cp) for s in stage_ids]
         pipeline = PipelineRunner(chunks, stage_ids, mesh, loss_fn)
-    return ParallelModel(model, mesh, plan, applied, grad_sync, loss_fn, pipeline, cp)
+    return ParallelModel(model, mesh, plan, applied, grad_sync, loss_fn, pipeline, cp, experts)
 
 
 def _dropout_regions(

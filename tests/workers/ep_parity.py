@@ -25,7 +25,6 @@ import torch.distributed as dist
 from moe_aux_worker import LR, model_config, reference_loss, step_with_sgd
 from plait import comm
 from plait.config import ParallelConfig
-from plait.ep.dispatch import ExpertParallel
 from plait.optim import OptimizerStep
 from plait.parallelize import parallelize
 from plait.testing.conformance_modes import BATCH, LOSS_RTOL, SEQ, STEPS, load_subject
@@ -102,34 +101,33 @@ def norm_case() -> dict:
 
 
 def capacity_case() -> dict:
-    """Pairs dropped by a capacity factor of 0.5 on this rank, and the count the router's choices give."""
+    """Pairs dropped by a capacity factor of 0.5: counted by hand from the routing the experts receive on each
+    rank, against what the dispatch dropped and what the step's routing metrics report (summed over ranks)."""
     from transformers import AutoModelForCausalLM
+
+    from plait.moe_metrics import RoutingMetrics
 
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config_of("mixtral"))
     perturb(reference)
-    factor = 0.5
+    factor, experts = 0.5, reference.config.num_local_experts
     pmodel = parallelize(copy.deepcopy(reference), ParallelConfig(ep=2, moe_capacity_factor=factor))
     ids = torch.randint(0, reference.config.vocab_size, (BATCH * 2, SEQ), generator=torch.Generator().manual_seed(1))
     local = ids.chunk(2)[pmodel.mesh.dp_rank]
-    expected = 0
-    hooks = []
+    expected = torch.zeros((), dtype=torch.long)
 
-    def count(module, args):  # the routing the experts receive on this rank, as plait's dispatch sees it
-        nonlocal expected
-        index = args[1]
-        capacity = math.ceil(factor * index.numel() / reference.config.num_local_experts)
-        counts = torch.bincount(index.reshape(-1), minlength=reference.config.num_local_experts)
-        expected += int((counts - capacity).clamp(min=0).sum())
+    def count(module, args):  # the routing this rank's dispatch receives
+        capacity = math.ceil(factor * args[1].numel() / experts)
+        expected.add_((torch.bincount(args[1].reshape(-1), minlength=experts) - capacity).clamp(min=0).sum())
 
-    for module in pmodel.module.modules():
-        if hasattr(module, "_is_expert_parallel"):
-            hooks.append(module.register_forward_pre_hook(count))
-    with torch.no_grad():
-        loss = pmodel(local, labels=local).item()
-    dispatches = [m.forward.__self__ for m in pmodel.module.modules() if hasattr(m, "_is_expert_parallel")]
-    dropped = sum(d.dropped for d in dispatches if isinstance(d, ExpertParallel))
-    return {"dropped": dropped, "expected": expected, "finite": math.isfinite(loss)}
+    for name in pmodel.plan.ep.modules:
+        pmodel.module.get_submodule(name).register_forward_pre_hook(count)
+    routing = RoutingMetrics.install(pmodel)
+    loss = pmodel(local, labels=local)  # a training forward: counted (no backward needed)
+    dropped = sum(d.dropped for d in pmodel.experts.dispatches)
+    reported = routing.take().dropped
+    return {"dropped": dropped, "expected": int(expected), "reported": reported,
+            "expected_total": int(comm.all_reduce(expected.clone(), comm.world_group())), "finite": math.isfinite(loss.item())}
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from plait.testing.conformance_modes import load_subject
 # schedule runs each stage once more to learn shapes); recompute runs each layer's forward twice.
 LAYOUTS = {
     "dp2": dict(), "tp2-sp-recompute": dict(tp=2, sp=True, gradient_checkpointing=True), "tp2": dict(tp=2, sp=False),
-    "cp2": dict(cp=2), "pp2": dict(pp=2, num_microbatches=2),
+    "cp2": dict(cp=2), "pp2": dict(pp=2, num_microbatches=2), "ep2": dict(ep=2),
 }
 # the layouts on one architecture, the sequence-sharded one on a second (tests/test_moe_metrics.py runs both
 # architectures on one process)

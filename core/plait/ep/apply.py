@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -11,12 +12,27 @@ from plait.ep.layout import EPPlan
 from plait.mesh import Mesh
 
 
-def apply_expert_parallel(model: nn.Module, plan: EPPlan, mesh: Mesh, owns: Callable[[str], bool]) -> list[nn.Parameter]:
+@dataclass
+class AppliedEP:
+    """What applying EP left behind: the expert parameters (their gradients are summed over
+    ``mesh.expert_replica_group``, not the replica group) and each module's dispatch (its dropped-pair count)."""
+
+    params: list[nn.Parameter] = field(default_factory=list)
+    dispatches: list[ExpertParallel] = field(default_factory=list)
+
+    def take_dropped(self) -> int:
+        """(token, expert) pairs this rank dropped for capacity since the last call."""
+        dropped = sum(d.dropped for d in self.dispatches)
+        for d in self.dispatches:
+            d.dropped = 0
+        return dropped
+
+
+def apply_expert_parallel(model: nn.Module, plan: EPPlan, mesh: Mesh, owns: Callable[[str], bool]) -> AppliedEP:
     """Narrow every routed-experts module this rank holds (``owns``: not pruned by the pipeline) to ep rank
-    ``mesh.ep_rank``'s experts and install the dispatch; returns their parameters, whose gradients are summed
-    over ``mesh.expert_replica_group`` rather than the replica group."""
+    ``mesh.ep_rank``'s experts and install the dispatch."""
     start, stop = plan.expert_range(mesh.ep_rank)
-    params: list[nn.Parameter] = []
+    applied = AppliedEP()
     for name in plan.modules:
         if not owns(name):
             continue
@@ -24,6 +40,8 @@ def apply_expert_parallel(model: nn.Module, plan: EPPlan, mesh: Mesh, owns: Call
         for leaf, old in list(module.named_parameters(recurse=False)):
             new = nn.Parameter(old.detach()[start:stop].clone(), requires_grad=old.requires_grad)
             module._parameters[leaf] = new
-            params.append(new)
-        ExpertParallel(mesh.ep_group, plan.num_experts, plan.capacity_factor).install(module)
-    return params
+            applied.params.append(new)
+        dispatch = ExpertParallel(mesh.ep_group, plan.num_experts, plan.capacity_factor)
+        dispatch.install(module)
+        applied.dispatches.append(dispatch)
+    return applied

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.training_forward import is_training_forward
 
 
 class _AllToAll(torch.autograd.Function):
@@ -88,5 +89,6 @@ class ExpertParallel:
         position = torch.arange(n_pairs, device=pairs.device) - starts[pairs[order]]
         keep = position < capacity
         kept = counts.clamp(max=capacity)
-        self.dropped += int(n_pairs - keep.sum())
+        if is_training_forward():  # not recomputation, evaluation or shape inference: once per training forward
+            self.dropped += int(n_pairs - keep.sum())
         return order[keep], kept
