@@ -4,15 +4,17 @@ of the installed transformers that declares a tp plan, in a reduced matrix, writ
     python scripts/architecture_sweep.py [--out docs/architectures.md] [--only qwen3 gemma2 ...] [--fresh]
 
 Each architecture gets the tiny config of the adapter serving it (an explicit adapter where one claims it,
-else plait-transformers' derived one) and four modes: tp=2 with sequence parallelism, pp=2 (1F1B), the
-tp=2 save -> consolidate -> from_pretrained round trip, and context parallelism over 2 ranks (cp=2, the
-attention strategy ``auto`` picks), each 3 AdamW steps against one process. A mode the
+else plait-transformers' derived one) and five modes: tp=2 with sequence parallelism, pp=2 (1F1B), the
+tp=2 save -> consolidate -> from_pretrained round trip, context parallelism over 2 ranks (cp=2, the
+attention strategy ``auto`` picks) and, for models with routed experts, expert parallelism over 2 ranks (ep=2;
+"n/a" for a dense model), each 3 AdamW steps against one process. A mode the
 layout plan refuses (``plan_layout`` on the meta model, before any process) is "refused" with plait's reason;
 what runs is "pass" or "FAIL" with the measured errors. Architectures are run a chunk per world; a world
 that crashes is rerun one architecture at a time, so a crash is pinned on its architecture.
 
-The whole sweep is CPU-heavy; ``--only`` runs a part of it. Results accumulate in ``--state`` (a JSON file,
-one entry per architecture; ``--fresh`` starts it over) and the table is written from it after every run,
+The whole sweep is CPU-heavy; ``--only`` runs some architectures, ``--modes`` some modes (the others keep
+their earlier results). Results accumulate in ``--state`` (a JSON file, one entry per architecture; ``--fresh``
+starts it over) and the table is written from it after every run,
 with the architectures not run yet marked so.
 """
 
@@ -28,7 +30,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MODES = ("tp2-sp", "pp2-1f1b", "consolidate-tp2", "cp2")
+MODES = ("tp2-sp", "pp2-1f1b", "consolidate-tp2", "cp2", "ep2")
+DENSE = "n/a (no routed experts)"  # the ep2 cell of a dense model: nothing to divide, not a refusal
 CHUNK = 12  # architectures per world: bounds what one crash costs
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,11 +69,12 @@ def one_line(error: BaseException) -> str:
     return text if isinstance(error, (ConfigError, AdapterError)) else f"{type(error).__name__}: {text}"
 
 
-def prepare(arch: str) -> Row:
-    """The serving adapter, its tiny config, and each mode refused by the layout plan or left to run."""
+def prepare(arch: str, modes: tuple[str, ...] = MODES) -> Row:
+    """The serving adapter, its tiny config, and each of ``modes`` refused by the layout plan or left to run."""
     from types import SimpleNamespace
 
     from plait.config import ParallelConfig
+    from plait.ep.layout import other_experts, routed_experts
     from plait.layout_plan import plan_layout
     from plait.meta import build_meta_model
     from plait.registry import default_registry
@@ -80,7 +84,7 @@ def prepare(arch: str) -> Row:
     row = Row(arch)
     adapter, why = default_registry().explain(SimpleNamespace(model_type=arch))
     if adapter is None:
-        row.cells = {mode: f"refused: {why}" for mode in MODES}
+        row.cells = {mode: f"refused: {why}" for mode in modes}
         return row
     row.adapter = adapter.name
     ref = f"{adapter.name}:{arch}" if adapter.info.generic else adapter.name
@@ -88,9 +92,12 @@ def prepare(arch: str) -> Row:
         subject = load_subject(ref)
         model = build_meta_model(subject.config)
     except Exception as err:  # a config class whose defaults transformers itself cannot build, shrunk or not
-        row.cells = {mode: f"refused: {one_line(err)}" for mode in MODES}
+        row.cells = {mode: f"refused: {one_line(err)}" for mode in modes}
         return row
-    for mode in MODES:
+    for mode in modes:
+        if mode == "ep2" and not routed_experts(model) and other_experts(model) is None:
+            row.cells[mode] = DENSE
+            continue
         layout = KIT_MODES[mode]
         try:
             plan_layout(model, ParallelConfig(**layout.layout), layout.world, subject.registry)
@@ -113,11 +120,11 @@ def chunks(rows: list[Row], modes_of) -> Iterator[tuple[tuple[str, ...], list[Ro
             yield modes, members[start:start + CHUNK]
 
 
-def run(rows: list[Row]) -> None:
-    """Run every mode not refused, grouped by mode set, a chunk of architectures per world."""
+def run(rows: list[Row], wanted: tuple[str, ...] = MODES) -> None:
+    """Run every one of the ``wanted`` modes not refused, grouped by mode set, a chunk of architectures per world."""
     from plait.testing.conformance import run_conformance
 
-    for modes, chunk in chunks(rows, lambda row: tuple(m for m in MODES if m not in row.cells) if row.ref else ()):
+    for modes, chunk in chunks(rows, lambda row: tuple(m for m in wanted if m not in row.cells) if row.ref else ()):
         results = run_conformance([r.ref for r in chunk], list(modes))
         crashed = any("the world crashed" in r.note for r in results)
         if crashed and len(chunk) > 1:
@@ -174,18 +181,26 @@ def fp32_noise(result) -> bool:
 
 
 def column_counts(rows: list[Row], mode: str) -> str:
-    """'N pass, M refused, K fail' for one mode's column."""
+    """'N pass, M refused, K fail' for one mode's column (and 'L n/a' where a mode does not apply)."""
     cells = [r.cells.get(mode, "") for r in rows]
     passed = sum(1 for r in rows if r.passed.get(mode))
     refused = sum(1 for c in cells if c.startswith("refused"))
-    return f"{passed} pass, {refused} refused, {len(rows) - passed - refused} fail or not run"
+    na = sum(1 for c in cells if c == DENSE)
+    return (f"{passed} pass, {refused} refused, {len(rows) - passed - refused - na} fail or not run"
+            + (f", {na} n/a" if na else ""))
+
+
+def passes_all(row: Row) -> bool:
+    """Every mode that applies to the architecture passed."""
+    applies = [m for m in MODES if row.cells.get(m) != DENSE]
+    return all(row.passed.get(m) for m in applies)
 
 
 def render(rows: list[Row], seconds: float) -> str:
     import torch
     import transformers
 
-    passing = [r for r in rows if len(r.passed) == len(MODES) and all(r.passed.values())]
+    passing = [r for r in rows if passes_all(r)]
     via_float64 = [r for r in passing if any("float64" in c for c in r.cells.values())]
     failing = [r for r in rows if any(c.startswith("FAIL") for c in r.cells.values())]
     noisy = [r for r in rows if r not in failing and any(c.startswith("NOISE") for c in r.cells.values())]
@@ -200,7 +215,7 @@ def render(rows: list[Row], seconds: float) -> str:
         + ", ".join(f"`{m}`" for m in MODES) + ". Each mode trains 3 AdamW steps (fp32) against one process; "
         "pass: every step's loss within 1e-5 relative and every gradient within the kit's tolerance "
         "(`grad` is the worst |Δ| / (1e-6 + 1e-5·|ref|), at most 1). `refused` is plait's own refusal, made "
-        "before any process starts, with its reason.",
+        "before any process starts, with its reason; `ep2` is n/a for a model without routed experts.",
         "",
         f"**{len(passing)} of {len(rows)} pass every mode ({len(via_float64)} of them through the float64 recheck "
         f"below); {len(failing)} fail a mode; "
@@ -232,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "architectures.md")
     parser.add_argument("--state", type=Path, default=ROOT / "build" / "architecture_sweep.json")
     parser.add_argument("--only", nargs="+", metavar="MODEL_TYPE", help="these architectures only")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="run these modes only (the others keep their earlier results)")
     parser.add_argument("--fresh", action="store_true", help="forget the results of earlier runs")
     args = parser.parse_args(argv)
     import transformers
@@ -244,13 +261,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"{unknown} are not decoder-only causal LMs with a tp plan; choose from {everything}")
     rows = []
+    modes = tuple(args.modes)
     for arch in args.only or everything:
-        rows.append(prepare(arch))
-        print(f"{arch}: {rows[-1].adapter}, to run: {[m for m in MODES if m not in rows[-1].cells]}", file=sys.stderr)
+        rows.append(prepare(arch, modes))
+        print(f"{arch}: {rows[-1].adapter}, to run: {[m for m in modes if m not in rows[-1].cells]}", file=sys.stderr)
     print(f"{len(rows)} architectures; {sum(1 for r in rows if r.ref)} with modes to run", file=sys.stderr)
-    run(rows)
+    run(rows, modes)
     seconds = time.monotonic() - start + state.pop("_seconds", 0.0)
-    state.update({r.architecture: {"adapter": r.adapter, "cells": r.cells, "passed": r.passed} for r in rows})
+    for r in rows:  # the modes run replace their cells; the others keep theirs
+        old = state.get(r.architecture, {"cells": {}, "passed": {}})
+        state[r.architecture] = {"adapter": r.adapter, "cells": {**old["cells"], **r.cells},
+                                 "passed": {**{m: v for m, v in old["passed"].items() if m not in modes}, **r.passed}}
     state["_seconds"] = seconds
     write(args.state, json.dumps(state, indent=1))
     table = [Row(a, **{k: v for k, v in state[a].items()}) if a in state else Row(a) for a in everything]

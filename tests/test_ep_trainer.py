@@ -39,11 +39,18 @@ def flags(source, out, *extra: str) -> list[str]:
             "--save_steps", "2", "--lr_scheduler_type", "constant", "--learning_rate", "1e-3", *extra]
 
 
-def test_ep2_zero1_matches_one_process_and_resumes_at_tp2(source, tmp_path, capfd):
+@pytest.fixture(scope="module")
+def one(source, tmp_path_factory):
+    """4 steps on one process, saving at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("one")
+    main(["train", *flags(source, out, "--per_device_train_batch_size", "4")])
+    return out, read_metrics(out)
+
+
+def test_ep2_zero1_matches_one_process_and_resumes_at_tp2(source, one, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    main(["train", *flags(source, tmp_path / "one", "--per_device_train_batch_size", "4")])
-    one = read_metrics(tmp_path / "one")
+    one_dir, one = one
     ep = flags(source, tmp_path / "ep2", "--expert_parallel_size", "2", "--zero_1", "--per_device_train_batch_size", "2")
     ep[ep.index("--max_steps") + 1] = "2"
     output = "\n".join(launch(["-m", "plait", "train", *ep], 2, timeout=240))
@@ -53,7 +60,7 @@ def test_ep2_zero1_matches_one_process_and_resumes_at_tp2(source, tmp_path, capf
     assert [r["grad_norm"] for r in ep2] == pytest.approx([r["grad_norm"] for r in one[:2]], rel=1e-5)
 
     main(["consolidate", str(tmp_path / "ep2" / "checkpoint-2"), str(tmp_path / "hf-ep2")])
-    main(["consolidate", str(tmp_path / "one" / "checkpoint-2"), str(tmp_path / "hf-one")])
+    main(["consolidate", str(one_dir / "checkpoint-2"), str(tmp_path / "hf-one")])
     from_ep = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-ep2")
     from_one = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-one")
     for name, param in from_one.named_parameters():
@@ -67,3 +74,17 @@ def test_ep2_zero1_matches_one_process_and_resumes_at_tp2(source, tmp_path, capf
     resumed = read_metrics(tmp_path / "tp2")
     assert [r["step"] for r in resumed] == [3, 4]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in one[2:]], rel=1e-5)
+
+
+def test_ep2_bf16_with_accumulation_and_capacity_follows_fp32(source, one, tmp_path):
+    """ep=2 with bf16 parameters (fp32 masters sharded by ZeRO-1), the global batch as 2 x 2 accumulation steps
+    and a capacity factor that cannot drop (4 experts x the even share: every pair could go to one expert):
+    the fp32 one-process curve within bf16's 2e-2, and the dropped-pair count in the metrics, 0."""
+    argv = flags(source, tmp_path, "--expert_parallel_size", "2", "--zero_1", "--bf16", "--gradient_accumulation_steps",
+                 "2", "--per_device_train_batch_size", "1", "--moe_capacity_factor", "4", "--save_steps", "0")
+    argv[argv.index("--max_steps") + 1] = "2"
+    launch(["-m", "plait", "train", *argv], 2, timeout=240)
+    records = read_metrics(tmp_path)
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in one[1][:2]], rel=2e-2)
+    assert [r["moe_dropped_pairs"] for r in records] == [0, 0]
+    assert all(r["moe_load_max_over_mean"] >= 1 for r in records)

@@ -60,6 +60,13 @@ def plan_expert_parallel(model: nn.Module, config: ParallelConfig) -> EPPlan | N
     model_type = getattr(model.config, "model_type", type(model).__name__)
     found = routed_experts(model)
     if not found:
+        other = other_experts(model)
+        if other:
+            raise ConfigError(
+                f"ep={config.ep}: {other} ({type(model.get_submodule(other)).__name__}) holds experts stacked on "
+                f"dim 0, but its forward takes no routing (not transformers' use_experts_implementation), so its "
+                f"tokens cannot be dispatched; use ep=1 for {model_type}"
+            )
         raise ConfigError(
             f"ep={config.ep}, but {model_type} has no routed experts plait can divide (no module built with "
             f"transformers' use_experts_implementation); use ep=1"
@@ -87,3 +94,12 @@ def plan_expert_parallel(model: nn.Module, config: ParallelConfig) -> EPPlan | N
             f"{divisors}"
         )
     return EPPlan(config.ep, tuple(found), experts, config.moe_capacity_factor)
+
+
+def other_experts(model: nn.Module) -> str | None:
+    """The first module whose own parameters are stacked over experts (3-D, in a module named like experts)
+    without transformers' experts interface (Llama4's expert-major ``Llama4TextExperts``)."""
+    for name, module in model.named_modules():
+        if "expert" in name.rpartition(".")[2] and any(p.dim() == 3 for p in module.parameters(recurse=False)):
+            return name
+    return None
