@@ -48,6 +48,15 @@ class Zero1Optimizer(ZeroRedundancyOptimizer):
             [p for group_ in groups for p in group_["params"]] for groups in partition
         ]
 
+    def _verify_same_dense_param_type(self) -> None:
+        """torch refuses parameters of different dtypes because its ``parameters_as_bucket_view`` packs them into
+        one flat buffer per device; plait never asks for that, and the per-parameter broadcast after the step
+        takes any dtype. So a model transformers keeps partly in fp32 under bf16 (DeepSeek-V3's router
+        ``gate.weight``, ``_keep_in_fp32_modules_strict``) trains under ZeRO-1; sparse parameters stay refused."""
+        sparse = [p for p in self._all_params if p.is_sparse]
+        if sparse:
+            raise ValueError(f"ZeRO-1 takes dense parameters only; got {len(sparse)} sparse ones")
+
     @property
     def owned_params(self) -> list[nn.Parameter]:
         """The parameters this rank updates (and holds optimizer state for)."""
