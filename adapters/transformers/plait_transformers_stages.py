@@ -124,10 +124,6 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     stages that do not own them."""
     if layers is None:
         raise refuse(arch, type(model).__name__, "no decoder layer list found (pp plan or _no_split_modules)")
-    if getattr(model.config, "output_router_logits", False):
-        raise refuse(arch, "output_router_logits", "the router's load-balancing loss combines the routing statistics "
-                                                   "of every layer of a forward, which pipeline stages do not share; "
-                                                   "set output_router_logits=False (no aux loss) or pp=1")
     _check_layer_inputs(model, arch, layers)
     plan = model.pp_plan or {}
     parent = layers.rpartition(".")[0]

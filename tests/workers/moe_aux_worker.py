@@ -142,7 +142,6 @@ def main() -> None:
     for arch in ("mixtral", "qwen3_moe"):
         for name, layout in LAYOUTS.items():
             results[f"{arch}|{name}"] = run_case(arch, layout)
-    results["refused|pp2"] = refusal("mixtral", dict(pp=2, num_microbatches=2))
     results["refused|mask-sp"] = refusal("mixtral", dict(tp=2, sp=True), mask=True)
     results["refused|mask-cp"] = refusal("mixtral", dict(cp=2), mask=True)
     if dist.get_rank() == 0:

@@ -13,6 +13,7 @@ from torch import nn
 from plait.config import ConfigError, ParallelConfig
 from plait.declarations import PipelinePlan
 from plait.pipeline.cuts import StageSplit, fallback_plan, split_stages
+from plait.pipeline.router import router_aux
 from plait.pipeline.runner import check_schedule
 
 
@@ -21,7 +22,9 @@ def plan_stages(
 ) -> StageSplit:
     """The stage split for ``config`` (pp * virtual_pipeline_size stages), or a ConfigError naming the fix.
 
-    ``plan``: the adapter's pipeline plan (None: derived from the ModuleList holding the leaf modules)."""
+    ``plan``: the adapter's pipeline plan (None: derived from the ModuleList holding the leaf modules). A model
+    whose router aux loss the last stage cannot compute as one process does is refused here (``router_aux``)."""
+    router_aux(model)
     num_stages = config.pp * config.virtual_pipeline_size
     layout = f"pp*virtual_pipeline_size = {config.pp}*{config.virtual_pipeline_size}"
     check_schedule(config)

@@ -75,12 +75,22 @@ class PipelineRunner:
                 for chunk, stage in zip(self.chunks, self.stage_ids)
             ]
             name = self.config.pipeline_schedule
-            loss = lambda logits, labels: self.loss_fn(logits, labels, self._num_items)  # noqa: E731
             m, kind = self.config.num_microbatches, SCHEDULES[name]
             schedule_class = getattr(pipelining, kind.torch_class)
-            schedule = schedule_class(stages if kind.multi_stage else stages[0], m, loss_fn=loss, scale_grads=False)
+            schedule = schedule_class(stages if kind.multi_stage else stages[0], m, loss_fn=self._loss,
+                                      scale_grads=False)
             self._schedules[key] = schedule
         return self._schedules[key]
+
+    def _loss(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        """One microbatch's loss from the last stage's output: its logits, or its logits and the router's aux
+        term (coef x aux, plait.pipeline.router), which plait averages over a step's forwards (every dp and cp
+        rank's microbatches) as ``ParallelModel`` does at pp=1: the gradient sums over them make it exact."""
+        if not isinstance(output, tuple):
+            return self.loss_fn(output, labels, self._num_items)
+        logits, aux = output
+        forwards = self.mesh.dp * self.mesh.cp * self.config.num_microbatches
+        return self.loss_fn(logits, labels, self._num_items) + aux / forwards
 
     def run(
         self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -99,7 +109,7 @@ class PipelineRunner:
             schedule.step(input_ids, target=labels, losses=losses, return_outputs=False, **kwargs)
         else:
             with torch.no_grad():
-                schedule.eval(input_ids, target=labels, losses=losses, **kwargs)
+                schedule.eval(input_ids, target=labels, losses=losses, return_outputs=False, **kwargs)
         if losses:
             total = torch.stack([loss.detach().to(self.loss_dtype) for loss in losses]).sum()
         else:

@@ -27,6 +27,7 @@ from torch import nn
 
 from plait.cp.context import ContextParallel
 from plait.pipeline.cuts import StageSplit
+from plait.pipeline.router import RouterRecorder, router_aux
 
 
 class Absent(nn.Module):
@@ -139,14 +140,19 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 class StageChunk(nn.Module):
-    """One pipeline stage: ``forward(x, attention_mask=None, position_ids=None)`` maps the previous stage's output (input ids
-    on the first stage) to the next stage's input (logits on the last stage).
+    """One pipeline stage: ``forward(x, router_logits=None, attention_mask=None, position_ids=None)`` maps the
+    previous stage's output (input ids on the first stage) to the next stage's input (logits on the last stage).
 
     ``seq_shards`` is how many sequence shards the hidden states between stages are cut into (tp under
     sequence parallelism, else 1). ``after_forward`` runs after every forward (it clears the TP entry cache);
     ``forward_context`` makes the context each forward runs in (autocast, when asked for). ``cp``: under
     context parallelism, the stage gets this rank's slice of ``x`` with the whole sequence's position ids
     and padding mask, and runs inside ``cp.forward`` (which hands the model their slices).
+
+    When the model's config asks for the router's load-balancing loss (``output_router_logits``), the stage
+    takes and hands on the router logits of every stage so far (``router_logits``, [routers, tokens, experts],
+    once there are any), and the last stage returns (logits, the aux term of the microbatch) instead of logits
+    (plait.pipeline.router). Its own CausalLM is told not to compute a loss of its stage's routers alone.
     """
 
     def __init__(
@@ -163,24 +169,29 @@ class StageChunk(nn.Module):
         self._incoming: torch.Tensor | None = None
         self._outgoing: torch.Tensor | None = None
         self._seq = 0  # full sequence length of the running forward; 0 outside it (hooks stay inert)
+        self.router_aux = router_aux(pruned)
+        self._routers = RouterRecorder(self.shell) if self.router_aux is not None else None
         if not self.is_first:
             self.shell.get_submodule(split.layers[start]).register_forward_pre_hook(self._swap_in, with_kwargs=True)
         if not self.is_last:
             self.shell.get_submodule(split.layers[stop - 1]).register_forward_hook(self._take_out)
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.cp is not None:
             whole = self.cp.forward(x.shape[0], position_ids.shape[1], attention_mask, position_ids, x.device)
             with whole as local:
-                return self._forward(x, **local)
-        return self._forward(x, attention_mask, position_ids)
+                return self._forward(x, router_logits, **local)
+        return self._forward(x, router_logits, attention_mask, position_ids)
 
-    def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, router_logits: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
+        if self._routers is not None:
+            kwargs["output_router_logits"] = False  # the aux loss is the last stage's, over every stage's routers
         if self.is_first:
             self._seq = x.shape[1]
             kwargs["input_ids"] = x
@@ -188,16 +199,23 @@ class StageChunk(nn.Module):
             self._seq = x.shape[1] * self.seq_shards
             kwargs["inputs_embeds"] = x.new_zeros(()).expand(x.shape[0], self._seq, x.shape[2])
             self._incoming = _ContiguousGrad.apply(x)
+        routers = [] if router_logits is None else list(_ContiguousGrad.apply(router_logits).unbind())
+        recording = self._routers.recording(routers) if self._routers is not None else contextlib.nullcontext()
+        aux = None
         try:
-            with self._forward_context():
+            with self._forward_context(), recording:
                 output = self.shell(**kwargs, use_cache=False)
+                if self.is_last and self.router_aux is not None:  # in the forward's context, as the CausalLM's
+                    aux = self.router_aux.term(tuple(routers), attention_mask)
         finally:
             self._incoming, self._seq = None, 0
             self._after_forward()
         if self.is_last:
-            return output.logits if hasattr(output, "logits") else output[0]
+            logits = output.logits if hasattr(output, "logits") else output[0]
+            return logits if self.router_aux is None else (logits, aux)
         result, self._outgoing = self._outgoing, None
-        return result.contiguous()  # sent to the next stage: dense, whatever view the last layer returned
+        result = result.contiguous()  # sent to the next stage: dense, whatever view the last layer returned
+        return (result, torch.stack(routers)) if routers else result
 
     def _swap_in(self, module, args, kwargs):
         if self._incoming is None:
