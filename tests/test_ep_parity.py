@@ -1,6 +1,6 @@
 """Expert parallelism against one process (tests/workers/ep_parity.py): five MoE families at ep=2 with the
-router's aux loss on, ZeRO-1, cp x ep, recomputation with microbatches, ep x tp with SP, ep=2 in a dp=4 world,
-ep=4; every rank's gradient shards compared, every expert parameter compared by the rank holding it; the
+router's aux loss on, ZeRO-1, cp x ep, recomputation with microbatches, ep x tp with SP, ep x pp (the aux loss
+carried across stages), ep=2 in a dp=4 world, ep=4; every rank's gradient shards compared, every expert parameter compared by the rank holding it; the
 global gradient norm without ZeRO; the capacity factor's dropped pairs."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from plait.testing import launch
 WORKER = str(Path(__file__).parent / "workers" / "ep_parity.py")
 CASES = {2: ["mixtral|ep2", "qwen3_moe|ep2", "deepseek_v3|ep2", "gpt_oss|ep2", "olmoe|ep2", "qwen3_moe|ep2-zero1",
              "mixtral|cp2-ep2", "mixtral|ep2-recompute-microbatches2", "mixtral|ep2-capacity-no-drop"],
-         4: ["mixtral|ep2-tp2", "qwen3_moe|ep2-dp4-zero1", "mixtral|ep4"]}
+         4: ["mixtral|ep2-tp2", "qwen3_moe|ep2-dp4-zero1", "mixtral|ep4", "qwen3_moe|ep2-pp2"]}
 
 
 @pytest.fixture(scope="module", params=[2, 4])

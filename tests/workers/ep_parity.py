@@ -37,7 +37,7 @@ CASES = {
        ("mixtral", "ep2-recompute-microbatches2", dict(ep=2, gradient_checkpointing=True, num_microbatches=2)),
        ("mixtral", "ep2-capacity-no-drop", dict(ep=2, moe_capacity_factor=100.0))],
     4: [("mixtral", "ep2-tp2", dict(ep=2, tp=2, sp=True)), ("qwen3_moe", "ep2-dp4-zero1", dict(ep=2, zero_1=True)),
-        ("mixtral", "ep4", dict(ep=4))],
+        ("mixtral", "ep4", dict(ep=4)), ("qwen3_moe", "ep2-pp2", dict(ep=2, pp=2, num_microbatches=2))],
 }
 
 
