@@ -1,6 +1,7 @@
 """Expert parallelism against one process (tests/workers/ep_parity.py): five MoE families at ep=2 with the
 router's aux loss on, ZeRO-1, cp x ep, recomputation with microbatches, ep x tp with SP, ep x pp (the aux loss
-carried across stages), ep=2 in a dp=4 world, ep=4; every rank's gradient shards compared, every expert parameter compared by the rank holding it; the
+carried across stages), ep=2 in a dp=4 world, ep=4, experts kept whole over tp (with and without SP, with and
+without ep); every rank's gradient shards compared, every expert parameter compared by the rank holding it; the
 global gradient norm without ZeRO; the capacity factor's dropped pairs."""
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from plait.testing import launch
 
 WORKER = str(Path(__file__).parent / "workers" / "ep_parity.py")
 CASES = {2: ["mixtral|ep2", "qwen3_moe|ep2", "deepseek_v3|ep2", "gpt_oss|ep2", "olmoe|ep2", "qwen3_moe|ep2-zero1",
-             "mixtral|cp2-ep2", "mixtral|ep2-recompute-microbatches2", "mixtral|ep2-capacity-no-drop"],
-         4: ["mixtral|ep2-tp2", "qwen3_moe|ep2-dp4-zero1", "mixtral|ep4", "qwen3_moe|ep2-pp2"]}
+             "mixtral|cp2-ep2", "mixtral|ep2-recompute-microbatches2", "mixtral|ep2-capacity-no-drop",
+             "mixtral|tp2-whole-experts", "gpt_oss|tp2-nosp-whole-experts"],
+         4: ["mixtral|ep2-tp2", "qwen3_moe|ep2-dp4-zero1", "mixtral|ep4", "qwen3_moe|ep2-pp2",
+             "qwen3_moe|ep2-tp2-whole-experts", "mixtral|ep2-tp2-nosp-whole-experts"]}
 
 
 @pytest.fixture(scope="module", params=[2, 4])

@@ -29,6 +29,9 @@ class ParallelConfig:
     ep: expert-parallel size: each MoE layer's experts divided over ep ranks carved from the dp x cp ranks
     (plait.ep); tokens go to their experts' ranks with an all-to-all. moe_capacity_factor: None is dropless;
     a number caps the (token, expert) pairs a rank sends each expert at ceil(factor * pairs / experts).
+    expert_tensor_parallel: under tp, split each routed expert's intermediate dimension over tp (Megatron's
+    expert tensor parallelism); False keeps experts whole on every tp rank, each computing its own tokens (its
+    sequence shard under SP, a 1/tp share of the rows without), their gradients summed over tp.
     sp: sequence parallelism inside the tp group (only meaningful when tp > 1).
     disable_embedding_parallelization: keep embeddings and the LM head replicated (optimum-neuron's flag).
     The pipeline and ZeRO fields are read by the pipeline and optimizer stages of ``parallelize``.
@@ -44,6 +47,7 @@ class ParallelConfig:
     cp_attention: str = "auto"
     ep: int = 1
     moe_capacity_factor: float | None = None
+    expert_tensor_parallel: bool = True
     sp: bool = True
     disable_embedding_parallelization: bool = False
     virtual_pipeline_size: int = 1
@@ -108,6 +112,8 @@ class ParallelConfig:
         cp = f" cp={self.cp} ({self.cp_attention})" if self.cp > 1 else ""
         if self.ep > 1:
             cp += f" ep={self.ep}" + (f" capacity={self.moe_capacity_factor:g}" if self.moe_capacity_factor else "")
+        if not self.expert_tensor_parallel and self.tp > 1:
+            cp += " experts whole over tp"
         return (
             f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} sp={self.sequence_parallel} "
             f"vpp={self.virtual_pipeline_size} zero1={self.zero_1}"

@@ -25,7 +25,7 @@ from plait.lora.layout import LoraPlan, plan_lora
 from plait.pipeline.cuts import StageSplit
 from plait.pipeline.layout import plan_stages, stage_rows, stages_of_rank, tied_across_stages
 from plait.registry import Adapter, Registry, default_registry
-from plait.tp.layout import param_specs, plan_tensor_parallel
+from plait.tp.layout import experts_kept_whole, param_specs, plan_tensor_parallel
 from plait.tp.sequence_parallel import sp_grad_sum_params
 from plait.tp.sharding import ModuleShard, ShardSpec
 
@@ -84,6 +84,8 @@ def plan_layout(
         split = plan_stages(model, config, registry.pipeline_plan(adapter, model.config), leaf_patterns)
     tied = tuple(tuple(names) for names in tied_across_stages(model, split)) if split is not None else ()
     tp_plan = registry.tp_plan(adapter, model.config) if config.tp > 1 else None
+    if tp_plan is not None and not config.expert_tensor_parallel:
+        tp_plan = experts_kept_whole(tp_plan)
     parallel_embeddings = not config.disable_embedding_parallelization
     shards_by_rank = tuple(
         plan_tensor_parallel(model, tp_plan, config.tp, r, parallel_embeddings) if tp_plan else {}

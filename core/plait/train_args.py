@@ -51,6 +51,7 @@ class TrainArgs:
     context_parallel_size: int = field(default=1, metadata={"help": "cp: ranks that split every sequence (long contexts)"})
     cp_attention: str = field(default="auto", metadata={"help": f"attention across cp ranks: one of {', '.join(CP_ATTENTION)}"})
     expert_parallel_size: int = field(default=1, metadata={"help": "ep: ranks each MoE layer's experts are divided over, carved from the data-parallel (x cp) ranks"})
+    disable_expert_tensor_parallel: bool = field(default=False, metadata={"help": "under tp, keep routed experts whole on every tp rank (each computes its own tokens) instead of splitting them"})
     moe_capacity_factor: float = field(default=0.0, metadata={"help": "under ep, cap the tokens a rank sends each expert at factor x its even share, dropping the rest (0: dropless)"})
     pipeline_parallel_size: int = field(default=1, metadata={"help": "pp: pipeline stages (ranks) the layers are cut into"})
     virtual_pipeline_size: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved schedules)"})
@@ -163,6 +164,7 @@ class TrainArgs:
             cp_attention=self.cp_attention,
             ep=self.expert_parallel_size,
             moe_capacity_factor=self.moe_capacity_factor or None,
+            expert_tensor_parallel=not self.disable_expert_tensor_parallel,
             pp=self.pipeline_parallel_size,
             virtual_pipeline_size=self.virtual_pipeline_size,
             num_microbatches=self.num_microbatches,

@@ -35,9 +35,13 @@ CASES = {
     2: [(arch, "ep2", dict(ep=2)) for arch in ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "olmoe")]
     + [("qwen3_moe", "ep2-zero1", dict(ep=2, zero_1=True)), ("mixtral", "cp2-ep2", dict(cp=2, ep=2)),
        ("mixtral", "ep2-recompute-microbatches2", dict(ep=2, gradient_checkpointing=True, num_microbatches=2)),
-       ("mixtral", "ep2-capacity-no-drop", dict(ep=2, moe_capacity_factor=100.0))],
+       ("mixtral", "ep2-capacity-no-drop", dict(ep=2, moe_capacity_factor=100.0)),
+       ("mixtral", "tp2-whole-experts", dict(tp=2, sp=True, expert_tensor_parallel=False)),
+       ("gpt_oss", "tp2-nosp-whole-experts", dict(tp=2, sp=False, expert_tensor_parallel=False))],
     4: [("mixtral", "ep2-tp2", dict(ep=2, tp=2, sp=True)), ("qwen3_moe", "ep2-dp4-zero1", dict(ep=2, zero_1=True)),
-        ("mixtral", "ep4", dict(ep=4)), ("qwen3_moe", "ep2-pp2", dict(ep=2, pp=2, num_microbatches=2))],
+        ("mixtral", "ep4", dict(ep=4)), ("qwen3_moe", "ep2-pp2", dict(ep=2, pp=2, num_microbatches=2)),
+        ("qwen3_moe", "ep2-tp2-whole-experts", dict(ep=2, tp=2, sp=True, expert_tensor_parallel=False)),
+        ("mixtral", "ep2-tp2-nosp-whole-experts", dict(ep=2, tp=2, sp=False, expert_tensor_parallel=False))],
 }
 
 

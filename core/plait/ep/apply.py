@@ -37,10 +37,10 @@ def apply_expert_parallel(model: nn.Module, plan: EPPlan, mesh: Mesh, owns: Call
         if not owns(name):
             continue
         module = model.get_submodule(name)
-        for leaf, old in list(module.named_parameters(recurse=False)):
-            new = nn.Parameter(old.detach()[start:stop].clone(), requires_grad=old.requires_grad)
-            module._parameters[leaf] = new
-            applied.params.append(new)
+        for param in module.parameters(recurse=False):
+            # in place: the same Parameter objects stay in the tp rules' gradient sums (experts kept whole)
+            param.data = param.data[start:stop].clone()
+            applied.params.append(param)
         dispatch = ExpertParallel(mesh.ep_group, plan.num_experts, plan.capacity_factor)
         dispatch.install(module)
         applied.dispatches.append(dispatch)

@@ -221,6 +221,54 @@ class ExpertsRegion:
         return mappings.reduce_from_tp(output, self.group)
 
 
+class _SplitTokens(torch.autograd.Function):
+    """This rank's share of flattened tokens held alike by every tp rank (dim 0); backward all-gathers the shares'
+    gradients, so the replicated input gets its whole gradient on every rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return comm.split(x, group, 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return comm.all_gather(grad.contiguous(), ctx.group, 0), None
+
+
+class TokenShareRegion:
+    """Routed experts kept whole on every tp rank, without SP: every tp rank holds the same tokens, so each
+    computes a 1/tp share of the rows (padded to a multiple of tp with zero rows of routing weight 0, whose
+    outputs count for nothing) and the outputs are all-gathered. The experts' weight gradients then cover a
+    share of the tokens: they are summed over tp (``WholeExperts``). Under SP a rank's tokens are already its own
+    sequence shard and this region is not installed."""
+
+    ARGS = ExpertsRegion.ARGS
+
+    def __init__(self, group: Group) -> None:
+        self.group, self.size = group, comm.group_size(group)
+        self.rows = 0
+
+    def install(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self._enter, with_kwargs=True)
+        module.register_forward_hook(self._leave)
+
+    def _enter(self, module, args, kwargs):
+        values = dict(zip(self.ARGS, args)) | {k: kwargs.pop(k) for k in self.ARGS if k in kwargs}
+        hidden, index, weights = (values[k] for k in self.ARGS)
+        self.rows = hidden.shape[0]
+        pad = -self.rows % self.size
+        if pad:
+            hidden = F.pad(hidden, (0, 0, 0, pad))
+            index = F.pad(index, (0, 0, 0, pad))
+            weights = F.pad(weights, (0, 0, 0, pad))
+        share = (_SplitTokens.apply(hidden, self.group), comm.split(index, self.group, 0),
+                 _SplitTokens.apply(weights, self.group))
+        return (*share, *args[len(self.ARGS):]), kwargs
+
+    def _leave(self, module, args, output):
+        return _GatherTokens.apply(output.contiguous(), self.group, False)[:self.rows]
+
+
 class WholeSequenceRegion:
     """Under SP, runs a block kept whole on every rank over the whole sequence (a recurrent or state-space mixer:
     its scan and causal convolution run along the sequence, so a sequence shard alone gives wrong outputs).

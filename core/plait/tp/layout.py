@@ -13,6 +13,7 @@ from plait.config import ConfigError
 from plait.declarations import TPPlan
 from plait.patterns import matches
 from plait.tp.sharding import ModuleShard, ShardSpec
+from plait.tp.styles import MoEExperts, WholeExperts
 
 
 def plan_tensor_parallel(
@@ -49,3 +50,9 @@ def param_specs(model: nn.Module, shards: dict[str, ModuleShard]) -> dict[str, S
         spec = shard.spec(leaf) if shard is not None else None
         specs[name] = spec if spec is not None else ShardSpec(tuple(param.shape))
     return specs
+
+
+def experts_kept_whole(plan: TPPlan) -> TPPlan:
+    """``plan`` with its routed experts (``MoEExperts``) kept whole on every tp rank (``WholeExperts``):
+    ``ParallelConfig(expert_tensor_parallel=False)``."""
+    return TPPlan(tuple(WholeExperts(rule.pattern) if type(rule) is MoEExperts else rule for rule in plan.rules))

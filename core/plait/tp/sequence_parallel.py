@@ -20,6 +20,7 @@ from plait.declarations import SPPlan
 from plait.patterns import matches
 from plait.tp import mappings
 from plait.tp.sharding import ModuleShard
+from plait.tp.styles import WholeExperts
 
 
 def region_prefix(begin: str) -> str:
@@ -47,6 +48,8 @@ def sp_grad_sum_params(model: nn.Module, plan: SPPlan, shards: dict[str, ModuleS
         shard = shards.get(module_name)
         if shard is not None and shard.spec(leaf) is not None and shard.spec(leaf).dim is not None:
             continue  # sharded over tp: each rank owns its gradient
+        if shard is not None and isinstance(shard.style, WholeExperts):
+            continue  # routed experts kept whole: their rule sums them over the tp group
         if shard is not None and leaf == "bias":
             found.append(param)  # row-parallel bias, added after the reduce-scatter
         elif any(matches(pattern, module_name) for pattern in plan.norms):

@@ -19,8 +19,9 @@ from torch import nn
 from plait.config import ConfigError
 from plait.mesh import Mesh
 from plait.tp.layers import (
-    ColumnParallelLinear, ExpertMajorRegion, ExpertsRegion, RouterLogitsGather, RowParallelLinear, ScaledVocabParallelEmbedding, SplitRMSNorm, TPRegionEntry,
-    VocabParallelEmbedding, WholeSequenceRegion,
+    ColumnParallelLinear, ExpertMajorRegion, ExpertsRegion, RouterLogitsGather, RowParallelLinear,
+    ScaledVocabParallelEmbedding, SplitRMSNorm, TokenShareRegion, TPRegionEntry, VocabParallelEmbedding,
+    WholeSequenceRegion,
 )
 from plait.tp.sharding import ModuleShard, ShardSpec, even_range, linear_shape, linear_shard, vocab_split
 
@@ -609,3 +610,24 @@ class ExpertMajorExperts(MoEExperts):
 
     label: ClassVar[str] = "moe_experts_expert_major"
     region: ClassVar[type] = ExpertMajorRegion
+
+
+@dataclass(frozen=True)
+class WholeExperts(MoEExperts):
+    """A routed experts module kept whole on every tp rank (expert tensor parallelism off): each tp rank computes
+    its own tokens' pairs through whole experts (under SP its sequence shard; without SP a 1/tp share of the rows,
+    ``layers.TokenShareRegion``), so no activation crosses tp inside the experts and their weight gradients,
+    each covering a share of the tokens, are summed over tp. With expert parallelism the ep all-to-all then moves
+    each tp rank's own tokens."""
+
+    label: ClassVar[str] = "moe_experts_whole"
+
+    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
+        specs = {leaf: ShardSpec(tuple(p.shape)) for leaf, p in module.named_parameters(recurse=False)}
+        first = next(iter(specs.values()))
+        return [ModuleShard(name, self, False, first, None, grad_sum_block=tp, params=specs)]
+
+    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
+        if not ctx.sequence_parallel:
+            TokenShareRegion(ctx.mesh.tp_group).install(module)
+        return module
