@@ -15,19 +15,22 @@ from plait.parallelize import ParallelModel
 
 def gather_full(pmodel: ParallelModel, name: str, local: torch.Tensor) -> torch.Tensor:
     """The full logical tensor of parameter ``name`` (or of its gradient) from every tp rank's shard (and, for
-    an expert parameter under expert parallelism, every ep rank's experts)."""
-    spec = pmodel.param_specs[name]
-    if spec.dim is None:
-        held = local.detach().clone()
-    else:
-        pieces = comm.all_gather(local.detach().unsqueeze(0), pmodel.mesh.tp_group, dim=0)
-        shape = spec.full_shape if spec.experts is None else (spec.local_shape[0], *spec.full_shape[1:])
-        held = local.new_zeros(shape)  # the full tensor, or under ep this rank's experts, each whole
-        for rank, piece in enumerate(pieces):  # tp splits inside each expert (never dim 0)
-            pmodel.plan.specs_by_rank[rank][name].place(piece, held)
-    if spec.experts is None:
-        return held
-    return comm.all_gather(held.contiguous(), pmodel.mesh.ep_group, dim=0)  # ep ranks hold consecutive experts
+    a tensor stacked over experts under expert parallelism, every ep rank's experts)."""
+    spec, mesh, plan = pmodel.param_specs[name], pmodel.mesh, pmodel.plan
+    pieces, tp_ranks = local.detach().unsqueeze(0), [mesh.tp_rank]  # [tp ranks, *local]
+    if spec.dim is not None:
+        pieces, tp_ranks = comm.all_gather(pieces, mesh.tp_group, dim=0), range(mesh.tp)
+    pieces, ep_ranks = pieces.unsqueeze(0), [None]  # [ep ranks, tp ranks, *local]
+    if spec.experts is not None:
+        pieces, ep_ranks = comm.all_gather(pieces, mesh.ep_group, dim=0), range(plan.ep.size)
+    full = local.new_zeros(spec.full_shape)
+    for ep_rank, row in zip(ep_ranks, pieces):
+        for tp_rank, piece in zip(tp_ranks, row):
+            shard = plan.specs_by_rank[tp_rank][name]
+            if ep_rank is not None:
+                shard = shard.with_experts(*plan.ep.expert_range(ep_rank))
+            shard.place(piece, full)
+    return full
 
 
 def gather_logits(pmodel: ParallelModel, local_logits: torch.Tensor) -> torch.Tensor:

@@ -261,7 +261,9 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
         sp_params = sp_grad_sum_params(model, plan.sp_plan, shards)
         install_sequence_parallel(model, plan.sp_plan, mesh.tp_group, applied.head_is_parallel, owns)
     if plan.lora is not None:  # after the SP region is checked: LoRA's own sums are in lora/layout.py
-        applied.grad_sums += apply_lora(model, plan.lora, mesh, config.sequence_parallel, owns, lora_seed)
+        sums, expert_factors = apply_lora(model, plan.lora, mesh, config.sequence_parallel, owns, lora_seed, plan.ep)
+        applied.grad_sums += sums
+        experts += expert_factors
     if config.tp > 1:
         rng = install_dropout_rng(model, mesh.tp_rank, *_dropout_regions(model, plan, shards, owns))
         for module in model.modules():

@@ -25,6 +25,11 @@ LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DATA_FORMATS = ("auto", "text", "chat", "prompt_completion")
 
 
+def _names(listed: str) -> list[str]:
+    """The names of a comma-separated flag (empty: none)."""
+    return [name.strip() for name in listed.split(",") if name.strip()]
+
+
 @dataclass
 class TrainArgs:
     model_config: str | None = field(default=None, metadata={"help": "transformers config.json: random init"})
@@ -85,14 +90,16 @@ class TrainArgs:
     lora_r: int = field(default=0, metadata={"help": "train LoRA adapters of this rank on the frozen model (0: train every parameter)"})
     lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r (peft's LoraConfig)"})
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input (peft's lora_dropout)"})
-    lora_target_modules: str | None = field(default=None, metadata={"help": "comma-separated module names as peft takes them (default: the attention and MLP projections of the adapter's TP plan)"})
+    lora_target_modules: str | None = field(default=None, metadata={"help": "comma-separated module names as peft takes them (default: the attention and MLP projections of the adapter's TP plan; '': none, with --lora_target_parameters)"})
+    lora_target_parameters: str | None = field(default=None, metadata={"help": "comma-separated expert parameters as peft's target_parameters takes them, e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj (routed experts' stacked weights; no --lora_dropout)"})
 
     def lora(self) -> "LoraConfig | None":
         """peft's LoraConfig from the --lora_* flags (None without --lora_r)."""
         if not self.lora_r:
             return None
-        targets = [t.strip() for t in self.lora_target_modules.split(",") if t.strip()] if self.lora_target_modules else None
-        return lora_config(self.lora_r, self.lora_alpha, self.lora_dropout, targets)
+        targets = None if self.lora_target_modules is None else _names(self.lora_target_modules)
+        parameters = {"target_parameters": _names(self.lora_target_parameters)} if self.lora_target_parameters else {}
+        return lora_config(self.lora_r, self.lora_alpha, self.lora_dropout, targets, **parameters)
 
     def validate(self) -> None:
         """Checks that need no model: fail before any process group or file exists."""

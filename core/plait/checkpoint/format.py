@@ -61,23 +61,10 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 
 def spec_boxes(spec: ShardSpec) -> list[tuple[Box, tuple[int, ...]]]:
-    """(box of the full tensor, start of that box in the local tensor) for each range of ``spec``.
-
-    Vocab padding is not part of any box: it is never saved as data.
-    """
-    rank = len(spec.full_shape)
-    whole = list(full_box(spec.full_shape))
-    if spec.experts is not None:  # expert parallelism: this rank's experts only (dim 0)
-        whole[0] = spec.experts
-    if spec.dim is None:
-        return [(tuple(whole), (0,) * rank)]
-    pieces, offset = [], 0
-    for a, b in spec.ranges:
-        box = tuple((a, b) if d == spec.dim else whole[d] for d in range(rank))
-        at = tuple(offset if d == spec.dim else 0 for d in range(rank))
-        pieces.append((box, at))
-        offset += b - a
-    return pieces
+    """(box of the full tensor, start of that box in the local tensor) for each block ``spec`` holds (tp ranges,
+    and under ep the experts' ranges, wherever its ``expert_axis`` puts them). Vocab padding is not part of any
+    box: it is never saved as data."""
+    return spec.boxes()
 
 
 def uncovered(target: Box, boxes: Iterable[Box]) -> Box | None:

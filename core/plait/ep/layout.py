@@ -42,9 +42,11 @@ class EPPlan:
         return param_name.rpartition(".")[0] in self.modules
 
     def localize(self, specs: dict[str, ShardSpec], ep_rank: int) -> dict[str, ShardSpec]:
-        """``specs`` (one tp rank's) with each expert parameter restricted to ep rank ``ep_rank``'s experts."""
+        """``specs`` (one tp rank's) with each expert parameter, and each tensor whose spec says where it stacks
+        experts (``expert_axis``: LoRA factors on them), restricted to ep rank ``ep_rank``'s experts."""
         start, stop = self.expert_range(ep_rank)
-        return {name: spec.with_experts(start, stop) if self.owns(name) else spec for name, spec in specs.items()}
+        return {name: spec.with_experts(start, stop) if self.owns(name) or spec.expert_axis is not None else spec
+                for name, spec in specs.items()}
 
 
 def routed_experts(model: nn.Module) -> dict[str, nn.Module]:

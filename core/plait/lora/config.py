@@ -1,7 +1,8 @@
 """LoRA settings as peft's own ``LoraConfig``: plait reads its semantics and writes its format.
 
 plait owns only the parallel layers (``lora/layers.py``); the meaning of r, alpha, dropout, target modules
-(matched by peft's ``check_target_module_exists``), the scaling (alpha / r, or alpha / sqrt(r) with rsLoRA)
+(matched by peft's ``check_target_module_exists``), target parameters (routed experts' stacked weights, adapted as
+peft's ``ParamWrapper`` does: ``lora/experts.py``), the scaling (alpha / r, or alpha / sqrt(r) with rsLoRA)
 and the initialisation (A kaiming-uniform, B zeros; both kaiming-uniform for ``init_lora_weights=False``)
 are peft's. Options peft has that change the layer itself (DoRA, LoRA biases, per-module ranks, ...) are
 refused here, by name, before any process group exists.
@@ -20,7 +21,7 @@ if TYPE_CHECKING:  # peft is imported only where LoRA is used: it costs every pr
 # LoraConfig fields plait implements, and the value every other field must keep (peft's default)
 _REFUSED_UNLESS_DEFAULT = (
     "use_dora", "lora_bias", "rank_pattern", "alpha_pattern", "modules_to_save", "layer_replication",
-    "target_parameters", "trainable_token_indices", "use_qalora", "loftq_config", "eva_config", "corda_config",
+    "trainable_token_indices", "use_qalora", "loftq_config", "eva_config", "corda_config",
 )
 
 
@@ -53,7 +54,12 @@ def check_supported(config: LoraConfig) -> None:
         changed.append(f"init_lora_weights={config.init_lora_weights!r}")
     if changed:
         raise ConfigError(f"LoRA options {changed} are not supported by plait's parallel LoRA layers; use plain "
-                          f"LoRA (r, lora_alpha, lora_dropout, target_modules, use_rslora, init_lora_weights)")
+                          f"LoRA (r, lora_alpha, lora_dropout, target_modules, target_parameters, use_rslora, "
+                          f"init_lora_weights)")
+    if config.target_parameters and config.lora_dropout:
+        raise ConfigError(f"--lora_dropout={config.lora_dropout} with --lora_target_parameters "
+                          f"{config.target_parameters}: a parameter's update is added to the weight, which has no "
+                          f"input to drop (peft refuses it too); use --lora_dropout 0")
 
 
 def scaling(config: LoraConfig) -> float:

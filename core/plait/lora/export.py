@@ -4,7 +4,8 @@ Both start from full LoRA tensors under plait's names (``model.layers.0.self_att
 names without its ``base_model.model.`` prefix and adapter name), read from a checkpoint (``consolidate_lora``)
 or gathered from a running model (``gather_lora``). The adapter is written with peft's own config class and
 key names, so ``PeftModel.from_pretrained(base, dir)`` loads it on the unmodified base; the merged model is
-``W + scale * B @ A`` (transposed for Conv1D weights), saved with ``save_pretrained``.
+``W + scale * B @ A`` (transposed for Conv1D weights; per expert for an expert parameter), saved with
+``save_pretrained``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from plait.config import ConfigError, ParallelConfig
 from plait.gather import gather_full
 from plait.lora.base import check_base, saved_lora
 from plait.lora.config import scaling
-from plait.lora.layout import LORA_A, LORA_B
+from plait.lora.experts import updated
+from plait.lora.layout import LORA_A, LORA_B, parameter_targets
 from plait.materialize import load_parallel_model
 from plait.meta import build_meta_model
 
@@ -93,19 +95,27 @@ def save_adapter(path: str | os.PathLike, tensors: dict[str, torch.Tensor], conf
 
 @torch.no_grad()
 def merge_into(model: nn.Module, tensors: dict[str, torch.Tensor], config: LoraConfig) -> nn.Module:
-    """Add ``scale * B @ A`` to every adapted weight of ``model`` (a whole transformers model), in place."""
+    """Add ``scale * B @ A`` to every adapted weight of ``model`` (a whole transformers model), in place; per
+    expert for an expert parameter (``lora/experts.py``)."""
     from transformers.pytorch_utils import Conv1D
 
     scale = scaling(config)
     suffix = f".{LORA_A}.weight"
+    parameters = parameter_targets(model, config)
     for name in (n for n in tensors if n.endswith(suffix)):
-        module_name = name[: -len(suffix)]
-        module = model.get_submodule(module_name)
-        a, b = tensors[name].float(), tensors[f"{module_name}.{LORA_B}.weight"].float()
-        delta = (b @ a) * scale  # [out, in]
-        if isinstance(module, Conv1D):
-            delta = delta.T
-        module.weight.copy_((module.weight.float() + delta).to(module.weight.dtype))
+        prefix = name[: -len(suffix)]
+        a, b = tensors[name].float(), tensors[f"{prefix}.{LORA_B}.weight"].float()
+        if prefix in parameters:
+            module_name, leaf = parameters[prefix]
+            module = model.get_submodule(module_name)
+            weight = module.get_parameter(leaf)
+            merged = updated(weight.float(), a, b, scale, getattr(module, "is_transposed", False))
+        else:
+            module = model.get_submodule(prefix)
+            weight = module.weight
+            delta = (b @ a) * scale  # [out, in]
+            merged = weight.float() + (delta.T if isinstance(module, Conv1D) else delta)
+        weight.copy_(merged.to(weight.dtype))
     return model
 
 

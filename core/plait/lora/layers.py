@@ -1,5 +1,7 @@
 """LoRA on plait's layers: A and B registered on the base layer (``<base>.lora_A.weight``, peft's names) and a
-forward hook adding ``scale * B(A(dropout(x)))`` to the base output, with the collectives of its base.
+forward hook adding ``scale * B(A(dropout(x)))`` to the base output, with the collectives of its base. On an
+experts module's parameters (peft's ``target_parameters``) the factors sit under peft's names for them and the
+module runs on the updated weights (``lora/experts.py``).
 
 The base layer is left as it is (its class, its parameter names, its hooks), so tensor, sequence and pipeline
 parallelism, activation checkpointing and checkpoints see the same modules with LoRA or without.
@@ -7,14 +9,20 @@ parallelism, activation checkpointing and checkpoints see the same modules with 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.lora.layout import LORA_A, LORA_B, LoraPlan
+from plait.lora import experts
+from plait.lora.layout import LORA_A, LORA_B, WRAPPER, LoraPlan
 from plait.mesh import Mesh
 from plait.seeds import init_seed
 from plait.tp import mappings
+
+if TYPE_CHECKING:
+    from plait.ep.layout import EPPlan
 
 
 class LoraWeight(nn.Module):
@@ -64,32 +72,59 @@ def local_init(plan: LoraPlan, name: str, spec, seed: int, dtype: torch.dtype) -
 
 def apply_lora(
     model: nn.Module, plan: LoraPlan, mesh: Mesh, sequence_parallel: bool, owns, seed: int = 0,
-) -> list[tuple[nn.Parameter, object]]:
-    """Freeze every parameter of ``model``, add this rank's LoRA matrices to its adapted modules (on the base
-    weight's device; left empty on meta for ``materialize``) and return the (parameter, group) pairs whose
-    gradients are summed over a group of tp ranks."""
+    ep: EPPlan | None = None,
+) -> tuple[list[tuple[nn.Parameter, object]], list[nn.Parameter]]:
+    """Freeze every parameter of ``model``, add this rank's LoRA matrices to its adapted modules and expert
+    parameters (on the base weight's device; left empty on meta for ``materialize``). Returns the (parameter,
+    group) pairs whose gradients are summed over a group of tp ranks, and under ``ep`` the factors of this
+    rank's experts (their gradients are summed over the expert-replica group, as the experts' own are)."""
     for param in model.parameters():
         param.requires_grad_(False)
-    sums = []
+    specs = plan.specs(mesh.tp_rank)
+    if ep is not None:
+        specs = ep.localize(specs, mesh.ep_rank)
+    sums, expert_factors = [], []
+    adapted: dict[str, dict[str, nn.Module]] = {}  # experts module -> {parameter: holder of its factors}
     for name, placed in plan.modules_by_rank[mesh.tp_rank].items():
-        if not owns(name):
+        if not owns(placed.module):
             continue
-        base = model.get_submodule(name)
-        weight = base.weight
-        for attr, spec, pname in ((LORA_A, placed.a, placed.a_name), (LORA_B, placed.b, placed.b_name)):
+        base = model.get_submodule(placed.module)
+        if placed.parameter is None:
+            weight, holder = base.weight, base
+        else:
+            weight = base.get_parameter(placed.parameter)
+            holder = _holder(base, name.removeprefix(placed.module).count(f".{WRAPPER}"))
+        for attr, pname in ((LORA_A, placed.a_name), (LORA_B, placed.b_name)):
             if weight.is_meta:
-                local = torch.empty(spec.local_shape, dtype=weight.dtype, device="meta")
+                local = torch.empty(specs[pname].local_shape, dtype=weight.dtype, device="meta")
             else:
-                local = local_init(plan, pname, spec, seed, weight.dtype).to(weight.device)
-            setattr(base, attr, LoraWeight(local))
-        base.lora_dropout = LoraDropout(plan.config.lora_dropout, placed.kind != "row") if plan.config.lora_dropout \
-            else nn.Identity()
-        base.register_forward_hook(_row_hook(plan.scale, mesh, sequence_parallel) if placed.kind == "row"
-                                   else _column_hook(plan.scale))
-        for param, block in ((base.lora_A.weight, placed.a_grad_sum), (base.lora_B.weight, placed.b_grad_sum)):
+                local = local_init(plan, pname, specs[pname], seed, weight.dtype).to(weight.device)
+            setattr(holder, attr, LoraWeight(local))
+        if placed.parameter is not None:
+            adapted.setdefault(placed.module, {})[placed.parameter] = holder
+            if ep is not None:
+                expert_factors += [holder.lora_A.weight, holder.lora_B.weight]
+        else:
+            base.lora_dropout = LoraDropout(plan.config.lora_dropout, placed.kind != "row") \
+                if plan.config.lora_dropout else nn.Identity()
+            base.register_forward_hook(_row_hook(plan.scale, mesh, sequence_parallel) if placed.kind == "row"
+                                       else _column_hook(plan.scale))
+        for param, block in ((holder.lora_A.weight, placed.a_grad_sum), (holder.lora_B.weight, placed.b_grad_sum)):
             if block > 1:
                 sums.append((param, mesh.tp_group if block == mesh.tp else mesh.tp_block_group(block)))
-    return sums
+    for module, factors in adapted.items():
+        experts.install(model.get_submodule(module), factors, plan.scale)
+    return sums, expert_factors
+
+
+def _holder(module: nn.Module, wrappers: int) -> nn.Module:
+    """The module holding the factors of one of ``module``'s parameters: ``module`` itself, or inside it an empty
+    module for each of peft's ``wrappers`` around it, so that the factors have peft's names."""
+    for _ in range(wrappers):
+        if not hasattr(module, WRAPPER):
+            setattr(module, WRAPPER, nn.Module())
+        module = getattr(module, WRAPPER)
+    return module
 
 
 def _column_hook(scale: float):

@@ -11,6 +11,7 @@ found before any process group or weight read.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,15 +23,36 @@ from transformers.pytorch_utils import Conv1D
 from plait.config import ConfigError
 
 
+Box = tuple[tuple[int, int], ...]  # a block of a tensor: [start, stop) per dim
+
+
+@dataclass(frozen=True)
+class ExpertAxis:
+    """Where a tensor stacked over experts keeps each expert, along ``dim``: ``runs`` consecutive runs over all
+    the experts in order, ``block`` entries per expert in each run. transformers' expert weights ([E, ...]) are
+    the default: dim 0, one run, one entry per expert. peft's LoRA factors on them (``ParamWrapper``) are A
+    [r * E, in], expert-major (dim 0, one run of r rows per expert), and B [out, r * E], rank-major (dim 1,
+    r runs of one column per expert)."""
+
+    dim: int = 0
+    runs: int = 1
+    block: int = 1
+
+    def ranges(self, size: int, start: int, stop: int) -> tuple[tuple[int, int], ...]:
+        """The index ranges along ``dim`` (of length ``size``) holding experts [start, stop)."""
+        run = size // self.runs
+        return tuple((i * run + start * self.block, i * run + stop * self.block) for i in range(self.runs))
+
+
 @dataclass(frozen=True)
 class ShardSpec:
     """How a local tensor maps onto the full logical tensor.
 
     The local tensor is the concatenation along ``dim`` of ``full.narrow(dim, start, stop - start)`` for
     each (start, stop) in ``ranges``, followed by ``pad`` zero slices (vocab padding). ``dim`` None means
-    replicated (local == full). ``experts``: a range of whole experts (dim 0 of a tensor stacked over experts)
-    that this rank holds under expert parallelism, applied before ``dim`` / ``ranges`` (which then split
-    each expert, as tp does on its intermediate dimension).
+    replicated (local == full). ``experts``: a range of whole experts that this rank holds under expert
+    parallelism, found along ``expert_axis`` (dim 0, one entry per expert, when None); ``dim`` / ``ranges``
+    then split each expert on another dim, as tp does on the intermediate dimension.
     """
 
     full_shape: tuple[int, ...]
@@ -38,52 +60,63 @@ class ShardSpec:
     ranges: tuple[tuple[int, int], ...] = ()
     pad: int = 0
     experts: tuple[int, int] | None = None
+    expert_axis: ExpertAxis | None = None
 
     def __post_init__(self) -> None:
-        if self.experts is not None and self.dim == 0:
-            raise ValueError(f"a shard split on dim 0 cannot also hold a range of experts (dim 0): {self}")
+        if self.experts is not None and self.dim == self.axis.dim:
+            raise ValueError(f"a shard split on dim {self.dim} cannot also hold a range of experts there: {self}")
+
+    @property
+    def axis(self) -> ExpertAxis:
+        return self.expert_axis or ExpertAxis()
 
     def with_experts(self, start: int, stop: int) -> "ShardSpec":
-        """This spec restricted to experts [start, stop) of dim 0."""
+        """This spec restricted to experts [start, stop)."""
         return dataclasses.replace(self, experts=(start, stop))
+
+    def _dim_ranges(self) -> list[tuple[tuple[int, int], ...]]:
+        """The ranges of the full tensor this shard holds along each dim (padding aside)."""
+        held = [((0, size),) for size in self.full_shape]
+        if self.experts is not None:
+            held[self.axis.dim] = self.axis.ranges(self.full_shape[self.axis.dim], *self.experts)
+        if self.dim is not None:
+            held[self.dim] = tuple(self.ranges)
+        return held
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        shape = list(self.full_shape)
+        shape = [sum(b - a for a, b in ranges) for ranges in self._dim_ranges()]
         if self.dim is not None:
-            shape[self.dim] = sum(b - a for a, b in self.ranges) + self.pad
-        if self.experts is not None:
-            shape[0] = self.experts[1] - self.experts[0]
+            shape[self.dim] += self.pad
         return tuple(shape)
 
-    def _held(self, full: torch.Tensor) -> torch.Tensor:
-        """The experts of ``full`` this rank holds (all of it without expert parallelism)."""
-        if self.experts is None:
-            return full
-        return full.narrow(0, self.experts[0], self.experts[1] - self.experts[0])
+    def boxes(self) -> list[tuple[Box, tuple[int, ...]]]:
+        """(box of the full tensor, start of that box in the local tensor) for each block this shard holds, in
+        the local tensor's order; padding is in no box."""
+        per_dim = []
+        for ranges in self._dim_ranges():
+            starts = itertools.accumulate((b - a for a, b in ranges), initial=0)
+            per_dim.append(list(zip(ranges, starts)))
+        return [(tuple(r for r, _ in cell), tuple(s for _, s in cell)) for cell in itertools.product(*per_dim)]
 
     def slice_full(self, full: torch.Tensor) -> torch.Tensor:
-        """This shard of a full tensor (a copy)."""
-        full = self._held(full)
-        if self.dim is None:
-            return full.clone()
-        pieces = [full.narrow(self.dim, a, b - a) for a, b in self.ranges]
-        if self.pad:
-            pad_shape = list(full.shape)
-            pad_shape[self.dim] = self.pad
-            pieces.append(full.new_zeros(pad_shape))
-        return torch.cat(pieces, dim=self.dim).contiguous()
+        """This shard of a full tensor (a copy; padding zero)."""
+        local = full.new_zeros(self.local_shape)
+        for box, at in self.boxes():
+            _view(local, box, at).copy_(_view(full, box))
+        return local
 
     def place(self, local: torch.Tensor, full: torch.Tensor) -> None:
         """Write this shard's data (not its padding) into ``full``."""
-        full = self._held(full)
-        if self.dim is None:
-            full.copy_(local)
-            return
-        offset = 0
-        for a, b in self.ranges:
-            full.narrow(self.dim, a, b - a).copy_(local.narrow(self.dim, offset, b - a))
-            offset += b - a
+        for box, at in self.boxes():
+            _view(full, box).copy_(_view(local, box, at))
+
+
+def _view(tensor: torch.Tensor, box: Box, at: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The block of ``tensor`` the size of ``box``, starting at ``at`` (default: at the box's own start)."""
+    for d, (a, b) in enumerate(box):
+        tensor = tensor.narrow(d, a if at is None else at[d], b - a)
+    return tensor
 
 
 @dataclass
