@@ -176,18 +176,19 @@ def test_cli_plan_json_and_search(tmp_path, capsys):
     assert "LoRA" in capsys.readouterr().err
 
 
-def test_routed_experts_are_refused_in_one_line(tmp_path, capsys):
-    """The meta device cannot route tokens: plait plan says so instead of failing inside transformers."""
+def test_unrecognised_experts_are_refused_in_one_line(tmp_path, capsys):
+    """Llama4's expert-major experts are not a transformers experts module: plait plan says so instead of failing
+    inside transformers."""
     from plait_transformers import plait_tiny_config
 
     path = tmp_path / "config.json"
-    plait_tiny_config("mixtral").to_json_file(path)
+    plait_tiny_config("llama4_text").to_json_file(path)
     with pytest.raises(SystemExit):
-        main(["plan", "--model_config", str(path), "--block_size", "16", "--tensor_parallel_size", "2",
-              "--world_size", "2"])
+        main(["plan", "--model_config", str(path), "--block_size", "16", "--world_size", "1"])
     err = capsys.readouterr().err
-    assert "does not model the activations of routed experts yet (mixtral: model.layers.0.mlp.experts" in err
-    assert "Traceback" not in err
+    assert "models transformers' experts modules (use_experts_implementation), not llama4_text's " \
+           "model.layers.0.feed_forward.experts.gate_up_proj" in err
+    assert "Traceback" not in err and err.strip().count("\n") == 0
 
 
 # Context parallelism: every rank holds S/C tokens; attention moves q/k/v/out (all-to-all) or k/v (ring).
@@ -357,3 +358,4 @@ def test_cli_plan_cp(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--model_config", str(path), "--block_size", "18", "--context_parallel_size", "2"])
     assert "not divisible by 2*cp = 4" in capsys.readouterr().err
+
