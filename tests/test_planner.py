@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MixtralConfig
 
 import plait
 from plait import AdapterInfo, ParallelConfig, Registry, TPPlan, hookimpl
@@ -176,18 +176,19 @@ def test_cli_plan_json_and_search(tmp_path, capsys):
     assert "LoRA" in capsys.readouterr().err
 
 
-def test_routed_experts_are_refused_in_one_line(tmp_path, capsys):
-    """The meta device cannot route tokens: plait plan says so instead of failing inside transformers."""
+def test_unrecognised_experts_are_refused_in_one_line(tmp_path, capsys):
+    """Llama4's expert-major experts are not a transformers experts module: plait plan says so instead of failing
+    inside transformers."""
     from plait_transformers import plait_tiny_config
 
     path = tmp_path / "config.json"
-    plait_tiny_config("mixtral").to_json_file(path)
+    plait_tiny_config("llama4_text").to_json_file(path)
     with pytest.raises(SystemExit):
-        main(["plan", "--model_config", str(path), "--block_size", "16", "--tensor_parallel_size", "2",
-              "--world_size", "2"])
+        main(["plan", "--model_config", str(path), "--block_size", "16", "--world_size", "1"])
     err = capsys.readouterr().err
-    assert "does not model the activations of routed experts yet (mixtral: model.layers.0.mlp.experts" in err
-    assert "Traceback" not in err
+    assert "models transformers' experts modules (use_experts_implementation), not llama4_text's " \
+           "model.layers.0.feed_forward.experts.gate_up_proj" in err
+    assert "Traceback" not in err and err.strip().count("\n") == 0
 
 
 # Context parallelism: every rank holds S/C tokens; attention moves q/k/v/out (all-to-all) or k/v (ring).
@@ -357,3 +358,141 @@ def test_cli_plan_cp(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--model_config", str(path), "--block_size", "18", "--context_parallel_size", "2"])
     assert "not divisible by 2*cp = 4" in capsys.readouterr().err
+
+
+# Routed experts (MoE) and expert parallelism: E/ep experts per rank, the dispatch/combine all-to-alls.
+
+def tiny_mixtral(layers: int = 2) -> MixtralConfig:
+    """4 experts of intermediate size 64 (gate_up_proj [4, 128, 32], down_proj [4, 32, 64]), top 2."""
+    return MixtralConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                         max_position_embeddings=64)
+
+
+# tiny_mixtral's parameters by hand: per layer q 32x32, k and v 16x32, o 32x32, two norms of 32, router 4x32
+# (7 tensors); embedding and head 61x32, final norm 32 (3 tensors). Experts per layer: 4*128*32 + 4*32*64.
+DENSE, DENSE_TENSORS = 2 * (1024 + 512 + 512 + 1024 + 32 + 32 + 128) + 2 * 61 * 32 + 32, 2 * 7 + 3
+EXPERTS = 2 * (4 * 128 * 32 + 4 * 32 * 64)
+
+
+def _moe(seq: int = 16):
+    registry = default_registry()
+    model = build_meta_model(tiny_mixtral())
+    return model, trace_activations(model, seq, registry, registry.resolve(model.config))
+
+
+def test_ep_divides_the_experts_and_shards_their_state_over_the_expert_replicas():
+    """dp=4 ep=2 with ZeRO-1: each rank holds the dense parameters and 2 of the 4 experts of each layer; the dense
+    state is sharded over the 4 replicas, the expert state over the 2 ranks holding the same experts, whose 4
+    tensors (gate_up 2*128*32 = 8192 elements, down 2*32*64 = 4096, per layer) go largest first to the
+    least-loaded: 8192 + 4096 elements, 2 tensors each."""
+    model, trace = _moe()
+    estimate = _estimate(model, ParallelConfig(ep=2, zero_1=True), 4, Batch(2, 16), trace)
+    assert DENSE + EXPERTS == sum(p.numel() for p in model.parameters())
+    held = DENSE + EXPERTS // 2
+    expert_state = (8192 + 4096) * 8 + 2 * 4  # fp32 exp_avg and exp_avg_sq, a float32 step per tensor
+    assert [r.static.parameters for r in estimate.ranks] == [4 * held] * 4
+    assert [r.static.gradients for r in estimate.ranks] == [4 * held] * 4
+    dense_state = [r.static.optimizer - expert_state for r in estimate.ranks]
+    assert sum(dense_state) == DENSE * 8 + DENSE_TENSORS * 4 and all(d > 0 for d in dense_state)
+    assert sum(r.static.stepped for r in estimate.ranks) == DENSE + 4 * (8192 + 4096)
+    # gradients: the dense ones reduced over dp=4, the expert ones over their 2 holders; parameters broadcast
+    ops = {(o.group, o.op): (o.count, o.bytes) for o in estimate.comm[0]}
+    assert ops["dp", "reduce"][1] == 4 * DENSE and ops["dp", "broadcast"] == (DENSE_TENSORS, 4 * DENSE)
+    assert ops["edp", "reduce"][1] == 4 * EXPERTS // 2 and ops["edp", "broadcast"] == (4, 4 * EXPERTS // 2)
+    # without ZeRO-1 every rank steps all it holds; ep=1 holds every expert
+    plain = _estimate(model, ParallelConfig(ep=2), 4, Batch(2, 16), trace).ranks[0].static
+    assert plain.optimizer == held * 8 + (DENSE_TENSORS + 4) * 4
+    assert _estimate(model, ParallelConfig(), 4, Batch(2, 16), trace).ranks[0].static.parameters == \
+        4 * (DENSE + EXPERTS)
+
+
+def test_ep_that_does_not_divide_the_experts_is_refused_in_one_line(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    tiny_mixtral().to_json_file(path)
+    with pytest.raises(SystemExit):
+        main(["plan", "--model_config", str(path), "--block_size", "16", "--expert_parallel_size", "3",
+              "--world_size", "3"])
+    err = capsys.readouterr().err
+    assert "ep=3 does not divide the 4 experts of model.layers.0.mlp.experts; choose an ep that divides 4 " \
+           "(1, 2, 4) and dp*cp" in err
+    assert "Traceback" not in err and err.strip().count("\n") == 0
+    dense = tmp_path / "llama.json"
+    tiny_llama().to_json_file(dense)
+    with pytest.raises(SystemExit):
+        main(["plan", "--model_config", str(dense), "--block_size", "16", "--expert_parallel_size", "2"])
+    assert "ep=2 divides routed experts, and llama has none; drop --expert_parallel_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pp,recompute", [(1, False), (1, True), (2, False)])
+def test_ep_all_to_alls_follow_the_formula(pp, recompute):
+    """Per MoE layer and micro-batch: dispatch and combine forward, both again in backward, and forward again when
+    recomputed, each handing in the micro-batch's tokens x top_k hidden vectors; one exchange of the 4 experts'
+    int64 pair counts before each forward. pp=2: each rank runs 1 of the 2 layers, m=2 micro-batches."""
+    model, trace = _moe()
+    m, batch, seq, accumulation = (2 if pp > 1 else 1), 4, 16, 2
+    layout = ParallelConfig(ep=2, pp=pp, num_microbatches=m, gradient_checkpointing=recompute)
+    estimate = _estimate(model, layout, 2 * pp, Batch(batch, seq, accumulation), trace)
+    layers, r = 2 // pp, int(recompute)
+    vectors = batch * seq * 2 * 32 * 4  # every local token's 2 pairs, hidden size 32, fp32
+    count = accumulation * layers * m * (4 + 2 * r + 1 + r)
+    size = accumulation * layers * ((4 + 2 * r) * vectors + m * (1 + r) * 4 * 8)
+    for ops in estimate.comm.values():
+        rows = {(o.group, o.op): o for o in ops if o.group == "ep"}
+        assert set(rows) == {("ep", "all_to_all"), ("ep", "all_reduce")}  # and the grad norm's expert part
+        op = rows["ep", "all_to_all"]
+        assert (op.count, op.bytes) == (count, size)
+        assert op.ring(2) == size / 2  # (ep-1)/ep of each all-to-all leaves the rank
+
+
+def test_moe_activations_follow_transformers_grouped_mm_and_scale_with_imbalance(tmp_path, capsys):
+    """What transformers' grouped-matmul experts forward saves for S = 16 tokens x 2 pairs: three int64 indices
+    (the sort's permutation, the token of each pair, the inverse permutation), the gathered tokens and the down
+    projection's output [S, 32], the routing weights [S]: whole on every tp rank; the up projection's output
+    [S, 128], the gated activation and the down projection's input [S, 64]: split by tp. --moe_imbalance F scales
+    them under ep (the busiest rank's pairs), not at ep=1 (a rank computes all its own pairs)."""
+    model, trace = _moe()
+    pairs = 16 * 2
+    whole, split = 3 * pairs * 8 + 2 * pairs * 32 * 4 + pairs * 4, pairs * (128 + 64 + 64) * 4
+    for unit in trace.layers:
+        assert sum(s.nbytes for s in unit.saved if s.expert == "whole") == whole
+        assert sum(s.nbytes for s in unit.saved if s.expert == "split") == split
+        assert [(c.tokens, c.top_k, c.num_experts) for c in unit.routed] == [(16, 2, 4)]
+    registry = default_registry()
+
+    def per_microbatch(config: ParallelConfig, world: int, imbalance: float) -> int:
+        plan = plan_layout(model, config, world, registry)
+        estimate = estimate_layout(model, plan, Batch(2, 16), Precision(), trace, moe_imbalance=imbalance)
+        return estimate.ranks[0].activations.per_microbatch
+
+    experts_tp2 = 2 * 2 * (whole + split // 2)  # 2 layers, 2 sequences
+    assert per_microbatch(ParallelConfig(tp=2, ep=2), 4, 1.5) - per_microbatch(ParallelConfig(tp=2, ep=2), 4, 1.0) \
+        == experts_tp2 // 2
+    assert per_microbatch(ParallelConfig(), 1, 1.5) == per_microbatch(ParallelConfig(), 1, 1.0)
+    path = tmp_path / "config.json"
+    tiny_mixtral().to_json_file(path)
+    main(["plan", "--model_config", str(path), "--block_size", "16", "--expert_parallel_size", "2",
+          "--moe_imbalance", "1.5"])
+    out = capsys.readouterr().out
+    assert "balanced routing assumed" in out and "x1.5 on the busiest rank (--moe_imbalance 1.5)" in out
+    assert "dp=2 ep=2" in out  # the smallest world that carves ep=2 out of the replicas
+    with pytest.raises(SystemExit):
+        main(["plan", "--model_config", str(path), "--block_size", "16", "--moe_imbalance", "0.5"])
+    assert "--moe_imbalance=0.5 must be >= 1" in capsys.readouterr().err
+
+
+def test_search_offers_ep_where_it_makes_dp_fit(tmp_path, capsys):
+    """Within 1,000,000 bytes per device on 2 devices, dp=2 holds every expert and does not fit; dp=2 ep=2 holds
+    half of them and does, and its command carries --expert_parallel_size."""
+    path = tmp_path / "config.json"
+    tiny_mixtral().to_json_file(path)
+    main(["plan", "--model_config", str(path), "--block_size", "16", "--per_device_train_batch_size", "2",
+          "--world_size", "2", "--search", "--hardware", "h100", "--device_memory", str(1_000_000 / 2**30),
+          "--top", "100", "--json"])
+    found = json.loads(capsys.readouterr().out)
+    ranked = {r["layout"]: r["command"] for r in found["ranked"]}
+    refused = {r["layout"]: r["reason"] for r in found["refused"]}
+    assert "does not fit" in refused["tp=1 pp=1 dp=2"] and "does not fit" in refused["tp=1 pp=1 dp=2 zero1"]
+    assert "--expert_parallel_size 2" in ranked["tp=1 pp=1 dp=2 ep=2"]
+    assert "tp=1 pp=1 dp=2 ep=2 zero1" in ranked
+    assert not any("ep=" in layout for layout in ranked if "dp=1" in layout and "cp=2" not in layout)

@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--recalibrate", action="store_true", help="measure again, replacing the cached calibration")
     plan.add_argument("--search", action="store_true", help="rank every layout of the world that fits")
     plan.add_argument("--top", type=int, default=5, help="layouts --search prints (default: 5)")
+    plan.add_argument("--moe_imbalance", type=float, default=1.0, help="MoE under ep: the busiest rank's routed "
+                      "(token, expert) pairs over its even share, sizing its expert activations and FLOPs "
+                      "(default: 1, balanced routing)")
     plan.add_argument("--json", action="store_true", help="print JSON for tools")
     plan.add_argument("--show-derived", metavar="ARCH", default=None,
                       help="print the plans plait-transformers derives for ARCH (a model_type, a config.json or a "

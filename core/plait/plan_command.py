@@ -19,6 +19,7 @@ from plait.config import ConfigError
 from plait.costs.activations import trace_activations
 from plait.costs.device import PRESETS, calibrate
 from plait.costs.estimate import Batch, estimate_layout
+from plait.costs.experts import check_expert_parallel, expert_parameters
 from plait.costs.memory import Precision
 from plait.costs.render import estimate_json, print_estimate, print_search, search_json, world_of
 from plait.costs.search import search_layouts
@@ -29,10 +30,12 @@ from plait.pipeline.layout import rank_of_stage, stage_bytes, stage_rows
 from plait.registry import default_registry
 
 
-def parameter_bytes_per_rank(model: torch.nn.Module, specs_by_rank: list[dict]) -> list[int]:
-    """Local parameter bytes of each tp rank (tied parameters counted once)."""
+def parameter_bytes_per_rank(model: torch.nn.Module, specs_by_rank: list[dict], ep: int = 1) -> list[int]:
+    """Local parameter bytes of each tp rank (tied parameters counted once; experts divided over ``ep`` ranks)."""
     sizes = {name: p.element_size() for name, p in model.named_parameters()}  # de-duplicated names only
-    return [sum(math.prod(specs[name].local_shape) * size for name, size in sizes.items()) for specs in specs_by_rank]
+    experts = expert_parameters(model)
+    return [sum(math.prod(specs[name].local_shape) * size // (ep if name in experts else 1)
+                for name, size in sizes.items()) for specs in specs_by_rank]
 
 
 def print_pipeline(console: Console, model: torch.nn.Module, plan: LayoutPlan) -> None:
@@ -71,10 +74,14 @@ def print_plan(model: torch.nn.Module, plan: LayoutPlan) -> None:
         table.add_row(name, style, split, str(full), str(local), str(count))
     console.print(table)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    ep = plan.config.ep
     summary = Table("tp rank", "parameter bytes", "share of model")
-    for rank, size in enumerate(parameter_bytes_per_rank(model, list(plan.specs_by_rank))):
+    for rank, size in enumerate(parameter_bytes_per_rank(model, list(plan.specs_by_rank), ep)):
         summary.add_row(str(rank), f"{size:,}", f"{size / total:.3f}")
     console.print(summary)
+    if ep > 1:
+        console.print(f"expert parallelism: each rank holds 1/{ep} of every MoE layer's experts (dim 0 of the "
+                      f"weights above, after tp's split); ranks of an ep group hold different experts")
     console.print(f"unsharded model: {total:,} parameter bytes; everything not listed above is replicated")
     if plan.split is not None:
         print_pipeline(console, model, plan)
@@ -101,6 +108,10 @@ def train_command(args, config, per_device: int, per_node: int | None = None) ->
         flags += ["--context_parallel_size", str(config.cp)]
         if config.cp_attention != "auto":
             flags += ["--cp_attention", config.cp_attention]
+    if config.ep > 1:
+        flags += ["--expert_parallel_size", str(config.ep)]
+        if config.moe_capacity_factor:
+            flags += ["--moe_capacity_factor", f"{config.moe_capacity_factor:g}"]
     if config.pp > 1:
         flags += ["--num_microbatches", str(config.num_microbatches), "--pipeline_schedule", config.pipeline_schedule]
         if config.virtual_pipeline_size > 1:
@@ -125,9 +136,15 @@ def run_plan(ns, args) -> None:
                           f"gradients or optimizer state; drop --lora_r for the full fine-tune's numbers, "
                           f"an upper bound")
     parallel = args.parallel_config()
-    world_size = ns.world_size or (args.nproc_per_node if args.nproc_per_node > 1 else None)  # None: tp*cp*pp
+    # None: tp*cp*pp, the smallest world of the layout; under ep as many dp replicas as the ep group needs
+    world_size = ns.world_size or (args.nproc_per_node if args.nproc_per_node > 1 else None)
+    if world_size is None and parallel.ep > 1:
+        world_size = parallel.tp * parallel.pp * math.lcm(parallel.cp, parallel.ep)
     if ns.device_memory is not None and ns.device_memory <= 0:
         raise ConfigError(f"--device_memory={ns.device_memory} must be positive (GiB per device)")
+    if ns.moe_imbalance < 1:
+        raise ConfigError(f"--moe_imbalance={ns.moe_imbalance:g} must be >= 1 (1: balanced routing; F: the busiest "
+                          f"ep rank computes F times its even share of the (token, expert) pairs)")
     device = calibrate(refresh=ns.recalibrate) if ns.calibrate or ns.recalibrate else (
         PRESETS[ns.hardware] if ns.hardware else None)
     memory = int(ns.device_memory * 2**30) if ns.device_memory else (device.memory_bytes if device else None)
@@ -140,6 +157,7 @@ def run_plan(ns, args) -> None:
     precision = Precision(param_dtype, getattr(torch, args.optimizer_dtype) if args.bf16 else param_dtype)
     registry = default_registry()
     model = build_meta_model(read_model_config(args), param_dtype)
+    check_expert_parallel(model, parallel.ep)
     plan = plan_layout(model, parallel, world_size, registry)
     batch = Batch(args.per_device_train_batch_size, args.block_size, args.gradient_accumulation_steps)
     trace = trace_activations(model, args.block_size, registry, plan.adapter)
@@ -147,7 +165,8 @@ def run_plan(ns, args) -> None:
     console = Console(width=max(Console().width, 140))
     if ns.search:
         world = world_of(plan.config)
-        result = search_layouts(model, plan.config, world, batch, precision, trace, device, registry, **decay)
+        result = search_layouts(model, plan.config, world, batch, precision, trace, device, registry, **decay,
+                                moe_imbalance=ns.moe_imbalance)
         commands = [train_command(args, e.plan.config, e.batch.per_device, device.per_node)
                     for e, _ in result.ranked[:ns.top]]
         if ns.json:
@@ -155,7 +174,7 @@ def run_plan(ns, args) -> None:
         else:
             print_search(console, result, device, commands, ns.top)
         return
-    estimate = estimate_layout(model, plan, batch, precision, trace, **decay)
+    estimate = estimate_layout(model, plan, batch, precision, trace, **decay, moe_imbalance=ns.moe_imbalance)
     if ns.json:
         print(json.dumps(estimate_json(estimate, device, memory), indent=2))
         return

@@ -17,10 +17,15 @@ vocab-parallel. Fused attention (sdpa, flash) keeps no s x s probabilities: thos
 with any kernel other than eager (the meta device runs sdpa's math fallback, which would save them).
 Under context parallelism the trace of the whole sequence is divided by cp (``unit_bytes``): every tensor is
 per token except eager's probabilities, of which all-to-all keeps 1/cp of the heads and the ring none.
+Routed experts (MoE) cannot route on meta: they run a shape-only stand-in that saves what their forward saves
+(``experts.ShapeOnlyExperts``), each tensor tagged whole or split by tp, and scaled by the busiest rank's routing
+imbalance (``unit_bytes``); each experts call is recorded (tokens, top_k) for FLOPs and communication.
 """
 
 from __future__ import annotations
 
+import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +33,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from plait.config import ConfigError
+from plait.costs.experts import SPLIT, WHOLE, RoutedCall, ShapeOnlyExperts, routed_experts, unrouted_stack
 from plait.declarations import PipelinePlan
 from plait.pipeline.cuts import fallback_plan
 from plait.registry import Registry
@@ -44,6 +50,7 @@ class Saved:
     module: str  # the innermost module saving it ("" outside any tracked linear)
     copy: bool = False  # a second linear saving the same input: one tensor here, its own gathered copy under SP
     square: bool = False  # eager attention's s x s probabilities (per head, not per token)
+    expert: str = ""  # saved by routed experts: WHOLE on every tp rank, or SPLIT (the intermediate size, 1/tp)
 
 
 @dataclass
@@ -52,6 +59,7 @@ class UnitTrace:
 
     saved: list[Saved] = field(default_factory=list)
     leaf_input: int = 0  # bytes of the hidden states entering it (what a recomputed leaf keeps)
+    routed: list[RoutedCall] = field(default_factory=list)  # its experts forwards
 
 
 @dataclass(frozen=True)
@@ -77,31 +85,50 @@ def units_of(model: nn.Module, registry: Registry, adapter) -> tuple[PipelinePla
 
 def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter) -> ActivationTrace:
     """Run ``model`` (on the meta device) forward with its loss on one sequence of ``seq`` tokens and record
-    what autograd saves, per unit, and which linear (if any) saved it."""
+    what autograd saves, per unit, and which linear or experts module (if any) saved it."""
+    _refuse_unrouted_experts(model)
     plan, layer_names = units_of(model, registry, adapter)
     hidden = model.config.get_text_config().hidden_size
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
     units = {FIRST: UnitTrace(), LAST: UnitTrace(), **{name: UnitTrace() for name in layer_names}}
     params = {p.untyped_storage()._cdata for p in model.parameters()}
-    seen: set = set()  # storages, and (storage, linear) pairs
+    # Storages are told apart by address, which a storage freed with a discarded branch of the graph (DeepSeek's
+    # group-limited routing) hands on to a later one: a storage counts as seen while a tensor saved on it lives.
+    seen: dict[int, set[str]] = {}  # storage -> the modules ("" outside any) that saved it
+    alive: dict[int, list[weakref.ref]] = {}  # storage -> the tensors saved on it
+    records: list[tuple[str, Saved, weakref.ref]] = []  # (unit, what, the tensor: held at backward while it lives)
     where = {"unit": FIRST, "stack": []}
+    experts = ShapeOnlyExperts(model)
+    experts_names = set(routed_experts(model))
+
+    def record(saved: Saved, tensor: torch.Tensor) -> None:
+        records.append((where["unit"], saved, weakref.ref(tensor)))
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         key = tensor.untyped_storage()._cdata
         inner = where["stack"][-1] if where["stack"] else ""
-        if key in params or (key, inner) in seen:
+        if key in params:
             return tensor
-        if key in seen:  # saved again, by another linear
-            if inner:
-                seen.add((key, inner))
-                units[where["unit"]].saved.append(Saved(tensor.untyped_storage().nbytes(), True, inner, copy=True))
+        if key in seen and all(ref() is None for ref in alive[key]):
+            del seen[key], alive[key]
+        savers = seen.setdefault(key, set())
+        if inner in savers:
             return tensor
-        seen.update((key, (key, inner)))
+        first = not savers
+        savers.add(inner)
+        alive.setdefault(key, []).append(weakref.ref(tensor))
+        nbytes = tensor.untyped_storage().nbytes()
+        if not first:  # saved again, by another linear
+            if inner and inner not in experts_names:
+                record(Saved(nbytes, True, inner, copy=True), tensor)
+            return tensor
+        if inner in experts_names:
+            record(Saved(nbytes, False, inner, expert=SPLIT if experts.split else WHOLE), tensor)
+            return tensor
         square = tensor.dim() == 4 and tuple(tensor.shape[-2:]) == (seq, seq) and tensor.is_floating_point()
         if impl != "eager" and square:
             return tensor  # attention probabilities: a fused kernel keeps only its output and logsumexp
-        units[where["unit"]].saved.append(Saved(
-            tensor.untyped_storage().nbytes(), tensor.dim() > 0 and tensor.shape[-1] == hidden, inner, square=square))
+        record(Saved(nbytes, tensor.dim() > 0 and tensor.shape[-1] == hidden, inner, square=square), tensor)
         return tensor
 
     handles = []
@@ -114,12 +141,18 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter) -
         if isinstance(module, (nn.Linear, Conv1D)):
             handles.append(module.register_forward_pre_hook(lambda m, a, n=name: where["stack"].append(n)))
             handles.append(module.register_forward_hook(lambda *_: _pop(where["stack"])))
-    _refuse_routed_experts(model)
+        elif name in experts_names:
+            handles.append(module.register_forward_pre_hook(_enter_experts(units, where, name), with_kwargs=True))
+            handles.append(module.register_forward_hook(lambda *_: _pop(where["stack"])))
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     try:
         model.train()  # what training saves (dropout masks included)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=ids, labels=ids)
+        with experts.active(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(input_ids=ids, labels=ids)  # held: its graph holds what backward would find
+        for unit, saved, ref in records:
+            if ref() is not None:
+                units[unit].saved.append(saved)
+        del out
     finally:
         for handle in handles:
             handle.remove()
@@ -129,20 +162,29 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter) -
                            hidden * element, vocab * element)
 
 
-def _refuse_routed_experts(model: nn.Module) -> None:
-    """Routed experts (parameters stacked over experts, 3-D) decide which tokens reach which expert from the data,
-    which the meta device cannot run (transformers' grouped matmul and per-expert loops need real routing)."""
-    stacked = next((f"{name}.{leaf}" for name, module in model.named_modules() if not isinstance(module, nn.Conv1d)
-                    for leaf, p in module.named_parameters(recurse=False) if p.dim() == 3), None)  # not a conv kernel
+def _refuse_unrouted_experts(model: nn.Module) -> None:
+    """Parameters stacked over experts (3-D) outside a transformers experts module (Llama4's expert-major experts,
+    custom ones): their forward is not the one ``ShapeOnlyExperts`` stands in for."""
+    stacked = unrouted_stack(model)
     if stacked is not None:
         raise ConfigError(
-            f"plait plan does not model the activations of routed experts yet ({model.config.model_type}: "
-            f"{stacked} is stacked over experts, and routing needs real data); plan a dense architecture, or "
-            f"size the run with plait train --max_steps 2")
+            f"plait plan models transformers' experts modules (use_experts_implementation), not "
+            f"{model.config.model_type}'s {stacked}, stacked over experts in a module of its own; size the run "
+            f"with plait train --max_steps 2")
 
 
 def _pop(stack: list) -> None:
     stack.pop()  # a forward hook returning a value would replace the module's output
+
+
+def _enter_experts(units: dict, where: dict, name: str):
+    def hook(module, args, kwargs):
+        values = dict(zip(("hidden_states", "top_k_index", "top_k_weights"), args)) | kwargs
+        hidden, index, weights = values["hidden_states"], values["top_k_index"], values["top_k_weights"]
+        units[where["unit"]].routed.append(RoutedCall(name, hidden.shape[0], index.shape[-1], module.down_proj.shape[0],
+                                                      weights.element_size(), index.element_size()))
+        where["stack"].append(name)
+    return hook
 
 
 def _enter_layer(units: dict, where: dict, name: str):
@@ -156,7 +198,7 @@ def _enter_layer(units: dict, where: dict, name: str):
 
 def unit_bytes(
     unit: UnitTrace, tp: int, sp: bool, split_others: bool, columns: set[str], cp: int = 1,
-    drop_squares: bool = False,
+    drop_squares: bool = False, imbalance: float = 1.0,
 ) -> tuple[int, int]:
     """(bytes saved, largest single tensor) of ``unit`` for one sequence on one tp rank.
 
@@ -165,10 +207,16 @@ def unit_bytes(
     linears, whose (gathered) input is whole on every tp rank under SP too. ``cp``: context-parallel ranks
     sharing the sequence; each holds 1/cp of every tensor (per-token tensors on its S/cp tokens; eager's S x S
     probabilities on all-to-all's 1/cp of the heads). ``drop_squares``: leave out eager's probabilities (the
-    ring attention keeps none)."""
+    ring attention keeps none). ``imbalance``: the factor on routed experts' tensors
+    (``experts.effective_imbalance``)."""
     total = largest = 0
     for s in unit.saved:
         if s.square and drop_squares:
+            continue
+        if s.expert:  # tp's experts region hands every rank all tokens; each holds 1/tp of the intermediate
+            size = math.ceil(_ceil(_ceil(s.nbytes, tp) if s.expert == SPLIT else s.nbytes, cp) * imbalance)
+            total += size
+            largest = max(largest, size)
             continue
         if s.copy:  # plait's SP linears each keep their own gathered input; without SP they share one
             size = s.nbytes if sp and s.module in columns else 0

@@ -12,9 +12,15 @@ gradient backward; the loss is broadcast from the last stage; tied embeddings su
 pipeline ends once per step. Context parallelism (group "cp", per micro-step): each rank's tensors above
 are those of its S/cp tokens, and every decoder layer's attention moves q, k, v and the output by
 all-to-all, or k and v (and their gradients) around the ring (``context_parallel`` has the formulas).
+Routed experts under tp (per micro-step): each experts module is a tp region entered and left like a row
+linear's column region, and its routing weights enter too (their gradient all-reduced without SP; under SP the
+expert indices and weights all-gathered, again when recomputed, and the weights' gradient reduce-scattered).
+Expert parallelism (group "ep", per micro-batch): each MoE layer's dispatch and combine all-to-alls forward and
+backward, and the per-expert counts (``experts`` has the formulas).
 Data parallel (group "dp", once per step; under cp the replica group of dp x cp ranks, which all hold the
 same parameters): gradients all-reduced in 32 MiB buckets, or under ZeRO-1 reduced to their owners and the
-updated parameters broadcast one by one.
+updated parameters broadcast one by one. Under ep the expert parameters' go over their own group instead
+("edp": the dp x cp / ep ranks holding the same experts).
 Bytes are the tensor sizes handed to the collective (as ``count_collectives`` records them); ``ring`` is
 what a ring algorithm sends per rank: all-reduce 2(p-1)/p n, all-gather (p-1) n_local, reduce-scatter
 (p-1)/p n, reduce and broadcast n (p-1)/p on average, all-to-all (p-1)/p n, send/recv n.
@@ -23,12 +29,14 @@ what a ring algorithm sends per rank: all-reduce 2(p-1)/p n, all-gather (p-1) n_
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from plait.costs.context_parallel import attention_comm
+from plait.costs.experts import RoutedCall, ep_comm
 from plait.costs.memory import Precision, RankParam, zero1_owned
 from plait.costs.tp_modules import VOCAB_LABELS
 from plait.grad_sync import BUCKET_BYTES
@@ -38,7 +46,7 @@ from plait.tp.sequence_parallel import sp_grad_sum_params
 
 @dataclass(frozen=True)
 class CommOp:
-    group: str  # tp, cp, pp, dp (dp: the replica group, dp x cp ranks under cp)
+    group: str  # tp, cp, ep, pp, dp (the replica group, dp x cp ranks), edp (expert replicas, dp x cp / ep)
     op: str
     count: int
     bytes: int
@@ -67,9 +75,11 @@ class StepShape:
 
 def step_comm(
     model: nn.Module, plan: LayoutPlan, pp_rank: int, held: list[RankParam], shape: StepShape,
-    precision: Precision, rows: set[str],
+    precision: Precision, rows: set[str], routed: Sequence[tuple[RoutedCall, bool]] = (),
 ) -> list[CommOp]:
-    """Collectives of one optimizer step on (any tp rank of) pipeline rank ``pp_rank`` holding ``held``."""
+    """Collectives of one optimizer step on (any tp rank of) pipeline rank ``pp_rank`` holding ``held``;
+    ``routed``: the experts calls of its layers (one sequence each, from the trace), and whether each is
+    recomputed."""
     config = plan.config
     ops: list[CommOp] = []
     acc = shape.accumulation
@@ -110,6 +120,17 @@ def step_comm(
             add("all_reduce", 2 * r, act)
             if has_last and vocab_head:
                 add("all_reduce", 1, act)
+        tp_experts = {n for n, shard in plan.shards_by_rank[0].items() if shard.style.label == "moe_experts"}
+        for call, recomputed in routed:
+            if call.module not in tp_experts:
+                continue
+            pairs = shape.batch * call.tokens // cp * call.top_k  # the micro-step's (token, expert) pairs
+            if config.sequence_parallel:
+                add("all_gather", 1 + int(recomputed), pairs * call.index_bytes // config.tp)
+                add("all_gather", 1 + int(recomputed), pairs * call.weight_bytes // config.tp)
+                add("reduce_scatter", 1, pairs * call.weight_bytes)
+            else:
+                add("all_reduce", 1, pairs * call.weight_bytes)
         # A recomputed layer repeats its forward collectives in backward, up to the last one whose output backward
         # needs: the final row-parallel output is not recomputed (torch's checkpoint stops early).
         for leaf in plan.leaves:
@@ -148,6 +169,9 @@ def step_comm(
         count = len(layers) if layers is not None else _decoder_layers(model)
         op, n, size = attention_comm(plan, shape.seq, shape.batch, shape.act_bytes, compute, count, recomputed)
         ops.append(CommOp("cp", op, n * acc, size * acc))
+    if config.ep > 1:
+        count, size = ep_comm(routed, shape.batch, cp, shape.hidden, shape.act_bytes, config.num_microbatches)
+        ops.append(CommOp("ep", "all_to_all", count * acc, size * acc))
     if split is not None:
         m = config.num_microbatches
         mb_act = (local if config.sequence_parallel else act) // m  # SP sends sequence shards between stages
@@ -160,19 +184,27 @@ def step_comm(
             tied = sum(p.numel for p in held if any(p.name in group for group in plan.tied))
             ops.append(CommOp("pp", "all_reduce", 1, tied * precision.grad_bytes))
     dp = (config.dp or 1) * cp  # the replica group: every rank holding these parameters
-    # The global gradient norm: one float summed over each group whose ranks hold different gradients.
-    for group, size in (("tp", config.tp), ("pp", config.pp), ("dp", dp if config.zero_1 else 1)):
+    # The global gradient norm: one float summed over each group whose ranks hold different gradients (under
+    # ZeRO-1 the replica group's owned shards cover the experts too, each expert shard owned once).
+    for group, size in (("tp", config.tp), ("pp", config.pp), ("dp", dp if config.zero_1 else 1),
+                        ("ep", 1 if config.zero_1 else config.ep)):
         if size > 1:
             ops.append(CommOp(group, "all_reduce", 1, 4))
-    if dp > 1:
-        grads = sum(p.numel for p in held) * precision.grad_bytes
+    apart = config.ep > 1  # expert gradients go over the expert replicas
+    groups = [("dp", [p for p in held if not (apart and p.expert)], dp)]
+    if apart:
+        groups.append(("edp", [p for p in held if p.expert], dp // config.ep))
+    for group, params, size in groups:
+        if size == 1 or not params:
+            continue
+        grads = sum(p.numel for p in params) * precision.grad_bytes
         if config.zero_1:
-            owners = zero1_owned(held, dp, 0.0, True)
+            owners = zero1_owned(params, size, 0.0, True)
             reduces = sum(math.ceil(sum(p.numel for p in o) * precision.grad_bytes / BUCKET_BYTES) for o in owners)
-            ops.append(CommOp("dp", "reduce", reduces, grads))
-            ops.append(CommOp("dp", "broadcast", len(held), sum(p.numel for p in held) * _param_bytes(precision)))
+            ops.append(CommOp(group, "reduce", reduces, grads))
+            ops.append(CommOp(group, "broadcast", len(params), sum(p.numel for p in params) * _param_bytes(precision)))
         else:
-            ops.append(CommOp("dp", "all_reduce", math.ceil(grads / BUCKET_BYTES), grads))
+            ops.append(CommOp(group, "all_reduce", math.ceil(grads / BUCKET_BYTES), grads))
     return merged(ops)
 
 

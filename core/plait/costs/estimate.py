@@ -9,7 +9,10 @@ bandwidth + a latency per collective (tp, cp and pp inside a node when the block
 one, dp across nodes when the world does not). plait's collectives are not overlapped with compute, so the
 terms add. Under context parallelism each rank computes 1/cp of the tokens (FLOPs and activations 1/cp), its
 "dp" collectives span the replica group (dp x cp ranks) and the attention's all-to-alls or ring sends are the
-"cp" group's (``context_parallel``).
+"cp" group's (``context_parallel``). Routed experts count 2 FLOPs per weight element of one expert per
+(token, expert) pair, top_k pairs per token under balanced routing, times ``--moe_imbalance`` on the busiest rank
+under ep (``experts``); ep's all-to-alls are the "ep" group's and the expert gradients the "edp" group's (dp x cp /
+ep ranks), each on the link of the block of ranks its widest group spans.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from plait.costs.activations import ActivationTrace
 from plait.costs.bubble import bubble_fraction
 from plait.costs.comm import CommOp, StepShape, step_comm
 from plait.costs.device import Device
-from plait.costs.memory import ActivationBytes, Precision, StaticBytes, activation_bytes, rank_params, static_bytes
+from plait.costs.experts import check_expert_parallel, effective_imbalance, expert_flops_per_token, expert_parameters
+from plait.costs.memory import (ActivationBytes, Precision, StaticBytes, activation_bytes, layers_of, rank_params,
+                                static_bytes)
 from plait.costs.tp_modules import column_modules, row_modules
 from plait.grad_sync import BUCKET_BYTES
 from plait.layout_plan import LayoutPlan
@@ -93,11 +98,15 @@ class LayoutEstimate:
         config = self.plan.config
         low = self.precision.param != torch.float32 or config.bf16_autocast
         per_node = device.per_node
-        tp, cp, pp, dp = config.tp, config.cp, config.pp, config.dp or 1
+        tp, cp, pp, dp, ep = config.tp, config.cp, config.pp, config.dp or 1, config.ep
         # Ranks are laid out (dp, pp, cp, tp): a group is inside a node when the block of ranks it spans fits.
         link = lambda span: device.intra_bandwidth if span <= per_node else device.inter_bandwidth  # noqa: E731
-        bandwidth = {"tp": link(tp), "cp": link(tp * cp), "pp": link(tp * cp * pp), "dp": link(tp * cp * pp * dp)}
-        size = {"tp": tp, "cp": cp, "pp": 2, "dp": dp * cp}  # "dp": the replica group, dp x cp
+        replicas = dp * cp
+        ep_groups = [range(g, g + ep) for g in range(0, replicas, ep)]  # plait.mesh: consecutive replica ranks
+        edp_groups = [range(j, replicas, ep) for j in range(ep)]  # the same experts: one per ep group
+        bandwidth = {"tp": link(tp), "cp": link(tp * cp), "pp": link(tp * cp * pp), "dp": link(tp * cp * pp * dp),
+                     "ep": link(_span(config, ep_groups)), "edp": link(_span(config, edp_groups))}
+        size = {"tp": tp, "cp": cp, "pp": 2, "dp": replicas, "ep": ep, "edp": replicas // ep}
         # AdamW reads parameter, gradient and both moments and writes parameter and moments (masters: plus the
         # low-precision copy written back): bytes per stepped element.
         opt, param = self.precision.optimizer.itemsize, self.precision.param.itemsize
@@ -114,13 +123,16 @@ class LayoutEstimate:
 
 def estimate_layout(
     model: nn.Module, plan: LayoutPlan, batch: Batch, precision: Precision, trace: ActivationTrace,
-    weight_decay: float = 0.0, decay_embeddings: bool = True, cache: dict | None = None,
+    weight_decay: float = 0.0, decay_embeddings: bool = True, cache: dict | None = None, moe_imbalance: float = 1.0,
 ) -> LayoutEstimate:
     """Memory, communication, bubble and FLOPs of ``plan`` for ``batch`` (``trace``: ``trace_activations`` of
     the same model at ``batch.seq``). ``cache``: a dict kept across the layouts of one search, holding what
-    depends only on the model and the plan's sharding and split (each rank's parameters, row/column linears)."""
+    depends only on the model and the plan's sharding and split (each rank's parameters, row/column linears).
+    ``moe_imbalance``: the busiest ep rank's routed pairs over its balanced share (``experts``)."""
     cache = {} if cache is None else cache
     config = plan.config
+    check_expert_parallel(model, config.ep)
+    imbalance = effective_imbalance(moe_imbalance, config.ep)
     tp, pp, dp, cp = config.tp, config.pp, config.dp or 1, config.cp
     microbatch = batch.per_device // config.num_microbatches
     act_dtype = torch.bfloat16 if config.bf16_autocast else precision.param
@@ -130,26 +142,31 @@ def estimate_layout(
     if "named" not in cache:
         cache["named"] = list(model.named_parameters(remove_duplicate=False))
         cache["embeddings"] = embedding_params(model)
+        cache["experts"] = expert_parameters(model)
     shards_key = id(plan.shards_by_rank)
     if ("linears", shards_key) not in cache:
         cache["linears", shards_key] = row_modules(model, plan), column_modules(model, plan)
     rows, columns = cache["linears", shards_key]
     replicas = dp * cp  # ranks holding the same parameters: gradients summed and ZeRO-1 sharded over them
-    zero_dp = replicas if config.zero_1 else 1
     ranks, comm, flops, moved = [], {}, {}, {}
     for pp_rank in range(pp):
-        acts = activation_bytes(trace, plan, pp_rank, microbatch, columns)
+        acts = activation_bytes(trace, plan, pp_rank, microbatch, columns, imbalance)
+        layers = layers_of(plan, pp_rank, len(trace.layers))
+        routed = [(call, any(call.module.startswith(leaf + ".") for leaf in plan.leaves))
+                  for i in layers for call in trace.layers[i].routed]
         for tp_rank in range(tp):
-            key = ("held", id(plan.specs_by_rank), id(plan.split), tp_rank, pp_rank)
+            key = ("held", id(plan.specs_by_rank), id(plan.split), config.ep, tp_rank, pp_rank)
             if key not in cache:
-                cache[key] = rank_params(model, plan, tp_rank, pp_rank, cache["embeddings"], cache["named"])
+                cache[key] = rank_params(model, plan, tp_rank, pp_rank, cache["embeddings"], cache["named"],
+                                         cache["experts"])
             held = cache[key]
             if tp_rank == 0:
-                comm[pp_rank] = step_comm(model, plan, pp_rank, held, shape, precision, rows)
-                flops[pp_rank] = _step_flops(model, plan, pp_rank, held, batch, trace)
+                comm[pp_rank] = step_comm(model, plan, pp_rank, held, shape, precision, rows, routed)
+                flops[pp_rank] = _step_flops(model, plan, pp_rank, held, batch, trace, imbalance)
                 moved[pp_rank] = 2 * acts.per_microbatch * config.num_microbatches * batch.accumulation
             grads = sum(p.numel for p in held) * precision.grad_bytes
-            for replica, static in enumerate(static_bytes(held, precision, zero_dp, weight_decay, decay_embeddings)):
+            for replica, static in enumerate(static_bytes(held, precision, replicas, config.zero_1, config.ep,
+                                                          weight_decay, decay_embeddings)):
                 dp_rank, cp_rank = divmod(replica, cp)  # the replica group's order: dp-major, then cp
                 rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
                 ranks.append(RankEstimate(rank, tp_rank, pp_rank, dp_rank, static, acts,
@@ -168,26 +185,61 @@ def estimate_layout(
                      f"attention {attention} for {batch.seq}-token sequences (cp_attention {plan.cp.describe()})"
                      + ("; all-to-all's whole-sequence mask counted as a transient"
                         if attention == "all-to-all" and trace.attn_implementation in ("sdpa", "eager") else ""))
+    notes += _moe_notes(trace, config, moe_imbalance, imbalance)
     return LayoutEstimate(plan, batch, precision, ranks, comm, bubble_fraction(config), flops, moved,
                           trace.attn_implementation, notes=notes)
 
 
-def _step_flops(model: nn.Module, plan: LayoutPlan, pp_rank: int, held, batch: Batch, trace: ActivationTrace) -> float:
+def _moe_notes(trace: ActivationTrace, config, moe_imbalance: float, imbalance: float) -> list[str]:
+    """The routing assumption (one line) and the ep layout, for a model with routed experts."""
+    experts = sorted({call.num_experts for unit in trace.layers for call in unit.routed})
+    if not experts:
+        return []
+    count = "/".join(map(str, experts))
+    skew = f"x{imbalance:g} on the busiest rank (--moe_imbalance {moe_imbalance:g}" + (
+        ", capped at ep)" if imbalance < moe_imbalance and config.ep > 1 else
+        "; none at ep=1, where a rank computes all its own pairs)" if config.ep == 1 and moe_imbalance != 1 else ")")
+    notes = [f"routed experts: balanced routing assumed (each of the {count} experts gets tokens x top_k / experts "
+             f"pairs, so a rank computes tokens x top_k pairs at any ep); expert activations and FLOPs {skew}"]
+    if config.ep > 1:
+        holders = (config.dp or 1) * config.cp // config.ep
+        where = (f"their gradients summed{' and ZeRO-1 sharded' if config.zero_1 else ''} over the {holders} ranks "
+                 f"holding the same experts (edp)" if holders > 1 else
+                 "no other rank holds the same experts: their gradients are not summed, their state not sharded")
+        notes.append(f"expert parallelism: ep={config.ep}, each rank holds 1/{config.ep} of every MoE layer's "
+                     f"experts; {where}")
+    return notes
+
+
+def _span(config, groups: list[range]) -> int:
+    """Ranks spanned by the widest of ``groups`` of replica positions (dp major, then cp) at one (pp, tp) position,
+    with ranks laid out (dp, pp, cp, tp)."""
+    place = lambda r: (r // config.cp * config.pp * config.cp + r % config.cp) * config.tp  # noqa: E731
+    return max(place(g[-1]) - place(g[0]) + config.tp for g in groups)
+
+
+def _step_flops(model: nn.Module, plan: LayoutPlan, pp_rank: int, held, batch: Batch, trace: ActivationTrace,
+                imbalance: float = 1.0) -> float:
     """Matmul FLOPs of one optimizer step on one rank: 2 per weight element per token forward (embeddings are
-    lookups; a tied LM head counts), 4 * seq * attention width per token per layer for QK^T and AV, backward
-    twice the forward, one more forward for recomputed layers."""
+    lookups; a tied LM head counts; routed experts per (token, expert) pair, ``experts.expert_flops_per_token``),
+    4 * seq * attention width per token per layer for QK^T and AV, backward twice the forward, one more forward
+    for recomputed layers."""
     config = plan.config
     text = model.config.get_text_config()
     tokens = batch.per_device * batch.seq * batch.accumulation // config.cp  # cp: each rank has 1/cp of them
-    weights = sum(p.numel for p in held if len(p.full_shape) >= 2 and not p.embedding)
+    weights = sum(p.numel for p in held if len(p.full_shape) >= 2 and not p.embedding and not p.expert)
     has_last = plan.split is None or plan.split.num_stages - 1 in plan.stages_of(pp_rank)
     if has_last and getattr(text, "tie_word_embeddings", False):
         weights += sum(p.numel for p in held if p.embedding and p.full_shape[0] == text.vocab_size)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    if plan.split is None:
-        layers = len(trace.layers)
-    else:
-        layers = sum(b - a for s in plan.stages_of(pp_rank) for a, b in [plan.split.bounds[s]])
-    forward = 2 * weights * tokens + 4 * batch.seq * heads * head_dim / config.tp * layers * tokens
-    return forward * (4 if config.gradient_checkpointing else 3)
+    layers = layers_of(plan, pp_rank, len(trace.layers))
+    stacked: dict[str, int] = {}  # experts module -> elements of its stacked weights on this rank
+    for p in held:
+        if p.expert and len(p.full_shape) == 3:
+            module = p.name.rpartition(".")[0]
+            stacked[module] = stacked.get(module, 0) + p.numel
+    calls = [call for i in layers for call in trace.layers[i].routed]
+    per_token = 2 * weights + 4 * batch.seq * heads * head_dim / config.tp * len(layers) + expert_flops_per_token(
+        calls, stacked, config.ep, imbalance, trace.seq)
+    return per_token * tokens * (4 if config.gradient_checkpointing else 3)

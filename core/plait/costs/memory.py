@@ -9,6 +9,10 @@ Parameters, gradients and optimizer state follow the code that allocates them, f
   scalar per parameter, and fp32 master copies of bf16 parameters; under ZeRO-1 only for the parameters the
   rank owns, partitioned exactly as ``ZeroRedundancyOptimizer`` does (per parameter group, largest first,
   each to the rank with the fewest elements so far).
+Under expert parallelism (ep) a rank holds E/ep of each MoE layer's experts: dim 0 of every experts parameter is
+divided by ep, after tp's split of the intermediate dimension. ZeRO-1 then shards the dense parameters over the
+replica group (dp x cp ranks) and the expert ones over the expert-replica group (dp x cp / ep ranks, the ranks
+holding the same experts), each partitioned as above.
 Activations come from ``activations.trace_activations`` and the schedule's in-flight micro-batches.
 """
 
@@ -24,6 +28,7 @@ from torch import nn
 from plait.costs.activations import ActivationTrace, unit_bytes
 from plait.costs.bubble import in_flight
 from plait.costs.context_parallel import attention_memory, strategy
+from plait.costs.experts import expert_parameters
 from plait.layout_plan import LayoutPlan
 from plait.optim.param_groups import decays, embedding_params
 from plait.pipeline.cuts import StageSplit
@@ -55,19 +60,23 @@ class RankParam:
     numel: int
     full_shape: tuple[int, ...]
     embedding: bool
+    expert: bool = False  # of a routed-experts module: E/ep experts held, state sharded over dp x cp / ep
 
 
 def rank_params(
     model: nn.Module, plan: LayoutPlan, tp_rank: int, pp_rank: int, embeddings: set[str] | None = None,
-    named: list[tuple[str, nn.Parameter]] | None = None,
+    named: list[tuple[str, nn.Parameter]] | None = None, experts: set[str] | None = None,
 ) -> list[RankParam]:
     """The parameters tp rank ``tp_rank`` of pipeline rank ``pp_rank`` holds, in the model's order
     (``embeddings``: ``embedding_params(model)``; ``named``: ``named_parameters(remove_duplicate=False)``;
-    both computed here when not given, a search passes them once for all layouts)."""
+    ``experts``: ``experts.expert_parameters(model)``; all computed here when not given, a search passes them
+    once for all layouts). Expert parameters hold E/ep experts (``experts.check_expert_parallel`` first)."""
     specs = plan.specs_by_rank[tp_rank]
     stages = set(plan.stages_of(pp_rank))
     embeddings = embedding_params(model) if embeddings is None else embeddings
     named = list(model.named_parameters(remove_duplicate=False)) if named is None else named
+    experts = expert_parameters(model) if experts is None else experts
+    ep = plan.config.ep
     stage_of = _stage_map(plan.split) if plan.split is not None else {}
     tied_spec = {name: names[0] for names in plan.tied for name in names}
     held: list[RankParam] = []
@@ -81,7 +90,9 @@ def rank_params(
         seen.add(key)
         spec = specs.get(name) or specs.get(tied_spec.get(name, ""))
         shape = spec.local_shape if spec is not None else tuple(param.shape)
-        held.append(RankParam(name, math.prod(shape), tuple(param.shape), name in embeddings))
+        expert = name in experts
+        held.append(RankParam(name, math.prod(shape) // (ep if expert else 1), tuple(param.shape), name in embeddings,
+                              expert))
     return held
 
 
@@ -133,15 +144,24 @@ class StaticBytes:
 
 
 def static_bytes(
-    params: list[RankParam], precision: Precision, zero1_dp: int, weight_decay: float = 0.0,
-    decay_embeddings: bool = True,
+    params: list[RankParam], precision: Precision, replicas: int, zero_1: bool, ep: int = 1,
+    weight_decay: float = 0.0, decay_embeddings: bool = True,
 ) -> list[StaticBytes]:
-    """Parameter, gradient and optimizer bytes of the ranks holding ``params``: one per dp rank under ZeRO-1
-    over a dp group of ``zero1_dp`` > 1 ranks, else one for all."""
+    """Parameter, gradient and optimizer bytes of the ranks holding ``params`` (a replica group of ``replicas`` =
+    dp x cp ranks): one per replica rank under ZeRO-1 (``zero_1``, ``replicas`` > 1), in the group's order, else
+    one for all. Under ep the dense parameters are sharded over the group and the expert ones over the ranks
+    holding the same experts: replica rank r is position r // ep of its expert-replica group (``plait.mesh``)."""
     numel = sum(p.numel for p in params)
-    owned = zero1_owned(params, zero1_dp, weight_decay, decay_embeddings) if zero1_dp > 1 else [params]
-    return [StaticBytes(numel * _size(precision.param), numel * precision.grad_bytes, optimizer_bytes(o, precision),
-                        sum(p.numel for p in o)) for o in owned]
+    statics = functools.partial(StaticBytes, numel * _size(precision.param), numel * precision.grad_bytes)
+    if not (zero_1 and replicas > 1):
+        return [statics(optimizer_bytes(params, precision), numel)]
+    if ep == 1:  # one partition of everything, as without experts
+        owned = zero1_owned(params, replicas, weight_decay, decay_embeddings)
+    else:
+        dense = zero1_owned([p for p in params if not p.expert], replicas, weight_decay, decay_embeddings)
+        expert = zero1_owned([p for p in params if p.expert], replicas // ep, weight_decay, decay_embeddings)
+        owned = [dense[r] + expert[r // ep] for r in range(replicas)]
+    return [statics(optimizer_bytes(o, precision), sum(p.numel for p in o)) for o in owned]
 
 
 @dataclass(frozen=True)
@@ -156,18 +176,21 @@ class ActivationBytes:
 
 
 def activation_bytes(
-    trace: ActivationTrace, plan: LayoutPlan, pp_rank: int, microbatch: int, columns: set[str]) -> ActivationBytes:
+    trace: ActivationTrace, plan: LayoutPlan, pp_rank: int, microbatch: int, columns: set[str],
+    imbalance: float = 1.0,
+) -> ActivationBytes:
     """Activation bytes of pipeline rank ``pp_rank`` for micro-batches of ``microbatch`` sequences.
 
     The trace runs in the parameter dtype (``--bf16_autocast``'s bf16 matmul outputs are not modelled). With
     activation checkpointing a decoder layer keeps only its input, and one layer's activations live again
     while it is recomputed. ``columns``: the plan's column-parallel linears (``tp_modules.column_modules``).
     Under context parallelism every traced tensor is 1/cp (each rank holds S/cp tokens), plus what the
-    attention strategy adds (``context_parallel.attention_memory``)."""
+    attention strategy adds (``context_parallel.attention_memory``). ``imbalance``: the factor on routed experts'
+    tensors (``experts.effective_imbalance``)."""
     config = plan.config
     tp, sp, cp = config.tp, config.sequence_parallel, config.cp
     vocab_parallel = tp > 1 and not config.disable_embedding_parallelization
-    layers = _layers_of(plan, pp_rank, len(trace.layers))
+    layers = layers_of(plan, pp_rank, len(trace.layers))
     has_first = plan.split is None or 0 in plan.stages_of(pp_rank)
     has_last = plan.split is None or plan.split.num_stages - 1 in plan.stages_of(pp_rank)
     ring = strategy(plan, trace.seq) == "ring"
@@ -179,7 +202,7 @@ def activation_bytes(
     total = largest = recompute = leaf_inputs = 0
     for index in layers:
         unit = trace.layers[index]
-        saved, big = unit_bytes(unit, tp, sp, True, columns, cp, ring)
+        saved, big = unit_bytes(unit, tp, sp, True, columns, cp, ring, imbalance)
         saved += layer_extra
         largest = max(largest, big)
         if config.gradient_checkpointing:
@@ -212,7 +235,8 @@ def activation_bytes(
     return ActivationBytes(per_mb, flight, int(per_mb * flight), transient)
 
 
-def _layers_of(plan: LayoutPlan, pp_rank: int, num_layers: int) -> list[int]:
+def layers_of(plan: LayoutPlan, pp_rank: int, num_layers: int) -> list[int]:
+    """The decoder layers pipeline rank ``pp_rank`` runs."""
     if plan.split is None:
         return list(range(num_layers))
     return [i for stage in plan.stages_of(pp_rank) for i in range(*plan.split.bounds[stage])]

@@ -6,7 +6,8 @@ JSON schema (``plait plan --json``): {"layout": {...ParallelConfig...}, "world_s
 "peak"}], "peak", "device_memory" (or null), "fits" (or null), "communication": [{"pp_rank", "group", "op",
 "count", "bytes"}], "bubble", "flops_per_step": {pp_rank: FLOPs}, "step_seconds" (or null), "notes",
 "cp_attention" (the strategy for the block size under cp, or null)}. Group "dp" is the replica group: dp x cp
-ranks under context parallelism.
+ranks under context parallelism; under expert parallelism "ep" is the experts' all-to-alls and "edp" the expert
+gradients' group (the dp x cp / ep ranks holding the same experts).
 ``--search --json``: {"device": {...}, "ranked": [{"layout", "step_seconds", "peak", "bubble", "command"}],
 "refused": [{"layout", "reason"}], "command"} (the ``plait train`` command of the fastest).
 """
@@ -73,7 +74,8 @@ def print_estimate(console: Console, estimate: LayoutEstimate, device: Device | 
     comm = Table("pp rank", "group", "op", "count", "bytes", title="communication per optimizer step (one rank)")
     for pp_rank, ops in estimate.comm.items():
         for op in ops:
-            group = "dp×cp" if op.group == "dp" and config.cp > 1 else op.group  # the replica group
+            replicas = "dp×cp" if config.cp > 1 else "dp"
+            group = {"dp": replicas, "edp": f"{replicas}/ep"}.get(op.group, op.group)
             comm.add_row(str(pp_rank), group, op.op, f"{op.count:,}", gib(op.bytes))
     console.print(comm)
     if config.pp > 1:

@@ -4,7 +4,8 @@ The global batch (per-device batch x dp x accumulation of the layout asked for) 
 dp gets the per-device batch that keeps it, or is refused when that does not divide. Enumerated: tp, cp and pp
 dividing the world (cp with the strategy asked for, ``auto`` by default), virtual stages 1 or 2 (interleaved
 1f1b and zero-bubble at 2), micro-batches from pp up to the per-device batch (powers of two times pp that
-divide it), SP on/off at tp > 1, ZeRO-1 on/off at dp x cp > 1, activation checkpointing on/off. A layout
+divide it), ep dividing dp x cp and every MoE layer's experts (1 for a dense model), SP on/off at tp > 1, ZeRO-1
+on/off at dp x cp > 1, activation checkpointing on/off. A layout
 whose block size the cp split cannot cut (2 cp, or 2 cp tp under SP, must divide it), that the adapter or the
 pipeline refuses (``plan_layout``'s ConfigError, cp's own refusals included), or whose peak exceeds the device
 memory, is listed with the reason.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -22,6 +24,7 @@ from plait.config import ConfigError, ParallelConfig
 from plait.costs.activations import ActivationTrace
 from plait.costs.device import Device
 from plait.costs.estimate import Batch, LayoutEstimate, estimate_layout
+from plait.costs.experts import routed_experts
 from plait.costs.memory import Precision
 from plait.cp.sequence import check_length
 from plait.layout_plan import LayoutPlan, plan_layout
@@ -39,14 +42,16 @@ class SearchResult:
 def search_layouts(
     model: nn.Module, base: ParallelConfig, world_size: int, batch: Batch, precision: Precision,
     trace: ActivationTrace, device: Device, registry: Registry, weight_decay: float = 0.0,
-    decay_embeddings: bool = True,
+    decay_embeddings: bool = True, moe_imbalance: float = 1.0,
 ) -> SearchResult:
-    """Estimate every layout of ``world_size`` ranks for the global batch of ``base`` and ``batch``."""
+    """Estimate every layout of ``world_size`` ranks for the global batch of ``base`` and ``batch``
+    (``moe_imbalance``: ``estimate_layout``'s)."""
     global_batch = batch.per_device * (base.dp or world_size // (base.tp * base.cp * base.pp))
     result = SearchResult()
     plans: dict[tuple, LayoutPlan | str] = {}
     cache: dict = {}  # estimate_layout's, shared by the layouts of one plan (the plans above stay alive)
-    for config in candidates(base, world_size, global_batch):
+    experts = math.gcd(*routed_experts(model).values())  # 0 for a dense model
+    for config in candidates(base, world_size, global_batch, experts):
         label = describe(config)
         per_device, rest = divmod(global_batch, config.dp)
         if rest:
@@ -63,11 +68,11 @@ def search_layouts(
                 result.refused.append((label, str(err)))
                 continue
         # One plan per split and sharding: micro-batches (always pp * 2^k here, which every schedule accepts),
-        # ZeRO-1 and recomputation change neither; the recompute leaves are planned once and dropped when off.
+        # ep, ZeRO-1 and recomputation change neither; the recompute leaves are planned once and dropped when off.
         key = (config.tp, config.cp, config.pp, config.virtual_pipeline_size, config.pipeline_schedule, config.sp)
         if key not in plans:
             try:
-                plans[key] = plan_layout(model, dataclasses.replace(config, dp=None, gradient_checkpointing=True),
+                plans[key] = plan_layout(model, dataclasses.replace(config, dp=None, ep=1, gradient_checkpointing=True),
                                          world_size, registry)
             except (ConfigError, AdapterError) as err:
                 plans[key] = str(err)
@@ -77,7 +82,7 @@ def search_layouts(
             continue
         plan = dataclasses.replace(plan, config=config, leaves=plan.leaves if config.gradient_checkpointing else ())
         estimate = estimate_layout(model, plan, dataclasses.replace(batch, per_device=per_device), precision,
-                                   trace, weight_decay, decay_embeddings, cache)
+                                   trace, weight_decay, decay_embeddings, cache, moe_imbalance)
         if estimate.peak > device.memory_bytes:
             result.refused.append((label, f"does not fit: peak {estimate.peak / 2**30:.2f} GiB > "
                                           f"{device.memory_bytes / 2**30:.2f} GiB per device"))
@@ -89,8 +94,9 @@ def search_layouts(
     return result
 
 
-def candidates(base: ParallelConfig, world_size: int, global_batch: int) -> list[ParallelConfig]:
-    """The layouts ``search_layouts`` tries (resolved: dp filled in)."""
+def candidates(base: ParallelConfig, world_size: int, global_batch: int, experts: int = 0) -> list[ParallelConfig]:
+    """The layouts ``search_layouts`` tries (resolved: dp filled in); ``experts``: a number every MoE layer's
+    experts divide into (their gcd; 0 for a dense model, which gets ep=1 only)."""
     out = []
     for tp, cp in ((tp, cp) for tp in _divisors(world_size) for cp in _divisors(world_size // tp)):
         for pp in _divisors(world_size // (tp * cp)):
@@ -99,12 +105,14 @@ def candidates(base: ParallelConfig, world_size: int, global_batch: int) -> list
             for vpp, schedule in ([(1, "1f1b")] if pp == 1 else
                                   [(1, "1f1b"), (2, "interleaved-1f1b"), (2, "zero-bubble")]):
                 micro = [1] if pp == 1 else [pp * 2**k for k in range(8) if pp * 2**k <= per_device] or [pp]
-                for m, sp, zero, ckpt in itertools.product(
-                        micro, [True, False] if tp > 1 else [False], [False, True] if dp * cp > 1 else [False],
+                for m, ep, sp, zero, ckpt in itertools.product(
+                        micro, _divisors(math.gcd(experts, dp * cp)) if experts else [1],
+                        [True, False] if tp > 1 else [False], [False, True] if dp * cp > 1 else [False],
                         [False, True]):
                     out.append(dataclasses.replace(
-                        base, tp=tp, cp=cp, pp=pp, dp=dp, virtual_pipeline_size=vpp, pipeline_schedule=schedule,
-                        num_microbatches=m, sp=sp, zero_1=zero, gradient_checkpointing=ckpt, pipeline_cuts=()))
+                        base, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, virtual_pipeline_size=vpp,
+                        pipeline_schedule=schedule, num_microbatches=m, sp=sp, zero_1=zero,
+                        gradient_checkpointing=ckpt, pipeline_cuts=()))
     return out
 
 
@@ -113,6 +121,8 @@ def describe(config: ParallelConfig) -> str:
     parts = [f"tp={config.tp}", f"pp={config.pp}", f"dp={config.dp}"]
     if config.cp > 1:
         parts.append(f"cp={config.cp}" + (f" ({config.cp_attention})" if config.cp_attention != "auto" else ""))
+    if config.ep > 1:
+        parts.append(f"ep={config.ep}")
     if config.pp > 1:
         parts += [f"vpp={config.virtual_pipeline_size}", f"m={config.num_microbatches}", config.pipeline_schedule]
     if config.sequence_parallel:

@@ -8,15 +8,19 @@ from transformers.pytorch_utils import Conv1D
 from plait.layout_plan import LayoutPlan
 
 VOCAB_LABELS = ("vocab_embedding", "scaled_vocab_embedding", "vocab_head")
+EXPERTS_LABELS = ("moe_experts", "moe_experts_expert_major")
 
 
 def row_modules(model: nn.Module, plan: LayoutPlan) -> set[str]:
-    """Row-parallel linears: the weight is split along its input dimension."""
+    """Row-parallel linears: the weight is split along its input dimension; and experts modules, which enter and
+    leave their own tp region as a column-row pair does (``plait.tp.layers.ExpertsRegion``), whichever way
+    their weights are stored."""
     rows = set()
     for name, shard in plan.shards_by_rank[0].items():
         module = model.get_submodule(name)
         in_dim = 0 if isinstance(module, Conv1D) else 1
-        if shard.style.label not in VOCAB_LABELS and shard.weight.dim == in_dim:
+        label = shard.style.label
+        if label in EXPERTS_LABELS or (label not in VOCAB_LABELS and shard.weight.dim == in_dim):
             rows.add(name)
     return rows
 
