@@ -263,7 +263,7 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
     if plan.lora is not None:  # after the SP region is checked: LoRA's own sums are in lora/layout.py
         sums, expert_factors = apply_lora(model, plan.lora, mesh, config.sequence_parallel, owns, lora_seed, plan.ep)
         applied.grad_sums += sums
-        experts += expert_factors
+        experts.params += expert_factors  # their gradients, too, are summed over the expert-replica group
     if config.tp > 1:
         rng = install_dropout_rng(model, mesh.tp_rank, *_dropout_regions(model, plan, shards, owns))
         for module in model.modules():
