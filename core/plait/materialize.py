@@ -103,7 +103,7 @@ def materialize(
     if kind == "hf":
         shapes = {name: spec.full_shape for name, spec in found.specs.items() if name not in adapters}
         buffers = {name: tuple(b.shape) for name, b in found.buffers.items()}
-        hf = open_hf_dir(path, shapes, found.aliases, getattr(model, "base_model_prefix", ""), optional=buffers)
+        hf = open_hf_dir(path, model, shapes, found.aliases, optional=buffers)
     device = torch.device(device)
     materialize_buffers(model, device)
     if hf is not None:  # persistent buffers are model state (a trained router bias): the directory's values

@@ -127,7 +127,12 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[
 
 @dataclass
 class Piece:
-    """Stored tensor ``key`` of ``file`` holds ``box`` of the logical tensor, starting at ``at`` in it."""
+    """Stored tensor ``key`` of ``file`` holds ``box`` of the logical tensor, starting at ``at`` in it.
+
+    The stored tensor may lack leading dims of the logical tensor where the box is one index wide on them (its
+    ``at`` there is 0): a model directory stores each expert of a stacked expert weight on its own
+    (``hf_conversion``).
+    """
 
     file: str
     key: str

@@ -3,9 +3,10 @@
 config.json plus model.safetensors (or the shards that model.safetensors.index.json names) is an index in
 which every tensor is one piece covering its full box. So one reader (``load.CheckpointReader``) serves
 both: a rank reads exactly the bytes of its slices, whether a plait checkpoint or a model directory holds
-them. Only the names differ: a model directory may store a tied weight under its other name, and hub GPT2
-files leave out the base model prefix (``h.0.attn...`` for ``transformer.h.0.attn...``), so
-``hf_names`` renames the index to the model's parameter names before anything is read.
+them. Only the names differ: a model directory holds tensors in the original format transformers converts on
+load (per-expert MoE weights, which the model holds stacked: ``hf_conversion``), may store a tied weight under
+its other name, and hub GPT2 files leave out the base model prefix (``h.0.attn...`` for
+``transformer.h.0.attn...``), so the index is renamed to the model's parameter names before anything is read.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import os
 from collections.abc import Container, Iterable, Sequence
 from pathlib import Path
 
-from transformers import AutoConfig
+from transformers import AutoConfig, PreTrainedModel
+from transformers.conversion_mapping import get_model_conversion_mapping
 
 from plait.checkpoint.format import CheckpointPaths, Index, Piece, TensorEntry, full_box, shape_problems
+from plait.checkpoint.hf_conversion import converted
 from plait.checkpoint.load import CheckpointReader
 from plait.checkpoint.st_io import NAMES, SafetensorsError, SafetensorsFile
 from plait.config import ConfigError
@@ -28,17 +31,19 @@ SAFE_INDEX = "model.safetensors.index.json"
 
 
 def open_hf_dir(
-    path: str | os.PathLike, shapes: dict[str, Sequence[int]], aliases: dict[str, str], base_prefix: str,
+    path: str | os.PathLike, model: PreTrainedModel, shapes: dict[str, Sequence[int]], aliases: dict[str, str],
     optional: dict[str, Sequence[int]] | None = None,
 ) -> CheckpointReader:
-    """A reader of the model directory ``path`` with its tensors under the model's names (``shapes``: this
-    rank's parameters and their full shapes; ``aliases``, ``base_prefix``: as ``hf_names``). ``optional``: more
-    tensors (persistent buffers) it holds where the directory has them; like ``from_pretrained``, a buffer a
-    directory lacks keeps the value the model initialises it with. ConfigError naming the missing and
-    mis-shaped tensors, before any is read."""
+    """A reader of the model directory ``path`` with its tensors under the names of ``model`` (converted as
+    ``from_pretrained`` converts them; ``shapes``: this rank's parameters and their full shapes; ``aliases``: as
+    ``hf_names``). ``optional``: more tensors (persistent buffers) it holds where the directory has them; like
+    ``from_pretrained``, a buffer a directory lacks keeps the value the model initialises it with. ConfigError
+    naming the missing and mis-shaped tensors, before any is read."""
     paths, index = read_hf_index(path)
     optional = optional or {}
-    index = hf_names(index, [*shapes, *optional], aliases, base_prefix)
+    names, base_prefix = [*shapes, *optional], model.base_model_prefix
+    index = converted(index, get_model_conversion_mapping(model), names, base_prefix)
+    index = hf_names(index, names, aliases, base_prefix)
     present = {name: shape for name, shape in optional.items() if name in index.tensors}
     problems = shape_problems(index.params(), {**shapes, **present}, "file", "model")
     if problems:

@@ -91,9 +91,10 @@ class CheckpointReader:
                     raise CheckpointError(
                         f"checkpoint shard {self.paths.shards / piece.file} has no tensor {piece.key!r}"
                     )
-                fits = len(piece.box) == len(stored.shape) == len(entry.shape) and all(
+                lacks = len(entry.shape) - len(stored.shape)  # leading dims one index wide (format.Piece)
+                fits = len(piece.box) == len(piece.at) == len(entry.shape) and lacks >= 0 and all(
                     0 <= a < b <= full and 0 <= at and at + b - a <= s
-                    for (a, b), at, s, full in zip(piece.box, piece.at, stored.shape, entry.shape)
+                    for (a, b), at, s, full in zip(piece.box, piece.at, (1,) * lacks + stored.shape, entry.shape)
                 )
                 if stored.dtype != DTYPES[entry.dtype] or not fits:
                     raise CheckpointError(
@@ -132,7 +133,9 @@ class CheckpointReader:
             for d, ((a, b), (b0, _)) in enumerate(zip(inter, box)):
                 dst = dst.narrow(d, a - b0, b - a)
             try:
-                self.file(piece.file).read_box(piece.key, src, dst)
+                stored = self.file(piece.file)
+                lacks = len(src) - len(stored.entry(piece.key).shape)  # leading dims one index wide (format.Piece)
+                stored.read_box(piece.key, src[lacks:], dst[(0,) * lacks])
             except SafetensorsError as exc:
                 raise CheckpointError(f"checkpoint shard {exc}") from None
         if target is not out:
