@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from plait.cli import main
 from plait.metrics import read_metrics
@@ -19,7 +18,8 @@ BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"  # layer 0 is dense (fi
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    """A tiny DeepSeek-V3 (4 routed experts, a shared one, a dense first layer) saved with random router biases."""
+    """A tiny DeepSeek-V3 (4 routed experts, a shared one, a dense first layer) saved by transformers with random
+    router biases."""
     from transformers import AutoModelForCausalLM
 
     config = load_subject("transformers:deepseek_v3").config
@@ -29,8 +29,7 @@ def source(tmp_path_factory):
     with torch.no_grad():
         model.get_buffer(BIAS).copy_(torch.randn(config.n_routed_experts))
     path = tmp_path_factory.mktemp("deepseek")
-    config.save_pretrained(path)  # the weights as the model holds them (fused experts), as plait consolidate writes
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path / "model.safetensors", {"format": "pt"})
+    model.save_pretrained(path)  # experts stored one by one, as on the hub (read through transformers' mapping)
     return path, model.get_buffer(BIAS).clone()
 
 
