@@ -10,8 +10,9 @@ layers, hidden 256, 16 experts of intermediate 128, top-4 routing, vocab 4096. P
   counted (plait.comm.count_collectives). Per MoE layer and forward a rank sends its per-expert counts (E int64),
   its T*k (token, expert) rows (dispatch) and the rows it computed for the others (combine); backward sends the
   same two again. Over the ep group: L * (ep * E * 8 + 4 * T_group * k * H * e) bytes, e = 4 (fp32).
-- memory: expert and dense parameter bytes and AdamW state bytes per rank (ZeRO-1) at dp=4 with ep=1, 2 and 4.
-  Expert bytes per rank must be 1/ep of ep=1's, dense bytes unchanged (their state is sharded over dp x cp).
+- memory: expert and dense parameter bytes and AdamW state bytes per rank (mean over ranks) at dp=4 with ep=1,
+  2 and 4, without and with ZeRO-1. Expert parameters per rank must be 1/ep of ep=1's and, without ZeRO-1, their
+  state too; dense bytes unchanged.
 - kernel: seconds per optimizer step on one process of the same model and batch (4 x 512) with transformers'
   experts implementations: plait keeps the model's (``grouped_mm``, one grouped matrix multiply per
   projection: what an ep rank runs on its received rows), against transformers' ``eager`` loop over experts and
@@ -63,13 +64,15 @@ def comm_part(out: Path) -> None:
     write(out, "comm", {"per_rank": [[len(t), sum(t)] for t in totals], "tokens": batch * 2 * seq})
 
 
-def memory_part(out: Path, ep: int) -> None:
+def memory_part(out: Path, what: str) -> None:
     import torch
 
     import plait
+    from plait import comm
     from plait.optim import OptimizerStep, build_optimizer
 
-    pmodel = plait.parallelize(model(), plait.ParallelConfig(ep=ep, zero_1=True))
+    ep, zero = int(what.split("-")[0]), what.endswith("zero1")
+    pmodel = plait.parallelize(model(), plait.ParallelConfig(ep=ep, zero_1=zero))
     optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4)
     ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(0))
     pmodel.train_step(ids, ids, num_items_in_batch=4 * 63)
@@ -78,13 +81,17 @@ def memory_part(out: Path, ep: int) -> None:
     sizes = {"expert": 0, "dense": 0, "expert_state": 0, "dense_state": 0}
     for p in pmodel.parameters():
         sizes["expert" if id(p) in experts else "dense"] += p.numel() * p.element_size()
-    parts = [optimizer.dense.optim, optimizer.experts] if hasattr(optimizer, "dense") else [optimizer.optim]
+    if hasattr(optimizer, "dense"):
+        parts = [optimizer.dense.optim, optimizer.experts]
+    else:
+        parts = [getattr(optimizer, "optim", optimizer)]
     for part in parts:
         inner = getattr(part, "optim", part)
         for param, state in inner.state.items():
             kind = "expert_state" if id(param) in experts else "dense_state"
             sizes[kind] += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim())
-    write(out, f"memory-ep{ep}", sizes)
+    every = comm.all_gather_object(sizes, comm.world_group())  # ZeRO-1 partitions whole tensors: ranks differ
+    write(out, f"memory-{what}", {key: sum(r[key] for r in every) / len(every) for key in sizes})
 
 
 def train_seconds(pmodel, batch: int, seq: int, steps: int) -> float:
@@ -138,7 +145,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.part == "comm":
         comm_part(out)
     elif args.part == "memory":
-        memory_part(out, int(args.what))
+        memory_part(out, args.what)
     elif args.part == "kernel":
         kernel_part(out, args.what, args.steps)
     else:
@@ -179,17 +186,19 @@ def main() -> None:
         total = sum(n for _, n in got["per_rank"])
         print(f"| both | | | {total:,} (formula {expected:,}: L * (ep * E * 8 + 4 * T * k * H * 4)) |\n")
     if "memory" in args.parts:
-        print("## Bytes per rank at dp=4 with ZeRO-1 (AdamW state after one step)\n")
-        print("| ep | expert params | vs ep=1 | expert state | vs ep=1 | dense params | dense state |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-        base = None
-        for ep in (1, 2, 4):
-            sizes = launch_part(out, 4, "memory", str(ep), args)
-            base = base or sizes
-            print(f"| {ep} | {sizes['expert']:,} | {sizes['expert'] / base['expert']:.3f} | {sizes['expert_state']:,} "
-                  f"| {sizes['expert_state'] / base['expert_state']:.3f} | {sizes['dense']:,} | "
-                  f"{sizes['dense_state']:,} |")
-        print()
+        print("## Bytes per rank at dp=4, mean over the ranks (AdamW state after one step)\n")
+        print("| ZeRO-1 | ep | expert params | vs ep=1 | expert state | vs ep=1 | dense params | dense state |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for zero in ("", "-zero1"):
+            base = None
+            for ep in (1, 2, 4):
+                sizes = launch_part(out, 4, "memory", f"{ep}{zero}", args)
+                base = base or sizes
+                print(f"| {'yes' if zero else 'no'} | {ep} | {sizes['expert']:,.0f} | {sizes['expert'] / base['expert']:.3f} "
+                      f"| {sizes['expert_state']:,.0f} | {sizes['expert_state'] / base['expert_state']:.3f} | "
+                      f"{sizes['dense']:,.0f} | {sizes['dense_state']:,.0f} |")
+        print("\nWithout ZeRO-1 a rank's expert state follows its experts (1/ep); with it, expert state is already 1/dp "
+              "of the total at ep=1 and stays so (sharded over dp/ep ranks holding 1/ep of the experts).\n")
     if "kernel" in args.parts:
         print(f"## One process, seconds per optimizer step, batch 4 x 512 (median of {args.steps})\n")
         print("| experts implementation | s/step | grouped_mm speed-up |")
