@@ -1,9 +1,9 @@
 """Worker: expert parallelism against one process, with the router's load-balancing loss on. World of 2 or 4.
 
 ``python ep_parity.py OUT WORLD``. Each case builds a tiny MoE model (the generic adapter's tiny config) with
-``output_router_logits`` on where the family has an aux loss, trains 3 SGD steps through plait at an ep layout
-and compares the loss and every gradient shard with transformers' own training loss on one process (the
-moe_aux worker's reference and optimizer step). Every rank writes ``rank<R>.json`` ({case: record}), so the
+``output_router_logits`` on where the family has an aux loss, trains 3 AdamW steps (the kit's lr and eps) through
+plait at an ep layout and compares the loss and every gradient shard with transformers' own training loss on
+one process (the moe_aux worker's reference and optimizer step). Every rank writes ``rank<R>.json`` ({case: record}), so the
 test checks every ep rank's experts, not one rank's. Besides parity:
 * ``norm``: the global gradient norm of ``OptimizerStep`` without ZeRO (expert squares summed over the ep group)
   equals the reference's total norm;
@@ -22,21 +22,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_aux_worker import LR, model_config, reference_loss, step_with_sgd
+from moe_aux_worker import model_config, reference_loss, step_with_sgd
 from plait import comm
 from plait.config import ParallelConfig
 from plait.optim import OptimizerStep
 from plait.parallelize import parallelize
-from plait.testing.conformance_modes import BATCH, LOSS_RTOL, SEQ, STEPS, load_subject
+from plait.testing.conformance_modes import ADAM_EPS, BATCH, LOSS_RTOL, LR, SEQ, STEPS, load_subject
 from plait.testing.conformance_worker import Record, compare_grads, perturb
 
 HAS_AUX = {"mixtral", "qwen3_moe", "gpt_oss", "olmoe"}  # deepseek_v3 balances with a bias, not a loss
+# tp cases without ep run on qwen3_moe: mixtral's fp32 noise under tp passes the kit's tolerance at step 2-3
+# under AdamW (tests/test_generic_conformance.py's FP32_SENSITIVE), ep itself adds none (its cases pass here)
 CASES = {
     2: [(arch, "ep2", dict(ep=2)) for arch in ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "olmoe")]
     + [("qwen3_moe", "ep2-zero1", dict(ep=2, zero_1=True)), ("mixtral", "cp2-ep2", dict(cp=2, ep=2)),
        ("mixtral", "ep2-recompute-microbatches2", dict(ep=2, gradient_checkpointing=True, num_microbatches=2)),
        ("mixtral", "ep2-capacity-no-drop", dict(ep=2, moe_capacity_factor=100.0)),
-       ("mixtral", "tp2-whole-experts", dict(tp=2, sp=True, expert_tensor_parallel=False)),
+       ("qwen3_moe", "tp2-whole-experts", dict(tp=2, sp=True, expert_tensor_parallel=False)),
        ("gpt_oss", "tp2-nosp-whole-experts", dict(tp=2, sp=False, expert_tensor_parallel=False))],
     4: [("mixtral", "ep2-tp2", dict(ep=2, tp=2, sp=True)), ("qwen3_moe", "ep2-dp4-zero1", dict(ep=2, zero_1=True)),
         ("mixtral", "ep4", dict(ep=4)), ("qwen3_moe", "ep2-pp2", dict(ep=2, pp=2, num_microbatches=2)),
@@ -61,8 +63,8 @@ def run_case(arch: str, layout: dict) -> dict:
     record.values["aux_share"] = 0.0
     pmodel = parallelize(copy.deepcopy(reference), ParallelConfig(**layout))
     mesh, forwards = pmodel.mesh, pmodel.mesh.dp * pmodel.config.num_microbatches
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
-    optimizer_step = step_with_sgd(pmodel)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=ADAM_EPS)  # the kit's optimizer
+    optimizer_step = step_with_sgd(pmodel, torch.optim.AdamW, lr=LR, eps=ADAM_EPS)
     gen = torch.Generator().manual_seed(1)
     for step in range(1, STEPS + 1):
         ids = torch.randint(0, reference.config.vocab_size, (BATCH * mesh.dp, SEQ), generator=gen)

@@ -84,13 +84,15 @@ def run_case(arch: str, layout: dict) -> dict:
     return record.json()
 
 
-def step_with_sgd(pmodel):
-    """An optimizer step after the gradient sync, returning the gradients it stepped on: plain SGD on every
-    local parameter, or plait's ZeRO-1 step over SGD (its gradients read just before the inner step)."""
+def step_with_sgd(pmodel, optimizer_class=torch.optim.SGD, **kwargs):
+    """An optimizer step after the gradient sync, returning the gradients it stepped on: plain SGD (or
+    ``optimizer_class`` with ``kwargs``) on every local parameter, or plait's ZeRO-1 step over it (its gradients
+    read just before the inner step)."""
     from plait.optim import OptimizerStep, build_optimizer
 
+    kwargs = kwargs or {"lr": LR}
     if not pmodel.config.zero_1:
-        optimizer = torch.optim.SGD(pmodel.parameters(), lr=LR)
+        optimizer = optimizer_class(pmodel.parameters(), **kwargs)
 
         def plain(record: Record, step: int) -> dict:
             pmodel.grad_sync.finish()
@@ -100,7 +102,7 @@ def step_with_sgd(pmodel):
             return grads
 
         return plain
-    optimizer = build_optimizer(pmodel, torch.optim.SGD, lr=LR)
+    optimizer = build_optimizer(pmodel, optimizer_class, **kwargs)
     owned = {id(p) for p in getattr(optimizer, "owned_params", pmodel.parameters())}
     named = [(n, p) for n, p in pmodel.module.named_parameters() if id(p) in owned]
     run, inner = OptimizerStep(pmodel.grad_sync, optimizer), optimizer.step
