@@ -20,7 +20,7 @@ from transformers import LlamaConfig, MixtralConfig
 
 import plait
 from plait import AdapterInfo, ParallelConfig, Registry, TPPlan, hookimpl
-from plait.cli import main
+from plait.cli import build_parser, main
 from plait.costs.activations import trace_activations
 from plait.costs.bubble import bubble_fraction, in_flight
 from plait.costs.device import PRESETS
@@ -29,7 +29,9 @@ from plait.costs.memory import Precision
 from plait.costs.search import describe, search_layouts
 from plait.layout_plan import plan_layout
 from plait.meta import build_meta_model
+from plait.plan_command import train_command
 from plait.registry import default_registry
+from plait.train_args import TrainArgs, from_namespace
 from plait.testing import launch
 
 WORKER = Path(__file__).parent / "workers" / "planner_worker.py"
@@ -443,6 +445,27 @@ def test_ep_all_to_alls_follow_the_formula(pp, recompute):
         op = rows["ep", "all_to_all"]
         assert (op.count, op.bytes) == (count, size)
         assert op.ring(2) == size / 2  # (ep-1)/ep of each all-to-all leaves the rank
+
+
+def test_whole_experts_under_ep_hold_every_slice_and_route_a_tp_share(tmp_path):
+    """tp=2 ep=2, experts kept whole over tp: a rank holds its 2 experts whole (split over tp: half of each), sums
+    their gradients over tp, and its all-to-alls move its 1/tp of the micro-batch's tokens (the counts' exchange
+    unchanged); plan's train command keeps the flag."""
+    model, trace = _moe()
+    batch = Batch(4, 16)
+    split = _estimate(model, ParallelConfig(tp=2, ep=2), 4, batch, trace)
+    whole = _estimate(model, ParallelConfig(tp=2, ep=2, expert_tensor_parallel=False), 4, batch, trace)
+    assert whole.ranks[0].static.parameters - split.ranks[0].static.parameters == 4 * EXPERTS // 4
+    ops = {(o.group, o.op): (o.count, o.bytes) for o in whole.comm[0]}
+    vectors = 4 * 16 // 2 * 2 * 32 * 4  # the rank's 32 of 64 tokens, 2 pairs each, hidden 32, fp32
+    assert ops["ep", "all_to_all"] == (2 * 5, 2 * (4 * vectors + 4 * 8))
+    # the whole experts' gradients summed over tp, beside the other tp sums
+    assert ops["tp", "all_reduce"][1] - {(o.group, o.op): o.bytes for o in split.comm[0]}["tp", "all_reduce"] \
+        == 4 * EXPERTS // 2
+    args = from_namespace(build_parser().parse_args(
+        ["plan", "--model_config", "m.json", "--tensor_parallel_size", "2", "--disable_expert_tensor_parallel"]),
+        TrainArgs)
+    assert "--disable_expert_tensor_parallel" in train_command(args, args.parallel_config(), 4)
 
 
 def test_moe_activations_follow_transformers_grouped_mm_and_scale_with_imbalance(tmp_path, capsys):

@@ -119,7 +119,8 @@ def train_command(args, config, per_device: int, per_node: int | None = None) ->
     switches = {"disable_sequence_parallel": config.tp > 1 and not config.sp, "zero_1": config.zero_1,
                 "gradient_checkpointing": config.gradient_checkpointing, "bf16": args.bf16,
                 "bf16_autocast": config.bf16_autocast,
-                "disable_embedding_parallelization": config.disable_embedding_parallelization}
+                "disable_embedding_parallelization": config.disable_embedding_parallelization,
+                "disable_expert_tensor_parallel": config.tp > 1 and not config.expert_tensor_parallel}
     flags += [f"--{name}" for name, on in switches.items() if on]
     if args.bf16 and args.optimizer_dtype != "float32":
         flags += ["--optimizer_dtype", args.optimizer_dtype]

@@ -2,7 +2,7 @@
 
 Run as a world of 2 ranks: ``planner_worker.py OUT.json``. For each layout, a tiny Llama (tied embeddings,
 vocab 61: padded under tp; one kv head: replicated under tp, its gradient summed, repeated by cp's
-all-to-all) is laid out, its optimizer
+all-to-all; or a tiny Mixtral, its routed experts kept whole over tp) is laid out, its optimizer
 built as ``plait train`` builds it, and two steps run; each rank records its parameter, gradient (after
 backward) and optimizer bytes (after the step), the collectives ``plait.comm`` saw in the second step (the
 first infers pipeline shapes), and the planner's numbers for that rank. Rank 0 writes them all.
@@ -16,7 +16,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, PretrainedConfig
 
 from plait import ParallelConfig, parallelize
 from plait.comm import count_collectives
@@ -41,6 +41,13 @@ LAYOUTS = {
     "cp2_zero1_wd": (ParallelConfig(cp=2, zero_1=True), False, 0.1),
     "cp2_ring_recompute": (ParallelConfig(cp=2, cp_attention="ring", gradient_checkpointing=True), False, 0.0),
 }
+# a tiny Mixtral whose experts are kept whole over tp: under SP no experts collectives, without SP a token share
+MOE_LAYOUTS = {
+    "moe_tp2_sp_whole_recompute": (ParallelConfig(tp=2, expert_tensor_parallel=False, gradient_checkpointing=True),
+                                   False, 0.0),
+    "moe_tp2_nosp_whole_recompute": (ParallelConfig(tp=2, sp=False, expert_tensor_parallel=False,
+                                                    gradient_checkpointing=True), False, 0.0),
+}
 
 
 def model_config() -> LlamaConfig:
@@ -49,18 +56,24 @@ def model_config() -> LlamaConfig:
                        max_position_embeddings=SEQ)
 
 
-def run(name: str, config: ParallelConfig, bf16: bool, weight_decay: float) -> dict:
+def moe_config() -> MixtralConfig:
+    return MixtralConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                         max_position_embeddings=SEQ)
+
+
+def run(name: str, config: ParallelConfig, bf16: bool, weight_decay: float, model_config: PretrainedConfig) -> dict:
     dtype = torch.bfloat16 if bf16 else torch.float32
     world, rank = dist.get_world_size(), dist.get_rank()
     registry = default_registry()
-    meta = build_meta_model(model_config(), dtype)
+    meta = build_meta_model(model_config, dtype)
     plan = plan_layout(meta, config, world, registry)
     per_device = BATCH
     estimate = estimate_layout(meta, plan, Batch(per_device, SEQ), Precision(dtype, torch.float32),
                                trace_activations(meta, SEQ, registry, plan.adapter), weight_decay)
     predicted = estimate.for_rank(rank)
     torch.manual_seed(0)
-    pmodel = parallelize(LlamaForCausalLM(model_config()).to(dtype), config)
+    pmodel = parallelize(AutoModelForCausalLM.from_config(model_config).to(dtype), config)
     optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-3, weight_decay=weight_decay,
                                 optimizer_dtype=torch.float32)
     step = OptimizerStep(pmodel.grad_sync, optimizer, 1.0)
@@ -89,7 +102,8 @@ def run(name: str, config: ParallelConfig, bf16: bool, weight_decay: float) -> d
 def main() -> None:
     out = sys.argv[1]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    results = {name: run(name, *spec) for name, spec in LAYOUTS.items()}
+    results = {name: run(name, *spec, model_config()) for name, spec in LAYOUTS.items()}
+    results |= {name: run(name, *spec, moe_config()) for name, spec in MOE_LAYOUTS.items()}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:

@@ -198,7 +198,7 @@ def _enter_layer(units: dict, where: dict, name: str):
 
 def unit_bytes(
     unit: UnitTrace, tp: int, sp: bool, split_others: bool, columns: set[str], cp: int = 1,
-    drop_squares: bool = False, imbalance: float = 1.0,
+    drop_squares: bool = False, imbalance: float = 1.0, whole: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[int, int]:
     """(bytes saved, largest single tensor) of ``unit`` for one sequence on one tp rank.
 
@@ -208,13 +208,16 @@ def unit_bytes(
     sharing the sequence; each holds 1/cp of every tensor (per-token tensors on its S/cp tokens; eager's S x S
     probabilities on all-to-all's 1/cp of the heads). ``drop_squares``: leave out eager's probabilities (the
     ring attention keeps none). ``imbalance``: the factor on routed experts' tensors
-    (``experts.effective_imbalance``)."""
+    (``experts.effective_imbalance``). ``whole``: experts modules kept whole on every tp rank
+    (``tp_modules.whole_experts``), each rank routing only its own 1/tp of the tokens: all their tensors are
+    1/tp, none split by tp."""
     total = largest = 0
     for s in unit.saved:
         if s.square and drop_squares:
             continue
         if s.expert:  # tp's experts region hands every rank all tokens; each holds 1/tp of the intermediate
-            size = math.ceil(_ceil(_ceil(s.nbytes, tp) if s.expert == SPLIT else s.nbytes, cp) * imbalance)
+            shared = s.expert == SPLIT or s.module in whole  # whole experts: the rank's 1/tp of the tokens
+            size = math.ceil(_ceil(_ceil(s.nbytes, tp) if shared else s.nbytes, cp) * imbalance)
             total += size
             largest = max(largest, size)
             continue

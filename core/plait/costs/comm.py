@@ -15,6 +15,9 @@ all-to-all, or k and v (and their gradients) around the ring (``context_parallel
 Routed experts under tp (per micro-step): each experts module is a tp region entered and left like a row
 linear's column region, and its routing weights enter too (their gradient all-reduced without SP; under SP the
 expert indices and weights all-gathered, again when recomputed, and the weights' gradient reduce-scattered).
+Experts kept whole over tp (``expert_tensor_parallel=False``) move nothing under SP; without SP each rank takes
+its 1/tp share of the rows and the outputs are all-gathered, as are the hidden and routing weights' gradients
+backward; their weight gradients are all-reduced over tp once per step like other replicated sums.
 Expert parallelism (group "ep", per micro-batch): each MoE layer's dispatch and combine all-to-alls forward and
 backward, and the per-expert counts (``experts`` has the formulas).
 Data parallel (group "dp", once per step; under cp the replica group of dp x cp ranks, which all hold the
@@ -36,7 +39,7 @@ import torch
 from torch import nn
 
 from plait.costs.context_parallel import attention_comm
-from plait.costs.experts import RoutedCall, ep_comm
+from plait.costs.experts import RoutedCall, ep_comm, token_share
 from plait.costs.memory import Precision, RankParam, zero1_owned
 from plait.costs.tp_modules import VOCAB_LABELS
 from plait.grad_sync import BUCKET_BYTES
@@ -76,10 +79,11 @@ class StepShape:
 def step_comm(
     model: nn.Module, plan: LayoutPlan, pp_rank: int, held: list[RankParam], shape: StepShape,
     precision: Precision, rows: set[str], routed: Sequence[tuple[RoutedCall, bool]] = (),
+    whole: frozenset[str] | set[str] = frozenset(),
 ) -> list[CommOp]:
     """Collectives of one optimizer step on (any tp rank of) pipeline rank ``pp_rank`` holding ``held``;
     ``routed``: the experts calls of its layers (one sequence each, from the trace), and whether each is
-    recomputed."""
+    recomputed; ``whole``: experts modules kept whole over tp (``tp_modules.whole_experts``)."""
     config = plan.config
     ops: list[CommOp] = []
     acc = shape.accumulation
@@ -131,17 +135,25 @@ def step_comm(
                 add("reduce_scatter", 1, pairs * call.weight_bytes)
             else:
                 add("all_reduce", 1, pairs * call.weight_bytes)
+        per_mb = config.num_microbatches if split is not None else 1
+        for call, _ in routed:
+            if call.module in whole and not config.sequence_parallel:  # TokenShareRegion; under SP nothing
+                share = per_mb * token_share(shape.batch // per_mb * call.tokens // cp, config.tp, True)
+                add("all_gather", 2, share * shape.hidden * shape.act_bytes)  # outputs; hidden's gradient
+                add("all_gather", 1, share * call.top_k * call.weight_bytes)  # the routing weights' gradient
         # A recomputed layer repeats its forward collectives in backward, up to the last one whose output backward
-        # needs: the final row-parallel output is not recomputed (torch's checkpoint stops early).
+        # needs: the final row-parallel output is not recomputed (torch's checkpoint stops early). Experts kept
+        # whole save tensors after every row linear, so all of those are recomputed, and nothing after the
+        # experts' own last saved tensor (TokenShareRegion's output gather is not).
         for leaf in plan.leaves:
             r_leaf = sum(1 for n in rows if n.startswith(leaf + ".") and n in held_modules)
+            last = 0 if any(n.startswith(leaf + ".") for n in whole) else 1
             if r_leaf and config.sequence_parallel:
                 add("all_gather", r_leaf, local)
-                add("reduce_scatter", r_leaf - 1, act)
+                add("reduce_scatter", r_leaf - last, act)
             elif r_leaf:
-                add("all_reduce", r_leaf - 1, act)
+                add("all_reduce", r_leaf - last, act)
         # Under pp every micro-batch runs its own collectives (same bytes in all, m times the count).
-        per_mb = config.num_microbatches if split is not None else 1
         for op, (n, size) in counts.items():
             if n:
                 ops.append(CommOp("tp", op, n * per_mb * acc, size * acc))
@@ -170,7 +182,8 @@ def step_comm(
         op, n, size = attention_comm(plan, shape.seq, shape.batch, shape.act_bytes, compute, count, recomputed)
         ops.append(CommOp("cp", op, n * acc, size * acc))
     if config.ep > 1:
-        count, size = ep_comm(routed, shape.batch, cp, shape.hidden, shape.act_bytes, config.num_microbatches)
+        count, size = ep_comm(routed, shape.batch, cp, shape.hidden, shape.act_bytes, config.num_microbatches,
+                              config.tp, whole)
         ops.append(CommOp("ep", "all_to_all", count * acc, size * acc))
     if split is not None:
         m = config.num_microbatches

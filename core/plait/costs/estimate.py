@@ -29,7 +29,7 @@ from plait.costs.device import Device
 from plait.costs.experts import check_expert_parallel, effective_imbalance, expert_flops_per_token, expert_parameters
 from plait.costs.memory import (ActivationBytes, Precision, StaticBytes, activation_bytes, layers_of, rank_params,
                                 static_bytes)
-from plait.costs.tp_modules import column_modules, row_modules
+from plait.costs.tp_modules import column_modules, row_modules, whole_experts
 from plait.grad_sync import BUCKET_BYTES
 from plait.layout_plan import LayoutPlan
 from plait.optim.param_groups import embedding_params
@@ -145,12 +145,12 @@ def estimate_layout(
         cache["experts"] = expert_parameters(model)
     shards_key = id(plan.shards_by_rank)
     if ("linears", shards_key) not in cache:
-        cache["linears", shards_key] = row_modules(model, plan), column_modules(model, plan)
-    rows, columns = cache["linears", shards_key]
+        cache["linears", shards_key] = row_modules(model, plan), column_modules(model, plan), whole_experts(plan)
+    rows, columns, whole = cache["linears", shards_key]
     replicas = dp * cp  # ranks holding the same parameters: gradients summed and ZeRO-1 sharded over them
     ranks, comm, flops, moved = [], {}, {}, {}
     for pp_rank in range(pp):
-        acts = activation_bytes(trace, plan, pp_rank, microbatch, columns, imbalance)
+        acts = activation_bytes(trace, plan, pp_rank, microbatch, columns, imbalance, whole)
         layers = layers_of(plan, pp_rank, len(trace.layers))
         routed = [(call, any(call.module.startswith(leaf + ".") for leaf in plan.leaves))
                   for i in layers for call in trace.layers[i].routed]
@@ -161,8 +161,8 @@ def estimate_layout(
                                          cache["experts"])
             held = cache[key]
             if tp_rank == 0:
-                comm[pp_rank] = step_comm(model, plan, pp_rank, held, shape, precision, rows, routed)
-                flops[pp_rank] = _step_flops(model, plan, pp_rank, held, batch, trace, imbalance)
+                comm[pp_rank] = step_comm(model, plan, pp_rank, held, shape, precision, rows, routed, whole)
+                flops[pp_rank] = _step_flops(model, plan, pp_rank, held, batch, trace, imbalance, whole)
                 moved[pp_rank] = 2 * acts.per_microbatch * config.num_microbatches * batch.accumulation
             grads = sum(p.numel for p in held) * precision.grad_bytes
             for replica, static in enumerate(static_bytes(held, precision, replicas, config.zero_1, config.ep,
@@ -219,11 +219,11 @@ def _span(config, groups: list[range]) -> int:
 
 
 def _step_flops(model: nn.Module, plan: LayoutPlan, pp_rank: int, held, batch: Batch, trace: ActivationTrace,
-                imbalance: float = 1.0) -> float:
+                imbalance: float = 1.0, whole: frozenset[str] | set[str] = frozenset()) -> float:
     """Matmul FLOPs of one optimizer step on one rank: 2 per weight element per token forward (embeddings are
     lookups; a tied LM head counts; routed experts per (token, expert) pair, ``experts.expert_flops_per_token``),
     4 * seq * attention width per token per layer for QK^T and AV, backward twice the forward, one more forward
-    for recomputed layers."""
+    for recomputed layers; experts modules in ``whole`` are kept whole over tp, computing 1/tp of the tokens."""
     config = plan.config
     text = model.config.get_text_config()
     tokens = batch.per_device * batch.seq * batch.accumulation // config.cp  # cp: each rank has 1/cp of them
@@ -241,5 +241,5 @@ def _step_flops(model: nn.Module, plan: LayoutPlan, pp_rank: int, held, batch: B
             stacked[module] = stacked.get(module, 0) + p.numel
     calls = [call for i in layers for call in trace.layers[i].routed]
     per_token = 2 * weights + 4 * batch.seq * heads * head_dim / config.tp * len(layers) + expert_flops_per_token(
-        calls, stacked, config.ep, imbalance, trace.seq)
+        calls, stacked, config.ep, imbalance, trace.seq, config.tp, whole)
     return per_token * tokens * (4 if config.gradient_checkpointing else 3)

@@ -5,7 +5,10 @@ Experts are transformers' experts modules (decorated with ``use_experts_implemen
 top_k_index, top_k_weights)`` on flattened tokens, ``gate_up_proj`` [E, 2I, H] or ``up_proj`` [E, I, H] and
 ``down_proj`` [E, H, I] stacked over the E experts, transposed when ``is_transposed``, optional ``*_bias`` [E, out]).
 Under ep every rank holds E/ep of each layer's experts (dim 0 of each of those parameters) and the tp slice of
-their intermediate dimension, as ``plait.tp.styles.MoEExperts`` splits it.
+their intermediate dimension, as ``plait.tp.styles.MoEExperts`` splits it; with expert tensor parallelism off
+(``plait.tp.styles.WholeExperts``) it holds them whole and computes only its own 1/tp of the tokens (under SP its
+sequence shard, without SP a share of the rows): every tensor below is then 1/tp, none split, the FLOPs 1/tp,
+and the all-to-alls move the rank's n/tp tokens.
 
 Activations. The meta device cannot route: transformers' grouped matmul checks its dtype on meta, its loops need
 real token counts. So the trace runs the experts' own grouped-matmul forward (``grouped_mm_experts_forward``,
@@ -133,13 +136,22 @@ class ShapeOnlyExperts:
                 del module.forward  # the class's forward again
 
 
+def token_share(rows: int, tp: int, whole: bool) -> int:
+    """Rows of ``rows`` flattened tokens an experts module computes on a tp rank: all of them when its experts are
+    split over tp (``ExpertsRegion`` hands every rank all tokens), else the rank's 1/tp (its sequence shard under
+    SP; without SP ``TokenShareRegion``'s share, padded to a multiple of tp)."""
+    return -(-rows // tp) if whole else rows
+
+
 def ep_comm(calls: Sequence[tuple[RoutedCall, bool]], sequences: int, cp: int, hidden: int, act_bytes: int,
-            microbatches: int) -> tuple[int, int]:
+            microbatches: int, tp: int = 1, whole: frozenset[str] | set[str] = frozenset()) -> tuple[int, int]:
     """(count, bytes) of one micro-step's ep all-to-alls on a rank running ``calls`` (each with whether its layer
-    is recomputed) for ``sequences`` sequences split into ``microbatches`` (module docstring)."""
+    is recomputed) for ``sequences`` sequences split into ``microbatches`` (module docstring); ``whole``: experts
+    modules kept whole over ``tp`` ranks, whose all-to-alls move the rank's 1/tp of the tokens."""
     count = size = 0
     for call, recomputed in calls:
-        tokens = sequences * call.tokens // cp  # the rank's tokens over all micro-batches
+        rows = sequences // microbatches * call.tokens // cp  # the rank's tokens in one micro-batch
+        tokens = microbatches * token_share(rows, tp, call.module in whole)
         passes = 2 + (1 if recomputed else 0)  # forward, backward, forward again
         count += microbatches * (2 * passes + 1 + (1 if recomputed else 0))
         size += 2 * passes * tokens * call.top_k * hidden * act_bytes
@@ -148,12 +160,13 @@ def ep_comm(calls: Sequence[tuple[RoutedCall, bool]], sequences: int, cp: int, h
 
 
 def expert_flops_per_token(calls: list[RoutedCall], local_numel: dict[str, int], ep: int, imbalance: float,
-                           seq: int) -> float:
+                           seq: int, tp: int = 1, whole: frozenset[str] | set[str] = frozenset()) -> float:
     """Forward matmul FLOPs per token of a rank for its experts ``calls``: 2 per weight element of one expert per
     pair it computes (top_k per routed token, times the busiest rank's ``imbalance``). ``local_numel``: elements of
-    each experts module's stacked weights the rank holds (E/ep experts, 1/tp of each)."""
+    each experts module's stacked weights the rank holds (E/ep experts, 1/tp of each, or all of each for the
+    modules in ``whole``, which compute 1/tp of the tokens)."""
     return sum(2 * local_numel[c.module] / (c.num_experts // ep) * c.top_k * c.tokens / seq * imbalance
-               for c in calls)
+               / (tp if c.module in whole else 1) for c in calls)
 
 
 def unrouted_stack(model: nn.Module) -> str | None:

@@ -177,7 +177,7 @@ class ActivationBytes:
 
 def activation_bytes(
     trace: ActivationTrace, plan: LayoutPlan, pp_rank: int, microbatch: int, columns: set[str],
-    imbalance: float = 1.0,
+    imbalance: float = 1.0, whole: frozenset[str] | set[str] = frozenset(),
 ) -> ActivationBytes:
     """Activation bytes of pipeline rank ``pp_rank`` for micro-batches of ``microbatch`` sequences.
 
@@ -186,7 +186,8 @@ def activation_bytes(
     while it is recomputed. ``columns``: the plan's column-parallel linears (``tp_modules.column_modules``).
     Under context parallelism every traced tensor is 1/cp (each rank holds S/cp tokens), plus what the
     attention strategy adds (``context_parallel.attention_memory``). ``imbalance``: the factor on routed experts'
-    tensors (``experts.effective_imbalance``)."""
+    tensors (``experts.effective_imbalance``); ``whole``: experts modules kept whole over tp
+    (``tp_modules.whole_experts``)."""
     config = plan.config
     tp, sp, cp = config.tp, config.sequence_parallel, config.cp
     vocab_parallel = tp > 1 and not config.disable_embedding_parallelization
@@ -202,7 +203,7 @@ def activation_bytes(
     total = largest = recompute = leaf_inputs = 0
     for index in layers:
         unit = trace.layers[index]
-        saved, big = unit_bytes(unit, tp, sp, True, columns, cp, ring, imbalance)
+        saved, big = unit_bytes(unit, tp, sp, True, columns, cp, ring, imbalance, whole)
         saved += layer_extra
         largest = max(largest, big)
         if config.gradient_checkpointing:

@@ -6,6 +6,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from plait.layout_plan import LayoutPlan
+from plait.tp.styles import WholeExperts
 
 VOCAB_LABELS = ("vocab_embedding", "scaled_vocab_embedding", "vocab_head")
 EXPERTS_LABELS = ("moe_experts", "moe_experts_expert_major")
@@ -31,3 +32,9 @@ def column_modules(model: nn.Module, plan: LayoutPlan) -> set[str]:
     rows = row_modules(model, plan)
     return {name for name, shard in plan.shards_by_rank[0].items()
             if name not in rows and shard.style.label not in VOCAB_LABELS[:2] and shard.weight.dim is not None}
+
+
+def whole_experts(plan: LayoutPlan) -> set[str]:
+    """Experts modules kept whole on every tp rank (``ParallelConfig(expert_tensor_parallel=False)``,
+    ``plait.tp.styles.WholeExperts``): each tp rank computes only its own 1/tp of the tokens' pairs."""
+    return {name for name, shard in plan.shards_by_rank[0].items() if isinstance(shard.style, WholeExperts)}
