@@ -5,7 +5,8 @@
 1. Bytes: parameters, gradients, optimizer state that built ranks hold vs the planner, per rank and layout
    (tp, ZeRO-1 with weight-decay groups, pp, bf16 with fp32 masters): must be equal.
 2. Peak memory over the post-load baseline, per rank, for 13 layouts of a Llama whose activations dominate
-   (eager attention, s=256): within 20%. Measured as the kernel's resident-set high-water mark (VmHWM, reset
+   (eager attention, s=256), and 4 of a Mixtral of the same size (moe_: dp, ep=2, ep=2 with ZeRO-1, tp=2 SP):
+   within 20%. Measured as the kernel's resident-set high-water mark (VmHWM, reset
    through /proc/self/clear_refs before the step) minus the resident set before it, with glibc told to mmap
    every block over 64 KiB (MALLOC_MMAP_THRESHOLD_), so freed tensors leave the resident set at once and
    RSS follows live tensor bytes; torch's CPU allocator does not cache. The prediction over that baseline is
@@ -14,7 +15,8 @@
    bytes of the distinct tensors autograd saved in the step's forward (saved_tensors_hooks, by address) vs the
    planner's traced activations, which separates an activation error from a transient one (not under pp, where
    micro-batches reuse each other's addresses).
-3. Communication: the planner's collectives beside those plait.comm counts in the measured step, and beside
+3. Communication: the planner's collectives beside those plait.comm counts in the measured step (ep's all-to-all
+   bytes as the mean over ranks: routing moves them between ranks), and beside
    bench/tp_comm.py's formula for its model (counts and bytes equal); bubble beside bench/pp_bubble.py's formulas.
 4. Step time with ``--calibrate``: for several batch shapes, the planner's 5 best layouts of 2 ranks are run;
    the planner's first must be within 10% of the fastest measured.
@@ -49,6 +51,11 @@ MEMORY_LAYOUTS = {  # name -> ParallelConfig kwargs, on 2 ranks
     "cp2_all_to_all": {"cp": 2, "cp_attention": "all-to-all"},
     "cp2_ring": {"cp": 2, "cp_attention": "ring"},
     "cp2_ring_recompute": {"cp": 2, "cp_attention": "ring", "gradient_checkpointing": True},
+    # "moe_": a Mixtral of the same size instead (8 experts, top-2): its routed experts' activations and ep
+    "moe_dp2": {},
+    "moe_ep2": {"ep": 2},
+    "moe_ep2_zero1": {"ep": 2, "zero_1": True},
+    "moe_tp2_sp": {"tp": 2},
 }
 BYTES_LAYOUTS = {  # name -> (kwargs, bf16 parameters, weight decay)
     "tp2_wd": ({"tp": 2}, False, 0.1),
@@ -60,9 +67,15 @@ SHAPES = [(8, 128), (4, 256), (16, 64)]  # (sequences per rank at dp=2, tokens):
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
-def model_config(tiny: bool, time_model: bool = False):
-    from transformers import LlamaConfig
+def model_config(tiny: bool, time_model: bool = False, moe: bool = False):
+    from transformers import LlamaConfig, MixtralConfig
 
+    if moe:
+        config = MixtralConfig(vocab_size=1024, hidden_size=32 if tiny else 128, intermediate_size=64 if tiny else 256,
+                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                               num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
+        config._attn_implementation = "eager"
+        return config
     if time_model:
         return LlamaConfig(vocab_size=2048, hidden_size=64 if tiny else 256, intermediate_size=128 if tiny else 768,
                            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -166,7 +179,7 @@ def _measure_bytes(kwargs: dict, bf16: bool, weight_decay: float, rank: int) -> 
             "predicted": [predicted.parameters, predicted.gradients, predicted.optimizer]}
 
 
-def _measure_memory(kwargs: dict, tiny: bool, rank: int) -> dict:
+def _measure_memory(kwargs: dict, tiny: bool, rank: int, moe: bool = False) -> dict:
     """One layout's peak over the post-load baseline on this rank, beside the planner's (module docstring)."""
     import gc
 
@@ -176,7 +189,7 @@ def _measure_memory(kwargs: dict, tiny: bool, rank: int) -> dict:
     from plait.comm import count_collectives
 
     b, s = memory_seq(tiny)
-    cfg = model_config(tiny)
+    cfg = model_config(tiny, moe=moe)
     estimate = _predict(kwargs, cfg, torch.float32, b, s)
     mine = estimate.for_rank(rank)
     pmodel, _, step = _build(kwargs, cfg, torch.float32)
@@ -248,7 +261,7 @@ def worker(out: str, tiny: bool, steps: int, jobs: str) -> None:
     for name, (kwargs, bf16, wd) in spec["bytes"].items():
         results["bytes"][name] = _measure_bytes(kwargs, bf16, wd, rank)
     for name, kwargs in spec["memory"].items():
-        results["memory"][name] = _measure_memory(kwargs, tiny, rank)
+        results["memory"][name] = _measure_memory(kwargs, tiny, rank, moe=name.startswith("moe_"))
         gc.collect()
     results["time"] = _time_layouts(spec["time"], tiny, steps)
     gathered: list = [None] * dist.get_world_size()
@@ -300,8 +313,11 @@ def main() -> None:
     parser.add_argument("--no-calibrate", action="store_true", help="rank with the cpu preset instead of measuring")
     parser.add_argument("--only", choices=("bytes", "memory", "time"), help="run one part (comm and bubble come "
                         "with memory)")
+    parser.add_argument("--match", default="", help="memory layouts whose name contains this only (e.g. moe)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    for name in [n for n in MEMORY_LAYOUTS if ns.match not in n]:
+        del MEMORY_LAYOUTS[name]
     if ns.worker:
         worker(ns.worker[0], ns.tiny, ns.steps, ns.worker[1])
         return
@@ -340,7 +356,7 @@ def report_bytes(per_rank) -> list[str]:
 def report_memory(per_rank, tiny: bool) -> list[str]:
     b, s = memory_seq(tiny)
     print(f"\n2. peak over the post-load baseline (RSS high-water mark), Llama h={model_config(tiny).hidden_size} "
-          f"L=4 eager attention, b={b} s={s}, fp32")
+          f"L=4 eager attention, b={b} s={s}, fp32 (moe_: Mixtral of the same size, 8 experts, top-2)")
     print(f"  {'layout':20} {'rank':>4} {'measured MiB':>13} {'planned MiB':>12} {'of it activations':>18} {'ratio':>6}"
           f" {'saved: measured':>16} {'planned':>8}")
     bad = []
@@ -376,6 +392,11 @@ def report_comm(per_rank) -> list[str]:
         x = per_rank[0]["memory"][name]
         counted = {op: (sum(1 for o, _ in x["records"] if o == op), sum(n for o, n in x["records"] if o == op))
                    for op in {o for o, _ in x["records"]}}
+        if "all_to_all" in counted and "ep" in MEMORY_LAYOUTS[name]:
+            # ep's combine all-to-all returns what a rank computed for the others: data-dependent per rank, while
+            # the planner assumes balanced routing; the mean over ranks is the balanced figure exactly
+            sizes = [sum(n for o, n in r["memory"][name]["records"] if o == "all_to_all") for r in per_rank]
+            counted["all_to_all"] = (counted["all_to_all"][0], sum(sizes) // len(sizes))
         planned: dict[str, list[int]] = {}
         for group, op, count, size in x["planned_comm"]:
             if (group, op) not in unrecorded:
