@@ -1,9 +1,9 @@
 """LoRA on routed experts (peft's ``target_parameters``, plait.lora.experts): peft's update and names on one process,
-parity with peft under tp=2 (+SP), ep=2 (+ZeRO-1), pp=2 and ZeRO-1 dp=2, what each tp x ep rank holds, the peft and
-merged exports, and the settings refused.
+parity with peft under tp=2 (+SP), ep=2 (+ZeRO-1), pp=2, ZeRO-1 dp=2, tp=2 (SP) x ep=2 and ep=2 x pp=2, what each
+tp x ep rank holds, the peft and merged exports, and the settings refused.
 
-The multi-process checks share one world of 2 ranks (tests/workers/lora_experts_parity.py); the tests assert on
-both ranks' JSON.
+The multi-process checks share one world of 2 ranks and one of 4 (tests/workers/lora_experts_parity.py); the tests
+assert on every rank's JSON.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from workers.lora_experts_parity import SEED, model_config
 
 WORKER = Path(__file__).parent / "workers" / "lora_experts_parity.py"
 LAYOUTS = ("tp2_sp", "tp2", "ep2", "ep2_zero1", "pp2", "zero1_dp2")
+LAYOUTS_4 = ("tp2_sp_ep2", "ep2_pp2")
 EXPORTED = ("tp2_sp", "tp2", "ep2", "ep2_zero1", "zero1_dp2")  # pp=1: the running model exports its adapter
 PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 LOGITS_TOL = 1e-5  # the exports against the parallel model (measured 2e-7)
@@ -48,11 +49,19 @@ def world(tmp_path_factory) -> tuple[Path, list[dict]]:
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_expert_lora_parity_with_peft_on_one_process(world, layout):
-    """Loss and every LoRA gradient element of both ranks within the kit's tolerance of peft's, and together the
-    two ranks compared every element of every LoRA tensor peft trains (experts' and q/v's)."""
-    ranks = [rank[layout] for rank in world[1]]
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("lora_experts4")
+    launch([str(WORKER), str(out)], 4, timeout=600)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + LAYOUTS_4)
+def test_expert_lora_parity_with_peft_on_one_process(request, layout):
+    """Loss and every LoRA gradient element of every rank within the kit's tolerance of peft's, and together the
+    ranks compared every element of every LoRA tensor peft trains (experts' and q/v's)."""
+    ranks = [rank[layout] for rank in (request.getfixturevalue("world")[1] if layout in LAYOUTS
+                                       else request.getfixturevalue("world4"))]
     for r in ranks:
         assert not r["failures"], r["failures"]
         assert r["loss_rel"] <= LOSS_RTOL, r

@@ -1,5 +1,5 @@
 """Worker: LoRA on mixtral's routed experts (peft's ``target_parameters``) and on q/v under tp=2 (+SP), ep=2 (+ZeRO-1),
-pp=2 and ZeRO-1 dp=2, against peft on one process, in one world of 2 ranks.
+pp=2 and ZeRO-1 dp=2, against peft on one process, in one world of 2 ranks (and tp x ep, ep x pp in one of 4).
 
 ``lora_experts_parity.py OUT_DIR``. For each layout plait builds the model from a seeded init with LoRA (A and B
 random: ``init_lora_weights=False``, so that A has a gradient at the first step); peft's ``LoraModel`` on the same
@@ -38,6 +38,7 @@ from plait.testing.conformance_modes import ADAM_EPS, ATOL, LOSS_RTOL, LR, RTOL,
 BATCH, SEQ, VOCAB, SEED = 4, 16, 61, 5  # BATCH: the global batch, split over dp
 LAYOUTS = {"tp2_sp": dict(tp=2, sp=True), "tp2": dict(tp=2, sp=False), "ep2": dict(ep=2),
            "ep2_zero1": dict(ep=2, zero_1=True), "pp2": dict(pp=2, num_microbatches=2), "zero1_dp2": dict(zero_1=True)}
+LAYOUTS_4 = {"tp2_sp_ep2": dict(tp=2, sp=True, ep=2), "ep2_pp2": dict(ep=2, pp=2, num_microbatches=2)}  # 4 ranks
 TARGET_MODULES, TARGET_PARAMETERS = ["q_proj", "v_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
@@ -144,7 +145,8 @@ def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     base = load_parallel_model(model_config(), ParallelConfig(), seed=SEED).module  # the seeded init, whole
-    results = {name: run_case(layout, base, out / name) for name, layout in LAYOUTS.items()}
+    layouts = LAYOUTS if dist.get_world_size() == 2 else LAYOUTS_4
+    results = {name: run_case(layout, base, out / name) for name, layout in layouts.items()}
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 
