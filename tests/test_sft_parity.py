@@ -29,10 +29,13 @@ def test_sft_parity(results, case):
     for rank, r in enumerate(results[case]):
         where = f"{case} rank {rank}"
         assert r["loss_rel"] <= TOL, f"{where}: loss off by {r['loss_rel']:.2e} relative ({r['losses']})"
-        assert r["grads_close"], f"{where}: gradients off by up to {r['grad_abs']:.2e} (rtol 1e-5, atol 1e-6)"
+        assert r["grads_close"] and r["checked"], \
+            f"{where}: gradients off by up to {r['grad_abs']:.2e} (rtol 1e-5, atol 1e-6)"
         assert r["norm_rel"] <= TOL, f"{where}: global gradient norm off by {r['norm_rel']:.2e} relative"
         assert r["param_abs"] <= 1e-5, f"{where}: parameters after 3 steps off by {r['param_abs']:.2e}"
         # the divisor is the global batch's labelled tokens, which differ step to step (the masks are uneven)
         assert len(set(r["num_items"])) > 1
+    # every parameter's gradient compared on some rank at every step (ZeRO-1: by its owner; pp: by its stage)
+    assert set().union(*(r["checked"] for r in results[case])) >= set(results[case][0]["parameters"])
     if case.endswith("packed"):  # the check exercises rows holding several examples
         assert results[case][0]["packed_rows_with_several_examples"] > 0

@@ -26,6 +26,7 @@ from plait import ParallelConfig, parallelize
 from plait.data.sft_blocks import Example, batch_inputs, count_labels, lay_out
 from plait.optim import OptimizerStep, build_optimizer
 from plait.gather import gather_full
+from plait.grad_sync import grad_of
 
 VOCAB, SEQ, BATCH, STEPS, LR = 61, 16, 8, 3, 1e-3
 LAYOUTS = {"tp2_sp": dict(tp=2, sp=True), "pp2": dict(pp=2, num_microbatches=2), "zero1_dp2": dict(zero_1=True)}
@@ -71,16 +72,14 @@ def parity(arch: str, layout: str, packing: bool) -> dict:
     pm = parallelize(model, config)
     mesh = pm.mesh
     zero = config.zero_1
-    if zero:
-        opt = build_optimizer(pm, torch.optim.AdamW, lr=LR)
-        stepper = OptimizerStep(pm.grad_sync, opt, None)
-    else:
-        opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    opt = build_optimizer(pm, torch.optim.AdamW, lr=LR)  # ZeRO-1's optimizer under zero_1, plain AdamW otherwise
+    stepper = OptimizerStep(pm.grad_sync, opt, None)
+    owned = {id(p) for p in getattr(opt, "owned_params", pm.parameters())}
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     local = dict(pm.module.named_parameters())
     out = {"loss_rel": 0.0, "grad_abs": 0.0, "grads_close": True, "norm_rel": 0.0, "param_abs": 0.0, "losses": [],
-           "num_items": []}
+           "num_items": [], "checked": []}
     rows_per_rank = BATCH // mesh.dp
     for step in range(STEPS):
         rows = torch.arange(step * BATCH, (step + 1) * BATCH)
@@ -95,18 +94,26 @@ def parity(arch: str, layout: str, packing: bool) -> dict:
         if mesh.dp_group is not None:
             dist.all_reduce(loss, group=mesh.dp_group)
         ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()])).item()
-        if zero:
+        # The gradients the optimizer steps on, read just before its step: after the tp/pp sums and the dp
+        # reduction (to the owning rank under ZeRO-1, which then holds only its own parameters' sums).
+        seen: dict[str, torch.Tensor] = {}
+
+        def reading(*args, **kwargs):
+            seen.update({name: grad_of(p).detach().clone() for name, p in local.items() if id(p) in owned})
+            return type(opt).step(opt, *args, **kwargs)
+
+        opt.step = reading
+        try:
             norm = stepper().item()
-            out["norm_rel"] = max(out["norm_rel"], abs(norm - ref_norm) / ref_norm)
-        else:
-            pm.grad_sync.finish()
-            for name, param in local.items():
-                full = gather_full(pm, name, param.grad)
-                expected = ref_params[name].grad
-                out["grad_abs"] = max(out["grad_abs"], (full - expected).abs().max().item())
-                out["grads_close"] &= bool(torch.allclose(full, expected, rtol=1e-5, atol=1e-6))
-            opt.step()
-            opt.zero_grad()
+        finally:
+            del opt.step  # the class's own method again
+        out["norm_rel"] = max(out["norm_rel"], abs(norm - ref_norm) / ref_norm)
+        for name, grad in seen.items():
+            full = grad if zero else gather_full(pm, name, grad)  # ZeRO-1 here is dp only: shards are whole
+            expected = ref_params[name].grad
+            out["grad_abs"] = max(out["grad_abs"], (full - expected).abs().max().item())
+            out["grads_close"] &= bool(torch.allclose(full, expected, rtol=1e-5, atol=1e-6))
+        out["checked"] = sorted(set(out["checked"]) | set(seen))
         ref_opt.step()
         out["losses"].append([loss.item(), ref_loss.item()])
         out["num_items"].append(num_items)
@@ -117,6 +124,7 @@ def parity(arch: str, layout: str, packing: bool) -> dict:
         else:
             out["param_abs"] = max(out["param_abs"],
                                    (gather_full(pm, name, param) - ref_params[name]).abs().max().item())
+    out["parameters"] = sorted(name for name, _ in ref.named_parameters())  # a tied weight under one name
     out["packed_rows_with_several_examples"] = (
         0 if blocks.position_ids is None else int(((blocks.position_ids[:, 1:] == 0).sum(1) > 0).sum()))
     return out
