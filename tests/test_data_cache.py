@@ -267,7 +267,8 @@ def test_two_preparers_at_once_make_one_cache(corpus_slice, tmp_path, monkeypatc
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=120)
+        assert not t.is_alive(), "a cache writer thread hangs"
     assert not errors and len(prepared) == 1
     assert sorted(made for _, made in results) == [False, True]
     assert len(entries(root)) == 1 and not entries(root)[0].startswith(".")
@@ -320,7 +321,8 @@ def test_waiting_rank_waits_while_the_preparer_is_alive(tmp_path, monkeypatch):
     thread.start()
     time.sleep(0.2)
     cache_module.wait_for(final, final.exists, timeout=1.0, what="x")
-    thread.join()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the preparer thread hangs"
     assert done.is_set() and sorted(p.name for p in tmp_path.iterdir()) == ["entry"]  # no lock or busy file left
 
 
