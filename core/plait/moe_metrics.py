@@ -26,15 +26,9 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.ep.layout import routed_experts
 from plait.parallelize import ParallelModel
 from plait.training_forward import is_training_forward
-
-
-def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """transformers' routed experts modules of ``model`` (``use_experts_implementation`` gives them ``has_gate``
-    and ``_is_expert_parallel``), by name."""
-    return [(name, module) for name, module in model.named_modules()
-            if hasattr(module, "has_gate") and hasattr(module, "_is_expert_parallel")]
 
 
 def _model_order(name: str) -> list[tuple[int, int, str]]:
@@ -98,7 +92,7 @@ class RoutingMetrics:
         """Count the routing of ``pmodel``'s experts modules; None when no rank holds one (a dense model).
 
         A collective over the world (the names of every pipeline stage's MoE layers): every rank calls it."""
-        local = experts_modules(pmodel.module)
+        local = list(routed_experts(pmodel.module).items())
         ep = pmodel.plan.ep  # under expert parallelism a module's num_experts is its rank's share
         found = comm.all_gather_object([(name, ep.num_experts if ep else module.num_experts) for name, module in local],
                                        comm.world_group())

@@ -47,6 +47,7 @@ from unittest import mock
 from torch import nn
 
 from plait.config import ConfigError
+from plait.ep.layout import is_routed_experts
 
 WHOLE, SPLIT = "whole", "split"  # an expert tensor's share on a tp rank: all of it, or 1/tp (the intermediate)
 COUNT_BYTES = 8  # one int64 pair count per expert
@@ -63,13 +64,6 @@ class RoutedCall:
     num_experts: int
     weight_bytes: int
     index_bytes: int
-
-
-def is_routed_experts(module: nn.Module) -> bool:
-    """A transformers experts module: ``use_experts_implementation`` set ``has_gate`` and ``is_transposed``, and
-    its weights are stacked over experts."""
-    down = module._parameters.get("down_proj")
-    return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and down is not None and down.dim() == 3
 
 
 def routed_experts(model: nn.Module) -> dict[str, int]:

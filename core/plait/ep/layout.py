@@ -20,6 +20,7 @@ from torch import nn
 from plait.config import ConfigError, ParallelConfig
 from plait.tp.sharding import ShardSpec
 
+
 @dataclass(frozen=True)
 class EPPlan:
     """The routed-experts modules (names in the unpruned model), their expert count and the ep size."""
@@ -49,9 +50,15 @@ class EPPlan:
                 for name, spec in specs.items()}
 
 
+def is_routed_experts(module: nn.Module) -> bool:
+    """Whether ``module`` was built with transformers' ``use_experts_implementation`` (which sets
+    ``_is_expert_parallel`` on it): the one test of "routed experts" for ep, the planner and the metrics."""
+    return hasattr(module, "_is_expert_parallel")
+
+
 def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
     """The modules of ``model`` built with transformers' ``use_experts_implementation``, by name."""
-    return {name: module for name, module in model.named_modules() if hasattr(module, "_is_expert_parallel")}
+    return {name: module for name, module in model.named_modules() if is_routed_experts(module)}
 
 
 def plan_expert_parallel(model: nn.Module, config: ParallelConfig) -> EPPlan | None:
