@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_aux_worker import model_config, reference_loss, step_with_sgd
+from moe_aux_worker import model_config, reference_loss, step_after_sync
 from plait import comm
 from plait.config import ParallelConfig
 from plait.optim import OptimizerStep
@@ -64,7 +64,7 @@ def run_case(arch: str, layout: dict) -> dict:
     pmodel = parallelize(copy.deepcopy(reference), ParallelConfig(**layout))
     mesh, forwards = pmodel.mesh, pmodel.mesh.dp * pmodel.config.num_microbatches
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=ADAM_EPS)  # the kit's optimizer
-    optimizer_step = step_with_sgd(pmodel, torch.optim.AdamW, lr=LR, eps=ADAM_EPS)
+    optimizer_step = step_after_sync(pmodel, torch.optim.AdamW, lr=LR, eps=ADAM_EPS)
     gen = torch.Generator().manual_seed(1)
     for step in range(1, STEPS + 1):
         ids = torch.randint(0, reference.config.vocab_size, (BATCH * mesh.dp, SEQ), generator=gen)

@@ -64,7 +64,7 @@ def run_case(arch: str, layout: dict) -> dict:
     pmodel = parallelize(copy.deepcopy(reference), ParallelConfig(**layout))
     mesh, forwards = pmodel.mesh, pmodel.mesh.dp * pmodel.config.num_microbatches
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
-    optimizer_step = step_with_sgd(pmodel)
+    optimizer_step = step_after_sync(pmodel)
     gen = torch.Generator().manual_seed(1)
     for step in range(1, STEPS + 1):
         ids = torch.randint(0, reference.config.vocab_size, (BATCH * mesh.dp, SEQ), generator=gen)
@@ -84,7 +84,7 @@ def run_case(arch: str, layout: dict) -> dict:
     return record.json()
 
 
-def step_with_sgd(pmodel, optimizer_class=torch.optim.SGD, **kwargs):
+def step_after_sync(pmodel, optimizer_class=torch.optim.SGD, **kwargs):
     """An optimizer step after the gradient sync, returning the gradients it stepped on: plain SGD (or
     ``optimizer_class`` with ``kwargs``) on every local parameter, or plait's ZeRO-1 step over it (its gradients
     read just before the inner step)."""
