@@ -146,3 +146,27 @@ def test_sequence_checked_once_per_step_at_pp1(monkeypatch):
     ids = torch.randint(0, 61, (4, 16))
     pmodel.train_step(ids, ids)
     assert len(calls) == 1
+
+
+def test_expert_parallel_refusals_name_the_values_and_the_fix():
+    """ep's refusals, before any group: not dividing dp x cp, nor the experts; a dense model; Llama4's experts;
+    a capacity factor that is not a positive number."""
+    from plait.layout_plan import plan_layout
+    from plait.meta import build_meta_model
+    from plait.testing.conformance_modes import load_subject
+
+    with pytest.raises(ConfigError, match=r"ep=3 must divide the ranks it is carved from, dp = 4; choose an ep "
+                                          r"that divides 4"):
+        ParallelConfig(ep=3).resolve(4)
+    with pytest.raises(ConfigError, match=r"moe_capacity_factor=0 must be a positive number"):
+        ParallelConfig(moe_capacity_factor=0)
+    mixtral = load_subject("transformers:mixtral")  # 4 experts per layer
+    with pytest.raises(ConfigError, match=r"mixtral has 4 experts per MoE layer, not divisible by ep=3; choose ep "
+                                          r"among \[1, 2, 4\]"):
+        plan_layout(build_meta_model(mixtral.config), ParallelConfig(ep=3), 3, mixtral.registry)
+    with pytest.raises(ConfigError, match=r"ep=2, but llama has no routed experts .*; use ep=1"):
+        plan_layout(meta_model("llama"), ParallelConfig(ep=2), 2)
+    llama4 = load_subject("transformers:llama4_text")
+    with pytest.raises(ConfigError, match=r"\(Llama4TextExperts\) holds experts stacked on dim 0, but its forward "
+                                          r"takes no routing"):
+        plan_layout(build_meta_model(llama4.config), ParallelConfig(ep=2), 2, llama4.registry)
