@@ -13,7 +13,9 @@ import torch
 from plait.config import ConfigError
 from plait.data.chat_tokenizer import chat_tokenizer, save_chat_tokenizer
 from plait.data.sft import SFTCache, SFTEncoder, data_format, load_sft_data, read_records
-from plait.data.sft_blocks import Example, batch_inputs, count_labels, lay_out
+from plait.data.sft_blocks import (
+    Example, batch_inputs, count_labels, describe_counts, lay_out, truncation_warning,
+)
 from plait.data.sources import resolve_sources
 from plait.train_args import TrainArgs
 
@@ -129,6 +131,37 @@ def test_overlong_truncated_or_refused():
         lay_out(_examples([2, 9]), 4, pad_id=0, packing=False, overlong="refuse")
 
 
+def test_counts_are_those_after_truncation():
+    """--block_size 6 over examples of 3 tokens (2 trainable), 9 (5 trainable from position 4: 2 survive) and
+    9 (2 trainable from position 7: none survive): what is printed counts what the blocks really hold."""
+    examples = [Example(np.arange(1, n + 1), np.arange(n) >= start, f"line {i + 1}")
+                for i, (n, start) in enumerate([(3, 1), (9, 4), (9, 7)])]
+    blocks = lay_out(examples, 6, pad_id=0, packing=False, overlong="truncate")
+    c = blocks.counts
+    # example 1: 2 labels kept; example 2: 5 trainable, 2 kept (positions 4, 5); example 3: 2 trainable, none kept
+    assert (c.examples, c.kept, c.truncated, c.dropped, c.untrainable) == (3, 3, 2, 0, 1)
+    assert (c.trainable_kept, c.trainable_lost, c.longest) == (4, 5, 9)
+    assert count_labels(blocks, torch.arange(len(blocks))) == c.trainable_kept
+    line = describe_counts(c, 6)
+    assert line == ("3 of 3 examples kept, 2 truncated to --block_size=6, 1 with no token left to train on; "
+                    "4 tokens trained on, 5 (56%) lost to truncation")
+    warning = truncation_warning(c, 6)
+    assert "loses 56% of the tokens to train on (5 of 9)" in warning and "longest example has 9 tokens" in warning
+    assert "--overlong drop" in warning
+
+    dropped = lay_out(examples, 6, pad_id=0, packing=False, overlong="drop")
+    c = dropped.counts
+    assert (c.kept, c.dropped, c.untrainable, c.trainable_kept, c.trainable_lost) == (2, 1, 0, 4, 5)
+    assert len(dropped) == 2 and "1 dropped" in describe_counts(c, 6)
+    assert truncation_warning(lay_out(examples, 9, 0, False, "truncate").counts, 9) is None
+
+
+def test_nothing_left_to_train_on_is_refused():
+    examples = [Example(np.arange(1, 10), np.arange(9) >= 7, "line 1")]
+    with pytest.raises(ValueError, match=r"no SFT example is left to train on \(of 1, --overlong drop dropped 1\)"):
+        lay_out(examples, 6, pad_id=0, packing=False, overlong="drop")
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_rows_attend_within_each_example(arch, attn):
@@ -207,7 +240,7 @@ def test_prepare_data_fills_the_sft_cache(tmp_path, tokenizer_dir, capsys):
              "--block_size", "64", "--packing", "--max_steps", "4", "--data_cache_dir", str(tmp_path / "cache")]
     main(["prepare-data", *flags])
     out = capsys.readouterr()
-    assert "train data (chat): 8 examples" in out.err and "tokenized into" in out.err
+    assert "train data (chat): 8 of 8 examples kept" in out.err and "tokenized into" in out.err
     assert "--max_steps 4: 32 blocks" in out.out
     main(["prepare-data", *flags])
     assert "read from" in capsys.readouterr().err  # the run that follows only reads the entry

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from plait.cp.sequence import check_length
+from plait.data.sft_blocks import OVERLONG
 from plait.config import CP_ATTENTION, ConfigError, ParallelConfig
 from plait.lora.config import lora_config
 from plait.pipeline_schedules import SCHEDULES
@@ -86,7 +87,7 @@ class TrainArgs:
     data_format: str = field(default="auto", metadata={"help": "auto, text (packed plain text), chat (.jsonl 'messages', rendered with the tokenizer's chat template) or prompt_completion (.jsonl 'prompt' + 'completion'); auto reads the first .jsonl line"})
     train_on_prompt: bool = field(default=False, metadata={"help": "SFT: train on prompt / user tokens too (default: only completion / assistant tokens count)"})
     packing: bool = field(default=False, metadata={"help": "SFT: pack several examples per block, attention kept within each (default: one example per block, padded)"})
-    overlong: str = field(default="truncate", metadata={"help": "SFT examples longer than --block_size: truncate or refuse"})
+    overlong: str = field(default="truncate", metadata={"help": "SFT examples longer than --block_size: truncate (keep the first block_size tokens), drop (truncate, and skip every example left with no token to train on) or refuse"})
     lora_r: int = field(default=0, metadata={"help": "train LoRA adapters of this rank on the frozen model (0: train every parameter)"})
     lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r (peft's LoraConfig)"})
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input (peft's lora_dropout)"})
@@ -154,8 +155,8 @@ class TrainArgs:
             raise ConfigError("give --bf16 (bf16 parameters) or --bf16_autocast (fp32 parameters), not both")
         if self.data_format not in DATA_FORMATS:
             raise ConfigError(f"--data_format={self.data_format!r} is unknown; choose one of {', '.join(DATA_FORMATS)}")
-        if self.overlong not in ("truncate", "refuse"):
-            raise ConfigError(f"--overlong={self.overlong!r} is unknown; choose truncate or refuse")
+        if self.overlong not in OVERLONG:
+            raise ConfigError(f"--overlong={self.overlong!r} is unknown; choose one of {', '.join(OVERLONG)}")
         if self.lora_r < 0:
             raise ConfigError(f"--lora_r={self.lora_r} must be >= 0 (0: no LoRA)")
         self.lora()  # the LoRA flags' own checks

@@ -11,6 +11,7 @@ import datetime
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -196,11 +197,12 @@ class Trainer:
         self.optimizer_step = OptimizerStep(pmodel.grad_sync, self.optimizer, args.max_grad_norm or None)
         self.scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer, num_warmup_steps=args.warmup_steps,
                                        num_training_steps=max(args.max_steps, 1))
-        self.first_step, self.skipped_steps = 0, 0
+        self.first_step, self.skipped_steps, self.empty_steps = 0, 0, 0
         if resume is not None:
             state = load_checkpoint(resume, pmodel, self.optimizer, self.scheduler)
             self.sampler.load_state_dict(state.extra["sampler"])
             self.skipped_steps = state.extra.get("skipped_steps", 0)
+            self.empty_steps = state.extra.get("empty_steps", 0)
             self.first_step = state.step
             self.console.print(f"resumed from {resume} at step {self.first_step}"
                                + (" (resharded)" if state.resharded else ""))
@@ -232,6 +234,8 @@ class Trainer:
         indices = self.sampler.indices(step)
         # sum of token losses / labelled tokens of the whole global batch (every micro-step, every dp rank)
         num_items = count_labels(self.blocks, indices)
+        if num_items == 0:
+            return self.empty_step(step, start)
         accumulation = args.gradient_accumulation_steps
         step_loss = torch.zeros((), device=self.device)
         for micro in range(accumulation):
@@ -240,7 +244,7 @@ class Trainer:
             step_loss += self.pmodel.train_step(ids, labels, num_items_in_batch=num_items, position_ids=positions)
         loss = comm.all_reduce(step_loss, mesh.replica_group)  # equal on every rank: all of them decide alike
         lr = self.optimizer_step.lr
-        record = {"step": step + 1, "loss": loss.item(), "lr": lr}
+        record = {"step": step + 1, "loss": loss.item(), "lr": lr, "trainable_tokens": num_items}
         if self.routing is not None:
             record.update(self.routing.take().record())
         try:
@@ -258,8 +262,25 @@ class Trainer:
             record["skipped_steps"] = self.skipped_steps
         return record
 
+    def empty_step(self, step: int, start: float) -> dict:
+        """A step whose global batch holds no token to train on (every label truncated away or masked): it
+        contributes zero, as the global-token normalisation defines, so nothing is run or applied; the learning
+        rate schedule moves on, and the step is counted, never taken for a divergence (a 0/0 loss)."""
+        self.empty_steps += 1
+        lr = self.optimizer_step.lr
+        with warnings.catch_warnings():  # torch warns when the very first step is empty: the order is meant
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)
+            self.scheduler.step()
+        self.console.print(f"step {step + 1}: no token to train on in this step's global batch (every label was "
+                           f"truncated away or masked); nothing was applied")
+        return {"step": step + 1, "loss": 0.0, "lr": lr, "trainable_tokens": 0, "grad_norm": 0.0,
+                "empty_steps": self.empty_steps,
+                "tokens_per_s": self.global_batch * self.args.block_size / (time.perf_counter() - start),
+                "peak_rss_mb": peak_rss_mb()}
+
     def save(self, step: int) -> None:
-        extra = {"sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps}
+        extra = {"sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps,
+                 "empty_steps": self.empty_steps}
         path = save_checkpoint(checkpoint_path(self.output_dir, step), self.pmodel, self.optimizer, self.scheduler,
                                step, extra, tokenizer=self.tokenizer)
         rotate_checkpoints(self.output_dir, self.args.save_total_limit, self.mesh.rank)

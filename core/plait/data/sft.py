@@ -30,7 +30,7 @@ import numpy as np
 from plait.config import ConfigError
 from plait.data.cache import CacheEntry, tokenizer_fingerprint
 from plait.data.paths import cache_root, tokenizer_dir
-from plait.data.sft_blocks import Example, SFTBlocks, lay_out
+from plait.data.sft_blocks import Example, SFTBlocks, describe_counts, lay_out, truncation_warning
 from plait.data.sources import Source, resolve_sources
 from plait.data.tokenizer import load_tokenizer
 
@@ -267,14 +267,18 @@ def load_sft_data(args, vocab_size: int, fmt: str | None = None) -> SFTData:
             cache = SFTCache(cache_root(args), resolve_sources(spec, args.text_field, flag), encoder)
             meta, made = cache.ensure(local_rank, float(args.ddp_timeout))
             blocks = lay_out(cache.examples(), args.block_size, pad_id, args.packing, args.overlong)
-            if blocks.labels[:, 1:].ne(-100).sum() == 0:
-                raise ValueError(f"{spec}: no example has a token to train on after --block_size="
-                                 f"{args.block_size} truncation; raise --block_size")
+            if blocks.counts.trainable_kept == 0:
+                raise ValueError(f"{spec}: no example has a token left to train on after --block_size="
+                                 f"{args.block_size} truncation (the longest has {blocks.counts.longest:,} tokens); "
+                                 f"raise --block_size")
             if local_rank == 0:
-                print(f"{name} data ({fmt}): {meta['num_documents']:,} examples, {blocks.real_tokens:,} tokens "
-                      f"({meta['num_trainable']:,} trained on) in {len(blocks):,} {'packed' if args.packing else 'padded'}"
-                      f" blocks of {args.block_size} ({blocks.pad_tokens:,} padding), "
+                print(f"{name} data ({fmt}): {describe_counts(blocks.counts, args.block_size)}; "
+                      f"{blocks.real_tokens:,} tokens in {len(blocks):,} {'packed' if args.packing else 'padded'} "
+                      f"blocks of {args.block_size} ({blocks.pad_tokens:,} padding), "
                       f"{'tokenized into' if made else 'read from'} {cache.path}", file=sys.stderr)
+                warning = truncation_warning(blocks.counts, args.block_size)
+                if warning:
+                    print(warning, file=sys.stderr)
             sets.append(blocks)
     except OSError as err:
         raise ConfigError(f"SFT data: {err}") from err
