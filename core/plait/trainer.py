@@ -269,7 +269,7 @@ class Trainer:
         self.empty_steps += 1
         lr = self.optimizer_step.lr
         with warnings.catch_warnings():  # torch warns when the very first step is empty: the order is meant
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before", UserWarning)
             self.scheduler.step()
         self.console.print(f"step {step + 1}: no token to train on in this step's global batch (every label was "
                            f"truncated away or masked); nothing was applied")
