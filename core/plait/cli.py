@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 from plait.config import ConfigError
@@ -19,6 +18,8 @@ from plait.costs.device import PRESETS
 from plait.data.prepare import add_prepare_data_parser
 from plait.registry import AdapterError, default_registry, served_architectures
 from plait.runtime import TrainingDiverged
+from plait.stop import StopRequested
+from plait.torchrun import run_under_torchrun
 from plait.train_args import TrainArgs, add_arguments, from_namespace
 
 
@@ -31,18 +32,18 @@ def cmd_train(ns: argparse.Namespace) -> None:
         if "--nproc_per_node" in argv:
             i = argv.index("--nproc_per_node")
             del argv[i : i + 2]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc_per_node}",
-               "-m", "plait", *argv]
-        sys.exit(subprocess.call(cmd))
+        sys.exit(run_under_torchrun(argv, args.nproc_per_node, args.ddp_timeout))
     import torch.distributed as dist
 
     from plait.trainer import train  # when run (module docstring)
 
-    train(args)
-    if dist.is_initialized():
-        # Tear gloo/NCCL down before interpreter exit: a live process group's threads destroyed in static
-        # destructors can abort the process ("terminate called without an active exception") after a good run.
-        dist.destroy_process_group()
+    try:
+        train(args)
+    finally:
+        if dist.is_initialized():
+            # Tear gloo/NCCL down before interpreter exit: a live process group's threads destroyed in static
+            # destructors can abort the process ("terminate called without an active exception") after a run.
+            dist.destroy_process_group()
 
 
 def cmd_plan(ns: argparse.Namespace) -> None:
@@ -195,3 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     except TrainingDiverged as err:
         print(f"plait: error: {err}", file=sys.stderr)
         sys.exit(3)
+    except StopRequested as stop:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"plait: {stop}", file=sys.stderr)
+        # Under torchrun, a worker that stopped as asked exits 0 so torchrun reports no crash; whoever sent
+        # the signal (plait's launcher, a scheduler) knows. A run of its own exits as a signalled process does.
+        sys.exit(0 if "TORCHELASTIC_RUN_ID" in os.environ else stop.exit_status)

@@ -74,6 +74,7 @@ class TrainArgs:
     torch_compile: bool = field(default=False, metadata={"help": "torch.compile each leaf module (decoder layer)"})
     save_steps: int = field(default=0, metadata={"help": "save a sharded checkpoint every N steps and at the end (0: never)"})
     save_total_limit: int = field(default=0, metadata={"help": "keep only the newest N checkpoints (0: keep all)"})
+    save_on_signal: bool = field(default=True, metadata={"help": "on SIGTERM or a first SIGINT (Ctrl-C), finish the step and save a checkpoint before stopping (--no_save_on_signal: stop without saving)"})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "a checkpoint dir, or 'auto': the newest complete one in output_dir"})
     logging_steps: int = field(default=1, metadata={"help": "print a log line every N steps (metrics.jsonl gets every step)"})
     nproc_per_node: int = field(default=1, metadata={"help": "launch this many processes with torchrun (when not already under torchrun)"})
@@ -197,6 +198,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type = TrainArgs) -> Non
         help_text = f.metadata.get("help", "")
         if _kind(f) is bool:
             parser.add_argument(f"--{f.name}", action="store_true", default=None, help=help_text)
+            if f.default is True:  # a switch that is on by default is turned off as Hugging Face's parser does
+                parser.add_argument(f"--no_{f.name}", action="store_false", dest=f.name, default=None,
+                                    help=f"turn --{f.name} off")
         else:
             parser.add_argument(f"--{f.name}", type=_kind(f), default=None, help=f"{help_text} (default: {f.default})")
 

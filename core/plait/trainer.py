@@ -43,6 +43,7 @@ from plait.moe_metrics import RoutingMetrics
 from plait.parallelize import ParallelModel, parallelize
 from plait.registry import default_registry
 from plait.seeds import init_seed
+from plait.stop import StopRequested, StopSignals
 from plait.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process, pick_device
 from plait.train_args import TrainArgs
 
@@ -278,21 +279,24 @@ class Trainer:
                 "tokens_per_s": self.global_batch * self.args.block_size / (time.perf_counter() - start),
                 "peak_rss_mb": peak_rss_mb()}
 
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> Path:
         extra = {"sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps,
                  "empty_steps": self.empty_steps}
         path = save_checkpoint(checkpoint_path(self.output_dir, step), self.pmodel, self.optimizer, self.scheduler,
                                step, extra, tokenizer=self.tokenizer)
         rotate_checkpoints(self.output_dir, self.args.save_total_limit, self.mesh.rank)
         self.console.print(f"saved {path}")
+        return path
 
     def train(self) -> list[dict]:
-        """Steps from the first (0, or the resumed one) to --max_steps; returns each one's metrics (every rank)."""
+        """Steps from the first (0, or the resumed one) to --max_steps; returns each one's metrics (every rank).
+
+        SIGTERM or SIGINT stops the run after the step in progress, saving it (``plait.stop``)."""
         args, history = self.args, []
         progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                             TextColumn("{task.description}"), TimeRemainingColumn(), console=self.console,
                             disable=not is_main_process())
-        with progress, explain_timeouts(args.ddp_timeout):
+        with progress, explain_timeouts(args.ddp_timeout), StopSignals(announce=is_main_process()) as signals:
             task = progress.add_task("", total=args.max_steps, completed=self.first_step)
             for step in range(self.first_step, args.max_steps):
                 faults.maybe_inject(step + 1)  # testing aid: a no-op unless PLAIT_FAULT_INJECT is set
@@ -305,8 +309,15 @@ class Trainer:
                 progress.update(task, advance=1, description=progress_text(record))
                 if (step + 1) % args.logging_steps == 0 and not self.console.is_terminal:
                     self.console.print(json_line(record), soft_wrap=True)
+                saved = None
                 if should_save(step + 1, args.save_steps) or (is_last and args.save_steps > 0):
-                    self.save(step + 1)
+                    saved = self.save(step + 1)
+                signum = 0 if is_last else signals.agreed()
+                if signum:
+                    if saved is None and args.save_on_signal:
+                        saved = self.save(step + 1)
+                    last = latest_checkpoint(self.output_dir)
+                    raise StopRequested(signum, step + 1, args.max_steps, saved and str(saved), last and str(last))
         if is_main_process() and history and plot_loss_curve(history, self.output_dir / "loss.png"):
             self.console.print(f"loss curve: {self.output_dir / 'loss.png'}")
         return history
