@@ -86,7 +86,7 @@ NINE_HEADS = dict(num_attention_heads=9, num_key_value_heads=9, hidden_size=36, 
          "with 2 processes, no tp > 1 fits this model: use them for pipeline stages (--pipeline_parallel_size 2) "
          "or data parallelism (--tensor_parallel_size 1: dp=2; --zero_1 shards the optimizer state over it)"),
         (NINE_HEADS, dict(tp=2), 9, "num_attention_heads=9 is not divisible by tp=2",
-         "with 9 processes, tp=3 or 9 would work (--tensor_parallel_size)"),
+         "with 9 processes, tp=3 or 9 would work"),
         (NINE_HEADS, dict(tp=2, pp=2, num_microbatches=2), 18, "num_attention_heads=9 is not divisible by tp=2",
          "with 18 processes and pp=2, tp=3 or 9 would work"),
         (NINE_HEADS, dict(tp=2), 1, "num_attention_heads=9 is not divisible by tp=2",

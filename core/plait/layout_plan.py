@@ -128,7 +128,7 @@ def _tp_alternatives(model: nn.Module, tp_plan: TPPlan, config: ParallelConfig, 
     fits = tp_sizes_that_fit(model, tp_plan, [t for t in range(2, room + 1) if room % t == 0], parallel_embeddings)
     processes = f"{world_size} process{'es' if world_size > 1 else ''}{fixed}"
     if fits:
-        return f"with {processes}, tp={_either(fits)} would work (--tensor_parallel_size)"
+        return f"with {processes}, tp={_either(fits)} would work"
     if room > 1:
         stages = config.pp * room
         pipeline = (f"pipeline stages (--pipeline_parallel_size {stages}) or "
@@ -145,6 +145,7 @@ def _tp_alternatives(model: nn.Module, tp_plan: TPPlan, config: ParallelConfig, 
 
 
 def _either(sizes: list[int]) -> str:
+    """'2, 4 or 8'."""
     return " or ".join(filter(None, (", ".join(map(str, sizes[:-1])), str(sizes[-1]))))
 
 

@@ -23,9 +23,7 @@ from plait.tp.layers import (
     ScaledVocabParallelEmbedding, SplitRMSNorm, TokenShareRegion, TPRegionEntry, VocabParallelEmbedding,
     WholeSequenceRegion,
 )
-from plait.tp.sharding import (
-    ModuleShard, ShardSpec, TPSizeError, even_range, linear_shape, linear_shard, vocab_split,
-)
+from plait.tp.sharding import ModuleShard, ShardSpec, TPSizeError, even_range, linear_shape, linear_shard, vocab_split
 
 
 @dataclass(frozen=True)
