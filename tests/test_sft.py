@@ -79,8 +79,9 @@ def test_format_detection(tmp_path):
 
 
 @pytest.mark.parametrize("line, problem", [
-    ('{"prompt": "a"}', "no 'prompt' and 'completion' strings"),
-    ('{"prompt": "a", "completion": 3}', "no 'prompt' and 'completion' strings"),
+    ('{"prompt": "a"}', "no 'completion' \\(found 'prompt'\\)"),
+    ('{"prompt": "a", "completion": 3}', r"completion is int \(3\), expected a string"),
+    ('{"prompt": "a", "completions": "b"}', "no 'completion' .*did you mean 'completion' for 'completions'"),
     ("[1, 2]", "not a JSON object"),
     ("{oops", "not valid JSON"),
 ])
@@ -90,13 +91,86 @@ def test_bad_line_names_file_and_line(tmp_path, line, problem):
         list(read_records(path, "prompt_completion"))
 
 
-def test_bad_chat_lines(tmp_path):
-    no_assistant = {"messages": [{"role": "user", "content": "hi"}]}
-    bad_message = {"messages": [{"role": "user", "text": "hi"}]}
-    for record, problem in ((no_assistant, "no assistant message"), (bad_message, "a message is not")):
-        path = write_jsonl(tmp_path / "c.jsonl", [CHATS[0], record])
-        with pytest.raises(ValueError, match=f"c.jsonl line 2: {problem}"):
-            list(read_records(path, "chat"))
+def _chat(*turns, key="messages"):
+    return {key: list(turns)}
+
+
+USER, ASSISTANT = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}
+
+
+@pytest.mark.parametrize("record, problem", [
+    (_chat(USER), r"no assistant message in messages \(roles: user\)"),
+    (_chat(USER, {"role": "assistant", "content": 4}), r"messages\[1\]\.content is int \(4\), expected a string"),
+    (_chat({"role": "user", "text": "hi"}, ASSISTANT), r"messages\[0\] has no 'content' \(found 'role', 'text'\)"),
+    (_chat({"role": "bot", "content": "hi"}, ASSISTANT),
+     r"messages\[0\]\.role is 'bot'; expected one of system, developer, user, assistant, tool"),
+    (_chat({"role": None, "content": "hi"}, ASSISTANT), r"messages\[0\]\.role is null, expected a string"),
+    (_chat("hi", ASSISTANT), r"messages\[0\] is str \(\"hi\"\), expected an object with 'role' and 'content'"),
+    ({"messages": {"role": "user", "content": "hi"}}, r"messages is dict \(.*\), expected a non-empty list"),
+    ({"messages": []}, r"messages is list \(\[\]\), expected a non-empty list"),
+    ({"message": [USER, ASSISTANT]}, r"no 'messages' or 'conversations' list \(found 'message'; did you mean "
+                                     r"'messages'\?\)"),
+    (_chat({"from": "human", "value": "hi"}, {"from": "robot", "value": "x"}, key="conversations"),
+     r"conversations\[1\]\.from is 'robot', not a ShareGPT role; expected one of human, user, gpt"),
+    (_chat({"from": "human", "value": "hi"}, {"from": "gpt", "value": 7}, key="conversations"),
+     r"conversations\[1\]\.value is int \(7\), expected a string"),
+    (_chat({"from": "human", "value": "hi"}, {"from": "gpt", "text": "x"}, key="conversations"),
+     r"conversations\[1\] has no 'value' \(found 'from', 'text'\)"),
+])
+def test_bad_chat_lines_name_the_field(tmp_path, record, problem):
+    path = write_jsonl(tmp_path / "c.jsonl", [CHATS[0], "", record])
+    with pytest.raises(ValueError, match=f"c.jsonl line 3: {problem}"):
+        list(read_records(path, "chat"))
+
+
+@pytest.mark.parametrize("first, message", [
+    ({"message": CHATS[0]["messages"]}, "found 'message' \\(did you mean 'messages'\\?\\)"),
+    ({"id": 1, "Conversation": []}, "found 'id', 'Conversation' \\(did you mean 'conversations' for "
+                                    "'Conversation'\\?\\)"),
+    ({"prompt": "a", "completions": "b"}, "found 'prompt', 'completions' \\(did you mean 'completion' for "
+                                          "'completions'\\?\\)"),
+    ({"prompt": "a", "answer": "b"}, "found 'prompt', 'answer'; prompt/completion data needs both 'prompt' and "
+                                     "'completion'"),
+    ({"body": "plain"}, "found 'body'; name the text field with --text_field"),
+])
+def test_unknown_first_line_names_its_near_misses(tmp_path, first, message):
+    path = write_jsonl(tmp_path / "data.jsonl", [first, CHATS[1]])
+    with pytest.raises(ConfigError, match=r"data.jsonl line 1: no 'messages', 'conversations', 'prompt'\+'completion' "
+                                          rf"or 'text' field; {message}"):
+        data_format(TrainArgs(train_file=str(path)))
+
+
+def test_plain_text_jsonl_and_txt_stay_text(tmp_path):
+    body = write_jsonl(tmp_path / "body.jsonl", [{"body": "plain", "id": 1}])
+    assert data_format(TrainArgs(train_file=str(body), text_field="body")) == "text"
+    txt = tmp_path / "notes.txt"
+    txt.write_text('{"message": "a .txt file is text whatever it holds"}\n')
+    assert data_format(TrainArgs(train_file=str(txt))) == "text"
+
+
+SHAREGPT_ROLE_NAMES = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+def test_sharegpt_is_chat_with_the_tokens_of_its_messages(tmp_path, tokenizer):
+    """ShareGPT conversations are detected as chat and cached as exactly the ids and labels of the same
+    conversations written as messages."""
+    sharegpt = [{"conversations": [{"from": SHAREGPT_ROLE_NAMES[m["role"]], "value": m["content"]}
+                                   for m in chat["messages"]]} for chat in CHATS]
+    sharegpt[1]["conversations"][1]["from"] = "chatgpt"  # ShareGPT V3 names the model that answered
+    shared = write_jsonl(tmp_path / "sharegpt.jsonl", sharegpt)
+    assert data_format(TrainArgs(train_file=str(shared))) == "chat"
+    assert [r for _, r in read_records(shared, "chat")] == CHATS
+    encoder = SFTEncoder(tokenizer, "chat", False)
+    caches = [SFTCache(tmp_path / "cache", resolve_sources(path), encoder)
+              for path in (write_jsonl(tmp_path / "messages.jsonl", CHATS), shared)]
+    examples = []
+    for cache in caches:
+        cache.ensure(0, 10.0)
+        examples.append(cache.examples())
+    assert caches[0].path != caches[1].path  # each file its own entry
+    for plain, converted in zip(*examples):
+        assert converted.ids.tolist() == plain.ids.tolist()
+        assert converted.trainable.tolist() == plain.trainable.tolist() and converted.trainable.any()
 
 
 def _examples(lengths, trainable_from=1):
@@ -203,7 +277,7 @@ def test_load_sft_data_errors_before_any_process_group(tmp_path, tokenizer_dir):
     bad = write_jsonl(tmp_path / "bad.jsonl", [CHATS[0], {"prompt": "x", "completion": "y"}])
     args = TrainArgs(train_file=str(bad), tokenizer_name=str(tokenizer_dir), data_cache_dir=str(tmp_path / "c"),
                      block_size=64)
-    with pytest.raises(ConfigError, match="bad.jsonl line 2: no 'messages' list"):
+    with pytest.raises(ConfigError, match="bad.jsonl line 2: no 'messages' or 'conversations' list"):
         load_sft_data(args, 300)
     good = write_jsonl(tmp_path / "good.jsonl", CHATS)
     with pytest.raises(ConfigError, match="needs a tokenizer"):

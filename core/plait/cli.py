@@ -108,15 +108,26 @@ def print_served_architectures(registry, as_json: bool) -> None:
 
 
 def cmd_consolidate(ns: argparse.Namespace) -> None:
+    """A whole model for a full checkpoint; for a LoRA checkpoint, which holds only the adapters and a reference
+    to its base, what ``--lora`` asks for, by default the peft adapter (the small, lossless export)."""
     from plait.checkpoint import consolidate  # when run (module docstring)
+    from plait.checkpoint.format import read_index
 
-    if ns.lora:
+    lora = ns.lora
+    if lora is None and "lora" in read_index(ns.checkpoint_dir)[1].extra:
+        lora = "adapter"
+    if lora:
         from plait.lora.export import consolidate_lora  # when run (module docstring)
 
-        out = consolidate_lora(ns.checkpoint_dir, ns.output_dir, ns.lora)
-        loader = "peft.PeftModel.from_pretrained(base, {!r})" if ns.lora == "adapter" else \
+        out = consolidate_lora(ns.checkpoint_dir, ns.output_dir, lora)
+        loader = "peft.PeftModel.from_pretrained(base, {!r})" if lora == "adapter" else \
             "transformers.AutoModelForCausalLM.from_pretrained({!r})"
-        print(f"wrote {out}: load it with {loader.format(str(out))}")
+        if ns.lora is None:
+            print(f"{ns.checkpoint_dir} is a LoRA checkpoint: wrote its adapters as a peft directory, {out}: load it "
+                  f"with {loader.format(str(out))}; for one model with the adapters merged into the base, run "
+                  f"`plait consolidate {ns.checkpoint_dir} NEW_DIR --lora merged`")
+        else:
+            print(f"wrote {out}: load it with {loader.format(str(out))}")
         return
     out = consolidate(ns.checkpoint_dir, ns.output_dir, format=ns.format, dtype=ns.dtype,
                       max_shard_size=ns.max_shard_size)
@@ -165,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="cast floating tensors (default: as saved)")
     cons.add_argument("--max_shard_size", default="5GB", help="split weights into files of at most this size")
     cons.add_argument("--lora", choices=("merged", "adapter"), default=None,
-                      help="a LoRA checkpoint: the base with the adapters merged in, or a peft adapter dir")
+                      help="a LoRA checkpoint: the base with the adapters merged in, or a peft adapter dir "
+                           "(default for a LoRA checkpoint: adapter)")
     cons.set_defaults(func=cmd_consolidate)
 
     check = sub.add_parser("check-adapter", help="prove an adapter matches one process under every parallel mode")

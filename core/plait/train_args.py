@@ -85,7 +85,7 @@ class TrainArgs:
     skip_nonfinite_steps: int = field(default=0, metadata={"help": "skip up to N steps whose loss or gradient norm is not finite (not applied, counted in metrics) before stopping (0: stop at the first)"})
     text_field: str = field(default="text", metadata={"help": "the text field of .jsonl lines, and the text column of Parquet files and --dataset_name"})
     data_cache_dir: str | None = field(default=None, metadata={"help": "where tokenized data and trained tokenizers are cached (default: $XDG_CACHE_HOME/plait, else ~/.cache/plait)"})
-    data_format: str = field(default="auto", metadata={"help": "auto, text (packed plain text), chat (.jsonl 'messages', rendered with the tokenizer's chat template) or prompt_completion (.jsonl 'prompt' + 'completion'); auto reads the first .jsonl line"})
+    data_format: str = field(default="auto", metadata={"help": "auto, text (packed plain text), chat (.jsonl 'messages' or ShareGPT 'conversations', rendered with the tokenizer's chat template) or prompt_completion (.jsonl 'prompt' + 'completion'); auto reads the first .jsonl line"})
     train_on_prompt: bool = field(default=False, metadata={"help": "SFT: train on prompt / user tokens too (default: only completion / assistant tokens count)"})
     packing: bool = field(default=False, metadata={"help": "SFT: pack several examples per block, attention kept within each (default: one example per block, padded)"})
     overlong: str = field(default="truncate", metadata={"help": "SFT examples longer than --block_size: truncate (keep the first block_size tokens), drop (truncate, and skip every example left with no token to train on) or refuse"})
