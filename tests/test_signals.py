@@ -108,12 +108,11 @@ def test_a_second_sigint_stops_everything_at_once(model_config, tmp_path):
 
 
 def test_workers_never_outlive_a_killed_plait(model_config, tmp_path):
-    """SIGKILL to plait (no handler of its own can run): torchrun gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and
-    passes it on, so the workers still save their step and stop; no process is left."""
+    """SIGKILL to plait (no handler of its own can run): torchrun gets SIGTERM from the kernel
+    (PR_SET_PDEATHSIG) and passes it on, so the workers still save their step and stop; no process is left."""
     out = tmp_path / "run"
-    status, output, _ = start_and_signal(flags(model_config, out, "--nproc_per_node", "2", "--max_steps",
-                                                    "100000", "--tensor_parallel_size", "2"),
-                                              out, [signal.SIGKILL], after_steps=3)
+    status, output, _ = start_and_signal(flags(model_config, out, "--nproc_per_node", "2", "--max_steps", "100000",
+                                               "--tensor_parallel_size", "2"), out, [signal.SIGKILL], after_steps=3)
     assert status == -signal.SIGKILL
     stopped = len(read_metrics(out))
     assert f"plait: stopped by SIGTERM after step {stopped} of 100000; saved {out}/checkpoint-{stopped}" in output
