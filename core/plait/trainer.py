@@ -25,7 +25,8 @@ from plait.cp.sequence import read_spans
 from plait.data import GlobalBatchSampler, local_microbatch
 from plait.data.sft_blocks import batch_inputs, count_labels
 from plait.data.train_data import load_data
-from plait.metrics import MetricsLog, json_line, peak_rss_mb, plot_loss_curve
+from plait.log_line import log_line, progress_text
+from plait.metrics import MetricsLog, peak_rss_mb, plot_loss_curve
 from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
 from plait.checkpoint.format import read_index, remove_partial_checkpoints
 from plait.checkpoint.state import local_params
@@ -266,11 +267,16 @@ class Trainer:
         self.console.print(f"saved {path}")
 
     def train(self) -> list[dict]:
-        """Steps from the first (0, or the resumed one) to --max_steps; returns each one's metrics (every rank)."""
+        """Steps from the first (0, or the resumed one) to --max_steps; returns each one's metrics (every rank).
+
+        On a terminal rank 0 shows a progress bar; elsewhere (a log file, a pipe) it prints one readable line per
+        --logging_steps instead, its ETA from the mean step so far."""
         args, history = self.args, []
+        terminal = self.console.is_terminal
         progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                             TextColumn("{task.description}"), TimeRemainingColumn(), console=self.console,
-                            disable=not is_main_process())
+                            disable=not (is_main_process() and terminal))
+        started = time.perf_counter()
         with progress, explain_timeouts(args.ddp_timeout):
             task = progress.add_task("", total=args.max_steps, completed=self.first_step)
             for step in range(self.first_step, args.max_steps):
@@ -282,21 +288,14 @@ class Trainer:
                 history.append(record)
                 self.log.write(record)
                 progress.update(task, advance=1, description=progress_text(record))
-                if (step + 1) % args.logging_steps == 0 and not self.console.is_terminal:
-                    self.console.print(json_line(record), soft_wrap=True)
+                if (step + 1) % args.logging_steps == 0 and not terminal:
+                    seconds_per_step = (time.perf_counter() - started) / (step + 1 - self.first_step)
+                    self.console.print(log_line(record, args.max_steps, seconds_per_step), soft_wrap=True)
                 if should_save(step + 1, args.save_steps) or (is_last and args.save_steps > 0):
                     self.save(step + 1)
         if is_main_process() and history and plot_loss_curve(history, self.output_dir / "loss.png"):
             self.console.print(f"loss curve: {self.output_dir / 'loss.png'}")
         return history
-
-
-def progress_text(record: dict) -> str:
-    """What the progress bar shows of a step: its loss, throughput and, for an MoE model, the worst layer's load."""
-    text = f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s"
-    if "moe_load_max_over_mean" in record:
-        text += f" | moe max/mean {record['moe_load_max_over_mean']:.2f}"
-    return text
 
 
 def train(args: TrainArgs) -> list[dict]:
