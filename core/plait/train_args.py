@@ -16,6 +16,7 @@ from plait.cp.sequence import check_length
 from plait.config import CP_ATTENTION, ConfigError, ParallelConfig
 from plait.lora.config import lora_config
 from plait.pipeline_schedules import SCHEDULES
+from plait.trackers import parse_report_to
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -74,7 +75,8 @@ class TrainArgs:
     save_steps: int = field(default=0, metadata={"help": "save a sharded checkpoint every N steps and at the end (0: never)"})
     save_total_limit: int = field(default=0, metadata={"help": "keep only the newest N checkpoints (0: keep all)"})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "a checkpoint dir, or 'auto': the newest complete one in output_dir"})
-    logging_steps: int = field(default=1, metadata={"help": "print a log line every N steps (metrics.jsonl gets every step)"})
+    logging_steps: int = field(default=1, metadata={"help": "print a log line every N steps when stderr is not a terminal (a terminal shows a progress bar; metrics.jsonl gets every step)"})
+    report_to: str = field(default="none", metadata={"help": "comma-separated experiment trackers that get every step's metrics, as metrics.jsonl: none, tensorboard (event files in <output_dir>/tensorboard), wandb (project 'plait' or $WANDB_PROJECT; W&B's env vars apply, WANDB_MODE=offline among them), mlflow ($MLFLOW_TRACKING_URI, default sqlite:///<output_dir>/mlflow.db); each is a pip extra: pip install 'plait[wandb]'"})
     nproc_per_node: int = field(default=1, metadata={"help": "launch this many processes with torchrun (when not already under torchrun)"})
     config: str | None = field(default=None, metadata={"help": "a TOML file whose keys are these flag names; flags override it"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available, else cpu), cpu, cuda, or any torch device type"})
@@ -163,6 +165,7 @@ class TrainArgs:
             raise ConfigError(f"--cp_attention={self.cp_attention!r} is unknown; choose one of {', '.join(CP_ATTENTION)}")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             raise ConfigError(f"--lr_scheduler_type={self.lr_scheduler_type!r} is unknown; choose one of {', '.join(LR_SCHEDULERS)}")
+        parse_report_to(self.report_to)  # known trackers, their packages installed
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(

@@ -7,6 +7,7 @@ so any layout with the same global batch trains on the same tokens and, in fp32,
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -45,6 +46,7 @@ from plait.registry import default_registry
 from plait.seeds import init_seed
 from plait.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process, pick_device
 from plait.train_args import TrainArgs
+from plait.trackers import Trackers, parse_report_to
 
 def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
     """Model-dependent checks, still before any process group exists."""
@@ -270,14 +272,17 @@ class Trainer:
         """Steps from the first (0, or the resumed one) to --max_steps; returns each one's metrics (every rank).
 
         On a terminal rank 0 shows a progress bar; elsewhere (a log file, a pipe) it prints one readable line per
-        --logging_steps instead, its ETA from the mean step so far."""
+        --logging_steps instead, its ETA from the mean step so far. The --report_to trackers, opened on rank 0
+        only, get every step's metrics and are closed however the loop ends (a run that raised marked failed)."""
         args, history = self.args, []
         terminal = self.console.is_terminal
         progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                             TextColumn("{task.description}"), TimeRemainingColumn(), console=self.console,
                             disable=not (is_main_process() and terminal))
+        names = parse_report_to(args.report_to) if is_main_process() else []
+        trackers = Trackers.open(names, self.output_dir, dataclasses.asdict(args), self.first_step)
         started = time.perf_counter()
-        with progress, explain_timeouts(args.ddp_timeout):
+        with trackers, progress, explain_timeouts(args.ddp_timeout):
             task = progress.add_task("", total=args.max_steps, completed=self.first_step)
             for step in range(self.first_step, args.max_steps):
                 faults.maybe_inject(step + 1)  # testing aid: a no-op unless PLAIT_FAULT_INJECT is set
@@ -287,6 +292,7 @@ class Trainer:
                     record.update(evaluate(self.pmodel, self.val_blocks, args.per_device_train_batch_size, self.device))
                 history.append(record)
                 self.log.write(record)
+                trackers.log(record)
                 progress.update(task, advance=1, description=progress_text(record))
                 if (step + 1) % args.logging_steps == 0 and not terminal:
                     seconds_per_step = (time.perf_counter() - started) / (step + 1 - self.first_step)
