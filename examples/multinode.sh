@@ -7,6 +7,9 @@
 # Under Slurm (examples/slurm.sbatch) the node count, rank and master come from SLURM_* variables.
 # Extra arguments go to `plait train`. Keep tp within a node: tp ranks are adjacent, so the chattiest
 # group never crosses the network.
+# On SIGTERM or SIGINT torchrun passes the signal to its workers, which finish the step, save a checkpoint
+# and stop (README, "Stopping and resuming a run"); SHUTDOWN_TIMEOUT is how long torchrun lets them before
+# it kills them (torchrun's own default is 30 s: too short to save a large model).
 set -euo pipefail
 NNODES=${NNODES:-${SLURM_NNODES:-1}}
 NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
@@ -18,5 +21,5 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 exec "${PYTHON:-python3}" -m torch.distributed.run \
   --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
-  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --shutdown_timeout "${SHUTDOWN_TIMEOUT:-600}" \
   -m plait train "$@"

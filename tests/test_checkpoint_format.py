@@ -237,6 +237,18 @@ def test_consolidate_refuses_bad_arguments(saved, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_consolidate_lora_of_a_full_checkpoint_is_one_line(saved, tmp_path, capsys):
+    from plait.cli import main
+
+    path, _ = saved
+    with pytest.raises(SystemExit) as exit_info:
+        main(["consolidate", str(path), str(tmp_path / "adapter"), "--lora", "adapter"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert f"{path} is a full checkpoint, not a LoRA one; consolidate it without --lora" in err
+    assert not (tmp_path / "adapter").exists()
+
+
 def damage(path: Path, how: str) -> None:
     shards = path / "shards"
     if how == "missing":

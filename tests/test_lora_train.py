@@ -91,6 +91,27 @@ def test_consolidate_adapter_and_merged_agree_on_the_base(base_dir, straight, tm
     assert (tmp_path / "merged" / "tokenizer.json").is_file()
 
 
+def test_consolidate_writes_the_adapter_of_a_lora_checkpoint_by_default(straight, tmp_path, capsys):
+    """A LoRA checkpoint holds no base weights: without --lora, plait consolidate writes what --lora adapter
+    writes and says how to get the merged model; the Python consolidate refuses it by name."""
+    from plait.checkpoint import consolidate
+
+    ckpt = straight[0] / "checkpoint-4"
+    main(["consolidate", str(ckpt), str(tmp_path / "default")])
+    printed = capsys.readouterr().out
+    assert f"{ckpt} is a LoRA checkpoint: wrote its adapters as a peft directory, {tmp_path / 'default'}" in printed
+    assert f"run `plait consolidate {ckpt} NEW_DIR --lora merged`" in printed
+    main(["consolidate", str(ckpt), str(tmp_path / "adapter"), "--lora", "adapter"])
+    default, adapter = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("default", "adapter"))
+    assert default.keys() == adapter.keys() and all(torch.equal(default[k], adapter[k]) for k in default)
+    assert ((tmp_path / "default" / "adapter_config.json").read_text()
+            == (tmp_path / "adapter" / "adapter_config.json").read_text())
+    with pytest.raises(ConfigError, match=r"is a LoRA checkpoint \(the adapters and a reference to the base\); "
+                                          r"write it with plait.lora.export.consolidate_lora"):
+        consolidate(ckpt, tmp_path / "whole")
+    assert not (tmp_path / "whole").exists()
+
+
 def test_a_changed_base_is_refused(base_dir, straight, tmp_path):
     out, _ = straight
     moved = tmp_path / "base"

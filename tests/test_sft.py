@@ -13,7 +13,9 @@ import torch
 from plait.config import ConfigError
 from plait.data.chat_tokenizer import chat_tokenizer, save_chat_tokenizer
 from plait.data.sft import SFTCache, SFTEncoder, data_format, load_sft_data, read_records
-from plait.data.sft_blocks import Example, batch_inputs, count_labels, lay_out
+from plait.data.sft_blocks import (
+    Example, batch_inputs, count_labels, describe_counts, lay_out, truncation_warning,
+)
 from plait.data.sources import resolve_sources
 from plait.train_args import TrainArgs
 
@@ -77,8 +79,9 @@ def test_format_detection(tmp_path):
 
 
 @pytest.mark.parametrize("line, problem", [
-    ('{"prompt": "a"}', "no 'prompt' and 'completion' strings"),
-    ('{"prompt": "a", "completion": 3}', "no 'prompt' and 'completion' strings"),
+    ('{"prompt": "a"}', "no 'completion' \\(found 'prompt'\\)"),
+    ('{"prompt": "a", "completion": 3}', r"completion is int \(3\), expected a string"),
+    ('{"prompt": "a", "completions": "b"}', "no 'completion' .*did you mean 'completion' for 'completions'"),
     ("[1, 2]", "not a JSON object"),
     ("{oops", "not valid JSON"),
 ])
@@ -88,13 +91,86 @@ def test_bad_line_names_file_and_line(tmp_path, line, problem):
         list(read_records(path, "prompt_completion"))
 
 
-def test_bad_chat_lines(tmp_path):
-    no_assistant = {"messages": [{"role": "user", "content": "hi"}]}
-    bad_message = {"messages": [{"role": "user", "text": "hi"}]}
-    for record, problem in ((no_assistant, "no assistant message"), (bad_message, "a message is not")):
-        path = write_jsonl(tmp_path / "c.jsonl", [CHATS[0], record])
-        with pytest.raises(ValueError, match=f"c.jsonl line 2: {problem}"):
-            list(read_records(path, "chat"))
+def _chat(*turns, key="messages"):
+    return {key: list(turns)}
+
+
+USER, ASSISTANT = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}
+
+
+@pytest.mark.parametrize("record, problem", [
+    (_chat(USER), r"no assistant message in messages \(roles: user\)"),
+    (_chat(USER, {"role": "assistant", "content": 4}), r"messages\[1\]\.content is int \(4\), expected a string"),
+    (_chat({"role": "user", "text": "hi"}, ASSISTANT), r"messages\[0\] has no 'content' \(found 'role', 'text'\)"),
+    (_chat({"role": "bot", "content": "hi"}, ASSISTANT),
+     r"messages\[0\]\.role is 'bot'; expected one of system, developer, user, assistant, tool"),
+    (_chat({"role": None, "content": "hi"}, ASSISTANT), r"messages\[0\]\.role is null, expected a string"),
+    (_chat("hi", ASSISTANT), r"messages\[0\] is str \(\"hi\"\), expected an object with 'role' and 'content'"),
+    ({"messages": {"role": "user", "content": "hi"}}, r"messages is dict \(.*\), expected a non-empty list"),
+    ({"messages": []}, r"messages is list \(\[\]\), expected a non-empty list"),
+    ({"message": [USER, ASSISTANT]}, r"no 'messages' or 'conversations' list \(found 'message'; did you mean "
+                                     r"'messages'\?\)"),
+    (_chat({"from": "human", "value": "hi"}, {"from": "robot", "value": "x"}, key="conversations"),
+     r"conversations\[1\]\.from is 'robot', not a ShareGPT role; expected one of human, user, gpt"),
+    (_chat({"from": "human", "value": "hi"}, {"from": "gpt", "value": 7}, key="conversations"),
+     r"conversations\[1\]\.value is int \(7\), expected a string"),
+    (_chat({"from": "human", "value": "hi"}, {"from": "gpt", "text": "x"}, key="conversations"),
+     r"conversations\[1\] has no 'value' \(found 'from', 'text'\)"),
+])
+def test_bad_chat_lines_name_the_field(tmp_path, record, problem):
+    path = write_jsonl(tmp_path / "c.jsonl", [CHATS[0], "", record])
+    with pytest.raises(ValueError, match=f"c.jsonl line 3: {problem}"):
+        list(read_records(path, "chat"))
+
+
+@pytest.mark.parametrize("first, message", [
+    ({"message": CHATS[0]["messages"]}, "found 'message' \\(did you mean 'messages'\\?\\)"),
+    ({"id": 1, "Conversation": []}, "found 'id', 'Conversation' \\(did you mean 'conversations' for "
+                                    "'Conversation'\\?\\)"),
+    ({"prompt": "a", "completions": "b"}, "found 'prompt', 'completions' \\(did you mean 'completion' for "
+                                          "'completions'\\?\\)"),
+    ({"prompt": "a", "answer": "b"}, "found 'prompt', 'answer'; prompt/completion data needs both 'prompt' and "
+                                     "'completion'"),
+    ({"body": "plain"}, "found 'body'; name the text field with --text_field"),
+])
+def test_unknown_first_line_names_its_near_misses(tmp_path, first, message):
+    path = write_jsonl(tmp_path / "data.jsonl", [first, CHATS[1]])
+    with pytest.raises(ConfigError, match=r"data.jsonl line 1: no 'messages', 'conversations', 'prompt'\+'completion' "
+                                          rf"or 'text' field; {message}"):
+        data_format(TrainArgs(train_file=str(path)))
+
+
+def test_plain_text_jsonl_and_txt_stay_text(tmp_path):
+    body = write_jsonl(tmp_path / "body.jsonl", [{"body": "plain", "id": 1}])
+    assert data_format(TrainArgs(train_file=str(body), text_field="body")) == "text"
+    txt = tmp_path / "notes.txt"
+    txt.write_text('{"message": "a .txt file is text whatever it holds"}\n')
+    assert data_format(TrainArgs(train_file=str(txt))) == "text"
+
+
+SHAREGPT_ROLE_NAMES = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+def test_sharegpt_is_chat_with_the_tokens_of_its_messages(tmp_path, tokenizer):
+    """ShareGPT conversations are detected as chat and cached as exactly the ids and labels of the same
+    conversations written as messages."""
+    sharegpt = [{"conversations": [{"from": SHAREGPT_ROLE_NAMES[m["role"]], "value": m["content"]}
+                                   for m in chat["messages"]]} for chat in CHATS]
+    sharegpt[1]["conversations"][1]["from"] = "chatgpt"  # ShareGPT V3 names the model that answered
+    shared = write_jsonl(tmp_path / "sharegpt.jsonl", sharegpt)
+    assert data_format(TrainArgs(train_file=str(shared))) == "chat"
+    assert [r for _, r in read_records(shared, "chat")] == CHATS
+    encoder = SFTEncoder(tokenizer, "chat", False)
+    caches = [SFTCache(tmp_path / "cache", resolve_sources(path), encoder)
+              for path in (write_jsonl(tmp_path / "messages.jsonl", CHATS), shared)]
+    examples = []
+    for cache in caches:
+        cache.ensure(0, 10.0)
+        examples.append(cache.examples())
+    assert caches[0].path != caches[1].path  # each file its own entry
+    for plain, converted in zip(*examples):
+        assert converted.ids.tolist() == plain.ids.tolist()
+        assert converted.trainable.tolist() == plain.trainable.tolist() and converted.trainable.any()
 
 
 def _examples(lengths, trainable_from=1):
@@ -127,6 +203,37 @@ def test_overlong_truncated_or_refused():
     assert blocks.input_ids.tolist() == [[1, 2, 3, 4]]
     with pytest.raises(ValueError, match=r"line 2: the example has 9 tokens, more than --block_size=4"):
         lay_out(_examples([2, 9]), 4, pad_id=0, packing=False, overlong="refuse")
+
+
+def test_counts_are_those_after_truncation():
+    """--block_size 6 over examples of 3 tokens (2 trainable), 9 (5 trainable from position 4: 2 survive) and
+    9 (2 trainable from position 7: none survive): what is printed counts what the blocks really hold."""
+    examples = [Example(np.arange(1, n + 1), np.arange(n) >= start, f"line {i + 1}")
+                for i, (n, start) in enumerate([(3, 1), (9, 4), (9, 7)])]
+    blocks = lay_out(examples, 6, pad_id=0, packing=False, overlong="truncate")
+    c = blocks.counts
+    # example 1: 2 labels kept; example 2: 5 trainable, 2 kept (positions 4, 5); example 3: 2 trainable, none kept
+    assert (c.examples, c.kept, c.truncated, c.dropped, c.untrainable) == (3, 3, 2, 0, 1)
+    assert (c.trainable_kept, c.trainable_lost, c.longest) == (4, 5, 9)
+    assert count_labels(blocks, torch.arange(len(blocks))) == c.trainable_kept
+    line = describe_counts(c, 6)
+    assert line == ("3 of 3 examples kept, 2 truncated to --block_size=6, 1 with no token left to train on; "
+                    "4 tokens trained on, 5 (56%) lost to truncation")
+    warning = truncation_warning(c, 6)
+    assert "loses 56% of the tokens to train on (5 of 9)" in warning and "longest example has 9 tokens" in warning
+    assert "--overlong drop" in warning
+
+    dropped = lay_out(examples, 6, pad_id=0, packing=False, overlong="drop")
+    c = dropped.counts
+    assert (c.kept, c.dropped, c.untrainable, c.trainable_kept, c.trainable_lost) == (2, 1, 0, 4, 5)
+    assert len(dropped) == 2 and "1 dropped" in describe_counts(c, 6)
+    assert truncation_warning(lay_out(examples, 9, 0, False, "truncate").counts, 9) is None
+
+
+def test_nothing_left_to_train_on_is_refused():
+    examples = [Example(np.arange(1, 10), np.arange(9) >= 7, "line 1")]
+    with pytest.raises(ValueError, match=r"no SFT example is left to train on \(of 1, --overlong drop dropped 1\)"):
+        lay_out(examples, 6, pad_id=0, packing=False, overlong="drop")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -170,7 +277,7 @@ def test_load_sft_data_errors_before_any_process_group(tmp_path, tokenizer_dir):
     bad = write_jsonl(tmp_path / "bad.jsonl", [CHATS[0], {"prompt": "x", "completion": "y"}])
     args = TrainArgs(train_file=str(bad), tokenizer_name=str(tokenizer_dir), data_cache_dir=str(tmp_path / "c"),
                      block_size=64)
-    with pytest.raises(ConfigError, match="bad.jsonl line 2: no 'messages' list"):
+    with pytest.raises(ConfigError, match="bad.jsonl line 2: no 'messages' or 'conversations' list"):
         load_sft_data(args, 300)
     good = write_jsonl(tmp_path / "good.jsonl", CHATS)
     with pytest.raises(ConfigError, match="needs a tokenizer"):
@@ -207,7 +314,7 @@ def test_prepare_data_fills_the_sft_cache(tmp_path, tokenizer_dir, capsys):
              "--block_size", "64", "--packing", "--max_steps", "4", "--data_cache_dir", str(tmp_path / "cache")]
     main(["prepare-data", *flags])
     out = capsys.readouterr()
-    assert "train data (chat): 8 examples" in out.err and "tokenized into" in out.err
+    assert "train data (chat): 8 of 8 examples kept" in out.err and "tokenized into" in out.err
     assert "--max_steps 4: 32 blocks" in out.out
     main(["prepare-data", *flags])
     assert "read from" in capsys.readouterr().err  # the run that follows only reads the entry

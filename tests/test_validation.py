@@ -76,6 +76,55 @@ def test_sharding_refusals(arch, overrides, tp, message):
         plan_tensor_parallel(model, tp_plan(model), tp, 0)
 
 
+NINE_HEADS = dict(num_attention_heads=9, num_key_value_heads=9, hidden_size=36, intermediate_size=72)
+
+
+@pytest.mark.parametrize(
+    "overrides, layout, world, refusal, hint",
+    [
+        (NINE_HEADS, dict(tp=2), 2, "num_attention_heads=9 is not divisible by tp=2; choose a tp that divides 9",
+         "with 2 processes, no tp > 1 fits this model: use them for pipeline stages (--pipeline_parallel_size 2) "
+         "or data parallelism (--tensor_parallel_size 1: dp=2; --zero_1 shards the optimizer state over it)"),
+        (NINE_HEADS, dict(tp=2), 9, "num_attention_heads=9 is not divisible by tp=2",
+         "with 9 processes, tp=3 or 9 would work"),
+        (NINE_HEADS, dict(tp=2, pp=2, num_microbatches=2), 18, "num_attention_heads=9 is not divisible by tp=2",
+         "with 18 processes and pp=2, tp=3 or 9 would work"),
+        (NINE_HEADS, dict(tp=2), 1, "num_attention_heads=9 is not divisible by tp=2",
+         "this model splits over tp=3 or 9, which 1 process cannot hold: launch a multiple of tp*pp processes"),
+        (dict(NINE_HEADS, intermediate_size=64), dict(tp=2), 9, "num_attention_heads=9 is not divisible by tp=2",
+         "with 9 processes, no tp > 1 fits this model: use them for data parallelism"),  # 64 splits over neither
+        (dict(num_attention_heads=12, num_key_value_heads=4, hidden_size=48, intermediate_size=96), dict(tp=6), 12,
+         "tp=6 is not a multiple of num_key_value_heads=4", "with 12 processes, tp=2, 4 or 12 would work"),
+        (dict(intermediate_size=66), dict(tp=4), 8, "model.layers.0.mlp.gate_proj output features = 66 is not "
+         "divisible by tp=4", "with 8 processes, tp=2 would work"),
+    ],
+)
+def test_tp_refusal_lists_the_tp_sizes_that_fit_the_world(overrides, layout, world, refusal, hint):
+    """A tp the heads (or features) refuse: the rule's message first, then what would work with this world's
+    processes, checked by every tp rule (9 heads but 64 intermediate features: tp=3 fits the heads only)."""
+    from plait.layout_plan import plan_layout
+
+    model = meta_model("llama", **overrides)
+    with pytest.raises(ConfigError) as refused:
+        plan_layout(model, ParallelConfig(**layout), world)
+    message = str(refused.value)
+    assert message.startswith(refusal) and f"; {hint}" in message and "\n" not in message, message
+
+
+def test_plait_plan_names_the_tp_sizes_that_fit(tmp_path, capsys):
+    from plait.cli import main
+
+    path = tmp_path / "config.json"
+    tiny_config("llama", **NINE_HEADS).to_json_file(path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model_config", str(path), "--block_size", "18", "--tensor_parallel_size", "2",
+              "--world_size", "9"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert "num_attention_heads=9 is not divisible by tp=2; choose a tp that divides 9; with 9 processes, tp=3 or 9 " \
+           "would work" in err
+
+
 def test_plan_naming_missing_module():
     model = meta_model("llama")
     plan = plait.TPPlan((plait.Column("model.layers.*.mlp.not_there"),))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 from plait.config import ConfigError
@@ -19,6 +18,8 @@ from plait.costs.device import PRESETS
 from plait.data.prepare import add_prepare_data_parser
 from plait.registry import AdapterError, default_registry, served_architectures
 from plait.runtime import TrainingDiverged
+from plait.stop import StopRequested
+from plait.torchrun import run_under_torchrun
 from plait.train_args import TrainArgs, add_arguments, from_namespace
 
 
@@ -31,18 +32,18 @@ def cmd_train(ns: argparse.Namespace) -> None:
         if "--nproc_per_node" in argv:
             i = argv.index("--nproc_per_node")
             del argv[i : i + 2]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc_per_node}",
-               "-m", "plait", *argv]
-        sys.exit(subprocess.call(cmd))
+        sys.exit(run_under_torchrun(argv, args.nproc_per_node, args.ddp_timeout))
     import torch.distributed as dist
 
     from plait.trainer import train  # when run (module docstring)
 
-    train(args)
-    if dist.is_initialized():
-        # Tear gloo/NCCL down before interpreter exit: a live process group's threads destroyed in static
-        # destructors can abort the process ("terminate called without an active exception") after a good run.
-        dist.destroy_process_group()
+    try:
+        train(args)
+    finally:
+        if dist.is_initialized():
+            # Tear gloo/NCCL down before interpreter exit: a live process group's threads destroyed in static
+            # destructors can abort the process ("terminate called without an active exception") after a run.
+            dist.destroy_process_group()
 
 
 def cmd_plan(ns: argparse.Namespace) -> None:
@@ -107,15 +108,26 @@ def print_served_architectures(registry, as_json: bool) -> None:
 
 
 def cmd_consolidate(ns: argparse.Namespace) -> None:
+    """A whole model for a full checkpoint; for a LoRA checkpoint, which holds only the adapters and a reference
+    to its base, what ``--lora`` asks for, by default the peft adapter (the small, lossless export)."""
     from plait.checkpoint import consolidate  # when run (module docstring)
+    from plait.checkpoint.format import read_index
 
-    if ns.lora:
+    lora = ns.lora
+    if lora is None and "lora" in read_index(ns.checkpoint_dir)[1].extra:
+        lora = "adapter"
+    if lora:
         from plait.lora.export import consolidate_lora  # when run (module docstring)
 
-        out = consolidate_lora(ns.checkpoint_dir, ns.output_dir, ns.lora)
-        loader = "peft.PeftModel.from_pretrained(base, {!r})" if ns.lora == "adapter" else \
+        out = consolidate_lora(ns.checkpoint_dir, ns.output_dir, lora)
+        loader = "peft.PeftModel.from_pretrained(base, {!r})" if lora == "adapter" else \
             "transformers.AutoModelForCausalLM.from_pretrained({!r})"
-        print(f"wrote {out}: load it with {loader.format(str(out))}")
+        if ns.lora is None:
+            print(f"{ns.checkpoint_dir} is a LoRA checkpoint: wrote its adapters as a peft directory, {out}: load it "
+                  f"with {loader.format(str(out))}; for one model with the adapters merged into the base, run "
+                  f"`plait consolidate {ns.checkpoint_dir} NEW_DIR --lora merged`")
+        else:
+            print(f"wrote {out}: load it with {loader.format(str(out))}")
         return
     out = consolidate(ns.checkpoint_dir, ns.output_dir, format=ns.format, dtype=ns.dtype,
                       max_shard_size=ns.max_shard_size)
@@ -164,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="cast floating tensors (default: as saved)")
     cons.add_argument("--max_shard_size", default="5GB", help="split weights into files of at most this size")
     cons.add_argument("--lora", choices=("merged", "adapter"), default=None,
-                      help="a LoRA checkpoint: the base with the adapters merged in, or a peft adapter dir")
+                      help="a LoRA checkpoint: the base with the adapters merged in, or a peft adapter dir "
+                           "(default for a LoRA checkpoint: adapter)")
     cons.set_defaults(func=cmd_consolidate)
 
     check = sub.add_parser("check-adapter", help="prove an adapter matches one process under every parallel mode")
@@ -195,3 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     except TrainingDiverged as err:
         print(f"plait: error: {err}", file=sys.stderr)
         sys.exit(3)
+    except StopRequested as stop:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"plait: {stop}", file=sys.stderr)
+        # Under torchrun, a worker that stopped as asked exits 0 so torchrun reports no crash; whoever sent
+        # the signal (plait's launcher, a scheduler) knows. A run of its own exits as a signalled process does.
+        sys.exit(0 if "TORCHELASTIC_RUN_ID" in os.environ else stop.exit_status)

@@ -2,7 +2,9 @@
 
 ``plan_layout`` asks the adapter for its plans, checks them against the model's structure and the layout
 (capabilities, pipeline schedule and cuts, tied weights across stages, tp divisibility of every sharded
-module, the sequence-parallel region, activation-checkpoint targets) and returns a frozen ``LayoutPlan``.
+module, the sequence-parallel region, activation-checkpoint targets) and returns a frozen ``LayoutPlan``. A tp
+the model does not split into is refused with the tp sizes that would work for the world (the tp rules
+themselves know no world; ``TPSizeError`` marks their refusals for this).
 Every refusal happens here, with no process group and no weight read: a trainer calls it on a meta model
 before ``init_process_group``. ``parallelize`` applies the plan; ``plait plan`` and the conformance kit
 render or consume the same value, so none of them can show or accept a layout the others refuse.
@@ -19,15 +21,15 @@ from plait.activation_checkpoint import checkpoint_targets
 from plait.config import ConfigError, ParallelConfig
 from plait.cp.dry_run import check_on_meta
 from plait.cp.layout import CPPlan, plan_context_parallel
-from plait.declarations import SPPlan
+from plait.declarations import SPPlan, TPPlan
 from plait.ep.layout import EPPlan, plan_expert_parallel
 from plait.lora.layout import LoraPlan, plan_lora
 from plait.pipeline.cuts import StageSplit
 from plait.pipeline.layout import plan_stages, stage_rows, stages_of_rank, tied_across_stages
 from plait.registry import Adapter, Registry, default_registry
-from plait.tp.layout import experts_kept_whole, param_specs, plan_tensor_parallel
+from plait.tp.layout import experts_kept_whole, param_specs, plan_tensor_parallel, tp_sizes_that_fit
 from plait.tp.sequence_parallel import sp_grad_sum_params
-from plait.tp.sharding import ModuleShard, ShardSpec
+from plait.tp.sharding import ModuleShard, ShardSpec, TPSizeError
 
 if TYPE_CHECKING:  # peft is imported only where LoRA is used: it costs every process seconds
     from peft import LoraConfig
@@ -87,15 +89,19 @@ def plan_layout(
     if tp_plan is not None and not config.expert_tensor_parallel:
         tp_plan = experts_kept_whole(tp_plan)
     parallel_embeddings = not config.disable_embedding_parallelization
-    shards_by_rank = tuple(
-        plan_tensor_parallel(model, tp_plan, config.tp, r, parallel_embeddings) if tp_plan else {}
-        for r in range(config.tp)
-    )
+    world_size = world_size or config.tp * config.cp * config.pp * (config.dp or 1)
+    try:
+        shards_by_rank = tuple(
+            plan_tensor_parallel(model, tp_plan, config.tp, r, parallel_embeddings) if tp_plan else {}
+            for r in range(config.tp)
+        )
+    except TPSizeError as err:  # the tp rules know no world; here it is known, so say what would work in it
+        hint = _tp_alternatives(model, tp_plan, config, world_size, parallel_embeddings)
+        raise ConfigError(f"{err}; {hint}") from None
     sp_plan = registry.sp_plan(adapter, model.config) if config.sequence_parallel else None
     if sp_plan is not None:
         sp_grad_sum_params(model, sp_plan, shards_by_rank[0])  # validates the plan against the model
     leaves = tuple(checkpoint_targets(model, leaf_patterns)) if config.gradient_checkpointing else ()
-    world_size = world_size or config.tp * config.cp * config.pp * (config.dp or 1)
     lora_plan = None
     if lora is not None:
         lora_tp_plan = tp_plan
@@ -109,6 +115,38 @@ def plan_layout(
         shards_by_rank=shards_by_rank, specs_by_rank=specs_by_rank, sp_plan=sp_plan, leaves=leaves, lora=lora_plan,
         cp=cp_plan, ep=ep_plan,
     )
+
+
+def _tp_alternatives(model: nn.Module, tp_plan: TPPlan, config: ParallelConfig, world_size: int,
+                     parallel_embeddings: bool) -> str:
+    """What to run instead of a tp the model does not split into, for ``world_size`` processes: the tp sizes
+    that fit both (divisors of world / (cp*pp) that every tp rule accepts), else pipeline stages or data
+    parallelism over those processes; for a world with no room for tp > 1, the tp sizes the model allows."""
+    others = config.cp * config.pp
+    fixed = f" and {'cp*pp' if config.cp > 1 else 'pp'}={others}" if others > 1 else ""
+    room = world_size // others if world_size % others == 0 else 1
+    fits = tp_sizes_that_fit(model, tp_plan, [t for t in range(2, room + 1) if room % t == 0], parallel_embeddings)
+    processes = f"{world_size} process{'es' if world_size > 1 else ''}{fixed}"
+    if fits:
+        return f"with {processes}, tp={_either(fits)} would work"
+    if room > 1:
+        stages = config.pp * room
+        pipeline = (f"pipeline stages (--pipeline_parallel_size {stages}) or "
+                    if getattr(model.config, "num_hidden_layers", 0) >= stages else "")
+        return (f"with {processes}, no tp > 1 fits this model: use them for {pipeline}data parallelism "
+                f"(--tensor_parallel_size 1: dp={room}; --zero_1 shards the optimizer state over it)")
+    heads = getattr(model.config, "num_attention_heads", 0) or 0
+    allowed = tp_sizes_that_fit(model, tp_plan, [t for t in range(2, heads + 1) if heads % t == 0],
+                                parallel_embeddings)
+    if not allowed:
+        return "this model does not split over any tp > 1; use pipeline or data parallelism"
+    return (f"this model splits over tp={_either(allowed)}, which {processes} cannot hold: launch "
+            f"a multiple of tp*{'cp*pp' if config.cp > 1 else 'pp'} processes (--nproc_per_node)")
+
+
+def _either(sizes: list[int]) -> str:
+    """'2, 4 or 8'."""
+    return " or ".join(filter(None, (", ".join(map(str, sizes[:-1])), str(sizes[-1]))))
 
 
 def pipeline_layout(

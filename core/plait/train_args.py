@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from plait.cp.sequence import check_length
+from plait.data.sft_blocks import OVERLONG
 from plait.config import CP_ATTENTION, ConfigError, ParallelConfig
 from plait.lora.config import lora_config
 from plait.pipeline_schedules import SCHEDULES
@@ -74,6 +75,7 @@ class TrainArgs:
     torch_compile: bool = field(default=False, metadata={"help": "torch.compile each leaf module (decoder layer)"})
     save_steps: int = field(default=0, metadata={"help": "save a sharded checkpoint every N steps and at the end (0: never)"})
     save_total_limit: int = field(default=0, metadata={"help": "keep only the newest N checkpoints (0: keep all)"})
+    save_on_signal: bool = field(default=True, metadata={"help": "on SIGTERM or a first SIGINT (Ctrl-C), finish the step and save a checkpoint before stopping (--no_save_on_signal: stop without saving)"})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "a checkpoint dir, or 'auto': the newest complete one in output_dir"})
     logging_steps: int = field(default=1, metadata={"help": "print a log line every N steps when stderr is not a terminal (a terminal shows a progress bar; metrics.jsonl gets every step)"})
     report_to: str = field(default="none", metadata={"help": "comma-separated experiment trackers that get every step's metrics, as metrics.jsonl: none, tensorboard (event files in <output_dir>/tensorboard), wandb (project 'plait' or $WANDB_PROJECT; W&B's env vars apply, WANDB_MODE=offline among them), mlflow ($MLFLOW_TRACKING_URI, default sqlite:///<output_dir>/mlflow.db); each is a pip extra: pip install 'plait[wandb]'"})
@@ -85,10 +87,10 @@ class TrainArgs:
     skip_nonfinite_steps: int = field(default=0, metadata={"help": "skip up to N steps whose loss or gradient norm is not finite (not applied, counted in metrics) before stopping (0: stop at the first)"})
     text_field: str = field(default="text", metadata={"help": "the text field of .jsonl lines, and the text column of Parquet files and --dataset_name"})
     data_cache_dir: str | None = field(default=None, metadata={"help": "where tokenized data and trained tokenizers are cached (default: $XDG_CACHE_HOME/plait, else ~/.cache/plait)"})
-    data_format: str = field(default="auto", metadata={"help": "auto, text (packed plain text), chat (.jsonl 'messages', rendered with the tokenizer's chat template) or prompt_completion (.jsonl 'prompt' + 'completion'); auto reads the first .jsonl line"})
+    data_format: str = field(default="auto", metadata={"help": "auto, text (packed plain text), chat (.jsonl 'messages' or ShareGPT 'conversations', rendered with the tokenizer's chat template) or prompt_completion (.jsonl 'prompt' + 'completion'); auto reads the first .jsonl line"})
     train_on_prompt: bool = field(default=False, metadata={"help": "SFT: train on prompt / user tokens too (default: only completion / assistant tokens count)"})
     packing: bool = field(default=False, metadata={"help": "SFT: pack several examples per block, attention kept within each (default: one example per block, padded)"})
-    overlong: str = field(default="truncate", metadata={"help": "SFT examples longer than --block_size: truncate or refuse"})
+    overlong: str = field(default="truncate", metadata={"help": "SFT examples longer than --block_size: truncate (keep the first block_size tokens), drop (truncate, and skip every example left with no token to train on) or refuse"})
     lora_r: int = field(default=0, metadata={"help": "train LoRA adapters of this rank on the frozen model (0: train every parameter)"})
     lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r (peft's LoraConfig)"})
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input (peft's lora_dropout)"})
@@ -156,8 +158,8 @@ class TrainArgs:
             raise ConfigError("give --bf16 (bf16 parameters) or --bf16_autocast (fp32 parameters), not both")
         if self.data_format not in DATA_FORMATS:
             raise ConfigError(f"--data_format={self.data_format!r} is unknown; choose one of {', '.join(DATA_FORMATS)}")
-        if self.overlong not in ("truncate", "refuse"):
-            raise ConfigError(f"--overlong={self.overlong!r} is unknown; choose truncate or refuse")
+        if self.overlong not in OVERLONG:
+            raise ConfigError(f"--overlong={self.overlong!r} is unknown; choose one of {', '.join(OVERLONG)}")
         if self.lora_r < 0:
             raise ConfigError(f"--lora_r={self.lora_r} must be >= 0 (0: no LoRA)")
         self.lora()  # the LoRA flags' own checks
@@ -199,6 +201,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type = TrainArgs) -> Non
         help_text = f.metadata.get("help", "")
         if _kind(f) is bool:
             parser.add_argument(f"--{f.name}", action="store_true", default=None, help=help_text)
+            if f.default is True:  # a switch that is on by default is turned off as Hugging Face's parser does
+                parser.add_argument(f"--no_{f.name}", action="store_false", dest=f.name, default=None,
+                                    help=f"turn --{f.name} off")
         else:
             parser.add_argument(f"--{f.name}", type=_kind(f), default=None, help=f"{help_text} (default: {f.default})")
 

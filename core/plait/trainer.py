@@ -12,6 +12,7 @@ import datetime
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ from plait.moe_metrics import RoutingMetrics
 from plait.parallelize import ParallelModel, parallelize
 from plait.registry import default_registry
 from plait.seeds import init_seed
+from plait.stop import StopRequested, StopSignals
 from plait.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process, pick_device
 from plait.train_args import TrainArgs
 from plait.trackers import Trackers, parse_report_to
@@ -199,11 +201,12 @@ class Trainer:
         self.optimizer_step = OptimizerStep(pmodel.grad_sync, self.optimizer, args.max_grad_norm or None)
         self.scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer, num_warmup_steps=args.warmup_steps,
                                        num_training_steps=max(args.max_steps, 1))
-        self.first_step, self.skipped_steps = 0, 0
+        self.first_step, self.skipped_steps, self.empty_steps = 0, 0, 0
         if resume is not None:
             state = load_checkpoint(resume, pmodel, self.optimizer, self.scheduler)
             self.sampler.load_state_dict(state.extra["sampler"])
             self.skipped_steps = state.extra.get("skipped_steps", 0)
+            self.empty_steps = state.extra.get("empty_steps", 0)
             self.first_step = state.step
             self.console.print(f"resumed from {resume} at step {self.first_step}"
                                + (" (resharded)" if state.resharded else ""))
@@ -235,6 +238,8 @@ class Trainer:
         indices = self.sampler.indices(step)
         # sum of token losses / labelled tokens of the whole global batch (every micro-step, every dp rank)
         num_items = count_labels(self.blocks, indices)
+        if num_items == 0:
+            return self.empty_step(step, start)
         accumulation = args.gradient_accumulation_steps
         step_loss = torch.zeros((), device=self.device)
         for micro in range(accumulation):
@@ -243,7 +248,7 @@ class Trainer:
             step_loss += self.pmodel.train_step(ids, labels, num_items_in_batch=num_items, position_ids=positions)
         loss = comm.all_reduce(step_loss, mesh.replica_group)  # equal on every rank: all of them decide alike
         lr = self.optimizer_step.lr
-        record = {"step": step + 1, "loss": loss.item(), "lr": lr}
+        record = {"step": step + 1, "loss": loss.item(), "lr": lr, "trainable_tokens": num_items}
         if self.routing is not None:
             record.update(self.routing.take().record())
         try:
@@ -261,19 +266,38 @@ class Trainer:
             record["skipped_steps"] = self.skipped_steps
         return record
 
-    def save(self, step: int) -> None:
-        extra = {"sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps}
+    def empty_step(self, step: int, start: float) -> dict:
+        """A step whose global batch holds no token to train on (every label truncated away or masked): it
+        contributes zero, as the global-token normalisation defines, so nothing is run or applied; the learning
+        rate schedule moves on, and the step is counted, never taken for a divergence (a 0/0 loss)."""
+        self.empty_steps += 1
+        lr = self.optimizer_step.lr
+        with warnings.catch_warnings():  # torch warns when the very first step is empty: the order is meant
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before", UserWarning)
+            self.scheduler.step()
+        self.console.print(f"step {step + 1}: no token to train on in this step's global batch (every label was "
+                           f"truncated away or masked); nothing was applied")
+        return {"step": step + 1, "loss": 0.0, "lr": lr, "trainable_tokens": 0, "grad_norm": 0.0,
+                "empty_steps": self.empty_steps,
+                "tokens_per_s": self.global_batch * self.args.block_size / (time.perf_counter() - start),
+                "peak_rss_mb": peak_rss_mb()}
+
+    def save(self, step: int) -> Path:
+        extra = {"sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps,
+                 "empty_steps": self.empty_steps}
         path = save_checkpoint(checkpoint_path(self.output_dir, step), self.pmodel, self.optimizer, self.scheduler,
                                step, extra, tokenizer=self.tokenizer)
         rotate_checkpoints(self.output_dir, self.args.save_total_limit, self.mesh.rank)
         self.console.print(f"saved {path}")
+        return path
 
     def train(self) -> list[dict]:
         """Steps from the first (0, or the resumed one) to --max_steps; returns each one's metrics (every rank).
 
         On a terminal rank 0 shows a progress bar; elsewhere (a log file, a pipe) it prints one readable line per
         --logging_steps instead, its ETA from the mean step so far. The --report_to trackers, opened on rank 0
-        only, get every step's metrics and are closed however the loop ends (a run that raised marked failed)."""
+        only, get every step's metrics and are closed however the loop ends, with its exit status. SIGTERM or
+        SIGINT stops the run after the step in progress, saving it (``plait.stop``)."""
         args, history = self.args, []
         terminal = self.console.is_terminal
         progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
@@ -282,7 +306,7 @@ class Trainer:
         names = parse_report_to(args.report_to) if is_main_process() else []
         trackers = Trackers.open(names, self.output_dir, dataclasses.asdict(args), self.first_step)
         started = time.perf_counter()
-        with trackers, progress, explain_timeouts(args.ddp_timeout):
+        with trackers, progress, explain_timeouts(args.ddp_timeout), StopSignals(announce=is_main_process()) as signals:
             task = progress.add_task("", total=args.max_steps, completed=self.first_step)
             for step in range(self.first_step, args.max_steps):
                 faults.maybe_inject(step + 1)  # testing aid: a no-op unless PLAIT_FAULT_INJECT is set
@@ -297,8 +321,15 @@ class Trainer:
                 if (step + 1) % args.logging_steps == 0 and not terminal:
                     seconds_per_step = (time.perf_counter() - started) / (step + 1 - self.first_step)
                     self.console.print(log_line(record, args.max_steps, seconds_per_step), soft_wrap=True)
+                saved = None
                 if should_save(step + 1, args.save_steps) or (is_last and args.save_steps > 0):
-                    self.save(step + 1)
+                    saved = self.save(step + 1)
+                signum = 0 if is_last else signals.agreed()
+                if signum:
+                    if saved is None and args.save_on_signal:
+                        saved = self.save(step + 1)
+                    last = latest_checkpoint(self.output_dir)
+                    raise StopRequested(signum, step + 1, args.max_steps, saved and str(saved), last and str(last))
         if is_main_process() and history and plot_loss_curve(history, self.output_dir / "loss.png"):
             self.console.print(f"loss curve: {self.output_dir / 'loss.png'}")
         return history

@@ -68,6 +68,10 @@ def consolidate(
         raise ConfigError(f"output directory {output} exists and is not empty; choose a new one")
 
     paths, index = read_index(checkpoint_dir)
+    if "lora" in index.extra:  # its tensors are the adapters alone: the base would be reported missing
+        raise ConfigError(f"{paths.root} is a LoRA checkpoint (the adapters and a reference to the base); write it "
+                          f"with plait.lora.export.consolidate_lora(..., 'adapter' or 'merged'), or `plait consolidate "
+                          f"--lora adapter|merged`")
     reader = CheckpointReader(paths, index)
     config = model_config(index)
     order = _check_tensors(index, config, paths.root)

@@ -1,4 +1,5 @@
-"""Supervised fine-tuning data: .jsonl conversations (``messages``) or ``prompt`` + ``completion`` pairs.
+"""Supervised fine-tuning data: .jsonl conversations (``messages``, or ShareGPT ``conversations``) or
+``prompt`` + ``completion`` pairs; their lines are read and checked by ``plait.data.sft_records``.
 
 Conversations are rendered with the tokenizer's own chat template (transformers' ``apply_chat_template``);
 the assistant turns are found by rendering the conversation up to each of them (the prefix ending in the
@@ -20,7 +21,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,95 +30,14 @@ import numpy as np
 from plait.config import ConfigError
 from plait.data.cache import CacheEntry, tokenizer_fingerprint
 from plait.data.paths import cache_root, tokenizer_dir
-from plait.data.sft_blocks import Example, SFTBlocks, lay_out
+from plait.data.sft_blocks import Example, SFTBlocks, describe_counts, lay_out, truncation_warning
+from plait.data.sft_records import data_format, read_records
 from plait.data.sources import Source, resolve_sources
 from plait.data.tokenizer import load_tokenizer
 
 SFT_FORMATS = ("chat", "prompt_completion")
 CACHE_FORMAT = "plait-sft-v1"
 TOKENS_FILE, TRAINABLE_FILE, DOCS_FILE, META_FILE = "tokens.bin", "trainable.bin", "docs.bin", "meta.json"
-
-
-def record_format(record: Any, text_field: str = "text") -> str | None:
-    """chat, prompt_completion or text, from a parsed .jsonl line's fields; None for none of them."""
-    if not isinstance(record, dict):
-        return None
-    if "messages" in record:
-        return "chat"
-    if "prompt" in record and "completion" in record:
-        return "prompt_completion"
-    if text_field in record:
-        return "text"
-    return None
-
-
-def data_format(args) -> str:
-    """--data_format, or with ``auto`` the format of the first line of the first .jsonl training file
-    (anything else is plain text)."""
-    if args.data_format != "auto":
-        return args.data_format
-    if args.dataset_name or not args.train_file:
-        return "text"
-    sources = resolve_sources(args.train_file, args.text_field, "--train_file")
-    first = sources[0]
-    if first.kind != "jsonl":
-        return "text"
-    for number, line in _lines(first.path):
-        try:
-            record = json.loads(line)
-        except ValueError as err:
-            raise ConfigError(f"{first.path} line {number}: not valid JSON ({err})") from None
-        return record_format(record, args.text_field) or "text"  # a bad line: the text reader names it
-    return "text"
-
-
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                yield number, line
-
-
-def read_records(path: Path, fmt: str) -> Iterator[tuple[int, dict]]:
-    """(line number, record) of every non-blank line, each checked against ``fmt``.
-
-    Raises:
-        ValueError: naming the file and line, for a line that is not JSON or not in ``fmt``.
-    """
-    for number, line in _lines(path):
-        where = f"{path} line {number}"
-        try:
-            record = json.loads(line)
-        except ValueError as err:
-            raise ValueError(f"{where}: not valid JSON ({err})") from None
-        problem = _format_problem(record, fmt)
-        if problem:
-            found = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise ValueError(f"{where}: {problem} (found {found}); every line of a {fmt} file needs "
-                             f"{_EXPECTED[fmt]}, or choose another --data_format")
-        yield number, record
-
-
-_EXPECTED = {"chat": "'messages': a list of {'role': ..., 'content': ...} with at least one assistant turn",
-             "prompt_completion": "'prompt' and 'completion' strings"}
-
-
-def _format_problem(record: Any, fmt: str) -> str | None:
-    if not isinstance(record, dict):
-        return "not a JSON object"
-    if fmt == "chat":
-        messages = record.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return "no 'messages' list"
-        for m in messages:
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                return "a message is not {'role': str, 'content': str}"
-        if not any(m["role"] == "assistant" for m in messages):
-            return "no assistant message"
-        return None
-    if not (isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)):
-        return "no 'prompt' and 'completion' strings"
-    return None
 
 
 class SFTEncoder:
@@ -267,14 +186,18 @@ def load_sft_data(args, vocab_size: int, fmt: str | None = None) -> SFTData:
             cache = SFTCache(cache_root(args), resolve_sources(spec, args.text_field, flag), encoder)
             meta, made = cache.ensure(local_rank, float(args.ddp_timeout))
             blocks = lay_out(cache.examples(), args.block_size, pad_id, args.packing, args.overlong)
-            if blocks.labels[:, 1:].ne(-100).sum() == 0:
-                raise ValueError(f"{spec}: no example has a token to train on after --block_size="
-                                 f"{args.block_size} truncation; raise --block_size")
+            if blocks.counts.trainable_kept == 0:
+                raise ValueError(f"{spec}: no example has a token left to train on after --block_size="
+                                 f"{args.block_size} truncation (the longest has {blocks.counts.longest:,} tokens); "
+                                 f"raise --block_size")
             if local_rank == 0:
-                print(f"{name} data ({fmt}): {meta['num_documents']:,} examples, {blocks.real_tokens:,} tokens "
-                      f"({meta['num_trainable']:,} trained on) in {len(blocks):,} {'packed' if args.packing else 'padded'}"
-                      f" blocks of {args.block_size} ({blocks.pad_tokens:,} padding), "
+                print(f"{name} data ({fmt}): {describe_counts(blocks.counts, args.block_size)}; "
+                      f"{blocks.real_tokens:,} tokens in {len(blocks):,} {'packed' if args.packing else 'padded'} "
+                      f"blocks of {args.block_size} ({blocks.pad_tokens:,} padding), "
                       f"{'tokenized into' if made else 'read from'} {cache.path}", file=sys.stderr)
+                warning = truncation_warning(blocks.counts, args.block_size)
+                if warning:
+                    print(warning, file=sys.stderr)
             sets.append(blocks)
     except OSError as err:
         raise ConfigError(f"SFT data: {err}") from err

@@ -41,6 +41,19 @@ def plan_tensor_parallel(
     return shards
 
 
+def tp_sizes_that_fit(model: nn.Module, plan: TPPlan, sizes: list[int], parallel_embeddings: bool = True) -> list[int]:
+    """Those of ``sizes`` that every module the plan names splits into: the heads, kv heads and features rules
+    of every rule, checked as ``plan_tensor_parallel`` checks them (on rank 0: they do not depend on the rank)."""
+    fits = []
+    for tp in sizes:
+        try:
+            plan_tensor_parallel(model, plan, tp, 0, parallel_embeddings)
+        except ConfigError:
+            continue
+        fits.append(tp)
+    return fits
+
+
 def param_specs(model: nn.Module, shards: dict[str, ModuleShard]) -> dict[str, ShardSpec]:
     """Spec of every parameter name of ``model`` (replicated unless a shard decision says otherwise)."""
     specs = {}

@@ -26,6 +26,11 @@ from plait.config import ConfigError
 Box = tuple[tuple[int, int], ...]  # a block of a tensor: [start, stop) per dim
 
 
+class TPSizeError(ConfigError):
+    """A tp size that a dimension of the model does not split into (heads, kv heads, features). Its own type so
+    that ``plan_layout``, which knows the world, can add the tp sizes that would work there."""
+
+
 @dataclass(frozen=True)
 class ExpertAxis:
     """Where a tensor stacked over experts keeps each expert, along ``dim``: ``runs`` consecutive runs over all
@@ -144,7 +149,7 @@ class ModuleShard:
 
 def even_range(total: int, tp: int, rank: int, what: str) -> tuple[int, int]:
     if total % tp:
-        raise ConfigError(f"{what} = {total} is not divisible by tp={tp}; choose a tp that divides {total}")
+        raise TPSizeError(f"{what} = {total} is not divisible by tp={tp}; choose a tp that divides {total}")
     size = total // tp
     return rank * size, (rank + 1) * size
 

@@ -23,7 +23,7 @@ from plait.tp.layers import (
     ScaledVocabParallelEmbedding, SplitRMSNorm, TokenShareRegion, TPRegionEntry, VocabParallelEmbedding,
     WholeSequenceRegion,
 )
-from plait.tp.sharding import ModuleShard, ShardSpec, even_range, linear_shape, linear_shard, vocab_split
+from plait.tp.sharding import ModuleShard, ShardSpec, TPSizeError, even_range, linear_shape, linear_shard, vocab_split
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ class Attention(TPRule):
         child = lambda attr: (f"{name}.{attr}", module.get_submodule(attr))  # noqa: E731
         if self.qkv is not None:
             if block > 1:
-                raise ConfigError(f"{name}: fused qkv with num_key_value_heads={kv_heads} < tp={tp} is not supported; use a tp "
+                raise TPSizeError(f"{name}: fused qkv with num_key_value_heads={kv_heads} < tp={tp} is not supported; use a tp "
                                   f"that divides {kv_heads}")
             kv_width = kv_heads * hd
             ranges = [q_range, (heads * hd + kv_range[0], heads * hd + kv_range[1]),
@@ -232,14 +232,14 @@ class Attention(TPRule):
     def _check_heads(self, tp: int) -> None:
         heads, kv_heads = self.num_heads, self.num_kv_heads
         if heads % tp:
-            raise ConfigError(f"num_attention_heads={heads} is not divisible by tp={tp}; choose a tp that divides {heads}")
+            raise TPSizeError(f"num_attention_heads={heads} is not divisible by tp={tp}; choose a tp that divides {heads}")
         if kv_heads >= tp and kv_heads % tp:
-            raise ConfigError(
+            raise TPSizeError(
                 f"num_key_value_heads={kv_heads} is not divisible by tp={tp}; choose tp dividing {kv_heads} "
                 f"(or a multiple of it that divides num_attention_heads={heads})"
             )
         if kv_heads < tp and tp % kv_heads:
-            raise ConfigError(
+            raise TPSizeError(
                 f"tp={tp} is not a multiple of num_key_value_heads={kv_heads}; kv heads are replicated only when "
                 f"tp is a multiple of them"
             )
@@ -558,7 +558,7 @@ class LatentAttention(TPRule):
 
     def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
         if self.num_heads % tp:
-            raise ConfigError(f"num_attention_heads={self.num_heads} is not divisible by tp={tp}; choose a tp that "
+            raise TPSizeError(f"num_attention_heads={self.num_heads} is not divisible by tp={tp}; choose a tp that "
                               f"divides {self.num_heads}")
         heads = self.num_heads // tp
         first, last = rank * heads, (rank + 1) * heads

@@ -1,0 +1,107 @@
+"""Stopping `plait train --nproc_per_node 2` with a signal sent to the plait process alone, as a scheduler or a
+terminal does: SIGTERM (or a first SIGINT) reaches every worker, which finish the step, save it and stop
+together, leaving no process behind, and `--resume_from_checkpoint auto` continues with the one-process losses;
+a second SIGINT stops everything at once and the last complete checkpoint stays intact. (Signals sent to
+torchrun and its workers directly, by hand or by Slurm: tests/test_examples.py.)"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from plait.checkpoint import latest_checkpoint
+from plait.metrics import read_metrics
+from plait.cli import main
+from tiny_models import tiny_config
+
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    path.write_text(tiny_config("llama").to_json_string())
+    return path
+
+
+def flags(model_config: Path, out: Path, *extra: str) -> list[str]:
+    return ["--model_config", str(model_config), "--block_size", "16", "--per_device_train_batch_size", "2",
+            "--lr_scheduler_type", "constant", "--output_dir", str(out), *extra]
+
+
+def steps_done(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(read_metrics(out)) if path.exists() else 0
+
+
+def start_and_signal(args: list[str], out: Path, signals: list[signal.Signals], after_steps: int,
+                     env: dict | None = None) -> tuple[int, str, list[psutil.Process]]:
+    """Start `plait train` (its own session, as from a terminal), send ``signals`` to the plait process alone
+    once ``after_steps`` steps are logged; return its exit status, its output and every process it had."""
+    log = out.parent / f"{out.name}.log"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "plait", "train", *args], stdout=sink, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while steps_done(out) < after_steps:
+            assert proc.poll() is None, f"exited early:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no progress:\n{log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        assert len(family) >= 4, family  # plait, torchrun, two workers
+        for sig in signals:
+            proc.send_signal(sig)
+            time.sleep(1.0)
+        status = proc.wait(timeout=30)
+        gone, alive = psutil.wait_procs(family, timeout=10)
+        assert not alive, f"left running: {alive}"
+        return status, log.read_text(errors="replace"), family
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_sigterm_saves_the_step_and_resume_continues_exactly(model_config, tmp_path):
+    out = tmp_path / "run"
+    status, output, _ = start_and_signal(flags(model_config, out, "--tensor_parallel_size", "2",
+                                               "--nproc_per_node", "2", "--max_steps", "100000"),
+                                         out, [signal.SIGTERM], after_steps=3)
+    stopped = len(read_metrics(out))
+    assert status == 128 + signal.SIGTERM, output[-3000:]
+    assert output.count(f"plait: stopped by SIGTERM after step {stopped} of 100000; saved {out}/checkpoint-{stopped};"
+                        f" continue with --resume_from_checkpoint auto") == 1, output[-3000:]
+    assert "SignalException" not in output and "ChildFailedError" not in output
+    assert latest_checkpoint(out) == out / f"checkpoint-{stopped}"
+
+    assert "plait: SIGTERM received: stopping after this step" in output
+
+    # resumed on one process (the checkpoint is layout-free): the losses of one uninterrupted run
+    main(["train", *flags(model_config, out, "--resume_from_checkpoint", "auto", "--max_steps", str(stopped + 2))])
+    main(["train", *flags(model_config, tmp_path / "one", "--max_steps", str(stopped + 2))])
+    got = read_metrics(out)
+    assert [r["step"] for r in got] == list(range(1, stopped + 3))
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in read_metrics(tmp_path / "one")], rel=1e-5)
+
+
+def test_a_second_sigint_stops_everything_at_once(model_config, tmp_path):
+    """Rank 1 hangs in step 4 (an injected fault), so the step never ends: the first SIGINT cannot finish it,
+    the second ends every process within seconds, and checkpoint-3 is still the one to resume from."""
+    out = tmp_path / "run"
+    start = time.monotonic()
+    status, output, _ = start_and_signal(flags(model_config, out, "--nproc_per_node", "2", "--max_steps", "100",
+                                               "--save_steps", "1", "--tensor_parallel_size", "2"),
+                                         out, [signal.SIGINT, signal.SIGINT], after_steps=3,
+                                         env={"PLAIT_FAULT_INJECT": "1:4:sleep"})
+    assert status == 128 + signal.SIGINT, output[-3000:]
+    assert time.monotonic() - start < TIMEOUT
+    assert latest_checkpoint(out) == out / "checkpoint-3"
