@@ -5,8 +5,10 @@ the same run's stderr (not a terminal) holds one readable line per --logging_ste
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import signal
 import struct
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 from plait import trackers
 from plait.config import ConfigError
 from plait.metrics import read_metrics
+from plait.stop import StopRequested
 from plait.testing import launch
 from plait.trackers import Trackers, parse_report_to
 from plait.train_args import TrainArgs
@@ -146,8 +149,8 @@ def test_a_tracker_that_cannot_start_ends_the_run_in_one_line(tmp_path, monkeypa
         def __init__(self, *_):
             pass
 
-        def close(self, failed):
-            closed.append(failed)
+        def close(self, exit_status):
+            closed.append(exit_status)
 
     def refuse(*_):
         raise RuntimeError("No API key configured")
@@ -156,7 +159,28 @@ def test_a_tracker_that_cannot_start_ends_the_run_in_one_line(tmp_path, monkeypa
     with pytest.raises(ConfigError, match=r"^--report_to wandb could not start \(RuntimeError: No API key "
                                           r"configured\); fix its setup or leave it out of --report_to$"):
         Trackers.open(["tensorboard", "wandb"], tmp_path, {}, 0)
-    assert closed == [True]
+    assert closed == [1]
+
+
+@pytest.mark.parametrize("error, status", [(None, 0), (ValueError("bug"), 1),
+                                           (StopRequested(signal.SIGTERM, 3, 6, "out/checkpoint-3", None), 143)])
+def test_trackers_close_with_the_runs_exit_status(tmp_path, monkeypatch, error, status):
+    """W&B gets it as the run's exit code, MLflow as FINISHED, FAILED or (a signal's stop) KILLED."""
+    closed = []
+
+    class Opened:
+        def __init__(self, *_):
+            pass
+
+        def close(self, exit_status):
+            closed.append(exit_status)
+
+    monkeypatch.setattr(trackers, "OPENERS", {"wandb": Opened})
+    with pytest.raises(type(error)) if error else contextlib.nullcontext():
+        with Trackers.open(["wandb"], tmp_path, {}, 0):
+            if error:
+                raise error
+    assert closed == [status]
 
 
 @pytest.mark.parametrize("value, names", [("none", []), ("", []), ("wandb, tensorboard,wandb", ["wandb", "tensorboard"])])

@@ -27,7 +27,8 @@ def log_line(record: dict, max_steps: int, seconds_per_step: float) -> str:
         parts.append(f"skipped {record['skipped_steps']}")
     if "moe_load_max_over_mean" in record:
         parts.append(f"moe max/mean {record['moe_load_max_over_mean']:.2f}")
-    parts += [f"{record['tokens_per_s']:,.0f} tok/s", f"eta {duration(seconds_per_step * (max_steps - record['step']))}"]
+    left = seconds_per_step * (max_steps - record["step"])
+    parts += [f"{record['tokens_per_s']:,.0f} tok/s", f"eta {duration(left)}"]
     return " | ".join(parts)
 
 

@@ -51,7 +51,7 @@ def parse_report_to(value: str) -> list[str]:
 class Tracker(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
-    def close(self, failed: bool) -> None: ...
+    def close(self, exit_status: int) -> None: ...
 
 
 class TensorBoard:
@@ -68,7 +68,7 @@ class TensorBoard:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
 
-    def close(self, failed: bool) -> None:
+    def close(self, exit_status: int) -> None:
         self.writer.close()
 
 
@@ -85,8 +85,8 @@ class WandB:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self, failed: bool) -> None:
-        self.run.finish(exit_code=1 if failed else 0)
+    def close(self, exit_status: int) -> None:
+        self.run.finish(exit_code=exit_status)
 
 
 class MLflow:
@@ -106,16 +106,17 @@ class MLflow:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.mlflow.log_metrics(metrics, step=step)
 
-    def close(self, failed: bool) -> None:
-        self.mlflow.end_run("FAILED" if failed else "FINISHED")
+    def close(self, exit_status: int) -> None:
+        self.mlflow.end_run("FINISHED" if exit_status == 0 else "KILLED" if exit_status > 128 else "FAILED")
 
 
 OPENERS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
 
 
 class Trackers:
-    """The open trackers of a run (none on ranks but 0). A context manager: leaving it closes them all, a run
-    left by an exception marked failed."""
+    """The open trackers of a run (none on ranks but 0). A context manager: leaving it closes them all with the
+    run's exit status: 0, an exception's ``exit_status`` (plait.stop.StopRequested's 128 + the signal: a run
+    stopped by a signal, killed rather than failed), else 1."""
 
     def __init__(self, trackers: list[Tracker]) -> None:
         self.trackers = trackers
@@ -130,7 +131,7 @@ class Trackers:
             try:
                 opened.append(OPENERS[name](output_dir, params, first_step))
             except Exception as err:
-                cls(opened).close(failed=True)
+                cls(opened).close(1)
                 raise ConfigError(f"--report_to {name} could not start ({type(err).__name__}: {err}); "
                                   f"fix its setup or leave it out of --report_to") from err
         return cls(opened)
@@ -142,12 +143,12 @@ class Trackers:
         for tracker in self.trackers:
             tracker.log(metrics, record["step"])
 
-    def close(self, failed: bool) -> None:
+    def close(self, exit_status: int) -> None:
         for tracker in self.trackers:
-            tracker.close(failed)
+            tracker.close(exit_status)
 
     def __enter__(self) -> Trackers:
         return self
 
-    def __exit__(self, kind: type | None, *_) -> None:
-        self.close(failed=kind is not None)
+    def __exit__(self, kind: type | None, error: BaseException | None, *_) -> None:
+        self.close(0 if error is None else getattr(error, "exit_status", 1))
