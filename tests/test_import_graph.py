@@ -30,9 +30,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("layout plan", {"plait.layout_plan"}),
     ("apply", {"plait.parallelize"}),
     ("model state", {"plait.optim", "plait.checkpoint", "plait.materialize", "plait.gather", "plait.lora.export"}),
-    ("run inputs", {"plait.train_args", "plait.model_config", "plait.data"}),
-    ("training", {"plait.trainer", "plait.runtime", "plait.metrics", "plait.moe_metrics", "plait.faults",
-                  "plait.stop"}),
+    ("run inputs", {"plait.train_args", "plait.model_config", "plait.data", "plait.trackers"}),
+    ("training", {"plait.trainer", "plait.runtime", "plait.metrics", "plait.log_line", "plait.moe_metrics",
+                  "plait.faults", "plait.stop"}),
     ("tools on a layout", {"plait.costs", "plait.testing"}),
     ("entry points", {"plait", "plait.__main__", "plait.cli", "plait.plan_command", "plait.torchrun"}),
 ]

@@ -14,7 +14,8 @@ from plait.metrics import read_metrics
 from plait.moe_metrics import RoutingMetrics
 from plait.testing import launch
 from plait.testing.conformance_modes import load_subject
-from plait.trainer import progress_text, train
+from plait.log_line import progress_text
+from plait.trainer import train
 from plait.train_args import TrainArgs
 from tiny_models import tiny_config
 from workers.moe_metrics_worker import CASES, build, hand_count, reference_aux

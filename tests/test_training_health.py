@@ -66,7 +66,10 @@ def test_skip_nonfinite_steps_counts_then_stops(model_config, tmp_path, capsys):
     steps = [r for r in strict_records(out) if "step" in r and "event" not in r]
     assert [(r["step"], r.get("skipped", False), r.get("skipped_steps", 0)) for r in steps] == [
         (1, False, 0), (2, True, 1), (3, True, 2), (4, True, 3)]
-    assert "step 4: non-finite" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "step 4: non-finite" in err
+    lines = [line for line in err.splitlines() if line.startswith("step 3/6 | ")]  # stderr is no terminal here
+    assert len(lines) == 1 and " | grad_norm nan | not applied (non-finite) | skipped 2 | " in lines[0], err
 
 
 def test_learning_rate_zero_trains_nothing(model_config, tmp_path):

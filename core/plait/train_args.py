@@ -17,6 +17,7 @@ from plait.data.sft_blocks import OVERLONG
 from plait.config import CP_ATTENTION, ConfigError, ParallelConfig
 from plait.lora.config import lora_config
 from plait.pipeline_schedules import SCHEDULES
+from plait.trackers import parse_report_to
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -76,7 +77,8 @@ class TrainArgs:
     save_total_limit: int = field(default=0, metadata={"help": "keep only the newest N checkpoints (0: keep all)"})
     save_on_signal: bool = field(default=True, metadata={"help": "on SIGTERM or a first SIGINT (Ctrl-C), finish the step and save a checkpoint before stopping (--no_save_on_signal: stop without saving)"})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "a checkpoint dir, or 'auto': the newest complete one in output_dir"})
-    logging_steps: int = field(default=1, metadata={"help": "print a log line every N steps (metrics.jsonl gets every step)"})
+    logging_steps: int = field(default=1, metadata={"help": "print a log line every N steps when stderr is not a terminal (a terminal shows a progress bar; metrics.jsonl gets every step)"})
+    report_to: str = field(default="none", metadata={"help": "comma-separated experiment trackers that get every step's metrics, as metrics.jsonl: none, tensorboard (event files in <output_dir>/tensorboard), wandb (project 'plait' or $WANDB_PROJECT; W&B's env vars apply, WANDB_MODE=offline among them), mlflow ($MLFLOW_TRACKING_URI, default sqlite:///<output_dir>/mlflow.db); each is a pip extra: pip install 'plait[wandb]'"})
     nproc_per_node: int = field(default=1, metadata={"help": "launch this many processes with torchrun (when not already under torchrun)"})
     config: str | None = field(default=None, metadata={"help": "a TOML file whose keys are these flag names; flags override it"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available, else cpu), cpu, cuda, or any torch device type"})
@@ -165,6 +167,7 @@ class TrainArgs:
             raise ConfigError(f"--cp_attention={self.cp_attention!r} is unknown; choose one of {', '.join(CP_ATTENTION)}")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             raise ConfigError(f"--lr_scheduler_type={self.lr_scheduler_type!r} is unknown; choose one of {', '.join(LR_SCHEDULERS)}")
+        parse_report_to(self.report_to)  # known trackers, their packages installed
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(

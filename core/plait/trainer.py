@@ -7,6 +7,7 @@ so any layout with the same global batch trains on the same tokens and, in fp32,
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -26,7 +27,8 @@ from plait.cp.sequence import read_spans
 from plait.data import GlobalBatchSampler, local_microbatch
 from plait.data.sft_blocks import batch_inputs, count_labels
 from plait.data.train_data import load_data
-from plait.metrics import MetricsLog, json_line, peak_rss_mb, plot_loss_curve
+from plait.log_line import log_line, progress_text
+from plait.metrics import MetricsLog, peak_rss_mb, plot_loss_curve
 from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
 from plait.checkpoint.format import read_index, remove_partial_checkpoints
 from plait.checkpoint.state import local_params
@@ -46,6 +48,7 @@ from plait.seeds import init_seed
 from plait.stop import StopRequested, StopSignals
 from plait.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process, pick_device
 from plait.train_args import TrainArgs
+from plait.trackers import Trackers, parse_report_to
 
 def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
     """Model-dependent checks, still before any process group exists."""
@@ -291,12 +294,19 @@ class Trainer:
     def train(self) -> list[dict]:
         """Steps from the first (0, or the resumed one) to --max_steps; returns each one's metrics (every rank).
 
-        SIGTERM or SIGINT stops the run after the step in progress, saving it (``plait.stop``)."""
+        On a terminal rank 0 shows a progress bar; elsewhere (a log file, a pipe) it prints one readable line per
+        --logging_steps instead, its ETA from the mean step so far. The --report_to trackers, opened on rank 0
+        only, get every step's metrics and are closed however the loop ends, with its exit status. SIGTERM or
+        SIGINT stops the run after the step in progress, saving it (``plait.stop``)."""
         args, history = self.args, []
+        terminal = self.console.is_terminal
         progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                             TextColumn("{task.description}"), TimeRemainingColumn(), console=self.console,
-                            disable=not is_main_process())
-        with progress, explain_timeouts(args.ddp_timeout), StopSignals(announce=is_main_process()) as signals:
+                            disable=not (is_main_process() and terminal))
+        names = parse_report_to(args.report_to) if is_main_process() else []
+        trackers = Trackers.open(names, self.output_dir, dataclasses.asdict(args), self.first_step)
+        started = time.perf_counter()
+        with trackers, progress, explain_timeouts(args.ddp_timeout), StopSignals(announce=is_main_process()) as signals:
             task = progress.add_task("", total=args.max_steps, completed=self.first_step)
             for step in range(self.first_step, args.max_steps):
                 faults.maybe_inject(step + 1)  # testing aid: a no-op unless PLAIT_FAULT_INJECT is set
@@ -306,9 +316,11 @@ class Trainer:
                     record.update(evaluate(self.pmodel, self.val_blocks, args.per_device_train_batch_size, self.device))
                 history.append(record)
                 self.log.write(record)
+                trackers.log(record)
                 progress.update(task, advance=1, description=progress_text(record))
-                if (step + 1) % args.logging_steps == 0 and not self.console.is_terminal:
-                    self.console.print(json_line(record), soft_wrap=True)
+                if (step + 1) % args.logging_steps == 0 and not terminal:
+                    seconds_per_step = (time.perf_counter() - started) / (step + 1 - self.first_step)
+                    self.console.print(log_line(record, args.max_steps, seconds_per_step), soft_wrap=True)
                 saved = None
                 if should_save(step + 1, args.save_steps) or (is_last and args.save_steps > 0):
                     saved = self.save(step + 1)
@@ -321,14 +333,6 @@ class Trainer:
         if is_main_process() and history and plot_loss_curve(history, self.output_dir / "loss.png"):
             self.console.print(f"loss curve: {self.output_dir / 'loss.png'}")
         return history
-
-
-def progress_text(record: dict) -> str:
-    """What the progress bar shows of a step: its loss, throughput and, for an MoE model, the worst layer's load."""
-    text = f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s"
-    if "moe_load_max_over_mean" in record:
-        text += f" | moe max/mean {record['moe_load_max_over_mean']:.2f}"
-    return text
 
 
 def train(args: TrainArgs) -> list[dict]:

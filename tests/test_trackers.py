@@ -1,0 +1,209 @@
+"""--report_to: one real ``plait train`` run reports to TensorBoard, W&B (offline) and MLflow (a local SQLite
+store), and each tracker, read back with its own reader, holds metrics.jsonl's values at metrics.jsonl's steps;
+the same run's stderr (not a terminal) holds one readable line per --logging_steps. Then the refusals, in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import signal
+import struct
+from pathlib import Path
+
+import pytest
+
+from plait import trackers
+from plait.config import ConfigError
+from plait.metrics import read_metrics
+from plait.stop import StopRequested
+from plait.testing import launch
+from plait.trackers import Trackers, parse_report_to
+from plait.train_args import TrainArgs
+from tiny_models import tiny_config
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[Path, str]:
+    """A 4-step run with an evaluation at the end, its metrics to every tracker; its dir and its output."""
+    out = tmp_path_factory.mktemp("tracked")
+    config = out / "config.json"
+    config.write_text(tiny_config("llama").to_json_string())
+    validation = out / "validation.txt"
+    validation.write_text("To be, or not to be, that is the question.\n" * 20)
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(out / "wandb-dir"),
+           "WANDB_PROJECT": "plait-test", "MLFLOW_TRACKING_URI": ""}
+    (out / "wandb-dir").mkdir()
+    output = launch(["-m", "plait", "train", "--model_config", str(config), "--output_dir", str(out / "run"),
+                     "--max_steps", "4", "--per_device_train_batch_size", "2", "--block_size", "16",
+                     "--validation_file", str(validation), "--logging_steps", "2",
+                     "--report_to", "tensorboard,wandb,mlflow"], 1, timeout=180, env=env)[0]
+    return out, output
+
+
+def steps(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(out / "run")}
+
+
+def test_log_lines_without_a_terminal(run):
+    out, output = run
+    lines = [line for line in output.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2, output  # --logging_steps 2 of 4 steps
+    record = steps(out)[4]
+    assert lines[1].startswith(f"step 4/4 | loss {record['loss']:.4f} | eval_loss {record['eval_loss']:.4f} | "
+                               f"eval_ppl {record['eval_ppl']:.2f} | lr {record['lr']:.1e} | "), lines[1]
+    assert re.search(r" \| [\d,]+ tok/s \| eta 0s$", lines[1]), lines[1]
+    assert not any(line.lstrip().startswith("{") for line in output.splitlines()), output
+
+
+def test_tensorboard_has_the_metrics(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, _ = run
+    events = EventAccumulator(str(out / "run" / "tensorboard"))
+    events.Reload()
+    records = steps(out)
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+        assert {e.step: e.value for e in events.Scalars(key)} == \
+            pytest.approx({step: r[key] for step, r in records.items()}, rel=1e-6)  # stored as float32
+    assert {e.step: e.value for e in events.Scalars("eval_loss")} == pytest.approx({4: records[4]["eval_loss"]})
+    assert "args/text_summary" in events.Tags()["tensors"]
+
+
+def wandb_records(path: Path):
+    """The records of a W&B run file (``run-ID.wandb``): LevelDB's log format (32 KiB blocks; each piece of a
+    record behind a 7-byte header: CRC, length, kind) after W&B's 7-byte file header. The wandb package no longer
+    ships a Python reader; the records are its own protobuf messages."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, pos, pieces = path.read_bytes(), 32768, 7, b""
+    assert data.startswith(b":W&B")
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        pieces += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or its last piece
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pieces)
+            pieces = b""
+            yield record
+
+
+def test_wandb_offline_run_has_the_metrics(run):
+    out, _ = run
+    [path] = (out / "wandb-dir" / "wandb").glob("offline-run-*/run-*.wandb")  # WANDB_DIR, not output_dir
+    history, config = {}, {}
+    for record in wandb_records(path):
+        if record.WhichOneof("record_type") == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            history[record.history.step.num] = items
+        elif record.WhichOneof("record_type") == "run":
+            assert record.run.project == "plait-test"
+            config = {item.key: json.loads(item.value_json) for item in record.run.config.update}
+    records = steps(out)
+    assert sorted(history) == sorted(records)
+    for step, record in records.items():
+        numbers = {k: v for k, v in record.items() if k != "step" and isinstance(v, float)}
+        assert {k: history[step][k] for k in numbers} == numbers
+    assert config["report_to"] == "tensorboard,wandb,mlflow" and config["max_steps"] == 4
+
+
+@pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy")  # mlflow 3.17's SQL store on SQLAlchemy 2.1
+def test_mlflow_run_has_the_metrics(run):
+    from mlflow.tracking import MlflowClient
+
+    out, _ = run
+    client = MlflowClient(f"sqlite:///{out / 'run' / 'mlflow.db'}")
+    [found] = client.search_runs(["0"])
+    assert found.info.status == "FINISHED" and found.data.params["max_steps"] == "4"
+    records = steps(out)
+    for key in ("loss", "lr", "grad_norm"):
+        history = client.get_metric_history(found.info.run_id, key)
+        assert {m.step: m.value for m in history} == {step: r[key] for step, r in records.items()}
+
+
+def test_tensorboard_resume_replaces_the_steps_after_the_checkpoint(tmp_path):
+    """A run stopped after step 3 and resumed from its checkpoint of step 2 logs step 3 again: TensorBoard shows
+    the resumed run's step 3, once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for first_step, losses in ((0, [3.0, 2.0, 1.5]), (2, [1.4, 1.2])):
+        with Trackers.open(["tensorboard"], tmp_path, {"seed": 0}, first_step) as opened:
+            for step, loss in enumerate(losses, start=first_step + 1):
+                opened.log({"step": step, "loss": loss, "moe_load": [1.0], "skipped": True})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([3.0, 2.0, 1.4, 1.2])
+    assert events.Tags()["scalars"] == ["loss"]  # not the list, not the flag
+
+
+def test_a_tracker_that_cannot_start_ends_the_run_in_one_line(tmp_path, monkeypatch):
+    closed = []
+
+    class Opened:
+        def __init__(self, *_):
+            pass
+
+        def close(self, exit_status):
+            closed.append(exit_status)
+
+    def refuse(*_):
+        raise RuntimeError("No API key configured")
+
+    monkeypatch.setattr(trackers, "OPENERS", {"tensorboard": Opened, "wandb": refuse})
+    with pytest.raises(ConfigError, match=r"^--report_to wandb could not start \(RuntimeError: No API key "
+                                          r"configured\); fix its setup or leave it out of --report_to$"):
+        Trackers.open(["tensorboard", "wandb"], tmp_path, {}, 0)
+    assert closed == [1]
+
+
+@pytest.mark.parametrize("error, status", [(None, 0), (ValueError("bug"), 1),
+                                           (StopRequested(signal.SIGTERM, 3, 6, "out/checkpoint-3", None), 143)])
+def test_trackers_close_with_the_runs_exit_status(tmp_path, monkeypatch, error, status):
+    """W&B gets it as the run's exit code, MLflow as FINISHED, FAILED or (a signal's stop) KILLED."""
+    closed = []
+
+    class Opened:
+        def __init__(self, *_):
+            pass
+
+        def close(self, exit_status):
+            closed.append(exit_status)
+
+    monkeypatch.setattr(trackers, "OPENERS", {"wandb": Opened})
+    with pytest.raises(type(error)) if error else contextlib.nullcontext():
+        with Trackers.open(["wandb"], tmp_path, {}, 0):
+            if error:
+                raise error
+    assert closed == [status]
+
+
+@pytest.mark.parametrize("value, names", [("none", []), ("", []), ("wandb, tensorboard,wandb", ["wandb", "tensorboard"])])
+def test_report_to_names(value, names):
+    assert parse_report_to(value) == names
+
+
+@pytest.mark.parametrize("value", ["comet", "none,wandb"])
+def test_an_unknown_tracker_is_refused_in_one_line(value):
+    bad = value.split(",")[0]
+    with pytest.raises(ConfigError, match=rf"^--report_to='{value}': '{bad}' is not a tracker; give none, or one or "
+                                          r"more of tensorboard, wandb, mlflow separated by commas$"):
+        TrainArgs(report_to=value).validate()
+
+
+def test_a_missing_package_names_the_extra(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(trackers, "installed", lambda module: module not in ("wandb", "alembic"))
+    with pytest.raises(ConfigError, match=r"^--report_to wandb needs wandb, not installed here; "
+                                          r"pip install 'plait\[wandb\]'$"):
+        TrainArgs(report_to="tensorboard,wandb").validate()
+    with pytest.raises(ConfigError, match=r"^--report_to mlflow needs alembic, not installed here; "
+                                          r"pip install 'plait\[mlflow\]'$"):
+        TrainArgs(report_to="mlflow").validate()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example:5000")  # a server: no local store needed
+    assert parse_report_to("mlflow") == ["mlflow"]
