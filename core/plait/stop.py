@@ -7,6 +7,11 @@ all-reduce of the signal number over the world after every step, after which eve
 step, writes that step's checkpoint together (--save_on_signal, the default) and ends with ``StopRequested``.
 A second SIGINT stops at once (KeyboardInterrupt): nothing more is saved, and the last complete checkpoint
 stays what ``--resume_from_checkpoint auto`` picks (a save cut short is never taken for one).
+
+A rank that cannot reach the end of its step cannot stop this way: torchrun also sends SIGTERM to the ranks
+left when one has failed, and a rank stuck outside any collective would then wait for a step that never ends.
+So the first signal also starts a grace period, --ddp_timeout (the bound plait puts on any wait of a step):
+a rank still running after it ends itself, naming its rank, the signal and the grace it was given.
 """
 
 from __future__ import annotations
@@ -46,10 +51,12 @@ class StopSignals:
     """While entered (in the main thread), SIGINT and SIGTERM set ``signum`` instead of ending the process;
     a second SIGINT raises KeyboardInterrupt. ``agreed()`` is the collective every rank calls after a step."""
 
-    def __init__(self, announce: bool) -> None:
+    def __init__(self, announce: bool, grace_s: float) -> None:
         self.signum = 0
         self.announce = announce  # rank 0 says at once that the signal was heard
+        self.grace_s = grace_s
         self._previous: dict[int, object] = {}
+        self._deadline: threading.Timer | None = None
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
@@ -59,6 +66,8 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+        if self._deadline is not None:
+            self._deadline.cancel()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum and signum == signal.SIGINT:
@@ -69,6 +78,16 @@ class StopSignals:
         if self.announce:  # os.write: safe at any point a handler runs, unlike a buffered print
             os.write(2, f"plait: {signal.Signals(signum).name} received: stopping after this step (a second "
                         f"Ctrl-C stops at once)\n".encode())
+        self._deadline = threading.Timer(self.grace_s, self._give_up)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _give_up(self) -> None:
+        """The grace period ran out (a step or a save that does not end): end this process now."""
+        rank = os.environ.get("RANK", "0")
+        os.write(2, f"plait: rank {rank} did not stop within --ddp_timeout={self.grace_s:g}s of "
+                    f"{signal.Signals(self.signum).name} (its step or save did not end); ending it\n".encode())
+        os._exit(128 + self.signum)
 
     def agreed(self) -> int:
         """The signal any rank received (0: none), the same on every rank: a collective over the world."""

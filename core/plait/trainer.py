@@ -306,7 +306,8 @@ class Trainer:
         names = parse_report_to(args.report_to) if is_main_process() else []
         trackers = Trackers.open(names, self.output_dir, dataclasses.asdict(args), self.first_step)
         started = time.perf_counter()
-        with trackers, progress, explain_timeouts(args.ddp_timeout), StopSignals(announce=is_main_process()) as signals:
+        with trackers, progress, explain_timeouts(args.ddp_timeout), \
+                StopSignals(is_main_process(), args.ddp_timeout) as signals:
             task = progress.add_task("", total=args.max_steps, completed=self.first_step)
             for step in range(self.first_step, args.max_steps):
                 faults.maybe_inject(step + 1)  # testing aid: a no-op unless PLAIT_FAULT_INJECT is set
