@@ -84,6 +84,7 @@ def test_sigterm_saves_the_step_and_resume_continues_exactly(model_config, tmp_p
     assert latest_checkpoint(out) == out / f"checkpoint-{stopped}"
 
     assert "plait: SIGTERM received: stopping after this step" in output
+    assert "layout tp=2 pp=1 dp=1" in output  # plait's launcher ran the workers under torchrun
 
     # resumed on one process (the checkpoint is layout-free): the losses of one uninterrupted run
     main(["train", *flags(model_config, out, "--resume_from_checkpoint", "auto", "--max_steps", str(stopped + 2))])
@@ -107,12 +108,27 @@ def test_a_second_sigint_stops_everything_at_once(model_config, tmp_path):
     assert latest_checkpoint(out) == out / "checkpoint-3"
 
 
-def test_workers_never_outlive_a_killed_plait(model_config, tmp_path):
-    """SIGKILL to plait (no handler of its own can run): torchrun gets SIGTERM from the kernel
-    (PR_SET_PDEATHSIG) and passes it on, so the workers still save their step and stop; no process is left."""
-    out = tmp_path / "run"
-    status, output, _ = start_and_signal(flags(model_config, out, "--nproc_per_node", "2", "--max_steps", "100000",
-                                               "--tensor_parallel_size", "2"), out, [signal.SIGKILL], after_steps=3)
-    assert status == -signal.SIGKILL
-    stopped = len(read_metrics(out))
-    assert f"plait: stopped by SIGTERM after step {stopped} of 100000; saved {out}/checkpoint-{stopped}" in output
+
+def test_torchrun_gets_sigterm_when_plait_dies():
+    """What keeps workers from outliving a SIGKILLed plait: the process plait starts (torchrun) gets SIGTERM
+    from the kernel the moment plait dies (PR_SET_PDEATHSIG); torchrun then stops its workers as it does on
+    any SIGTERM (tests/test_examples.py: they save their step and stop)."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        assert child.is_running()
+        parent.kill()
+        parent.wait()
+        child.wait(timeout=10)  # it ends on the SIGTERM (its default action) instead of sleeping on
+    finally:
+        parent.kill()
+
+
+# A stand-in for plait's launcher: starts a long sleep the way run_under_torchrun starts torchrun, prints its pid.
+PARENT = """
+import subprocess, sys, time
+from plait.torchrun import _die_with_parent
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=_die_with_parent)
+print(child.pid, flush=True)
+time.sleep(60)
+"""

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
-from plait.metrics import read_metrics
 from plait.cli import build_parser, main
 from plait.train_args import TrainArgs, from_namespace
 from plait.trainer import train
@@ -103,17 +100,6 @@ def test_dataset_without_text_column(model_config, tmp_path, capsys):
         main(["train", "--model_config", model_config, "--dataset_name", str(tmp_path / "ds"), "--block_size", "16",
               "--output_dir", str(tmp_path / "out")])
     assert "no 'text' column" in capsys.readouterr().err
-
-
-def test_nproc_per_node_launches_torchrun(model_config, tmp_path):
-    out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "plait", "train", "--nproc_per_node", "2", "--tensor_parallel_size", "2",
-         "--model_config", model_config, "--output_dir", str(out), "--max_steps", "2", "--block_size", "16",
-         "--per_device_train_batch_size", "2"], capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "tp=2 pp=1 dp=1" in result.stderr
-    assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
 def test_exclude_embeddings_from_weight_decay_flag(model_config, tmp_path):
