@@ -19,7 +19,9 @@ import pytest
 
 from plait.checkpoint import latest_checkpoint
 from plait.metrics import read_metrics
-from plait.cli import main
+from plait.cli import build_parser, main
+from plait.stop import StopRequested
+from plait.train_args import TrainArgs, from_namespace
 from tiny_models import tiny_config
 
 TIMEOUT = 120
@@ -132,3 +134,30 @@ child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], 
 print(child.pid, flush=True)
 time.sleep(60)
 """
+
+
+def test_one_process_stops_at_the_step_and_no_save_on_signal_saves_nothing(model_config, tmp_path):
+    """In one process (no torchrun): SIGTERM during step 3 stops the run after it; --no_save_on_signal leaves
+    only the checkpoint --save_steps 2 wrote, and the line names it."""
+    from plait.trainer import Trainer
+
+    args = from_namespace(build_parser().parse_args(["train", *flags(model_config, tmp_path, "--max_steps", "10",
+                                                                     "--save_steps", "2", "--no_save_on_signal")]),
+                          TrainArgs)
+    assert args.save_on_signal is False and TrainArgs().save_on_signal is True
+    trainer = Trainer(args)
+    step = trainer.step
+
+    def step_then_signal(n: int) -> dict:
+        record = step(n)
+        if n == 2:  # during step 3 (0-based 2), after --save_steps 2 saved step 2
+            os.kill(os.getpid(), signal.SIGTERM)
+        return record
+
+    trainer.step = step_then_signal
+    with pytest.raises(StopRequested) as stop:
+        trainer.train()
+    assert str(stop.value) == (f"stopped by SIGTERM after step 3 of 10; no checkpoint saved (--no_save_on_signal); "
+                               f"the last is {tmp_path}/checkpoint-2")
+    assert stop.value.exit_status == 143 and [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
