@@ -20,11 +20,12 @@ import pytest
 from plait.checkpoint import latest_checkpoint
 from plait.metrics import read_metrics
 from plait.cli import build_parser, main
-from plait.stop import StopRequested
+from plait.stop import StopRequested, StopSignals
 from plait.train_args import TrainArgs, from_namespace
 from tiny_models import tiny_config
 
 TIMEOUT = 120
+TREE = str(Path(__file__).parent / "workers" / "signal_tree.py")
 
 
 @pytest.fixture(scope="module")
@@ -96,44 +97,55 @@ def test_sigterm_saves_the_step_and_resume_continues_exactly(model_config, tmp_p
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in read_metrics(tmp_path / "one")], rel=1e-5)
 
 
-def test_a_second_sigint_stops_everything_at_once(model_config, tmp_path):
-    """Rank 1 hangs in step 4 (an injected fault), so the step never ends: the first SIGINT cannot finish it,
-    the second ends every process within seconds, and checkpoint-3 is still the one to resume from."""
-    out = tmp_path / "run"
-    start = time.monotonic()
-    status, output, _ = start_and_signal(flags(model_config, out, "--nproc_per_node", "2", "--max_steps", "100",
-                                               "--save_steps", "1", "--tensor_parallel_size", "2"),
-                                         out, [signal.SIGINT, signal.SIGINT], after_steps=3,
-                                         env={"PLAIT_FAULT_INJECT": "1:4:sleep"})
-    assert status == 128 + signal.SIGINT, output[-3000:]
-    assert time.monotonic() - start < TIMEOUT
-    assert latest_checkpoint(out) == out / "checkpoint-3"
-
-
-
-def test_torchrun_gets_sigterm_when_plait_dies():
-    """What keeps workers from outliving a SIGKILLed plait: the process plait starts (torchrun) gets SIGTERM
-    from the kernel the moment plait dies (PR_SET_PDEATHSIG); torchrun then stops its workers as it does on
-    any SIGTERM (tests/test_examples.py: they save their step and stop)."""
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+def test_the_launcher_passes_one_signal_on_and_kills_all_on_a_second(tmp_path):
+    """plait's supervision of torchrun (``plait.torchrun.supervise``) with a stand-in launcher whose worker
+    ignores SIGINT, as a worker busy in a step that never ends: the first SIGINT goes to the worker only, the
+    second kills the launcher and its worker at once; SIGTERM alone, passed on, ends a worker that obeys it.
+    Last, plait itself is SIGKILLed: its launcher still gets SIGTERM, from the kernel (PR_SET_PDEATHSIG), as
+    torchrun does, which then stops its workers as on any SIGTERM (tests/test_examples.py)."""
+    cases = [([signal.SIGINT, signal.SIGINT], 130), ([signal.SIGTERM], 143), ([signal.SIGKILL], None)]
+    supervisor = subprocess.Popen([sys.executable, TREE, "supervise", str(tmp_path), str(len(cases))],
+                                  start_new_session=True)
+    family = []
     try:
-        child = psutil.Process(int(parent.stdout.readline()))
-        assert child.is_running()
-        parent.kill()
-        parent.wait()
-        child.wait(timeout=10)  # it ends on the SIGTERM (its default action) instead of sleeping on
+        for i, (signals, status) in enumerate(cases):
+            pids = tmp_path / f"pids-{i}"
+            deadline = time.monotonic() + TIMEOUT
+            while not pids.exists():
+                assert supervisor.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            family = [psutil.Process(int(pid)) for pid in pids.read_text().split()]
+            for sig in signals:
+                time.sleep(0.3)
+                assert all(p.is_running() for p in family), "the first signal must not kill"
+                supervisor.send_signal(sig)
+            if status is None:  # plait killed: the stand-in launcher ends on the kernel's SIGTERM
+                assert family[0].wait(timeout=10) in (None, -signal.SIGTERM)
+                break
+            _, alive = psutil.wait_procs(family, timeout=10)
+            assert not alive
+            while not (tmp_path / f"pids-{i}.status").exists():
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert int((tmp_path / f"pids-{i}.status").read_text()) == status
     finally:
-        parent.kill()
+        for proc in family:  # the stand-in launcher does not pass SIGTERM on as torchrun does: its worker stays
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(supervisor.pid, signal.SIGKILL)
+        supervisor.wait()
 
 
-# A stand-in for plait's launcher: starts a long sleep the way run_under_torchrun starts torchrun, prints its pid.
-PARENT = """
-import subprocess, sys, time
-from plait.torchrun import _die_with_parent
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=_die_with_parent)
-print(child.pid, flush=True)
-time.sleep(60)
-"""
+def test_a_second_sigint_in_a_worker_stops_at_once():
+    with StopSignals(announce=False, grace_s=60) as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's repeat: still one graceful stop
+        assert signals.signum == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+
+
 
 
 def test_one_process_stops_at_the_step_and_no_save_on_signal_saves_nothing(model_config, tmp_path):

@@ -31,9 +31,15 @@ def _die_with_parent() -> None:
 def run_under_torchrun(argv: list[str], nproc: int, grace_s: int) -> int:
     """Run ``python -m plait argv`` on ``nproc`` local processes; return the exit status to exit with: the
     job's, or 128 + the signal that stopped it."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           f"--shutdown_timeout={grace_s}", "-m", "plait", *argv]
-    torchrun = subprocess.Popen(cmd, start_new_session=True,
+    return supervise([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                      f"--shutdown_timeout={grace_s}", "-m", "plait", *argv])
+
+
+def supervise(cmd: list[str]) -> int:
+    """Run ``cmd`` (a launcher whose children are the workers) in a session of its own, dying with this
+    process; pass the first SIGINT or SIGTERM to its children (to itself while it has none), and on a second
+    kill it and everything under it. Returns its exit status, or 128 + the first signal."""
+    launcher = subprocess.Popen(cmd, start_new_session=True,
                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     received: list[int] = []
 
@@ -41,18 +47,18 @@ def run_under_torchrun(argv: list[str], nproc: int, grace_s: int) -> int:
         received.append(signum)
         try:
             if len(received) > 1:  # the second signal: everything stops now
-                for proc in [*psutil.Process(torchrun.pid).children(recursive=True), psutil.Process(torchrun.pid)]:
+                for proc in [*psutil.Process(launcher.pid).children(recursive=True), psutil.Process(launcher.pid)]:
                     proc.kill()
                 return
-            workers = psutil.Process(torchrun.pid).children()
-            for proc in workers or [psutil.Process(torchrun.pid)]:  # none started yet: torchrun stops itself
+            workers = psutil.Process(launcher.pid).children()
+            for proc in workers or [psutil.Process(launcher.pid)]:  # none started yet: the launcher stops itself
                 proc.send_signal(signum)
         except psutil.NoSuchProcess:
             pass  # already gone
 
     previous = {s: signal.signal(s, forward) for s in SIGNALS}
     try:
-        status = torchrun.wait()
+        status = launcher.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
