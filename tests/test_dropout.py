@@ -5,7 +5,6 @@ same masks; resume stays bit-exact; and tp=2 + SP trains like tp=1."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from plait.metrics import read_metrics
 from plait.testing import launch
+import processes
 from tiny_models import tiny_config
 
 WORKER = str(Path(__file__).parent / "workers" / "dropout_worker.py")
@@ -64,7 +64,7 @@ def train(tmp_path: Path, name: str, *flags: str, nproc: int = 2) -> list[dict]:
     cmd = [sys.executable, "-m", "plait", "train", "--model_config", str(config), "--output_dir", str(out),
            "--block_size", "16", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3",
            "--nproc_per_node", str(nproc), *flags]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    result = processes.run(cmd, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return [r for r in read_metrics(out) if "loss" in r]
 

@@ -20,6 +20,7 @@ from plait.metrics import read_metrics
 from plait.testing.launcher import free_port
 from plait.train_args import TrainArgs
 from plait.trainer import train
+import processes
 from tiny_models import tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,8 +124,8 @@ def test_slurm_script_with_fake_srun(model_config, tmp_path, reference_losses):
 
 def test_sft_chat_example_ends_in_a_model_generate_uses(tmp_path):
     """examples/sft_chat.py, 2 steps on one process: tokenizer, chat SFT, consolidate, generate."""
-    out = subprocess.run([sys.executable, "examples/sft_chat.py", "--output_dir", str(tmp_path), "--max_steps", "2",
-                          "--nproc", "1"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    out = processes.run([sys.executable, "examples/sft_chat.py", "--output_dir", str(tmp_path), "--max_steps", "2",
+                         "--nproc", "1"], cwd=ROOT, timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "user: What colour is grass?\nassistant:" in out.stdout
     assert "chat_template" in (tmp_path / "hf" / "tokenizer_config.json").read_text() or \

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from plait.config import ConfigError
 from plait.lora.export import consolidate_lora
 from plait.metrics import read_metrics
 from plait.testing import launch
+import processes
 from tiny_models import tiny_model
 
 
@@ -132,8 +132,8 @@ def test_a_changed_base_is_refused(base_dir, straight, tmp_path):
 def test_lora_chat_example_ends_in_models_generate_uses(tmp_path):
     """examples/lora_chat.py, 2 steps on one process: base, LoRA chat SFT, adapter and merged exports, generate."""
     root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "examples/lora_chat.py", "--output_dir", str(tmp_path), "--max_steps", "2",
-                          "--nproc", "1"], cwd=root, capture_output=True, text=True, timeout=240)
+    out = processes.run([sys.executable, "examples/lora_chat.py", "--output_dir", str(tmp_path), "--max_steps", "2",
+                         "--nproc", "1"], cwd=root, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "assistant (peft adapter on the base):" in out.stdout and "assistant (merged model):" in out.stdout
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()

@@ -9,7 +9,6 @@ import os
 import resource
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
@@ -23,6 +22,7 @@ from plait.config import ParallelConfig
 from plait.materialize import load_parallel_model
 from plait.metrics import read_metrics
 from plait.testing import launch
+import processes
 from tiny_models import tiny_config
 
 
@@ -65,7 +65,7 @@ def test_killed_rank_restarts_and_matches_uninterrupted(model_config, train_file
            "1", "-m", "plait", "train",
            *flags(model_config, train_file, out, 6, "--tensor_parallel_size", "2", "--resume_from_checkpoint", "auto")]
     start = time.monotonic()
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+    result = processes.run(cmd, timeout=240,
                             env={**os.environ, "PLAIT_FAULT_INJECT": "1:5:kill", "OMP_NUM_THREADS": "1"})
     print(f"killed rank, restarted: exit {result.returncode} after {time.monotonic() - start:.1f}s")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -120,9 +120,9 @@ def test_full_disk_during_save_keeps_previous_checkpoint(model_config, train_fil
     with a clear error, checkpoint-4 stays the newest and loads, and no partial folder is left."""
     out = two_checkpoints
     before = {p.name: p.stat().st_size for p in (out / "checkpoint-4" / "shards").iterdir()}
-    result = subprocess.run([sys.executable, "-m", "plait", "train",
+    result = processes.run([sys.executable, "-m", "plait", "train",
                              *flags(model_config, train_file, out, 6, "--resume_from_checkpoint", "auto")],
-                            capture_output=True, text=True, timeout=120, preexec_fn=_small_files(16 * 1024),
+                            timeout=120, preexec_fn=_small_files(16 * 1024),
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]

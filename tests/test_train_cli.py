@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from plait.cli import main
 from plait.testing import launch
 from plait.train_args import TrainArgs
 from plait.trainer import train
+import processes
 from tiny_models import tiny_config
 
 
@@ -86,8 +86,7 @@ def test_jsonl_train_file(model_config, tmp_path):
 
 def test_cli_exits_2_with_one_line(model_config, tmp_path):
     flags = common_flags(model_config, tmp_path / "out") + ["--block_size", "128"]
-    result = subprocess.run([sys.executable, "-m", "plait", "train", *flags], capture_output=True, text=True,
-                            timeout=120)
+    result = processes.run([sys.executable, "-m", "plait", "train", *flags], timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("plait: error: --block_size=128 is larger")
 

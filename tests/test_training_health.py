@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from safetensors.torch import load_file
 from plait.checkpoint import consolidate
 from plait.checkpoint.format import list_checkpoints
 from plait.cli import main
+import processes
 from tiny_models import tiny_config
 
 DIVERGE = ["--learning_rate", "1e4", "--max_grad_norm", "0"]  # step 1 blows the weights up; step 2's gradients are NaN
@@ -91,9 +91,8 @@ def test_diverging_run_stops_every_rank(model_config, tmp_path, layout):
     """At tp=2 and cp=2 (each rank a part of every token or of every sequence) both ranks see the same loss
     and norm, so they stop at the same step."""
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "plait", *train_flags(model_config, out, *DIVERGE),
-                             "--nproc_per_node", "2", layout, "2"],
-                            capture_output=True, text=True, timeout=240)
+    result = processes.run([sys.executable, "-m", "plait", *train_flags(model_config, out, *DIVERGE),
+                            "--nproc_per_node", "2", layout, "2"], timeout=240)
     assert result.returncode != 0
     assert result.stderr.count("plait: error: step 2: non-finite") == 2  # both ranks, the same step
     assert strict_records(out)[-1]["step"] == 2
