@@ -28,14 +28,19 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES)
 def test_aux_loss_parity(results, case):
-    record = results[case]
-    assert record["failures"] == [] and not record["crashed"], record["failures"]
-    assert record["loss_rel"] <= 1e-5 and record["grad_tol"] <= 1
-    assert record["aux_share"] > 0.05  # the aux loss is a real part of what was compared
-    if "zero1" not in case:  # under ZeRO-1 rank 0 checks the parameters it owns
-        assert set(record["checked"]) >= {n for n in record["expected"] if "gate" in n or "experts" in n}
+    """Every rank's record; the router and expert gradients the aux loss reaches compared on some rank (under
+    ZeRO-1 each on its owner)."""
+    for rank, record in enumerate(results[case]):
+        assert record["failures"] == [] and not record["crashed"], f"rank {rank}: {record['failures']}"
+        assert record["loss_rel"] <= 1e-5 and record["grad_tol"] <= 1, f"rank {rank}: {record}"
+        assert record["aux_share"] > 0.05  # the aux loss is a real part of what was compared
+    checked = set().union(*(record["checked"] for record in results[case]))
+    routed = {n for n in results[case][0]["expected"] if "gate" in n or "experts" in n}
+    assert checked >= routed, f"never compared: {sorted(routed - checked)}"
 
 
 def test_aux_loss_with_a_mask_under_sp_is_refused(results):
-    assert results["refused|mask-sp"].startswith("an attention_mask with output_router_logits under sequence parallelism")
-    assert results["refused|mask-cp"].startswith("an attention_mask with output_router_logits under context parallelism")
+    assert results["refused|mask-sp"][0].startswith("an attention_mask with output_router_logits under sequence "
+                                                    "parallelism")
+    assert results["refused|mask-cp"][0].startswith("an attention_mask with output_router_logits under context "
+                                                    "parallelism")

@@ -146,8 +146,9 @@ def main() -> None:
             results[f"{arch}|{name}"] = run_case(arch, layout)
     results["refused|mask-sp"] = refusal("mixtral", dict(tp=2, sp=True), mask=True)
     results["refused|mask-cp"] = refusal("mixtral", dict(cp=2), mask=True)
+    by_rank = comm.all_gather_object(results, comm.world_group())  # every rank's record: every ZeRO-1 owner
     if dist.get_rank() == 0:
-        (out / "moe_aux.json").write_text(json.dumps(results))
+        (out / "moe_aux.json").write_text(json.dumps({case: [r[case] for r in by_rank] for case in results}))
     dist.destroy_process_group()
 
 
