@@ -20,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from plait import ParallelConfig, comm, parallelize
 from plait.data import local_microbatch
 from plait.optim.param_groups import embedding_params, weight_decay_groups
+from plait.grad_sync import grad_of
 from plait.optim import OptimizerStep, Zero1Optimizer, build_optimizer
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 5, 8, 16, 97
@@ -54,16 +55,18 @@ def reference(base: LlamaForCausalLM, batches, max_norm: float | None) -> dict:
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     groups = weight_decay_groups(model.named_parameters(), shapes, embedding_params(model), WEIGHT_DECAY)
     optimizer = torch.optim.AdamW(groups, lr=LR, weight_decay=WEIGHT_DECAY)
-    losses, norms = [], []
+    losses, norms, grads = [], [], []
     for ids, labels in batches:
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm else float("inf"))
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters(remove_duplicate=False)})
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
         norms.append(norm.item())
-    return {"losses": losses, "norms": norms, "params": dict(model.named_parameters(remove_duplicate=False))}
+    return {"losses": losses, "norms": norms, "grads": grads,
+            "params": dict(model.named_parameters(remove_duplicate=False))}
 
 
 def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, checkpointing=False,
@@ -87,6 +90,15 @@ def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, 
         optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY,
                                     optimizer_dtype=torch.float32 if bf16_params else None, main_grads=main_grads)
         step = OptimizerStep(pmodel.grad_sync, optimizer, max_norm, reduce_dtype=reduce_dtype)
+        stepped_grads: list[dict] = []  # per step, the gradients the optimizer stepped on (ZeRO-1: its owned ones)
+        owned = {id(p) for p in getattr(optimizer, "owned_params", pmodel.parameters())}
+
+        def reading(*args, **kwargs):
+            stepped_grads.append({name: grad_of(p).detach().float().clone() for name, p in
+                                  pmodel.module.named_parameters() if id(p) in owned and grad_of(p) is not None})
+            return type(optimizer).step(optimizer, *args, **kwargs)
+
+        optimizer.step = reading
     leaf_mlp_calls = []
     # a pre-hook: recomputation stops early, after the last saved tensor, so a post-hook of the mlp never fires
     # the first decoder layer this pipeline rank owns (other stages' layers are placeholders without an mlp)
@@ -113,6 +125,7 @@ def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, 
             counters.append(("step", None, counter.records))
         losses.append(comm.all_reduce(total, mesh.dp_group).item())
     return {"losses": losses, "norms": norms, "pmodel": pmodel, "optimizer": optimizer,
+            "grads": [] if plain_dp else stepped_grads,
             "mlp_calls_per_micro_step": len(leaf_mlp_calls) / (len(batches) * accumulation * pmodel.config.num_microbatches)}
 
 
@@ -123,6 +136,22 @@ def max_param_diff(pmodel, ref_params: dict) -> float:
         expected = pmodel.param_specs[name].slice_full(ref_params[name].detach())
         worst = torch.maximum(worst, (param.detach().float() - expected).abs().max())
     return dist_max(worst)
+
+
+def grad_errors(run: dict, expected: dict) -> tuple[list[float], list[str]]:
+    """Per step, the largest |stepped - reference| gradient element over every rank, in units of the kit's
+    tolerance (1e-6 + 1e-5 |g|); and the parameter names compared on any rank (every owner, every stage)."""
+    errors, names = [], set()
+    for stepped, reference in zip(run["grads"], expected["grads"], strict=True):
+        worst = torch.zeros(())
+        for name, grad in stepped.items():
+            want = run["pmodel"].param_specs[name].slice_full(reference[name])
+            worst = torch.maximum(worst, ((grad - want).abs() / (1e-6 + 1e-5 * want.abs())).max())
+            names.add(name)
+        errors.append(dist_max(worst))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(names))
+    return errors, sorted(set().union(*everyone))
 
 
 def dist_max(value: torch.Tensor) -> float:
@@ -145,8 +174,11 @@ def main() -> None:
     results: dict[str, dict] = {}
 
     def parity(name: str, run: dict, expected: dict, **extra) -> None:
+        errors, compared = grad_errors(run, expected)
         results[name] = {"loss_rel": rel(run["losses"], expected["losses"]),
                          "param_diff": max_param_diff(run["pmodel"], expected["params"]),
+                         "grad_err_by_step": errors, "compared": compared,
+                         "parameters": sorted(n for n, _ in base.named_parameters()),
                          "losses": run["losses"], "ref_losses": expected["losses"], **extra}
 
     zero = train(base, batches, layout)
