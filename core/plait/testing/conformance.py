@@ -47,6 +47,10 @@ from plait.testing.launcher import WorkerFailure, launch
 
 WORKER = "plait.testing.conformance_worker"
 DTYPES = ("float32", "float64")
+# The watchdog's allowance per (adapter, mode) pair of a world, on top of 4 minutes of start-up: a pair of the
+# tiny models takes about 0.7 s on 2 CPU cores (the generic kit: ~200 pairs in 130-150 s), so 5 s leaves a busy
+# machine room while a hang of the whole generic kit is reported after ~20 minutes rather than ~100.
+PAIR_SECONDS = 5
 
 
 # --------------------------------------------------------------------------------------------------
@@ -139,7 +143,7 @@ def run_conformance(
         env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the worker imports what we import
         try:
             launch(["-m", WORKER, str(out / "spec.json")], world, env=env,
-                   timeout=timeout or 240 + 30 * len(pairs) * math.ceil(world / 2))
+                   timeout=timeout or 240 + PAIR_SECONDS * len(pairs) * math.ceil(world / 2))
             ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
         except WorkerFailure as err:
             for subject, mode in pairs:
