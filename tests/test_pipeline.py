@@ -63,6 +63,10 @@ def test_parity(results, check):
             assert r["tied_diff"] == 0.0, f"{where}: tied embedding copies differ by {r['tied_diff']}"
     if arch in TIED:
         assert any(r["tied_diff"] is not None for r in results[check]), f"{check}: no rank held a tied copy"
+    # every parameter's gradient compared at every step on the stage that holds it
+    compared = set().union(*(r["checked"] for r in results[check]))
+    assert compared >= set(results[check][0]["parameters"]), f"{check}: never compared " \
+        f"{sorted(set(results[check][0]['parameters']) - compared)}"
 
 
 def test_meta_model_never_materialises_other_stages(results):

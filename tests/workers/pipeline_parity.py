@@ -90,7 +90,8 @@ def parity(arch: str, layout: dict, padding: bool = False, attn: str = "sdpa") -
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     local = dict(pm.module.named_parameters())
-    out = {"loss_rel": 0.0, "grad_abs": 0.0, "grads_close": True, "param_abs": 0.0, "norm_rel": 0.0, "losses": []}
+    out = {"loss_rel": 0.0, "grad_abs": 0.0, "grads_close": True, "param_abs": 0.0, "norm_rel": 0.0, "losses": [],
+           "checked": sorted(local), "parameters": sorted(name for name, _ in ref.named_parameters())}
     rows = BATCH // mesh.dp
     for step in range(STEPS):
         ids, labels, mask = batch(step, padding)
