@@ -15,8 +15,11 @@ from plait.testing import launch
 from plait.train_args import TrainArgs
 from plait.trainer import Trainer
 
-WORKER = str(Path(__file__).parent / "workers" / "sft_empty_steps.py")
+WORKER = str(Path(__file__).parent / "workers" / "trainers.py")
 STEPS = 8
+LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2, per_device_train_batch_size=4),
+           "pp2": dict(pipeline_parallel_size=2, num_microbatches=2, per_device_train_batch_size=4),
+           "zero1_dp2": dict(zero_1=True, per_device_train_batch_size=2)}
 
 
 def conversations() -> list[dict]:
@@ -80,9 +83,11 @@ def test_an_empty_step_applies_nothing(flags, tmp_path, capsys):
 
 def test_every_layout_matches_one_process_through_empty_steps(flags, one, tmp_path):
     out = tmp_path / "out.json"
-    (tmp_path / "flags.json").write_text(json.dumps({**flags, "output_dir": str(tmp_path / "run")}))
+    cases = {name: {**flags, **layout, "output_dir": str(tmp_path / name)} for name, layout in LAYOUTS.items()}
+    (tmp_path / "flags.json").write_text(json.dumps(cases))
     launch([WORKER, str(out), str(tmp_path / "flags.json")], 2, timeout=300)
-    for layout, history in json.loads(out.read_text()).items():
+    for layout, ranks in json.loads(out.read_text()).items():
+        history = ranks[0]["history"]
         assert [r["trainable_tokens"] for r in history] == [r["trainable_tokens"] for r in one], layout
         assert [r["loss"] for r in history] == pytest.approx([r["loss"] for r in one], rel=1e-5, abs=1e-7), layout
         assert [r["grad_norm"] for r in history] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5,

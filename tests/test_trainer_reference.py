@@ -22,7 +22,7 @@ from plait.testing import launch
 from plait.train_args import TrainArgs
 from tiny_models import tiny_config
 
-WORKER = str(Path(__file__).parent / "workers" / "trainer_reference.py")
+WORKER = str(Path(__file__).parent / "workers" / "trainers.py")
 STEPS, LR, VOCAB = 4, 3e-3, 320
 LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2, per_device_train_batch_size=4),
            "pp2": dict(pipeline_parallel_size=2, num_microbatches=2, per_device_train_batch_size=4),
@@ -57,7 +57,7 @@ def histories(cases, tmp_path_factory) -> dict[str, list[dict]]:
     root = tmp_path_factory.mktemp("runs")
     (root / "flags.json").write_text(json.dumps(cases))
     launch([WORKER, str(root / "out.json"), str(root / "flags.json")], 2, timeout=300)
-    return json.loads((root / "out.json").read_text())
+    return {case: ranks[0]["history"] for case, ranks in json.loads((root / "out.json").read_text()).items()}
 
 
 def reference(args: dict, global_batch: int) -> list[tuple[float, float]]:

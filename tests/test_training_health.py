@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,10 @@ from safetensors.torch import load_file
 from plait.checkpoint import consolidate
 from plait.checkpoint.format import list_checkpoints
 from plait.cli import main
-import processes
+from plait.testing import launch
 from tiny_models import tiny_config
 
+TRAINERS = str(Path(__file__).parent / "workers" / "trainers.py")
 DIVERGE = ["--learning_rate", "1e4", "--max_grad_norm", "0"]  # step 1 blows the weights up; step 2's gradients are NaN
 
 
@@ -86,13 +86,24 @@ def test_learning_rate_zero_trains_nothing(model_config, tmp_path):
     assert all(torch.equal(trained[name], init[name]) for name in trained)
 
 
-@pytest.mark.parametrize("layout", ["--tensor_parallel_size", "--context_parallel_size"])
-def test_diverging_run_stops_every_rank(model_config, tmp_path, layout):
+@pytest.fixture(scope="module")
+def diverged(model_config, tmp_path_factory) -> dict:
+    """A diverging run at tp=2 and at cp=2, in one world of 2 ranks (tests/workers/trainers.py)."""
+    root = tmp_path_factory.mktemp("diverge")
+    base = dict(model_config=model_config, max_steps=6, block_size=16, per_device_train_batch_size=4,
+                learning_rate=1e4, max_grad_norm=0.0, device="cpu")
+    cases = {f"{name}2": {**base, name: 2, "output_dir": str(root / name)}
+             for name in ("tensor_parallel_size", "context_parallel_size")}
+    (root / "flags.json").write_text(json.dumps(cases))
+    launch([TRAINERS, str(root / "out.json"), str(root / "flags.json")], 2, timeout=240)
+    return {case: (ranks, Path(cases[case]["output_dir"])) for case, ranks in
+            json.loads((root / "out.json").read_text()).items()}
+
+
+@pytest.mark.parametrize("case", ["tensor_parallel_size2", "context_parallel_size2"])
+def test_diverging_run_stops_every_rank(diverged, case):
     """At tp=2 and cp=2 (each rank a part of every token or of every sequence) both ranks see the same loss
     and norm, so they stop at the same step."""
-    out = tmp_path / "out"
-    result = processes.run([sys.executable, "-m", "plait", *train_flags(model_config, out, *DIVERGE),
-                            "--nproc_per_node", "2", layout, "2"], timeout=240)
-    assert result.returncode != 0
-    assert result.stderr.count("plait: error: step 2: non-finite") == 2  # both ranks, the same step
+    ranks, out = diverged[case]
+    assert [r.get("diverged", "")[:27] for r in ranks] == ["step 2: non-finite grad_nor"] * 2, ranks
     assert strict_records(out)[-1]["step"] == 2

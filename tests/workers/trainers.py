@@ -1,0 +1,38 @@
+"""Worker: several `plait train` runs (plait.trainer.Trainer), one after another in one world, so that a test
+of many layouts pays for one launch.
+
+argv: <out.json> <flags.json>: flags.json maps each case to its TrainArgs keywords. Every rank records each
+case's metrics history, or the one-line message of a run that stopped on a non-finite step; rank 0 writes
+{case: [per-rank record]}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from plait import comm
+from plait.runtime import TrainingDiverged
+from plait.train_args import TrainArgs
+from plait.trainer import Trainer
+
+
+def run(args: dict) -> dict:
+    try:
+        return {"history": Trainer(TrainArgs(**args)).train()}
+    except TrainingDiverged as err:
+        return {"diverged": str(err)}
+
+
+def main(out: str, flags: str) -> None:
+    records = {name: run(args) for name, args in json.loads(Path(flags).read_text()).items()}
+    by_rank = comm.all_gather_object(records, comm.world_group())
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({name: [r[name] for r in by_rank] for name in records}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
