@@ -1,0 +1,68 @@
+"""A bounded slice of the architecture sweep in every suite run: docs/architectures.md's tp2-sp verdict (pass,
+refused, n/a, FAIL) for a few architectures the suite covers nowhere else, checked by running the sweep's own
+code (scripts/architecture_sweep.py) on them. The slice rotates by day over every architecture of the table,
+so the table a user reads is re-proven piece by piece; PLAIT_SWEEP_SLICE=arch,arch picks one (the failure
+message names the day's slice). The full table: `python scripts/architecture_sweep.py`."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_generic_conformance import ARCHITECTURES as GENERIC_KIT
+
+ROOT = Path(__file__).resolve().parent.parent
+SLICE, MODE = 4, "tp2-sp"
+ELSEWHERE = {*GENERIC_KIT, "llama", "gpt2", "mistral", "qwen2"}  # kit-tested in the suite already
+
+
+def sweep_module():
+    spec = importlib.util.spec_from_file_location("architecture_sweep", ROOT / "scripts" / "architecture_sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def table() -> dict[str, str]:
+    """architecture -> its tp2-sp cell, from docs/architectures.md."""
+    lines = (ROOT / "docs" / "architectures.md").read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| architecture |"))
+    column = [c.strip() for c in header.strip("|").split("|")].index(MODE)
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith(("| architecture", "| ---"))]
+    return {cells[0]: cells[column] for cells in ([c.strip() for c in row.strip("|").split("|")] for row in rows)}
+
+
+def todays_slice(names: list[str]) -> list[str]:
+    if os.environ.get("PLAIT_SWEEP_SLICE"):
+        return os.environ["PLAIT_SWEEP_SLICE"].split(",")
+    start = datetime.date.today().toordinal() * SLICE % len(names)
+    return [names[(start + i) % len(names)] for i in range(SLICE)]
+
+
+def kind(cell: str) -> str:
+    return cell.split(" ")[0].removesuffix(":")
+
+
+def test_the_table_holds_for_todays_slice():
+    cells = table()
+    picked = todays_slice(sorted(set(cells) - ELSEWHERE))
+    sweep = sweep_module()
+    rows = [sweep.prepare(arch, (MODE,)) for arch in picked]
+    sweep.run(rows, (MODE,))
+    got = {row.architecture: row.cells.get(MODE, "not run") for row in rows}
+    wrong = {arch: (cells[arch][:120], got[arch][:200]) for arch in picked if kind(got[arch]) != kind(cells[arch])}
+    assert not wrong, (f"docs/architectures.md no longer holds for {sorted(wrong)} ({MODE}; table vs now: {wrong}); "
+                       f"rerun with PLAIT_SWEEP_SLICE={','.join(picked)}")
+
+
+@pytest.mark.parametrize("cell, expected", [("pass (loss 1e-07, grad 0.24)", "pass"),
+                                            ("refused: layer type 'x' ...", "refused"),
+                                            ("n/a (no routed experts)", "n/a"), ("FAIL (loss ...)", "FAIL")])
+def test_cell_kinds(cell, expected):
+    assert kind(cell) == expected
