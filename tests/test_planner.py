@@ -143,7 +143,9 @@ def test_70b_llama_on_64_devices_from_the_config_alone():
     trace = trace_activations(model, 4096, registry, plan.adapter)
     estimate = estimate_layout(model, plan, Batch(8, 4096), Precision(torch.bfloat16, torch.float32), trace)
     seconds = time.perf_counter() - start
-    assert seconds < 15, f"planning 70B on 64 devices took {seconds:.1f} s"
+    # a bound with room for a busy machine, not a speed claim: planning must stay work on the meta model and the
+    # config, never touching weights, which for 70B would take minutes and 140 GB here
+    assert seconds < 60, f"planning 70B on 64 devices took {seconds:.1f} s"
     total = sum(p.numel() for p in model.parameters())
     one_dp_rank = [r for r in estimate.ranks if r.dp_rank == 0]
     replicated = sum(p.numel() for n, p in model.named_parameters() if "norm" in n) * (8 - 1)  # norms on every tp rank
