@@ -82,12 +82,37 @@ def reference(args: dict, global_batch: int) -> list[tuple[float, float]]:
     return out
 
 
+def matches(history: list[dict], expected: list[tuple[float, float]]) -> bool:
+    """Every step's loss and gradient norm within 1e-5 of the plain loop's."""
+    return ([r["step"] for r in history] == list(range(1, STEPS + 1))
+            and [r["loss"] for r in history] == pytest.approx([loss for loss, _ in expected], rel=1e-5)
+            and [r["grad_norm"] for r in history] == pytest.approx([norm for _, norm in expected], rel=1e-5))
+
+
 @pytest.mark.parametrize("case", [*LAYOUTS, "sft_packed_tp2_sp"])
 def test_trainer_matches_a_plain_loop(cases, histories, case):
     args = cases[case]
     dp = 2 if args.get("zero_1") else 1
     expected = reference(args, args["per_device_train_batch_size"] * dp)
-    got = histories[case]
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    assert [r["loss"] for r in got] == pytest.approx([loss for loss, _ in expected], rel=1e-5), case
-    assert [r["grad_norm"] for r in got] == pytest.approx([norm for _, norm in expected], rel=1e-5), case
+    assert matches(histories[case], expected), (case, [(r["loss"], r["grad_norm"]) for r in histories[case]], expected)
+
+
+def test_the_comparison_catches_a_planted_bug(cases, monkeypatch, tmp_path):
+    """A test of the test: on one process the trainer matches the plain loop, and with a planted one-line bug
+    (one gradient scaled by 1.001 before every step) the same comparison fails. (Adam's update is nearly blind
+    to a steady scale, so the losses barely move: the gradient norm is what must catch it.)"""
+    import plait.optim.step
+    from plait.trainer import Trainer
+
+    args = {**cases["tp2_sp"], "tensor_parallel_size": 1}
+    expected = reference(args, args["per_device_train_batch_size"])
+    assert matches(Trainer(TrainArgs(**{**args, "output_dir": str(tmp_path / "clean")})).train(), expected)
+
+    norm = plait.optim.step.global_grad_norm
+
+    def planted(params, *rest, **kwargs):
+        next(p for p in params if p.grad is not None).grad.mul_(1.001)
+        return norm(params, *rest, **kwargs)
+
+    monkeypatch.setattr(plait.optim.step, "global_grad_norm", planted)
+    assert not matches(Trainer(TrainArgs(**{**args, "output_dir": str(tmp_path / "bugged")})).train(), expected)

@@ -76,8 +76,9 @@ def recompute_case() -> dict:
         torch.manual_seed(5)
         pmodel.train_step(IDS, IDS, num_items_in_batch=IDS[:, 1:].numel())
         grads.append({n: p.grad.clone() for n, p in pmodel.module.named_parameters()})
-    worst = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0])
-    return {"recompute_grad_diff": worst}
+    worst = torch.tensor(max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0]))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # every rank's gradients, not only those rank 0 writes
+    return {"recompute_grad_diff": worst.item()}
 
 
 def main() -> None:
