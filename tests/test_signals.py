@@ -160,13 +160,12 @@ def test_one_process_stops_at_the_step_and_no_save_on_signal_saves_nothing(model
     trainer = Trainer(args)
     step = trainer.step
 
-    def step_then_signal(n: int) -> dict:
-        record = step(n)
+    def signal_then_step(n: int) -> dict:
         if n == 2:  # during step 3 (0-based 2), after --save_steps 2 saved step 2
             os.kill(os.getpid(), signal.SIGTERM)
-        return record
+        return step(n)
 
-    trainer.step = step_then_signal
+    trainer.step = signal_then_step
     with pytest.raises(StopRequested) as stop:
         trainer.train()
     assert str(stop.value) == (f"stopped by SIGTERM after step 3 of 10; no checkpoint saved (--no_save_on_signal); "

@@ -42,10 +42,20 @@ def json_line(record: dict) -> str:
 
 def peak_rss_mb() -> float:
     """The largest peak resident memory of any rank, in MiB (a collective over the whole world)."""
+    return world_max([own_peak_rss_mb()])[0]
+
+
+def own_peak_rss_mb() -> float:
+    """This process's peak resident memory, in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def world_max(values: list[float]) -> list[float]:
+    """The largest of each value over every rank, in one collective (the trainer folds its per-step flags into
+    the one that reports peak memory, rather than paying a collective for each)."""
     world = comm.world_group()
-    own = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64,
-                       device=comm.device_for(world))
-    return comm.all_reduce(own, world, op="max").item()
+    own = torch.tensor(values, dtype=torch.float64, device=comm.device_for(world))
+    return comm.all_reduce(own, world, op="max").tolist()
 
 
 def plot_loss_curve(history: list[dict], path: Path) -> bool:

@@ -21,9 +21,6 @@ import signal
 import threading
 from types import FrameType
 
-import torch
-
-from plait import comm
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -49,7 +46,7 @@ class StopRequested(Exception):
 
 class StopSignals:
     """While entered (in the main thread), SIGINT and SIGTERM set ``signum`` instead of ending the process;
-    a second SIGINT raises KeyboardInterrupt. ``agreed()`` is the collective every rank calls after a step."""
+    a second SIGINT raises KeyboardInterrupt. The caller agrees on ``signum`` over the ranks (a max-reduction)."""
 
     def __init__(self, announce: bool, grace_s: float) -> None:
         self.signum = 0
@@ -88,9 +85,3 @@ class StopSignals:
         os.write(2, f"plait: rank {rank} did not stop within --ddp_timeout={self.grace_s:g}s of "
                     f"{signal.Signals(self.signum).name} (its step or save did not end); ending it\n".encode())
         os._exit(128 + self.signum)
-
-    def agreed(self) -> int:
-        """The signal any rank received (0: none), the same on every rank: a collective over the world."""
-        world = comm.world_group()
-        flag = torch.tensor([self.signum], dtype=torch.int64, device=comm.device_for(world))
-        return int(comm.all_reduce(flag, world, op="max").item())

@@ -28,7 +28,7 @@ from plait.data import GlobalBatchSampler, local_microbatch
 from plait.data.sft_blocks import batch_inputs, count_labels
 from plait.data.train_data import load_data
 from plait.log_line import log_line, progress_text
-from plait.metrics import MetricsLog, peak_rss_mb, plot_loss_curve
+from plait.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_max
 from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
 from plait.checkpoint.format import read_index, remove_partial_checkpoints
 from plait.checkpoint.state import local_params
@@ -202,6 +202,7 @@ class Trainer:
         self.scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer, num_warmup_steps=args.warmup_steps,
                                        num_training_steps=max(args.max_steps, 1))
         self.first_step, self.skipped_steps, self.empty_steps = 0, 0, 0
+        self.signals, self.stop_signal = StopSignals(is_main_process(), args.ddp_timeout), 0
         if resume is not None:
             state = load_checkpoint(resume, pmodel, self.optimizer, self.scheduler)
             self.sampler.load_state_dict(state.extra["sampler"])
@@ -260,8 +261,7 @@ class Trainer:
                 self.log.write({**record, "skipped_steps": self.skipped_steps})
                 raise TrainingDiverged(diverged_message(step + 1, bad, args)) from None
         self.scheduler.step()
-        record.update(tokens_per_s=self.global_batch * args.block_size / (time.perf_counter() - start),
-                      peak_rss_mb=peak_rss_mb())
+        self.end_step(record, start)
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps
         return record
@@ -277,10 +277,18 @@ class Trainer:
             self.scheduler.step()
         self.console.print(f"step {step + 1}: no token to train on in this step's global batch (every label was "
                            f"truncated away or masked); nothing was applied")
-        return {"step": step + 1, "loss": 0.0, "lr": lr, "trainable_tokens": 0, "grad_norm": 0.0,
-                "empty_steps": self.empty_steps,
-                "tokens_per_s": self.global_batch * self.args.block_size / (time.perf_counter() - start),
-                "peak_rss_mb": peak_rss_mb()}
+        record = {"step": step + 1, "loss": 0.0, "lr": lr, "trainable_tokens": 0, "grad_norm": 0.0,
+                  "empty_steps": self.empty_steps}
+        self.end_step(record, start)
+        return record
+
+    def end_step(self, record: dict, start: float) -> None:
+        """The step's throughput and peak memory; and, in the same max-reduction over the world, the stop
+        signal any rank received, so that every rank sees it after the same step (``plait.stop``)."""
+        peak, signum = world_max([own_peak_rss_mb(), self.signals.signum])
+        self.stop_signal = int(signum)
+        record.update(tokens_per_s=self.global_batch * self.args.block_size / (time.perf_counter() - start),
+                      peak_rss_mb=peak)
 
     def save(self, step: int) -> Path:
         extra = {"sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps,
@@ -306,8 +314,7 @@ class Trainer:
         names = parse_report_to(args.report_to) if is_main_process() else []
         trackers = Trackers.open(names, self.output_dir, dataclasses.asdict(args), self.first_step)
         started = time.perf_counter()
-        with trackers, progress, explain_timeouts(args.ddp_timeout), \
-                StopSignals(is_main_process(), args.ddp_timeout) as signals:
+        with trackers, progress, explain_timeouts(args.ddp_timeout), self.signals:
             task = progress.add_task("", total=args.max_steps, completed=self.first_step)
             for step in range(self.first_step, args.max_steps):
                 faults.maybe_inject(step + 1)  # testing aid: a no-op unless PLAIT_FAULT_INJECT is set
@@ -325,7 +332,7 @@ class Trainer:
                 saved = None
                 if should_save(step + 1, args.save_steps) or (is_last and args.save_steps > 0):
                     saved = self.save(step + 1)
-                signum = 0 if is_last else signals.agreed()
+                signum = 0 if is_last else self.stop_signal
                 if signum:
                     if saved is None and args.save_on_signal:
                         saved = self.save(step + 1)
