@@ -23,19 +23,26 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}  # dense, datasheet
-VARIANTS = {
-    # name: (loop, parameter dtype, autocast, activation checkpointing, torch.compile)
-    "hf-autocast": ("hf", torch.float32, True, False, False),
-    "plait-autocast": ("plait", torch.float32, True, False, False),
-    "hf-bf16": ("hf", torch.bfloat16, False, False, False),
-    "hf-bf16-compile": ("hf", torch.bfloat16, False, False, True),
-    "plait-bf16": ("plait", torch.bfloat16, False, False, False),
-    "plait-bf16-compile": ("plait", torch.bfloat16, False, False, True),
-    "plait-bf16-ckpt": ("plait", torch.bfloat16, False, True, False),
+# A precision recipe: (parameter dtype, autocast, fp32 master weights). Each runs in both loops, eager and compiled.
+RECIPES = {
+    "autocast": (torch.float32, True, False),  # fp32 parameters and AdamW, bf16 matmuls (torch.autocast)
+    "bf16": (torch.bfloat16, False, False),  # pure bf16: parameters, gradients and AdamW state (no masters)
+    "masters": (torch.bfloat16, False, True),  # bf16 parameters, fp32 master weights and AdamW state (--bf16)
 }
+VARIANTS = [f"{loop}-{recipe}{suffix}" for recipe in RECIPES for suffix in ("", "-compile") for loop in ("hf", "plait")]
+VARIANTS += ["plait-masters-maingrad", "plait-masters-compile-maingrad", "plait-masters-ckpt"]
+
+
+def parse_variant(name: str) -> tuple[str, str, set[str]]:
+    """``plait-masters-compile-ckpt`` -> ("plait", "masters", {"compile", "ckpt"})."""
+    loop, recipe, *options = name.split("-")
+    if loop not in ("hf", "plait") or recipe not in RECIPES or not set(options) <= {"compile", "ckpt", "maingrad", "eagerloss"}:
+        raise SystemExit(f"unknown variant {name!r}: <hf|plait>-<{'|'.join(RECIPES)}>[-compile][-ckpt][-maingrad][-eagerloss]")
+    return loop, recipe, set(options)
 
 
 def llama_1b() -> LlamaConfig:
@@ -58,51 +65,73 @@ def flops_per_token(config: LlamaConfig, params: int, seq: int) -> float:
     return 6 * params + 12 * config.num_hidden_layers * config.hidden_size * seq
 
 
-def run_variant(name: str, steps: int, batch: int, seq: int) -> dict:
-    loop, dtype, autocast, ckpt, compile_ = VARIANTS[name]
+def plain_step(config: LlamaConfig, recipe: str, options: set[str], ids: torch.Tensor) -> tuple:
+    """The loop a careful user writes with transformers and torch alone, for the recipe."""
+    dtype, autocast, masters = RECIPES[recipe]
+    with torch.device(ids.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if "ckpt" in options:
+        model.gradient_checkpointing_enable()
+    if "compile" in options:
+        for layer in model.model.layers:
+            layer.compile()
+    params = list(model.parameters())
+    stepped = [p.detach().float() for p in params] if masters else params
+    optimizer = torch.optim.AdamW(stepped, lr=1e-4, fused=True)
+
+    def step() -> torch.Tensor:
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        if masters:
+            for param, master in zip(params, stepped):
+                master.grad = param.grad.float()
+                param.grad = None
+        torch.nn.utils.clip_grad_norm_(stepped, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if masters:
+            with torch.no_grad():
+                torch._foreach_copy_(params, stepped)
+        return loss.detach()
+
+    return step, params
+
+
+def plait_step(config: LlamaConfig, recipe: str, options: set[str], ids: torch.Tensor) -> tuple:
+    """plait's own model, optimizer and step (what ``plait train`` runs) for the recipe."""
+    import plait
+    from plait.compile import compile_leaf_modules
+    from plait.materialize import load_parallel_model
+    from plait.optim import OptimizerStep, build_optimizer
+    from plait.registry import default_registry
+
+    dtype, autocast, masters = RECIPES[recipe]
+    parallel = plait.ParallelConfig(gradient_checkpointing="ckpt" in options, bf16_autocast=autocast)
+    pmodel = load_parallel_model(config, parallel, dtype=dtype, device=ids.device)
+    if "compile" in options:
+        compile_leaf_modules(pmodel.module, default_registry().leaf_modules(pmodel.adapter, config))
+        if "eagerloss" not in options:
+            pmodel.loss.compile()
+    optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4, fused=True,
+                                optimizer_dtype=torch.float32 if masters else None,
+                                main_grads="maingrad" in options)
+    optimizer_step = OptimizerStep(pmodel.grad_sync, optimizer, max_grad_norm=1.0)
+    num_items = ids.numel() - ids.shape[0]
+
+    def step() -> torch.Tensor:
+        loss = pmodel.train_step(ids, ids, num_items_in_batch=num_items)
+        optimizer_step(loss)
+        return loss
+
+    return step, list(pmodel.parameters())
+
+
+def run_variant(name: str, steps: int, batch: int, seq: int, profile: Path | None = None) -> dict:
+    loop, recipe, options = parse_variant(name)
     config = llama_1b()
-    device = torch.device("cuda")
-    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
-    if loop == "hf":
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        if ckpt:
-            model.gradient_checkpointing_enable()
-        if compile_:
-            for layer in model.model.layers:
-                layer.compile()
-        params = list(model.parameters())
-        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
-
-        def step() -> float:
-            with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss.detach()
-    else:
-        import plait
-        from plait.compile import compile_leaf_modules
-        from plait.materialize import load_parallel_model
-        from plait.optim import OptimizerStep, build_optimizer
-        from plait.registry import default_registry
-
-        pmodel = load_parallel_model(config, plait.ParallelConfig(gradient_checkpointing=ckpt, bf16_autocast=autocast), dtype=dtype,
-                                     device=device)
-        if compile_:
-            compile_leaf_modules(pmodel.module, default_registry().leaf_modules(pmodel.adapter, config))
-        optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4, optimizer_dtype=torch.float32, fused=True)
-        optimizer_step = OptimizerStep(pmodel.grad_sync, optimizer, max_grad_norm=1.0)
-        params = list(pmodel.parameters())
-        num_items = batch * (seq - 1)
-
-        def step() -> float:
-            loss = pmodel.train_step(ids, ids, num_items_in_batch=num_items)
-            optimizer_step()
-            return loss
-
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=torch.device("cuda"))
+    step, params = (plain_step if loop == "hf" else plait_step)(config, recipe, options, ids)
     n_params = sum(p.numel() for p in {id(p): p for p in params}.values())
     losses = [step() for _ in range(3)]  # warm-up (and compilation)
     torch.cuda.synchronize()
@@ -112,12 +141,36 @@ def run_variant(name: str, steps: int, batch: int, seq: int) -> dict:
         losses.append(step())
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / steps
-    tokens_per_s = batch * seq / seconds
-    tflops = tokens_per_s * flops_per_token(config, n_params, seq)
-    return {"variant": name, "params": n_params, "step_s": seconds, "tokens_per_s": tokens_per_s,
-            "tflops": tflops / 1e12, "mfu": tflops / peak_flops(),
-            "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "loss_first": float(losses[0]), "loss_last": float(losses[-1])}
+    row = {"variant": name, "params": n_params, "step_s": seconds, "tokens_per_s": batch * seq / seconds,
+           "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "loss_first": float(losses[0]), "loss_last": float(losses[-1])}
+    row["tflops"] = row["tokens_per_s"] * flops_per_token(config, n_params, seq) / 1e12
+    row["mfu"] = row["tflops"] * 1e12 / peak_flops()
+    if profile is not None:
+        row["profile"] = profile_steps(step, profile / f"{name}.txt")
+    return row
+
+
+def profile_steps(step, path: Path) -> dict:
+    """Two steps under torch.profiler: GPU time by kind of kernel (the table goes to ``path``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    kinds: dict[str, float] = {}
+    for e in events:
+        name = e.key.lower()
+        kind = ("gemm" if any(k in name for k in ("gemm", "nvjet", "cutlass", "sm90", "matmul")) else
+                "attention" if any(k in name for k in ("flash", "attention", "fmha", "efficient")) else
+                "optimizer" if any(k in name for k in ("adam", "multi_tensor", "foreach")) else
+                "nccl" if "nccl" in name else "triton" if "triton" in name else "other")
+        kinds[kind] = kinds.get(kind, 0.0) + e.device_time_total / 2 / 1e3
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by="device_time_total", row_limit=40))
+    return {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}  # ms per step
 
 
 def peak_rss_mib() -> float:
@@ -165,31 +218,45 @@ def child(args: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def peer_of(name: str) -> str:
+    """The plain loop of the same recipe and compilation: what a plait variant is compared with."""
+    _, recipe, options = parse_variant(name)
+    return f"hf-{recipe}" + ("-compile" if "compile" in options else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--only", default=",".join(VARIANTS))
+    parser.add_argument("--repeat", type=int, default=2, help="runs of each variant (all variants, then again)")
+    parser.add_argument("--profile", default="", help="variants to profile (two steps each, after the timed ones)")
+    parser.add_argument("--out", default="bench-gpu-out", help="folder for profiler tables")
     parser.add_argument("--no-load", action="store_true", help="skip the checkpoint life-cycle measurements")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--stage", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.variant:
-        print(json.dumps(run_variant(ns.variant, ns.steps, ns.batch, ns.seq)))
+        profile = Path(ns.out) if ns.variant in ns.profile.split(",") else None
+        print(json.dumps(run_variant(ns.variant, ns.steps, ns.batch, ns.seq, profile)))
         return
     if ns.stage:
         print(json.dumps(run_load(ns.stage, Path(ns.workdir))))
         return
 
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Llama-3.2-1B shapes, batch {ns.batch} x "
-          f"{ns.seq}, sdpa, fused AdamW, {ns.steps} timed steps after 3 warm-up", flush=True)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"Llama-3.2-1B shapes, batch {ns.batch} x {ns.seq}, sdpa, fused AdamW, clipping 1.0, {ns.steps} timed "
+          f"steps after 3 warm-up, {ns.repeat} runs", flush=True)
     rows = []
-    for name in ns.only.split(","):
-        row = child(["--variant", name, "--steps", str(ns.steps), "--batch", str(ns.batch), "--seq", str(ns.seq)])
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+    for run in range(ns.repeat):
+        for name in ns.only.split(","):
+            row = child(["--variant", name, "--steps", str(ns.steps), "--batch", str(ns.batch), "--seq",
+                         str(ns.seq), "--profile", ns.profile, "--out", ns.out])
+            row["run"] = run + 1
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     if not ns.no_load:
         workdir = Path(tempfile.mkdtemp(prefix="plait-gpu-bench-"))
         load_rows = []
@@ -198,17 +265,16 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             load_rows.append(row)
         shutil.rmtree(workdir, ignore_errors=True)
-    base = {r["variant"]: r for r in rows if "error" not in r}
-    print("\n| variant | step (s) | tokens/s | TFLOP/s | MFU | peak GPU GiB | vs hf same precision |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    base = {(r["variant"], r["run"]): r for r in rows if "error" not in r}
+    print("\n| variant | run | step (s) | tokens/s | TFLOP/s | MFU | peak GPU GiB | vs plain loop, same recipe, same run |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         if "error" in r:
-            print(f"| {r['variant']} | error: {r['error'][:80]} | | | | | |")
+            print(f"| {r['variant']} | {r['run']} | error: {r['error'][:80]} | | | | | |")
             continue
-        peer = base.get("hf-autocast" if "autocast" in r["variant"] else
-                        "hf-bf16-compile" if "compile" in r["variant"] else "hf-bf16")
-        ratio = f"{r['tokens_per_s'] / peer['tokens_per_s']:.3f}" if peer else "-"
-        print(f"| {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
+        peer = base.get((peer_of(r["variant"]), r["run"]))
+        ratio = f"{r['tokens_per_s'] / peer['tokens_per_s']:.3f}" if peer and r["variant"].startswith("plait") else ""
+        print(f"| {r['variant']} | {r['run']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
               f"{r['mfu']:.1%} | {r['peak_gpu_gib']:.1f} | {ratio} |")
     if not ns.no_load:
         print("\n| stage | seconds | peak host RSS over baseline (MiB) | peak GPU GiB | on disk (GiB) |")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from plait.testing import launch
 
@@ -194,3 +195,44 @@ def test_checkpointing_replays_dropout():
         grads.append({n: p.grad for n, p in pmodel.named_parameters()})
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_main_grads_start_each_step_from_nothing():
+    """``zero_grads`` only marks the fp32 buffers stale: the step's first backward copies into them and a later
+    one adds; a buffer that no backward wrote reads as zeros, never as the last step's sum."""
+    from plait.grad_sync import grad_of, zero_grads
+    from plait.optim.mixed_precision import accumulate_grads_in
+
+    used, unused = (nn.Parameter(torch.ones(3, dtype=torch.bfloat16)) for _ in range(2))
+    accumulate_grads_in([used, unused], torch.float32)
+    for scale in (2.0, 3.0):  # two steps, the second with two micro-steps
+        zero_grads([used, unused])
+        (used * scale).sum().backward()
+        if scale == 3.0:
+            (used * scale).sum().backward()
+    assert grad_of(used).dtype == torch.float32 and grad_of(used).tolist() == [6.0] * 3
+    unused.main_grad.fill_(5.0)  # a stale sum from an earlier step
+    zero_grads([used, unused])
+    assert grad_of(unused).tolist() == [0.0] * 3 and used.grad is None
+
+
+def test_compiled_loss_matches_eager():
+    """``CausalLMLoss.compile`` (``--torch_compile``) gives the eager loss and gradient; labels, not logits, shift."""
+    from plait.tp.loss import IGNORE_INDEX, CausalLMLoss
+
+    logits = torch.randn(2, 9, 40, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(1))
+    labels[0, 4] = IGNORE_INDEX
+    results = []
+    for compiled in (False, True):
+        loss = CausalLMLoss(0, None)
+        assert loss.compile() if compiled else True
+        leaf = logits.clone().requires_grad_()
+        value = loss(leaf, labels, num_items_in_batch=15)
+        value.backward()
+        results.append((value, leaf.grad))
+    reference = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, 40), labels[:, 1:].reshape(-1),
+                                                  reduction="sum") / 15
+    torch.testing.assert_close(results[0][0], reference)
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[1][1].float(), results[0][1].float(), rtol=1e-2, atol=1e-6)  # bf16 grads

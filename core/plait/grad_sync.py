@@ -24,19 +24,35 @@ BUCKET_BYTES = 32 * 1024 * 1024
 MAIN_GRAD = "main_grad"  # Megatron's name for a gradient kept apart from ``param.grad`` (e.g. in fp32)
 
 
+MAIN_GRAD_STALE = "main_grad_stale"  # the buffer still holds the last step's sum: it counts as zero
+
+
 def grad_of(param: nn.Parameter) -> torch.Tensor | None:
-    """The gradient plait reduces, clips and steps on: ``param.main_grad`` when the parameter has one."""
-    if hasattr(param, MAIN_GRAD):
-        return getattr(param, MAIN_GRAD)
-    return param.grad
+    """The gradient plait reduces, clips and steps on: ``param.main_grad`` when the parameter has one.
+
+    A buffer no backward has written since ``zero_grads`` is zeroed here, on first read: only parameters that
+    got no gradient in a step (unrouted experts, say) pay for a zeroing pass.
+    """
+    if not hasattr(param, MAIN_GRAD):
+        return param.grad
+    buffer = getattr(param, MAIN_GRAD)
+    if getattr(param, MAIN_GRAD_STALE, False):
+        buffer.zero_()
+        setattr(param, MAIN_GRAD_STALE, False)
+    return buffer
 
 
 def zero_grads(params: Iterable[nn.Parameter]) -> None:
-    """Drop ``grad`` and zero ``main_grad`` buffers so the next step starts from nothing."""
+    """Drop ``grad`` and mark ``main_grad`` buffers stale, so the next step starts from nothing.
+
+    Marking rather than zeroing: the step's first backward then copies its gradient into the buffer instead of
+    adding it to zeros (``optim.mixed_precision``), which saves writing and reading the whole fp32 buffer once
+    a step (about 2% of a 1B model's step on an H100, bench/gpu.py).
+    """
     for p in params:
         p.grad = None
         if hasattr(p, MAIN_GRAD):
-            getattr(p, MAIN_GRAD).zero_()
+            setattr(p, MAIN_GRAD_STALE, True)
 
 
 def sum_grads(

@@ -30,11 +30,11 @@ from plait.grad_sync import GradSync, norm_params
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.layers import LoraDropout, apply_lora
 from plait.mesh import Mesh
-from plait.pipeline.runner import LossFn, PipelineRunner
+from plait.pipeline.runner import PipelineRunner
 from plait.pipeline.stages import StageChunk, dropped, prune
 from plait.registry import Adapter, Registry
 from plait.tp.apply import AppliedTP, apply_tensor_parallel
-from plait.tp.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
+from plait.tp.loss import IGNORE_INDEX, CausalLMLoss
 from plait.tp.rng import install_dropout_rng
 from plait.tp.sequence_parallel import install_sequence_parallel, region_prefix, sp_grad_sum_params
 from plait.tp.sharding import ModuleShard, ShardSpec
@@ -66,7 +66,7 @@ class ParallelModel(nn.Module):
 
     def __init__(
         self, module: nn.Module, mesh: Mesh, plan: LayoutPlan, applied: AppliedTP, grad_sync: GradSync,
-        loss_fn: LossFn, pipeline: PipelineRunner | None, cp: ContextParallel | None = None,
+        loss_fn: CausalLMLoss, pipeline: PipelineRunner | None, cp: ContextParallel | None = None,
         experts: AppliedEP | None = None,
     ) -> None:
         super().__init__()
@@ -319,12 +319,7 @@ def _grad_sync(
                     [p for p in experts if p.requires_grad])
 
 
-def _loss_fn(applied: AppliedTP, mesh: Mesh, shift: bool = True) -> LossFn:
+def _loss_fn(applied: AppliedTP, mesh: Mesh, shift: bool = True) -> CausalLMLoss:
     """The causal-LM loss of this rank's logits (vocab-parallel when the head is split over tp); ``shift``:
     False when the labels come already shifted (context parallelism)."""
-    group = mesh.tp_group if applied.head_is_parallel else None
-
-    def loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None):
-        return vocab_parallel_cross_entropy(logits, labels, applied.vocab_start, group, num_items_in_batch, shift)
-
-    return loss
+    return CausalLMLoss(applied.vocab_start, mesh.tp_group if applied.head_is_parallel else None, shift)

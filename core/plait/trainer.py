@@ -185,6 +185,7 @@ class Trainer:
         materialize(pmodel, kind, path, seed=saved[1].get("seed", args.seed) if saved else args.seed, device=device)
         if args.torch_compile:
             compile_leaf_modules(pmodel.module, default_registry().leaf_modules(pmodel.adapter, model_config))
+            pmodel.loss.compile()
         self.mesh = mesh = pmodel.mesh
         # a cp rank reads only the tokens of its slice of each block (and their labels) from a token file
         self.spans = read_spans(args.block_size, mesh.cp, mesh.cp_rank) if mesh.cp > 1 else None

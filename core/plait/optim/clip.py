@@ -42,16 +42,23 @@ def global_grad_norm(
 
 
 def _squares(params: Iterable[nn.Parameter], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    squares = [torch.linalg.vector_norm(g, dtype=dtype).square()
-               for g in (grad_of(p) for p in params) if g is not None]
-    return torch.stack(squares).sum() if squares else torch.zeros((), dtype=dtype, device=device)
+    """The sum of squares of the gradients of ``params``: per-tensor norms from one multi-tensor kernel per
+    (device, dtype) group (``torch._foreach_norm``, what ``clip_grad_norm_`` uses), not one launch per tensor."""
+    norms = [norm for grads in _by_dtype(params).values() for norm in torch._foreach_norm(grads, 2, dtype=dtype)]
+    return torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=dtype, device=device)
+
+
+def _by_dtype(params: Iterable[nn.Parameter]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in (grad_of(p) for p in params):
+        if grad is not None:
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    return groups
 
 
 @torch.no_grad()
 def clip_grads_(params: Iterable[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
     """Scale the gradients of ``params`` so that the global norm ``total_norm`` becomes at most ``max_norm``."""
     scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        grad = grad_of(p)
-        if grad is not None:
-            grad.mul_(scale.to(grad.dtype))
+    for (_, dtype), grads in _by_dtype(params).items():
+        torch._foreach_mul_(grads, scale.to(dtype))

@@ -25,7 +25,7 @@ from plait.checkpoint.format import CheckpointError, spec_boxes
 from plait.checkpoint.state import (
     LocalTensor, ReadOp, local_views, optimizer_key, param_name, torch_load_plan, torch_optimizer_state,
 )
-from plait.grad_sync import MAIN_GRAD, grad_of, zero_grads
+from plait.grad_sync import MAIN_GRAD, MAIN_GRAD_STALE, grad_of, zero_grads
 
 if TYPE_CHECKING:
     from plait.checkpoint.format import TensorEntry
@@ -47,7 +47,12 @@ def accumulate_grads_in(params: Iterable[nn.Parameter], dtype: torch.dtype) -> l
 
 
 def _accumulate(param: nn.Parameter) -> None:
-    getattr(param, MAIN_GRAD).add_(param.grad)
+    buffer = getattr(param, MAIN_GRAD)
+    if getattr(param, MAIN_GRAD_STALE, False):  # the step's first gradient: copied, not added to zeros
+        buffer.copy_(param.grad)
+        setattr(param, MAIN_GRAD_STALE, False)
+    else:
+        buffer.add_(param.grad)
     param.grad = None
 
 
@@ -90,8 +95,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             grad = grad_of(param)
             master.grad = None if grad is None else grad.to(self.dtype)
         loss = self.inner.step(closure)
-        for param, master in zip(self.model_params, self.masters):
-            param.copy_(master)
+        torch._foreach_copy_(self.model_params, self.masters)  # one multi-tensor copy (and cast), not one per tensor
+        for master in self.masters:
             master.grad = None
         return loss
 

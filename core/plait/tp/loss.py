@@ -8,6 +8,8 @@ cross-entropy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -50,24 +52,60 @@ def vocab_parallel_cross_entropy(
     group: dist.ProcessGroup | None,
     num_items_in_batch: int | torch.Tensor | None = None,
     shift: bool = True,
+    whole_vocab_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal-LM loss as in transformers (labels shifted left, -100 ignored, computed in at least fp32).
 
     logits: [batch, seq, V_local] for this rank's vocab slice; labels: [batch, seq] full-vocab ids.
     ``shift=False``: the labels are already aligned with the logits (context parallelism shifts them on the
-    whole sequence before cutting it).
+    whole sequence before cutting it). Shifting moves the labels, never the logits (as transformers does): a
+    slice of the logits would be copied whole in forward and again in backward (a 128k vocabulary makes that
+    3% of a 1B model's step on an H100, bench/gpu.py).
+    ``whole_vocab_sum``: replaces ``whole_vocab_loss_sum`` when this rank has the whole vocabulary (a compiled
+    copy of it: ``CausalLMLoss.compile``).
     Returns the sum over tokens divided by ``num_items_in_batch`` when given (so that data-parallel ranks
     and accumulation steps can be summed exactly), else the mean over non-ignored tokens.
     """
-    # at least fp32 (bf16 logits are upcast, as transformers does); float64 stays float64
     if shift:
-        logits, labels = logits[:, :-1], labels[:, 1:]
-    shift_logits = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
-    shift_labels = labels.reshape(-1)
+        labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     if comm.group_size(group) == 1:  # whole vocabulary here: torch's fused kernel is faster
-        total = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        total = (whole_vocab_sum or whole_vocab_loss_sum)(logits, labels)
     else:
-        total = _VocabParallelCrossEntropy.apply(shift_logits, shift_labels, vocab_start, group).sum()
+        # at least fp32 (bf16 logits are upcast, as transformers does); float64 stays float64
+        flat = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
+        total = _VocabParallelCrossEntropy.apply(flat, labels.reshape(-1), vocab_start, group).sum()
     if num_items_in_batch is None:
-        num_items_in_batch = (shift_labels != IGNORE_INDEX).sum().clamp(min=1)
+        num_items_in_batch = (labels != IGNORE_INDEX).sum().clamp(min=1)
     return total / num_items_in_batch
+
+
+def whole_vocab_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of aligned ``logits`` [..., V] and ``labels`` [...], in at least fp32."""
+    flat = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(flat, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class CausalLMLoss:
+    """The loss of one rank's logits: ``vocab_parallel_cross_entropy`` with this layout's vocab slice and group.
+
+    One object is shared by the model's forward and its pipeline stages, so ``compile`` reaches both.
+    """
+
+    def __init__(self, vocab_start: int, group: dist.ProcessGroup | None, shift: bool = True) -> None:
+        self.vocab_start, self.group, self.shift = vocab_start, group, shift
+        self.whole_vocab_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def __call__(
+        self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.group, num_items_in_batch,
+                                            self.shift, self.whole_vocab_sum)
+
+    def compile(self) -> bool:
+        """``torch.compile`` the whole-vocabulary loss (as torchtitan compiles its loss): the upcast, log-softmax
+        and gather fuse into one pass over the logits, and backward's softmax minus one-hot into another.
+        The vocab-parallel loss holds collectives and stays eager. Returns whether anything was compiled."""
+        if comm.group_size(self.group) != 1:
+            return False
+        self.whole_vocab_sum = torch.compile(whole_vocab_loss_sum)
+        return True
