@@ -4,8 +4,9 @@ plait must run wherever torch does: CPU with gloo, CUDA with NCCL, and equally X
 PrivateUse1 backend (a torch-native Trainium backend, say). So no other library module names a device type:
 the device comes from torch's accelerator API (``torch.accelerator``), the backend from torch.distributed's own
 device-to-backend table, the fused-optimizer question from torch's own list. A backend torch learns about by
-registering itself is then served without a line here. ``tests/test_device_agnostic.py`` fails on any
-mention of the one device type this docstring avoids naming anywhere else in ``core/`` and ``adapters/``.
+registering itself is then served without a line here (``torch.distributed.Backend.register_backend`` with
+``devices=`` is what ``default_backend`` then answers). ``tests/test_device_agnostic.py`` fails on a mention
+of cuda outside a comment anywhere else in ``core/``, ``adapters/``, ``scripts/`` and ``examples/``.
 
 This module imports nothing from plait (it is the bottom layer of ``tests/test_import_graph.py``).
 """
