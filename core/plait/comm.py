@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from plait.device import current_device
+
 _counters: list["CommCounter"] = []
 
 
@@ -70,8 +72,7 @@ def device_for(group: dist.ProcessGroup | None) -> torch.device:
     when the group's backend takes CPU tensors (gloo), else the current accelerator (NCCL: the rank's GPU)."""
     if trivial(group) or "gloo" in dist.get_backend(group):
         return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator()
-    return torch.device(accelerator.type, torch.accelerator.current_device_index()) if accelerator else torch.device("cpu")
+    return current_device()
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:

@@ -1,7 +1,8 @@
 """Process start-up: which device and backend, and the torch.distributed world torchrun describes.
 
-Nothing here assumes CUDA: the device type and backend come from flags (``auto`` picks cuda + nccl when a
-GPU is present, else cpu + gloo), so an XLA device and backend can be named instead.
+Nothing here names a device type: the device and backend come from flags, and ``auto`` asks ``plait.device``
+(the accelerator torch finds and torch.distributed's default backend for it, else cpu + gloo), so XLA or a
+PrivateUse1 backend can be named instead.
 """
 
 from __future__ import annotations
@@ -15,26 +16,23 @@ import torch
 import torch.distributed as dist
 
 from plait import comm
-
-
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device(device)
+from plait.config import ConfigError
+from plait.device import default_backend, set_device
+from plait.device import pick_device as pick_device  # its older home: plait.runtime.pick_device still works
 
 
 def init_distributed(device: torch.device, backend: str, timeout_s: int) -> bool:
     """Join the world torchrun started (WORLD_SIZE > 1, or any torchrun world with PLAIT_SINGLETON_GROUPS=1);
-    return whether it is distributed."""
+    return whether it is distributed. ``backend="auto"``: torch.distributed's default for the device's type."""
     wanted = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (comm.singleton_groups() and "RANK" in os.environ)
     if not wanted or dist.is_initialized():
         return dist.is_initialized()
     if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+        try:
+            backend = default_backend(device)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+    set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart == 0:

@@ -27,6 +27,7 @@ from plait.cp.sequence import read_spans
 from plait.data import GlobalBatchSampler, local_microbatch
 from plait.data.sft_blocks import batch_inputs, count_labels
 from plait.data.train_data import load_data
+from plait.device import pick_device, use_fused_adamw
 from plait.log_line import log_line, progress_text
 from plait.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_max
 from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
@@ -46,7 +47,7 @@ from plait.parallelize import ParallelModel, parallelize
 from plait.registry import default_registry
 from plait.seeds import init_seed
 from plait.stop import StopRequested, StopSignals
-from plait.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process, pick_device
+from plait.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process
 from plait.train_args import TrainArgs
 from plait.trackers import Trackers, parse_report_to
 
@@ -193,8 +194,8 @@ class Trainer:
             torch.manual_seed(init_seed(args.seed, "dropout", mesh.cp_rank))
         self.global_batch = args.per_device_train_batch_size * mesh.dp * args.gradient_accumulation_steps
         self.sampler = GlobalBatchSampler(len(self.blocks), self.global_batch, args.seed)
-        # On CUDA, AdamW's fused kernel (one launch for all parameters) rather than its per-tensor loop.
-        fused = {"fused": True} if device.type == "cuda" else {}
+        # AdamW's fused kernel (one launch for all parameters) where torch has one for the device, not on the CPU
+        fused = {"fused": True} if use_fused_adamw(device) else {}
         self.optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=args.learning_rate,
                                          weight_decay=args.weight_decay,
                                          decay_embeddings=not args.exclude_embeddings_from_weight_decay,

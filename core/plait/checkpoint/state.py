@@ -36,6 +36,7 @@ from torch import nn
 
 from plait.checkpoint.format import Box, CheckpointError, TensorEntry, full_box, spec_boxes
 from plait.checkpoint.st_io import DTYPES
+from plait.device import accelerator as device_accelerator
 from plait.tp.sharding import ShardSpec
 
 
@@ -333,7 +334,7 @@ def rng_state() -> dict[str, Any]:
         state["numpy"] = [kind, keys.tolist(), pos, has_gauss, cached]
     except ImportError:
         pass
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    accelerator = device_accelerator()
     if accelerator is not None:
         module = torch.get_device_module(accelerator.type)
         if hasattr(module, "get_rng_state_all"):
