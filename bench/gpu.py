@@ -26,6 +26,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from plait import device
+
+DEVICE = device.pick_device("auto")  # the accelerator torch finds (bench/gpu.py is run by hand on one)
+
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}  # dense, datasheet
 # A precision recipe: (parameter dtype, autocast, fp32 master weights). Each runs in both loops, eager and compiled.
 RECIPES = {
@@ -53,8 +57,12 @@ def llama_1b() -> LlamaConfig:
     return config
 
 
+def device_name() -> str:
+    return torch.get_device_module(DEVICE.type).get_device_name()
+
+
 def peak_flops() -> float:
-    name = torch.cuda.get_device_name()
+    name = device_name()
     for key, value in PEAK_BF16.items():
         if key in name:
             return value
@@ -80,7 +88,7 @@ def plain_step(config: LlamaConfig, recipe: str, options: set[str], ids: torch.T
     optimizer = torch.optim.AdamW(stepped, lr=1e-4, fused=True)
 
     def step() -> torch.Tensor:
-        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        with torch.autocast(ids.device.type, torch.bfloat16, enabled=autocast):
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         if masters:
@@ -130,19 +138,19 @@ def plait_step(config: LlamaConfig, recipe: str, options: set[str], ids: torch.T
 def run_variant(name: str, steps: int, batch: int, seq: int, profile: Path | None = None) -> dict:
     loop, recipe, options = parse_variant(name)
     config = llama_1b()
-    ids = torch.randint(0, config.vocab_size, (batch, seq), device=torch.device("cuda"))
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=DEVICE)
     step, params = (plain_step if loop == "hf" else plait_step)(config, recipe, options, ids)
     n_params = sum(p.numel() for p in {id(p): p for p in params}.values())
     losses = [step() for _ in range(3)]  # warm-up (and compilation)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    device.synchronize(DEVICE)
+    device.reset_peak_memory(DEVICE)
     start = time.perf_counter()
     for _ in range(steps):
         losses.append(step())
-    torch.cuda.synchronize()
+    device.synchronize(DEVICE)
     seconds = (time.perf_counter() - start) / steps
     row = {"variant": name, "params": n_params, "step_s": seconds, "tokens_per_s": batch * seq / seconds,
-           "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "peak_gpu_gib": device.peak_memory_bytes(DEVICE) / 2**30,
            "loss_first": float(losses[0]), "loss_last": float(losses[-1])}
     row["tflops"] = row["tokens_per_s"] * flops_per_token(config, n_params, seq) / 1e12
     row["mfu"] = row["tflops"] * 1e12 / peak_flops()
@@ -158,7 +166,7 @@ def profile_steps(step, path: Path) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
             step()
-        torch.cuda.synchronize()
+        device.synchronize(DEVICE)
     events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
     kinds: dict[str, float] = {}
     for e in events:
@@ -186,12 +194,11 @@ def run_load(stage: str, workdir: Path) -> dict:
     from plait.optim import OptimizerStep, build_optimizer
 
     baseline = peak_rss_mib()
-    device = torch.device("cuda")
     start = time.perf_counter()
     if stage == "save":  # a bf16 model with fp32 masters and AdamW state after one step: the training checkpoint
-        pmodel = load_parallel_model(llama_1b(), plait.ParallelConfig(), dtype=torch.bfloat16, device=device)
+        pmodel = load_parallel_model(llama_1b(), plait.ParallelConfig(), dtype=torch.bfloat16, device=DEVICE)
         optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4, optimizer_dtype=torch.float32, fused=True)
-        ids = torch.randint(0, 128256, (1, 512), device=device)
+        ids = torch.randint(0, 128256, (1, 512), device=DEVICE)
         pmodel.train_step(ids, ids)
         OptimizerStep(pmodel.grad_sync, optimizer, 1.0)()
         start = time.perf_counter()
@@ -199,15 +206,15 @@ def run_load(stage: str, workdir: Path) -> dict:
     elif stage == "consolidate":
         consolidate(workdir / "checkpoint-1", workdir / "hf")
     elif stage == "lazy-load":
-        pmodel = load_parallel_model(workdir / "hf", plait.ParallelConfig(), dtype=torch.bfloat16, device=device)
-        torch.cuda.synchronize()
+        pmodel = load_parallel_model(workdir / "hf", plait.ParallelConfig(), dtype=torch.bfloat16, device=DEVICE)
+        device.synchronize(DEVICE)
     elif stage == "from_pretrained":
-        model = AutoModelForCausalLM.from_pretrained(workdir / "hf", dtype=torch.bfloat16).to(device)
-        torch.cuda.synchronize()
+        model = AutoModelForCausalLM.from_pretrained(workdir / "hf", dtype=torch.bfloat16).to(DEVICE)
+        device.synchronize(DEVICE)
     seconds = time.perf_counter() - start
     gib = sum(f.stat().st_size for f in workdir.rglob("*") if f.is_file()) / 2**30
     return {"stage": stage, "seconds": seconds, "peak_rss_over_baseline_mib": peak_rss_mib() - baseline,
-            "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30, "bytes_on_disk_gib": gib}
+            "peak_gpu_gib": device.peak_memory_bytes(DEVICE) / 2**30, "bytes_on_disk_gib": gib}
 
 
 def child(args: list[str]) -> dict:
@@ -246,7 +253,7 @@ def main() -> None:
         print(json.dumps(run_load(ns.stage, Path(ns.workdir))))
         return
 
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+    print(f"{device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"Llama-3.2-1B shapes, batch {ns.batch} x {ns.seq}, sdpa, fused AdamW, clipping 1.0, {ns.steps} timed "
           f"steps after 3 warm-up, {ns.repeat} runs", flush=True)
     rows = []
