@@ -38,14 +38,14 @@ RECIPES = {
     "masters": (torch.bfloat16, False, True),  # bf16 parameters, fp32 master weights and AdamW state (--bf16)
 }
 VARIANTS = [f"{loop}-{recipe}{suffix}" for recipe in RECIPES for suffix in ("", "-compile") for loop in ("hf", "plait")]
-VARIANTS += ["plait-masters-maingrad", "plait-masters-compile-maingrad", "plait-masters-ckpt"]
+VARIANTS += ["plait-masters-ckpt"]
 
 
 def parse_variant(name: str) -> tuple[str, str, set[str]]:
     """``plait-masters-compile-ckpt`` -> ("plait", "masters", {"compile", "ckpt"})."""
     loop, recipe, *options = name.split("-")
-    if loop not in ("hf", "plait") or recipe not in RECIPES or not set(options) <= {"compile", "ckpt", "maingrad", "eagerloss"}:
-        raise SystemExit(f"unknown variant {name!r}: <hf|plait>-<{'|'.join(RECIPES)}>[-compile][-ckpt][-maingrad][-eagerloss]")
+    if loop not in ("hf", "plait") or recipe not in RECIPES or not set(options) <= {"compile", "ckpt", "nomaingrad", "eagerloss"}:
+        raise SystemExit(f"unknown variant {name!r}: <hf|plait>-<{'|'.join(RECIPES)}>[-compile][-ckpt][-nomaingrad][-eagerloss]")
     return loop, recipe, set(options)
 
 
@@ -123,7 +123,7 @@ def plait_step(config: LlamaConfig, recipe: str, options: set[str], ids: torch.T
             pmodel.loss.compile()
     optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4, fused=True,
                                 optimizer_dtype=torch.float32 if masters else None,
-                                main_grads="maingrad" in options)
+                                main_grads="nomaingrad" not in options)
     optimizer_step = OptimizerStep(pmodel.grad_sync, optimizer, max_grad_norm=1.0)
     num_items = ids.numel() - ids.shape[0]
 
