@@ -9,6 +9,7 @@ own ``lay_out``; the step time is a forward + backward + AdamW step of a Llama (
 tokens of the step's blocks. Epoch time = blocks / batch * step time.
 
     python bench/sft_packing.py                          # the lead's numbers (idle machine)
+    python bench/sft_packing.py --device auto            # on the accelerator torch finds
     python bench/sft_packing.py --examples 200 --block_size 128 --vocab 512 --hidden 64 --layers 2 --steps 2  # smoke
 """
 
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from plait import device
 from plait.data.sft_blocks import Example, batch_inputs, count_labels, lay_out
 
 PAD = 0
@@ -45,13 +47,16 @@ def step_seconds(blocks, args) -> tuple[float, float]:
                                          num_attention_heads=max(args.hidden // 64, 2), num_key_value_heads=2,
                                          max_position_embeddings=args.block_size,
                                          attn_implementation=args.attn))
+    dev = device.pick_device(args.device)
+    model.to(dev)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rows = torch.arange(min(args.batch, len(blocks)))
-    ids, labels, positions = batch_inputs(blocks, rows, torch.device("cpu"))
+    ids, labels, positions = batch_inputs(blocks, rows, dev)
     num_items = count_labels(blocks, rows)
     real = int((ids != PAD).sum())  # example ids are drawn from 1.., so pad id 0 marks exactly the padding
     times = []
     for step in range(args.steps + 1):
+        device.synchronize(dev)
         start = time.perf_counter()
         logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
@@ -59,6 +64,7 @@ def step_seconds(blocks, args) -> tuple[float, float]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        device.synchronize(dev)
         if step:  # the first step warms up allocators and kernels
             times.append(time.perf_counter() - start)
     return statistics.median(times), real
@@ -77,13 +83,14 @@ def main() -> None:
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu, or auto: the accelerator torch finds")
     args = parser.parse_args()
     examples = skewed_examples(args.examples, args.median, args.sigma, args.vocab, args.seed)
     lengths = np.array([min(len(e.ids), args.block_size) for e in examples])
     print(f"{args.examples} examples, lengths median {np.median(lengths):.0f}, mean {lengths.mean():.0f}, "
           f"p99 {np.percentile(lengths, 99):.0f}, max {lengths.max()} tokens (capped at --block_size="
           f"{args.block_size}); Llama hidden={args.hidden} layers={args.layers} attn={args.attn}, "
-          f"{args.batch} blocks per step, {torch.get_num_threads()} threads")
+          f"{args.batch} blocks per step, on {device.pick_device(args.device)} ({torch.get_num_threads()} threads)")
     rows = []
     for packing in (False, True):
         blocks = lay_out(examples, args.block_size, PAD, packing, "truncate")
