@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from plait.pipeline_schedules import SCHEDULES
 
 CP_ATTENTION = ("auto", "all-to-all", "ring")
+FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearRecipeName values plait runs (plait.float8)
 
 
 class ConfigError(ValueError):
@@ -38,6 +39,11 @@ class ParallelConfig:
     gradient_checkpointing: recompute each leaf module (adapter's ``plait_leaf_modules``) in backward.
     bf16_autocast: run every forward under ``torch.autocast(bfloat16)`` with fp32 parameters (backward follows
     the dtypes autocast chose).
+    float8: None, or a torchao float8 training recipe ("tensorwise", "rowwise") for the matmuls of the decoder
+    layers' linear layers (plait.float8; needs torchao, ``pip install 'plait[float8]'``); parameters, gradients
+    and optimizer state keep their dtype. float8_emulate: compute those matmuls in emulation (float8-rounded
+    operands, fp32 products), on any device: float8's numerics without its speed, for CPUs, tests and GPUs
+    without float8 (compute capability < 8.9).
     """
 
     tp: int = 1
@@ -57,6 +63,8 @@ class ParallelConfig:
     zero_1: bool = False
     gradient_checkpointing: bool = False
     bf16_autocast: bool = False
+    float8: str | None = None
+    float8_emulate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "virtual_pipeline_size", "num_microbatches"):
@@ -76,6 +84,13 @@ class ParallelConfig:
         factor = self.moe_capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
             raise ConfigError(f"moe_capacity_factor={factor!r} must be a positive number (or None: dropless)")
+        if self.float8 is not None and self.float8 not in FLOAT8_RECIPES:
+            raise ConfigError(
+                f"float8={self.float8!r} is unknown; choose one of {', '.join(FLOAT8_RECIPES)} (or None: no float8)"
+            )
+        if self.float8_emulate and self.float8 is None:
+            raise ConfigError(f"float8_emulate=True emulates float8 matmuls, but float8 is off; give float8="
+                              f"{' or '.join(map(repr, FLOAT8_RECIPES))}")
         object.__setattr__(self, "pipeline_cuts", tuple(self.pipeline_cuts))
 
     @property
@@ -114,6 +129,8 @@ class ParallelConfig:
             cp += f" ep={self.ep}" + (f" capacity={self.moe_capacity_factor:g}" if self.moe_capacity_factor else "")
         if not self.expert_tensor_parallel and self.tp > 1:
             cp += " experts whole over tp"
+        if self.float8 is not None:
+            cp += f" float8={self.float8}" + (" (emulated)" if self.float8_emulate else "")
         return (
             f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} sp={self.sequence_parallel} "
             f"vpp={self.virtual_pipeline_size} zero1={self.zero_1}"

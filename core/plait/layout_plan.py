@@ -23,6 +23,7 @@ from plait.cp.dry_run import check_on_meta
 from plait.cp.layout import CPPlan, plan_context_parallel
 from plait.declarations import SPPlan, TPPlan
 from plait.ep.layout import EPPlan, plan_expert_parallel
+from plait.float8 import plan_float8
 from plait.lora.layout import LoraPlan, plan_lora
 from plait.pipeline.cuts import StageSplit
 from plait.pipeline.layout import plan_stages, stage_rows, stages_of_rank, tied_across_stages
@@ -43,6 +44,7 @@ class LayoutPlan:
     r's shard decision per module and spec per parameter (names as in the unpruned model; under pp a rank
     keeps only its stages' entries; under ep, ``ep.localize`` narrows the expert parameters to an ep rank's). ``split``: the pipeline stages (None at pp=1); ``tied``: parameter names
     that are one tensor held by the first and last stage. ``leaves``: modules to recompute in backward.
+    ``float8``: the linear layers whose matmuls run in float8 (``plait.float8``; empty without float8).
     """
 
     config: ParallelConfig
@@ -57,6 +59,7 @@ class LayoutPlan:
     lora: LoraPlan | None = None  # LoRA adapters (their specs are in specs_by_rank); the base is frozen
     cp: CPPlan | None = None  # context parallelism: the attention strategies that apply (None at cp=1)
     ep: EPPlan | None = None  # expert parallelism: the routed-experts modules (None at ep=1)
+    float8: tuple[str, ...] = ()
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The pipeline stages pipeline rank ``pp_rank`` runs (empty at pp=1)."""
@@ -110,10 +113,11 @@ def plan_layout(
         lora_plan = plan_lora(model, lora, shards_by_rank, lora_tp_plan, config.sequence_parallel)
     specs_by_rank = tuple(param_specs(model, s) | (lora_plan.specs(r) if lora_plan else {})
                           for r, s in enumerate(shards_by_rank))
+    float8 = plan_float8(model, config, leaf_patterns, specs_by_rank, lora)
     return LayoutPlan(
         config=config.resolve(world_size), adapter=adapter, model_config=model.config, split=split, tied=tied,
         shards_by_rank=shards_by_rank, specs_by_rank=specs_by_rank, sp_plan=sp_plan, leaves=leaves, lora=lora_plan,
-        cp=cp_plan, ep=ep_plan,
+        cp=cp_plan, ep=ep_plan, float8=float8,
     )
 
 

@@ -31,6 +31,7 @@ from plait.checkpoint.hf_dir import open_hf_dir, read_hf_index
 from plait.checkpoint.load import load_checkpoint
 from plait.checkpoint.state import local_params, local_views, persistent_buffers
 from plait.config import ConfigError, ParallelConfig
+from plait.float8 import check_float8_device
 from plait.lora.base import base_reference, check_base, saved_lora
 from plait.lora.layers import local_init
 from plait.meta import build_meta_model
@@ -93,6 +94,7 @@ def materialize(
     with the optimizer state, in one read). Buffers are recomputed.
     """
     registry = registry or default_registry()
+    check_float8_device(pmodel.config, device)
     model, config = pmodel.module, pmodel.plan.model_config
     found = local_params(model, pmodel.param_specs)
     lora = pmodel.plan.lora

@@ -1,7 +1,7 @@
 """``parallelize(model, config)``: the one entry point, applying a layout plan in a fixed order.
 
 config -> ``plan_layout`` (adapter, plans, every refusal; no communication) -> mesh (process groups) ->
-pipeline pruning (drop other stages' modules) -> tensor parallel layers -> sequence parallel region ->
+pipeline pruning (drop other stages' modules) -> tensor parallel layers -> float8 -> sequence parallel region ->
 activation checkpointing -> gradient sync -> pipeline runner -> ParallelModel. Data flows one way: each
 step is built from the ones before it and handed to the next, and nothing is patched in afterwards.
 """
@@ -26,6 +26,7 @@ from plait.cp.context import ContextParallel
 from plait.cp.router import install_router_gather
 from plait.cp.sequence import check_length
 from plait.ep.apply import AppliedEP, apply_expert_parallel
+from plait.float8 import apply_float8, check_float8_device, check_float8_tokens
 from plait.grad_sync import GradSync, norm_params
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.layers import LoraDropout, apply_lora
@@ -175,7 +176,10 @@ class ParallelModel(nn.Module):
         with torch.no_grad():
             return self._run(input_ids, labels, attention_mask, num_items_in_batch, position_ids, train=False)
 
-    def _check_sequence(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+    def _check_sequence(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, microbatches: int = 1,
+        train: bool | None = None,
+    ) -> None:
         if attention_mask is not None and (self.config.sequence_parallel or self.cp is not None) and \
                 getattr(self.module.config, "output_router_logits", False):
             where = "context parallelism" if self.cp is not None else "sequence parallelism"
@@ -185,6 +189,8 @@ class ParallelModel(nn.Module):
                 f"{where}, or set output_router_logits=False"
             )
         seq = input_ids.shape[1]
+        if self.plan.float8 and (torch.is_grad_enabled() if train is None else train):
+            check_float8_tokens(self.config, input_ids.shape[0] // microbatches * seq // self.mesh.cp)
         if self.cp is not None:
             check_length(seq, self.cp.size, self.mesh.tp, self.config.sequence_parallel)
         elif self.config.sequence_parallel and seq % self.mesh.tp:
@@ -195,8 +201,8 @@ class ParallelModel(nn.Module):
 
     def _run(self, input_ids, labels, attention_mask, num_items_in_batch, position_ids, train: bool) -> torch.Tensor:
         """Checks first (identical on every rank, so a refusal never leaves a peer inside a collective)."""
-        self._check_sequence(input_ids, attention_mask)
         m = self.config.num_microbatches
+        self._check_sequence(input_ids, attention_mask, m, train)
         if input_ids.shape[0] % m:
             raise ConfigError(
                 f"a local batch of {input_ids.shape[0]} sequences is not divisible by num_microbatches={m}; "
@@ -239,6 +245,8 @@ def parallelize(
         plan.config.resolve(world_size)  # a plan made for another world size: raises, naming the numbers
     else:
         plan = plan_layout(model, config, world_size, registry, lora)
+    if plan.float8:  # a model that holds weights already: float8 needs a GPU for it, unless emulated
+        check_float8_device(plan.config, next(model.parameters()).device)
     return _apply(model, plan, Mesh.from_world(plan.config, timeout), lora_seed)
 
 
@@ -250,6 +258,7 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
     owns = lambda name: not dropped(model, name)  # noqa: E731
     shards = {name: shard for name, shard in plan.shards_by_rank[mesh.tp_rank].items() if owns(name)}
     applied = apply_tensor_parallel(model, shards, mesh, config.sequence_parallel)
+    apply_float8(model, [name for name in plan.float8 if owns(name)], config)  # before any hook lands on a linear
     experts = apply_expert_parallel(model, plan.ep, mesh, owns) if plan.ep is not None else AppliedEP()
     cp = None
     if plan.cp is not None:

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from plait.cp.sequence import check_length
 from plait.data.sft_blocks import OVERLONG
-from plait.config import CP_ATTENTION, ConfigError, ParallelConfig
+from plait.config import CP_ATTENTION, FLOAT8_RECIPES, ConfigError, ParallelConfig
+from plait.float8 import ALIGN, require_torchao
 from plait.lora.config import lora_config
 from plait.pipeline_schedules import SCHEDULES
 from plait.trackers import parse_report_to
@@ -68,6 +69,8 @@ class TrainArgs:
     zero_1: bool = field(default=False, metadata={"help": "shard optimizer state over data-parallel ranks (ZeRO-1)"})
     bf16: bool = field(default=False, metadata={"help": "bf16 parameters, with master weights in --optimizer_dtype"})
     bf16_autocast: bool = field(default=False, metadata={"help": "fp32 parameters, bf16 matmuls (torch.autocast)"})
+    float8: str | None = field(default=None, metadata={"help": f"compute the decoder layers' linear layers (attention and MLP projections; not the embeddings or LM head) in float8 with torchao's recipe {' or '.join(FLOAT8_RECIPES)} (dynamic scales per tensor or per row; under tp, per shard); parameters, gradients and optimizer state keep their dtype (pair with --bf16); needs a CUDA GPU of compute capability 8.9+ and pip install 'plait[float8]'"})
+    float8_emulate: bool = field(default=False, metadata={"help": "with --float8: emulate the float8 matmuls (float8-rounded operands, fp32 products) on any device, for float8's numerics without its speed (CPU, tests, GPUs without float8)"})
     optimizer_dtype: str = field(default="float32", metadata={"help": "dtype of optimizer state and master weights: float32 or bfloat16"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "clip by the global gradient norm (0: no clipping)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute leaf modules (decoder layers) in backward"})
@@ -168,6 +171,20 @@ class TrainArgs:
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             raise ConfigError(f"--lr_scheduler_type={self.lr_scheduler_type!r} is unknown; choose one of {', '.join(LR_SCHEDULERS)}")
         parse_report_to(self.report_to)  # known trackers, their packages installed
+        if self.float8 is not None:
+            if self.float8 not in FLOAT8_RECIPES:
+                raise ConfigError(f"--float8={self.float8!r} is unknown; choose one of {', '.join(FLOAT8_RECIPES)}")
+            require_torchao(self.float8)
+            if self.block_size % (ALIGN * self.context_parallel_size):
+                per = f" / cp={self.context_parallel_size}" if self.context_parallel_size > 1 else ""
+                raise ConfigError(
+                    f"--float8 {self.float8}: --block_size={self.block_size}{per} is not a multiple of {ALIGN}, which "
+                    f"float8's weight-gradient matmul (torch._scaled_mm) needs for the tokens it contracts over "
+                    f"(checked under --float8_emulate too); use a --block_size that is a multiple of "
+                    f"{ALIGN * self.context_parallel_size}")
+        elif self.float8_emulate:
+            raise ConfigError(f"--float8_emulate emulates float8 matmuls, but --float8 is not given; add --float8 "
+                              f"{' or '.join(FLOAT8_RECIPES)}")
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
@@ -187,6 +204,8 @@ class TrainArgs:
             zero_1=self.zero_1,
             gradient_checkpointing=self.gradient_checkpointing,
             bf16_autocast=self.bf16_autocast,
+            float8=self.float8,
+            float8_emulate=self.float8_emulate,
         )
 
 

@@ -28,6 +28,7 @@ from plait.data import GlobalBatchSampler, local_microbatch
 from plait.data.sft_blocks import batch_inputs, count_labels
 from plait.data.train_data import load_data
 from plait.device import pick_device, use_fused_adamw
+from plait.float8 import check_float8_device
 from plait.log_line import log_line, progress_text
 from plait.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_max
 from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
@@ -172,6 +173,7 @@ class Trainer:
         self.blocks, self.val_blocks, self.tokenizer = load_data(args, model_config.vocab_size)
         check_validation_blocks(self.val_blocks, plan.config)
         self.device = device = pick_device(args.device)
+        check_float8_device(plan.config, device)
         init_distributed(device, args.backend, args.ddp_timeout)
         torch.manual_seed(args.seed)  # the stream dropout draws from: a function of --seed, as is everything else
         self.console = Console(stderr=True, quiet=not is_main_process())

@@ -8,6 +8,7 @@ Plain tensors (not DTensor) keep ZeroRedundancyOptimizer, gloo, NCCL and XLA wor
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from plait import comm
 from plait.tp import mappings
 
 Group = dist.ProcessGroup | None
+Float8 = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # x, weight [out, in] -> x @ weight.T (plait.float8)
 
 
 class TPRegionEntry:
@@ -47,7 +49,12 @@ class TPRegionEntry:
         self._last = None
 
 
-def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+def _matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool, float8: Float8 | None = None,
+) -> torch.Tensor:
+    if float8 is not None:  # torchao's float8 matmul of the local shard (plait.float8; never transposed)
+        y = float8(x, weight)
+        return y if bias is None else y + bias.to(y.dtype)
     if transposed:  # transformers Conv1D: y = x @ W + b with W [in, out]
         y = x @ weight
         return y if bias is None else y + bias
@@ -58,7 +65,10 @@ class ColumnParallelLinear(nn.Module):
     """Output features split over tp; input entered through ``entry`` (None: input already entered).
 
     ``out_features_valid`` trims padded output columns (vocab padding) so they never reach a logit.
+    ``float8``: set by ``plait.float8.apply_float8`` for a layer whose matmul runs in float8.
     """
+
+    float8: Float8 | None = None
 
     def __init__(
         self,
@@ -76,18 +86,20 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.entry is not None:
             x = self.entry(x)
-        y = _matmul(x, self.weight, self.bias, self.transposed)
+        y = _matmul(x, self.weight, self.bias, self.transposed, self.float8)
         if self.out_features_valid is not None and self.out_features_valid < y.shape[-1]:
             y = y[..., : self.out_features_valid]
         return y
 
     def extra_repr(self) -> str:
-        return f"local_weight={tuple(self.weight.shape)}, transposed={self.transposed}"
+        return f"local_weight={tuple(self.weight.shape)}, transposed={self.transposed}{_float8_repr(self.float8)}"
 
 
 class RowParallelLinear(nn.Module):
     """Input features split over tp; partial outputs all-reduced, or reduce-scattered along the sequence
-    under SP; the (replicated) bias is added once, after the reduction."""
+    under SP; the (replicated) bias is added once, after the reduction. ``float8`` as for ``ColumnParallelLinear``."""
+
+    float8: Float8 | None = None
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool, group: Group, sequence_parallel: bool
@@ -98,7 +110,7 @@ class RowParallelLinear(nn.Module):
         self.transposed, self.group, self.sequence_parallel = transposed, group, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _matmul(x, self.weight, None, self.transposed)
+        y = _matmul(x, self.weight, None, self.transposed, self.float8)
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_seq(y, self.group)
         else:
@@ -106,7 +118,13 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"local_weight={tuple(self.weight.shape)}, transposed={self.transposed}, sp={self.sequence_parallel}"
+        return (f"local_weight={tuple(self.weight.shape)}, transposed={self.transposed}, sp={self.sequence_parallel}"
+                f"{_float8_repr(self.float8)}")
+
+
+def _float8_repr(float8: Float8 | None) -> str:
+    describe = getattr(float8, "describe", None)
+    return f", {describe()}" if describe is not None else ""
 
 
 class VocabParallelEmbedding(nn.Module):
