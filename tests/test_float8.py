@@ -26,6 +26,7 @@ from plait.lora.config import lora_config
 from plait.meta import build_meta_model
 from plait.testing import launch
 from plait.train_args import TrainArgs, add_arguments, from_namespace
+from plait.trainer import Trainer
 from tiny_models import tiny_config, tiny_model
 from workers.float8_parity import LINEARS, RECIPES, float8_llama, make_batches, train, worst_grad
 
@@ -175,12 +176,14 @@ def test_flags_and_their_refusals():
         TrainArgs(float8="tensorwise", block_size=40, context_parallel_size=2, nproc_per_node=2).validate()
 
 
-def test_real_float8_needs_a_float8_gpu():
+def test_real_float8_needs_a_float8_gpu(tmp_path):
     with pytest.raises(ConfigError, match=r"^float8=rowwise: float8 matmuls \(torch._scaled_mm\) run on CUDA GPUs of "
                                           r"compute capability 8.9 or more .* this run is on cpu: add --float8_emulate"):
         check_float8_device(ParallelConfig(float8="rowwise"), torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"this run is on cpu"):  # a model holding CPU weights, before any group
         plait.parallelize(float8_llama(), ParallelConfig(float8="tensorwise"))
+    with pytest.raises(ConfigError, match=r"this run is on cpu"):  # plait train: before any data is read
+        Trainer(TrainArgs(float8="rowwise", device="cpu", output_dir=str(tmp_path)))
     check_float8_device(emulated("rowwise"), "cpu")  # emulation runs anywhere
     check_float8_device(ParallelConfig(float8="rowwise"), "meta")  # the device is checked when weights arrive
 

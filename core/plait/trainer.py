@@ -169,11 +169,11 @@ class Trainer:
             check_base(saved[1], str(resume))
         lora = args.lora() or (saved[0] if saved is not None else None)  # a LoRA checkpoint names its own config
         plan = plan_layout(meta, args.parallel_config(), int(os.environ.get("WORLD_SIZE", "1")), lora=lora)
+        check_float8_device(plan.config, pick_device(args.device))  # float8 off a float8 GPU: before any data is read
         # Data before any process group: a bad file fails every rank at once, never inside a collective.
         self.blocks, self.val_blocks, self.tokenizer = load_data(args, model_config.vocab_size)
         check_validation_blocks(self.val_blocks, plan.config)
         self.device = device = pick_device(args.device)
-        check_float8_device(plan.config, device)
         init_distributed(device, args.backend, args.ddp_timeout)
         torch.manual_seed(args.seed)  # the stream dropout draws from: a function of --seed, as is everything else
         self.console = Console(stderr=True, quiet=not is_main_process())
