@@ -1,5 +1,6 @@
 """float8 training (torchao's float8 linear, emulated on CPU) under plait: one process against bf16, tp=2 with SP and
-ZeRO-1 dp=2 against one process (one world of 2 ranks, tests/workers/float8_parity.py), and every refusal.
+ZeRO-1 dp=2, pp=2 and cp=2 against one process (one world of 2 ranks, tests/workers/float8_parity.py), and every
+refusal.
 
 Tolerances are the measured differences (torch 2.13 CPU, torchao 0.18.0) with a margin, so a float8 path that went
 wrong (a transposed operand, a wrong scale, the high-precision matmul instead) fails while float8's own rounding
@@ -28,7 +29,7 @@ from plait.testing import launch
 from plait.train_args import TrainArgs, add_arguments, from_namespace
 from plait.trainer import Trainer
 from tiny_models import tiny_config, tiny_model
-from workers.float8_parity import LINEARS, RECIPES, float8_llama, make_batches, train, worst_grad
+from workers.float8_parity import LAYOUTS, LINEARS, RECIPES, float8_llama, make_batches, train, worst_grad
 
 WORKER = str(Path(__file__).parent / "workers" / "float8_parity.py")
 
@@ -93,7 +94,7 @@ def test_float8_recomputes_alike_and_runs_under_autocast():
 
 
 # --------------------------------------------------------------------------------------------------
-# tp=2 with SP and ZeRO-1 dp=2 against one process (one world of 2 ranks)
+# tp=2 with SP, ZeRO-1 dp=2, pp=2 and cp=2 against one process (one world of 2 ranks)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -133,10 +134,15 @@ def test_tp2_sp_tensorwise_within_float8_rounding(parity):
         assert r["loss_f8"] < 1e-5 and r["grad_f8"] < 2e-5 and r["param_f8"] < 1e-5, (rank, r)
 
 
-def test_zero1_dp2_follows_one_process(parity):
-    for rank, r in enumerate(parity["zero1-dp2-rowwise"]):
-        assert len(r["float8_layers"]) == LINEARS and r["names_unchanged"], (rank, r)
-        # measured: loss 1.2e-7, gradient norm 7.0e-8, parameters 2.3e-8 (each rank scales its half of the batch)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_zero1_pp_and_cp_follow_one_process(parity, layout):
+    """plait's optimizer step, rowwise: ZeRO-1 dp=2 (each rank scales its half of the batch), pp=2 (each stage its
+    layer, 2 microbatches), cp=2 (each rank its half of every sequence)."""
+    for rank, r in enumerate(parity[f"{layout}-rowwise"]):
+        held = LINEARS // 2 if layout == "pp2" else LINEARS
+        assert len(r["float8_layers"]) == held and r["names_unchanged"], (rank, r)
+        # measured, each layout: loss 1.2e-7; gradient norm 7.0e-8 (zero1, pp2) / 1.0e-8 (cp2); parameters after 3
+        # steps 2.3e-8 / 2.3e-8 / 3.1e-8
         assert r["loss_f8"] < 1e-5 and r["norm_f8"] < 1e-5 and r["param_f8"] < 1e-5, (rank, r)
         assert 1e-5 < r["loss_hp"] < 2e-3, (rank, r)
 

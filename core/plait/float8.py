@@ -118,10 +118,12 @@ def plan_float8(
             shape = shape or tuple(model.get_submodule(name).weight.shape)
             if any(size % ALIGN for size in shape):
                 where = f" on tp rank {rank} of tp={config.tp}" if config.tp > 1 else ""
+                fix = "choose a tp that keeps them so, or train without float8" if config.tp > 1 else \
+                    "train this model without float8"
                 raise ConfigError(
                     f"{what}: {name}'s weight is {list(shape)} [out, in]{where}; float8 matmuls (torch._scaled_mm) "
                     f"need both dims to be multiples of {ALIGN} (checked under float8_emulate too, so that an "
-                    f"emulated run is one a GPU can run); choose a tp that keeps them so, or train without float8"
+                    f"emulated run is one a GPU can run); {fix}"
                 )
     return tuple(names)
 

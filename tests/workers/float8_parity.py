@@ -3,7 +3,7 @@
 Run by tests/test_float8.py through plait.testing.launch: ``float8_parity.py OUT.json``. Every rank trains, on the
 same global batches, the one-process references (torchao's own ``convert_to_float8_training`` of the decoder layers'
 linears, per recipe, and the model without float8), then plait with float8 at tp=2 with SP (each recipe, and
-tensorwise with power-of-2 scales) and at ZeRO-1 dp=2 (rowwise); it records the relative differences the test
+tensorwise with power-of-2 scales), and at ZeRO-1 dp=2, pp=2 and cp=2 (rowwise); it records the relative differences the test
 asserts on, and checks that a float8 tp=2 checkpoint loads into a layout without float8 as the same weights.
 Rank 0 writes {case: [per-rank record]}.
 
@@ -38,6 +38,8 @@ from tiny_models import tiny_model  # noqa: E402
 STEPS, GLOBAL_BATCH, SEQ, LR = 3, 4, 16, 1e-3
 RECIPES = ("tensorwise", "rowwise")
 LINEARS = 14  # 2 decoder layers x (q, k, v, o, gate, up, down)
+# layouts trained with plait's optimizer step, beside tp=2 with SP (trained with plain AdamW, its gradients gathered)
+LAYOUTS = {"zero1-dp2": dict(zero_1=True), "pp2": dict(pp=2, num_microbatches=2), "cp2": dict(cp=2)}
 
 
 def float8_llama(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -127,17 +129,18 @@ def tp_case(base, recipe: str, batches, ref8: dict, ref: dict, pow2: bool = Fals
     return out
 
 
-def zero1_case(base, recipe: str, batches, ref8: dict, ref: dict) -> dict:
-    config = plait.ParallelConfig(zero_1=True, float8=recipe, float8_emulate=True)
+def step_case(base, config: plait.ParallelConfig, batches, ref8: dict, ref: dict) -> dict:
+    """plait's own optimizer step (ZeRO-1 where the config says) on a layout with float8: each step's loss and
+    gradient norm, and the parameters this rank holds after the last step, against the one-process runs."""
     pmodel = plait.parallelize(copy.deepcopy(base), config)
     mesh = pmodel.mesh
     step = OptimizerStep(pmodel.grad_sync, build_optimizer(pmodel, torch.optim.AdamW, lr=LR))
     out = describe(pmodel, base)
     out.update(loss_f8=0.0, loss_hp=0.0, norm_f8=0.0, norm_hp=0.0)
     for i, ids in enumerate(batches):
-        local = ids.chunk(mesh.dp)[mesh.dp_rank]
+        local = ids.chunk(mesh.dp)[mesh.dp_rank]  # each dp rank its rows; cp takes its slice of each sequence
         loss = pmodel.train_step(local, local, num_items_in_batch=ids.shape[0] * (SEQ - 1))
-        loss = comm.all_reduce(loss, mesh.dp_group).item()
+        loss = comm.all_reduce(loss, mesh.replica_group).item()
         norm = step().item()
         out["loss_f8"] = max(out["loss_f8"], abs(loss - ref8["losses"][i]) / ref8["losses"][i])
         out["loss_hp"] = max(out["loss_hp"], abs(loss - ref["losses"][i]) / ref["losses"][i])
@@ -148,10 +151,12 @@ def zero1_case(base, recipe: str, batches, ref8: dict, ref: dict) -> dict:
 
 
 def describe(pmodel, base) -> dict:
-    """What the test checks was converted, and that the parameters kept their names (checkpoints, ZeRO-1)."""
-    return {"float8_layers": float8_modules(pmodel.module),
-            "names_unchanged": [n for n, _ in pmodel.module.named_parameters()] == [n for n, _ in base.named_parameters()],
-            "repr": repr(pmodel.module.model.layers[0].self_attn.o_proj)}
+    """What the test checks was converted, and that the parameters kept their names (checkpoints, ZeRO-1): the
+    names of the unsplit model, in its order (under pp, those of this rank's stage)."""
+    names, layers = [n for n, _ in pmodel.module.named_parameters()], float8_modules(pmodel.module)
+    return {"float8_layers": layers, "names_unchanged": names == [n for n, _ in base.named_parameters() if n in names]
+            and len(names) == len(set(names)) and set(names) <= {n for n, _ in base.named_parameters()},
+            "repr": repr(pmodel.module.get_submodule(layers[-1]))}
 
 
 def main(out: str) -> None:
@@ -163,8 +168,10 @@ def main(out: str) -> None:
         ref8 = train(torchao_float8(copy.deepcopy(base), recipe), batches)
         checkpoint = Path(out).parent / "checkpoint" if recipe == "rowwise" else None
         records[f"tp2-sp-{recipe}"] = tp_case(base, recipe, batches, ref8, ref, checkpoint=checkpoint)
-        if recipe == "rowwise":
-            records[f"zero1-dp2-{recipe}"] = zero1_case(base, recipe, batches, ref8, ref)
+        if recipe == "rowwise":  # rowwise: power-of-2 scales, so any layout matches one process to fp32 noise
+            for name, layout in LAYOUTS.items():
+                config = plait.ParallelConfig(float8=recipe, float8_emulate=True, **layout)
+                records[f"{name}-{recipe}"] = step_case(base, config, batches, ref8, ref)
     ref8 = train(torchao_float8(copy.deepcopy(base), "tensorwise", pow2=True), batches)
     records["tp2-sp-tensorwise-pow2"] = tp_case(base, "tensorwise", batches, ref8, ref, pow2=True)
     by_rank = comm.all_gather_object(records, comm.world_group())
