@@ -96,3 +96,24 @@ def reset_peak_memory(device: torch.device) -> None:
     """Start ``peak_memory_bytes`` afresh on ``device`` (a no-op where it gives None)."""
     if _managed(device):
         torch.accelerator.reset_peak_memory_stats(device)
+
+
+FLOAT8_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.0)
+
+
+def float8_unsupported(device: torch.device) -> str | None:
+    """Why ``device`` cannot run float8 matmuls (``torch._scaled_mm``, what torchao's float8 training calls), or
+    None where it can: CUDA GPUs of compute capability 8.9 or more. The meta device is answered None (a model laid
+    out there is checked again when its weights arrive)."""
+    major, minor = FLOAT8_CAPABILITY
+    gpus = f"CUDA GPUs of compute capability {major}.{minor} or more (L4, L40S, RTX 4090, H100, H200, B200)"
+    if device.type == "meta":
+        return None
+    if device.type != "cuda":
+        return f"float8 matmuls (torch._scaled_mm) run on {gpus}; this run is on {device.type}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FLOAT8_CAPABILITY:
+        return (f"{torch.cuda.get_device_name(device)} has compute capability {capability[0]}.{capability[1]}, and "
+                f"float8 matmuls (torch._scaled_mm) run on {gpus}")
+    return None
+

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from plait import device
 from plait.config import ConfigError, ParallelConfig
 from plait.ep.layout import other_experts, routed_experts
 from plait.patterns import leaf_module_names
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
 
 ALIGN = 16  # torch._scaled_mm: both operands' dims, and the tokens of the weight-gradient matmul, multiples of 16
-MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell
 
 
 def installed() -> bool:
@@ -128,24 +128,15 @@ def plan_float8(
     return tuple(names)
 
 
-def check_float8_device(config: ParallelConfig, device: torch.device | str) -> None:
-    """Real float8 matmuls need a CUDA GPU with float8 tensor cores; elsewhere float8 runs only emulated."""
+def check_float8_device(config: ParallelConfig, where: torch.device | str) -> None:
+    """Real float8 matmuls need a GPU with float8 tensor cores (``plait.device.float8_unsupported``); elsewhere
+    float8 runs only emulated."""
     if config.float8 is None or config.float8_emulate:
         return
-    device = torch.device(device)
-    if device.type == "meta":
-        return
-    emulate = "add --float8_emulate (ParallelConfig(float8_emulate=True)) to check float8 numerics there, without " \
-              "the speed-up, or train without --float8"
-    if device.type != "cuda":
-        raise ConfigError(f"float8={config.float8}: float8 matmuls (torch._scaled_mm) run on CUDA GPUs of compute "
-                          f"capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or more (L4, L40S, RTX 4090, H100, "
-                          f"H200, B200); this run is on {device.type}: {emulate}")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < MIN_CAPABILITY:
-        raise ConfigError(f"float8={config.float8}: {torch.cuda.get_device_name(device)} has compute capability "
-                          f"{capability[0]}.{capability[1]}, and float8 matmuls need {MIN_CAPABILITY[0]}."
-                          f"{MIN_CAPABILITY[1]} or more (L4, L40S, RTX 4090, H100, H200, B200): {emulate}")
+    why = device.float8_unsupported(torch.device(where))
+    if why is not None:
+        raise ConfigError(f"float8={config.float8}: {why}: add --float8_emulate (ParallelConfig(float8_emulate=True)) "
+                          f"to check float8 numerics there, without the speed-up, or train without --float8")
 
 
 def check_float8_tokens(config: ParallelConfig, tokens: int) -> None:
@@ -175,9 +166,9 @@ class Float8Matmul:
         self.function = matmul_with_hp_or_float8_args
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        device = x.device.type
-        if torch.is_autocast_enabled(device):
-            x = x.to(torch.get_autocast_dtype(device))
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):
+            x = x.to(torch.get_autocast_dtype(kind))
         # torchao flattens the float8 input with reshape, which a rowwise-scaled float8 tensor allows only as a view:
         # an input gathered from sequence shards (SP) is not contiguous, so it is made so before the cast.
         return self.function.apply(x.contiguous(), weight.t(), self.linear_mm_config, self.config)
