@@ -1,11 +1,17 @@
 """bf16 training of a ~1.2B Llama (Llama-3.2-1B shapes) on one GPU: tokens/s and MFU, plait beside a plain
-transformers + torch loop on the same model shape, batch and attention kernel; then lazy load and consolidate
-of the multi-GB checkpoint with device placement. Run by hand on a GPU machine (CI has none):
+transformers + torch loop on the same model shape, batch, attention kernel and precision recipe; then lazy load and
+consolidate of the multi-GB checkpoint with device placement. Run by hand on a GPU machine (CI has none):
 
-    python bench/gpu.py [--steps 10] [--batch 4] [--seq 2048] [--only plait-bf16,hf-autocast] [--no-load]
+    python bench/gpu.py [--steps 10] [--batch 4] [--seq 2048] [--repeat 2] [--only plait-masters,hf-masters]
+                        [--profile plait-masters-compile --out DIR] [--no-load]
 
-Each variant runs in its own process (clean GPU memory and compile caches) and prints one JSON line; the
-parent prints the table. MFU = tokens/s * (6 N + 12 L h s) / peak bf16 FLOP/s, the formula torchtitan
+A variant is <loop>-<recipe>[-options]: loop ``hf`` (the plain loop) or ``plait``; recipe ``autocast`` (fp32
+parameters and AdamW, bf16 autocast), ``bf16`` (pure bf16: no masters) or ``masters`` (bf16 parameters, fp32 master
+weights and AdamW state: ``plait train --bf16``); options ``compile`` (each decoder layer, and for plait its loss),
+``ckpt`` (activation checkpointing), ``nomaingrad`` / ``eagerloss`` (switch one of plait's choices off, to measure
+it). Each plait row is compared with the plain loop of the same recipe and compilation in the same run.
+Each variant runs in its own process (clean GPU memory; compile caches persist on disk) and prints one JSON line;
+the parent prints the table. MFU = tokens/s * (6 N + 12 L h s) / peak bf16 FLOP/s, the formula torchtitan
 reports (N: every parameter, the tied embedding once, since it is also the LM head's matmul).
 """
 
@@ -44,8 +50,9 @@ VARIANTS += ["plait-masters-ckpt"]
 def parse_variant(name: str) -> tuple[str, str, set[str]]:
     """``plait-masters-compile-ckpt`` -> ("plait", "masters", {"compile", "ckpt"})."""
     loop, recipe, *options = name.split("-")
-    if loop not in ("hf", "plait") or recipe not in RECIPES or not set(options) <= {"compile", "ckpt", "nomaingrad", "eagerloss"}:
-        raise SystemExit(f"unknown variant {name!r}: <hf|plait>-<{'|'.join(RECIPES)}>[-compile][-ckpt][-nomaingrad][-eagerloss]")
+    known = {"compile", "ckpt", "nomaingrad", "eagerloss"}
+    if loop not in ("hf", "plait") or recipe not in RECIPES or not set(options) <= known:
+        raise SystemExit(f"unknown variant {name!r}: <hf|plait>-<{'|'.join(RECIPES)}>[-{'][-'.join(sorted(known))}]")
     return loop, recipe, set(options)
 
 
@@ -273,7 +280,7 @@ def main() -> None:
             load_rows.append(row)
         shutil.rmtree(workdir, ignore_errors=True)
     base = {(r["variant"], r["run"]): r for r in rows if "error" not in r}
-    print("\n| variant | run | step (s) | tokens/s | TFLOP/s | MFU | peak GPU GiB | vs plain loop, same recipe, same run |")
+    print("\n| variant | run | step (s) | tokens/s | TFLOP/s | MFU | peak GPU GiB | vs plain loop, same recipe and run |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         if "error" in r:

@@ -43,6 +43,7 @@ def run(tmp_path_factory) -> Path:
 def test_trains_on_cuda(run):
     losses = [r["loss"] for r in read_metrics(run)]
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    assert all(r["peak_device_mb"] > 0 for r in read_metrics(run))  # the allocator's peak, via plait.device
 
 
 def test_resume_from_gpu_checkpoint_matches(run, tmp_path):

@@ -27,7 +27,7 @@ from plait.cp.sequence import read_spans
 from plait.data import GlobalBatchSampler, local_microbatch
 from plait.data.sft_blocks import batch_inputs, count_labels
 from plait.data.train_data import load_data
-from plait.device import pick_device, use_fused_adamw
+from plait.device import peak_memory_bytes, pick_device, use_fused_adamw
 from plait.float8 import check_float8_device
 from plait.log_line import log_line, progress_text
 from plait.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_max
@@ -287,12 +287,16 @@ class Trainer:
         return record
 
     def end_step(self, record: dict, start: float) -> None:
-        """The step's throughput and peak memory; and, in the same max-reduction over the world, the stop
+        """The step's throughput and peak memory (host, and the accelerator's allocator where there is one); and, in the same max-reduction over the world, the stop
         signal any rank received, so that every rank sees it after the same step (``plait.stop``)."""
-        peak, signum = world_max([own_peak_rss_mb(), self.signals.signum])
+        accelerator_peak = peak_memory_bytes(self.device)  # None on the CPU: the same on every rank
+        extra = [] if accelerator_peak is None else [accelerator_peak / 2**20]
+        peak, signum, *device_peak = world_max([own_peak_rss_mb(), self.signals.signum, *extra])
         self.stop_signal = int(signum)
         record.update(tokens_per_s=self.global_batch * self.args.block_size / (time.perf_counter() - start),
                       peak_rss_mb=peak)
+        if device_peak:
+            record["peak_device_mb"] = device_peak[0]
 
     def save(self, step: int) -> Path:
         extra = {"sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps,

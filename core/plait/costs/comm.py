@@ -5,7 +5,7 @@ row-parallel linear all-reduces its output forward and the input of its column-p
 with SP those become a reduce-scatter + all-gather pair each, the region adds the sequence split at its first
 layer and the gather after its final norm, and the norms' weight gradients are all-reduced once per step.
 A vocab-parallel embedding all-reduces its output; a vocab-parallel head all-reduces its input's gradient
-(without SP) and the cross-entropy three vectors of one float per predicted token.
+(without SP) and the cross-entropy three vectors of one float per token.
 Activation checkpointing repeats a layer's forward collectives in backward, all but its last row-parallel one.
 Pipeline (per micro-step): each micro-batch's hidden states cross every stage boundary forward and their
 gradient backward; the loss is broadcast from the last stage; tied embeddings sum their gradient over the
@@ -100,8 +100,9 @@ def step_comm(
         vocab_head = "vocab_head" in labels
         held_modules = {p.name.rpartition(".")[0] for p in held}
         r = sum(1 for n in rows if n in held_modules)  # this rank's row linears
-        # predicted tokens: under cp the labels are shifted before the cut, every local token is scored
-        tokens = shape.batch * (shape.seq - 1 if cp == 1 else shape.seq // cp)
+        # scored tokens: the labels are shifted and padded (tp.loss.shift_labels), so every local token is scored,
+        # the last one's ignored label included
+        tokens = shape.batch * (shape.seq // cp)
         counts: dict[str, list[int]] = {"all_reduce": [0, 0], "all_gather": [0, 0], "reduce_scatter": [0, 0]}
 
         def add(op: str, n: int, size: int) -> None:

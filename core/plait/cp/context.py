@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from plait.cp.layout import CPPlan
 from plait.cp.sequence import SequenceContext, enter, leave, local_index
-from plait.tp.loss import IGNORE_INDEX
+from plait.tp.loss import shift_labels
 
 
 class ContextParallel:
@@ -34,8 +34,7 @@ class ContextParallel:
 
     def shard_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the labels, shifted first (position t holds the label of token t+1)."""
-        shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
-        return self.take(shifted)
+        return self.take(shift_labels(labels))
 
     def take(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's slice of ``tensor`` along its sequence dimension ``dim``."""

@@ -67,7 +67,7 @@ def vocab_parallel_cross_entropy(
     and accumulation steps can be summed exactly), else the mean over non-ignored tokens.
     """
     if shift:
-        labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        labels = shift_labels(labels)
     if comm.group_size(group) == 1:  # whole vocabulary here: torch's fused kernel is faster
         total = (whole_vocab_sum or whole_vocab_loss_sum)(logits, labels)
     else:
@@ -77,6 +77,11 @@ def vocab_parallel_cross_entropy(
     if num_items_in_batch is None:
         num_items_in_batch = (labels != IGNORE_INDEX).sum().clamp(min=1)
     return total / num_items_in_batch
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Position t gets the label of token t+1, the last position an ignored one: the logits stay whole."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def whole_vocab_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
