@@ -24,6 +24,9 @@ case "${1:-}" in
     }
     fetch .whl "transformers==$(pin transformers)" "peft==$(pin peft)" "regex==$(pin regex)" \
       "torchao==$(pin torchao)"
+    # torchtitan 0.2.2: the last release that runs on the GPU machine's torch 2.11 (0.3.0 needs newer torch)
+    fetch .whl/titan torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 \
+      typing_extensions==4.16.0 datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19
     du -sh .whl
     ;;
   install)
