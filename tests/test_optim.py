@@ -217,7 +217,8 @@ def test_main_grads_start_each_step_from_nothing():
 
 
 def test_compiled_loss_matches_eager():
-    """``CausalLMLoss.compile`` (``--torch_compile``) gives the eager loss and gradient; labels, not logits, shift."""
+    """``CausalLMLoss.compile`` (``--torch_compile``) gives the eager loss and gradient; labels, not logits, shift.
+    Traced by dynamo and AOTAutograd as under inductor, run without inductor's C++ build (12 s on 2 cores)."""
     from plait.tp.loss import IGNORE_INDEX, CausalLMLoss
 
     logits = torch.randn(2, 9, 40, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
@@ -226,7 +227,7 @@ def test_compiled_loss_matches_eager():
     results = []
     for compiled in (False, True):
         loss = CausalLMLoss(0, None)
-        assert loss.compile() if compiled else True
+        assert loss.compile(backend="aot_eager") if compiled else True
         leaf = logits.clone().requires_grad_()
         value = loss(leaf, labels, num_items_in_batch=15)
         value.backward()

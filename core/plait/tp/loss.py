@@ -9,6 +9,7 @@ cross-entropy.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -106,11 +107,12 @@ class CausalLMLoss:
         return vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.group, num_items_in_batch,
                                             self.shift, self.whole_vocab_sum)
 
-    def compile(self) -> bool:
+    def compile(self, **options: Any) -> bool:
         """``torch.compile`` the whole-vocabulary loss (as torchtitan compiles its loss): the upcast, log-softmax
         and gather fuse into one pass over the logits, and backward's softmax minus one-hot into another.
-        The vocab-parallel loss holds collectives and stays eager. Returns whether anything was compiled."""
+        The vocab-parallel loss holds collectives and stays eager. ``options`` go to ``torch.compile``. Returns
+        whether anything was compiled."""
         if comm.group_size(self.group) != 1:
             return False
-        self.whole_vocab_sum = torch.compile(whole_vocab_loss_sum)
+        self.whole_vocab_sum = torch.compile(whole_vocab_loss_sum, **options)
         return True
