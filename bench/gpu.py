@@ -125,9 +125,11 @@ def plait_step(config: LlamaConfig, recipe: str, options: set[str], ids: torch.T
     parallel = plait.ParallelConfig(gradient_checkpointing="ckpt" in options, bf16_autocast=autocast)
     pmodel = load_parallel_model(config, parallel, dtype=dtype, device=ids.device)
     if "compile" in options:
-        compile_leaf_modules(pmodel.module, default_registry().leaf_modules(pmodel.adapter, config))
-        if "eagerloss" not in options:
-            pmodel.loss.compile()
+        leaves = default_registry().leaf_modules(pmodel.adapter, config)
+        if "eagerloss" in options:  # the layers alone, to measure what compiling the loss brings
+            compile_leaf_modules(pmodel.module, leaves)
+        else:
+            pmodel.torch_compile(leaves)
     optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4, fused=True,
                                 optimizer_dtype=torch.float32 if masters else None,
                                 main_grads="nomaingrad" not in options)

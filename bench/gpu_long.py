@@ -28,7 +28,6 @@ from gpu import llama_1b
 
 import plait
 from plait import device
-from plait.compile import compile_leaf_modules
 from plait.data.sft_blocks import Example, count_labels, lay_out
 from plait.materialize import load_parallel_model
 from plait.optim import OptimizerStep, build_optimizer
@@ -99,8 +98,7 @@ def run(args: argparse.Namespace, attn: str) -> dict:
     diff = max(abs(a - b) for a, b in pairs)
 
     if args.compile:
-        compile_leaf_modules(pmodel.module, default_registry().leaf_modules(pmodel.adapter, config))
-        pmodel.loss.compile()
+        pmodel.torch_compile(default_registry().leaf_modules(pmodel.adapter, config))
     optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-5, fused=device.use_fused_adamw(dev),
                                 optimizer_dtype=None if args.tiny else torch.float32)
     optimizer_step = OptimizerStep(pmodel.grad_sync, optimizer, max_grad_norm=1.0)

@@ -55,8 +55,7 @@ def default_backend(device: torch.device) -> str:
 def set_device(device: torch.device) -> None:
     """Make ``device`` this process's current accelerator device (where collectives and new tensors go); a
     no-op for the CPU and for device types torch's accelerator API does not manage (e.g. XLA)."""
-    found = accelerator()
-    if found is not None and device.type == found.type and device.index is not None:
+    if _managed(device) and device.index is not None:
         torch.accelerator.set_device_index(device.index)
 
 

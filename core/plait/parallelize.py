@@ -12,7 +12,7 @@ import contextlib
 import datetime
 import functools
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +22,7 @@ from torch import nn
 from plait.activation_checkpoint import apply_activation_checkpointing
 from plait.config import ConfigError, ParallelConfig
 from plait.cp.attention import install_context_parallel
+from plait.compile import compile_leaf_modules
 from plait.cp.context import ContextParallel
 from plait.cp.router import install_router_gather
 from plait.cp.sequence import check_length
@@ -91,6 +92,13 @@ class ParallelModel(nn.Module):
     @property
     def config(self) -> ParallelConfig:
         return self.mesh.config
+
+    def torch_compile(self, leaf_patterns: Sequence[str]) -> list[str]:
+        """What ``--torch_compile`` compiles: each leaf module (decoder layer) in place, and the loss where this
+        rank holds the whole vocabulary (``CausalLMLoss.compile``). Returns the compiled modules' names."""
+        names = compile_leaf_modules(self.module, leaf_patterns)
+        self.loss.compile()
+        return names
 
     def forward(
         self,

@@ -34,7 +34,6 @@ from plait.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_cu
 from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
 from plait.checkpoint.format import read_index, remove_partial_checkpoints
 from plait.checkpoint.state import local_params
-from plait.compile import compile_leaf_modules
 from plait.checkpoint import (
     checkpoint_path, latest_checkpoint, load_checkpoint, rotate_checkpoints, save_checkpoint, should_save,
 )
@@ -169,11 +168,11 @@ class Trainer:
             check_base(saved[1], str(resume))
         lora = args.lora() or (saved[0] if saved is not None else None)  # a LoRA checkpoint names its own config
         plan = plan_layout(meta, args.parallel_config(), int(os.environ.get("WORLD_SIZE", "1")), lora=lora)
-        check_float8_device(plan.config, pick_device(args.device))  # float8 off a float8 GPU: before any data is read
+        self.device = device = pick_device(args.device)
+        check_float8_device(plan.config, device)  # float8 off a float8 GPU: before any data is read
         # Data before any process group: a bad file fails every rank at once, never inside a collective.
         self.blocks, self.val_blocks, self.tokenizer = load_data(args, model_config.vocab_size)
         check_validation_blocks(self.val_blocks, plan.config)
-        self.device = device = pick_device(args.device)
         init_distributed(device, args.backend, args.ddp_timeout)
         torch.manual_seed(args.seed)  # the stream dropout draws from: a function of --seed, as is everything else
         self.console = Console(stderr=True, quiet=not is_main_process())
@@ -187,8 +186,7 @@ class Trainer:
         self.pmodel = pmodel = parallelize(meta, plan, timeout=datetime.timedelta(seconds=args.ddp_timeout))
         materialize(pmodel, kind, path, seed=saved[1].get("seed", args.seed) if saved else args.seed, device=device)
         if args.torch_compile:
-            compile_leaf_modules(pmodel.module, default_registry().leaf_modules(pmodel.adapter, model_config))
-            pmodel.loss.compile()
+            pmodel.torch_compile(default_registry().leaf_modules(pmodel.adapter, model_config))
         self.mesh = mesh = pmodel.mesh
         # a cp rank reads only the tokens of its slice of each block (and their labels) from a token file
         self.spans = read_spans(args.block_size, mesh.cp, mesh.cp_rank) if mesh.cp > 1 else None
@@ -287,8 +285,9 @@ class Trainer:
         return record
 
     def end_step(self, record: dict, start: float) -> None:
-        """The step's throughput and peak memory (host, and the accelerator's allocator where there is one); and, in the same max-reduction over the world, the stop
-        signal any rank received, so that every rank sees it after the same step (``plait.stop``)."""
+        """The step's throughput and peak memory (host, and the accelerator's allocator where there is one); and,
+        in the same max-reduction over the world, the stop signal any rank received, so that every rank sees it
+        after the same step (``plait.stop``)."""
         accelerator_peak = peak_memory_bytes(self.device)  # None on the CPU: the same on every rank
         extra = [] if accelerator_peak is None else [accelerator_peak / 2**20]
         peak, signum, *device_peak = world_max([own_peak_rss_mb(), self.signals.signum, *extra])

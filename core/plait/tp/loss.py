@@ -72,9 +72,7 @@ def vocab_parallel_cross_entropy(
     if comm.group_size(group) == 1:  # whole vocabulary here: torch's fused kernel is faster
         total = (whole_vocab_sum or whole_vocab_loss_sum)(logits, labels)
     else:
-        # at least fp32 (bf16 logits are upcast, as transformers does); float64 stays float64
-        flat = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
-        total = _VocabParallelCrossEntropy.apply(flat, labels.reshape(-1), vocab_start, group).sum()
+        total = _VocabParallelCrossEntropy.apply(_flat_upcast(logits), labels.reshape(-1), vocab_start, group).sum()
     if num_items_in_batch is None:
         num_items_in_batch = (labels != IGNORE_INDEX).sum().clamp(min=1)
     return total / num_items_in_batch
@@ -87,8 +85,12 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 def whole_vocab_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The summed cross-entropy of aligned ``logits`` [..., V] and ``labels`` [...], in at least fp32."""
-    flat = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(flat, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(_flat_upcast(logits), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _flat_upcast(logits: torch.Tensor) -> torch.Tensor:
+    """[tokens, V] in at least fp32 (bf16 logits are upcast, as transformers does; float64 stays float64)."""
+    return logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
 
 
 class CausalLMLoss:
