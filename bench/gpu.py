@@ -32,11 +32,11 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from mfu import flops_per_token, peak_flops
 from plait import device
 
 DEVICE = device.pick_device("auto")  # the accelerator torch finds (bench/gpu.py is run by hand on one)
 
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}  # dense, datasheet
 # A precision recipe: (parameter dtype, autocast, fp32 master weights). Each runs in both loops, eager and compiled.
 RECIPES = {
     "autocast": (torch.float32, True, False),  # fp32 parameters and AdamW, bf16 matmuls (torch.autocast)
@@ -66,18 +66,6 @@ def llama_1b() -> LlamaConfig:
 
 def device_name() -> str:
     return torch.get_device_module(DEVICE.type).get_device_name()
-
-
-def peak_flops() -> float:
-    name = device_name()
-    for key, value in PEAK_BF16.items():
-        if key in name:
-            return value
-    raise SystemExit(f"no bf16 peak known for {name!r}; add it to PEAK_BF16")
-
-
-def flops_per_token(config: LlamaConfig, params: int, seq: int) -> float:
-    return 6 * params + 12 * config.num_hidden_layers * config.hidden_size * seq
 
 
 def plain_step(config: LlamaConfig, recipe: str, options: set[str], ids: torch.Tensor) -> tuple:
@@ -161,8 +149,12 @@ def run_variant(name: str, steps: int, batch: int, seq: int, profile: Path | Non
     row = {"variant": name, "params": n_params, "step_s": seconds, "tokens_per_s": batch * seq / seconds,
            "peak_gpu_gib": device.peak_memory_bytes(DEVICE) / 2**30,
            "loss_first": float(losses[0]), "loss_last": float(losses[-1])}
-    row["tflops"] = row["tokens_per_s"] * flops_per_token(config, n_params, seq) / 1e12
-    row["mfu"] = row["tflops"] * 1e12 / peak_flops()
+    row["tflops"] = row["tokens_per_s"] * flops_per_token(n_params, config.num_hidden_layers, config.hidden_size,
+                                                          seq) / 1e12
+    peak = peak_flops(device_name())
+    if peak is None:
+        raise SystemExit(f"no bf16 peak known for {device_name()!r}; add it to bench/mfu.py's PEAK_BF16")
+    row["mfu"] = row["tflops"] * 1e12 / peak
     if profile is not None:
         row["profile"] = profile_steps(step, profile / f"{name}.txt")
     return row

@@ -45,7 +45,8 @@ import time
 import types
 from pathlib import Path
 
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}  # dense, datasheet; as bench/gpu.py
+from mfu import flops_per_token, peak_flops
+
 VARIANTS = {  # name: (training.dtype, compile)
     "titan-eager": ("float32", False),
     "titan-compile": ("float32", True),
@@ -306,10 +307,9 @@ def run_variant(name: str, steps: int, warmup: int, batch: int, seq: int, flavor
     margs = trainer.model_args
     seconds = (clock["end"] - clock["start"]) / steps
     tokens_per_s = batch * seq / seconds
-    attention = 12 * margs.n_layers * margs.dim * seq
     device_name = torch.cuda.get_device_name() if device_is_cuda else "cpu"
-    peak = next((v for k, v in PEAK_BF16.items() if k in device_name), None)
-    tflops = tokens_per_s * (6 * params_matmul + attention)
+    peak = peak_flops(device_name)
+    tflops = tokens_per_s * flops_per_token(params_matmul, margs.n_layers, margs.dim, seq)
     titan = capture.records.get(total, {})
     losses = [float(x) for x in trainer.bench_losses]
     return {
@@ -318,7 +318,8 @@ def run_variant(name: str, steps: int, warmup: int, batch: int, seq: int, flavor
         "steps": steps, "warmup": warmup, "batch": batch, "seq": seq,
         "step_s": seconds, "tokens_per_s": tokens_per_s, "tflops": tflops / 1e12,
         "mfu": tflops / peak if peak else None,
-        "mfu_all_params": tokens_per_s * (6 * params_total + attention) / peak if peak else None,
+        "mfu_all_params": (tokens_per_s * flops_per_token(params_total, margs.n_layers, margs.dim, seq) / peak
+                           if peak else None),
         "titan_tps": titan.get("throughput(tps)"), "titan_tflops": titan.get("tflops"),
         "titan_mfu": None if titan.get("mfu(%)") is None else titan["mfu(%)"] / 100,
         "titan_peak_flops": metrics.gpu_peak_flops, "titan_flops_per_token": metrics.num_flops_per_token,
