@@ -7,6 +7,7 @@ from __future__ import annotations
 import types
 
 import pytest
+import torch
 
 import plait
 from plait import AdapterError, AdapterInfo, Attention, Column, ConfigError, ParallelConfig, Registry, Row, hookimpl
@@ -261,6 +262,50 @@ def test_plan_show_derived_prints_adapter_code(capsys):
     assert out.startswith('"""plait adapter for phi3, started from the plans plait-transformers derives for Phi3Config')
     assert "FusedColumn(pattern='model.layers.*.mlp.gate_up_proj', chunks=2)" in out
     assert "config_attrs={'num_attention_heads': 'q_heads'}" in out
+
+
+@pytest.mark.parametrize(("width", "before", "after"), [
+    (32, (), ()),  # the default: embeddings as wide as the layers
+    (16, ("model.decoder.project_in",), ("model.decoder.project_out",)),
+])
+def test_pipeline_plan_follows_the_forward_where_transformers_has_no_pp_plan(width, before, after):
+    """OPTDecoder registers final_layer_norm (and project_out) before its layers and runs them after: the last
+    stage runs them, where by registration order the first stage owned them and later ones passed them by."""
+    from plait_transformers_derive import derive
+
+    plan = derive(tiny("opt", word_embed_proj_dim=width)).pipeline
+    assert plan.first == ("model.decoder.embed_tokens", "model.decoder.embed_positions", *before)
+    assert plan.layers == "model.decoder.layers"
+    assert plan.last == ("model.decoder.final_layer_norm", *after, "lm_head")
+    assert plan.neutralize == ("model.decoder.embed_positions", *before)
+    # NanoChat (no pp plan either) also runs its final norm on the embeddings: still the last stage's
+    assert derive(tiny("nanochat")).pipeline.last == ("model.norm", "lm_head")
+
+
+class _NormBothSides(torch.nn.Module):
+    """A decoder whose one norm, with parameters, runs before and after its layers (NanoChat's has none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm = torch.nn.Embedding(8, 4), torch.nn.LayerNorm(4)
+        self.layers = torch.nn.ModuleList([torch.nn.Identity()])
+
+    def forward(self, ids):
+        hidden = self.norm(self.embed(ids))
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.norm(hidden)
+
+
+def test_pipeline_plan_refuses_a_norm_with_parameters_on_both_sides_of_the_layers():
+    """The stage owning it would be the last; the first would pass it by: refused, not silently wrong."""
+    from plait_transformers_stages import pipeline_plan
+
+    model = torch.nn.Module()
+    model.model, model.pp_plan = _NormBothSides(), None
+    with pytest.raises(ConfigError, match="model.norm: the forward uses it both before and after the layers"):
+        pipeline_plan(model, "toy", "model.layers")
+
 
 
 # --------------------------------------------------------------------------------------------------

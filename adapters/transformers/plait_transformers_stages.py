@@ -118,8 +118,9 @@ def _final_norm(model: nn.Module, arch: str, layers: str) -> str:
 
 def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePlan:
     """transformers' pp plan in execution order: what runs before the layer list goes to the first stage,
-    what runs after it (and the LM head) to the last. Parameter-free modules it does not name (rotary tables)
-    every stage recomputes; modules with parameters it does not name are a Refusal. Parameterised modules
+    what runs after it (and the LM head) to the last. Without a pp plan naming the layers, the order is the
+    one the forward uses them in (``_execution_order``). Parameter-free modules neither names (rotary tables)
+    every stage recomputes; modules with parameters they do not name are a Refusal. Parameterised modules
     before the layers other than the input embedding (learned position embeddings) are neutralised on the
     stages that do not own them."""
     if layers is None:
@@ -129,6 +130,8 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     parent = layers.rpartition(".")[0]
     siblings = [f"{parent}.{n}" if parent else n for n in model.get_submodule(parent)._modules]
     ordered = [n for n in plan if n in siblings]
+    if layers not in ordered:
+        ordered = _execution_order(model, arch, layers, siblings)
     if layers not in ordered:
         ordered = siblings
     cut = ordered.index(layers)
@@ -146,6 +149,32 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     embedding = model.get_input_embeddings()
     neutralize = [n for n in first if own_params_deep(get_module(model, n)) and get_module(model, n) is not embedding]
     return PipelinePlan(first=tuple(first), layers=layers, last=tuple(last), neutralize=tuple(neutralize))
+
+
+def _execution_order(model: nn.Module, arch: str, layers: str, siblings: list[str]) -> list[str]:
+    """``siblings`` (the layer list and the modules beside it) in the order the forward of their parent uses
+    them (``self.<child>`` in its source), those it never mentions left out; empty where the source is unreadable
+    or does not mention the layers. Registration order is not execution order: OPTDecoder registers its final norm
+    and project_out before the layers and runs them after. A module used both before and after the layers
+    (NanoChat's final norm, also applied to the embeddings) goes after them: parameter-free, every stage
+    recomputes it anyway; with parameters it would be skipped on the first stage, so it is refused."""
+    parent = layers.rpartition(".")[0]
+    try:
+        source = inspect.getsource(type(model.get_submodule(parent) if parent else model).forward)
+    except (OSError, TypeError):
+        return []
+    mentions = {n: re.finditer(rf"\bself\.{re.escape(n.rpartition('.')[2])}\b", source) for n in siblings}
+    uses = {n: [m.start() for m in found] for n, found in mentions.items()}
+    if not uses[layers]:
+        return []
+    start = uses[layers][0]
+    for name, found in uses.items():
+        if name != layers and found and found[0] < start < found[-1] and own_params_deep(get_module(model, name)):
+            raise refuse(arch, name, "the forward uses it both before and after the layers; pipeline stages cannot "
+                                     "share its parameters: use pp=1")
+    position = {n: start if n == layers else next((p for p in found if p > start), found[0])
+                for n, found in uses.items() if found}
+    return sorted(position, key=position.__getitem__)
 
 
 # Decoder-layer inputs every pipeline stage rebuilds itself from the full sequence (docs/decisions.md D2).

@@ -30,6 +30,7 @@ SIZES: dict[str, Any] = {
     "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8, "laurel_rank": 4, "index_n_heads": 4,
     "index_head_dim": 8, "mamba_n_heads": 4, "mamba_d_state": 8, "linear_num_heads": 4, "linear_head_dim": 8,
     "num_expert_group": 1, "num_experts_per_token": 2,
+    "word_embed_proj_dim": 32,  # OPT's embedding width, projected to hidden_size where they differ (default: equal)
 }
 # Counts of layers of one kind (the last 15 of 35 share their kv cache, the first 2 are dense): scaled to 4 layers,
 # at least one where the default has any.
