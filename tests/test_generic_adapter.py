@@ -264,6 +264,18 @@ def test_plan_show_derived_prints_adapter_code(capsys):
     assert "config_attrs={'num_attention_heads': 'q_heads'}" in out
 
 
+def test_show_derived_of_an_undeclared_model_type_equals_that_of_its_config(tmp_path):
+    """Issue 29: OPT declares no tp plan, so the kit cannot serve it, but its model_type starts an adapter as a
+    saved config of it does: the same module but for the command line; the tp and SP hooks raise why."""
+    tiny("opt").save_pretrained(tmp_path)
+    by_type, by_file = (plait_transformers.show_derived(source).splitlines() for source in ("opt", str(tmp_path)))
+    assert by_type[1] == "(`plait plan --show-derived opt`). Head counts and sizes are this config's."
+    assert by_type[:1] + by_type[2:] == by_file[:1] + by_file[2:]
+    assert "    raise ConfigError('opt: OPTForCausalLM: transformers declares no tp plan for it')" in by_type
+    with pytest.raises(ConfigError, match="cannot serve 'bart': bart is an encoder-decoder model"):
+        plait_transformers.show_derived("bart")
+
+
 @pytest.mark.parametrize(("width", "before", "after"), [
     (32, (), ()),  # the default: embeddings as wide as the layers
     (16, ("model.decoder.project_in",), ("model.decoder.project_out",)),

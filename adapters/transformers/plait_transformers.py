@@ -10,6 +10,8 @@ architecture, the module and the reason when a layout needs that plan.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from plait import AdapterInfo, ConfigError, hookimpl
 from plait_transformers_derive import Refusal, derive
 from plait_transformers_tiny import tiny_config
@@ -24,6 +26,17 @@ def plait_adapter_info():
 
 @hookimpl
 def plait_refusal(config):
+    refusal = _not_a_causal_lm(config)
+    config_class = _config_class(getattr(config, "model_type", None))
+    if refusal is None and not getattr(config_class, "base_model_tp_plan", None):
+        return (f"{config_class.__name__} declares no base_model_tp_plan, so there is nothing to derive plait's "
+                f"plans from")
+    return refusal
+
+
+def _not_a_causal_lm(config) -> str | None:
+    """Why ``config`` cannot be a decoder-only transformers causal LM (None: it can): what no plan, derived or
+    written, makes plait train. A missing tp plan is not among them (``show_derived`` still starts an adapter)."""
     model_type = getattr(config, "model_type", None)
     config_class = _config_class(model_type)
     if config_class is None:
@@ -34,9 +47,6 @@ def plait_refusal(config):
 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return f"transformers has no causal-LM class for {model_type!r}"
-    if not getattr(config_class, "base_model_tp_plan", None):
-        return (f"{config_class.__name__} declares no base_model_tp_plan, so there is nothing to derive plait's "
-                f"plans from")
     return None
 
 
@@ -62,8 +72,14 @@ def plait_leaf_modules(config):
 
 @hookimpl
 def plait_tiny_config(architecture):
+    return _tiny(architecture, plait_refusal)
+
+
+def _tiny(architecture: str, refusal_of):
+    """The checked tiny config of ``architecture``, unless ``refusal_of`` its default config says why not: the
+    kit's (``plait_refusal``: only what this adapter serves) or ``show_derived``'s (any decoder-only causal LM)."""
     config_class = _config_class(architecture)
-    refusal = plait_refusal(config_class()) if config_class is not None else f"unknown model_type {architecture!r}"
+    refusal = refusal_of(config_class()) if config_class is not None else f"unknown model_type {architecture!r}"
     if refusal:
         raise ConfigError(f"the generic adapter cannot serve {architecture!r}: {refusal}")
     try:
@@ -124,18 +140,19 @@ def show_derived(source: str) -> str:
     """The plans derived for ``source`` (a ``model_type``, whose tiny config is used, or a config.json path or
     model directory) as the code of an explicit adapter module to start from: it loads as is and gives the
     same plans (head counts and sizes are the config's; read them from ``config`` to generalise). Refused
-    plans become a hook raising the refusal; the derivation's notes are comments."""
-    from pathlib import Path
-
+    plans become a hook raising the refusal; the derivation's notes are comments. A model_type this adapter
+    does not serve (no tp plan declared) still gets one, as a config of it does: the starter is where its
+    adapter begins."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(source) if Path(source).exists() else plait_tiny_config(source)
+    config = AutoConfig.from_pretrained(source) if Path(source).exists() else _tiny(source, _not_a_causal_lm)
     derived = derive(config)
     plans = {"plait_tp_plan": derived.tp, "plait_sp_plan": derived.sp, "plait_pipeline_plan": derived.pipeline}
     styles = sorted({type(r).__name__ for r in getattr(derived.tp, "rules", ())})
     lines = [f'"""plait adapter for {derived.architecture}, started from the plans plait-transformers derives for '
              f'{type(config).__name__}', f"(`plait plan --show-derived {source}`). Head counts and sizes are this "
-             f'config\'s."""', "", "from plait import AdapterInfo, ConfigError, PipelinePlan, SPPlan, TPPlan, hookimpl"]
+             f"config's.", '"""', "",
+             "from plait import AdapterInfo, ConfigError, PipelinePlan, SPPlan, TPPlan, hookimpl"]
     if styles:
         lines.append(f"from plait.tp.styles import {', '.join(styles)}")
     lines += ["", "", "@hookimpl", "def plait_adapter_info():",
