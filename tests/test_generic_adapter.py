@@ -319,6 +319,27 @@ def test_pipeline_plan_refuses_a_norm_with_parameters_on_both_sides_of_the_layer
         pipeline_plan(model, "toy", "model.layers")
 
 
+def test_show_derived_says_what_is_proven(tmp_path, monkeypatch):
+    """The docstring lists the modes the architecture sweep recorded for the generic adapter's plans, at its
+    transformers version; an architecture swept only with an explicit adapter, or never, is unproven, and so is
+    every refused plan."""
+    sweep = tmp_path / "architectures.md"
+    sweep.write_text("Written by `scripts/architecture_sweep.py` (transformers 9.9.9, torch 2.13.0).\n\n"
+                     "| architecture | adapter | tp2-sp | pp2-1f1b | cp2 |\n| --- | --- | --- | --- | --- |\n"
+                     "| qwen3 | transformers | FAIL (grad \\| 2) | pass (loss 0e+00) | refused: no |\n"
+                     "| phi3 | phi3-own | pass | pass | pass |\n")
+    monkeypatch.setattr(plait_transformers, "SWEEP_RESULTS", sweep)
+    text = " ".join(plait_transformers.show_derived("qwen3").split())
+    assert ("the tiny qwen3 config, as scripts/architecture_sweep.py recorded it in docs/architectures.md at "
+            "transformers 9.9.9 (installed: transformers") in text
+    assert "whose plans may differ): failed tp2-sp; passed pp2-1f1b; refused cp2. Unproven: any other config" in text
+    for arch in ("phi3", "opt"):
+        text = " ".join(plait_transformers.show_derived(arch).split())
+        assert f"Unproven: docs/architectures.md records no conformance-kit run of the generic adapter's plans for " \
+               f"{arch}. Add a plait_tiny_config hook, then run `plait check-adapter <this module>`." in text
+    assert "# unproven: write this plan, then run `plait check-adapter <this module>` @hookimpl def plait_tp_plan" \
+        in text
+
 
 # --------------------------------------------------------------------------------------------------
 # Tiny configs

@@ -10,6 +10,8 @@ architecture, the module and the reason when a layout needs that plan.
 
 from __future__ import annotations
 
+import re
+import textwrap
 from pathlib import Path
 
 from plait import AdapterInfo, ConfigError, hookimpl
@@ -142,7 +144,7 @@ def show_derived(source: str) -> str:
     same plans (head counts and sizes are the config's; read them from ``config`` to generalise). Refused
     plans become a hook raising the refusal; the derivation's notes are comments. A model_type this adapter
     does not serve (no tp plan declared) still gets one, as a config of it does: the starter is where its
-    adapter begins."""
+    adapter begins. The docstring says what the conformance kit has proven of these plans, if anything."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source) if Path(source).exists() else _tiny(source, _not_a_causal_lm)
@@ -151,7 +153,7 @@ def show_derived(source: str) -> str:
     styles = sorted({type(r).__name__ for r in getattr(derived.tp, "rules", ())})
     lines = [f'"""plait adapter for {derived.architecture}, started from the plans plait-transformers derives for '
              f'{type(config).__name__}', f"(`plait plan --show-derived {source}`). Head counts and sizes are this "
-             f"config's.", '"""', "",
+             f"config's.", "", *_proof(derived.architecture), '"""', "",
              "from plait import AdapterInfo, ConfigError, PipelinePlan, SPPlan, TPPlan, hookimpl"]
     if styles:
         lines.append(f"from plait.tp.styles import {', '.join(styles)}")
@@ -159,6 +161,8 @@ def show_derived(source: str) -> str:
               f"    return AdapterInfo(name={derived.architecture + '-explicit'!r}, "
               f"architectures=({derived.architecture!r},))", "", ""]
     for hook, plan in plans.items():
+        if isinstance(plan, Refusal):
+            lines.append("# unproven: write this plan, then run `plait check-adapter <this module>`")
         lines += ["@hookimpl", f"def {hook}(config):"]
         if isinstance(plan, Refusal):
             lines += [f"    raise ConfigError({str(plan)!r})", "", ""]
@@ -169,6 +173,42 @@ def show_derived(source: str) -> str:
     lines += ["@hookimpl", "def plait_leaf_modules(config):", f"    return {derived.leaves!r}"]
     lines += [f"# derived: {note}" for note in derived.notes]
     return "\n".join(lines) + "\n"
+
+
+# Where scripts/architecture_sweep.py writes the conformance kit's results for every architecture (a checkout's).
+SWEEP_RESULTS = Path(__file__).resolve().parents[2] / "docs" / "architectures.md"
+# A sweep cell's first word -> what the docstring of a starter says of that mode.
+OUTCOMES = {"pass": "passed", "FAIL": "failed", "NOISE": "failed in fp32 (not rechecked in float64)",
+            "refused": "refused", "n/a": "n/a"}
+
+
+def _proof(architecture: str) -> list[str]:
+    """Docstring lines saying what is proven of the generic adapter's plans for ``architecture``: the modes the
+    sweep recorded in SWEEP_RESULTS as passed, failed or refused, at its transformers version, for the tiny
+    config; else that nothing is. Only what the file records: a sweep that ran an explicit adapter proved that
+    adapter's plans, not these."""
+    import transformers
+
+    text = SWEEP_RESULTS.read_text() if SWEEP_RESULTS.is_file() else ""
+    version = re.search(r"\(transformers (\S+?),", text)
+    header = next((line for line in text.splitlines() if line.startswith("| architecture | adapter |")), None)
+    row = next((line for line in text.splitlines() if line.startswith(f"| {architecture} | transformers |")), None)
+    if not (version and header and row):
+        return textwrap.wrap(f"Unproven: docs/architectures.md records no conformance-kit run of the generic "
+                             f"adapter's plans for {architecture}. Add a plait_tiny_config hook, then run "
+                             f"`plait check-adapter <this module>`.", 112)
+    modes = [cell.strip() for cell in header.strip().strip("|").split("|")][2:]
+    cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row.strip().strip("|"))][2:]
+    found: dict[str, list[str]] = {}
+    for mode, cell in zip(modes, cells):
+        found.setdefault(OUTCOMES.get(cell.split(" ")[0].rstrip(":"), "not run"), []).append(mode)
+    outcomes = "; ".join(f"{outcome} {', '.join(names)}" for outcome, names in found.items())
+    installed = "" if transformers.__version__ == version.group(1) else \
+        f" (installed: transformers {transformers.__version__}, whose plans may differ)"
+    return textwrap.wrap(f"Conformance kit on the generic adapter's plans for the tiny {architecture} config, as "
+                         f"scripts/architecture_sweep.py recorded it in docs/architectures.md at transformers "
+                         f"{version.group(1)}{installed}: {outcomes}. Unproven: any other config, and whatever you "
+                         f"change; run `plait check-adapter <this module>`.", 112)
 
 
 if __name__ == "__main__":
