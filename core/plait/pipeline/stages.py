@@ -72,10 +72,15 @@ class PassThrough(nn.Module):
 
 
 class ZeroContribution(nn.Module):
-    """A neutralised additive embedding (GPT2 position embeddings on later stages): adds nothing."""
+    """A neutralised additive embedding (GPT2 position embeddings on later stages): adds nothing.
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids.new_zeros((), dtype=torch.float32)  # a 0-dim tensor never changes the sum's dtype
+    It takes whatever the model passes the embedding it stands for: GPT2 calls ``wpe(position_ids)``, OPT
+    ``embed_positions(attention_mask, past_length, position_ids=...)``."""
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        like = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        # a 0-dim tensor never changes the sum's dtype
+        return torch.zeros((), dtype=torch.float32, device=None if like is None else like.device)
 
 
 def _placeholder(model: nn.Module, split: StageSplit, name: str) -> nn.Module:

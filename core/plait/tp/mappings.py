@@ -3,7 +3,7 @@
 Tensor parallelism is these operators placed at region boundaries; everything else composes them:
 - ``copy_to_tp``          f: identity forward, all-reduce backward (entering a column-parallel region)
 - ``reduce_from_tp``      g: all-reduce forward, identity backward (leaving a row-parallel region)
-- ``scatter_to_seq``      split along the sequence forward, all-gather backward (entering SP)
+- ``scatter_to_seq``      split along the sequence (``SEQ_DIM``) forward, all-gather backward (entering SP)
 - ``gather_from_seq``     all-gather forward; backward reduce-scatter when the consumer's gradient is a
                           partial sum over tp (column-parallel consumer), else split (replicated consumer)
 - ``reduce_scatter_to_seq`` reduce-scatter forward, all-gather backward (row-parallel output under SP)
@@ -20,7 +20,11 @@ import torch.distributed as dist
 from plait import comm
 
 Group = dist.ProcessGroup | None
-SEQ_DIM = 1  # transformers keeps activations as [batch, sequence, hidden]
+# The token dimension: transformers keeps activations as [batch, sequence, hidden] (dim 1), and some layers flatten
+# them to [tokens, hidden] inside (OPT's MLP: ``hidden_states.reshape(-1, hidden)`` before fc1), where it is dim 0.
+# Both are the dimension before hidden. A flattened shard [batch * seq/tp, hidden] is gathered rank by rank, an
+# order only token-wise layers may see: the row-parallel layer after them reduce-scatters it back the same way.
+SEQ_DIM = -2
 
 
 class _CopyToTP(torch.autograd.Function):
