@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MODES = ("tp2-sp", "pp2-1f1b", "consolidate-tp2", "cp2", "ep2")
+MODES = ("tp2-sp", "pp2-1f1b", "consolidate-tp2-sp", "cp2", "ep2")
 DENSE = "n/a (no routed experts)"  # the ep2 cell of a dense model: nothing to divide, not a refusal
 CHUNK = 12  # architectures per world: bounds what one crash costs
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,13 +6,15 @@ One launch per world size (2 and 4) runs every (adapter, mode) pair of this modu
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
+import time
 import types
 
 import pytest
 
-from plait import AdapterError, AdapterInfo, ConfigError, hookimpl
+from plait import AdapterError, AdapterInfo, Capabilities, ConfigError, hookimpl
 from plait.testing import conformance
 from plait.testing.conformance import check_adapter_command, run_conformance
 from plait.testing.conformance_modes import LOSS_RTOL, MODES
@@ -28,15 +30,29 @@ TP_ROWS = ("tp2-sp", "tp2", "tp2-sp-tied", "tp4-kv-replicated")
 # cp2 and cp2-tp2 run through the kit in test_generic_conformance (17 architectures); the bundled adapters run
 # every cp layout directly in test_cp_parity. The kit's ring mode runs here.
 KIT_MODES = [m for m in MODES if m not in ("cp2", "cp2-tp2")]
+# The broken adapters' bugs act in the tp modes; dp2 shows the kit blames only those.
+BROKEN_MODES = [*TP_ROWS, "dp2"]
+# GPT2 with wpe not neutralised: its pipeline modes raise on the later stage only, while the first stage waits in
+# a collective. Interleaved with passing modes, each of which must still report its own result.
+ONE_RANK = "gpt2-wpe-not-neutralized"
+ONE_RANK_MODES = ["pp2-1f1b", "tp2-sp", "pp2-tied", "dp2"]
 
 
 @pytest.fixture(scope="module")
 def results(plait_conformance) -> dict[tuple[str, str], conformance.ModeResult]:
     from plait.testing.pytest_plugin import format_results
 
-    found = plait_conformance(*BUILTIN, *BROKEN, modes=KIT_MODES)
+    found = plait_conformance(*BUILTIN, modes=KIT_MODES)
+    found |= plait_conformance(*BROKEN, modes=BROKEN_MODES)
     print(format_results(list(found.values())))  # the table, for pytest -s
     return found
+
+
+@pytest.fixture(scope="module")
+def one_rank_results(plait_conformance) -> tuple[dict[tuple[str, str], conformance.ModeResult], float]:
+    start = time.monotonic()
+    found = plait_conformance("broken_adapters.wpe_not_neutralized", modes=ONE_RANK_MODES)
+    return found, time.monotonic() - start
 
 
 def expected_skip(adapter: str, mode: str) -> str | None:
@@ -84,6 +100,54 @@ def test_o_proj_column_raises_and_the_world_goes_on(results, mode):
     assert results[O_PROJ_COLUMN, "dp2"].status == "pass"  # later pairs in the same world still ran
     # Written without an Attention rule, it has no kv heads the kit could replicate: that mode cannot run.
     assert results[O_PROJ_COLUMN, "tp4-kv-replicated"].status == "skipped"
+
+
+def test_a_mode_failing_on_one_rank_shows_every_rank_and_the_others_still_run(one_rank_results):
+    """The later stage raises; the first, inside a collective, is either told the peer left or asked for its
+    stack. Either way both ranks' parts are in the note, the cause first, and the modes after it still run."""
+    found, seconds = one_rank_results
+    for mode in ("pp2-1f1b", "pp2-tied"):
+        note = found[ONE_RANK, mode].note
+        assert found[ONE_RANK, mode].status == "FAIL"
+        assert note.startswith("rank 1: raised RuntimeError: transformer.wpe belongs to pipeline stage 0"), note
+        assert re.search(r"rank 0(?: did not finish: still inside the mode after another rank had failed, at "
+                         r"\S+\.py:\d+|: raised RuntimeError: .*closed by peer)", note), note
+    assert found[ONE_RANK, "tp2-sp"].status == "pass" and found[ONE_RANK, "dp2"].status == "pass"
+    # seconds per failing mode, never the watchdog's minutes (240 s + 5 s a pair before the first result)
+    assert seconds < 120, seconds
+
+
+def test_summary_says_how_much_ran(results):
+    rows = [results["gpt2", m] for m in KIT_MODES] + [results[WRONG_KV, m] for m in BROKEN_MODES]
+    text = conformance.summary(rows)
+    ran = sum(results["gpt2", m].status != "skipped" for m in KIT_MODES)
+    assert f"gpt2: {ran} of {len(KIT_MODES)} modes ran: {ran} passed, 0 failed; " in text
+    assert "tp4-kv-replicated (the tiny config has no attention with fewer kv heads than tp=4" in text
+    assert (f"{WRONG_KV}: 5 of 5 modes ran: 1 passed, 4 failed (tp2-sp, tp2, tp2-sp-tied, tp4-kv-replicated)"
+            in text)
+
+
+def test_modes_without_sp_run_for_an_adapter_that_declares_no_sp():
+    """tp without sp still has its tied, recompute and consolidation modes; pp has its own."""
+    from plait.testing.conformance_modes import load_subject
+
+    subject = load_subject("llama")
+    no_sp = dataclasses.replace(subject, adapter=dataclasses.replace(
+        subject.adapter, info=dataclasses.replace(subject.adapter.info, capabilities=Capabilities(sp=False))))
+    runs = {m for m in MODES if conformance._skip_reason(no_sp, MODES[m]) is None}
+    assert {"tp2", "tp2-tied", "tp2-recompute", "consolidate-tp2", "pp2-1f1b", "pp2-tied", "pp2-recompute",
+            "consolidate-pp2", "dp2", "zero1-dp2"} <= runs
+    assert not {m for m in runs if MODES[m].layout.get("sp")}
+
+
+def test_help_lists_every_mode_on_one_line(capsys):
+    from plait.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["check-adapter", "--help"])
+    out = capsys.readouterr().out
+    for name, mode in MODES.items():
+        assert re.search(rf"^  {re.escape(name)} +{re.escape(mode.summary)}$", out, re.M), name
 
 
 def test_check_adapter_command_prints_table_and_exit_code(results, monkeypatch, capsys):

@@ -1,7 +1,7 @@
 """What the generic adapter derives for attention blocks beyond plain q/k/v/o: per-head bare parameters
 (attention sinks), q projections carrying a per-head gate, per-layer head counts, per-head gate projections,
 and attention blocks transformers' plan leaves out; and what it refuses there. Single process, meta models;
-parity is shown by scripts/architecture_sweep.py (tp2-sp, pp2-1f1b, consolidate-tp2 for each)."""
+parity is shown by scripts/architecture_sweep.py (tp2-sp, pp2-1f1b, consolidate-tp2-sp for each)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What the generic adapter derives for multi-head latent attention (DeepSeek-V2/V3's MLA and the models built on
 it), for replicated parameters inside a tensor-parallel block and for Llama4's expert-major experts, and what it
 still refuses. No process group: plans are checked on meta models; their parity is shown by
-scripts/architecture_sweep.py (tp2-sp, pp2-1f1b, consolidate-tp2: deepseek_v2, deepseek_v3, deepseek_v32, axk1,
+scripts/architecture_sweep.py (tp2-sp, pp2-1f1b, consolidate-tp2-sp: deepseek_v2, deepseek_v3, deepseek_v32, axk1,
 axk2, youtu, glm4_moe_lite, minicpm3, kimi_linear, bailing_hybrid, apertus, llama4_text) and by the conformance
 kit's full matrix for deepseek_v3 (``plait check-adapter transformers:deepseek_v3``)."""
 

@@ -180,7 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default for a LoRA checkpoint: adapter)")
     cons.set_defaults(func=cmd_consolidate)
 
-    check = sub.add_parser("check-adapter", help="prove an adapter matches one process under every parallel mode")
+    from plait.testing.conformance_modes import modes_help
+
+    check = sub.add_parser("check-adapter", help="prove an adapter matches one process under every parallel mode",
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="modes (each trains 3 AdamW steps against one process):\n" + modes_help()
+                           + "\n\nA mode the adapter does not declare, or its tiny config cannot express, is skipped "
+                             "with the reason; exit status 1 when a mode that ran failed.")
     check.add_argument("name", help="an installed adapter (see `plait adapters`) or an importable module of hooks")
     check.add_argument("--modes", nargs="+", metavar="MODE", help="only these modes (default: all)")
     check.add_argument("--dtype", choices=("float32", "float64"), default="float32",

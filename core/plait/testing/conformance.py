@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -95,29 +96,118 @@ def select_modes(names: Sequence[str] | None) -> list[Mode]:
     return [MODES[n] for n in names]
 
 
-def _merge(subject: Subject, mode: Mode, per_rank: list[dict], dtype: str) -> ModeResult:
-    """One mode's result from every rank's record: worst numbers, the first distinct failures."""
+def _merge(subject: Subject, mode: Mode, per_rank: dict[int, dict], dtype: str, missing: list[str]) -> ModeResult:
+    """One mode's result from the records of the ranks that finished it (worst numbers, the first distinct
+    failures, each prefixed by its rank where not every rank failed alike), plus ``missing``: why the other
+    ranks did not finish it."""
     result = ModeResult(subject.name, mode.name, mode.describe(), "pass", dtype=dtype)
     failures: list[str] = []
-    for record in per_rank:
-        failures += [f for f in record["failures"] if f not in failures]
+    # the cause first: a rank whose collective failed because its partner had left only echoes the partner's error
+    for rank, record in sorted(per_rank.items(), key=lambda item: (_echoes_a_peer(item[1]), item[0])):
+        alike = all(record["failures"] == other["failures"] for other in per_rank.values()) and not missing
+        failures += [f if alike else f"rank {rank}: {f}" for f in record["failures"]
+                     if (f if alike else f"rank {rank}: {f}") not in failures]
     for key in ("loss_rel", "grad_err", "grad_tol"):
-        values = [r[key] for r in per_rank if r.get(key) is not None]
+        values = [r[key] for r in per_rank.values() if r.get(key) is not None]
         setattr(result, key, max(values) if values else None)
-    checked = set().union(*(r["checked"] for r in per_rank))
-    unchecked = sorted(set(per_rank[0]["expected"]) - checked)
-    if unchecked and not any(r["crashed"] for r in per_rank):
-        failures.append(f"parameters no rank compared: {', '.join(unchecked[:4])}")
+    if per_rank and not missing and not any(r["crashed"] for r in per_rank.values()):
+        checked = set().union(*(r["checked"] for r in per_rank.values()))
+        unchecked = sorted(set(next(iter(per_rank.values()))["expected"]) - checked)
+        if unchecked:
+            failures.append(f"parameters no rank compared: {', '.join(unchecked[:4])}")
+    failures += missing
     if failures:
-        result.status, result.note = "FAIL", "; ".join(failures[:3])
+        result.status, result.note = "FAIL", "; ".join(failures[:4])
     return result
+
+
+def _echoes_a_peer(record: dict) -> bool:
+    return any("closed by peer" in f or "Connection reset" in f for f in record["failures"])
+
+
+def _read_world(out: Path, world: int) -> tuple[dict[str, dict[int, dict]], set[str], dict[int, str]]:
+    """What one world left on disk: each pair's records by rank, the pairs some rank started, and where each
+    rank's Python stack was when a failed rank asked for it (empty if it was not asked)."""
+    records: dict[str, dict[int, dict]] = {}
+    started: set[str] = set()
+    stacks: dict[int, str] = {}
+    for rank in range(world):
+        log = out / f"rank{rank}.jsonl"
+        for line in log.read_text().splitlines() if log.exists() else ():
+            if not line.endswith("}"):
+                continue  # a line the rank was writing when it ended
+            entry = json.loads(line)
+            started.add(entry["key"])
+            if entry["event"] == "done":
+                records.setdefault(entry["key"], {})[rank] = entry["record"]
+        stack = out / f"rank{rank}.stack"
+        if stack.exists() and stack.read_text().strip():
+            stacks[rank] = _short_stack(stack.read_text())
+    return records, started, stacks
+
+
+def _short_stack(dump: str, frames: int = 4) -> str:
+    """faulthandler's dump (innermost call first) as ``comm.py:111 all_gather <- layers.py:41 __call__ ...``."""
+    found = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', dump)
+    return " <- ".join(f"{Path(f).name}:{line} {fn}" for f, line, fn in found[:frames])
+
+
+def _run_world(world: int, pairs: list[tuple[Subject, Mode]], dtype: str, timeout: float | None,
+               results: dict[tuple[str, str], ModeResult]) -> None:
+    """Run ``pairs`` in worlds of ``world`` ranks: one world for all of them while every pair ends on every
+    rank, a fresh world for the pairs after one that did not (a rank raised while another waited for it in a
+    collective, a rank died, a hang), whose result then says what each rank was doing."""
+    pending = list(pairs)
+    while pending:
+        out = Path(tempfile.mkdtemp(prefix=f"plait-conformance-w{world}-"))
+        spec = {"out": str(out), "dtype": dtype, "runs": [[s.ref, m.name] for s, m in pending]}
+        (out / "spec.json").write_text(json.dumps(spec))
+        env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the worker imports what we import
+        crash = None
+        try:
+            launch(["-m", WORKER, str(out / "spec.json")], world, env=env,
+                   timeout=timeout or 240 + PAIR_SECONDS * len(pending) * math.ceil(world / 2))
+        except WorkerFailure as err:
+            crash = " ".join(str(err).split())
+        records, started, stacks = _read_world(out, world)
+        shutil.rmtree(out, ignore_errors=True)
+        if crash and not started:  # the world failed before any pair (start-up): a fresh one would too
+            for subject, mode in pending:
+                results[subject.ref, mode.name] = _merge(subject, mode, {}, dtype, [
+                    f"the world ended before any mode started: {crash[-1500:]}"])
+            return
+        finished = 0
+        for subject, mode in pending:
+            key = f"{subject.ref}|{mode.name}"
+            per_rank = records.get(key, {})
+            if len(per_rank) < world and key not in started:
+                break  # the next world runs it
+            missing = [] if len(per_rank) == world else _missing(world, per_rank, stacks, crash)
+            results[subject.ref, mode.name] = _merge(subject, mode, per_rank, dtype, missing)
+            finished += 1
+        pending = pending[finished:]
+
+
+def _missing(world: int, per_rank: dict[int, dict], stacks: dict[int, str], crash: str | None) -> list[str]:
+    """Why the ranks without a record of a pair they started have none."""
+    why = []
+    for rank in (r for r in range(world) if r not in per_rank):
+        if rank in stacks:
+            why.append(f"rank {rank} did not finish: still inside the mode after another rank had failed, at "
+                       f"{stacks[rank]}")
+        else:
+            why.append(f"rank {rank} did not finish")
+    if crash and len(stacks) < world - len(per_rank):
+        why.append(f"the world ended: {crash[-1500:]}")
+    return why
 
 
 def run_conformance(
     adapters: Sequence[str | ModuleType], modes: Sequence[str] | None = None, *, timeout: float | None = None,
     dtype: str = "float32",
 ) -> list[ModeResult]:
-    """Run the modes (default: all) for every adapter; one launch per world size covers all of them.
+    """Run the modes (default: all) for every adapter; one launch per world size covers all of them, and a
+    fresh launch the pairs after a pair that left its world broken.
 
     Raises AdapterError (unknown adapter, no ``plait_tiny_config``) or ConfigError (unknown mode or dtype)
     before launching anything.
@@ -137,24 +227,7 @@ def run_conformance(
             else:
                 runs.setdefault(mode.world, []).append((subject, mode))
     for world, pairs in sorted(runs.items()):
-        out = Path(tempfile.mkdtemp(prefix=f"plait-conformance-w{world}-"))
-        spec = {"out": str(out), "dtype": dtype, "runs": [[s.ref, r.name] for s, r in pairs]}
-        (out / "spec.json").write_text(json.dumps(spec))
-        env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the worker imports what we import
-        try:
-            launch(["-m", WORKER, str(out / "spec.json")], world, env=env,
-                   timeout=timeout or 240 + PAIR_SECONDS * len(pairs) * math.ceil(world / 2))
-            ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-        except WorkerFailure as err:
-            for subject, mode in pairs:
-                results[subject.ref, mode.name] = ModeResult(subject.name, mode.name, mode.describe(), "FAIL",
-                                                           f"the world crashed: {str(err)[-1500:]}", dtype=dtype)
-            continue
-        finally:
-            shutil.rmtree(out, ignore_errors=True)
-        for subject, mode in pairs:
-            key = f"{subject.ref}|{mode.name}"
-            results[subject.ref, mode.name] = _merge(subject, mode, [rank[key] for rank in ranks], dtype)
+        _run_world(world, pairs, dtype, timeout, results)
     return [results[s.ref, r.name] for s in subjects for r in selected]
 
 
@@ -185,13 +258,35 @@ def render_table(results: Sequence[ModeResult], console: Any = None) -> None:
     (console or Console(width=max(Console().width, 160))).print(table)
 
 
+def summary(results: Sequence[ModeResult]) -> str:
+    """How much was proven, per adapter: modes run, passed, failed, and the skipped ones grouped by reason."""
+    lines = []
+    for adapter in dict.fromkeys(r.adapter for r in results):
+        mine = [r for r in results if r.adapter == adapter]
+        ran = [r for r in mine if r.status != "skipped"]
+        failed = [r.mode for r in ran if r.failed]
+        line = (f"{adapter}: {len(ran)} of {len(mine)} modes ran: {len(ran) - len(failed)} passed, {len(failed)} failed"
+                + (f" ({', '.join(failed)})" if failed else ""))
+        reasons: dict[str, list[str]] = {}
+        for r in mine:
+            if r.status == "skipped":
+                reasons.setdefault(r.note, []).append(r.mode)
+        if reasons:
+            line += f"; {sum(map(len, reasons.values()))} skipped: " + "; ".join(
+                f"{', '.join(names)} ({reason})" for reason, names in reasons.items())
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def check_adapter_command(name: str, modes: list[str] | None, dtype: str = "float32") -> int:
-    """``plait check-adapter NAME [--modes ...] [--dtype ...]``: print the table; 0 when no mode fails, 1 when
-    one does, 2 for an unknown adapter or mode, or an adapter without ``plait_tiny_config``."""
+    """``plait check-adapter NAME [--modes ...] [--dtype ...]``: print the table and how much it proved; 0 when
+    no mode fails, 1 when one does (or could not finish), 2 for an unknown adapter or mode, or an adapter without
+    ``plait_tiny_config``."""
     try:
         results = run_conformance([name], modes, dtype=dtype)
     except (AdapterError, ConfigError) as err:
         print(f"plait: error: {err}", file=sys.stderr)
         return 2
     render_table(results)
+    print(summary(results))
     return 1 if any(r.failed for r in results) else 0

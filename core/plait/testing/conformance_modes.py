@@ -88,11 +88,12 @@ def _layout_fits(layout: dict[str, Any], world: int) -> Callable[[Subject], str 
 @dataclass(frozen=True)
 class Mode:
     """One parallel mode: the world it needs, the ParallelConfig, model config overrides, a check that the
-    adapter's tiny config can express it, and an extra check after training."""
+    adapter's tiny config can express it, an extra check after training, and one line saying what it proves."""
 
     name: str
     world: int
     layout: dict[str, Any]
+    summary: str
     model: dict[str, Any] = field(default_factory=dict)
     applies: Callable[[Subject], str | None] | None = None
     after: str | None = None  # "consolidate": save, consolidate and reload the trained model
@@ -103,27 +104,54 @@ class Mode:
 
 
 PP2 = dict(pp=2, num_microbatches=4)
+PP2_1F1B = {**PP2, "pipeline_schedule": "1f1b"}
+TIED = dict(tie_word_embeddings=True)
 CP2, CP2_RING, CP2_TP2 = dict(cp=2), dict(cp=2, cp_attention="ring"), dict(cp=2, tp=2, sp=True)
 EP2, EP2_ZERO1, EP2_TP2, EP2_PP2 = dict(ep=2), dict(ep=2, zero_1=True), dict(ep=2, tp=2, sp=True), dict(ep=2, **PP2)
+# Each capability's activation checkpointing, tied-embedding and consolidation variants run with and without
+# sequence parallelism, so an adapter declaring tp without sp still has them proven.
 MODES: dict[str, Mode] = {mode.name: mode for mode in (
-    Mode("tp2-sp", 2, dict(tp=2, sp=True)),
-    Mode("tp2", 2, dict(tp=2, sp=False)),
-    Mode("tp2-sp-tied", 2, dict(tp=2, sp=True), model=dict(tie_word_embeddings=True), applies=_has_tie_option),
-    Mode("tp4-kv-replicated", 4, dict(tp=4, sp=True), applies=_kv_heads_fewer_than(4)),
-    Mode("dp2", 2, dict(tp=1)),
-    Mode("pp2-1f1b", 2, {**PP2, "pipeline_schedule": "1f1b"}),
-    Mode("pp2-interleaved-v2", 2, {**PP2, "pipeline_schedule": "interleaved-1f1b", "virtual_pipeline_size": 2}),
-    Mode("zero1-dp2", 2, dict(zero_1=True)),
-    Mode("tp2-sp-recompute", 2, dict(tp=2, sp=True, gradient_checkpointing=True)),
-    Mode("consolidate-tp2", 2, dict(tp=2, sp=True), after="consolidate"),
-    Mode("cp2", 2, CP2, applies=_layout_fits(CP2, 2)),
-    Mode("cp2-ring", 2, CP2_RING, applies=_layout_fits(CP2_RING, 2)),
-    Mode("cp2-tp2", 4, CP2_TP2, applies=_layout_fits(CP2_TP2, 4)),
-    Mode("ep2", 2, EP2, applies=_layout_fits(EP2, 2)),
-    Mode("ep2-zero1", 2, EP2_ZERO1, applies=_layout_fits(EP2_ZERO1, 2)),
-    Mode("ep2-tp2", 4, EP2_TP2, applies=_layout_fits(EP2_TP2, 4)),
-    Mode("ep2-pp2", 4, EP2_PP2, applies=_layout_fits(EP2_PP2, 4)),
+    Mode("tp2-sp", 2, dict(tp=2, sp=True), "tensor parallel over 2 ranks with sequence parallelism"),
+    Mode("tp2", 2, dict(tp=2, sp=False), "tensor parallel over 2 ranks, activations whole between the TP regions"),
+    Mode("tp2-sp-tied", 2, dict(tp=2, sp=True), "tp2-sp with the input embedding and the LM head tied",
+         model=TIED, applies=_has_tie_option),
+    Mode("tp2-tied", 2, dict(tp=2, sp=False), "tp2 with the input embedding and the LM head tied",
+         model=TIED, applies=_has_tie_option),
+    Mode("tp4-kv-replicated", 4, dict(tp=4, sp=True), "tp=4 with fewer kv heads than ranks: kv heads replicated, "
+         "their gradients summed", applies=_kv_heads_fewer_than(4)),
+    Mode("dp2", 2, dict(tp=1), "data parallel over 2 ranks"),
+    Mode("pp2-1f1b", 2, PP2_1F1B, "2 pipeline stages, 1F1B schedule, 4 microbatches"),
+    Mode("pp2-interleaved-v2", 2, {**PP2, "pipeline_schedule": "interleaved-1f1b", "virtual_pipeline_size": 2},
+         "2 pipeline ranks with 2 virtual stages each, interleaved 1F1B"),
+    Mode("pp2-tied", 2, PP2_1F1B, "pp2-1f1b with the embedding and the head tied across the first and last stage",
+         model=TIED, applies=_has_tie_option),
+    Mode("zero1-dp2", 2, dict(zero_1=True), "ZeRO-1: optimizer state sharded over 2 data-parallel ranks"),
+    Mode("tp2-sp-recompute", 2, dict(tp=2, sp=True, gradient_checkpointing=True),
+         "tp2-sp with activation checkpointing of the leaf modules"),
+    Mode("tp2-recompute", 2, dict(tp=2, sp=False, gradient_checkpointing=True),
+         "tp2 with activation checkpointing of the leaf modules"),
+    Mode("pp2-recompute", 2, {**PP2_1F1B, "gradient_checkpointing": True},
+         "pp2-1f1b with activation checkpointing of the leaf modules"),
+    Mode("consolidate-tp2-sp", 2, dict(tp=2, sp=True), "tp2-sp, then save, consolidate to a from_pretrained "
+         "directory and reload: every tensor equal to the trained shards", after="consolidate"),
+    Mode("consolidate-tp2", 2, dict(tp=2, sp=False), "the consolidation round trip after tp2", after="consolidate"),
+    Mode("consolidate-pp2", 2, PP2_1F1B, "the consolidation round trip after pp2-1f1b", after="consolidate"),
+    Mode("cp2", 2, CP2, "context parallel over 2 ranks, attention on all-gathered keys and values",
+         applies=_layout_fits(CP2, 2)),
+    Mode("cp2-ring", 2, CP2_RING, "context parallel over 2 ranks, ring attention", applies=_layout_fits(CP2_RING, 2)),
+    Mode("cp2-tp2", 4, CP2_TP2, "context parallel 2 x tensor parallel 2 with sequence parallelism",
+         applies=_layout_fits(CP2_TP2, 4)),
+    Mode("ep2", 2, EP2, "routed experts divided over 2 expert-parallel ranks", applies=_layout_fits(EP2, 2)),
+    Mode("ep2-zero1", 2, EP2_ZERO1, "ep2 with ZeRO-1", applies=_layout_fits(EP2_ZERO1, 2)),
+    Mode("ep2-tp2", 4, EP2_TP2, "ep2 x tensor parallel 2 with sequence parallelism", applies=_layout_fits(EP2_TP2, 4)),
+    Mode("ep2-pp2", 4, EP2_PP2, "ep2 x 2 pipeline stages", applies=_layout_fits(EP2_PP2, 4)),
 )}
+
+
+def modes_help() -> str:
+    """One line per mode, for ``plait check-adapter --help``."""
+    width = max(len(name) for name in MODES)
+    return "\n".join(f"  {mode.name:<{width}}  {mode.summary}" for mode in MODES.values())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,20 +1,31 @@
-"""Worker of the conformance kit: every (adapter, mode) pair of one world size, in one torchrun world.
+"""Worker of the conformance kit: (adapter, mode) pairs of one world size, in one torchrun world.
 
 ``python -m plait.testing.conformance_worker SPEC.json``, launched by ``run_conformance`` through
 ``plait.testing.launch``. SPEC: ``{"out": dir, "dtype": "float32" | "float64", "runs": [[adapter ref, mode
-name], ...]}``. Each rank writes
-``rank<N>.json`` mapping ``"<ref>|<mode>"`` to its worst errors, failures and the parameters it compared.
+name], ...]}``. Each rank appends to ``rank<N>.jsonl`` a ``start`` line before each pair and a ``done`` line
+with its record (worst errors, failures, the parameters it compared) after it, so what finished survives a
+world that does not.
 
-A pair that raises is recorded and the next pair runs: plait raises its errors before any collective,
-and an exception inside the model (a shape the plan got wrong) happens at the same point on every rank.
+A pair that raises is recorded, and the ranks agree through the rendezvous store before the next pair. When
+every rank finished the pair and none raised, or all raised the same error (plait's own errors are raised
+before any collective, at the same point on every rank), the world goes on. When they raised different errors
+(one the real one, another "connection closed by peer" from a collective its partner left), every rank ends
+the world after writing its record. When one rank raised and another is still inside the pair (waiting in a
+collective the failed rank will never join), the failed rank waits ``RAISED_WAIT`` seconds, asks the ranks still
+inside for their Python stacks (``faulthandler`` on SIGUSR1, into ``rank<N>.stack``) and ends the world.
+``run_conformance`` reports such a pair with every rank's part and runs the remaining pairs in a fresh world.
 """
 
 from __future__ import annotations
 
 import copy
 import datetime
+import faulthandler
 import json
+import os
+import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -220,17 +231,73 @@ def check_consolidated(record: Record, pmodel: ParallelModel, path: Path) -> Non
             record.fail(f"consolidated {name} differs from the trained shard by up to {err:.2e}")
 
 
+RAISED_WAIT = 5  # seconds a rank that raised waits for the others to finish the pair (a pair takes ~1 s; a rank
+# that would have raised the same error later is reported as still inside the pair: the verdict is the same)
+PASSED_WAIT = 120  # seconds a rank that passed waits (the others may be slower, not stuck: gloo times out at 60)
+DESYNC_EXIT = 3  # the exit status of a rank that ends the world because the ranks left a pair apart
+
+
+def agree(store: dist.Store, key: str, record: dict[str, Any]) -> tuple[list[int], bool]:
+    """Check in as done with pair ``key``. Returns the ranks that did not check in within the wait (empty: all
+    did) and whether the world is fit for the next pair: no rank raised, or every rank raised the same error
+    at the same point. Ranks that raised differently (one the real error, another "connection closed by peer"
+    from a collective its partner left) may leave messages in flight, so the next pair gets a fresh world."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    raised = record["failures"][-1] if record["crashed"] else ""
+    store.set(f"done/{key}/{rank}", raised)
+    keys = [f"done/{key}/{r}" for r in range(world)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=RAISED_WAIT if raised else PASSED_WAIT))
+    except RuntimeError:  # torch's DistStoreError: the wait timed out
+        return [r for r, k in enumerate(keys) if not store.check([k])], False
+    try:
+        return [], len({store.get(k) for k in keys}) == 1
+    except RuntimeError:  # the store's host rank ended the world already: so does this one
+        return [], False
+
+
+def end_world(store: dist.Store, stuck: list[int]) -> None:
+    """Ask the ranks still inside the pair to write their stacks, then end this rank (the launcher ends theirs)."""
+    for rank in stuck:
+        if hasattr(signal, "SIGUSR1"):
+            try:
+                os.kill(int(store.get(f"pid/{rank}")), signal.SIGUSR1)
+            except (OSError, RuntimeError, ValueError):
+                pass  # gone already: the launcher reports how it exited
+    time.sleep(1.0)  # time to write them
+    os._exit(DESYNC_EXIT)
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out, dtype = Path(spec["out"]), getattr(torch, spec.get("dtype", "float32"))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+                          timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    store.set(f"pid/{rank}", str(os.getpid()))
+    stack_file = open(out / f"rank{rank}.stack", "w")  # noqa: SIM115 (open while the process lives)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     subjects: dict[str, Subject] = {}
-    results = {}
-    for ref, mode_name in spec["runs"]:
-        if ref not in subjects:
-            subjects[ref] = load_subject(ref)
-        results[f"{ref}|{mode_name}"] = run_pair(subjects[ref], MODES[mode_name], out, dtype)
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    with open(out / f"rank{rank}.jsonl", "a") as log:
+        for ref, mode_name in spec["runs"]:
+            key = f"{ref}|{mode_name}"
+            log.write(json.dumps({"key": key, "event": "start"}) + "\n")
+            log.flush()
+            try:
+                if ref not in subjects:
+                    subjects[ref] = load_subject(ref)
+                record = run_pair(subjects[ref], MODES[mode_name], out, dtype)
+            except Exception as err:  # the adapter itself failed to load on this rank
+                record = {**Record([]).json(), "failures": [f"raised {type(err).__name__}: {err}"], "crashed": True}
+            log.write(json.dumps({"key": key, "event": "done", "record": record}) + "\n")
+            log.flush()
+            stuck, fit = agree(store, key, record)
+            if stuck:
+                end_world(store, stuck)
+            if not fit:
+                os._exit(DESYNC_EXIT)  # every rank: the records are written, the next pair gets a fresh world
     dist.destroy_process_group()
 
 
