@@ -118,3 +118,25 @@ def test_conformance(installed):
     assert {"tp2-sp", "tp2", "tp2-sp-tied", "tp2-tied", "pp2-1f1b", "pp2-interleaved-v2", "pp2-tied",
             "tp2-sp-recompute", "tp2-recompute", "pp2-recompute", "consolidate-tp2-sp", "consolidate-tp2",
             "consolidate-pp2", "dp2", "zero1-dp2", "cp2", "cp2-ring", "cp2-tp2"} == ran
+
+
+def test_init_fallback_is_stated_only_without_an_init_hook(installed):
+    """OPT has init_std, not initializer_range: without the adapter's hook the trainer says what it falls back on."""
+    import types
+
+    import plait_opt
+
+    from plait import Registry, hookimpl
+    from plait.materialize import init_fallback_note
+
+    config = plait_opt.plait_tiny_config()
+    registry = Registry(autoload=False)
+    assert init_fallback_note(registry, registry.register(plait_opt), config) is None
+    bare = types.ModuleType("opt_without_init")
+    bare.plait_adapter_info = hookimpl(lambda: plait_opt.plait_adapter_info())
+    for hook in ("plait_tp_plan", "plait_sp_plan", "plait_pipeline_plan", "plait_leaf_modules"):
+        setattr(bare, hook, getattr(plait_opt, hook))
+    registry = Registry(autoload=False)
+    note = init_fallback_note(registry, registry.register(bare), config)
+    assert note == ("OPTConfig has no initializer_range: random init draws matrices from normal(0, 0.02); adapter "
+                    "'opt' can implement plait_init_weight for the architecture's own init")

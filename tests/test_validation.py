@@ -168,8 +168,14 @@ def test_capability_refused():
     module.plait_adapter_info, module.plait_tp_plan, module.plait_leaf_modules = (
         plait_adapter_info, plait_tp_plan, plait_leaf_modules)
     adapter = registry.register(module)
-    with pytest.raises(ConfigError, match=r"adapter 'no_tp' does not support tp, sp \(it supports: pp, vpp, tied_embeddings\)"):
+    with pytest.raises(ConfigError, match=r"adapter 'no_tp' does not support tp, sp \(it supports: pp, vpp, tied_embeddings\)"
+                                          r".*: --tensor_parallel_size 1 \(tp=1\)$"):
         check_capabilities(adapter, ParallelConfig(tp=2).resolve(2), tiny_config("llama"))
+    module.plait_adapter_info = plait.hookimpl(lambda: plait.AdapterInfo(
+        name="no_sp", architectures=("llama",), capabilities=plait.Capabilities(sp=False)))
+    no_sp = plait.Registry(autoload=False).register(module)
+    with pytest.raises(ConfigError, match=r"does not support sp .*: --disable_sequence_parallel \(sp=False\)$"):
+        check_capabilities(no_sp, ParallelConfig(tp=2).resolve(2), tiny_config("llama"))
 
 
 def test_plan_patterns_match_one_component():

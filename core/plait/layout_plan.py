@@ -164,6 +164,16 @@ def pipeline_layout(
     return stage_rows(model, plan.split)
 
 
+# The flag (and ParallelConfig field) that turns each capability off.
+_CAPABILITY_FIXES = {
+    "tp": "--tensor_parallel_size 1 (tp=1)",
+    "sp": "--disable_sequence_parallel (sp=False)",
+    "pp": "--pipeline_parallel_size 1 (pp=1)",
+    "vpp": "--virtual_pipeline_size 1 (virtual_pipeline_size=1)",
+    "tied_embeddings": "a model config with tie_word_embeddings false, or tp=pp=1",
+}
+
+
 def check_capabilities(adapter: Adapter, config: ParallelConfig, model_config: Any) -> None:
     caps = adapter.info.capabilities
     wanted = {"tp": config.tp > 1, "sp": config.sequence_parallel, "pp": config.pp > 1,
@@ -171,7 +181,9 @@ def check_capabilities(adapter: Adapter, config: ParallelConfig, model_config: A
               "tied_embeddings": config.tp * config.pp > 1 and bool(getattr(model_config, "tie_word_embeddings", False))}
     refused = [name for name, needed in wanted.items() if needed and not getattr(caps, name)]
     if refused:
+        fixes = [_CAPABILITY_FIXES[name] for name in refused if not (name == "sp" and "tp" in refused)]
         raise ConfigError(
             f"adapter {adapter.name!r} does not support {', '.join(refused)} (it supports: "
-            f"{', '.join(caps.supported()) or 'nothing'}); change the layout ({config.describe()})"
+            f"{', '.join(caps.supported()) or 'nothing'}); change the layout ({config.describe()}): "
+            f"{'; '.join(fixes)}"
         )

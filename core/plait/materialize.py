@@ -177,6 +177,18 @@ def materialize_buffers(model: nn.Module, device: torch.device) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+FALLBACK_STD = 0.02  # transformers' usual initializer_range, for a config without one
+
+
+def init_fallback_note(registry: Registry, adapter: Adapter, config: PretrainedConfig) -> str | None:
+    """What a random init falls back on, said once by the trainer: a config without ``initializer_range`` (OPT
+    calls it ``init_std``) whose adapter has no ``plait_init_weight`` gets plait's default std."""
+    if registry.implements(adapter, "plait_init_weight") or getattr(config, "initializer_range", None):
+        return None
+    return (f"{type(config).__name__} has no initializer_range: random init draws matrices from normal(0, "
+            f"{FALLBACK_STD}); adapter {adapter.name!r} can implement plait_init_weight for the architecture's own init")
+
+
 class SeededInit:
     """Fills local shards so that the full logical tensors depend only on (seed, name, full shape).
 
@@ -189,7 +201,7 @@ class SeededInit:
     def __init__(self, registry: Registry, adapter: Adapter, config: PretrainedConfig, seed: int) -> None:
         self.registry, self.adapter, self.config, self.seed = registry, adapter, config, seed
         self.hook = registry.implements(adapter, "plait_init_weight")
-        self.std = getattr(config, "initializer_range", None) or 0.02
+        self.std = getattr(config, "initializer_range", None) or FALLBACK_STD
 
     def fill(self, name: str, spec: ShardSpec, local: torch.Tensor) -> None:
         if self.hook:

@@ -39,7 +39,7 @@ from plait.checkpoint import (
 )
 from plait.layout_plan import plan_layout
 from plait.lora.base import check_base, saved_lora
-from plait.materialize import materialize, resolve_source
+from plait.materialize import init_fallback_note, materialize, resolve_source
 from plait.meta import build_meta_model
 from plait.model_config import read_model_config
 from plait.moe_metrics import RoutingMetrics
@@ -185,6 +185,9 @@ class Trainer:
             kind, path = saved[1]["kind"], Path(saved[1]["path"]) if saved[1]["kind"] == "hf" else None
         self.pmodel = pmodel = parallelize(meta, plan, timeout=datetime.timedelta(seconds=args.ddp_timeout))
         materialize(pmodel, kind, path, seed=saved[1].get("seed", args.seed) if saved else args.seed, device=device)
+        note = init_fallback_note(default_registry(), pmodel.adapter, model_config) if kind == "init" else None
+        if note:
+            self.console.print(f"note: {note}")
         if args.torch_compile:
             pmodel.torch_compile(default_registry().leaf_modules(pmodel.adapter, model_config))
         self.mesh = mesh = pmodel.mesh
@@ -337,7 +340,7 @@ class Trainer:
                     seconds_per_step = (time.perf_counter() - started) / (step + 1 - self.first_step)
                     self.console.print(log_line(record, args.max_steps, seconds_per_step), soft_wrap=True)
                 saved = None
-                if should_save(step + 1, args.save_steps) or (is_last and args.save_steps > 0):
+                if should_save(step + 1, args.save_steps) or (is_last and args.save_final):
                     saved = self.save(step + 1)
                 signum = 0 if is_last else self.stop_signal
                 if signum:

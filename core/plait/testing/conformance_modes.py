@@ -136,7 +136,7 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          "directory and reload: every tensor equal to the trained shards", after="consolidate"),
     Mode("consolidate-tp2", 2, dict(tp=2, sp=False), "the consolidation round trip after tp2", after="consolidate"),
     Mode("consolidate-pp2", 2, PP2_1F1B, "the consolidation round trip after pp2-1f1b", after="consolidate"),
-    Mode("cp2", 2, CP2, "context parallel over 2 ranks, attention on all-gathered keys and values",
+    Mode("cp2", 2, CP2, "context parallel over 2 ranks, the default attention strategy (all-to-all where it applies)",
          applies=_layout_fits(CP2, 2)),
     Mode("cp2-ring", 2, CP2_RING, "context parallel over 2 ranks, ring attention", applies=_layout_fits(CP2_RING, 2)),
     Mode("cp2-tp2", 4, CP2_TP2, "context parallel 2 x tensor parallel 2 with sequence parallelism",
