@@ -98,15 +98,19 @@ def select_modes(names: Sequence[str] | None) -> list[Mode]:
 
 def _merge(subject: Subject, mode: Mode, per_rank: dict[int, dict], dtype: str, missing: list[str]) -> ModeResult:
     """One mode's result from the records of the ranks that finished it (worst numbers, the first distinct
-    failures, each prefixed by its rank where not every rank failed alike), plus ``missing``: why the other
-    ranks did not finish it."""
+    failures), plus ``missing``: why the other ranks did not finish it."""
     result = ModeResult(subject.name, mode.name, mode.describe(), "pass", dtype=dtype)
     failures: list[str] = []
-    # the cause first: a rank whose collective failed because its partner had left only echoes the partner's error
+    # A rank's error is prefixed by its rank unless every rank raised the same (numeric mismatches are per shard
+    # and read alike without it). The cause first: a rank whose collective failed because its partner had left
+    # only echoes the partner's error.
+    raised = {record["failures"][-1] for record in per_rank.values() if record["crashed"]}
+    alike = not missing and (not raised or (len(raised) == 1 and all(r["crashed"] for r in per_rank.values())))
     for rank, record in sorted(per_rank.items(), key=lambda item: (_echoes_a_peer(item[1]), item[0])):
-        alike = all(record["failures"] == other["failures"] for other in per_rank.values()) and not missing
-        failures += [f if alike else f"rank {rank}: {f}" for f in record["failures"]
-                     if (f if alike else f"rank {rank}: {f}") not in failures]
+        for failure in record["failures"]:
+            text = failure if alike or not record["crashed"] else f"rank {rank}: {failure}"
+            if text not in failures:
+                failures.append(text)
     for key in ("loss_rel", "grad_err", "grad_tol"):
         values = [r[key] for r in per_rank.values() if r.get(key) is not None]
         setattr(result, key, max(values) if values else None)
