@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import plait
+import plait.cli
 import plait.registry
 import plait.trainer
 from plait.cli import main
@@ -138,6 +139,9 @@ CASES = [
      "--per_device_train_batch_size=4 is not divisible by --num_microbatches=3"),
     ("microbatches_lt_pp", ["--pipeline_parallel_size", "2", "--num_microbatches", "1"], None,
      "needs num_microbatches >= pp, got num_microbatches=1 < pp=2"),
+    ("pp_batch_too_small", ["--pipeline_parallel_size", "2", "--per_device_train_batch_size", "1"], None,
+     "--pipeline_parallel_size=2 needs at least 2 microbatches per micro-step, but --per_device_train_batch_size=1 "
+     "cannot be split into them; use --per_device_train_batch_size 2"),
     ("bad_pipeline_cut", ["--pipeline_parallel_size", "2", "--num_microbatches", "2", "--pipeline_cuts", "model.layers.7"],
      None, "pipeline cut 'model.layers.7' is not a leaf module"),
     ("seq_vs_tp_with_sp", ["--tensor_parallel_size", "2", "--block_size", "15"], None,
@@ -222,6 +226,28 @@ def test_bad_input_refused_at_once(warm, tmp_path, monkeypatch, capsys, flags, s
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
     assert message in err.strip().splitlines()[-1], err  # the last line says it, without a traceback
+    assert not (tmp_path / "out").exists()
+
+
+# Refusals that need the model (a layout, its limits, an adapter's plan) at a world of 2, so the launching process
+# must plan on the meta model to make them.
+NPROC_CASES = ["seq_vs_tp_with_sp", "layout_larger_than_world", "block_larger_than_positions", "unknown_architecture",
+               "bad_pipeline_cut", "plan_names_missing_module", "pp_batch_too_small"]
+
+
+@pytest.mark.parametrize("case", NPROC_CASES)
+def test_launcher_refuses_before_any_worker_starts(warm, tmp_path, monkeypatch, capsys, case):
+    """``--nproc_per_node 2``: the launching process plans the run on the meta model, so bad input is one line and
+    exit 2 there, instead of one line per worker and torchrun's ChildFailedError dump."""
+    _, flags, setup, message = next(c for c in CASES if c[0] == case)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(plait.cli, "run_under_torchrun", never("torchrun"))
+    extra = setup(monkeypatch, tmp_path) if setup else []
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *base_flags(tmp_path), "--nproc_per_node", "2", *flags, *extra])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert err.strip().splitlines()[-1].startswith("plait: error: ") and message in err.strip().splitlines()[-1], err
     assert not (tmp_path / "out").exists()
 
 

@@ -90,6 +90,7 @@ def test_every_hook_is_documented(name):
 def test_plan_refuses_what_train_refuses(llama_config_file, capsys):
     """`plait plan` renders the LayoutPlan `parallelize` applies: a schedule train refuses is refused here too."""
     with pytest.raises(SystemExit) as exit_info:
-        main(["plan", "--model_config", str(llama_config_file), "--pipeline_parallel_size", "2"])
+        main(["plan", "--model_config", str(llama_config_file), "--pipeline_parallel_size", "2",
+              "--num_microbatches", "1"])
     assert exit_info.value.code == 2
     assert "needs num_microbatches >= pp, got num_microbatches=1 < pp=2" in capsys.readouterr().err

@@ -225,3 +225,20 @@ def test_expert_parallel_refusals_name_the_values_and_the_fix():
     with pytest.raises(ConfigError, match=r"\(Llama4TextExperts\) holds experts stacked on dim 0, but its forward "
                                           r"takes no routing"):
         plan_layout(build_meta_model(llama4.config), ParallelConfig(ep=2), 2, llama4.registry)
+
+
+@pytest.mark.parametrize("pp, schedule, v, batch, expected", [
+    (1, "1f1b", 1, 8, 1),  # no pipeline: one microbatch
+    (2, "1f1b", 1, 8, 2),  # the smallest count >= pp dividing the batch
+    (4, "1f1b", 1, 6, 6),
+    (2, "interleaved-1f1b", 2, 6, 2),
+    (4, "interleaved-1f1b", 2, 12, 4),  # rounds of pp: 4, not 6
+])
+def test_pipeline_alone_picks_its_microbatches(pp, schedule, v, batch, expected):
+    from plait.train_args import TrainArgs
+
+    args = TrainArgs(pipeline_parallel_size=pp, pipeline_schedule=schedule, virtual_pipeline_size=v,
+                     per_device_train_batch_size=batch)
+    args.validate()
+    assert args.parallel_config().num_microbatches == expected
+    assert TrainArgs(pipeline_parallel_size=pp, num_microbatches=1).parallel_config().num_microbatches == 1

@@ -131,6 +131,8 @@ class ParallelConfig:
             cp += " experts whole over tp"
         if self.float8 is not None:
             cp += f" float8={self.float8}" + (" (emulated)" if self.float8_emulate else "")
+        if self.pp > 1:
+            cp += f" {self.pipeline_schedule} microbatches={self.num_microbatches}"
         return (
             f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} sp={self.sequence_parallel} "
             f"vpp={self.virtual_pipeline_size} zero1={self.zero_1}"

@@ -63,7 +63,7 @@ class TrainArgs:
     moe_capacity_factor: float = field(default=0.0, metadata={"help": "under ep, cap the tokens a rank sends each expert at factor x its even share, dropping the rest (0: dropless)"})
     pipeline_parallel_size: int = field(default=1, metadata={"help": "pp: pipeline stages (ranks) the layers are cut into"})
     virtual_pipeline_size: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved schedules)"})
-    num_microbatches: int = field(default=1, metadata={"help": "pipeline microbatches per micro-step (divides the per-device batch)"})
+    num_microbatches: int = field(default=0, metadata={"help": "pipeline microbatches per micro-step (divides the per-device batch; 0: 1 without pp, with pp the smallest count >= pp the schedule accepts that divides the batch)"})
     pipeline_schedule: str = field(default="1f1b", metadata={"help": f"one of {', '.join(SCHEDULES)}"})
     pipeline_cuts: str | None = field(default=None, metadata={"help": "comma-separated leaf modules to cut after (default: balanced)"})
     zero_1: bool = field(default=False, metadata={"help": "shard optimizer state over data-parallel ranks (ZeRO-1)"})
@@ -133,19 +133,19 @@ class TrainArgs:
         positive = ("per_device_train_batch_size", "block_size", "logging_steps", "ddp_timeout",
                     "gradient_accumulation_steps", "tensor_parallel_size", "nproc_per_node", "pipeline_parallel_size",
                     "context_parallel_size", "expert_parallel_size",
-                    "virtual_pipeline_size", "num_microbatches")
+                    "virtual_pipeline_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be positive")
         if self.context_parallel_size > 1:
             config = self.parallel_config()
             check_length(self.block_size, config.cp, config.tp, config.sequence_parallel)
-        if self.per_device_train_batch_size % self.num_microbatches:
+        if self.per_device_train_batch_size % self.microbatches():
             raise ConfigError(
                 f"--per_device_train_batch_size={self.per_device_train_batch_size} is not divisible by "
                 f"--num_microbatches={self.num_microbatches}; use a batch that is a multiple of {self.num_microbatches}"
             )
-        for name in ("max_steps", "eval_steps", "warmup_steps", "save_steps", "save_total_limit", "skip_nonfinite_steps"):
+        for name in ("num_microbatches", "max_steps", "eval_steps", "warmup_steps", "save_steps", "save_total_limit", "skip_nonfinite_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be >= 0")
         if not self.learning_rate >= 0:  # 0 is a run that measures the loss without moving the weights
@@ -187,6 +187,25 @@ class TrainArgs:
             raise ConfigError(f"--float8_emulate emulates float8 matmuls, but --float8 is not given; add --float8 "
                               f"{' or '.join(FLOAT8_RECIPES)}")
 
+    def microbatches(self) -> int:
+        """--num_microbatches, or when 0 the default: 1 without pipeline parallelism; with it the smallest count
+        of at least pp microbatches that divides the per-device batch (a multiple of pp for the schedules that run
+        them in rounds), so that ``--pipeline_parallel_size P`` alone works and keeps the bubble smallest per step."""
+        if self.num_microbatches:
+            return self.num_microbatches
+        pp, batch = self.pipeline_parallel_size, self.per_device_train_batch_size
+        if pp == 1:
+            return 1
+        rounds = SCHEDULES[self.pipeline_schedule].multi_stage if self.pipeline_schedule in SCHEDULES else False
+        for count in range(pp, batch + 1):
+            if batch % count == 0 and (not rounds or count % pp == 0):
+                return count
+        raise ConfigError(
+            f"--pipeline_parallel_size={pp} needs at least {pp} microbatches per micro-step, but "
+            f"--per_device_train_batch_size={batch} cannot be split into them; use --per_device_train_batch_size {pp} "
+            f"(or a multiple of it), or --pipeline_schedule gpipe --num_microbatches 1"
+        )
+
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
             tp=self.tensor_parallel_size,
@@ -197,7 +216,7 @@ class TrainArgs:
             expert_tensor_parallel=not self.disable_expert_tensor_parallel,
             pp=self.pipeline_parallel_size,
             virtual_pipeline_size=self.virtual_pipeline_size,
-            num_microbatches=self.num_microbatches,
+            num_microbatches=self.microbatches(),
             pipeline_schedule=self.pipeline_schedule,
             pipeline_cuts=tuple(c.strip() for c in self.pipeline_cuts.split(",") if c.strip()) if self.pipeline_cuts else (),
             sp=not self.disable_sequence_parallel,

@@ -37,7 +37,7 @@ from plait.checkpoint.state import local_params
 from plait.checkpoint import (
     checkpoint_path, latest_checkpoint, load_checkpoint, rotate_checkpoints, save_checkpoint, should_save,
 )
-from plait.layout_plan import plan_layout
+from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.base import check_base, saved_lora
 from plait.materialize import init_fallback_note, materialize, resolve_source
 from plait.meta import build_meta_model
@@ -145,6 +145,25 @@ def resume_path(args: TrainArgs) -> Path | None:
     return Path(args.resume_from_checkpoint) if args.resume_from_checkpoint else None
 
 
+def plan_run(args: TrainArgs, world: int) -> tuple[Path | None, PretrainedConfig, nn.Module, tuple | None, LayoutPlan]:
+    """Every check of a run that needs the model but no data and no process group: the flags, the checkpoint to
+    resume (it must hold this model), the model's limits and the layout planned on the meta model for ``world``
+    processes. The trainer runs it first; ``plait train --nproc_per_node N`` runs it in the launching process,
+    so bad input ends in one line before any worker starts. Returns the checkpoint to resume (or None), the
+    model config, the meta model, the LoRA settings a LoRA checkpoint saved (or None) and the plan."""
+    args.validate()
+    resume = resume_path(args)
+    model_config = read_model_config(args, resume)
+    meta = build_meta_model(model_config, torch.bfloat16 if args.bf16 else torch.float32)
+    check_resume_matches(args, meta, resume)
+    check_model_fits(args, model_config)
+    saved = saved_lora(read_index(resume)[1].extra) if resume is not None else None
+    if saved is not None:
+        check_base(saved[1], str(resume))
+    lora = args.lora() or (saved[0] if saved is not None else None)  # a LoRA checkpoint names its own config
+    return resume, model_config, meta, saved, plan_layout(meta, args.parallel_config(), world, lora=lora)
+
+
 class Trainer:
     """One training job: ``Trainer(args)`` builds everything (checks first, then the process group, the model,
     optimizer and state), ``step(step)`` runs one optimizer step, ``train()`` runs the loop with logging,
@@ -156,18 +175,8 @@ class Trainer:
     """
 
     def __init__(self, args: TrainArgs) -> None:
-        args.validate()
         self.args = args
-        resume = resume_path(args)
-        model_config = read_model_config(args, resume)
-        meta = build_meta_model(model_config, torch.bfloat16 if args.bf16 else torch.float32)
-        check_resume_matches(args, meta, resume)
-        check_model_fits(args, model_config)
-        saved = saved_lora(read_index(resume)[1].extra) if resume is not None else None
-        if saved is not None:
-            check_base(saved[1], str(resume))
-        lora = args.lora() or (saved[0] if saved is not None else None)  # a LoRA checkpoint names its own config
-        plan = plan_layout(meta, args.parallel_config(), int(os.environ.get("WORLD_SIZE", "1")), lora=lora)
+        resume, model_config, meta, saved, plan = plan_run(args, int(os.environ.get("WORLD_SIZE", "1")))
         self.device = device = pick_device(args.device)
         check_float8_device(plan.config, device)  # float8 off a float8 GPU: before any data is read
         # Data before any process group: a bad file fails every rank at once, never inside a collective.
