@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import types
 from collections import Counter
@@ -521,3 +522,44 @@ def test_search_offers_ep_where_it_makes_dp_fit(tmp_path, capsys):
     assert "--expert_parallel_size 2" in ranked["tp=1 pp=1 dp=2 ep=2"]
     assert "tp=1 pp=1 dp=2 ep=2 zero1" in ranked
     assert not any("ep=" in layout for layout in ranked if "dp=1" in layout and "cp=2" not in layout)
+
+
+def test_refused_layouts_are_summarised_by_reason_and_listed_on_request(capsys):
+    """Every refusal has its reason; by default one row per kind of reason (count, an example, the numbers'
+    range), with --show_refused one row per layout."""
+    from rich.console import Console
+
+    from plait.costs.render import refused_table
+
+    model = build_meta_model(tiny_llama(layers=2))
+    base = plan_layout(model, ParallelConfig(), 4, default_registry()).config
+    trace = trace_activations(model, 16, default_registry(), default_registry().resolve(model.config))
+    small = PRESETS["cpu"].__class__(**{**PRESETS["cpu"].__dict__, "memory_bytes": 200_000})
+    refused = search_layouts(model, base, 4, Batch(6, 16), Precision(), trace, small, default_registry()).refused
+    assert refused and all(reason.strip() for _, reason in refused)
+    console = Console(width=400, no_color=True)
+    with console.capture() as summary:
+        console.print(refused_table(refused))
+    kinds = {re.sub(r"\d+(?:\.\d+)?", "#", reason) for _, reason in refused}
+    assert f"refused ({len(refused)} layouts, by reason; --show_refused lists each)" in summary.get()
+    assert len(kinds) < len(refused) and sum(1 for line in summary.get().splitlines() if "│" in line) == len(kinds)
+    with console.capture() as every:
+        console.print(refused_table(refused, every=True))
+    for label, reason in refused:
+        assert re.search(rf"│ {re.escape(label)} +│ {re.escape(reason)} +│", every.get()), label
+
+
+def test_refusal_summary_shows_the_range_of_the_numbers():
+    from rich.console import Console
+
+    from plait.costs.render import refused_table
+
+    refused = [("tp=1 pp=1 dp=4", "does not fit: peak 3.50 GiB > 2.00 GiB per device"),
+               ("tp=3 pp=1 dp=1", "num_attention_heads=4 is not divisible by tp=3"),
+               ("tp=2 pp=1 dp=2", "does not fit: peak 12.25 GiB > 2.00 GiB per device")]
+    console = Console(width=300, no_color=True)
+    with console.capture() as out:
+        console.print(refused_table(refused))
+    rows = [line for line in out.get().splitlines() if "│" in line]
+    assert re.search(r"│ 2 +│ tp=1 pp=1 dp=4 +│ does not fit: peak 3.50-12.25 GiB > 2.00 GiB per device +│", rows[0])
+    assert re.search(r"│ 1 +│ tp=3 pp=1 dp=1 +│ num_attention_heads=4 is not divisible by tp=3 +│", rows[1])

@@ -162,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--recalibrate", action="store_true", help="measure again, replacing the cached calibration")
     plan.add_argument("--search", action="store_true", help="rank every layout of the world that fits")
     plan.add_argument("--top", type=int, default=5, help="layouts --search prints (default: 5)")
+    plan.add_argument("--show_refused", action="store_true",
+                      help="--search: list every refused layout with its reason (default: a summary by reason)")
     plan.add_argument("--moe_imbalance", type=float, default=1.0, help="MoE under ep: the busiest rank's routed "
                       "(token, expert) pairs over its even share, sizing its expert activations and FLOPs "
                       "(default: 1, balanced routing)")

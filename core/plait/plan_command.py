@@ -173,7 +173,7 @@ def run_plan(ns, args) -> None:
         if ns.json:
             print(json.dumps(search_json(result, device, commands, ns.top), indent=2))
         else:
-            print_search(console, result, device, commands, ns.top)
+            print_search(console, result, device, commands, ns.top, ns.show_refused)
         return
     estimate = estimate_layout(model, plan, batch, precision, trace, **decay, moe_imbalance=ns.moe_imbalance)
     if ns.json:

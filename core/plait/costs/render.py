@@ -15,6 +15,7 @@ gradients' group (the dp x cp / ep ranks holding the same experts).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import defaultdict
 
 from rich.console import Console
@@ -101,7 +102,8 @@ def search_json(result: SearchResult, device: Device, commands: list[str], top: 
     }
 
 
-def print_search(console: Console, result: SearchResult, device: Device, commands: list[str], top: int) -> None:
+def print_search(console: Console, result: SearchResult, device: Device, commands: list[str], top: int,
+                 show_refused: bool = False) -> None:
     table = Table("#", "layout", "step (s)", "peak", "bubble", "tokens/s/device",
                   title=f"fastest layouts on {device.name} ({len(result.ranked)} fit, {len(result.refused)} refused)")
     for i, (estimate, seconds) in enumerate(result.ranked[:top], 1):
@@ -111,19 +113,43 @@ def print_search(console: Console, result: SearchResult, device: Device, command
         table.add_row(str(i), describe(estimate.plan.config), f"{seconds:.4g}", gib(estimate.peak),
                       f"{estimate.bubble:.3f}", f"{tokens / seconds / world:,.0f}")
     console.print(table)
-    reasons: dict[str, list[str]] = defaultdict(list)
-    for label, reason in result.refused:
-        reasons[reason].append(label)
-    refused = Table("refused layouts", "reason", title="refused")
-    for reason, labels in list(reasons.items())[:20]:
-        refused.add_row("\n".join(labels[:4]) + (f"\n... and {len(labels) - 4} more" if len(labels) > 4 else ""),
-                        reason)
-    if reasons:
-        console.print(refused)
+    if result.refused:
+        console.print(refused_table(result.refused, every=show_refused))
     if commands:
         console.print(f"[bold]best:[/] {commands[0]}")
     else:
         console.print("[red]no layout fits[/]: see the refusals above")
+
+
+def refused_table(refused: list[tuple[str, str]], every: bool = False) -> Table:
+    """The refused layouts: with ``every``, one row each with its own reason; by default one row per kind of
+    reason (the reason with its numbers left out: "does not fit: peak # GiB > # GiB per device"), with how many
+    layouts it refused, one of them, and its reason in full (the range of the numbers where they vary)."""
+    if every:
+        table = Table("layout", "reason", title=f"refused ({len(refused)} layouts)")
+        for label, reason in refused:
+            table.add_row(label, reason)
+        return table
+    groups: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for label, reason in refused:
+        groups[re.sub(r"\d+(?:\.\d+)?", "#", reason)].append((label, reason))
+    table = Table("layouts", "for example", "reason", title=f"refused ({len(refused)} layouts, by reason; "
+                                                               f"--show_refused lists each)")
+    for template, rows in sorted(groups.items(), key=lambda item: -len(item[1])):
+        table.add_row(str(len(rows)), rows[0][0], _number_ranges(template, [reason for _, reason in rows]))
+    return table
+
+
+def _number_ranges(template: str, reasons: list[str]) -> str:
+    """``template`` with each "#" replaced by the number the reasons share there, or their range."""
+    columns = list(zip(*(re.findall(r"\d+(?:\.\d+)?", reason) for reason in reasons)))
+    parts = template.split("#")
+    out = parts[0]
+    for column, tail in zip(columns, parts[1:]):
+        values = sorted(set(column), key=float)
+        out += values[0] if len(values) == 1 else f"{values[0]}-{values[-1]}"
+        out += tail
+    return out
 
 
 def world_of(config) -> int:
