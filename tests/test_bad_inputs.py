@@ -187,6 +187,22 @@ CASES = [
     ("toml_wrong_type", [], file_with("run.toml", 'max_steps = "ten"\n', "--config"),
      "max_steps = 'ten' should be of type int"),
     ("toml_invalid", [], file_with("run.toml", "max_steps = \n", "--config"), "not valid TOML"),
+    ("config_not_json", [], file_with("config.json", '{"model_type": "llama", ', "--model_config"),
+     "config.json: not valid JSON (Expecting property name enclosed in double quotes"),
+    ("config_transformers_refuses", [], file_with("config.json", '{"model_type": "llama", "hidden_size": 30, '
+                                                  '"num_attention_heads": 4}', "--model_config"),
+     "transformers refuses this llama config: Class validation error for validator 'validate_architecture': "
+     "ValueError: The hidden size (30) is not a multiple of the number of attention heads (4)."),
+    ("config_unknown_model_type", [], file_with("config.json", '{"model_type": "lama"}', "--model_config"),
+     "model_type 'lama' is not one transformers"),
+    ("train_dir_without_data", [], lambda mp, tmp: ["--train_file", str((tmp / "empty-dir").mkdir() or tmp / "empty-dir")],
+     "is a directory without .txt, .jsonl or .parquet files"),
+    ("output_dir_is_a_file", [], lambda mp, tmp: ["--output_dir", str((tmp / "afile").write_text("x") and tmp / "afile")],
+     "is an existing file, not a directory; give a directory"),
+    ("vpp_without_pp", ["--virtual_pipeline_size", "3"], None,
+     "--virtual_pipeline_size=3 has no effect without pipeline parallelism (--pipeline_parallel_size 1); drop it"),
+    ("cp_attention_without_cp", ["--cp_attention", "ring"], None,
+     "--cp_attention=ring has no effect without context parallelism (--context_parallel_size 1)"),
 ]
 
 

@@ -10,7 +10,9 @@ import json
 from importlib import resources
 from pathlib import Path
 
+import transformers
 from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from plait.checkpoint.format import model_config as saved_model_config
@@ -43,7 +45,18 @@ def read_model_config(args: TrainArgs, resume: Path | None = None) -> Pretrained
 
 def load_config_file(path: Path) -> PretrainedConfig:
     """A transformers config.json, without needing the rest of a model dir."""
-    values = json.loads(path.read_text())
-    if "model_type" not in values:
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON ({err}); it must be a transformers config.json") from None
+    if not isinstance(values, dict) or "model_type" not in values:
         raise ConfigError(f"{path} has no 'model_type'; it must be a transformers config.json")
-    return AutoConfig.for_model(values.pop("model_type"), **values)
+    model_type = values.pop("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"{path}: model_type {model_type!r} is not one transformers {transformers.__version__} knows; "
+                          f"check the spelling, or upgrade transformers")
+    try:
+        return AutoConfig.for_model(model_type, **values)
+    except Exception as err:  # noqa: BLE001 (values the config class refuses: its strict validators raise their own kinds)
+        why = " ".join(str(err).split())
+        raise ConfigError(f"{path}: transformers refuses this {model_type} config: {why}") from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -172,6 +173,7 @@ class TrainArgs:
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             raise ConfigError(f"--lr_scheduler_type={self.lr_scheduler_type!r} is unknown; choose one of {', '.join(LR_SCHEDULERS)}")
         parse_report_to(self.report_to)  # known trackers, their packages installed
+        self._check_output_dir()
         if self.float8 is not None:
             if self.float8 not in FLOAT8_RECIPES:
                 raise ConfigError(f"--float8={self.float8!r} is unknown; choose one of {', '.join(FLOAT8_RECIPES)}")
@@ -186,6 +188,39 @@ class TrainArgs:
         elif self.float8_emulate:
             raise ConfigError(f"--float8_emulate emulates float8 matmuls, but --float8 is not given; add --float8 "
                               f"{' or '.join(FLOAT8_RECIPES)}")
+
+    def _check_output_dir(self) -> None:
+        out = Path(self.output_dir)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--output_dir {self.output_dir!r} is an existing file, not a directory; give a directory")
+        existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"--output_dir {self.output_dir!r} cannot be written: {existing} is not writable by this "
+                              f"user; give a directory you can write to")
+
+    def check_flags_take_effect(self) -> None:
+        """A flag that does nothing in the chosen layout is refused, not silently ignored: the user meant
+        something by it (most often a layout flag they forgot). For a run only: ``plait plan --search`` reads
+        --cp_attention and --pipeline_schedule for the layouts it tries."""
+        pp, cp, tp, ep = (self.pipeline_parallel_size, self.context_parallel_size, self.tensor_parallel_size,
+                          self.expert_parallel_size)
+        idle = [
+            (pp == 1 and self.virtual_pipeline_size > 1, f"--virtual_pipeline_size={self.virtual_pipeline_size}",
+             "pipeline parallelism", "--pipeline_parallel_size"),
+            (pp == 1 and self.pipeline_schedule in SCHEDULES and self.pipeline_schedule != "1f1b",
+             f"--pipeline_schedule={self.pipeline_schedule}",
+             "pipeline parallelism", "--pipeline_parallel_size"),
+            (pp == 1 and bool(self.pipeline_cuts), "--pipeline_cuts", "pipeline parallelism", "--pipeline_parallel_size"),
+            (cp == 1 and self.cp_attention != "auto", f"--cp_attention={self.cp_attention}", "context parallelism",
+             "--context_parallel_size"),
+            (ep == 1 and self.moe_capacity_factor > 0, f"--moe_capacity_factor={self.moe_capacity_factor:g}",
+             "expert parallelism", "--expert_parallel_size"),
+            (tp == 1 and self.disable_expert_tensor_parallel, "--disable_expert_tensor_parallel", "tensor parallelism",
+             "--tensor_parallel_size"),
+        ]
+        for unused, flag, axis, size in idle:
+            if unused:
+                raise ConfigError(f"{flag} has no effect without {axis} ({size} 1); drop it, or set {size}")
 
     def microbatches(self) -> int:
         """--num_microbatches, or when 0 the default: 1 without pipeline parallelism; with it the smallest count

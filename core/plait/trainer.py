@@ -152,6 +152,7 @@ def plan_run(args: TrainArgs, world: int) -> tuple[Path | None, PretrainedConfig
     so bad input ends in one line before any worker starts. Returns the checkpoint to resume (or None), the
     model config, the meta model, the LoRA settings a LoRA checkpoint saved (or None) and the plan."""
     args.validate()
+    args.check_flags_take_effect()
     resume = resume_path(args)
     model_config = read_model_config(args, resume)
     meta = build_meta_model(model_config, torch.bfloat16 if args.bf16 else torch.float32)

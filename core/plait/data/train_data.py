@@ -114,7 +114,10 @@ def load_data(args: TrainArgs, vocab_size: int) -> tuple[TokenBlocks, TokenBlock
     the token cache, and the tokenizer that made them (None for byte ids), saved with checkpoints.
     SFT data (--data_format chat / prompt_completion, or detected) gives ``SFTBlocks`` instead
     (``plait.data.sft``)."""
-    fmt = data_format(args)
+    try:
+        fmt = data_format(args)  # reads the first source: a bad path fails here
+    except (ValueError, OSError) as err:
+        raise ConfigError(str(err)) from err
     if fmt in SFT_FORMATS:  # conversations or prompt/completion: padded or packed SFT blocks
         sft = load_sft_data(args, vocab_size, fmt)
         return sft.blocks, sft.val_blocks, sft.tokenizer
