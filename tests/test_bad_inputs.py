@@ -245,10 +245,11 @@ def test_bad_input_refused_at_once(warm, tmp_path, monkeypatch, capsys, flags, s
     assert not (tmp_path / "out").exists()
 
 
-# Refusals that need the model (a layout, its limits, an adapter's plan) at a world of 2, so the launching process
-# must plan on the meta model to make them.
+# Refusals that need the model (a layout, its limits, an adapter's plan) at a world of 2, or the data, so the
+# launching process must plan on the meta model and prepare the data to make them.
 NPROC_CASES = ["seq_vs_tp_with_sp", "layout_larger_than_world", "block_larger_than_positions", "unknown_architecture",
-               "bad_pipeline_cut", "plan_names_missing_module", "pp_batch_too_small"]
+               "bad_pipeline_cut", "plan_names_missing_module", "pp_batch_too_small", "empty_train_file",
+               "config_not_json"]
 
 
 @pytest.mark.parametrize("case", NPROC_CASES)
@@ -290,6 +291,17 @@ def test_subprocess_exit_code(tmp_path, case):
     assert result.returncode == 2, result.stderr
     assert message in result.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "out").exists()
+
+
+def test_launcher_refusal_as_a_real_command(tmp_path):
+    """``plait train --nproc_per_node 2`` with bad input: exit 2, one line, no traceback, no torchrun started."""
+    result = run_plait([sys.executable, "-m", "plait", "train", *base_flags(tmp_path), "--nproc_per_node", "2",
+                        "--tensor_parallel_size", "2", "--block_size", "15"])
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("plait: error: ")]
+    assert len(lines) == 1 and "--block_size=15 is not divisible by --tensor_parallel_size=2" in lines[0]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr and "OMP_NUM_THREADS" not in \
+        result.stderr + result.stdout  # torchrun prints its OMP banner when it starts: it never did
 
 
 @pytest.mark.slow

@@ -27,9 +27,9 @@ def cmd_train(ns: argparse.Namespace) -> None:
     args = from_namespace(ns, TrainArgs)
     args.validate()
     if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
-        from plait.trainer import plan_run  # when run (module docstring)
+        from plait.trainer import check_before_launch  # when run (module docstring)
 
-        plan_run(args, args.nproc_per_node)  # bad input: one line here, not one per worker and torchrun's dump
+        check_before_launch(args, args.nproc_per_node)  # bad input: one line here, not one per worker and a dump
         # Not under torchrun yet: become torchrun, running this same command on every process.
         argv = [a for a in sys.argv[1:]]
         if "--nproc_per_node" in argv:

@@ -165,6 +165,16 @@ def plan_run(args: TrainArgs, world: int) -> tuple[Path | None, PretrainedConfig
     return resume, model_config, meta, saved, plan_layout(meta, args.parallel_config(), world, lora=lora)
 
 
+def check_before_launch(args: TrainArgs, world: int) -> None:
+    """What ``plait train --nproc_per_node N`` does in the launching process before any worker starts: plan the
+    run (``plan_run``) and prepare its data, so bad input (a layout, a model, an empty or unreadable data file)
+    is one line there instead of one per worker and torchrun's dump. The data is tokenized into the cache here,
+    once; the workers read it back."""
+    _, model_config, _, _, plan = plan_run(args, world)
+    _, val_blocks, _ = load_data(args, model_config.vocab_size)
+    check_validation_blocks(val_blocks, plan.config)
+
+
 class Trainer:
     """One training job: ``Trainer(args)`` builds everything (checks first, then the process group, the model,
     optimizer and state), ``step(step)`` runs one optimizer step, ``train()`` runs the loop with logging,
