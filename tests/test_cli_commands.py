@@ -94,3 +94,14 @@ def test_plan_refuses_what_train_refuses(llama_config_file, capsys):
               "--num_microbatches", "1"])
     assert exit_info.value.code == 2
     assert "needs num_microbatches >= pp, got num_microbatches=1 < pp=2" in capsys.readouterr().err
+
+
+def test_commands_print_no_import_noise():
+    """With torchao installed (the float8 extra), importing transformers logs warnings no plait user can act on
+    (kernel libraries this build lacks, enum registrations): plait quiets exactly those loggers."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "plait", "adapters", "--json"], capture_output=True, text=True,
+                            timeout=120, check=True)
+    assert "Failed to load" not in result.stderr and "_pytree" not in result.stderr, result.stderr

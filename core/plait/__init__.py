@@ -1,5 +1,15 @@
 """plait: tensor, sequence and pipeline parallelism and ZeRO-1 for Hugging Face transformers models."""
 
+import logging
+
+# transformers imports torchao whenever it is installed (plait's float8 extra, the test extra). torchao then logs a
+# warning for each optional kernel library its build cannot load, and torch one for each enum torchao registers:
+# lines in every command's output that no plait user can act on. Those two loggers are quieted to errors, unless
+# the user set their level.
+for _name in ("torchao", "torch.utils._pytree"):
+    if logging.getLogger(_name).level == logging.NOTSET:
+        logging.getLogger(_name).setLevel(logging.ERROR)
+
 from plait.config import ConfigError, ParallelConfig
 from plait.declarations import AdapterInfo, Capabilities, PipelinePlan, SPPlan, TPPlan
 from plait.layout_plan import LayoutPlan, plan_layout
