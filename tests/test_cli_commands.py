@@ -74,11 +74,11 @@ def test_plan_bytes_add_up():
 
 def test_plan_unknown_architecture(tmp_path, capsys):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "bert", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
-                                "num_attention_heads": 2, "intermediate_size": 16}))
+    path.write_text(json.dumps({"model_type": "opt", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+                                "num_attention_heads": 2, "ffn_dim": 16, "word_embed_proj_dim": 8}))
     with pytest.raises(SystemExit):
         main(["plan", "--model_config", str(path), "--tensor_parallel_size", "2"])
-    assert "no plait adapter claims architecture 'bert'" in capsys.readouterr().err
+    assert "no plait adapter claims architecture 'opt'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", [n for n in dir(hookspecs) if n.startswith("plait_")])
