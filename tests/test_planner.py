@@ -20,7 +20,7 @@ import torch
 from transformers import LlamaConfig, MixtralConfig
 
 import plait
-from plait import AdapterInfo, ParallelConfig, Registry, TPPlan, hookimpl
+from plait import AdapterInfo, ConfigError, ParallelConfig, Registry, TPPlan, hookimpl
 from plait.cli import build_parser, main
 from plait.costs.activations import trace_activations
 from plait.costs.bubble import bubble_fraction, in_flight
@@ -563,3 +563,29 @@ def test_refusal_summary_shows_the_range_of_the_numbers():
     rows = [line for line in out.get().splitlines() if "│" in line]
     assert re.search(r"│ 2 +│ tp=1 pp=1 dp=4 +│ does not fit: peak 3.50-12.25 GiB > 2.00 GiB per device +│", rows[0])
     assert re.search(r"│ 1 +│ tp=3 pp=1 dp=1 +│ num_attention_heads=4 is not divisible by tp=3 +│", rows[1])
+
+
+@pytest.mark.parametrize("text, expected", [("80GB", 80 * 10**9), ("78GiB", 78 * 2**30), ("78", 78 * 2**30),
+                                            ("80G", 80 * 2**30), ("512mib", 512 * 2**20), ("1.5 TB", 1.5e12),
+                                            ("9.5e-4", int(9.5e-4 * 2**30))])
+def test_device_memory_takes_units(text, expected):
+    from plait.costs.device import parse_memory
+
+    assert parse_memory(text) == int(expected)
+
+
+@pytest.mark.parametrize("text", ["eighty", "80 GBs", "-1", "0GB"])
+def test_device_memory_refuses_what_is_not_a_size(text):
+    from plait.costs.device import parse_memory
+
+    with pytest.raises(ConfigError, match=rf"--device_memory={re.escape(repr(text))} (is not a size|must be positive)"):
+        parse_memory(text)
+
+
+def test_hardware_name_in_any_case(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    tiny_llama(layers=2).to_json_file(path)
+    main(["plan", "--model_config", str(path), "--block_size", "16", "--hardware", "H100", "--device_memory", "80GB",
+          "--json"])
+    found = json.loads(capsys.readouterr().out)
+    assert found["device_memory"] == 80 * 10**9

@@ -155,9 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(plan, TrainArgs)
     plan.add_argument("--world_size", type=int, default=None,
                       help="processes of the run (default: --nproc_per_node, at least tp * pp)")
-    plan.add_argument("--device_memory", type=float, default=None, help="GiB per device to fit in (default: the "
-                      "--hardware preset's)")
-    plan.add_argument("--hardware", choices=sorted(PRESETS), default=None, help="device model for step times")
+    plan.add_argument("--device_memory", default=None, help="memory per device to fit in: 80GB, 78GiB, 512MiB, or a "
+                      "number of GiB (default: the --hardware preset's)")
+    plan.add_argument("--hardware", type=str.lower, choices=sorted(PRESETS), default=None,
+                      help="device model for step times (any case)")
     plan.add_argument("--calibrate", action="store_true", help="device model measured on this machine (cached)")
     plan.add_argument("--recalibrate", action="store_true", help="measure again, replacing the cached calibration")
     plan.add_argument("--search", action="store_true", help="rank every layout of the world that fits")

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from plait.config import ConfigError
 from plait.costs.activations import trace_activations
-from plait.costs.device import PRESETS, calibrate
+from plait.costs.device import PRESETS, calibrate, parse_memory
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.experts import check_expert_parallel, expert_parameters
 from plait.costs.memory import Precision
@@ -141,14 +141,13 @@ def run_plan(ns, args) -> None:
     world_size = ns.world_size or (args.nproc_per_node if args.nproc_per_node > 1 else None)
     if world_size is None and parallel.ep > 1:
         world_size = parallel.tp * parallel.pp * math.lcm(parallel.cp, parallel.ep)
-    if ns.device_memory is not None and ns.device_memory <= 0:
-        raise ConfigError(f"--device_memory={ns.device_memory} must be positive (GiB per device)")
+    memory = parse_memory(ns.device_memory) if ns.device_memory is not None else None
     if ns.moe_imbalance < 1:
         raise ConfigError(f"--moe_imbalance={ns.moe_imbalance:g} must be >= 1 (1: balanced routing; F: the busiest "
                           f"ep rank computes F times its even share of the (token, expert) pairs)")
     device = calibrate(refresh=ns.recalibrate) if ns.calibrate or ns.recalibrate else (
         PRESETS[ns.hardware] if ns.hardware else None)
-    memory = int(ns.device_memory * 2**30) if ns.device_memory else (device.memory_bytes if device else None)
+    memory = memory or (device.memory_bytes if device else None)
     if device is not None and memory is not None:
         device = dataclasses.replace(device, memory_bytes=memory)
     if ns.search and device is None:

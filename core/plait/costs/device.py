@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import socket
 import tempfile
 import time
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from plait.config import ConfigError
 
 GiB = 1024**3
 
@@ -59,6 +62,24 @@ PRESETS = {
     # A generic CPU process (one core, gloo over loopback): placeholders; prefer --calibrate.
     "cpu": Device("cpu", 16 * GiB, 50e9, 50e9, 1.0, 10e9, 2e9, 1e9, 1, 100e-6),
 }
+
+
+_UNITS = {"": 2**30, "g": 2**30, "gib": 2**30, "gb": 10**9, "m": 2**20, "mib": 2**20, "mb": 10**6,
+          "t": 2**40, "tib": 2**40, "tb": 10**12}
+
+
+def parse_memory(text: str, flag: str = "--device_memory") -> int:
+    """Bytes from a size as users write it: "80GB" (10^9), "78GiB", "512MiB", "80G" (GiB, as nvidia-smi), or a bare
+    number of GiB ("78")."""
+    match = re.fullmatch(r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(f"{flag}={text!r} is not a size; give GiB as a number (78) or with a unit (80GB, 78GiB, "
+                          f"512MiB)")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ConfigError(f"{flag}={text!r} must be positive")
+    return value
 
 
 def cache_path() -> Path:
