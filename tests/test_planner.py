@@ -589,3 +589,14 @@ def test_hardware_name_in_any_case(tmp_path, capsys):
           "--json"])
     found = json.loads(capsys.readouterr().out)
     assert found["device_memory"] == 80 * 10**9
+
+
+def test_plan_states_the_batch_and_what_bytes_count(tmp_path, capsys):
+    """The defaults the estimate rests on are printed (a user who forgot --block_size sees 128), and the
+    communication table says what its bytes are."""
+    path = tmp_path / "config.json"
+    tiny_llama(layers=2).to_json_file(path)
+    main(["plan", "--model_config", str(path), "--tensor_parallel_size", "2"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "batch per data-parallel rank: 8 sequences x 128 tokens x 1 accumulation steps" in out
+    assert "bytes: what this rank hands the collective, summed over its calls" in out

@@ -59,6 +59,9 @@ def print_estimate(console: Console, estimate: LayoutEstimate, device: Device | 
     """Memory per rank (ranks with equal numbers folded into one row), communication per pipeline rank, the
     bubble and, with a device, the fit and step time."""
     config = estimate.plan.config
+    b = estimate.batch
+    console.print(f"batch per data-parallel rank: {b.per_device} sequences x {b.seq} tokens x {b.accumulation} "
+                  f"accumulation steps (--per_device_train_batch_size, --block_size, --gradient_accumulation_steps)")
     rows: dict[tuple, list[int]] = defaultdict(list)
     for r in estimate.ranks:
         a = r.activations
@@ -72,7 +75,9 @@ def print_estimate(console: Console, estimate: LayoutEstimate, device: Device | 
         table.add_row(_ranks(ranks), gib(params), gib(grads), gib(optim), gib(per_mb), f"{flight:g}", gib(acts),
                       gib(transient), gib(peak) + mark)
     console.print(table)
-    comm = Table("pp rank", "group", "op", "count", "bytes", title="communication per optimizer step (one rank)")
+    comm = Table("pp rank", "group", "op", "count", "bytes", title="communication per optimizer step (one rank)",
+                 caption="bytes: what this rank hands the collective, summed over its calls (an all_gather's output "
+                         "is group size times that; a ring all_reduce sends about 2(n-1)/n of it per rank)")
     for pp_rank, ops in estimate.comm.items():
         for op in ops:
             replicas = "dp×cp" if config.cp > 1 else "dp"
