@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 from plait import AdapterInfo, ConfigError, hookimpl
+from plait.meta import causal_lm_refusal
 from plait_transformers_derive import Refusal, derive
 from plait_transformers_tiny import tiny_config
 
@@ -40,16 +41,9 @@ def _not_a_causal_lm(config) -> str | None:
     """Why ``config`` cannot be a decoder-only transformers causal LM (None: it can): what no plan, derived or
     written, makes plait train. A missing tp plan is not among them (``show_derived`` still starts an adapter)."""
     model_type = getattr(config, "model_type", None)
-    config_class = _config_class(model_type)
-    if config_class is None:
+    if _config_class(model_type) is None:
         return f"transformers has no config class for model_type {model_type!r}"
-    if getattr(config, "is_encoder_decoder", False) or getattr(config_class, "is_encoder_decoder", False):
-        return f"{model_type} is an encoder-decoder model; plait trains decoder-only causal LMs"
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return f"transformers has no causal-LM class for {model_type!r}"
-    return None
+    return causal_lm_refusal(config)
 
 
 @hookimpl

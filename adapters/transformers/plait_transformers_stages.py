@@ -163,8 +163,8 @@ def _execution_order(model: nn.Module, arch: str, layers: str, siblings: list[st
         source = inspect.getsource(type(model.get_submodule(parent) if parent else model).forward)
     except (OSError, TypeError):
         return []
-    mentions = {n: re.finditer(rf"\bself\.{re.escape(n.rpartition('.')[2])}\b", source) for n in siblings}
-    uses = {n: [m.start() for m in found] for n, found in mentions.items()}
+    uses = {n: [m.start() for m in re.finditer(rf"\bself\.{re.escape(n.rpartition('.')[2])}\b", source)]
+            for n in siblings}
     if not uses[layers]:
         return []
     start = uses[layers][0]

@@ -27,3 +27,16 @@ SCHEDULES = {
     "interleaved-1f1b": Schedule("ScheduleInterleaved1F1B", multi_stage=True),
     "zero-bubble": Schedule("ScheduleInterleavedZeroBubble", multi_stage=True),
 }
+
+
+def microbatch_refusal(name: str, pp: int, microbatches: int) -> str | None:
+    """Why schedule ``name`` cannot run ``microbatches`` microbatches over ``pp`` stages (None: it can): the rule
+    the runner enforces (``plait.pipeline.runner.check_schedule``) and the default count is chosen by."""
+    if name != "gpipe" and microbatches < pp:
+        return (f"pipeline_schedule={name!r} needs num_microbatches >= pp, got num_microbatches={microbatches} < "
+                f"pp={pp}; use at least {pp} microbatches or pipeline_schedule='gpipe'")
+    rounds = max(1, microbatches // pp)
+    if SCHEDULES[name].multi_stage and microbatches % rounds:
+        return (f"pipeline_schedule={name!r} runs microbatches in rounds of pp={pp}: num_microbatches={microbatches} "
+                f"is not a multiple of its {rounds} rounds; use a multiple of {pp}")
+    return None

@@ -18,7 +18,7 @@ from plait.data.sft_blocks import OVERLONG
 from plait.config import CP_ATTENTION, FLOAT8_RECIPES, ConfigError, ParallelConfig
 from plait.float8 import ALIGN, require_torchao
 from plait.lora.config import lora_config
-from plait.pipeline_schedules import SCHEDULES
+from plait.pipeline_schedules import SCHEDULES, microbatch_refusal
 from plait.trackers import parse_report_to
 
 if TYPE_CHECKING:
@@ -224,16 +224,16 @@ class TrainArgs:
 
     def microbatches(self) -> int:
         """--num_microbatches, or when 0 the default: 1 without pipeline parallelism; with it the smallest count
-        of at least pp microbatches that divides the per-device batch (a multiple of pp for the schedules that run
-        them in rounds), so that ``--pipeline_parallel_size P`` alone works and keeps the bubble smallest per step."""
+        of at least pp microbatches that divides the per-device batch and the schedule accepts
+        (``microbatch_refusal``), so that ``--pipeline_parallel_size P`` alone works and keeps the bubble smallest."""
         if self.num_microbatches:
             return self.num_microbatches
         pp, batch = self.pipeline_parallel_size, self.per_device_train_batch_size
         if pp == 1:
             return 1
-        rounds = SCHEDULES[self.pipeline_schedule].multi_stage if self.pipeline_schedule in SCHEDULES else False
+        schedule = self.pipeline_schedule if self.pipeline_schedule in SCHEDULES else "1f1b"  # unknown: refused later
         for count in range(pp, batch + 1):
-            if batch % count == 0 and (not rounds or count % pp == 0):
+            if batch % count == 0 and microbatch_refusal(schedule, pp, count) is None:
                 return count
         raise ConfigError(
             f"--pipeline_parallel_size={pp} needs at least {pp} microbatches per micro-step, but "

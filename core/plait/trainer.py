@@ -171,8 +171,15 @@ def check_before_launch(args: TrainArgs, world: int) -> None:
     is one line there instead of one per worker and torchrun's dump. The data is tokenized into the cache here,
     once; the workers read it back."""
     _, model_config, _, _, plan = plan_run(args, world)
-    _, val_blocks, _ = load_data(args, model_config.vocab_size)
+    load_checked_data(args, model_config, plan)
+
+
+def load_checked_data(args: TrainArgs, model_config: PretrainedConfig, plan: LayoutPlan) -> tuple:
+    """``load_data``'s training blocks, validation blocks and tokenizer, with enough validation data for the
+    layout: the trainer's data and ``check_before_launch``'s check are this one call."""
+    blocks, val_blocks, tokenizer = load_data(args, model_config.vocab_size)
     check_validation_blocks(val_blocks, plan.config)
+    return blocks, val_blocks, tokenizer
 
 
 class Trainer:
@@ -191,8 +198,7 @@ class Trainer:
         self.device = device = pick_device(args.device)
         check_float8_device(plan.config, device)  # float8 off a float8 GPU: before any data is read
         # Data before any process group: a bad file fails every rank at once, never inside a collective.
-        self.blocks, self.val_blocks, self.tokenizer = load_data(args, model_config.vocab_size)
-        check_validation_blocks(self.val_blocks, plan.config)
+        self.blocks, self.val_blocks, self.tokenizer = load_checked_data(args, model_config, plan)
         init_distributed(device, args.backend, args.ddp_timeout)
         torch.manual_seed(args.seed)  # the stream dropout draws from: a function of --seed, as is everything else
         self.console = Console(stderr=True, quiet=not is_main_process())

@@ -17,7 +17,7 @@ from torch import nn
 from plait import comm
 from plait.config import ConfigError, ParallelConfig
 from plait.mesh import Mesh
-from plait.pipeline_schedules import SCHEDULES
+from plait.pipeline_schedules import SCHEDULES, microbatch_refusal
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, "int | torch.Tensor"], torch.Tensor]
 
@@ -36,17 +36,9 @@ def check_schedule(config: ParallelConfig) -> None:
             "pipeline_schedule='interleaved-1f1b' needs virtual_pipeline_size > 1 (got 1); set "
             "virtual_pipeline_size=2 or use pipeline_schedule='1f1b'"
         )
-    if name != "gpipe" and m < pp:
-        raise ConfigError(
-            f"pipeline_schedule={name!r} needs num_microbatches >= pp, got num_microbatches={m} < pp={pp}; "
-            f"use at least {pp} microbatches or pipeline_schedule='gpipe'"
-        )
-    rounds = max(1, m // pp)
-    if multi_stage and m % rounds:
-        raise ConfigError(
-            f"pipeline_schedule={name!r} runs microbatches in rounds of pp={pp}: num_microbatches={m} is not a "
-            f"multiple of its {rounds} rounds; use a multiple of {pp}"
-        )
+    refusal = microbatch_refusal(name, pp, m)
+    if refusal:
+        raise ConfigError(refusal)
 
 
 class PipelineRunner:
