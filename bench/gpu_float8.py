@@ -40,7 +40,7 @@ def train(name: str, config: Path, args: argparse.Namespace, out: Path) -> dict:
     flags = ["--model_config", str(config), "--bf16", "--per_device_train_batch_size", str(args.batch),
              "--block_size", str(args.block), "--max_steps", str(args.steps), "--learning_rate", "3e-4",
              "--warmup_steps", str(max(1, args.steps // 10)), "--output_dir", str(out / name), "--seed", "0",
-             "--data_cache_dir", str(out / "cache")]
+             "--data_cache_dir", str(out / "cache"), "--no_save_final"]  # speed and loss only: no checkpoint to write
     if args.tiny:
         flags += ["--device", "cpu"] + (["--float8_emulate"] if VARIANTS[name] else [])
     else:
