@@ -10,8 +10,10 @@ import sys
 import time
 
 import pytest
+import torch
 
 from plait.testing import WorkerFailure, launch
+from plait import device
 from plait.testing.launcher import LAUNCH_ENV
 
 WORKER = """
@@ -96,3 +98,13 @@ def test_a_caller_whose_main_is_stdin_gets_fresh_processes(tmp_path):
                           env={**os.environ, LAUNCH_ENV: "fork"})
     assert done.returncode == 0, done.stderr
     assert "rank=1 world=2" in done.stdout and "preloaded=False" in done.stdout, done.stdout
+
+
+def test_a_machine_with_an_accelerator_gets_fresh_processes(tmp_path, monkeypatch):
+    """CUDA cannot start again in a forked child, and the server's imports touch the GPU: measured on an H100,
+    every forked rank failed with "Cannot re-initialize CUDA in forked subprocess" (tests/test_gpu.py)."""
+    monkeypatch.setenv(LAUNCH_ENV, "fork")
+    monkeypatch.setattr(device, "accelerator", lambda: torch.device("cuda"))
+    (tmp_path / "worker.py").write_text(WORKER)
+    (tmp_path / "helper_beside_the_script.py").write_text("")
+    assert "preloaded=False" in launch([str(tmp_path / "worker.py"), "ok"], 1, timeout=120)[0]

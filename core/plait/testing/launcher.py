@@ -16,7 +16,9 @@ Two ways to start the ranks, the same watchdog over both:
   import time is the only thing it cannot change, so that list stays short (``FORK_PRELOAD``). As with any
   multiprocessing start, the caller's main script is imported in each rank under ``__mp_main__`` (a
   ``__name__ == "__main__"`` guard keeps its body from running); a caller whose main is no file
-  (``python -``) gets fresh processes.
+  (``python -``) gets fresh processes. So does a caller on a machine with an accelerator: the server's preloaded
+  imports touch it (torchao, which transformers imports, asks the GPU its capability), and the GPU runtime refuses
+  to start again in a forked child (tests/test_launcher.py names the error measured on an H100).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from plait import device
 
 LAUNCH_ENV = "PLAIT_LAUNCH"  # "fork": ranks forked from a preloaded server; anything else: fresh processes
 # Imported once by the fork server: the costly part of every worker's start-up. They read no environment
@@ -89,6 +93,11 @@ def _main_is_importable() -> bool:
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     return getattr(getattr(main, "__spec__", None), "name", None) is not None or path is None or os.path.isfile(path)
+
+
+def _fork_is_safe() -> bool:
+    """Forked ranks only where no accelerator is present: see the module's docstring."""
+    return _main_is_importable() and device.accelerator() is None
 
 
 def _start_forked(argv: Sequence[str], env: dict[str, str], cwd: str | None, log: Path) -> _Rank:
@@ -157,7 +166,7 @@ def launch(
     """Run ``python argv...`` as ``world_size`` ranks; return each rank's combined output on success."""
     port = free_port()
     logdir = Path(tempfile.mkdtemp(prefix="plait-launch-"))
-    start = _start_forked if os.environ.get(LAUNCH_ENV) == "fork" and _main_is_importable() else _start_subprocess
+    start = _start_forked if os.environ.get(LAUNCH_ENV) == "fork" and _fork_is_safe() else _start_subprocess
     ranks, logs = [], []
     deadline = time.monotonic() + timeout
     failure = None
