@@ -62,12 +62,21 @@ def test_served_architectures_say_who_and_why(registry):
 
 @pytest.mark.parametrize(("model_type", "reason"), [
     ("t5", "t5 is an encoder-decoder model; plait trains decoder-only causal LMs"),
-    ("opt", "OPTConfig declares no base_model_tp_plan"),
+    ("bert", r"bert is an encoder-only model \(its causal-LM head runs only with is_decoder=true"),
     ("no_such_model", "transformers has no config class for model_type 'no_such_model'"),
 ])
 def test_what_the_generic_adapter_does_not_serve_is_named(registry, model_type, reason):
     with pytest.raises(AdapterError, match=f"no plait adapter claims architecture '{model_type}'.*{reason}"):
         registry.resolve(types.SimpleNamespace(model_type=model_type))
+
+
+@pytest.mark.parametrize("model_type", ["opt", "bloom", "mamba"])
+def test_a_causal_lm_without_a_tp_plan_is_served_and_only_tp_is_refused(registry, model_type):
+    """Issue 24: data parallelism, ZeRO and pipeline stages need no tp plan; tp > 1 says why not and what to do."""
+    assert registry.resolve(types.SimpleNamespace(model_type=model_type)).name == "transformers"
+    with pytest.raises(ConfigError, match=f"transformers declares no tp plan for it, so tp must be 1 .* `plait plan "
+                                          f"--show-derived {model_type}` starts one"):
+        plait_transformers.plait_tp_plan(tiny(model_type))
 
 
 def generic(name: str, refusal=True) -> types.ModuleType:
@@ -265,13 +274,14 @@ def test_plan_show_derived_prints_adapter_code(capsys):
 
 
 def test_show_derived_of_an_undeclared_model_type_equals_that_of_its_config(tmp_path):
-    """Issue 29: OPT declares no tp plan, so the kit cannot serve it, but its model_type starts an adapter as a
+    """Issue 29: OPT declares no tp plan, so tp > 1 is refused, and its model_type starts an adapter as a
     saved config of it does: the same module but for the command line; the tp and SP hooks raise why."""
     tiny("opt").save_pretrained(tmp_path)
     by_type, by_file = (plait_transformers.show_derived(source).splitlines() for source in ("opt", str(tmp_path)))
     assert by_type[1] == "(`plait plan --show-derived opt`). Head counts and sizes are this config's."
     assert by_type[:1] + by_type[2:] == by_file[:1] + by_file[2:]
-    assert "    raise ConfigError('opt: OPTForCausalLM: transformers declares no tp plan for it')" in by_type
+    assert any(line.startswith("    raise ConfigError('opt: OPTForCausalLM: transformers declares no tp plan for it, "
+                               "so tp must be 1") for line in by_type)
     with pytest.raises(ConfigError, match="cannot serve 'bart': bart is an encoder-decoder model"):
         plait_transformers.show_derived("bart")
 
@@ -359,8 +369,8 @@ def test_tiny_config_alternates_layer_kinds():
 
 
 def test_tiny_config_of_a_refused_architecture_says_why():
-    with pytest.raises(ConfigError, match="cannot serve 'opt': OPTConfig declares no base_model_tp_plan"):
-        plait_transformers.plait_tiny_config("opt")
+    with pytest.raises(ConfigError, match="cannot serve 'bert': bert is an encoder-only model"):
+        plait_transformers.plait_tiny_config("bert")
 
 
 def test_tiny_config_that_cannot_run_or_is_not_tiny_is_refused():

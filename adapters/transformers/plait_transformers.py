@@ -3,9 +3,10 @@ declares for it (``base_model_tp_plan``, ``base_model_pp_plan``, ``_no_split_mod
 the model built on the meta device (plait_transformers_derive.py and the modules it names).
 
 It claims no fixed architectures: the registry hands it only models no explicit adapter claims, so an
-explicit adapter (plait-llama, ...) always wins and stays the way to override a derived plan. It serves a
-model whose config transformers gives a tp plan; what it cannot derive correctly is refused with the
-architecture, the module and the reason when a layout needs that plan.
+explicit adapter (plait-llama, ...) always wins and stays the way to override a derived plan. It serves every
+decoder-only causal LM: data parallelism and ZeRO need no plan, pipeline cuts come from transformers' pp plan or
+the module tree, and tensor parallelism from transformers' tp plan; what it cannot derive correctly is refused
+with the architecture, the module and the reason when a layout needs that plan.
 """
 
 from __future__ import annotations
@@ -29,17 +30,13 @@ def plait_adapter_info():
 
 @hookimpl
 def plait_refusal(config):
-    refusal = _not_a_causal_lm(config)
-    config_class = _config_class(getattr(config, "model_type", None))
-    if refusal is None and not getattr(config_class, "base_model_tp_plan", None):
-        return (f"{config_class.__name__} declares no base_model_tp_plan, so there is nothing to derive plait's "
-                f"plans from")
-    return refusal
+    return _not_a_causal_lm(config)
 
 
 def _not_a_causal_lm(config) -> str | None:
     """Why ``config`` cannot be a decoder-only transformers causal LM (None: it can): what no plan, derived or
-    written, makes plait train. A missing tp plan is not among them (``show_derived`` still starts an adapter)."""
+    written, makes plait train. A missing tp plan is not among them: data parallelism and ZeRO need no plan,
+    and the pipeline cut is derived from the module tree; only a layout with tp > 1 needs one."""
     model_type = getattr(config, "model_type", None)
     if _config_class(model_type) is None:
         return f"transformers has no config class for model_type {model_type!r}"

@@ -99,7 +99,9 @@ def tp_plan(model: nn.Module, config, layers: str | None, notes: list[str]) -> T
     arch = config.model_type
     declared = dict(model.tp_plan or {})
     if not declared:
-        raise refuse(arch, type(model).__name__, "transformers declares no tp plan for it")
+        raise refuse(arch, type(model).__name__, f"transformers declares no tp plan for it, so tp must be 1 (data "
+                     f"parallelism, ZeRO and pipeline stages need none); for tp > 1 write an adapter: `plait plan "
+                     f"--show-derived {arch}` starts one")
     modules = dict(model.named_modules())
     styled: dict[str, str] = {}  # pattern (layer index folded) -> style
     example: dict[str, str] = {}  # pattern -> one module it matches

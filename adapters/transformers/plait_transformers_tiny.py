@@ -4,7 +4,7 @@ The conformance kit needs a model small enough for a 2-core CI that still exerci
 (pp=2 with 2 virtual stages), 4 heads over 2 kv heads (GQA; kv-head replication at tp=4), a vocabulary tp
 does not divide (padding), dropout and router jitter 0 (parity needs a deterministic forward), a sliding
 window shorter than the test sequences, and each kind of layer the architecture alternates between. Sizes are
-set only on the keys the class has; lists with one entry per layer, per-layer overrides keyed by layer index
+set only on the keys the class has (under its own names where its ``attribute_map`` renames them); lists with one entry per layer, per-layer overrides keyed by layer index
 (``per_layer_config``), layer kinds placed by period and offset and counts of layers of one kind are rebuilt for
 4 layers; a composite config's sub-configs are shrunk the same way. ARCHITECTURES holds the few values a class's
 own defaults need to build a model that runs at all, each with why.
@@ -60,6 +60,13 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     **{arch: {"num_key_value_heads": SIZES["num_attention_heads"]} for arch in ("axk2", "deepseek_v32", "glm_moe_dsa")},
     # num_layers_per_stack is stored beside num_hidden_layers (stacks x cycles of it); None derives it again
     "hrm_text": {"num_layers_per_stack": None},
+    # its attention reads attn_config.rope_theta, which the attention config class does not define (a checkpoint's
+    # config.json carries it), and clamps q/k/v by clip_qkv, which defaults to None (clamp then raises): DBRX's
+    # own values; kv_n_heads 2 of 4 heads: grouped-query, as SIZES has it elsewhere
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    # layer kinds as [[kinds, repeats]] (expanded into attention_layers, which must have one per layer) and the local
+    # layers' window under its own name
+    "gpt_neo": {"attention_types": [[["global", "local"], LAYERS // 2]], "window_size": 6},
     # its own names for the layer count, the experts per token and the zero (identity) experts
     "longcat_flash": {"num_layers": LAYERS, "moe_topk": 2, "zero_expert_num": 2},
     # head_dim is the whole q/k head here, of which partial_rotary_factor (1/8) is the rotary part
@@ -81,8 +88,12 @@ def tiny_config(config_class: type[PretrainedConfig]) -> PretrainedConfig:
     """``config_class`` with test sizes on every key its defaults have (see the module docstring)."""
     defaults = config_class()
     values = defaults.to_dict()
-    layers = values.get("num_hidden_layers")
+    # the class's own names for the standard keys (n_embd, d_model, n_layer), where its attribute_map renames them
+    aliases = {plain: stored for plain, stored in config_class.attribute_map.items()
+               if stored in values and plain not in values}
+    layers = values.get("num_hidden_layers", values.get(aliases.get("num_hidden_layers", "")))
     overrides = _sizes(values)
+    overrides.update({stored: SIZES[plain] for plain, stored in aliases.items() if plain in SIZES and stored not in overrides})
     overrides.update(_periods(values))
     overrides.update({k: max(1, round(values[k] * LAYERS / layers)) for k in LAYER_COUNTS if values.get(k) and layers})
     if isinstance(values.get("per_layer_config"), dict) and layers:

@@ -148,23 +148,30 @@ def resolve_source(source: PretrainedConfig | str | os.PathLike) -> tuple[Pretra
 
 
 def materialize_buffers(model: nn.Module, device: torch.device) -> None:
-    """Recompute every meta buffer (rotary ``inv_freq``) with transformers' own ``_init_weights``.
+    """Recompute every meta buffer (rotary ``inv_freq``, GPT-Neo's boolean causal mask) with transformers' own
+    ``_init_weights``.
 
-    Buffers are filled with NaN first; one still NaN afterwards was not recomputed and is an error naming it,
-    rather than a model that silently computes with garbage.
+    A buffer that ``_init_weights`` does not recompute must be an error naming it, rather than a model that
+    silently computes with garbage. So each is filled with sentinels first: NaN for a floating-point buffer
+    (still NaN afterwards: not recomputed); for an integer or boolean one, which has no NaN, 0 and then 1 with
+    ``_init_weights`` run after each (not recomputed where the two results differ).
     """
     init_weights = getattr(model, "_init_weights", None)
     for module_name, module in model.named_modules():
         metas = {n: b for n, b in module._buffers.items() if b is not None and b.is_meta}
         if not metas:
             continue
-        for name, buffer in metas.items():
-            if not buffer.dtype.is_floating_point:
-                raise ConfigError(f"buffer {module_name}.{name} ({buffer.dtype}) cannot be rebuilt after a meta build")
-            module._buffers[name] = torch.full(buffer.shape, math.nan, dtype=buffer.dtype, device=device)
-        if init_weights is not None:
-            init_weights(module)
-        stale = [n for n in metas if torch.isnan(module._buffers[n]).any()]
+        exact = any(not b.dtype.is_floating_point for b in metas.values())
+        results = []
+        for fill in (0, 1) if exact else (math.nan,):
+            for name, buffer in metas.items():
+                value = math.nan if buffer.dtype.is_floating_point else fill
+                module._buffers[name] = torch.full(buffer.shape, value, dtype=buffer.dtype, device=device)
+            if init_weights is not None:
+                init_weights(module)
+            results.append({n: module._buffers[n].clone() if exact else module._buffers[n] for n in metas})
+        stale = [n for n in metas if (torch.isnan(results[-1][n]).any() if metas[n].dtype.is_floating_point
+                                      else not torch.equal(results[0][n], results[-1][n]))]
         if stale:
             raise ConfigError(
                 f"buffers {[f'{module_name}.{n}' for n in stale]} were not recomputed after the meta build "

@@ -13,7 +13,6 @@ from pathlib import Path
 import transformers
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from plait.checkpoint.format import model_config as saved_model_config
@@ -47,14 +46,10 @@ def read_model_config(args: TrainArgs, resume: Path | None = None) -> Pretrained
 
 
 def refuse_non_causal(config: PretrainedConfig) -> None:
-    """One line, before any model is built, for a model plait cannot train: what ``causal_lm_refusal`` names, or
-    an encoder-only model (BERT and its kin, whose causal-LM head exists only with is_decoder=true)."""
+    """One line, before any model is built, for a model plait cannot train (what ``causal_lm_refusal`` names)."""
     refusal = causal_lm_refusal(config)
     if refusal:
         raise ConfigError(refusal)
-    if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
-        raise ConfigError(f"{config.model_type} is an encoder-only model (its causal-LM head runs only with "
-                          f"is_decoder=true in the config); plait trains decoder-only causal LMs")
 
 
 def load_config_file(path: Path) -> PretrainedConfig:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 
 import copy
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
@@ -67,8 +68,34 @@ class PassThrough(nn.Module):
             if plain and not key.startswith("_") and key != "training":
                 setattr(self, key, value)
 
+    form: LayerForm | None = None  # set on stand-ins for decoder layers (StageChunk): the real layers' return form
+
     def forward(self, *args, **kwargs):
-        return args[0] if args else kwargs["hidden_states"]
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return hidden if self.form is None else self.form.wrap(hidden)
+
+
+class LayerForm:
+    """What the real decoder layers of a rank return: the hidden states alone (Llama, GPT2) or a tuple of them
+    and more (GPT-Neo's ``(hidden_states, attn_weights)``, which its model indexes with ``[0]``). Recorded by a
+    hook on the stage's own layers, so that a stand-in for another stage's layer returns the same form: a bare
+    tensor where the model indexes a tuple would cut the batch dimension off the stand-in hidden states.
+
+    One per rank's model: the stand-ins of layers no stage of the rank owns are shared by its stages. Before any
+    own layer has run (stand-ins ahead of a later stage's first layer, in the first forward), the stand-in returns
+    the bare tensor; whatever it turns into there is replaced by the received hidden states at that layer."""
+
+    def __init__(self) -> None:
+        self.extra: int | None = None  # entries after the hidden states; None: a bare tensor (or not yet seen)
+
+    def record(self, module: nn.Module, args, output) -> None:
+        self.extra = len(output) - 1 if isinstance(output, tuple) else None
+
+    def wrap(self, hidden: torch.Tensor):
+        return hidden if self.extra is None else (hidden, *([None] * self.extra))
+
+
+_FORMS: weakref.WeakKeyDictionary[nn.Module, LayerForm] = weakref.WeakKeyDictionary()
 
 
 class ZeroContribution(nn.Module):
@@ -176,6 +203,13 @@ class StageChunk(nn.Module):
         self._seq = 0  # full sequence length of the running forward; 0 outside it (hooks stay inert)
         self.router_aux = router_aux(pruned)
         self._routers = RouterRecorder(self.shell) if self.router_aux is not None else None
+        form = _FORMS.setdefault(pruned, LayerForm())
+        for index, name in enumerate(split.layers):
+            layer = self.shell.get_submodule(name)
+            if isinstance(layer, PassThrough):
+                layer.form = form
+            elif start <= index < stop:
+                layer.register_forward_hook(form.record)
         if not self.is_first:
             self.shell.get_submodule(split.layers[start]).register_forward_pre_hook(self._swap_in, with_kwargs=True)
         if not self.is_last:

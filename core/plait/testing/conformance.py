@@ -80,8 +80,19 @@ class ModeResult:
 
 
 def _skip_reason(subject: Subject, mode: Mode) -> str | None:
+    """Why ``mode`` does not run for ``subject`` (None: it runs): a capability the adapter does not declare, a
+    plan the layout needs that its hook refuses (the generic adapter for a model transformers gives no tp plan),
+    or what the mode's own check finds."""
+    layout = ParallelConfig(**mode.layout)
+    config = with_overrides(subject.config, mode.model)
     try:
-        check_capabilities(subject.adapter, ParallelConfig(**mode.layout), with_overrides(subject.config, mode.model))
+        check_capabilities(subject.adapter, layout, config)
+        if layout.tp > 1:
+            subject.registry.tp_plan(subject.adapter, config)
+        if layout.sequence_parallel:
+            subject.registry.sp_plan(subject.adapter, config)
+        if layout.pp > 1:
+            subject.registry.pipeline_plan(subject.adapter, config)
     except ConfigError as err:
         return str(err)
     return mode.applies(subject) if mode.applies else None

@@ -305,15 +305,21 @@ class WholeSequenceRegion:
         module.register_forward_hook(self._leave)
 
     def _enter(self, module, args, kwargs):
+        # contiguous: the gathered sequence can be a strided view, and a whole block's code may ``view`` it (DBRX's
+        # router flattens its input with ``view(-1, hidden)``), which a layer of the plan never does
         if args:
-            return (self.entry(args[0]), *args[1:]), kwargs
-        kwargs[self.argument] = self.entry(kwargs[self.argument])
+            return (self.entry(args[0]).contiguous(), *args[1:]), kwargs
+        kwargs[self.argument] = self.entry(kwargs[self.argument]).contiguous()
         return args, kwargs
 
     def _leave(self, module, args, output):
         if isinstance(output, torch.Tensor):
             return mappings.keep_seq_shard(output, self.group)
-        return (mappings.keep_seq_shard(output[0], self.group), *output[1:])
+        # every output of the hidden states' shape is a sequence: DBRX's norm-attention-norm returns the residual and
+        # the normed hidden states; attention weights and caches pass as they are
+        first = output[0]
+        return tuple(mappings.keep_seq_shard(o, self.group) if isinstance(o, torch.Tensor) and o.shape == first.shape
+                     else o for o in output)
 
 
 class ExpertMajorRegion:
