@@ -58,9 +58,10 @@ def undeclared_attention(model: nn.Module, layers: str | None,
 
 def undeclared_mixers(model: nn.Module, arch: str, layers: str | None, rules: list[TPRule],
                       notes: list[str]) -> list[TPRule]:
-    """Children of the decoder layers holding matrices that no rule touches and that are not softmax attention
-    (a recurrent mixer transformers' plan leaves out, such as OLMo-Hybrid's gated delta net): kept whole on every
-    rank, which is exact without SP, and run on the whole sequence under SP (WholeSequence). One rule per layer
+    """Children of the decoder layers holding matrices that no rule touches (a recurrent mixer transformers' plan
+    leaves out, such as OLMo-Hybrid's gated delta net; an attention with a fused projection no rule reads, such as
+    GPT-BigCode's multi-query ``c_attn``): kept whole on every rank, which is exact without SP, and run on the whole
+    sequence under SP (WholeSequence). One rule per layer
     pattern when every layer's module there is untouched, else one per layer."""
     if layers is None:
         return []
@@ -71,7 +72,7 @@ def undeclared_mixers(model: nn.Module, arch: str, layers: str | None, rules: li
         for child, module in layer.named_children():
             name, pattern = f"{layers}.{index}.{child}", f"{layers}.*.{child}"
             seen[pattern] += 1
-            if not any(p.dim() > 1 for p in module.parameters()) or is_softmax_attention(module):
+            if not any(p.dim() > 1 for p in module.parameters()):
                 continue
             if not any(is_covered(n, patterns) for n, _ in module.named_modules(prefix=name)):
                 found[pattern].append((name, module))
@@ -84,6 +85,11 @@ def undeclared_mixers(model: nn.Module, arch: str, layers: str | None, rules: li
             notes.append(f"{pattern} ({type(hits[0][1]).__name__}): an MLP transformers' plan leaves out, split as "
                          f"declared ones ({mlp[0]}, {mlp[1]} column-, {mlp[2]} row-parallel)")
             continue
+        if is_linear(hits[0][1]):  # OPT's fc1 / fc2: an MLP written on the decoder layer itself, among its norms
+            raise refuse(arch, pattern, f"a {type(hits[0][1]).__name__} directly on the decoder layer that no rule "
+                                        f"splits (an MLP written on the layer itself); plait splits an MLP that is a "
+                                        f"block of its own, so write an adapter (`plait plan --show-derived {arch}` "
+                                        f"starts one)")
         each = [whole_sequence(arch, name, module) for name, module in hits]
         mixers += [WholeSequence(pattern, argument=each[0].argument)] if len(hits) == seen[pattern] else each
         notes.append(f"{pattern} ({type(hits[0][1]).__name__}): no rule splits it; kept whole on every rank and run "

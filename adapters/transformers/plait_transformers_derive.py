@@ -38,6 +38,7 @@ from plait_transformers_common import (
 )
 from plait_transformers_latent import unplanned_latent_attention
 from plait_transformers_stages import pipeline_plan, sp_plan
+from plait_transformers_structure import structural_tp_plan
 
 
 @dataclass
@@ -99,9 +100,9 @@ def tp_plan(model: nn.Module, config, layers: str | None, notes: list[str]) -> T
     arch = config.model_type
     declared = dict(model.tp_plan or {})
     if not declared:
-        raise refuse(arch, type(model).__name__, f"transformers declares no tp plan for it, so tp must be 1 (data "
-                     f"parallelism, ZeRO and pipeline stages need none); for tp > 1 write an adapter: `plait plan "
-                     f"--show-derived {arch}` starts one")
+        declared = structural_tp_plan(model, layers)
+        notes.append("transformers declares no tp plan: the styles it declares for the same structures elsewhere, "
+                     "read from the module tree")
     modules = dict(model.named_modules())
     styled: dict[str, str] = {}  # pattern (layer index folded) -> style
     example: dict[str, str] = {}  # pattern -> one module it matches

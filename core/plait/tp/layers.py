@@ -291,8 +291,8 @@ class WholeSequenceRegion:
     """Under SP, runs a block kept whole on every rank over the whole sequence (a recurrent or state-space mixer:
     its scan and causal convolution run along the sequence, so a sequence shard alone gives wrong outputs).
 
-    The block's input (its first argument, by position or by the name ``argument``) is all-gathered from the
-    sequence shards by the region entry, whose backward reduce-scatters: each rank's input gradient is partial.
+    The block's input (its first argument, by position or by the name ``argument``, and any other argument of its
+    shape) is all-gathered from the sequence shards by the region entry, whose backward reduce-scatters: each rank's input gradient is partial.
     Each rank keeps its own shard of the output (``mappings.keep_seq_shard``, zero-padded in backward), so its
     parameter gradients cover its shard's outputs only: they are summed over tp like the sequence-parallel norms'.
     """
@@ -305,12 +305,15 @@ class WholeSequenceRegion:
         module.register_forward_hook(self._leave)
 
     def _enter(self, module, args, kwargs):
-        # contiguous: the gathered sequence can be a strided view, and a whole block's code may ``view`` it (DBRX's
-        # router flattens its input with ``view(-1, hidden)``), which a layer of the plan never does
-        if args:
-            return (self.entry(args[0]).contiguous(), *args[1:]), kwargs
-        kwargs[self.argument] = self.entry(kwargs[self.argument]).contiguous()
-        return args, kwargs
+        # every input of the hidden states' shape is a sequence (Bloom's attention adds the residual itself), gathered
+        # alike; contiguous: the gathered sequence can be a strided view, and a whole block's code may ``view`` it
+        # (DBRX's router flattens its input with ``view(-1, hidden)``), which a layer of the plan never does
+        shape = (args[0] if args else kwargs[self.argument]).shape
+
+        def gathered(value):
+            return self.entry(value).contiguous() if isinstance(value, torch.Tensor) and value.shape == shape else value
+
+        return tuple(gathered(a) for a in args), {k: gathered(v) for k, v in kwargs.items()}
 
     def _leave(self, module, args, output):
         if isinstance(output, torch.Tensor):

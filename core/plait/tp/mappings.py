@@ -41,6 +41,11 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        if x.is_contiguous():
+            # summed in place: said so, or autograd takes the sum for a view of the input and refuses the model's own
+            # in-place ops on it (Falcon's ``mlp_output += attention_output``)
+            ctx.mark_dirty(x)
+            return comm.all_reduce(x, group)
         return comm.all_reduce(x.contiguous(), group)
 
     @staticmethod
