@@ -1,10 +1,12 @@
 """Which transformers architectures plait trains, proven: the conformance kit over every decoder-only causal LM
-of the installed transformers that declares a tp plan, in a reduced matrix, written to docs/architectures.md.
+of the installed transformers (with or without a declared tp plan), in a reduced matrix, written to
+docs/architectures.md.
 
     python scripts/architecture_sweep.py [--out docs/architectures.md] [--only qwen3 gemma2 ...] [--fresh]
 
 Each architecture gets the tiny config of the adapter serving it (an explicit adapter where one claims it,
-else plait-transformers' derived one) and five modes: tp=2 with sequence parallelism, pp=2 (1F1B), the
+else plait-transformers' derived one) and six modes: ZeRO-1 over 2 data-parallel ranks (what every causal LM
+takes, no plan needed), tp=2 with sequence parallelism, pp=2 (1F1B), the
 tp=2 save -> consolidate -> from_pretrained round trip, context parallelism over 2 ranks (cp=2, the
 attention strategy ``auto`` picks) and, for models with routed experts, expert parallelism over 2 ranks (ep=2;
 "n/a" for a dense model), each 3 AdamW steps against one process. A mode the
@@ -30,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MODES = ("tp2-sp", "pp2-1f1b", "consolidate-tp2-sp", "cp2", "ep2")
+MODES = ("zero1-dp2", "tp2-sp", "pp2-1f1b", "consolidate-tp2-sp", "cp2", "ep2")
 DENSE = "n/a (no routed experts)"  # the ep2 cell of a dense model: nothing to divide, not a refusal
 CHUNK = 12  # architectures per world: bounds what one crash costs
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,16 +50,22 @@ class Row:
 
 
 def architectures() -> list[str]:
-    """Decoder-only causal-LM model types whose config class declares a tp plan."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    """Decoder-only causal-LM model types: what AutoModelForCausalLM builds, less the encoder-decoder and
+    encoder-only types (``plait.meta.causal_lm_refusal``, the trainer's own check)."""
+    from types import SimpleNamespace
+
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    found = []
-    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        config_class = CONFIG_MAPPING[model_type]
-        if getattr(config_class, "base_model_tp_plan", None) and not getattr(config_class, "is_encoder_decoder", False):
-            found.append(model_type)
-    return sorted(found)
+    from plait.meta import causal_lm_refusal
+
+    return sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if not causal_lm_refusal(SimpleNamespace(model_type=t)))
+
+
+def declares_tp_plan(arch: str) -> bool:
+    """Whether transformers declares a tp plan for ``arch`` (its config class's ``base_model_tp_plan``)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return bool(getattr(CONFIG_MAPPING[arch], "base_model_tp_plan", None))
 
 
 def one_line(error: BaseException) -> str:
@@ -210,8 +218,9 @@ def render(rows: list[Row], seconds: float) -> str:
         "",
         f"Written by `scripts/architecture_sweep.py` (transformers {transformers.__version__}, torch "
         f"{torch.__version__}, gloo on CPU, {seconds / 60:.0f} min). Every decoder-only causal LM of the installed "
-        f"transformers whose config declares a `base_model_tp_plan`, with the tiny config of the adapter serving it "
-        f"(`transformers` is the generic plait-transformers), under the conformance kit's modes: "
+        f"transformers, with the tiny config of the adapter serving it (`transformers` is the generic "
+        f"plait-transformers; `tp plan` says whether transformers declares one it derives plait's from: without one "
+        f"it serves every layout but tp > 1), under the conformance kit's modes: "
         + ", ".join(f"`{m}`" for m in MODES) + ". Each mode trains 3 AdamW steps (fp32) against one process; "
         "pass: every step's loss within 1e-5 relative and every gradient within the kit's tolerance "
         "(`grad` is the worst |Δ| / (1e-6 + 1e-5·|ref|), at most 1). `refused` is plait's own refusal, made "
@@ -233,12 +242,13 @@ def render(rows: list[Row], seconds: float) -> str:
         "in a float64 model, so where plait splits a norm over tp (full-width q/k norms: `SplitRMSNorm`) some fp32 "
         "reordering noise stays in the float64 run too (`FAIL (float64: ...)` at a later step, step 1 right).",
         "",
-        "| architecture | adapter | " + " | ".join(MODES) + " |",
-        "| --- | --- | " + " | ".join("---" for _ in MODES) + " |",
+        "| architecture | adapter | tp plan | " + " | ".join(MODES) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in MODES) + " |",
     ]
     for row in rows:
         cells = [row.cells.get(m, "not run" if not row.cells else "-").replace("|", "\\|") for m in MODES]
-        lines.append(f"| {row.architecture} | {row.adapter} | " + " | ".join(cells) + " |")
+        plan = "declared" if declares_tp_plan(row.architecture) else "none"
+        lines.append(f"| {row.architecture} | {row.adapter} | {plan} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -259,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     everything = architectures()
     unknown = sorted(set(args.only or ()) - set(everything))
     if unknown:
-        parser.error(f"{unknown} are not decoder-only causal LMs with a tp plan; choose from {everything}")
+        parser.error(f"{unknown} are not decoder-only causal LMs; choose from {everything}")
     rows = []
     modes = tuple(args.modes)
     for arch in args.only or everything:

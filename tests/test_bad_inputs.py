@@ -153,8 +153,8 @@ CASES = [
      "world size 3 is not divisible by tp*pp = 2*1 = 2"),
     ("layout_larger_than_world", ["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2", "--num_microbatches",
                                   "2"], world_size(2), "world size 2 is not divisible by tp*pp = 2*2 = 4"),
-    ("tp_without_a_plan", ["--tensor_parallel_size", "2"], file_with("config.json", OPT_CONFIG, "--model_config"),
-     "opt: OPTForCausalLM: transformers declares no tp plan for it, so tp must be 1"),
+    ("tp_plan_refused", ["--tensor_parallel_size", "2"], file_with("config.json", OPT_CONFIG, "--model_config"),
+     "opt: model.decoder.layers.*.fc1: a Linear directly on the decoder layer that no rule splits"),
     ("duplicate_adapter_claim", [], duplicate_claim, "claimed by two adapters: 'llama'"),
     ("adapter_missing_hook", [], missing_hook, "'half_done' does not implement required hook(s) plait_leaf_modules"),
     ("plan_names_missing_module", [], plan_names_missing_module,
@@ -255,7 +255,7 @@ def test_bad_input_refused_at_once(warm, tmp_path, monkeypatch, capsys, flags, s
 
 # Refusals that need the model (a layout, its limits, an adapter's plan) at a world of 2, or the data, so the
 # launching process must plan on the meta model and prepare the data to make them.
-NPROC_CASES = ["seq_vs_tp_with_sp", "layout_larger_than_world", "block_larger_than_positions", "tp_without_a_plan",
+NPROC_CASES = ["seq_vs_tp_with_sp", "layout_larger_than_world", "block_larger_than_positions", "tp_plan_refused",
                "bad_pipeline_cut", "plan_names_missing_module", "pp_batch_too_small", "empty_train_file",
                "config_not_json"]
 

@@ -72,13 +72,13 @@ def test_plan_bytes_add_up():
     assert per_rank[0] + per_rank[1] == total + norms + padding
 
 
-def test_plan_refuses_tp_for_a_model_without_a_tp_plan(tmp_path, capsys):
+def test_plan_refuses_a_tp_plan_the_adapter_cannot_derive(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "opt", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
                                 "num_attention_heads": 2, "ffn_dim": 16, "word_embed_proj_dim": 8}))
     with pytest.raises(SystemExit):
         main(["plan", "--model_config", str(path), "--tensor_parallel_size", "2"])
-    assert "transformers declares no tp plan for it, so tp must be 1" in capsys.readouterr().err
+    assert "a Linear directly on the decoder layer that no rule splits" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", [n for n in dir(hookspecs) if n.startswith("plait_")])

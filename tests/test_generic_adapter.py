@@ -70,13 +70,18 @@ def test_what_the_generic_adapter_does_not_serve_is_named(registry, model_type, 
         registry.resolve(types.SimpleNamespace(model_type=model_type))
 
 
-@pytest.mark.parametrize("model_type", ["opt", "bloom", "mamba"])
-def test_a_causal_lm_without_a_tp_plan_is_served_and_only_tp_is_refused(registry, model_type):
-    """Issue 24: data parallelism, ZeRO and pipeline stages need no tp plan; tp > 1 says why not and what to do."""
-    assert registry.resolve(types.SimpleNamespace(model_type=model_type)).name == "transformers"
-    with pytest.raises(ConfigError, match=f"transformers declares no tp plan for it, so tp must be 1 .* `plait plan "
-                                          f"--show-derived {model_type}` starts one"):
-        plait_transformers.plait_tp_plan(tiny(model_type))
+def test_a_causal_lm_without_a_tp_plan_gets_one_from_its_module_tree(registry):
+    """Issue 24: data parallelism, ZeRO and pipeline stages need no tp plan, and tp > 1 gets the styles transformers
+    declares for the same structures (StableLM: q/k/v/o attention and a gated MLP); what the structure rules cannot
+    place is refused in one line with the fix (OPT's MLP, written on the decoder layer itself)."""
+    for model_type in ("opt", "stablelm", "mamba"):
+        assert registry.resolve(types.SimpleNamespace(model_type=model_type)).name == "transformers"
+    rules = {type(r).__name__: r.pattern for r in plait_transformers.plait_tp_plan(tiny("stablelm")).rules}
+    assert rules["Attention"] == "model.layers.*.self_attn" and rules["Row"] == "model.layers.*.mlp.down_proj"
+    assert rules["VocabEmbedding"] == "model.embed_tokens" and rules["VocabHead"] == "lm_head"
+    with pytest.raises(ConfigError, match=r"a Linear directly on the decoder layer that no rule splits .*`plait plan "
+                                          r"--show-derived opt` starts one"):
+        plait_transformers.plait_tp_plan(tiny("opt"))
 
 
 def generic(name: str, refusal=True) -> types.ModuleType:
@@ -274,14 +279,13 @@ def test_plan_show_derived_prints_adapter_code(capsys):
 
 
 def test_show_derived_of_an_undeclared_model_type_equals_that_of_its_config(tmp_path):
-    """Issue 29: OPT declares no tp plan, so tp > 1 is refused, and its model_type starts an adapter as a
-    saved config of it does: the same module but for the command line; the tp and SP hooks raise why."""
+    """Issue 29: OPT's tp plan is refused (its MLP is written on the decoder layer), and its model_type starts an
+    adapter as a saved config of it does: the same module but for the command line; the tp and SP hooks raise why."""
     tiny("opt").save_pretrained(tmp_path)
     by_type, by_file = (plait_transformers.show_derived(source).splitlines() for source in ("opt", str(tmp_path)))
     assert by_type[1] == "(`plait plan --show-derived opt`). Head counts and sizes are this config's."
     assert by_type[:1] + by_type[2:] == by_file[:1] + by_file[2:]
-    assert any(line.startswith("    raise ConfigError('opt: OPTForCausalLM: transformers declares no tp plan for it, "
-                               "so tp must be 1") for line in by_type)
+    assert any(line.startswith("    raise ConfigError('opt: model.decoder.layers.*.fc1: a Linear directly on the decoder layer that no rule splits") for line in by_type)
     with pytest.raises(ConfigError, match="cannot serve 'bart': bart is an encoder-decoder model"):
         plait_transformers.show_derived("bart")
 

@@ -188,10 +188,12 @@ def _proof(architecture: str) -> list[str]:
         return textwrap.wrap(f"Unproven: docs/architectures.md records no conformance-kit run of the generic "
                              f"adapter's plans for {architecture}. Add a plait_tiny_config hook, then run "
                              f"`plait check-adapter <this module>`.", 112)
-    modes = [cell.strip() for cell in header.strip().strip("|").split("|")][2:]
-    cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row.strip().strip("|"))][2:]
+    columns = [cell.strip() for cell in header.strip().strip("|").split("|")]
+    cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
     found: dict[str, list[str]] = {}
-    for mode, cell in zip(modes, cells):
+    for mode, cell in zip(columns, cells):
+        if mode in ("architecture", "adapter", "tp plan"):
+            continue
         found.setdefault(OUTCOMES.get(cell.split(" ")[0].rstrip(":"), "not run"), []).append(mode)
     outcomes = "; ".join(f"{outcome} {', '.join(names)}" for outcome, names in found.items())
     installed = "" if transformers.__version__ == version.group(1) else \
