@@ -2,9 +2,10 @@
 StableLM, MPT, DBRX, Persimmon) train through the generic adapter: ZeRO-1 over data-parallel ranks, pipeline
 stages cut from the module tree, and tp=2 with sequence parallelism on a plan read from the module tree (the
 styles transformers declares for the same structures), each with one-process parity (the kit's 3 AdamW steps,
-fp32). What they cannot take is skipped with plait's reason, before any process starts: OPT's tp plan (its MLP is
-written on the decoder layer itself; examples/plait-opt is its adapter), and pipeline stages for a model that
-threads a tensor from layer to layer (ALiBi's bias).
+fp32). ALiBi's bias (Bloom, Falcon, MPT) goes to each layer beside the hidden states, but the model builds it before
+its loop over the layers, so every pipeline stage builds it again, as it does the mask. What they cannot take is
+skipped with plait's reason, before any process starts: OPT's tp plan (its MLP is written on the decoder layer
+itself; examples/plait-opt is its adapter).
 
 One launch of 2 ranks runs every pair (about 10 s on 2 cores).
 """
@@ -20,9 +21,6 @@ pytest_plugins = ["plait.testing.pytest_plugin"]
 ARCHITECTURES = ("opt", "bloom", "falcon", "gpt_bigcode", "gpt_neo", "stablelm", "mpt", "dbrx", "persimmon")
 MODES = ("zero1-dp2", "pp2-1f1b", "tp2-sp")
 SKIPPED = {("opt", "tp2-sp"): "a Linear directly on the decoder layer that no rule splits"}
-SKIPPED |= {("bloom", "pp2-1f1b"): "BloomBlock.forward takes ['alibi'] besides the hidden states, threaded from layer",
-            ("falcon", "pp2-1f1b"): "FalconDecoderLayer.forward takes ['alibi'] besides the hidden states",
-            ("mpt", "pp2-1f1b"): "MptBlock.forward takes ['position_bias'] besides the hidden states"}
 # Attention with a fused projection the rules cannot read (Bloom, Falcon, MPT, GPT-BigCode, Persimmon) and DBRX's
 # blocks (its class declares a plan for the LM head alone) are kept whole and run on the whole sequence under SP,
 # as the derivation's notes say: exact, and the MLPs and the vocabulary are still split.

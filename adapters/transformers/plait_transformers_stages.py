@@ -6,8 +6,10 @@ hidden states).
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
+import textwrap
 
 from torch import nn
 
@@ -181,10 +183,38 @@ def _execution_order(model: nn.Module, arch: str, layers: str, siblings: list[st
 STAGE_BUILT = ("attention_mask", "position_embeddings", "position_ids", "cache_position", "past_key_values")
 
 
+def _layer_call_inputs(source: str, attribute: str) -> dict[str, bool] | None:
+    """For the model's loop over ``self.<attribute>``: each keyword the layer call passes -> whether its value
+    reads a name the loop body assigns (a value threaded from layer to layer) rather than one the forward builds
+    before the loop from its own inputs (Bloom's ALiBi bias, MPT's ``position_bias``), which every pipeline stage
+    builds again as it does the mask. None where the loop or the call is not found."""
+    tree = ast.parse(textwrap.dedent(source))
+    loop = next((n for n in ast.walk(tree) if isinstance(n, ast.For) and f"self.{attribute}" in ast.unparse(n.iter)), None)
+    if loop is None:
+        return None
+    assigned: set[str] = set()
+    for node in ast.walk(loop):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign, ast.For)) else []
+        assigned |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        mutated = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+            "append", "extend", "insert", "update")
+        if mutated and isinstance(node.func.value, ast.Name):  # block_states.append(hidden_states)
+            assigned.add(node.func.value.id)
+    layer = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+    call = next((n for n in ast.walk(loop) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                 and n.func.id in layer), None)
+    if call is None:
+        return None
+    return {k.arg: any(isinstance(n, ast.Name) and n.id in assigned for n in ast.walk(k.value))
+            for k in call.keywords if k.arg}
+
+
 def _check_layer_inputs(model: nn.Module, arch: str, layers: str) -> None:
     """Pipeline stages hand on the hidden states alone. A decoder layer that needs another input the model
     threads from layer to layer (Inkling2's ``block_states``, the outputs of earlier blocks) would get, on a
-    later stage, a value that never saw the earlier stage's layers: refused, not silently wrong."""
+    later stage, a value that never saw the earlier stage's layers: refused, not silently wrong. One the forward
+    builds before its loop over the layers (``_layer_call_inputs``) is built again by every stage."""
     parent = layers.rpartition(".")[0]
     source = inspect.getsource(type(model.get_submodule(parent) if parent else model).forward)
     loop = re.search(rf"for (?:\w+, )?(\w+) in (?:enumerate\()?self\.{layers.rpartition('.')[2]}\b", source)
@@ -192,10 +222,12 @@ def _check_layer_inputs(model: nn.Module, arch: str, layers: str) -> None:
     if unpacked:  # GlmMoeDsa: hidden_states, topk_indices = decoder_layer(...)
         raise refuse(arch, layers, f"each layer returns {unpacked.group(1).replace(' ', '')}, which the model hands "
                                    f"to the next layer; pipeline stages hand on only the hidden states: use pp=1")
+    inputs = _layer_call_inputs(source, layers.rpartition(".")[2])
     for cls in dict.fromkeys(type(layer) for layer in model.get_submodule(layers)):
         params = list(inspect.signature(cls.forward).parameters.values())[2:]  # self, the hidden states
-        threaded = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in STAGE_BUILT
+        required = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in STAGE_BUILT
                     and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        threaded = [name for name in required if inputs is None or inputs.get(name, True)]
         if threaded:
             raise refuse(arch, layers, f"{cls.__name__}.forward takes {threaded} besides the hidden states, threaded "
                                        f"from layer to layer by the model; pipeline stages hand on only the hidden "
