@@ -52,7 +52,8 @@ class PassThrough(nn.Module):
     It keeps the plain attributes of the module it stands for, its class's included (not its methods,
     submodules, parameters or tensors): some models' forwards read them off every layer to choose that layer's
     inputs (Nemotron-H's ``block_type``, Inkling2's class-level ``attention_type``). The choice is then made
-    as on one process, and ignored."""
+    as on one process, and ignored. For a ``weight`` it keeps an empty tensor of its dtype: Mamba's CausalLM casts
+    the hidden states to ``self.lm_head.weight.dtype`` on every stage."""
 
     def __init__(self, original: nn.Module | None = None) -> None:
         super().__init__()
@@ -67,6 +68,9 @@ class PassThrough(nn.Module):
             plain = not isinstance(value, (nn.Module, torch.Tensor)) and not hasattr(PassThrough, key)
             if plain and not key.startswith("_") and key != "training":
                 setattr(self, key, value)
+        weight = original._parameters.get("weight")
+        if weight is not None:  # Mamba casts by ``self.lm_head.weight.dtype`` on every stage: an empty one, same dtype
+            self.register_buffer("weight", torch.empty(0, dtype=weight.dtype, device=weight.device), persistent=False)
 
     form: LayerForm | None = None  # set on stand-ins for decoder layers (StageChunk): the real layers' return form
 
