@@ -194,7 +194,7 @@ def train(record: Record, pmodel: ParallelModel, reference: torch.nn.Module) -> 
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=ADAM_EPS)
     optimizer_step = ZeroStep(pmodel) if pmodel.config.zero_1 else PlainStep(pmodel)
     gen = torch.Generator().manual_seed(1)
-    vocab = reference.config.vocab_size
+    vocab = reference.config.get_text_config().vocab_size  # a composite config (Gemma4) holds it in its text config
     for step in range(1, STEPS + 1):
         # The global batch is the same for every layout; each dp rank takes its contiguous modes.
         ids = torch.randint(0, vocab, (BATCH * mesh.dp, SEQ), generator=gen)
