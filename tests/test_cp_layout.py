@@ -91,6 +91,9 @@ def test_sinks_keep_all_to_all_out():
                                     "sequence, which context parallelism cannot split exactly; use cp=1"),
     ("transformers:lfm2_moe", {}, "layer type 'conv' (config.layer_types) carries state along the sequence"),
     ("transformers:doge", {}, "DogeForCausalLM works on the attention mask itself (modeling_doge.py:"),
+    ("transformers:bloom", {}, "transformer.h.0.self_attention (BloomAttention) computes attention itself, not through "
+                               "transformers' attention functions"),
+    ("transformers:gpt_neo", {}, "transformer.h.0.attn.attention (GPTNeoSelfAttention) computes attention itself"),
 ])
 def test_what_cp_cannot_match_is_refused_naming_it(subject, overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -16,6 +16,7 @@ the ring's blocks; the ring otherwise.
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -121,3 +122,23 @@ def _check_mixers(model: nn.Module, model_config: Any) -> None:
                 f"{name} ({type(module).__name__}) mixes the sequence without attention, which context "
                 f"parallelism cannot split exactly; use cp=1"
             )
+        if _computes_attention_itself(module):
+            raise ConfigError(
+                f"{name} ({type(module).__name__}) computes attention itself, not through transformers' attention "
+                f"functions, which is where context parallelism splits it; use cp=1"
+            )
+
+
+def _computes_attention_itself(module: nn.Module) -> bool:
+    """An attention module (by its class name, holding its own projections) whose forward does not call
+    transformers' attention functions (``ALL_ATTENTION_FUNCTIONS``): Bloom's ``baddbmm`` with ALiBi, GPT-Neo's
+    matmuls. Context parallelism replaces those functions and hands the model a mask object of its own, which such
+    code would add to its scores."""
+    cls = type(module)
+    if not re.search(r"Attention|Attn", cls.__name__) or not any(isinstance(m, nn.Linear) for m in module.children()):
+        return False
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" not in source and "attention_interface" not in source
