@@ -69,8 +69,9 @@ class PassThrough(nn.Module):
             if plain and not key.startswith("_") and key != "training":
                 setattr(self, key, value)
         weight = original._parameters.get("weight")
-        if weight is not None:  # Mamba casts by ``self.lm_head.weight.dtype`` on every stage: an empty one, same dtype
-            self.register_buffer("weight", torch.empty(0, dtype=weight.dtype, device=weight.device), persistent=False)
+        if weight is not None:  # Mamba casts by ``self.lm_head.weight.dtype`` on every stage; the stage drops the
+            # result. A plain attribute, not a buffer: no state, and no name beside the real parameter's
+            self.weight = torch.empty(0, dtype=weight.dtype)
 
     form: LayerForm | None = None  # set on stand-ins for decoder layers (StageChunk): the real layers' return form
 
