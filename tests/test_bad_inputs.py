@@ -312,6 +312,24 @@ def test_launcher_refusal_as_a_real_command(tmp_path):
         result.stderr + result.stdout  # torchrun prints its OMP banner when it starts: it never did
 
 
+def test_a_workers_error_is_one_line_for_the_job(tmp_path):
+    """Issue 28: an error the workers meet after start-up (a truncated weights file: the launcher checks the
+    layout, the workers read the weights) is one ``plait: error:`` line for the job, not one per rank under
+    torchrun's report (a traceback and a 20-line summary), and the exit status is the worker's: 2, bad input."""
+    model = tmp_path / "model"
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(model)
+    weights = model / "model.safetensors"
+    with open(weights, "r+b") as file:
+        file.truncate(weights.stat().st_size - 100)
+    result = run_plait([sys.executable, "-m", "plait", "train", "--model_name_or_path", str(model), "--nproc_per_node",
+                        "2", "--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--block_size", "16"])
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert lines == [f"plait: error: {weights}: file has {weights.stat().st_size} bytes but its header describes "
+                     f"{weights.stat().st_size + 100} (truncated or appended to)"], result.stderr
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+
+
 @pytest.mark.slow
 def test_torchrun_world_mismatch_exits_without_rendezvous_hang(tmp_path):
     """tp=2 under a 3-process torchrun: every rank refuses before init_process_group, so nothing waits."""
