@@ -330,6 +330,21 @@ def test_a_workers_error_is_one_line_for_the_job(tmp_path):
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
 
 
+def test_workers_lines_are_said_once_with_the_ranks_where_they_differ(tmp_path, capsys):
+    from plait.torchrun import say_once
+
+    for rank, text in enumerate(["plait: error: A", "plait: error: B", "plait: error: A"]):
+        (tmp_path / f"rank{rank}.txt").write_text(text)
+    (tmp_path / "failed.txt").write_text("worker rank 0 exited with code 2")
+    say_once(tmp_path)
+    assert capsys.readouterr().err.splitlines() == ["plait: error: ranks 0, 2: A", "plait: error: rank 1: B"]
+    for rank in range(3):
+        (tmp_path / f"rank{rank}.txt").unlink()
+    (tmp_path / "failed.txt").write_text("worker rank 1 was killed by SIGKILL")
+    say_once(tmp_path)  # no worker said why: how the first failed one ended
+    assert capsys.readouterr().err.splitlines() == ["plait: error: worker rank 1 was killed by SIGKILL"]
+
+
 @pytest.mark.slow
 def test_torchrun_world_mismatch_exits_without_rendezvous_hang(tmp_path):
     """tp=2 under a 3-process torchrun: every rank refuses before init_process_group, so nothing waits."""
