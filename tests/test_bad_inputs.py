@@ -312,6 +312,39 @@ def test_launcher_refusal_as_a_real_command(tmp_path):
         result.stderr + result.stdout  # torchrun prints its OMP banner when it starts: it never did
 
 
+def test_a_workers_error_is_one_line_for_the_job(tmp_path):
+    """Issue 28: an error the workers meet after start-up (a truncated weights file: the launcher checks the
+    layout, the workers read the weights) is one ``plait: error:`` line for the job, not one per rank under
+    torchrun's report (a traceback and a 20-line summary), and the exit status is the worker's: 2, bad input."""
+    model = tmp_path / "model"
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(model)
+    weights = model / "model.safetensors"
+    with open(weights, "r+b") as file:
+        file.truncate(weights.stat().st_size - 100)
+    result = run_plait([sys.executable, "-m", "plait", "train", "--model_name_or_path", str(model), "--nproc_per_node",
+                        "2", "--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--block_size", "16"])
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert lines == [f"plait: error: {weights}: file has {weights.stat().st_size} bytes but its header describes "
+                     f"{weights.stat().st_size + 100} (truncated or appended to)"], result.stderr
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+
+
+def test_workers_lines_are_said_once_with_the_ranks_where_they_differ(tmp_path, capsys):
+    from plait.torchrun import say_once
+
+    for rank, text in enumerate(["plait: error: A", "plait: error: B", "plait: error: A"]):
+        (tmp_path / f"rank{rank}.txt").write_text(text)
+    (tmp_path / "failed.txt").write_text("worker rank 0 exited with code 2")
+    say_once(tmp_path)
+    assert capsys.readouterr().err.splitlines() == ["plait: error: ranks 0, 2: A", "plait: error: rank 1: B"]
+    for rank in range(3):
+        (tmp_path / f"rank{rank}.txt").unlink()
+    (tmp_path / "failed.txt").write_text("worker rank 1 was killed by SIGKILL")
+    say_once(tmp_path)  # no worker said why: how the first failed one ended
+    assert capsys.readouterr().err.splitlines() == ["plait: error: worker rank 1 was killed by SIGKILL"]
+
+
 @pytest.mark.slow
 def test_torchrun_world_mismatch_exits_without_rendezvous_hang(tmp_path):
     """tp=2 under a 3-process torchrun: every rank refuses before init_process_group, so nothing waits."""

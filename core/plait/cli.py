@@ -19,7 +19,7 @@ from plait.data.prepare import add_prepare_data_parser
 from plait.registry import AdapterError, default_registry, served_architectures
 from plait.runtime import TrainingDiverged
 from plait.stop import StopRequested
-from plait.torchrun import run_under_torchrun
+from plait.torchrun import report_error, run_under_torchrun
 from plait.train_args import TrainArgs, add_arguments, from_namespace
 
 
@@ -215,10 +215,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         ns.func(ns)
     except (ConfigError, AdapterError, FileNotFoundError) as err:
-        print(f"plait: error: {err}", file=sys.stderr)
+        report_error(f"plait: error: {err}")
         sys.exit(2)
     except TrainingDiverged as err:
-        print(f"plait: error: {err}", file=sys.stderr)
+        report_error(f"plait: error: {err}")
         sys.exit(3)
     except StopRequested as stop:
         if int(os.environ.get("RANK", "0")) == 0:
