@@ -92,6 +92,7 @@ def world_size(n: int):
     def setup(monkeypatch, tmp_path):
         monkeypatch.setenv("WORLD_SIZE", str(n))
         return []
+    setup.world = n  # through the launcher: --nproc_per_node n
     return setup
 
 
@@ -276,6 +277,70 @@ def test_launcher_refuses_before_any_worker_starts(warm, tmp_path, monkeypatch, 
     assert not (tmp_path / "out").exists()
 
 
+# messages whose numbers follow the world: dp=2 at two processes
+AT_TWO_PROCESSES = {"the validation data has 3 blocks, fewer than dp*num_microbatches = 4; use a larger "
+                    "--validation_file": "the validation data has 3 blocks, fewer than dp*num_microbatches = 8"}
+
+
+@pytest.mark.parametrize("flags, setup, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_every_bad_input_through_the_launcher(warm, tmp_path, monkeypatch, capsys, flags, setup, message):
+    """The whole table again through ``--nproc_per_node N`` (2, or the world a row is about): each is one
+    ``plait: error:`` line and exit 2 in the launching process, before torchrun starts, and an output dir that
+    already holds a run's files gets nothing new."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(plait.cli, "run_under_torchrun", never("torchrun"))
+    nproc = getattr(setup, "world", 2)
+    extra = setup(monkeypatch, tmp_path) if setup and not hasattr(setup, "world") else []
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *base_flags(tmp_path), "--nproc_per_node", str(nproc), *flags, *extra])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2, last
+    assert AT_TWO_PROCESSES.get(message, message) in last and "error: " in last, last
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def checkpoint_dir_without_index(tmp_path: Path) -> list[str]:
+    (tmp_path / "ckpt" / "shards").mkdir(parents=True)
+    return [str(tmp_path / "ckpt"), str(tmp_path / "hf")]
+
+
+# The other commands: (id, argv, setup(tmp_path) -> more argv, substring of the one line)
+COMMAND_CASES = [
+    ("consolidate_missing", ["consolidate", "/nonexistent/checkpoint-2", "/tmp/never-written"], None,
+     "checkpoint /nonexistent/checkpoint-2 does not exist"),
+    ("consolidate_not_a_checkpoint", ["consolidate"], checkpoint_dir_without_index, "is not a plait checkpoint"),
+    ("plan_heads_vs_tp", ["plan", "--tensor_parallel_size", "3", "--world_size", "3"], None,
+     "num_attention_heads=4 is not divisible by tp=3"),
+    ("plan_missing_config", ["plan", "--model_config", "/nonexistent/config.json"], None,
+     "--model_config '/nonexistent/config.json' does not exist"),
+    ("plan_bad_memory", ["plan", "--device_memory", "lots"], None, "--device_memory"),
+    ("check_adapter_unknown", ["check-adapter", "no_such_adapter"], None,
+     "no installed adapter is named 'no_such_adapter'"),
+    ("prepare_data_missing_file", ["prepare-data", "--train_file", "/nonexistent/train.txt"], None,
+     "--train_file '/nonexistent/train.txt' does not exist"),
+    ("prepare_data_empty_file", ["prepare-data"], lambda tmp: ["--train_file", str((tmp / "e.txt").write_text("")
+                                                                                  or tmp / "e.txt")],
+     "e.txt: the file is empty"),
+]
+
+
+@pytest.mark.parametrize("argv, setup, message", [c[1:] for c in COMMAND_CASES], ids=[c[0] for c in COMMAND_CASES])
+def test_other_commands_refuse_in_one_line(warm, tmp_path, capsys, argv, setup, message):
+    """plan, consolidate, check-adapter and prepare-data: one ``plait: error:`` line, exit 2, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, *(setup(tmp_path) if setup else [])])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert err.strip().splitlines()[-1].startswith("plait: error: ") and message in err.strip().splitlines()[-1], err
+    assert "Traceback" not in err
+    assert not Path("/tmp/never-written").exists() and not (tmp_path / "hf").exists()
+
+
 def test_table_is_large_enough():
     assert len(CASES) >= 25 and len({c[0] for c in CASES}) == len(CASES)
 
@@ -335,14 +400,38 @@ def test_workers_lines_are_said_once_with_the_ranks_where_they_differ(tmp_path, 
 
     for rank, text in enumerate(["plait: error: A", "plait: error: B", "plait: error: A"]):
         (tmp_path / f"rank{rank}.txt").write_text(text)
-    (tmp_path / "failed.txt").write_text("worker rank 0 exited with code 2")
-    say_once(tmp_path)
+    (tmp_path / "failed.txt").write_text("worker rank 0 (h, pid 7) exited with code 2")
+    say_once(tmp_path, 3)
     assert capsys.readouterr().err.splitlines() == ["plait: error: ranks 0, 2: A", "plait: error: rank 1: B"]
+    (tmp_path / "rank1.txt").write_text("plait: error: A")
+    say_once(tmp_path, 3)  # every rank said it: no rank named
+    assert capsys.readouterr().err.splitlines() == ["plait: error: A"]
+    say_once(tmp_path, 4)  # one rank of four did not: the ranks that said it are named
+    assert capsys.readouterr().err.splitlines() == ["plait: error: ranks 0, 1, 2: A"]
+    (tmp_path / "failed.txt").write_text("worker rank 3 (h, pid 9) was killed by SIGKILL")
+    say_once(tmp_path, 4)  # a killed worker is the culprit: the others' lost connections follow from it
+    assert capsys.readouterr().err.splitlines() == ["plait: error: worker rank 3 (h, pid 9) was killed by SIGKILL"]
     for rank in range(3):
         (tmp_path / f"rank{rank}.txt").unlink()
-    (tmp_path / "failed.txt").write_text("worker rank 1 was killed by SIGKILL")
-    say_once(tmp_path)  # no worker said why: how the first failed one ended
-    assert capsys.readouterr().err.splitlines() == ["plait: error: worker rank 1 was killed by SIGKILL"]
+    (tmp_path / "failed.txt").write_text("worker rank 1 (h, pid 8) exited with code 1")
+    say_once(tmp_path, 3)  # no worker said why: how the first failed one ended
+    assert capsys.readouterr().err.splitlines() == ["plait: error: worker rank 1 (h, pid 8) exited with code 1"]
+
+
+def test_the_culprit_is_the_worker_a_signal_killed():
+    """torchrun reports every failed worker, also those it ended itself; among those it saw first, the one killed
+    by a signal (not torchrun's own SIGTERM) is named, rather than a peer that failed on its lost connection."""
+    from types import SimpleNamespace as Failure
+
+    from plait.torchrun import culprit
+
+    failures = {0: Failure(timestamp=10, exitcode=1), 1: Failure(timestamp=10, exitcode=-9),
+                2: Failure(timestamp=10, exitcode=-15)}
+    assert culprit(failures)[0] == 1  # seen at once: the killed one, not the peer that lost it, nor a SIGTERM
+    failures[1] = Failure(timestamp=20, exitcode=-9)  # killed by torchrun itself after its grace: not the culprit
+    assert culprit(failures)[0] == 0
+    failures[0], failures[1] = Failure(timestamp=10, exitcode=-15), Failure(timestamp=10, exitcode=2)
+    assert culprit(failures)[0] == 1  # the rank that failed, not the one torchrun ended in the same second
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ ROOT = "plait"
 LAYERS: list[tuple[str, set[str]]] = [
     ("device", {"plait.device"}),
     ("foundation", {"plait.config", "plait.pipeline_schedules", "plait.comm", "plait.patterns", "plait.markers",
-                    "plait.meta", "plait.seeds", "plait.training_forward"}),
+                    "plait.meta", "plait.seeds", "plait.training_forward", "plait.faults"}),
     ("parallel primitives", {"plait.mesh", "plait.tp.mappings", "plait.tp.layers", "plait.tp.loss", "plait.tp.rng",
                              "plait.tp.sharding", "plait.cp.sequence", "plait.cp.masks", "plait.cp.ring",
                              "plait.cp.ulysses"}),
@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("model state", {"plait.optim", "plait.checkpoint", "plait.materialize", "plait.gather", "plait.lora.export"}),
     ("run inputs", {"plait.train_args", "plait.model_config", "plait.data", "plait.trackers"}),
     ("training", {"plait.trainer", "plait.runtime", "plait.metrics", "plait.log_line", "plait.moe_metrics",
-                  "plait.faults", "plait.stop"}),
+                  "plait.heartbeat", "plait.stop"}),
     ("tools on a layout", {"plait.costs", "plait.testing"}),
     ("entry points", {"plait", "plait.__main__", "plait.cli", "plait.plan_command", "plait.torchrun"}),
 ]

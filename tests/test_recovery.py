@@ -55,9 +55,10 @@ def consolidated(checkpoint, out) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_killed_rank_restarts_and_matches_uninterrupted(model_config, train_file, tmp_path):
-    """Rank 1 is SIGKILLed at the start of step 5 (checkpoints at 2 and 4); torchrun restarts the job once,
-    'auto' resumes from checkpoint-4, steps 5-6 are recomputed, and the final weights are bit-identical to
-    an uninterrupted tp=2 run."""
+    """Rank 1 is SIGKILLed while saving step 4's checkpoint, after writing its own files (checkpoint-2 is
+    complete); torchrun restarts the job once, 'auto' resumes from checkpoint-2 (never the partial
+    checkpoint-4.tmp, which start-up removes), steps 3-6 are recomputed, and the final weights are bit-identical
+    to an uninterrupted tp=2 run."""
     ref_out, out = tmp_path / "ref", tmp_path / "killed"
     launch(["-m", "plait", "train", *flags(model_config, train_file, ref_out, 6, "--tensor_parallel_size", "2")], 2,
            timeout=180)
@@ -66,16 +67,18 @@ def test_killed_rank_restarts_and_matches_uninterrupted(model_config, train_file
            *flags(model_config, train_file, out, 6, "--tensor_parallel_size", "2", "--resume_from_checkpoint", "auto")]
     start = time.monotonic()
     result = processes.run(cmd, timeout=240,
-                            env={**os.environ, "PLAIT_FAULT_INJECT": "1:5:kill", "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "PLAIT_FAULT_INJECT": "1:4:kill:save", "OMP_NUM_THREADS": "1"})
     print(f"killed rank, restarted: exit {result.returncode} after {time.monotonic() - start:.1f}s")
     assert result.returncode == 0, result.stderr[-3000:]
 
     loads = read_metrics(out, "load")
-    assert [r["step"] for r in loads] == [0, 4], loads  # fresh start, then (restarted) from checkpoint-4
+    assert [r["step"] for r in loads] == [0, 2], loads  # fresh start, then (restarted) from checkpoint-2
     steps = [r["step"] for r in read_metrics(out)]
-    assert steps == [1, 2, 3, 4, 5, 6], steps  # metrics.jsonl: steps 1-4 once, then only 5-6 recomputed
+    assert steps == [1, 2, 3, 4, 3, 4, 5, 6], steps  # metrics.jsonl goes on: steps 1-4, then 3-6 recomputed
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert not list(out.glob("*.tmp"))
     reference = [r["loss"] for r in read_metrics(ref_out)]
-    assert [r["loss"] for r in read_metrics(out)] == reference
+    assert [r["loss"] for r in read_metrics(out)] == reference[:4] + reference[2:]
 
     want = consolidated(ref_out / "checkpoint-6", tmp_path / "ref-model")
     got = consolidated(out / "checkpoint-6", tmp_path / "killed-model")

@@ -115,6 +115,9 @@ def test_stuck_rank_is_ended_by_ddp_timeout(train_flags, tmp_path):
           f"(--ddp_timeout={DDP_TIMEOUT_S}), {result['total_s']:.1f}s in all")
     assert result["code"] != 0
     assert f"a collective waited longer than --ddp_timeout={DDP_TIMEOUT_S}s" in result["output"]
+    # its peer names it from the heartbeats (plait.heartbeat): alive, but behind the others
+    assert "is stuck at step 2, phase data (it still runs, but the others reached step 2, phase forward-backward)" \
+        in result["output"] and "rank 1 (" in result["output"], result["output"][-3000:]
     assert result["workers"] >= 2 and not result["alive"], f"workers still running: {result['alive']}"
     # torchrun then sends the stuck rank SIGTERM, which plait takes as "stop after this step" (plait.stop); its
     # step never ends, so it ends itself when the grace period (--ddp_timeout again) runs out, and says so

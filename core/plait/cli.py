@@ -12,8 +12,10 @@ import argparse
 import json
 import os
 import sys
+import traceback
+from typing import NoReturn
 
-from plait.config import ConfigError
+from plait.config import ConfigError, FaultError
 from plait.costs.device import PRESETS
 from plait.data.prepare import add_prepare_data_parser
 from plait.registry import AdapterError, default_registry, served_architectures
@@ -36,17 +38,10 @@ def cmd_train(ns: argparse.Namespace) -> None:
             i = argv.index("--nproc_per_node")
             del argv[i : i + 2]
         sys.exit(run_under_torchrun(argv, args.nproc_per_node, args.ddp_timeout))
-    import torch.distributed as dist
-
     from plait.trainer import train  # when run (module docstring)
 
-    try:
-        train(args)
-    finally:
-        if dist.is_initialized():
-            # Tear gloo/NCCL down before interpreter exit: a live process group's threads destroyed in static
-            # destructors can abort the process ("terminate called without an active exception") after a run.
-            dist.destroy_process_group()
+    train(args)
+    end_process_group(fault=False)
 
 
 def cmd_plan(ns: argparse.Namespace) -> None:
@@ -146,11 +141,16 @@ def cmd_check_adapter(ns: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plait", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a transformers causal LM under any layout")
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=None,
+                       help=f"on a failure, print the traceback above its one-line error (or set {DEBUG_ENV}=1)")
+    common = [debug]  # every subcommand's parents
+    train = sub.add_parser("train", parents=common, help="train a transformers causal LM under any layout")
     add_arguments(train, TrainArgs)
     train.set_defaults(func=cmd_train)
 
-    plan = sub.add_parser("plan", help="how a model would be split, what each rank holds and sends, which layout "
+    plan = sub.add_parser("plan", parents=common,
+                          help="how a model would be split, what each rank holds and sends, which layout "
                                        "is fastest (plait train's flags), without its weights")
     add_arguments(plan, TrainArgs)
     plan.add_argument("--world_size", type=int, default=None,
@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "model directory) as the code of an explicit adapter to start from")
     plan.set_defaults(func=cmd_plan)
 
-    cons = sub.add_parser("consolidate", help="write a checkpoint as one Hugging Face model dir")
+    cons = sub.add_parser("consolidate", parents=common, help="write a checkpoint as one Hugging Face model dir")
     cons.add_argument("checkpoint_dir", help="a checkpoint-N dir (or its shard folder)")
     cons.add_argument("output_dir", help="new (or empty) directory for config.json, weights, tokenizer")
     cons.add_argument("--format", choices=("safetensors", "pytorch"), default="safetensors")
@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from plait.testing.conformance_modes import modes_help
 
-    check = sub.add_parser("check-adapter", help="prove an adapter matches one process under every parallel mode",
+    check = sub.add_parser("check-adapter", parents=common,
+                           help="prove an adapter matches one process under every parallel mode",
                            formatter_class=argparse.RawDescriptionHelpFormatter,
                            epilog="modes (each trains 3 AdamW steps against one process):\n" + modes_help()
                            + "\n\nA mode the adapter does not declare, or its tiny config cannot express, is skipped "
@@ -199,9 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="float64 tells a mis-split layer from fp32 noise that Adam amplified by step 2-3")
     check.set_defaults(func=cmd_check_adapter)
 
-    add_prepare_data_parser(sub)  # plait prepare-data: tokenize into the cache first
+    add_prepare_data_parser(sub, common)  # plait prepare-data: tokenize into the cache first
 
-    adapters = sub.add_parser("adapters", help="list installed architecture adapters")
+    adapters = sub.add_parser("adapters", parents=common, help="list installed architecture adapters")
     adapters.add_argument("--json", action="store_true", help="print a JSON list")
     adapters.add_argument("--architectures", action="store_true",
                           help="list every causal-LM architecture of the installed transformers with the adapter "
@@ -210,19 +211,63 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DEBUG_ENV = "PLAIT_DEBUG"  # =1: a failure also prints its traceback, as --debug does
+
+
+def one_line(err: BaseException) -> str:
+    """The error as one line: plait's own errors are written to be read as they are; anything else (a fault
+    inside torch, the OS, a library) is named by its type and its first line of text."""
+    if isinstance(err, (ConfigError, AdapterError, TrainingDiverged, FaultError)):
+        text = str(err)
+    else:
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+        text = f"{type(err).__name__}: {first}" if first else type(err).__name__
+    return " ".join(text.split())
+
+
+def end_process_group(fault: bool, status: int = 1) -> None:
+    """Leave torch.distributed's world, if this process joined one. After a run, or an error every rank met
+    alike, tear it down: a live process group's threads destroyed in static destructors can abort the process
+    ("terminate called without an active exception"). After a fault a peer may be stopped or gone, and the
+    teardown can wait on it for half a minute: the error is said, so end the process at once."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    if fault:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    dist.destroy_process_group()
+
+
+def fail(err: BaseException, status: int, debug: bool) -> NoReturn:
+    """End the command with ``err`` as one ``plait: error:`` line (said once per job: ``report_error``)."""
+    if debug:
+        traceback.print_exception(err)
+    hint = "" if debug or status != 1 else f" (--debug or {DEBUG_ENV}=1 prints the traceback)"
+    report_error(f"plait: error: {one_line(err)}{hint}")
+    end_process_group(fault=status == 1, status=status)
+    sys.exit(status)
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Run one ``plait`` command. Every failure ends as one ``plait: error:`` line on stderr and an exit status:
+    2 for input to fix (a flag, a file, a layout), 3 for a run that diverged, 1 for a fault (a crash, a stuck or
+    dead rank, a full disk); the traceback only with ``--debug`` (or PLAIT_DEBUG=1)."""
     ns = build_parser().parse_args(argv)
+    debug = getattr(ns, "debug", False) or os.environ.get(DEBUG_ENV) == "1"
     try:
         ns.func(ns)
-    except (ConfigError, AdapterError, FileNotFoundError) as err:
-        report_error(f"plait: error: {err}")
-        sys.exit(2)
+    except (ConfigError, AdapterError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as err:
+        fail(err, 2, debug)
     except TrainingDiverged as err:
-        report_error(f"plait: error: {err}")
-        sys.exit(3)
+        fail(err, 3, debug)
     except StopRequested as stop:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"plait: {stop}", file=sys.stderr)
+        end_process_group(fault=False)  # every rank stopped at the same step, together
         # Under torchrun, a worker that stopped as asked exits 0 so torchrun reports no crash; whoever sent
         # the signal (plait's launcher, a scheduler) knows. A run of its own exits as a signalled process does.
         sys.exit(0 if "TORCHELASTIC_RUN_ID" in os.environ else stop.exit_status)
+    except Exception as err:  # a fault: still one line, the traceback on request
+        fail(err, 1, debug)

@@ -19,6 +19,11 @@ class ConfigError(ValueError):
     """A layout or model/layout combination that plait refuses, with a message naming values and fix."""
 
 
+class FaultError(RuntimeError):
+    """A fault met while running (a stuck or lost rank, a save the disk refused) that plait has put in one line
+    naming the culprit: the command ends with it and exit status 1, not a traceback."""
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How to lay a model out over a torchrun world.

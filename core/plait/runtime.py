@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from plait import comm
-from plait.config import ConfigError
+from plait.config import ConfigError, FaultError
 from plait.device import default_backend, set_device
+from plait.heartbeat import Heartbeat
 from plait.device import pick_device as pick_device  # its older home: plait.runtime.pick_device still works
 
 
@@ -55,22 +56,35 @@ class TrainingDiverged(RuntimeError):
     on every rank at the same step, before the step is applied or anything is saved."""
 
 
-class CollectiveTimeout(RuntimeError):
-    """A collective waited longer than --ddp_timeout: a peer rank is stuck or dead."""
+class CollectiveTimeout(FaultError):
+    """A collective waited longer than --ddp_timeout, or lost a peer: another rank is stuck or dead."""
+
+
+# What gloo and NCCL say when a collective lost its peer (the peer's process died or closed its sockets)
+PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited")
 
 
 @contextlib.contextmanager
-def explain_timeouts(timeout_s: int) -> Iterator[None]:
-    """Re-raise a backend's collective timeout (gloo: "Timed out waiting ...") as one line naming the flag.
+def explain_timeouts(timeout_s: int, heartbeat: Heartbeat | None = None) -> Iterator[None]:
+    """Re-raise a backend's collective timeout (gloo: "Timed out waiting ...") or lost peer as one line that names
+    the rank waited for (host, pid, step, phase: ``plait.heartbeat``) where it can be told, and the flag.
 
     The backend's own text stays attached as the cause, so nothing is hidden.
     """
     try:
         yield
     except RuntimeError as err:
-        if "timed out" not in str(err).lower() or isinstance(err, CollectiveTimeout):
+        text = str(err).lower()
+        lost = any(sign in text for sign in PEER_LOST)
+        if isinstance(err, CollectiveTimeout) or not (lost or "timed out" in text):
             raise
-        raise CollectiveTimeout(
-            f"a collective waited longer than --ddp_timeout={timeout_s}s: another rank is stuck or has died (see "
-            f"its output above); if steps are legitimately this slow, raise --ddp_timeout"
-        ) from err
+        culprit = heartbeat.culprit() if heartbeat is not None else None
+        if lost:
+            what = "a collective lost its connection to another rank"
+            hint = "it died or was killed"
+        else:
+            what = f"a collective waited longer than --ddp_timeout={timeout_s}s"
+            hint = "if steps are legitimately this slow, raise --ddp_timeout"
+        if culprit:
+            raise CollectiveTimeout(f"{culprit}: {what} for it; {hint}") from err
+        raise CollectiveTimeout(f"{what}: another rank is stuck or has died (see its output above); {hint}") from err

@@ -22,6 +22,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -61,26 +62,32 @@ def run_under_torchrun(argv: list[str], nproc: int, grace_s: int) -> int:
     with tempfile.TemporaryDirectory(prefix="plait-errors-") as folder:
         status = supervise([sys.executable, "-m", "plait.torchrun", "--standalone", f"--nproc_per_node={nproc}",
                             f"--shutdown_timeout={grace_s}", "-m", "plait", *argv], {**os.environ, ERROR_DIR: folder})
-        say_once(Path(folder))
+        say_once(Path(folder), nproc)
         return status
 
 
-def say_once(folder: Path) -> None:
-    """Print the workers' error lines, each distinct one once (with the ranks that said it where they differ), or,
-    where none wrote one, how the first failed worker ended."""
+def say_once(folder: Path, nproc: int) -> None:
+    """Print how the job failed, once: a worker killed by a signal (the culprit: the others' errors follow from
+    it), else each distinct error line the workers wrote, with the ranks that said it where not every rank of
+    the ``nproc`` said the same, else how the first failed worker ended."""
     lines = {int(p.stem.removeprefix("rank")): p.read_text() for p in folder.glob("rank*.txt")}
+    failed = (folder / "failed.txt").read_text() if (folder / "failed.txt").exists() else None
+    if failed and " was killed by " in failed:
+        print(f"plait: error: {failed}", file=sys.stderr)
+        return
     distinct = list(dict.fromkeys(lines.values()))
     for line in distinct:
         ranks = sorted(r for r, text in lines.items() if text == line)
-        prefix = "" if len(distinct) == 1 else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
+        named = len(distinct) > 1 or len(ranks) < nproc
+        prefix = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: " if named else ""
         print(line.replace("plait: error: ", f"plait: error: {prefix}", 1), file=sys.stderr)
-    if not lines and (folder / "failed.txt").exists():
-        print(f"plait: error: {(folder / 'failed.txt').read_text()}", file=sys.stderr)
+    if not lines and failed:
+        print(f"plait: error: {failed}", file=sys.stderr)
 
 
 def _torchrun(argv: list[str]) -> int:
     """torchrun's ``run`` on ``argv``, with its report of a failed worker replaced by one line in PLAIT_ERROR_DIR
-    (``failed.txt``: the first failed rank and how it ended); the failed worker's exit status."""
+    (``failed.txt``: the culprit rank and how it ended); the failed worker's exit status."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -88,12 +95,25 @@ def _torchrun(argv: list[str]) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        rank, failure = culprit(err.failures)
         how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else \
             f"exited with code {failure.exitcode}"
-        (Path(os.environ[ERROR_DIR]) / "failed.txt").write_text(f"worker rank {rank} {how}")
+        (Path(os.environ[ERROR_DIR]) / "failed.txt").write_text(
+            f"worker rank {rank} ({socket.gethostname()}, pid {failure.pid}) {how}")
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0
+
+
+def culprit(failures: dict) -> tuple[int, object]:
+    """The failure to name, among those torchrun saw first (it also reports the workers it then ended itself, with
+    SIGTERM or, after its grace, SIGKILL, at a later time): a worker a signal other than SIGTERM ended (SIGKILL
+    from an out-of-memory killer, SIGSEGV), whose peers fail on the lost connection in the same moment, else the
+    lowest rank that failed by itself (exit status), not one torchrun ended (SIGTERM)."""
+    first = min(f.timestamp for f in failures.values())
+    seen_first = sorted((r, f) for r, f in failures.items() if f.timestamp == first)
+    killed = [(r, f) for r, f in seen_first if f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
+    failed = [(r, f) for r, f in seen_first if f.exitcode > 0]
+    return (killed or failed or seen_first)[0]
 
 
 def supervise(cmd: list[str], env: dict[str, str] | None = None) -> int:

@@ -8,6 +8,7 @@ so any layout with the same global batch trains on the same tokens and, in fp32,
 from __future__ import annotations
 
 import dataclasses
+from contextlib import closing
 import datetime
 import math
 import os
@@ -29,10 +30,12 @@ from plait.data.sft_blocks import batch_inputs, count_labels
 from plait.data.train_data import load_data
 from plait.device import peak_memory_bytes, pick_device, use_fused_adamw
 from plait.float8 import check_float8_device
+from plait.heartbeat import Heartbeat
 from plait.log_line import log_line, progress_text
 from plait.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_max
 from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
 from plait.checkpoint.format import read_index, remove_partial_checkpoints
+from plait.checkpoint.shared_dir import check_shared_dir
 from plait.checkpoint.state import local_params
 from plait.checkpoint import (
     checkpoint_path, latest_checkpoint, load_checkpoint, rotate_checkpoints, save_checkpoint, should_save,
@@ -200,6 +203,9 @@ class Trainer:
         # Data before any process group: a bad file fails every rank at once, never inside a collective.
         self.blocks, self.val_blocks, self.tokenizer = load_checked_data(args, model_config, plan)
         init_distributed(device, args.backend, args.ddp_timeout)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.heartbeat = Heartbeat.start(int(os.environ.get("RANK", "0")), world)  # names a stuck rank on a timeout
+        check_shared_dir(Path(args.output_dir))  # node-local dirs would fail only at the first save
         torch.manual_seed(args.seed)  # the stream dropout draws from: a function of --seed, as is everything else
         self.console = Console(stderr=True, quiet=not is_main_process())
 
@@ -273,6 +279,7 @@ class Trainer:
         if num_items == 0:
             return self.empty_step(step, start)
         accumulation = args.gradient_accumulation_steps
+        self.heartbeat.at(step + 1, "forward-backward")
         step_loss = torch.zeros((), device=self.device)
         for micro in range(accumulation):
             rows = local_microbatch(indices, mesh.dp_rank, mesh.dp, accumulation, micro)
@@ -283,6 +290,7 @@ class Trainer:
         record = {"step": step + 1, "loss": loss.item(), "lr": lr, "trainable_tokens": num_items}
         if self.routing is not None:
             record.update(self.routing.take().record())
+        self.heartbeat.at(step + 1, "optimizer")
         try:
             record["grad_norm"] = self.optimizer_step(loss).item()
         except NonFiniteStep as bad:
@@ -327,6 +335,7 @@ class Trainer:
             record["peak_device_mb"] = device_peak[0]
 
     def save(self, step: int) -> Path:
+        self.heartbeat.at(step, "save")
         extra = {"sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps,
                  "empty_steps": self.empty_steps}
         path = save_checkpoint(checkpoint_path(self.output_dir, step), self.pmodel, self.optimizer, self.scheduler,
@@ -350,13 +359,16 @@ class Trainer:
         names = parse_report_to(args.report_to) if is_main_process() else []
         trackers = Trackers.open(names, self.output_dir, dataclasses.asdict(args), self.first_step)
         started = time.perf_counter()
-        with trackers, progress, explain_timeouts(args.ddp_timeout), self.signals:
+        explained = explain_timeouts(args.ddp_timeout, self.heartbeat)
+        with closing(self.heartbeat), trackers, progress, explained, self.signals:
             task = progress.add_task("", total=args.max_steps, completed=self.first_step)
             for step in range(self.first_step, args.max_steps):
+                self.heartbeat.at(step + 1, "data")
                 faults.maybe_inject(step + 1)  # testing aid: a no-op unless PLAIT_FAULT_INJECT is set
                 record = self.step(step)
                 is_last = step + 1 == args.max_steps
                 if self.val_blocks is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or is_last):
+                    self.heartbeat.at(step + 1, "evaluation")
                     record.update(evaluate(self.pmodel, self.val_blocks, args.per_device_train_batch_size, self.device))
                 history.append(record)
                 self.log.write(record)

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from plait import comm
+from plait import comm, faults
+from plait.config import FaultError
 from plait.checkpoint.format import INDEX, SHARDS, CheckpointError, Index, Piece, TensorEntry, write_json
 from plait.checkpoint.st_io import CHECKSUM, NAMES, write_tensors
 from plait.checkpoint.state import (
@@ -27,6 +28,11 @@ from plait.checkpoint.state import (
 )
 from plait.lora.base import lora_record
 from plait.parallelize import ParallelModel
+
+
+class CheckpointNotSaved(FaultError):
+    """Writing a checkpoint failed on some rank (a full disk, a quota, a file size limit): the partial folder
+    is removed and the previous checkpoint stays the newest."""
 
 
 def save_checkpoint(
@@ -43,7 +49,8 @@ def save_checkpoint(
 
     Every rank must call it. ``extra`` is JSON-safe trainer state (e.g. the sampler's position);
     ``tokenizer`` (rank 0's is used) is saved beside the weights so ``consolidate`` can ship it.
-    Returns the checkpoint directory; raises CheckpointError on every rank if any rank failed.
+    Returns the checkpoint directory; raises on every rank if any rank failed: CheckpointError for state that
+    cannot be saved, CheckpointNotSaved for a write that failed.
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -94,10 +101,11 @@ def save_checkpoint(
                          f"{prefix}-rank{mesh.rank:05d}.safetensors", tmp / SHARDS, report)
     except OSError as exc:
         report["error"] = f"writing {tmp}: {exc}"
+    faults.maybe_inject(step, "save")  # testing aid: a no-op unless PLAIT_FAULT_INJECT names this save
     reports = comm.all_gather_object(report, world)
     try:
-        _raise_errors(reports, f"checkpoint {path} was not saved")
-    except CheckpointError:
+        _raise_errors(reports, f"checkpoint {path} was not saved", CheckpointNotSaved)
+    except CheckpointNotSaved:
         if mesh.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -142,10 +150,10 @@ def _write_owned(
         report["files"][filename] = {"size": (folder / filename).stat().st_size, CHECKSUM: sums}
 
 
-def _raise_errors(reports: list[dict[str, Any]], what: str) -> None:
+def _raise_errors(reports: list[dict[str, Any]], what: str, error: type[Exception] = CheckpointError) -> None:
     errors = [f"rank {rank}: {r['error']}" for rank, r in enumerate(reports) if r["error"]]
     if errors:
-        raise CheckpointError(f"{what}: " + "; ".join(errors))
+        raise error(f"{what}: " + "; ".join(errors))
 
 
 def _build_index(pmodel: ParallelModel, step: int, metas: list, reports: list, aliases: dict[str, str]) -> Index:

@@ -14,8 +14,9 @@ from plait.config import ConfigError
 from plait.train_args import TrainArgs, add_arguments, from_namespace
 
 
-def add_prepare_data_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("prepare-data", help="tokenize a run's data into the cache (plait train's flags) and "
+def add_prepare_data_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("prepare-data", parents=parents,
+                            help="tokenize a run's data into the cache (plait train's flags) and "
                                                  "print documents, tokens, blocks and epochs")
     add_arguments(parser, TrainArgs)
     parser.add_argument("--world_size", type=int, default=None,
@@ -46,15 +47,14 @@ def cmd_prepare_data(ns: argparse.Namespace) -> None:
     from plait.model_config import read_model_config
 
     vocab_size = read_model_config(args).vocab_size
-    if data_format(args) in SFT_FORMATS:  # load_sft_data prints examples, tokens, blocks and the cache entry
-        for line in batch_lines(args, dp, len(load_sft_data(args, vocab_size).blocks)):
-            print(line)
-        return
-    try:
-        data = prepare_data(args, vocab_size, local_rank=0, progress=True)
+    try:  # the data layer's errors name the file and the fix: the command's one line
+        if data_format(args) in SFT_FORMATS:  # load_sft_data prints examples, tokens, blocks and the cache entry
+            lines = batch_lines(args, dp, len(load_sft_data(args, vocab_size).blocks))
+        else:
+            lines = report(prepare_data(args, vocab_size, local_rank=0, progress=True), args, dp)
     except (ValueError, OSError) as err:
         raise ConfigError(str(err)) from err
-    for line in report(data, args, dp):
+    for line in lines:
         print(line)
 
 
