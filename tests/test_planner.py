@@ -600,3 +600,26 @@ def test_plan_states_the_batch_and_what_bytes_count(tmp_path, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "batch per data-parallel rank: 8 sequences x 128 tokens x 1 accumulation steps" in out
     assert "bytes: what this rank hands the collective, summed over its calls" in out
+
+
+def test_sequence_parallel_shards_activations_nearly_tp_fold():
+    """Issue 30: under SP a column-parallel linear saves its input's sequence shard and gathers it again in backward
+    (Megatron's SP), so a 7B Llama's decoder-layer activations at 4096 tokens fall nearly tp-fold: at least 6.5x
+    at tp=8 (3.5x when each linear kept its gathered input). Without SP the q/k/v and gate/up inputs stay whole."""
+    config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                         num_attention_heads=32, max_position_embeddings=4096)
+    registry = default_registry()
+    model = build_meta_model(config, torch.bfloat16)
+    trace = trace_activations(model, 4096, registry, registry.resolve(model.config))
+
+    def per_microbatch(**kwargs) -> float:
+        layout = ParallelConfig(**kwargs)
+        plan = plan_layout(model, layout, layout.tp, registry)
+        return estimate_layout(model, plan, Batch(1, 4096), Precision(torch.bfloat16, torch.float32),
+                               trace).ranks[0].activations.per_microbatch
+
+    one, sp8, nosp8 = per_microbatch(), per_microbatch(tp=8), per_microbatch(tp=8, sp=False)
+    print(f"7B activations per micro-batch: tp=1 {one / 2**30:.2f} GiB, tp=8 sp {sp8 / 2**30:.2f} GiB "
+          f"({one / sp8:.1f}x), tp=8 without sp {nosp8 / 2**30:.2f} GiB ({one / nosp8:.1f}x)")
+    assert one / sp8 >= 6.5
+    assert sp8 < nosp8

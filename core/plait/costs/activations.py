@@ -9,9 +9,9 @@ tensors saved twice (one storage) count once. Meta tensors have shapes and no me
 two seconds for a 70B config at 4096 tokens.
 
 Each saved tensor then scales to a tp rank by what it is: a hidden-sized tensor (last dim = hidden size)
-is whole on every tp rank, except inside the sequence-parallel region where only a column-parallel linear's
-(gathered) input stays whole, and there each column-parallel linear keeps its own gathered copy (q, k and v
-share one input without SP, three copies with it: bench/plan_check.py's saved-bytes column); every other
+is whole on every tp rank, except inside the sequence-parallel region, where a column-parallel linear saves its
+input's sequence shard (1/tp, one for q, k and v) and gathers it again in backward, as Megatron's SP does; one
+that does not (float8's kernel, an input entered by its parent module) keeps its own gathered copy; every other
 tensor of a decoder layer (heads, MLP intermediate) is split by tp, and logits are split when the LM head is
 vocab-parallel. Fused attention (sdpa, flash) keeps no s x s probabilities: those are dropped when tracing
 with any kernel other than eager (the meta device runs sdpa's math fallback, which would save them).
@@ -199,6 +199,7 @@ def _enter_layer(units: dict, where: dict, name: str):
 def unit_bytes(
     unit: UnitTrace, tp: int, sp: bool, split_others: bool, columns: set[str], cp: int = 1,
     drop_squares: bool = False, imbalance: float = 1.0, whole: frozenset[str] | set[str] = frozenset(),
+    saves_shard: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[int, int]:
     """(bytes saved, largest single tensor) of ``unit`` for one sequence on one tp rank.
 
@@ -210,7 +211,9 @@ def unit_bytes(
     ring attention keeps none). ``imbalance``: the factor on routed experts' tensors
     (``experts.effective_imbalance``). ``whole``: experts modules kept whole on every tp rank
     (``tp_modules.whole_experts``), each rank routing only its own 1/tp of the tokens: all their tensors are
-    1/tp, none split by tp."""
+    1/tp, none split by tp. ``saves_shard``: column-parallel linears that, under SP, save their input's sequence
+    shard and gather it again in backward (``plait.tp.layers``; Megatron's SP): 1/tp of it, once for the linears
+    sharing it (q, k, v)."""
     total = largest = 0
     for s in unit.saved:
         if s.square and drop_squares:
@@ -221,10 +224,11 @@ def unit_bytes(
             total += size
             largest = max(largest, size)
             continue
-        if s.copy:  # plait's SP linears each keep their own gathered input; without SP they share one
-            size = s.nbytes if sp and s.module in columns else 0
+        shard = sp and s.module in saves_shard
+        if s.copy:  # under SP a linear that gathers for itself keeps its own whole copy; otherwise one is shared
+            size = s.nbytes if sp and s.module in columns and not shard else 0
         elif s.hidden:
-            size = s.nbytes if (s.module in columns or not sp) else _ceil(s.nbytes, tp)
+            size = s.nbytes if (s.module in columns and not shard) or not sp else _ceil(s.nbytes, tp)
         else:
             size = _ceil(s.nbytes, tp) if split_others else s.nbytes
         size = _ceil(size, cp)

@@ -29,7 +29,7 @@ from plait.costs.device import Device
 from plait.costs.experts import check_expert_parallel, effective_imbalance, expert_flops_per_token, expert_parameters
 from plait.costs.memory import (ActivationBytes, Precision, StaticBytes, activation_bytes, layers_of, rank_params,
                                 static_bytes)
-from plait.costs.tp_modules import column_modules, row_modules, whole_experts
+from plait.costs.tp_modules import column_modules, row_modules, shard_saving_columns, whole_experts
 from plait.grad_sync import BUCKET_BYTES
 from plait.layout_plan import LayoutPlan
 from plait.optim.param_groups import embedding_params
@@ -145,12 +145,14 @@ def estimate_layout(
         cache["experts"] = expert_parameters(model)
     shards_key = id(plan.shards_by_rank)
     if ("linears", shards_key) not in cache:
-        cache["linears", shards_key] = row_modules(model, plan), column_modules(model, plan), whole_experts(plan)
-    rows, columns, whole = cache["linears", shards_key]
+        columns = column_modules(model, plan)
+        cache["linears", shards_key] = (row_modules(model, plan), columns, whole_experts(plan),
+                                        shard_saving_columns(plan, columns))
+    rows, columns, whole, saves_shard = cache["linears", shards_key]
     replicas = dp * cp  # ranks holding the same parameters: gradients summed and ZeRO-1 sharded over them
     ranks, comm, flops, moved = [], {}, {}, {}
     for pp_rank in range(pp):
-        acts = activation_bytes(trace, plan, pp_rank, microbatch, columns, imbalance, whole)
+        acts = activation_bytes(trace, plan, pp_rank, microbatch, columns, imbalance, whole, saves_shard)
         layers = layers_of(plan, pp_rank, len(trace.layers))
         routed = [(call, any(call.module.startswith(leaf + ".") for leaf in plan.leaves))
                   for i in layers for call in trace.layers[i].routed]

@@ -178,6 +178,7 @@ class ActivationBytes:
 def activation_bytes(
     trace: ActivationTrace, plan: LayoutPlan, pp_rank: int, microbatch: int, columns: set[str],
     imbalance: float = 1.0, whole: frozenset[str] | set[str] = frozenset(),
+    saves_shard: frozenset[str] | set[str] = frozenset(),
 ) -> ActivationBytes:
     """Activation bytes of pipeline rank ``pp_rank`` for micro-batches of ``microbatch`` sequences.
 
@@ -187,7 +188,8 @@ def activation_bytes(
     Under context parallelism every traced tensor is 1/cp (each rank holds S/cp tokens), plus what the
     attention strategy adds (``context_parallel.attention_memory``). ``imbalance``: the factor on routed experts'
     tensors (``experts.effective_imbalance``); ``whole``: experts modules kept whole over tp
-    (``tp_modules.whole_experts``)."""
+    (``tp_modules.whole_experts``); ``saves_shard``: column linears saving their input's sequence shard under SP
+    (``tp_modules.shard_saving_columns``)."""
     config = plan.config
     tp, sp, cp = config.tp, config.sequence_parallel, config.cp
     vocab_parallel = tp > 1 and not config.disable_embedding_parallelization
@@ -203,7 +205,7 @@ def activation_bytes(
     total = largest = recompute = leaf_inputs = 0
     for index in layers:
         unit = trace.layers[index]
-        saved, big = unit_bytes(unit, tp, sp, True, columns, cp, ring, imbalance, whole)
+        saved, big = unit_bytes(unit, tp, sp, True, columns, cp, ring, imbalance, whole, saves_shard)
         saved += layer_extra
         largest = max(largest, big)
         if config.gradient_checkpointing:
@@ -214,7 +216,7 @@ def activation_bytes(
     if has_first:
         total += unit_bytes(trace.first, tp, False, vocab_parallel, columns, cp)[0]
     if has_last:
-        saved, largest = unit_bytes(trace.last, tp, sp, vocab_parallel, columns, cp)
+        saved, largest = unit_bytes(trace.last, tp, sp, vocab_parallel, columns, cp, saves_shard=saves_shard)
         total += saved
     # Backward starts with the gradient of the biggest saved tensor beside everything saved: the loss's
     # log-softmax on the last stage, else a layer's (attention probabilities). With recomputation a layer's

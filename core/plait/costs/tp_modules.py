@@ -34,6 +34,15 @@ def column_modules(model: nn.Module, plan: LayoutPlan) -> set[str]:
             if name not in rows and shard.style.label not in VOCAB_LABELS[:2] and shard.weight.dim is not None}
 
 
+def shard_saving_columns(plan: LayoutPlan, columns: set[str]) -> set[str]:
+    """Column-parallel linears of the tp region: under SP they save their input's sequence shard, not the gathered
+    input (``plait.tp.layers``). Not the vocab-parallel head (its input is gathered before it), nor under float8,
+    whose kernel keeps what it saves."""
+    if plan.config.float8:
+        return set()
+    return {name for name in columns if plan.shards_by_rank[0][name].style.label not in VOCAB_LABELS}
+
+
 def whole_experts(plan: LayoutPlan) -> set[str]:
     """Experts modules kept whole on every tp rank (``ParallelConfig(expert_tensor_parallel=False)``,
     ``plait.tp.styles.WholeExperts``): each tp rank computes only its own 1/tp of the tokens' pairs."""

@@ -33,6 +33,7 @@ class TPRegionEntry:
     def __init__(self, group: Group, sequence_parallel: bool) -> None:
         self.group, self.sequence_parallel = group, sequence_parallel
         self._last: tuple[weakref.ref, torch.Tensor] | None = None
+        self._regathered: tuple[weakref.ref, torch.Tensor] | None = None  # backward's re-gathered input
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._last is not None and self._last[0]() is x:
@@ -45,8 +46,25 @@ class TPRegionEntry:
         return entered
 
     def clear(self) -> None:
-        """Drop the remembered activation (called after every forward so it is not kept alive)."""
+        """Drop the remembered activations (called after every forward so they are not kept alive)."""
         self._last = None
+        self._regathered = None
+
+    def shard_of(self, entered: torch.Tensor) -> torch.Tensor | None:
+        """The input that ``entered`` was entered from, if it is the last one (a parent module's pre-hook entered
+        it for its projections), else None."""
+        if self._last is not None and self._last[1] is entered:
+            return self._last[0]()
+        return None
+
+    def regather(self, shard: torch.Tensor) -> torch.Tensor:
+        """In backward, the whole sequence of a column-parallel layer's input from the shard it saved: one
+        all-gather for the layers that share an input (q, k, v; gate, up), whose backwards run one after another,
+        so one remembered tensor serves them all."""
+        # by identity (a weak reference), never by address: a freed shard's address can be reused by another
+        if self._regathered is None or self._regathered[0]() is not shard:
+            self._regathered = (weakref.ref(shard), comm.all_gather(shard, self.group, mappings.SEQ_DIM))
+        return self._regathered[1]
 
 
 def _matmul(
@@ -61,11 +79,42 @@ def _matmul(
     return F.linear(x, weight, bias)
 
 
-class ColumnParallelLinear(nn.Module):
-    """Output features split over tp; input entered through ``entry`` (None: input already entered).
+class _ColumnMatmulSavingShard(torch.autograd.Function):
+    """A column-parallel matmul under sequence parallelism that saves its input's sequence shard, not the gathered
+    whole sequence: backward all-gathers the shard again for the weight's gradient (Korthikanti et al. 2022,
+    Megatron's SP). Each rank then keeps 1/tp of these inputs instead of a whole copy, at the price of one more
+    all-gather per layer input in backward. ``full`` is the gathered input (its gradient flows back through the
+    gather, which reduce-scatters it once for all layers sharing it); ``shard`` is passed only to be saved."""
 
-    ``out_features_valid`` trims padded output columns (vocab padding) so they never reach a logit.
-    ``float8``: set by ``plait.float8.apply_float8`` for a layer whose matmul runs in float8.
+    @staticmethod
+    def forward(ctx, full, shard, weight, bias, transposed: bool, entry: TPRegionEntry):
+        y = _matmul(full, weight, bias, transposed)
+        ctx.save_for_backward(shard, weight)
+        ctx.transposed, ctx.entry, ctx.has_bias, ctx.dtype = transposed, entry, bias is not None, y.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shard, weight = ctx.saved_tensors
+        weight = weight.to(ctx.dtype)  # under autocast the forward ran in the autocast dtype
+        grad_full = grad @ (weight.t() if ctx.transposed else weight) if ctx.needs_input_grad[0] else None
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[2]:
+            full = ctx.entry.regather(shard).to(ctx.dtype)
+            grad_2d, full_2d = grad.reshape(-1, grad.shape[-1]), full.reshape(-1, full.shape[-1])
+            grad_weight = full_2d.t() @ grad_2d if ctx.transposed else grad_2d.t() @ full_2d
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_full, None, grad_weight, grad_bias, None, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split over tp; input entered through ``entry`` (None: input already entered, by the parent
+    module through ``parent_entry``, or not at all).
+
+    Under SP the layer saves its input's sequence shard for backward, not the gathered input
+    (``_ColumnMatmulSavingShard``). ``out_features_valid`` trims padded output columns (vocab padding) so they never
+    reach a logit. ``float8``: set by ``plait.float8.apply_float8`` for a layer whose matmul runs in float8.
     """
 
     float8: Float8 | None = None
@@ -77,16 +126,27 @@ class ColumnParallelLinear(nn.Module):
         transposed: bool,
         entry: TPRegionEntry | None,
         out_features_valid: int | None = None,
+        parent_entry: TPRegionEntry | None = None,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
         self.transposed, self.entry, self.out_features_valid = transposed, entry, out_features_valid
+        self.parent_entry = parent_entry
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.entry is not None:
-            x = self.entry(x)
-        y = _matmul(x, self.weight, self.bias, self.transposed, self.float8)
+        region = self.entry or self.parent_entry
+        if region is not None and region.sequence_parallel and self.float8 is None and torch.is_grad_enabled():
+            # save the sequence shard, not the gathered input (float8 keeps its own kernel and what it saves)
+            full, shard = (self.entry(x), x) if self.entry is not None else (x, region.shard_of(x))
+            if shard is not None:
+                y = _ColumnMatmulSavingShard.apply(full, shard, self.weight, self.bias, self.transposed, region)
+            else:
+                y = _matmul(full, self.weight, self.bias, self.transposed)
+        else:
+            if self.entry is not None:
+                x = self.entry(x)
+            y = _matmul(x, self.weight, self.bias, self.transposed, self.float8)
         if self.out_features_valid is not None and self.out_features_valid < y.shape[-1]:
             y = y[..., : self.out_features_valid]
         return y
@@ -310,8 +370,9 @@ class WholeSequenceRegion:
         # (DBRX's router flattens its input with ``view(-1, hidden)``), which a layer of the plan never does
         shape = (args[0] if args else kwargs[self.argument]).shape
 
-        def gathered(value):
-            return self.entry(value).contiguous() if isinstance(value, torch.Tensor) and value.shape == shape else value
+        def gathered(value):  # of the hidden states' sequence shape, whatever its width (BERT's input_tensor)
+            sequence = isinstance(value, torch.Tensor) and value.dim() == len(shape) and value.shape[:-1] == shape[:-1]
+            return self.entry(value).contiguous() if sequence else value
 
         return tuple(gathered(a) for a in args), {k: gathered(v) for k, v in kwargs.items()}
 
@@ -321,8 +382,9 @@ class WholeSequenceRegion:
         # every output of the hidden states' shape is a sequence: DBRX's norm-attention-norm returns the residual and
         # the normed hidden states; attention weights and caches pass as they are
         first = output[0]
-        return tuple(mappings.keep_seq_shard(o, self.group) if isinstance(o, torch.Tensor) and o.shape == first.shape
-                     else o for o in output)
+        kept = [mappings.keep_seq_shard(o, self.group) if isinstance(o, torch.Tensor) and o.shape == first.shape
+                else o for o in output]
+        return kept if isinstance(output, list) else tuple(kept)  # a list where the block returns one (GPT-1)
 
 
 class ExpertMajorRegion:

@@ -70,7 +70,9 @@ class Column(TPRule):
 
     def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
         weight, bias = _local(shard, module)
-        return ColumnParallelLinear(weight, bias, shard.transposed, None if shard.entered_by_parent else ctx.entry)
+        if shard.entered_by_parent:  # its input arrives entered; the region's entry still knows its shard
+            return ColumnParallelLinear(weight, bias, shard.transposed, None, parent_entry=ctx.entry)
+        return ColumnParallelLinear(weight, bias, shard.transposed, ctx.entry)
 
 
 @dataclass(frozen=True)
