@@ -3,12 +3,14 @@ and time a step at tp=2 beside tp=1.
 
     python bench/tp_comm.py [--steps 10] [--model llama|phi3|mixtral|all]
 
-Formula (b = batch, s = sequence, h = hidden, L = layers, N = b*(s-1) predicted tokens, p = tp):
+Formula (b = batch, s = sequence, h = hidden, L = layers, N = b*s scored tokens: labels are shifted and padded, the
+last one's ignored label included, p = tp):
 - without SP, per layer: 2 all-reduces of b*s*h forward (attention and MLP outputs) and 2 backward (their
   inputs); plus the vocab-parallel embedding's forward all-reduce, the LM head input's backward
   all-reduce, and the vocab-parallel cross-entropy's 3 all-reduces of N floats;
 - with SP, every layer all-reduce becomes an all-gather + reduce-scatter pair of the same tensor (the same
-  ring bytes); the SP region adds the split at the first layer (all-gather backward) and the gather after the
+  ring bytes), and backward gathers each region's input again from the sequence shard its column linears saved
+  (Korthikanti et al.: activations fall tp-fold for one more all-gather per region); the SP region adds the split at the first layer (all-gather backward) and the gather after the
   final norm (reduce-scatter backward) in place of the head's all-reduce, plus one all-reduce of the norm
   weight gradients ((2L+1)*h floats). plait keeps the embedding's forward all-reduce under SP (transformers
   builds the mask and rotary tables from the full-length embedding output, docs/decisions.md D2), where
@@ -96,13 +98,18 @@ def worker(out_dir: Path, steps: int, name: str) -> None:
 
 def formula(sp: bool, p: int, name: str = "llama") -> dict[str, tuple[int, int]]:
     """op -> (count, bytes into the collective per rank), fp32 (expert indices int64)."""
-    act, act_local, n_tok = B * S * H * 4, B * S * H * 4 // p, B * (S - 1) * 4
+    act, act_local, n_tok = B * S * H * 4, B * S * H * 4 // p, B * S * 4  # every token scored (tp.loss.shift_labels)
     moe = name == "mixtral"
     weights, weights_local, index_local = B * S * TOP_K * 4, B * S * TOP_K * 4 // p, B * S * TOP_K * 8 // p
     if not sp:
         count, size = 4 * L + 2 + 3, (4 * L + 2) * act + 3 * n_tok
         return {"all_reduce": (count + L, size + L * weights) if moe else (count, size)}
-    gathers, scatters = (4 * L + 2, (4 * L + 2) * act_local), (4 * L + 1, (4 * L + 1) * act)
+    # per layer and region: the forward gather, the backward all-gather after the output's reduce-scatter, and the
+    # backward gather again of the sequence shard the column linears saved (Megatron's SP); the experts region of
+    # a MoE model has no column linears: its own collectives below
+    regions = L if moe else 2 * L
+    gathers = (4 * L + 2 + regions, (4 * L + 2 + regions) * act_local)
+    scatters = (4 * L + 1, (4 * L + 1) * act)
     reduces = (1 + 3 + 1, act + 3 * n_tok + (2 * L + 1) * H * 4)
     if moe:
         gathers = (gathers[0] + 2 * L, gathers[1] + L * (index_local + weights_local))

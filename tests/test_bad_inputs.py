@@ -212,6 +212,15 @@ CASES = [
      "--virtual_pipeline_size=3 has no effect without pipeline parallelism (--pipeline_parallel_size 1); drop it"),
     ("cp_attention_without_cp", ["--cp_attention", "ring"], None,
      "--cp_attention=ring has no effect without context parallelism (--context_parallel_size 1)"),
+    ("lora_settings_without_lora", ["--lora_alpha", "32", "--lora_target_modules", "q_proj"], None,
+     "--lora_alpha, --lora_target_modules have no effect without LoRA (--lora_r 0)"),
+    ("unknown_device", ["--device", "gpu"], None, "--device='gpu' is not a device torch knows"),
+    ("model_config_is_a_directory", [], lambda mp, tmp: ["--model_config", str(tmp)],
+     "is a directory; give its config.json, or load the model's weights with --model_name_or_path"),
+    ("tokenizer_dir_without_tokenizer", [], lambda mp, tmp: ["--tokenizer_name", str((tmp / "tok").mkdir() or
+                                                                                    tmp / "tok")],
+     "no tokenizer transformers can load in"),
+    ("toml_is_a_directory", [], lambda mp, tmp: ["--config", str(tmp)], "is not a TOML file (IsADirectoryError)"),
 ]
 
 
@@ -339,6 +348,49 @@ def test_other_commands_refuse_in_one_line(warm, tmp_path, capsys, argv, setup, 
     assert err.strip().splitlines()[-1].startswith("plait: error: ") and message in err.strip().splitlines()[-1], err
     assert "Traceback" not in err
     assert not Path("/tmp/never-written").exists() and not (tmp_path / "hf").exists()
+
+
+# The matrix over every flag: each numeric one given -3, each text one a path that does not exist ("bogus"); each is
+# refused in one line naming the flag or the value, or is a value the flag takes, for the reason given here.
+TAKES = {
+    "output_dir=bogus": "a new directory is made",
+    "data_cache_dir=bogus": "a new cache directory is made",
+    "seed=-3": "any integer seeds the generators",
+    "backend=bogus": "torch.distributed backends are registered by plugins at run time (torch_xla's xla); a single "
+                     "process never starts one",
+    "text_field=bogus": "read only from .jsonl and .parquet data; the default corpus is text",
+}
+
+
+def every_flag_value() -> list[tuple[str, str]]:
+    from dataclasses import fields
+
+    from plait.train_args import TrainArgs
+
+    values = []
+    for f in fields(TrainArgs):
+        kind = str(f.type)
+        if kind in ("int", "float"):
+            values.append((f.name, "-3"))
+        elif kind.startswith("str"):
+            values.append((f.name, "bogus"))
+    return values
+
+
+@pytest.mark.parametrize("name, value", every_flag_value(), ids=[f"{n}={v}" for n, v in every_flag_value()])
+def test_every_flag_refuses_a_bad_value(warm, tmp_path, monkeypatch, capsys, name, value):
+    if f"{name}={value}" in TAKES:
+        pytest.skip(f"--{name} {value} is taken: {TAKES[name + '=' + value]}")
+    monkeypatch.chdir(tmp_path)  # "bogus" is resolved here, where nothing of that name exists
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(plait.trainer, "init_distributed", never("torch.distributed initialisation"))
+    monkeypatch.setattr(plait.trainer, "materialize", never("the weights"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *base_flags(tmp_path), f"--{name}", value])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2, last
+    assert "error: " in last and (name in last or value in last), last
+    assert not (tmp_path / "out").exists()
 
 
 def test_table_is_large_enough():

@@ -92,6 +92,7 @@ def _torchrun(argv: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its "failed (exitcode...)" lines
+    grace_for_the_rest(next(int(a.split("=", 1)[1]) for a in argv if a.startswith("--shutdown_timeout=")))
     try:
         run(parse_args(argv))
     except ChildFailedError as err:
@@ -102,6 +103,17 @@ def _torchrun(argv: list[str]) -> int:
             f"worker rank {rank} ({socket.gethostname()}, pid {failure.pid}) {how}")
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0
+
+
+def grace_for_the_rest(seconds: int) -> None:
+    """After one worker fails, torchrun ends the others with SIGTERM and, 30 s later (a fixed default of its
+    ``PContext.close``, not its --shutdown_timeout), SIGKILL. A worker stopped by SIGSTOP (a frozen host) takes
+    SIGTERM only when it runs again, so it is the SIGKILL that ends it: give that the same grace as the rest of
+    plait, --ddp_timeout."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    close = PContext.close
+    PContext.close = lambda self, death_sig=None, timeout=seconds: close(self, death_sig, timeout)
 
 
 def culprit(failures: dict) -> tuple[int, object]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from plait.cp.sequence import check_length
 from plait.data.sft_blocks import OVERLONG
 from plait.config import CP_ATTENTION, FLOAT8_RECIPES, ConfigError, ParallelConfig
@@ -32,6 +34,9 @@ DATA_FORMATS = ("auto", "text", "chat", "prompt_completion")
 def _names(listed: str) -> list[str]:
     """The names of a comma-separated flag (empty: none)."""
     return [name.strip() for name in listed.split(",") if name.strip()]
+
+
+LORA_SETTINGS = ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters")  # need --lora_r
 
 
 @dataclass
@@ -118,6 +123,9 @@ class TrainArgs:
             value = getattr(self, path_flag)
             if value is not None and not Path(value).exists():
                 raise ConfigError(f"--{path_flag} {value!r} does not exist")
+        if self.model_config and Path(self.model_config).is_dir():
+            raise ConfigError(f"--model_config {self.model_config!r} is a directory; give its config.json, or load "
+                              f"the model's weights with --model_name_or_path {self.model_config}")
         for path_flag in ("train_file", "validation_file"):  # a file, a directory, or a glob of them
             value = getattr(self, path_flag)
             if value is not None and not Path(value).exists() and not glob.glob(value, recursive=True):
@@ -161,6 +169,12 @@ class TrainArgs:
             raise ConfigError(f"--optimizer_dtype={self.optimizer_dtype!r} is unknown; choose float32 or bfloat16")
         if self.bf16 and self.bf16_autocast:
             raise ConfigError("give --bf16 (bf16 parameters) or --bf16_autocast (fp32 parameters), not both")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError as err:
+                raise ConfigError(f"--device={self.device!r} is not a device torch knows ({err}); use auto, cpu, or "
+                                  f"an accelerator's name such as cuda or cuda:0") from None
         if self.data_format not in DATA_FORMATS:
             raise ConfigError(f"--data_format={self.data_format!r} is unknown; choose one of {', '.join(DATA_FORMATS)}")
         if self.overlong not in OVERLONG:
@@ -221,6 +235,12 @@ class TrainArgs:
         for unused, flag, axis, size in idle:
             if unused:
                 raise ConfigError(f"{flag} has no effect without {axis} ({size} 1); drop it, or set {size}")
+        if not self.lora_r and not self.resume_from_checkpoint:  # a LoRA checkpoint brings its own settings
+            defaults = {f.name: f.default for f in fields(self)}
+            given = [f"--{name}" for name in LORA_SETTINGS if getattr(self, name) != defaults[name]]
+            if given:
+                raise ConfigError(f"{', '.join(given)} ha{'ve' if len(given) > 1 else 's'} no effect without LoRA "
+                                  f"(--lora_r 0); drop {'them' if len(given) > 1 else 'it'}, or set --lora_r (e.g. 8)")
 
     def microbatches(self) -> int:
         """--num_microbatches, or when 0 the default: 1 without pipeline parallelism; with it the smallest count
@@ -290,6 +310,9 @@ def read_config_file(path: str, cls: type = TrainArgs) -> dict:
         values = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"--config {path!r} does not exist") from None
+    except (IsADirectoryError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--config {path!r} is not a TOML file ({err.__class__.__name__}); give a file of "
+                          f"`flag = value` lines") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"--config {path}: not valid TOML ({err})") from None
     known = {f.name: f for f in fields(cls)}

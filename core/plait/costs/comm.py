@@ -114,7 +114,9 @@ def step_comm(
         if has_last and vocab_head:
             add("all_reduce", 3, tokens * 4)
         if config.sequence_parallel:
-            add("all_gather", 2 * r, local)
+            # forward's gather, its backward's all-gather after the row output's reduce-scatter, and (not under
+            # float8) backward's gather again of the sequence shard the column linears saved (plait.tp.layers)
+            add("all_gather", (2 if config.float8 else 3) * r, local)
             add("reduce_scatter", 2 * r, act)
             if has_first:
                 add("all_gather", 1, local)  # backward of the split at the first layer

@@ -135,7 +135,12 @@ def cached_bpe_tokenizer(
 
 def load_tokenizer(tokenizer_dir: Path, vocab_size: int) -> PreTrainedTokenizerBase:
     """A tokenizer dir's tokenizer, refused if its ids would index past the model's embedding."""
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as err:  # transformers' many-line "cannot load": its first line names the cause
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise ValueError(f"no tokenizer transformers can load in {tokenizer_dir} ({first}); give a directory "
+                         f"holding tokenizer.json or tokenizer_config.json (--tokenizer_name)") from None
     if len(tokenizer) > vocab_size:
         raise ValueError(
             f"tokenizer at {tokenizer_dir} has {len(tokenizer)} tokens, more than the model's "

@@ -32,38 +32,45 @@ class TPRegionEntry:
 
     def __init__(self, group: Group, sequence_parallel: bool) -> None:
         self.group, self.sequence_parallel = group, sequence_parallel
-        self._last: tuple[weakref.ref, torch.Tensor] | None = None
-        self._regathered: tuple[weakref.ref, torch.Tensor] | None = None  # backward's re-gathered input
+        self._last: tuple[weakref.ref, torch.Tensor, int] | None = None  # input, what it entered as, its serial
+        self._serial = 0  # numbers each entered input: what backward's regather recognises it by
+        self._regathered: tuple[int, torch.Tensor] | None = None  # backward's re-gathered input, by serial
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.enter(x)[0]
+
+    def enter(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``x`` entered (gathered under SP, else through f), and the serial number of that entry."""
         if self._last is not None and self._last[0]() is x:
-            return self._last[1]
+            return self._last[1], self._last[2]
         if self.sequence_parallel:
             entered = mappings.gather_from_seq(x, self.group, grad_is_partial=True)
         else:
             entered = mappings.copy_to_tp(x, self.group)
-        self._last = (weakref.ref(x), entered)
-        return entered
+        self._serial += 1
+        self._last = (weakref.ref(x), entered, self._serial)
+        return entered, self._serial
 
     def clear(self) -> None:
         """Drop the remembered activations (called after every forward so they are not kept alive)."""
         self._last = None
         self._regathered = None
 
-    def shard_of(self, entered: torch.Tensor) -> torch.Tensor | None:
-        """The input that ``entered`` was entered from, if it is the last one (a parent module's pre-hook entered
-        it for its projections), else None."""
+    def shard_of(self, entered: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """The input that ``entered`` was entered from and its serial, if it is the last one entered (a parent
+        module's pre-hook entered it for its projections), else None."""
         if self._last is not None and self._last[1] is entered:
-            return self._last[0]()
+            shard = self._last[0]()
+            return None if shard is None else (shard, self._last[2])
         return None
 
-    def regather(self, shard: torch.Tensor) -> torch.Tensor:
+    def regather(self, shard: torch.Tensor, serial: int) -> torch.Tensor:
         """In backward, the whole sequence of a column-parallel layer's input from the shard it saved: one
         all-gather for the layers that share an input (q, k, v; gate, up), whose backwards run one after another,
-        so one remembered tensor serves them all."""
-        # by identity (a weak reference), never by address: a freed shard's address can be reused by another
-        if self._regathered is None or self._regathered[0]() is not shard:
-            self._regathered = (weakref.ref(shard), comm.all_gather(shard, self.group, mappings.SEQ_DIM))
+        so one remembered tensor serves them all. Known by the serial its entry got in forward: the unpacked
+        saved tensor is a new Python object each time, and an address can be reused once a shard is freed."""
+        if self._regathered is None or self._regathered[0] != serial:
+            self._regathered = (serial, comm.all_gather(shard, self.group, mappings.SEQ_DIM))
         return self._regathered[1]
 
 
@@ -87,10 +94,11 @@ class _ColumnMatmulSavingShard(torch.autograd.Function):
     gather, which reduce-scatters it once for all layers sharing it); ``shard`` is passed only to be saved."""
 
     @staticmethod
-    def forward(ctx, full, shard, weight, bias, transposed: bool, entry: TPRegionEntry):
+    def forward(ctx, full, shard, weight, bias, transposed: bool, entry: TPRegionEntry, serial: int):
         y = _matmul(full, weight, bias, transposed)
         ctx.save_for_backward(shard, weight)
-        ctx.transposed, ctx.entry, ctx.has_bias, ctx.dtype = transposed, entry, bias is not None, y.dtype
+        ctx.transposed, ctx.entry, ctx.serial, ctx.has_bias, ctx.dtype = (transposed, entry, serial,
+                                                                           bias is not None, y.dtype)
         return y
 
     @staticmethod
@@ -100,12 +108,12 @@ class _ColumnMatmulSavingShard(torch.autograd.Function):
         grad_full = grad @ (weight.t() if ctx.transposed else weight) if ctx.needs_input_grad[0] else None
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[2]:
-            full = ctx.entry.regather(shard).to(ctx.dtype)
+            full = ctx.entry.regather(shard, ctx.serial).to(ctx.dtype)
             grad_2d, full_2d = grad.reshape(-1, grad.shape[-1]), full.reshape(-1, full.shape[-1])
             grad_weight = full_2d.t() @ grad_2d if ctx.transposed else grad_2d.t() @ full_2d
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
-        return grad_full, None, grad_weight, grad_bias, None, None
+        return grad_full, None, grad_weight, grad_bias, None, None, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -138,9 +146,14 @@ class ColumnParallelLinear(nn.Module):
         region = self.entry or self.parent_entry
         if region is not None and region.sequence_parallel and self.float8 is None and torch.is_grad_enabled():
             # save the sequence shard, not the gathered input (float8 keeps its own kernel and what it saves)
-            full, shard = (self.entry(x), x) if self.entry is not None else (x, region.shard_of(x))
+            if self.entry is not None:
+                (full, serial), shard = self.entry.enter(x), x
+            else:
+                full, found = x, region.shard_of(x)
+                shard, serial = found if found is not None else (None, 0)
             if shard is not None:
-                y = _ColumnMatmulSavingShard.apply(full, shard, self.weight, self.bias, self.transposed, region)
+                y = _ColumnMatmulSavingShard.apply(full, shard, self.weight, self.bias, self.transposed, region,
+                                                   serial)
             else:
                 y = _matmul(full, self.weight, self.bias, self.transposed)
         else:
