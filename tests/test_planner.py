@@ -119,7 +119,7 @@ def test_search_refuses_with_reasons(registry_kind):
     model = build_meta_model(tiny_llama(layers=2))
     base = plan_layout(model, ParallelConfig(), 4, registry).config
     trace = trace_activations(model, 16, registry, registry.resolve(model.config))
-    small = PRESETS["cpu"].__class__(**{**PRESETS["cpu"].__dict__, "memory_bytes": 200_000})
+    small = PRESETS["cpu"].__class__(**{**PRESETS["cpu"].__dict__, "memory_bytes": 200_000, "reserve_bytes": 0})
     result = search_layouts(model, base, 4, Batch(6, 16), Precision(), trace, small, registry)
     reasons = " | ".join(reason for _, reason in result.refused)
     assert "does not fit" in reasons
@@ -623,3 +623,36 @@ def test_sequence_parallel_shards_activations_nearly_tp_fold():
           f"({one / sp8:.1f}x), tp=8 without sp {nosp8 / 2**30:.2f} GiB ({one / nosp8:.1f}x)")
     assert one / sp8 >= 6.5
     assert sp8 < nosp8
+
+
+def test_ranked_layouts_keep_the_runtimes_reserve_and_say_their_mfu():
+    """Issue 30: a preset's memory is what a program gets; its reserve (context, communication buffers, the
+    allocator's fragmentation) stays free, so a layout whose peak fits the memory but not the memory less the
+    reserve is refused; each ranked layout's MFU is its model FLOPs (without recomputation) over the peak, no more
+    than the efficiency the step time assumes."""
+    import dataclasses
+
+    h100 = PRESETS["h100"]
+    assert h100.usable_bytes == h100.memory_bytes - int(1.5 * 2**30) - int(0.05 * h100.memory_bytes)
+    assert 73 * 2**30 < h100.usable_bytes < 74 * 2**30  # of the 79.1 GiB the driver gives a program
+    registry = default_registry()
+    model = build_meta_model(tiny_llama(layers=2))
+    base = plan_layout(model, ParallelConfig(), 2, registry).config
+    trace = trace_activations(model, 16, registry, registry.resolve(model.config))
+    roomy = dataclasses.replace(h100, memory_bytes=2**30, reserve_bytes=0, fragmentation=0.0)
+    ranked = search_layouts(model, base, 2, Batch(4, 16), Precision(), trace, roomy, registry).ranked
+    best = ranked[0][0]
+    reserve = 2**20
+    tight = dataclasses.replace(roomy, memory_bytes=best.peak + reserve // 2, reserve_bytes=reserve)
+    result = search_layouts(model, base, 2, Batch(4, 16), Precision(), trace, tight, registry)
+    assert describe(best.plan.config) not in {describe(e.plan.config) for e, _ in result.ranked}
+    assert any(label == describe(best.plan.config) and "usable per device" in reason
+               for label, reason in result.refused)
+    for estimate, seconds in ranked:
+        assert 0 < estimate.mfu(roomy, seconds) <= roomy.efficiency
+    recompute = [e for e, _ in ranked if e.plan.config.gradient_checkpointing]
+    plain = {describe(dataclasses.replace(e.plan.config, gradient_checkpointing=False)): (e, s) for e, s in ranked
+             if not e.plan.config.gradient_checkpointing}
+    for e in recompute:  # the same useful FLOPs: recomputation costs time, it is not MFU
+        twin, twin_seconds = plain[describe(dataclasses.replace(e.plan.config, gradient_checkpointing=False))]
+        assert e.mfu(roomy, 1.0) == pytest.approx(twin.mfu(roomy, 1.0))

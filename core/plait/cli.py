@@ -155,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(plan, TrainArgs)
     plan.add_argument("--world_size", type=int, default=None,
                       help="processes of the run (default: --nproc_per_node, at least tp * pp)")
-    plan.add_argument("--device_memory", default=None, help="memory per device to fit in: 80GB, 78GiB, 512MiB, or a "
-                      "number of GiB (default: the --hardware preset's)")
+    plan.add_argument("--device_memory", default=None, help="memory per device the layout's tensors may take: 80GB, "
+                      "78GiB, 512MiB, or a number of GiB (default: the --hardware preset's memory less its reserve "
+                      "for the runtime's context, communication buffers and fragmentation)")
     plan.add_argument("--hardware", type=str.lower, choices=sorted(PRESETS), default=None,
                       help="device model for step times (any case)")
     plan.add_argument("--calibrate", action="store_true", help="device model measured on this machine (cached)")

@@ -147,9 +147,9 @@ def run_plan(ns, args) -> None:
                           f"ep rank computes F times its even share of the (token, expert) pairs)")
     device = calibrate(refresh=ns.recalibrate) if ns.calibrate or ns.recalibrate else (
         PRESETS[ns.hardware] if ns.hardware else None)
+    if device is not None and memory is not None:  # the user's figure is what the tensors may take: no reserve
+        device = dataclasses.replace(device, memory_bytes=memory, reserve_bytes=0, fragmentation=0.0)
     memory = memory or (device.memory_bytes if device else None)
-    if device is not None and memory is not None:
-        device = dataclasses.replace(device, memory_bytes=memory)
     if ns.search and device is None:
         raise ConfigError("--search ranks layouts by estimated step time: give a device model, --hardware "
                           f"({', '.join(PRESETS)}) or --calibrate (measure this machine)")

@@ -41,26 +41,58 @@ class Device:
     inter_bandwidth: float  # between nodes (InfiniBand, EFA)
     per_node: int
     latency: float
+    # What the runtime takes beside the model's tensors: the CUDA (or Neuron) context and the communication
+    # library's buffers, a fixed amount, plus the allocator's fragmentation, a fraction of the memory.
+    reserve_bytes: int = 0
+    fragmentation: float = 0.0
 
     def flops(self, low_precision: bool) -> float:
         return (self.flops_bf16 if low_precision else self.flops_fp32) * self.efficiency
 
+    def peak_flops(self, low_precision: bool) -> float:
+        """The vendor's peak, the denominator of MFU."""
+        return self.flops_bf16 if low_precision else self.flops_fp32
 
+    @property
+    def reserved(self) -> int:
+        return self.reserve_bytes + int(self.fragmentation * self.memory_bytes)
+
+    @property
+    def usable_bytes(self) -> int:
+        """What a layout's tensors may take: the memory a program gets, less the reserve."""
+        return self.memory_bytes - self.reserved
+
+    def describe_memory(self) -> str:
+        return (f"{self.usable_bytes / GiB:.2f} GiB usable per device ({self.memory_bytes / GiB:.2f} GiB less "
+                f"{self.reserved / GiB:.2f} GiB kept for the runtime's context, communication buffers and "
+                f"fragmentation)")
+
+
+# The memory of a preset is what a program is given (the driver's total, less nothing yet); the reserve, what
+# the runtime takes of it beside the model's tensors, is documented, not measured here (docs/plan.md,
+# "Headroom"): the CUDA context about 0.5 GiB, NCCL's buffers up to about 1 GiB at 8 ranks, and the caching
+# allocator's fragmentation, taken as 5% (PyTorch's memory snapshots of training runs show 2-10%).
+GPU_RESERVE, GPU_FRAGMENTATION = int(1.5 * GiB), 0.05
 PRESETS = {
-    # H100 SXM5: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s (450 GB/s
-    # each way), 8 per node, ConnectX-7 400 Gb/s per GPU.
-    "h100": Device("h100", 80 * GiB, 989e12, 67e12, 0.5, 3.35e12, 450e9, 50e9, 8, 10e-6),
-    # A100 SXM4 80GB: 312 TFLOP/s dense bf16, 19.5 TFLOP/s fp32, 2.0 TB/s HBM2e, NVLink 3 600 GB/s (300 each
-    # way), 8 per node, 200 Gb/s HDR InfiniBand per GPU.
-    "a100": Device("a100", 80 * GiB, 312e12, 19.5e12, 0.5, 2.0e12, 300e9, 25e9, 8, 10e-6),
+    # H100 SXM5: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32, 80 GB HBM3 (the driver gives a program 79.1 GiB) at
+    # 3.35 TB/s, NVLink 4 900 GB/s (450 GB/s each way), 8 per node, ConnectX-7 400 Gb/s per GPU.
+    "h100": Device("h100", int(79.1 * GiB), 989e12, 67e12, 0.5, 3.35e12, 450e9, 50e9, 8, 10e-6, GPU_RESERVE,
+                   GPU_FRAGMENTATION),
+    # A100 SXM4 80GB: 312 TFLOP/s dense bf16, 19.5 TFLOP/s fp32, 2.0 TB/s HBM2e (79.1 GiB to a program), NVLink 3
+    # 600 GB/s (300 each way), 8 per node, 200 Gb/s HDR InfiniBand per GPU.
+    "a100": Device("a100", int(79.1 * GiB), 312e12, 19.5e12, 0.5, 2.0e12, 300e9, 25e9, 8, 10e-6, GPU_RESERVE,
+                   GPU_FRAGMENTATION),
     # Trainium1 chip (trn1.32xlarge / 16): 190 TFLOP/s bf16, 47.5 TFLOP/s fp32, 32 GiB HBM at 820 GB/s,
     # NeuronLink-v2 768 GB/s per instance ring (~384 GB/s each way per chip), EFA 800 Gb/s per instance.
-    "trn1": Device("trn1", 32 * GiB, 190e12, 47.5e12, 0.4, 820e9, 384e9 / 2, 100e9 / 16, 16, 20e-6),
+    "trn1": Device("trn1", 32 * GiB, 190e12, 47.5e12, 0.4, 820e9, 384e9 / 2, 100e9 / 16, 16, 20e-6, GiB,
+                   GPU_FRAGMENTATION),
     # Trainium2 chip (trn2.48xlarge / 16): 667 TFLOP/s dense bf16, 181 TFLOP/s fp32, 96 GiB HBM at 2.9 TB/s,
     # NeuronLink-v3 1 TB/s per chip, EFA 3.2 Tb/s per instance.
-    "trn2": Device("trn2", 96 * GiB, 667e12, 181e12, 0.4, 2.9e12, 500e9, 400e9 / 16, 16, 20e-6),
-    # A generic CPU process (one core, gloo over loopback): placeholders; prefer --calibrate.
-    "cpu": Device("cpu", 16 * GiB, 50e9, 50e9, 1.0, 10e9, 2e9, 1e9, 1, 100e-6),
+    "trn2": Device("trn2", 96 * GiB, 667e12, 181e12, 0.4, 2.9e12, 500e9, 400e9 / 16, 16, 20e-6, GiB,
+                   GPU_FRAGMENTATION),
+    # A generic CPU process (one core, gloo over loopback): placeholders; prefer --calibrate. torch's CPU allocator
+    # caches nothing: the interpreter and libraries' own memory is the reserve.
+    "cpu": Device("cpu", 16 * GiB, 50e9, 50e9, 1.0, 10e9, 2e9, 1e9, 1, 100e-6, GiB // 2, 0.0),
 }
 
 

@@ -93,6 +93,14 @@ class LayoutEstimate:
         return next(r for r in self.ranks
                     if (r.tp_rank, r.pp_rank, r.dp_rank, r.cp_rank) == (tp_rank, pp_rank, dp_rank, cp_rank))
 
+    def mfu(self, device: Device, seconds: float) -> float:
+        """Model FLOPs utilisation: the step's FLOPs without recomputation, per device and second, over the
+        device's peak (the mean over pipeline ranks: every device of a pp rank does the same work)."""
+        low = self.precision.param != torch.float32 or self.plan.config.bf16_autocast
+        useful = 3 / 4 if self.plan.config.gradient_checkpointing else 1.0  # recomputed forwards are not model FLOPs
+        mean = sum(self.flops.values()) / len(self.flops)
+        return mean * useful / (seconds * device.peak_flops(low))
+
     def step_time(self, device: Device) -> float:
         """Seconds per optimizer step on ``device`` (the slowest pipeline rank; all wait for it)."""
         config = self.plan.config

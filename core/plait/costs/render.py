@@ -3,7 +3,7 @@
 JSON schema (``plait plan --json``): {"layout": {...ParallelConfig...}, "world_size", "batch": {"per_device",
 "seq", "accumulation"}, "ranks": [{"rank", "tp_rank", "pp_rank", "dp_rank", "cp_rank", "parameters", "gradients",
 "optimizer", "activations_per_microbatch", "in_flight_microbatches", "activations_in_flight", "transient",
-"peak"}], "peak", "device_memory" (or null), "fits" (or null), "communication": [{"pp_rank", "group", "op",
+"peak"}], "peak", "device_memory" (or null), "usable_memory" (device_memory less the device model's reserve), "fits" (or null), "communication": [{"pp_rank", "group", "op",
 "count", "bytes"}], "bubble", "flops_per_step": {pp_rank: FLOPs}, "step_seconds" (or null), "notes",
 "cp_attention" (the strategy for the block size under cp, or null)}. Group "dp" is the replica group: dp x cp
 ranks under context parallelism; under expert parallelism "ep" is the experts' all-to-alls and "edp" the expert
@@ -35,6 +35,7 @@ def gib(n: float) -> str:
 def estimate_json(estimate: LayoutEstimate, device: Device | None, memory: int | None) -> dict:
     """``memory``: bytes per device to check the peak against (None: no check); ``device``: for the step time."""
     config = estimate.plan.config
+    usable = device.usable_bytes if device is not None else memory  # a device model keeps its runtime reserve
     ranks = [{"rank": r.rank, "tp_rank": r.tp_rank, "pp_rank": r.pp_rank, "dp_rank": r.dp_rank, "cp_rank": r.cp_rank,
               "parameters": r.static.parameters, "gradients": r.static.gradients, "optimizer": r.static.optimizer,
               "activations_per_microbatch": r.activations.per_microbatch,
@@ -46,7 +47,7 @@ def estimate_json(estimate: LayoutEstimate, device: Device | None, memory: int |
     return {
         "layout": layout, "world_size": world_of(config),
         "batch": dataclasses.asdict(estimate.batch), "ranks": ranks, "peak": estimate.peak,
-        "device_memory": memory, "fits": estimate.peak <= memory if memory else None,
+        "device_memory": memory, "usable_memory": usable, "fits": estimate.peak <= usable if usable else None,
         "communication": [{"pp_rank": pp_rank, "group": op.group, "op": op.op, "count": op.count, "bytes": op.bytes}
                           for pp_rank, ops in estimate.comm.items() for op in ops],
         "bubble": estimate.bubble, "flops_per_step": {str(k): v for k, v in estimate.flops.items()},
@@ -89,19 +90,30 @@ def print_estimate(console: Console, estimate: LayoutEstimate, device: Device | 
                       f"v={config.virtual_pipeline_size}): {estimate.bubble:.3f} of a step idle")
     for note in estimate.notes:
         console.print(note)
-    if memory is not None:
-        fits = estimate.peak <= memory
-        console.print(f"peak {gib(estimate.peak)} of {gib(memory)} per device: "
-                      + ("fits" if fits else "[red]does not fit[/]: see plait plan --search"))
     if device is not None:
-        console.print(f"estimated step on {device.name}: {estimate.step_time(device):.4g} s")
+        fits = estimate.peak <= device.usable_bytes
+        console.print(f"peak {gib(estimate.peak)} of {device.describe_memory()}: "
+                      + ("fits" if fits else "[red]does not fit[/]: see plait plan --search"))
+    elif memory is not None:
+        fits = estimate.peak <= memory
+        console.print(f"peak {gib(estimate.peak)} of {gib(memory)} per device (no reserve for the runtime without "
+                      f"a device model: --hardware): " + ("fits" if fits else "[red]does not fit[/]: see plait plan "
+                                                                            "--search"))
+    if device is not None:
+        seconds = estimate.step_time(device)
+        b = estimate.batch
+        tokens = b.per_device * b.seq * b.accumulation * (config.dp or 1) / world_of(config)
+        console.print(f"estimated step on {device.name}: {seconds:.4g} s, {tokens / seconds:,.0f} tokens/s/device, "
+                      f"MFU {estimate.mfu(device, seconds):.1%} (at the assumed efficiency {device.efficiency:g} of "
+                      f"peak for matmuls)")
 
 
 def search_json(result: SearchResult, device: Device, commands: list[str], top: int) -> dict:
     return {
         "device": dataclasses.asdict(device),
+        "usable_memory": device.usable_bytes,
         "ranked": [{"layout": describe(e.plan.config), "step_seconds": s, "peak": e.peak, "bubble": e.bubble,
-                    "command": c} for (e, s), c in zip(result.ranked[:top], commands)],
+                    "mfu": e.mfu(device, s), "command": c} for (e, s), c in zip(result.ranked[:top], commands)],
         "refused": [{"layout": label, "reason": reason} for label, reason in result.refused],
         "command": commands[0] if commands else None,
     }
@@ -109,14 +121,18 @@ def search_json(result: SearchResult, device: Device, commands: list[str], top: 
 
 def print_search(console: Console, result: SearchResult, device: Device, commands: list[str], top: int,
                  show_refused: bool = False) -> None:
-    table = Table("#", "layout", "step (s)", "peak", "bubble", "tokens/s/device",
-                  title=f"fastest layouts on {device.name} ({len(result.ranked)} fit, {len(result.refused)} refused)")
+    table = Table("#", "layout", "step (s)", "peak", "bubble", "tokens/s/device", "MFU",
+                  title=f"fastest layouts on {device.name} ({len(result.ranked)} fit, {len(result.refused)} refused)",
+                  caption=f"memory: {device.describe_memory()}; MFU: the model's FLOPs (recomputation not counted) "
+                          f"over the device's peak, at the assumed efficiency {device.efficiency:g} of peak for "
+                          f"matmuls (--calibrate measures this machine)")
     for i, (estimate, seconds) in enumerate(result.ranked[:top], 1):
         b = estimate.batch
         tokens = b.per_device * b.seq * b.accumulation * (estimate.plan.config.dp or 1)
         world = world_of(estimate.plan.config)
         table.add_row(str(i), describe(estimate.plan.config), f"{seconds:.4g}", gib(estimate.peak),
-                      f"{estimate.bubble:.3f}", f"{tokens / seconds / world:,.0f}")
+                      f"{estimate.bubble:.3f}", f"{tokens / seconds / world:,.0f}",
+                      f"{estimate.mfu(device, seconds):.1%}")
     console.print(table)
     if result.refused:
         console.print(refused_table(result.refused, every=show_refused))

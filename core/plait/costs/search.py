@@ -83,9 +83,9 @@ def search_layouts(
         plan = dataclasses.replace(plan, config=config, leaves=plan.leaves if config.gradient_checkpointing else ())
         estimate = estimate_layout(model, plan, dataclasses.replace(batch, per_device=per_device), precision,
                                    trace, weight_decay, decay_embeddings, cache, moe_imbalance)
-        if estimate.peak > device.memory_bytes:
+        if estimate.peak > device.usable_bytes:  # the runtime's reserve kept free (costs.device)
             result.refused.append((label, f"does not fit: peak {estimate.peak / 2**30:.2f} GiB > "
-                                          f"{device.memory_bytes / 2**30:.2f} GiB per device"))
+                                          f"{device.usable_bytes / 2**30:.2f} GiB usable per device"))
             continue
         seconds = estimate.step_time(device)
         estimate.step_seconds = seconds
