@@ -27,7 +27,7 @@ from plait.costs.bubble import bubble_fraction, in_flight
 from plait.costs.device import PRESETS
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.memory import Precision
-from plait.costs.search import describe, search_layouts
+from plait.costs.search import batch_split, describe, search_layouts
 from plait.layout_plan import plan_layout
 from plait.meta import build_meta_model
 from plait.plan_command import train_command
@@ -324,11 +324,13 @@ def test_search_proposes_cp_when_memory_forces_it(tmp_path, capsys):
           "--per_device_train_batch_size", "1", "--cp_attention", "ring", "--world_size", "2", "--search",
           "--hardware", "h100", "--device_memory", str(4.5 / 1024), "--json"])
     found = json.loads(capsys.readouterr().out)
-    assert found["ranked"] and all("cp=2 (ring)" in r["layout"] for r in found["ranked"]), found["ranked"]
+    whole = [r for r in found["ranked"] if r["micro_batch"] == 2]  # both sequences in one micro-batch per rank
+    assert whole and all("cp=2 (ring)" in r["layout"] for r in whole), found["ranked"]
     assert "--context_parallel_size 2 --cp_attention ring" in found["command"]
     assert "--nproc_per_node 2" in found["command"]
     cp1 = [r for r in found["refused"] if "cp=" not in r["layout"] and "does not fit" in r["reason"]]
-    assert {r["layout"] for r in cp1} >= {"tp=1 pp=1 dp=2", "tp=1 pp=1 dp=2 recompute", "tp=2 pp=1 dp=1 sp"}
+    assert {r["layout"] for r in cp1} >= {"tp=1 pp=1 dp=2 b=1 x1", "tp=1 pp=1 dp=2 recompute b=1 x1",
+                                         "tp=2 pp=1 dp=1 sp b=2 x1"}
 
 
 def test_search_refuses_cp_that_cannot_cut_the_block():
@@ -518,7 +520,8 @@ def test_search_offers_ep_where_it_makes_dp_fit(tmp_path, capsys):
     found = json.loads(capsys.readouterr().out)
     ranked = {r["layout"]: r["command"] for r in found["ranked"]}
     refused = {r["layout"]: r["reason"] for r in found["refused"]}
-    assert "does not fit" in refused["tp=1 pp=1 dp=2"] and "does not fit" in refused["tp=1 pp=1 dp=2 zero1"]
+    for layout in ("tp=1 pp=1 dp=2", "tp=1 pp=1 dp=2 zero1"):  # at every micro-batch size
+        assert all("does not fit" in refused[f"{layout} {split}"] for split in ("b=1 x2", "b=2 x1"))
     assert "--expert_parallel_size 2" in ranked["tp=1 pp=1 dp=2 ep=2"]
     assert "tp=1 pp=1 dp=2 ep=2 zero1" in ranked
     assert not any("ep=" in layout for layout in ranked if "dp=1" in layout and "cp=2" not in layout)
@@ -646,7 +649,7 @@ def test_ranked_layouts_keep_the_runtimes_reserve_and_say_their_mfu():
     tight = dataclasses.replace(roomy, memory_bytes=best.peak + reserve // 2, reserve_bytes=reserve)
     result = search_layouts(model, base, 2, Batch(4, 16), Precision(), trace, tight, registry)
     assert describe(best.plan.config) not in {describe(e.plan.config) for e, _ in result.ranked}
-    assert any(label == describe(best.plan.config) and "usable per device" in reason
+    assert any(label == f"{describe(best.plan.config)} {batch_split(best.batch)}" and "usable per device" in reason
                for label, reason in result.refused)
     for estimate, seconds in ranked:
         assert 0 < estimate.mfu(roomy, seconds) <= roomy.efficiency
@@ -656,3 +659,23 @@ def test_ranked_layouts_keep_the_runtimes_reserve_and_say_their_mfu():
     for e in recompute:  # the same useful FLOPs: recomputation costs time, it is not MFU
         twin, twin_seconds = plain[describe(dataclasses.replace(e.plan.config, gradient_checkpointing=False))]
         assert e.mfu(roomy, 1.0) == pytest.approx(twin.mfu(roomy, 1.0))
+
+
+def test_search_picks_the_same_layout_however_the_batch_is_written():
+    """Issue 30: the search keeps the global batch (sequences per optimizer step) and chooses the micro-batch size
+    and accumulation steps with the layout, so 8 per device, 1 x 8 accumulation and 2 x 4 give one ranking; more
+    virtual stages than 2 are tried where the layers allow."""
+    registry = default_registry()
+    model = build_meta_model(tiny_llama(layers=8))
+    trace = trace_activations(model, 16, registry, registry.resolve(model.config))
+    base = plan_layout(model, ParallelConfig(), 4, registry).config
+    rankings = []
+    for per_device, accumulation in ((8, 1), (1, 8), (2, 4)):
+        result = search_layouts(model, base, 4, Batch(per_device, 16, accumulation), Precision(), trace,
+                                PRESETS["h100"], registry)
+        rankings.append([(describe(e.plan.config), batch_split(e.batch), s) for e, s in result.ranked])
+    assert rankings[0] == rankings[1] == rankings[2]
+    assert {split for _, split, _ in rankings[0]} >= {"b=8 x1", "b=1 x8", "b=4 x2"}  # dp=1's share split every way
+    assert any("vpp=4" in layout for layout, _, _ in rankings[0])  # 8 layers: pp=2 x 4 virtual stages
+    global_batch = {e.batch.per_device * e.batch.accumulation * e.plan.config.dp for e, _ in result.ranked}
+    assert global_batch == {32}

@@ -162,7 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="device model for step times (any case)")
     plan.add_argument("--calibrate", action="store_true", help="device model measured on this machine (cached)")
     plan.add_argument("--recalibrate", action="store_true", help="measure again, replacing the cached calibration")
-    plan.add_argument("--search", action="store_true", help="rank every layout of the world that fits")
+    plan.add_argument("--search", action="store_true", help="rank every layout of the world that fits, each with "
+                      "the micro-batch size and accumulation steps that split the global batch best")
+    plan.add_argument("--global_batch_size", type=int, default=None, help="--search: sequences per optimizer step "
+                      "(default: --per_device_train_batch_size x dp x --gradient_accumulation_steps as given)")
     plan.add_argument("--top", type=int, default=5, help="layouts --search prints (default: 5)")
     plan.add_argument("--show_refused", action="store_true",
                       help="--search: list every refused layout with its reason (default: a summary by reason)")

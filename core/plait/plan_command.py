@@ -87,7 +87,7 @@ def print_plan(model: torch.nn.Module, plan: LayoutPlan) -> None:
         print_pipeline(console, model, plan)
 
 
-def train_command(args, config, per_device: int, per_node: int | None = None) -> str:
+def train_command(args, config, per_device: int, per_node: int | None = None, accumulation: int | None = None) -> str:
     """The ``plait train`` command running ``config`` with the rest of ``args`` (a ``TrainArgs``) unchanged: one
     node launches its processes itself; a world larger than ``per_node`` devices runs under torchrun on each
     node (HOST: the rendezvous node)."""
@@ -101,8 +101,9 @@ def train_command(args, config, per_device: int, per_node: int | None = None) ->
         if getattr(args, name):
             flags += [f"--{name}", str(getattr(args, name))]
     flags += ["--block_size", str(args.block_size), "--per_device_train_batch_size", str(per_device)]
-    if args.gradient_accumulation_steps != 1:
-        flags += ["--gradient_accumulation_steps", str(args.gradient_accumulation_steps)]
+    accumulation = args.gradient_accumulation_steps if accumulation is None else accumulation
+    if accumulation != 1:
+        flags += ["--gradient_accumulation_steps", str(accumulation)]
     flags += ["--tensor_parallel_size", str(config.tp), "--pipeline_parallel_size", str(config.pp)]
     if config.cp > 1:
         flags += ["--context_parallel_size", str(config.cp)]
@@ -166,8 +167,8 @@ def run_plan(ns, args) -> None:
     if ns.search:
         world = world_of(plan.config)
         result = search_layouts(model, plan.config, world, batch, precision, trace, device, registry, **decay,
-                                moe_imbalance=ns.moe_imbalance)
-        commands = [train_command(args, e.plan.config, e.batch.per_device, device.per_node)
+                                moe_imbalance=ns.moe_imbalance, global_batch=ns.global_batch_size)
+        commands = [train_command(args, e.plan.config, e.batch.per_device, device.per_node, e.batch.accumulation)
                     for e, _ in result.ranked[:ns.top]]
         if ns.json:
             print(json.dumps(search_json(result, device, commands, ns.top), indent=2))

@@ -8,7 +8,8 @@ JSON schema (``plait plan --json``): {"layout": {...ParallelConfig...}, "world_s
 "cp_attention" (the strategy for the block size under cp, or null)}. Group "dp" is the replica group: dp x cp
 ranks under context parallelism; under expert parallelism "ep" is the experts' all-to-alls and "edp" the expert
 gradients' group (the dp x cp / ep ranks holding the same experts).
-``--search --json``: {"device": {...}, "ranked": [{"layout", "step_seconds", "peak", "bubble", "command"}],
+``--search --json``: {"device": {...}, "usable_memory", "ranked": [{"layout", "micro_batch", "accumulation",
+"step_seconds", "peak", "bubble", "mfu", "command"}],
 "refused": [{"layout", "reason"}], "command"} (the ``plait train`` command of the fastest).
 """
 
@@ -23,7 +24,7 @@ from rich.table import Table
 
 from plait.costs.device import Device
 from plait.costs.estimate import LayoutEstimate
-from plait.costs.search import SearchResult, describe
+from plait.costs.search import SearchResult, batch_split, describe
 
 
 def gib(n: float) -> str:
@@ -112,7 +113,8 @@ def search_json(result: SearchResult, device: Device, commands: list[str], top: 
     return {
         "device": dataclasses.asdict(device),
         "usable_memory": device.usable_bytes,
-        "ranked": [{"layout": describe(e.plan.config), "step_seconds": s, "peak": e.peak, "bubble": e.bubble,
+        "ranked": [{"layout": describe(e.plan.config), "micro_batch": e.batch.per_device,
+                    "accumulation": e.batch.accumulation, "step_seconds": s, "peak": e.peak, "bubble": e.bubble,
                     "mfu": e.mfu(device, s), "command": c} for (e, s), c in zip(result.ranked[:top], commands)],
         "refused": [{"layout": label, "reason": reason} for label, reason in result.refused],
         "command": commands[0] if commands else None,
@@ -121,7 +123,7 @@ def search_json(result: SearchResult, device: Device, commands: list[str], top: 
 
 def print_search(console: Console, result: SearchResult, device: Device, commands: list[str], top: int,
                  show_refused: bool = False) -> None:
-    table = Table("#", "layout", "step (s)", "peak", "bubble", "tokens/s/device", "MFU",
+    table = Table("#", "layout", "micro-batch", "step (s)", "peak", "bubble", "tokens/s/device", "MFU",
                   title=f"fastest layouts on {device.name} ({len(result.ranked)} fit, {len(result.refused)} refused)",
                   caption=f"memory: {device.describe_memory()}; MFU: the model's FLOPs (recomputation not counted) "
                           f"over the device's peak, at the assumed efficiency {device.efficiency:g} of peak for "
@@ -130,7 +132,7 @@ def print_search(console: Console, result: SearchResult, device: Device, command
         b = estimate.batch
         tokens = b.per_device * b.seq * b.accumulation * (estimate.plan.config.dp or 1)
         world = world_of(estimate.plan.config)
-        table.add_row(str(i), describe(estimate.plan.config), f"{seconds:.4g}", gib(estimate.peak),
+        table.add_row(str(i), describe(estimate.plan.config), batch_split(b), f"{seconds:.4g}", gib(estimate.peak),
                       f"{estimate.bubble:.3f}", f"{tokens / seconds / world:,.0f}",
                       f"{estimate.mfu(device, seconds):.1%}")
     console.print(table)

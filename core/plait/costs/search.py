@@ -1,14 +1,16 @@
 """``plait plan --search``: every layout of a world, estimated, refused with a reason or ranked by step time.
 
-The global batch (per-device batch x dp x accumulation of the layout asked for) is kept: a layout with another
-dp gets the per-device batch that keeps it, or is refused when that does not divide. Enumerated: tp, cp and pp
-dividing the world (cp with the strategy asked for, ``auto`` by default), virtual stages 1 or 2 (interleaved
-1f1b and zero-bubble at 2), micro-batches from pp up to the per-device batch (powers of two times pp that
-divide it), ep dividing dp x cp and every MoE layer's experts (1 for a dense model), SP on/off at tp > 1, ZeRO-1
-on/off at dp x cp > 1, activation checkpointing on/off. A layout
-whose block size the cp split cannot cut (2 cp, or 2 cp tp under SP, must divide it), that the adapter or the
-pipeline refuses (``plan_layout``'s ConfigError, cp's own refusals included), or whose peak exceeds the device
-memory, is listed with the reason.
+The global batch (sequences per optimizer step: per-device batch x dp x accumulation as the user wrote them, or
+``--global_batch_size``) is kept, and how it is split is searched with the layout: for each dp, every micro-batch
+size b that divides the global batch's share of a data-parallel rank, with the accumulation steps that make up
+the rest, so the pick does not depend on how the user wrote the batch (8 per device, or 1 x 8 accumulation).
+Enumerated: tp, cp and pp dividing the world (cp with the strategy asked for, ``auto`` by default), virtual
+stages from 1 up to as many as the layers allow (powers of two; interleaved 1f1b and zero-bubble above 1),
+micro-batches from pp up to b (powers of two times pp that divide it), ep dividing dp x cp and every MoE layer's
+experts (1 for a dense model), SP on/off at tp > 1, ZeRO-1 on/off at dp x cp > 1, activation checkpointing
+on/off. A layout whose block size the cp split cannot cut (2 cp, or 2 cp tp under SP, must divide it), that the
+adapter or the pipeline refuses (``plan_layout``'s ConfigError, cp's own refusals included), or whose peak
+exceeds the device's usable memory, is listed with the reason.
 """
 
 from __future__ import annotations
@@ -42,23 +44,26 @@ class SearchResult:
 def search_layouts(
     model: nn.Module, base: ParallelConfig, world_size: int, batch: Batch, precision: Precision,
     trace: ActivationTrace, device: Device, registry: Registry, weight_decay: float = 0.0,
-    decay_embeddings: bool = True, moe_imbalance: float = 1.0,
+    decay_embeddings: bool = True, moe_imbalance: float = 1.0, global_batch: int | None = None,
 ) -> SearchResult:
-    """Estimate every layout of ``world_size`` ranks for the global batch of ``base`` and ``batch``
-    (``moe_imbalance``: ``estimate_layout``'s)."""
-    global_batch = batch.per_device * (base.dp or world_size // (base.tp * base.cp * base.pp))
+    """Estimate every layout of ``world_size`` ranks, with every split of the global batch into micro-batch size
+    and accumulation steps (``global_batch``: sequences per optimizer step; default that of ``base`` and
+    ``batch``; ``moe_imbalance``: ``estimate_layout``'s)."""
+    if global_batch is None:
+        global_batch = batch.per_device * (base.dp or world_size // (base.tp * base.cp * base.pp)) * batch.accumulation
     result = SearchResult()
     plans: dict[tuple, LayoutPlan | str] = {}
     cache: dict = {}  # estimate_layout's, shared by the layouts of one plan (the plans above stay alive)
     experts = math.gcd(*routed_experts(model).values())  # 0 for a dense model
-    for config in candidates(base, world_size, global_batch, experts):
+    for config in candidates(base, world_size, global_batch, experts, len(trace.layers)):
         label = describe(config)
-        per_device, rest = divmod(global_batch, config.dp)
+        share, rest = divmod(global_batch, config.dp)
         if rest:
             result.refused.append((label, f"global batch {global_batch} does not divide over dp={config.dp}"))
             continue
-        if per_device % config.num_microbatches:
-            result.refused.append((label, f"per-device batch {per_device} does not divide into "
+        sizes = [b for b in _divisors(share) if b % config.num_microbatches == 0]
+        if not sizes:
+            result.refused.append((label, f"per-device share {share} of the global batch does not divide into "
                                           f"{config.num_microbatches} micro-batches"))
             continue
         if config.cp > 1:
@@ -81,29 +86,41 @@ def search_layouts(
             result.refused.append((label, plan))
             continue
         plan = dataclasses.replace(plan, config=config, leaves=plan.leaves if config.gradient_checkpointing else ())
-        estimate = estimate_layout(model, plan, dataclasses.replace(batch, per_device=per_device), precision,
-                                   trace, weight_decay, decay_embeddings, cache, moe_imbalance)
-        if estimate.peak > device.usable_bytes:  # the runtime's reserve kept free (costs.device)
-            result.refused.append((label, f"does not fit: peak {estimate.peak / 2**30:.2f} GiB > "
-                                          f"{device.usable_bytes / 2**30:.2f} GiB usable per device"))
-            continue
-        seconds = estimate.step_time(device)
-        estimate.step_seconds = seconds
-        result.ranked.append((estimate, seconds))
+        for size in sizes:  # micro-batch size per device; the accumulation steps make up the rank's share
+            split = Batch(size, batch.seq, share // size)
+            estimate = estimate_layout(model, plan, split, precision, trace, weight_decay, decay_embeddings, cache,
+                                       moe_imbalance)
+            if estimate.peak > device.usable_bytes:  # the runtime's reserve kept free (costs.device)
+                result.refused.append((f"{label} {batch_split(split)}", f"does not fit: peak "
+                                       f"{estimate.peak / 2**30:.2f} GiB > {device.usable_bytes / 2**30:.2f} GiB "
+                                       f"usable per device"))
+                continue
+            seconds = estimate.step_time(device)
+            estimate.step_seconds = seconds
+            result.ranked.append((estimate, seconds))
     result.ranked.sort(key=lambda item: item[1])
     return result
 
 
-def candidates(base: ParallelConfig, world_size: int, global_batch: int, experts: int = 0) -> list[ParallelConfig]:
+def batch_split(batch: Batch) -> str:
+    """The micro-batch size and accumulation steps of a ranked layout, for tables."""
+    return f"b={batch.per_device} x{batch.accumulation}"
+
+
+def candidates(base: ParallelConfig, world_size: int, global_batch: int, experts: int = 0,
+               layers: int = 2) -> list[ParallelConfig]:
     """The layouts ``search_layouts`` tries (resolved: dp filled in); ``experts``: a number every MoE layer's
-    experts divide into (their gcd; 0 for a dense model, which gets ep=1 only)."""
+    experts divide into (their gcd; 0 for a dense model, which gets ep=1 only); ``layers``: decoder layers, which
+    bound the virtual stages (pp x vpp of them)."""
     out = []
     for tp, cp in ((tp, cp) for tp in _divisors(world_size) for cp in _divisors(world_size // tp)):
         for pp in _divisors(world_size // (tp * cp)):
             dp = world_size // (tp * cp * pp)
             per_device = max(1, global_batch // dp)
+            virtual = [v for v in (2**k for k in range(1, 8)) if pp * v <= layers]
             for vpp, schedule in ([(1, "1f1b")] if pp == 1 else
-                                  [(1, "1f1b"), (2, "interleaved-1f1b"), (2, "zero-bubble")]):
+                                  [(1, "1f1b"), *((v, s) for v in virtual for s in ("interleaved-1f1b",
+                                                                                    "zero-bubble"))]):
                 micro = [1] if pp == 1 else [pp * 2**k for k in range(8) if pp * 2**k <= per_device] or [pp]
                 for m, ep, sp, zero, ckpt in itertools.product(
                         micro, _divisors(math.gcd(experts, dp * cp)) if experts else [1],
