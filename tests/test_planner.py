@@ -176,9 +176,14 @@ def test_cli_plan_json_and_search(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*common, "--search"])  # no device model
     assert "--hardware" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main([*common, "--lora_r", "8"])  # not modelled: refused rather than answered as a full fine-tune
-    assert "LoRA" in capsys.readouterr().err
+    main([*common, "--lora_r", "2", "--json"])  # LoRA is planned: the base frozen, the adapters trained
+    lora = json.loads(capsys.readouterr().out)["ranks"][0]
+    full = json.loads((main([*common, "--json"]), capsys.readouterr().out)[1])["ranks"][0]
+    assert lora["parameters"] > full["parameters"]  # the base and the adapters
+    assert lora["gradients"] < full["gradients"] / 4 and lora["optimizer"] < full["optimizer"] / 4
+    main([*common, "--lora_r", "8", "--lora_alpha", "32", "--world_size", "2", "--search", "--hardware", "h100",
+          "--json"])
+    assert "--lora_r=8 --lora_alpha=32.0" in json.loads(capsys.readouterr().out)["command"]
 
 
 def test_unrecognised_experts_are_refused_in_one_line(tmp_path, capsys):

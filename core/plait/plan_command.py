@@ -28,6 +28,7 @@ from plait.meta import build_meta_model
 from plait.model_config import read_model_config
 from plait.pipeline.layout import rank_of_stage, stage_bytes, stage_rows
 from plait.registry import default_registry
+from plait.train_args import TrainArgs
 
 
 def parameter_bytes_per_rank(model: torch.nn.Module, specs_by_rank: list[dict], ep: int = 1) -> list[int]:
@@ -125,6 +126,10 @@ def train_command(args, config, per_device: int, per_node: int | None = None, ac
     flags += [f"--{name}" for name, on in switches.items() if on]
     if args.bf16 and args.optimizer_dtype != "float32":
         flags += ["--optimizer_dtype", args.optimizer_dtype]
+    if args.lora_r:
+        defaults = TrainArgs()
+        flags += [f"--{name}={getattr(args, name)}" for name in ("lora_r", "lora_alpha", "lora_dropout",
+                  "lora_target_modules", "lora_target_parameters") if getattr(args, name) != getattr(defaults, name)]
     if nodes == 1:
         flags += ["--nproc_per_node", str(world)]
     return shlex.join(flags)
@@ -133,10 +138,6 @@ def train_command(args, config, per_device: int, per_node: int | None = None, ac
 def run_plan(ns, args) -> None:
     """``plait plan``: the layout tables, memory per rank, communication and bubble of the layout asked for,
     or with ``--search`` the fastest layouts that fit (``ns``: the parsed plan flags; ``args``: TrainArgs)."""
-    if getattr(args, "lora_r", 0):
-        raise ConfigError(f"plait plan does not model LoRA yet (--lora_r={args.lora_r}): frozen weights have no "
-                          f"gradients or optimizer state; drop --lora_r for the full fine-tune's numbers, "
-                          f"an upper bound")
     parallel = args.parallel_config()
     # None: tp*cp*pp, the smallest world of the layout; under ep as many dp replicas as the ep group needs
     world_size = ns.world_size or (args.nproc_per_node if args.nproc_per_node > 1 else None)
@@ -159,7 +160,8 @@ def run_plan(ns, args) -> None:
     registry = default_registry()
     model = build_meta_model(read_model_config(args), param_dtype)
     check_expert_parallel(model, parallel.ep)
-    plan = plan_layout(model, parallel, world_size, registry)
+    lora = args.lora()  # LoRA: the base frozen (no gradients, no optimizer state), the adapters trained
+    plan = plan_layout(model, parallel, world_size, registry, lora=lora)
     batch = Batch(args.per_device_train_batch_size, args.block_size, args.gradient_accumulation_steps)
     trace = trace_activations(model, args.block_size, registry, plan.adapter)
     decay = {"weight_decay": args.weight_decay, "decay_embeddings": not args.exclude_embeddings_from_weight_decay}
@@ -167,7 +169,7 @@ def run_plan(ns, args) -> None:
     if ns.search:
         world = world_of(plan.config)
         result = search_layouts(model, plan.config, world, batch, precision, trace, device, registry, **decay,
-                                moe_imbalance=ns.moe_imbalance, global_batch=ns.global_batch_size)
+                                moe_imbalance=ns.moe_imbalance, global_batch=ns.global_batch_size, lora=lora)
         commands = [train_command(args, e.plan.config, e.batch.per_device, device.per_node, e.batch.accumulation)
                     for e, _ in result.ranked[:ns.top]]
         if ns.json:

@@ -25,6 +25,7 @@ from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.measure import gradient_bytes, optimizer_bytes, parameter_bytes
 from plait.costs.memory import Precision
 from plait.layout_plan import plan_layout
+from plait.lora.config import lora_config
 from plait.meta import build_meta_model
 from plait.optim import OptimizerStep, build_optimizer
 from plait.registry import default_registry
@@ -40,7 +41,10 @@ LAYOUTS = {
     # cp: one kv head repeated for all-to-all; ZeRO-1 and gradients over the replica group (dp x cp = 2)
     "cp2_zero1_wd": (ParallelConfig(cp=2, zero_1=True), False, 0.1),
     "cp2_ring_recompute": (ParallelConfig(cp=2, cp_attention="ring", gradient_checkpointing=True), False, 0.0),
+    # LoRA (rank 4 on q, v): the base frozen, no gradient or optimizer state; ZeRO-1 shards the adapters' state
+    "dp2_zero1_lora": (ParallelConfig(zero_1=True), False, 0.0),
 }
+LORA = {"dp2_zero1_lora"}
 # a tiny Mixtral whose experts are kept whole over tp: under SP no experts collectives, without SP a token share
 MOE_LAYOUTS = {
     "moe_tp2_sp_whole_recompute": (ParallelConfig(tp=2, expert_tensor_parallel=False, gradient_checkpointing=True),
@@ -67,13 +71,14 @@ def run(name: str, config: ParallelConfig, bf16: bool, weight_decay: float, mode
     world, rank = dist.get_world_size(), dist.get_rank()
     registry = default_registry()
     meta = build_meta_model(model_config, dtype)
-    plan = plan_layout(meta, config, world, registry)
+    lora = lora_config(4, 8.0, target_modules=["q_proj", "v_proj"]) if name in LORA else None
+    plan = plan_layout(meta, config, world, registry, lora=lora)
     per_device = BATCH
     estimate = estimate_layout(meta, plan, Batch(per_device, SEQ), Precision(dtype, torch.float32),
                                trace_activations(meta, SEQ, registry, plan.adapter), weight_decay)
     predicted = estimate.for_rank(rank)
     torch.manual_seed(0)
-    pmodel = parallelize(AutoModelForCausalLM.from_config(model_config).to(dtype), config)
+    pmodel = parallelize(AutoModelForCausalLM.from_config(model_config).to(dtype), config, lora=lora)
     optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-3, weight_decay=weight_decay,
                                 optimizer_dtype=torch.float32)
     step = OptimizerStep(pmodel.grad_sync, optimizer, 1.0)

@@ -164,13 +164,14 @@ def step_comm(
         # the tp group, and modules whose gradient several tp ranks compute in part (replicated kv heads,
         # per-head norms) over blocks of adjacent ranks.
         summed: dict[object, int] = {}
+        learned = [p for p in held if p.trainable]  # gradients exist only for these (LoRA: the adapters)
         if config.sequence_parallel:
             norm_ids = {id(p) for p in sp_grad_sum_params(model, plan.sp_plan, plan.shards_by_rank[0])}
             norms = {n for n, p in model.named_parameters() if id(p) in norm_ids}
-            summed["sp"] = sum(p.numel for p in held if p.name in norms)
+            summed["sp"] = sum(p.numel for p in learned if p.name in norms)
         for module, shard in plan.shards_by_rank[0].items():
             if shard.grad_sum_block > 1:
-                numel = sum(p.numel for p in held if p.name.rpartition(".")[0] == module)
+                numel = sum(p.numel for p in learned if p.name.rpartition(".")[0] == module)
                 summed[shard.grad_sum_block] = summed.get(shard.grad_sum_block, 0) + numel
         for numel in summed.values():
             if numel:
@@ -197,7 +198,7 @@ def step_comm(
         ops.append(CommOp("pp", "recv", boundaries * m * acc, boundaries * m * mb_act * acc))
         ops.append(CommOp("pp", "broadcast", acc, 4 * acc))  # the loss
         if plan.tied and (has_first or has_last):
-            tied = sum(p.numel for p in held if any(p.name in group for group in plan.tied))
+            tied = sum(p.numel for p in held if p.trainable and any(p.name in group for group in plan.tied))
             ops.append(CommOp("pp", "all_reduce", 1, tied * precision.grad_bytes))
     dp = (config.dp or 1) * cp  # the replica group: every rank holding these parameters
     # The global gradient norm: one float summed over each group whose ranks hold different gradients (under
@@ -207,9 +208,10 @@ def step_comm(
         if size > 1:
             ops.append(CommOp(group, "all_reduce", 1, 4))
     apart = config.ep > 1  # expert gradients go over the expert replicas
-    groups = [("dp", [p for p in held if not (apart and p.expert)], dp)]
+    trained = [p for p in held if p.trainable]
+    groups = [("dp", [p for p in trained if not (apart and p.expert)], dp)]
     if apart:
-        groups.append(("edp", [p for p in held if p.expert], dp // config.ep))
+        groups.append(("edp", [p for p in trained if p.expert], dp // config.ep))
     for group, params, size in groups:
         if size == 1 or not params:
             continue

@@ -174,7 +174,7 @@ def estimate_layout(
                 comm[pp_rank] = step_comm(model, plan, pp_rank, held, shape, precision, rows, routed, whole)
                 flops[pp_rank] = _step_flops(model, plan, pp_rank, held, batch, trace, imbalance, whole)
                 moved[pp_rank] = 2 * acts.per_microbatch * config.num_microbatches * batch.accumulation
-            grads = sum(p.numel for p in held) * precision.grad_bytes
+            grads = sum(p.numel for p in held if p.trainable) * precision.grad_bytes
             for replica, static in enumerate(static_bytes(held, precision, replicas, config.zero_1, config.ep,
                                                           weight_decay, decay_embeddings)):
                 dp_rank, cp_rank = divmod(replica, cp)  # the replica group's order: dp-major, then cp

@@ -3,7 +3,7 @@
 Parameters, gradients and optimizer state follow the code that allocates them, from the plan's shard specs:
 - parameters: the local shape of every parameter of the rank's stages (``ShardSpec.local_shape``, vocab
   padding included); a tied weight is one tensor on its rank, one copy on each of the first and last stage;
-- gradients: one per parameter, in the parameter dtype; with bf16 parameters and an fp32 optimizer,
+- gradients: one per trained parameter (under LoRA the adapters only: the base is frozen), in the parameter dtype; with bf16 parameters and an fp32 optimizer,
   ``optim/mixed_precision.py`` keeps an fp32 ``main_grad`` per parameter for the whole run instead;
 - optimizer state: AdamW's ``exp_avg`` and ``exp_avg_sq`` in the optimizer dtype plus a float32 ``step``
   scalar per parameter, and fp32 master copies of bf16 parameters; under ZeRO-1 only for the parameters the
@@ -61,6 +61,7 @@ class RankParam:
     full_shape: tuple[int, ...]
     embedding: bool
     expert: bool = False  # of a routed-experts module: E/ep experts held, state sharded over dp x cp / ep
+    trainable: bool = True  # False: a frozen base weight under LoRA (no gradient, no optimizer state)
 
 
 def rank_params(
@@ -92,7 +93,11 @@ def rank_params(
         shape = spec.local_shape if spec is not None else tuple(param.shape)
         expert = name in experts
         held.append(RankParam(name, math.prod(shape) // (ep if expert else 1), tuple(param.shape), name in embeddings,
-                              expert))
+                              expert, trainable=plan.lora is None))
+    if plan.lora is not None:  # the adapters: built by plait on the real model, not on the meta model planned
+        for name, spec in plan.lora.specs(tp_rank).items():
+            if plan.split is None or _stage_of(stage_of, name) in stages:
+                held.append(RankParam(name, math.prod(spec.local_shape), tuple(spec.full_shape), False))
     return held
 
 
@@ -152,9 +157,11 @@ def static_bytes(
     one for all. Under ep the dense parameters are sharded over the group and the expert ones over the ranks
     holding the same experts: replica rank r is position r // ep of its expert-replica group (``plait.mesh``)."""
     numel = sum(p.numel for p in params)
-    statics = functools.partial(StaticBytes, numel * _size(precision.param), numel * precision.grad_bytes)
+    params = [p for p in params if p.trainable]  # frozen weights (LoRA's base): no gradient, no optimizer state
+    learned = sum(p.numel for p in params)
+    statics = functools.partial(StaticBytes, numel * _size(precision.param), learned * precision.grad_bytes)
     if not (zero_1 and replicas > 1):
-        return [statics(optimizer_bytes(params, precision), numel)]
+        return [statics(optimizer_bytes(params, precision), learned)]
     if ep == 1:  # one partition of everything, as without experts
         owned = zero1_owned(params, replicas, weight_decay, decay_embeddings)
     else:

@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -31,6 +32,9 @@ from plait.costs.memory import Precision
 from plait.cp.sequence import check_length
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.registry import AdapterError, Registry
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 
 @dataclass
@@ -45,10 +49,11 @@ def search_layouts(
     model: nn.Module, base: ParallelConfig, world_size: int, batch: Batch, precision: Precision,
     trace: ActivationTrace, device: Device, registry: Registry, weight_decay: float = 0.0,
     decay_embeddings: bool = True, moe_imbalance: float = 1.0, global_batch: int | None = None,
+    lora: "LoraConfig | None" = None,
 ) -> SearchResult:
     """Estimate every layout of ``world_size`` ranks, with every split of the global batch into micro-batch size
     and accumulation steps (``global_batch``: sequences per optimizer step; default that of ``base`` and
-    ``batch``; ``moe_imbalance``: ``estimate_layout``'s)."""
+    ``batch``; ``moe_imbalance``: ``estimate_layout``'s; ``lora``: LoRA adapters trained on the frozen model)."""
     if global_batch is None:
         global_batch = batch.per_device * (base.dp or world_size // (base.tp * base.cp * base.pp)) * batch.accumulation
     result = SearchResult()
@@ -78,7 +83,7 @@ def search_layouts(
         if key not in plans:
             try:
                 plans[key] = plan_layout(model, dataclasses.replace(config, dp=None, ep=1, gradient_checkpointing=True),
-                                         world_size, registry)
+                                         world_size, registry, lora=lora)
             except (ConfigError, AdapterError) as err:
                 plans[key] = str(err)
         plan = plans[key]
