@@ -684,3 +684,33 @@ def test_search_picks_the_same_layout_however_the_batch_is_written():
     assert any("vpp=4" in layout for layout, _, _ in rankings[0])  # 8 layers: pp=2 x 4 virtual stages
     global_batch = {e.batch.per_device * e.batch.accumulation * e.plan.config.dp for e, _ in result.ranked}
     assert global_batch == {32}
+
+
+def test_when_nothing_fits_the_search_says_what_would(tmp_path, capsys):
+    """Issue 30: no layout of one device fits 2,000,000 bytes; the search then names, per strategy, the fewest
+    devices where one fits (the same global batch), and the cheaper settings that fit on this one, each with its
+    best layout and peak."""
+    config = LlamaConfig(vocab_size=61, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    path = tmp_path / "config.json"
+    config.to_json_file(path)
+    memory = 2_000_000
+    main(["plan", "--model_config", str(path), "--block_size", "64", "--per_device_train_batch_size", "2",
+          "--world_size", "1", "--search", "--hardware", "h100", "--device_memory", str(memory / 2**30), "--json"])
+    found = json.loads(capsys.readouterr().out)
+    assert not found["ranked"] and found["command"] is None
+    more = found["more_devices"]
+    assert more and len({fit["change"] for fit in more}) == 1  # the smallest world where anything fits
+    devices = int(more[0]["change"].split()[0])
+    assert devices in (2, 4, 8, 16)
+    for fit in more:
+        sizes = dict(re.findall(r"\b(tp|pp|dp|cp)=(\d+)", fit["layout"]))
+        assert math.prod(int(v) for v in sizes.values()) == devices and fit["peak"] <= memory
+    assert len({fit["strategy"] for fit in more}) == len(more)  # one row per strategy
+    cheaper = {fit["change"]: fit for fit in found["cheaper_settings"]}
+    assert any("--optimizer_dtype bfloat16" in change for change in cheaper)
+    assert all(fit["peak"] <= memory and "dp=1" in fit["layout"] for fit in cheaper.values())
+    main(["plan", "--model_config", str(path), "--block_size", "64", "--per_device_train_batch_size", "2",
+          "--world_size", "1", "--search", "--hardware", "h100", "--device_memory", str(memory / 2**30)])
+    out = capsys.readouterr().out
+    assert "no layout fits" in out and "what would fit" in out and f"{devices} devices" in out

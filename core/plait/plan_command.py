@@ -17,6 +17,7 @@ from rich.table import Table
 
 from plait.config import ConfigError
 from plait.costs.activations import trace_activations
+from plait.costs.advice import cheaper_settings, fewest_devices
 from plait.costs.device import PRESETS, calibrate, parse_memory
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.experts import check_expert_parallel, expert_parameters
@@ -24,6 +25,7 @@ from plait.costs.memory import Precision
 from plait.costs.render import estimate_json, print_estimate, print_search, search_json, world_of
 from plait.costs.search import search_layouts
 from plait.layout_plan import LayoutPlan, plan_layout
+from plait.lora.config import lora_config
 from plait.meta import build_meta_model
 from plait.model_config import read_model_config
 from plait.pipeline.layout import rank_of_stage, stage_bytes, stage_rows
@@ -168,14 +170,30 @@ def run_plan(ns, args) -> None:
     console = Console(width=max(Console().width, 140))
     if ns.search:
         world = world_of(plan.config)
-        result = search_layouts(model, plan.config, world, batch, precision, trace, device, registry, **decay,
-                                moe_imbalance=ns.moe_imbalance, global_batch=ns.global_batch_size, lora=lora)
+        global_batch = ns.global_batch_size or batch.per_device * (plan.config.dp or 1) * batch.accumulation
+        traced = {param_dtype: (model, trace)}
+
+        def search(at_world: int = world, with_precision: Precision = precision, with_lora=lora):
+            if with_precision.param not in traced:  # the activations of bf16 parameters are bf16 too
+                other = build_meta_model(read_model_config(args), with_precision.param)
+                traced[with_precision.param] = (other, trace_activations(other, args.block_size, registry,
+                                                                         plan.adapter))
+            on, its_trace = traced[with_precision.param]
+            return search_layouts(on, plan.config, at_world, batch, with_precision, its_trace, device, registry,
+                                  **decay, moe_imbalance=ns.moe_imbalance, global_batch=global_batch, lora=with_lora)
+
+        result = search()
         commands = [train_command(args, e.plan.config, e.batch.per_device, device.per_node, e.batch.accumulation)
                     for e, _ in result.ranked[:ns.top]]
+        advice = None
+        if not result.ranked:  # what would fit: more devices per strategy, or a cheaper setting on these
+            advice = (fewest_devices(lambda w: search(at_world=w), world),
+                      cheaper_settings(lambda p, adapters: search(with_precision=p, with_lora=adapters), precision,
+                                       lora, lambda: lora_config(16, 32.0)))
         if ns.json:
-            print(json.dumps(search_json(result, device, commands, ns.top), indent=2))
+            print(json.dumps(search_json(result, device, commands, ns.top, advice), indent=2))
         else:
-            print_search(console, result, device, commands, ns.top, ns.show_refused)
+            print_search(console, result, device, commands, ns.top, ns.show_refused, advice)
         return
     estimate = estimate_layout(model, plan, batch, precision, trace, **decay, moe_imbalance=ns.moe_imbalance)
     if ns.json:

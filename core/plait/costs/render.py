@@ -9,7 +9,8 @@ JSON schema (``plait plan --json``): {"layout": {...ParallelConfig...}, "world_s
 ranks under context parallelism; under expert parallelism "ep" is the experts' all-to-alls and "edp" the expert
 gradients' group (the dp x cp / ep ranks holding the same experts).
 ``--search --json``: {"device": {...}, "usable_memory", "ranked": [{"layout", "micro_batch", "accumulation",
-"step_seconds", "peak", "bubble", "mfu", "command"}],
+"step_seconds", "peak", "bubble", "mfu", "command"}], "more_devices" and "cheaper_settings" (where nothing fits:
+[{"change", "layout", "peak", "step_seconds", "strategy"}]),
 "refused": [{"layout", "reason"}], "command"} (the ``plait train`` command of the fastest).
 """
 
@@ -24,6 +25,7 @@ from rich.table import Table
 
 from plait.costs.device import Device
 from plait.costs.estimate import LayoutEstimate
+from plait.costs.advice import WORLD_FACTORS, Fit, describe_fit, strategy
 from plait.costs.search import SearchResult, batch_split, describe
 
 
@@ -109,8 +111,12 @@ def print_estimate(console: Console, estimate: LayoutEstimate, device: Device | 
                       f"peak for matmuls)")
 
 
-def search_json(result: SearchResult, device: Device, commands: list[str], top: int) -> dict:
+def search_json(result: SearchResult, device: Device, commands: list[str], top: int,
+                advice: tuple[list[Fit], list[Fit]] | None = None) -> dict:
+    more, cheaper = advice or ([], [])
     return {
+        "more_devices": [describe_fit(fit, describe) for fit in more],
+        "cheaper_settings": [describe_fit(fit, describe) for fit in cheaper],
         "device": dataclasses.asdict(device),
         "usable_memory": device.usable_bytes,
         "ranked": [{"layout": describe(e.plan.config), "micro_batch": e.batch.per_device,
@@ -122,7 +128,7 @@ def search_json(result: SearchResult, device: Device, commands: list[str], top: 
 
 
 def print_search(console: Console, result: SearchResult, device: Device, commands: list[str], top: int,
-                 show_refused: bool = False) -> None:
+                 show_refused: bool = False, advice: tuple[list[Fit], list[Fit]] | None = None) -> None:
     table = Table("#", "layout", "micro-batch", "step (s)", "peak", "bubble", "tokens/s/device", "MFU",
                   title=f"fastest layouts on {device.name} ({len(result.ranked)} fit, {len(result.refused)} refused)",
                   caption=f"memory: {device.describe_memory()}; MFU: the model's FLOPs (recomputation not counted) "
@@ -140,8 +146,17 @@ def print_search(console: Console, result: SearchResult, device: Device, command
         console.print(refused_table(result.refused, every=show_refused))
     if commands:
         console.print(f"[bold]best:[/] {commands[0]}")
+        return
+    console.print("[red]no layout fits[/]: see the refusals above")
+    more, cheaper = advice or ([], [])
+    if more or cheaper:
+        table = Table("what changes", "strategy", "best layout", "peak", "step (s)", title="what would fit")
+        for fit in [*more, *cheaper]:
+            table.add_row(fit.change, strategy(fit.layout), describe(fit.layout.plan.config), gib(fit.layout.peak),
+                          f"{fit.seconds:.4g}")
+        console.print(table)
     else:
-        console.print("[red]no layout fits[/]: see the refusals above")
+        console.print(f"nothing fits up to {WORLD_FACTORS[-1]} times as many devices, nor with bf16 or LoRA")
 
 
 def refused_table(refused: list[tuple[str, str]], every: bool = False) -> Table:
