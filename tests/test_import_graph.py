@@ -35,7 +35,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("training", {"plait.trainer", "plait.runtime", "plait.metrics", "plait.log_line", "plait.moe_metrics",
                   "plait.heartbeat", "plait.stop"}),
     ("tools on a layout", {"plait.costs", "plait.testing"}),
-    ("entry points", {"plait", "plait.__main__", "plait.cli", "plait.plan_command", "plait.torchrun"}),
+    ("entry points", {"plait", "plait.__main__", "plait.cli", "plait.plan_command", "plait.auto_layout",
+                      "plait.torchrun"}),
 ]
 
 

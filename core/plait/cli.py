@@ -28,12 +28,23 @@ from plait.train_args import TrainArgs, add_arguments, from_namespace
 def cmd_train(ns: argparse.Namespace) -> None:
     args = from_namespace(ns, TrainArgs)
     args.validate()
+    argv = ns.argv  # the command's own words, from the subcommand on
+    if args.layout == "auto":
+        if "LOCAL_RANK" in os.environ:
+            raise ConfigError("--layout auto plans once, in the launching process: start it with plait train "
+                              "--nproc_per_node N, not under torchrun")
+        from plait.auto_layout import choose_layout  # when run (module docstring)
+
+        # the chosen flags after the user's: argparse takes the last of a flag (the batch split among them)
+        argv = [*argv, *choose_layout(args, args.nproc_per_node), "--layout", "manual"]
+        args = from_namespace(build_parser().parse_args(argv), TrainArgs)
+        args.validate()
     if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         from plait.trainer import check_before_launch  # when run (module docstring)
 
         check_before_launch(args, args.nproc_per_node)  # bad input: one line here, not one per worker and a dump
         # Not under torchrun yet: become torchrun, running this same command on every process.
-        argv = [a for a in sys.argv[1:]]
+        argv = list(argv)
         if "--nproc_per_node" in argv:
             i = argv.index("--nproc_per_node")
             del argv[i : i + 2]
@@ -259,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     2 for input to fix (a flag, a file, a layout), 3 for a run that diverged, 1 for a fault (a crash, a stuck or
     dead rank, a full disk); the traceback only with ``--debug`` (or PLAIT_DEBUG=1)."""
     ns = build_parser().parse_args(argv)
+    ns.argv = list(argv) if argv is not None else sys.argv[1:]
     debug = getattr(ns, "debug", False) or os.environ.get(DEBUG_ENV) == "1"
     try:
         ns.func(ns)

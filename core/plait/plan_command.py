@@ -103,8 +103,26 @@ def train_command(args, config, per_device: int, per_node: int | None = None, ac
                  "attn_implementation"):
         if getattr(args, name):
             flags += [f"--{name}", str(getattr(args, name))]
-    flags += ["--block_size", str(args.block_size), "--per_device_train_batch_size", str(per_device)]
+    flags += ["--block_size", str(args.block_size)]
     accumulation = args.gradient_accumulation_steps if accumulation is None else accumulation
+    flags += layout_flags(config, per_device, accumulation)
+    switches = {"bf16": args.bf16, "bf16_autocast": config.bf16_autocast,
+                "disable_embedding_parallelization": config.disable_embedding_parallelization}
+    flags += [f"--{name}" for name, on in switches.items() if on]
+    if args.bf16 and args.optimizer_dtype != "float32":
+        flags += ["--optimizer_dtype", args.optimizer_dtype]
+    if args.lora_r:
+        defaults = TrainArgs()
+        flags += [f"--{name}={getattr(args, name)}" for name in ("lora_r", "lora_alpha", "lora_dropout",
+                  "lora_target_modules", "lora_target_parameters") if getattr(args, name) != getattr(defaults, name)]
+    if nodes == 1:
+        flags += ["--nproc_per_node", str(world)]
+    return shlex.join(flags)
+
+
+def layout_flags(config, per_device: int, accumulation: int) -> list[str]:
+    """The ``plait train`` flags that give ``config`` and its batch split (what ``--layout auto`` chooses)."""
+    flags = ["--per_device_train_batch_size", str(per_device)]
     if accumulation != 1:
         flags += ["--gradient_accumulation_steps", str(accumulation)]
     flags += ["--tensor_parallel_size", str(config.tp), "--pipeline_parallel_size", str(config.pp)]
@@ -121,20 +139,9 @@ def train_command(args, config, per_device: int, per_node: int | None = None, ac
         if config.virtual_pipeline_size > 1:
             flags += ["--virtual_pipeline_size", str(config.virtual_pipeline_size)]
     switches = {"disable_sequence_parallel": config.tp > 1 and not config.sp, "zero_1": config.zero_1,
-                "gradient_checkpointing": config.gradient_checkpointing, "bf16": args.bf16,
-                "bf16_autocast": config.bf16_autocast,
-                "disable_embedding_parallelization": config.disable_embedding_parallelization,
+                "gradient_checkpointing": config.gradient_checkpointing,
                 "disable_expert_tensor_parallel": config.tp > 1 and not config.expert_tensor_parallel}
-    flags += [f"--{name}" for name, on in switches.items() if on]
-    if args.bf16 and args.optimizer_dtype != "float32":
-        flags += ["--optimizer_dtype", args.optimizer_dtype]
-    if args.lora_r:
-        defaults = TrainArgs()
-        flags += [f"--{name}={getattr(args, name)}" for name in ("lora_r", "lora_alpha", "lora_dropout",
-                  "lora_target_modules", "lora_target_parameters") if getattr(args, name) != getattr(defaults, name)]
-    if nodes == 1:
-        flags += ["--nproc_per_node", str(world)]
-    return shlex.join(flags)
+    return flags + [f"--{name}" for name, on in switches.items() if on]
 
 
 def run_plan(ns, args) -> None:

@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 
 LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DATA_FORMATS = ("auto", "text", "chat", "prompt_completion")
+LAYOUTS = ("manual", "auto")
+# the flags --layout auto chooses (plait.auto_layout); giving one beside it is refused
+AUTO_LAYOUT_FLAGS = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "expert_parallel_size",
+                     "virtual_pipeline_size", "num_microbatches", "pipeline_schedule", "disable_sequence_parallel",
+                     "zero_1", "gradient_checkpointing", "pipeline_cuts")
 
 
 def _names(listed: str) -> list[str]:
@@ -89,6 +94,10 @@ class TrainArgs:
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "a checkpoint dir, or 'auto': the newest complete one in output_dir"})
     logging_steps: int = field(default=1, metadata={"help": "print a log line every N steps when stderr is not a terminal (a terminal shows a progress bar; metrics.jsonl gets every step)"})
     report_to: str = field(default="none", metadata={"help": "comma-separated experiment trackers that get every step's metrics, as metrics.jsonl: none, tensorboard (event files in <output_dir>/tensorboard), wandb (project 'plait' or $WANDB_PROJECT; W&B's env vars apply, WANDB_MODE=offline among them), mlflow ($MLFLOW_TRACKING_URI, default sqlite:///<output_dir>/mlflow.db); each is a pip extra: pip install 'plait[wandb]'"})
+    layout: str = field(default="manual", metadata={"help": "manual: the layout flags as given; auto: plait plan "
+                        "--search picks tp, pp, cp, ep, SP, ZeRO-1, recomputation, the micro-batch size and the "
+                        "accumulation steps for this run's model, global batch, block size and --nproc_per_node "
+                        "processes on the detected device, prints its top 3 and why the first won, and trains with it"})
     nproc_per_node: int = field(default=1, metadata={"help": "launch this many processes with torchrun (when not already under torchrun)"})
     config: str | None = field(default=None, metadata={"help": "a TOML file whose keys are these flag names; flags override it"})
     device: str = field(default="auto", metadata={"help": "auto (the accelerator torch finds, else cpu), cpu, or any torch device type; an accelerator's bare type gets LOCAL_RANK as its index"})
@@ -169,6 +178,8 @@ class TrainArgs:
             raise ConfigError(f"--optimizer_dtype={self.optimizer_dtype!r} is unknown; choose float32 or bfloat16")
         if self.bf16 and self.bf16_autocast:
             raise ConfigError("give --bf16 (bf16 parameters) or --bf16_autocast (fp32 parameters), not both")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"--layout={self.layout!r} is unknown; choose one of {', '.join(LAYOUTS)}")
         if self.device != "auto":
             try:
                 torch.device(self.device)

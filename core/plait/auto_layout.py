@@ -1,0 +1,85 @@
+"""``plait train --layout auto``: the layout ``plait plan --search`` ranks first, chosen for this very run.
+
+The launching process plans once, before any worker starts: the run's model (on the meta device), its global
+batch (``--per_device_train_batch_size`` x processes x ``--gradient_accumulation_steps`` as written, the same
+sequences whatever split wins), its block size and LoRA settings, ``--nproc_per_node`` processes, and the device
+found here (an H100 or A100 by name, with the memory the driver reports; otherwise this machine measured once by
+``--calibrate``'s routine). It prints the top 3 with their numbers and why the first won, and hands the workers
+its flags, so every rank runs the one layout chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from plait.config import ConfigError, ParallelConfig
+from plait.costs.activations import trace_activations
+from plait.costs.device import GiB, PRESETS, Device, calibrate
+from plait.costs.estimate import Batch
+from plait.costs.memory import Precision
+from plait.costs.render import gib
+from plait.costs.search import batch_split, describe, search_layouts
+from plait.device import accelerator
+from plait.layout_plan import plan_layout
+from plait.meta import build_meta_model
+from plait.model_config import read_model_config
+from plait.plan_command import layout_flags
+from plait.registry import default_registry
+from plait.train_args import AUTO_LAYOUT_FLAGS, TrainArgs
+
+
+def detect_device() -> Device:
+    """The device model for this machine: a preset by the accelerator's name (its memory as the driver reports
+    it), else this machine measured (cached: ``costs.device.calibrate``)."""
+    found = accelerator()
+    if found is not None and found.type == "cuda":
+        name = torch.cuda.get_device_name(found).lower()
+        for key in ("h100", "a100"):
+            if key in name:
+                return dataclasses.replace(PRESETS[key], memory_bytes=torch.cuda.get_device_properties(found).total_memory)
+    return calibrate()
+
+
+def choose_layout(args: TrainArgs, world: int, device: Device | None = None,
+                  console: Console | None = None) -> list[str]:
+    """The layout flags of the fastest layout of ``world`` processes that fits (``layout_flags``), after printing
+    the top 3 and why the first won; ConfigError where a layout flag was given too, or nothing fits."""
+    defaults = TrainArgs()
+    given = [f"--{name}" for name in AUTO_LAYOUT_FLAGS if getattr(args, name) != getattr(defaults, name)]
+    if given:
+        raise ConfigError(f"--layout auto chooses {', '.join(given)} itself; drop {'them' if len(given) > 1 else 'it'}"
+                          f", or give the layout by hand without --layout auto")
+    device = device or detect_device()
+    console = console or Console(stderr=True)
+    registry = default_registry()
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    model = build_meta_model(read_model_config(args), dtype)
+    lora = args.lora()
+    base = plan_layout(model, ParallelConfig(), world, registry, lora=lora)
+    trace = trace_activations(model, args.block_size, registry, base.adapter)
+    precision = Precision(dtype, getattr(torch, args.optimizer_dtype) if args.bf16 else dtype)
+    batch = Batch(args.per_device_train_batch_size, args.block_size, args.gradient_accumulation_steps)
+    result = search_layouts(model, base.config, world, batch, precision, trace, device, registry,
+                            weight_decay=args.weight_decay,
+                            decay_embeddings=not args.exclude_embeddings_from_weight_decay, lora=lora)
+    if not result.ranked:
+        raise ConfigError(f"--layout auto: no layout of {world} processes fits {device.usable_bytes / GiB:.2f} GiB "
+                          f"per device on {device.name}; `plait plan --search` with the same flags says what would")
+    top = result.ranked[:3]
+    table = Table("#", "layout", "micro-batch", "step (s)", "peak", "MFU",
+                  title=f"--layout auto: the fastest of {len(result.ranked)} layouts that fit {world} processes on "
+                        f"{device.name} ({device.usable_bytes / GiB:.2f} GiB usable each)")
+    for i, (estimate, seconds) in enumerate(top, 1):
+        table.add_row(str(i), describe(estimate.plan.config), batch_split(estimate.batch), f"{seconds:.4g}",
+                      gib(estimate.peak), f"{estimate.mfu(device, seconds):.1%}")
+    console.print(table)
+    best, seconds = top[0]
+    why = (f"{(top[1][1] / seconds - 1):.1%} faster than #2 by the planner's model" if len(top) > 1
+           else "the only layout that fits")
+    console.print(f"--layout auto chose #1, {describe(best.plan.config)} {batch_split(best.batch)}: {why}, peak "
+                  f"{gib(best.peak)} of {device.usable_bytes / GiB:.2f} GiB")
+    return layout_flags(best.plan.config, best.batch.per_device, best.batch.accumulation)
