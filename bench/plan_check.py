@@ -18,8 +18,10 @@
 3. Communication: the planner's collectives beside those plait.comm counts in the measured step (ep's all-to-all
    bytes as the mean over ranks: routing moves them between ranks), and beside
    bench/tp_comm.py's formula for its model (counts and bytes equal); bubble beside bench/pp_bubble.py's formulas.
-4. Step time with ``--calibrate``: for several batch shapes, the planner's 5 best layouts of 2 ranks are run;
-   the planner's first must be within 10% of the fastest measured.
+4. Step time with ``--calibrate``: for several batch shapes, the planner's 5 best layouts of 2 ranks (each with
+   the micro-batch size and accumulation steps the search chose for it) are run; the planner's first, which is
+   what ``plait train --layout auto`` trains with, must be within 10% of the fastest measured. Then the pick for
+   each global batch written three ways (per device x accumulation) must be the same.
 """
 
 from __future__ import annotations
@@ -215,8 +217,9 @@ def _measure_memory(kwargs: dict, tiny: bool, rank: int, moe: bool = False) -> d
 
 
 def _time_layouts(jobs: dict, tiny: bool, steps: int) -> dict[str, float]:
-    """Median seconds per step of each job ("BxS|layout" -> ParallelConfig kwargs). Layouts of one batch shape
-    are built together and timed in turns (round-robin), so a slow spell of a shared machine hits them all."""
+    """Median seconds per step of each job ("BxSxA|layout" -> ParallelConfig kwargs: micro-batch B of S tokens,
+    A accumulation steps). Layouts of one batch shape are built together and timed in turns (round-robin), so a
+    slow spell of a shared machine hits them all."""
     import gc
 
     import torch
@@ -229,17 +232,18 @@ def _time_layouts(jobs: dict, tiny: bool, steps: int) -> dict[str, float]:
         by_shape.setdefault(key.split("|")[0], []).append(key)
     times: dict[str, list[float]] = {key: [] for key in jobs}
     for shape, keys in by_shape.items():
-        b, s = (int(x) for x in shape.split("x"))
+        b, s, accumulation = (int(x) for x in shape.split("x"))
         ids = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(rank))
         built = {}
         for key in keys:
             pmodel, _, step = _build(jobs[key], cfg, torch.float32)
-            built[key] = (pmodel, step, b * (s - 1) * pmodel.mesh.dp)
+            built[key] = (pmodel, step, b * (s - 1) * pmodel.mesh.dp * accumulation)
         for turn in range(steps + 1):  # turn 0 warms up
             for key, (pmodel, step, items) in built.items():
                 dist.barrier()
                 start = time.perf_counter()
-                pmodel.train_step(ids, ids, num_items_in_batch=items)
+                for _ in range(accumulation):
+                    pmodel.train_step(ids, ids, num_items_in_batch=items)
                 step()
                 dist.barrier()
                 if turn:
@@ -285,7 +289,7 @@ def rank_layouts(tiny: bool, calibrate: bool):
     from plait.costs.device import PRESETS, calibrate as measure_device
     from plait.costs.estimate import Batch
     from plait.costs.memory import Precision
-    from plait.costs.search import describe, search_layouts
+    from plait.costs.search import batch_split, describe, search_layouts
     from plait.registry import default_registry
 
     device = measure_device(refresh=True) if calibrate else PRESETS["cpu"]  # this run's machine, measured now
@@ -300,10 +304,43 @@ def rank_layouts(tiny: bool, calibrate: bool):
         for estimate, seconds in result.ranked[:5]:
             c = estimate.plan.config
             kwargs = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "pipeline_cuts"}
-            key = f"{estimate.batch.per_device}x{s}|{json.dumps(kwargs, sort_keys=True)}"
+            split = estimate.batch
+            key = f"{split.per_device}x{s}x{split.accumulation}|{json.dumps(kwargs, sort_keys=True)}"
             jobs[key] = kwargs
-            ranked[(b, s)].append((key, seconds, describe(c)))
+            ranked[(b, s)].append((key, seconds, f"{describe(c)} {batch_split(split)}"))
     return jobs, ranked, device
+
+
+def check_invariance(device) -> list[str]:
+    """The search's pick for one global batch written three ways (per device x accumulation) must be one."""
+    import torch
+
+    from plait import ParallelConfig
+    from plait.costs.activations import trace_activations
+    from plait.costs.estimate import Batch
+    from plait.costs.memory import Precision
+    from plait.costs.search import batch_split, describe, search_layouts
+    from plait.layout_plan import plan_layout
+    from plait.meta import build_meta_model
+    from plait.registry import default_registry
+
+    registry = default_registry()
+    meta = build_meta_model(model_config(False, time_model=True), torch.float32)
+    plan = plan_layout(meta, ParallelConfig(), 2, registry)
+    print("\n6. the pick for one global batch, however it is written (per device x accumulation, dp=2)")
+    bad = []
+    for b, s in SHAPES:
+        trace = trace_activations(meta, s, registry, plan.adapter)
+        picks = {}
+        for per_device, accumulation in ((b, 1), (b // 2, 2), (1, b)):
+            best = search_layouts(meta, plan.config, 2, Batch(per_device, s, accumulation), Precision(), trace,
+                                  device, registry).ranked[0][0]
+            picks[f"{per_device} x {accumulation}"] = f"{describe(best.plan.config)} {batch_split(best.batch)}"
+        same = len(set(picks.values())) == 1
+        bad += [] if same else [f"invariance b={b} s={s}"]
+        print(f"  global batch {2 * b} x {s} tokens: " + "; ".join(f"{w}: {p}" for w, p in picks.items())
+              + ("  same" if same else "  DIFFERENT"))
+    return bad
 
 
 def main() -> None:
@@ -338,6 +375,7 @@ def main() -> None:
         failures += report_memory(per_rank, ns.tiny) + report_comm(per_rank) + report_bubble()
     if wanted["time"]:
         failures += report_time(per_rank, ranked, device)
+        failures += check_invariance(device)
     print(f"\n{'all checks pass' if not failures else 'FAILED: ' + ', '.join(failures)}")
 
 
