@@ -47,6 +47,13 @@ def undeclared_attention(model: nn.Module, layers: str | None,
         roles = {role: next((c for c in names if isinstance(module._modules.get(c), nn.Linear)), None)
                  for role, names in (("q", Q), ("k", K), ("v", V), ("o", O))}
         source = inspect.getsource(type(module).forward)
+        fused = next((c for c in QKV if isinstance(module._modules.get(c), nn.Linear)), None)
+        if roles["q"] is None and fused and roles["o"] and "ALL_ATTENTION_FUNCTIONS" in source and \
+                module._modules[fused].out_features == 3 * module._modules[roles["o"]].in_features:
+            # multi-head attention with one fused q/k/v projection (Persimmon's query_key_value): its layout is
+            # checked as a declared one's; GPT-BigCode's multi-query c_attn is narrower and stays unsplit
+            found[pattern] = (module, {fused: "colwise", roles["o"]: "rowwise"}, {})
+            continue
         if None in roles.values() or "ALL_ATTENTION_FUNCTIONS" not in source:
             continue
         styles = {roles[r]: "colwise" for r in ("q", "k", "v")}
@@ -86,16 +93,58 @@ def undeclared_mixers(model: nn.Module, arch: str, layers: str | None, rules: li
             notes.append(f"{pattern} ({type(hits[0][1]).__name__}): an MLP transformers' plan leaves out, split as "
                          f"declared ones ({mlp[0]}, {mlp[1]} column-, {mlp[2]} row-parallel)")
             continue
+        mlp = direct_mlp(model.get_submodule(layers)[0])
+        if mlp and child_of(pattern) in mlp and len(hits) == seen[pattern]:
+            mixers.append((Column if child_of(pattern) == mlp[0] else Row)(pattern))
+            notes.append(f"{pattern}: an MLP written on the decoder layer ({mlp[0]} -> activation -> {mlp[1]}), "
+                         f"split as declared ones ({mlp[0]} column-, {mlp[1]} row-parallel)")
+            continue
         if is_linear(hits[0][1]):  # OPT's fc1 / fc2: an MLP written on the decoder layer itself, among its norms
             raise refuse(arch, pattern, f"a {type(hits[0][1]).__name__} directly on the decoder layer that no rule "
-                                        f"splits (an MLP written on the layer itself); plait splits an MLP that is a "
-                                        f"block of its own, so write an adapter (`plait plan --show-derived {arch}` "
-                                        f"starts one)")
+                                        f"splits (an MLP written on the layer itself, but not as x = fc2(act(fc1(x))) "
+                                        f"on the unflattened hidden states); write an adapter (`plait plan "
+                                        f"--show-derived {arch}` starts one)")
         each = [whole_sequence(arch, name, module) for name, module in hits]
         mixers += [WholeSequence(pattern, argument=each[0].argument)] if len(hits) == seen[pattern] else each
         notes.append(f"{pattern} ({type(hits[0][1]).__name__}): no rule splits it; kept whole on every rank and run "
                      f"on the whole sequence under SP")
     return mixers
+
+
+def child_of(pattern: str) -> str:
+    return pattern.rpartition(".")[2]
+
+
+def direct_mlp(layer: nn.Module) -> tuple[str, str] | None:
+    """(first, second) of an MLP written on the decoder layer itself (XGLM, TrOCR, BioGPT: ``fc1`` and ``fc2``), where
+    the layer's forward runs ``x = second(act(first(x)))`` on its hidden states as they are, with only parameter-free
+    activations and dropout between: the first column-, the second row-parallel, as a block of its own would be. A
+    forward that flattens the hidden states first (OPT: ``reshape(-1, hidden)``, which the sequence all-gather of a
+    column-parallel layer cannot take) or does anything else between them gets None."""
+    lines = [line.strip() for line in inspect.getsource(type(layer).forward).splitlines()]
+    linears = {n: m for n, m in layer.named_children() if isinstance(m, nn.Linear)}
+    free = {n for n, m in layer.named_children() if not any(True for _ in m.parameters())}
+    for first, up in linears.items():
+        for second, down in linears.items():
+            if up.out_features != down.in_features or up.in_features != down.out_features or first == second:
+                continue
+            start = next((i for i, line in enumerate(lines) if f"self.{first}(" in line), None)
+            end = next((i for i, line in enumerate(lines) if f"self.{second}(" in line), None)
+            if start is None or end is None or end < start:
+                continue
+            flattened = re.search(r"\.(reshape|view|flatten)\(", "\n".join(lines[:start]))
+            if not flattened and all(_elementwise(line, first, second, free) for line in lines[start:end + 1]):
+                return first, second
+    return None
+
+
+def _elementwise(line: str, first: str, second: str, free: set[str]) -> bool:
+    """Whether a line between the two linears of a direct MLP is ``x = op(x)``: one of them, a parameter-free child
+    (the activation) or dropout, or the activation of the first (``x = self.act(self.fc1(x))``); blank or comment."""
+    if not line or line.startswith("#"):
+        return True
+    ops = rf"(?:self\.(?:{'|'.join(map(re.escape, {first, second} | free))})|nn\.functional\.dropout|F\.dropout)"
+    return re.fullmatch(rf"(\w+) = {ops}\((?:{ops}\()?\1(?:, [^()]*)?\)?\)", line) is not None
 
 
 def gated_mlp(block: nn.Module) -> tuple[str, str, str] | None:
@@ -214,14 +263,17 @@ def _fused_attention_rules(config, parent, block, styles, qkv: str, o: str) -> l
     arch = config.model_type
     if GATHERED.get(styles[o], styles[o]) != "rowwise" or GATHERED.get(styles[qkv], styles[qkv]) != "colwise":
         raise refuse(arch, parent, f"fused attention styles {styles} are not column-parallel qkv and row-parallel out")
-    stray = [n for n, m in block.named_modules() if n and n not in (qkv, o) and own_params(m)]
-    if stray or len(styles) != 2:
-        raise refuse(arch, f"{parent}.{(stray or sorted(set(styles) - {qkv, o}))[0]}",
-                     "a module inside fused attention beside qkv and out; plait has no rule for it")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(block, "head_dim", None) or getattr(block, "head_size", None) or \
         getattr(config, "head_dim", None) or config.hidden_size // heads
+    stray = [n for n, m in block.named_modules() if n and n not in (qkv, o) and own_params(m)]
+    # per-head q/k norms (Persimmon's q_layernorm over head_dim) work on a rank's own heads: their gradients summed
+    per_head = [n for n in stray if all(p.dim() == 1 and p.shape[0] == head_dim for p in own_params(block.get_submodule(n)))]
+    if set(stray) - set(per_head) or len(styles) != 2:
+        raise refuse(arch, f"{parent}.{(sorted(set(stray) - set(per_head)) or sorted(set(styles) - {qkv, o}))[0]}",
+                     "a module inside fused attention beside qkv and out; plait has no rule for it")
+    norms = [ReplicatedGradSum(f"{parent}.{n}") for n in per_head]
     width = out_features(block.get_submodule(qkv))
     if width != (heads + 2 * kv_heads) * head_dim:
         raise refuse(arch, f"{parent}.{qkv}", f"fused width {width} is not (heads + 2 kv heads) x head_dim = "
@@ -229,13 +281,14 @@ def _fused_attention_rules(config, parent, block, styles, qkv: str, o: str) -> l
     source = inspect.getsource(type(block).forward)
     local = {attr: q for attr, q in LOCAL_ATTRS.items() if isinstance(vars(block).get(attr), int)}
     common = dict(qkv=qkv, o=o, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, local_attrs=local)
-    interleaved = ".chunk(3" in source and ("3 * self.head_size" in source or "3 * self.head_dim" in source)
+    interleaved = ".chunk(3" in source and ("3 * self.head_size" in source or "3 * self.head_dim" in source) or \
+        "self.num_heads, 3, self.head_dim)" in inspect.getsource(type(block))  # Persimmon's _split_heads: the same
     if interleaved and kv_heads == heads:
-        return [HeadInterleavedAttention(parent, **common)]
+        return [HeadInterleavedAttention(parent, **common), *norms]
     sliced = "config.num_attention_heads * self.head_dim" in source
     if sliced and not interleaved:
         reads = {r.partition(".")[2]: q for r, q in CONFIG_READS.items() if r in source}
-        return [LocalConfigAttention(parent, config_attrs=reads, **common)]
+        return [LocalConfigAttention(parent, config_attrs=reads, **common), *norms]
     raise refuse(arch, f"{parent}.{qkv}", f"{type(block).__name__}.forward splits its fused qkv in a layout plait does "
                                           f"not recognise (neither q|k|v sliced by head counts nor per-head "
                                           f"interleaved)")

@@ -19,7 +19,7 @@ from plait.tp.styles import WholeSequence
 Q, K, V = ("q_proj", "query", "q"), ("k_proj", "key", "k"), ("v_proj", "value", "v")
 
 
-O = ("o_proj", "dense", "out_proj", "o", "c_proj")
+O = ("o_proj", "dense", "out_proj", "o", "c_proj", "Wo")  # Wo: ModernBERT
 
 
 QKV = ("qkv_proj", "query_key_value", "qkv", "Wqkv", "c_attn")  # fused q, k and v
@@ -62,7 +62,8 @@ def refuse(arch: str, module: str, missing: str) -> Refusal:
 
 
 def layer_container(model: nn.Module) -> str | None:
-    """The ModuleList of decoder layers: the pp plan's list, else the one holding ``_no_split_modules``."""
+    """The ModuleList of decoder layers: the pp plan's list, else the one holding ``_no_split_modules``, else
+    (neither declared: BioGPT, CTRL, GIT) the repeated block list of the module tree (``_repeated_blocks``)."""
     for name in (model.pp_plan or {}):
         if isinstance(get_module(model, name), nn.ModuleList):
             return name
@@ -70,7 +71,18 @@ def layer_container(model: nn.Module) -> str | None:
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and any(type(c).__name__ in decoder_classes for c in module):
             return name
-    return None
+    return _repeated_blocks(model)
+
+
+def _repeated_blocks(model: nn.Module) -> str | None:
+    """The ModuleList of ``num_hidden_layers`` blocks of one class with parameters, the shallowest where there are
+    several (GIT's text layers, not its vision tower's, nested deeper): the decoder layers of a model that declares
+    neither a pp plan nor ``_no_split_modules``. None where no list fits."""
+    count = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    found = [name for name, module in model.named_modules()
+             if isinstance(module, nn.ModuleList) and len(module) == count and len({type(c) for c in module}) == 1
+             and own_params_deep(module)]
+    return min(found, key=lambda name: name.count("."), default=None)
 
 
 def get_module(model: nn.Module, name: str) -> nn.Module | None:

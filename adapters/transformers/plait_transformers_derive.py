@@ -98,6 +98,7 @@ def tp_plan(model: nn.Module, config, layers: str | None, notes: list[str]) -> T
     """transformers' tp plan as plait rules: attention blocks, Column / Row linears, per-head norms, the
     vocab-parallel embedding and head; a style plait cannot honour is a Refusal naming it."""
     arch = config.model_type
+    text = config.get_text_config()  # a composite's (Llama4, Gemma4) head counts are its text config's
     declared = dict(model.tp_plan or {})
     if not declared:
         declared = structural_tp_plan(model, layers)
@@ -151,9 +152,9 @@ def tp_plan(model: nn.Module, config, layers: str | None, notes: list[str]) -> T
             continue
         experts = [c for c, style in styles.items() if style in MOE_STYLES]
         if experts:
-            rules += _moe_rules(model, config, parent, styles, experts)
+            rules += _moe_rules(model, text, parent, styles, experts)
         else:
-            rules += block_rules(model, config, parent, blocks[parent], styles, bare.pop(parent, {}))
+            rules += block_rules(model, text, parent, blocks[parent], styles, bare.pop(parent, {}))
     for parent, params in bare.items():
         raise bare_refusal(arch, parent, params)
     rules += undeclared_mixers(model, arch, layers, rules, notes)
@@ -246,8 +247,31 @@ def _embedding_rules(model, styled, notes) -> tuple[list[TPRule], list[TPRule]]:
         else:
             notes.append(f"{emb_name} ({type(emb).__name__}) has its own forward: kept replicated")
     head: list[TPRule] = []
-    if head_name and styled.get(head_name) in LM_HEAD_STYLES and is_linear(out) and (embedding or not tied):
+    shared_bias = head_name is not None and _names_of(model, getattr(out, "bias", None)) > 1
+    before = _before_head(model, emb, out)
+    if head_name and styled.get(head_name) in LM_HEAD_STYLES and is_linear(out) and (embedding or not tied) \
+            and not shared_bias and not before:
         head = [VocabHead(head_name)]
     elif head_name:
-        notes.append(f"{head_name} kept replicated" + (" (tied to a replicated embedding)" if tied else ""))
+        why = f" ({before[0]} runs before it, outside the decoder, and would see its split gradient)" if before \
+            else " (its bias is also its parent's)" if shared_bias else " (tied to a replicated embedding)" if tied \
+            else ""
+        notes.append(f"{head_name} kept replicated{why}")
+    if tied and embedding and not head:
+        notes.append(f"{emb_name} kept replicated (tied to the replicated head)")
+        embedding = []
     return embedding, head
+
+
+def _before_head(model: nn.Module, embedding: nn.Module, head: nn.Module | None) -> list[str]:
+    """The model's own children with parameters besides its decoder (the child holding the input embedding) and the
+    LM head (ModernBERT's prediction head, dense and norm between the final norm and the head): replicated, their
+    gradients would be one vocab shard's under a vocab-parallel head, which only the decoder's own region end sums."""
+    return [n for n, m in model.named_children() if any(True for _ in m.parameters())
+            and not any(x is head or x is embedding for x in m.modules())]
+
+
+def _names_of(model: nn.Module, param: nn.Parameter | None) -> int:
+    """Under how many names ``param`` is registered: BERT-style heads register the decoder's bias on the head
+    block too, where a vocab-parallel split of the decoder would leave the second name whole."""
+    return sum(1 for _, p in model.named_parameters(remove_duplicate=False) if param is not None and p is param)

@@ -17,7 +17,13 @@ from plait import PipelinePlan, SPPlan, TPPlan
 from plait.patterns import matches
 from plait.tp.styles import MoEExperts, MoERouter, WholeSequence
 
-from plait_transformers_common import Refusal, is_covered, get_module, layer_pattern, own_params, own_params_deep, refuse
+from plait_transformers_common import (
+    Refusal, is_covered, get_module, is_softmax_attention, layer_pattern, own_params, own_params_deep, refuse,
+)
+
+
+NO_LAYERS = ("no decoder layer list found (pp plan, _no_split_modules, or a ModuleList of num_hidden_layers blocks "
+             "of one class)")
 
 
 def sp_plan(model: nn.Module, arch: str, layers: str | None, tp: TPPlan | Refusal) -> SPPlan:
@@ -28,9 +34,14 @@ def sp_plan(model: nn.Module, arch: str, layers: str | None, tp: TPPlan | Refusa
     if isinstance(tp, Refusal):
         raise tp
     if layers is None:
-        raise refuse(arch, type(model).__name__, "no decoder layer list found (pp plan or _no_split_modules)")
+        raise refuse(arch, type(model).__name__, NO_LAYERS)
     _check_layers_run_once(model, arch, layers)
-    norm = _final_norm(model, arch, layers)
+    embedding = model.get_input_embeddings()
+    outside = [n for n in _beside(model, layers) if own_params_deep(model.get_submodule(n))
+               and not _holds(model.get_submodule(n), embedding)]
+    _check_no_side_inputs(model, arch, layers, outside, "each rank's layers would give its gradient for their "
+                                                         "sequence shard alone: disable sequence parallelism")
+    norm = _final_norm(model, layers)
     end = _region_end(model, arch, layers, norm)
     covered = [r.pattern for r in tp.rules]
     moe_blocks = {r.pattern.rpartition(".")[0] for r in tp.rules if isinstance(r, MoEExperts)}
@@ -53,10 +64,30 @@ def sp_plan(model: nn.Module, arch: str, layers: str | None, tp: TPPlan | Refusa
             continue
         if any(p.dim() > 1 for p in own_params(module)):
             raise refuse(arch, pattern, f"{type(module).__name__} has replicated matrices inside the decoder layers "
-                                        f"(e.g. a state-space or recurrent mixer); on sequence shards it would be "
-                                        f"wrong: disable sequence parallelism")
+                                        f"({_kind(model, layers, name)}); on sequence shards it would be wrong: "
+                                        f"disable sequence parallelism")
         norms.append(pattern)
     return SPPlan(begin=f"{layers}.0", end=end, norms=(*norms, end) if end == norm else tuple(norms))
+
+
+def _kind(model: nn.Module, layers: str, name: str) -> str:
+    """What holds module ``name`` of a decoder layer, for a refusal: softmax attention whose projections no rule reads
+    (CTRL's q, k and v on separate inputs; GPT-BigCode's multi-query c_attn), else a mixer of another kind."""
+    child = ".".join(name.split(".")[:layers.count(".") + 3])  # layers.<index>.<child>
+    block = model.get_submodule(child)
+    if is_softmax_attention(block):
+        return f"in {type(block).__name__}, attention whose projections no rule splits"
+    return "e.g. a state-space or recurrent mixer"
+
+
+def _beside(model: nn.Module, layers: str) -> list[str]:
+    """The modules beside the layer list and beside each module holding it, below the model itself."""
+    found, path = [], layers
+    while "." in path:
+        parent = path.rpartition(".")[0]
+        found += [f"{parent}.{n}" for n in model.get_submodule(parent)._modules if f"{parent}.{n}" != path]
+        path = parent
+    return found
 
 
 def _check_layers_run_once(model: nn.Module, arch: str, layers: str) -> None:
@@ -69,11 +100,15 @@ def _check_layers_run_once(model: nn.Module, arch: str, layers: str) -> None:
                                    f"layer would split the sequence again on each run: disable sequence parallelism")
 
 
-def _region_end(model: nn.Module, arch: str, layers: str, norm: str) -> str:
+def _region_end(model: nn.Module, arch: str, layers: str, norm: str | None) -> str:
     """Where the sequence-parallel region ends: at the final norm's output, unless the forward also calls that
     norm before the layers (NanoChat normalises the embeddings with it), where the gather at its output would
     fire on the full-length embeddings too. A parameter-free such norm then runs after the region, which ends
-    at the last layer (exact: the norm holds nothing to sum over tp); one with parameters is refused."""
+    at the last layer (exact: the norm holds nothing to sum over tp); one with parameters is refused. Without a
+    final norm the region ends at the last layer too: what follows runs on the whole sequence, as one process."""
+    last = f"{layers}.{len(model.get_submodule(layers)) - 1}"
+    if norm is None:
+        return last
     parent, _, child = norm.rpartition(".")
     owner = model.get_submodule(parent) if parent else model
     try:
@@ -86,7 +121,7 @@ def _region_end(model: nn.Module, arch: str, layers: str, norm: str) -> str:
         raise refuse(arch, norm, f"{type(owner).__name__}.forward calls the final norm {calls} times (also before the "
                                  f"layers), so the sequence-parallel region cannot end at it: disable sequence "
                                  f"parallelism")
-    return f"{layers}.{len(model.get_submodule(layers)) - 1}"
+    return last
 
 
 def in_moe_block(model: nn.Module, name: str, moe_blocks: set[str], experts: set[str]) -> bool:
@@ -101,9 +136,9 @@ def in_moe_block(model: nn.Module, name: str, moe_blocks: set[str], experts: set
     return False
 
 
-def _final_norm(model: nn.Module, arch: str, layers: str) -> str:
+def _final_norm(model: nn.Module, layers: str) -> str | None:
     """The module the pp plan runs right after the layers (the final norm), else the next one registered whose
-    class is a norm."""
+    class is a norm; None for a model without one (post-norm layers: BERT, GPT-1)."""
     plan = list(model.pp_plan or {})
     parent = layers.rpartition(".")[0]
     if layers in plan:
@@ -115,42 +150,155 @@ def _final_norm(model: nn.Module, arch: str, layers: str) -> str:
         name = f"{parent}.{child}" if parent else child
         if "norm" in type(model.get_submodule(name)).__name__.lower():
             return name
-    raise refuse(arch, layers, "no final norm after the decoder layers to end the sequence-parallel region at")
+    return None
 
 
 def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePlan:
     """transformers' pp plan in execution order: what runs before the layer list goes to the first stage,
     what runs after it (and the LM head) to the last. Without a pp plan naming the layers, the order is the
-    one the forward uses them in (``_execution_order``). Parameter-free modules neither names (rotary tables)
+    one the forward uses them in (``_execution_order``), at each module holding the layer list (BERT-style
+    models nest it in an encoder beside the embeddings). Parameter-free modules neither names (rotary tables)
     every stage recomputes; modules with parameters they do not name are a Refusal. Parameterised modules
     before the layers other than the input embedding (learned position embeddings) are neutralised on the
-    stages that do not own them."""
+    stages that do not own them; a block holding the input embedding is staged by its children."""
     if layers is None:
-        raise refuse(arch, type(model).__name__, "no decoder layer list found (pp plan or _no_split_modules)")
+        raise refuse(arch, type(model).__name__, NO_LAYERS)
     _check_layer_inputs(model, arch, layers)
-    plan = model.pp_plan or {}
-    parent = layers.rpartition(".")[0]
-    siblings = [f"{parent}.{n}" if parent else n for n in model.get_submodule(parent)._modules]
-    ordered = [n for n in plan if n in siblings]
-    if layers not in ordered:
-        ordered = _execution_order(model, arch, layers, siblings)
-    if layers not in ordered:
-        ordered = siblings
-    cut = ordered.index(layers)
-    first, last = ordered[:cut], ordered[cut + 1:]
-    for name in siblings:
-        if name not in ordered:
-            if own_params_deep(get_module(model, name)):
-                raise refuse(arch, name, "has parameters but transformers' pp plan does not place it on a stage")
-            first.append(name)
-    outer = [n for n in model._modules if parent and n != parent.split(".")[0]]
-    for name in outer:
-        if own_params_deep(model.get_submodule(name)) and model.get_submodule(name) is not model.get_output_embeddings():
-            raise refuse(arch, name, "has parameters outside the decoder and is not the LM head; plait cannot stage it")
-        last.append(name)
+    _check_no_shared_parameters(model, arch, layers)
+    first: list[str] = []
+    last: list[str] = []
+    unused: list[str] = []
+    path = layers
+    while True:  # the layer list, then each module holding it, up to the model's child
+        before, after, idle = _around(model, arch, path)
+        first, last, unused = before + first, last + after, unused + idle
+        if path.count(".") <= 1:
+            break
+        path = path.rpartition(".")[0]
+    if "." in layers:  # the model's own children: the LM head (and ModernBERT's prediction head before it) last
+        before, after, idle = _around(model, arch, layers.partition(".")[0])
+        for name in before + idle:
+            if own_params_deep(model.get_submodule(name)):
+                raise refuse(arch, name, "has parameters outside the decoder and runs before it; plait cannot stage it")
+        first, last = before + first, last + after
+    first = _staged_by_children(model, first)
     embedding = model.get_input_embeddings()
     neutralize = [n for n in first if own_params_deep(get_module(model, n)) and get_module(model, n) is not embedding]
+    first += unused
+    _check_no_side_inputs(model, arch, layers, neutralize, "only the first pipeline stage would hold it: use pp=1")
     return PipelinePlan(first=tuple(first), layers=layers, last=tuple(last), neutralize=tuple(neutralize))
+
+
+def _check_no_shared_parameters(model: nn.Module, arch: str, layers: str) -> None:
+    """Layers that share parameters (Zamba's one transformer block, called from several of its layers) would hold
+    them on several pipeline stages, each training its own copy: refused."""
+    owner: dict[int, str] = {}
+    for index, layer in enumerate(model.get_submodule(layers)):
+        for name, param in layer.named_parameters():
+            first = owner.setdefault(id(param), f"{layers}.{index}.{name}")
+            if not first.startswith(f"{layers}.{index}."):
+                raise refuse(arch, f"{layers}.{index}.{name}", f"is the same parameter as {first} (shared by several "
+                                                               f"layers); pipeline stages cannot share it: use pp=1")
+
+
+def _around(model: nn.Module, arch: str, path: str) -> tuple[list[str], list[str], list[str]]:
+    """The siblings of ``path`` (the layer list, or a module holding it) that run before and after it, and those
+    with parameters the forward never names but another modality's methods do (Gemma3's vision tower, reached only
+    through ``get_image_features``): the first stage holds them, and another stage that called one would fail
+    loudly. Any other module with parameters the forward never names is a Refusal."""
+    plan = model.pp_plan or {}
+    parent = path.rpartition(".")[0]
+    siblings = [f"{parent}.{n}" if parent else n for n in model.get_submodule(parent)._modules]
+    ordered = [n for n in plan if n in siblings]
+    unplanned = [n for n in siblings if n not in ordered and own_params_deep(get_module(model, n))]
+    if path not in ordered or unplanned:  # DeepSeek-V4's hc_head, which transformers' pp plan leaves out
+        ordered = _execution_order(model, arch, path, siblings)
+    if path not in ordered:
+        ordered = siblings
+    cut = ordered.index(path)
+    before, after = ordered[:cut], ordered[cut + 1:]
+    unused = [n for n in siblings if n not in ordered and own_params_deep(get_module(model, n))]
+    owner = type(model.get_submodule(parent)) if parent else type(model)
+    for name in unused:
+        if not _modality_only(owner, name.rpartition(".")[2]):
+            raise refuse(arch, name, "has parameters but transformers' pp plan does not place it on a stage")
+    before += [n for n in siblings if n not in ordered and n not in unused]
+    return before, after, unused
+
+
+def _modality_only(owner: type, child: str) -> bool:
+    """Whether the only methods of ``owner`` that use ``self.<child>`` are for another modality's inputs
+    (``get_image_features``): never called on text alone."""
+    users = [name for name, method in inspect.getmembers(owner, inspect.isfunction)
+             if not name.startswith("__") and f"self.{child}" in _source(method)]  # __init__ builds it
+    return bool(users) and all(re.search(r"image|audio|video|vision|pixel|speech", name) for name in users)
+
+
+def _source(function) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+
+
+def _holds(module: nn.Module, target: nn.Module | None) -> bool:
+    return target is not None and any(m is target for m in module.modules())
+
+
+def _staged_by_children(model: nn.Module, first: list[str]) -> list[str]:
+    """``first`` with a block that holds the input embedding among other modules (BERT's embeddings: word and
+    position embeddings, a LayerNorm) replaced by its children: later stages run the block's forward on a stand-in
+    for the embeddings, so only its parts can be owned by the first stage and neutralised elsewhere."""
+    embedding = model.get_input_embeddings()
+    out: list[str] = []
+    for name in first:
+        module = model.get_submodule(name)
+        if module is not embedding and _holds(module, embedding):
+            out += _staged_by_children(model, [f"{name}.{child}" for child in module._modules])
+        else:
+            out.append(name)
+    return out
+
+
+def _check_no_side_inputs(model: nn.Module, arch: str, layers: str, modules: list[str], why: str) -> None:
+    """A module with parameters before the layers must feed only the hidden states (an added position embedding):
+    one whose output the forward hands on beside them to the layers or the block holding them (CPM-Ant's relative
+    position bias) would reach later pipeline stages' layers as a stand-in's output, and under SP get from each
+    rank's layers the gradient of its sequence shard alone. Refused, saying ``why``."""
+    for name in modules:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        inner = layers[len(parent) + 1:].partition(".")[0] if parent else layers.partition(".")[0]
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(type(owner).forward)))
+        except (OSError, TypeError):
+            continue
+        outputs = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) and _calls_self(node.value, child)
+                   for t in node.targets if isinstance(t, ast.Name)}
+        for call in _calls_of(tree, inner):
+            side = [*call.args[1:], *(k.value for k in call.keywords if k.arg not in HIDDEN_ARGUMENTS)]
+            used = {a.id for a in side if isinstance(a, ast.Name)} & outputs
+            if used:
+                raise refuse(arch, name, f"has parameters and its output ({', '.join(sorted(used))}) goes to the "
+                                         f"layers beside the hidden states; {why}")
+
+
+# The keywords a model passes its hidden states to a block under.
+HIDDEN_ARGUMENTS = ("hidden_states", "inputs_embeds", "input_embeds", "x")
+
+
+def _calls_self(node: ast.AST, child: str) -> bool:
+    """Whether ``node`` is a call ``self.<child>(...)``."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == child \
+        and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+
+
+def _calls_of(tree: ast.AST, child: str) -> list[ast.Call]:
+    """The calls of ``self.<child>`` in ``tree``, and of the loop variable of a loop over it (the layers)."""
+    loops = {n.id for loop in ast.walk(tree) if isinstance(loop, ast.For) and f"self.{child}" in ast.unparse(loop.iter)
+             for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and (
+        _calls_self(n, child) or isinstance(n.func, ast.Name) and n.func.id in loops)]
 
 
 def _execution_order(model: nn.Module, arch: str, layers: str, siblings: list[str]) -> list[str]:
@@ -210,6 +358,14 @@ def _layer_call_inputs(source: str, attribute: str) -> dict[str, bool] | None:
             for k in call.keywords if k.arg}
 
 
+def _threaded(source: str, layer: str, outputs: list[str]) -> bool:
+    """Whether any of ``outputs`` (what each layer returns besides the hidden states) goes into a call of ``layer``
+    (the next layer), rather than only being collected (Bamba's attention weights)."""
+    calls = [n for n in ast.walk(ast.parse(textwrap.dedent(source)))
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == layer]
+    return any(isinstance(n, ast.Name) and n.id in outputs for call in calls for n in ast.walk(call))
+
+
 def _check_layer_inputs(model: nn.Module, arch: str, layers: str) -> None:
     """Pipeline stages hand on the hidden states alone. A decoder layer that needs another input the model
     threads from layer to layer (Inkling2's ``block_states``, the outputs of earlier blocks) would get, on a
@@ -219,10 +375,19 @@ def _check_layer_inputs(model: nn.Module, arch: str, layers: str) -> None:
     source = inspect.getsource(type(model.get_submodule(parent) if parent else model).forward)
     loop = re.search(rf"for (?:\w+, )?(\w+) in (?:enumerate\()?self\.{layers.rpartition('.')[2]}\b", source)
     unpacked = loop and re.search(rf"(\w+(?:\s*,\s*\w+)+)\s*=\s*{loop.group(1)}\(", source)
-    if unpacked:  # GlmMoeDsa: hidden_states, topk_indices = decoder_layer(...)
-        raise refuse(arch, layers, f"each layer returns {unpacked.group(1).replace(' ', '')}, which the model hands "
-                                   f"to the next layer; pipeline stages hand on only the hidden states: use pp=1")
+    if unpacked:
+        names = unpacked.group(1).replace(" ", "")
+        if _threaded(source, loop.group(1), names.split(",")[1:]):  # GlmMoeDsa: topk_indices into the next layer
+            raise refuse(arch, layers, f"each layer returns {names}, which the model hands to the next layer; pipeline "
+                                       f"stages hand on only the hidden states: use pp=1")
+        # Bamba's attention weights, only collected: the stand-ins for another stage's layers return the hidden
+        # states alone until the stage's own layers have run once, and the model's unpacking fails on them
+        raise refuse(arch, layers, f"each layer returns {names}, which the model unpacks; plait's stand-ins for "
+                                   f"another stage's layers return the hidden states alone: use pp=1")
     inputs = _layer_call_inputs(source, layers.rpartition(".")[2])
+    if inputs and "input_ids" in inputs:  # DeepSeek-V4's hash routing reads the token ids in every layer
+        raise refuse(arch, layers, "each layer takes the input_ids, which pipeline stages after the first do not "
+                                   "have (they are fed hidden states): use pp=1")
     for cls in dict.fromkeys(type(layer) for layer in model.get_submodule(layers)):
         params = list(inspect.signature(cls.forward).parameters.values())[2:]  # self, the hidden states
         required = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in STAGE_BUILT

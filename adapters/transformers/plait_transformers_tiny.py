@@ -6,12 +6,14 @@ does not divide (padding), dropout and router jitter 0 (parity needs a determini
 window shorter than the test sequences, and each kind of layer the architecture alternates between. Sizes are
 set only on the keys the class has (under its own names where its ``attribute_map`` renames them); lists with one entry per layer, per-layer overrides keyed by layer index
 (``per_layer_config``), layer kinds placed by period and offset and counts of layers of one kind are rebuilt for
-4 layers; a composite config's sub-configs are shrunk the same way. ARCHITECTURES holds the few values a class's
-own defaults need to build a model that runs at all, each with why.
+4 layers; a composite config's sub-configs are shrunk the same way. Sizes the class derives itself (a field whose
+default is None, a value its init computes) it derives again from the test sizes. ARCHITECTURES holds the few
+values a class's own defaults need to build a model that runs at all, each with why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -30,6 +32,7 @@ SIZES: dict[str, Any] = {
     "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8, "laurel_rank": 4, "index_n_heads": 4,
     "index_head_dim": 8, "mamba_n_heads": 4, "mamba_d_state": 8, "linear_num_heads": 4, "linear_head_dim": 8,
     "num_expert_group": 1, "num_experts_per_token": 2,
+    "rotary_dim": 4, "d_head": 8, "d_inner": 64,  # GPT-J's rotary part of a head; XLNet's head and MLP widths
     "word_embed_proj_dim": 32,  # OPT's embedding width, projected to hidden_size where they differ (default: equal)
 }
 # Counts of layers of one kind (the last 15 of 35 share their kv cache, the first 2 are dense): scaled to 4 layers,
@@ -75,6 +78,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "dots3_note_text": {"num_key_value_heads": SIZES["num_attention_heads"], "head_dim": 8},
     # every default layer is a Mamba one, and transformers' cache then has no attention layer to count tokens by
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"] * (LAYERS // 2)},
+    "bamba": {"attn_layer_indices": [1, 3]},  # the same: its default places no attention layer
     # the QSA indexer of its indexed-attention layers has no defaults (all None); hc_lowrank is a width
     "qwen4_exp_text": {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 4,
                        "indexer_compress_ratio": 2, "hc_lowrank": 8},
@@ -92,7 +96,8 @@ def tiny_config(config_class: type[PretrainedConfig]) -> PretrainedConfig:
     aliases = {plain: stored for plain, stored in config_class.attribute_map.items()
                if stored in values and plain not in values}
     layers = values.get("num_hidden_layers", values.get(aliases.get("num_hidden_layers", "")))
-    overrides = _sizes(values)
+    overrides = _derived(config_class, values)
+    overrides.update(_sizes(values))
     overrides.update({stored: SIZES[plain] for plain, stored in aliases.items() if plain in SIZES and stored not in overrides})
     overrides.update(_periods(values))
     overrides.update({k: max(1, round(values[k] * LAYERS / layers)) for k in LAYER_COUNTS if values.get(k) and layers})
@@ -100,7 +105,8 @@ def tiny_config(config_class: type[PretrainedConfig]) -> PretrainedConfig:
         overrides["per_layer_config"] = _per_layer_config(values["per_layer_config"], values.get("layer_types"), layers,
                                                           ARCHITECTURES.get(defaults.model_type, {}))
     for key, sub_class in config_class.sub_configs.items():  # a composite (Llama4: text and vision configs)
-        if isinstance(values.get(key), dict) and isinstance(sub_class, type) and issubclass(sub_class, PretrainedConfig):
+        sub_class = _sub_config_class(sub_class, values.get(key))
+        if sub_class is not None:
             overrides[key] = tiny_config(sub_class).to_dict()
     for key, value in values.items():
         if isinstance(value, float) and not isinstance(value, bool) and any(k in key for k in NOISE_KEYS):
@@ -110,10 +116,44 @@ def tiny_config(config_class: type[PretrainedConfig]) -> PretrainedConfig:
         elif isinstance(value, list) and layers and len(value) == layers and key not in SIZES:
             overrides[key] = _per_layer(value)
     overrides.update(ARCHITECTURES.get(defaults.model_type, {}))
-    config = config_class(**{**values, **overrides})
+    computed = [k for k in _computed(config_class, values) if k not in overrides]
+    config = config_class(**{k: v for k, v in {**values, **overrides}.items() if k not in computed})
     if hasattr(defaults, "tie_word_embeddings"):
         config.tie_word_embeddings = defaults.tie_word_embeddings
     return config
+
+
+def _sub_config_class(declared: Any, value: Any) -> type[PretrainedConfig] | None:
+    """The config class of a composite's sub-config ``value`` (a dict): the declared class, or where the composite
+    declares AutoConfig (Gemma3's SigLIP vision config, GOT-OCR2's text config) the class of its ``model_type``."""
+    if not isinstance(value, dict):
+        return None
+    if isinstance(declared, type) and issubclass(declared, PretrainedConfig):
+        return declared
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[value["model_type"]] if value.get("model_type") in CONFIG_MAPPING else None
+
+
+def _derived(config_class: type[PretrainedConfig], values: dict[str, Any]) -> dict[str, None]:
+    """Sizes the class derives itself from others where they are None (its field's default), such as Zamba's
+    ``attention_hidden_size`` (2 x hidden_size) or xLSTM's ``embedding_dim``: None again, so that the class derives
+    them from the test sizes by its own rules instead of keeping the full-size values."""
+    if not dataclasses.is_dataclass(config_class):
+        return {}
+    fields = {f.name: f.default for f in dataclasses.fields(config_class)}
+    return {key: None for key, value in values.items()
+            if key in fields and fields[key] is None and isinstance(value, int) and not isinstance(value, bool)}
+
+
+def _computed(config_class: type[PretrainedConfig], values: dict[str, Any]) -> list[str]:
+    """Sizes the class computes in its own init, stored beside its fields but none of them (Zamba2's
+    ``mamba_headdim``, expand x hidden_size / heads, and ``hybrid_layer_ids``, from the layer types): left out, so
+    that the class computes them from the test sizes, not passed back at full size."""
+    if not dataclasses.is_dataclass(config_class):
+        return []
+    fields = {f.name for f in dataclasses.fields(config_class)} | {f.name for f in dataclasses.fields(PretrainedConfig)}
+    return [k for k, v in values.items() if k not in fields and isinstance(v, (int, list)) and not isinstance(v, bool)]
 
 
 def _sizes(values: dict[str, Any]) -> dict[str, Any]:
@@ -129,6 +169,10 @@ def _sizes(values: dict[str, Any]) -> dict[str, Any]:
         sizes["qk_head_dim"] = SIZES["qk_nope_head_dim"] + SIZES["qk_rope_head_dim"]
     if "mamba_d_head" in values and "mamba_expand" in values:  # heads x head size = the expanded width
         sizes["mamba_d_head"] = values["mamba_expand"] * SIZES["hidden_size"] // SIZES["mamba_n_heads"]
+    if values.get("mamba_d_ssm") and "mamba_d_head" in sizes:  # Falcon-H1's Mamba width: heads x head size
+        sizes["mamba_d_ssm"] = sizes["mamba_d_head"] * SIZES["mamba_n_heads"]
+    if {"num_heads", "head_dim", "expand"} <= set(values):  # Mamba2: the same, with the head size kept
+        sizes["num_heads"] = values["expand"] * SIZES["hidden_size"] // SIZES["head_dim"]
     return sizes
 
 

@@ -92,12 +92,14 @@ class LayerForm:
 
     def __init__(self) -> None:
         self.extra: int | None = None  # entries after the hidden states; None: a bare tensor (or not yet seen)
+        self.kind: type = tuple  # a list where the layers return one (GPT-1's blocks)
 
     def record(self, module: nn.Module, args, output) -> None:
-        self.extra = len(output) - 1 if isinstance(output, tuple) else None
+        self.extra = len(output) - 1 if isinstance(output, (tuple, list)) else None
+        self.kind = list if isinstance(output, list) else tuple
 
     def wrap(self, hidden: torch.Tensor):
-        return hidden if self.extra is None else (hidden, *([None] * self.extra))
+        return hidden if self.extra is None else self.kind((hidden, *([None] * self.extra)))
 
 
 _FORMS: weakref.WeakKeyDictionary[nn.Module, LayerForm] = weakref.WeakKeyDictionary()
@@ -241,7 +243,8 @@ class StageChunk(nn.Module):
             kwargs["input_ids"] = x
         else:
             self._seq = x.shape[1] * self.seq_shards
-            kwargs["inputs_embeds"] = x.new_zeros(()).expand(x.shape[0], self._seq, x.shape[2])
+            # materialised, not an expanded scalar: some models scale or add to inputs_embeds in place (CTRL, GIT)
+            kwargs["inputs_embeds"] = x.new_zeros(x.shape[0], self._seq, x.shape[2])
             self._incoming = _ContiguousGrad.apply(x)
         routers = [] if router_logits is None else list(_ContiguousGrad.apply(router_logits).unbind())
         recording = self._routers.recording(routers) if self._routers is not None else contextlib.nullcontext()

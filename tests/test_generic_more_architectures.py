@@ -1,0 +1,101 @@
+"""Issue 24: more causal LMs through the generic adapter, each with one-process parity (the kit's 3 AdamW steps,
+fp32), where before they were refused:
+
+- decoder layers found in the module tree where transformers declares neither a pp plan nor
+  ``_no_split_modules`` (BERT-Generation, BioGPT, CTRL, GIT, GPT-1): pipeline stages, staged by each module
+  holding the layer list (BERT's embeddings block by its children), and a sequence-parallel region that ends at
+  the last layer where there is no final norm (post-norm layers);
+- an MLP written on the decoder layer itself as ``fc2(act(fc1(x)))`` (XGLM, TrOCR, BioGPT): fc1 column-, fc2
+  row-parallel, as a block of its own would be;
+- modules staged in the order the forward runs them where transformers' pp plan leaves one out or there is
+  none (Phi-4-multimodal's embedding extension, ModernBERT-decoder's prediction head before the LM head, which
+  keeps that head replicated: a vocab-parallel one would hand the prediction head a split gradient);
+- composites whose head counts live in their text config (Llama4, Qwen3.5, Qwen3.5-MoE) split over tp;
+- tiny configs that now shrink and run, from the config classes' own rules (sizes the class derives itself, a
+  rotary width no wider than a head, Mamba widths of heads x head size, sub-configs declared as AutoConfig):
+  CodeGen, GPT-J, XLNet, Falcon-H1, Bamba, RecurrentGemma, Zamba, Zamba2, Gemma3, Fuyu, GOT-OCR2,
+  MOSS-Transcribe-Diarize, whose vision or audio encoder (used only by ``get_image_features`` and the like) the
+  first pipeline stage holds.
+
+What they still cannot take is skipped with plait's one-line reason, before any process starts. One launch of 2
+ranks runs every pair.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.testing.conformance_modes import LOSS_RTOL
+from plait_transformers import plait_tiny_config
+from plait_transformers_common import Refusal
+from plait_transformers_derive import derive
+
+pytest_plugins = ["plait.testing.pytest_plugin"]
+
+ARCHITECTURES = ("bert-generation", "biogpt", "ctrl", "git", "openai-gpt", "xglm", "trocr", "codegen", "gptj", "xlnet",
+                 "falcon_h1", "bamba", "recurrent_gemma", "zamba", "zamba2", "modernbert-decoder", "phi4_multimodal",
+                 "llama4", "qwen3_5", "qwen3_5_moe", "gemma3", "fuyu", "got_ocr2", "moss_transcribe_diarize")
+MODES = ("zero1-dp2", "pp2-1f1b", "tp2-sp")
+SHARED = "(shared by several layers); pipeline stages cannot share it"
+SKIPPED = {
+    ("zamba", "pp2-1f1b"): SHARED, ("zamba2", "pp2-1f1b"): SHARED,  # one transformer block called from many layers
+    ("zamba", "tp2-sp"): "a Linear directly on the decoder layer that no rule splits",
+    ("zamba2", "tp2-sp"): "a Linear directly on the decoder layer that no rule splits",
+    ("codegen", "tp2-sp"): "splits its fused qkv in a layout plait does not recognise",
+    # CTRL's attention takes q, k and v as separate inputs, which no attention rule gathers
+    ("ctrl", "tp2-sp"): "(in MultiHeadAttention, attention whose projections no rule splits)",
+    ("xlnet", "pp2-1f1b"): "takes ['output_g'] besides the hidden states",
+    ("bamba", "pp2-1f1b"): "each layer returns hidden_states,attn_weights, which the model unpacks",
+}
+
+
+@pytest.fixture(scope="module")
+def results(plait_conformance):
+    return plait_conformance(*(f"transformers:{a}" for a in ARCHITECTURES), modes=list(MODES))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_more_architectures(results, arch, mode):
+    from plait.testing.pytest_plugin import format_results
+
+    result = results[f"transformers:{arch}", mode]
+    if (arch, mode) in SKIPPED:
+        assert result.status == "skipped" and SKIPPED[arch, mode] in result.note, format_results([result])
+        return
+    assert result.status == "pass", format_results([result])
+    assert result.loss_rel is not None and result.loss_rel <= LOSS_RTOL
+    assert result.grad_tol is not None and result.grad_tol <= 1
+
+
+def test_decoder_layers_are_found_in_the_module_tree_where_transformers_declares_none():
+    """GIT holds two lists of 4 layers of one class: its text layers, nearest the top, not its vision tower's.
+    BERT's embeddings block is staged by its parts, so later stages can run it on their stand-in."""
+    assert derive(plait_tiny_config("git")).leaves == ["git.encoder.layer.*"]
+    pipeline = derive(plait_tiny_config("bert-generation")).pipeline
+    assert pipeline.layers == "bert.encoder.layer" and pipeline.last == ("lm_head",)
+    assert pipeline.first[0] == "bert.embeddings.word_embeddings"
+    assert "bert.embeddings.position_embeddings" in pipeline.neutralize
+    assert derive(plait_tiny_config("openai-gpt")).sp.end == "transformer.h.3"  # no final norm: the last layer
+
+
+def test_an_mlp_on_the_decoder_layer_is_split_unless_its_input_is_flattened():
+    rules = {type(r).__name__ + ":" + r.pattern for r in derive(plait_tiny_config("xglm")).tp.rules}
+    assert {"Column:model.layers.*.fc1", "Row:model.layers.*.fc2"} <= rules
+    refusal = derive(plait_tiny_config("opt")).tp  # OPT flattens the hidden states to [tokens, hidden] first
+    assert isinstance(refusal, Refusal)
+    assert "fc1: a Linear directly on the decoder layer that no rule splits" in str(refusal)
+
+
+def test_layers_that_read_the_token_ids_refuse_pipeline_stages():
+    refusal = derive(plait_tiny_config("deepseek_v4")).pipeline  # hash routing by token id in every layer
+    assert isinstance(refusal, Refusal)
+    assert str(refusal).startswith("deepseek_v4: model.layers: each layer takes the input_ids")
+
+
+@pytest.mark.parametrize("plan, words", [("pipeline", "use pp=1"), ("sp", "disable sequence parallelism")])
+def test_a_module_with_parameters_feeding_the_layers_beside_the_hidden_states_is_refused(plan, words):
+    refusal = getattr(derive(plait_tiny_config("cpmant")), plan)  # CPM-Ant's relative position bias
+    assert isinstance(refusal, Refusal) and "\n" not in str(refusal)
+    assert str(refusal).startswith("cpmant: cpmant.position_bias: has parameters and its output (position_bias) goes "
+                                   "to the layers beside the hidden states") and str(refusal).endswith(words)
