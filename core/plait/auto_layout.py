@@ -23,7 +23,7 @@ from plait.costs.estimate import Batch
 from plait.costs.memory import Precision
 from plait.costs.render import gib
 from plait.costs.search import batch_split, describe, search_layouts
-from plait.device import accelerator
+from plait.device import describe_accelerator
 from plait.layout_plan import plan_layout
 from plait.meta import build_meta_model
 from plait.model_config import read_model_config
@@ -35,12 +35,12 @@ from plait.train_args import AUTO_LAYOUT_FLAGS, TrainArgs
 def detect_device() -> Device:
     """The device model for this machine: a preset by the accelerator's name (its memory as the driver reports
     it), else this machine measured (cached: ``costs.device.calibrate``)."""
-    found = accelerator()
-    if found is not None and found.type == "cuda":
-        name = torch.cuda.get_device_name(found).lower()
+    found = describe_accelerator()
+    if found is not None:
+        name, memory = found
         for key in ("h100", "a100"):
             if key in name:
-                return dataclasses.replace(PRESETS[key], memory_bytes=torch.cuda.get_device_properties(found).total_memory)
+                return dataclasses.replace(PRESETS[key], memory_bytes=memory)
     return calibrate()
 
 

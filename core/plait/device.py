@@ -25,6 +25,18 @@ def accelerator() -> torch.device | None:
     return torch.accelerator.current_accelerator(check_available=True)
 
 
+def describe_accelerator() -> tuple[str, int] | None:
+    """The accelerator torch finds: its model name (lower case) and the memory its driver gives a program, or None
+    on a machine without one (``plait train --layout auto`` picks a device model by them)."""
+    found = accelerator()
+    if found is None:
+        return None
+    module = torch.get_device_module(found.type)
+    if not hasattr(module, "get_device_name") or not hasattr(module, "get_device_properties"):
+        return None
+    return module.get_device_name(found).lower(), module.get_device_properties(found).total_memory
+
+
 def pick_device(name: str) -> torch.device:
     """``--device`` as a ``torch.device``.
 

@@ -185,7 +185,7 @@ class TrainArgs:
                 torch.device(self.device)
             except RuntimeError as err:
                 raise ConfigError(f"--device={self.device!r} is not a device torch knows ({err}); use auto, cpu, or "
-                                  f"an accelerator's name such as cuda or cuda:0") from None
+                                  f"the name of an accelerator type torch has, with or without an index") from None
         if self.data_format not in DATA_FORMATS:
             raise ConfigError(f"--data_format={self.data_format!r} is unknown; choose one of {', '.join(DATA_FORMATS)}")
         if self.overlong not in OVERLONG:
