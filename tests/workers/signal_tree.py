@@ -23,7 +23,8 @@ def main(role: str, *args: str) -> None:
         for i in range(int(args[1])):
             pids = f"{args[0]}/pids-{i}"
             status = supervise([sys.executable, __file__, "launcher", pids])
-            Path(f"{pids}.status").write_text(str(status))
+            Path(f"{pids}.status.tmp").write_text(str(status))  # then renamed: the test never reads it half-written
+            Path(f"{pids}.status.tmp").replace(f"{pids}.status")
         return
     pids = args[0] if args else None
     signal.signal(signal.SIGINT, signal.SIG_IGN)
