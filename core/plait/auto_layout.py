@@ -12,23 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from plait.config import ConfigError, ParallelConfig
-from plait.costs.activations import trace_activations
 from plait.costs.device import GiB, PRESETS, Device, calibrate
-from plait.costs.estimate import Batch
-from plait.costs.memory import Precision
 from plait.costs.render import gib
-from plait.costs.search import batch_split, describe, search_layouts
+from plait.costs.search import batch_split, describe
 from plait.device import describe_accelerator
-from plait.layout_plan import plan_layout
-from plait.meta import build_meta_model
-from plait.model_config import read_model_config
-from plait.plan_command import layout_flags
-from plait.registry import default_registry
+from plait.plan_command import PlannedRun, layout_flags
 from plait.train_args import AUTO_LAYOUT_FLAGS, TrainArgs
 
 
@@ -55,17 +47,7 @@ def choose_layout(args: TrainArgs, world: int, device: Device | None = None,
                           f", or give the layout by hand without --layout auto")
     device = device or detect_device()
     console = console or Console(stderr=True)
-    registry = default_registry()
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    model = build_meta_model(read_model_config(args), dtype)
-    lora = args.lora()
-    base = plan_layout(model, ParallelConfig(), world, registry, lora=lora)
-    trace = trace_activations(model, args.block_size, registry, base.adapter)
-    precision = Precision(dtype, getattr(torch, args.optimizer_dtype) if args.bf16 else dtype)
-    batch = Batch(args.per_device_train_batch_size, args.block_size, args.gradient_accumulation_steps)
-    result = search_layouts(model, base.config, world, batch, precision, trace, device, registry,
-                            weight_decay=args.weight_decay,
-                            decay_embeddings=not args.exclude_embeddings_from_weight_decay, lora=lora)
+    result = PlannedRun.of(args, ParallelConfig(), world).search(device, world)
     if not result.ranked:
         raise ConfigError(f"--layout auto: no layout of {world} processes fits {device.usable_bytes / GiB:.2f} GiB "
                           f"per device on {device.name}; `plait plan --search` with the same flags says what would")

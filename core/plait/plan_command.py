@@ -5,31 +5,34 @@ what each rank would hold and send (``plait.costs``), or with ``--search`` which
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
 import shlex
 from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 from rich.console import Console
 from rich.table import Table
+from torch import nn
 
-from plait.config import ConfigError
-from plait.costs.activations import trace_activations
+from plait.config import ConfigError, ParallelConfig
+from plait.costs.activations import ActivationTrace, trace_activations
 from plait.costs.advice import cheaper_settings, fewest_devices
-from plait.costs.device import PRESETS, calibrate, parse_memory
+from plait.costs.device import PRESETS, Device, calibrate, parse_memory
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.experts import check_expert_parallel, expert_parameters
 from plait.costs.memory import Precision
 from plait.costs.render import estimate_json, print_estimate, print_search, search_json, world_of
-from plait.costs.search import search_layouts
+from plait.costs.search import SearchResult, search_layouts
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.config import lora_config
 from plait.meta import build_meta_model
 from plait.model_config import read_model_config
 from plait.pipeline.layout import rank_of_stage, stage_bytes, stage_rows
-from plait.registry import default_registry
+from plait.registry import Registry, default_registry
 from plait.train_args import TrainArgs
 
 
@@ -144,6 +147,63 @@ def layout_flags(config, per_device: int, accumulation: int) -> list[str]:
     return flags + [f"--{name}" for name, on in switches.items() if on]
 
 
+_RUN = object()  # PlannedRun.search: the run's own LoRA settings
+
+
+@dataclass
+class PlannedRun:
+    """One run as ``plait plan`` and ``plait train --layout auto`` estimate it: its meta model, the layout it asks
+    for planned on it, the activations traced at its block size, its precision, batch, weight decay and LoRA."""
+
+    args: TrainArgs
+    model: nn.Module
+    plan: LayoutPlan
+    trace: ActivationTrace
+    precision: Precision
+    lora: object | None
+    registry: Registry
+    _traced: dict = field(default_factory=dict)  # parameter dtype -> (meta model, trace), for other precisions
+
+    @classmethod
+    def of(cls, args: TrainArgs, parallel: ParallelConfig, world_size: int | None) -> "PlannedRun":
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        registry = default_registry()
+        model = build_meta_model(read_model_config(args), dtype)
+        check_expert_parallel(model, parallel.ep)
+        lora = args.lora()  # LoRA: the base frozen (no gradients, no optimizer state), the adapters trained
+        plan = plan_layout(model, parallel, world_size, registry, lora=lora)
+        trace = trace_activations(model, args.block_size, registry, plan.adapter)
+        precision = Precision(dtype, getattr(torch, args.optimizer_dtype) if args.bf16 else dtype)
+        return cls(args, model, plan, trace, precision, lora, registry, {dtype: (model, trace)})
+
+    @property
+    def batch(self) -> Batch:
+        a = self.args
+        return Batch(a.per_device_train_batch_size, a.block_size, a.gradient_accumulation_steps)
+
+    @property
+    def decay(self) -> dict:
+        return {"weight_decay": self.args.weight_decay,
+                "decay_embeddings": not self.args.exclude_embeddings_from_weight_decay}
+
+    def global_batch(self) -> int:
+        """Sequences per optimizer step, as the flags write it for the layout asked for."""
+        return self.batch.per_device * (self.plan.config.dp or 1) * self.batch.accumulation
+
+    def search(self, device: Device, world: int | None = None, precision: Precision | None = None, lora=_RUN,
+               global_batch: int | None = None, moe_imbalance: float = 1.0) -> SearchResult:
+        """``search_layouts`` for this run, at another world, precision or LoRA setting where given."""
+        precision = precision or self.precision
+        if precision.param not in self._traced:  # the activations of bf16 parameters are bf16 too
+            other = build_meta_model(read_model_config(self.args), precision.param)
+            self._traced[precision.param] = (other, trace_activations(other, self.args.block_size, self.registry,
+                                                                      self.plan.adapter))
+        model, trace = self._traced[precision.param]
+        return search_layouts(model, self.plan.config, world or world_of(self.plan.config), self.batch, precision,
+                              trace, device, self.registry, **self.decay, moe_imbalance=moe_imbalance,
+                              global_batch=global_batch, lora=self.lora if lora is _RUN else lora)
+
+
 def run_plan(ns, args) -> None:
     """``plait plan``: the layout tables, memory per rank, communication and bubble of the layout asked for,
     or with ``--search`` the fastest layouts that fit (``ns``: the parsed plan flags; ``args``: TrainArgs)."""
@@ -164,45 +224,28 @@ def run_plan(ns, args) -> None:
     if ns.search and device is None:
         raise ConfigError("--search ranks layouts by estimated step time: give a device model, --hardware "
                           f"({', '.join(PRESETS)}) or --calibrate (measure this machine)")
-    param_dtype = torch.bfloat16 if args.bf16 else torch.float32
-    precision = Precision(param_dtype, getattr(torch, args.optimizer_dtype) if args.bf16 else param_dtype)
-    registry = default_registry()
-    model = build_meta_model(read_model_config(args), param_dtype)
-    check_expert_parallel(model, parallel.ep)
-    lora = args.lora()  # LoRA: the base frozen (no gradients, no optimizer state), the adapters trained
-    plan = plan_layout(model, parallel, world_size, registry, lora=lora)
-    batch = Batch(args.per_device_train_batch_size, args.block_size, args.gradient_accumulation_steps)
-    trace = trace_activations(model, args.block_size, registry, plan.adapter)
-    decay = {"weight_decay": args.weight_decay, "decay_embeddings": not args.exclude_embeddings_from_weight_decay}
+    run = PlannedRun.of(args, parallel, world_size)
     console = Console(width=max(Console().width, 140))
     if ns.search:
-        world = world_of(plan.config)
-        global_batch = ns.global_batch_size or batch.per_device * (plan.config.dp or 1) * batch.accumulation
-        traced = {param_dtype: (model, trace)}
-
-        def search(at_world: int = world, with_precision: Precision = precision, with_lora=lora):
-            if with_precision.param not in traced:  # the activations of bf16 parameters are bf16 too
-                other = build_meta_model(read_model_config(args), with_precision.param)
-                traced[with_precision.param] = (other, trace_activations(other, args.block_size, registry,
-                                                                         plan.adapter))
-            on, its_trace = traced[with_precision.param]
-            return search_layouts(on, plan.config, at_world, batch, with_precision, its_trace, device, registry,
-                                  **decay, moe_imbalance=ns.moe_imbalance, global_batch=global_batch, lora=with_lora)
-
+        world = world_of(run.plan.config)
+        search = functools.partial(run.search, device, moe_imbalance=ns.moe_imbalance,
+                                   global_batch=ns.global_batch_size or run.global_batch())
         result = search()
         commands = [train_command(args, e.plan.config, e.batch.per_device, device.per_node, e.batch.accumulation)
                     for e, _ in result.ranked[:ns.top]]
         advice = None
         if not result.ranked:  # what would fit: more devices per strategy, or a cheaper setting on these
-            advice = (fewest_devices(lambda w: search(at_world=w), world),
-                      cheaper_settings(lambda p, adapters: search(with_precision=p, with_lora=adapters), precision,
-                                       lora, lambda: lora_config(16, 32.0)))
+            advice = (fewest_devices(lambda w: search(world=w), world),
+                      cheaper_settings(lambda p, adapters: search(precision=p, lora=adapters), run.precision,
+                                       run.lora, lambda: lora_config(16, 32.0)))
         if ns.json:
             print(json.dumps(search_json(result, device, commands, ns.top, advice), indent=2))
         else:
             print_search(console, result, device, commands, ns.top, ns.show_refused, advice)
         return
-    estimate = estimate_layout(model, plan, batch, precision, trace, **decay, moe_imbalance=ns.moe_imbalance)
+    model, plan = run.model, run.plan
+    estimate = estimate_layout(model, plan, run.batch, run.precision, run.trace, **run.decay,
+                               moe_imbalance=ns.moe_imbalance)
     if ns.json:
         print(json.dumps(estimate_json(estimate, device, memory), indent=2))
         return
