@@ -41,6 +41,11 @@ class ParallelConfig:
     sp: sequence parallelism inside the tp group (only meaningful when tp > 1).
     disable_embedding_parallelization: keep embeddings and the LM head replicated (optimum-neuron's flag).
     The pipeline and ZeRO fields are read by the pipeline and optimizer stages of ``parallelize``.
+    zero_stage: how much of the training state is sharded over the dp x cp ranks (Rajbhandari et al. 2020):
+    0 nothing, 1 optimizer state (``zero_1=True`` is the same), 2 also gradients, 3 also parameters. Stages 2
+    and 3 run on torch's FSDP2 (``plait.fsdp``). mixed_precision: under stage 2 or 3, compute in bf16 from
+    fp32 parameters: FSDP2 gathers bf16 copies of the fp32 shards (the master weights) and reduces gradients
+    in fp32.
     gradient_checkpointing: recompute each leaf module (adapter's ``plait_leaf_modules``) in backward.
     bf16_autocast: run every forward under ``torch.autocast(bfloat16)`` with fp32 parameters (backward follows
     the dtypes autocast chose).
@@ -66,6 +71,8 @@ class ParallelConfig:
     pipeline_schedule: str = "1f1b"
     pipeline_cuts: tuple[str, ...] = field(default_factory=tuple)
     zero_1: bool = False
+    zero_stage: int = 0
+    mixed_precision: bool = False
     gradient_checkpointing: bool = False
     bf16_autocast: bool = False
     float8: str | None = None
@@ -97,7 +104,22 @@ class ParallelConfig:
             raise ConfigError(f"float8_emulate=True emulates float8 matmuls, but float8 is off; give float8="
                               f"{' or '.join(map(repr, FLOAT8_RECIPES))}")
         object.__setattr__(self, "pipeline_cuts", tuple(self.pipeline_cuts))
+        if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
+            raise ConfigError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
+        if self.zero_1 and self.zero_stage not in (0, 1):
+            raise ConfigError(f"zero_1=True is ZeRO stage 1 but zero_stage={self.zero_stage}; give one of them")
+        object.__setattr__(self, "zero_stage", 1 if self.zero_1 else self.zero_stage)
+        object.__setattr__(self, "zero_1", self.zero_stage == 1)
+        if self.mixed_precision and self.zero_stage < 2:
+            raise ConfigError(f"mixed_precision=True is FSDP2's bf16 compute, which needs zero_stage 2 or 3 (got "
+                              f"{self.zero_stage}); for ZeRO-1 or none, give bf16 parameters (fp32 masters) instead")
+        if self.mixed_precision and self.bf16_autocast:
+            raise ConfigError("mixed_precision=True and bf16_autocast=True both ask for bf16 compute; give one")
 
+    @property
+    def fsdp(self) -> bool:
+        """Stages 2 and 3 shard through torch's FSDP2."""
+        return self.zero_stage >= 2
     @property
     def sequence_parallel(self) -> bool:
         """SP is on only where it can do something: a tp group of more than one rank."""
@@ -140,5 +162,5 @@ class ParallelConfig:
             cp += f" {self.pipeline_schedule} microbatches={self.num_microbatches}"
         return (
             f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} sp={self.sequence_parallel} "
-            f"vpp={self.virtual_pipeline_size} zero1={self.zero_1}"
+            f"vpp={self.virtual_pipeline_size} zero={self.zero_stage}" + (" bf16 (fp32 masters)" if self.mixed_precision else "")
         )

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.fsdp import local
 from plait.mesh import Mesh
 
 BUCKET_BYTES = 32 * 1024 * 1024
@@ -31,10 +32,11 @@ def grad_of(param: nn.Parameter) -> torch.Tensor | None:
     """The gradient plait reduces, clips and steps on: ``param.main_grad`` when the parameter has one.
 
     A buffer no backward has written since ``zero_grads`` is zeroed here, on first read: only parameters that
-    got no gradient in a step (unrouted experts, say) pay for a zeroing pass.
+    got no gradient in a step (unrouted experts, say) pay for a zeroing pass. Under ZeRO-2/3 (FSDP2) it is the
+    local rows of the sharded gradient.
     """
     if not hasattr(param, MAIN_GRAD):
-        return param.grad
+        return local(param.grad) if param.grad is not None else None
     buffer = getattr(param, MAIN_GRAD)
     if getattr(param, MAIN_GRAD_STALE, False):
         buffer.zero_()

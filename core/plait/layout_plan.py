@@ -56,6 +56,7 @@ class LayoutPlan:
     specs_by_rank: tuple[dict[str, ShardSpec], ...]
     sp_plan: SPPlan | None
     leaves: tuple[str, ...]
+    units: tuple[str, ...] = ()  # ZeRO-2/3: the leaf modules that are each one FSDP2 unit (plait.fsdp)
     lora: LoraPlan | None = None  # LoRA adapters (their specs are in specs_by_rank); the base is frozen
     cp: CPPlan | None = None  # context parallelism: the attention strategies that apply (None at cp=1)
     ep: EPPlan | None = None  # expert parallelism: the routed-experts modules (None at ep=1)
@@ -79,6 +80,7 @@ def plan_layout(
     registry = registry or default_registry()
     adapter = registry.resolve(model.config)
     check_capabilities(adapter, config, model.config)
+    check_zero_stage(config)
     ep_plan = plan_expert_parallel(model, config)
     cp_plan = plan_context_parallel(model, config)
     if cp_plan is not None:
@@ -104,7 +106,8 @@ def plan_layout(
     sp_plan = registry.sp_plan(adapter, model.config) if config.sequence_parallel else None
     if sp_plan is not None:
         sp_grad_sum_params(model, sp_plan, shards_by_rank[0])  # validates the plan against the model
-    leaves = tuple(checkpoint_targets(model, leaf_patterns)) if config.gradient_checkpointing else ()
+    targets = tuple(checkpoint_targets(model, leaf_patterns)) if config.gradient_checkpointing or config.fsdp else ()
+    leaves = targets if config.gradient_checkpointing else ()
     lora_plan = None
     if lora is not None:
         lora_tp_plan = tp_plan
@@ -116,7 +119,7 @@ def plan_layout(
     float8 = plan_float8(model, config, leaf_patterns, specs_by_rank, lora)
     return LayoutPlan(
         config=config.resolve(world_size), adapter=adapter, model_config=model.config, split=split, tied=tied,
-        shards_by_rank=shards_by_rank, specs_by_rank=specs_by_rank, sp_plan=sp_plan, leaves=leaves, lora=lora_plan,
+        shards_by_rank=shards_by_rank, specs_by_rank=specs_by_rank, sp_plan=sp_plan, leaves=leaves, units=targets if config.fsdp else (), lora=lora_plan,
         cp=cp_plan, ep=ep_plan, float8=float8,
     )
 
@@ -162,6 +165,23 @@ def pipeline_layout(
     if plan.split is None:
         raise ConfigError(f"pipeline_layout needs pp > 1 (got pp={config.pp})")
     return stage_rows(model, plan.split)
+
+
+def check_zero_stage(config: ParallelConfig) -> None:
+    """Refuse what ZeRO-2/3 (FSDP2, ``plait.fsdp``) does not run with yet, naming the fix."""
+    if not config.fsdp:
+        return
+    stage = f"zero_stage={config.zero_stage}"
+    if config.ep > 1:
+        raise ConfigError(f"{stage} with ep={config.ep}: expert parameters are summed over their own replica group, "
+                          f"which plait's FSDP2 units do not shard over yet; use --zero_stage 1 (or 0) with ep, or ep=1")
+    if config.float8 is not None:
+        raise ConfigError(f"{stage} with float8={config.float8!r}: float8 weights under FSDP2 need torchao's float8 "
+                          f"all-gather, which plait does not wire yet; use --zero_stage 1 with float8")
+    if config.pp > 1 and config.pipeline_schedule == "zero-bubble":
+        raise ConfigError(f"{stage} with pipeline_schedule='zero-bubble': it computes weight gradients after FSDP2 "
+                          f"has reduced them (after the input gradients); use '1f1b' or 'interleaved-1f1b', or "
+                          f"--zero_stage 1")
 
 
 # The flag (and ParallelConfig field) that turns each capability off.

@@ -32,6 +32,7 @@ from plait.checkpoint.load import load_checkpoint
 from plait.checkpoint.state import local_params, local_views, persistent_buffers
 from plait.config import ConfigError, ParallelConfig
 from plait.float8 import check_float8_device
+from plait.fsdp import install_local, reset_storage
 from plait.lora.base import base_reference, check_base, saved_lora
 from plait.lora.layers import local_init
 from plait.meta import build_meta_model
@@ -118,8 +119,9 @@ def materialize(
         for name, param in found.params.items():
             spec = found.specs[name]
             local = torch.empty(spec.local_shape, dtype=param.dtype)
-            if spec.pad:
-                local.narrow(spec.dim, local.shape[spec.dim] - spec.pad, spec.pad).zero_()
+            padding = spec.padding(local)
+            if padding is not None:
+                padding.zero_()
             if name in adapters and kind != "checkpoint":
                 local.copy_(local_init(lora, name, spec, seed, param.dtype))
             elif hf is not None:
@@ -127,7 +129,12 @@ def materialize(
                     hf.read(op.logical, op.box, op.out)
             elif init is not None:
                 init.fill(name, spec, local)
-            torch.utils.swap_tensors(param, nn.Parameter(local.to(device), requires_grad=param.requires_grad))
+            if pmodel.fsdp is not None:  # ZeRO-3's local rows of a DTensor parameter
+                install_local(param, local.to(device))
+            else:
+                torch.utils.swap_tensors(param, nn.Parameter(local.to(device), requires_grad=param.requires_grad))
+    if pmodel.fsdp is not None:
+        reset_storage(model)
 
 
 def resolve_source(source: PretrainedConfig | str | os.PathLike) -> tuple[PretrainedConfig, str, Path | None]:

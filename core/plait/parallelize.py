@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait import comm
 from plait.activation_checkpoint import apply_activation_checkpointing
 from plait.config import ConfigError, ParallelConfig
 from plait.cp.attention import install_context_parallel
@@ -28,6 +29,7 @@ from plait.cp.router import install_router_gather
 from plait.cp.sequence import check_length
 from plait.ep.apply import AppliedEP, apply_expert_parallel
 from plait.float8 import apply_float8, check_float8_device, check_float8_tokens
+from plait.fsdp import AppliedFSDP, apply_fsdp, remap_params
 from plait.grad_sync import GradSync, norm_params
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.layers import LoraDropout, apply_lora
@@ -69,7 +71,7 @@ class ParallelModel(nn.Module):
     def __init__(
         self, module: nn.Module, mesh: Mesh, plan: LayoutPlan, applied: AppliedTP, grad_sync: GradSync,
         loss_fn: CausalLMLoss, pipeline: PipelineRunner | None, cp: ContextParallel | None = None,
-        experts: AppliedEP | None = None,
+        experts: AppliedEP | None = None, fsdp: AppliedFSDP | None = None,
     ) -> None:
         super().__init__()
         self.module, self.mesh, self.plan, self.applied = module, mesh, plan, applied
@@ -81,8 +83,9 @@ class ParallelModel(nn.Module):
         specs = plan.specs_by_rank[mesh.tp_rank]
         if plan.ep is not None:
             specs = plan.ep.localize(specs, mesh.ep_rank)
+        self.fsdp = fsdp  # ZeRO-2/3: the FSDP2 units (None without)
         self.param_specs: dict[str, ShardSpec] = {
-            name: spec for name, spec in specs.items() if name in local
+            name: fsdp.rows(spec) if fsdp is not None else spec for name, spec in specs.items() if name in local
         }  # shard spec of every parameter of ``module`` on this rank (names as in the original model)
 
     @property
@@ -227,9 +230,11 @@ class ParallelModel(nn.Module):
         total = None  # in the loss's own dtype: fp32 at least, float64 for a float64 model
         masks = attention_mask.chunk(m) if attention_mask is not None else [None] * m
         positions = position_ids.chunk(m) if position_ids is not None else [None] * m
-        for ids, labs, mask, pos in zip(input_ids.chunk(m), labels.chunk(m), masks, positions):
+        for i, (ids, labs, mask, pos) in enumerate(zip(input_ids.chunk(m), labels.chunk(m), masks, positions)):
             loss = self._forward(ids, labs, mask, num_items_in_batch, pos)
             if train:
+                if self.fsdp is not None:
+                    self.fsdp.keep_gathered(i < m - 1)
                 loss.backward()
             total = loss.detach().clone() if total is None else total + loss.detach()
         return total
@@ -287,6 +292,14 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
             if isinstance(module, LoraDropout):
                 module.rng = rng
     apply_activation_checkpointing(model, [name for name in plan.leaves if owns(name)], applied.entry.clear)
+    fsdp = None
+    if config.fsdp and not comm.trivial(mesh.replica_group):  # last: it replaces every parameter
+        before = dict(model.named_parameters(remove_duplicate=False))
+        fsdp = apply_fsdp(model, [name for name in plan.units if owns(name)], mesh.replica_group, config.zero_stage,
+                          config.mixed_precision)
+        new = remap_params(before, model)
+        sp_params = [new[id(p)] for p in sp_params]
+        applied.grad_sums = [(new[id(p)], group) for p, group in applied.grad_sums]
     grad_sync = _grad_sync(model, plan, mesh, applied, sp_params, experts.params)
     loss_fn = _loss_fn(applied, mesh, shift=cp is None)
     pipeline = None
@@ -295,7 +308,7 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
         context = functools.partial(precision_context, config, model)
         chunks = [StageChunk(model, plan.split, s, seq_shards, applied.entry.clear, context, cp) for s in stage_ids]
         pipeline = PipelineRunner(chunks, stage_ids, mesh, loss_fn)
-    return ParallelModel(model, mesh, plan, applied, grad_sync, loss_fn, pipeline, cp, experts)
+    return ParallelModel(model, mesh, plan, applied, grad_sync, loss_fn, pipeline, cp, experts, fsdp)
 
 
 def _dropout_regions(

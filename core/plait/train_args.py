@@ -77,7 +77,8 @@ class TrainArgs:
     num_microbatches: int = field(default=0, metadata={"help": "pipeline microbatches per micro-step (divides the per-device batch; 0: 1 without pp, with pp the smallest count >= pp the schedule accepts that divides the batch)"})
     pipeline_schedule: str = field(default="1f1b", metadata={"help": f"one of {', '.join(SCHEDULES)}"})
     pipeline_cuts: str | None = field(default=None, metadata={"help": "comma-separated leaf modules to cut after (default: balanced)"})
-    zero_1: bool = field(default=False, metadata={"help": "shard optimizer state over data-parallel ranks (ZeRO-1)"})
+    zero_1: bool = field(default=False, metadata={"help": "shard optimizer state over data-parallel ranks (ZeRO-1; the same as --zero_stage 1)"})
+    zero_stage: int = field(default=0, metadata={"help": "what to shard over the data-parallel ranks: 0 nothing, 1 optimizer state, 2 also gradients, 3 also parameters (2 and 3 on torch's FSDP2; with --bf16 the shards stay fp32 masters and layers compute in bf16)"})
     bf16: bool = field(default=False, metadata={"help": "bf16 parameters, with master weights in --optimizer_dtype"})
     bf16_autocast: bool = field(default=False, metadata={"help": "fp32 parameters, bf16 matmuls (torch.autocast)"})
     float8: str | None = field(default=None, metadata={"help": f"compute the decoder layers' linear layers (attention and MLP projections; not the embeddings or LM head) in float8 with torchao's recipe {' or '.join(FLOAT8_RECIPES)} (dynamic scales per tensor or per row; under tp, per shard); parameters, gradients and optimizer state keep their dtype (pair with --bf16); needs a GPU with float8 matmuls (compute capability 8.9+: L4, RTX 4090, H100, ...) and pip install 'plait[float8]'"})
@@ -288,6 +289,8 @@ class TrainArgs:
             sp=not self.disable_sequence_parallel,
             disable_embedding_parallelization=self.disable_embedding_parallelization,
             zero_1=self.zero_1,
+            zero_stage=self.zero_stage,
+            mixed_precision=self.bf16 and self.zero_stage >= 2,
             gradient_checkpointing=self.gradient_checkpointing,
             bf16_autocast=self.bf16_autocast,
             float8=self.float8,

@@ -158,7 +158,8 @@ def plan_run(args: TrainArgs, world: int) -> tuple[Path | None, PretrainedConfig
     args.check_flags_take_effect()
     resume = resume_path(args)
     model_config = read_model_config(args, resume)
-    meta = build_meta_model(model_config, torch.bfloat16 if args.bf16 else torch.float32)
+    # ZeRO-2/3 keeps fp32 shards (the master weights) and gathers them in bf16 (ParallelConfig.mixed_precision)
+    meta = build_meta_model(model_config, torch.bfloat16 if args.bf16 and args.zero_stage < 2 else torch.float32)
     check_resume_matches(args, meta, resume)
     check_model_fits(args, model_config)
     saved = saved_lora(read_index(resume)[1].extra) if resume is not None else None

@@ -29,6 +29,7 @@ from plait.checkpoint.state import (
     ReadOp, load_scheduler_state, local_params, local_views, plan_optimizer_load, set_rng_state,
 )
 from plait.config import ParallelConfig
+from plait.fsdp import local
 from plait.parallelize import ParallelModel
 from plait.tp.sharding import ShardSpec
 
@@ -206,7 +207,7 @@ def load_checkpoint(
         _check_model(index, pmodel, specs, buffers, paths)
         if weights:
             for name, param in params.items():
-                reads += local_views(specs[name], param.data, name)
+                reads += local_views(specs[name], local(param).detach(), name)
             for name, buffer in buffers.items():
                 reads.append(ReadOp(name, full_box(tuple(buffer.shape)), buffer))
         if optimizer is not None:
@@ -263,9 +264,9 @@ def _share_errors(error: str | None, world) -> None:
 
 def _zero_padding(params: dict[str, torch.nn.Parameter], specs: dict[str, ShardSpec]) -> None:
     for name, param in params.items():
-        spec = specs[name]
-        if spec.pad:
-            param.data.narrow(spec.dim, param.shape[spec.dim] - spec.pad, spec.pad).zero_()
+        padding = specs[name].padding(local(param).detach())
+        if padding is not None:
+            padding.zero_()
 
 
 def _check_model(

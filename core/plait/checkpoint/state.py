@@ -37,6 +37,7 @@ from torch import nn
 from plait.checkpoint.format import Box, CheckpointError, TensorEntry, full_box, spec_boxes
 from plait.checkpoint.st_io import DTYPES
 from plait.device import accelerator as device_accelerator
+from plait.fsdp import local
 from plait.tp.sharding import ShardSpec
 
 
@@ -106,7 +107,7 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def param_tensors(params: dict[str, nn.Parameter], specs: dict[str, ShardSpec]) -> list[LocalTensor]:
-    return [LocalTensor(name, "param", specs[name].full_shape, p.detach(), spec_boxes(specs[name]))
+    return [LocalTensor(name, "param", specs[name].full_shape, local(p).detach(), spec_boxes(specs[name]))
             for name, p in params.items()]
 
 

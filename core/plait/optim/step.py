@@ -21,6 +21,7 @@ from plait.optim.clip import clip_grads_, global_grad_norm
 from plait.optim.expert_zero import ExpertZero1Optimizer
 from plait.optim.mixed_precision import MasterWeightOptimizer, accumulate_grads_in
 from plait.optim.param_groups import embedding_params, weight_decay_groups
+from plait.optim.sharded import ShardedOptimizer
 from plait.optim.zero import Zero1Optimizer
 from plait.parallelize import ParallelModel
 
@@ -46,10 +47,14 @@ def build_optimizer(
         and to embeddings unless ``decay_embeddings=False`` (``optim/param_groups.py``: the same groups for
         every layout).
     Returns a ``torch.optim.Optimizer`` (LR schedulers work on it): ``Zero1Optimizer`` under ZeRO-1
-    (``ExpertZero1Optimizer`` with expert parallelism: expert state sharded over the expert-replica group).
+    (``ExpertZero1Optimizer`` with expert parallelism: expert state sharded over the expert-replica group),
+    ``ShardedOptimizer`` under ZeRO-2/3 (the local rows of FSDP2's shards; with mixed precision those are fp32
+    and are the master weights, so ``optimizer_dtype`` asks for nothing more).
     """
     params = [p for p in pmodel.parameters() if p.requires_grad]
     zero_1 = pmodel.config.zero_1 if zero_1 is None else zero_1
+    if pmodel.fsdp is not None:
+        optimizer_dtype = None  # the shards' own dtype: fp32 masters under mixed precision
     low = [p for p in params if optimizer_dtype is not None and p.dtype != optimizer_dtype]
     if low and any(torch.finfo(p.dtype).bits > torch.finfo(optimizer_dtype).bits for p in low):
         dtypes = sorted({str(p.dtype) for p in low})
@@ -68,6 +73,8 @@ def build_optimizer(
         groups = weight_decay_groups(pmodel.module.named_parameters(), full_shapes, embedding_params(pmodel.module),
                                      optimizer_kwargs["weight_decay"], decay_embeddings)
     mesh = pmodel.mesh
+    if pmodel.fsdp is not None:
+        return ShardedOptimizer(groups, optimizer_class, **optimizer_kwargs)
     if zero_1 and pmodel.grad_sync.experts and not comm.trivial(mesh.replica_group):
         groups = groups if isinstance(groups[0], dict) else [{"params": groups}]
         return ExpertZero1Optimizer(groups, pmodel.grad_sync.is_expert, constructor, mesh.replica_group,
@@ -110,6 +117,8 @@ class OptimizerStep:
         self.grad_sync, self.optimizer, self.max_grad_norm = grad_sync, optimizer, max_grad_norm
         self.reduce_dtype, self.bucket_bytes = reduce_dtype, bucket_bytes
         self.zero = isinstance(optimizer, (Zero1Optimizer, ExpertZero1Optimizer))
+        # ZeRO-2/3: FSDP2 has reduce-scattered the gradients over dp x cp already, each rank holding its rows
+        self.sharded = isinstance(optimizer, ShardedOptimizer)
         self.updated = optimizer.owned_params if self.zero else grad_sync.params
         # In the model's order, whatever order ZeRO-1 partitioned the parameters in: the same summation order
         # as without ZeRO, so a one-rank dp group gives the plain run's norm to the last bit.
@@ -120,7 +129,7 @@ class OptimizerStep:
         self.norm_experts = [] if self.zero else [p for p in self.norm_params if grad_sync.is_expert(p)]
         self.norm_params = [p for p in self.norm_params if self.zero or not grad_sync.is_expert(p)]
         mesh = grad_sync.mesh
-        self.norm_groups = [mesh.tp_group, mesh.pp_group] + ([mesh.replica_group] if self.zero else [])
+        self.norm_groups = [mesh.tp_group, mesh.pp_group] + ([mesh.replica_group] if self.zero or self.sharded else [])
         self.device = grad_sync.params[0].device
         # fp32 at least, float64 for a float64 model: the same on every rank, whatever each one owns
         self.norm_dtype = torch.promote_types(torch.float32, grad_sync.params[0].dtype)
@@ -130,7 +139,7 @@ class OptimizerStep:
         self.grad_sync.model_parallel()
         if self.zero:
             self.optimizer.reduce_gradients(self.bucket_bytes, self.reduce_dtype)
-        else:
+        elif not self.sharded:
             self.grad_sync.data_parallel(self.updated, self.bucket_bytes, self.reduce_dtype)
         norm = global_grad_norm(self.norm_params, self.norm_groups, self.device, self.norm_dtype, self.norm_experts,
                                 self.grad_sync.mesh.ep_group)

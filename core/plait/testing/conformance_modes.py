@@ -108,6 +108,8 @@ PP2_1F1B = {**PP2, "pipeline_schedule": "1f1b"}
 TIED = dict(tie_word_embeddings=True)
 CP2, CP2_RING, CP2_TP2 = dict(cp=2), dict(cp=2, cp_attention="ring"), dict(cp=2, tp=2, sp=True)
 EP2, EP2_ZERO1, EP2_TP2, EP2_PP2 = dict(ep=2), dict(ep=2, zero_1=True), dict(ep=2, tp=2, sp=True), dict(ep=2, **PP2)
+ZERO2, ZERO3 = dict(zero_stage=2, num_microbatches=2), dict(zero_stage=3)
+TP2_ZERO3, PP2_ZERO3 = dict(tp=2, sp=True, zero_stage=3), dict(**PP2_1F1B, zero_stage=3)
 # Each capability's activation checkpointing, tied-embedding and consolidation variants run with and without
 # sequence parallelism, so an adapter declaring tp without sp still has them proven.
 MODES: dict[str, Mode] = {mode.name: mode for mode in (
@@ -126,6 +128,16 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode("pp2-tied", 2, PP2_1F1B, "pp2-1f1b with the embedding and the head tied across the first and last stage",
          model=TIED, applies=_has_tie_option),
     Mode("zero1-dp2", 2, dict(zero_1=True), "ZeRO-1: optimizer state sharded over 2 data-parallel ranks"),
+    Mode("zero2-dp2", 2, ZERO2, "ZeRO-2 (FSDP2): gradients and optimizer state sharded over 2 "
+         "data-parallel ranks, 2 microbatches a step", applies=_layout_fits(ZERO2, 2)),
+    Mode("zero3-dp2", 2, ZERO3, "ZeRO-3 (FSDP2): parameters too, gathered per decoder layer",
+         applies=_layout_fits(ZERO3, 2)),
+    Mode("tp2-zero3-dp2", 4, TP2_ZERO3, "tensor parallel 2 with SP x ZeRO-3 over 2 data-parallel ranks",
+         applies=_layout_fits(TP2_ZERO3, 4)),
+    Mode("pp2-zero3-dp2", 4, PP2_ZERO3, "2 pipeline stages (1F1B) x ZeRO-3 over 2 data-parallel ranks",
+         applies=_layout_fits(PP2_ZERO3, 4)),
+    Mode("consolidate-zero3-dp2", 2, ZERO3, "the consolidation round trip after zero3-dp2", after="consolidate",
+         applies=_layout_fits(ZERO3, 2)),
     Mode("tp2-sp-recompute", 2, dict(tp=2, sp=True, gradient_checkpointing=True),
          "tp2-sp with activation checkpointing of the leaf modules"),
     Mode("tp2-recompute", 2, dict(tp=2, sp=False, gradient_checkpointing=True),

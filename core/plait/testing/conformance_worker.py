@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from plait import comm
 from plait.checkpoint import consolidate, save_checkpoint
 from plait.config import ParallelConfig
+from plait.fsdp import local
 from plait.optim import OptimizerStep, build_optimizer
 from plait.parallelize import ParallelModel, parallelize
 from plait.testing.conformance_modes import (
@@ -119,7 +120,7 @@ def local_grads(record: Record, step: int, named: list[tuple[str, torch.nn.Param
         elif param.grad is None:
             record.values["checked"].add(name)  # one process gives it none either (used only under no_grad)
         else:
-            grads[name] = param.grad.detach().clone()
+            grads[name] = local(param.grad).detach().clone()  # under ZeRO-2/3 this rank's rows
     return grads
 
 
@@ -138,8 +139,9 @@ class PlainStep:
 
 
 class ZeroStep:
-    """plait's ZeRO-1 optimizer step. It reduces each gradient only to the rank that owns the parameter and
-    zeroes them after stepping, so the owners' gradients are read just before the inner step."""
+    """plait's ZeRO optimizer step. Under ZeRO-1 it reduces each gradient only to the rank that owns the parameter
+    and zeroes them after stepping, so the owners' gradients are read just before the inner step; under ZeRO-2/3
+    each rank reads the rows FSDP2 reduced into it."""
 
     def __init__(self, pmodel: ParallelModel) -> None:
         self.optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=LR, eps=ADAM_EPS)
@@ -192,7 +194,7 @@ def run_pair(subject: Subject, mode: Mode, out: Path, dtype: torch.dtype = torch
 def train(record: Record, pmodel: ParallelModel, reference: torch.nn.Module) -> None:
     mesh = pmodel.mesh
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=ADAM_EPS)
-    optimizer_step = ZeroStep(pmodel) if pmodel.config.zero_1 else PlainStep(pmodel)
+    optimizer_step = ZeroStep(pmodel) if pmodel.config.zero_1 or pmodel.fsdp is not None else PlainStep(pmodel)
     gen = torch.Generator().manual_seed(1)
     vocab = reference.config.get_text_config().vocab_size  # a composite config (Gemma4) holds it in its text config
     for step in range(1, STEPS + 1):
@@ -232,7 +234,7 @@ def check_consolidated(record: Record, pmodel: ParallelModel, path: Path) -> Non
         expected = pmodel.param_specs[name].slice_full(loaded.get_parameter(name).detach())
         # at the loaded dtype: transformers keeps some modules in fp32 whatever dtype is asked for (a float64 run's
         # conv1d and A_log under _keep_in_fp32_modules_strict), rounding what the file holds
-        mine = param.detach().to(expected.dtype)
+        mine = local(param).detach().to(expected.dtype)
         if not torch.equal(mine, expected):
             err = (mine - expected).abs().max().item()
             record.fail(f"consolidated {name} differs from the trained shard by up to {err:.2e}")

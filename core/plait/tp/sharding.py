@@ -57,7 +57,9 @@ class ShardSpec:
     each (start, stop) in ``ranges``, followed by ``pad`` zero slices (vocab padding). ``dim`` None means
     replicated (local == full). ``experts``: a range of whole experts that this rank holds under expert
     parallelism, found along ``expert_axis`` (dim 0, one entry per expert, when None); ``dim`` / ``ranges``
-    then split each expert on another dim, as tp does on the intermediate dimension.
+    then split each expert on another dim, as tp does on the intermediate dimension. ``rows``: under ZeRO-3
+    (FSDP2), the rank holds only rows [start, stop) of dim 0 of the tensor described so far (its tp/ep shard,
+    padding included): ``with_rows``.
     """
 
     full_shape: tuple[int, ...]
@@ -66,6 +68,7 @@ class ShardSpec:
     pad: int = 0
     experts: tuple[int, int] | None = None
     expert_axis: ExpertAxis | None = None
+    rows: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.experts is not None and self.dim == self.axis.dim:
@@ -78,6 +81,28 @@ class ShardSpec:
     def with_experts(self, start: int, stop: int) -> "ShardSpec":
         """This spec restricted to experts [start, stop)."""
         return dataclasses.replace(self, experts=(start, stop))
+
+    def with_rows(self, start: int, stop: int) -> "ShardSpec":
+        """This spec restricted to rows [start, stop) of dim 0 of its local tensor (a data-parallel shard)."""
+        return dataclasses.replace(self, rows=(start, stop))
+
+    @property
+    def unsharded(self) -> "ShardSpec":
+        """This spec without its data-parallel rows: the tp/ep shard FSDP2 gathers."""
+        return dataclasses.replace(self, rows=None)
+
+    def padding(self, local: torch.Tensor) -> torch.Tensor | None:
+        """The view of ``local`` (laid out like this spec) that is vocab padding, or None."""
+        if not self.pad:
+            return None
+        size = self.unsharded.local_shape[self.dim]
+        lo, hi = size - self.pad, size
+        if self.rows is not None:  # dim 0 is cut into rows (a pad on dim 0 is cut with it)
+            if self.dim != 0:
+                return local.narrow(self.dim, lo, self.pad)
+            lo, hi = max(lo, self.rows[0]) - self.rows[0], min(hi, self.rows[1]) - self.rows[0]
+            return local.narrow(0, lo, hi - lo) if hi > lo else None
+        return local.narrow(self.dim, lo, self.pad)
 
     def _dim_ranges(self) -> list[tuple[tuple[int, int], ...]]:
         """The ranges of the full tensor this shard holds along each dim (padding aside)."""
@@ -93,6 +118,8 @@ class ShardSpec:
         shape = [sum(b - a for a, b in ranges) for ranges in self._dim_ranges()]
         if self.dim is not None:
             shape[self.dim] += self.pad
+        if self.rows is not None:
+            shape[0] = self.rows[1] - self.rows[0]
         return tuple(shape)
 
     def boxes(self) -> list[tuple[Box, tuple[int, ...]]]:
@@ -102,7 +129,8 @@ class ShardSpec:
         for ranges in self._dim_ranges():
             starts = itertools.accumulate((b - a for a, b in ranges), initial=0)
             per_dim.append(list(zip(ranges, starts)))
-        return [(tuple(r for r, _ in cell), tuple(s for _, s in cell)) for cell in itertools.product(*per_dim)]
+        boxes = [(tuple(r for r, _ in cell), tuple(s for _, s in cell)) for cell in itertools.product(*per_dim)]
+        return boxes if self.rows is None else _cut_rows(boxes, *self.rows)
 
     def slice_full(self, full: torch.Tensor) -> torch.Tensor:
         """This shard of a full tensor (a copy; padding zero)."""
@@ -115,6 +143,19 @@ class ShardSpec:
         """Write this shard's data (not its padding) into ``full``."""
         for box, at in self.boxes():
             _view(full, box).copy_(_view(local, box, at))
+
+
+def _cut_rows(
+    boxes: list[tuple[Box, tuple[int, ...]]], start: int, stop: int
+) -> list[tuple[Box, tuple[int, ...]]]:
+    """The parts of ``boxes`` (of a local tensor) that lie in its rows [start, stop), placed in those rows."""
+    cut = []
+    for box, at in boxes:
+        (a, b), row = box[0], at[0]
+        lo, hi = max(row, start), min(row + b - a, stop)
+        if hi > lo:
+            cut.append((((a + lo - row, a + hi - row), *box[1:]), (lo - start, *at[1:])))
+    return cut
 
 
 def _view(tensor: torch.Tensor, box: Box, at: tuple[int, ...] | None = None) -> torch.Tensor:
