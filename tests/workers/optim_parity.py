@@ -1,4 +1,4 @@
-"""Worker: ZeRO-1, clipping, accumulation, activation checkpointing and bf16 against one process.
+"""Worker: ZeRO-1, ZeRO-2/3 (FSDP2), clipping, accumulation, activation checkpointing and bf16 against one process.
 
 Run as a world of tp*pp*dp ranks: ``optim_parity.py OUT.json TP PP``. Every variant trains a copy of the
 same tiny Llama (tied embeddings, 4 q heads and 1 kv head, so tp=2 replicates the kv head) for STEPS
@@ -20,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from plait import ParallelConfig, comm, parallelize
 from plait.data import local_microbatch
 from plait.optim.param_groups import embedding_params, weight_decay_groups
+from plait.fsdp import local
 from plait.grad_sync import grad_of
 from plait.optim import OptimizerStep, Zero1Optimizer, build_optimizer
 
@@ -71,14 +72,15 @@ def reference(base: LlamaForCausalLM, batches, max_norm: float | None) -> dict:
 
 def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, checkpointing=False,
           bf16_params=False, bf16_autocast=False, main_grads=True, reduce_dtype=None, plain_dp=False,
-          counters=None) -> dict:
+          counters=None, zero_stage=0, mixed_precision=False) -> dict:
     """Train a parallel copy of ``base``; returns global losses, norms and the ParallelModel."""
     tp, pp = layout
     model = copy.deepcopy(base)
     if bf16_params:
         model.to(torch.bfloat16)
-    pmodel = parallelize(model, ParallelConfig(tp=tp, pp=pp, zero_1=zero_1, gradient_checkpointing=checkpointing,
-                                               bf16_autocast=bf16_autocast,
+    pmodel = parallelize(model, ParallelConfig(tp=tp, pp=pp, zero_1=zero_1 and not zero_stage, zero_stage=zero_stage,
+                                               mixed_precision=mixed_precision,
+                                               gradient_checkpointing=checkpointing, bf16_autocast=bf16_autocast,
                                                num_microbatches=2 if pp > 1 else 1))
     mesh = pmodel.mesh
     if plain_dp:  # the baseline ZeRO-1 must match bit for bit: torch AdamW on every parameter
@@ -104,7 +106,7 @@ def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, 
     # the first decoder layer this pipeline rank owns (other stages' layers are placeholders without an mlp)
     first_mlp = next(m for n, m in pmodel.module.named_modules() if n.startswith("model.layers.") and n.endswith(".mlp"))
     first_mlp.register_forward_pre_hook(lambda *_: leaf_mlp_calls.append(1))
-    losses, norms = [], []
+    losses, norms, held = [], [], []
     for ids, labels in batches:
         total = torch.zeros(())
         for micro in range(accumulation):
@@ -113,6 +115,9 @@ def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, 
                 loss = pmodel.train_step(ids[rows], labels[rows], num_items_in_batch=num_items(labels))
             if counters is not None:
                 counters.append(("micro", micro, counter.records))
+            # gradient elements this rank holds between micro-steps, as a share of its parameters' (1/dp: sharded)
+            held.append(sum(local(p.grad).numel() for p in pmodel.parameters() if p.grad is not None)
+                        / sum(p.numel() for p in pmodel.parameters()))
             total += loss.detach().float()
         with comm.count_collectives() as counter:
             if plain_dp:
@@ -124,7 +129,7 @@ def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, 
         if counters is not None:
             counters.append(("step", None, counter.records))
         losses.append(comm.all_reduce(total, mesh.dp_group).item())
-    return {"losses": losses, "norms": norms, "pmodel": pmodel, "optimizer": optimizer,
+    return {"losses": losses, "norms": norms, "pmodel": pmodel, "optimizer": optimizer, "grads_held": max(held),
             "grads": [] if plain_dp else stepped_grads,
             "mlp_calls_per_micro_step": len(leaf_mlp_calls) / (len(batches) * accumulation * pmodel.config.num_microbatches)}
 
@@ -134,7 +139,7 @@ def max_param_diff(pmodel, ref_params: dict) -> float:
     worst = torch.zeros(())
     for name, param in pmodel.module.named_parameters():
         expected = pmodel.param_specs[name].slice_full(ref_params[name].detach())
-        worst = torch.maximum(worst, (param.detach().float() - expected).abs().max())
+        worst = torch.maximum(worst, (local(param).detach().float() - expected).abs().max())
     return dist_max(worst)
 
 
@@ -221,6 +226,20 @@ def main() -> None:
     results["reduce_dtype"] = {"bf16_bytes": wire["bf16"], "fp32_bytes": wire["fp32"],
                                "numel": sum(p.numel() for p in run["pmodel"].parameters()) * STEPS}
 
+    # ZeRO-2 (2 micro-steps a step) and ZeRO-3 on FSDP2, with clipping that bites; ZeRO-3 with recomputation, and
+    # with FSDP2's mixed precision (bf16 compute from fp32 shards)
+    run = train(base, batches, layout, zero_stage=2, accumulation=2, max_norm=SMALL_NORM)
+    parity("zero2_clip_accumulation", run, ref_clip, norm_rel=rel(run["norms"], ref_clip["norms"]),
+           grads_held=dist_max(torch.tensor(run["grads_held"])), dp=run["pmodel"].mesh.dp)
+    run = train(base, batches, layout, zero_stage=3, max_norm=SMALL_NORM)
+    parity("zero3_clip", run, ref_clip, norm_rel=rel(run["norms"], ref_clip["norms"]),
+           shard_fraction=dist_max(torch.tensor(_shard_fraction(run))), dp=run["pmodel"].mesh.dp)
+    run = train(base, batches, layout, zero_stage=3, checkpointing=True)
+    parity("zero3_checkpointing", run, ref, mlp_calls_per_micro_step=run["mlp_calls_per_micro_step"],
+           mlp_calls_without=zero["mlp_calls_per_micro_step"])
+    run = train(base, batches, layout, zero_stage=3, mixed_precision=True)
+    results["zero3_bf16"] = {"loss_rel": rel(run["losses"], ref["losses"]), **_dtypes(run)}
+
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
@@ -233,6 +252,12 @@ def _owned_fraction(run: dict) -> float:
     assert isinstance(optimizer, Zero1Optimizer)
     total = sum(p.numel() for p in run["pmodel"].parameters())
     return sum(p.numel() for p in optimizer.owned_params) / total
+
+
+def _shard_fraction(run: dict) -> float:
+    """This rank's share of the parameter elements it stores between steps (ZeRO-3: about 1/dp)."""
+    params = list(run["pmodel"].parameters())
+    return sum(local(p).numel() for p in params) / sum(p.numel() for p in params)
 
 
 def _dtypes(run: dict) -> dict:
