@@ -50,7 +50,11 @@ VARIANTS = ("tp2-tied", "tp2-recompute", "consolidate-tp2", "pp2-tied", "pp2-rec
 # - cp2 needs no plan: the sweep runs it on every architecture, tests/test_cp_parity on nine at cp 2 and 4 with both
 #   strategies; cp2-tp2, with the generic tp plans, stays.
 NO_PLAN_OF_ITS_OWN = ("dp2", "zero1-dp2", "pp2-interleaved-v2", "tp4-kv-replicated", "cp2")
-KIT_MODES = [m for m in MODES if m not in ("cp2-ring", "ep2", "ep2-zero1", "ep2-pp2", *VARIANTS, *NO_PLAN_OF_ITS_OWN)]
+# ZeRO-2/3 shard whatever the plans leave on a rank: they run on the two families the issue names (a MoE and a
+# dense one with q/k norms) in test_zero_stages_conform, and on the bundled adapters in test_conformance.
+ZERO_MODES = ("zero2-dp2", "zero3-dp2", "tp2-zero3-dp2", "pp2-zero3-dp2", "consolidate-zero3-dp2")
+KIT_MODES = [m for m in MODES if m not in ("cp2-ring", "ep2", "ep2-zero1", "ep2-pp2", *VARIANTS, *NO_PLAN_OF_ITS_OWN,
+                                           *ZERO_MODES)]
 MOE = ("mixtral", "qwen3_moe", "qwen3_next", "deepseek_v3")
 # Modes a tiny config cannot express, with the reason the kit must give.
 SKIPPED = {("qwen3_next", "cp2-tp2"): "layer type 'linear_attention' (config.layer_types) carries state along the "
@@ -92,4 +96,19 @@ def test_generic_adapter_conforms(request, results, arch, mode):
         result = request.getfixturevalue("results_float64")[f"transformers:{arch}", mode]
     assert result.status == "pass", format_results([result])
     assert result.loss_rel is not None and result.loss_rel <= LOSS_RTOL
+    assert result.grad_tol is not None and result.grad_tol <= 1
+
+
+@pytest.fixture(scope="module")
+def results_zero(plait_conformance):
+    return plait_conformance("transformers:mixtral", "transformers:qwen3", modes=list(ZERO_MODES))
+
+
+@pytest.mark.parametrize("mode", ZERO_MODES)
+@pytest.mark.parametrize("arch", ("mixtral", "qwen3"))
+def test_zero_stages_conform(results_zero, arch, mode):
+    from plait.testing.pytest_plugin import format_results
+
+    result = results_zero[f"transformers:{arch}", mode]
+    assert result.status == "pass", format_results([result])
     assert result.grad_tol is not None and result.grad_tol <= 1

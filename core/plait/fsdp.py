@@ -28,10 +28,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable_state import _insert_module_state
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from plait import comm
 from plait.device import current_device
 from plait.tp.sharding import ShardSpec
 
@@ -53,6 +55,15 @@ class AppliedFSDP:
         n = spec.local_shape[0]
         chunk = -(-n // self.size)
         return spec.with_rows(min(self.rank * chunk, n), min((self.rank + 1) * chunk, n))
+
+    def gather_rows(self, rows: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> torch.Tensor:
+        """The whole tp/ep shard from every rank's ``rows`` of it (``spec``: this rank's rows), for tools that
+        export full tensors (``plait.gather``), never for training."""
+        n = spec.unsharded.local_shape[0]
+        chunk = -(-n // self.size)
+        padded = rows.new_zeros((chunk, *rows.shape[1:]))
+        padded[: rows.shape[0]] = rows
+        return comm.all_gather(padded, group, dim=0)[:n]
 
     def keep_gathered(self, keep: bool) -> None:
         """Stage 2 between the microbatches of a step: ``True`` keeps parameters gathered after a backward (the
@@ -85,8 +96,12 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def install_local(param: nn.Parameter, rows: torch.Tensor) -> None:
-    """Give a meta DTensor parameter of an FSDP unit its local rows (``materialize``); ``reset_storage`` after."""
-    param._local_tensor = rows
+    """Give a meta DTensor parameter of an FSDP unit its local rows (``materialize``), in place (every module and
+    FSDP2 itself keep the same parameter object); ``reset_storage`` after."""
+    spec = param._spec
+    real = DTensor.from_local(rows, spec.mesh, spec.placements, shape=param.shape, stride=param.stride(),
+                              run_check=False)
+    torch.utils.swap_tensors(param, nn.Parameter(real, requires_grad=param.requires_grad))
 
 
 def reset_storage(model: nn.Module) -> None:
@@ -97,6 +112,13 @@ def reset_storage(model: nn.Module) -> None:
             for group in unit._get_fsdp_state()._fsdp_param_groups:
                 for fsdp_param in group.fsdp_params:
                     fsdp_param.reset_sharded_param()
+
+
+def share_state(unit: nn.Module, copied: nn.Module) -> None:
+    """Let a shallow copy of an FSDP unit (a pipeline stage's shell of the model, ``pipeline.stages.shell``) run as
+    that unit: torch finds a unit's state by module object, so the copy is registered under the same state."""
+    if isinstance(unit, FSDPModule):
+        _insert_module_state(copied, unit._get_fsdp_state())
 
 
 def remap_params(before: dict[str, nn.Parameter], model: nn.Module) -> dict[int, nn.Parameter]:

@@ -10,14 +10,19 @@ from __future__ import annotations
 import torch
 
 from plait import comm
+from plait.fsdp import local as rows
 from plait.parallelize import ParallelModel
 
 
 def gather_full(pmodel: ParallelModel, name: str, local: torch.Tensor) -> torch.Tensor:
     """The full logical tensor of parameter ``name`` (or of its gradient) from every tp rank's shard (and, for
-    a tensor stacked over experts under expert parallelism, every ep rank's experts)."""
+    a tensor stacked over experts under expert parallelism, every ep rank's experts; under ZeRO-3 every dp rank's
+    rows)."""
     spec, mesh, plan = pmodel.param_specs[name], pmodel.mesh, pmodel.plan
-    pieces, tp_ranks = local.detach().unsqueeze(0), [mesh.tp_rank]  # [tp ranks, *local]
+    local = rows(local).detach()
+    if spec.rows is not None:  # ZeRO-3: this rank's rows of its tp shard first
+        local = pmodel.fsdp.gather_rows(local, spec, mesh.replica_group)
+    pieces, tp_ranks = local.unsqueeze(0), [mesh.tp_rank]  # [tp ranks, *local]
     if spec.dim is not None:
         pieces, tp_ranks = comm.all_gather(pieces, mesh.tp_group, dim=0), range(mesh.tp)
     pieces, ep_ranks = pieces.unsqueeze(0), [None]  # [ep ranks, tp ranks, *local]

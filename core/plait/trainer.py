@@ -30,6 +30,7 @@ from plait.data.sft_blocks import batch_inputs, count_labels
 from plait.data.train_data import load_data
 from plait.device import peak_memory_bytes, pick_device, use_fused_adamw
 from plait.float8 import check_float8_device
+from plait.fsdp import local
 from plait.heartbeat import Heartbeat
 from plait.log_line import log_line, progress_text
 from plait.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_max
@@ -258,8 +259,8 @@ class Trainer:
         self.log.write({"event": "load", "step": self.first_step, "load_seconds": time.perf_counter() - load_start,
                         "peak_rss_mb": peak_rss_mb(), "source": "init" if kind == "init" else str(source),
                         **({"moe_layers": self.routing.names} if self.routing is not None else {})})
-        count = sum(p.numel() for p in pmodel.parameters())
-        trained = sum(p.numel() for p in pmodel.parameters() if p.requires_grad)
+        count = sum(local(p).numel() for p in pmodel.parameters())  # ZeRO-3: the rows this rank stores
+        trained = sum(local(p).numel() for p in pmodel.parameters() if p.requires_grad)
         lora = f" (LoRA r={pmodel.plan.lora.config.r}: {trained:,} trained)" if pmodel.plan.lora is not None else ""
         cp = f" | cp attention {pmodel.plan.cp.strategy_for(args.block_size)}" if pmodel.plan.cp is not None else ""
         self.console.print(

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from plait.cp.context import ContextParallel
+from plait.fsdp import share_state
 from plait.pipeline.cuts import StageSplit
 from plait.pipeline.router import RouterRecorder, router_aux
 
@@ -150,7 +151,10 @@ def shell(module: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:
     parameter) is shared with ``module``. Lets the stages of one rank share its pruned model."""
     if not replacements:
         return module
-    copied = copy.copy(module)
+    # copy.copy would run the class's __new__, which FSDP2's module classes make call __init__ again (ZeRO-3)
+    copied = object.__new__(type(module))
+    copied.__dict__.update(module.__dict__)
+    share_state(module, copied)
     copied._modules = dict(module._modules)
     nested: dict[str, dict[str, nn.Module]] = defaultdict(dict)
     for name, new in replacements.items():
