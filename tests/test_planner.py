@@ -38,7 +38,8 @@ from plait.testing import launch
 WORKER = Path(__file__).parent / "workers" / "planner_worker.py"
 # Collectives plait.comm does not see: pipeline send/recv (torch.distributed.pipelining's) and ZeRO-1's
 # parameter broadcast (ZeroRedundancyOptimizer's own).
-UNRECORDED = {("pp", "send"), ("pp", "recv"), ("dp", "broadcast")}
+# FSDP2's all-gathers and reduce-scatters under ZeRO-2/3 are torch's own too.
+UNRECORDED = {("pp", "send"), ("pp", "recv"), ("dp", "broadcast"), ("dp", "all_gather"), ("dp", "reduce_scatter")}
 
 
 @pytest.fixture(scope="module")
@@ -714,3 +715,36 @@ def test_when_nothing_fits_the_search_says_what_would(tmp_path, capsys):
           "--world_size", "1", "--search", "--hardware", "h100", "--device_memory", str(memory / 2**30)])
     out = capsys.readouterr().out
     assert "no layout fits" in out and "what would fit" in out and f"{devices} devices" in out
+
+
+def test_search_offers_zero3_where_only_sharding_the_parameters_fits(tmp_path, capsys):
+    """Issue 23: a model whose parameters, gradients and AdamW state do not fit on a device under ZeRO-1 at dp=4
+    fits under ZeRO-3 (16N/dp); the search ranks it, with its command carrying --zero_stage 3, and its bytes
+    are the formula's: parameters and gradients 4N/dp, optimizer state 8N/dp (fp32, up to rows' rounding)."""
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    model = build_meta_model(config, torch.float32)
+    registry = default_registry()
+    n = sum(p.numel() for p in model.parameters())
+    peaks = {}
+    for stage in (1, 3):
+        plan = plan_layout(model, ParallelConfig(zero_stage=stage), 4, registry)
+        trace = trace_activations(model, 16, registry, plan.adapter)
+        estimate = estimate_layout(model, plan, Batch(1, 16), Precision(), trace)
+        peaks[stage] = estimate.peak
+        if stage == 3:
+            for rank in estimate.ranks:
+                s = rank.static
+                assert abs(s.parameters - 4 * n / 4) <= 4 * 4 * config.hidden_size, s  # at most a row per tensor
+                assert s.gradients == s.parameters and abs(s.optimizer - 8 * n / 4) <= 4096 * 8, s
+    assert peaks[3] < peaks[1]
+    path = tmp_path / "config.json"
+    config.to_json_file(path)
+    memory = (peaks[1] + peaks[3]) / 2  # --device_memory: what the tensors may take (no reserve)
+    main(["plan", "--model_config", str(path), "--block_size", "16", "--per_device_train_batch_size", "1",
+          "--world_size", "4", "--search", "--hardware", "h100", "--device_memory", str(memory / 2**30),
+          "--top", "200", "--json"])
+    found = json.loads(capsys.readouterr().out)
+    ranked = {r["layout"]: r["command"] for r in found["ranked"]}
+    assert "tp=1 pp=1 dp=4 zero3" in ranked and "--zero_stage 3" in ranked["tp=1 pp=1 dp=4 zero3"], list(ranked)
+    assert "tp=1 pp=1 dp=4 zero1" not in ranked

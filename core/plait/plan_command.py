@@ -141,6 +141,8 @@ def layout_flags(config, per_device: int, accumulation: int) -> list[str]:
         flags += ["--num_microbatches", str(config.num_microbatches), "--pipeline_schedule", config.pipeline_schedule]
         if config.virtual_pipeline_size > 1:
             flags += ["--virtual_pipeline_size", str(config.virtual_pipeline_size)]
+    if config.fsdp:
+        flags += ["--zero_stage", str(config.zero_stage)]
     switches = {"disable_sequence_parallel": config.tp > 1 and not config.sp, "zero_1": config.zero_1,
                 "gradient_checkpointing": config.gradient_checkpointing,
                 "disable_expert_tensor_parallel": config.tp > 1 and not config.expert_tensor_parallel}

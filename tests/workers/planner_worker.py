@@ -43,8 +43,12 @@ LAYOUTS = {
     "cp2_ring_recompute": (ParallelConfig(cp=2, cp_attention="ring", gradient_checkpointing=True), False, 0.0),
     # LoRA (rank 4 on q, v): the base frozen, no gradient or optimizer state; ZeRO-1 shards the adapters' state
     "dp2_zero1_lora": (ParallelConfig(zero_1=True), False, 0.0),
+    # ZeRO-2/3 (FSDP2): each rank's rows of every parameter, gradient and AdamW state; bf16 compute from fp32 shards
+    "dp2_zero2_wd": (ParallelConfig(zero_stage=2), False, 0.1),
+    "dp2_zero3_bf16": (ParallelConfig(zero_stage=3, mixed_precision=True), True, 0.0),
+    "dp2_zero3_lora": (ParallelConfig(zero_stage=3), False, 0.0),
 }
-LORA = {"dp2_zero1_lora"}
+LORA = {"dp2_zero1_lora", "dp2_zero3_lora"}
 # a tiny Mixtral whose experts are kept whole over tp: under SP no experts collectives, without SP a token share
 MOE_LAYOUTS = {
     "moe_tp2_sp_whole_recompute": (ParallelConfig(tp=2, expert_tensor_parallel=False, gradient_checkpointing=True),
@@ -78,7 +82,9 @@ def run(name: str, config: ParallelConfig, bf16: bool, weight_decay: float, mode
                                trace_activations(meta, SEQ, registry, plan.adapter), weight_decay)
     predicted = estimate.for_rank(rank)
     torch.manual_seed(0)
-    pmodel = parallelize(AutoModelForCausalLM.from_config(model_config).to(dtype), config, lora=lora)
+    # under FSDP2's mixed precision the model (its shards) stays fp32 and computes in bf16
+    model_dtype = torch.float32 if config.mixed_precision else dtype
+    pmodel = parallelize(AutoModelForCausalLM.from_config(model_config).to(model_dtype), config, lora=lora)
     optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-3, weight_decay=weight_decay,
                                 optimizer_dtype=torch.float32)
     step = OptimizerStep(pmodel.grad_sync, optimizer, 1.0)

@@ -37,7 +37,8 @@ def strategy(estimate: LayoutEstimate) -> str:
     config = estimate.plan.config
     axes = [f"{name}" for name, size in (("tp", config.tp), ("pp", config.pp), ("cp", config.cp), ("ep", config.ep))
             if size > 1]
-    savers = [name for name, on in (("zero1", config.zero_1), ("recompute", config.gradient_checkpointing)) if on]
+    zero = f"zero{config.zero_stage}" if config.zero_stage else ""
+    savers = [name for name, on in ((zero, bool(zero)), ("recompute", config.gradient_checkpointing)) if on]
     return "+".join(axes or ["dp"]) + (f" ({', '.join(savers)})" if savers else "")
 
 

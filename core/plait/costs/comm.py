@@ -22,7 +22,10 @@ Expert parallelism (group "ep", per micro-batch): each MoE layer's dispatch and 
 backward, and the per-expert counts (``experts`` has the formulas).
 Data parallel (group "dp", once per step; under cp the replica group of dp x cp ranks, which all hold the
 same parameters): gradients all-reduced in 32 MiB buckets, or under ZeRO-1 reduced to their owners and the
-updated parameters broadcast one by one. Under ep the expert parameters' go over their own group instead
+updated parameters broadcast one by one. Under ZeRO-2/3 (FSDP2) each unit (a decoder layer, the model's root)
+all-gathers its parameters in the compute dtype (bytes: the rank's shard) and reduce-scatters its gradient (fp32
+under --bf16) after every backward: stage 3 gathers in every forward and again in every backward, stage 2 once per
+step (without pp; under pp once per micro-batch, whose backward frees them). Under ep the expert parameters' go over their own group instead
 ("edp": the dp x cp / ep ranks holding the same experts).
 Bytes are the tensor sizes handed to the collective (as ``count_collectives`` records them); ``ring`` is
 what a ring algorithm sends per rank: all-reduce 2(p-1)/p n, all-gather (p-1) n_local, reduce-scatter
@@ -203,7 +206,7 @@ def step_comm(
     dp = (config.dp or 1) * cp  # the replica group: every rank holding these parameters
     # The global gradient norm: one float summed over each group whose ranks hold different gradients (under
     # ZeRO-1 the replica group's owned shards cover the experts too, each expert shard owned once).
-    for group, size in (("tp", config.tp), ("pp", config.pp), ("dp", dp if config.zero_1 else 1),
+    for group, size in (("tp", config.tp), ("pp", config.pp), ("dp", dp if config.zero_1 or config.fsdp else 1),
                         ("ep", 1 if config.zero_1 else config.ep)):
         if size > 1:
             ops.append(CommOp(group, "all_reduce", 1, 4))
@@ -212,6 +215,8 @@ def step_comm(
     groups = [("dp", [p for p in trained if not (apart and p.expert)], dp)]
     if apart:
         groups.append(("edp", [p for p in trained if p.expert], dp // config.ep))
+    if config.fsdp and dp > 1:
+        return merged(ops + fsdp_comm(plan, held, precision, dp, acc))
     for group, params, size in groups:
         if size == 1 or not params:
             continue
@@ -224,6 +229,20 @@ def step_comm(
         else:
             ops.append(CommOp(group, "all_reduce", math.ceil(grads / BUCKET_BYTES), grads))
     return merged(ops)
+
+
+def fsdp_comm(plan: LayoutPlan, held: list[RankParam], precision: Precision, replicas: int,
+              accumulation: int) -> list[CommOp]:
+    """ZeRO-2/3's all-gathers and reduce-scatters over the replica group in one step."""
+    config = plan.config
+    units = {next((u for u in plan.units if p.name.startswith(u + ".")), "") for p in held}
+    shard = sum(p.numel for p in held) // replicas * precision.param.itemsize
+    backwards = accumulation * config.num_microbatches
+    gathers = 2 * backwards if config.zero_stage == 3 else backwards if config.pp > 1 else 1
+    reduce_bytes = max(precision.param.itemsize, 4 if precision.param != precision.optimizer else 0)
+    trained = sum(p.numel for p in held if p.trainable) * reduce_bytes
+    return [CommOp("dp", "all_gather", gathers * len(units), gathers * shard),
+            CommOp("dp", "reduce_scatter", backwards * len(units), backwards * trained)]
 
 
 def _decoder_layers(model: nn.Module) -> int:

@@ -60,7 +60,7 @@ class RankEstimate:
     @property
     def peak(self) -> int:
         s, a = self.static, self.activations
-        return s.parameters + s.gradients + s.optimizer + a.in_flight + a.transient + self.dp_buffer
+        return s.parameters + s.gradients + s.optimizer + s.gathered + a.in_flight + a.transient + self.dp_buffer
 
 
 @dataclass
@@ -88,7 +88,7 @@ class LayoutEstimate:
         config = self.plan.config
         tp_rank, cp_rank = rank % config.tp, rank // config.tp % config.cp
         pp_rank, dp_rank = rank // (config.tp * config.cp) % config.pp, rank // (config.tp * config.cp * config.pp)
-        if not config.zero_1:  # every replica holds the same bytes: one estimate for all
+        if not config.zero_1 and not config.fsdp:  # every replica holds the same bytes: one estimate for all
             dp_rank = cp_rank = 0
         return next(r for r in self.ranks
                     if (r.tp_rank, r.pp_rank, r.dp_rank, r.cp_rank) == (tp_rank, pp_rank, dp_rank, cp_rank))
@@ -176,16 +176,22 @@ def estimate_layout(
                 moved[pp_rank] = 2 * acts.per_microbatch * config.num_microbatches * batch.accumulation
             grads = sum(p.numel for p in held if p.trainable) * precision.grad_bytes
             for replica, static in enumerate(static_bytes(held, precision, replicas, config.zero_1, config.ep,
-                                                          weight_decay, decay_embeddings)):
+                                                          weight_decay, decay_embeddings, config.zero_stage,
+                                                          plan.units)):
                 dp_rank, cp_rank = divmod(replica, cp)  # the replica group's order: dp-major, then cp
                 rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
-                ranks.append(RankEstimate(rank, tp_rank, pp_rank, dp_rank, static, acts,
-                                          min(grads, BUCKET_BYTES) if replicas > 1 else 0, cp_rank))
+                bucket = min(grads, BUCKET_BYTES) if replicas > 1 and not config.fsdp else 0  # FSDP2: in gathered
+                ranks.append(RankEstimate(rank, tp_rank, pp_rank, dp_rank, static, acts, bucket, cp_rank))
     notes = [f"attention: {trace.attn_implementation}"
              + (" (eager keeps the s x s probabilities of every layer)" if trace.attn_implementation == "eager"
                 else " (fused: no s x s probabilities kept)")]
     if config.gradient_checkpointing:
         notes.append("activation checkpointing: each decoder layer keeps its input; one layer is recomputed at a time")
+    if config.fsdp and replicas > 1:
+        gathered = ("every decoder layer's parameters gathered for the whole step" if config.zero_stage == 2 else
+                    "the root unit (embeddings, final norm, head) and two decoder layers gathered at a time")
+        notes.append(f"ZeRO-{config.zero_stage} (FSDP2): parameters, gradients and optimizer state sharded over the "
+                     f"{replicas} replica ranks, {gathered}")
     if config.zero_1 and replicas > 1:
         notes.append("ZeRO-1: optimizer state and master weights of the parameters each dp rank owns"
                      + (f" (over the dp x cp = {replicas} ranks of a replica group)" if cp > 1 else ""))

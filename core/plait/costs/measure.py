@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from plait.fsdp import local
 from plait.grad_sync import grad_of
 from plait.optim.mixed_precision import MasterWeightOptimizer
 from plait.optim.zero import Zero1Optimizer
 
 
 def parameter_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """Bytes of the parameters this rank stores (under ZeRO-3 its rows of each)."""
+    return sum(local(p).numel() * p.element_size() for p in module.parameters())
 
 
 def gradient_bytes(module: nn.Module) -> int:

@@ -9,6 +9,12 @@ Parameters, gradients and optimizer state follow the code that allocates them, f
   scalar per parameter, and fp32 master copies of bf16 parameters; under ZeRO-1 only for the parameters the
   rank owns, partitioned exactly as ``ZeroRedundancyOptimizer`` does (per parameter group, largest first,
   each to the rank with the fewest elements so far).
+Under ZeRO-2/3 (FSDP2, ``plait.fsdp``) each replica rank stores its rows of every parameter (torch.chunk of dim 0
+over the dp x cp ranks), their gradients and AdamW state, all in the optimizer dtype (with --bf16 the shards are the
+fp32 masters); the layers compute on gathered copies in the parameter dtype: under stage 2 every unit's for the
+whole step, under stage 3 the model's root unit (embeddings, final norm, head) and two decoder layers (the one
+computing and the one prefetched). A unit's gradient is whole, in the parameter dtype and in fp32 for the
+reduce-scatter, while it is reduced.
 Under expert parallelism (ep) a rank holds E/ep of each MoE layer's experts: dim 0 of every experts parameter is
 divided by ep, after tp's split of the intermediate dimension. ZeRO-1 then shards the dense parameters over the
 replica group (dp x cp ranks) and the expert ones over the expert-replica group (dp x cp / ep ranks, the ranks
@@ -62,6 +68,7 @@ class RankParam:
     embedding: bool
     expert: bool = False  # of a routed-experts module: E/ep experts held, state sharded over dp x cp / ep
     trainable: bool = True  # False: a frozen base weight under LoRA (no gradient, no optimizer state)
+    rows: int = 1  # dim 0 of the rank's tensor: ZeRO-3 divides these over the replica ranks
 
 
 def rank_params(
@@ -93,11 +100,12 @@ def rank_params(
         shape = spec.local_shape if spec is not None else tuple(param.shape)
         expert = name in experts
         held.append(RankParam(name, math.prod(shape) // (ep if expert else 1), tuple(param.shape), name in embeddings,
-                              expert, trainable=plan.lora is None))
+                              expert, trainable=plan.lora is None, rows=shape[0] if shape else 1))
     if plan.lora is not None:  # the adapters: built by plait on the real model, not on the meta model planned
         for name, spec in plan.lora.specs(tp_rank).items():
             if plan.split is None or _stage_of(stage_of, name) in stages:
-                held.append(RankParam(name, math.prod(spec.local_shape), tuple(spec.full_shape), False))
+                shape = spec.local_shape
+                held.append(RankParam(name, math.prod(shape), tuple(spec.full_shape), False, rows=shape[0]))
     return held
 
 
@@ -146,16 +154,52 @@ class StaticBytes:
     gradients: int
     optimizer: int
     stepped: int  # parameter elements this rank's optimizer updates (all it holds, or its ZeRO-1 share)
+    gathered: int = 0  # ZeRO-2/3: gathered copies of parameters at the peak, and one unit's gradient being reduced
+
+
+def fsdp_rows(param: RankParam, replicas: int, rank: int) -> int:
+    """Elements of ``param`` replica rank ``rank`` stores under ZeRO-2/3: its torch.chunk of dim 0."""
+    chunk = -(-param.rows // replicas)
+    rows = min(param.rows, (rank + 1) * chunk) - min(param.rows, rank * chunk)
+    return param.numel // param.rows * rows
+
+
+def fsdp_static_bytes(params: list[RankParam], precision: Precision, replicas: int, stage: int,
+                      units: tuple[str, ...]) -> list[StaticBytes]:
+    """Bytes of each replica rank under ZeRO-2/3 (``units``: the leaf modules that are FSDP2 units)."""
+    shard, compute = _size(precision.optimizer), _size(precision.param)
+    unit_numel: dict[str, int] = {}
+    unit_trained: dict[str, int] = {}
+    for p in params:
+        unit = next((u for u in units if p.name.startswith(u + ".")), "")  # "": the model's root unit
+        unit_numel[unit] = unit_numel.get(unit, 0) + p.numel
+        unit_trained[unit] = unit_trained.get(unit, 0) + (p.numel if p.trainable else 0)
+    leaves = [n for u, n in unit_numel.items() if u]
+    if stage == 2:
+        gathered = sum(unit_numel.values()) * compute
+    else:
+        gathered = (unit_numel.get("", 0) + 2 * max(leaves, default=0)) * compute
+    reduced = max(unit_trained.values(), default=0) * (compute + (4 if compute != 4 else 0))
+    out = []
+    for rank in range(replicas):
+        stored = sum(fsdp_rows(p, replicas, rank) for p in params)
+        trained = sum(fsdp_rows(p, replicas, rank) for p in params if p.trainable)
+        state = trained * ADAM_STATES * shard + STEP_BYTES * sum(1 for p in params if p.trainable)
+        out.append(StaticBytes(stored * shard, trained * shard, state, trained, gathered + reduced))
+    return out
 
 
 def static_bytes(
     params: list[RankParam], precision: Precision, replicas: int, zero_1: bool, ep: int = 1,
-    weight_decay: float = 0.0, decay_embeddings: bool = True,
+    weight_decay: float = 0.0, decay_embeddings: bool = True, zero_stage: int = 0, units: tuple[str, ...] = (),
 ) -> list[StaticBytes]:
     """Parameter, gradient and optimizer bytes of the ranks holding ``params`` (a replica group of ``replicas`` =
     dp x cp ranks): one per replica rank under ZeRO-1 (``zero_1``, ``replicas`` > 1), in the group's order, else
     one for all. Under ep the dense parameters are sharded over the group and the expert ones over the ranks
-    holding the same experts: replica rank r is position r // ep of its expert-replica group (``plait.mesh``)."""
+    holding the same experts: replica rank r is position r // ep of its expert-replica group (``plait.mesh``).
+    ``zero_stage`` 2 or 3: ``fsdp_static_bytes`` (``units``: the plan's FSDP2 units)."""
+    if zero_stage >= 2 and replicas > 1:
+        return fsdp_static_bytes(params, precision, replicas, zero_stage, units)
     numel = sum(p.numel for p in params)
     params = [p for p in params if p.trainable]  # frozen weights (LoRA's base): no gradient, no optimizer state
     learned = sum(p.numel for p in params)

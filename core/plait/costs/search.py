@@ -78,7 +78,7 @@ def search_layouts(
                 result.refused.append((label, str(err)))
                 continue
         # One plan per split and sharding: micro-batches (always pp * 2^k here, which every schedule accepts),
-        # ep, ZeRO-1 and recomputation change neither; the recompute leaves are planned once and dropped when off.
+        # ep, the ZeRO stage and recomputation change neither; the recompute leaves are planned once and dropped when off.
         key = (config.tp, config.cp, config.pp, config.virtual_pipeline_size, config.pipeline_schedule, config.sp)
         if key not in plans:
             try:
@@ -90,7 +90,8 @@ def search_layouts(
         if isinstance(plan, str):
             result.refused.append((label, plan))
             continue
-        plan = dataclasses.replace(plan, config=config, leaves=plan.leaves if config.gradient_checkpointing else ())
+        plan = dataclasses.replace(plan, config=config, leaves=plan.leaves if config.gradient_checkpointing else (),
+                                   units=plan.leaves if config.fsdp else ())  # the leaves are ZeRO-2/3's units
         for size in sizes:  # micro-batch size per device; the accumulation steps make up the rank's share
             split = Batch(size, batch.seq, share // size)
             estimate = estimate_layout(model, plan, split, precision, trace, weight_decay, decay_embeddings, cache,
@@ -133,12 +134,15 @@ def candidates(base: ParallelConfig, world_size: int, global_batch: int, experts
                 micro = [1] if pp == 1 else [pp * 2**k for k in range(8) if pp * 2**k <= per_device] or [pp]
                 for m, ep, sp, zero, ckpt in itertools.product(
                         micro, _divisors(math.gcd(experts, dp * cp)) if experts else [1],
-                        [True, False] if tp > 1 else [False], [False, True] if dp * cp > 1 else [False],
+                        [True, False] if tp > 1 else [False], _zero_stages(dp * cp, schedule),
                         [False, True]):
+                    if zero >= 2 and ep > 1:
+                        continue  # ZeRO-2/3 do not run with ep yet (layout_plan.check_zero_stage)
                     out.append(dataclasses.replace(
                         base, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, virtual_pipeline_size=vpp,
-                        pipeline_schedule=schedule, num_microbatches=m, sp=sp, zero_1=zero,
-                        gradient_checkpointing=ckpt, pipeline_cuts=()))
+                        pipeline_schedule=schedule, num_microbatches=m, sp=sp, zero_1=False, zero_stage=zero,
+                        mixed_precision=base.mixed_precision and zero >= 2, gradient_checkpointing=ckpt,
+                        pipeline_cuts=()))
     return out
 
 
@@ -153,11 +157,19 @@ def describe(config: ParallelConfig) -> str:
         parts += [f"vpp={config.virtual_pipeline_size}", f"m={config.num_microbatches}", config.pipeline_schedule]
     if config.sequence_parallel:
         parts.append("sp")
-    if config.zero_1:
-        parts.append("zero1")
+    if config.zero_stage:
+        parts.append(f"zero{config.zero_stage}")
     if config.gradient_checkpointing:
         parts.append("recompute")
     return " ".join(parts)
+
+
+def _zero_stages(replicas: int, schedule: str) -> list[int]:
+    """The ZeRO stages worth trying: none without data-parallel ranks; 2 and 3 (FSDP2) not with the zero-bubble
+    schedule (``layout_plan.check_zero_stage``)."""
+    if replicas == 1:
+        return [0]
+    return [0, 1] if schedule == "zero-bubble" else [0, 1, 2, 3]
 
 
 def _divisors(n: int) -> list[int]:
