@@ -1,5 +1,6 @@
-"""Bytes per rank of parameters, gradients and optimizer state for tp x pp x dp layouts with and without
-ZeRO-1, beside the ZeRO paper's formula; and peak RSS of one step with activation checkpointing on vs off.
+"""Bytes per rank of parameters, gradients and optimizer state for tp x pp x dp layouts at ZeRO stages 0-3,
+beside the ZeRO paper's formula; the step time of stage 3 over stage 1; and peak RSS of one step with activation
+checkpointing on vs off.
 
     python bench/memory.py
 
@@ -10,6 +11,13 @@ bytes, ZeRO-1 2 + 2 + 12/dp; in fp32, 4 + 4 + 8 (8/dp). "bf16" rows keep bf16 gr
 does (main_grads=False); plait's default also accumulates them in fp32 ``main_grad`` buffers
 (+4 bytes per parameter, the "fp32 acc" column). The goal checked in the last column: optimizer state per
 rank = 1/dp of the unsharded state, to within one parameter's state.
+
+ZeRO-2/3 run on FSDP2 (plait.fsdp): between steps each rank stores its rows of every parameter, gradient and AdamW
+state, so fp32 stages 2 and 3 both hold 16 psi/dp (stage 3: 4/dp + 4/dp + 8/dp); with --bf16 the shards are the fp32
+masters, also 16 psi/dp, and layers compute on bf16 gathered copies. Stage 2 differs from stage 3 during the step:
+it keeps every layer gathered from its forward to the end of the step (+4 psi in fp32, +2 psi in bf16), where
+DeepSpeed's ZeRO-2 (4 psi + 12 psi/dp) keeps the full parameters as its only copy; FSDP2 keeps the shard beside the
+gathered copy (docs/decisions.md). The table shows what is stored between steps.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from pathlib import Path
 LAYOUTS = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (2, 1, 1), (2, 1, 2), (2, 1, 4)]
 H, L, VOCAB, FFN, HEADS = 256, 4, 2048, 768, 8
 RSS_BATCH, RSS_SEQ, RSS_LAYERS = 8, 512, 8
+TIME_BATCH, TIME_SEQ, TIME_STEPS = 4, 256, 6
 MIB = 1024 * 1024
 
 
@@ -66,24 +75,29 @@ def layout_worker(out: Path, tp: int, pp: int) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    from plait.fsdp import local
+
     rows = []
     for precision in ("fp32", "bf16", "bf16+fp32acc"):
-        for zero_1 in (False, True):
+        for stage in (0, 1, 2, 3):
+            if stage >= 2 and (world // (tp * pp) == 1 or precision == "bf16"):
+                continue  # no dp ranks to shard over; FSDP2's bf16 always keeps fp32 shards (the fp32acc row)
             torch.manual_seed(0)
             model = LlamaForCausalLM(model_config())
-            if precision != "fp32":
+            if precision != "fp32" and stage < 2:
                 model.to(torch.bfloat16)
-            pmodel = parallelize(model, ParallelConfig(tp=tp, pp=pp, zero_1=zero_1))
+            pmodel = parallelize(model, ParallelConfig(tp=tp, pp=pp, zero_stage=stage,
+                                                       mixed_precision=precision != "fp32" and stage >= 2))
             optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-3,
                                         optimizer_dtype=torch.float32 if precision != "fp32" else None,
                                         main_grads=precision == "bf16+fp32acc")
             params = list(pmodel.parameters())
             ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
             pmodel(ids, labels=ids).backward()
-            grads = tensor_bytes(g for g in (p.grad for p in params) if g is not None)
+            grads = tensor_bytes(local(g) for g in (p.grad for p in params) if g is not None)
             main = tensor_bytes(grad_of(p) for p in params if hasattr(p, MAIN_GRAD))
             OptimizerStep(pmodel.grad_sync, optimizer)()
-            mine = {"params": tensor_bytes(params), "grads": grads, "fp32_acc": main,
+            mine = {"params": tensor_bytes(local(p) for p in params), "grads": grads, "fp32_acc": main,
                     "state": optimizer_state_bytes(optimizer), "psi": sum(p.numel() for p in params),
                     "largest": max(p.numel() for p in params)}
             everyone = [None] * world
@@ -91,9 +105,42 @@ def layout_worker(out: Path, tp: int, pp: int) -> None:
                 dist.all_gather_object(everyone, mine)
             else:
                 everyone = [mine]
-            rows.append({"precision": precision, "zero_1": zero_1, "ranks": everyone})
+            rows.append({"precision": precision, "stage": stage, "ranks": everyone})
     if world == 1 or dist.get_rank() == 0:
         out.write_text(json.dumps(rows))
+
+
+def time_worker(out: Path) -> None:
+    """dp=2: median seconds per step at ZeRO stages 1 and 3, built together and timed in turns (round-robin), so
+    a slow spell of the machine hits both."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+
+    from plait import ParallelConfig, parallelize
+    from plait.optim import OptimizerStep, build_optimizer
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    runs = {}
+    for stage in (1, 3):
+        torch.manual_seed(0)
+        pmodel = parallelize(LlamaForCausalLM(model_config(RSS_LAYERS)), ParallelConfig(zero_stage=stage))
+        step = OptimizerStep(pmodel.grad_sync, build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4), 1.0)
+        runs[stage] = (pmodel, step, [])
+    ids = torch.randint(0, VOCAB, (TIME_BATCH, TIME_SEQ), generator=torch.Generator().manual_seed(dist.get_rank()))
+    for i in range(TIME_STEPS + 1):
+        for stage, (pmodel, step, seconds) in runs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            pmodel.train_step(ids, ids, num_items_in_batch=ids.numel() * 2)
+            step()
+            if i:  # the first step allocates the optimizer state
+                seconds.append(time.perf_counter() - start)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps({stage: statistics.median(r[2]) for stage, r in runs.items()}))
 
 
 def rss_worker(checkpointing: bool) -> None:
@@ -115,9 +162,13 @@ def rss_worker(checkpointing: bool) -> None:
     print(json.dumps({"before": before, "peak_before": peak_before, "peak": peak}))
 
 
-def formula(precision: str, zero_1: bool, dp: int) -> tuple[int, int, float]:
-    """ZeRO paper bytes per parameter: (params, grads, optimizer state)."""
-    shard = dp if zero_1 else 1
+def formula(precision: str, stage: int, dp: int) -> tuple[float, float, float]:
+    """Bytes per parameter stored between steps: (params, grads, optimizer state). Stages 0-1: the ZeRO paper's
+    (mixed precision: bf16 params and grads, fp32 master + moments); stages 2-3 on FSDP2: fp32 shards of
+    parameters and gradients, fp32 moments, all over dp (under --bf16 the fp32 shards are the masters)."""
+    if stage >= 2:
+        return 4 / dp, 4 / dp, 8 / dp
+    shard = dp if stage == 1 else 1
     if precision == "fp32":
         return 4, 4, 8 / shard
     return 2, 2, 12 / shard
@@ -127,7 +178,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout-worker", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--rss-worker", choices=("on", "off"), help=argparse.SUPPRESS)
+    parser.add_argument("--time-worker", help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    if ns.time_worker:
+        time_worker(Path(ns.time_worker))
+        return
     if ns.layout_worker:
         out, tp, pp = ns.layout_worker
         layout_worker(Path(out), int(tp), int(pp))
@@ -140,7 +195,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="memory-"))
     print(f"Llama h={H} L={L} ffn={FFN} vocab={VOCAB} (untied), AdamW; bytes per rank after one optimizer step")
     print("ranks: max over the world (params, grads) / max and min (optimizer state); formula = psi * bytes/param")
-    header = (f"{'tp':>2} {'pp':>2} {'dp':>2} {'zero1':>5} {'precision':>13} {'psi':>9} {'params MiB':>10} "
+    header = (f"{'tp':>2} {'pp':>2} {'dp':>2} {'zero':>5} {'precision':>13} {'psi':>9} {'params MiB':>10} "
               f"{'formula':>8} {'grads MiB':>9} {'formula':>8} {'fp32 acc':>8} {'state MiB max/min':>17} "
               f"{'formula':>8} {'state/unsharded':>15} {'goal':>5}")
     print(header)
@@ -148,21 +203,30 @@ def main() -> None:
         out = tmp / f"tp{tp}_pp{pp}_dp{dp}.json"
         launch([__file__, "--layout-worker", str(out), str(tp), str(pp)], tp * pp * dp, timeout=600)
         rows = json.loads(out.read_text())
-        unsharded = {r["precision"]: max(x["state"] for x in r["ranks"]) for r in rows if not r["zero_1"]}
+        unsharded = {r["precision"]: max(x["state"] for x in r["ranks"]) for r in rows if r["stage"] == 0}
         for r in rows:
             ranks = r["ranks"]
             psi = max(x["psi"] for x in ranks)
-            fp, fg, fs = formula(r["precision"], r["zero_1"], dp)
+            fp, fg, fs = formula(r["precision"], r["stage"], dp)
             state_max, state_min = max(x["state"] for x in ranks), min(x["state"] for x in ranks)
-            target = unsharded[r["precision"]] / (dp if r["zero_1"] else 1)
+            # the stage-0 state over dp (stages 2-3 under bf16: fp32 moments only, the shards being the masters)
+            target = unsharded[r["precision"]] / (dp if r["stage"] else 1) * (8 / 12 if r["stage"] >= 2 and
+                                                                             r["precision"] != "fp32" else 1)
             one_param = max(x["largest"] for x in ranks) * (12 if r["precision"] != "fp32" else 8)
             ok = "ok" if state_max - target <= one_param else "MISS"
-            print(f"{tp:2d} {pp:2d} {dp:2d} {str(r['zero_1']):>5} {r['precision']:>13} {psi:9,d} "
+            print(f"{tp:2d} {pp:2d} {dp:2d} {r['stage']:>5} {r['precision']:>13} {psi:9,d} "
                   f"{max(x['params'] for x in ranks) / MIB:10.2f} {psi * fp / MIB:8.2f} "
                   f"{max(x['grads'] for x in ranks) / MIB:9.2f} {psi * fg / MIB:8.2f} "
                   f"{max(x['fp32_acc'] for x in ranks) / MIB:8.2f} "
                   f"{state_max / MIB:8.2f}/{state_min / MIB:<8.2f} {psi * fs / MIB:8.2f} "
                   f"{state_max / unsharded[r['precision']]:15.3f} {ok:>5}")
+    print()
+    out = tmp / "time.json"
+    launch([__file__, "--time-worker", str(out)], 2, timeout=600)
+    median = json.loads(out.read_text())
+    print(f"Step time at dp=2 (gloo), Llama h={H} L={RSS_LAYERS}, batch {TIME_BATCH} x {TIME_SEQ} per rank, median of "
+          f"{TIME_STEPS} steps timed in turns: ZeRO-1 {median['1'] * 1e3:.0f} ms, ZeRO-3 {median['3'] * 1e3:.0f} ms, "
+          f"stage 3 / stage 1 = {median['3'] / median['1']:.2f}")
     print()
     print(f"Activation checkpointing, one process, Llama h={H} L={RSS_LAYERS}, batch {RSS_BATCH} x {RSS_SEQ} "
           f"tokens, fp32, one forward + backward")

@@ -4,7 +4,7 @@
 
 1. Bytes: parameters, gradients, optimizer state that built ranks hold vs the planner, per rank and layout
    (tp, ZeRO-1 with weight-decay groups, pp, bf16 with fp32 masters): must be equal.
-2. Peak memory over the post-load baseline, per rank, for 13 layouts of a Llama whose activations dominate
+2. Peak memory over the post-load baseline, per rank, for 15 layouts of a Llama whose activations dominate
    (eager attention, s=256), and 4 of a Mixtral of the same size (moe_: dp, ep=2, ep=2 with ZeRO-1, tp=2 SP):
    within 20%. Measured as the kernel's resident-set high-water mark (VmHWM, reset
    through /proc/self/clear_refs before the step) minus the resident set before it, with glibc told to mmap
@@ -41,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tp_comm, pp_bubble
 MEMORY_LAYOUTS = {  # name -> ParallelConfig kwargs, on 2 ranks
     "dp2": {},
     "dp2_zero1": {"zero_1": True},
+    "dp2_zero2": {"zero_stage": 2},  # FSDP2: every layer gathered for the step, then freed
+    "dp2_zero3": {"zero_stage": 3},  # FSDP2: the root and two layers gathered at a time
     "dp2_recompute": {"gradient_checkpointing": True},
     "tp2_sp": {"tp": 2},
     "tp2_nosp": {"tp": 2, "sp": False},
@@ -424,7 +426,8 @@ def report_comm(per_rank) -> list[str]:
     from plait.registry import default_registry
 
     print("\n3. communication of one step: plait.comm's count vs planned (count, bytes), rank 0")
-    unrecorded = {("pp", "send"), ("pp", "recv"), ("dp", "broadcast")}
+    # not plait.comm's: pipelining's send/recv, ZeroRedundancyOptimizer's broadcast, FSDP2's gathers and reduce-scatters
+    unrecorded = {("pp", "send"), ("pp", "recv"), ("dp", "broadcast"), ("dp", "all_gather"), ("dp", "reduce_scatter")}
     bad = []
     for name in MEMORY_LAYOUTS:
         x = per_rank[0]["memory"][name]
