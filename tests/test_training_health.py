@@ -94,16 +94,18 @@ def diverged(model_config, tmp_path_factory) -> dict:
                 learning_rate=1e4, max_grad_norm=0.0, device="cpu")
     cases = {f"{name}2": {**base, name: 2, "output_dir": str(root / name)}
              for name in ("tensor_parallel_size", "context_parallel_size")}
+    # ZeRO-3 at dp=2 (the same global batch): the norm of FSDP2's sharded gradients is the same on both ranks
+    cases["zero_stage3"] = {**base, "zero_stage": 3, "per_device_train_batch_size": 2, "output_dir": str(root / "z3")}
     (root / "flags.json").write_text(json.dumps(cases))
     launch([TRAINERS, str(root / "out.json"), str(root / "flags.json")], 2, timeout=240)
     return {case: (ranks, Path(cases[case]["output_dir"])) for case, ranks in
             json.loads((root / "out.json").read_text()).items()}
 
 
-@pytest.mark.parametrize("case", ["tensor_parallel_size2", "context_parallel_size2"])
+@pytest.mark.parametrize("case", ["tensor_parallel_size2", "context_parallel_size2", "zero_stage3"])
 def test_diverging_run_stops_every_rank(diverged, case):
-    """At tp=2 and cp=2 (each rank a part of every token or of every sequence) both ranks see the same loss
-    and norm, so they stop at the same step."""
+    """At tp=2, cp=2 and ZeRO-3 dp=2 (each rank a part of every token, of every sequence, or of every parameter)
+    both ranks see the same loss and norm, so they stop at the same step."""
     ranks, out = diverged[case]
     assert [r.get("diverged", "")[:27] for r in ranks] == ["step 2: non-finite grad_nor"] * 2, ranks
     assert strict_records(out)[-1]["step"] == 2

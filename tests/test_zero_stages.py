@@ -116,3 +116,22 @@ def test_interleaved_pipeline_with_zero3(tmp_path):
                 "interleaved-1f1b", "--num_microbatches", "2", "--zero_stage", "3", "--save_steps", "0")
     launch(["-m", "plait", "train", *flags(str(path), tmp_path / "z3", *pipeline, batch=2, steps=2)], 4, timeout=240)
     assert losses(tmp_path / "z3") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+
+
+def test_a_model_directory_loads_straight_into_the_zero3_rows(tmp_path):
+    """Each rank of a dp=2 ZeRO-3 run reads only its rows of each tensor of a from_pretrained directory (half the
+    model, to within a row per tensor), and holds exactly those rows."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=300)).save_pretrained(tmp_path / "hf")
+    worker = Path(__file__).parent / "workers" / "zero3_load.py"
+    launch([str(worker), str(tmp_path / "hf"), str(tmp_path / "out.json")], 2, timeout=240)
+    ranks = json.loads((tmp_path / "out.json").read_text())
+    for rank in ranks:
+        assert not rank["mismatched"], rank
+        assert rank["read"] <= rank["total"] / 2 + 64 * 32, rank  # a 64-element row per tensor at most
+    assert sum(r["read"] for r in ranks) == ranks[0]["total"]
