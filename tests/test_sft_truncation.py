@@ -1,6 +1,6 @@
 """SFT data that --block_size truncation mostly cuts away: a step whose global batch has no token to train on
 contributes zero (logged, never a divergence), at one process and at tp=2 + SP, pp=2 and ZeRO-1 dp=2 with the
-one-process losses and gradient norms step by step; --overlong drop skips what has nothing left to train on."""
+one-process losses and gradient norms step by step (and ZeRO-3 dp=2: SFT on FSDP2's shards); --overlong drop skips what has nothing left to train on."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ WORKER = str(Path(__file__).parent / "workers" / "trainers.py")
 STEPS = 8
 LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2, per_device_train_batch_size=4),
            "pp2": dict(pipeline_parallel_size=2, num_microbatches=2, per_device_train_batch_size=4),
-           "zero1_dp2": dict(zero_1=True, per_device_train_batch_size=2)}
+           "zero1_dp2": dict(zero_1=True, per_device_train_batch_size=2),
+           "zero3_dp2": dict(zero_stage=3, per_device_train_batch_size=2)}
 
 
 def conversations() -> list[dict]:
