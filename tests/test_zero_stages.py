@@ -44,8 +44,8 @@ def straight(model_config, tmp_path_factory):
 
 def test_zero3_resumes_at_tp2_and_at_zero1_and_consolidates(model_config, straight, tmp_path):
     """Stage 3 at dp=2 (the same global batch of 4) follows one process with clipping; its checkpoint (the same
-    layout-free index) resumes at tp=2 and at ZeRO-1 dp=2 with the one-process losses, and consolidates to the
-    one-process weights. A one-process checkpoint resumes into stage 3 too."""
+    layout-free index) resumes at tp=2, at ZeRO-1 dp=2 and at stage 3 dp=4 with the one-process losses, and
+    consolidates to the one-process weights. A one-process checkpoint resumes into stage 3 too."""
     one_dir, records = straight
     ref = [r["loss"] for r in records]
     grad_norms = [r["grad_norm"] for r in records]
@@ -55,10 +55,11 @@ def test_zero3_resumes_at_tp2_and_at_zero1_and_consolidates(model_config, straig
                     timeout=240)
     assert "zero=3" in " ".join(output[0].split())
     assert losses(z3) == pytest.approx(ref[:2], rel=1e-5)
-    for name, layout in (("tp2", ("--tensor_parallel_size", "2")), ("zero1", ("--zero_1",))):
-        batch = 4 if name == "tp2" else 2
+    for name, layout, world in (("tp2", ("--tensor_parallel_size", "2"), 2), ("zero1", ("--zero_1",), 2),
+                                ("zero3-dp4", ("--zero_stage", "3"), 4)):
+        batch = 4 if name == "tp2" else 4 // world  # the same global batch of 4
         launch(["-m", "plait", "train", *flags(model_config, tmp_path / name, *layout, "--resume_from_checkpoint",
-                                                str(z3 / "checkpoint-2"), batch=batch)], 2, timeout=240)
+                                                str(z3 / "checkpoint-2"), batch=batch)], world, timeout=240)
         assert [r["step"] for r in read_metrics(tmp_path / name)] == [3, 4]
         assert losses(tmp_path / name) == pytest.approx(ref[2:], rel=1e-5), name
     into = tmp_path / "into-z3"

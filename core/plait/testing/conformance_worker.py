@@ -181,7 +181,7 @@ def run_pair(subject: Subject, mode: Mode, out: Path, dtype: torch.dtype = torch
     record = Record([name for name, _ in reference.named_parameters()])
     try:
         pmodel = parallelize(copy.deepcopy(reference), ParallelConfig(**mode.layout), registry=subject.registry)
-        train(record, pmodel, reference)
+        train(record, pmodel, reference, mode)
         if mode.after == "consolidate":
             check_consolidated(record, pmodel, out / f"{subject.name.replace(':', '-')}-{mode.name}")
     except Exception as err:  # recorded: the table shows it, and the next pair still runs
@@ -191,13 +191,14 @@ def run_pair(subject: Subject, mode: Mode, out: Path, dtype: torch.dtype = torch
     return record.json()
 
 
-def train(record: Record, pmodel: ParallelModel, reference: torch.nn.Module) -> None:
+def train(record: Record, pmodel: ParallelModel, reference: torch.nn.Module, mode: Mode) -> None:
     mesh = pmodel.mesh
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=ADAM_EPS)
-    optimizer_step = ZeroStep(pmodel) if pmodel.config.zero_1 or pmodel.fsdp is not None else PlainStep(pmodel)
+    sharded = pmodel.config.zero_1 or pmodel.fsdp is not None
+    optimizer_step = ZeroStep(pmodel) if sharded else PlainStep(pmodel)
     gen = torch.Generator().manual_seed(1)
     vocab = reference.config.get_text_config().vocab_size  # a composite config (Gemma4) holds it in its text config
-    for step in range(1, STEPS + 1):
+    for step in range(1, mode.steps + 1):
         # The global batch is the same for every layout; each dp rank takes its contiguous modes.
         ids = torch.randint(0, vocab, (BATCH * mesh.dp, SEQ), generator=gen)
         ref_loss = reference_loss(reference, ids)
@@ -210,6 +211,14 @@ def train(record: Record, pmodel: ParallelModel, reference: torch.nn.Module) -> 
         if rel > LOSS_RTOL:
             record.fail(f"step {step} loss {global_loss:.6f} vs {ref_loss.item():.6f}: "
                         f"rel err {rel:.2e} > {LOSS_RTOL:g}")
+        if mode.clip is not None:  # the reference clipped as plait clips: by the global norm, before the step
+            if step == 1:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters() if p.grad is not None])
+                optimizer_step.run.max_grad_norm = mode.clip * norm.item()
+            max_norm = optimizer_step.run.max_grad_norm
+            norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm).item()
+            if norm <= max_norm:
+                record.fail(f"step {step}: clipping at {max_norm:.3g} does not bite (global norm {norm:.3g})")
         compare_grads(record, step, pmodel, reference, optimizer_step(record, step))
         ref_opt.step()
         ref_opt.zero_grad()
