@@ -516,17 +516,17 @@ def test_moe_activations_follow_transformers_grouped_mm_and_scale_with_imbalance
 
 
 def test_search_offers_ep_where_it_makes_dp_fit(tmp_path, capsys):
-    """Within 1,000,000 bytes per device on 2 devices, dp=2 holds every expert and does not fit; dp=2 ep=2 holds
-    half of them and does, and its command carries --expert_parallel_size."""
+    """Within 900,000 bytes per device on 2 devices, dp=2 holds every expert and does not fit (with or without
+    ZeRO); dp=2 ep=2 holds half of them and does, and its command carries --expert_parallel_size."""
     path = tmp_path / "config.json"
     tiny_mixtral().to_json_file(path)
     main(["plan", "--model_config", str(path), "--block_size", "16", "--per_device_train_batch_size", "2",
-          "--world_size", "2", "--search", "--hardware", "h100", "--device_memory", str(1_000_000 / 2**30),
+          "--world_size", "2", "--search", "--hardware", "h100", "--device_memory", str(900_000 / 2**30),
           "--top", "100", "--json"])
     found = json.loads(capsys.readouterr().out)
     ranked = {r["layout"]: r["command"] for r in found["ranked"]}
     refused = {r["layout"]: r["reason"] for r in found["refused"]}
-    for layout in ("tp=1 pp=1 dp=2", "tp=1 pp=1 dp=2 zero1"):  # at every micro-batch size
+    for layout in ("tp=1 pp=1 dp=2", "tp=1 pp=1 dp=2 zero1", "tp=1 pp=1 dp=2 zero3"):  # at every micro-batch size
         assert all("does not fit" in refused[f"{layout} {split}"] for split in ("b=1 x2", "b=2 x1"))
     assert "--expert_parallel_size 2" in ranked["tp=1 pp=1 dp=2 ep=2"]
     assert "tp=1 pp=1 dp=2 ep=2 zero1" in ranked

@@ -58,9 +58,17 @@ class RankEstimate:
     cp_rank: int = 0
 
     @property
+    def transient(self) -> int:
+        """What lives beside the held bytes at the peak besides the saved activations: a backward's working set,
+        or after the last backward (activations freed) the dp reduction's bucket, whichever is larger
+        (bench/plan_check.py: adding the bucket to the backward's over-predicted cp2 ring with recomputation by 30%)."""
+        a = self.activations
+        return max(a.transient, self.dp_buffer - a.in_flight)
+
+    @property
     def peak(self) -> int:
         s, a = self.static, self.activations
-        return s.parameters + s.gradients + s.optimizer + s.gathered + a.in_flight + a.transient + self.dp_buffer
+        return s.parameters + s.gradients + s.optimizer + s.gathered + a.in_flight + self.transient
 
 
 @dataclass

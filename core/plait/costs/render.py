@@ -43,7 +43,7 @@ def estimate_json(estimate: LayoutEstimate, device: Device | None, memory: int |
               "parameters": r.static.parameters, "gradients": r.static.gradients, "optimizer": r.static.optimizer,
               "activations_per_microbatch": r.activations.per_microbatch,
               "in_flight_microbatches": r.activations.in_flight_microbatches,
-              "activations_in_flight": r.activations.in_flight, "transient": r.activations.transient + r.dp_buffer,
+              "activations_in_flight": r.activations.in_flight, "transient": r.transient,
               "peak": r.peak} for r in estimate.ranks]
     layout = dataclasses.asdict(config)
     layout["pipeline_cuts"] = list(config.pipeline_cuts)
@@ -70,7 +70,7 @@ def print_estimate(console: Console, estimate: LayoutEstimate, device: Device | 
     for r in estimate.ranks:
         a = r.activations
         key = (r.static.parameters, r.static.gradients, r.static.optimizer, a.per_microbatch,
-               a.in_flight_microbatches, a.in_flight, a.transient + r.dp_buffer, r.peak)
+               a.in_flight_microbatches, a.in_flight, r.transient, r.peak)
         rows[key].append(r.rank)
     table = Table("ranks", "parameters", "gradients", "optimizer", "activations / micro-batch", "in flight",
                   "activations", "transient", "peak", title=f"memory per rank ({config.describe()})")
