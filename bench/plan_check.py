@@ -18,7 +18,7 @@
 3. Communication: the planner's collectives beside those plait.comm counts in the measured step (ep's all-to-all
    bytes as the mean over ranks: routing moves them between ranks), and beside
    bench/tp_comm.py's formula for its model (counts and bytes equal); bubble beside bench/pp_bubble.py's formulas.
-4. Step time with ``--calibrate``: for several batch shapes, the planner's 5 best layouts of 2 ranks (each with
+4. Step time with ``--calibrate``: for three models (a Llama at several batch shapes, a GPT-2, a Qwen3), the planner's 5 best layouts of 2 ranks (each with
    the micro-batch size and accumulation steps the search chose for it) are run; the planner's first, which is
    what ``plait train --layout auto`` trains with, must be within 10% of the fastest measured. Then the pick for
    each global batch written three ways (per device x accumulation) must be the same.
@@ -89,6 +89,19 @@ def model_config(tiny: bool, time_model: bool = False, moe: bool = False):
                          tie_word_embeddings=True)
     config._attn_implementation = "eager"
     return config
+
+
+def time_models(tiny: bool) -> dict:
+    """Section 4's models, each with its batch shapes: the Llama at three shapes (the invariance check's), a GPT-2
+    (tied embeddings, fused qkv, learned positions) and a Qwen3 (q/k norms, GQA) at one."""
+    from transformers import GPT2Config, Qwen3Config
+
+    small = 64 if tiny else 256
+    gpt2 = GPT2Config(vocab_size=2048, n_embd=small, n_layer=4, n_head=8, n_positions=256)
+    qwen3 = Qwen3Config(vocab_size=2048, hidden_size=small, intermediate_size=3 * small, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=2, head_dim=small // 8, max_position_embeddings=256)
+    return {"llama": (model_config(tiny, time_model=True), SHAPES), "gpt2": (gpt2, SHAPES[:1]),
+            "qwen3": (qwen3, SHAPES[:1])}
 
 
 def memory_seq(tiny: bool) -> tuple[int, int]:
@@ -219,21 +232,23 @@ def _measure_memory(kwargs: dict, tiny: bool, rank: int, moe: bool = False) -> d
 
 
 def _time_layouts(jobs: dict, tiny: bool, steps: int) -> dict[str, float]:
-    """Median seconds per step of each job ("BxSxA|layout" -> ParallelConfig kwargs: micro-batch B of S tokens,
-    A accumulation steps). Layouts of one batch shape are built together and timed in turns (round-robin), so a
-    slow spell of a shared machine hits them all."""
+    """Median seconds per step of each job ("MODEL|BxSxA|layout" -> ParallelConfig kwargs: micro-batch B of S
+    tokens, A accumulation steps). Layouts of one model and batch shape are built together and timed in turns
+    (round-robin), so a slow spell of a shared machine hits them all."""
     import gc
 
     import torch
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    cfg = model_config(tiny, time_model=True)
-    by_shape: dict[str, list[str]] = {}
+    models = time_models(tiny)
+    by_shape: dict[tuple[str, str], list[str]] = {}
     for key in jobs:
-        by_shape.setdefault(key.split("|")[0], []).append(key)
+        name, shape, _ = key.split("|", 2)
+        by_shape.setdefault((name, shape), []).append(key)
     times: dict[str, list[float]] = {key: [] for key in jobs}
-    for shape, keys in by_shape.items():
+    for (name, shape), keys in by_shape.items():
+        cfg = models[name][0]
         b, s, accumulation = (int(x) for x in shape.split("x"))
         ids = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(rank))
         built = {}
@@ -296,20 +311,21 @@ def rank_layouts(tiny: bool, calibrate: bool):
 
     device = measure_device(refresh=True) if calibrate else PRESETS["cpu"]  # this run's machine, measured now
     registry = default_registry()
-    meta = build_meta_model(model_config(tiny, time_model=True), torch.float32)
-    plan = plan_layout(meta, ParallelConfig(), 2, registry)
     jobs, ranked = {}, {}
-    for b, s in SHAPES:
-        trace = trace_activations(meta, s, registry, plan.adapter)
-        result = search_layouts(meta, plan.config, 2, Batch(b, s), Precision(), trace, device, registry)
-        ranked[(b, s)] = []
-        for estimate, seconds in result.ranked[:5]:
-            c = estimate.plan.config
-            kwargs = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "pipeline_cuts"}
-            split = estimate.batch
-            key = f"{split.per_device}x{s}x{split.accumulation}|{json.dumps(kwargs, sort_keys=True)}"
-            jobs[key] = kwargs
-            ranked[(b, s)].append((key, seconds, f"{describe(c)} {batch_split(split)}"))
+    for name, (cfg, shapes) in time_models(tiny).items():
+        meta = build_meta_model(cfg, torch.float32)
+        plan = plan_layout(meta, ParallelConfig(), 2, registry)
+        for b, s in shapes:
+            trace = trace_activations(meta, s, registry, plan.adapter)
+            result = search_layouts(meta, plan.config, 2, Batch(b, s), Precision(), trace, device, registry)
+            ranked[(name, b, s)] = []
+            for estimate, seconds in result.ranked[:5]:
+                c = estimate.plan.config
+                kwargs = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "pipeline_cuts"}
+                split = estimate.batch
+                key = f"{name}|{split.per_device}x{s}x{split.accumulation}|{json.dumps(kwargs, sort_keys=True)}"
+                jobs[key] = kwargs
+                ranked[(name, b, s)].append((key, seconds, f"{describe(c)} {batch_split(split)}"))
     return jobs, ranked, device
 
 
@@ -485,15 +501,15 @@ def report_bubble() -> list[str]:
 
 
 def report_time(per_rank, ranked, device) -> list[str]:
-    print(f"\n5. step time on this machine ({device.name}): the planner's top 5 per batch shape, measured")
+    print(f"\n5. step time on this machine ({device.name}): the planner's top 5 per model and batch shape, measured")
     bad = []
-    for (b, s), rows in ranked.items():
+    for (name, b, s), rows in ranked.items():
         measured = [(label, max(r["time"][key] for r in per_rank), seconds) for key, seconds, label in rows]
         fastest = min(t for _, t, _ in measured)
         first = measured[0][1]
         ok = first <= 1.10 * fastest
-        bad += [] if ok else [f"ranking b={b} s={s}"]
-        print(f"  {b} sequences x {s} tokens per rank at dp=2 (global batch {2 * b}):")
+        bad += [] if ok else [f"ranking {name} b={b} s={s}"]
+        print(f"  {name}: {b} sequences x {s} tokens per rank at dp=2 (global batch {2 * b}):")
         for label, t, seconds in measured:
             print(f"    planned {seconds:8.4f} s  measured {t:8.4f} s  {label}")
         print(f"    planner's first {first:.4f} s vs fastest measured {fastest:.4f} s: "
