@@ -136,3 +136,21 @@ def test_a_model_directory_loads_straight_into_the_zero3_rows(tmp_path):
         assert not rank["mismatched"], rank
         assert rank["read"] <= rank["total"] / 2 + 64 * 32, rank  # a 64-element row per tensor at most
     assert sum(r["read"] for r in ranks) == ranks[0]["total"]
+
+
+@pytest.mark.parametrize("layout, message", [
+    (dict(zero_stage=4), "zero_stage=4 must be 0, 1, 2 or 3"),
+    (dict(zero_1=True, zero_stage=3), "zero_1=True is ZeRO stage 1 but zero_stage=3"),
+    (dict(zero_stage=1, mixed_precision=True), "mixed_precision=True is FSDP2's bf16 compute, which needs zero_stage 2"),
+    (dict(zero_stage=3, ep=2), "zero_stage=3 with ep=2"),
+    (dict(zero_stage=2, pp=2, num_microbatches=2, virtual_pipeline_size=1, pipeline_schedule="zero-bubble"),
+     "zero_stage=2 with pipeline_schedule='zero-bubble'"),
+])
+def test_what_zero_stages_do_not_run_is_refused_before_any_process_group(layout, message):
+    """Refused in one line naming the values and the fix, from the config or the plan on the meta model."""
+    from plait import ConfigError, ParallelConfig
+    from plait.layout_plan import plan_layout
+    from plait.meta import build_meta_model
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        plan_layout(build_meta_model(tiny_config("llama")), ParallelConfig(**layout), 4)
