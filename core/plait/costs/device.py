@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from plait.config import ConfigError
+from plait.device import use_fused_adamw
 
 GiB = 1024**3
 
@@ -45,6 +46,15 @@ class Device:
     # library's buffers, a fixed amount, plus the allocator's fragmentation, a fraction of the memory.
     reserve_bytes: int = 0
     fragmentation: float = 0.0
+    # A collective's speed per ring byte over the all-reduce's, where the library runs it slower: gloo's
+    # all-gather and reduce-scatter (ZeRO-2/3's) on loopback, measured by ``calibrate``; NCCL runs them alike (1).
+    op_speed: tuple[tuple[str, float], ...] = ()
+    # AdamW's fused kernel (one pass over each tensor; plait asks for it where torch has one: GPUs), or torch's
+    # multi-tensor AdamW, which reads and writes the state about ten times a step (the CPU)
+    fused_adamw: bool = True
+
+    def speed(self, op: str) -> float:
+        return dict(self.op_speed).get(op, 1.0)
 
     def flops(self, low_precision: bool) -> float:
         return (self.flops_bf16 if low_precision else self.flops_fp32) * self.efficiency
@@ -96,7 +106,7 @@ PRESETS = {
                    GPU_FRAGMENTATION),
     # A generic CPU process (one core, gloo over loopback): placeholders; prefer --calibrate. torch's CPU allocator
     # caches nothing: the interpreter and libraries' own memory is the reserve.
-    "cpu": Device("cpu", 16 * GiB, 50e9, 50e9, 1.0, 10e9, 2e9, 1e9, 1, 100e-6, GiB // 2, 0.0),
+    "cpu": Device("cpu", 16 * GiB, 50e9, 50e9, 1.0, 10e9, 2e9, 1e9, 1, 100e-6, GiB // 2, 0.0, fused_adamw=False),
 }
 
 
@@ -126,16 +136,20 @@ def cache_path() -> Path:
 def calibrate(memory_bytes: int | None = None, refresh: bool = False) -> Device:
     """This machine as a ``Device`` (measured once, then read from ``cache_path()``)."""
     path = cache_path()
-    if path.exists() and not refresh:
-        fields = json.loads(path.read_text())
+    cached = json.loads(path.read_text()) if path.exists() and not refresh else {}
+    if set(MEASURED) <= set(cached):  # a cache from before a measurement was added is measured again
+        fields = cached
     else:
         fields = _measure()
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
             tmp.write(json.dumps(fields))
         os.replace(tmp.name, path)
-    device = Device(**fields)
+    device = Device(**{**fields, "op_speed": tuple(map(tuple, fields.get("op_speed", ())))})
     return dataclasses.replace(device, memory_bytes=memory_bytes) if memory_bytes else device
+
+
+MEASURED = ("flops_fp32", "memory_bandwidth", "intra_bandwidth", "latency", "op_speed", "fused_adamw")
 
 
 def _measure() -> dict:
@@ -146,12 +160,13 @@ def _measure() -> dict:
         copy_bw = _copy_bandwidth()
     finally:
         torch.set_num_threads(threads)
-    bandwidth, latency = _gloo_allreduce()
+    bandwidth, latency, op_speed = _gloo_allreduce()
     import psutil
 
     return {"name": "calibrated", "memory_bytes": psutil.virtual_memory().total, "flops_bf16": flops,
             "flops_fp32": flops, "efficiency": 1.0, "memory_bandwidth": copy_bw, "intra_bandwidth": bandwidth,
-            "inter_bandwidth": bandwidth, "per_node": os.cpu_count() or 1, "latency": latency}
+            "inter_bandwidth": bandwidth, "per_node": os.cpu_count() or 1, "latency": latency,
+            "op_speed": op_speed, "fused_adamw": use_fused_adamw(torch.device("cpu"))}
 
 
 def _matmul_flops(n: int = 512, repeats: int = 5) -> float:
@@ -174,8 +189,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _gloo_allreduce() -> tuple[float, float]:
-    """(bytes/s of a ring all-reduce's per-rank traffic, seconds of a 4-byte all-reduce) between 2 processes."""
+def _gloo_allreduce() -> tuple[float, float, list[list]]:
+    """(bytes/s of a ring all-reduce's per-rank traffic, seconds of a 4-byte all-reduce, [[op, speed per ring byte
+    over the all-reduce's]] for all-gather and reduce-scatter) between 2 processes."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -185,7 +201,7 @@ def _gloo_allreduce() -> tuple[float, float]:
         out = Path(tmp) / "allreduce.json"
         mp.start_processes(_allreduce_worker, args=(port, str(out)), nprocs=2, start_method="spawn")
         result = json.loads(out.read_text())
-    return result["bandwidth"], result["latency"]
+    return result["bandwidth"], result["latency"], result["op_speed"]
 
 
 def _allreduce_worker(rank: int, port: int, out: str) -> None:
@@ -199,7 +215,14 @@ def _allreduce_worker(rank: int, port: int, out: str) -> None:
     dist.barrier()
     seconds = min(_timed(lambda: dist.all_reduce(big)) for _ in range(3))
     latency = min(_timed(lambda: dist.all_reduce(small)) for _ in range(20))
+    half, whole = big[: big.numel() // 2], torch.empty_like(big)
+    gather = min(_timed(lambda: dist.all_gather_into_tensor(whole, half)) for _ in range(3))
+    scatter = min(_timed(lambda: dist.reduce_scatter_tensor(half, big)) for _ in range(3))
     if rank == 0:
         ring = 2 * (2 - 1) / 2 * big.numel() * 4  # what each rank sends in a ring all-reduce
-        Path(out).write_text(json.dumps({"bandwidth": ring / max(seconds - latency, 1e-9), "latency": latency}))
+        bandwidth = ring / max(seconds - latency, 1e-9)
+        # each sends half the bytes of the all-reduce (all-gather: (p-1) n_local; reduce-scatter: (p-1)/p n)
+        speed = [[op, ring / 2 / max(t - latency, 1e-9) / bandwidth] for op, t in
+                 (("all_gather", gather), ("reduce_scatter", scatter))]
+        Path(out).write_text(json.dumps({"bandwidth": bandwidth, "latency": latency, "op_speed": speed}))
     dist.destroy_process_group()

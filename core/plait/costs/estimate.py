@@ -123,16 +123,24 @@ class LayoutEstimate:
         bandwidth = {"tp": link(tp), "cp": link(tp * cp), "pp": link(tp * cp * pp), "dp": link(tp * cp * pp * dp),
                      "ep": link(_span(config, ep_groups)), "edp": link(_span(config, edp_groups))}
         size = {"tp": tp, "cp": cp, "pp": 2, "dp": replicas, "ep": ep, "edp": replicas // ep}
-        # AdamW reads parameter, gradient and both moments and writes parameter and moments (masters: plus the
-        # low-precision copy written back): bytes per stepped element.
+        # Fused AdamW reads parameter, gradient and both moments and writes parameter and moments (masters: plus
+        # the low-precision copy written back): bytes per stepped element. torch's multi-tensor AdamW (no fused
+        # kernel) runs a kernel per operation: lerp, mul, addcmul, sqrt, div, add, addcdiv, the decay's mul, each
+        # reading and writing whole tensors, 18 optimizer-dtype elements per element in all.
         opt, param = self.precision.optimizer.itemsize, self.precision.param.itemsize
-        adam = 3 * opt + self.precision.grad_bytes + 3 * opt + (opt + param if self.precision.masters else 0)
+        moments = 6 * opt if device.fused_adamw else 18 * opt
+        adam = moments + self.precision.grad_bytes + (opt + param if self.precision.masters else 0)
         worst = 0.0
         for pp_rank, ops in self.comm.items():
             stepped = max(r.static.stepped for r in self.ranks if r.pp_rank == pp_rank)
             compute = (self.flops[pp_rank] / device.flops(low)
                        + (self.act_bytes_moved[pp_rank] + stepped * adam) / device.memory_bandwidth)
-            comm = sum(op.ring(size[op.group]) / bandwidth[op.group] + op.count * device.latency for op in ops)
+            comm = sum(op.ring(size[op.group]) / (bandwidth[op.group] * device.speed(op.op)) + op.count * device.latency
+                       for op in ops)
+            # ZeRO-2/3: FSDP2 copies each gathered unit out of the all-gather's buffer and each unit's gradient into
+            # the reduce-scatter's (a read and a write of every byte)
+            compute += sum(2 * op.bytes * (size["dp"] if op.op == "all_gather" else 1) for op in ops
+                           if op.group == "dp" and op.op in ("all_gather", "reduce_scatter")) / device.memory_bandwidth
             worst = max(worst, compute / (1 - self.bubble) + comm)
         return worst
 
