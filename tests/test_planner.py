@@ -748,3 +748,25 @@ def test_search_offers_zero3_where_only_sharding_the_parameters_fits(tmp_path, c
     ranked = {r["layout"]: r["command"] for r in found["ranked"]}
     assert "tp=1 pp=1 dp=4 zero3" in ranked and "--zero_stage 3" in ranked["tp=1 pp=1 dp=4 zero3"], list(ranked)
     assert "tp=1 pp=1 dp=4 zero1" not in ranked
+
+
+def test_step_time_counts_slow_collectives_fsdp_copies_and_unfused_adamw():
+    """A library that runs all-gather and reduce-scatter slower than all-reduce (gloo: calibrate measures it) makes
+    ZeRO-3 slower and leaves plain dp as it was; torch's multi-tensor AdamW (no fused kernel) costs more where a
+    rank steps every parameter than where ZeRO-1 shards them."""
+    import dataclasses
+
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    model, registry = build_meta_model(config, torch.float32), default_registry()
+    fast = PRESETS["cpu"]
+    slow = dataclasses.replace(fast, op_speed=(("all_gather", 0.5), ("reduce_scatter", 0.25)))
+    fused = dataclasses.replace(fast, fused_adamw=True)
+    times = {}
+    for stage in (0, 1, 3):
+        plan = plan_layout(model, ParallelConfig(zero_stage=stage), 2, registry)
+        estimate = estimate_layout(model, plan, Batch(2, 32), Precision(),
+                                   trace_activations(model, 32, registry, plan.adapter))
+        times[stage] = {name: estimate.step_time(d) for name, d in (("fast", fast), ("slow", slow), ("fused", fused))}
+    assert times[3]["slow"] > times[3]["fast"] and times[0]["slow"] == times[0]["fast"]
+    assert times[0]["fast"] - times[0]["fused"] > times[1]["fast"] - times[1]["fused"] > 0
