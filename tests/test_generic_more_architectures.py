@@ -15,7 +15,9 @@ fp32), where before they were refused:
   rotary width no wider than a head, Mamba widths of heads x head size, sub-configs declared as AutoConfig):
   CodeGen, GPT-J, XLNet, Falcon-H1, Bamba, RecurrentGemma, Zamba, Zamba2, Gemma3, Fuyu, GOT-OCR2,
   MOSS-Transcribe-Diarize, whose vision or audio encoder (used only by ``get_image_features`` and the like) the
-  first pipeline stage holds.
+  first pipeline stage holds;
+- decoder layers whose return the model unpacks (Bamba's ``hidden_states, attn_weights = layer(...)``): the
+  stand-ins for another stage's layers return as many values from the first forward on.
 
 What they still cannot take is skipped with plait's one-line reason, before any process starts. One launch of 2
 ranks runs every pair.
@@ -45,7 +47,6 @@ SKIPPED = {
     # CTRL's attention takes q, k and v as separate inputs, which no attention rule gathers
     ("ctrl", "tp2-sp"): "(in MultiHeadAttention, attention whose projections no rule splits)",
     ("xlnet", "pp2-1f1b"): "takes ['output_g'] besides the hidden states",
-    ("bamba", "pp2-1f1b"): "each layer returns hidden_states,attn_weights, which the model unpacks",
 }
 
 
@@ -85,6 +86,38 @@ def test_an_mlp_on_the_decoder_layer_is_split_unless_its_input_is_flattened():
     refusal = derive(plait_tiny_config("opt")).tp  # OPT flattens the hidden states to [tokens, hidden] first
     assert isinstance(refusal, Refusal)
     assert "fc1: a Linear directly on the decoder layer that no rule splits" in str(refusal)
+
+
+def test_stand_ins_return_as_many_values_as_the_model_unpacks():
+    """Bamba unpacks ``hidden_states, attn_weights`` from each layer and only collects the weights: a later stage's
+    stand-ins return two values before the stage's own layers have run. GLM-MoE-DSA hands its second value
+    (topk_indices) to the next layer, which a pipeline stage cannot: still refused."""
+    from plait.pipeline.stages import LayerForm
+
+    assert derive(plait_tiny_config("bamba")).pipeline.layer_outputs == 2
+    assert derive(plait_tiny_config("llama")).pipeline.layer_outputs == 0
+    assert LayerForm(2).wrap("h") == ("h", None) and LayerForm(0).wrap("h") == "h"
+    refusal = derive(plait_tiny_config("glm_moe_dsa")).pipeline
+    assert isinstance(refusal, Refusal) and "which the model hands to the next layer" in str(refusal)
+
+
+def test_an_absent_input_embedding_answers_a_one_token_probe_only():
+    """Gemma-4-unified finds its image/video/audio placeholders on every forward, on later stages (no input ids)
+    by comparing ``inputs_embeds`` with the embedding of one token id: the absent embedding answers NaN, equal to
+    no hidden state. Any other call is still the clear error. (Its pp2-1f1b then matches one process in float64:
+    loss 2e-16, grad 0.004 of tolerance; in fp32 step 1 is within tolerance, later steps are Adam-amplified
+    fp32 noise, as its zero1-dp2.)"""
+    import torch
+
+    from plait.pipeline.stages import Absent
+
+    probe = Absent("model.embed_tokens", 0, embedding_dim=8)(torch.full((), 5, dtype=torch.long))
+    assert probe.shape == (8,) and probe.isnan().all()
+    assert not (torch.zeros(2, 3, 8) == probe).all(-1).any()
+    for absent, ids in ((Absent("model.embed_tokens", 0, embedding_dim=8), torch.zeros(2, 3, dtype=torch.long)),
+                        (Absent("model.norm", 1), torch.full((), 5, dtype=torch.long))):
+        with pytest.raises(RuntimeError, match="belongs to pipeline stage"):
+            absent(ids)
 
 
 def test_layers_that_read_the_token_ids_refuse_pipeline_stages():

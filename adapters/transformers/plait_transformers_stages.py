@@ -163,7 +163,7 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     stages that do not own them; a block holding the input embedding is staged by its children."""
     if layers is None:
         raise refuse(arch, type(model).__name__, NO_LAYERS)
-    _check_layer_inputs(model, arch, layers)
+    outputs = _check_layer_inputs(model, arch, layers)
     _check_no_shared_parameters(model, arch, layers)
     first: list[str] = []
     last: list[str] = []
@@ -186,7 +186,8 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     neutralize = [n for n in first if own_params_deep(get_module(model, n)) and get_module(model, n) is not embedding]
     first += unused
     _check_no_side_inputs(model, arch, layers, neutralize, "only the first pipeline stage would hold it: use pp=1")
-    return PipelinePlan(first=tuple(first), layers=layers, last=tuple(last), neutralize=tuple(neutralize))
+    return PipelinePlan(first=tuple(first), layers=layers, last=tuple(last), neutralize=tuple(neutralize),
+                        layer_outputs=outputs)
 
 
 def _check_no_shared_parameters(model: nn.Module, arch: str, layers: str) -> None:
@@ -366,24 +367,25 @@ def _threaded(source: str, layer: str, outputs: list[str]) -> bool:
     return any(isinstance(n, ast.Name) and n.id in outputs for call in calls for n in ast.walk(call))
 
 
-def _check_layer_inputs(model: nn.Module, arch: str, layers: str) -> None:
+def _check_layer_inputs(model: nn.Module, arch: str, layers: str) -> int:
     """Pipeline stages hand on the hidden states alone. A decoder layer that needs another input the model
     threads from layer to layer (Inkling2's ``block_states``, the outputs of earlier blocks) would get, on a
     later stage, a value that never saw the earlier stage's layers: refused, not silently wrong. One the forward
-    builds before its loop over the layers (``_layer_call_inputs``) is built again by every stage."""
+    builds before its loop over the layers (``_layer_call_inputs``) is built again by every stage. Returns how
+    many values each layer returns where the model unpacks them (``PipelinePlan.layer_outputs``), else 0."""
     parent = layers.rpartition(".")[0]
     source = inspect.getsource(type(model.get_submodule(parent) if parent else model).forward)
     loop = re.search(rf"for (?:\w+, )?(\w+) in (?:enumerate\()?self\.{layers.rpartition('.')[2]}\b", source)
     unpacked = loop and re.search(rf"(\w+(?:\s*,\s*\w+)+)\s*=\s*{loop.group(1)}\(", source)
+    outputs = 0
     if unpacked:
         names = unpacked.group(1).replace(" ", "")
         if _threaded(source, loop.group(1), names.split(",")[1:]):  # GlmMoeDsa: topk_indices into the next layer
             raise refuse(arch, layers, f"each layer returns {names}, which the model hands to the next layer; pipeline "
                                        f"stages hand on only the hidden states: use pp=1")
-        # Bamba's attention weights, only collected: the stand-ins for another stage's layers return the hidden
-        # states alone until the stage's own layers have run once, and the model's unpacking fails on them
-        raise refuse(arch, layers, f"each layer returns {names}, which the model unpacks; plait's stand-ins for "
-                                   f"another stage's layers return the hidden states alone: use pp=1")
+        # Bamba's attention weights, only collected: the stand-ins for another stage's layers return as many
+        # values (the hidden states, then None), which the model unpacks and drops
+        outputs = names.count(",") + 1
     inputs = _layer_call_inputs(source, layers.rpartition(".")[2])
     if inputs and "input_ids" in inputs:  # DeepSeek-V4's hash routing reads the token ids in every layer
         raise refuse(arch, layers, "each layer takes the input_ids, which pipeline stages after the first do not "
@@ -397,3 +399,4 @@ def _check_layer_inputs(model: nn.Module, arch: str, layers: str) -> None:
             raise refuse(arch, layers, f"{cls.__name__}.forward takes {threaded} besides the hidden states, threaded "
                                        f"from layer to layer by the model; pipeline stages hand on only the hidden "
                                        f"states: use pp=1")
+    return outputs

@@ -75,9 +75,12 @@ class PipelinePlan:
     stage (final norm, head); ``neutralize`` modules are replaced by no-ops on stages that do not own them
     (e.g. GPT2 position embeddings and embedding dropout): an ``nn.Embedding`` adds zero, anything else
     passes its input through. Parameter-free ``first``/``last`` modules (rotary tables) are not owned by
-    one stage: every stage recomputes them."""
+    one stage: every stage recomputes them. ``layer_outputs``: how many values each layer returns where the
+    model unpacks them (Bamba's ``hidden_states, attn_weights = layer(...)``), so that the stand-ins for another
+    stage's layers return as many from the first forward on; 0 where the model takes one value or indexes it."""
 
     first: tuple[str, ...]
     layers: str
     last: tuple[str, ...]
     neutralize: tuple[str, ...] = ()
+    layer_outputs: int = 0

@@ -34,13 +34,23 @@ from plait.pipeline.router import RouterRecorder, router_aux
 
 class Absent(nn.Module):
     """A module owned by another stage, which this stage's forward never calls (an input embedding when
-    the stage is fed ``inputs_embeds``). Holds no parameters; calling it is a bug worth a clear error."""
+    the stage is fed ``inputs_embeds``). Holds no parameters; calling it is a bug worth a clear error.
 
-    def __init__(self, name: str, owner: int | None) -> None:
+    One call of an absent input embedding is answered (``embedding_dim`` set): the embedding of a single token
+    id (a 0-dim tensor), which multimodal models compare ``inputs_embeds`` with to find their image, video or
+    audio placeholders when they have no input ids (Gemma-4-unified, on every forward). It is NaN, equal to no
+    hidden state: no position is a placeholder, as on the first stage, which finds them in the ids (and the
+    mask matters only where the stage's forward merges encoder features, which text training never hands it)."""
+
+    def __init__(self, name: str, owner: int | None, embedding_dim: int | None = None) -> None:
         super().__init__()
-        self.name, self.owner = name, owner
+        self.name, self.owner, self.embedding_dim = name, owner, embedding_dim
 
     def forward(self, *args, **kwargs):
+        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("input"))
+        if self.embedding_dim is not None and isinstance(ids, torch.Tensor) and ids.dim() == 0 \
+                and not ids.is_floating_point():
+            return torch.full((self.embedding_dim,), float("nan"), device=ids.device)
         raise RuntimeError(
             f"{self.name} belongs to pipeline stage {self.owner} but was called on another stage; add it to "
             f"the pipeline plan's neutralize list if every stage's forward calls it"
@@ -89,10 +99,13 @@ class LayerForm:
 
     One per rank's model: the stand-ins of layers no stage of the rank owns are shared by its stages. Before any
     own layer has run (stand-ins ahead of a later stage's first layer, in the first forward), the stand-in returns
-    the bare tensor; whatever it turns into there is replaced by the received hidden states at that layer."""
+    the bare tensor, or the plan's tuple where the model unpacks the layers' return (``PipelinePlan.layer_outputs``);
+    whatever it turns into there is replaced by the received hidden states at that layer."""
 
-    def __init__(self) -> None:
-        self.extra: int | None = None  # entries after the hidden states; None: a bare tensor (or not yet seen)
+    def __init__(self, outputs: int = 0) -> None:
+        # entries after the hidden states; None: a bare tensor (or not yet seen). ``outputs``: what the plan
+        # knows before any layer runs (``PipelinePlan.layer_outputs``, where the model unpacks the layer's return)
+        self.extra: int | None = outputs - 1 if outputs > 1 else None
         self.kind: type = tuple  # a list where the layers return one (GPT-1's blocks)
 
     def record(self, module: nn.Module, args, output) -> None:
@@ -124,7 +137,8 @@ def _placeholder(model: nn.Module, split: StageSplit, name: str) -> nn.Module:
     if name in split.plan.neutralize:
         module = model.get_submodule(name)
         return ZeroContribution() if isinstance(module, nn.Embedding) else PassThrough(module)
-    return Absent(name, split.stage_of(name))
+    module = model.get_submodule(name)
+    return Absent(name, split.stage_of(name), module.embedding_dim if isinstance(module, nn.Embedding) else None)
 
 
 def _replacements(model: nn.Module, split: StageSplit, stages: Iterable[int]) -> dict[str, nn.Module]:
@@ -214,7 +228,7 @@ class StageChunk(nn.Module):
         self._seq = 0  # full sequence length of the running forward; 0 outside it (hooks stay inert)
         self.router_aux = router_aux(pruned)
         self._routers = RouterRecorder(self.shell) if self.router_aux is not None else None
-        form = _FORMS.setdefault(pruned, LayerForm())
+        form = _FORMS.setdefault(pruned, LayerForm(split.plan.layer_outputs))
         for index, name in enumerate(split.layers):
             layer = self.shell.get_submodule(name)
             if isinstance(layer, PassThrough):
