@@ -16,8 +16,9 @@ fp32), where before they were refused:
   CodeGen, GPT-J, XLNet, Falcon-H1, Bamba, RecurrentGemma, Zamba, Zamba2, Gemma3, Fuyu, GOT-OCR2,
   MOSS-Transcribe-Diarize, whose vision or audio encoder (used only by ``get_image_features`` and the like) the
   first pipeline stage holds;
-- decoder layers whose return the model unpacks (Bamba's ``hidden_states, attn_weights = layer(...)``): the
-  stand-ins for another stage's layers return as many values from the first forward on.
+- decoder layers whose return the model unpacks (Bamba's ``hidden_states, attn_weights = layer(...)``, RWKV's
+  ``hidden_states, state, attentions``, its state a cache that stays None without ``use_cache``): the stand-ins for
+  another stage's layers return as many values from the first forward on.
 
 What they still cannot take is skipped with plait's one-line reason, before any process starts. One launch of 2
 ranks runs every pair.
@@ -36,7 +37,7 @@ pytest_plugins = ["plait.testing.pytest_plugin"]
 
 ARCHITECTURES = ("bert-generation", "biogpt", "ctrl", "git", "openai-gpt", "xglm", "trocr", "codegen", "gptj", "xlnet",
                  "falcon_h1", "bamba", "recurrent_gemma", "zamba", "zamba2", "modernbert-decoder", "phi4_multimodal",
-                 "llama4", "qwen3_5", "qwen3_5_moe", "gemma3", "fuyu", "got_ocr2", "moss_transcribe_diarize")
+                 "llama4", "qwen3_5", "qwen3_5_moe", "gemma3", "fuyu", "got_ocr2", "moss_transcribe_diarize", "rwkv")
 MODES = ("zero1-dp2", "pp2-1f1b", "tp2-sp")
 SHARED = "(shared by several layers); pipeline stages cannot share it"
 SKIPPED = {
@@ -90,13 +91,22 @@ def test_an_mlp_on_the_decoder_layer_is_split_unless_its_input_is_flattened():
 
 def test_stand_ins_return_as_many_values_as_the_model_unpacks():
     """Bamba unpacks ``hidden_states, attn_weights`` from each layer and only collects the weights: a later stage's
-    stand-ins return two values before the stage's own layers have run. GLM-MoE-DSA hands its second value
-    (topk_indices) to the next layer, which a pipeline stage cannot: still refused."""
+    stand-ins return two values before the stage's own layers have run. RWKV hands its ``state`` to the next
+    layer, but only with ``use_cache`` is it anything but None (checked on every forward). GLM-MoE-DSA hands its
+    second value (topk_indices) to the next layer, which a pipeline stage cannot: still refused."""
     from plait.pipeline.stages import LayerForm
 
-    assert derive(plait_tiny_config("bamba")).pipeline.layer_outputs == 2
+    import torch
+
+    bamba, rwkv = derive(plait_tiny_config("bamba")).pipeline, derive(plait_tiny_config("rwkv")).pipeline
+    assert (bamba.layer_outputs, bamba.none_outputs) == (2, ())
+    assert (rwkv.layer_outputs, rwkv.none_outputs) == (3, (1,))  # its state, threaded, None without use_cache
     assert derive(plait_tiny_config("llama")).pipeline.layer_outputs == 0
     assert LayerForm(2).wrap("h") == ("h", None) and LayerForm(0).wrap("h") == "h"
+    form = LayerForm(3, (1,))
+    form.record(torch.nn.Identity(), (), ("h", None, None))
+    with pytest.raises(RuntimeError, match=r"returned something other than None in entries \[1\]"):
+        form.record(torch.nn.Identity(), (), ("h", torch.zeros(1), None))  # a state would be lost between stages
     refusal = derive(plait_tiny_config("glm_moe_dsa")).pipeline
     assert isinstance(refusal, Refusal) and "which the model hands to the next layer" in str(refusal)
 

@@ -163,7 +163,7 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     stages that do not own them; a block holding the input embedding is staged by its children."""
     if layers is None:
         raise refuse(arch, type(model).__name__, NO_LAYERS)
-    outputs = _check_layer_inputs(model, arch, layers)
+    outputs, none = _check_layer_inputs(model, arch, layers)
     _check_no_shared_parameters(model, arch, layers)
     first: list[str] = []
     last: list[str] = []
@@ -187,7 +187,7 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     first += unused
     _check_no_side_inputs(model, arch, layers, neutralize, "only the first pipeline stage would hold it: use pp=1")
     return PipelinePlan(first=tuple(first), layers=layers, last=tuple(last), neutralize=tuple(neutralize),
-                        layer_outputs=outputs)
+                        layer_outputs=outputs, none_outputs=none)
 
 
 def _check_no_shared_parameters(model: nn.Module, arch: str, layers: str) -> None:
@@ -359,33 +359,66 @@ def _layer_call_inputs(source: str, attribute: str) -> dict[str, bool] | None:
             for k in call.keywords if k.arg}
 
 
-def _threaded(source: str, layer: str, outputs: list[str]) -> bool:
-    """Whether any of ``outputs`` (what each layer returns besides the hidden states) goes into a call of ``layer``
+def _threaded(source: str, layer: str, outputs: list[str]) -> list[str]:
+    """Those of ``outputs`` (what each layer returns besides the hidden states) that go into a call of ``layer``
     (the next layer), rather than only being collected (Bamba's attention weights)."""
     calls = [n for n in ast.walk(ast.parse(textwrap.dedent(source)))
              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == layer]
-    return any(isinstance(n, ast.Name) and n.id in outputs for call in calls for n in ast.walk(call))
+    used = {n.id for call in calls for n in ast.walk(call) if isinstance(n, ast.Name)}
+    return [name for name in outputs if name in used]
 
 
-def _check_layer_inputs(model: nn.Module, arch: str, layers: str) -> int:
+def _cache_only(source: str, name: str, layer: str) -> bool:
+    """Whether ``name``, threaded from layer to layer, is a cache that stays None without ``use_cache`` (RWKV's
+    ``state``): a forward argument defaulting to None, set before the loop only under a test of ``use_cache``,
+    and handed to every layer call with ``use_cache``. Pipeline stages run with ``use_cache=False``; that the
+    layers then return None for it is checked on every forward (``PipelinePlan.none_outputs``)."""
+    function = ast.parse(textwrap.dedent(source)).body[0]
+    arguments = function.args.args + function.args.kwonlyargs
+    defaults = dict(zip([a.arg for a in function.args.args][::-1], function.args.defaults[::-1]))
+    defaults |= {a.arg: d for a, d in zip(function.args.kwonlyargs, function.args.kw_defaults) if d is not None}
+    default = defaults.get(name)
+    if name not in {a.arg for a in arguments} or not (isinstance(default, ast.Constant) and default.value is None):
+        return False
+    guarded: set[int] = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.If) and "use_cache" in ast.unparse(node.test):
+            guarded |= {id(n) for n in ast.walk(node)}
+    loops = [n for n in ast.walk(function) if isinstance(n, ast.For)]
+    in_loop = {id(n) for loop in loops for n in ast.walk(loop)}
+    for node in ast.walk(function):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        writes = any(isinstance(n, ast.Name) and n.id == name for t in targets for n in ast.walk(t))
+        if writes and id(node) not in guarded and id(node) not in in_loop:
+            return False
+    calls = [n for n in ast.walk(function) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id == layer]
+    return bool(calls) and all(any(k.arg == "use_cache" for k in call.keywords) for call in calls)
+
+
+def _check_layer_inputs(model: nn.Module, arch: str, layers: str) -> tuple[int, tuple[int, ...]]:
     """Pipeline stages hand on the hidden states alone. A decoder layer that needs another input the model
     threads from layer to layer (Inkling2's ``block_states``, the outputs of earlier blocks) would get, on a
     later stage, a value that never saw the earlier stage's layers: refused, not silently wrong. One the forward
     builds before its loop over the layers (``_layer_call_inputs``) is built again by every stage. Returns how
-    many values each layer returns where the model unpacks them (``PipelinePlan.layer_outputs``), else 0."""
+    many values each layer returns where the model unpacks them (``PipelinePlan.layer_outputs``), else 0, and
+    which of them are a cache threaded to the next layer that must be None (``PipelinePlan.none_outputs``)."""
     parent = layers.rpartition(".")[0]
     source = inspect.getsource(type(model.get_submodule(parent) if parent else model).forward)
     loop = re.search(rf"for (?:\w+, )?(\w+) in (?:enumerate\()?self\.{layers.rpartition('.')[2]}\b", source)
     unpacked = loop and re.search(rf"(\w+(?:\s*,\s*\w+)+)\s*=\s*{loop.group(1)}\(", source)
-    outputs = 0
+    outputs, none = 0, ()
     if unpacked:
         names = unpacked.group(1).replace(" ", "")
-        if _threaded(source, loop.group(1), names.split(",")[1:]):  # GlmMoeDsa: topk_indices into the next layer
+        threaded = _threaded(source, loop.group(1), names.split(",")[1:])
+        if any(not _cache_only(source, name, loop.group(1)) for name in threaded):  # GlmMoeDsa's topk_indices
             raise refuse(arch, layers, f"each layer returns {names}, which the model hands to the next layer; pipeline "
                                        f"stages hand on only the hidden states: use pp=1")
-        # Bamba's attention weights, only collected: the stand-ins for another stage's layers return as many
-        # values (the hidden states, then None), which the model unpacks and drops
+        # Bamba's attention weights, only collected, and RWKV's state, None without use_cache: the stand-ins for
+        # another stage's layers return as many values (the hidden states, then None), which the model unpacks
         outputs = names.count(",") + 1
+        none = tuple(names.split(",").index(name) for name in threaded)
     inputs = _layer_call_inputs(source, layers.rpartition(".")[2])
     if inputs and "input_ids" in inputs:  # DeepSeek-V4's hash routing reads the token ids in every layer
         raise refuse(arch, layers, "each layer takes the input_ids, which pipeline stages after the first do not "
@@ -399,4 +432,4 @@ def _check_layer_inputs(model: nn.Module, arch: str, layers: str) -> int:
             raise refuse(arch, layers, f"{cls.__name__}.forward takes {threaded} besides the hidden states, threaded "
                                        f"from layer to layer by the model; pipeline stages hand on only the hidden "
                                        f"states: use pp=1")
-    return outputs
+    return outputs, none

@@ -77,10 +77,13 @@ class PipelinePlan:
     passes its input through. Parameter-free ``first``/``last`` modules (rotary tables) are not owned by
     one stage: every stage recomputes them. ``layer_outputs``: how many values each layer returns where the
     model unpacks them (Bamba's ``hidden_states, attn_weights = layer(...)``), so that the stand-ins for another
-    stage's layers return as many from the first forward on; 0 where the model takes one value or indexes it."""
+    stage's layers return as many from the first forward on; 0 where the model takes one value or indexes it.
+    ``none_outputs``: which of those the model hands to the next layer, a cache that is None without
+    ``use_cache`` (RWKV's ``state``); a stage's layers returning anything else there is an error."""
 
     first: tuple[str, ...]
     layers: str
     last: tuple[str, ...]
     neutralize: tuple[str, ...] = ()
     layer_outputs: int = 0
+    none_outputs: tuple[int, ...] = ()

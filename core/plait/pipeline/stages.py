@@ -102,13 +102,19 @@ class LayerForm:
     the bare tensor, or the plan's tuple where the model unpacks the layers' return (``PipelinePlan.layer_outputs``);
     whatever it turns into there is replaced by the received hidden states at that layer."""
 
-    def __init__(self, outputs: int = 0) -> None:
+    def __init__(self, outputs: int = 0, none: tuple[int, ...] = ()) -> None:
         # entries after the hidden states; None: a bare tensor (or not yet seen). ``outputs``: what the plan
         # knows before any layer runs (``PipelinePlan.layer_outputs``, where the model unpacks the layer's return)
         self.extra: int | None = outputs - 1 if outputs > 1 else None
         self.kind: type = tuple  # a list where the layers return one (GPT-1's blocks)
+        self.none = none  # entries the model hands to the next layer, which must be None (a cache without use_cache)
 
     def record(self, module: nn.Module, args, output) -> None:
+        if any(output[i] is not None for i in self.none):
+            raise RuntimeError(
+                f"{type(module).__name__} returned something other than None in entries {list(self.none)} of its "
+                f"output, which the model hands to the next layer; pipeline stages hand on only the hidden "
+                f"states: use pp=1")
         self.extra = len(output) - 1 if isinstance(output, (tuple, list)) else None
         self.kind = list if isinstance(output, list) else tuple
 
@@ -228,7 +234,7 @@ class StageChunk(nn.Module):
         self._seq = 0  # full sequence length of the running forward; 0 outside it (hooks stay inert)
         self.router_aux = router_aux(pruned)
         self._routers = RouterRecorder(self.shell) if self.router_aux is not None else None
-        form = _FORMS.setdefault(pruned, LayerForm(split.plan.layer_outputs))
+        form = _FORMS.setdefault(pruned, LayerForm(split.plan.layer_outputs, split.plan.none_outputs))
         for index, name in enumerate(split.layers):
             layer = self.shell.get_submodule(name)
             if isinstance(layer, PassThrough):
