@@ -303,7 +303,8 @@ def rank_layouts(tiny: bool, calibrate: bool):
     from plait.layout_plan import plan_layout
     from plait.meta import build_meta_model
     from plait.costs.activations import trace_activations
-    from plait.costs.device import PRESETS, calibrate as measure_device
+    from plait.costs.calibration import calibrate as measure_device
+    from plait.costs.device import PRESETS
     from plait.costs.estimate import Batch
     from plait.costs.memory import Precision
     from plait.costs.search import batch_split, describe, search_layouts

@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.config import ConfigError, ParallelConfig
-from plait.costs.device import GiB, PRESETS, Device, calibrate
+from plait.costs.calibration import calibrate
+from plait.costs.device import GiB, PRESETS, Device
 from plait.costs.render import gib
 from plait.costs.search import batch_split, describe
 from plait.device import describe_accelerator
@@ -26,7 +27,7 @@ from plait.train_args import AUTO_LAYOUT_FLAGS, TrainArgs
 
 def detect_device() -> Device:
     """The device model for this machine: a preset by the accelerator's name (its memory as the driver reports
-    it), else this machine measured (cached: ``costs.device.calibrate``)."""
+    it), else this machine measured (cached: ``costs.calibration.calibrate``)."""
     found = describe_accelerator()
     if found is not None:
         name, memory = found

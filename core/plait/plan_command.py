@@ -21,7 +21,8 @@ from torch import nn
 from plait.config import ConfigError, ParallelConfig
 from plait.costs.activations import ActivationTrace, trace_activations
 from plait.costs.advice import cheaper_settings, fewest_devices
-from plait.costs.device import PRESETS, Device, calibrate, parse_memory
+from plait.costs.calibration import calibrate
+from plait.costs.device import PRESETS, Device, parse_memory
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.experts import check_expert_parallel, expert_parameters
 from plait.costs.memory import Precision

@@ -2,21 +2,24 @@
 
 The presets are vendor figures (docs/plan.md lists the sources); ``efficiency`` is the fraction of peak
 FLOP/s a transformer step's matmuls reach: measured for the H100 by bench/gpu.py (below), assumed elsewhere
-(Megatron-LM and torchtitan report 40-55% MFU on H100/A100 with fused kernels). ``calibrate`` measures this machine instead: a one-thread fp32 matmul (torchrun gives each of
-several local processes one thread), a copy for memory bandwidth, and a gloo all-reduce between 2 local
-processes for link bandwidth and latency, cached so that a second ``plait plan --calibrate`` is instant.
+(Megatron-LM and torchtitan report 40-55% MFU on H100/A100 with fused kernels). ``measure_machine`` measures this
+machine instead: a one-thread fp32 matmul (torchrun gives each of several local processes one thread), a copy for
+memory bandwidth, and gloo collectives between 2 local processes for link bandwidth and latency;
+``costs.calibration`` adds the efficiency, from a timed training run, and caches the result.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
 import re
 import socket
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +55,8 @@ class Device:
     # AdamW's fused kernel (one pass over each tensor; plait asks for it where torch has one: GPUs), or torch's
     # multi-tensor AdamW, which reads and writes the state about ten times a step (the CPU)
     fused_adamw: bool = True
+    # Where ``efficiency`` comes from, said beside every step time printed with it
+    efficiency_source: str = "assumed"
 
     def speed(self, op: str) -> float:
         return dict(self.op_speed).get(op, 1.0)
@@ -72,6 +77,9 @@ class Device:
         """What a layout's tensors may take: the memory a program gets, less the reserve."""
         return self.memory_bytes - self.reserved
 
+    def describe_efficiency(self) -> str:
+        return f"efficiency {self.efficiency:.3g} of peak for matmuls ({self.efficiency_source})"
+
     def describe_memory(self) -> str:
         return (f"{self.usable_bytes / GiB:.2f} GiB usable per device ({self.memory_bytes / GiB:.2f} GiB less "
                 f"{self.reserved / GiB:.2f} GiB kept for the runtime's context, communication buffers and "
@@ -90,12 +98,12 @@ PRESETS = {
     # Llama at 4 x 2048 tokens took 0.196 and 0.201 s a step on an H100 80GB HBM3; at 0.40 the planner predicts
     # 0.195 s (34.9% MFU against the measured 34.7% and 33.9%), where 0.5 predicted 0.161 s.
     "h100": Device("h100", int(79.1 * GiB), 989e12, 67e12, 0.4, 3.35e12, 450e9, 50e9, 8, 10e-6, GPU_RESERVE,
-                   GPU_FRAGMENTATION),
+                   GPU_FRAGMENTATION, efficiency_source="measured by bench/gpu.py"),
     # A100 SXM4 80GB: 312 TFLOP/s dense bf16, 19.5 TFLOP/s fp32, 2.0 TB/s HBM2e (79.1 GiB to a program), NVLink 3
     # 600 GB/s (300 each way), 8 per node, 200 Gb/s HDR InfiniBand per GPU.
     # Efficiency not measured on an A100: the H100's measured value.
     "a100": Device("a100", int(79.1 * GiB), 312e12, 19.5e12, 0.4, 2.0e12, 300e9, 25e9, 8, 10e-6, GPU_RESERVE,
-                   GPU_FRAGMENTATION),
+                   GPU_FRAGMENTATION, efficiency_source="assumed: the H100's, measured by bench/gpu.py"),
     # Trainium1 chip (trn1.32xlarge / 16): 190 TFLOP/s bf16, 47.5 TFLOP/s fp32, 32 GiB HBM at 820 GB/s,
     # NeuronLink-v2 768 GB/s per instance ring (~384 GB/s each way per chip), EFA 800 Gb/s per instance.
     "trn1": Device("trn1", 32 * GiB, 190e12, 47.5e12, 0.4, 820e9, 384e9 / 2, 100e9 / 16, 16, 20e-6, GiB,
@@ -106,7 +114,8 @@ PRESETS = {
                    GPU_FRAGMENTATION),
     # A generic CPU process (one core, gloo over loopback): placeholders; prefer --calibrate. torch's CPU allocator
     # caches nothing: the interpreter and libraries' own memory is the reserve.
-    "cpu": Device("cpu", 16 * GiB, 50e9, 50e9, 1.0, 10e9, 2e9, 1e9, 1, 100e-6, GiB // 2, 0.0, fused_adamw=False),
+    "cpu": Device("cpu", 16 * GiB, 50e9, 50e9, 1.0, 10e9, 2e9, 1e9, 1, 100e-6, GiB // 2, 0.0, fused_adamw=False,
+                  efficiency_source="a placeholder: --calibrate measures this machine"),
 }
 
 
@@ -128,59 +137,53 @@ def parse_memory(text: str, flag: str = "--device_memory") -> int:
     return value
 
 
-def cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "plait" / "calibration.json"
-
-
-def calibrate(memory_bytes: int | None = None, refresh: bool = False) -> Device:
-    """This machine as a ``Device`` (measured once, then read from ``cache_path()``)."""
-    path = cache_path()
-    cached = json.loads(path.read_text()) if path.exists() and not refresh else {}
-    if set(MEASURED) <= set(cached):  # a cache from before a measurement was added is measured again
-        fields = cached
-    else:
-        fields = _measure()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-            tmp.write(json.dumps(fields))
-        os.replace(tmp.name, path)
-    device = Device(**{**fields, "op_speed": tuple(map(tuple, fields.get("op_speed", ())))})
-    return dataclasses.replace(device, memory_bytes=memory_bytes) if memory_bytes else device
-
-
-MEASURED = ("flops_fp32", "memory_bandwidth", "intra_bandwidth", "latency", "op_speed", "fused_adamw")
-
-
-def _measure() -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+def measure_machine() -> dict:
+    """This machine's ``Device`` fields, all but ``efficiency`` and its source (``costs.calibration`` measures
+    those from a training run)."""
+    with one_thread():
         flops = _matmul_flops()
         copy_bw = _copy_bandwidth()
-    finally:
-        torch.set_num_threads(threads)
     bandwidth, latency, op_speed = _gloo_allreduce()
     import psutil
 
     return {"name": "calibrated", "memory_bytes": psutil.virtual_memory().total, "flops_bf16": flops,
-            "flops_fp32": flops, "efficiency": 1.0, "memory_bandwidth": copy_bw, "intra_bandwidth": bandwidth,
+            "flops_fp32": flops, "memory_bandwidth": copy_bw, "intra_bandwidth": bandwidth,
             "inter_bandwidth": bandwidth, "per_node": os.cpu_count() or 1, "latency": latency,
             "op_speed": op_speed, "fused_adamw": use_fused_adamw(torch.device("cpu"))}
 
 
-def _matmul_flops(n: int = 512, repeats: int = 5) -> float:
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch's CPU ops on one thread, as each of several local processes torchrun starts does."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _matmul_flops(n: int = 512, repeats: int = 20) -> float:
+    """The best of ``repeats`` (a few ms each), in CPU time as the calibration run's steps are."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    best = min(_cpu_seconds(lambda: a @ b) for _ in range(repeats))
     return 2 * n**3 / best
 
 
 def _copy_bandwidth(numel: int = 16 * 2**20, repeats: int = 3) -> float:
     src, dst = torch.randn(numel), torch.empty(numel)
     dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    best = min(_cpu_seconds(lambda: dst.copy_(src)) for _ in range(repeats))
     return 2 * numel * 4 / best  # read + write
+
+
+def _cpu_seconds(fn) -> float:
+    """This thread's CPU time in ``fn`` (one-thread work): what it costs the machine, not how long a busy machine's
+    scheduler kept it waiting (on a shared 2-core machine a wall-clock matmul peak ranged 44-88 GFLOP/s)."""
+    start = time.thread_time()
+    fn()
+    return time.thread_time() - start
 
 
 def _timed(fn) -> float:
@@ -197,9 +200,14 @@ def _gloo_allreduce() -> tuple[float, float, list[list]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # fork: the workers start in under a second where spawn's import torch and plait again (7-19 s on 2 cores);
+    # they run one thread and gloo only, what a fork of a process that used OpenMP or CUDA can do, and the callers
+    # (plait plan, --layout auto's launcher) hold no process group to inherit (macOS: spawn, its system frameworks
+    # are not fork-safe)
+    start_method = "fork" if sys.platform == "linux" else "spawn"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "allreduce.json"
-        mp.start_processes(_allreduce_worker, args=(port, str(out)), nprocs=2, start_method="spawn")
+        mp.start_processes(_allreduce_worker, args=(port, str(out)), nprocs=2, start_method=start_method)
         result = json.loads(out.read_text())
     return result["bandwidth"], result["latency"], result["op_speed"]
 

@@ -107,8 +107,7 @@ def print_estimate(console: Console, estimate: LayoutEstimate, device: Device | 
         b = estimate.batch
         tokens = b.per_device * b.seq * b.accumulation * (config.dp or 1) / world_of(config)
         console.print(f"estimated step on {device.name}: {seconds:.4g} s, {tokens / seconds:,.0f} tokens/s/device, "
-                      f"MFU {estimate.mfu(device, seconds):.1%} (at the assumed efficiency {device.efficiency:g} of "
-                      f"peak for matmuls)")
+                      f"MFU {estimate.mfu(device, seconds):.1%} at {device.describe_efficiency()}")
 
 
 def search_json(result: SearchResult, device: Device, commands: list[str], top: int,
@@ -132,8 +131,7 @@ def print_search(console: Console, result: SearchResult, device: Device, command
     table = Table("#", "layout", "micro-batch", "step (s)", "peak", "bubble", "tokens/s/device", "MFU",
                   title=f"fastest layouts on {device.name} ({len(result.ranked)} fit, {len(result.refused)} refused)",
                   caption=f"memory: {device.describe_memory()}; MFU: the model's FLOPs (recomputation not counted) "
-                          f"over the device's peak, at the assumed efficiency {device.efficiency:g} of peak for "
-                          f"matmuls (--calibrate measures this machine)")
+                          f"over the device's peak, at {device.describe_efficiency()}")
     for i, (estimate, seconds) in enumerate(result.ranked[:top], 1):
         b = estimate.batch
         tokens = b.per_device * b.seq * b.accumulation * (estimate.plan.config.dp or 1)

@@ -1,0 +1,152 @@
+"""This machine as a ``Device`` (``plait plan --calibrate``): measured once, then read from a cache.
+
+``device.measure_machine`` gives the peak (a one-thread matmul) and the bandwidths. A matmul's peak leaves out what
+a training step spends besides: per-op framework overhead, the non-matmul kernels, the step's fixed costs (on this
+CPU they made the planner's step times about half the measured ones at efficiency 1). So the efficiency is measured,
+not assumed: a short training run of a small Llama on one thread is timed, and the efficiency is the one at which
+the planner's own step-time model (``LayoutEstimate.step_time``: matmul FLOPs / (peak x efficiency) plus the
+modelled memory traffic) gives the measured step. The cache is versioned: one written before the efficiency was
+measured (no ``version``) is measured again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from plait.config import ParallelConfig
+from plait.costs.activations import trace_activations
+from plait.costs.device import Device, measure_machine, one_thread
+from plait.costs.estimate import Batch, estimate_layout
+from plait.costs.memory import Precision
+from plait.layout_plan import plan_layout
+from plait.meta import build_meta_model
+from plait.model_config import DEFAULT_MODEL_CONFIG
+from plait.optim.clip import clip_grads_, global_grad_norm
+from plait.registry import default_registry
+
+CACHE_VERSION = 2  # 2: efficiency measured by a training run (unversioned: efficiency 1.0 assumed)
+# The run: plait's tiny Llama at twice its width, the size of bench/plan_check.py's timed Llama, whose step
+# (2 x 128 tokens) takes about 0.15 s on one thread of a 2-core CPU; the median of the timed steps, after the
+# first steps (allocator and kernel warm-up) are dropped.
+WIDTH, SEQUENCES, TOKENS, WARMUP, STEPS = 2, 2, 128, 2, 5
+
+
+@dataclass(frozen=True)
+class EfficiencyRun:
+    """A timed training run and the efficiency at which the planner's model gives its step time."""
+
+    parameters: int
+    sequences: int
+    tokens: int  # per sequence
+    step_seconds: float  # the median of the timed steps, in CPU time (``_timed_run``)
+    flops: float  # matmul FLOPs of one step, the planner's count (``estimate._step_flops``)
+    rest_seconds: float  # what the planner adds to the matmuls: activation and optimizer memory traffic
+    efficiency: float
+    mfu: float  # the step's FLOPs per second over the matmul peak
+
+    def describe(self) -> str:
+        return (f"measured on this machine: a {self.parameters / 1e6:.1f}M-parameter Llama, {self.sequences} x "
+                f"{self.tokens} tokens, {self.step_seconds:.3g} s a step (one thread's CPU time), MFU {self.mfu:.1%}")
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "plait" / "calibration.json"
+
+
+def calibrate(memory_bytes: int | None = None, refresh: bool = False) -> Device:
+    """This machine as a ``Device`` (measured once, then read from ``cache_path()``; ``refresh``: measure again)."""
+    path = cache_path()
+    cached = json.loads(path.read_text()) if path.exists() and not refresh else {}
+    if cached.get("version") == CACHE_VERSION:
+        fields = cached["device"]
+    else:
+        fields = measure_machine()
+        run = measure_efficiency(_device({**fields, "efficiency": 1.0}))
+        fields = {**fields, "efficiency": run.efficiency, "efficiency_source": run.describe()}
+        _write(path, {"version": CACHE_VERSION, "device": fields, "run": dataclasses.asdict(run)})
+    device = _device(fields)
+    return dataclasses.replace(device, memory_bytes=memory_bytes) if memory_bytes else device
+
+
+def _device(fields: dict) -> Device:
+    """A ``Device`` from its JSON fields (``op_speed``'s pairs come back as lists)."""
+    return Device(**{**fields, "op_speed": tuple(map(tuple, fields["op_speed"]))})
+
+
+def _write(path: Path, record: dict) -> None:
+    """Atomically: a ``plait plan`` started meanwhile reads the old cache or the new, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+        tmp.write(json.dumps(record))
+    os.replace(tmp.name, path)
+
+
+def measure_efficiency(device: Device) -> EfficiencyRun:
+    """Time the run's steps on this machine's CPU and solve the planner's step time on ``device`` (the measured
+    peak and bandwidths) for the efficiency: step = FLOPs / (peak x efficiency) + rest, the rest being what the
+    model adds at any efficiency."""
+    config = run_config()
+    step = _timed_run(config)
+    meta = build_meta_model(config)
+    registry = default_registry()
+    plan = plan_layout(meta, ParallelConfig(), 1, registry)
+    trace = trace_activations(meta, TOKENS, registry, plan.adapter)
+    estimate = estimate_layout(meta, plan, Batch(SEQUENCES, TOKENS), Precision(), trace)
+    flops = estimate.flops[0]
+    at_peak = flops / device.peak_flops(low_precision=False)
+    rest = estimate.step_time(dataclasses.replace(device, efficiency=1.0)) - at_peak
+    # at most 1: a step faster than the model's at peak is taken at peak
+    efficiency = at_peak / max(step - rest, at_peak)
+    parameters = sum(p.numel() for p in meta.parameters())
+    return EfficiencyRun(parameters, SEQUENCES, TOKENS, step, flops, rest, efficiency, at_peak / step)
+
+
+def run_config() -> PretrainedConfig:
+    """plait's tiny Llama (the bundled config) at ``WIDTH`` times its hidden and MLP width (as many heads, each
+    ``WIDTH`` times as wide: the config derives its head width when built, so the JSON is scaled, not the config)."""
+    values = json.loads(resources.files("plait.configs").joinpath(DEFAULT_MODEL_CONFIG).read_text())
+    values.update(hidden_size=values["hidden_size"] * WIDTH, intermediate_size=values["intermediate_size"] * WIDTH)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def _timed_run(config: PretrainedConfig) -> float:
+    """Seconds of one training step of ``config``'s model (median of ``STEPS`` after ``WARMUP``), one thread,
+    the global random state left as it was. The seconds are this thread's CPU time: what a step costs the machine,
+    not how long a busy machine's scheduler kept it waiting (on a shared 2-core machine at load 5, wall time was
+    0.24-0.27 s a step, CPU time 0.16-0.18 s, idle 0.13-0.16 s); with nothing else running the two are equal, as
+    one thread does all of a step's work (intra-op and autograd's CPU work run on the caller)."""
+    with torch.random.fork_rng(devices=[]), one_thread():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # torch's multi-tensor AdamW, as plait on CPU
+        ids = torch.randint(0, config.vocab_size, (SEQUENCES, TOKENS))
+        seconds = []
+        for _ in range(WARMUP + STEPS):
+            start = time.thread_time()
+            _train_step(model, optimizer, ids)
+            seconds.append(time.thread_time() - start)
+    return statistics.median(seconds[WARMUP:])
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+    """What a plait step does on one process: forward with the loss, backward, clip by the global norm, step."""
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    params = list(model.parameters())
+    clip_grads_(params, 1.0, global_grad_norm(params, [], ids.device))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss.item()

@@ -1,0 +1,130 @@
+"""Issue 30: ``plait plan --calibrate`` measures the efficiency from a short training run, caches it, and
+``--recalibrate`` replaces it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from plait.cli import main
+from plait.config import ParallelConfig
+from plait.costs import calibration
+from plait.costs.activations import trace_activations
+from plait.costs.calibration import SEQUENCES, TOKENS, EfficiencyRun, cache_path, calibrate, measure_efficiency
+from plait.costs.device import PRESETS
+from plait.costs.estimate import Batch, estimate_layout
+from plait.costs.memory import Precision
+from plait.layout_plan import plan_layout
+from plait.meta import build_meta_model
+from plait.registry import default_registry
+
+# A peak far above what one CPU thread reaches: the run's efficiency is then well under 1, never clamped at peak
+FAST = dataclasses.replace(PRESETS["cpu"], flops_fp32=1e12, flops_bf16=1e12)
+MACHINE = {"name": "calibrated", "memory_bytes": 2**34, "flops_bf16": 5e10, "flops_fp32": 5e10,
+           "memory_bandwidth": 1e10, "intra_bandwidth": 1e9, "inter_bandwidth": 1e9, "per_node": 2,
+           "latency": 1e-4, "op_speed": [["all_gather", 0.4], ["reduce_scatter", 0.2]], "fused_adamw": False}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty calibration cache of this test's own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return cache_path()
+
+
+def planned_step(efficiency: float) -> float:
+    """The planner's step time for the calibration run on ``FAST`` at ``efficiency``, built here independently."""
+    meta = build_meta_model(calibration.run_config())
+    registry = default_registry()
+    plan = plan_layout(meta, ParallelConfig(), 1, registry)
+    trace = trace_activations(meta, TOKENS, registry, plan.adapter)
+    estimate = estimate_layout(meta, plan, Batch(SEQUENCES, TOKENS), Precision(), trace)
+    return estimate.step_time(dataclasses.replace(FAST, efficiency=efficiency))
+
+
+def test_efficiency_is_what_makes_the_planner_give_the_measured_step(monkeypatch):
+    """The planner's model at the measured efficiency reproduces the run's step; a slower step (the same FLOPs,
+    0.3 s more work: the run counts CPU time, so the work is spinning, not sleeping) gives a lower efficiency."""
+    run = measure_efficiency(FAST)
+    assert 0 < run.efficiency < 1
+    assert planned_step(run.efficiency) == pytest.approx(run.step_seconds, rel=1e-9)
+    assert run.mfu == pytest.approx(run.flops / run.step_seconds / FAST.flops_fp32)
+    train_step = calibration._train_step
+
+    def slow_step(*args):
+        train_step(*args)
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+
+    monkeypatch.setattr(calibration, "_train_step", slow_step)
+    slow = measure_efficiency(FAST)
+    assert slow.step_seconds > run.step_seconds + 0.15  # a busy machine's noise stays under 0.1 s
+    assert slow.flops == run.flops and slow.efficiency < run.efficiency
+    assert planned_step(slow.efficiency) == pytest.approx(slow.step_seconds, rel=1e-9)
+
+
+def test_run_leaves_the_random_state_and_threads_as_they_were():
+    threads = torch.get_num_threads()
+    state = torch.get_rng_state()
+    calibration._timed_run(calibration.run_config())
+    assert torch.equal(torch.get_rng_state(), state) and torch.get_num_threads() == threads
+
+
+def fake_runs(monkeypatch, efficiencies: list[float]) -> list[int]:
+    """Measurements replaced: the machine by ``MACHINE``, each run by the next of ``efficiencies``; returns
+    the list the runs are counted in."""
+    calls: list[int] = []
+
+    def run(device):
+        assert device.efficiency == 1.0 and device.flops_fp32 == MACHINE["flops_fp32"]
+        calls.append(1)
+        efficiency = efficiencies[len(calls) - 1]
+        return EfficiencyRun(4_200_000, SEQUENCES, TOKENS, 0.2, 5e9, 0.02, efficiency, 0.5)
+
+    monkeypatch.setattr(calibration, "measure_machine", lambda: dict(MACHINE))
+    monkeypatch.setattr(calibration, "measure_efficiency", run)
+    return calls
+
+
+def test_plan_prints_the_cached_efficiency_and_recalibrate_replaces_it(tmp_path, cache, capsys, monkeypatch):
+    calls = fake_runs(monkeypatch, [0.3, 0.6])
+    path = tmp_path / "config.json"
+    LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64).to_json_file(path)
+
+    def plan(flag: str) -> str:
+        main(["plan", "--model_config", str(path), "--block_size", "16", flag])
+        return " ".join(capsys.readouterr().out.split())
+
+    source = ("measured on this machine: a 4.2M-parameter Llama, 2 x 128 tokens, 0.2 s a step (one thread's CPU "
+              "time), MFU 50.0%")
+    assert f"at efficiency 0.3 of peak for matmuls ({source})" in plan("--calibrate")
+    assert json.loads(cache.read_text())["run"]["efficiency"] == 0.3
+    assert "at efficiency 0.3 of peak" in plan("--calibrate") and len(calls) == 1  # read from the cache
+    assert "at efficiency 0.6 of peak" in plan("--recalibrate") and len(calls) == 2
+    assert "at efficiency 0.6 of peak" in plan("--calibrate") and len(calls) == 2
+    assert json.loads(cache.read_text())["device"]["efficiency"] == 0.6
+
+
+def test_a_cache_from_before_the_efficiency_run_is_measured_again(cache, monkeypatch):
+    calls = fake_runs(monkeypatch, [0.4])
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({**MACHINE, "efficiency": 1.0}))  # version 1: flat, efficiency assumed 1
+    assert calibrate().efficiency == 0.4 and len(calls) == 1
+    assert json.loads(cache.read_text())["version"] == calibration.CACHE_VERSION
+
+
+def test_calibrate_measures_this_machine(cache):
+    """The whole calibration, unreplaced: gloo's workers forked, the run timed, everything cached."""
+    device = calibrate()
+    assert 0 < device.efficiency <= 1 and device.efficiency_source.startswith("measured on this machine")
+    assert device.flops_fp32 > 0 and device.intra_bandwidth > 0 and {op for op, _ in device.op_speed} == {
+        "all_gather", "reduce_scatter"}
+    record = json.loads(cache.read_text())
+    assert record["run"]["efficiency"] == device.efficiency and calibrate() == device
