@@ -154,3 +154,18 @@ def test_what_zero_stages_do_not_run_is_refused_before_any_process_group(layout,
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         plan_layout(build_meta_model(tiny_config("llama")), ParallelConfig(**layout), 4)
+
+
+def test_a_block_shared_by_layers_is_refused_under_zero3():
+    """Zamba2's transformer block is shared by several decoder layers: FSDP2 shards a parameter in one unit, so
+    ZeRO-2/3 is refused naming the layers and the parameter (the search checks the same before ranking)."""
+    from plait import ConfigError, ParallelConfig
+    from plait.layout_plan import plan_layout
+    from plait.meta import build_meta_model
+    from plait.testing.conformance_modes import load_subject
+
+    subject = load_subject("transformers:zamba2")
+    model = build_meta_model(subject.config)
+    with pytest.raises(ConfigError, match=r"zero_stage=3: one parameter is used by model\.layers\.\d+ \(as .*shared"):
+        plan_layout(model, ParallelConfig(zero_stage=3), 2, subject.registry)
+    plan_layout(model, ParallelConfig(zero_stage=1), 2, subject.registry)  # ZeRO-1 shards state, not parameters

@@ -108,6 +108,8 @@ def plan_layout(
         sp_grad_sum_params(model, sp_plan, shards_by_rank[0])  # validates the plan against the model
     targets = tuple(checkpoint_targets(model, leaf_patterns)) if config.gradient_checkpointing or config.fsdp else ()
     leaves = targets if config.gradient_checkpointing else ()
+    if config.fsdp:
+        check_units_share_nothing(model, targets, config.zero_stage)
     lora_plan = None
     if lora is not None:
         lora_tp_plan = tp_plan
@@ -182,6 +184,20 @@ def check_zero_stage(config: ParallelConfig) -> None:
         raise ConfigError(f"{stage} with pipeline_schedule='zero-bubble': it computes weight gradients after FSDP2 "
                           f"has reduced them (after the input gradients); use '1f1b' or 'interleaved-1f1b', or "
                           f"--zero_stage 1")
+
+
+def check_units_share_nothing(model: nn.Module, units: tuple[str, ...], stage: int) -> None:
+    """FSDP2 shards each parameter in one unit: refuse a parameter two units use (Zamba's transformer block shared
+    by several layers), naming it, before torch's own error at the first forward."""
+    owners: dict[int, dict[str, str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        unit = next((u for u in units if name.startswith(u + ".")), "the model's root")
+        owners.setdefault(id(param), {}).setdefault(unit, name)
+    shared = next((names for names in owners.values() if len(names) > 1), None)
+    if shared is not None:
+        where = " and ".join(f"{unit} (as {name})" for unit, name in list(shared.items())[:2])
+        raise ConfigError(f"zero_stage={stage}: one parameter is used by {where}; FSDP2 shards a parameter in one "
+                          f"unit only, and a decoder layer is one unit; use --zero_stage 1 (ZeRO-1) for this model")
 
 
 # The flag (and ParallelConfig field) that turns each capability off.

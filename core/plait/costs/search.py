@@ -30,7 +30,7 @@ from plait.costs.estimate import Batch, LayoutEstimate, estimate_layout
 from plait.costs.experts import routed_experts
 from plait.costs.memory import Precision
 from plait.cp.sequence import check_length
-from plait.layout_plan import LayoutPlan, plan_layout
+from plait.layout_plan import LayoutPlan, check_units_share_nothing, plan_layout
 from plait.registry import AdapterError, Registry
 
 if TYPE_CHECKING:
@@ -90,6 +90,16 @@ def search_layouts(
         if isinstance(plan, str):
             result.refused.append((label, plan))
             continue
+        if config.fsdp:  # a parameter two units share (the plan above was made without ZeRO-2/3)
+            if ("units", key) not in plans:
+                try:
+                    check_units_share_nothing(model, plan.leaves, 3)
+                    plans["units", key] = ""
+                except ConfigError as err:
+                    plans["units", key] = str(err)
+            if plans["units", key]:
+                result.refused.append((label, plans["units", key]))
+                continue
         plan = dataclasses.replace(plan, config=config, leaves=plan.leaves if config.gradient_checkpointing else (),
                                    units=plan.leaves if config.fsdp else ())  # the leaves are ZeRO-2/3's units
         for size in sizes:  # micro-batch size per device; the accumulation steps make up the rank's share

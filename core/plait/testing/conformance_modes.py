@@ -98,8 +98,8 @@ class Mode:
     applies: Callable[[Subject], str | None] | None = None
     after: str | None = None  # "consolidate": save, consolidate and reload the trained model
     # global-norm clipping (plait's OptimizerStep against torch's clip_grad_norm_ on the reference) at this fraction
-    # of the reference's first global norm: it bites (a step where it does not fails the pair) while the clipped
-    # gradients stay large against the kit's absolute tolerance; over ``steps`` steps
+    # of the reference's global norm of each step, so it bites at every step while the clipped gradients stay large
+    # against the kit's absolute tolerance; over ``steps`` steps
     clip: float | None = None
     steps: int = STEPS
 
