@@ -117,7 +117,8 @@ def test_conformance(installed):
     ran = {r.mode for r in results if r.status == "pass"}
     assert {"tp2-sp", "tp2", "tp2-sp-tied", "tp2-tied", "pp2-1f1b", "pp2-interleaved-v2", "pp2-tied",
             "tp2-sp-recompute", "tp2-recompute", "pp2-recompute", "consolidate-tp2-sp", "consolidate-tp2",
-            "consolidate-pp2", "dp2", "zero1-dp2", "cp2", "cp2-ring", "cp2-tp2"} == ran
+            "consolidate-pp2", "dp2", "zero1-dp2", "cp2", "cp2-ring", "cp2-tp2",
+            "zero2-dp2", "zero3-dp2", "tp2-zero3-dp2", "pp2-zero3-dp2", "consolidate-zero3-dp2"} == ran
 
 
 def test_init_fallback_is_stated_only_without_an_init_hook(installed):
