@@ -1,13 +1,19 @@
 """``run``: ``subprocess.run`` for commands that start process trees (plait's launcher, torchrun, their
 workers), whose timeout ends the whole tree. ``subprocess.run`` kills only its direct child on a timeout, and
 torchrun starts each worker in a session of its own, so a hung test could leave workers training; here every
-descendant, found while the tree is whole, is killed too."""
+descendant, found while the tree is whole, is killed too.
+
+``run_script``: ``python SCRIPT ARGS`` run in this process, for examples that start plait's own commands
+themselves: the script's own start-up (torch, transformers, peft: ~8 s) is one the test process has paid already."""
 
 from __future__ import annotations
 
 import contextlib
+import runpy
 import subprocess
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import psutil
 
@@ -28,3 +34,17 @@ def run(cmd: Sequence[str], *, timeout: float, **kwargs) -> subprocess.Completed
             raise AssertionError(f"{' '.join(map(str, cmd))[:200]} still running after {timeout}s: killed with every "
                                  f"process under it\n{err[-3000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_script(script: Path, args: Sequence[str], monkeypatch) -> None:
+    """Run ``script`` as ``python script args...`` runs it (``__main__``, ``sys.argv``, its directory first on
+    ``sys.path``), in this process and the script's directory's parent as the cwd; what it prints reaches pytest's
+    capture (``capfd`` also holds its subprocesses' output). It raises what the script raises; a non-zero
+    ``sys.exit`` fails with its status."""
+    monkeypatch.chdir(script.parent.parent)
+    monkeypatch.setattr(sys, "argv", [str(script), *map(str, args)])
+    monkeypatch.setattr(sys, "path", [str(script.parent), *sys.path])
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exit_:
+        assert exit_.code in (None, 0), f"{script.name} exited with {exit_.code}"

@@ -22,27 +22,37 @@ FLOAT64 = [name for name, (world, *_) in CASES.items()
            if world == 2 and ("ring" in name or "padded" in name) and not name.startswith("gemma2")]
 
 
-def run_world(out: Path, world: int, dtype: str, only: list[str] | None = None) -> dict[str, list[dict]]:
-    launch([WORKER, str(out), *([",".join(only)] if only else [])], world, timeout=300,
-           env={"CP_PARITY_DTYPE": dtype})
-    by_case: dict[str, list[dict]] = {}
+def run_world(out: Path, world: int, float64: list[str]) -> dict[str, dict[str, list[dict]]]:
+    """Every case of ``world`` ranks in float32, then ``float64`` in float64, in one launch: {dtype: {case: [result
+    per rank]}}."""
+    launch([WORKER, str(out), *(["--float64", ",".join(float64)] if float64 else [])], world, timeout=400)
+    by_case: dict[str, dict[str, list[dict]]] = {"float32": {}, "float64": {}}
     for rank in range(world):
-        for name, result in json.loads((out / f"rank{rank}.json").read_text()).items():
-            by_case.setdefault(name, []).append(result)
+        for dtype, results in json.loads((out / f"rank{rank}.json").read_text()).items():
+            for name, result in results.items():
+                by_case[dtype].setdefault(name, []).append(result)
     return by_case
 
 
 @pytest.fixture(scope="module")
-def fp32(tmp_path_factory) -> dict[str, list[dict]]:
-    results: dict[str, list[dict]] = {}
+def worlds(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
+    """One launch per world size: the float64 cases (all of 2 ranks) run in the launch of 2 after its float32 ones."""
+    results: dict[str, dict[str, list[dict]]] = {"float32": {}, "float64": {}}
     for world in sorted({w for w, *_ in CASES.values()}):
-        results |= run_world(tmp_path_factory.mktemp(f"cp{world}"), world, "float32")
+        found = run_world(tmp_path_factory.mktemp(f"cp{world}"), world, [c for c in FLOAT64 if CASES[c][0] == world])
+        for dtype in results:
+            results[dtype] |= found[dtype]
     return results
 
 
 @pytest.fixture(scope="module")
-def float64(tmp_path_factory) -> dict[str, list[dict]]:
-    return run_world(tmp_path_factory.mktemp("cp64"), 2, "float64", FLOAT64)
+def fp32(worlds) -> dict[str, list[dict]]:
+    return worlds["float32"]
+
+
+@pytest.fixture(scope="module")
+def float64(worlds) -> dict[str, list[dict]]:
+    return worlds["float64"]
 
 
 @pytest.mark.parametrize("case", list(CASES))

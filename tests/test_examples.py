@@ -7,7 +7,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -122,11 +121,13 @@ def test_slurm_script_with_fake_srun(model_config, tmp_path, reference_losses):
     assert_stopped_and_saved(out, output, reference_losses)
 
 
-def test_sft_chat_example_ends_in_a_model_generate_uses(tmp_path):
-    """examples/sft_chat.py, 2 steps on one process: tokenizer, chat SFT, consolidate, generate."""
-    out = processes.run([sys.executable, "examples/sft_chat.py", "--output_dir", str(tmp_path), "--max_steps", "2",
-                         "--nproc", "1"], cwd=ROOT, timeout=TIMEOUT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "user: What colour is grass?\nassistant:" in out.stdout
+@pytest.mark.timeout(TIMEOUT)  # a hang fails here; the script's subprocess goes with it
+def test_sft_chat_example_ends_in_a_model_generate_uses(tmp_path, capfd, monkeypatch):
+    """examples/sft_chat.py, 2 steps on one process: tokenizer, chat SFT, consolidate, generate. The script runs in
+    this process (its own imports paid already); its plait commands are processes of their own."""
+    processes.run_script(ROOT / "examples" / "sft_chat.py", ["--output_dir", tmp_path, "--max_steps", "2",
+                                                            "--nproc", "1"], monkeypatch)
+    out = capfd.readouterr().out
+    assert "user: What colour is grass?\nassistant:" in out, out[-3000:]
     assert "chat_template" in (tmp_path / "hf" / "tokenizer_config.json").read_text() or \
         (tmp_path / "hf" / "chat_template.jinja").exists()

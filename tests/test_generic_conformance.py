@@ -53,6 +53,7 @@ NO_PLAN_OF_ITS_OWN = ("dp2", "zero1-dp2", "pp2-interleaved-v2", "tp4-kv-replicat
 # ZeRO-2/3 shard whatever the plans leave on a rank: they run on the two families the issue names (a MoE and a
 # dense one with q/k norms) in test_zero_stages_conform, and on the bundled adapters in test_conformance.
 ZERO_MODES = ("zero2-dp2", "zero3-dp2", "tp2-zero3-dp2", "pp2-zero3-dp2", "consolidate-zero3-dp2")
+ZERO_ARCHITECTURES = ("mixtral", "qwen3")
 KIT_MODES = [m for m in MODES if m not in ("cp2-ring", "ep2", "ep2-zero1", "ep2-pp2", *VARIANTS, *NO_PLAN_OF_ITS_OWN,
                                            *ZERO_MODES)]
 MOE = ("mixtral", "qwen3_moe", "qwen3_next", "deepseek_v3")
@@ -65,9 +66,12 @@ SKIPPED |= {(a, m): "has no routed experts plait can divide" for a in ARCHITECTU
 
 @pytest.fixture(scope="module")
 def results(plait_conformance):
+    """Every kit mode of every architecture and the ZeRO stages' pairs (test_zero_stages_conform): one launch per
+    world size for all of them."""
     from plait.testing.pytest_plugin import format_results
 
-    found = plait_conformance(*(f"transformers:{a}" for a in ARCHITECTURES), modes=KIT_MODES)
+    found = plait_conformance(*(f"transformers:{a}" for a in ARCHITECTURES), modes=KIT_MODES,
+                              pairs=[(f"transformers:{a}", m) for a in ZERO_ARCHITECTURES for m in ZERO_MODES])
     print(format_results(list(found.values())))  # the table, for pytest -s
     return found
 
@@ -75,9 +79,7 @@ def results(plait_conformance):
 @pytest.fixture(scope="module")
 def results_float64(plait_conformance):
     """The fp32-sensitive pairs again in float64 (one launch per world size), where they must pass outright."""
-    archs = sorted({a for a, _ in FP32_SENSITIVE})
-    modes = sorted({m for _, m in FP32_SENSITIVE})
-    return plait_conformance(*(f"transformers:{a}" for a in archs), modes=modes, dtype="float64")
+    return plait_conformance(pairs=[(f"transformers:{a}", m) for a, m in sorted(FP32_SENSITIVE)], dtype="float64")
 
 
 @pytest.mark.parametrize("mode", KIT_MODES)
@@ -99,16 +101,11 @@ def test_generic_adapter_conforms(request, results, arch, mode):
     assert result.grad_tol is not None and result.grad_tol <= 1
 
 
-@pytest.fixture(scope="module")
-def results_zero(plait_conformance):
-    return plait_conformance("transformers:mixtral", "transformers:qwen3", modes=list(ZERO_MODES))
-
-
 @pytest.mark.parametrize("mode", ZERO_MODES)
-@pytest.mark.parametrize("arch", ("mixtral", "qwen3"))
-def test_zero_stages_conform(results_zero, arch, mode):
+@pytest.mark.parametrize("arch", ZERO_ARCHITECTURES)
+def test_zero_stages_conform(results, arch, mode):
     from plait.testing.pytest_plugin import format_results
 
-    result = results_zero[f"transformers:{arch}", mode]
+    result = results[f"transformers:{arch}", mode]
     assert result.status == "pass", format_results([result])
     assert result.grad_tol is not None and result.grad_tol <= 1

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -129,12 +128,14 @@ def test_a_changed_base_is_refused(base_dir, straight, tmp_path):
         consolidate_lora(ckpt, tmp_path / "merged", "merged")
 
 
-def test_lora_chat_example_ends_in_models_generate_uses(tmp_path):
-    """examples/lora_chat.py, 2 steps on one process: base, LoRA chat SFT, adapter and merged exports, generate."""
+@pytest.mark.timeout(240)  # a hang fails here; the script's subprocess goes with it
+def test_lora_chat_example_ends_in_models_generate_uses(tmp_path, capfd, monkeypatch):
+    """examples/lora_chat.py, 2 steps on one process: base, LoRA chat SFT, adapter and merged exports, generate.
+    The script runs in this process (its own imports paid already); its plait commands are processes of their own."""
     root = Path(__file__).resolve().parent.parent
-    out = processes.run([sys.executable, "examples/lora_chat.py", "--output_dir", str(tmp_path), "--max_steps", "2",
-                         "--nproc", "1"], cwd=root, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "assistant (peft adapter on the base):" in out.stdout and "assistant (merged model):" in out.stdout
+    processes.run_script(root / "examples" / "lora_chat.py", ["--output_dir", tmp_path, "--max_steps", "2",
+                                                              "--nproc", "1"], monkeypatch)
+    out = capfd.readouterr().out
+    assert "assistant (peft adapter on the base):" in out and "assistant (merged model):" in out, out[-3000:]
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     assert (tmp_path / "merged" / "tokenizer_config.json").is_file()

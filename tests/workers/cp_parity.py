@@ -5,7 +5,12 @@ model twice for 3 AdamW steps: as plain transformers (the reference, whole seque
 the case's layout; it compares the loss and every gradient slice this rank holds at the conformance kit's
 tolerance, every step. Batches: plain causal, packed documents (position ids restarting, documents that
 cross the slice boundaries and one longer than a slice, labels cut at each document's end as SFT packing
-does), or right padding (an attention mask). One JSON file per rank.
+does), or right padding (an attention mask). One JSON file per rank: {dtype: {case: result}}.
+
+    cp_parity.py OUT_DIR [CASE,CASE...] [--float64 CASE,CASE...]
+
+runs this world size's cases (all, or those named) in float32, then those after --float64 again in float64, in
+the same world.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ from plait.testing.conformance_worker import perturb
 
 STEPS, BATCH, SEQ = 3, 2, 32
 TILE = ring.TILE
-DTYPE = getattr(torch, os.environ.get("CP_PARITY_DTYPE", "float32"))  # float64: rounding out of the way
 IGNORE = -100
 # documents of a packed row (lengths sum to SEQ): at cp=2 slices are chunks of 8 tokens, at cp=4 of 4
 PACKED = (5, 13, 3, 11)
@@ -111,15 +115,16 @@ def reference_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> t
     return total / count, count
 
 
-def run_case(name: str) -> dict:
+def run_case(name: str, dtype: torch.dtype = torch.float32) -> dict:
+    """``dtype``: float64 takes rounding out of the way."""
     ring.TILE = 3 if name.endswith("-tiled") else TILE  # tiles that do not divide a chunk, some empty
     _, arch, layout, overrides, kind = CASES[name]
     subject = load_subject(arch)
     config = with_overrides(subject.config, overrides)
-    if DTYPE == torch.float64 and hasattr(config, "_experts_implementation"):
+    if dtype == torch.float64 and hasattr(config, "_experts_implementation"):
         config._experts_implementation = "eager"  # torch's grouped matmul (the default) takes no float64
     torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(config).to(DTYPE)
+    reference = AutoModelForCausalLM.from_config(config).to(dtype)
     perturb(reference)
     pmodel = plait.parallelize(copy.deepcopy(reference), plait.ParallelConfig(**layout), registry=subject.registry)
     mesh = pmodel.mesh
@@ -158,7 +163,7 @@ def run_case(name: str) -> dict:
             tol = ((grad - expected).abs() / (ATOL + RTOL * expected.abs())).max().item()
             worst["grad_tol"] = max(worst["grad_tol"], tol)
             worst["checked"] += 1
-            if tol > 1 and (DTYPE == torch.float64 or step == 1):  # fp32 decides step 1 (see test_cp_parity)
+            if tol > 1 and (dtype == torch.float64 or step == 1):  # fp32 decides step 1 (see test_cp_parity)
                 failures.append(f"step {step} grad {pname}: {tol:.2f}x tolerance")
         ref_opt.step()
         ref_opt.zero_grad()
@@ -177,17 +182,22 @@ def run_case(name: str) -> dict:
 
 
 def main() -> None:
-    out_dir = Path(sys.argv[1])
-    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    args = sys.argv[1:]
+    float64 = args.pop(args.index("--float64") + 1).split(",") if "--float64" in args else []
+    if "--float64" in args:
+        args.remove("--float64")
+    out_dir = Path(args[0])
+    only = args[1].split(",") if len(args) > 1 else None
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    results = {}
-    for name, (case_world, *_) in CASES.items():
-        if case_world != world or (only and name not in only):
-            continue
+    runs = [(name, torch.float32) for name, (case_world, *_) in CASES.items()
+            if case_world == world and (not only or name in only)]
+    runs += [(name, torch.float64) for name in float64 if CASES[name][0] == world]
+    results: dict[str, dict] = {"float32": {}, "float64": {}}
+    for name, dtype in runs:
         # A case that raises ends the world (not carried on to the next case): on one rank it may have left the
         # others inside a collective, so the launcher stops every rank and shows the traceback.
-        results[name] = run_case(name)
+        results[str(dtype).removeprefix("torch.")][name] = run_case(name, dtype)
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 

@@ -7,7 +7,8 @@
 
 Or, with ``pytest_plugins = ["plait.testing.pytest_plugin"]`` in the package's root conftest.py, the
 session fixture ``plait_conformance`` runs the kit once per (adapters, modes) and hands the same results to
-every test that asks, so tests parametrized per mode share the launches.
+every test that asks, so tests parametrized per mode share the launches. Pairs beyond a cross product
+(``pairs=``: a few modes of some adapters only) join the same launches: one world per size for all of them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from types import ModuleType
 
 import pytest
 
-from plait.testing.conformance import ModeResult, adapter_ref, render_table, run_conformance
+from plait.config import ConfigError
+from plait.testing.conformance import (
+    DTYPES, ModeResult, _run_world, _skip_reason, adapter_ref, render_table, run_conformance, select_modes,
+)
+from plait.testing.conformance_modes import Mode, Subject, load_subject
 
 
 def format_results(results: Sequence[ModeResult]) -> str:
@@ -40,17 +45,53 @@ def assert_conformance(*adapters: str | ModuleType, modes: Sequence[str] | None 
     return results
 
 
+def run_conformance_pairs(
+    pairs: Sequence[tuple[str | ModuleType, str]], *, dtype: str = "float32", timeout: float | None = None,
+    subjects: dict[str, Subject] | None = None,
+) -> list[ModeResult]:
+    """``run_conformance`` for chosen (adapter, mode name) pairs instead of every mode of every adapter: the same
+    skips, and one launch per world size for all of them (and a fresh one after a pair that broke its world).
+    ``subjects``: adapters already loaded, by reference (filled in with those loaded here)."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"conformance dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    subjects = {} if subjects is None else subjects
+    wanted: list[tuple[Subject, Mode]] = []
+    for adapter, mode_name in dict.fromkeys((adapter_ref(a), m) for a, m in pairs):
+        if adapter not in subjects:
+            subjects[adapter] = load_subject(adapter)
+        wanted.append((subjects[adapter], select_modes([mode_name])[0]))
+    results: dict[tuple[str, str], ModeResult] = {}
+    runs: dict[int, list[tuple[Subject, Mode]]] = {}
+    for subject, mode in wanted:
+        reason = _skip_reason(subject, mode)
+        if reason:
+            results[subject.ref, mode.name] = ModeResult(subject.name, mode.name, mode.describe(), "skipped", reason,
+                                                          dtype=dtype)
+        else:
+            runs.setdefault(mode.world, []).append((subject, mode))
+    for world, world_pairs in sorted(runs.items()):
+        _run_world(world, world_pairs, dtype, timeout, results)
+    return [results[subject.ref, mode.name] for subject, mode in wanted]
+
+
 @pytest.fixture(scope="session")
 def plait_conformance() -> Callable[..., dict[tuple[str, str], ModeResult]]:
-    """``plait_conformance(*adapters, modes=None, dtype="float32")`` -> {(adapter name, mode name): ModeResult},
-    run once per distinct argument list in the session."""
+    """``plait_conformance(*adapters, modes=None, dtype="float32", pairs=())`` -> {(adapter name, mode name):
+    ModeResult}: every mode of ``modes`` (default: all) for every adapter of ``adapters``, and the (adapter, mode
+    name) ``pairs``, all in the same launches; run once per distinct argument list in the session. Each adapter's
+    tiny model is loaded once in the session."""
     cache: dict[tuple, dict[tuple[str, str], ModeResult]] = {}
+    subjects: dict[str, Subject] = {}
 
-    def run(*adapters: str | ModuleType, modes: Sequence[str] | None = None,
-            dtype: str = "float32") -> dict[tuple[str, str], ModeResult]:
-        key = (tuple(adapter_ref(a) for a in adapters), tuple(modes or ()), dtype)
+    def run(*adapters: str | ModuleType, modes: Sequence[str] | None = None, dtype: str = "float32",
+            pairs: Sequence[tuple[str | ModuleType, str]] = ()) -> dict[tuple[str, str], ModeResult]:
+        refs = tuple(adapter_ref(a) for a in adapters)
+        extra = tuple((adapter_ref(a), m) for a, m in pairs)
+        key = (refs, tuple(modes or ()), dtype, extra)
         if key not in cache:
-            cache[key] = {(r.adapter, r.mode): r for r in run_conformance(adapters, modes, dtype=dtype)}
+            every = [(ref, mode.name) for ref in refs for mode in select_modes(modes)]
+            found = run_conformance_pairs([*every, *extra], dtype=dtype, subjects=subjects)
+            cache[key] = {(r.adapter, r.mode): r for r in found}
         return cache[key]
 
     return run
