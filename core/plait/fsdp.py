@@ -38,6 +38,21 @@ from plait.device import current_device
 from plait.tp.sharding import ShardSpec
 
 
+ROOT = ""  # the unit of the parameters under no leaf module: the model's own (embeddings, final norm, head)
+
+
+def unit_of(name: str, units: Iterable[str]) -> str:
+    """The FSDP2 unit holding parameter ``name``: the leaf module (of ``units``) it is under, else ``ROOT``."""
+    return next((unit for unit in units if name.startswith(unit + ".")), ROOT)
+
+
+def row_range(rows: int, size: int, rank: int) -> tuple[int, int]:
+    """The rows [start, stop) of a tensor's ``rows`` that rank ``rank`` of ``size`` stores: torch.chunk over dim 0,
+    as FSDP2's ``Shard(0)`` does (ceil(rows / size) per rank, the last ones shorter or empty)."""
+    chunk = -(-rows // size)
+    return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+
+
 @dataclass
 class AppliedFSDP:
     """What ``apply_fsdp`` did: the FSDP units (leaves first, the model last) and the dp rank and size."""
@@ -48,19 +63,16 @@ class AppliedFSDP:
     size: int = 1
 
     def rows(self, spec: ShardSpec) -> ShardSpec:
-        """``spec`` (a parameter's tp/ep shard) cut to the rows FSDP2 gives this rank: torch.chunk over dim 0, as
-        ``Shard(0)`` does (ceil(n / size) rows per rank, the last ones shorter or empty)."""
+        """``spec`` (a parameter's tp/ep shard) cut to the rows FSDP2 gives this rank (``row_range``)."""
         if not spec.local_shape:
             return spec
-        n = spec.local_shape[0]
-        chunk = -(-n // self.size)
-        return spec.with_rows(min(self.rank * chunk, n), min((self.rank + 1) * chunk, n))
+        return spec.with_rows(*row_range(spec.local_shape[0], self.size, self.rank))
 
     def gather_rows(self, rows: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> torch.Tensor:
         """The whole tp/ep shard from every rank's ``rows`` of it (``spec``: this rank's rows), for tools that
         export full tensors (``plait.gather``), never for training."""
         n = spec.unsharded.local_shape[0]
-        chunk = -(-n // self.size)
+        chunk = row_range(n, self.size, 0)[1]  # every rank's rows padded to the first rank's
         padded = rows.new_zeros((chunk, *rows.shape[1:]))
         padded[: rows.shape[0]] = rows
         return comm.all_gather(padded, group, dim=0)[:n]

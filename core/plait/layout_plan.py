@@ -24,6 +24,7 @@ from plait.cp.layout import CPPlan, plan_context_parallel
 from plait.declarations import SPPlan, TPPlan
 from plait.ep.layout import EPPlan, plan_expert_parallel
 from plait.float8 import plan_float8
+from plait.fsdp import ROOT, unit_of
 from plait.lora.layout import LoraPlan, plan_lora
 from plait.pipeline.cuts import StageSplit
 from plait.pipeline.layout import plan_stages, stage_rows, stages_of_rank, tied_across_stages
@@ -191,7 +192,8 @@ def check_units_share_nothing(model: nn.Module, units: tuple[str, ...], stage: i
     by several layers), naming it, before torch's own error at the first forward."""
     owners: dict[int, dict[str, str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        unit = next((u for u in units if name.startswith(u + ".")), "the model's root")
+        unit = unit_of(name, units)
+        unit = "the model's root" if unit == ROOT else unit
         owners.setdefault(id(param), {}).setdefault(unit, name)
     shared = next((names for names in owners.values() if len(names) > 1), None)
     if shared is not None:

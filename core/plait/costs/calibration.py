@@ -22,7 +22,6 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from plait.config import ParallelConfig
@@ -33,7 +32,8 @@ from plait.costs.memory import Precision
 from plait.layout_plan import plan_layout
 from plait.meta import build_meta_model
 from plait.model_config import DEFAULT_MODEL_CONFIG
-from plait.optim.clip import clip_grads_, global_grad_norm
+from plait.optim import OptimizerStep, build_optimizer
+from plait.parallelize import ParallelModel, parallelize
 from plait.registry import default_registry
 
 CACHE_VERSION = 2  # 2: efficiency measured by a training run (unversioned: efficiency 1.0 assumed)
@@ -130,23 +130,18 @@ def _timed_run(config: PretrainedConfig) -> float:
     one thread does all of a step's work (intra-op and autograd's CPU work run on the caller)."""
     with torch.random.fork_rng(devices=[]), one_thread():
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # torch's multi-tensor AdamW, as plait on CPU
+        pmodel = parallelize(AutoModelForCausalLM.from_config(config), ParallelConfig())  # one process
+        # plait's own optimizer step (torch's multi-tensor AdamW on the CPU), clipping by the global norm
+        step = OptimizerStep(pmodel.grad_sync, build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4), 1.0)
         ids = torch.randint(0, config.vocab_size, (SEQUENCES, TOKENS))
         seconds = []
         for _ in range(WARMUP + STEPS):
             start = time.thread_time()
-            _train_step(model, optimizer, ids)
+            _train_step(pmodel, step, ids)
             seconds.append(time.thread_time() - start)
     return statistics.median(seconds[WARMUP:])
 
 
-def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> None:
-    """What a plait step does on one process: forward with the loss, backward, clip by the global norm, step."""
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    params = list(model.parameters())
-    clip_grads_(params, 1.0, global_grad_norm(params, [], ids.device))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    loss.item()
+def _train_step(pmodel: ParallelModel, step: OptimizerStep, ids: torch.Tensor) -> None:
+    """One plait training step in one process: forward with the loss and backward, then the optimizer step."""
+    step(pmodel.train_step(ids, ids))

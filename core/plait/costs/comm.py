@@ -45,6 +45,7 @@ from plait.costs.context_parallel import attention_comm
 from plait.costs.experts import RoutedCall, ep_comm, token_share
 from plait.costs.memory import Precision, RankParam, zero1_owned
 from plait.costs.tp_modules import VOCAB_LABELS
+from plait.fsdp import unit_of
 from plait.grad_sync import BUCKET_BYTES
 from plait.layout_plan import LayoutPlan
 from plait.tp.sequence_parallel import sp_grad_sum_params
@@ -235,7 +236,7 @@ def fsdp_comm(plan: LayoutPlan, held: list[RankParam], precision: Precision, rep
               accumulation: int) -> list[CommOp]:
     """ZeRO-2/3's all-gathers and reduce-scatters over the replica group in one step."""
     config = plan.config
-    units = {next((u for u in plan.units if p.name.startswith(u + ".")), "") for p in held}
+    units = {unit_of(p.name, plan.units) for p in held}
     shard = sum(p.numel for p in held) // replicas * precision.param.itemsize
     backwards = accumulation * config.num_microbatches
     gathers = 2 * backwards if config.zero_stage == 3 else backwards if config.pp > 1 else 1

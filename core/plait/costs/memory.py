@@ -35,6 +35,7 @@ from plait.costs.activations import ActivationTrace, unit_bytes
 from plait.costs.bubble import in_flight
 from plait.costs.context_parallel import attention_memory, strategy
 from plait.costs.experts import expert_parameters
+from plait.fsdp import ROOT, row_range, unit_of
 from plait.layout_plan import LayoutPlan
 from plait.optim.param_groups import decays, embedding_params
 from plait.pipeline.cuts import StageSplit
@@ -159,9 +160,8 @@ class StaticBytes:
 
 def fsdp_rows(param: RankParam, replicas: int, rank: int) -> int:
     """Elements of ``param`` replica rank ``rank`` stores under ZeRO-2/3: its torch.chunk of dim 0."""
-    chunk = -(-param.rows // replicas)
-    rows = min(param.rows, (rank + 1) * chunk) - min(param.rows, rank * chunk)
-    return param.numel // param.rows * rows
+    start, stop = row_range(param.rows, replicas, rank)
+    return param.numel // param.rows * (stop - start)
 
 
 def fsdp_static_bytes(params: list[RankParam], precision: Precision, replicas: int, stage: int,
@@ -171,14 +171,14 @@ def fsdp_static_bytes(params: list[RankParam], precision: Precision, replicas: i
     unit_numel: dict[str, int] = {}
     unit_trained: dict[str, int] = {}
     for p in params:
-        unit = next((u for u in units if p.name.startswith(u + ".")), "")  # "": the model's root unit
+        unit = unit_of(p.name, units)
         unit_numel[unit] = unit_numel.get(unit, 0) + p.numel
         unit_trained[unit] = unit_trained.get(unit, 0) + (p.numel if p.trainable else 0)
-    leaves = [n for u, n in unit_numel.items() if u]
+    leaves = [n for u, n in unit_numel.items() if u != ROOT]
     if stage == 2:
         gathered = sum(unit_numel.values()) * compute
     else:
-        gathered = (unit_numel.get("", 0) + 2 * max(leaves, default=0)) * compute
+        gathered = (unit_numel.get(ROOT, 0) + 2 * max(leaves, default=0)) * compute
     reduced = max(unit_trained.values(), default=0) * (compute + (4 if compute != 4 else 0))
     out = []
     for rank in range(replicas):

@@ -23,9 +23,10 @@ from torch import nn
 
 from plait.checkpoint.format import CheckpointError, spec_boxes
 from plait.checkpoint.state import (
-    LocalTensor, ReadOp, local_views, optimizer_key, param_name, torch_load_plan, torch_optimizer_state,
+    LocalTensor, ReadOp, local_views, optimizer_key, torch_load_plan, torch_optimizer_state,
 )
-from plait.grad_sync import MAIN_GRAD, MAIN_GRAD_STALE, grad_of, zero_grads
+from plait.grad_sync import MAIN_GRAD, MAIN_GRAD_STALE
+from plait.optim.stand_ins import StandInOptimizer
 
 if TYPE_CHECKING:
     from plait.checkpoint.format import TensorEntry
@@ -56,7 +57,7 @@ def _accumulate(param: nn.Parameter) -> None:
     param.grad = None
 
 
-class MasterWeightOptimizer(torch.optim.Optimizer):
+class MasterWeightOptimizer(StandInOptimizer):
     """Runs any torch optimizer on ``dtype`` copies of the parameters it is given.
 
     ``step`` hands each parameter's gradient (``grad_of``: the fp32 ``main_grad`` when accumulating in fp32)
@@ -70,38 +71,15 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, optimizer_class: type[torch.optim.Optimizer], dtype: torch.dtype,
                  **defaults: Any) -> None:
-        groups = list(params)
-        if groups and not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
-        self.model_params: list[nn.Parameter] = []
-        master_groups = []
-        for group in groups:
-            masters = [p.detach().to(dtype, copy=True) for p in group["params"]]
-            self.model_params += group["params"]
-            master_groups.append({**group, "params": masters})
         self.dtype = dtype
-        super().__init__(master_groups, defaults)
-        # The inner optimizer completes and then shares these very group dicts (lr changes reach it).
-        self.inner = optimizer_class(self.param_groups, **defaults)
-        self.state = self.inner.state
+        super().__init__(params, optimizer_class, lambda p: p.detach().to(dtype, copy=True), **defaults)
 
     @property
     def masters(self) -> list[torch.Tensor]:
-        return [m for group in self.param_groups for m in group["params"]]
+        return self.stand_ins
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        for param, master in zip(self.model_params, self.masters):
-            grad = grad_of(param)
-            master.grad = None if grad is None else grad.to(self.dtype)
-        loss = self.inner.step(closure)
+    def after_step(self) -> None:
         torch._foreach_copy_(self.model_params, self.masters)  # one multi-tensor copy (and cast), not one per tensor
-        for master in self.masters:
-            master.grad = None
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        zero_grads(self.model_params)
 
     def state_dict(self) -> dict[str, Any]:
         state = self.inner.state_dict()
@@ -111,8 +89,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         masters = state_dict.pop("master_weights")
-        self.inner.load_state_dict(state_dict)
-        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        super().load_state_dict(state_dict)
         with torch.no_grad():
             for param, master, saved in zip(self.model_params, self.masters, masters):
                 master.copy_(saved)
@@ -123,7 +100,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     ) -> tuple[list[LocalTensor], dict[str, Any]]:
         """The inner optimizer's state under the parameters' names, plus the masters as
         ``optimizer/<param>/master`` (sharded like their parameters): bf16 parameters cannot give them back."""
-        master_names = self._master_names(names)
+        master_names = self.stand_in_names(names)
         tensors, meta = torch_optimizer_state(self.inner, master_names, specs)
         for master in self.masters:
             spec = specs[master_names[master]]
@@ -137,7 +114,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     ) -> tuple[list[ReadOp], Callable[[], None]]:
         """Read the inner optimizer's state and the saved masters; from a checkpoint without masters (saved with
         fp32 parameters), the loaded parameters become the masters."""
-        master_names = self._master_names(names)
+        master_names = self.stand_in_names(names)
         reads, state_dict = torch_load_plan(self.inner, master_names, specs, meta, entries)
         saved = []
         for master in self.masters:
@@ -153,8 +130,3 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             self.load_state_dict({**state_dict, "master_weights": masters})
 
         return reads, finish
-
-    def _master_names(self, names: dict[nn.Parameter, str]) -> dict[torch.Tensor, str]:
-        """Each master under its parameter's logical name (the inner optimizer's state is keyed by masters)."""
-        return {master: param_name(names, param, self) for param, master in zip(self.model_params, self.masters)}
-
