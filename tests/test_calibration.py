@@ -37,42 +37,61 @@ def cache(tmp_path, monkeypatch):
     return cache_path()
 
 
-def planned_step(efficiency: float) -> float:
-    """The planner's step time for the calibration run on ``FAST`` at ``efficiency``, built here independently."""
+def planned_step(run: EfficiencyRun, microbatches: int = 1) -> float:
+    """The planner's step time for the calibration batch as ``microbatches`` micro-batches (accumulation) on
+    ``FAST`` at ``run``'s efficiency and overhead, built here independently."""
     meta = build_meta_model(calibration.run_config())
     registry = default_registry()
     plan = plan_layout(meta, ParallelConfig(), 1, registry)
     trace = trace_activations(meta, TOKENS, registry, plan.adapter)
-    estimate = estimate_layout(meta, plan, Batch(SEQUENCES, TOKENS), Precision(), trace)
-    return estimate.step_time(dataclasses.replace(FAST, efficiency=efficiency))
+    batch = Batch(SEQUENCES // microbatches, TOKENS, microbatches)
+    estimate = estimate_layout(meta, plan, batch, Precision(), trace)
+    return estimate.step_time(dataclasses.replace(FAST, efficiency=run.efficiency,
+                                                  microbatch_overhead=run.microbatch_overhead))
 
 
-def test_efficiency_is_what_makes_the_planner_give_the_measured_step(monkeypatch):
-    """The planner's model at the measured efficiency reproduces the run's step; a slower step (the same FLOPs,
-    0.3 s more work: the run counts CPU time, so the work is spinning, not sleeping) gives a lower efficiency."""
+def spin(seconds: float) -> None:
+    """Work, not sleep: the run counts CPU time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_efficiency_and_overhead_make_the_planner_give_both_measured_steps(monkeypatch):
+    """The planner's model at the measured efficiency and per-micro-batch overhead reproduces both runs' steps
+    (one micro-batch, and the same batch as several); a slower step (the same FLOPs, 0.3 s more work) gives a
+    lower efficiency, and work added per micro-batch a larger overhead."""
     run = measure_efficiency(FAST)
-    assert 0 < run.efficiency < 1
-    assert planned_step(run.efficiency) == pytest.approx(run.step_seconds, rel=1e-9)
+    assert 0 < run.efficiency < 1 and run.microbatch_overhead > 0
+    assert planned_step(run) == pytest.approx(run.step_seconds, rel=1e-9)
+    assert planned_step(run, SEQUENCES) == pytest.approx(run.split_step_seconds, rel=1e-9)
     assert run.mfu == pytest.approx(run.flops / run.step_seconds / FAST.flops_fp32)
     train_step = calibration._train_step
 
-    def slow_step(*args):
-        train_step(*args)
-        end = time.thread_time() + 0.3
-        while time.thread_time() < end:
-            pass
+    def slow_step(pmodel, step, microbatches):
+        train_step(pmodel, step, microbatches)
+        spin(0.3)
 
     monkeypatch.setattr(calibration, "_train_step", slow_step)
     slow = measure_efficiency(FAST)
     assert slow.step_seconds > run.step_seconds + 0.15  # a busy machine's noise stays under 0.1 s
     assert slow.flops == run.flops and slow.efficiency < run.efficiency
-    assert planned_step(slow.efficiency) == pytest.approx(slow.step_seconds, rel=1e-9)
+    assert planned_step(slow) == pytest.approx(slow.step_seconds, rel=1e-9)
+
+    def per_microbatch(pmodel, step, microbatches):
+        train_step(pmodel, step, microbatches)
+        spin(0.06 * len(microbatches))  # 15 ms per layer of the run's 4 for each micro-batch
+
+    monkeypatch.setattr(calibration, "_train_step", per_microbatch)
+    costly = measure_efficiency(FAST)
+    assert costly.microbatch_overhead > run.microbatch_overhead + 0.008
+    assert planned_step(costly, SEQUENCES) == pytest.approx(costly.split_step_seconds, rel=1e-9)
 
 
 def test_run_leaves_the_random_state_and_threads_as_they_were():
     threads = torch.get_num_threads()
     state = torch.get_rng_state()
-    calibration._timed_run(calibration.run_config())
+    calibration._timed_run(calibration.run_config(), 2)
     assert torch.equal(torch.get_rng_state(), state) and torch.get_num_threads() == threads
 
 
@@ -85,7 +104,7 @@ def fake_runs(monkeypatch, efficiencies: list[float]) -> list[int]:
         assert device.efficiency == 1.0 and device.flops_fp32 == MACHINE["flops_fp32"]
         calls.append(1)
         efficiency = efficiencies[len(calls) - 1]
-        return EfficiencyRun(4_200_000, SEQUENCES, TOKENS, 0.2, 5e9, 0.02, efficiency, 0.5)
+        return EfficiencyRun(4_200_000, 4, SEQUENCES, TOKENS, 0.2, 0.3, 5e9, 0.02, efficiency, 0.005, 0.5)
 
     monkeypatch.setattr(calibration, "measure_machine", lambda: dict(MACHINE))
     monkeypatch.setattr(calibration, "measure_efficiency", run)
@@ -102,8 +121,8 @@ def test_plan_prints_the_cached_efficiency_and_recalibrate_replaces_it(tmp_path,
         main(["plan", "--model_config", str(path), "--block_size", "16", flag])
         return " ".join(capsys.readouterr().out.split())
 
-    source = ("measured on this machine: a 4.2M-parameter Llama, 2 x 128 tokens, 0.2 s a step (one thread's CPU "
-              "time), MFU 50.0%")
+    source = ("measured on this machine: a 4.2M-parameter Llama, 4 x 128 tokens, 0.2 s a step as one micro-batch "
+              "(one thread's CPU time), 0.3 s as 4, MFU 50.0%")
     assert f"at efficiency 0.3 of peak for matmuls ({source})" in plan("--calibrate")
     assert json.loads(cache.read_text())["run"]["efficiency"] == 0.3
     assert "at efficiency 0.3 of peak" in plan("--calibrate") and len(calls) == 1  # read from the cache
@@ -124,6 +143,7 @@ def test_calibrate_measures_this_machine(cache):
     """The whole calibration, unreplaced: gloo's workers forked, the run timed, everything cached."""
     device = calibrate()
     assert 0 < device.efficiency <= 1 and device.efficiency_source.startswith("measured on this machine")
+    assert device.microbatch_overhead > 0
     assert device.flops_fp32 > 0 and device.intra_bandwidth > 0 and {op for op, _ in device.op_speed} == {
         "all_gather", "reduce_scatter"}
     record = json.loads(cache.read_text())

@@ -5,8 +5,10 @@ a training step spends besides: per-op framework overhead, the non-matmul kernel
 CPU they made the planner's step times about half the measured ones at efficiency 1). So the efficiency is measured,
 not assumed: a short training run of a small Llama on one thread is timed, and the efficiency is the one at which
 the planner's own step-time model (``LayoutEstimate.step_time``: matmul FLOPs / (peak x efficiency) plus the
-modelled memory traffic) gives the measured step. The cache is versioned: one written before the efficiency was
-measured (no ``version``) is measured again.
+modelled memory traffic) gives the measured step. The same batch is timed again as several micro-batches: the
+difference is what each micro-batch costs beyond its FLOPs (``Device.microbatch_overhead``), which makes the search
+weigh micro-batch size against accumulation by measurement. The cache is versioned: one written by an older
+calibration is measured again.
 """
 
 from __future__ import annotations
@@ -36,29 +38,34 @@ from plait.optim import OptimizerStep, build_optimizer
 from plait.parallelize import ParallelModel, parallelize
 from plait.registry import default_registry
 
-CACHE_VERSION = 2  # 2: efficiency measured by a training run (unversioned: efficiency 1.0 assumed)
+CACHE_VERSION = 3  # 3: the per-micro-batch overhead measured too; 2: efficiency measured; unversioned: assumed
 # The run: plait's tiny Llama at twice its width, the size of bench/plan_check.py's timed Llama, whose step
-# (2 x 128 tokens) takes about 0.15 s on one thread of a 2-core CPU; the median of the timed steps, after the
-# first steps (allocator and kernel warm-up) are dropped.
-WIDTH, SEQUENCES, TOKENS, WARMUP, STEPS = 2, 2, 128, 2, 5
+# (4 x 128 tokens) takes about 0.3 s on one thread of a 2-core CPU, timed twice: as one micro-batch, and as
+# SEQUENCES micro-batches of one sequence (gradient accumulation); the median of the timed steps of each, after
+# the first steps (allocator and kernel warm-up) are dropped.
+WIDTH, SEQUENCES, TOKENS, WARMUP, STEPS = 2, 4, 128, 2, 5
 
 
 @dataclass(frozen=True)
 class EfficiencyRun:
-    """A timed training run and the efficiency at which the planner's model gives its step time."""
+    """Two timed training runs of one batch and what the planner's model needs to give both step times."""
 
     parameters: int
+    layers: int
     sequences: int
     tokens: int  # per sequence
-    step_seconds: float  # the median of the timed steps, in CPU time (``_timed_run``)
+    step_seconds: float  # one micro-batch of ``sequences``: the median of the timed steps, in CPU time
+    split_step_seconds: float  # the same batch as ``sequences`` micro-batches of one sequence
     flops: float  # matmul FLOPs of one step, the planner's count (``estimate._step_flops``)
     rest_seconds: float  # what the planner adds to the matmuls: activation and optimizer memory traffic
     efficiency: float
-    mfu: float  # the step's FLOPs per second over the matmul peak
+    microbatch_overhead: float  # seconds per micro-batch per layer
+    mfu: float  # the one-micro-batch step's FLOPs per second over the matmul peak
 
     def describe(self) -> str:
         return (f"measured on this machine: a {self.parameters / 1e6:.1f}M-parameter Llama, {self.sequences} x "
-                f"{self.tokens} tokens, {self.step_seconds:.3g} s a step (one thread's CPU time), MFU {self.mfu:.1%}")
+                f"{self.tokens} tokens, {self.step_seconds:.3g} s a step as one micro-batch (one thread's CPU time), "
+                f"{self.split_step_seconds:.3g} s as {self.sequences}, MFU {self.mfu:.1%}")
 
 
 def cache_path() -> Path:
@@ -75,7 +82,8 @@ def calibrate(memory_bytes: int | None = None, refresh: bool = False) -> Device:
     else:
         fields = measure_machine()
         run = measure_efficiency(_device({**fields, "efficiency": 1.0}))
-        fields = {**fields, "efficiency": run.efficiency, "efficiency_source": run.describe()}
+        fields = {**fields, "efficiency": run.efficiency, "efficiency_source": run.describe(),
+                  "microbatch_overhead": run.microbatch_overhead}
         _write(path, {"version": CACHE_VERSION, "device": fields, "run": dataclasses.asdict(run)})
     device = _device(fields)
     return dataclasses.replace(device, memory_bytes=memory_bytes) if memory_bytes else device
@@ -95,11 +103,14 @@ def _write(path: Path, record: dict) -> None:
 
 
 def measure_efficiency(device: Device) -> EfficiencyRun:
-    """Time the run's steps on this machine's CPU and solve the planner's step time on ``device`` (the measured
-    peak and bandwidths) for the efficiency: step = FLOPs / (peak x efficiency) + rest, the rest being what the
-    model adds at any efficiency."""
+    """Time the run on this machine's CPU and solve the planner's step time on ``device`` (the measured peak and
+    bandwidths) for the efficiency and the per-micro-batch overhead: a step of m micro-batches takes
+    FLOPs / (peak x efficiency) + rest + m x layers x overhead, the rest being what the model adds at any
+    efficiency (the FLOPs and the rest are the same however the batch is split)."""
     config = run_config()
-    step = _timed_run(config)
+    whole, split = _timed_run(config, 1), _timed_run(config, SEQUENCES)
+    layers = config.num_hidden_layers
+    overhead = max(split - whole, 0.0) / ((SEQUENCES - 1) * layers)
     meta = build_meta_model(config)
     registry = default_registry()
     plan = plan_layout(meta, ParallelConfig(), 1, registry)
@@ -107,11 +118,12 @@ def measure_efficiency(device: Device) -> EfficiencyRun:
     estimate = estimate_layout(meta, plan, Batch(SEQUENCES, TOKENS), Precision(), trace)
     flops = estimate.flops[0]
     at_peak = flops / device.peak_flops(low_precision=False)
-    rest = estimate.step_time(dataclasses.replace(device, efficiency=1.0)) - at_peak
+    rest = estimate.step_time(dataclasses.replace(device, efficiency=1.0, microbatch_overhead=0.0)) - at_peak
     # at most 1: a step faster than the model's at peak is taken at peak
-    efficiency = at_peak / max(step - rest, at_peak)
+    efficiency = at_peak / max(whole - rest - layers * overhead, at_peak)
     parameters = sum(p.numel() for p in meta.parameters())
-    return EfficiencyRun(parameters, SEQUENCES, TOKENS, step, flops, rest, efficiency, at_peak / step)
+    return EfficiencyRun(parameters, layers, SEQUENCES, TOKENS, whole, split, flops, rest, efficiency, overhead,
+                         at_peak / whole)
 
 
 def run_config() -> PretrainedConfig:
@@ -122,18 +134,19 @@ def run_config() -> PretrainedConfig:
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
-def _timed_run(config: PretrainedConfig) -> float:
-    """Seconds of one training step of ``config``'s model (median of ``STEPS`` after ``WARMUP``), one thread,
-    the global random state left as it was. The seconds are this thread's CPU time: what a step costs the machine,
-    not how long a busy machine's scheduler kept it waiting (on a shared 2-core machine at load 5, wall time was
-    0.24-0.27 s a step, CPU time 0.16-0.18 s, idle 0.13-0.16 s); with nothing else running the two are equal, as
-    one thread does all of a step's work (intra-op and autograd's CPU work run on the caller)."""
+def _timed_run(config: PretrainedConfig, microbatches: int) -> float:
+    """Seconds of one training step of ``config``'s model on ``SEQUENCES`` x ``TOKENS`` tokens as ``microbatches``
+    micro-batches (median of ``STEPS`` after ``WARMUP``), one thread, the global random state left as it was. The
+    seconds are this thread's CPU time: what a step costs the machine, not how long a busy machine's scheduler kept
+    it waiting (on a shared 2-core machine at load 5, wall time was 0.24-0.27 s a step, CPU time 0.16-0.18 s, idle
+    0.13-0.16 s); with nothing else running the two are equal, as one thread does all of a step's work (intra-op
+    and autograd's CPU work run on the caller)."""
     with torch.random.fork_rng(devices=[]), one_thread():
         torch.manual_seed(0)
         pmodel = parallelize(AutoModelForCausalLM.from_config(config), ParallelConfig())  # one process
         # plait's own optimizer step (torch's multi-tensor AdamW on the CPU), clipping by the global norm
         step = OptimizerStep(pmodel.grad_sync, build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4), 1.0)
-        ids = torch.randint(0, config.vocab_size, (SEQUENCES, TOKENS))
+        ids = torch.randint(0, config.vocab_size, (SEQUENCES, TOKENS)).chunk(microbatches)
         seconds = []
         for _ in range(WARMUP + STEPS):
             start = time.thread_time()
@@ -142,6 +155,10 @@ def _timed_run(config: PretrainedConfig) -> float:
     return statistics.median(seconds[WARMUP:])
 
 
-def _train_step(pmodel: ParallelModel, step: OptimizerStep, ids: torch.Tensor) -> None:
-    """One plait training step in one process: forward with the loss and backward, then the optimizer step."""
-    step(pmodel.train_step(ids, ids))
+def _train_step(pmodel: ParallelModel, step: OptimizerStep, microbatches: tuple[torch.Tensor, ...]) -> None:
+    """One plait training step in one process: forward with the loss and backward of each micro-batch
+    (gradients accumulated over the step's tokens), then the optimizer step."""
+    items = sum(ids.numel() - ids.shape[0] for ids in microbatches)  # shifted labels: one fewer per sequence
+    for ids in microbatches:
+        loss = pmodel.train_step(ids, ids, num_items_in_batch=items)
+    step(loss)

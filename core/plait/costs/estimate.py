@@ -84,6 +84,7 @@ class LayoutEstimate:
     flops: dict[int, float]  # pp rank -> FLOPs of one step on one of its ranks
     act_bytes_moved: dict[int, int]
     attn_implementation: str
+    layers: dict[int, int] = field(default_factory=dict)  # pp rank -> decoder layers one of its ranks runs
     step_seconds: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -130,11 +131,14 @@ class LayoutEstimate:
         opt, param = self.precision.optimizer.itemsize, self.precision.param.itemsize
         moments = 6 * opt if device.fused_adamw else 18 * opt
         adam = moments + self.precision.grad_bytes + (opt + param if self.precision.masters else 0)
+        microbatches = config.num_microbatches * self.batch.accumulation
+        recompute = 4 / 3 if config.gradient_checkpointing else 1.0  # one more forward of three passes
         worst = 0.0
         for pp_rank, ops in self.comm.items():
             stepped = max(r.static.stepped for r in self.ranks if r.pp_rank == pp_rank)
             compute = (self.flops[pp_rank] / device.flops(low)
-                       + (self.act_bytes_moved[pp_rank] + stepped * adam) / device.memory_bandwidth)
+                       + (self.act_bytes_moved[pp_rank] + stepped * adam) / device.memory_bandwidth
+                       + microbatches * self.layers.get(pp_rank, 0) * device.microbatch_overhead * recompute)
             comm = sum(op.ring(size[op.group]) / (bandwidth[op.group] * device.speed(op.op)) + op.count * device.latency
                        for op in ops)
             # ZeRO-2/3: FSDP2 copies each gathered unit out of the all-gather's buffer and each unit's gradient into
@@ -174,10 +178,11 @@ def estimate_layout(
                                         shard_saving_columns(plan, columns))
     rows, columns, whole, saves_shard = cache["linears", shards_key]
     replicas = dp * cp  # ranks holding the same parameters: gradients summed and ZeRO-1 sharded over them
-    ranks, comm, flops, moved = [], {}, {}, {}
+    ranks, comm, flops, moved, layer_count = [], {}, {}, {}, {}
     for pp_rank in range(pp):
         acts = activation_bytes(trace, plan, pp_rank, microbatch, columns, imbalance, whole, saves_shard)
         layers = layers_of(plan, pp_rank, len(trace.layers))
+        layer_count[pp_rank] = len(layers)
         routed = [(call, any(call.module.startswith(leaf + ".") for leaf in plan.leaves))
                   for i in layers for call in trace.layers[i].routed]
         for tp_rank in range(tp):
@@ -219,7 +224,7 @@ def estimate_layout(
                         if attention == "all-to-all" and trace.attn_implementation in ("sdpa", "eager") else ""))
     notes += _moe_notes(trace, config, moe_imbalance, imbalance)
     return LayoutEstimate(plan, batch, precision, ranks, comm, bubble_fraction(config), flops, moved,
-                          trace.attn_implementation, notes=notes)
+                          trace.attn_implementation, layer_count, notes=notes)
 
 
 def _moe_notes(trace: ActivationTrace, config, moe_imbalance: float, imbalance: float) -> list[str]:
