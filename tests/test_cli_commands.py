@@ -24,7 +24,7 @@ def test_adapters_json(capsys):
     main(["adapters", "--json"])
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
     assert {"llama", "gpt2", "mistral"} <= set(rows)
-    assert rows["gpt2"]["architectures"] == ["gpt2", "GPT2LMHeadModel"]
+    assert rows["gpt2"]["architectures"] == ["gpt2", "gpt-sw3", "GPT2LMHeadModel"]
     assert rows["llama"]["version"] == "0.1.0"
     assert "plait_tp_plan" in rows["mistral"]["hooks"]
 

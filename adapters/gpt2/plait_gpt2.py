@@ -1,5 +1,6 @@
 """plait adapter for transformers' GPT2: Conv1D (transposed linear) layers, a fused q|k|v projection,
-learned position embeddings and an LM head tied to the token embedding."""
+learned position embeddings and an LM head tied to the token embedding. It also claims model_type ``gpt-sw3``:
+transformers maps it to GPT2Config and GPT2LMHeadModel, the same model."""
 
 import math
 
@@ -8,7 +9,7 @@ from plait import AdapterInfo, Attention, Column, PipelinePlan, Row, SPPlan, TPP
 
 @hookimpl
 def plait_adapter_info():
-    return AdapterInfo(name="gpt2", architectures=("gpt2", "GPT2LMHeadModel"))
+    return AdapterInfo(name="gpt2", architectures=("gpt2", "gpt-sw3", "GPT2LMHeadModel"))
 
 
 @hookimpl
