@@ -44,9 +44,6 @@ SKIPPED = {
     ("zamba", "pp2-1f1b"): SHARED, ("zamba2", "pp2-1f1b"): SHARED,  # one transformer block called from many layers
     ("zamba", "tp2-sp"): "a Linear directly on the decoder layer that no rule splits",
     ("zamba2", "tp2-sp"): "a Linear directly on the decoder layer that no rule splits",
-    ("codegen", "tp2-sp"): "splits its fused qkv in a layout plait does not recognise",
-    # CTRL's attention takes q, k and v as separate inputs, which no attention rule gathers
-    ("ctrl", "tp2-sp"): "(in MultiHeadAttention, attention whose projections no rule splits)",
     ("xlnet", "pp2-1f1b"): "takes ['output_g'] besides the hidden states",
 }
 

@@ -56,11 +56,33 @@ def undeclared_attention(model: nn.Module, layers: str | None,
             continue
         if None in roles.values() or "ALL_ATTENTION_FUNCTIONS" not in source:
             continue
+        _check_one_input(model, name, pattern, module, [roles[r] for r in ("q", "k", "v")])
         styles = {roles[r]: "colwise" for r in ("q", "k", "v")}
         gates = {c: "colwise" for c in _output_gates(module, source, set(roles.values()))}
         sinks = {leaf: "colwise" for leaf in module._parameters if f"s_aux=self.{leaf}," in source}
         found[pattern] = (module, {**styles, **gates, roles["o"]: "rowwise"}, sinks)
     return found
+
+
+def _check_one_input(model: nn.Module, name: str, pattern: str, block: nn.Module, projections: list[str]) -> None:
+    """Refuse an attention block whose q/k/v projections read forward arguments besides its first unless its decoder
+    layer passes one variable for all of them (CTRL: ``forward(self, v, k, q)``, called as ``attn(normed, normed,
+    normed)``): the tensor-parallel region enters the first argument, and the same tensor wherever it is passed
+    again, but leaves any other tensor on its sequence shard."""
+    source = inspect.getsource(type(block).forward)
+    params = list(inspect.signature(block.forward).parameters)
+    read = {m.group(1) for p in projections for m in [re.search(rf"self\.{p}\((\w+)\)", source)] if m}
+    others = sorted(read & set(params) - set(params[:1]))
+    if not others:
+        return
+    parent, _, child = name.rpartition(".")
+    call = re.search(rf"self\.{child}\(([^()]*)", inspect.getsource(type(model.get_submodule(parent)).forward))
+    passed = [a.strip() for a in call.group(1).split(",")] if call else []
+    wanted = [params.index(p) for p in [params[0], *others]]
+    if len(passed) <= max(wanted) or len({passed[i] for i in wanted}) != 1 or "=" in passed[max(wanted)]:
+        raise refuse(model.config.model_type, pattern, f"its projections read the forward arguments "
+                                                       f"{[params[0], *others]}, which its decoder layer does not pass "
+                                                       f"as one tensor; the tensor-parallel region enters only that one")
 
 
 def undeclared_mixers(model: nn.Module, arch: str, layers: str | None, rules: list[TPRule],
@@ -255,11 +277,12 @@ def _fused_column(arch: str, name: str, block: nn.Module, child: str, styles: di
 
 
 def _fused_attention_rules(config, parent, block, styles, qkv: str, o: str) -> list[TPRule]:
-    """Attention with one fused q/k/v projection, in one of the two layouts transformers' models use, read from
+    """Attention with one fused q/k/v projection, in one of the layouts transformers' models use, read from
     the forward's source: q | k | v side by side, sliced at ``num_attention_heads * head_dim`` (Phi3
     ``qkv_proj``; LocalConfigAttention gives the block a config holding this rank's head counts), or head by
     head, viewed as (heads, 3 * head_dim) and chunked in three (GPT-NeoX ``query_key_value``;
-    HeadInterleavedAttention). Any other layout is refused."""
+    HeadInterleavedAttention), or in model-parallel chunks of several heads (CodeGen, ``_qkv_groups``). Any other
+    layout is refused."""
     arch = config.model_type
     if GATHERED.get(styles[o], styles[o]) != "rowwise" or GATHERED.get(styles[qkv], styles[qkv]) != "colwise":
         raise refuse(arch, parent, f"fused attention styles {styles} are not column-parallel qkv and row-parallel out")
@@ -285,6 +308,9 @@ def _fused_attention_rules(config, parent, block, styles, qkv: str, o: str) -> l
         "self.num_heads, 3, self.head_dim)" in inspect.getsource(type(block))  # Persimmon's _split_heads: the same
     if interleaved and kv_heads == heads:
         return [HeadInterleavedAttention(parent, **common), *norms]
+    groups = _qkv_groups(block, source)
+    if groups and kv_heads == heads and not interleaved:
+        return [HeadInterleavedAttention(parent, groups=groups, **common), *norms]
     sliced = "config.num_attention_heads * self.head_dim" in source
     if sliced and not interleaved:
         reads = {r.partition(".")[2]: q for r, q in CONFIG_READS.items() if r in source}
@@ -292,6 +318,15 @@ def _fused_attention_rules(config, parent, block, styles, qkv: str, o: str) -> l
     raise refuse(arch, f"{parent}.{qkv}", f"{type(block).__name__}.forward splits its fused qkv in a layout plait does "
                                           f"not recognise (neither q|k|v sliced by head counts nor per-head "
                                           f"interleaved)")
+
+
+def _qkv_groups(block: nn.Module, source: str) -> int | None:
+    """The number of [q | v | k] chunks of a fused qkv laid out in model-parallel groups (CodeGen: ``local_dim =
+    self.embed_dim // self.mp_num``, the output viewed as ``(*input_shape, -1, 3 * local_dim)``), else None. Each
+    chunk holds q, k and v of heads / mp_num heads; the view's -1 takes however many chunks a rank holds."""
+    mp_num = vars(block).get("mp_num")
+    laid_out = "local_dim = self.embed_dim // self.mp_num" in source and "(*input_shape, -1, 3 * local_dim)" in source
+    return mp_num if laid_out and isinstance(mp_num, int) else None
 
 
 def _attention_rules(model, config, parent, styles, roles, bare) -> list[TPRule]:

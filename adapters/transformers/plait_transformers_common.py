@@ -16,7 +16,7 @@ from plait.tp.styles import WholeSequence
 
 
 # Child names of an attention block's projections, as transformers' models spell them.
-Q, K, V = ("q_proj", "query", "q"), ("k_proj", "key", "k"), ("v_proj", "value", "v")
+Q, K, V = ("q_proj", "query", "q", "Wq"), ("k_proj", "key", "k", "Wk"), ("v_proj", "value", "v", "Wv")  # Wq: CTRL
 
 
 O = ("o_proj", "dense", "out_proj", "o", "c_proj", "Wo")  # Wo: ModernBERT

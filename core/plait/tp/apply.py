@@ -58,13 +58,15 @@ def apply_tensor_parallel(model: nn.Module, shards: dict[str, ModuleShard], mesh
 
 
 def _enter_input(entry: TPRegionEntry):
-    """A forward pre-hook passing a module's ``hidden_states`` (first argument) through ``entry``."""
+    """A forward pre-hook passing a module's ``hidden_states`` (first argument) through ``entry``, wherever the
+    call passes that same tensor: CTRL's layer calls its attention as ``attn(normed, normed, normed)`` (its v, k
+    and q), each of which a projection reads. Other arguments stay as they are."""
 
     def hook(module, args, kwargs):
-        if args:
-            return (entry(args[0]), *args[1:]), kwargs
-        kwargs["hidden_states"] = entry(kwargs["hidden_states"])
-        return args, kwargs
+        hidden = args[0] if args else kwargs["hidden_states"]
+        entered = entry(hidden)
+        return (tuple(entered if a is hidden else a for a in args),
+                {k: entered if v is hidden else v for k, v in kwargs.items()})
 
     return hook
 

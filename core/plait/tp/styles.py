@@ -386,8 +386,13 @@ class LocalConfigAttention(Attention):
 class HeadInterleavedAttention(Attention):
     """``Attention`` whose fused ``qkv`` projection is laid out head by head (GPT-NeoX ``query_key_value``:
     [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], viewed as (heads, 3 * head_dim)): each rank keeps a contiguous run of
-    whole heads, q, k and v together. Multi-head attention only (no grouped kv heads in this layout)."""
+    whole heads, q, k and v together. Multi-head attention only (no grouped kv heads in this layout).
 
+    ``groups``: the number of such chunks where each holds q, k and v of several heads (CodeGen's ``qkv_proj``:
+    ``mp_num`` = 4 chunks of [q | v | k] for heads / 4 heads each, viewed as (-1, 3 * embed_dim / mp_num)); 0
+    means one per head. A rank keeps a run of whole chunks, so tp must divide ``groups``."""
+
+    groups: int = 0
     label: ClassVar[str] = "attention"
 
     def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
@@ -395,6 +400,9 @@ class HeadInterleavedAttention(Attention):
             raise ConfigError(f"{name}: a head-interleaved qkv needs qkv= and num_kv_heads == num_heads")
         if self.head_params:
             raise ConfigError(f"{name}: head_params {self.head_params} are not split by a head-interleaved qkv")
+        if self.groups and (self.groups % tp or self.num_heads % self.groups):
+            raise TPSizeError(f"{name}: the fused qkv is laid out in {self.groups} chunks of q, k and v (of "
+                              f"{self.num_heads} heads); choose a tp that divides {self.groups}")
         self._check_heads(tp)
         q_heads, hd = self.num_heads // tp, self.head_dim
         fused = (rank * q_heads * 3 * hd, (rank + 1) * q_heads * 3 * hd)

@@ -1,0 +1,101 @@
+"""Tensor-parallel rules of the generic adapter for attention that transformers' plans do not describe, each with
+one-process parity at tp=2 with sequence parallelism and through the tp=2 save -> consolidate -> from_pretrained
+round trip (the kit's 3 AdamW steps, fp32), and each refusing on the meta model what it cannot place:
+
+- CTRL: q/k/v projections named Wq/Wk/Wv, reading the forward's arguments ``v, k, q``, which the decoder layer
+  passes as one tensor (the region enters that tensor wherever it is passed);
+- CodeGen: a fused qkv laid out in ``mp_num`` chunks of [q | v | k] of several heads (a run of whole chunks per
+  rank).
+
+One launch of 2 ranks runs every pair.
+"""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from plait.testing.conformance_modes import LOSS_RTOL
+from plait.tp.sharding import TPSizeError
+from plait.tp.styles import HeadInterleavedAttention
+from plait_transformers import plait_tiny_config
+from plait_transformers_blocks import _check_one_input
+from plait_transformers_common import Refusal
+from plait_transformers_derive import derive
+
+pytest_plugins = ["plait.testing.pytest_plugin"]
+
+ARCHITECTURES = ("ctrl", "codegen")
+MODES = ("tp2-sp", "consolidate-tp2-sp")
+
+
+@pytest.fixture(scope="module")
+def results(plait_conformance):
+    return plait_conformance(*(f"transformers:{a}" for a in ARCHITECTURES), modes=list(MODES))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_tp_rule_parity(results, arch, mode):
+    from plait.testing.pytest_plugin import format_results
+
+    result = results[f"transformers:{arch}", mode]
+    assert result.status == "pass", format_results([result])
+    assert result.loss_rel is not None and result.loss_rel <= LOSS_RTOL
+    assert result.grad_tol is not None and result.grad_tol <= 1
+
+
+class _Attention(nn.Module):
+    """CTRL's attention shape: projections read the forward's ``v``, ``k`` and ``q``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.Wq, self.Wk, self.Wv = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, v, k, q):
+        return self.Wq(q) + self.Wk(k) + self.Wv(v)
+
+
+class _OneTensor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _Attention()
+
+    def forward(self, x):
+        return self.attn(x, x, x, mask=None)
+
+
+class _TwoTensors(_OneTensor):
+    def forward(self, x, memory):
+        return self.attn(memory, memory, x)
+
+
+@pytest.mark.parametrize("layer, refused", [(_OneTensor, False), (_TwoTensors, True)])
+def test_projections_reading_other_arguments_need_one_tensor_passed(layer, refused):
+    """The tensor-parallel region enters the attention's first argument (and the same tensor wherever it is passed
+    again): projections reading another tensor (cross-attention's memory) would see a sequence shard."""
+    model = nn.Sequential(layer())
+    model.config = type("Config", (), {"model_type": "toy"})()
+    check = lambda: _check_one_input(model, "0.attn", "*.attn", model[0].attn, ["Wq", "Wk", "Wv"])  # noqa: E731
+    if refused:
+        with pytest.raises(Refusal, match=r"toy: \*\.attn: its projections read the forward arguments \['v', 'k', 'q'\]"):
+            check()
+    else:
+        check()
+
+
+def test_ctrl_and_codegen_attention_are_split_by_heads():
+    ctrl = next(r for r in derive(plait_tiny_config("ctrl")).tp.rules if r.pattern.endswith("multi_head_attention"))
+    assert (ctrl.q, ctrl.k, ctrl.v, ctrl.o) == ("Wq", "Wk", "Wv", "dense")
+    codegen = next(r for r in derive(plait_tiny_config("codegen")).tp.rules if r.pattern.endswith(".attn"))
+    assert isinstance(codegen, HeadInterleavedAttention) and codegen.groups == 4
+
+
+def test_codegen_chunks_refuse_a_tp_that_cuts_one():
+    """A rank must hold whole [q | v | k] chunks: the forward views its output as (-1, 3 * embed_dim / mp_num)."""
+    rule = HeadInterleavedAttention("attn", qkv="qkv", o="o", num_heads=8, num_kv_heads=8, head_dim=2, groups=4)
+    module = nn.Module()
+    module.qkv, module.o = nn.Linear(16, 48), nn.Linear(16, 16)
+    assert len(rule.shards("attn", module, 4, 0)) == 2
+    with pytest.raises(TPSizeError, match="laid out in 4 chunks of q, k and v"):
+        rule.shards("attn", module, 8, 0)
