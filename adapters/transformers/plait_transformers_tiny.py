@@ -85,6 +85,27 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # the audio encoder of phi4_multimodal's causal LM: its own names for depth and convolution widths
     "phi4_multimodal_audio": {"num_blocks": 2, "nemo_conv_channels": 32, "ext_pw_out_channel": 32,
                               "depthwise_separable_out_channel": 32},
+    # ZAYA's config class accepts one expert per token only; its router MLP's width (256) shrunk with the rest
+    "zaya": {"num_experts_per_tok": 1, "router_hidden_size": 16},
+    # Dory's config class reads layer counts in the released layout, where each layer is an attention block and an
+    # mlp block (it halves them): 4 layers are 8 blocks, 1 input layer, 1 output layer and the 2 recurrent ones
+    # between them (derived), so the looped section holds both attention kinds
+    "dory": {"num_hidden_layers": 2 * LAYERS, "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp"] * 2,
+             "n_input_layers": 2, "n_output_layers": 2},
+    # xLSTM's cache rounds the q/k and v widths (hidden_size x factor) up to a multiple of 64, its layers do not:
+    # the factors that make both 64 wide at the test hidden_size
+    "xlstm": {"qk_dim_factor": 64 / SIZES["hidden_size"], "v_dim_factor": 64 / SIZES["hidden_size"]},
+    # BLT's hash embeddings have one table of encoder_hash_byte_group_vocab rows (500,002) per byte-group size (6):
+    # 96M parameters at any hidden size. Its forward builds a DynamicCache from the composite config, which has no
+    # num_hidden_layers (transformers raises); training needs no cache
+    "blt": {"encoder_hash_byte_group_vocab": 64, "use_cache": False},
+    # the local encoder's and decoder's projections to and from the global transformer's width, which is its
+    # hidden_size (shrunk there)
+    **{arch: {"hidden_size_global": SIZES["hidden_size"]} for arch in ("blt_local_encoder", "blt_local_decoder")},
+    # Dots3-Note's class checks that its vision and audio adapters take their encoder's width and give the text
+    # model's: all hidden_size here
+    "dots3_note_vision_encoder": {"adapter_in_dim": SIZES["hidden_size"], "adapter_out_dim": SIZES["hidden_size"]},
+    "dots3_note_audio_encoder": {"adapter_input_size": SIZES["hidden_size"], "adapter_out_dim": SIZES["hidden_size"]},
 }
 
 
