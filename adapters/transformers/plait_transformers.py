@@ -21,6 +21,10 @@ from plait_transformers_derive import Refusal, derive
 from plait_transformers_tiny import tiny_config
 
 MAX_TINY_PARAMETERS = 5_000_000  # a tiny config's model is built for real on every rank of a test world
+# Causal-LM classes of transformers that are no model of their own: speculative-decoding draft models, whose forward
+# ignores input_ids and reads the target model's input embeddings and key/value states (``inputs_embeds``,
+# ``shared_kv_states``; without them it raises), which a training step on token ids does not have.
+DRAFT_MODELS = {"gemma4_assistant": "Gemma 4", "gemma4_unified_assistant": "Gemma 4 unified"}
 
 
 @hookimpl
@@ -40,7 +44,18 @@ def _not_a_causal_lm(config) -> str | None:
     model_type = getattr(config, "model_type", None)
     if _config_class(model_type) is None:
         return f"transformers has no config class for model_type {model_type!r}"
-    return causal_lm_refusal(config)
+    return _draft_refusal(model_type) or causal_lm_refusal(config)
+
+
+def _draft_refusal(model_type: str | None) -> str | None:
+    """Why a draft model (DRAFT_MODELS) cannot be trained on its own; None for any other ``model_type``. Asked
+    before its config class is built: Gemma 4's assistant config class rejects its own defaults."""
+    if model_type not in DRAFT_MODELS:
+        return None
+    target = DRAFT_MODELS[model_type]
+    return (f"{model_type} is a speculative-decoding draft model: its forward needs the target {target} model's "
+            f"input embeddings and key/value states (inputs_embeds, shared_kv_states), not token ids; plait trains "
+            f"causal LMs that run on token ids")
 
 
 @hookimpl
@@ -72,7 +87,8 @@ def _tiny(architecture: str, refusal_of):
     """The checked tiny config of ``architecture``, unless ``refusal_of`` its default config says why not: the
     kit's (``plait_refusal``: only what this adapter serves) or ``show_derived``'s (any decoder-only causal LM)."""
     config_class = _config_class(architecture)
-    refusal = refusal_of(config_class()) if config_class is not None else f"unknown model_type {architecture!r}"
+    refusal = (f"unknown model_type {architecture!r}" if config_class is None else
+               _draft_refusal(architecture) or refusal_of(config_class()))
     if refusal:
         raise ConfigError(f"the generic adapter cannot serve {architecture!r}: {refusal}")
     try:

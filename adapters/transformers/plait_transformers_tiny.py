@@ -90,8 +90,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # Dory's config class reads layer counts in the released layout, where each layer is an attention block and an
     # mlp block (it halves them): 4 layers are 8 blocks, 1 input layer, 1 output layer and the 2 recurrent ones
     # between them (derived), so the looped section holds both attention kinds
-    "dory": {"num_hidden_layers": 2 * LAYERS, "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp"] * 2,
-             "n_input_layers": 2, "n_output_layers": 2},
+    "dory": {"num_hidden_layers": 2 * LAYERS, "n_input_layers": 2, "n_output_layers": 2,
+             "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp"] * (LAYERS // 2)},
     # xLSTM's cache rounds the q/k and v widths (hidden_size x factor) up to a multiple of 64, its layers do not:
     # the factors that make both 64 wide at the test hidden_size
     "xlstm": {"qk_dim_factor": 64 / SIZES["hidden_size"], "v_dim_factor": 64 / SIZES["hidden_size"]},

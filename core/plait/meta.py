@@ -39,13 +39,38 @@ def causal_lm_refusal(config: PretrainedConfig) -> str | None:
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
         return (f"{model_type} is an encoder-only model (its causal-LM head runs only with is_decoder=true in the "
                 f"config); plait trains decoder-only causal LMs")
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not register_text_causal_lm(model_type):
         return (f"transformers has no causal-LM class for {model_type!r} (AutoModelForCausalLM does not build it); "
                 f"plait trains decoder-only causal LMs")
     return None
 
 
+def register_text_causal_lm(model_type: str) -> bool:
+    """Whether ``model_type`` is a text config whose causal-LM class transformers maps only under its composite's
+    type, registered with AutoModelForCausalLM if so. AutoModelForCausalLM maps 'emu3' (and 'mllama') to
+    Emu3ForCausalLM, a text-only decoder that takes the composite's text config ('emu3_text_model'): the model it
+    builds, and every checkpoint of it, carries the text config, which AutoModelForCausalLM cannot build again
+    (from_config, or from_pretrained of a consolidated checkpoint) unless the pair is registered."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type not in CONFIG_MAPPING:
+        return False
+    text_config = CONFIG_MAPPING[model_type]
+    module = model_type_to_module_name(model_type)
+    for composite in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        if model_type_to_module_name(composite) != module or composite not in CONFIG_MAPPING:
+            continue
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[composite]]
+        if CONFIG_MAPPING[composite].sub_configs.get("text_config") is text_config is model_class.config_class:
+            AutoModelForCausalLM.register(text_config, model_class, exist_ok=True)
+            return True
+    return False
+
+
 def build_meta_model(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The transformers causal LM of ``config`` on the meta device."""
+    """The transformers causal LM of ``config`` on the meta device (a composite's text config too:
+    ``register_text_causal_lm``)."""
+    register_text_causal_lm(config.model_type)
     with meta_init():
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
