@@ -57,9 +57,10 @@ def test_persistent_buffers_round_trip_through_checkpoint_consolidate_and_model_
 
 # Tiny configs the derivation had to learn: per-layer overrides keyed by layer index (per_layer_config), layer
 # kinds placed by period and offset, sizes of more keys, and a small table of class defaults that do not run.
-BUILT = ["axk2", "bailing_hybrid", "cohere_compass_text", "deepseek_v32", "deepseek_v4", "dots1", "dots3_note_text",
-         "gemma3n_text", "gemma4_text", "gemma4_unified_text", "glm_moe_dsa", "granitemoehybrid", "hrm_text", "jamba",
-         "kimi_linear", "lfm2_moe", "llama4", "longcat_flash", "phi4_multimodal", "qwen4_exp_text"]
+BUILT = ["axk2", "bailing_hybrid", "blt", "cohere_compass_text", "deepseek_v32", "deepseek_v4", "dory", "dots1",
+         "dots3_note", "dots3_note_text", "emu3", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "glm_moe_dsa",
+         "granitemoehybrid", "hrm_text", "jamba", "kimi_linear", "lfm2_moe", "llama4", "longcat_flash", "mllama",
+         "phi4_multimodal", "qwen4_exp_text", "xlstm", "zaya"]
 
 
 @pytest.mark.parametrize("arch", BUILT)
@@ -68,6 +69,34 @@ def test_tiny_config_builds_and_runs_one_forward(arch):
     per_layer = getattr(config, "per_layer_config", None)
     if isinstance(per_layer, dict):
         assert all(0 <= int(i) < config.num_hidden_layers for i in per_layer), per_layer
+
+
+def test_dory_tiny_config_loops_both_attention_kinds_between_one_input_and_one_output_layer():
+    config = plait_tiny_config("dory")  # the class halves the released attention+mlp block counts it is given
+    assert (config.n_input_layers, config.n_recurrent_layers, config.n_output_layers) == (1, 2, 1)
+    assert set(config.layer_types[1:3]) == {"sliding_attention", "full_attention"}
+
+
+@pytest.mark.parametrize("arch, text_type", [("emu3", "emu3_text_model"), ("mllama", "mllama_text_model")])
+def test_a_text_config_built_only_under_its_composite_type_builds_and_loads_again(tmp_path, arch, text_type):
+    from plait.meta import causal_lm_refusal
+
+    model = AutoModelForCausalLM.from_config(plait_tiny_config(arch))  # transformers builds it from the text config
+    assert model.config.model_type == text_type and causal_lm_refusal(model.config) is None
+    assert type(build_meta_model(model.config)) is type(model)
+    model.save_pretrained(tmp_path)  # what a consolidated checkpoint holds: the text config
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is type(model)
+    for (name, a), b in zip(loaded.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("arch", ["gemma4_assistant", "gemma4_unified_assistant"])
+def test_a_draft_model_is_refused_in_one_line_saying_it_needs_the_target_models_states(arch):
+    with pytest.raises(ConfigError, match=f"cannot serve '{arch}': {arch} is a speculative-decoding draft model: "
+                                          f".*shared_kv_states") as err:
+        plait_tiny_config(arch)
+    assert "\n" not in str(err.value)
 
 
 def test_a_config_transformers_cannot_build_is_a_one_line_refusal_naming_the_architecture():
