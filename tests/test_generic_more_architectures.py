@@ -5,8 +5,8 @@ fp32), where before they were refused:
   ``_no_split_modules`` (BERT-Generation, BioGPT, CTRL, GIT, GPT-1): pipeline stages, staged by each module
   holding the layer list (BERT's embeddings block by its children), and a sequence-parallel region that ends at
   the last layer where there is no final norm (post-norm layers);
-- an MLP written on the decoder layer itself as ``fc2(act(fc1(x)))`` (XGLM, TrOCR, BioGPT): fc1 column-, fc2
-  row-parallel, as a block of its own would be;
+- an MLP written on the decoder layer itself as ``fc2(act(fc1(x)))`` (XGLM, TrOCR, BioGPT; OPT on the hidden
+  states flattened to [tokens, hidden]): fc1 column-, fc2 row-parallel, as a block of its own would be;
 - modules staged in the order the forward runs them where transformers' pp plan leaves one out or there is
   none (Phi-4-multimodal's embedding extension, ModernBERT-decoder's prediction head before the LM head, which
   keeps that head replicated: a vocab-parallel one would hand the prediction head a split gradient);
@@ -78,12 +78,17 @@ def test_decoder_layers_are_found_in_the_module_tree_where_transformers_declares
     assert derive(plait_tiny_config("openai-gpt")).sp.end == "transformer.h.3"  # no final norm: the last layer
 
 
-def test_an_mlp_on_the_decoder_layer_is_split_unless_its_input_is_flattened():
-    rules = {type(r).__name__ + ":" + r.pattern for r in derive(plait_tiny_config("xglm")).tp.rules}
-    assert {"Column:model.layers.*.fc1", "Row:model.layers.*.fc2"} <= rules
-    refusal = derive(plait_tiny_config("opt")).tp  # OPT flattens the hidden states to [tokens, hidden] first
+def test_an_mlp_on_the_decoder_layer_is_split_whole_or_flattened_to_tokens():
+    """OPT flattens the hidden states to [tokens, hidden] before fc1: the sequence gather and reduce-scatter work
+    on the tokens (the second-to-last dimension), so it splits as XGLM's. Its final norm, registered before its
+    layers, is one the sequence-parallel region does not end at: SP refused for that, not for the MLP."""
+    for arch, layers in (("xglm", "model.layers"), ("opt", "model.decoder.layers")):
+        rules = {type(r).__name__ + ":" + r.pattern for r in derive(plait_tiny_config(arch)).tp.rules}
+        assert {f"Column:{layers}.*.fc1", f"Row:{layers}.*.fc2"} <= rules
+    refusal = derive(plait_tiny_config("opt")).sp
     assert isinstance(refusal, Refusal)
-    assert "fc1: a Linear directly on the decoder layer that no rule splits" in str(refusal)
+    assert str(refusal).startswith("opt: model.decoder.final_layer_norm: a norm beside the layers that the "
+                                   "sequence-parallel region does not end at")
 
 
 def test_stand_ins_return_as_many_values_as_the_model_unpacks():

@@ -124,7 +124,7 @@ def undeclared_mixers(model: nn.Module, arch: str, layers: str | None, rules: li
         if is_linear(hits[0][1]):  # OPT's fc1 / fc2: an MLP written on the decoder layer itself, among its norms
             raise refuse(arch, pattern, f"a {type(hits[0][1]).__name__} directly on the decoder layer that no rule "
                                         f"splits (an MLP written on the layer itself, but not as x = fc2(act(fc1(x))) "
-                                        f"on the unflattened hidden states); write an adapter (`plait plan "
+                                        f"on the hidden states, whole or flattened to [tokens, hidden]); write an adapter (`plait plan "
                                         f"--show-derived {arch}` starts one)")
         each = [whole_sequence(arch, name, module) for name, module in hits]
         mixers += [WholeSequence(pattern, argument=each[0].argument)] if len(hits) == seen[pattern] else each
@@ -139,10 +139,12 @@ def child_of(pattern: str) -> str:
 
 def direct_mlp(layer: nn.Module) -> tuple[str, str] | None:
     """(first, second) of an MLP written on the decoder layer itself (XGLM, TrOCR, BioGPT: ``fc1`` and ``fc2``), where
-    the layer's forward runs ``x = second(act(first(x)))`` on its hidden states as they are, with only parameter-free
-    activations and dropout between: the first column-, the second row-parallel, as a block of its own would be. A
-    forward that flattens the hidden states first (OPT: ``reshape(-1, hidden)``, which the sequence all-gather of a
-    column-parallel layer cannot take) or does anything else between them gets None."""
+    the layer's forward runs ``x = second(act(first(x)))`` on its hidden states, with only parameter-free
+    activations and dropout between: the first column-, the second row-parallel, as a block of its own would be. The
+    hidden states may be flattened to [tokens, hidden] first (OPT: ``reshape(-1, hidden_states.size(-1))``): the
+    sequence all-gather and reduce-scatter work on the second-to-last dimension, the tokens, and every op between
+    them is token by token. A forward that reshapes anything else before them, or does anything else between them,
+    gets None."""
     lines = [line.strip() for line in inspect.getsource(type(layer).forward).splitlines()]
     linears = {n: m for n, m in layer.named_children() if isinstance(m, nn.Linear)}
     free = {n for n, m in layer.named_children() if not any(True for _ in m.parameters())}
@@ -154,10 +156,17 @@ def direct_mlp(layer: nn.Module) -> tuple[str, str] | None:
             end = next((i for i, line in enumerate(lines) if f"self.{second}(" in line), None)
             if start is None or end is None or end < start:
                 continue
-            flattened = re.search(r"\.(reshape|view|flatten)\(", "\n".join(lines[:start]))
-            if not flattened and all(_elementwise(line, first, second, free) for line in lines[start:end + 1]):
+            between = lines[start:end + 1]
+            if _reshapes_tokens_only(lines[:start]) and all(_elementwise(line, first, second, free) for line in between):
                 return first, second
     return None
+
+
+def _reshapes_tokens_only(lines: list[str]) -> bool:
+    """Whether every reshape in ``lines`` (a layer's forward up to its MLP) keeps the last dimension and flattens the
+    rest into tokens (``x = x.reshape(-1, x.size(-1))``) or no reshape is there."""
+    token = r"\w+ = (\w+)\.(?:reshape|view)\(-1, \1\.(?:size\(-1\)|shape\[-1\])\)"
+    return all(re.fullmatch(token, line) for line in lines if re.search(r"\.(reshape|view|flatten)\(", line))
 
 
 def _elementwise(line: str, first: str, second: str, free: set[str]) -> bool:

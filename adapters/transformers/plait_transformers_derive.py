@@ -34,7 +34,7 @@ from plait.tp.styles import ExpertMajorExperts, MoEExperts, MoERouter, ScaledVoc
 from plait_transformers_blocks import block_rules, bare_refusal, undeclared_attention, undeclared_mixers
 from plait_transformers_common import (
     LINEAR_STYLES, LM_HEAD_STYLES, LOCAL_PARAMS, MOE_STYLES, is_attention, is_linear, layer_container,
-    layer_pattern, own_params, Refusal, refuse,
+    layer_pattern, own_params, own_params_deep, Refusal, refuse,
 )
 from plait_transformers_latent import unplanned_latent_attention
 from plait_transformers_stages import pipeline_plan, sp_plan
@@ -74,7 +74,7 @@ def _derive(config) -> Derived:
     layers = layer_container(model)
     notes: list[str] = []
     tp = _attempt(arch, lambda: tp_plan(model, config, layers, notes))
-    sp = _attempt(arch, lambda: sp_plan(model, arch, layers, tp))
+    sp = _attempt(arch, lambda: _checked_end(model, arch, layers, sp_plan(model, arch, layers, tp)))
     pipeline = _attempt(arch, lambda: pipeline_plan(model, arch, layers))
     return Derived(arch, [f"{layers}.*"] if layers else [], tp, sp, pipeline, notes)
 
@@ -88,6 +88,24 @@ def _attempt(arch: str, make):
         return refusal
     except Exception as err:
         return Refusal(f"{arch}: transformers raised {_one_line(err)} while plait inspected the model")
+
+
+def _checked_end(model: nn.Module, arch: str, layers: str, sp: SPPlan) -> SPPlan:
+    """``sp``, unless it ends at the last layer while a norm with parameters beside the layer list runs after the
+    layers (OPTDecoder registers its ``final_layer_norm`` before its layers and runs it after them): that norm would
+    run outside the region on the gathered sequence, where a vocab-parallel head hands it one vocab shard's
+    gradient, not summed over tp."""
+    parent, _, leaf = layers.rpartition(".")
+    holder = model.get_submodule(parent) if parent else model
+    source = inspect.getsource(type(holder).forward)
+    loop = source.find(f"self.{leaf}")
+    norms = [f"{parent}.{n}" if parent else n for n, m in holder.named_children()
+             if "norm" in type(m).__name__.lower() and own_params_deep(m) and source.rfind(f"self.{n}(") > loop >= 0]
+    if sp.end == f"{layers}.{len(model.get_submodule(layers)) - 1}" and norms:
+        raise refuse(arch, norms[0], f"a norm beside the layers that the sequence-parallel region does not end at (it "
+                                     f"ends at {sp.end}); its gradient would be one vocab shard's: disable sequence "
+                                     f"parallelism")
+    return sp
 
 
 def _one_line(err: BaseException) -> str:
