@@ -72,16 +72,16 @@ def test_what_the_generic_adapter_does_not_serve_is_named(registry, model_type, 
 
 def test_a_causal_lm_without_a_tp_plan_gets_one_from_its_module_tree(registry):
     """Issue 24: data parallelism, ZeRO and pipeline stages need no tp plan, and tp > 1 gets the styles transformers
-    declares for the same structures (StableLM: q/k/v/o attention and a gated MLP); what the structure rules cannot
-    place is refused in one line with the fix (OPT's MLP, written on the decoder layer itself)."""
+    declares for the same structures (StableLM: q/k/v/o attention and a gated MLP); what cannot be placed is refused
+    in one line (OPT's SP region, which does not end at its final norm, registered before its layers)."""
     for model_type in ("opt", "stablelm", "mamba"):
         assert registry.resolve(types.SimpleNamespace(model_type=model_type)).name == "transformers"
     rules = {type(r).__name__: r.pattern for r in plait_transformers.plait_tp_plan(tiny("stablelm")).rules}
     assert rules["Attention"] == "model.layers.*.self_attn" and rules["Row"] == "model.layers.*.mlp.down_proj"
     assert rules["VocabEmbedding"] == "model.embed_tokens" and rules["VocabHead"] == "lm_head"
-    with pytest.raises(ConfigError, match=r"a Linear directly on the decoder layer that no rule splits .*`plait plan "
-                                          r"--show-derived opt` starts one"):
-        plait_transformers.plait_tp_plan(tiny("opt"))
+    with pytest.raises(ConfigError, match=r"model.decoder.final_layer_norm: a norm beside the layers that the "
+                                          r"sequence-parallel region does not end at"):
+        plait_transformers.plait_sp_plan(tiny("opt"))
 
 
 def generic(name: str, refusal=True) -> types.ModuleType:
@@ -279,13 +279,15 @@ def test_plan_show_derived_prints_adapter_code(capsys):
 
 
 def test_show_derived_of_an_undeclared_model_type_equals_that_of_its_config(tmp_path):
-    """Issue 29: OPT's tp plan is refused (its MLP is written on the decoder layer), and its model_type starts an
-    adapter as a saved config of it does: the same module but for the command line; the tp and SP hooks raise why."""
+    """Issue 29: OPT's SP plan is refused (its final norm, registered before its layers, is not where the region
+    ends), and its model_type starts an adapter as a saved config of it does: the same module but for the command
+    line; the SP hook raises why."""
     tiny("opt").save_pretrained(tmp_path)
     by_type, by_file = (plait_transformers.show_derived(source).splitlines() for source in ("opt", str(tmp_path)))
     assert by_type[1] == "(`plait plan --show-derived opt`). Head counts and sizes are this config's."
     assert by_type[:1] + by_type[2:] == by_file[:1] + by_file[2:]
-    assert any(line.startswith("    raise ConfigError('opt: model.decoder.layers.*.fc1: a Linear directly on the decoder layer that no rule splits") for line in by_type)
+    assert any(line.startswith("    raise ConfigError('opt: model.decoder.final_layer_norm: a norm beside the layers")
+               for line in by_type)
     with pytest.raises(ConfigError, match="cannot serve 'bart': bart is an encoder-decoder model"):
         plait_transformers.show_derived("bart")
 
@@ -351,7 +353,7 @@ def test_show_derived_says_what_is_proven(tmp_path, monkeypatch):
         text = " ".join(plait_transformers.show_derived(arch).split())
         assert f"Unproven: docs/architectures.md records no conformance-kit run of the generic adapter's plans for " \
                f"{arch}. Add a plait_tiny_config hook, then run `plait check-adapter <this module>`." in text
-    assert "# unproven: write this plan, then run `plait check-adapter <this module>` @hookimpl def plait_tp_plan" \
+    assert "# unproven: write this plan, then run `plait check-adapter <this module>` @hookimpl def plait_sp_plan" \
         in text
 
 

@@ -5,9 +5,13 @@ round trip (the kit's 3 AdamW steps, fp32), and each refusing on the meta model 
 - CTRL: q/k/v projections named Wq/Wk/Wv, reading the forward's arguments ``v, k, q``, which the decoder layer
   passes as one tensor (the region enters that tensor wherever it is passed);
 - CodeGen: a fused qkv laid out in ``mp_num`` chunks of [q | v | k] of several heads (a run of whole chunks per
-  rank).
+  rank);
+- BitNet: RMSNorms over all heads' outputs before ``o_proj`` and over the gated product before ``down_proj``
+  (``attn_sub_norm``, ``ffn_sub_norm``), split with their features, the sum of squares all-reduced (SplitNorm).
 
-One launch of 2 ranks runs every pair.
+One launch of 2 ranks runs every pair, in float64: BitNet's norms compute in float32 whatever the model's dtype
+(transformers' and SplitRMSNorm alike), so in fp32 its step 2 is reordering noise Adam amplifies (3x tolerance);
+in float64 everything else shrinks to 1e-16 and a mis-split layer still stays off by 1e-4.
 """
 
 from __future__ import annotations
@@ -17,21 +21,21 @@ from torch import nn
 
 from plait.testing.conformance_modes import LOSS_RTOL
 from plait.tp.sharding import TPSizeError
-from plait.tp.styles import HeadInterleavedAttention
+from plait.tp.styles import HeadInterleavedAttention, SplitNorm
 from plait_transformers import plait_tiny_config
-from plait_transformers_blocks import _check_one_input
+from plait_transformers_blocks import _check_one_input, split_sub_norm
 from plait_transformers_common import Refusal
 from plait_transformers_derive import derive
 
 pytest_plugins = ["plait.testing.pytest_plugin"]
 
-ARCHITECTURES = ("ctrl", "codegen")
+ARCHITECTURES = ("ctrl", "codegen", "bitnet")
 MODES = ("tp2-sp", "consolidate-tp2-sp")
 
 
 @pytest.fixture(scope="module")
 def results(plait_conformance):
-    return plait_conformance(*(f"transformers:{a}" for a in ARCHITECTURES), modes=list(MODES))
+    return plait_conformance(*(f"transformers:{a}" for a in ARCHITECTURES), modes=list(MODES), dtype="float64")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -99,3 +103,33 @@ def test_codegen_chunks_refuse_a_tp_that_cuts_one():
     assert len(rule.shards("attn", module, 4, 0)) == 2
     with pytest.raises(TPSizeError, match="laid out in 4 chunks of q, k and v"):
         rule.shards("attn", module, 8, 0)
+
+
+def test_bitnet_sub_norms_are_split_with_their_features():
+    rules = {r.pattern: r for r in derive(plait_tiny_config("bitnet")).tp.rules}
+    for name in ("model.layers.*.self_attn.attn_sub_norm", "model.layers.*.mlp.ffn_sub_norm"):
+        assert isinstance(rules[name], SplitNorm)
+    with pytest.raises(TPSizeError, match="features = 6 is not divisible by tp=4"):
+        SplitNorm("norm").shards("norm", nn.RMSNorm(6), 4, 0)
+
+
+class _SubNormAttention(nn.Module):
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.sub_norm, self.o_proj = norm, nn.Linear(8, 4)
+
+    def forward(self, attn_output):
+        attn_output = self.sub_norm(attn_output)
+        attn_output = self.o_proj(attn_output)
+        return attn_output
+
+
+def test_only_an_rms_norm_feeding_the_row_projection_is_a_split_norm():
+    """A LayerNorm (a mean to subtract, a bias) or an RMSNorm of another width stays refused inside attention."""
+    from transformers.models.bitnet.modeling_bitnet import BitNetRMSNorm
+
+    assert split_sub_norm(_SubNormAttention(BitNetRMSNorm(8)), "sub_norm", "o_proj")
+    assert not split_sub_norm(_SubNormAttention(nn.LayerNorm(8)), "sub_norm", "o_proj")
+    assert not split_sub_norm(_SubNormAttention(BitNetRMSNorm(4)), "sub_norm", "o_proj")
+    refusal = derive(plait_tiny_config("lfm3")).tp  # a replicated g_proj inside attention: still refused
+    assert isinstance(refusal, Refusal) and "g_proj: a replicated module inside attention" in str(refusal)

@@ -17,8 +17,8 @@ from plait import Attention, Column, Row
 from plait.patterns import matches
 from plait.tp.sharding import linear_shape
 from plait.tp.styles import (
-    FullWidthNormAttention, FusedColumn, HeadInterleavedAttention, LocalConfigAttention, ReplicatedGradSum, TPRule,
-    WholeSequence,
+    FullWidthNormAttention, FusedColumn, HeadInterleavedAttention, LocalConfigAttention, ReplicatedGradSum, SplitNorm,
+    TPRule, WholeSequence,
 )
 
 from plait_transformers_common import (
@@ -180,17 +180,48 @@ def _elementwise(line: str, first: str, second: str, free: set[str]) -> bool:
 
 def gated_mlp(block: nn.Module) -> tuple[str, str, str] | None:
     """(gate, up, down) of a gated MLP whose forward is ``down(act(gate(x)) * up(x))`` over three Linear children
-    and nothing else with parameters (AFMoE's dense layers; LFM2-MoE's ``w2(F.silu(w1(x)) * w3(x))``), else None."""
-    found = re.search(r"self\.(\w+)\(\s*[\w.]+\(self\.(\w+)\((\w+)\)\)\s*\*\s*self\.(\w+)\(\3\)\s*\)",
+    and nothing else with parameters (AFMoE's dense layers; LFM2-MoE's ``w2(F.silu(w1(x)) * w3(x))``), or with an
+    RMSNorm over the product before ``down`` (BitNet's ``ffn_sub_norm``, ``mlp_sub_norm`` names it), else None."""
+    found = re.search(r"self\.(\w+)\(\s*(?:self\.\w+\(\s*)?"  # down, and a norm around the product if any
+                      r"[\w.]+\(self\.(\w+)\((\w+)\)\)\s*\*\s*self\.(\w+)\(\3\)\s*\)",
                       inspect.getsource(type(block).forward))
     if found is None:
         return None
     down, gate, _, up = found.groups()
     names = (gate, up, down)
     with_params = {n for n, m in block.named_modules() if own_params(m)}
-    if with_params != set(names) or not all(isinstance(block._modules.get(n), nn.Linear) for n in names):
+    norm = (mlp_sub_norm(block) or (None,))[0]
+    if with_params - {norm} != set(names) or not all(isinstance(block._modules.get(n), nn.Linear) for n in names):
         return None
     return names
+
+
+def mlp_sub_norm(block: nn.Module) -> tuple[str, str] | None:
+    """(norm, down) of a gated MLP normalising ``act(gate(x)) * up(x)`` right before its down projection
+    (``down(norm(act(gate(x)) * up(x)))``) where the norm is a split RMSNorm (``split_sub_norm``), else None."""
+    found = re.search(r"self\.(\w+)\(\s*self\.(\w+)\(\s*[\w.]+\(self\.\w+\(\w+\)\)\s*\*",
+                      inspect.getsource(type(block).forward))
+    return (found.group(2), found.group(1)) if found and split_sub_norm(block, found.group(2), found.group(1)) else None
+
+
+def split_sub_norm(block: nn.Module, child: str, consumer: str) -> bool:
+    """Whether ``child`` is an RMSNorm (``weight * x * rsqrt(mean(x^2) + eps)``, one weight as wide as the
+    features) whose output goes straight into the row-parallel ``consumer`` (BitNet's ``attn_sub_norm`` before
+    ``o_proj``, ``ffn_sub_norm`` before ``down_proj``): its features are split over tp, so it is split with them
+    and its sum of squares all-reduced (SplitNorm), which is exact."""
+    module, target = block._modules.get(child), block._modules.get(consumer)
+    if module is None or not is_linear(target) or "RMSNorm" not in type(module).__name__:
+        return False
+    params = dict(module.named_parameters())
+    if set(params) != {"weight"} or tuple(params["weight"].shape) != (linear_shape(target)[0],):
+        return False
+    norm = inspect.getsource(type(module).forward)
+    if "rsqrt(" not in norm or "return self.weight * " not in norm:
+        return False
+    source = inspect.getsource(type(block).forward)
+    chained = rf"self\.{consumer}\(\s*self\.{child}\("
+    stepwise = rf"(\w+) = self\.{child}\(\1\)[^\n]*\n\s*\w+ = self\.{consumer}\(\1\)"
+    return re.search(chained, source) is not None or re.search(stepwise, source) is not None
 
 
 def _output_gates(block: nn.Module, source: str, projections: set[str]) -> list[str]:
@@ -249,13 +280,16 @@ def block_rules(model, config, parent: str, block: nn.Module, styles: dict[str, 
     if not (any(isinstance(r, Column) for r in rules) and any(isinstance(r, Row) for r in rules)):
         raise refuse(arch, parent, f"{sorted(styles)} do not pair column-parallel with row-parallel projections, so "
                                    f"the split activations would leave the block")
-    stray = [n for n, m in block.named_modules() if n and n not in styles and own_params(m)]
+    norm, down = mlp_sub_norm(block) or (None, None)
+    norm = norm if styles.get(down) == "rowwise" else None
+    stray = [n for n, m in block.named_modules() if n and n not in styles and n != norm and own_params(m)]
     columns = [r.pattern.rpartition(".")[2] for r in rules if isinstance(r, Column)]
     unknown = [n for n in stray if not is_scalar_activation(block, n, columns)]
     if unknown:
         raise refuse(arch, f"{parent}.{unknown[0]}", "replicated parameters inside a tensor-parallel block see split "
                                                      "activations; plait cannot tell how to sum their gradients")
-    return [*rules, *(ReplicatedGradSum(f"{parent}.{n}") for n in stray)]
+    split = [SplitNorm(f"{parent}.{norm}")] if norm else []
+    return [*rules, *split, *(ReplicatedGradSum(f"{parent}.{n}") for n in stray)]
 
 
 def is_scalar_activation(block: nn.Module, child: str, columns: list[str]) -> bool:
@@ -407,6 +441,9 @@ def _attention_rules(model, config, parent, styles, roles, bare) -> list[TPRule]
     rules: list[TPRule] = []
     for name in sorted({n for b in blocks.values() for n, m in b.named_modules() if n and own_params(m)}):
         if name in projections or name in head_columns:
+            continue
+        if not per_layer and split_sub_norm(block, name, roles["o"]):
+            rules.append(SplitNorm(f"{parent}.{name}"))  # over all heads' outputs, before the row-parallel o
             continue
         for b in blocks.values():
             module = get_module(b, name)

@@ -103,8 +103,8 @@ def _checked_end(model: nn.Module, arch: str, layers: str, sp: SPPlan) -> SPPlan
              if "norm" in type(m).__name__.lower() and own_params_deep(m) and source.rfind(f"self.{n}(") > loop >= 0]
     if sp.end == f"{layers}.{len(model.get_submodule(layers)) - 1}" and norms:
         raise refuse(arch, norms[0], f"a norm beside the layers that the sequence-parallel region does not end at (it "
-                                     f"ends at {sp.end}); its gradient would be one vocab shard's: disable sequence "
-                                     f"parallelism")
+                                     f"ends at {sp.end}); its gradient would come from one vocab shard only: disable "
+                                     f"sequence parallelism")
     return sp
 
 

@@ -418,17 +418,28 @@ class HeadInterleavedAttention(Attention):
 
 @dataclass(frozen=True)
 class SplitNorm(TPRule):
-    """An RMSNorm over features a column-parallel projection split (built by ``FullWidthNormAttention``):
-    weight sliced like the features, sum of squares all-reduced (``layers.SplitRMSNorm``)."""
+    """An RMSNorm over features a column-parallel projection split: weight sliced like the features, sum of
+    squares all-reduced (``layers.SplitRMSNorm``). Built by ``FullWidthNormAttention`` for q/k norms; as a rule of
+    its own (``full_width`` 0: its weight's width), for a norm whose features are split evenly over tp, as a
+    Column's outputs or an attention block's heads are (BitNet's ``attn_sub_norm`` before ``o_proj`` and
+    ``ffn_sub_norm`` before ``down_proj``)."""
 
     full_width: int = 0
     copies: int = 1
     label: ClassVar[str] = "split_rms_norm"
 
+    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
+        weight = getattr(module, "weight", None)
+        if [n for n, _ in module.named_parameters()] != ["weight"] or weight.dim() != 1:
+            raise ConfigError(f"{name} ({type(module).__name__}): a split RMSNorm has one weight of one dimension")
+        rows = even_range(weight.shape[0], tp, rank, f"{name} features")
+        return [ModuleShard(name, self, False, ShardSpec(tuple(weight.shape), 0, (rows,)), None)]
+
     def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
         weight, _ = _local(shard, module)
         eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps")
-        return SplitRMSNorm(weight, eps, self.full_width, self.copies, ctx.mesh.tp_group)
+        width = self.full_width or shard.weight.full_shape[0]
+        return SplitRMSNorm(weight, eps, width, self.copies, ctx.mesh.tp_group)
 
 
 @dataclass(frozen=True)
