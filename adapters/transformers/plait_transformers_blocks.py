@@ -112,6 +112,8 @@ def undeclared_mixers(model: nn.Module, arch: str, layers: str | None, rules: li
         mlp = gated_mlp(hits[0][1])
         if mlp and all(gated_mlp(module) == mlp for _, module in hits):
             mixers += [style(f"{name}.{child}") for name in names for style, child in zip((Column, Column, Row), mlp)]
+            norm = mlp_sub_norm(hits[0][1])  # over the split product, before the row-parallel down projection
+            mixers += [SplitNorm(f"{name}.{norm[0]}") for name in names] if norm else []
             notes.append(f"{pattern} ({type(hits[0][1]).__name__}): an MLP transformers' plan leaves out, split as "
                          f"declared ones ({mlp[0]}, {mlp[1]} column-, {mlp[2]} row-parallel)")
             continue
