@@ -117,7 +117,8 @@ def checked(config):
     try:
         with torch.no_grad():
             vocab = config.get_text_config().vocab_size  # a composite (Llama4) holds it in its text config
-            AutoModelForCausalLM.from_config(config)(input_ids=torch.arange(8).view(1, 8) % vocab)
+            # as plait runs every forward: without a cache (BLT's builds one from a config without num_hidden_layers)
+            AutoModelForCausalLM.from_config(config)(input_ids=torch.arange(8).view(1, 8) % vocab, use_cache=False)
     except Exception as err:
         raise _tiny_error(config.model_type, type(config), "do not run one forward pass", err) from err
     return config

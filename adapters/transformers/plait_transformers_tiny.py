@@ -96,9 +96,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # the factors that make both 64 wide at the test hidden_size
     "xlstm": {"qk_dim_factor": 64 / SIZES["hidden_size"], "v_dim_factor": 64 / SIZES["hidden_size"]},
     # BLT's hash embeddings have one table of encoder_hash_byte_group_vocab rows (500,002) per byte-group size (6):
-    # 96M parameters at any hidden size. Its forward builds a DynamicCache from the composite config, which has no
-    # num_hidden_layers (transformers raises); training needs no cache
-    "blt": {"encoder_hash_byte_group_vocab": 64, "use_cache": False},
+    # 96M parameters at any hidden size
+    "blt": {"encoder_hash_byte_group_vocab": 64},
     # the local encoder's and decoder's projections to and from the global transformer's width, which is its
     # hidden_size (shrunk there)
     **{arch: {"hidden_size_global": SIZES["hidden_size"]} for arch in ("blt_local_encoder", "blt_local_decoder")},
