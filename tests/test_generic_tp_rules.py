@@ -6,6 +6,8 @@ round trip (the kit's 3 AdamW steps, fp32), and each refusing on the meta model 
   passes as one tensor (the region enters that tensor wherever it is passed);
 - CodeGen: a fused qkv laid out in ``mp_num`` chunks of [q | v | k] of several heads (a run of whole chunks per
   rank);
+- Moshi: q/k/v/o projections each wrapped in a module holding one Linear (``q_proj.linear``), which the wrapper's
+  forward returns as is: the Linear is split, the block's input enters the region and holds the local head counts;
 - BitNet: RMSNorms over all heads' outputs before ``o_proj`` and over the gated product before ``down_proj``
   (``attn_sub_norm``, ``ffn_sub_norm``), split with their features, the sum of squares all-reduced (SplitNorm).
 
@@ -23,13 +25,13 @@ from plait.testing.conformance_modes import LOSS_RTOL
 from plait.tp.sharding import TPSizeError
 from plait.tp.styles import HeadInterleavedAttention, SplitNorm
 from plait_transformers import plait_tiny_config
-from plait_transformers_blocks import _check_one_input, split_sub_norm
+from plait_transformers_blocks import _check_one_input, _linear_path, split_sub_norm
 from plait_transformers_common import Refusal
 from plait_transformers_derive import derive
 
 pytest_plugins = ["plait.testing.pytest_plugin"]
 
-ARCHITECTURES = ("ctrl", "codegen", "bitnet")
+ARCHITECTURES = ("ctrl", "codegen", "moshi", "bitnet")
 MODES = ("tp2-sp", "consolidate-tp2-sp")
 
 
@@ -133,3 +135,38 @@ def test_only_an_rms_norm_feeding_the_row_projection_is_a_split_norm():
     assert not split_sub_norm(_SubNormAttention(BitNetRMSNorm(4)), "sub_norm", "o_proj")
     refusal = derive(plait_tiny_config("lfm3")).tp  # a replicated g_proj inside attention: still refused
     assert isinstance(refusal, Refusal) and "g_proj: a replicated module inside attention" in str(refusal)
+
+
+class _Wrapper(nn.Module):
+    def __init__(self, extra: bool = False) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        if extra:
+            self.norm = nn.LayerNorm(4)
+
+    def forward(self, x, layer_idx=None):
+        return self.linear(x)
+
+
+class _Scaling(_Wrapper):
+    def forward(self, x, layer_idx=None):
+        return 2 * self.linear(x)
+
+
+def test_a_projection_wrapping_one_linear_is_split_as_that_linear():
+    """Only a wrapper that returns its one Linear of its input: anything else it holds or does refuses the block."""
+    block = nn.Module()
+    block.q_proj, block.k_proj, block.v_proj, block.o_proj = _Wrapper(), _Wrapper(True), _Scaling(), nn.Linear(4, 4)
+    assert [_linear_path(block, c) for c in ("q_proj", "k_proj", "v_proj", "o_proj")] == [
+        "q_proj.linear", None, None, "o_proj"]
+    moshi = next(r for r in derive(plait_tiny_config("moshi")).tp.rules if r.pattern.endswith("self_attn"))
+    assert (moshi.q, moshi.o) == ("q_proj.linear", "o_proj.linear")
+    assert moshi.local_attrs["num_key_value_groups"] == "kv_groups"
+    from plait.meta import build_meta_model
+
+    model = build_meta_model(plait_tiny_config("moshi"))
+    shards = moshi.shards("model.layers.0.self_attn", model.get_submodule("model.layers.0.self_attn"), 2, 1)
+    entered = [shard for shard in shards if shard.entered_by_parent]
+    assert [shard.name.rpartition(".")[0] for shard in entered] == [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    assert {shard.owner for shard in entered} == {"model.layers.0.self_attn"}  # its input enters, it gets the heads
+    assert entered[0].local_attrs == {"num_heads": 2, "num_key_value_heads": 1, "num_key_value_groups": 2}

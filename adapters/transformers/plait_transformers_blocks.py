@@ -44,7 +44,7 @@ def undeclared_attention(model: nn.Module, layers: str | None,
         pattern = layer_pattern(name, layers)
         if pattern in children or pattern in found or not is_attention(module):
             continue
-        roles = {role: next((c for c in names if isinstance(module._modules.get(c), nn.Linear)), None)
+        roles = {role: next((p for c in names if (p := _linear_path(module, c))), None)
                  for role, names in (("q", Q), ("k", K), ("v", V), ("o", O))}
         source = inspect.getsource(type(module).forward)
         fused = next((c for c in QKV if isinstance(module._modules.get(c), nn.Linear)), None)
@@ -64,6 +64,21 @@ def undeclared_attention(model: nn.Module, layers: str | None,
     return found
 
 
+def _linear_path(block: nn.Module, child: str) -> str | None:
+    """``child`` where it is a Linear; ``child.<inner>`` where it wraps one Linear, holding nothing else, and its
+    forward returns that Linear of its first argument (Moshi's MoshiLinear: ``return self.linear(x)``), so that the
+    wrapper adds nothing to split; else None."""
+    module = block._modules.get(child)
+    if isinstance(module, nn.Linear):
+        return child
+    children = dict(module.named_children()) if module is not None else {}
+    if len(children) != 1 or own_params(module) or not isinstance(next(iter(children.values())), nn.Linear):
+        return None
+    inner = next(iter(children))
+    first = next(iter(inspect.signature(module.forward).parameters), None)
+    return f"{child}.{inner}" if f"return self.{inner}({first})" in inspect.getsource(type(module).forward) else None
+
+
 def _check_one_input(model: nn.Module, name: str, pattern: str, block: nn.Module, projections: list[str]) -> None:
     """Refuse an attention block whose q/k/v projections read forward arguments besides its first unless its decoder
     layer passes one variable for all of them (CTRL: ``forward(self, v, k, q)``, called as ``attn(normed, normed,
@@ -71,7 +86,7 @@ def _check_one_input(model: nn.Module, name: str, pattern: str, block: nn.Module
     again, but leaves any other tensor on its sequence shard."""
     source = inspect.getsource(type(block).forward)
     params = list(inspect.signature(block.forward).parameters)
-    read = {m.group(1) for p in projections for m in [re.search(rf"self\.{p}\((\w+)\)", source)] if m}
+    read = {m.group(1) for p in projections for m in [re.search(rf"self\.{p.partition('.')[0]}\((\w+)[,)]", source)] if m}
     others = sorted(read & set(params) - set(params[:1]))
     if not others:
         return
@@ -251,7 +266,8 @@ def block_rules(model, config, parent: str, block: nn.Module, styles: dict[str, 
                  bare: dict[str, str]) -> list[TPRule]:
     """The rules of one block transformers' plan styles children of (``bare``: its parameters the plan styles)."""
     arch = config.model_type
-    roles = {role: next((c for c in names if c in styles), None) for role, names in (("q", Q), ("k", K), ("v", V), ("o", O))}
+    roles = {role: next((s for c in names for s in styles if s == c or s.startswith(f"{c}.")), None)  # a wrapped one
+             for role, names in (("q", Q), ("k", K), ("v", V), ("o", O))}
     if roles["q"] and roles["k"] and roles["v"]:
         return _attention_rules(model, config, parent, styles, roles, bare)
     if bare:

@@ -321,7 +321,7 @@ def _dropout_regions(
         container = region_prefix(plan.sp_plan.begin).rstrip(".")
         layers = [f"{container}.{child}" for child, _ in model.get_submodule(container).named_children()]
         return [name for name in layers if owns(name)], []
-    attention = sorted({name.rpartition(".")[0] for name, shard in shards.items() if shard.entered_by_parent})
+    attention = sorted({shard.owner for shard in shards.values() if shard.entered_by_parent})
     rows = [name for name, shard in shards.items() if isinstance(shard.style, Row)]
     return attention, rows
 

@@ -37,7 +37,7 @@ def apply_tensor_parallel(model: nn.Module, shards: dict[str, ModuleShard], mesh
 
     entered_parents: set[str] = set()
     for name, shard in shards.items():
-        parent_name = name.rpartition(".")[0]
+        parent_name = shard.owner
         if shard.entered_by_parent and parent_name not in entered_parents:
             model.get_submodule(parent_name).register_forward_pre_hook(_enter_input(ctx.entry), with_kwargs=True)
             entered_parents.add(parent_name)

@@ -180,8 +180,17 @@ class ModuleShard:
     # q/k/v of an attention block: the block's own input enters the TP region (attention code reshapes by
     # its input's sequence length, which must already be the full sequence under SP).
     entered_by_parent: bool = False
+    # the attention block that holds this projection, where it is not the projection's parent (a wrapper module
+    # around the Linear: Moshi's q_proj.linear): the block's input enters the region and gets the local attrs
+    block: str | None = None
     # specs of parameters other than weight and bias (e.g. an experts module's gate_up_proj and down_proj)
     params: dict[str, ShardSpec] = field(default_factory=dict)
+
+    @property
+    def owner(self) -> str:
+        """The module whose forward input enters the TP region for this projection and that holds its local attrs:
+        ``block``, else the projection's parent."""
+        return self.block or self.name.rpartition(".")[0]
 
     def spec(self, leaf: str) -> ShardSpec | None:
         """The spec of this module's parameter ``leaf`` (None: replicated)."""

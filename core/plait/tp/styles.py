@@ -222,7 +222,7 @@ class Attention(TPRule):
             projections.append(linear_shard(*child(attr), Column(f"{name}.{attr}"),
                                             [(rank * q_heads * per_head, (rank + 1) * q_heads * per_head)], None))
         for shard in projections:
-            shard.entered_by_parent = True
+            shard.entered_by_parent, shard.block = True, name
         quantities = {"q_heads": q_heads, "kv_heads": local_kv, "kv_groups": q_heads // local_kv,
                       "q_width": q_heads * hd, "kv_width": local_kv * hd}
         unknown = set(self.local_attrs.values()) - set(quantities)
@@ -409,7 +409,7 @@ class HeadInterleavedAttention(Attention):
         q_range = (rank * q_heads * hd, (rank + 1) * q_heads * hd)
         child = lambda attr: (f"{name}.{attr}", module.get_submodule(attr))  # noqa: E731
         qkv = linear_shard(*child(self.qkv), FusedQKV(f"{name}.{self.qkv}"), [fused], None)
-        qkv.entered_by_parent = True
+        qkv.entered_by_parent, qkv.block = True, name
         quantities = {"q_heads": q_heads, "kv_heads": q_heads, "kv_groups": 1, "q_width": q_heads * hd,
                       "kv_width": q_heads * hd}
         qkv.local_attrs = {attr: quantities[q] for attr, q in self.local_attrs.items()}
@@ -588,7 +588,7 @@ class LatentAttention(TPRule):
         up = [linear_shard(*child(attr), Column(f"{name}.{attr}"), [(first * width, last * width)], None)
               for attr, width in widths]
         for shard in up:
-            shard.entered_by_parent = True
+            shard.entered_by_parent, shard.block = True, name
         up[0].local_attrs = {attr: heads for attr in self.local_attrs}
         down = [shard for attr in self.replicated
                 for shard in ReplicatedGradSum(f"{name}.{attr}").shards(*child(attr), tp, rank)]
