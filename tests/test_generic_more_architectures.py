@@ -132,10 +132,21 @@ def test_an_absent_input_embedding_answers_a_one_token_probe_only():
             absent(ids)
 
 
-def test_layers_that_read_the_token_ids_refuse_pipeline_stages():
-    refusal = derive(plait_tiny_config("deepseek_v4")).pipeline  # hash routing by token id in every layer
-    assert isinstance(refusal, Refusal)
-    assert str(refusal).startswith("deepseek_v4: model.layers: each layer takes the input_ids")
+def test_layers_that_read_the_token_ids_run_every_stage_on_them():
+    plan = derive(plait_tiny_config("deepseek_v4")).pipeline  # hash routing by token id in every layer
+    assert plan.token_ids and plan.every_stage == ()  # the ids alone: the embedding stays the first stage's
+
+
+@pytest.mark.parametrize("arch, prefix", [("gemma4_text", "model."), ("gemma4", "model.language_model.")])
+def test_per_layer_embeddings_are_held_by_every_stage(arch, prefix):
+    """Gemma's per-layer inputs: a second embedding of the token ids plus a projection of the input embedding,
+    handed to every layer beside the hidden states. Every stage computes them from the token ids, so it holds
+    them, the input embedding the projection reads included; the rest of the first modules stay stage 0's."""
+    plan = derive(plait_tiny_config(arch)).pipeline
+    assert plan.token_ids
+    assert plan.every_stage == tuple(f"{prefix}{name}" for name in (
+        "embed_tokens", "embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm"))
+    assert plan.neutralize == ()
 
 
 @pytest.mark.parametrize("plan, words", [("pipeline", "use pp=1"), ("sp", "disable sequence parallelism")])

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from plait import ConfigError, ParallelConfig, PipelinePlan, Registry, parallelize
-from plait.layout_plan import pipeline_layout
+from plait.layout_plan import pipeline_layout, plan_layout
 from plait.pipeline import rank_of_stage, stage_bytes, stages_of_rank
 from plait.pipeline.cuts import balance, fallback_plan
 from plait.testing import launch
@@ -42,6 +42,7 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
 
 PARITY = [name for world in CHECKS.values() for name, (fn, *_) in world.items() if fn.__name__ == "parity"]
 TIED = {"gpt2", "llama_tied"}
+REPLICATED = {"gemma4"}  # per-layer embeddings (and the input embedding they read) on every stage
 # Parameters after 3 AdamW steps at lr 1e-3: Adam divides by sqrt(v) + 1e-8, so on entries whose gradient is itself
 # near 1e-8 a gradient difference at fp32's noise floor moves the update by a few percent of lr (measured 4.7e-5 on
 # custom-fallback-padding, whose gradients all agree within atol 1e-6). An update lost or applied twice on any
@@ -63,6 +64,9 @@ def test_parity(results, check):
             assert r["tied_diff"] == 0.0, f"{where}: tied embedding copies differ by {r['tied_diff']}"
     if arch in TIED:
         assert any(r["tied_diff"] is not None for r in results[check]), f"{check}: no rank held a tied copy"
+    if arch in REPLICATED:  # every stage's copy took the same steps
+        assert all(r["replicated_diff"] == 0.0 for r in results[check]), \
+            f"{check}: every-stage copies differ by {[r['replicated_diff'] for r in results[check]]}"
     # every parameter's gradient compared at every step on the stage that holds it
     compared = set().union(*(r["checked"] for r in results[check]))
     assert compared >= set(results[check][0]["parameters"]), f"{check}: never compared " \
@@ -111,6 +115,25 @@ def test_tied_weight_counts_on_both_ends():
     rows = pipeline_layout(meta_llama(tie_word_embeddings=True), ParallelConfig(pp=2, num_microbatches=2))
     sizes = {name: (stage, size) for name, stage, size in rows}
     assert sizes["model.embed_tokens"] == (0, 61 * 32 * 4) and sizes["lm_head"] == (1, 61 * 32 * 4)
+
+
+def test_per_layer_inputs_are_held_by_every_stage_and_summed_over_the_pipeline():
+    """Gemma's per-layer embeddings (and the input embedding their projection reads, tied to the LM head) are
+    computed by every stage from the token ids: every stage holds them, and their gradients are summed over the
+    whole pipeline (``LayoutPlan.replicated``), not over its two ends as a tied weight's."""
+    model = build("gemma4", device="meta")
+    config = ParallelConfig(pp=2, num_microbatches=2)
+    plan = plan_layout(model, config, world_size=2)
+    assert plan.split.plan.token_ids and plan.tied == ()
+    every = ("model.embed_tokens", "model.embed_tokens_per_layer", "model.per_layer_model_projection",
+             "model.per_layer_projection_norm")
+    assert set(plan.replicated) == {f"{name}.weight" for name in every} | {"lm_head.weight"}
+    rows = pipeline_layout(model, config)
+    stages = {name: stage for name, stage, _ in rows}
+    assert all(stages[name] is None for name in every) and stages["lm_head"] == 1
+    sizes = {name: size for name, _, size in rows}
+    held = sum(sizes[name] for name in every)
+    assert stage_bytes(rows) == {s: held + sum(sizes[n] for n, at in stages.items() if at == s) for s in (0, 1)}
 
 
 def test_balance_counts_embedding_and_head_parameters():

@@ -10,6 +10,7 @@ import ast
 import inspect
 import re
 import textwrap
+from collections import defaultdict
 
 from torch import nn
 
@@ -160,11 +161,14 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     models nest it in an encoder beside the embeddings). Parameter-free modules neither names (rotary tables)
     every stage recomputes; modules with parameters they do not name are a Refusal. Parameterised modules
     before the layers other than the input embedding (learned position embeddings) are neutralised on the
-    stages that do not own them; a block holding the input embedding is staged by its children."""
+    stages that do not own them; a block holding the input embedding is staged by its children. Those whose
+    output goes to the layers beside the hidden states (Gemma's per-layer embeddings), with what they read, every
+    stage holds and runs on the token ids instead (``_every_stage``), as it does where the layers read the ids."""
     if layers is None:
         raise refuse(arch, type(model).__name__, NO_LAYERS)
     outputs, none = _check_layer_inputs(model, arch, layers)
     _check_no_shared_parameters(model, arch, layers)
+    _check_no_shared_keys_and_values(model, arch, layers)
     first: list[str] = []
     last: list[str] = []
     unused: list[str] = []
@@ -183,11 +187,14 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
         first, last = before + first, last + after
     first = _staged_by_children(model, first)
     embedding = model.get_input_embeddings()
-    neutralize = [n for n in first if own_params_deep(get_module(model, n)) and get_module(model, n) is not embedding]
+    every, reads_ids = _every_stage(model, layers, first)
+    neutralize = [n for n in first if own_params_deep(get_module(model, n)) and get_module(model, n) is not embedding
+                  and n not in every]
     first += unused
     _check_no_side_inputs(model, arch, layers, neutralize, "only the first pipeline stage would hold it: use pp=1")
     return PipelinePlan(first=tuple(first), layers=layers, last=tuple(last), neutralize=tuple(neutralize),
-                        layer_outputs=outputs, none_outputs=none)
+                        layer_outputs=outputs, none_outputs=none, every_stage=tuple(every),
+                        token_ids=bool(every) or reads_ids)
 
 
 def _check_no_shared_parameters(model: nn.Module, arch: str, layers: str) -> None:
@@ -200,6 +207,19 @@ def _check_no_shared_parameters(model: nn.Module, arch: str, layers: str) -> Non
             if not first.startswith(f"{layers}.{index}."):
                 raise refuse(arch, f"{layers}.{index}.{name}", f"is the same parameter as {first} (shared by several "
                                                                f"layers); pipeline stages cannot share it: use pp=1")
+
+
+def _check_no_shared_keys_and_values(model: nn.Module, arch: str, layers: str) -> None:
+    """Gemma-3n's and Gemma-4's last ``config.num_kv_shared_layers`` layers attend with the keys and values of an
+    earlier layer, handed to them in ``shared_kv_states`` (a mapping every layer gets, which the forward builds
+    before its loop): on a later stage than that layer they would find none. Refused where any layer reuses them."""
+    shared = getattr(model.config.get_text_config(), "num_kv_shared_layers", 0) or 0
+    parent = layers.rpartition(".")[0]
+    source = _source(type(model.get_submodule(parent) if parent else model).forward)
+    if shared and "shared_kv_states=" in source:
+        raise refuse(arch, layers, f"the last {shared} layers attend with the keys and values of earlier layers "
+                                   f"(config.num_kv_shared_layers={shared}, in shared_kv_states), which pipeline "
+                                   f"stages do not hand on: use pp=1")
 
 
 def _around(model: nn.Module, arch: str, path: str) -> tuple[list[str], list[str], list[str]]:
@@ -232,7 +252,11 @@ def _modality_only(owner: type, child: str) -> bool:
     (``get_image_features``): never called on text alone."""
     users = [name for name, method in inspect.getmembers(owner, inspect.isfunction)
              if not name.startswith("__") and f"self.{child}" in _source(method)]  # __init__ builds it
-    return bool(users) and all(re.search(r"image|audio|video|vision|pixel|speech", name) for name in users)
+    return bool(users) and all(re.search(MODALITY, name) for name in users)
+
+
+# The names of methods for another modality's inputs (``get_image_features``).
+MODALITY = r"image|audio|video|vision|pixel|speech"
 
 
 def _source(function) -> str:
@@ -304,18 +328,19 @@ def _calls_of(tree: ast.AST, child: str) -> list[ast.Call]:
 
 def _execution_order(model: nn.Module, arch: str, layers: str, siblings: list[str]) -> list[str]:
     """``siblings`` (the layer list and the modules beside it) in the order the forward of their parent uses
-    them (``self.<child>`` in its source), those it never mentions left out; empty where the source is unreadable
+    them (``self.<child>`` in its source, or a call of a method using it: Gemma's ``self.get_per_layer_inputs``),
+    those it never mentions left out; empty where the source is unreadable
     or does not mention the layers. Registration order is not execution order: OPTDecoder registers its final norm
     and project_out before the layers and runs them after. A module used both before and after the layers
     (NanoChat's final norm, also applied to the embeddings) goes after them: parameter-free, every stage
     recomputes it anyway; with parameters it would be skipped on the first stage, so it is refused."""
     parent = layers.rpartition(".")[0]
+    owner = type(model.get_submodule(parent) if parent else model)
     try:
-        source = inspect.getsource(type(model.get_submodule(parent) if parent else model).forward)
+        source = inspect.getsource(owner.forward)
     except (OSError, TypeError):
         return []
-    uses = {n: [m.start() for m in re.finditer(rf"\bself\.{re.escape(n.rpartition('.')[2])}\b", source)]
-            for n in siblings}
+    uses = {n: _uses(owner, source, n.rpartition(".")[2]) for n in siblings}
     if not uses[layers]:
         return []
     start = uses[layers][0]
@@ -326,6 +351,162 @@ def _execution_order(model: nn.Module, arch: str, layers: str, siblings: list[st
     position = {n: start if n == layers else next((p for p in found if p > start), found[0])
                 for n, found in uses.items() if found}
     return sorted(position, key=position.__getitem__)
+
+
+def _users(owner: type, child: str) -> list[str]:
+    """The methods of ``owner`` other than its forward that use ``self.<child>`` (Gemma's ``get_per_layer_inputs``
+    for ``embed_tokens_per_layer``): a call of one in the forward runs the child there. Another modality's
+    (``get_image_features``) are left out: text training never runs them (``_modality_only``)."""
+    return [name for name, method in inspect.getmembers(owner, inspect.isfunction)
+            if not name.startswith("__") and name != "forward" and not re.search(MODALITY, name)
+            and re.search(rf"\bself\.{child}\b", _source(method))]
+
+
+def _uses(owner: type, source: str, child: str) -> list[int]:
+    """Where ``source`` (``owner``'s forward) uses ``self.<child>``; where it never names it, where it calls a
+    method using it (``_users``)."""
+    found = [m.start() for m in re.finditer(rf"\bself\.{child}\b", source)]
+    if found:
+        return found
+    return sorted(m.start() for name in _users(owner, child) for m in re.finditer(rf"\bself\.{name}\(", source))
+
+
+def _every_stage(model: nn.Module, layers: str, first: list[str]) -> tuple[list[str], bool]:
+    """The modules of ``first`` beside the layer list with parameters whose output reaches the layers other than
+    as the hidden states (Gemma's per-layer embeddings and projection, CPM-Ant's position bias), and, for those,
+    the modules whose output they read (Gemma's input embedding, which the projection reads). They run before
+    any layer, so on the batch alone: every pipeline stage can compute them as the first does, if it holds them
+    (``PipelinePlan.every_stage``). Found by following the forward's names from the calls of those modules to
+    the layer call (flow-insensitively: a name gets whatever any assignment to it reads, which can only add
+    modules); the inputs every stage rebuilds (``STAGE_BUILT``) and the hidden states do not count. Also
+    whether the layers get the forward's ``input_ids`` (DeepSeek-V4's hash routing, Qwen4-Exp's per-layer
+    embeddings): every stage then runs the model on the token ids (``PipelinePlan.token_ids``)."""
+    parent = layers.rpartition(".")[0]
+    owner = type(model.get_submodule(parent) if parent else model)
+    source = _source(owner.forward)
+    if not source:
+        return [], False
+    tree = ast.parse(textwrap.dedent(source))
+    children = {n.rpartition(".")[2]: n for n in first
+                if n.rpartition(".")[0] == parent and own_params_deep(get_module(model, n))}
+    called: dict[str, set[str]] = defaultdict(set)  # method or child name -> the children a call of it runs
+    for child in children:
+        called[child].add(child)
+        for method in _users(owner, child):
+            called[method].add(child)
+    layer_calls = _calls_of(tree, layers.rpartition(".")[2])
+    taint = _taint(tree, called, layer_calls)
+    layer_params = _layer_params(model, layers)
+    side = set()
+    for call in layer_calls:
+        named = [(layer_params[i] if i < len(layer_params) else None, a) for i, a in enumerate(call.args)][1:]
+        named += [(k.arg, k.value) for k in call.keywords]
+        side |= {c for name, value in named if name not in (*STAGE_BUILT, *HIDDEN_ARGUMENTS)
+                 for c in _sources(value, taint, called)}
+    reads_ids = TOKEN_IDS in side
+    side.discard(TOKEN_IDS)
+    every, todo = set(side), list(side)
+    while todo:  # what the every-stage modules read, they need too
+        child = todo.pop()
+        for call in ast.walk(tree):
+            if isinstance(call, ast.Call) and child in _callees(call, called):
+                found = {c for a in (*call.args, *(k.value for k in call.keywords))
+                         for c in _sources(a, taint, called)} - every - {TOKEN_IDS}
+                every |= found
+                todo += found
+    return [children[c] for c in children if c in every], reads_ids
+
+
+def _layer_params(model: nn.Module, layers: str) -> list[str]:
+    """The names of the first decoder layer's forward parameters (after ``self``): what positional arguments are."""
+    params = list(inspect.signature(type(model.get_submodule(layers)[0]).forward).parameters)
+    return params[1:]
+
+
+def _callees(call: ast.Call, called: dict[str, set[str]]) -> set[str]:
+    """The child modules a call runs: ``self.<child>(...)``, ``self.<child>[i](...)`` or ``self.<method>(...)`` of
+    a method using them (``called``: method or child name -> child names)."""
+    func = call.func.value if isinstance(call.func, ast.Subscript) else call.func
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
+        return called.get(func.attr, set())
+    return set()
+
+
+# The forward argument every stage can be given (``PipelinePlan.token_ids``), a source of its own in ``_sources``.
+TOKEN_IDS = "input_ids"
+
+# Reading these off a tensor reads no values; a mask builder (transformers' create_causal_mask) reads only them
+# of its inputs_embeds, and every stage rebuilds its masks (``STAGE_BUILT``).
+SHAPE_ATTRIBUTES = ("shape", "dtype", "device", "size", "ndim", "dim")
+
+
+def _sources(node: ast.AST, taint: dict[str, set[str]], called: dict[str, set[str]],
+             opaque: frozenset[int] = frozenset()) -> set[str]:
+    """The child modules whose output ``node`` reads: the calls in it and the names it reads (``taint``), but
+    not through a tensor's shape, dtype or device, a mask builder, or the nodes ``opaque`` names (by id)."""
+    if id(node) in opaque or isinstance(node, ast.Attribute) and node.attr in SHAPE_ATTRIBUTES:
+        return set()
+    if isinstance(node, ast.Name):
+        return set(taint.get(node.id, ())) | ({TOKEN_IDS} if node.id == TOKEN_IDS else set())
+    if isinstance(node, ast.IfExp) and (given := _ids_given(node.test)) is not None:  # the stages pass input_ids
+        return _sources(node.body if given else node.orelse, taint, called, opaque)
+    found: set[str] = set()
+    if isinstance(node, ast.Call):
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if "mask" in name.lower() and not _callees(node, called):
+            return set()
+        found |= _callees(node, called)
+    for child in ast.iter_child_nodes(node):
+        found |= _sources(child, taint, called, opaque)
+    return found
+
+
+def _ids_given(test: ast.AST) -> bool | None:
+    """For a test ``input_ids is not None`` (``is None``): True (False); None for any other test."""
+    if isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == TOKEN_IDS and len(
+            test.ops) == 1 and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None:
+        return isinstance(test.ops[0], ast.IsNot) if isinstance(test.ops[0], (ast.Is, ast.IsNot)) else None
+    return None
+
+
+def _assigned(target: ast.AST) -> list[str]:
+    """The names an assignment to ``target`` changes: ``x``, each of ``x, y``, and ``x`` of ``x[k]`` or ``x.a``
+    (not ``k``)."""
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [name for element in target.elts for name in _assigned(element)]
+    if isinstance(target, (ast.Subscript, ast.Attribute, ast.Starred)):
+        return _assigned(target.value)
+    return []
+
+
+def _taint(tree: ast.AST, called: dict[str, set[str]], layer_calls: list[ast.Call]) -> dict[str, set[str]]:
+    """Each name of the forward -> the child modules whose output it may hold, through any assignment (a loop
+    target, ``x.append(y)``, ``x[k] = y``), iterated to a fixed point; not through the layers (``layer_calls``):
+    what they hand each other is ``_check_layer_inputs``' to judge."""
+    opaque = frozenset(id(call) for call in layer_calls)
+    flows: list[tuple[list[str], ast.AST]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            flows.append(([name for t in targets for name in _assigned(t)], node.value))
+        elif isinstance(node, ast.For):
+            flows.append((_assigned(node.target), node.iter))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(
+                node.func.value, ast.Name) and node.func.attr in ("append", "extend", "insert", "update"):
+            flows.append(([node.func.value.id], node))
+    taint: dict[str, set[str]] = defaultdict(set)
+    changed = True
+    while changed:
+        changed = False
+        for targets, value in flows:
+            found = _sources(value, taint, called, opaque)
+            for name in targets:
+                if not found <= taint[name]:
+                    taint[name] |= found
+                    changed = True
+    return taint
 
 
 # Decoder-layer inputs every pipeline stage rebuilds itself from the full sequence (docs/decisions.md D2).
@@ -420,9 +601,6 @@ def _check_layer_inputs(model: nn.Module, arch: str, layers: str) -> tuple[int, 
         outputs = names.count(",") + 1
         none = tuple(names.split(",").index(name) for name in threaded)
     inputs = _layer_call_inputs(source, layers.rpartition(".")[2])
-    if inputs and "input_ids" in inputs:  # DeepSeek-V4's hash routing reads the token ids in every layer
-        raise refuse(arch, layers, "each layer takes the input_ids, which pipeline stages after the first do not "
-                                   "have (they are fed hidden states): use pp=1")
     for cls in dict.fromkeys(type(layer) for layer in model.get_submodule(layers)):
         params = list(inspect.signature(cls.forward).parameters.values())[2:]  # self, the hidden states
         required = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in STAGE_BUILT

@@ -79,7 +79,15 @@ class PipelinePlan:
     model unpacks them (Bamba's ``hidden_states, attn_weights = layer(...)``), so that the stand-ins for another
     stage's layers return as many from the first forward on; 0 where the model takes one value or indexes it.
     ``none_outputs``: which of those the model hands to the next layer, a cache that is None without
-    ``use_cache`` (RWKV's ``state``); a stage's layers returning anything else there is an error."""
+    ``use_cache`` (RWKV's ``state``); a stage's layers returning anything else there is an error.
+
+    ``every_stage``: modules of ``first`` with parameters whose output goes to the layers beside the hidden
+    states (Gemma's per-layer embeddings, CPM-Ant's position bias), and those whose output they read (Gemma's
+    input embedding). They run before any layer, so on the batch alone: every stage holds them and computes
+    them as the first does, and their gradients (each stage's for its own layers) are summed over the
+    pipeline. ``token_ids``: stages after the first run the model on the token ids too (every rank reads the
+    same batch), not on a stand-in for the embeddings: ``every_stage`` modules or the layers read them
+    (DeepSeek-V4's hash routing). An input embedding not in ``every_stage`` then returns zeros there."""
 
     first: tuple[str, ...]
     layers: str
@@ -87,3 +95,5 @@ class PipelinePlan:
     neutralize: tuple[str, ...] = ()
     layer_outputs: int = 0
     none_outputs: tuple[int, ...] = ()
+    every_stage: tuple[str, ...] = ()
+    token_ids: bool = False

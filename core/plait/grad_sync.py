@@ -111,7 +111,8 @@ class GradSync:
     ``shared``: parameters replicated over a tp group (or a block of it) whose gradients each rank computes
     only in part (sequence-parallel norms, row-parallel biases, kv heads shared by several ranks), by group.
     ``tied``: the copies of a weight held by the first and last pipeline stage (tied embeddings), summed over
-    ``ends_group``.
+    ``ends_group``. ``replicated``: parameters every pipeline stage holds (``PipelinePlan.every_stage``: Gemma's
+    per-layer embeddings), each stage's gradient covering its own layers, summed over the pipeline group.
     ``norm_params``: the gradients this rank adds to the global norm (see ``norm_params``).
     ``experts``: parameters of this rank's experts under expert parallelism, held by the expert-replica group
     (dp x cp / ep ranks) only: their gradients are summed there, and the other ep ranks hold other experts.
@@ -120,9 +121,10 @@ class GradSync:
     def __init__(
         self, mesh: Mesh, params: list[nn.Parameter], shared: dict[Any, list[nn.Parameter]],
         tied: list[nn.Parameter], ends_group: Any, norm_params: list[nn.Parameter],
-        experts: list[nn.Parameter] | None = None,
+        experts: list[nn.Parameter] | None = None, replicated: list[nn.Parameter] | None = None,
     ) -> None:
         self.mesh, self.params, self.shared, self.tied = mesh, params, shared, tied
+        self.replicated = replicated or []
         self.ends_group, self.norm_params = ends_group, norm_params
         self.experts = experts or []
         self._expert_ids = {id(p) for p in self.experts}
@@ -131,12 +133,14 @@ class GradSync:
         return id(param) in self._expert_ids
 
     def model_parallel(self) -> None:
-        """Sum partial gradients over the tp groups that share parameters, and the tied copies over the two
-        pipeline ends (so both take identical steps)."""
+        """Sum partial gradients over the tp groups that share parameters, the tied copies over the two
+        pipeline ends and the replicated ones over the pipeline (so every copy takes identical steps)."""
         for group, params in self.shared.items():
             sum_grads(params, group)
         if self.tied:
             sum_grads(self.tied, self.ends_group)
+        if self.replicated:
+            sum_grads(self.replicated, self.mesh.pp_group)
 
     def data_parallel(
         self, params: list[nn.Parameter] | None = None, bucket_bytes: int = BUCKET_BYTES,

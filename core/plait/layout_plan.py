@@ -27,7 +27,7 @@ from plait.float8 import plan_float8
 from plait.fsdp import ROOT, unit_of
 from plait.lora.layout import LoraPlan, plan_lora
 from plait.pipeline.cuts import StageSplit
-from plait.pipeline.layout import plan_stages, stage_rows, stages_of_rank, tied_across_stages
+from plait.pipeline.layout import plan_stages, replicated_across_stages, stage_rows, stages_of_rank, tied_across_stages
 from plait.registry import Adapter, Registry, default_registry
 from plait.tp.layout import experts_kept_whole, param_specs, plan_tensor_parallel, tp_sizes_that_fit
 from plait.tp.sequence_parallel import sp_grad_sum_params
@@ -44,7 +44,8 @@ class LayoutPlan:
     ``config`` is resolved for the world (dp filled in). ``shards_by_rank[r]`` / ``specs_by_rank[r]``: tp rank
     r's shard decision per module and spec per parameter (names as in the unpruned model; under pp a rank
     keeps only its stages' entries; under ep, ``ep.localize`` narrows the expert parameters to an ep rank's). ``split``: the pipeline stages (None at pp=1); ``tied``: parameter names
-    that are one tensor held by the first and last stage. ``leaves``: modules to recompute in backward.
+    that are one tensor held by the first and last stage; ``replicated``: parameter names every stage holds
+    (the pipeline plan's ``every_stage`` modules), their gradients summed over the pipeline. ``leaves``: modules to recompute in backward.
     ``float8``: the linear layers whose matmuls run in float8 (``plait.float8``; empty without float8).
     """
 
@@ -62,6 +63,7 @@ class LayoutPlan:
     cp: CPPlan | None = None  # context parallelism: the attention strategies that apply (None at cp=1)
     ep: EPPlan | None = None  # expert parallelism: the routed-experts modules (None at ep=1)
     float8: tuple[str, ...] = ()
+    replicated: tuple[str, ...] = ()
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The pipeline stages pipeline rank ``pp_rank`` runs (empty at pp=1)."""
@@ -91,6 +93,7 @@ def plan_layout(
     if config.pp > 1:
         split = plan_stages(model, config, registry.pipeline_plan(adapter, model.config), leaf_patterns)
     tied = tuple(tuple(names) for names in tied_across_stages(model, split)) if split is not None else ()
+    replicated = tuple(replicated_across_stages(model, split)) if split is not None else ()
     tp_plan = registry.tp_plan(adapter, model.config) if config.tp > 1 else None
     if tp_plan is not None and not config.expert_tensor_parallel:
         tp_plan = experts_kept_whole(tp_plan)
@@ -123,7 +126,7 @@ def plan_layout(
     return LayoutPlan(
         config=config.resolve(world_size), adapter=adapter, model_config=model.config, split=split, tied=tied,
         shards_by_rank=shards_by_rank, specs_by_rank=specs_by_rank, sp_plan=sp_plan, leaves=leaves, units=targets if config.fsdp else (), lora=lora_plan,
-        cp=cp_plan, ep=ep_plan, float8=float8,
+        cp=cp_plan, ep=ep_plan, float8=float8, replicated=replicated,
     )
 
 

@@ -307,7 +307,7 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
         seq_shards = config.tp if config.sequence_parallel else 1
         context = functools.partial(precision_context, config, model)
         chunks = [StageChunk(model, plan.split, s, seq_shards, applied.entry.clear, context, cp) for s in stage_ids]
-        pipeline = PipelineRunner(chunks, stage_ids, mesh, loss_fn)
+        pipeline = PipelineRunner(chunks, stage_ids, mesh, loss_fn, plan.split.plan.token_ids)
     return ParallelModel(model, mesh, plan, applied, grad_sync, loss_fn, pipeline, cp, experts, fsdp)
 
 
@@ -340,13 +340,16 @@ def _grad_sync(
     local = dict(model.named_parameters(remove_duplicate=False))
     tied = list({id(p): p for names in plan.tied for n in names
                  if (p := local.get(n)) is not None and p.requires_grad}.values())
+    replicated = list({id(p): p for n in plan.replicated
+                       if (p := local.get(n)) is not None and p.requires_grad}.values())
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    counted = norm_params(trained, list(plan.specs_by_rank), mesh.tp_rank, skip=tied if mesh.pp_rank > 0 else ())
+    copies = tied + replicated  # counted in the norm on the first stage only
+    counted = norm_params(trained, list(plan.specs_by_rank), mesh.tp_rank, skip=copies if mesh.pp_rank > 0 else ())
     trainable = [p for p in model.parameters() if p.requires_grad]
     # A collective: every rank creates the group, in the same order, even a middle stage holding no copy.
     ends_group = mesh.pipeline_ends_group() if plan.tied else None
     return GradSync(mesh, trainable, dict(shared), tied, ends_group, counted,
-                    [p for p in experts if p.requires_grad])
+                    [p for p in experts if p.requires_grad], replicated)
 
 
 def _loss_fn(applied: AppliedTP, mesh: Mesh, shift: bool = True) -> CausalLMLoss:

@@ -9,7 +9,7 @@ A vocab-parallel embedding all-reduces its output; a vocab-parallel head all-red
 Activation checkpointing repeats a layer's forward collectives in backward, all but its last row-parallel one.
 Pipeline (per micro-step): each micro-batch's hidden states cross every stage boundary forward and their
 gradient backward; the loss is broadcast from the last stage; tied embeddings sum their gradient over the
-pipeline ends once per step. Context parallelism (group "cp", per micro-step): each rank's tensors above
+pipeline ends once per step, the modules every stage holds (``every_stage``) over the pipeline. Context parallelism (group "cp", per micro-step): each rank's tensors above
 are those of its S/cp tokens, and every decoder layer's attention moves q, k, v and the output by
 all-to-all, or k and v (and their gradients) around the ring (``context_parallel`` has the formulas).
 Routed experts under tp (per micro-step): each experts module is a tp region entered and left like a row
@@ -204,6 +204,9 @@ def step_comm(
         if plan.tied and (has_first or has_last):
             tied = sum(p.numel for p in held if p.trainable and any(p.name in group for group in plan.tied))
             ops.append(CommOp("pp", "all_reduce", 1, tied * precision.grad_bytes))
+        if plan.replicated:  # every stage's copy of the every_stage modules (GradSync.replicated)
+            everywhere = sum(p.numel for p in held if p.trainable and p.name in plan.replicated)
+            ops.append(CommOp("pp", "all_reduce", 1, everywhere * precision.grad_bytes))
     dp = (config.dp or 1) * cp  # the replica group: every rank holding these parameters
     # The global gradient norm: one float summed over each group whose ranks hold different gradients (under
     # ZeRO-1 the replica group's owned shards cover the experts too, each expert shard owned once).

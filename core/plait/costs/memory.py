@@ -88,10 +88,11 @@ def rank_params(
     ep = plan.config.ep
     stage_of = _stage_map(plan.split) if plan.split is not None else {}
     tied_spec = {name: names[0] for names in plan.tied for name in names}
+    everywhere = set(plan.replicated)  # held by every stage
     held: list[RankParam] = []
     seen: set[int] = set()
     for name, param in named:
-        if plan.split is not None and _stage_of(stage_of, name) not in stages:
+        if plan.split is not None and name not in everywhere and _stage_of(stage_of, name) not in stages:
             continue
         key = id(param)
         if key in seen:

@@ -4,10 +4,14 @@
 from plait.pipeline.layout import (
     plan_stages,
     rank_of_stage,
+    replicated_across_stages,
     stage_bytes,
     stage_rows,
     stages_of_rank,
     tied_across_stages,
 )
 
-__all__ = ["plan_stages", "rank_of_stage", "stage_bytes", "stage_rows", "stages_of_rank", "tied_across_stages"]
+__all__ = [
+    "plan_stages", "rank_of_stage", "replicated_across_stages", "stage_bytes", "stage_rows", "stages_of_rank",
+    "tied_across_stages",
+]

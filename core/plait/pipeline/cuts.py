@@ -4,7 +4,7 @@ They work on meta models (``plait plan``) and run before any process group exist
 cannot work is a ConfigError on every rank, never a hang. Stages own whole leaf modules (decoder layers):
 the ``first`` modules of the plan go to stage 0, a contiguous run of layers to each stage, the ``last``
 modules to the final stage. Parameter-free ``first``/``last`` modules (rotary tables) are recomputed by
-every stage instead of being owned by one.
+every stage instead of being owned by one, as are the plan's ``every_stage`` modules (held by every stage).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class StageSplit:
         return len(self.bounds)
 
     def owned_first(self) -> tuple[str, ...]:
-        return tuple(name for name in self.plan.first if name not in self.shared)
+        return tuple(name for name in self.plan.first if not self.everywhere(name))
 
     def owned_last(self) -> tuple[str, ...]:
         return tuple(name for name in self.plan.last if name not in self.shared)
@@ -46,12 +46,16 @@ class StageSplit:
             names += self.owned_last()
         return names
 
+    def everywhere(self, name: str) -> bool:
+        """Whether every stage runs module ``name``: parameter-free, or held by every stage (``every_stage``)."""
+        return name in self.shared or name in self.plan.every_stage
+
     def stage_of(self, name: str) -> int | None:
-        """The stage owning module ``name`` (or None for a shared, parameter-free module)."""
+        """The stage owning module ``name`` (or None for a module every stage runs: ``everywhere``)."""
         for stage in range(self.num_stages):
             if name in self.modules(stage):
                 return stage
-        if name in self.shared:
+        if self.everywhere(name):
             return None
         raise KeyError(f"{name} is not a pipeline unit (first, layer or last module)")
 
@@ -130,6 +134,10 @@ def split_stages(
     for name in (plan.layers, *plan.first, *plan.last):
         if name not in modules:
             raise ConfigError(f"the pipeline plan names {name!r}, but {type(model).__name__} has no such module")
+    outside = [name for name in plan.every_stage if name not in plan.first]
+    if outside:
+        raise ConfigError(f"the pipeline plan's every_stage modules {outside} are not among its first modules; fix the "
+                          f"adapter")
     container = modules[plan.layers]
     if not isinstance(container, nn.ModuleList):
         raise ConfigError(
@@ -150,7 +158,7 @@ def split_stages(
     if cuts:
         bounds = _bounds_from_cuts(layers, cuts, num_stages, layout)
     else:
-        first_cost = sum(param_count(modules[n]) for n in plan.first)
+        first_cost = sum(param_count(modules[n]) for n in plan.first if n not in plan.every_stage)  # not stage 0's
         last_cost = sum(param_count(modules[n]) for n in plan.last)
         bounds = balance([param_count(modules[n]) for n in layers], first_cost, last_cost, num_stages)
     return StageSplit(plan, layers, tuple(bounds), shared)

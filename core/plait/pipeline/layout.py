@@ -37,13 +37,14 @@ def plan_stages(
 def tied_across_stages(model: nn.Module, split: StageSplit) -> list[list[str]]:
     """Parameter names that are one tensor held by different stages (tied embeddings), per tensor.
 
-    Only the first and last stage may share one: their gradients are summed over the pipeline ends.
+    Only the first and last stage may share one: their gradients are summed over the pipeline ends. A tensor
+    of a module every stage holds (``replicated_across_stages``) is summed over the whole pipeline instead.
     """
-    places: dict[int, list[str]] = defaultdict(list)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        places[id(param)].append(name)
+    replicated = set(replicated_across_stages(model, split))
     tied = []
-    for names in places.values():
+    for names in _tensors(model).values():
+        if replicated.intersection(names):
+            continue
         stages = {_stage_of_param(split, name) for name in names}
         if len(stages) < 2:
             continue
@@ -54,6 +55,30 @@ def tied_across_stages(model: nn.Module, split: StageSplit) -> list[list[str]]:
             )
         tied.append(names)
     return tied
+
+
+def replicated_across_stages(model: nn.Module, split: StageSplit) -> list[str]:
+    """The names of every parameter that every stage holds: those of the plan's ``every_stage`` modules (and
+    the other names of the same tensors, a tied LM head). Each stage's forward gives them the gradient of its
+    own layers, so their gradients are summed over the pipeline (``GradSync``) and every copy takes the same step.
+    """
+    every = split.plan.every_stage
+    held = [names for names in _tensors(model).values()
+            if any(_module_of(name, every) is not None for name in names)]
+    return [name for names in held for name in names]
+
+
+def _tensors(model: nn.Module) -> dict[int, list[str]]:
+    """Every parameter name of ``model``, by tensor (a tied weight has several)."""
+    places: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        places[id(param)].append(name)
+    return places
+
+
+def _module_of(param_name: str, modules: tuple[str, ...]) -> str | None:
+    """The one of ``modules`` holding parameter ``param_name``, if any."""
+    return next((m for m in modules if param_name.startswith(f"{m}.")), None)
 
 
 def _stage_of_param(split: StageSplit, param_name: str) -> int:
@@ -76,7 +101,8 @@ def _stage_of_param(split: StageSplit, param_name: str) -> int:
 def stage_rows(model: nn.Module, split: StageSplit) -> list[tuple[str, int | None, int]]:
     """(module name, stage, parameter bytes) of every pipeline unit, in execution order, for ``plait plan``.
 
-    ``stage`` is None for parameter-free modules every stage recomputes (rotary tables). Bytes are of the
+    ``stage`` is None for modules every stage runs: parameter-free ones it recomputes (rotary tables), and the
+    plan's ``every_stage`` modules, which every stage holds (Gemma's per-layer embeddings). Bytes are of the
     full (unsharded) parameters at their current dtype; tensor parallelism divides most of them by tp. A
     tied weight is counted on both stages that hold a copy. Works on a meta model; needs no process group.
     """
@@ -89,11 +115,12 @@ def stage_rows(model: nn.Module, split: StageSplit) -> list[tuple[str, int | Non
 
 
 def stage_bytes(rows: list[tuple[str, int | None, int]]) -> dict[int, int]:
-    """Parameter bytes per stage from ``stage_rows``."""
+    """Parameter bytes per stage from ``stage_rows``; a module of every stage's (``stage`` None) counts on each."""
+    stages = sorted({stage for _, stage, _ in rows if stage is not None})
     total: dict[int, int] = defaultdict(int)
     for _, stage, size in rows:
-        if stage is not None:
-            total[stage] += size
+        for held in stages if stage is None else (stage,):
+            total[held] += size
     return dict(total)
 
 

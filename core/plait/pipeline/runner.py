@@ -48,8 +48,10 @@ class PipelineRunner:
     reused by later steps of that shape.
     """
 
-    def __init__(self, chunks: list[nn.Module], stage_ids: list[int], mesh: Mesh, loss_fn: LossFn) -> None:
+    def __init__(self, chunks: list[nn.Module], stage_ids: list[int], mesh: Mesh, loss_fn: LossFn,
+                 token_ids: bool = False) -> None:
         self.chunks, self.stage_ids, self.mesh, self.loss_fn = chunks, stage_ids, mesh, loss_fn
+        self.token_ids = token_ids  # every stage gets the input ids (``PipelinePlan.token_ids``)
         self.config = mesh.config
         self.num_stages = mesh.pp * self.config.virtual_pipeline_size
         self._schedules: dict[tuple, object] = {}
@@ -89,13 +91,16 @@ class PipelineRunner:
         num_items_in_batch: int | torch.Tensor, train: bool, position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Forward (and backward when ``train``) of every microbatch; the summed loss, on every pp rank.
-        The attention mask and position ids go to every stage (each rebuilds the causal mask)."""
+        The attention mask and position ids go to every stage (each rebuilds the causal mask), and the input
+        ids too where the plan asks for them (every rank of the pipeline reads the same batch)."""
         key = (tuple(input_ids.shape), attention_mask is not None, position_ids is not None, train)
         schedule = self._schedule(key, input_ids.device)
         self._num_items = num_items_in_batch
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
+        if self.token_ids:
+            kwargs["token_ids"] = input_ids
         losses: list[torch.Tensor] = []
         if train:
             schedule.step(input_ids, target=labels, losses=losses, return_outputs=False, **kwargs)

@@ -11,7 +11,10 @@ in the hidden states received from the previous stage; stages before the last ta
 output (what is sent on) and hand a stand-in to the rest of the forward. Hence the stand-ins: under
 sequence parallelism the hidden states between stages are sequence shards, but transformers must see the
 full sequence length to build the mask and rotary tables (docs/decisions.md D2), and code after the layers
-may reshape by it (GPT2's final ``view``).
+may reshape by it (GPT2's final ``view``). Where the plan says ``token_ids`` (per-layer inputs computed from
+the token ids: Gemma's per-layer embeddings, DeepSeek-V4's hash routing), stages after the first run the
+model on the token ids instead, which every rank of the pipeline reads; the input embedding there (unless every
+stage holds it) is a ``ZeroEmbedding``, whose output the first layer's pre-hook replaces likewise.
 """
 
 from __future__ import annotations
@@ -125,6 +128,20 @@ class LayerForm:
 _FORMS: weakref.WeakKeyDictionary[nn.Module, LayerForm] = weakref.WeakKeyDictionary()
 
 
+class ZeroEmbedding(nn.Module):
+    """The input embedding on a stage that does not own it but runs the model on the token ids
+    (``PipelinePlan.token_ids``): zeros of the embedding's output shape and dtype, materialised (some models
+    scale the embeddings in place), which the stage's first layer never sees (the received hidden states
+    replace them)."""
+
+    def __init__(self, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embedding_dim, self.dtype = embedding_dim, dtype
+
+    def forward(self, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return torch.zeros((*input_ids.shape, self.embedding_dim), dtype=self.dtype, device=input_ids.device)
+
+
 class ZeroContribution(nn.Module):
     """A neutralised additive embedding (GPT2 position embeddings on later stages): adds nothing.
 
@@ -138,13 +155,24 @@ class ZeroContribution(nn.Module):
 
 
 def _placeholder(model: nn.Module, split: StageSplit, name: str) -> nn.Module:
-    if name in split.layers or name in split.owned_last():
-        return PassThrough(model.get_submodule(name))
-    if name in split.plan.neutralize:
-        module = model.get_submodule(name)
-        return ZeroContribution() if isinstance(module, nn.Embedding) else PassThrough(module)
     module = model.get_submodule(name)
+    if name in split.layers or name in split.owned_last():
+        return _stand_in(module, PassThrough)
+    if name in split.plan.neutralize:
+        return _stand_in(module, lambda m: ZeroContribution() if isinstance(m, nn.Embedding) else PassThrough(m))
+    if isinstance(module, nn.Embedding) and split.plan.token_ids:
+        return ZeroEmbedding(module.embedding_dim, module.weight.dtype)
     return Absent(name, split.stage_of(name), module.embedding_dim if isinstance(module, nn.Embedding) else None)
+
+
+def _stand_in(module: nn.Module, make: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """``make(module)``, or for a ModuleList a ``StandInList`` of ``make`` of each entry."""
+    return StandInList([make(m) for m in module]) if isinstance(module, nn.ModuleList) else make(module)
+
+
+class StandInList(nn.ModuleList):
+    """Stand-ins for a ModuleList of another stage's, which the forward indexes on every stage (Gemma-3n's altup
+    projections, before and after the layers: ``self.altup_projections[i - 1](hidden_states_0)``)."""
 
 
 def _replacements(model: nn.Module, split: StageSplit, stages: Iterable[int]) -> dict[str, nn.Module]:
@@ -203,8 +231,10 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 class StageChunk(nn.Module):
-    """One pipeline stage: ``forward(x, router_logits=None, attention_mask=None, position_ids=None)`` maps the
-    previous stage's output (input ids on the first stage) to the next stage's input (logits on the last stage).
+    """One pipeline stage: ``forward(x, router_logits=None, attention_mask=None, position_ids=None,
+    token_ids=None)`` maps the previous stage's output (input ids on the first stage) to the next stage's input
+    (logits on the last stage). ``token_ids``: the microbatch's input ids, which every stage gets where the plan
+    says ``token_ids``; stages after the first then run the model on them.
 
     ``seq_shards`` is how many sequence shards the hidden states between stages are cut into (tp under
     sequence parallelism, else 1). ``after_forward`` runs after every forward (it clears the TP entry cache);
@@ -228,6 +258,7 @@ class StageChunk(nn.Module):
         self.shell = shell(pruned, _replacements(pruned, split, [stage]))
         self.stage, self.seq_shards, self._after_forward = stage, seq_shards, after_forward
         self.is_first, self.is_last = stage == 0, stage == split.num_stages - 1
+        self.token_ids = split.plan.token_ids
         start, stop = split.bounds[stage]
         self._incoming: torch.Tensor | None = None
         self._outgoing: torch.Tensor | None = None
@@ -247,16 +278,17 @@ class StageChunk(nn.Module):
             self.shell.get_submodule(split.layers[stop - 1]).register_forward_hook(self._take_out)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                token_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.cp is not None:
             whole = self.cp.forward(x.shape[0], position_ids.shape[1], attention_mask, position_ids, x.device)
             with whole as local:
-                return self._forward(x, router_logits, **local)
-        return self._forward(x, router_logits, attention_mask, position_ids)
+                return self._forward(x, router_logits, token_ids=token_ids, **local)
+        return self._forward(x, router_logits, attention_mask, position_ids, token_ids)
 
     def _forward(self, x: torch.Tensor, router_logits: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 position_ids: torch.Tensor | None = None,
+                 token_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
@@ -265,6 +297,10 @@ class StageChunk(nn.Module):
         if self.is_first:
             self._seq = x.shape[1]
             kwargs["input_ids"] = x
+        elif self.token_ids:  # the model computes what it computes from the ids; the first layer gets ``x``
+            self._seq = token_ids.shape[1]
+            kwargs["input_ids"] = token_ids
+            self._incoming = _ContiguousGrad.apply(x)
         else:
             self._seq = x.shape[1] * self.seq_shards
             # materialised, not an expanded scalar: some models scale or add to inputs_embeds in place (CTRL, GIT)
@@ -300,13 +336,16 @@ class StageChunk(nn.Module):
             return None
         hidden = output if isinstance(output, torch.Tensor) else output[0]
         self._outgoing = hidden
-        stand_in = hidden.new_zeros(()).expand(hidden.shape[0], self._seq, hidden.shape[-1])
+        # the full sequence's shape: under SP the hidden states are [batch, seq / shards, hidden]; Gemma-3n's
+        # hold several streams ([streams, batch, seq, hidden]), whole without SP
+        shape = hidden.shape if self.seq_shards == 1 else (hidden.shape[0], self._seq, hidden.shape[-1])
+        stand_in = hidden.new_zeros(()).expand(shape)
         return stand_in if isinstance(output, torch.Tensor) else (stand_in, *output[1:])
 
 
 def is_placeholder(module: nn.Module) -> bool:
     """True for a module another stage owns (so no TP layer, SP hook or gradient sum applies to it)."""
-    return isinstance(module, (Absent, PassThrough, ZeroContribution))
+    return isinstance(module, (Absent, PassThrough, ZeroContribution, ZeroEmbedding, StandInList))
 
 
 def dropped(model: nn.Module, name: str) -> bool:
