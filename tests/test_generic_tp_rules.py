@@ -8,11 +8,13 @@ round trip (the kit's 3 AdamW steps, fp32), and each refusing on the meta model 
   rank);
 - Moshi: q/k/v/o projections each wrapped in a module holding one Linear (``q_proj.linear``), which the wrapper's
   forward returns as is: the Linear is split, the block's input enters the region and holds the local head counts;
+- LFM3: a gate per head read inline, ``attn_output * torch.sigmoid(self.g_proj(hidden_states)).unsqueeze(-1)``,
+  split with the q heads as AFMoE's named one;
 - BitNet: RMSNorms over all heads' outputs before ``o_proj`` and over the gated product before ``down_proj``
   (``attn_sub_norm``, ``ffn_sub_norm``), split with their features, the sum of squares all-reduced (SplitNorm).
 
 One launch of 2 ranks runs every pair, in float64: BitNet's norms compute in float32 whatever the model's dtype
-(transformers' and SplitRMSNorm alike), so in fp32 its step 2 is reordering noise Adam amplifies (3x tolerance);
+(transformers' and SplitRMSNorm alike), so in fp32 its step 2 is reordering noise Adam amplifies (3x tolerance, as LFM3's);
 in float64 everything else shrinks to 1e-16 and a mis-split layer still stays off by 1e-4.
 """
 
@@ -31,7 +33,7 @@ from plait_transformers_derive import derive
 
 pytest_plugins = ["plait.testing.pytest_plugin"]
 
-ARCHITECTURES = ("ctrl", "codegen", "moshi", "bitnet")
+ARCHITECTURES = ("ctrl", "codegen", "moshi", "lfm3", "bitnet")
 MODES = ("tp2-sp", "consolidate-tp2-sp")
 
 
@@ -127,14 +129,14 @@ class _SubNormAttention(nn.Module):
 
 
 def test_only_an_rms_norm_feeding_the_row_projection_is_a_split_norm():
-    """A LayerNorm (a mean to subtract, a bias) or an RMSNorm of another width stays refused inside attention."""
+    """A LayerNorm (a mean to subtract, a bias) or an RMSNorm of another width is no split norm."""
     from transformers.models.bitnet.modeling_bitnet import BitNetRMSNorm
 
     assert split_sub_norm(_SubNormAttention(BitNetRMSNorm(8)), "sub_norm", "o_proj")
     assert not split_sub_norm(_SubNormAttention(nn.LayerNorm(8)), "sub_norm", "o_proj")
     assert not split_sub_norm(_SubNormAttention(BitNetRMSNorm(4)), "sub_norm", "o_proj")
-    refusal = derive(plait_tiny_config("lfm3")).tp  # a replicated g_proj inside attention: still refused
-    assert isinstance(refusal, Refusal) and "g_proj: a replicated module inside attention" in str(refusal)
+    lfm3 = next(r for r in derive(plait_tiny_config("lfm3")).tp.rules if r.pattern.endswith("self_attn"))
+    assert lfm3.head_columns == ("g_proj",)  # one sigmoid gate per head: split with the heads, not a stray module
 
 
 class _Wrapper(nn.Module):

@@ -244,13 +244,15 @@ def split_sub_norm(block: nn.Module, child: str, consumer: str) -> bool:
 def _output_gates(block: nn.Module, source: str, projections: set[str]) -> list[str]:
     """Linear children of an attention block whose output, read from the block's input, multiplies the attention
     output through a sigmoid (AFMoE: ``gate_states = self.gate_proj(hidden_states)`` ...
-    ``output * torch.sigmoid(gate_states)``): elementwise per head, so split with the q heads."""
+    ``output * torch.sigmoid(gate_states)``; LFM3: ``attn_output * torch.sigmoid(self.g_proj(hidden_states))
+    .unsqueeze(-1)``, one gate per head): elementwise per head, so split with the q heads."""
     gates = []
     for child, module in block.named_children():
         if child in projections or not isinstance(module, nn.Linear):
             continue
         read = re.search(rf"(\w+) = self\.{child}\(hidden_states\)", source)
-        if read and f"* torch.sigmoid({read.group(1)}" in source:
+        if read and f"* torch.sigmoid({read.group(1)}" in source or \
+                f"* torch.sigmoid(self.{child}(hidden_states))" in source:
             gates.append(child)
     return gates
 
