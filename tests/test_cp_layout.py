@@ -94,6 +94,8 @@ def test_sinks_keep_all_to_all_out():
     ("transformers:bloom", {}, "transformer.h.0.self_attention (BloomAttention) computes attention itself, not through "
                                "transformers' attention functions"),
     ("transformers:gpt_neo", {}, "transformer.h.0.attn.attention (GPTNeoSelfAttention) computes attention itself"),
+    ("transformers:blt", {}, "model.local_encoder.cross_attn_layers.0 (BltCrossAttention) is cross-attention: its "
+                             "keys and values come from another sequence"),
 ])
 def test_what_cp_cannot_match_is_refused_naming_it(subject, overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -122,6 +122,13 @@ def _check_mixers(model: nn.Module, model_config: Any) -> None:
                 f"{name} ({type(module).__name__}) mixes the sequence without attention, which context "
                 f"parallelism cannot split exactly; use cp=1"
             )
+        if re.search(r"CrossAttention|CrossAttn", type(module).__name__) and any(
+                isinstance(m, nn.Linear) for m in module.children()):
+            raise ConfigError(
+                f"{name} ({type(module).__name__}) is cross-attention: its keys and values come from another "
+                f"sequence (BLT's patches, Mllama's image), under a mask the model builds itself, which context "
+                f"parallelism does not split; use cp=1"
+            )
         if _computes_attention_itself(module):
             raise ConfigError(
                 f"{name} ({type(module).__name__}) computes attention itself, not through transformers' attention "
