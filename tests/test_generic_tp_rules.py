@@ -8,6 +8,7 @@ round trip (the kit's 3 AdamW steps, fp32), and each refusing on the meta model 
   rank);
 - Moshi: q/k/v/o projections each wrapped in a module holding one Linear (``q_proj.linear``), which the wrapper's
   forward returns as is: the Linear is split, the block's input enters the region and holds the local head counts;
+  its gating MLP's fc1 output, viewed as gate | up halves, a FusedColumn;
 - LFM3: a gate per head read inline, ``attn_output * torch.sigmoid(self.g_proj(hidden_states)).unsqueeze(-1)``,
   split with the q heads as AFMoE's named one;
 - BitNet: RMSNorms over all heads' outputs before ``o_proj`` and over the gated product before ``down_proj``
@@ -25,7 +26,7 @@ from torch import nn
 
 from plait.testing.conformance_modes import LOSS_RTOL
 from plait.tp.sharding import TPSizeError
-from plait.tp.styles import HeadInterleavedAttention, SplitNorm
+from plait.tp.styles import FusedColumn, HeadInterleavedAttention, SplitNorm
 from plait_transformers import plait_tiny_config
 from plait_transformers_blocks import _check_one_input, _linear_path, split_sub_norm
 from plait_transformers_common import Refusal
@@ -164,6 +165,8 @@ def test_a_projection_wrapping_one_linear_is_split_as_that_linear():
     moshi = next(r for r in derive(plait_tiny_config("moshi")).tp.rules if r.pattern.endswith("self_attn"))
     assert (moshi.q, moshi.o) == ("q_proj.linear", "o_proj.linear")
     assert moshi.local_attrs["num_key_value_groups"] == "kv_groups"
+    mlp = {r.pattern: r for r in derive(plait_tiny_config("moshi")).tp.rules}["model.layers.*.mlp.fc1"]
+    assert isinstance(mlp, FusedColumn) and mlp.chunks == 2
     from plait.meta import build_meta_model
 
     model = build_meta_model(plait_tiny_config("moshi"))

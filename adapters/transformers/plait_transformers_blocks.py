@@ -332,11 +332,24 @@ def _fused_column(arch: str, name: str, block: nn.Module, child: str, styles: di
     Anything else gathered is refused: plait cannot tell which full-width op follows it."""
     rows = [c for c, style in styles.items() if GATHERED.get(style, style) == "rowwise"]
     fan_in = linear_shape(block.get_submodule(rows[0]))[0] if len(rows) == 1 else None
-    if "gate_up" in child and ".chunk(2" in inspect.getsource(type(block).forward) and \
-            out_features(block.get_submodule(child)) == 2 * (fan_in or -1):
+    source = inspect.getsource(type(block).forward)
+    halves = "gate_up" in child and ".chunk(2" in source or viewed_in_halves(source, child)
+    if halves and out_features(block.get_submodule(child)) == 2 * (fan_in or -1):
         return FusedColumn(name, chunks=2)
     raise refuse(arch, name, "transformers gathers this projection's output (colwise_gather_output) for an op over "
                              "the full width that plait does not know; it has no real split for it")
+
+
+def viewed_in_halves(source: str, child: str) -> bool:
+    """Whether a forward views ``child``'s output as two halves, gate and up, and multiplies them (Moshi's gating
+    MLP: ``x = self.fc1(x)``, ``x.view(batch_size, sequence_length, 2, -1)``,
+    ``self.activation_fn(x[..., 0, :]) * x[..., 1, :]``): a FusedColumn's matching slices of each half."""
+    read = re.search(rf"(\w+) = self\.{child}\(\w+\)", source)
+    if read is None:
+        return False
+    x = read.group(1)
+    return f"{x} = {x}.view(batch_size, sequence_length, 2, -1)" in source and \
+        re.search(rf"{x} = self\.\w+\({x}\[\.\.\., 0, :\]\) \* {x}\[\.\.\., 1, :\]", source) is not None
 
 
 def _fused_attention_rules(config, parent, block, styles, qkv: str, o: str) -> list[TPRule]:

@@ -14,11 +14,13 @@ decoder layer itself (OPT's ``fc1`` / ``fc2``); ``tp_plan`` and the conformance 
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 
 from plait.tp.sharding import linear_shape
 
-from plait_transformers_blocks import gated_mlp
+from plait_transformers_blocks import gated_mlp, viewed_in_halves
 from plait_transformers_common import is_attention, is_linear, own_params
 
 
@@ -41,6 +43,9 @@ def structural_tp_plan(model: nn.Module, layers: str | None) -> dict[str, str]:
 
 
 def _mlp_styles(block: nn.Module, hidden: int | None) -> dict[str, str]:
+    """A gated MLP's styles, or a two-linear one's: plain (hidden -> inner -> hidden), or with its first linear's
+    output gate | up viewed in halves (Moshi's fc1 -> 2 x inner, fc2 inner -> hidden: transformers' style for such a
+    fused projection, colwise_gather_output, which block_rules splits as FusedColumn)."""
     gated = gated_mlp(block)
     if gated is not None:
         gate, up, down = gated
@@ -51,6 +56,8 @@ def _mlp_styles(block: nn.Module, hidden: int | None) -> dict[str, str]:
     (first, up), (second, down) = with_params
     up_in, up_out, _ = linear_shape(up)
     down_in, down_out, _ = linear_shape(down)
-    if up_out != down_in or up_in != down_out or (hidden is not None and up_in != hidden):
+    if up_in != down_out or (hidden is not None and up_in != hidden):
         return {}
-    return {first: "colwise", second: "rowwise"}
+    if up_out == 2 * down_in and viewed_in_halves(inspect.getsource(type(block).forward), first):
+        return {first: "colwise_gather_output", second: "rowwise"}
+    return {first: "colwise", second: "rowwise"} if up_out == down_in else {}
