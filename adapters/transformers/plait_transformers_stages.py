@@ -166,7 +166,7 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     stage holds and runs on the token ids instead (``_every_stage``), as it does where the layers read the ids."""
     if layers is None:
         raise refuse(arch, type(model).__name__, NO_LAYERS)
-    outputs, none = _check_layer_inputs(model, arch, layers)
+    outputs, none, carried = _check_layer_inputs(model, arch, layers)
     _check_no_shared_parameters(model, arch, layers)
     _check_no_shared_keys_and_values(model, arch, layers)
     first: list[str] = []
@@ -194,7 +194,7 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     _check_no_side_inputs(model, arch, layers, neutralize, "only the first pipeline stage would hold it: use pp=1")
     return PipelinePlan(first=tuple(first), layers=layers, last=tuple(last), neutralize=tuple(neutralize),
                         layer_outputs=outputs, none_outputs=none, every_stage=tuple(every),
-                        token_ids=bool(every) or reads_ids)
+                        token_ids=bool(every) or reads_ids, carried=carried)
 
 
 def _check_no_shared_parameters(model: nn.Module, arch: str, layers: str) -> None:
@@ -578,28 +578,36 @@ def _cache_only(source: str, name: str, layer: str) -> bool:
     return bool(calls) and all(any(k.arg == "use_cache" for k in call.keywords) for call in calls)
 
 
-def _check_layer_inputs(model: nn.Module, arch: str, layers: str) -> tuple[int, tuple[int, ...]]:
-    """Pipeline stages hand on the hidden states alone. A decoder layer that needs another input the model
-    threads from layer to layer (Inkling2's ``block_states``, the outputs of earlier blocks) would get, on a
-    later stage, a value that never saw the earlier stage's layers: refused, not silently wrong. One the forward
-    builds before its loop over the layers (``_layer_call_inputs``) is built again by every stage. Returns how
-    many values each layer returns where the model unpacks them (``PipelinePlan.layer_outputs``), else 0, and
-    which of them are a cache threaded to the next layer that must be None (``PipelinePlan.none_outputs``)."""
+def _check_layer_inputs(
+    model: nn.Module, arch: str, layers: str,
+) -> tuple[int, tuple[int, ...], tuple[tuple[int, str], ...]]:
+    """Pipeline stages hand on the hidden states, and what a layer returns that the model hands to the next layer
+    by keyword (GLM-MoE-DSA's ``prev_topk_indices=topk_indices``: ``PipelinePlan.carried``). A decoder layer
+    that needs another input the model threads from layer to layer (Inkling2's ``block_states``, the outputs of
+    earlier blocks) would get, on a later stage, a value that never saw the earlier stage's layers: refused, not
+    silently wrong. One the forward builds before its loop over the layers (``_layer_call_inputs``) is built
+    again by every stage. Returns how many values each layer returns where the model unpacks them
+    (``PipelinePlan.layer_outputs``), else 0, which of them are a cache threaded to the next layer that must be
+    None (``PipelinePlan.none_outputs``), and the carried ones with their keywords."""
     parent = layers.rpartition(".")[0]
     source = inspect.getsource(type(model.get_submodule(parent) if parent else model).forward)
     loop = re.search(rf"for (?:\w+, )?(\w+) in (?:enumerate\()?self\.{layers.rpartition('.')[2]}\b", source)
     unpacked = loop and re.search(rf"(\w+(?:\s*,\s*\w+)+)\s*=\s*{loop.group(1)}\(", source)
-    outputs, none = 0, ()
+    outputs, none, carried = 0, (), ()
     if unpacked:
-        names = unpacked.group(1).replace(" ", "")
-        threaded = _threaded(source, loop.group(1), names.split(",")[1:])
-        if any(not _cache_only(source, name, loop.group(1)) for name in threaded):  # GlmMoeDsa's topk_indices
-            raise refuse(arch, layers, f"each layer returns {names}, which the model hands to the next layer; pipeline "
-                                       f"stages hand on only the hidden states: use pp=1")
+        names = unpacked.group(1).replace(" ", "").split(",")
+        threaded = _threaded(source, loop.group(1), names[1:])
+        caches = [name for name in threaded if _cache_only(source, name, loop.group(1))]
+        keywords = _keywords(source, loop.group(1), [name for name in threaded if name not in caches])
+        if None in keywords.values():
+            raise refuse(arch, layers, f"each layer returns {','.join(names)}, which the model hands to the next "
+                                       f"layer other than by keyword; pipeline stages hand on only the hidden states "
+                                       f"and keyword values: use pp=1")
         # Bamba's attention weights, only collected, and RWKV's state, None without use_cache: the stand-ins for
         # another stage's layers return as many values (the hidden states, then None), which the model unpacks
-        outputs = names.count(",") + 1
-        none = tuple(names.split(",").index(name) for name in threaded)
+        outputs = len(names)
+        none = tuple(names.index(name) for name in caches)
+        carried = tuple((names.index(name), keyword) for name, keyword in keywords.items())
     inputs = _layer_call_inputs(source, layers.rpartition(".")[2])
     for cls in dict.fromkeys(type(layer) for layer in model.get_submodule(layers)):
         params = list(inspect.signature(cls.forward).parameters.values())[2:]  # self, the hidden states
@@ -610,4 +618,18 @@ def _check_layer_inputs(model: nn.Module, arch: str, layers: str) -> tuple[int, 
             raise refuse(arch, layers, f"{cls.__name__}.forward takes {threaded} besides the hidden states, threaded "
                                        f"from layer to layer by the model; pipeline stages hand on only the hidden "
                                        f"states: use pp=1")
-    return outputs, none
+    return outputs, none, carried
+
+
+def _keywords(source: str, layer: str, names: list[str]) -> dict[str, str | None]:
+    """For each of ``names`` (values a layer returns and the model hands to the next layer): the keyword the
+    calls of ``layer`` pass it under (``prev_topk_indices=topk_indices``), or None where one passes it otherwise."""
+    calls = [n for n in ast.walk(ast.parse(textwrap.dedent(source)))
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == layer]
+    found: dict[str, str | None] = {}
+    for name in names:
+        keywords = {k.arg for call in calls for k in call.keywords
+                    if isinstance(k.value, ast.Name) and k.value.id == name and k.arg is not None}
+        positional = any(isinstance(a, ast.Name) and a.id == name for call in calls for a in call.args)
+        found[name] = keywords.pop() if len(keywords) == 1 and not positional else None
+    return found

@@ -87,7 +87,11 @@ class PipelinePlan:
     them as the first does, and their gradients (each stage's for its own layers) are summed over the
     pipeline. ``token_ids``: stages after the first run the model on the token ids too (every rank reads the
     same batch), not on a stand-in for the embeddings: ``every_stage`` modules or the layers read them
-    (DeepSeek-V4's hash routing). An input embedding not in ``every_stage`` then returns zeros there."""
+    (DeepSeek-V4's hash routing). An input embedding not in ``every_stage`` then returns zeros there.
+
+    ``carried``: (index in a layer's return, keyword of the next layer's call) of each value the model hands
+    from layer to layer beside the hidden states (GLM-MoE-DSA's top-k indices, ``prev_topk_indices``): a stage
+    sends its last layer's beside its hidden states, and the next stage's first layer gets it under that keyword."""
 
     first: tuple[str, ...]
     layers: str
@@ -97,3 +101,4 @@ class PipelinePlan:
     none_outputs: tuple[int, ...] = ()
     every_stage: tuple[str, ...] = ()
     token_ids: bool = False
+    carried: tuple[tuple[int, str], ...] = ()

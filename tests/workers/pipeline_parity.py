@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import (
     DeepseekV4Config, DeepseekV4ForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig, GPT2Config, GPT2LMHeadModel,
-    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+    HYV4Config, HYV4ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -70,6 +70,14 @@ def build(arch: str, attn: str = "sdpa", device: str = "cpu"):
                 index_head_dim=8, qk_rope_head_dim=4, mlp_layer_types=["hash_moe", "moe"] * 2,
                 layer_types=["heavily_compressed_attention", "compressed_sparse_attention"] * 2,
                 attn_implementation="eager", **TOKENS))  # its only one
+        if arch == "hy_v4":  # "shared" indexer layers reuse the previous layer's top-k indices (prev_topk_indices)
+            return HYV4ForCausalLM(HYV4Config(
+                vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=4, head_dim=4, max_position_embeddings=64,
+                n_routed_experts=4, num_experts_per_tok=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=4,
+                qk_rope_head_dim=4, v_head_dim=8, mlp_layer_types=["dense", "sparse"] * 2,
+                layer_types=["indexed_attention"] * 4, index_head_dim=8, index_n_heads=4,
+                indexer_types=["full", "shared"] * 2, attn_implementation="eager", **TOKENS))
     raise ValueError(arch)
 
 
@@ -251,6 +259,8 @@ CHECKS = {
         "gemma4-per-layer-inputs-interleaved-v2": (parity, "gemma4", {**PP2, "virtual_pipeline_size": 2,
                                                                      "pipeline_schedule": "interleaved-1f1b"}),
         "deepseek_v4-token-ids-1f1b": (parity, "deepseek_v4", PP2),
+        # cut before a "shared" layer: stage 1's first layer attends with the top-k indices stage 0's last chose
+        "hy_v4-carried-topk-1f1b": (parity, "hy_v4", {**PP2, "pipeline_cuts": ("model.layers.0",)}),
         "meta-llama": (meta_build, "llama", PP2),
         "refusals": (refusals,),
     },

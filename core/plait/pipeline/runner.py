@@ -64,8 +64,9 @@ class PipelineRunner:
         if key not in self._schedules:
             from torch.distributed import pipelining
 
+            stage_class = _shapes_marked(pipelining.PipelineStage)
             stages = [
-                pipelining.PipelineStage(chunk, stage, self.num_stages, device, group=self.mesh.pp_group)
+                stage_class(chunk, stage, self.num_stages, device, group=self.mesh.pp_group)
                 for chunk, stage in zip(self.chunks, self.stage_ids)
             ]
             name = self.config.pipeline_schedule
@@ -112,3 +113,20 @@ class PipelineRunner:
         else:
             total = torch.zeros((), dtype=self.loss_dtype, device=input_ids.device)
         return comm.broadcast(total, self.mesh.pp_group, src=self.mesh.pp - 1)
+
+
+def _shapes_marked(stage_class: type) -> type:
+    """``stage_class`` (torch's PipelineStage) telling its chunk when it runs a forward only to learn the shapes of
+    what stages send each other (torch's metadata inference, on received tensors left uninitialised): the chunk
+    then zero-fills the integer values carried between layers (top-k indices), whose garbage would index out of
+    bounds. Torch versions without that method never call the override."""
+
+    class ShapesMarked(stage_class):
+        def _forward_metadata_inference(self, *args, **kwargs):
+            self.submod.shapes_only = True
+            try:
+                return super()._forward_metadata_inference(*args, **kwargs)
+            finally:
+                self.submod.shapes_only = False
+
+    return ShapesMarked

@@ -231,10 +231,14 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 class StageChunk(nn.Module):
-    """One pipeline stage: ``forward(x, router_logits=None, attention_mask=None, position_ids=None,
-    token_ids=None)`` maps the previous stage's output (input ids on the first stage) to the next stage's input
-    (logits on the last stage). ``token_ids``: the microbatch's input ids, which every stage gets where the plan
-    says ``token_ids``; stages after the first then run the model on them.
+    """One pipeline stage: ``forward(x, *received, attention_mask=None, position_ids=None, token_ids=None)``
+    maps the previous stage's output (input ids on the first stage) to the next stage's input (logits on the
+    last stage). ``token_ids``: the microbatch's input ids, which every stage gets where the plan says
+    ``token_ids``; stages after the first then run the model on them.
+
+    Beside the hidden states a stage sends the values its last layer returns that the model hands to the next
+    layer (the plan's ``carried``: GLM-MoE-DSA's top-k indices), and the next stage's first layer gets them under
+    their keyword; then the router logits (below). ``received`` is those, in that order.
 
     ``seq_shards`` is how many sequence shards the hidden states between stages are cut into (tp under
     sequence parallelism, else 1). ``after_forward`` runs after every forward (it clears the TP entry cache);
@@ -258,10 +262,13 @@ class StageChunk(nn.Module):
         self.shell = shell(pruned, _replacements(pruned, split, [stage]))
         self.stage, self.seq_shards, self._after_forward = stage, seq_shards, after_forward
         self.is_first, self.is_last = stage == 0, stage == split.num_stages - 1
-        self.token_ids = split.plan.token_ids
+        self.token_ids, self.carried = split.plan.token_ids, split.plan.carried
         start, stop = split.bounds[stage]
         self._incoming: torch.Tensor | None = None
         self._outgoing: torch.Tensor | None = None
+        self._carried_in: dict[str, torch.Tensor] = {}  # keyword -> value, for this stage's first layer
+        self._carried_out: list[torch.Tensor] = []  # this stage's last layer's, to send on
+        self.shapes_only = False  # set by the runner while torch runs a forward to learn shapes (garbage inputs)
         self._seq = 0  # full sequence length of the running forward; 0 outside it (hooks stay inert)
         self.router_aux = router_aux(pruned)
         self._routers = RouterRecorder(self.shell) if self.router_aux is not None else None
@@ -277,9 +284,13 @@ class StageChunk(nn.Module):
         if not self.is_last:
             self.shell.get_submodule(split.layers[stop - 1]).register_forward_hook(self._take_out)
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                token_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, *received: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                token_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        carried = () if self.is_first else received[:len(self.carried)]
+        router_logits = received[len(carried)] if len(received) > len(carried) else None
+        self._carried_in = {keyword: _received(value, self.shapes_only)
+                            for (_, keyword), value in zip(self.carried, carried)}
         if self.cp is not None:
             whole = self.cp.forward(x.shape[0], position_ids.shape[1], attention_mask, position_ids, x.device)
             with whole as local:
@@ -288,7 +299,7 @@ class StageChunk(nn.Module):
 
     def _forward(self, x: torch.Tensor, router_logits: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None,
-                 token_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 token_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
@@ -315,32 +326,56 @@ class StageChunk(nn.Module):
                 if self.is_last and self.router_aux is not None:  # in the forward's context, as the CausalLM's
                     aux = self.router_aux.term(tuple(routers), attention_mask)
         finally:
-            self._incoming, self._seq = None, 0
+            self._incoming, self._seq, self._carried_in = None, 0, {}
             self._after_forward()
         if self.is_last:
             logits = output.logits if hasattr(output, "logits") else output[0]
             return logits if self.router_aux is None else (logits, aux)
         result, self._outgoing = self._outgoing, None
-        result = result.contiguous()  # sent to the next stage: dense, whatever view the last layer returned
-        return (result, torch.stack(routers)) if routers else result
+        carried, self._carried_out = self._carried_out, []
+        # sent to the next stage: dense, whatever views the last layer returned
+        sent = [result.contiguous(), *(value.contiguous() for value in carried)]
+        if routers:
+            sent.append(torch.stack(routers))
+        return tuple(sent) if len(sent) > 1 else sent[0]
 
     def _swap_in(self, module, args, kwargs):
         if self._incoming is None:
             return None
         if args:
-            return (self._incoming, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": self._incoming}
+            return (self._incoming, *args[1:]), {**kwargs, **self._carried_in}
+        return args, {**kwargs, "hidden_states": self._incoming, **self._carried_in}
 
     def _take_out(self, module, args, output):
         if self._seq == 0:
             return None
         hidden = output if isinstance(output, torch.Tensor) else output[0]
         self._outgoing = hidden
+        self._carried_out = [_carried_value(module, output, index, keyword) for index, keyword in self.carried]
         # the full sequence's shape: under SP the hidden states are [batch, seq / shards, hidden]; Gemma-3n's
         # hold several streams ([streams, batch, seq, hidden]), whole without SP
         shape = hidden.shape if self.seq_shards == 1 else (hidden.shape[0], self._seq, hidden.shape[-1])
         stand_in = hidden.new_zeros(()).expand(shape)
         return stand_in if isinstance(output, torch.Tensor) else (stand_in, *output[1:])
+
+
+def _received(value: torch.Tensor, shapes_only: bool) -> torch.Tensor:
+    """A carried value as the first layer gets it: floating ones through ``_ContiguousGrad`` (their gradient is
+    sent back), integer ones as they are, or zeros while only shapes are learnt (indices must stay in bounds)."""
+    if value.is_floating_point():
+        return _ContiguousGrad.apply(value)
+    return torch.zeros_like(value) if shapes_only else value
+
+
+def _carried_value(layer: nn.Module, output, index: int, keyword: str) -> torch.Tensor:
+    """Entry ``index`` of a layer's ``output``, which the model hands to the next layer as ``keyword``: a tensor,
+    or the stage could not send it."""
+    value = output[index] if isinstance(output, (tuple, list)) and len(output) > index else None
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(
+            f"{type(layer).__name__} returned {type(value).__name__} in entry {index} of its output, which the model "
+            f"hands to the next layer as {keyword}; pipeline stages hand on tensors only: use pp=1")
+    return value
 
 
 def is_placeholder(module: nn.Module) -> bool:
