@@ -15,8 +15,8 @@ round trip (the kit's 3 AdamW steps, fp32), and each refusing on the meta model 
   (``attn_sub_norm``, ``ffn_sub_norm``), split with their features, the sum of squares all-reduced (SplitNorm).
 
 One launch of 2 ranks runs every pair, in float64: BitNet's norms compute in float32 whatever the model's dtype
-(transformers' and SplitRMSNorm alike), so in fp32 its step 2 is reordering noise Adam amplifies (3x tolerance, as LFM3's);
-in float64 everything else shrinks to 1e-16 and a mis-split layer still stays off by 1e-4.
+(transformers' and SplitRMSNorm alike), so in fp32 its step 2 is reordering noise Adam amplifies (3x tolerance, as
+LFM3's); in float64 everything else shrinks to 1e-16 and a mis-split layer still stays off by 1e-4.
 """
 
 from __future__ import annotations
@@ -87,10 +87,20 @@ def test_projections_reading_other_arguments_need_one_tensor_passed(layer, refus
     model.config = type("Config", (), {"model_type": "toy"})()
     check = lambda: _check_one_input(model, "0.attn", "*.attn", model[0].attn, ["Wq", "Wk", "Wv"])  # noqa: E731
     if refused:
-        with pytest.raises(Refusal, match=r"toy: \*\.attn: its projections read the forward arguments \['v', 'k', 'q'\]"):
+        with pytest.raises(Refusal, match=r"toy: \*\.attn: its projections read the forward arguments \['v', 'k', "
+                                          r"'q'\]"):
             check()
     else:
         check()
+
+
+def test_cross_attention_on_another_input_is_refused():
+    """Mllama's cross-attention layers project the image states (a forward argument of their own, replicated, not
+    on sequence shards): their gradient would not be summed over tp. Refused, as context parallelism refuses them."""
+    refusal = derive(plait_tiny_config("mllama")).tp
+    assert isinstance(refusal, Refusal)
+    assert "cross_attn: its projections read the forward arguments ['hidden_states', 'cross_attention_states']" in \
+        str(refusal)
 
 
 def test_ctrl_and_codegen_attention_are_split_by_heads():
