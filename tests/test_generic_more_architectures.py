@@ -150,9 +150,14 @@ def test_per_layer_embeddings_are_held_by_every_stage(arch, prefix):
     assert plan.neutralize == ()
 
 
-@pytest.mark.parametrize("plan, words", [("pipeline", "use pp=1"), ("sp", "disable sequence parallelism")])
-def test_a_module_with_parameters_feeding_the_layers_beside_the_hidden_states_is_refused(plan, words):
-    refusal = getattr(derive(plait_tiny_config("cpmant")), plan)  # CPM-Ant's relative position bias
+def test_a_module_with_parameters_feeding_the_layers_beside_the_hidden_states():
+    """CPM-Ant's relative position bias, handed to the encoder beside the hidden states: every pipeline stage holds
+    it and computes it from the batch; on sequence shards its gradient would cover one shard only: refused."""
+    derived = derive(plait_tiny_config("cpmant"))
+    assert derived.pipeline.every_stage == ("cpmant.position_bias",) and derived.pipeline.token_ids
+    assert derived.pipeline.layer_outputs == 2  # layer_outputs = layer(...); hidden_states, attn_weights = layer_outputs
+    refusal = derived.sp
     assert isinstance(refusal, Refusal) and "\n" not in str(refusal)
     assert str(refusal).startswith("cpmant: cpmant.position_bias: has parameters and its output (position_bias) goes "
-                                   "to the layers beside the hidden states") and str(refusal).endswith(words)
+                                   "to the layers beside the hidden states")
+    assert str(refusal).endswith("disable sequence parallelism")

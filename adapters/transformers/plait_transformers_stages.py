@@ -213,7 +213,8 @@ def _check_no_shared_keys_and_values(model: nn.Module, arch: str, layers: str) -
     """Gemma-3n's and Gemma-4's last ``config.num_kv_shared_layers`` layers attend with the keys and values of an
     earlier layer, handed to them in ``shared_kv_states`` (a mapping every layer gets, which the forward builds
     before its loop): on a later stage than that layer they would find none. Refused where any layer reuses them."""
-    shared = getattr(model.config.get_text_config(), "num_kv_shared_layers", 0) or 0
+    config = getattr(model, "config", None)
+    shared = getattr(config.get_text_config(), "num_kv_shared_layers", 0) if config is not None else 0
     parent = layers.rpartition(".")[0]
     source = _source(type(model.get_submodule(parent) if parent else model).forward)
     if shared and "shared_kv_states=" in source:
@@ -372,16 +373,29 @@ def _uses(owner: type, source: str, child: str) -> list[int]:
 
 
 def _every_stage(model: nn.Module, layers: str, first: list[str]) -> tuple[list[str], bool]:
-    """The modules of ``first`` beside the layer list with parameters whose output reaches the layers other than
-    as the hidden states (Gemma's per-layer embeddings and projection, CPM-Ant's position bias), and, for those,
-    the modules whose output they read (Gemma's input embedding, which the projection reads). They run before
-    any layer, so on the batch alone: every pipeline stage can compute them as the first does, if it holds them
-    (``PipelinePlan.every_stage``). Found by following the forward's names from the calls of those modules to
-    the layer call (flow-insensitively: a name gets whatever any assignment to it reads, which can only add
-    modules); the inputs every stage rebuilds (``STAGE_BUILT``) and the hidden states do not count. Also
-    whether the layers get the forward's ``input_ids`` (DeepSeek-V4's hash routing, Qwen4-Exp's per-layer
-    embeddings): every stage then runs the model on the token ids (``PipelinePlan.token_ids``)."""
-    parent = layers.rpartition(".")[0]
+    """The modules of ``first`` with parameters whose output reaches the layers other than as the hidden states
+    (Gemma's per-layer embeddings and projection, CPM-Ant's position bias, handed to the block holding the
+    layers), and, for those, the modules whose output they read (Gemma's input embedding, which the projection
+    reads). They run before any layer, so on the batch alone: every pipeline stage can compute them as the first
+    does, if it holds them (``PipelinePlan.every_stage``). Found at each module holding the layer list
+    (``_every_stage_at``). Also whether the layers get the forward's ``input_ids`` (DeepSeek-V4's hash routing,
+    Qwen4-Exp's per-layer embeddings): every stage then runs the model on the token ids (``PipelinePlan.token_ids``)."""
+    every, reads_ids = _every_stage_at(model, layers, first, _layer_params(model, layers))
+    path = layers.rpartition(".")[0]
+    while path:  # the blocks holding the layers: their own inputs besides the hidden states
+        params = list(inspect.signature(type(model.get_submodule(path)).forward).parameters)[1:]
+        every += _every_stage_at(model, path, first, params)[0]  # the ids they get are the model's own input
+        path = path.rpartition(".")[0]
+    return every, reads_ids
+
+
+def _every_stage_at(model: nn.Module, path: str, first: list[str], params: list[str]) -> tuple[list[str], bool]:
+    """``_every_stage`` in the forward of the parent of ``path`` (the layer list, or a block holding it), whose
+    calls of ``path`` (of each layer, for the list) take ``params``: the names followed from the calls of the
+    parent's children in ``first`` to those calls (flow-insensitively: a name gets whatever any assignment to it
+    reads, which can only add modules); the inputs every stage rebuilds (``STAGE_BUILT``) and the hidden states
+    do not count. Also whether those calls read the forward's ``input_ids``."""
+    parent = path.rpartition(".")[0]
     owner = type(model.get_submodule(parent) if parent else model)
     source = _source(owner.forward)
     if not source:
@@ -394,12 +408,11 @@ def _every_stage(model: nn.Module, layers: str, first: list[str]) -> tuple[list[
         called[child].add(child)
         for method in _users(owner, child):
             called[method].add(child)
-    layer_calls = _calls_of(tree, layers.rpartition(".")[2])
-    taint = _taint(tree, called, layer_calls)
-    layer_params = _layer_params(model, layers)
+    calls = _calls_of(tree, path.rpartition(".")[2])
+    taint = _taint(tree, called, calls)
     side = set()
-    for call in layer_calls:
-        named = [(layer_params[i] if i < len(layer_params) else None, a) for i, a in enumerate(call.args)][1:]
+    for call in calls:
+        named = [(params[i] if i < len(params) else None, a) for i, a in enumerate(call.args)][1:]
         named += [(k.arg, k.value) for k in call.keywords]
         side |= {c for name, value in named if name not in (*STAGE_BUILT, *HIDDEN_ARGUMENTS)
                  for c in _sources(value, taint, called)}
@@ -592,10 +605,10 @@ def _check_layer_inputs(
     parent = layers.rpartition(".")[0]
     source = inspect.getsource(type(model.get_submodule(parent) if parent else model).forward)
     loop = re.search(rf"for (?:\w+, )?(\w+) in (?:enumerate\()?self\.{layers.rpartition('.')[2]}\b", source)
-    unpacked = loop and re.search(rf"(\w+(?:\s*,\s*\w+)+)\s*=\s*{loop.group(1)}\(", source)
+    unpacked = loop and _unpacked(source, loop.group(1))
     outputs, none, carried = 0, (), ()
     if unpacked:
-        names = unpacked.group(1).replace(" ", "").split(",")
+        names = unpacked.replace(" ", "").split(",")
         threaded = _threaded(source, loop.group(1), names[1:])
         caches = [name for name in threaded if _cache_only(source, name, loop.group(1))]
         keywords = _keywords(source, loop.group(1), [name for name in threaded if name not in caches])
@@ -619,6 +632,18 @@ def _check_layer_inputs(
                                        f"from layer to layer by the model; pipeline stages hand on only the hidden "
                                        f"states: use pp=1")
     return outputs, none, carried
+
+
+def _unpacked(source: str, layer: str) -> str | None:
+    """The names the model unpacks a call of ``layer`` into (``hidden_states, attn_weights``), directly or from the
+    name it assigns the call to (CPM-Ant's ``layer_outputs = layer(...)``, then ``hidden_states, attn_weights =
+    layer_outputs``); None where it takes one value or indexes it."""
+    direct = re.search(rf"(\w+(?:\s*,\s*\w+)+)\s*=\s*{layer}\(", source)
+    if direct:
+        return direct.group(1)
+    named = re.search(rf"(\w+)\s*=\s*{layer}\(", source)
+    later = named and re.search(rf"(\w+(?:\s*,\s*\w+)+)\s*=\s*{named.group(1)}\s*$", source, re.MULTILINE)
+    return later.group(1) if later else None
 
 
 def _keywords(source: str, layer: str, names: list[str]) -> dict[str, str | None]:
