@@ -39,9 +39,7 @@ ARCHITECTURES = ("bert-generation", "biogpt", "ctrl", "git", "openai-gpt", "xglm
                  "falcon_h1", "bamba", "recurrent_gemma", "zamba", "zamba2", "modernbert-decoder", "phi4_multimodal",
                  "llama4", "qwen3_5", "qwen3_5_moe", "gemma3", "fuyu", "got_ocr2", "moss_transcribe_diarize", "rwkv")
 MODES = ("zero1-dp2", "pp2-1f1b", "tp2-sp")
-SHARED = "(shared by several layers); pipeline stages cannot share it"
 SKIPPED = {
-    ("zamba", "pp2-1f1b"): SHARED, ("zamba2", "pp2-1f1b"): SHARED,  # one transformer block called from many layers
     ("zamba", "tp2-sp"): "a Linear directly on the decoder layer that no rule splits",
     ("zamba2", "tp2-sp"): "a Linear directly on the decoder layer that no rule splits",
     ("xlnet", "pp2-1f1b"): "takes ['output_g'] besides the hidden states",

@@ -167,7 +167,6 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     if layers is None:
         raise refuse(arch, type(model).__name__, NO_LAYERS)
     outputs, none, carried = _check_layer_inputs(model, arch, layers)
-    _check_no_shared_parameters(model, arch, layers)
     _check_no_shared_keys_and_values(model, arch, layers)
     first: list[str] = []
     last: list[str] = []
@@ -195,18 +194,6 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     return PipelinePlan(first=tuple(first), layers=layers, last=tuple(last), neutralize=tuple(neutralize),
                         layer_outputs=outputs, none_outputs=none, every_stage=tuple(every),
                         token_ids=bool(every) or reads_ids, carried=carried)
-
-
-def _check_no_shared_parameters(model: nn.Module, arch: str, layers: str) -> None:
-    """Layers that share parameters (Zamba's one transformer block, called from several of its layers) would hold
-    them on several pipeline stages, each training its own copy: refused."""
-    owner: dict[int, str] = {}
-    for index, layer in enumerate(model.get_submodule(layers)):
-        for name, param in layer.named_parameters():
-            first = owner.setdefault(id(param), f"{layers}.{index}.{name}")
-            if not first.startswith(f"{layers}.{index}."):
-                raise refuse(arch, f"{layers}.{index}.{name}", f"is the same parameter as {first} (shared by several "
-                                                               f"layers); pipeline stages cannot share it: use pp=1")
 
 
 def _check_no_shared_keys_and_values(model: nn.Module, arch: str, layers: str) -> None:

@@ -79,6 +79,21 @@ def sum_grads(
             unflatten(flat, bucket)
 
 
+def sum_copies(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    """``sum_grads`` over copies of parameters that several ranks hold (tied weights, every-stage modules,
+    Zamba2's shared block). A copy its rank's forward never used has no gradient: it counts as zeros where another
+    rank's copy has one (so every rank flattens the same tensors), and stays None where none has (the optimizer
+    then skips it, as it would on one process)."""
+    if comm.trivial(group) or not params:
+        return
+    used = torch.tensor([float(grad_of(p) is not None) for p in params], device=params[0].device)
+    comm.all_reduce(used, group)
+    for param, count in zip(params, used.tolist()):
+        if count and grad_of(param) is None:
+            param.grad = torch.zeros_like(param)
+    sum_grads(params, group)
+
+
 def buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> Iterable[list[torch.Tensor]]:
     """Consecutive groups of ``tensors`` of at least ``bucket_bytes`` each (the last may be smaller)."""
     bucket: list[torch.Tensor] = []
@@ -138,9 +153,9 @@ class GradSync:
         for group, params in self.shared.items():
             sum_grads(params, group)
         if self.tied:
-            sum_grads(self.tied, self.ends_group)
+            sum_copies(self.tied, self.ends_group)
         if self.replicated:
-            sum_grads(self.replicated, self.mesh.pp_group)
+            sum_copies(self.replicated, self.mesh.pp_group)
 
     def data_parallel(
         self, params: list[nn.Parameter] | None = None, bucket_bytes: int = BUCKET_BYTES,

@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import (
     DeepseekV4Config, DeepseekV4ForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig, GPT2Config, GPT2LMHeadModel,
-    HYV4Config, HYV4ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+    HYV4Config, HYV4ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Zamba2Config,
+    Zamba2ForCausalLM,
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -78,6 +79,13 @@ def build(arch: str, attn: str = "sdpa", device: str = "cpu"):
                 qk_rope_head_dim=4, v_head_dim=8, mlp_layer_types=["dense", "sparse"] * 2,
                 layer_types=["indexed_attention"] * 4, index_head_dim=8, index_n_heads=4,
                 indexer_types=["full", "shared"] * 2, attn_implementation="eager", **TOKENS))
+        if arch == "zamba2":  # one transformer block shared by layers 1 and 3, with a LoRA adapter per use
+            return Zamba2ForCausalLM(Zamba2Config(
+                vocab_size=VOCAB, max_position_embeddings=64, hidden_size=32, num_hidden_layers=4,
+                layers_block_type=["linear_attention", "hybrid"] * 2, mamba_d_state=8, intermediate_size=64,
+                num_attention_heads=4, num_key_value_heads=2, attention_hidden_size=64, attention_head_dim=8,
+                mamba_headdim=8, kv_channels=8, num_query_groups=4, hybrid_layer_ids=[1, 3], attn_implementation=attn,
+                **TOKENS))
     raise ValueError(arch)
 
 
@@ -261,6 +269,8 @@ CHECKS = {
         "deepseek_v4-token-ids-1f1b": (parity, "deepseek_v4", PP2),
         # cut before a "shared" layer: stage 1's first layer attends with the top-k indices stage 0's last chose
         "hy_v4-carried-topk-1f1b": (parity, "hy_v4", {**PP2, "pipeline_cuts": ("model.layers.0",)}),
+        # the shared block on both stages, each stage's adapter unused on the other: summed as tied copies
+        "zamba2-shared-block-1f1b": (parity, "zamba2", PP2),
         "meta-llama": (meta_build, "llama", PP2),
         "refusals": (refusals,),
     },
