@@ -9,9 +9,10 @@ A vocab-parallel embedding all-reduces its output; a vocab-parallel head all-red
 Activation checkpointing repeats a layer's forward collectives in backward, all but its last row-parallel one.
 Pipeline (per micro-step): each micro-batch's hidden states cross every stage boundary forward and their
 gradient backward; the loss is broadcast from the last stage; tied embeddings sum their gradient over the
-pipeline ends once per step, the modules every stage holds (``every_stage``) over the pipeline. Context parallelism (group "cp", per micro-step): each rank's tensors above
-are those of its S/cp tokens, and every decoder layer's attention moves q, k, v and the output by
-all-to-all, or k and v (and their gradients) around the ring (``context_parallel`` has the formulas).
+pipeline ends once per step, the modules every stage holds (``every_stage``) over the pipeline. Context
+parallelism (group "cp", per micro-step): each rank's tensors above are those of its S/cp tokens, and every
+decoder layer's attention moves q, k, v and the output by all-to-all, or k and v (and their gradients) around
+the ring (``context_parallel`` has the formulas).
 Routed experts under tp (per micro-step): each experts module is a tp region entered and left like a row
 linear's column region, and its routing weights enter too (their gradient all-reduced without SP; under SP the
 expert indices and weights all-gathered, again when recomputed, and the weights' gradient reduce-scattered).
