@@ -29,6 +29,8 @@ from __future__ import annotations
 import pytest
 
 from plait.testing.conformance_modes import LOSS_RTOL
+import plait_transformers_derive
+import plait_transformers_stages
 from plait_transformers import plait_tiny_config
 from plait_transformers_common import Refusal
 from plait_transformers_derive import derive
@@ -76,13 +78,17 @@ def test_decoder_layers_are_found_in_the_module_tree_where_transformers_declares
     assert derive(plait_tiny_config("openai-gpt")).sp.end == "transformer.h.3"  # no final norm: the last layer
 
 
-def test_an_mlp_on_the_decoder_layer_is_split_whole_or_flattened_to_tokens():
+def test_an_mlp_on_the_decoder_layer_is_split_whole_or_flattened_to_tokens(monkeypatch):
     """OPT flattens the hidden states to [tokens, hidden] before fc1: the sequence gather and reduce-scatter work
-    on the tokens (the second-to-last dimension), so it splits as XGLM's. Its final norm, registered before its
-    layers, is one the sequence-parallel region does not end at: SP refused for that, not for the MLP."""
+    on the tokens (the second-to-last dimension), so it splits as XGLM's. Its final norm is registered before its
+    layers and run after them: the sequence-parallel region ends at it. Were it missed (the region ending at the
+    last layer), SP would be refused, not run with the norm's gradient one vocab shard's."""
     for arch, layers in (("xglm", "model.layers"), ("opt", "model.decoder.layers")):
         rules = {type(r).__name__ + ":" + r.pattern for r in derive(plait_tiny_config(arch)).tp.rules}
         assert {f"Column:{layers}.*.fc1", f"Row:{layers}.*.fc2"} <= rules
+    assert derive(plait_tiny_config("opt")).sp.end == "model.decoder.final_layer_norm"
+    monkeypatch.setattr(plait_transformers_stages, "_final_norm", lambda model, layers: None)
+    monkeypatch.setattr(plait_transformers_derive, "_CACHE", {})
     refusal = derive(plait_tiny_config("opt")).sp
     assert isinstance(refusal, Refusal)
     assert str(refusal).startswith("opt: model.decoder.final_layer_norm: a norm beside the layers that the "

@@ -139,7 +139,8 @@ def in_moe_block(model: nn.Module, name: str, moe_blocks: set[str], experts: set
 
 def _final_norm(model: nn.Module, layers: str) -> str | None:
     """The module the pp plan runs right after the layers (the final norm), else the next one registered whose
-    class is a norm; None for a model without one (post-norm layers: BERT, GPT-1)."""
+    class is a norm, else a norm registered before the layers that the forward calls after its layer loop (OPT's
+    ``final_layer_norm``); None for a model without one (post-norm layers: BERT, GPT-1)."""
     plan = list(model.pp_plan or {})
     parent = layers.rpartition(".")[0]
     if layers in plan:
@@ -150,6 +151,12 @@ def _final_norm(model: nn.Module, layers: str) -> str | None:
     for child in names[names.index(layers.rpartition(".")[2]) + 1:]:
         name = f"{parent}.{child}" if parent else child
         if "norm" in type(model.get_submodule(name)).__name__.lower():
+            return name
+    source = inspect.getsource(type(model.get_submodule(parent) if parent else model).forward)
+    loop = source.find(f"self.{layers.rpartition('.')[2]}")
+    for child in names:
+        name = f"{parent}.{child}" if parent else child
+        if "norm" in type(model.get_submodule(name)).__name__.lower() and source.rfind(f"self.{child}(") > loop >= 0:
             return name
     return None
 
