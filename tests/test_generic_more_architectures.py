@@ -165,3 +165,16 @@ def test_a_module_with_parameters_feeding_the_layers_beside_the_hidden_states():
     assert str(refusal).startswith("cpmant: cpmant.position_bias: has parameters and its output (position_bias) goes "
                                    "to the layers beside the hidden states")
     assert str(refusal).endswith("disable sequence parallelism")
+
+
+def test_layers_run_several_times_per_forward_are_refused_for_pipeline_stages():
+    """Dory runs its middle layers n_recurrent_loops times (a loop over a slice of the layer list inside another
+    loop): stages that ran each layer once would be a different model (the sweep measured pp2 4e3x over tolerance
+    before this refusal). xLSTM's loop over its blocks inside a chunk loop runs under torch.no_grad() only
+    (inference prefill), so its stages stand."""
+    refusal = derive(plait_tiny_config("dory")).pipeline
+    assert isinstance(refusal, Refusal)
+    assert str(refusal) == ("dory: model.layers: DoryModel.forward runs `self.layers[recurrent_start:recurrent_end]` "
+                            "inside another loop, so some layers run several times per forward; pipeline stages run "
+                            "each layer once: use pp=1")
+    assert derive(plait_tiny_config("xlstm")).pipeline.layers == "backbone.blocks"

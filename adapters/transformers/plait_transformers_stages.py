@@ -101,6 +101,30 @@ def _check_layers_run_once(model: nn.Module, arch: str, layers: str) -> None:
                                    f"layer would split the sequence again on each run: disable sequence parallelism")
 
 
+def _check_each_layer_runs_once(model: nn.Module, arch: str, layers: str) -> None:
+    """A stage runs each of its layers once per micro-batch: a forward that loops over the layer list (or a slice
+    of it) inside another loop (Dory's recurrent middle layers, run ``n_recurrent_loops`` times) would be cut into
+    stages that run them once, a different model. Loops under ``torch.no_grad()`` are inference paths (xLSTM's
+    chunked prefill), not what training runs."""
+    parent, _, leaf = layers.rpartition(".")
+    holder = model.get_submodule(parent) if parent else model
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(holder).forward)))
+    except (OSError, TypeError):
+        return
+    inference = {id(node) for block in ast.walk(tree) if isinstance(block, ast.With)
+                 and any("no_grad" in ast.unparse(item.context_expr) for item in block.items)
+                 for node in ast.walk(block)}
+    for outer in ast.walk(tree):
+        if not isinstance(outer, (ast.For, ast.While)) or id(outer) in inference:
+            continue
+        for inner in ast.walk(outer):
+            if inner is not outer and isinstance(inner, ast.For) and f"self.{leaf}" in ast.unparse(inner.iter):
+                raise refuse(arch, layers, f"{type(holder).__name__}.forward runs `{ast.unparse(inner.iter)}` inside "
+                                           f"another loop, so some layers run several times per forward; pipeline "
+                                           f"stages run each layer once: use pp=1")
+
+
 def _region_end(model: nn.Module, arch: str, layers: str, norm: str | None) -> str:
     """Where the sequence-parallel region ends: at the final norm's output, unless the forward also calls that
     norm before the layers (NanoChat normalises the embeddings with it), where the gather at its output would
@@ -173,6 +197,7 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     stage holds and runs on the token ids instead (``_every_stage``), as it does where the layers read the ids."""
     if layers is None:
         raise refuse(arch, type(model).__name__, NO_LAYERS)
+    _check_each_layer_runs_once(model, arch, layers)
     outputs, none, carried = _check_layer_inputs(model, arch, layers)
     _check_no_shared_keys_and_values(model, arch, layers)
     first: list[str] = []
