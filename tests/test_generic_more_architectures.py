@@ -178,3 +178,12 @@ def test_layers_run_several_times_per_forward_are_refused_for_pipeline_stages():
                             "inside another loop, so some layers run several times per forward; pipeline stages run "
                             "each layer once: use pp=1")
     assert derive(plait_tiny_config("xlstm")).pipeline.layers == "backbone.blocks"
+
+
+def test_a_module_handed_to_a_function_is_refused_for_pipeline_stages():
+    """BLT hands its hash embeddings to ``compute_hash_embeddings`` instead of calling them: stages are cut in the
+    order the forward calls modules, so it had no place (the sweep's pp2 failed at the first forward)."""
+    refusal = derive(plait_tiny_config("blt")).pipeline
+    assert isinstance(refusal, Refusal)
+    assert str(refusal) == ("blt: model.encoder_hash_tok_embedding: BltModel.forward hands it to a function instead of "
+                            "calling it, so plait cannot tell which pipeline stage runs it: use pp=1")

@@ -125,6 +125,26 @@ def _check_each_layer_runs_once(model: nn.Module, arch: str, layers: str) -> Non
                                            f"stages run each layer once: use pp=1")
 
 
+def _check_children_called(model: nn.Module, arch: str, path: str) -> None:
+    """Stages are cut in the order the forward calls the modules beside ``path``: a module with parameters that the
+    forward hands to a function instead of calling (BLT's hash embeddings, passed to ``compute_hash_embeddings``)
+    has no place in that order, and a stage without it would fail at its first forward."""
+    parent = path.rpartition(".")[0]
+    holder = model.get_submodule(parent) if parent else model
+    try:
+        source = inspect.getsource(type(holder).forward)
+    except (OSError, TypeError):
+        return
+    for child, module in holder.named_children():
+        if child == path.rpartition(".")[2]:
+            continue  # the layer list (or the module holding it): looped over, zipped, sliced
+        used = re.findall(rf"self\.{re.escape(child)}\b(.?)", source)
+        if own_params_deep(module) and used and not any(after in "(.[" and after for after in used):
+            name = f"{parent}.{child}" if parent else child
+            raise refuse(arch, name, f"{type(holder).__name__}.forward hands it to a function instead of calling it, "
+                                     f"so plait cannot tell which pipeline stage runs it: use pp=1")
+
+
 def _region_end(model: nn.Module, arch: str, layers: str, norm: str | None) -> str:
     """Where the sequence-parallel region ends: at the final norm's output, unless the forward also calls that
     norm before the layers (NanoChat normalises the embeddings with it), where the gather at its output would
@@ -205,6 +225,7 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     unused: list[str] = []
     path = layers
     while True:  # the layer list, then each module holding it, up to the model's child
+        _check_children_called(model, arch, path)
         before, after, idle = _around(model, arch, path)
         first, last, unused = before + first, last + after, unused + idle
         if path.count(".") <= 1:
