@@ -111,8 +111,10 @@ def file_with(name: str, text: str, flag: str):
 
 
 FOUR_LAYERS = model(num_hidden_layers=4)
-OPT_CONFIG = ('{"model_type": "opt", "vocab_size": 61, "hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2, '
-              '"num_attention_heads": 4, "max_position_embeddings": 64, "word_embed_proj_dim": 32}')
+# Differential attention: its lambda parameters are shared by all heads, which transformers' plan does not split
+DIFFLLAMA_CONFIG = ('{"model_type": "diffllama", "vocab_size": 61, "hidden_size": 32, "intermediate_size": 64, '
+                    '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, '
+                    '"max_position_embeddings": 64}')
 
 # (id, flags, setup(monkeypatch, tmp_path) -> more flags, substring of the message)
 CASES = [
@@ -154,8 +156,9 @@ CASES = [
      "world size 3 is not divisible by tp*pp = 2*1 = 2"),
     ("layout_larger_than_world", ["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2", "--num_microbatches",
                                   "2"], world_size(2), "world size 2 is not divisible by tp*pp = 2*2 = 4"),
-    ("tp_plan_refused", ["--tensor_parallel_size", "2"], file_with("config.json", OPT_CONFIG, "--model_config"),
-     "opt: model.decoder.layers.*.fc1: a Linear directly on the decoder layer that no rule splits"),
+    ("tp_plan_refused", ["--tensor_parallel_size", "2"], file_with("config.json", DIFFLLAMA_CONFIG, "--model_config"),
+     "diffllama: model.layers.*.self_attn.lambda_k1: a parameter of the attention block itself that transformers' "
+     "plan does not split"),
     ("duplicate_adapter_claim", [], duplicate_claim, "claimed by two adapters: 'llama'"),
     ("adapter_missing_hook", [], missing_hook, "'half_done' does not implement required hook(s) plait_leaf_modules"),
     ("plan_names_missing_module", [], plan_names_missing_module,
@@ -227,9 +230,9 @@ CASES = [
 @pytest.fixture(scope="module")
 def warm():
     """Pay the one-off import costs (lazy transformers model modules, adapter entry points) up front."""
-    from transformers import OPTConfig
+    from transformers import DiffLlamaConfig
 
-    for config in (tiny_config("llama"), tiny_config("gpt2"), OPTConfig(**json.loads(OPT_CONFIG))):
+    for config in (tiny_config("llama"), tiny_config("gpt2"), DiffLlamaConfig(**json.loads(DIFFLLAMA_CONFIG))):
         with torch.device("meta"):
             AutoModelForCausalLM.from_config(config)
     plait.registry.default_registry()

@@ -145,7 +145,7 @@ def test_a_layer_input_threaded_from_layer_to_layer_refuses_pipeline_stages():
 
 
 @pytest.mark.parametrize("arch, plan, words", [
-    ("glm_moe_dsa", "pipeline", "each layer returns hidden_states,topk_indices"),  # indexer top-k handed on
+    ("dory", "pipeline", "inside another loop"),  # its recurrent middle layers run several times per forward
     ("longcat_flash", "tp", "identity (zero-compute) experts"),  # would be added once per tp rank
     ("hrm_text", "sp", "runs its 4 layers 32 times"),  # HRM's cycles would split the sequence on every run
 ])
