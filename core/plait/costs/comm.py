@@ -202,12 +202,14 @@ def step_comm(
         ops.append(CommOp("pp", "send", boundaries * m * acc, boundaries * m * mb_act * acc))
         ops.append(CommOp("pp", "recv", boundaries * m * acc, boundaries * m * mb_act * acc))
         ops.append(CommOp("pp", "broadcast", acc, 4 * acc))  # the loss
+        # grad_sync.sum_copies: first which copies have a gradient (one float each), then the gradients
         if plan.tied and (has_first or has_last):
-            tied = sum(p.numel for p in held if p.trainable and any(p.name in group for group in plan.tied))
-            ops.append(CommOp("pp", "all_reduce", 1, tied * precision.grad_bytes))
+            tied = [p for p in held if p.trainable and any(p.name in group for group in plan.tied)]
+            ops.append(CommOp("pp", "all_reduce", 2, sum(p.numel for p in tied) * precision.grad_bytes + 4 * len(tied)))
         if plan.replicated:  # every stage's copy of the every_stage modules (GradSync.replicated)
-            everywhere = sum(p.numel for p in held if p.trainable and p.name in plan.replicated)
-            ops.append(CommOp("pp", "all_reduce", 1, everywhere * precision.grad_bytes))
+            everywhere = [p for p in held if p.trainable and p.name in plan.replicated]
+            ops.append(CommOp("pp", "all_reduce", 2,
+                              sum(p.numel for p in everywhere) * precision.grad_bytes + 4 * len(everywhere)))
     dp = (config.dp or 1) * cp  # the replica group: every rank holding these parameters
     # The global gradient norm: one float summed over each group whose ranks hold different gradients (under
     # ZeRO-1 the replica group's owned shards cover the experts too, each expert shard owned once).
