@@ -37,7 +37,7 @@ from plait_transformers_common import (
     layer_pattern, own_params, own_params_deep, Refusal, refuse,
 )
 from plait_transformers_latent import unplanned_latent_attention
-from plait_transformers_stages import pipeline_plan, sp_plan
+from plait_transformers_stages import norms_after_loop, pipeline_plan, sp_plan
 from plait_transformers_structure import structural_tp_plan
 
 
@@ -95,12 +95,7 @@ def _checked_end(model: nn.Module, arch: str, layers: str, sp: SPPlan) -> SPPlan
     layers (OPTDecoder registers its ``final_layer_norm`` before its layers and runs it after them): that norm would
     run outside the region on the gathered sequence, where a vocab-parallel head hands it one vocab shard's
     gradient, not summed over tp."""
-    parent, _, leaf = layers.rpartition(".")
-    holder = model.get_submodule(parent) if parent else model
-    source = inspect.getsource(type(holder).forward)
-    loop = source.find(f"self.{leaf}")
-    norms = [f"{parent}.{n}" if parent else n for n, m in holder.named_children()
-             if "norm" in type(m).__name__.lower() and own_params_deep(m) and source.rfind(f"self.{n}(") > loop >= 0]
+    norms = [name for name in norms_after_loop(model, layers) if own_params_deep(model.get_submodule(name))]
     if sp.end == f"{layers}.{len(model.get_submodule(layers)) - 1}" and norms:
         raise refuse(arch, norms[0], f"a norm beside the layers that the sequence-parallel region does not end at (it "
                                      f"ends at {sp.end}); its gradient would come from one vocab shard only: disable "

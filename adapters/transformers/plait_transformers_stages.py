@@ -196,13 +196,18 @@ def _final_norm(model: nn.Module, layers: str) -> str | None:
         name = f"{parent}.{child}" if parent else child
         if "norm" in type(model.get_submodule(name)).__name__.lower():
             return name
-    source = inspect.getsource(type(model.get_submodule(parent) if parent else model).forward)
-    loop = source.find(f"self.{layers.rpartition('.')[2]}")
-    for child in names:
-        name = f"{parent}.{child}" if parent else child
-        if "norm" in type(model.get_submodule(name)).__name__.lower() and source.rfind(f"self.{child}(") > loop >= 0:
-            return name
-    return None
+    return next(iter(norms_after_loop(model, layers)), None)
+
+
+def norms_after_loop(model: nn.Module, layers: str) -> list[str]:
+    """The norms beside the layer list that the forward of the module holding it calls after its loop over the
+    layers, in registration order (OPTDecoder registers its ``final_layer_norm`` before its layers)."""
+    parent, _, leaf = layers.rpartition(".")
+    holder = model.get_submodule(parent) if parent else model
+    source = inspect.getsource(type(holder).forward)
+    loop = source.find(f"self.{leaf}")
+    return [f"{parent}.{child}" if parent else child for child, module in holder.named_children()
+            if "norm" in type(module).__name__.lower() and source.rfind(f"self.{child}(") > loop >= 0]
 
 
 def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePlan:
