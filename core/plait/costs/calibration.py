@@ -108,7 +108,7 @@ def measure_efficiency(device: Device) -> EfficiencyRun:
     FLOPs / (peak x efficiency) + rest + m x layers x overhead, the rest being what the model adds at any
     efficiency (the FLOPs and the rest are the same however the batch is split)."""
     config = run_config()
-    whole, split = _timed_run(config, 1), _timed_run(config, SEQUENCES)
+    whole, split = _timed_runs(config, (1, SEQUENCES))
     layers = config.num_hidden_layers
     overhead = max(split - whole, 0.0) / ((SEQUENCES - 1) * layers)
     meta = build_meta_model(config)
@@ -134,25 +134,31 @@ def run_config() -> PretrainedConfig:
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
-def _timed_run(config: PretrainedConfig, microbatches: int) -> float:
-    """Seconds of one training step of ``config``'s model on ``SEQUENCES`` x ``TOKENS`` tokens as ``microbatches``
-    micro-batches (median of ``STEPS`` after ``WARMUP``), one thread, the global random state left as it was. The
-    seconds are this thread's CPU time: what a step costs the machine, not how long a busy machine's scheduler kept
-    it waiting (on a shared 2-core machine at load 5, wall time was 0.24-0.27 s a step, CPU time 0.16-0.18 s, idle
-    0.13-0.16 s); with nothing else running the two are equal, as one thread does all of a step's work (intra-op
-    and autograd's CPU work run on the caller)."""
+def _timed_runs(config: PretrainedConfig, splits: tuple[int, ...]) -> list[float]:
+    """Seconds of one training step of ``config``'s model on ``SEQUENCES`` x ``TOKENS`` tokens as each of ``splits``
+    micro-batches (median of ``STEPS`` after ``WARMUP``), one thread, the global random state left as it was. Each
+    split trains a model of its own, their steps taken in turns, so a slow spell of the machine (or its warming
+    up) hits every split alike: timed one after the other, the difference between splits (the per-micro-batch
+    overhead, tens of ms) came out 0 in 3 of 7 runs. The seconds are this thread's CPU time: what a step costs the
+    machine, not how long a busy machine's scheduler kept it waiting (on a shared 2-core machine at load 5, wall
+    time was 0.24-0.27 s a step, CPU time 0.16-0.18 s); with nothing else running the two are equal, as one thread
+    does all of a step's work (intra-op and autograd's CPU work run on the caller)."""
     with torch.random.fork_rng(devices=[]), one_thread():
         torch.manual_seed(0)
-        pmodel = parallelize(AutoModelForCausalLM.from_config(config), ParallelConfig())  # one process
-        # plait's own optimizer step (torch's multi-tensor AdamW on the CPU), clipping by the global norm
-        step = OptimizerStep(pmodel.grad_sync, build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4), 1.0)
-        ids = torch.randint(0, config.vocab_size, (SEQUENCES, TOKENS)).chunk(microbatches)
-        seconds = []
+        ids = torch.randint(0, config.vocab_size, (SEQUENCES, TOKENS))
+        runs = []
+        for microbatches in splits:
+            pmodel = parallelize(AutoModelForCausalLM.from_config(config), ParallelConfig())  # one process
+            # plait's own optimizer step (torch's multi-tensor AdamW on the CPU), clipping by the global norm
+            step = OptimizerStep(pmodel.grad_sync, build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4), 1.0)
+            runs.append((pmodel, step, ids.chunk(microbatches)))
+        seconds: list[list[float]] = [[] for _ in splits]
         for _ in range(WARMUP + STEPS):
-            start = time.thread_time()
-            _train_step(pmodel, step, ids)
-            seconds.append(time.thread_time() - start)
-    return statistics.median(seconds[WARMUP:])
+            for (pmodel, step, microbatches), times in zip(runs, seconds):
+                start = time.thread_time()
+                _train_step(pmodel, step, microbatches)
+                times.append(time.thread_time() - start)
+    return [statistics.median(times[WARMUP:]) for times in seconds]
 
 
 def _train_step(pmodel: ParallelModel, step: OptimizerStep, microbatches: tuple[torch.Tensor, ...]) -> None:
