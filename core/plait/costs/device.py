@@ -1,11 +1,11 @@
 """A small device model for step-time estimates: peak FLOP/s, memory and link bandwidths, per preset.
 
-The presets are vendor figures (docs/plan.md lists the sources); ``efficiency`` is the fraction of peak
-FLOP/s a transformer step's matmuls reach: measured for the H100 by bench/gpu.py (below), assumed elsewhere
-(Megatron-LM and torchtitan report 40-55% MFU on H100/A100 with fused kernels). ``measure_machine`` measures this
-machine instead: a one-thread fp32 matmul (torchrun gives each of several local processes one thread), a copy for
-memory bandwidth, and gloo collectives between 2 local processes for link bandwidth and latency;
-``costs.calibration`` adds the efficiency, from a timed training run, and caches the result.
+The presets are vendor figures (docs/plan.md lists the sources); ``efficiency`` is the fraction of peak FLOP/s a
+transformer step's matmuls reach: measured for the H100 and H200 by bench/gpu.py and bench/gpu_headroom.py (below),
+assumed elsewhere (Megatron-LM and torchtitan report 40-55% MFU on H100/A100 with fused kernels).
+``measure_machine`` measures this machine instead: a one-thread fp32 matmul (torchrun gives each of several local
+processes one thread), a copy for memory bandwidth, and gloo collectives between 2 local processes for link
+bandwidth and latency; ``costs.calibration`` adds the efficiency, from a timed training run, and caches the result.
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ class Device:
     efficiency_source: str = "assumed"
     # Seconds each micro-batch costs per decoder layer (forward and backward) beyond its FLOPs and memory traffic:
     # the framework's per-operation dispatch and small matmuls running below the peak. Measured by ``calibrate``
-    # (on this CPU 5-12 ms a layer: a step of 8 micro-batches of 128 tokens took 1.7x one of 1024); 0 in the GPU
-    # presets, whose kernels are launched asynchronously ahead of the device (not measured there).
+    # (on this CPU 3-12 ms a layer); about 1 ms on Hopper GPUs (``HOPPER_MICROBATCH``).
     microbatch_overhead: float = 0.0
 
     def speed(self, op: str) -> float:
@@ -91,24 +90,37 @@ class Device:
                 f"fragmentation)")
 
 
-# The memory of a preset is what a program is given (the driver's total, less nothing yet); the reserve, what
-# the runtime takes of it beside the model's tensors, is documented, not measured here (docs/plan.md,
-# "Headroom"): the CUDA context about 0.5 GiB, NCCL's buffers up to about 1 GiB at 8 ranks, and the caching
-# allocator's fragmentation, taken as 5% (PyTorch's memory snapshots of training runs show 2-10%).
-GPU_RESERVE, GPU_FRAGMENTATION = int(1.5 * GiB), 0.05
+# The memory of a preset is what the driver gives a program; the reserve is what the runtime takes of it beside the
+# tensors the planner traces, measured by bench/gpu_headroom.py on an H200 (bench/results/gpu-headroom-h200-*.jsonl;
+# docs/plan.md, "Headroom"): the CUDA context and the kernels and library handles it loads, 0.75 GiB after a step;
+# NCCL's buffers, 0.54 GiB at one rank (one GPU cannot hold two), with 1 GiB kept for the per-peer buffers of 8
+# ranks; and the caching allocator's fragmentation (its reserved over its allocated peak): 0.55-3.6 GiB, at most
+# 4.5% of an 80 GB card's memory (8 sequences of 2048 tokens with recomputation), taken as 5%.
+GPU_RESERVE, GPU_FRAGMENTATION = int(1.75 * GiB), 0.05
+# Each micro-batch beyond the first costs the Hopper GPUs 0.6-2.4 ms per decoder layer beyond its FLOPs (the 1.24B
+# Llama's 2 to 8 sequences of 2048 tokens timed as one micro-batch and as several; median 1.0 ms, bench/gpu_headroom.py)
+HOPPER_MICROBATCH = 1e-3
 PRESETS = {
     # H100 SXM5: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32, 80 GB HBM3 (the driver gives a program 79.1 GiB) at
     # 3.35 TB/s, NVLink 4 900 GB/s (450 GB/s each way), 8 per node, ConnectX-7 400 Gb/s per GPU.
     # Efficiency measured (bench/gpu.py, bench/results/gpu-h100-2026-11-25.jsonl): plait --bf16, eager, the 1.24B
-    # Llama at 4 x 2048 tokens took 0.196 and 0.201 s a step on an H100 80GB HBM3; at 0.40 the planner predicts
-    # 0.195 s (34.9% MFU against the measured 34.7% and 33.9%), where 0.5 predicted 0.161 s.
-    "h100": Device("h100", int(79.1 * GiB), 989e12, 67e12, 0.4, 3.35e12, 450e9, 50e9, 8, 10e-6, GPU_RESERVE,
-                   GPU_FRAGMENTATION, efficiency_source="measured by bench/gpu.py"),
+    # Llama at 4 x 2048 tokens took 0.196 and 0.201 s a step on an H100 80GB HBM3; at 0.43, with the H200's
+    # per-micro-batch cost, the planner predicts 0.199 s.
+    "h100": Device("h100", int(79.1 * GiB), 989e12, 67e12, 0.43, 3.35e12, 450e9, 50e9, 8, 10e-6, GPU_RESERVE,
+                   GPU_FRAGMENTATION, efficiency_source="measured by bench/gpu.py",
+                   microbatch_overhead=HOPPER_MICROBATCH),
+    # H200 SXM: the H100's compute, 141 GB HBM3e (the driver gives a program 139.8 GiB) at 4.8 TB/s, NVLink 4, 8
+    # per node, 400 Gb/s per GPU. Efficiency measured (bench/gpu_headroom.py): the same step took 0.177-0.178 s;
+    # at 0.47 the planner predicts 0.178 s, and splits of 2-8 sequences into 1-8 micro-batches within -16%..+9%.
+    "h200": Device("h200", int(139.8 * GiB), 989e12, 67e12, 0.47, 4.8e12, 450e9, 50e9, 8, 10e-6, GPU_RESERVE,
+                   GPU_FRAGMENTATION, efficiency_source="measured by bench/gpu_headroom.py",
+                   microbatch_overhead=HOPPER_MICROBATCH),
     # A100 SXM4 80GB: 312 TFLOP/s dense bf16, 19.5 TFLOP/s fp32, 2.0 TB/s HBM2e (79.1 GiB to a program), NVLink 3
     # 600 GB/s (300 each way), 8 per node, 200 Gb/s HDR InfiniBand per GPU.
-    # Efficiency not measured on an A100: the H100's measured value.
-    "a100": Device("a100", int(79.1 * GiB), 312e12, 19.5e12, 0.4, 2.0e12, 300e9, 25e9, 8, 10e-6, GPU_RESERVE,
-                   GPU_FRAGMENTATION, efficiency_source="assumed: the H100's, measured by bench/gpu.py"),
+    # Efficiency and per-micro-batch cost not measured on an A100: the H100's.
+    "a100": Device("a100", int(79.1 * GiB), 312e12, 19.5e12, 0.43, 2.0e12, 300e9, 25e9, 8, 10e-6, GPU_RESERVE,
+                   GPU_FRAGMENTATION, efficiency_source="assumed: the H100's, measured by bench/gpu.py",
+                   microbatch_overhead=HOPPER_MICROBATCH),
     # Trainium1 chip (trn1.32xlarge / 16): 190 TFLOP/s bf16, 47.5 TFLOP/s fp32, 32 GiB HBM at 820 GB/s,
     # NeuronLink-v2 768 GB/s per instance ring (~384 GB/s each way per chip), EFA 800 Gb/s per instance.
     "trn1": Device("trn1", 32 * GiB, 190e12, 47.5e12, 0.4, 820e9, 384e9 / 2, 100e9 / 16, 16, 20e-6, GiB,

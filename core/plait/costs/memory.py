@@ -270,6 +270,10 @@ def activation_bytes(
     if has_last:
         saved, largest = unit_bytes(trace.last, tp, sp, vocab_parallel, columns, cp, saves_shard=saves_shard)
         total += saved
+        # the loss's backward holds the gradient flowing into its log-softmax and the one flowing out, each the
+        # size of the saved log-probabilities (bench/gpu_headroom.py: one fp32 [tokens, vocab] under the measured
+        # peak with recomputation, where the loss's backward is the peak)
+        largest *= 2
     # Backward starts with the gradient of the biggest saved tensor beside everything saved: the loss's
     # log-softmax on the last stage, else a layer's (attention probabilities). With recomputation a layer's
     # saved tensors live again one layer at a time, once the head's and loss's are freed: the transient is
