@@ -49,8 +49,10 @@ LAYOUTS = {
     "dp2_zero3_lora": (ParallelConfig(zero_stage=3), False, 0.0),
 }
 LORA = {"dp2_zero1_lora", "dp2_zero3_lora"}
-# a tiny Mixtral whose experts are kept whole over tp: under SP no experts collectives, without SP a token share
+# a tiny Mixtral whose experts are split over tp (their gathered input is not gathered again in backward), or kept
+# whole: under SP no experts collectives, without SP a token share
 MOE_LAYOUTS = {
+    "moe_tp2_sp": (ParallelConfig(tp=2), False, 0.0),
     "moe_tp2_sp_whole_recompute": (ParallelConfig(tp=2, expert_tensor_parallel=False, gradient_checkpointing=True),
                                    False, 0.0),
     "moe_tp2_nosp_whole_recompute": (ParallelConfig(tp=2, sp=False, expert_tensor_parallel=False,

@@ -118,10 +118,13 @@ def step_comm(
             add("all_reduce", 1, act)
         if has_last and vocab_head:
             add("all_reduce", 3, tokens * 4)
+        tp_experts = {n for n, shard in plan.shards_by_rank[0].items() if shard.style.label == "moe_experts"}
         if config.sequence_parallel:
             # forward's gather, its backward's all-gather after the row output's reduce-scatter, and (not under
-            # float8) backward's gather again of the sequence shard the column linears saved (plait.tp.layers)
-            add("all_gather", (2 if config.float8 else 3) * r, local)
+            # float8) backward's gather again of the sequence shard the column linears saved (plait.tp.layers);
+            # an experts region's gathered input is saved by the experts themselves, so it is not gathered again
+            again = 0 if config.float8 else sum(1 for n in rows if n in held_modules and n not in tp_experts)
+            add("all_gather", 2 * r + again, local)
             add("reduce_scatter", 2 * r, act)
             if has_first:
                 add("all_gather", 1, local)  # backward of the split at the first layer
@@ -132,7 +135,6 @@ def step_comm(
             add("all_reduce", 2 * r, act)
             if has_last and vocab_head:
                 add("all_reduce", 1, act)
-        tp_experts = {n for n, shard in plan.shards_by_rank[0].items() if shard.style.label == "moe_experts"}
         for call, recomputed in routed:
             if call.module not in tp_experts:
                 continue
