@@ -22,6 +22,11 @@
    the micro-batch size and accumulation steps the search chose for it) are run; the planner's first, which is
    what ``plait train --layout auto`` trains with, must be within 10% of the fastest measured, and each planned step
    within 20% of its measured one. The times run in a world of their own, without the memory part's malloc setting.
+   The calibration run (``costs.calibration``: its Llama, 4 x 128 tokens a rank, as one micro-batch and as 4) is
+   timed in the same world and the same turns, at dp=2, and the efficiency and per-micro-batch overhead solved from
+   it give the planned steps held to 20%: this VM's speed drifts by up to 1.5x between minutes (the same one-process
+   step measured 0.42-0.62 s), so a calibration cached minutes earlier leaves the comparison at the drift's mercy.
+   The planned steps on the cached calibration are printed beside.
    Then the pick for each global batch written three ways (per device x accumulation) must be the same.
 """
 
@@ -70,6 +75,7 @@ BYTES_LAYOUTS = {  # name -> (kwargs, bf16 parameters, weight decay)
 }
 SHAPES = [(8, 128), (4, 256), (16, 64)]  # (sequences per rank at dp=2, tokens): the global batch is kept
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+CALIBRATION = "calibration"  # the time world's jobs of the calibration run
 
 
 def model_config(tiny: bool, time_model: bool = False, moe: bool = False):
@@ -102,7 +108,21 @@ def time_models(tiny: bool) -> dict:
     qwen3 = Qwen3Config(vocab_size=2048, hidden_size=small, intermediate_size=3 * small, num_hidden_layers=4,
                         num_attention_heads=8, num_key_value_heads=2, head_dim=small // 8, max_position_embeddings=256)
     return {"llama": (model_config(tiny, time_model=True), SHAPES), "gpt2": (gpt2, SHAPES[:1]),
-            "qwen3": (qwen3, SHAPES[:1])}
+            "qwen3": (qwen3, SHAPES[:1]), CALIBRATION: (calibration_config(tiny), [])}
+
+
+def calibration_config(tiny: bool):
+    """The calibration run's model (``costs.calibration.run_config``), or plait's tiny Llama under ``--tiny``."""
+    from plait.costs import calibration
+
+    return calibration.run_config() if not tiny else model_config(True, time_model=True)
+
+
+def calibration_jobs() -> dict[str, dict]:
+    """The calibration run as two dp=2 jobs of the time world: one micro-batch of SEQUENCES, and SEQUENCES of one."""
+    from plait.costs.calibration import SEQUENCES, TOKENS
+
+    return {f"{CALIBRATION}|{SEQUENCES}x{TOKENS}x1|{{}}": {}, f"{CALIBRATION}|1x{TOKENS}x{SEQUENCES}|{{}}": {}}
 
 
 def memory_seq(tiny: bool) -> tuple[int, int]:
@@ -296,8 +316,8 @@ def worker(out: str, tiny: bool, steps: int, jobs: str) -> None:
 # ---------------------------------------------------------------------------------------------- main side
 
 def rank_layouts(tiny: bool, calibrate: bool):
-    """(jobs: key -> ParallelConfig kwargs to time, per batch shape the planner's top 5 as (key, estimated
-    seconds, label), the device model used)."""
+    """(jobs: key -> ParallelConfig kwargs to time, the calibration run's two among them; per batch shape the
+    planner's top 5 as (key, estimate, label); the device model used)."""
     import torch
 
     from plait import ParallelConfig
@@ -327,7 +347,8 @@ def rank_layouts(tiny: bool, calibrate: bool):
                 split = estimate.batch
                 key = f"{name}|{split.per_device}x{s}x{split.accumulation}|{json.dumps(kwargs, sort_keys=True)}"
                 jobs[key] = kwargs
-                ranked[(name, b, s)].append((key, seconds, f"{describe(c)} {batch_split(split)}"))
+                ranked[(name, b, s)].append((key, estimate, f"{describe(c)} {batch_split(split)}"))
+    jobs |= calibration_jobs()
     return jobs, ranked, device
 
 
@@ -400,7 +421,7 @@ def main() -> None:
     if wanted["memory"]:
         failures += report_memory(per_rank, ns.tiny) + report_comm(per_rank) + report_bubble()
     if wanted["time"]:
-        failures += report_time(per_rank, ranked, device)
+        failures += report_time(per_rank, ranked, device, ns.tiny)
         failures += check_invariance(device)
     print(f"\n{'all checks pass' if not failures else 'FAILED: ' + ', '.join(failures)}")
 
@@ -508,21 +529,37 @@ def report_bubble() -> list[str]:
     return bad
 
 
-def report_time(per_rank, ranked, device) -> list[str]:
+def calibrated_here(per_rank, device, tiny: bool):
+    """``device`` with the efficiency and per-micro-batch overhead solved from the calibration run timed in this
+    world (``costs.calibration.solve_step_model``), and the two measured steps."""
+    from plait.costs.calibration import run_estimates, solve_step_model
+
+    one, several = (max(r["time"][key] for r in per_rank) for key in calibration_jobs())
+    efficiency, overhead = solve_step_model(device, *run_estimates(calibration_config(tiny), world=2), one, several)
+    return dataclasses.replace(device, efficiency=efficiency, microbatch_overhead=overhead), one, several
+
+
+def report_time(per_rank, ranked, device, tiny: bool) -> list[str]:
+    here, one, several = calibrated_here(per_rank, device, tiny)
     print(f"\n5. step time on this machine ({device.name}): the planner's top 5 per model and batch shape, measured")
+    print(f"  calibrated in this world (the calibration run at dp=2, {one:.3f} s a step as one micro-batch, "
+          f"{several:.3f} s as several): efficiency {here.efficiency:.3f}, {here.microbatch_overhead * 1e3:.2f} ms a "
+          f"micro-batch and layer; cached before the run: {device.efficiency:.3f}, "
+          f"{device.microbatch_overhead * 1e3:.2f} ms")
     bad = []
     for (name, b, s), rows in ranked.items():
-        measured = [(label, max(r["time"][key] for r in per_rank), seconds) for key, seconds, label in rows]
+        measured = [(label, max(r["time"][key] for r in per_rank), estimate) for key, estimate, label in rows]
         fastest = min(t for _, t, _ in measured)
         first = measured[0][1]
         ok = first <= 1.10 * fastest
         bad += [] if ok else [f"ranking {name} b={b} s={s}"]
         print(f"  {name}: {b} sequences x {s} tokens per rank at dp=2 (global batch {2 * b}):")
-        for label, t, seconds in measured:
+        for label, t, estimate in measured:
+            seconds, cached = estimate.step_time(here), estimate.step_time(device)
             close = abs(seconds / t - 1) <= 0.20
             bad += [] if close else [f"step time {name} b={b} s={s} {label}"]
             print(f"    planned {seconds:8.4f} s  measured {t:8.4f} s  {seconds / t:5.2f} {'ok' if close else 'OFF'}"
-                  f"  {label}")
+                  f"  (cached calibration {cached / t:5.2f})  {label}")
         print(f"    planner's first {first:.4f} s vs fastest measured {fastest:.4f} s: "
               f"{first / fastest:.2f} {'ok' if ok else 'MORE THAN 10% SLOWER'}")
     return bad

@@ -57,6 +57,20 @@ def spin(seconds: float) -> None:
         pass
 
 
+def test_solved_in_a_world_of_two_the_planner_gives_both_steps():
+    """bench/plan_check.py solves the step model from the calibration run timed at dp=2, where the step also
+    holds the gradient all-reduce: at the solved values the planner's dp=2 estimates give both measured steps, and
+    the all-reduce is not taken for matmul time (the efficiency is higher than if the rest were ignored)."""
+    one, several = calibration.run_estimates(calibration.run_config(), world=2)
+    assert any(op.group == "dp" for op in one.comm[0])
+    efficiency, overhead = calibration.solve_step_model(FAST, one, several, 0.4, 0.5)
+    solved = dataclasses.replace(FAST, efficiency=efficiency, microbatch_overhead=overhead)
+    assert one.step_time(solved) == pytest.approx(0.4, rel=1e-9)
+    assert several.step_time(solved) == pytest.approx(0.5, rel=1e-9)
+    at_peak = one.flops[0] / FAST.flops_fp32
+    assert efficiency > at_peak / (0.4 - max(one.layers.values()) * overhead)
+
+
 def test_efficiency_and_overhead_make_the_planner_give_both_measured_steps(monkeypatch):
     """The planner's model at the measured efficiency and per-micro-batch overhead reproduces both runs' steps
     (one micro-batch, and the same batch as several); a slower step (the same FLOPs, 0.3 s more work) gives a

@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from plait.config import ParallelConfig
 from plait.costs.activations import trace_activations
 from plait.costs.device import Device, measure_machine, one_thread
-from plait.costs.estimate import Batch, estimate_layout
+from plait.costs.estimate import Batch, LayoutEstimate, estimate_layout
 from plait.costs.memory import Precision
 from plait.layout_plan import plan_layout
 from plait.meta import build_meta_model
@@ -104,26 +104,45 @@ def _write(path: Path, record: dict) -> None:
 
 def measure_efficiency(device: Device) -> EfficiencyRun:
     """Time the run on this machine's CPU and solve the planner's step time on ``device`` (the measured peak and
-    bandwidths) for the efficiency and the per-micro-batch overhead: a step of m micro-batches takes
-    FLOPs / (peak x efficiency) + rest + m x layers x overhead, the rest being what the model adds at any
-    efficiency (the FLOPs and the rest are the same however the batch is split)."""
+    bandwidths) for the efficiency and the per-micro-batch overhead (``solve_step_model``)."""
     config = run_config()
     whole, split = _timed_runs(config, (1, SEQUENCES))
-    layers = config.num_hidden_layers
-    overhead = max(split - whole, 0.0) / ((SEQUENCES - 1) * layers)
+    one, several = run_estimates(config, world=1)
+    efficiency, overhead = solve_step_model(device, one, several, whole, split)
+    at_peak = one.flops[0] / device.peak_flops(low_precision=False)
+    rest = one.step_time(dataclasses.replace(device, efficiency=1.0, microbatch_overhead=0.0)) - at_peak
+    parameters = sum(p.numel() for p in build_meta_model(config).parameters())
+    return EfficiencyRun(parameters, config.num_hidden_layers, SEQUENCES, TOKENS, whole, split, one.flops[0], rest,
+                         efficiency, overhead, at_peak / whole)
+
+
+def run_estimates(config: PretrainedConfig, world: int) -> tuple[LayoutEstimate, LayoutEstimate]:
+    """The planner's estimates of the calibration run on ``world`` data-parallel processes: ``SEQUENCES`` x
+    ``TOKENS`` per process as one micro-batch, and as ``SEQUENCES`` micro-batches of one sequence."""
     meta = build_meta_model(config)
     registry = default_registry()
-    plan = plan_layout(meta, ParallelConfig(), 1, registry)
+    plan = plan_layout(meta, ParallelConfig(), world, registry)
     trace = trace_activations(meta, TOKENS, registry, plan.adapter)
-    estimate = estimate_layout(meta, plan, Batch(SEQUENCES, TOKENS), Precision(), trace)
-    flops = estimate.flops[0]
-    at_peak = flops / device.peak_flops(low_precision=False)
-    rest = estimate.step_time(dataclasses.replace(device, efficiency=1.0, microbatch_overhead=0.0)) - at_peak
-    # at most 1: a step faster than the model's at peak is taken at peak
-    efficiency = at_peak / max(whole - rest - layers * overhead, at_peak)
-    parameters = sum(p.numel() for p in meta.parameters())
-    return EfficiencyRun(parameters, layers, SEQUENCES, TOKENS, whole, split, flops, rest, efficiency, overhead,
-                         at_peak / whole)
+    return tuple(estimate_layout(meta, plan, batch, Precision(), trace)  # type: ignore[return-value]
+                 for batch in (Batch(SEQUENCES, TOKENS), Batch(1, TOKENS, SEQUENCES)))
+
+
+def solve_step_model(device: Device, one: LayoutEstimate, several: LayoutEstimate, one_seconds: float,
+                     several_seconds: float) -> tuple[float, float]:
+    """(efficiency, per-micro-batch overhead) at which the planner's step time on ``device`` gives both measured
+    steps: one batch as ``one``'s micro-batches and as ``several``'s more. A step of m micro-batches takes
+    FLOPs / (peak x efficiency) + rest + m x layers x overhead, the rest being what the model adds at any efficiency
+    (memory traffic, communication); the FLOPs are the same however the batch is split. A step faster than the
+    model's at peak is taken at peak (efficiency at most 1)."""
+    bare = dataclasses.replace(device, efficiency=1.0, microbatch_overhead=0.0)
+    at_peak = one.flops[0] / device.peak_flops(one.precision.param != torch.float32)
+    rest_one, rest_several = one.step_time(bare) - at_peak, several.step_time(bare) - at_peak
+    count = lambda e: e.plan.config.num_microbatches * e.batch.accumulation  # noqa: E731
+    layers = max(one.layers.values())
+    extra = (several_seconds - rest_several) - (one_seconds - rest_one)
+    overhead = max(extra, 0.0) / ((count(several) - count(one)) * layers)
+    efficiency = at_peak / max(one_seconds - rest_one - count(one) * layers * overhead, at_peak)
+    return efficiency, overhead
 
 
 def run_config() -> PretrainedConfig:
