@@ -26,6 +26,7 @@ from plait_transformers_common import (
     is_linear, is_softmax_attention, layer_pattern, out_features, own_params, Refusal, refuse, whole_sequence,
 )
 from plait_transformers_latent import latent_attention_rules, is_latent_attention
+from plait_transformers_layer_linears import replicated_linear
 
 
 def undeclared_attention(model: nn.Module, layers: str | None,
@@ -137,6 +138,10 @@ def undeclared_mixers(model: nn.Module, arch: str, layers: str | None, rules: li
             mixers.append((Column if child_of(pattern) == mlp[0] else Row)(pattern))
             notes.append(f"{pattern}: an MLP written on the decoder layer ({mlp[0]} -> activation -> {mlp[1]}), "
                          f"split as declared ones ({mlp[0]} column-, {mlp[1]} row-parallel)")
+            continue
+        if all(replicated_linear(model, layers, name) for name, _ in hits):  # Zamba's linear, Gemma 4's per-layer
+            notes.append(f"{pattern}: a Linear on the decoder layer itself, token by token: kept whole on every "
+                         f"rank, its gradient summed over tp under SP")
             continue
         if is_linear(hits[0][1]):  # OPT's fc1 / fc2: an MLP written on the decoder layer itself, among its norms
             raise refuse(arch, pattern, f"a {type(hits[0][1]).__name__} directly on the decoder layer that no rule "

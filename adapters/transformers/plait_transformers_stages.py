@@ -18,6 +18,7 @@ from plait import PipelinePlan, SPPlan, TPPlan
 from plait.patterns import matches
 from plait.tp.styles import MoEExperts, MoERouter, WholeSequence
 
+from plait_transformers_layer_linears import token_wise
 from plait_transformers_common import (
     Refusal, is_covered, get_module, is_softmax_attention, layer_pattern, own_params, own_params_deep, refuse,
 )
@@ -29,9 +30,9 @@ NO_LAYERS = ("no decoder layer list found (pp plan, _no_split_modules, or a Modu
 
 def sp_plan(model: nn.Module, arch: str, layers: str | None, tp: TPPlan | Refusal) -> SPPlan:
     """From the first decoder layer to the final norm; every replicated module with parameters in between
-    must be token-wise (a norm: 1-D parameters only), or its work on sequence shards would be wrong, or inside a
-    block kept whole and run on the whole sequence (WholeSequence), whose modules' gradients are summed like
-    the norms'."""
+    must be token-wise (a norm: 1-D parameters only; token by token Linears, ``token_wise``), or its
+    work on sequence shards would be wrong, or inside a block kept whole and run on the whole sequence
+    (WholeSequence), whose modules' gradients are summed like the norms'."""
     if isinstance(tp, Refusal):
         raise tp
     if layers is None:
@@ -63,12 +64,43 @@ def sp_plan(model: nn.Module, arch: str, layers: str | None, tp: TPPlan | Refusa
         if in_moe_block(model, name, moe_blocks, experts):
             norms.append(pattern)  # router, shared expert: token-wise, on a sequence shard it sees that shard's tokens
             continue
-        if any(p.dim() > 1 for p in own_params(module)):
+        if any(p.dim() > 1 for p in own_params(module)) and not token_wise(model, layers, name):
             raise refuse(arch, pattern, f"{type(module).__name__} has replicated matrices inside the decoder layers "
                                         f"({_kind(model, layers, name)}); on sequence shards it would be wrong: "
                                         f"disable sequence parallelism")
         norms.append(pattern)
-    return SPPlan(begin=f"{layers}.0", end=end, norms=(*norms, end) if end == norm else tuple(norms))
+    return SPPlan(begin=f"{layers}.0", end=end, norms=(*norms, end) if end == norm else tuple(norms),
+                  side_inputs=side_inputs(model, layers))
+
+
+def side_inputs(model: nn.Module, layers: str) -> tuple[str, ...]:
+    """The arguments the model hands its layers beside the hidden states that read the output of its children with
+    parameters (Gemma 4's per-layer inputs, from its per-layer embeddings and projection; Zamba's
+    ``original_hidden_states``, a copy of the embeddings), named as the first layer's forward names them: computed
+    before the layers on the whole sequence, they must reach each layer as the same sequence shard as the hidden
+    states (``SPPlan.side_inputs``; one shaped otherwise is refused when it arrives). Masks and rotary tables, built
+    by parameter-free code from the whole sequence (``STAGE_BUILT``), are not among them."""
+    parent, _, leaf = layers.rpartition(".")
+    holder = model.get_submodule(parent) if parent else model
+    source = _source(type(holder).forward)
+    if not source:
+        return ()
+    tree = ast.parse(textwrap.dedent(source))
+    called: dict[str, set[str]] = defaultdict(set)  # method or child name -> the children a call of it runs
+    for child, module in holder.named_children():
+        if child != leaf and own_params_deep(module):
+            called[child].add(child)
+            for method in _users(type(holder), child):
+                called[method].add(child)
+    calls = _calls_of(tree, leaf)
+    taint, params = _taint(tree, called, calls), _layer_params(model, layers)
+    found: dict[str, None] = {}
+    for call in calls:
+        named = [(params[i] if i < len(params) else None, a) for i, a in enumerate(call.args)][1:]
+        named += [(k.arg, k.value) for k in call.keywords]
+        found |= {name: None for name, value in named if name and name not in (*STAGE_BUILT, *HIDDEN_ARGUMENTS)
+                  and _sources(value, taint, called) - {TOKEN_IDS}}
+    return tuple(found)
 
 
 def _kind(model: nn.Module, layers: str, name: str) -> str:

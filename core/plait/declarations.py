@@ -60,12 +60,16 @@ class SPPlan:
     transformers has already built position ids, rotary tables and the causal mask from the full sequence).
     ``end``: the module whose output is gathered back (the final norm). ``norms``: patterns of every module
     with replicated parameters that runs on sequence shards inside the region (layer norms); their
-    gradients are summed over tp so they stay equal on every rank.
+    gradients are summed over tp so they stay equal on every rank. ``side_inputs``: names of the decoder layers'
+    forward arguments besides the hidden states that hold one value per token as they do ([batch, sequence, ...]:
+    Gemma 4's per-layer inputs, Zamba's embeddings concatenated into its shared attention), which the model computes
+    before its layers on the whole sequence; every layer of the region gets this rank's sequence shard of them.
     """
 
     begin: str
     end: str
     norms: tuple[str, ...]
+    side_inputs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

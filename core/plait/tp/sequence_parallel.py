@@ -9,12 +9,14 @@ row-parallel layers reduce-scatter their output (tp/layers.py).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait import comm
 from plait.config import ConfigError
 from plait.declarations import SPPlan
 from plait.patterns import matches
@@ -91,4 +93,44 @@ def install_sequence_parallel(
         handles.append(model.get_submodule(plan.begin).register_forward_pre_hook(scatter, with_kwargs=True))
     if owns(plan.end):
         handles.append(model.get_submodule(plan.end).register_forward_hook(gather))
+    if plan.side_inputs:
+        layers = region_prefix(plan.begin).rstrip(".")
+        for index, layer in enumerate(model.get_submodule(layers)):
+            if owns(f"{layers}.{index}"):  # after the begin hook: the hidden states are a shard already
+                hook = SideInputScatter(f"{layers}.{index}", layer, plan.side_inputs, group)
+                handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
     return handles
+
+
+class SideInputScatter:
+    """A decoder layer's forward pre-hook handing it this rank's sequence shard of ``names`` (``SPPlan.side_inputs``),
+    by keyword or by position in its forward's signature. The model computed them before its layers on the whole
+    sequence, on every rank alike; the scatter's backward all-gathers their gradient, so whatever computed them
+    gets the whole sequence's gradient on every rank, as in one process. A value not shaped [batch, sequence, ...]
+    like the hidden states (a pairwise bias) has no token dimension to split: ConfigError, not a silent slice."""
+
+    def __init__(self, name: str, layer: nn.Module, names: tuple[str, ...], group: dist.ProcessGroup | None) -> None:
+        params = list(inspect.signature(layer.forward).parameters)
+        self.name, self.names, self.group = name, names, group
+        self.positions = {n: params.index(n) for n in names if n in params}
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        args = list(args)
+        for name in self.names:
+            if name in kwargs:
+                kwargs[name] = self._split(name, kwargs[name], hidden)
+            elif self.positions.get(name, len(args)) < len(args):
+                args[self.positions[name]] = self._split(name, args[self.positions[name]], hidden)
+        return tuple(args), kwargs
+
+    def _split(self, name: str, value, hidden: torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            return value  # None: a layer that does not take it (Zamba's Mamba layers), or a config without it
+        shards = comm.group_size(self.group)
+        if value.dim() != hidden.dim() or value.shape[0] != hidden.shape[0] or \
+                value.shape[mappings.SEQ_DIM] != hidden.shape[mappings.SEQ_DIM] * shards:
+            raise ConfigError(f"{self.name}: its argument {name} has shape {tuple(value.shape)}, not one value per "
+                              f"token like the hidden states' shard {tuple(hidden.shape)} over {shards} ranks; "
+                              f"sequence parallelism cannot split it: disable sequence parallelism")
+        return mappings.scatter_to_seq(value, self.group)
