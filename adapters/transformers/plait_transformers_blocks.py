@@ -277,13 +277,13 @@ def block_rules(model, config, parent: str, block: nn.Module, styles: dict[str, 
              for role, names in (("q", Q), ("k", K), ("v", V), ("o", O))}
     if roles["q"] and roles["k"] and roles["v"]:
         return _attention_rules(model, config, parent, styles, roles, bare)
+    if is_latent_attention(block):
+        return latent_attention_rules(model, config, parent, block, styles, bare)
     if bare:
         raise bare_refusal(arch, parent, bare)
     fused = next((c for c in QKV if c in styles), None)
     if fused and roles["o"]:
         return _fused_attention_rules(config, parent, block, styles, fused, roles["o"])
-    if is_latent_attention(block):
-        return latent_attention_rules(model, config, parent, block, styles)
     if all(style == "colwise_gather_output" for style in styles.values()) and not is_softmax_attention(block):
         # transformers gathers every projection's output: it computes the block whole on every rank
         return [whole_sequence(arch, parent, block)]

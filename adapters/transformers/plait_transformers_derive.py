@@ -74,7 +74,8 @@ def _derive(config) -> Derived:
     layers = layer_container(model)
     notes: list[str] = []
     tp = _attempt(arch, lambda: tp_plan(model, config, layers, notes))
-    sp = _attempt(arch, lambda: _checked_end(model, arch, layers, sp_plan(model, arch, layers, tp)))
+    sp = _attempt(arch, lambda: _checked_end(model, arch, layers,
+                                             _one_stream(config, sp_plan(model, arch, layers, tp))))
     pipeline = _attempt(arch, lambda: pipeline_plan(model, arch, layers))
     return Derived(arch, [f"{layers}.*"] if layers else [], tp, sp, pipeline, notes)
 
@@ -100,6 +101,19 @@ def _checked_end(model: nn.Module, arch: str, layers: str, sp: SPPlan) -> SPPlan
         raise refuse(arch, norms[0], f"a norm beside the layers that the sequence-parallel region does not end at (it "
                                      f"ends at {sp.end}); its gradient would come from one vocab shard only: disable "
                                      f"sequence parallelism")
+    return sp
+
+
+def _one_stream(config, sp: SPPlan) -> SPPlan:
+    """``sp``, unless the decoder layers pass hyper-connection residual streams (``hc_mult`` > 1: HY-V4, DeepSeek-V4),
+    hidden states [batch, sequence, streams, hidden]: sequence parallelism splits the dimension before hidden, which
+    there is the streams, not the sequence."""
+    streams = getattr(config.get_text_config(), "hc_mult", 1)
+    if isinstance(streams, int) and streams > 1:
+        raise refuse(config.model_type, sp.begin, f"the decoder layers pass {streams} hyper-connection streams "
+                                                  f"(hc_mult), hidden states [batch, sequence, streams, hidden]; "
+                                                  f"sequence parallelism splits the dimension before hidden, the "
+                                                  f"streams: disable sequence parallelism")
     return sp
 
 

@@ -45,6 +45,9 @@ MLA_Q = ("q_b_proj", "q_gate_proj", "q_proj")
 MLA_GATED_Q = "(batch_size, seq_length, -1, self.qk_head_dim + self.v_head_dim)"
 
 
+REPLICATED_GRAD = "replicated_with_grad_allreduce"  # transformers' style: whole on every rank, gradient all-reduced
+
+
 def is_latent_attention(block: nn.Module) -> bool:
     """A multi-head latent attention block: a down projection to the kv latent and an up projection to heads."""
     return {"kv_a_proj_with_mqa", "kv_b_proj"} <= set(block._modules)
@@ -62,49 +65,56 @@ def unplanned_latent_attention(model, layers: str | None, children: dict, blocks
             notes.append(f"{pattern}: latent attention transformers' plan leaves replicated: split by heads")
 
 
-def latent_attention_rules(model, config, parent: str, block: nn.Module, styles: dict[str, str]) -> list[TPRule]:
+def latent_attention_rules(model, config, parent: str, block: nn.Module, styles: dict[str, str],
+                           bare: dict[str, str] | None = None) -> list[TPRule]:
     """A LatentAttention rule, once the block is the layout it splits: only the down projections and their norms,
-    ``q_b_proj`` (or ``q_proj``), ``kv_b_proj``, ``o_proj`` and children computing without gradients (a sparse-attention
-    indexer, replicated) hold parameters, alike in every layer the pattern matches;
-    their widths are the config's heads times the block's head dims; the forward reads them per head (MLA_LAYOUT)
-    and no head count from the config; transformers' styles, where its plan has them, agree (MLA_STYLES).
+    ``q_b_proj`` (or ``q_proj``), ``kv_b_proj``, ``o_proj``, per-head output gates, children transformers' plan keeps
+    replicated with their gradients all-reduced, and children computing without gradients (a sparse-attention
+    indexer, replicated) hold parameters, alike in every layer the pattern matches but for those last; the block's
+    own parameters are per-head sinks its plan shards (``bare``); the widths are the config's heads times the
+    block's head dims; the forward reads them per head (MLA_LAYOUT) and no head count from the config;
+    transformers' styles, where its plan has them, agree (MLA_STYLES).
     In a hybrid whose other layers hold another mixer at the same path (Kimi-Linear's, Bailing-Hybrid's delta
-    attention) and whose plan styles none of them, one rule per latent-attention layer; the other mixers are left to
-    the rules for mixers no plan names (``undeclared_mixers``)."""
+    attention) and whose plan styles none of them, and where only some layers hold an indexer (HY-V4, Dots3:
+    the others reuse the last one's selection or have none), one rule per latent-attention layer; the other
+    mixers are left to the rules for mixers no plan names (``undeclared_mixers``)."""
     arch = config.model_type
     hits = [(n, m) for n, m in model.named_modules() if matches(parent, n)]
     others = [n for n, m in hits if not is_latent_attention(m)]
     if others and styles:
         raise refuse(arch, parent, f"{others[0]} is a {type(model.get_submodule(others[0])).__name__}, where other "
                                    f"layers hold latent attention: layers of different kinds at one module path")
-    shapes = {(n, tuple(p.shape)) for n, p in block.named_parameters()}
-    unlike = [n for n, m in hits if n not in others and {(k, tuple(p.shape)) for k, p in m.named_parameters()} != shapes]
+    latent = {n: m for n, m in hits if n not in others}
+    frozen = {n: _frozen_children(m) for n, m in latent.items()}
+    shapes = {n: {(k, tuple(p.shape)) for k, p in m.named_parameters() if k.split(".")[0] not in frozen[n]}
+              for n, m in latent.items()}
+    unlike = [n for n in latent if shapes[n] != shapes[next(iter(latent))]]
     if unlike:
         raise refuse(arch, parent, f"{unlike[0]}'s parameters differ from the other latent-attention layers'; plait has "
                                    f"no rule for it")
     q = next((c for c in MLA_Q if c in block._modules), "q_proj")
     gated_q = q == "q_gate_proj"  # [q | gate] per head, the gate multiplying the head's output (AXK2)
     down = tuple(d for d in MLA_DOWN if d in block._modules)
-    # a child computing without gradients (DeepSeek-V3.2's sparse-attention indexer, @torch.no_grad): replicated on the
-    # full sequence, it gives every rank the same token selection and no parameter gradient to sum
-    frozen = [n for n, m in block.named_children() if n not in {q, "kv_b_proj", "o_proj", *down} and own_params_deep(m)
-              and "@torch.no_grad()" in inspect.getsource(type(m).forward)]
-    gates = [n for n, m in block.named_children()
-             if isinstance(m, nn.Linear) and m.out_features == config.num_attention_heads and _head_gate(type(block), n)]
-    known = {q, "kv_b_proj", "o_proj", *down, *frozen, *gates}
+    heads = config.num_attention_heads
+    gates = _head_gates(block, heads)
+    # declared replicated with the gradient all-reduced (Dots3's k_rope_only_layernorm on the shared rotary key): on
+    # the full sequence like the down projections, feeding this rank's heads only
+    summed = tuple(c for c, style in styles.items() if style == REPLICATED_GRAD and c in block._modules)
+    known = {q, "kv_b_proj", "o_proj", *down, *summed, *_frozen_children(block), *gates}
     stray = sorted(n for n, m in block.named_modules() if n and n.split(".")[0] not in known and own_params(m))
     if stray:
         raise refuse(arch, f"{parent}.{stray[0]}", "a module with parameters inside latent attention beside its "
                                                    "projections and norms; plait has no rule for it")
-    differ = {child: style for child, style in styles.items() if MLA_STYLES.get(child) != style}
+    allowed = {**MLA_STYLES, **{g: "colwise" for g in gates}, **{c: REPLICATED_GRAD for c in summed}}
+    differ = {child: style for child, style in styles.items() if allowed.get(child) != style}
     if differ:
         raise refuse(arch, parent, f"transformers' styles {differ} on latent attention are not the split by heads "
-                                   f"plait makes ({MLA_STYLES})")
+                                   f"plait makes ({allowed})")
+    sinks = _sinks(arch, parent, block, bare or {}, heads)
     dims = {a: getattr(block, a, None) for a in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")}
     if not all(isinstance(d, int) for d in dims.values()):
         raise refuse(arch, parent, f"latent attention without integer head dims {dims}")
     nope, rope, v, rank = dims.values()
-    heads = config.num_attention_heads
     widths = {q: out_features(block.get_submodule(q)), "kv_b_proj": out_features(block.kv_b_proj),
               "kv_a_proj_with_mqa": out_features(block.kv_a_proj_with_mqa), "o_proj input": linear_shape(block.o_proj)[0]}
     expected = {q: heads * (nope + rope + (v if gated_q else 0)), "kv_b_proj": heads * (nope + v),
@@ -121,18 +131,70 @@ def latent_attention_rules(model, config, parent: str, block: nn.Module, styles:
         raise refuse(arch, parent, f"{type(block).__name__} does not read its projections head by head as plait's split "
                                    f"assumes ({', '.join(unread)}); plait has no rule for it")
     local = tuple(a for a, q_heads in LOCAL_ATTRS.items() if q_heads == "q_heads" and isinstance(vars(block).get(a), int))
-    indexers = tuple(f"{f}.{n}" for f in frozen for n, m in block.get_submodule(f).named_modules() if own_params(m))
-    names = [n for n, _ in hits if n not in others] if others else [parent]
+    per_layer = bool(others) or len({tuple(f) for f in frozen.values()}) > 1
+    blocks = latent if per_layer else {parent: block}
     return [LatentAttention(name, q=q, kv_b="kv_b_proj", o="o_proj", num_heads=heads,
-                            q_head_dim=nope + rope + (v if gated_q else 0),
-                            kv_head_dim=nope + v, v_head_dim=v, replicated=(*down, *indexers), local_attrs=local,
-                            head_columns=tuple(gates))
-            for name in names]
+                            q_head_dim=nope + rope + (v if gated_q else 0), kv_head_dim=nope + v, v_head_dim=v,
+                            replicated=(*down, *summed, *_indexer_modules(b)), local_attrs=local,
+                            head_columns=gates, head_params=sinks)
+            for name, b in blocks.items()]
 
 
-def _head_gate(cls: type, child: str) -> bool:
-    """Whether ``cls.forward`` gates each head's attention output by one value of ``child`` (Bailing-Hybrid:
-    ``gate = torch.sigmoid(self.g_proj(hidden_states)...)``, ``attn_output * gate.unsqueeze(-1)`` on [b, s, heads, v])."""
-    source = inspect.getsource(cls.forward)
-    found = re.search(rf"(\w+) = [^\n]*self\.{child}\(hidden_states\)", source)
-    return found is not None and f"attn_output * {found.group(1)}.unsqueeze(-1)" in source
+def _frozen_children(block: nn.Module) -> list[str]:
+    """Children with parameters that compute without gradients (DeepSeek-V3.2's sparse-attention indexer,
+    ``@torch.no_grad()``): replicated on the full sequence, they give every rank the same token selection and no
+    parameter gradient to sum."""
+    return [n for n, m in block.named_children() if own_params_deep(m) and n not in MLA_DOWN
+            and "@torch.no_grad()" in inspect.getsource(type(m).forward)]
+
+
+def _indexer_modules(block: nn.Module) -> tuple[str, ...]:
+    """The modules with parameters of ``block``'s frozen children, as LatentAttention's ``replicated`` names them."""
+    return tuple(f"{f}.{n}" for f in _frozen_children(block) for n, m in block.get_submodule(f).named_modules()
+                 if own_params(m))
+
+
+def _sinks(arch: str, parent: str, block: nn.Module, bare: dict[str, str], heads: int) -> tuple[str, ...]:
+    """The block's own parameters, each one attention-sink logit per head that transformers' plan shards with the
+    heads (HY-V4's ``sinks``, passed as the attention functions' ``s_aux``); any other parameter of the block itself
+    is refused: plait cannot tell how its heads use it."""
+    source = inspect.getsource(type(block).forward)
+    for leaf, param in block._parameters.items():
+        if param is None:
+            continue
+        if bare.get(leaf) != "colwise" or f"s_aux=self.{leaf}," not in source or tuple(param.shape) != (heads,):
+            raise refuse(arch, f"{parent}.{leaf}", f"a parameter of latent attention itself (shape "
+                                                   f"{tuple(param.shape)}, style {bare.get(leaf)!r}) that is not an "
+                                                   f"attention sink per head ({heads}) its plan shards colwise; plait "
+                                                   f"has no rule for it")
+    return tuple(leaf for leaf, param in block._parameters.items() if param is not None)
+
+
+def _head_gates(block: nn.Module, heads: int) -> tuple[str, ...]:
+    """Linear children gating each head's attention output (``_head_gate``) by one value per head or one per feature
+    of the head's value (``v_head_dim``): elementwise per head, so split with the heads."""
+    per_head = {heads: 1, heads * getattr(block, "v_head_dim", 0): getattr(block, "v_head_dim", 0)}
+    return tuple(n for n, m in block.named_children()
+                 if isinstance(m, nn.Linear) and m.out_features in per_head and
+                 _head_gate(block, n, per_head[m.out_features]))
+
+
+def _head_gate(block: nn.Module, child: str, per_head: int) -> bool:
+    """Whether ``block``'s forward multiplies its attention output, [b, s, heads, v] until reshaped for ``o_proj``,
+    by ``child``'s projection of the hidden states viewed as ``per_head`` values per head: ``attn_output *
+    gate.unsqueeze(-1)`` of one value per head (Bailing-Hybrid: ``gate = torch.sigmoid(self.g_proj(hidden_states)
+    ...)``), or the sigmoid of ``self.<child>(hidden_states).view(batch_size, seq_length, -1, W)`` where W is the
+    number or block attribute ``per_head`` (Dots3: ``view(..., -1, 1)``, ``attn_output * gate.sigmoid()``; HY-V4:
+    ``view(..., -1, self.gate_projection_size)`` = v_head_dim, ``attn_output * torch.sigmoid(gate_states)``)."""
+    source = inspect.getsource(type(block).forward)
+    read = re.search(rf"(\w+) = [^\n]*self\.{child}\(hidden_states\)([^\n]*)", source)
+    reshaped = source.find("attn_output = attn_output.reshape(batch_size, seq_length, -1)")
+    if read is None or reshaped < read.end():
+        return False
+    gate, rest = read.groups()
+    if per_head == 1 and f"attn_output * {gate}.unsqueeze(-1)" in source:
+        return True
+    view = re.match(r"\.view\(batch_size, seq_length, -1, (\d+|self\.\w+)\)$", rest.strip())
+    size = view and (int(view.group(1)) if view.group(1).isdigit() else getattr(block, view.group(1)[5:], None))
+    applied = f"attn_output * torch.sigmoid({gate})" in source or f"attn_output * {gate}.sigmoid()" in source
+    return size == per_head and applied

@@ -560,8 +560,10 @@ class LatentAttention(TPRule):
     projection's, is summed once by the region's entry (all-reduce, or reduce-scatter under SP), not again.
     ``replicated`` may also name the modules of a child that computes without gradients on the same full-sequence
     inputs (DeepSeek-V3.2's sparse-attention indexer): every rank then selects the same tokens.
-    ``head_columns``: projections with one output per head (Bailing-Hybrid's sigmoid output gate ``g_proj``
-    [heads, hidden]), column-parallel with the heads.
+    ``head_columns``: projections with the same number of outputs per head (Bailing-Hybrid's sigmoid output gate
+    ``g_proj`` [heads, hidden], HY-V4's ``gate_proj`` [heads x v_head_dim, hidden]), column-parallel with the heads.
+    ``head_params``: bare parameters of the block with one entry per head (attention sinks), split with the heads
+    (``HeadParams``).
     ``local_attrs``: attributes of the block holding the head count (``num_heads``), set to this rank's.
     """
 
@@ -575,6 +577,7 @@ class LatentAttention(TPRule):
     replicated: tuple[str, ...] = ()
     local_attrs: tuple[str, ...] = ()
     head_columns: tuple[str, ...] = ()
+    head_params: tuple[str, ...] = ()
     label: ClassVar[str] = "attention"
 
     def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
@@ -584,7 +587,13 @@ class LatentAttention(TPRule):
         heads = self.num_heads // tp
         first, last = rank * heads, (rank + 1) * heads
         child = lambda attr: (f"{name}.{attr}", module.get_submodule(attr))  # noqa: E731
-        widths = ((self.q, self.q_head_dim), (self.kv_b, self.kv_head_dim), *((c, 1) for c in self.head_columns))
+        gates = {c: linear_shape(module.get_submodule(c))[1] for c in self.head_columns}
+        uneven = {c: width for c, width in gates.items() if width % self.num_heads}
+        if uneven:
+            raise ConfigError(f"{name}: head_columns {uneven} have output features that are not per head "
+                              f"(num_heads={self.num_heads}); name only projections with outputs per head")
+        widths = ((self.q, self.q_head_dim), (self.kv_b, self.kv_head_dim),
+                  *((c, width // self.num_heads) for c, width in gates.items()))
         up = [linear_shard(*child(attr), Column(f"{name}.{attr}"), [(first * width, last * width)], None)
               for attr, width in widths]
         for shard in up:
@@ -594,7 +603,9 @@ class LatentAttention(TPRule):
                 for shard in ReplicatedGradSum(f"{name}.{attr}").shards(*child(attr), tp, rank)]
         o = linear_shard(*child(self.o), Row(f"{name}.{self.o}"), None, [(first * self.v_head_dim,
                                                                           last * self.v_head_dim)])
-        return [*up, *down, o]
+        sinks = [HeadParams(name).block_shard(name, module, self.head_params, self.num_heads, tp, rank)] \
+            if self.head_params else []
+        return [*up, *down, o, *sinks]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,103 @@
+"""Attention rules of the generic adapter for blocks transformers' tp plans shard in ways plait's other rules do not
+read, each with one-process parity through the conformance kit (3 AdamW steps, float64) and each refusing on the
+meta model what it cannot place:
+
+- Dots3-Note: latent attention whose layers differ only by a sparse-attention indexer (the other layers have none),
+  with a per-head sigmoid gate (``g_proj(hidden_states).view(..., -1, 1)``) and a norm on the shared rotary key
+  that transformers' plan keeps replicated with its gradient all-reduced: one LatentAttention per layer, the gate
+  split with the heads, the norm whole with its gradient summed over tp;
+- HY-V4: the same latent attention with one sink logit per head (``s_aux=self.sinks``, sharded by transformers'
+  plan) and a gate of v_head_dim values per head (``view(..., -1, self.gate_projection_size)``), split with the
+  heads; its decoder layers pass hyper-connection streams [batch, sequence, streams, hidden], which sequence
+  parallelism would split by streams: tp=2 without SP runs, SP is refused.
+
+One launch of 2 ranks runs every pair, in float64, where a mis-split layer stays off by 1e-4 or more.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.meta import build_meta_model
+from plait.testing.conformance_modes import LOSS_RTOL
+from plait.tp.styles import LatentAttention
+from plait_transformers import plait_tiny_config
+from plait_transformers_common import Refusal
+from plait_transformers_derive import derive, tp_plan
+
+pytest_plugins = ["plait.testing.pytest_plugin"]
+
+ARCHITECTURES = ("dots3_note_text",)
+MODES = ("tp2-sp", "consolidate-tp2-sp")
+WITHOUT_SP = (("hy_v4", "tp2"),)  # architectures whose TP plan runs, but not under sequence parallelism
+
+
+@pytest.fixture(scope="module")
+def results(plait_conformance):
+    return plait_conformance(*(f"transformers:{a}" for a in ARCHITECTURES), modes=list(MODES), dtype="float64",
+                             pairs=[(f"transformers:{a}", mode) for a, mode in WITHOUT_SP])
+
+
+@pytest.mark.parametrize(("arch", "mode"), [*((a, m) for a in ARCHITECTURES for m in MODES), *WITHOUT_SP])
+def test_attention_rule_parity(results, arch, mode):
+    from plait.testing.pytest_plugin import format_results
+
+    result = results[f"transformers:{arch}", mode]
+    assert result.status == "pass", format_results([result])
+    assert result.loss_rel is not None and result.loss_rel <= LOSS_RTOL
+    assert result.grad_tol is not None and result.grad_tol <= 1
+
+
+def latent_rules(arch: str) -> dict[str, LatentAttention]:
+    plan = derive(plait_tiny_config(arch)).tp
+    return {r.pattern: r for r in plan.rules if isinstance(r, LatentAttention)}
+
+
+def test_latent_layers_differing_by_an_indexer_get_one_rule_each():
+    """Dots3's and HY-V4's indexer sits in every other layer only: one rule per layer, each replicating its own."""
+    for arch in ("dots3_note_text", "hy_v4"):
+        rules = latent_rules(arch)
+        assert sorted(rules) == [f"model.layers.{i}.self_attn" for i in range(4)]
+        indexed = [p for p, r in rules.items() if any(m.startswith("indexer.") for m in r.replicated)]
+        assert indexed == ["model.layers.0.self_attn", "model.layers.2.self_attn"]
+
+
+def test_dots3_gate_and_rotary_key_norm():
+    rule = latent_rules("dots3_note_text")["model.layers.1.self_attn"]
+    assert rule.head_columns == ("g_proj",) and "k_rope_only_layernorm" in rule.replicated and not rule.head_params
+
+
+def test_hy_v4_sinks_and_gate_split_with_the_heads():
+    config = plait_tiny_config("hy_v4")
+    rule = latent_rules("hy_v4")["model.layers.1.self_attn"]
+    assert (rule.head_columns, rule.head_params) == (("gate_proj",), ("sinks",))
+    block = build_meta_model(config).get_submodule("model.layers.1.self_attn")
+    shards = {s.name: s for s in rule.shards("model.layers.1.self_attn", block, 2, 1)}
+    gate = shards["model.layers.1.self_attn.gate_proj"]
+    assert gate.weight.ranges == ((2 * 8, 4 * 8),)  # heads 2-3 of v_head_dim 8 values each
+    assert shards["model.layers.1.self_attn"].params["sinks"].ranges == ((2, 4),)
+
+
+def test_hyper_connection_streams_refuse_sequence_parallelism():
+    sp = derive(plait_tiny_config("hy_v4")).sp
+    assert isinstance(sp, Refusal) and "hyper-connection streams" in str(sp) and "disable sequence parallelism" in str(sp)
+
+
+def test_latent_attention_parameter_that_is_no_sink_is_refused():
+    """A parameter of the block itself that is not one sink logit per head passed as s_aux: refused, not replicated."""
+    config = plait_tiny_config("hy_v4")
+    model = build_meta_model(config)
+    for layer in model.model.layers:
+        layer.self_attn.sinks = type(layer.self_attn.sinks)(layer.self_attn.sinks.new_empty(8))
+    with pytest.raises(Refusal, match=r"self_attn\.sinks: a parameter of latent attention itself \(shape \(8,\)"):
+        tp_plan(model, config, "model.layers", [])
+
+
+def test_a_gate_not_read_per_head_is_not_split_with_the_heads(monkeypatch):
+    """A Linear of heads outputs that the forward does not apply per head is no head gate: refused as a stray."""
+    import plait_transformers_latent
+
+    monkeypatch.setattr(plait_transformers_latent, "_head_gate", lambda block, child, per_head: False)
+    config = plait_tiny_config("dots3_note_text")
+    with pytest.raises(Refusal, match=r"self_attn\.g_proj: a module with parameters inside latent attention"):
+        tp_plan(build_meta_model(config), config, "model.layers", [])
