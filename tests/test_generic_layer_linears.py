@@ -123,7 +123,7 @@ def test_a_block_of_linears_is_kept_whole_only_token_by_token(mlp, kept):
 
 
 def test_a_side_input_without_a_token_dimension_is_refused_when_it_arrives():
-    """A pairwise bias handed beside the hidden states has no token dimension to split: ConfigError, not a slice."""
+    """A bias over heads and pairs of tokens handed beside the hidden states: ConfigError, not a slice."""
     hook = SideInputScatter("layers.0", _Layer(), ("memory",), None)
     hidden = torch.zeros(2, 6, 4)
     args, _ = hook(None, (hidden, torch.ones(2, 6, 3)), {})

@@ -20,6 +20,8 @@ fp32), where before they were refused:
   ``hidden_states, state, attentions``, its state a cache that stays None without ``use_cache``): the stand-ins for
   another stage's layers return as many values from the first forward on.
 
+Zamba's and Zamba2's Linears no rule splits, kept whole, are tests/test_generic_layer_linears.py's.
+
 What they still cannot take is skipped with plait's one-line reason, before any process starts. One launch of 2
 ranks runs every pair.
 """
@@ -42,8 +44,6 @@ ARCHITECTURES = ("bert-generation", "biogpt", "ctrl", "git", "openai-gpt", "xglm
                  "llama4", "qwen3_5", "qwen3_5_moe", "gemma3", "fuyu", "got_ocr2", "moss_transcribe_diarize", "rwkv")
 MODES = ("zero1-dp2", "pp2-1f1b", "tp2-sp")
 SKIPPED = {
-    ("zamba", "tp2-sp"): "a Linear directly on the decoder layer that no rule splits",
-    ("zamba2", "tp2-sp"): "a Linear directly on the decoder layer that no rule splits",
     ("xlnet", "pp2-1f1b"): "takes ['output_g'] besides the hidden states",
 }
 

@@ -106,8 +106,8 @@ class SideInputScatter:
     """A decoder layer's forward pre-hook handing it this rank's sequence shard of ``names`` (``SPPlan.side_inputs``),
     by keyword or by position in its forward's signature. The model computed them before its layers on the whole
     sequence, on every rank alike; the scatter's backward all-gathers their gradient, so whatever computed them
-    gets the whole sequence's gradient on every rank, as in one process. A value not shaped [batch, sequence, ...]
-    like the hidden states (a pairwise bias) has no token dimension to split: ConfigError, not a silent slice."""
+    gets the whole sequence's gradient on every rank, as in one process. A value not shaped [batch, sequence,
+    features] like the hidden states (a bias over heads and pairs of tokens) is a ConfigError, not a silent slice."""
 
     def __init__(self, name: str, layer: nn.Module, names: tuple[str, ...], group: dist.ProcessGroup | None) -> None:
         params = list(inspect.signature(layer.forward).parameters)
@@ -118,15 +118,16 @@ class SideInputScatter:
         hidden = args[0] if args else kwargs["hidden_states"]
         args = list(args)
         for name in self.names:
+            position = self.positions.get(name)
             if name in kwargs:
                 kwargs[name] = self._split(name, kwargs[name], hidden)
-            elif self.positions.get(name, len(args)) < len(args):
-                args[self.positions[name]] = self._split(name, args[self.positions[name]], hidden)
+            elif position is not None and position < len(args):
+                args[position] = self._split(name, args[position], hidden)
         return tuple(args), kwargs
 
     def _split(self, name: str, value, hidden: torch.Tensor):
         if not isinstance(value, torch.Tensor):
-            return value  # None: a layer that does not take it (Zamba's Mamba layers), or a config without it
+            return value  # None: a config without it (Gemma 4 with hidden_size_per_layer_input=0)
         shards = comm.group_size(self.group)
         if value.dim() != hidden.dim() or value.shape[0] != hidden.shape[0] or \
                 value.shape[mappings.SEQ_DIM] != hidden.shape[mappings.SEQ_DIM] * shards:
