@@ -234,9 +234,9 @@ def test_attention_blocks_of_different_classes_at_one_path_are_refused(monkeypat
     ("doge", "doge: model.layers.*.self_attn.dt_proj: transformers' style 'rowwise' inside attention has no plait rule"),
     ("gemma3n_text", "gemma3n_text: model.layers.*.self_attn: model.layers.2.self_attn (Gemma3nTextAttention) is softmax "
      "attention without ['k_proj', 'v_proj'], unlike other layers' blocks at this path"),
-    # sinks beside multi-head latent attention (q_b_proj, kv_b_proj): LatentAttention does not split them yet
-    ("hy_v4", "hy_v4: model.layers.*.self_attn.sinks: transformers shards the parameter itself (colwise); plait splits "
-     "bare parameters only with the q heads of a q/k/v attention block"),
+    # its attention splits (sinks with the heads: tests/test_generic_attention_rules.py), its layers' streams do not
+    ("hy_v4", "hy_v4: model.layers.0: the decoder layers pass 4 hyper-connection streams (hc_mult), hidden states "
+     "[batch, sequence, streams, hidden]; sequence parallelism splits the dimension before hidden"),
 ])
 def test_refused_with_the_module_and_the_reason(registry, arch, message):
     with pytest.raises(ConfigError, match="cannot derive this plan: " + re.escape(message)):

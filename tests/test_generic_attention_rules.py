@@ -9,7 +9,11 @@ meta model what it cannot place:
 - HY-V4: the same latent attention with one sink logit per head (``s_aux=self.sinks``, sharded by transformers'
   plan) and a gate of v_head_dim values per head (``view(..., -1, self.gate_projection_size)``), split with the
   heads; its decoder layers pass hyper-connection streams [batch, sequence, streams, hidden], which sequence
-  parallelism would split by streams: tp=2 without SP runs, SP is refused.
+  parallelism would split by streams: tp=2 without SP runs, SP is refused;
+- DiffLlama: differential attention pairing q head h with h + H/2 (values chunked in two along the kv heads, the
+  output in two along the heads): each rank keeps the same run of heads from each half, so its pairs are whole
+  (PairedHeadsAttention), and its lambda vectors ([head_dim], reduced to one scalar read by every head) stay whole
+  with their gradients summed over tp.
 
 One launch of 2 ranks runs every pair, in float64, where a mis-split layer stays off by 1e-4 or more.
 """
@@ -20,14 +24,14 @@ import pytest
 
 from plait.meta import build_meta_model
 from plait.testing.conformance_modes import LOSS_RTOL
-from plait.tp.styles import LatentAttention
+from plait.tp.styles import LatentAttention, PairedHeadsAttention, ReplicatedGradSum
 from plait_transformers import plait_tiny_config
 from plait_transformers_common import Refusal
 from plait_transformers_derive import derive, tp_plan
 
 pytest_plugins = ["plait.testing.pytest_plugin"]
 
-ARCHITECTURES = ("dots3_note_text",)
+ARCHITECTURES = ("dots3_note_text", "diffllama")
 MODES = ("tp2-sp", "consolidate-tp2-sp")
 WITHOUT_SP = (("hy_v4", "tp2"),)  # architectures whose TP plan runs, but not under sequence parallelism
 
@@ -101,3 +105,29 @@ def test_a_gate_not_read_per_head_is_not_split_with_the_heads(monkeypatch):
     config = plait_tiny_config("dots3_note_text")
     with pytest.raises(Refusal, match=r"self_attn\.g_proj: a module with parameters inside latent attention"):
         tp_plan(build_meta_model(config), config, "model.layers", [])
+
+
+def test_diffllama_pairs_heads_across_the_halves():
+    """Tiny DiffLlama: 4 q heads (pairs 0|2, 1|3), 2 kv heads (one per half, replicated over the 2 ranks)."""
+    config = plait_tiny_config("diffllama")
+    rule = next(r for r in derive(config).tp.rules if r.pattern == "model.layers.*.self_attn")
+    assert isinstance(rule, PairedHeadsAttention)
+    assert rule.shared_params == ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+    block = build_meta_model(config).get_submodule("model.layers.0.self_attn")
+    shards = {s.name: s for s in rule.shards("a", block, 2, 1)}
+    assert shards["a.q_proj"].weight.ranges == ((8, 16), (24, 32))  # heads 1 and 3 of head_dim 8
+    assert shards["a.k_proj"].weight.ranges == ((0, 8), (8, 16)) and shards["a.k_proj"].grad_sum_block == 2
+    assert shards["a.o_proj"].weight.ranges == ((16, 32),)  # pair 1: [out1 | out2] of head_dim 8 each
+    assert shards["a.q_proj"].local_attrs == {"num_key_value_groups": 1}
+    shared = shards["a"]
+    assert isinstance(shared.style, ReplicatedGradSum) and shared.grad_sum_block == 2
+    assert set(shared.params) == set(rule.shared_params)
+
+
+def test_paired_heads_with_a_parameter_not_reduced_to_a_scalar_are_refused():
+    config = plait_tiny_config("diffllama")
+    model = build_meta_model(config)
+    for layer in model.model.layers:
+        layer.self_attn.lambda_k1 = type(layer.self_attn.lambda_k1)(layer.self_attn.lambda_k1.new_empty(4))
+    with pytest.raises(Refusal, match=r"self_attn\.lambda_k1: a parameter inside attention pairing head h"):
+        tp_plan(model, config, "model.layers", [])

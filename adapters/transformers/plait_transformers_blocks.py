@@ -17,8 +17,8 @@ from plait import Attention, Column, Row
 from plait.patterns import matches
 from plait.tp.sharding import linear_shape
 from plait.tp.styles import (
-    FullWidthNormAttention, FusedColumn, HeadInterleavedAttention, LocalConfigAttention, ReplicatedGradSum, SplitNorm,
-    TPRule, WholeSequence,
+    FullWidthNormAttention, FusedColumn, HeadInterleavedAttention, LocalConfigAttention, PairedHeadsAttention,
+    ReplicatedGradSum, SplitNorm, TPRule, WholeSequence,
 )
 
 from plait_transformers_common import (
@@ -455,10 +455,14 @@ def _attention_rules(model, config, parent, styles, roles, bare) -> list[TPRule]
         if style != "colwise":
             raise refuse(arch, f"{parent}.{leaf}", f"transformers' style {style!r} on a bare parameter of attention "
                                                    f"has no plait rule")
-    layouts = {name: _head_layout(arch, parent, b, roles, config, head_dim, q_chunks, head_columns, bare)
-               for name, b in blocks.items()}
     reads = {r.partition(".")[2]: q for r, q in CONFIG_READS.items() if r in source}
     local = {attr: q for attr, q in LOCAL_ATTRS.items() if isinstance(vars(block).get(attr), int)}
+    if paired_heads(source):
+        extras = {"other blocks": sorted(others), "gates": head_columns, "sharded parameters": sorted(bare),
+                  "config reads": sorted(reads), "gathered q/k/v": gathered, "gated q": q_chunks > 1}
+        return [_paired_attention(arch, parent, blocks, roles, config, head_dim, local, extras)]
+    layouts = {name: _head_layout(arch, parent, b, roles, config, head_dim, q_chunks, head_columns, bare)
+               for name, b in blocks.items()}
     common = dict(q=roles["q"], k=roles["k"], v=roles["v"], o=roles["o"], head_dim=head_dim, local_attrs=local,
                   q_chunks=q_chunks, head_columns=head_columns)
     inner = [m for b in blocks.values() for n, m in b.named_modules() if n and n not in projections and own_params(m)]
@@ -498,6 +502,46 @@ def _attention_rules(model, config, parent, styles, roles, bare) -> list[TPRule]
     attention = [style(pattern, num_heads=q_heads, num_kv_heads=kv_heads, head_params=head_params, **common, **extra)
                  for pattern, (q_heads, kv_heads, head_params) in groups]
     return [*attention, *rules, *mixers]
+
+
+def paired_heads(source: str) -> bool:
+    """Whether an attention forward pairs q head h with head h + H/2 (DiffLlama: ``torch.chunk(value_states, 2,
+    dim=1)`` into the values of two attention calls, ``torch.chunk(attn_output, 2, dim=2)`` of their output along the
+    heads, combined pair by pair)."""
+    return "torch.chunk(value_states, 2, dim=1)" in source and "torch.chunk(attn_output, 2, dim=2)" in source
+
+
+def _paired_attention(arch, parent, blocks, roles, config, head_dim: int, local: dict[str, str],
+                      extras: dict[str, object]) -> PairedHeadsAttention:
+    """A PairedHeadsAttention for blocks whose forward pairs heads (``paired_heads``): widths of the config's heads,
+    no gate, sink, norm with parameters or other layer kind beside (``extras``: refused if any), and the block's own
+    parameters each a [head_dim] vector the forward reduces to one scalar (DiffLlama's ``torch.sum(self.lambda_q1 *
+    self.lambda_k1, dim=-1)``), read alike by every head."""
+    present = {what: value for what, value in extras.items() if value}
+    if present:
+        raise refuse(arch, parent, f"attention pairing head h with h + H/2 beside {present}; plait has no rule for "
+                                   f"both")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    expected = {"q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim, "o input": heads * head_dim}
+    block = next(iter(blocks.values()))
+    source = inspect.getsource(type(block).forward)
+    scalars = {leaf for pair in re.findall(r"torch\.sum\(self\.(\w+) \* self\.(\w+), dim=-1", source) for leaf in pair}
+    for name, b in blocks.items():
+        widths = {r: out_features(get_module(b, roles[r])) for r in ("q", "k", "v")}
+        widths["o input"] = linear_shape(get_module(b, roles["o"]))[0]
+        if widths != expected:
+            raise refuse(arch, name, f"paired-head attention widths {widths} are not heads x head_dim {expected}")
+        inner = sorted(n for n, m in b.named_modules() if n and n not in {roles[r] for r in roles} and own_params(m))
+        odd = sorted(n for n, p in b._parameters.items()
+                     if p is not None and (n not in scalars or tuple(p.shape) != (head_dim,)))
+        if inner or odd:
+            raise refuse(arch, f"{name}.{(inner or odd)[0]}", f"a parameter inside attention pairing head h with h + "
+                                                              f"H/2 that is not a [head_dim] vector reduced to one "
+                                                              f"scalar; plait cannot tell how its heads use it")
+    shared = tuple(n for n, p in block._parameters.items() if p is not None)
+    return PairedHeadsAttention(parent, q=roles["q"], k=roles["k"], v=roles["v"], o=roles["o"], num_heads=heads,
+                                num_kv_heads=kv_heads, head_dim=head_dim, local_attrs=local, shared_params=shared)
 
 
 def _gated_query(source: str) -> bool:

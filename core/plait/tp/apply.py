@@ -49,12 +49,20 @@ def apply_tensor_parallel(model: nn.Module, shards: dict[str, ModuleShard], mesh
             applied.vocab_per_rank = shard.weight.local_shape[shard.weight.dim]
         if shard.grad_sum_block > 1:
             group = mesh.tp_block_group(shard.grad_sum_block)
-            applied.grad_sums += [(p, group) for p in new.parameters()]
+            applied.grad_sums += [(p, group) for p in _summed(new, shard)]
         for attr, value in shard.local_attrs.items():
             setattr(model.get_submodule(parent_name), attr, value)
 
     _retie(model, shards, [places for places in tied.values() if len(places) > 1])
     return applied
+
+
+def _summed(module: nn.Module, shard: ModuleShard) -> list[nn.Parameter]:
+    """The parameters whose gradients ``shard`` sums: a block's own ones that it names (DiffLlama's attention keeps
+    its lambda vectors whole, its projections have shards of their own), else every parameter of the module."""
+    blocks = any(True for child in module.children() for _ in child.parameters())
+    own = dict(module.named_parameters(recurse=False))
+    return [own[leaf] for leaf in shard.params if leaf in own] if blocks and shard.params else list(module.parameters())
 
 
 def _enter_input(entry: TPRegionEntry):

@@ -10,6 +10,7 @@ both handled.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -380,6 +381,57 @@ class LocalConfigAttention(Attention):
             setattr(config, attr, quantities[quantity])
         shards[0].local_attrs = {**shards[0].local_attrs, "config": config}
         return shards
+
+
+@dataclass(frozen=True)
+class PairedHeadsAttention(Attention):
+    """``Attention`` whose forward pairs q head h with head h + H/2 (DiffLlama's differential attention: the values
+    chunked in two halves along the kv heads, the output in two along the heads, ``out1 - lambda * out2`` per pair,
+    normed over the pair's 2 x head_dim and reshaped pair by pair for ``o``): each rank keeps the same run of q heads
+    from each half, and of kv heads (one kv head of each half replicated over tp / (KV/2) ranks when KV/2 < tp), so
+    its pairs are whole, and the contiguous run of ``o``'s input features those pairs produce.
+    ``shared_params``: bare parameters of the block every head reads alike (DiffLlama's lambda vectors, [head_dim],
+    reduced to one scalar): whole on every rank, their gradients summed over tp."""
+
+    shared_params: tuple[str, ...] = ()
+    label: ClassVar[str] = "attention"
+
+    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
+        if self.qkv is not None or self.q_chunks != 1 or self.head_columns or self.head_params:
+            raise ConfigError(f"{name}: paired heads need separate q, k and v projections, without gates or per-head "
+                              f"parameters")
+        if self.num_heads % 2 or self.num_kv_heads % 2:
+            raise ConfigError(f"{name}: paired heads need even head counts, found {self.num_heads} q and "
+                              f"{self.num_kv_heads} kv heads")
+        heads, kv_heads, hd = self.num_heads // 2, self.num_kv_heads // 2, self.head_dim
+        Attention._check_heads(dataclasses.replace(self, num_heads=heads, num_kv_heads=kv_heads), tp)
+        q_range, kv_range, local_kv, block = _head_split(heads, kv_heads, hd, tp, rank)
+        halves = lambda r, width: [r, (r[0] + width, r[1] + width)]  # noqa: E731
+        child = lambda attr: (f"{name}.{attr}", module.get_submodule(attr))  # noqa: E731
+        projections = [linear_shard(*child(self.q), Column(f"{name}.{self.q}"), halves(q_range, heads * hd), None)]
+        for attr in (self.k, self.v):
+            shard = linear_shard(*child(attr), Column(f"{name}.{attr}"), halves(kv_range, kv_heads * hd), None)
+            shard.grad_sum_block = block
+            projections.append(shard)
+        for shard in projections:
+            shard.entered_by_parent, shard.block = True, name
+        q_heads = 2 * heads // tp
+        quantities = {"q_heads": q_heads, "kv_heads": 2 * local_kv, "kv_groups": q_heads // (2 * local_kv),
+                      "q_width": q_heads * hd, "kv_width": 2 * local_kv * hd}
+        projections[0].local_attrs = {attr: quantities[q] for attr, q in self.local_attrs.items()}
+        pairs = (rank * q_heads * hd, (rank + 1) * q_heads * hd)  # q_heads / 2 pairs of 2 x head_dim features each
+        o = linear_shard(*child(self.o), Row(f"{name}.{self.o}"), None, [pairs])
+        return [*projections, o, *self._shared_shard(name, module, tp)]
+
+    def _shared_shard(self, name: str, module: nn.Module, tp: int) -> list[ModuleShard]:
+        """The block's shared parameters, whole on every rank (full-range specs, as ReplicatedGradSum's), their
+        gradients summed over tp: each rank's covers its own pairs only."""
+        if not self.shared_params:
+            return []
+        specs = {leaf: ShardSpec(tuple(module._parameters[leaf].shape), 0, ((0, module._parameters[leaf].shape[0]),))
+                 for leaf in self.shared_params}
+        first = specs[self.shared_params[0]]
+        return [ModuleShard(name, ReplicatedGradSum(name), False, first, None, grad_sum_block=tp, params=specs)]
 
 
 @dataclass(frozen=True)
