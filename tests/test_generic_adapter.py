@@ -72,18 +72,19 @@ def test_what_the_generic_adapter_does_not_serve_is_named(registry, model_type, 
 
 def test_a_causal_lm_without_a_tp_plan_gets_one_from_its_module_tree(registry):
     """Issue 24: data parallelism, ZeRO and pipeline stages need no tp plan, and tp > 1 gets the styles transformers
-    declares for the same structures (StableLM: q/k/v/o attention and a gated MLP); what cannot be placed is refused
-    in one line (GPT-BigCode's multi-query fused c_attn under SP); OPT's SP region ends at its final norm, which
-    its decoder registers before its layers."""
+    declares for the same structures (StableLM: q/k/v/o attention and a gated MLP); softmax attention no rule splits
+    is kept whole and run on the whole sequence under SP (GPT-BigCode's multi-query fused c_attn); OPT's SP region
+    ends at its final norm, which its decoder registers before its layers."""
     for model_type in ("opt", "stablelm", "mamba"):
         assert registry.resolve(types.SimpleNamespace(model_type=model_type)).name == "transformers"
     rules = {type(r).__name__: r.pattern for r in plait_transformers.plait_tp_plan(tiny("stablelm")).rules}
     assert rules["Attention"] == "model.layers.*.self_attn" and rules["Row"] == "model.layers.*.mlp.down_proj"
     assert rules["VocabEmbedding"] == "model.embed_tokens" and rules["VocabHead"] == "lm_head"
     assert plait_transformers.plait_sp_plan(tiny("opt")).end == "model.decoder.final_layer_norm"
-    with pytest.raises(ConfigError, match=r"transformer.h.\*.attn.c_attn: Linear has replicated matrices inside the "
-                                          r"decoder layers"):
-        plait_transformers.plait_sp_plan(tiny("gpt_bigcode"))
+    whole = {r.pattern for r in plait_transformers.plait_tp_plan(tiny("gpt_bigcode")).rules
+             if type(r).__name__ == "WholeSequence"}
+    assert whole == {"transformer.h.*.attn"}
+    assert "transformer.h.*.attn.c_attn" in plait_transformers.plait_sp_plan(tiny("gpt_bigcode")).norms
 
 
 def generic(name: str, refusal=True) -> types.ModuleType:
@@ -281,15 +282,15 @@ def test_plan_show_derived_prints_adapter_code(capsys):
 
 
 def test_show_derived_of_an_undeclared_model_type_equals_that_of_its_config(tmp_path):
-    """Issue 29: GPT-BigCode's SP plan is refused (its multi-query fused c_attn, kept whole, would run on sequence
-    shards), and its model_type starts an adapter as a saved config of it does: the same module but for the
+    """Issue 29: CPM-Ant's SP plan is refused (its position bias, with parameters, goes to the layers beside the
+    hidden states), and its model_type starts an adapter as a saved config of it does: the same module but for the
     command line; the SP hook raises why."""
-    tiny("gpt_bigcode").save_pretrained(tmp_path)
+    tiny("cpmant").save_pretrained(tmp_path)
     by_type, by_file = (plait_transformers.show_derived(source).splitlines()
-                        for source in ("gpt_bigcode", str(tmp_path)))
-    assert by_type[1] == "(`plait plan --show-derived gpt_bigcode`). Head counts and sizes are this config's."
+                        for source in ("cpmant", str(tmp_path)))
+    assert by_type[1] == "(`plait plan --show-derived cpmant`). Head counts and sizes are this config's."
     assert by_type[:1] + by_type[2:] == by_file[:1] + by_file[2:]
-    assert any(line.startswith("    raise ConfigError('gpt_bigcode: transformer.h.*.attn.c_attn: Linear has replicated")
+    assert any(line.startswith('    raise ConfigError("cpmant: cpmant.position_bias: has parameters')
                for line in by_type)
     with pytest.raises(ConfigError, match="cannot serve 'bart': bart is an encoder-decoder model"):
         plait_transformers.show_derived("bart")
@@ -352,7 +353,7 @@ def test_show_derived_says_what_is_proven(tmp_path, monkeypatch):
     assert ("the tiny qwen3 config, as scripts/architecture_sweep.py recorded it in docs/architectures.md at "
             "transformers 9.9.9 (installed: transformers") in text
     assert "whose plans may differ): failed tp2-sp; passed pp2-1f1b; refused cp2. Unproven: any other config" in text
-    for arch in ("phi3", "gpt_bigcode"):
+    for arch in ("phi3", "cpmant"):
         text = " ".join(plait_transformers.show_derived(arch).split())
         assert f"Unproven: docs/architectures.md records no conformance-kit run of the generic adapter's plans for " \
                f"{arch}. Add a plait_tiny_config hook, then run `plait check-adapter <this module>`." in text

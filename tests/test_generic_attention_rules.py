@@ -13,7 +13,11 @@ meta model what it cannot place:
 - DiffLlama: differential attention pairing q head h with h + H/2 (values chunked in two along the kv heads, the
   output in two along the heads): each rank keeps the same run of heads from each half, so its pairs are whole
   (PairedHeadsAttention), and its lambda vectors ([head_dim], reduced to one scalar read by every head) stay whole
-  with their gradients summed over tp.
+  with their gradients summed over tp;
+- Zaya, JetMoE: softmax attention whose projections no rule splits (Zaya's q/k convolved along the sequence, JetMoE's
+  mixture of attention heads) kept whole and run on the whole sequence under SP (WholeSequence), as attention with
+  its own kernel is; JetMoE's MoE block, kept whole the same way, adds a bias of its own (replicated specs);
+- Inkling2: its ``block_states``, carried from layer to layer beside the hidden states, refuse SP before launch.
 
 One launch of 2 ranks runs every pair, in float64, where a mis-split layer stays off by 1e-4 or more.
 """
@@ -31,7 +35,7 @@ from plait_transformers_derive import derive, tp_plan
 
 pytest_plugins = ["plait.testing.pytest_plugin"]
 
-ARCHITECTURES = ("dots3_note_text", "diffllama")
+ARCHITECTURES = ("dots3_note_text", "diffllama", "zaya", "jetmoe")
 MODES = ("tp2-sp", "consolidate-tp2-sp")
 WITHOUT_SP = (("hy_v4", "tp2"),)  # architectures whose TP plan runs, but not under sequence parallelism
 
@@ -131,3 +135,17 @@ def test_paired_heads_with_a_parameter_not_reduced_to_a_scalar_are_refused():
         layer.self_attn.lambda_k1 = type(layer.self_attn.lambda_k1)(layer.self_attn.lambda_k1.new_empty(4))
     with pytest.raises(Refusal, match=r"self_attn\.lambda_k1: a parameter inside attention pairing head h"):
         tp_plan(model, config, "model.layers", [])
+
+
+def test_softmax_attention_no_rule_splits_runs_whole():
+    rules = {r.pattern: r for r in derive(plait_tiny_config("jetmoe")).tp.rules}
+    assert type(rules["model.layers.*.self_attention"]).__name__ == "WholeSequence"
+    moe = rules["model.layers.*.mlp"]
+    block = build_meta_model(plait_tiny_config("jetmoe")).get_submodule("model.layers.0.mlp")
+    shard = moe.shards("model.layers.0.mlp", block, 2, 1)[0]
+    assert shard.bias.full_shape == tuple(block.bias.shape) and shard.bias.dim is None  # whole on every rank
+
+
+def test_a_side_input_carried_from_layer_to_layer_refuses_sequence_parallelism():
+    sp = derive(plait_tiny_config("inkling2_text")).sp
+    assert isinstance(sp, Refusal) and "carries block_states from layer to layer" in str(sp)

@@ -3,8 +3,7 @@ StableLM, MPT, DBRX, Persimmon) train through the generic adapter: ZeRO-1 over d
 stages cut from the module tree, and tp=2 with sequence parallelism on a plan read from the module tree (the
 styles transformers declares for the same structures), each with one-process parity (the kit's 3 AdamW steps,
 fp32). ALiBi's bias (Bloom, Falcon, MPT) goes to each layer beside the hidden states, but the model builds it before
-its loop over the layers, so every pipeline stage builds it again, as it does the mask. What they cannot take is
-skipped with plait's reason, before any process starts: GPT-BigCode's sequence parallelism (below).
+its loop over the layers, so every pipeline stage builds it again, as it does the mask.
 
 One launch of 2 ranks runs every pair (about 10 s on 2 cores).
 """
@@ -19,13 +18,11 @@ pytest_plugins = ["plait.testing.pytest_plugin"]
 
 ARCHITECTURES = ("opt", "bloom", "falcon", "gpt_bigcode", "gpt_neo", "stablelm", "mpt", "dbrx", "persimmon")
 MODES = ("zero1-dp2", "pp2-1f1b", "tp2-sp")
-# softmax attention through transformers' attention functions with a fused projection the rules cannot read
-# (GPT-BigCode's multi-query c_attn): kept whole, it would run on sequence shards under SP, so SP is refused (tp
-# without SP runs it, replicated). Persimmon's query_key_value is laid out head by head as GPT-NeoX's, and split so.
-SKIPPED = {("gpt_bigcode", "tp2-sp"): "Linear has replicated matrices inside the decoder layers"}
-# Attention with its own kernel and a fused projection the rules cannot read (Bloom, Falcon, MPT) and DBRX's
-# blocks (its class declares a plan for the LM head alone) are kept whole and run on the whole sequence under SP,
-# as the derivation's notes say: exact, and the MLPs and the vocabulary are still split.
+# Attention with a fused projection the rules cannot read, with its own kernel (Bloom, Falcon, MPT) or through
+# transformers' attention functions (GPT-BigCode's multi-query c_attn), and DBRX's blocks (its class declares a plan
+# for the LM head alone) are kept whole and run on the whole sequence under SP, as the derivation's notes say:
+# exact, and the MLPs and the vocabulary are still split. Persimmon's query_key_value is laid out head by head as
+# GPT-NeoX's, and split so.
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +36,6 @@ def test_undeclared_architecture(results, arch, mode):
     from plait.testing.pytest_plugin import format_results
 
     result = results[f"transformers:{arch}", mode]
-    if (arch, mode) in SKIPPED:
-        assert result.status == "skipped" and SKIPPED[arch, mode] in result.note, format_results([result])
-        return
     assert result.status == "pass", format_results([result])
     assert result.loss_rel is not None and result.loss_rel <= LOSS_RTOL
     assert result.grad_tol is not None and result.grad_tol <= 1

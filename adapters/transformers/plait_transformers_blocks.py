@@ -103,11 +103,11 @@ def _check_one_input(model: nn.Module, name: str, pattern: str, block: nn.Module
 
 def undeclared_mixers(model: nn.Module, arch: str, layers: str | None, rules: list[TPRule],
                       notes: list[str]) -> list[TPRule]:
-    """Children of the decoder layers holding matrices that no rule touches and that are not softmax attention
-    calling transformers' attention functions (a recurrent mixer transformers' plan leaves out, such as
-    OLMo-Hybrid's gated delta net; an attention with its own kernel and a fused projection no rule reads, such as
-    Bloom's): kept whole on every rank, which is exact without SP, and run on the whole sequence under SP
-    (WholeSequence). One rule per layer
+    """Children of the decoder layers holding matrices that no rule touches (a recurrent mixer transformers' plan
+    leaves out, such as OLMo-Hybrid's gated delta net; an attention with its own kernel and a fused projection no
+    rule reads, such as Bloom's; softmax attention whose projections no rule splits: GPT-BigCode's multi-query
+    ``c_attn``, Zaya's convolved q/k, JetMoE's mixture of attention heads): kept whole on every rank, which is exact
+    without SP, and run on the whole sequence under SP (WholeSequence). One rule per layer
     pattern when every layer's module there is untouched, else one per layer."""
     if layers is None:
         return []
@@ -118,7 +118,7 @@ def undeclared_mixers(model: nn.Module, arch: str, layers: str | None, rules: li
         for child, module in layer.named_children():
             name, pattern = f"{layers}.{index}.{child}", f"{layers}.*.{child}"
             seen[pattern] += 1
-            if not any(p.dim() > 1 for p in module.parameters()) or is_softmax_attention(module):
+            if not any(p.dim() > 1 for p in module.parameters()):
                 continue
             if not any(is_covered(n, patterns) for n, _ in module.named_modules(prefix=name)):
                 found[pattern].append((name, module))

@@ -94,13 +94,39 @@ def side_inputs(model: nn.Module, layers: str) -> tuple[str, ...]:
                 called[method].add(child)
     calls = _calls_of(tree, leaf)
     taint, params = _taint(tree, called, calls), _layer_params(model, layers)
+    carried = _carried(tree, leaf)
     found: dict[str, None] = {}
     for call in calls:
         named = [(params[i] if i < len(params) else None, a) for i, a in enumerate(call.args)][1:]
         named += [(k.arg, k.value) for k in call.keywords]
         found |= {name: None for name, value in named if name and name not in (*STAGE_BUILT, *HIDDEN_ARGUMENTS)
                   and _sources(value, taint, called) - {TOKEN_IDS}}
+        threaded = [n for n, value in named if n in found and isinstance(value, ast.Name) and value.id in carried]
+        if threaded:
+            raise refuse(model.config.model_type, layers, f"the model carries {threaded[0]} from layer to layer "
+                                                          f"beside the hidden states (assigned before its loop and in "
+                                                          f"it); sequence parallelism splits only values built once "
+                                                          f"before the layers: disable sequence parallelism")
     return tuple(found)
+
+
+def _carried(tree: ast.AST, leaf: str) -> set[str]:
+    """Names the model's forward assigns both before its loop over ``self.<leaf>`` and inside it (Inkling2's
+    ``block_states``, grown by each block's hidden states): values carried from layer to layer, not built once."""
+    loop = next((n for n in ast.walk(tree) if isinstance(n, ast.For) and f"self.{leaf}" in ast.unparse(n.iter)), None)
+    if loop is None:
+        return set()
+    inside = {n for node in loop.body for n in _assigned_names(node)}
+    before = {n for node in ast.walk(tree) if isinstance(node, ast.stmt) and node.end_lineno < loop.lineno
+              for n in _assigned_names(node)}
+    return inside & before
+
+
+def _assigned_names(node: ast.AST) -> set[str]:
+    """The plain names an assignment statement anywhere under ``node`` binds."""
+    return {t.id for n in ast.walk(node) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+            for target in (n.targets if isinstance(n, ast.Assign) else [n.target]) for t in ast.walk(target)
+            if isinstance(t, ast.Name)}
 
 
 def _kind(model: nn.Module, layers: str, name: str) -> str:

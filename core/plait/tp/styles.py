@@ -674,11 +674,10 @@ class WholeSequence(TPRule):
     label: ClassVar[str] = "whole_sequence"
 
     def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
-        own = sorted(n for n, _ in module.named_parameters(recurse=False) if n in ("weight", "bias"))
-        if own:
-            raise ConfigError(f"{name} ({type(module).__name__}): whole_sequence wraps a block, not a layer with its own "
-                              f"{own}")
-        return [ModuleShard(name, self, False, ShardSpec(()), None)]
+        # a block's own weight or bias (JetMoE's MoE block adds a bias to its experts' sum) is whole: replicated specs
+        weight, bias = (module._parameters.get(leaf) for leaf in ("weight", "bias"))
+        return [ModuleShard(name, self, False, ShardSpec(tuple(weight.shape) if weight is not None else ()),
+                            ShardSpec(tuple(bias.shape)) if bias is not None else None)]
 
     def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
         if ctx.sequence_parallel:
