@@ -231,7 +231,8 @@ def test_attention_blocks_of_different_classes_at_one_path_are_refused(monkeypat
 
 
 @pytest.mark.parametrize(("arch", "message"), [
-    ("doge", "doge: model.layers.*.self_attn.dt_proj: transformers' style 'rowwise' inside attention has no plait rule"),
+    ("doge", "doge: model.layers.*.self_attn.dt_proj: transformers' style 'rowwise' inside attention has no plait rule "
+     "beside the output projection: a row split sums it over tp into every head's outputs on every rank"),
     ("gemma3n_text", "gemma3n_text: model.layers.*.self_attn: model.layers.2.self_attn (Gemma3nTextAttention) is softmax "
      "attention without ['k_proj', 'v_proj'], unlike other layers' blocks at this path"),
     # its attention splits (sinks with the heads: tests/test_generic_attention_rules.py), its layers' streams do not

@@ -450,7 +450,8 @@ def _attention_rules(model, config, parent, styles, roles, bare) -> list[TPRule]
     head_columns = tuple(c for c, style in styles.items() if c not in projections and style == "colwise")
     for child, style in styles.items():
         if child not in projections and child not in head_columns and style != "replicated_with_grad_allreduce":
-            raise refuse(arch, f"{parent}.{child}", f"transformers' style {style!r} inside attention has no plait rule")
+            raise refuse(arch, f"{parent}.{child}", f"transformers' style {style!r} inside attention has no plait rule"
+                                                    f"{ROW_INSIDE if style == 'rowwise' else ''}")
     for leaf, style in bare.items():
         if style != "colwise":
             raise refuse(arch, f"{parent}.{leaf}", f"transformers' style {style!r} on a bare parameter of attention "
@@ -502,6 +503,13 @@ def _attention_rules(model, config, parent, styles, roles, bare) -> list[TPRule]
     attention = [style(pattern, num_heads=q_heads, num_kv_heads=kv_heads, head_params=head_params, **common, **extra)
                  for pattern, (q_heads, kv_heads, head_params) in groups]
     return [*attention, *rules, *mixers]
+
+
+# Why a row-parallel projection inside attention beside its output projection is refused (Doge's dt_proj, all kv
+# heads' values -> one value per kv head, which its forward turns into each kv head's attention mask).
+ROW_INSIDE = (" beside the output projection: a row split sums it over tp into every head's outputs on every rank, "
+              "while each rank's attention holds its own heads; use tp=1 or write an adapter (`plait plan "
+              "--show-derived` starts one)")
 
 
 def paired_heads(source: str) -> bool:
