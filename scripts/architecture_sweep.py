@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections import defaultdict
@@ -34,6 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+STEP1_NOISE = 10.0  # a step-1 gradient this many tolerances off, or fewer, may be fp32 noise: float64 decides
 MODES = ("zero1-dp2", "zero3-dp2", "tp2-sp", "pp2-1f1b", "consolidate-tp2-sp", "cp2", "ep2")
 DENSE = "n/a (no routed experts)"  # the ep2 cell of a dense model: nothing to divide, not a refusal
 CHUNK = 12  # architectures per world: bounds what one crash costs
@@ -172,22 +174,38 @@ def record(row: Row, results) -> None:
         elif result.status == "skipped":
             row.cells[result.mode] = f"refused: {' '.join(result.note.split())}"
         elif fp32_noise(result):  # rechecked in float64 by recheck_float64
-            row.cells[result.mode] = f"NOISE ({numbers}; step 1 within tolerance, {result.note.split(':')[0]} over it)"
+            row.cells[result.mode] = f"NOISE ({numbers}; {noise_note(result.note)})"
         else:
             note = " ".join(result.note.split())
             row.cells[result.mode] = f"FAIL ({numbers}{'; ' if numbers else ''}{note[:300]})"
         row.passed[result.mode] = result.status == "pass"
 
 
+def noise_note(note: str) -> str:
+    """Where the fp32 gradients left the tolerance: 'step 1 within tolerance, step 2 grad X over it', or at step 1
+    'step 1 grad X 2.2x the tolerance'."""
+    first = note.lstrip()
+    if first.startswith("step 1 grad"):
+        name = first.split(":")[0]
+        times = re.search(r"\(([0-9.e+-]+)x tolerance\)", first)
+        return f"{name} {float(times.group(1)):.1f}x the tolerance"
+    return f"step 1 within tolerance, {first.split(':')[0]} over it"
+
+
 def fp32_noise(result) -> bool:
-    """A failure only in gradients after step 1, with every loss right: possibly fp32 reordering noise that
-    Adam (eps 1e-6) amplifies in some tiny models (gemma3_text, mixtral, olmo2 in
-    tests/test_generic_conformance.py). Such a cell is not a pass: ``recheck_float64`` runs it again in float64,
-    which decides. A mis-split module is off by 1e-4 or more at step 1 already (the kit's tolerance is
-    1e-6 + 1e-5*|ref|)."""
+    """A failure only in gradients, with every loss right, after step 1 or at step 1 within ``STEP1_NOISE`` times
+    the tolerance: possibly fp32 reordering noise, which Adam (eps 1e-6) amplifies in some tiny models (gemma3_text,
+    mixtral, olmo2 in tests/test_generic_conformance.py) and which in Gemma 4 exceeds the kit's tolerance at step 1
+    already (one process in fp32, without plait, is 2.6x the tolerance off its own float64 gradient there). Such a
+    cell is not a pass: ``recheck_float64`` runs it again in float64, which decides. A mis-split module is off by
+    1e-4 or more at step 1 (the kit's tolerance is 1e-6 + 1e-5*|ref|: 10x and more)."""
     first = result.note.lstrip()
-    return (result.loss_rel is not None and result.loss_rel <= 1e-5 and result.grad_tol is not None
-            and first.startswith(("step 2 grad", "step 3 grad", "step 4 grad")))  # ZeRO-2/3 modes: 4 steps
+    if result.loss_rel is None or result.loss_rel > 1e-5 or result.grad_tol is None:
+        return False
+    if first.startswith(("step 2 grad", "step 3 grad", "step 4 grad")):  # ZeRO-2/3 modes: 4 steps
+        return True
+    step1 = re.findall(r"step 1 grad [^;]*?\(([0-9.e+-]+)x tolerance\)", first)
+    return first.startswith("step 1 grad") and bool(step1) and max(map(float, step1)) <= STEP1_NOISE
 
 
 def column_counts(rows: list[Row], mode: str) -> str:
@@ -240,7 +258,8 @@ def render(rows: list[Row], seconds: float) -> str:
         "`pass (float64: ...; fp32: ...)`: in fp32 every loss was within 1e-5 and every step-1 gradient within "
         "tolerance, but a later step's gradient was over it: Adam (eps 1e-6) amplifies fp32 "
         "reordering noise in some tiny models (tests/test_generic_conformance.py measures it for gemma3_text, "
-        "mixtral and olmo2). The same mode then ran in float64, where that noise shrinks 20-300x while a "
+        "mixtral and olmo2); or a step-1 gradient was at most 10x the tolerance (Gemma 4: one process in fp32 is "
+        "2.6x the tolerance off its own float64 gradient). The same mode then ran in float64, where that noise shrinks 20-300x while a "
         "mis-split module stays off by 1e-4 or more, and passed there. transformers computes RMSNorm in fp32 even "
         "in a float64 model, so where plait splits a norm over tp (full-width q/k norms: `SplitRMSNorm`) some fp32 "
         "reordering noise stays in the float64 run too (`FAIL (float64: ...)` at a later step, step 1 right). "

@@ -10,6 +10,7 @@ import datetime
 import importlib.util
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,20 @@ def test_the_sweep_state_seeds_from_the_table_and_renders_it_back():
                                             ("n/a (no routed experts)", "n/a"), ("FAIL (loss ...)", "FAIL")])
 def test_cell_kinds(cell, expected):
     assert kind(cell) == expected
+
+
+def test_only_gradients_near_the_tolerance_go_to_the_float64_recheck():
+    """The sweep reruns a failed fp32 cell in float64 (which decides) only where every loss was right and the
+    gradients were off after step 1, or at step 1 by at most ``STEP1_NOISE`` tolerances (Gemma 4's own fp32 noise);
+    a gradient off by more at step 1, or a wrong loss, is a FAIL outright."""
+    sweep = sweep_module()
+
+    def result(note: str, loss: float = 1e-7):
+        return types.SimpleNamespace(note=note, loss_rel=loss, grad_tol=5.0)
+
+    near = "step 1 grad a: max |Δ| 5e-06 (2.2e+00x tolerance); step 1 grad b: max |Δ| 9e-06 (4.7e+00x tolerance)"
+    assert sweep.fp32_noise(result("step 2 grad w: max |Δ| 3e-05 (3.0e+00x tolerance)"))
+    assert sweep.fp32_noise(result(near))
+    assert sweep.noise_note(near) == "step 1 grad a 2.2x the tolerance"
+    assert not sweep.fp32_noise(result(near + "; step 1 grad c: max |Δ| 2e-04 (4.0e+01x tolerance)"))
+    assert not sweep.fp32_noise(result(near, loss=1e-3))
