@@ -111,10 +111,10 @@ def file_with(name: str, text: str, flag: str):
 
 
 FOUR_LAYERS = model(num_hidden_layers=4)
-# Differential attention: its lambda parameters are shared by all heads, which transformers' plan does not split
-DIFFLLAMA_CONFIG = ('{"model_type": "diffllama", "vocab_size": 61, "hidden_size": 32, "intermediate_size": 64, '
-                    '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, '
-                    '"max_position_embeddings": 64}')
+# Doge's dt_proj reads every kv head's values and its output feeds each head's mask: no rule splits it
+DOGE_CONFIG = ('{"model_type": "doge", "vocab_size": 61, "hidden_size": 32, "intermediate_size": 64, '
+               '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, '
+               '"max_position_embeddings": 64}')
 
 # (id, flags, setup(monkeypatch, tmp_path) -> more flags, substring of the message)
 CASES = [
@@ -156,9 +156,8 @@ CASES = [
      "world size 3 is not divisible by tp*pp = 2*1 = 2"),
     ("layout_larger_than_world", ["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2", "--num_microbatches",
                                   "2"], world_size(2), "world size 2 is not divisible by tp*pp = 2*2 = 4"),
-    ("tp_plan_refused", ["--tensor_parallel_size", "2"], file_with("config.json", DIFFLLAMA_CONFIG, "--model_config"),
-     "diffllama: model.layers.*.self_attn.lambda_k1: a parameter of the attention block itself that transformers' "
-     "plan does not split"),
+    ("tp_plan_refused", ["--tensor_parallel_size", "2"], file_with("config.json", DOGE_CONFIG, "--model_config"),
+     "doge: model.layers.*.self_attn.dt_proj: transformers' style 'rowwise' inside attention has no plait rule"),
     ("duplicate_adapter_claim", [], duplicate_claim, "claimed by two adapters: 'llama'"),
     ("adapter_missing_hook", [], missing_hook, "'half_done' does not implement required hook(s) plait_leaf_modules"),
     ("plan_names_missing_module", [], plan_names_missing_module,
@@ -230,9 +229,9 @@ CASES = [
 @pytest.fixture(scope="module")
 def warm():
     """Pay the one-off import costs (lazy transformers model modules, adapter entry points) up front."""
-    from transformers import DiffLlamaConfig
+    from transformers import DogeConfig
 
-    for config in (tiny_config("llama"), tiny_config("gpt2"), DiffLlamaConfig(**json.loads(DIFFLLAMA_CONFIG))):
+    for config in (tiny_config("llama"), tiny_config("gpt2"), DogeConfig(**json.loads(DOGE_CONFIG))):
         with torch.device("meta"):
             AutoModelForCausalLM.from_config(config)
     plait.registry.default_registry()

@@ -74,12 +74,11 @@ def test_plan_bytes_add_up():
 
 def test_plan_refuses_a_tp_plan_the_adapter_cannot_derive(tmp_path, capsys):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "diffllama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+    path.write_text(json.dumps({"model_type": "doge", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
                                 "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 16}))
     with pytest.raises(SystemExit):
         main(["plan", "--model_config", str(path), "--tensor_parallel_size", "2"])
-    assert "lambda_k1: a parameter of the attention block itself that transformers' plan does not split" in \
-        capsys.readouterr().err
+    assert "dt_proj: transformers' style 'rowwise' inside attention has no plait rule" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", [n for n in dir(hookspecs) if n.startswith("plait_")])
