@@ -22,9 +22,9 @@
    the micro-batch size and accumulation steps the search chose for it) are run; the planner's first, which is
    what ``plait train --layout auto`` trains with, must be within 10% of the fastest measured, and each planned step
    within 20% of its measured one. The times run in a world of their own, without the memory part's malloc setting.
-   The calibration run (``costs.calibration``: its Llama, 4 x 128 tokens a rank, as one micro-batch and as 4) is
-   timed in the same world and the same turns, at dp=2, and the efficiency and per-micro-batch overhead solved from
-   it give the planned steps held to 20%: this VM's speed drifts by up to 1.5x between minutes (the same one-process
+   The calibration run (``costs.calibration``: its Llama, 4 x 128 tokens a rank, as one micro-batch and as 4) takes
+   a turn, at dp=2, in the turns of every model and global batch, and the efficiency and per-micro-batch overhead
+   solved from the run beside them give the planned steps held to 20%: this VM's speed drifts by up to 1.5x between minutes (the same one-process
    step measured 0.42-0.62 s), so a calibration cached minutes earlier leaves the comparison at the drift's mercy.
    The planned steps on the cached calibration are printed beside.
    Then the pick for each global batch written three ways (per device x accumulation) must be the same.
@@ -254,8 +254,9 @@ def _measure_memory(kwargs: dict, tiny: bool, rank: int, moe: bool = False) -> d
 
 def _time_layouts(jobs: dict, tiny: bool, steps: int) -> dict[str, float]:
     """Median seconds per step of each job ("MODEL|BxSxA|layout" -> ParallelConfig kwargs: micro-batch B of S
-    tokens, A accumulation steps). Layouts of one model and batch shape are built together and timed in turns
-    (round-robin), so a slow spell of a shared machine hits them all."""
+    tokens, A accumulation steps). The layouts of one model and global batch (``time_group``) are built together
+    and timed in turns (round-robin), so a slow spell of a shared machine hits them all; the calibration run's two
+    jobs take a turn in every group, timed as "GROUP@JOB", so each group has a calibration measured beside it."""
     import gc
 
     import torch
@@ -263,21 +264,18 @@ def _time_layouts(jobs: dict, tiny: bool, steps: int) -> dict[str, float]:
 
     rank = dist.get_rank()
     models = time_models(tiny)
-    by_shape: dict[tuple[str, str], list[str]] = {}
+    calibration = [key for key in jobs if key.startswith(CALIBRATION + "|")]
+    groups: dict[str, list[str]] = {}
     for key in jobs:
-        name, shape, _ = key.split("|", 2)
-        by_shape.setdefault((name, shape), []).append(key)
-    times: dict[str, list[float]] = {key: [] for key in jobs}
-    for (name, shape), keys in by_shape.items():
-        cfg = models[name][0]
-        b, s, accumulation = (int(x) for x in shape.split("x"))
-        ids = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(rank))
-        built = {}
-        for key in keys:
-            pmodel, _, step = _build(jobs[key], cfg, torch.float32)
-            built[key] = (pmodel, step, b * (s - 1) * pmodel.mesh.dp * accumulation)
+        if key not in calibration:
+            groups.setdefault(time_group(key), []).append(key)
+    reference = {key: _timed_job(key, jobs[key], models, rank) for key in calibration}
+    times: dict[str, list[float]] = {}
+    for group, keys in groups.items():
+        built = {key: _timed_job(key, jobs[key], models, rank) for key in keys}
+        built |= {f"{group}@{key}": job for key, job in reference.items()}
         for turn in range(steps + 1):  # turn 0 warms up
-            for key, (pmodel, step, items) in built.items():
+            for key, (pmodel, step, ids, accumulation, items) in built.items():
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(accumulation):
@@ -285,10 +283,31 @@ def _time_layouts(jobs: dict, tiny: bool, steps: int) -> dict[str, float]:
                 step()
                 dist.barrier()
                 if turn:
-                    times[key].append(time.perf_counter() - start)
+                    times.setdefault(key, []).append(time.perf_counter() - start)
         del built
         gc.collect()
     return {key: statistics.median(t) for key, t in times.items()}
+
+
+def time_group(key: str) -> str:
+    """"MODEL|sequences per step x tokens" of a job: the layouts of one model and global batch, however split."""
+    name, shape, kwargs = key.split("|", 2)
+    b, s, accumulation = (int(x) for x in shape.split("x"))
+    layout = json.loads(kwargs)
+    dp = 2 // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
+    return f"{name}|{b * accumulation * dp}x{s}"
+
+
+def _timed_job(key: str, kwargs: dict, models: dict, rank: int) -> tuple:
+    """(model, optimizer step, this rank's ids, accumulation steps, tokens scored per step) of one job."""
+    import torch
+
+    name, shape, _ = key.split("|", 2)
+    cfg = models[name][0]
+    b, s, accumulation = (int(x) for x in shape.split("x"))
+    ids = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(rank))
+    pmodel, _, step = _build(kwargs, cfg, torch.float32)
+    return pmodel, step, ids, accumulation, b * (s - 1) * pmodel.mesh.dp * accumulation
 
 
 def worker(out: str, tiny: bool, steps: int, jobs: str) -> None:
@@ -529,31 +548,31 @@ def report_bubble() -> list[str]:
     return bad
 
 
-def calibrated_here(per_rank, device, tiny: bool):
-    """``device`` with the efficiency and per-micro-batch overhead solved from the calibration run timed in this
-    world (``costs.calibration.solve_step_model``), and the two measured steps."""
+def calibrated_here(per_rank, device, tiny: bool, group: str):
+    """``device`` with the efficiency and per-micro-batch overhead solved from the calibration run timed in the
+    turns of ``group`` ("MODEL|BxSxA": ``costs.calibration.solve_step_model``), and the two measured steps."""
     from plait.costs.calibration import run_estimates, solve_step_model
 
-    one, several = (max(r["time"][key] for r in per_rank) for key in calibration_jobs())
+    one, several = (max(r["time"][f"{group}@{key}"] for r in per_rank) for key in calibration_jobs())
     efficiency, overhead = solve_step_model(device, *run_estimates(calibration_config(tiny), world=2), one, several)
     return dataclasses.replace(device, efficiency=efficiency, microbatch_overhead=overhead), one, several
 
 
 def report_time(per_rank, ranked, device, tiny: bool) -> list[str]:
-    here, one, several = calibrated_here(per_rank, device, tiny)
-    print(f"\n5. step time on this machine ({device.name}): the planner's top 5 per model and batch shape, measured")
-    print(f"  calibrated in this world (the calibration run at dp=2, {one:.3f} s a step as one micro-batch, "
-          f"{several:.3f} s as several): efficiency {here.efficiency:.3f}, {here.microbatch_overhead * 1e3:.2f} ms a "
-          f"micro-batch and layer; cached before the run: {device.efficiency:.3f}, "
-          f"{device.microbatch_overhead * 1e3:.2f} ms")
+    print(f"\n5. step time on this machine ({device.name}): the planner's top 5 per model and batch shape, measured;"
+          f" planned on the calibration run timed in the same turns (cached calibration: efficiency "
+          f"{device.efficiency:.3f}, {device.microbatch_overhead * 1e3:.2f} ms a micro-batch and layer)")
     bad = []
     for (name, b, s), rows in ranked.items():
+        here, one, several = calibrated_here(per_rank, device, tiny, time_group(rows[0][0]))
         measured = [(label, max(r["time"][key] for r in per_rank), estimate) for key, estimate, label in rows]
         fastest = min(t for _, t, _ in measured)
         first = measured[0][1]
         ok = first <= 1.10 * fastest
         bad += [] if ok else [f"ranking {name} b={b} s={s}"]
-        print(f"  {name}: {b} sequences x {s} tokens per rank at dp=2 (global batch {2 * b}):")
+        print(f"  {name}: {b} sequences x {s} tokens per rank at dp=2 (global batch {2 * b}); the calibration run "
+              f"beside: {one:.3f} s as one micro-batch, {several:.3f} s as several: efficiency {here.efficiency:.3f}, "
+              f"{here.microbatch_overhead * 1e3:.2f} ms")
         for label, t, estimate in measured:
             seconds, cached = estimate.step_time(here), estimate.step_time(device)
             close = abs(seconds / t - 1) <= 0.20
