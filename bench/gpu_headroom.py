@@ -54,15 +54,12 @@ def parse_variant(name: str) -> tuple[int, int, set[str]]:
 
 
 def model_config(tiny: bool):
-    from transformers import AutoConfig
-
+    """bench/gpu.py's 1.24B Llama, or under ``--tiny`` the bundled one ``plait train`` runs without --model_config."""
     if tiny:
-        from importlib import resources
+        from plait.model_config import read_model_config
+        from plait.train_args import TrainArgs
 
-        from plait.model_config import DEFAULT_MODEL_CONFIG
-
-        values = json.loads(resources.files("plait.configs").joinpath(DEFAULT_MODEL_CONFIG).read_text())
-        return AutoConfig.for_model(values.pop("model_type"), **values)
+        return read_model_config(TrainArgs())
     sys.path.insert(0, os.path.dirname(__file__))
     from gpu import llama_1b
 
