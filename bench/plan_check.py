@@ -357,7 +357,7 @@ def rank_layouts(tiny: bool, calibrate: bool):
         meta = build_meta_model(cfg, torch.float32)
         plan = plan_layout(meta, ParallelConfig(), 2, registry)
         for b, s in shapes:
-            trace = trace_activations(meta, s, registry, plan.adapter)
+            trace = trace_activations(meta, s, registry, plan.adapter, device.fused_attention_dropout)
             result = search_layouts(meta, plan.config, 2, Batch(b, s), Precision(), trace, device, registry)
             ranked[(name, b, s)] = []
             for estimate, seconds in result.ranked[:5]:

@@ -19,6 +19,7 @@ from plait.costs.calibration import SEQUENCES, TOKENS, EfficiencyRun, cache_path
 from plait.costs.device import PRESETS
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.memory import Precision
+from plait.costs.traffic import TIMED_OPS
 from plait.layout_plan import plan_layout
 from plait.meta import build_meta_model
 from plait.registry import default_registry
@@ -167,5 +168,8 @@ def test_calibrate_measures_this_machine(cache):
     assert device.microbatch_overhead > 0
     assert device.flops_fp32 > 0 and device.intra_bandwidth > 0 and {op for op, _ in device.op_speed} == {
         "all_gather", "reduce_scatter"}
+    # the operations a CPU runs below its bandwidth, each timed, and sdpa's math path under attention dropout
+    assert dict(device.op_bandwidth).keys() == TIMED_OPS.keys() and all(b > 0 for _, b in device.op_bandwidth)
+    assert min(b for _, b in device.op_bandwidth) < device.memory_bandwidth and not device.fused_attention_dropout
     record = json.loads(cache.read_text())
     assert record["run"]["efficiency"] == device.efficiency and calibrate() == device

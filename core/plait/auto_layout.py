@@ -48,7 +48,7 @@ def choose_layout(args: TrainArgs, world: int, device: Device | None = None,
                           f", or give the layout by hand without --layout auto")
     device = device or detect_device()
     console = console or Console(stderr=True)
-    result = PlannedRun.of(args, ParallelConfig(), world).search(device, world)
+    result = PlannedRun.of(args, ParallelConfig(), world, device).search(device, world)
     if not result.ranked:
         raise ConfigError(f"--layout auto: no layout of {world} processes fits {device.usable_bytes / GiB:.2f} GiB "
                           f"per device on {device.name}; `plait plan --search` with the same flags says what would")

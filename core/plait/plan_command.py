@@ -165,19 +165,23 @@ class PlannedRun:
     precision: Precision
     lora: object | None
     registry: Registry
+    fused_dropout: bool = True  # the device's fused attention takes dropout (``Device.fused_attention_dropout``)
     _traced: dict = field(default_factory=dict)  # parameter dtype -> (meta model, trace), for other precisions
 
     @classmethod
-    def of(cls, args: TrainArgs, parallel: ParallelConfig, world_size: int | None) -> "PlannedRun":
+    def of(cls, args: TrainArgs, parallel: ParallelConfig, world_size: int | None,
+           device: Device | None = None) -> "PlannedRun":
+        """The run on ``device`` (None: a GPU's attention kernels are assumed)."""
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         registry = default_registry()
         model = build_meta_model(read_model_config(args), dtype)
         check_expert_parallel(model, parallel.ep)
         lora = args.lora()  # LoRA: the base frozen (no gradients, no optimizer state), the adapters trained
         plan = plan_layout(model, parallel, world_size, registry, lora=lora)
-        trace = trace_activations(model, args.block_size, registry, plan.adapter)
+        fused = device is None or device.fused_attention_dropout
+        trace = trace_activations(model, args.block_size, registry, plan.adapter, fused)
         precision = Precision(dtype, getattr(torch, args.optimizer_dtype) if args.bf16 else dtype)
-        return cls(args, model, plan, trace, precision, lora, registry, {dtype: (model, trace)})
+        return cls(args, model, plan, trace, precision, lora, registry, fused, {dtype: (model, trace)})
 
     @property
     def batch(self) -> Batch:
@@ -200,7 +204,7 @@ class PlannedRun:
         if precision.param not in self._traced:  # the activations of bf16 parameters are bf16 too
             other = build_meta_model(read_model_config(self.args), precision.param)
             self._traced[precision.param] = (other, trace_activations(other, self.args.block_size, self.registry,
-                                                                      self.plan.adapter))
+                                                                      self.plan.adapter, self.fused_dropout))
         model, trace = self._traced[precision.param]
         return search_layouts(model, self.plan.config, world or world_of(self.plan.config), self.batch, precision,
                               trace, device, self.registry, **self.decay, moe_imbalance=moe_imbalance,
@@ -227,7 +231,7 @@ def run_plan(ns, args) -> None:
     if ns.search and device is None:
         raise ConfigError("--search ranks layouts by estimated step time: give a device model, --hardware "
                           f"({', '.join(PRESETS)}) or --calibrate (measure this machine)")
-    run = PlannedRun.of(args, parallel, world_size)
+    run = PlannedRun.of(args, parallel, world_size, device)
     console = Console(width=max(Console().width, 140))
     if ns.search:
         world = world_of(run.plan.config)

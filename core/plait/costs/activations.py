@@ -14,7 +14,9 @@ input's sequence shard (1/tp, one for q, k and v) and gathers it again in backwa
 that does not (float8's kernel, an input entered by its parent module) keeps its own gathered copy; every other
 tensor of a decoder layer (heads, MLP intermediate) is split by tp, and logits are split when the LM head is
 vocab-parallel. Fused attention (sdpa, flash) keeps no s x s probabilities: those are dropped when tracing
-with any kernel other than eager (the meta device runs sdpa's math fallback, which would save them).
+with any kernel other than eager (the meta device runs sdpa's math fallback, which would save them), unless sdpa
+runs that math path for real: attention dropout on a device whose fused kernel takes none (torch's CPU kernel).
+The same forward counts the bytes its other operations move (``traffic``), for the step time.
 Under context parallelism the trace of the whole sequence is divided by cp (``unit_bytes``): every tensor is
 per token except eager's probabilities, of which all-to-all keeps 1/cp of the heads and the ring none.
 Routed experts (MoE) cannot route on meta: they run a shape-only stand-in that saves what their forward saves
@@ -34,6 +36,7 @@ from transformers.pytorch_utils import Conv1D
 
 from plait.config import ConfigError
 from plait.costs.experts import SPLIT, WHOLE, RoutedCall, ShapeOnlyExperts, routed_experts, unrouted_stack
+from plait.costs.traffic import Traffic, TrafficCounter
 from plait.declarations import PipelinePlan
 from plait.pipeline.cuts import fallback_plan
 from plait.registry import Registry
@@ -60,6 +63,7 @@ class UnitTrace:
     saved: list[Saved] = field(default_factory=list)
     leaf_input: int = 0  # bytes of the hidden states entering it (what a recomputed leaf keeps)
     routed: list[RoutedCall] = field(default_factory=list)  # its experts forwards
+    traffic: Traffic = field(default_factory=Traffic)  # its non-matmul operations' bytes (``traffic``)
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,8 @@ class ActivationTrace:
     attn_implementation: str
     hidden_bytes: int  # one token's hidden state, what pipeline stages pass on
     logits_bytes: int  # one token's logits (fp32 after the loss's upcast), what the last stage returns
+    squares: bool = False  # attention's s x s scores are materialised: eager, or sdpa on torch's math path
+    math_attention: bool = False  # sdpa on torch's math path: attention dropout on a device without a fused kernel
 
 
 def units_of(model: nn.Module, registry: Registry, adapter) -> tuple[PipelinePlan, list[str]]:
@@ -83,9 +89,13 @@ def units_of(model: nn.Module, registry: Registry, adapter) -> tuple[PipelinePla
     return plan, layers
 
 
-def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter) -> ActivationTrace:
+def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter,
+                      fused_dropout: bool = True) -> ActivationTrace:
     """Run ``model`` (on the meta device) forward with its loss on one sequence of ``seq`` tokens and record
-    what autograd saves, per unit, and which linear or experts module (if any) saved it."""
+    what autograd saves, per unit, and which linear or experts module (if any) saved it, and the memory traffic of
+    its other operations (``traffic``). ``fused_dropout``: the device's fused attention kernel takes dropout
+    (GPUs); torch's CPU kernel does not, and sdpa with attention dropout then runs its math path, which keeps the
+    s x s probabilities as eager attention does (``Device.fused_attention_dropout``)."""
     _refuse_unrouted_experts(model)
     plan, layer_names = units_of(model, registry, adapter)
     hidden = model.config.get_text_config().hidden_size
@@ -126,8 +136,6 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter) -
             record(Saved(nbytes, False, inner, expert=SPLIT if experts.split else WHOLE), tensor)
             return tensor
         square = tensor.dim() == 4 and tuple(tensor.shape[-2:]) == (seq, seq) and tensor.is_floating_point()
-        if impl != "eager" and square:
-            return tensor  # attention probabilities: a fused kernel keeps only its output and logsumexp
         record(Saved(nbytes, tensor.dim() > 0 and tensor.shape[-1] == hidden, inner, square=square), tensor)
         return tensor
 
@@ -145,12 +153,15 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter) -
             handles.append(module.register_forward_pre_hook(_enter_experts(units, where, name), with_kwargs=True))
             handles.append(module.register_forward_hook(lambda *_: _pop(where["stack"])))
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    counter = TrafficCounter(units, where, seq, hidden, params)
     try:
         model.train()  # what training saves (dropout masks included)
-        with experts.active(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with experts.active(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
             out = model(input_ids=ids, labels=ids)  # held: its graph holds what backward would find
+        math = impl == "sdpa" and counter.square_dropout and not fused_dropout
+        squares = impl == "eager" or math  # else a fused kernel keeps only its output and logsumexp
         for unit, saved, ref in records:
-            if ref() is not None:
+            if ref() is not None and (squares or not saved.square):
                 units[unit].saved.append(saved)
         del out
     finally:
@@ -159,7 +170,7 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter) -
     element = next(model.parameters()).element_size()
     vocab = model.get_output_embeddings().weight.shape[0]
     return ActivationTrace(seq, units[FIRST], tuple(units[n] for n in layer_names), units[LAST], impl,
-                           hidden * element, vocab * element)
+                           hidden * element, vocab * element, squares, math)
 
 
 def _refuse_unrouted_experts(model: nn.Module) -> None:

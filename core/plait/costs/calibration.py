@@ -38,7 +38,8 @@ from plait.optim import OptimizerStep, build_optimizer
 from plait.parallelize import ParallelModel, parallelize
 from plait.registry import default_registry
 
-CACHE_VERSION = 3  # 3: the per-micro-batch overhead measured too; 2: efficiency measured; unversioned: assumed
+CACHE_VERSION = 4  # 4: non-matmul traffic counted by operation (``traffic``); 3: the per-micro-batch overhead
+# measured too; 2: efficiency measured; unversioned: assumed
 # The run: plait's tiny Llama at twice its width, the size of bench/plan_check.py's timed Llama, whose step
 # (4 x 128 tokens) takes about 0.3 s on one thread of a 2-core CPU, timed twice: as one micro-batch, and as
 # SEQUENCES micro-batches of one sequence (gradient accumulation); the median of the timed steps of each, after
@@ -90,8 +91,9 @@ def calibrate(memory_bytes: int | None = None, refresh: bool = False) -> Device:
 
 
 def _device(fields: dict) -> Device:
-    """A ``Device`` from its JSON fields (``op_speed``'s pairs come back as lists)."""
-    return Device(**{**fields, "op_speed": tuple(map(tuple, fields["op_speed"]))})
+    """A ``Device`` from its JSON fields (``op_speed``'s and ``op_bandwidth``'s pairs come back as lists)."""
+    return Device(**{**fields, "op_speed": tuple(map(tuple, fields["op_speed"])),
+                     "op_bandwidth": tuple(map(tuple, fields.get("op_bandwidth", ())))})
 
 
 def _write(path: Path, record: dict) -> None:
@@ -122,7 +124,7 @@ def run_estimates(config: PretrainedConfig, world: int) -> tuple[LayoutEstimate,
     meta = build_meta_model(config)
     registry = default_registry()
     plan = plan_layout(meta, ParallelConfig(), world, registry)
-    trace = trace_activations(meta, TOKENS, registry, plan.adapter)
+    trace = trace_activations(meta, TOKENS, registry, plan.adapter, fused_dropout=False)  # this CPU
     return tuple(estimate_layout(meta, plan, batch, Precision(), trace)  # type: ignore[return-value]
                  for batch in (Batch(SEQUENCES, TOKENS), Batch(1, TOKENS, SEQUENCES)))
 

@@ -4,7 +4,7 @@ The presets are vendor figures (docs/plan.md lists the sources); ``efficiency`` 
 transformer step's matmuls reach: measured for the H100 and H200 by bench/gpu.py and bench/gpu_headroom.py (below),
 assumed elsewhere (Megatron-LM and torchtitan report 40-55% MFU on H100/A100 with fused kernels).
 ``measure_machine`` measures this machine instead: a one-thread fp32 matmul (torchrun gives each of several local
-processes one thread), a copy for memory bandwidth, and gloo collectives between 2 local processes for link
+processes one thread), a copy for memory bandwidth, the operations a CPU runs below it (``traffic.TIMED_OPS``), and gloo collectives between 2 local processes for link
 bandwidth and latency; ``costs.calibration`` adds the efficiency, from a timed training run, and caches the result.
 """
 
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from plait.config import ConfigError
+from plait.costs.traffic import TIMED_OPS
 from plait.device import use_fused_adamw
 
 GiB = 1024**3
@@ -61,9 +62,19 @@ class Device:
     # the framework's per-operation dispatch and small matmuls running below the peak. Measured by ``calibrate``
     # (on this CPU 3-12 ms a layer); about 1 ms on Hopper GPUs (``HOPPER_MICROBATCH``).
     microbatch_overhead: float = 0.0
+    # The fused attention kernel takes dropout (flash and memory-efficient attention on GPUs); torch's CPU kernel
+    # does not, so sdpa with attention dropout runs its math path there, s x s probabilities and all
+    fused_attention_dropout: bool = True
+    # Bytes read and written per second by the operations ``traffic.TIMED_OPS`` names, where they run below the
+    # memory bandwidth (a CPU's random numbers and transcendental functions): measured by ``measure_machine``
+    op_bandwidth: tuple[tuple[str, float], ...] = ()
 
     def speed(self, op: str) -> float:
         return dict(self.op_speed).get(op, 1.0)
+
+    def bandwidth(self, op: str) -> float:
+        """Bytes per second operation ``op`` (an aten name, or ``traffic.PLAIN``) reads and writes."""
+        return dict(self.op_bandwidth).get(op, self.memory_bandwidth)
 
     def flops(self, low_precision: bool) -> float:
         return (self.flops_bf16 if low_precision else self.flops_fp32) * self.efficiency
@@ -104,21 +115,22 @@ PRESETS = {
     # H100 SXM5: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32, 80 GB HBM3 (the driver gives a program 79.1 GiB) at
     # 3.35 TB/s, NVLink 4 900 GB/s (450 GB/s each way), 8 per node, ConnectX-7 400 Gb/s per GPU.
     # Efficiency measured (bench/gpu.py, bench/results/gpu-h100-2026-11-25.jsonl): plait --bf16, eager, the 1.24B
-    # Llama at 4 x 2048 tokens took 0.196 and 0.201 s a step on an H100 80GB HBM3; at 0.43, with the H200's
-    # per-micro-batch cost, the planner predicts 0.199 s.
-    "h100": Device("h100", int(79.1 * GiB), 989e12, 67e12, 0.43, 3.35e12, 450e9, 50e9, 8, 10e-6, GPU_RESERVE,
+    # Llama at 4 x 2048 tokens took 0.196 and 0.201 s a step on an H100 80GB HBM3; at 0.60, with the H200's
+    # per-micro-batch cost and every non-matmul operation's bytes (``traffic``), the planner predicts 0.198 s.
+    "h100": Device("h100", int(79.1 * GiB), 989e12, 67e12, 0.60, 3.35e12, 450e9, 50e9, 8, 10e-6, GPU_RESERVE,
                    GPU_FRAGMENTATION, efficiency_source="measured by bench/gpu.py",
                    microbatch_overhead=HOPPER_MICROBATCH),
     # H200 SXM: the H100's compute, 141 GB HBM3e (the driver gives a program 139.8 GiB) at 4.8 TB/s, NVLink 4, 8
     # per node, 400 Gb/s per GPU. Efficiency measured (bench/gpu_headroom.py): the same step took 0.177-0.178 s;
-    # at 0.47 the planner predicts 0.178 s, and splits of 2-8 sequences into 1-8 micro-batches within -16%..+9%.
-    "h200": Device("h200", int(139.8 * GiB), 989e12, 67e12, 0.47, 4.8e12, 450e9, 50e9, 8, 10e-6, GPU_RESERVE,
+    # at 0.60 (the H100's: the traffic at each one's bandwidth tells them apart) the planner predicts 0.177 s, and
+    # splits of 2-8 sequences into 1-8 micro-batches, with and without recomputation, within -16%..+10%.
+    "h200": Device("h200", int(139.8 * GiB), 989e12, 67e12, 0.60, 4.8e12, 450e9, 50e9, 8, 10e-6, GPU_RESERVE,
                    GPU_FRAGMENTATION, efficiency_source="measured by bench/gpu_headroom.py",
                    microbatch_overhead=HOPPER_MICROBATCH),
     # A100 SXM4 80GB: 312 TFLOP/s dense bf16, 19.5 TFLOP/s fp32, 2.0 TB/s HBM2e (79.1 GiB to a program), NVLink 3
     # 600 GB/s (300 each way), 8 per node, 200 Gb/s HDR InfiniBand per GPU.
     # Efficiency and per-micro-batch cost not measured on an A100: the H100's.
-    "a100": Device("a100", int(79.1 * GiB), 312e12, 19.5e12, 0.43, 2.0e12, 300e9, 25e9, 8, 10e-6, GPU_RESERVE,
+    "a100": Device("a100", int(79.1 * GiB), 312e12, 19.5e12, 0.60, 2.0e12, 300e9, 25e9, 8, 10e-6, GPU_RESERVE,
                    GPU_FRAGMENTATION, efficiency_source="assumed: the H100's, measured by bench/gpu.py",
                    microbatch_overhead=HOPPER_MICROBATCH),
     # Trainium1 chip (trn1.32xlarge / 16): 190 TFLOP/s bf16, 47.5 TFLOP/s fp32, 32 GiB HBM at 820 GB/s,
@@ -132,7 +144,7 @@ PRESETS = {
     # A generic CPU process (one core, gloo over loopback): placeholders; prefer --calibrate. torch's CPU allocator
     # caches nothing: the interpreter and libraries' own memory is the reserve.
     "cpu": Device("cpu", 16 * GiB, 50e9, 50e9, 1.0, 10e9, 2e9, 1e9, 1, 100e-6, GiB // 2, 0.0, fused_adamw=False,
-                  efficiency_source="a placeholder: --calibrate measures this machine"),
+                  efficiency_source="a placeholder: --calibrate measures this machine", fused_attention_dropout=False),
 }
 
 
@@ -160,13 +172,15 @@ def measure_machine() -> dict:
     with one_thread():
         flops = _matmul_flops()
         copy_bw = _copy_bandwidth()
+        op_bandwidth = [(op, _op_bandwidth(fn)) for op, fn in TIMED_OPS.items()]
     bandwidth, latency, op_speed = _gloo_allreduce()
     import psutil
 
     return {"name": "calibrated", "memory_bytes": psutil.virtual_memory().total, "flops_bf16": flops,
             "flops_fp32": flops, "memory_bandwidth": copy_bw, "intra_bandwidth": bandwidth,
             "inter_bandwidth": bandwidth, "per_node": os.cpu_count() or 1, "latency": latency,
-            "op_speed": op_speed, "fused_adamw": use_fused_adamw(torch.device("cpu"))}
+            "op_speed": op_speed, "fused_adamw": use_fused_adamw(torch.device("cpu")),
+            "fused_attention_dropout": False, "op_bandwidth": op_bandwidth}
 
 
 @contextmanager
@@ -193,6 +207,15 @@ def _copy_bandwidth(numel: int = 16 * 2**20, repeats: int = 3) -> float:
     dst.copy_(src)
     best = min(_cpu_seconds(lambda: dst.copy_(src)) for _ in range(repeats))
     return 2 * numel * 4 / best  # read + write
+
+
+def _op_bandwidth(fn, numel: int = 4 * 2**20, repeats: int = 5) -> float:
+    """Bytes ``fn`` reads and writes per second on a tensor of rows of 1024 (its input and output, as
+    ``traffic.TrafficCounter`` counts them): the median of ``repeats`` after one warm-up."""
+    x = torch.rand(numel // 1024, 1024) + 0.5  # positive: rsqrt's domain, a probability for bernoulli_
+    fn(x)
+    seconds = sorted(_cpu_seconds(lambda: fn(x)) for _ in range(repeats))
+    return 2 * numel * 4 / seconds[repeats // 2]
 
 
 def _cpu_seconds(fn) -> float:

@@ -3,7 +3,8 @@
 ``estimate_layout`` takes the meta model and its ``LayoutPlan``; the activation trace is shared by every
 layout of one search (it depends only on the model, the sequence length and the attention kernel).
 Step time = compute / (1 - bubble) + communication, with compute = matmul FLOPs / (peak * efficiency) plus
-the activation bytes written and read again and the optimizer's bytes (AdamW over the parameters the rank
+the bytes the other operations move (``traffic``: norms, activations, dropout, softmax, the loss) and the optimizer's
+bytes (AdamW over the parameters the rank
 steps: all it holds, or its ZeRO-1 share) / memory bandwidth, and communication = ring bytes / the link's
 bandwidth + a latency per collective (tp, cp and pp inside a node when the block of ranks they span fits in
 one, dp across nodes when the world does not). plait's collectives are not overlapped with compute, so the
@@ -82,7 +83,7 @@ class LayoutEstimate:
     comm: dict[int, list[CommOp]]  # pp rank -> ops of one step (the same on every tp and dp rank)
     bubble: float
     flops: dict[int, float]  # pp rank -> FLOPs of one step on one of its ranks
-    act_bytes_moved: dict[int, int]
+    act_bytes_moved: dict[int, dict[str, float]]  # pp rank -> non-matmul bytes of one step, by operation
     attn_implementation: str
     layers: dict[int, int] = field(default_factory=dict)  # pp rank -> decoder layers one of its ranks runs
     step_seconds: float | None = None
@@ -136,8 +137,8 @@ class LayoutEstimate:
         worst = 0.0
         for pp_rank, ops in self.comm.items():
             stepped = max(r.static.stepped for r in self.ranks if r.pp_rank == pp_rank)
-            compute = (self.flops[pp_rank] / device.flops(low)
-                       + (self.act_bytes_moved[pp_rank] + stepped * adam) / device.memory_bandwidth
+            compute = (self.flops[pp_rank] / device.flops(low) + stepped * adam / device.memory_bandwidth
+                       + sum(nbytes / device.bandwidth(op) for op, nbytes in self.act_bytes_moved[pp_rank].items())
                        + microbatches * self.layers.get(pp_rank, 0) * device.microbatch_overhead * recompute)
             comm = sum(op.ring(size[op.group]) / (bandwidth[op.group] * device.speed(op.op)) + op.count * device.latency
                        for op in ops)
@@ -194,7 +195,8 @@ def estimate_layout(
             if tp_rank == 0:
                 comm[pp_rank] = step_comm(model, plan, pp_rank, held, shape, precision, rows, routed, whole)
                 flops[pp_rank] = _step_flops(model, plan, pp_rank, held, batch, trace, imbalance, whole)
-                moved[pp_rank] = 2 * acts.per_microbatch * config.num_microbatches * batch.accumulation
+                moved[pp_rank] = {op: nbytes * config.num_microbatches * batch.accumulation
+                                  for op, nbytes in acts.traffic.items()}
             grads = sum(p.numel for p in held if p.trainable) * precision.grad_bytes
             for replica, static in enumerate(static_bytes(held, precision, replicas, config.zero_1, config.ep,
                                                           weight_decay, decay_embeddings, config.zero_stage,
@@ -204,8 +206,10 @@ def estimate_layout(
                 bucket = min(grads, BUCKET_BYTES) if replicas > 1 and not config.fsdp else 0  # FSDP2: in gathered
                 ranks.append(RankEstimate(rank, tp_rank, pp_rank, dp_rank, static, acts, bucket, cp_rank))
     notes = [f"attention: {trace.attn_implementation}"
-             + (" (eager keeps the s x s probabilities of every layer)" if trace.attn_implementation == "eager"
-                else " (fused: no s x s probabilities kept)")]
+             + (" (eager keeps the s x s probabilities of every layer)" if trace.attn_implementation == "eager" else
+                " (torch's math path: attention dropout, which this device's fused kernel does not take; it keeps "
+                "the s x s probabilities of every layer)" if trace.math_attention else
+                " (fused: no s x s probabilities kept)")]
     if config.gradient_checkpointing:
         notes.append("activation checkpointing: each decoder layer keeps its input; one layer is recomputed at a time")
     if config.fsdp and replicas > 1:

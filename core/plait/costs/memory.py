@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from plait.costs.activations import ActivationTrace, unit_bytes
 from plait.costs.bubble import in_flight
 from plait.costs.context_parallel import attention_memory, strategy
 from plait.costs.experts import expert_parameters
+from plait.costs.traffic import add_bytes
 from plait.fsdp import ROOT, row_range, unit_of
 from plait.layout_plan import LayoutPlan
 from plait.optim.param_groups import decays, embedding_params
@@ -225,6 +226,8 @@ class ActivationBytes:
     in_flight_microbatches: float
     in_flight: int
     transient: int
+    # bytes its non-matmul operations move per micro-batch (forward, backward, recomputation), by operation
+    traffic: dict[str, float] = field(default_factory=dict)
 
 
 def activation_bytes(
@@ -255,6 +258,10 @@ def activation_bytes(
         layer_extra, attention_transient = attention_memory(plan, trace.seq, 1, element, max(element, 4),
                                                             trace.attn_implementation)
     total = largest = recompute = leaf_inputs = 0
+    forwards = 2 if config.gradient_checkpointing else 1  # a recomputed layer runs its forward twice
+    traffic: dict[str, float] = {}
+    for index in layers:
+        add_bytes(traffic, trace.layers[index].traffic.per_rank(tp, sp, True, cp, trace.squares, forwards))
     for index in layers:
         unit = trace.layers[index]
         saved, big = unit_bytes(unit, tp, sp, True, columns, cp, ring, imbalance, whole, saves_shard)
@@ -267,7 +274,9 @@ def activation_bytes(
             total += saved
     if has_first:
         total += unit_bytes(trace.first, tp, False, vocab_parallel, columns, cp)[0]
+        add_bytes(traffic, trace.first.traffic.per_rank(tp, False, vocab_parallel, cp))
     if has_last:
+        add_bytes(traffic, trace.last.traffic.per_rank(tp, sp, vocab_parallel, cp))
         saved, largest = unit_bytes(trace.last, tp, sp, vocab_parallel, columns, cp, saves_shard=saves_shard)
         total += saved
         # the loss's backward holds the gradient flowing into its log-softmax and the one flowing out, each the
@@ -291,7 +300,8 @@ def activation_bytes(
     per_mb = (total + leaf_inputs) * microbatch
     flight = in_flight(config, pp_rank)
     transient *= microbatch
-    return ActivationBytes(per_mb, flight, int(per_mb * flight), transient)
+    return ActivationBytes(per_mb, flight, int(per_mb * flight), transient,
+                           {op: nbytes * microbatch for op, nbytes in traffic.items()})
 
 
 def layers_of(plan: LayoutPlan, pp_rank: int, num_layers: int) -> list[int]:
