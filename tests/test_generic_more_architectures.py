@@ -23,7 +23,7 @@ fp32), where before they were refused:
 Zamba's and Zamba2's Linears no rule splits, kept whole, are tests/test_generic_layer_linears.py's.
 
 What they still cannot take is skipped with plait's one-line reason, before any process starts. One launch of 2
-ranks runs every pair.
+ranks runs every pair (PAIRS: tp2-sp and pp2-1f1b of each, zero1-dp2 of two).
 """
 
 from __future__ import annotations
@@ -46,15 +46,21 @@ MODES = ("zero1-dp2", "pp2-1f1b", "tp2-sp")
 SKIPPED = {
     ("xlnet", "pp2-1f1b"): "takes ['output_g'] besides the hidden states",
 }
+# zero1-dp2 uses no plan of the generic adapter's (every rank holds the whole model; ZeRO-1 shards the optimizer
+# state by flat buffers, whatever the architecture): each tiny config's running at all is shown by its tp2-sp and
+# pp2-1f1b here, and the architecture sweep (docs/architectures.md's zero1-dp2 column) runs zero1-dp2 on every
+# architecture. It stays here on two: Gemma3, whose vision tower gets no gradient (ZeRO-1's flat buffers give it
+# zeros, one process None), and Zamba, whose shared transformer block is called by several layers.
+ZERO1_KEPT = ("gemma3", "zamba")
+PAIRS = [(a, m) for a in ARCHITECTURES for m in MODES if m != "zero1-dp2" or a in ZERO1_KEPT]
 
 
 @pytest.fixture(scope="module")
 def results(plait_conformance):
-    return plait_conformance(*(f"transformers:{a}" for a in ARCHITECTURES), modes=list(MODES))
+    return plait_conformance(pairs=[(f"transformers:{a}", m) for a, m in PAIRS])
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch, mode", PAIRS)
 def test_more_architectures(results, arch, mode):
     from plait.testing.pytest_plugin import format_results
 
