@@ -171,5 +171,6 @@ def test_calibrate_measures_this_machine(cache):
     # the operations a CPU runs below its bandwidth, each timed, and sdpa's math path under attention dropout
     assert dict(device.op_bandwidth).keys() == TIMED_OPS.keys() and all(b > 0 for _, b in device.op_bandwidth)
     assert min(b for _, b in device.op_bandwidth) < device.memory_bandwidth and not device.fused_attention_dropout
+    assert 0 < device.latency < 0.1  # a small all-reduce after compute: the other rank's wait included
     record = json.loads(cache.read_text())
     assert record["run"]["efficiency"] == device.efficiency and calibrate() == device

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -233,8 +234,8 @@ def _timed(fn) -> float:
 
 
 def _gloo_allreduce() -> tuple[float, float, list[list]]:
-    """(bytes/s of a ring all-reduce's per-rank traffic, seconds of a 4-byte all-reduce, [[op, speed per ring byte
-    over the all-reduce's]] for all-gather and reduce-scatter) between 2 processes."""
+    """(bytes/s of a ring all-reduce's per-rank traffic, seconds of a 4-byte all-reduce in a step (after compute),
+    [[op, speed per ring byte over the all-reduce's]] for all-gather and reduce-scatter) between 2 processes."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -263,6 +264,18 @@ def _allreduce_worker(rank: int, port: int, out: str) -> None:
     dist.barrier()
     seconds = min(_timed(lambda: dist.all_reduce(big)) for _ in range(3))
     latency = min(_timed(lambda: dist.all_reduce(small)) for _ in range(20))
+    # In a step a collective follows compute on both ranks and waits for the later one, and for gloo's transport
+    # threads to be scheduled beside the busy ones: a 4-byte all-reduce after 2 ms of matmuls took 0.8-2.6 ms
+    # (median) on this 2-core VM, against 0.16 ms idle; cp=2's 32 all-to-alls a step waited 1-2 ms each (profile,
+    # docs/plan.md). The step model's latency is that median.
+    work = torch.randn(256, 256)
+
+    def after_work() -> float:
+        for _ in range(5):
+            work @ work
+        return _timed(lambda: dist.all_reduce(small))
+
+    in_step = statistics.median(after_work() for _ in range(30))
     half, whole = big[: big.numel() // 2], torch.empty_like(big)
     gather = min(_timed(lambda: dist.all_gather_into_tensor(whole, half)) for _ in range(3))
     scatter = min(_timed(lambda: dist.reduce_scatter_tensor(half, big)) for _ in range(3))
@@ -272,5 +285,5 @@ def _allreduce_worker(rank: int, port: int, out: str) -> None:
         # each sends half the bytes of the all-reduce (all-gather: (p-1) n_local; reduce-scatter: (p-1)/p n)
         speed = [[op, ring / 2 / max(t - latency, 1e-9) / bandwidth] for op, t in
                  (("all_gather", gather), ("reduce_scatter", scatter))]
-        Path(out).write_text(json.dumps({"bandwidth": bandwidth, "latency": latency, "op_speed": speed}))
+        Path(out).write_text(json.dumps({"bandwidth": bandwidth, "latency": in_step, "op_speed": speed}))
     dist.destroy_process_group()
