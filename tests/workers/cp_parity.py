@@ -77,8 +77,14 @@ ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "gpt2": "gpt2", "gemma2
 # MLA gives every query head its own key and value (DeepSeek-V3: 128 and 128); with the tiny config's 2 kv heads
 # for 4 query heads, transformers' own sdpa path repeats the keys to 8 heads under any mask and fails
 OVERRIDES = {"deepseek_v3": dict(num_key_value_heads=4)}
+# cp=4 (four slices, a ring of four hops) is the same machinery for every architecture; it runs on those whose
+# attention differs (llama's GQA, mistral's window, gpt2's learned positions, gemma2's soft-capped eager attention,
+# mixtral's experts, deepseek_v3's latent attention). Qwen3's and Phi3's attention is llama's once q/k are projected
+# (per-head norms and a fused qkv act on each token before it): they run both strategies at cp=2 only, and qwen3 at
+# cp2 x tp2 above.
+CP4_LEFT_OUT = ("qwen3", "phi3")
 for _arch, _ref in ARCHITECTURES.items():
-    for _cp in (2, 4):
+    for _cp in (2,) if _arch in CP4_LEFT_OUT else (2, 4):
         for _strategy, _short in (("all-to-all", "a2a"), ("ring", "ring")):
             CASES[f"{_arch}-cp{_cp}-{_short}-packed"] = (_cp, _ref, dict(cp=_cp, cp_attention=_strategy),
                                                          OVERRIDES.get(_arch, {}), "packed")
