@@ -38,12 +38,21 @@ ONE_RANK = "gpt2-wpe-not-neutralized"
 ONE_RANK_MODES = ["pp2-1f1b", "tp2-sp", "pp2-tied", "dp2"]
 
 
+# Mistral's adapter re-exports Llama's plans; its tiny config differs by one kv head (replicated at every tp) and a
+# sliding window. Modes that split no heads (data parallel, ZeRO, the pipeline variants beyond pp2-1f1b, which runs
+# the window's mask on every stage) run Llama's plans on it as on Llama, so they run on llama and gpt2 only; the
+# ring at cp2 runs on mistral in tests/test_cp_parity.py (the window, tiled and packed, at cp 2 and 4).
+MISTRAL_AS_LLAMA = ("dp2", "zero1-dp2", "zero2-dp2", "zero3-dp2", "consolidate-zero3-dp2", "pp2-zero3-dp2",
+                    "pp2-interleaved-v2", "pp2-tied", "pp2-recompute", "consolidate-pp2", "cp2-ring")
+PAIRS = [(a, m) for a in BUILTIN for m in KIT_MODES if a != "mistral" or m not in MISTRAL_AS_LLAMA]
+
+
 @pytest.fixture(scope="module")
 def results(plait_conformance) -> dict[tuple[str, str], conformance.ModeResult]:
+    """The built-in adapters' pairs and the broken adapters' modes, in one launch per world size."""
     from plait.testing.pytest_plugin import format_results
 
-    found = plait_conformance(*BUILTIN, modes=KIT_MODES)
-    found |= plait_conformance(*BROKEN, modes=BROKEN_MODES)
+    found = plait_conformance(pairs=[*PAIRS, *((a, m) for a in BROKEN for m in BROKEN_MODES)])
     print(format_results(list(found.values())))  # the table, for pytest -s
     return found
 
@@ -64,8 +73,7 @@ def expected_skip(adapter: str, mode: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("mode", KIT_MODES)
-@pytest.mark.parametrize("adapter", BUILTIN)
+@pytest.mark.parametrize("adapter, mode", PAIRS)
 def test_builtin_adapter_conforms(results, adapter, mode):
     from plait.testing.pytest_plugin import format_results
 
