@@ -3,6 +3,7 @@ extra micro-batch costs: the figures behind a preset's reserve, fragmentation an
 (plait.costs.device). Run by hand on a GPU machine (CI has none):
 
     python bench/gpu_headroom.py [--steps 10] [--seq 2048] [--only b4-m1,b4-m4] [--hardware h100] [--tiny]
+                                 [--model llama|gpt2]
     python bench/gpu_headroom.py --replan bench/results/gpu-headroom-h200-2026-11-27.jsonl --hardware h200
 
 A variant is ``b<sequences>-m<micro-batches>[-ckpt][-expandable]``: ``plait train --bf16`` (bf16 parameters, fp32
@@ -53,8 +54,16 @@ def parse_variant(name: str) -> tuple[int, int, set[str]]:
     return int(match.group(1)), int(match.group(2)), set(filter(None, match.group(3).split("-")))
 
 
-def model_config(tiny: bool):
-    """bench/gpu.py's 1.24B Llama, or under ``--tiny`` the bundled one ``plait train`` runs without --model_config."""
+def model_config(tiny: bool, model: str = "llama"):
+    """bench/gpu.py's 1.24B Llama, or under ``--tiny`` the bundled one ``plait train`` runs without --model_config;
+    ``model="gpt2"``: a 0.76B GPT-2 (tanh GELU, three dropouts a layer, learned positions, a tied head), whose
+    non-matmul work the planner counts by operation (``costs.traffic``) and whose attention dropout runs in the
+    fused kernel on a GPU (plait's CPU preset takes sdpa's math path instead)."""
+    if model == "gpt2":
+        from transformers import GPT2Config
+
+        return GPT2Config(n_embd=64 if tiny else 1536, n_layer=2 if tiny else 24, n_head=4 if tiny else 16,
+                          n_positions=4096, vocab_size=2048 if tiny else 50257)
     if tiny:
         from plait.model_config import read_model_config
         from plait.train_args import TrainArgs
@@ -75,7 +84,7 @@ def memory_in_use() -> tuple[int, int] | None:
     return total, total - free - module.memory_reserved()
 
 
-def run_variant(name: str, steps: int, seq: int, tiny: bool) -> dict:
+def run_variant(name: str, steps: int, seq: int, tiny: bool, model: str = "llama") -> dict:
     from plait import ParallelConfig
     from plait.materialize import load_parallel_model
     from plait.optim import OptimizerStep, build_optimizer
@@ -84,7 +93,7 @@ def run_variant(name: str, steps: int, seq: int, tiny: bool) -> dict:
     torch.zeros(1, device=DEVICE)  # the context
     device.synchronize(DEVICE)
     at_start = memory_in_use()
-    config = model_config(tiny)
+    config = model_config(tiny, model)
     parallel = ParallelConfig(gradient_checkpointing="ckpt" in options)
     pmodel = load_parallel_model(config, parallel, dtype=torch.bfloat16, device=DEVICE)
     optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4, fused=device.use_fused_adamw(DEVICE),
@@ -108,7 +117,7 @@ def run_variant(name: str, steps: int, seq: int, tiny: bool) -> dict:
         step()
         device.synchronize(DEVICE)
         seconds.append(time.perf_counter() - start)
-    row = {"variant": name, "layers": config.num_hidden_layers, "step_s": statistics.median(seconds),
+    row = {"variant": name, "model": model, "seq": seq, "layers": config.num_hidden_layers, "step_s": statistics.median(seconds),
            "allocated": device.peak_memory_bytes(DEVICE)}
     after_steps = memory_in_use()
     if after_steps is not None:
@@ -124,7 +133,7 @@ def run_variant(name: str, steps: int, seq: int, tiny: bool) -> dict:
     return row
 
 
-def planned(name: str, seq: int, tiny: bool, hardware: str) -> dict:
+def planned(name: str, seq: int, tiny: bool, hardware: str, model: str = "llama") -> dict:
     """The planner's peak and step time (on the ``hardware`` preset) for the variant's layout: one process,
     ``--bf16`` with fp32 masters."""
     from plait import ParallelConfig
@@ -138,7 +147,7 @@ def planned(name: str, seq: int, tiny: bool, hardware: str) -> dict:
 
     sequences, microbatches, options = parse_variant(name)
     registry = default_registry()
-    meta = build_meta_model(model_config(tiny), torch.bfloat16)
+    meta = build_meta_model(model_config(tiny, model), torch.bfloat16)
     plan = plan_layout(meta, ParallelConfig(gradient_checkpointing="ckpt" in options), 1, registry)
     trace = trace_activations(meta, seq, registry, plan.adapter)
     batch = Batch(sequences // microbatches, seq, microbatches)
@@ -146,11 +155,11 @@ def planned(name: str, seq: int, tiny: bool, hardware: str) -> dict:
     return {"predicted": estimate.peak, "planned_step_s": estimate.step_time(PRESETS[hardware])}
 
 
-def child(name: str, steps: int, seq: int, tiny: bool) -> dict:
+def child(name: str, steps: int, seq: int, tiny: bool, model: str = "llama") -> dict:
     env = dict(os.environ)
     if "expandable" in parse_variant(name)[2]:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    args = [sys.executable, __file__, "--variant", name, "--steps", str(steps), "--seq", str(seq)]
+    args = [sys.executable, __file__, "--variant", name, "--steps", str(steps), "--seq", str(seq), "--model", model]
     out = subprocess.run(args + (["--tiny"] if tiny else []), capture_output=True, text=True, env=env)
     if out.returncode != 0:
         lines = out.stderr.strip().splitlines()
@@ -197,27 +206,29 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="plait's tiny Llama (a check of the script)")
     parser.add_argument("--replan", metavar="JSONL", help="no run: the rows of an earlier run (bench/results), with "
                         "the planner's figures of today")
+    parser.add_argument("--model", choices=("llama", "gpt2"), default="llama")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.variant:
-        print(json.dumps(run_variant(ns.variant, ns.steps, ns.seq, ns.tiny)))
+        print(json.dumps(run_variant(ns.variant, ns.steps, ns.seq, ns.tiny, ns.model)))
         return
     if ns.replan:
         with open(ns.replan) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         for row in rows:
             if "error" not in row:
-                row.update(planned(row["variant"], ns.seq, ns.tiny, ns.hardware))
+                row.update(planned(row["variant"], row.get("seq", ns.seq), ns.tiny, ns.hardware,
+                                   row.get("model", "llama")))
         report(rows, ns.seq, ns.hardware)
         return
     name = "cpu" if DEVICE.type == "cpu" else torch.get_device_module(DEVICE.type).get_device_name()
-    print(f"{name}, torch {torch.__version__}, plait --bf16, {'tiny' if ns.tiny else '1.24B'} Llama, {ns.seq} "
+    print(f"{name}, torch {torch.__version__}, plait --bf16, {'tiny' if ns.tiny else 'full'} {ns.model}, {ns.seq} "
           f"tokens a sequence, {ns.steps} timed steps after 3 warm-up", flush=True)
     rows = []
     for variant in ns.only.split(","):
-        row = child(variant, ns.steps, ns.seq, ns.tiny)
+        row = child(variant, ns.steps, ns.seq, ns.tiny, ns.model)
         if "error" not in row:
-            row.update(planned(variant, ns.seq, ns.tiny, ns.hardware))
+            row.update(planned(variant, ns.seq, ns.tiny, ns.hardware, ns.model))
         print(json.dumps(row), flush=True)
         rows.append(row)
     report(rows, ns.seq, ns.hardware)

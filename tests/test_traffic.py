@@ -14,7 +14,7 @@ from plait.costs.activations import FIRST, LAST, UnitTrace, trace_activations
 from plait.costs.device import PRESETS
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.memory import Precision
-from plait.costs.traffic import BACKWARD, PLAIN, TrafficCounter
+from plait.costs.traffic import BACKWARD, PLAIN, TrafficCounter, is_square
 from plait.layout_plan import plan_layout
 from plait.meta import build_meta_model
 from plait.registry import default_registry
@@ -80,7 +80,7 @@ def test_sdpa_keeps_the_probabilities_where_its_kernel_takes_no_dropout():
     dropout the CPU's fused kernel runs and keeps none either."""
     _, saved = real_forward(gpt2())
     squares = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage()._cdata: t for t in saved}.values()
-                  if t.dim() == 4 and tuple(t.shape[-2:]) == (SEQ, SEQ) and t.is_floating_point())
+                  if is_square(t, SEQ) and t.is_floating_point())
     _, cpu = trace(gpt2(), fused_dropout=False)
     assert cpu.squares and cpu.math_attention
     assert sum(s.nbytes for u in cpu.layers for s in u.saved if s.square) == squares > 0
@@ -130,3 +130,17 @@ def test_an_operation_the_device_runs_slowly_slows_only_the_models_that_run_it()
 
     assert step(gpt2(), slow_tanh) > step(gpt2(), cpu)
     assert step(llama(), slow_tanh) == step(llama(), cpu)
+
+
+@pytest.mark.parametrize("config", [gpt2(), llama()], ids=["gpt2", "llama"])
+def test_a_fused_kernel_keeps_nothing_that_grows_with_the_square_of_the_sequence(config):
+    """Under a fused kernel every tensor a layer keeps is per token: twice the tokens, twice the bytes, also where
+    sdpa's math path on meta folds the probabilities to [heads, s, s] (GPT-2's dropped-out ones: on an H200 the
+    planner's peak was 1.42-1.52 of the allocator's until they were recognised) and where the sequence is as long as
+    the hidden size (SEQ = 32 = hidden: [1, s, h] hidden states are no attention scores)."""
+    registry = default_registry()
+    model = build_meta_model(config)
+    saved = {seq: [sum(s.nbytes for s in unit.saved) for unit in
+                   trace_activations(model, seq, registry, registry.resolve(model.config)).layers]
+             for seq in (SEQ // 2, SEQ)}
+    assert saved[SEQ] == [2 * b for b in saved[SEQ // 2]]

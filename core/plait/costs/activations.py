@@ -36,7 +36,7 @@ from transformers.pytorch_utils import Conv1D
 
 from plait.config import ConfigError
 from plait.costs.experts import SPLIT, WHOLE, RoutedCall, ShapeOnlyExperts, routed_experts, unrouted_stack
-from plait.costs.traffic import Traffic, TrafficCounter
+from plait.costs.traffic import Traffic, TrafficCounter, is_square
 from plait.declarations import PipelinePlan
 from plait.pipeline.cuts import fallback_plan
 from plait.registry import Registry
@@ -135,7 +135,7 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter,
         if inner in experts_names:
             record(Saved(nbytes, False, inner, expert=SPLIT if experts.split else WHOLE), tensor)
             return tensor
-        square = tensor.dim() == 4 and tuple(tensor.shape[-2:]) == (seq, seq) and tensor.is_floating_point()
+        square = is_square(tensor, seq) and tensor.is_floating_point()
         record(Saved(nbytes, tensor.dim() > 0 and tensor.shape[-1] == hidden, inner, square=square), tensor)
         return tensor
 
