@@ -69,9 +69,14 @@ SKIPPED |= {(a, m): "has no routed experts plait can divide" for a in ARCHITECTU
 #   extras that context parallelism does not touch: multipliers (granite), logit_scale (cohere), no-rope layers
 #   (smollm3), biases (starcoder2: phi's cp2-tp2 runs biases in every split Linear), per-head q/k norms (qwen3:
 #   gemma3_text's cp2-tp2 runs them; tests/test_cp_parity.py runs qwen3 at cp2 x tp2 and the llama plan at cp2 x tp2
-#   with SP, both strategies). Their tp2-sp pairs still run here, and cp2-tp2 still runs on every other family.
+#   with SP, both strategies). Their tp2-sp pairs still run here, and cp2-tp2 still runs on every other family;
+# - tp2-sp-recompute and consolidate-tp2-sp of four of those (granite, cohere, smollm3, starcoder2): their tp2-sp plan
+#   again, recomputing the same decoder layers (model.layers.*) and consolidating the same Column/Row shards as the
+#   families that run both (biases: phi; q/k norms: qwen3, gemma3_text; fused and interleaved splits: phi3, gpt_neox).
 SAME_PLAN_AS_A_PAIR_RUN = {(a, "tp2-sp-tied") for a in ("gemma2", "gemma3_text", "starcoder2", "cohere", "smollm3")}
 SAME_PLAN_AS_A_PAIR_RUN |= {(a, "cp2-tp2") for a in ("qwen3", "granite", "cohere", "smollm3", "starcoder2")}
+SAME_PLAN_AS_A_PAIR_RUN |= {(a, m) for a in ("granite", "cohere", "smollm3", "starcoder2")
+                            for m in ("tp2-sp-recompute", "consolidate-tp2-sp")}
 PAIRS = [(a, m) for a in ARCHITECTURES for m in KIT_MODES if (a, m) not in SAME_PLAN_AS_A_PAIR_RUN]
 
 
