@@ -159,7 +159,8 @@ def child(name: str, steps: int, seq: int, tiny: bool, model: str = "llama") -> 
     env = dict(os.environ)
     if "expandable" in parse_variant(name)[2]:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    args = [sys.executable, __file__, "--variant", name, "--steps", str(steps), "--seq", str(seq), "--model", model]
+    args = [sys.executable, __file__, "--variant", name, "--steps", str(steps), "--seq", str(seq),
+            "--model", model]
     out = subprocess.run(args + (["--tiny"] if tiny else []), capture_output=True, text=True, env=env)
     if out.returncode != 0:
         lines = out.stderr.strip().splitlines()

@@ -38,9 +38,9 @@ from plait.optim import OptimizerStep, build_optimizer
 from plait.parallelize import ParallelModel, parallelize
 from plait.registry import default_registry
 
-CACHE_VERSION = 5  # 5: latency measured in a step (after compute); 4: non-matmul traffic counted by operation
-# (``traffic``); 3: the per-micro-batch overhead
-# measured too; 2: efficiency measured; unversioned: assumed
+# 5: latency measured in a step (after compute); 4: non-matmul traffic counted by operation (``traffic``); 3: the
+# per-micro-batch overhead measured too; 2: efficiency measured; unversioned: assumed
+CACHE_VERSION = 5
 # The run: plait's tiny Llama at twice its width, the size of bench/plan_check.py's timed Llama, whose step
 # (4 x 128 tokens) takes about 0.3 s on one thread of a 2-core CPU, timed twice: as one micro-batch, and as
 # SEQUENCES micro-batches of one sequence (gradient accumulation); the median of the timed steps of each, after

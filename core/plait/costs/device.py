@@ -4,7 +4,8 @@ The presets are vendor figures (docs/plan.md lists the sources); ``efficiency`` 
 transformer step's matmuls reach: measured for the H100 and H200 by bench/gpu.py and bench/gpu_headroom.py (below),
 assumed elsewhere (Megatron-LM and torchtitan report 40-55% MFU on H100/A100 with fused kernels).
 ``measure_machine`` measures this machine instead: a one-thread fp32 matmul (torchrun gives each of several local
-processes one thread), a copy for memory bandwidth, the operations a CPU runs below it (``traffic.TIMED_OPS``), and gloo collectives between 2 local processes for link
+processes one thread), a copy for memory bandwidth, the operations a CPU runs below it (``traffic.TIMED_OPS``),
+and gloo collectives between 2 local processes for link
 bandwidth and latency; ``costs.calibration`` adds the efficiency, from a timed training run, and caches the result.
 """
 
@@ -265,9 +266,9 @@ def _allreduce_worker(rank: int, port: int, out: str) -> None:
     seconds = min(_timed(lambda: dist.all_reduce(big)) for _ in range(3))
     latency = min(_timed(lambda: dist.all_reduce(small)) for _ in range(20))
     # In a step a collective follows compute on both ranks and waits for the later one, and for gloo's transport
-    # threads to be scheduled beside the busy ones: a 4-byte all-reduce after 2 ms of matmuls took 0.8-2.6 ms
-    # (median) on this 2-core VM, against 0.16 ms idle; cp=2's 32 all-to-alls a step waited 1-2 ms each (profile,
-    # docs/plan.md). The step model's latency is that median.
+    # threads to be scheduled beside the busy ones: a 4-byte all-reduce after 2 ms of matmuls took 0.45 ms (median)
+    # on the idle 2-core VM and 0.8-2.6 ms with other work running, against 0.16 ms back to back; cp=2's 32
+    # all-to-alls a step waited 1-2 ms each (profile, docs/plan.md). The step model's latency is that median.
     work = torch.randn(256, 256)
 
     def after_work() -> float:

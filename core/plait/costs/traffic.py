@@ -11,12 +11,11 @@ the bytes of every operation's tensor inputs and outputs (views and matmuls asid
 reads rows of its table, a norm's weight is small), sorted by how tensor parallelism divides them as ``Saved``
 tensors are: hidden-sized (whole on every tp rank outside the sequence-parallel region), attention's s x s scores
 (split with the heads; never materialised by a fused kernel) and the rest (split by tp in a decoder layer).
-Each operation's bytes take the time its measured speed gives (``Device.bandwidth``): a CPU computes random numbers and
-transcendental functions far below its memory bandwidth (GPT-2's dropouts and tanh GELU), a GPU runs them at its
+Each operation's bytes take the time its measured speed gives (``Device.bandwidth``): a CPU computes random numbers
+and transcendental functions far below its memory bandwidth (GPT-2's dropouts and tanh GELU), a GPU runs them at its
 bandwidth. The backward's elementwise traffic, in plain arithmetic (tanh's backward is multiplies), is ``BACKWARD``
-times the forward's: 1.35, 1.50 and 1.66 counted the same way
-on meta for bench/plan_check.py's GPT-2, Llama and Qwen3 (running the backward in every plan would put every
-architecture's backward on the meta device, where some cannot run).
+times the forward's: 1.35, 1.50 and 1.66 counted the same way on meta for bench/plan_check.py's GPT-2, Llama and
+Qwen3. It is not traced per plan: that would run every architecture's backward on the meta device as well.
 """
 
 from __future__ import annotations
@@ -77,11 +76,10 @@ class Traffic:
         return out
 
 
-def add_bytes(total: dict[str, float], more: dict[str, float], times: float = 1.0) -> dict[str, float]:
-    """``total`` with ``more`` (bytes by operation) ``times`` over added, in place."""
+def add_bytes(total: dict[str, float], more: dict[str, float]) -> None:
+    """Add ``more`` (bytes by operation) to ``total``, in place."""
     for op, nbytes in more.items():
-        total[op] = total.get(op, 0.0) + nbytes * times
-    return total
+        total[op] = total.get(op, 0.0) + nbytes
 
 
 class TrafficCounter(TorchDispatchMode):
