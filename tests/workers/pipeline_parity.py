@@ -249,9 +249,11 @@ def replicated_difference(pm) -> float | None:
 CHECKS = {
     "w2": {
         **{f"{arch}-1f1b": (parity, arch, PP2) for arch in ("llama", "mistral", "gpt2")},
+        # not mistral: its pipeline plan is llama's, and each virtual stage builds the window's mask as mistral-1f1b's
+        # stages do (the schedule decides only the order of the stages' forwards and backwards)
         **{f"{arch}-interleaved-v2": (parity, arch, {**PP2, "virtual_pipeline_size": 2,
                                                       "pipeline_schedule": "interleaved-1f1b"})
-           for arch in ("llama", "mistral", "gpt2")},
+           for arch in ("llama", "gpt2")},
         "llama-gpipe": (parity, "llama", {**PP2, "pipeline_schedule": "gpipe"}),
         "llama-activation-checkpointing": (parity, "llama", {**PP2, "gradient_checkpointing": True}),
         "gpt2-zero-bubble": (parity, "gpt2", {**PP2, "pipeline_schedule": "zero-bubble"}),
