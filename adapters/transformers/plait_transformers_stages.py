@@ -123,10 +123,9 @@ def _carried(tree: ast.AST, leaf: str) -> set[str]:
 
 
 def _assigned_names(node: ast.AST) -> set[str]:
-    """The plain names an assignment statement anywhere under ``node`` binds."""
-    return {t.id for n in ast.walk(node) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
-            for target in (n.targets if isinstance(n, ast.Assign) else [n.target]) for t in ast.walk(target)
-            if isinstance(t, ast.Name)}
+    """The names the assignment statements anywhere under ``node`` change (``_assigned`` of each target)."""
+    return {name for n in ast.walk(node) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+            for target in (n.targets if isinstance(n, ast.Assign) else [n.target]) for name in _assigned(target)}
 
 
 def _kind(model: nn.Module, layers: str, name: str) -> str:
