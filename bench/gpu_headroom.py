@@ -134,11 +134,10 @@ def run_variant(name: str, steps: int, seq: int, tiny: bool, model: str = "llama
 
 
 def planned(name: str, seq: int, tiny: bool, hardware: str, model: str = "llama") -> dict:
-    """The planner's peak and step time (on the ``hardware`` preset) for the variant's layout: one process,
+    """The planner's peak and step time (on the ``hardware`` device model) for the variant's layout: one process,
     ``--bf16`` with fp32 masters."""
     from plait import ParallelConfig
     from plait.costs.activations import trace_activations
-    from plait.costs.device import PRESETS
     from plait.costs.estimate import Batch, estimate_layout
     from plait.costs.memory import Precision
     from plait.layout_plan import plan_layout
@@ -152,7 +151,18 @@ def planned(name: str, seq: int, tiny: bool, hardware: str, model: str = "llama"
     trace = trace_activations(meta, seq, registry, plan.adapter)
     batch = Batch(sequences // microbatches, seq, microbatches)
     estimate = estimate_layout(meta, plan, batch, Precision(torch.bfloat16, torch.float32), trace)
-    return {"predicted": estimate.peak, "planned_step_s": estimate.step_time(PRESETS[hardware])}
+    return {"predicted": estimate.peak, "planned_step_s": estimate.step_time(device_model(hardware))}
+
+
+def device_model(hardware: str):
+    """``--hardware``: a preset's name, ``calibrated`` (this machine's accelerator measured by ``plait plan
+    --calibrate``'s routine, cached), or the path of such a calibration's cache file."""
+    from plait.costs import calibration
+    from plait.costs.device import PRESETS
+
+    if hardware in PRESETS:
+        return PRESETS[hardware]
+    return calibration.calibrate() if hardware == "calibrated" else calibration.cached_device(hardware)
 
 
 def child(name: str, steps: int, seq: int, tiny: bool, model: str = "llama") -> dict:
@@ -203,7 +213,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--only", default="b4-m1,b4-m4,b4-m1-expandable,b1-m1,b8-m1-ckpt,b8-m1-ckpt-expandable")
-    parser.add_argument("--hardware", default="h100", help="the preset whose step time is printed beside")
+    parser.add_argument("--hardware", default="h100", help="the device model whose step time is printed beside: a "
+                        "preset, calibrated (this machine measured, cached) or a calibration cache file")
     parser.add_argument("--tiny", action="store_true", help="plait's tiny Llama (a check of the script)")
     parser.add_argument("--replan", metavar="JSONL", help="no run: the rows of an earlier run (bench/results), with "
                         "the planner's figures of today")

@@ -551,10 +551,11 @@ def report_bubble() -> list[str]:
 def calibrated_here(per_rank, device, tiny: bool, group: str):
     """``device`` with the efficiency and per-micro-batch overhead solved from the calibration run timed in the
     turns of ``group`` ("MODEL|BxSxA": ``costs.calibration.solve_step_model``), and the two measured steps."""
-    from plait.costs.calibration import run_estimates, solve_step_model
+    from plait.costs.calibration import Workload, run_estimates, solve_step_model
 
     one, several = (max(r["time"][f"{group}@{key}"] for r in per_rank) for key in calibration_jobs())
-    efficiency, overhead = solve_step_model(device, *run_estimates(calibration_config(tiny), world=2), one, several)
+    estimates = run_estimates(Workload(calibration_config(tiny)), world=2)
+    efficiency, overhead = solve_step_model(device, *estimates, one, several)
     return dataclasses.replace(device, efficiency=efficiency, microbatch_overhead=overhead), one, several
 
 

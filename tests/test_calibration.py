@@ -15,11 +15,14 @@ from plait.cli import main
 from plait.config import ParallelConfig
 from plait.costs import calibration
 from plait.costs.activations import trace_activations
-from plait.costs.calibration import SEQUENCES, TOKENS, EfficiencyRun, cache_path, calibrate, measure_efficiency
+from plait.costs import machine
+from plait.costs.calibration import (SEQUENCES, TOKENS, EfficiencyRun, Workload, cache_path, calibrate,
+                                     measure_efficiency)
 from plait.costs.device import PRESETS
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.memory import Precision
 from plait.costs.traffic import TIMED_OPS
+from plait.device import accelerator, describe_accelerator
 from plait.layout_plan import plan_layout
 from plait.meta import build_meta_model
 from plait.registry import default_registry
@@ -67,7 +70,7 @@ def test_solved_in_a_world_of_two_the_planner_gives_both_steps():
     """bench/plan_check.py solves the step model from the calibration run timed at dp=2, where the step also
     holds the gradient all-reduce: at the solved values the planner's dp=2 estimates give both measured steps, and
     the all-reduce is not taken for matmul time (the efficiency is higher than if the rest were ignored)."""
-    one, several = calibration.run_estimates(calibration.run_config(), world=2)
+    one, several = calibration.run_estimates(Workload(calibration.run_config()), world=2)
     assert any(op.group == "dp" for op in one.comm[0])
     efficiency, overhead = calibration.solve_step_model(FAST, one, several, 0.4, 0.5)
     solved = dataclasses.replace(FAST, efficiency=efficiency, microbatch_overhead=overhead)
@@ -88,7 +91,7 @@ def test_efficiency_and_overhead_make_the_planner_give_both_measured_steps(monke
     assert run.mfu == pytest.approx(run.flops / run.step_seconds / FAST.flops_fp32)
     train_step = calibration._train_step
     clock = AddedTime()
-    monkeypatch.setattr(calibration, "time", clock)
+    monkeypatch.setattr(machine, "time", clock)
 
     def slow_step(pmodel, step, microbatches):
         train_step(pmodel, step, microbatches)
@@ -113,7 +116,7 @@ def test_efficiency_and_overhead_make_the_planner_give_both_measured_steps(monke
 def test_run_leaves_the_random_state_and_threads_as_they_were():
     threads = torch.get_num_threads()
     state = torch.get_rng_state()
-    calibration._timed_runs(calibration.run_config(), (1, 2))
+    calibration._timed_runs(Workload(calibration.run_config()), (1, 2))
     assert torch.equal(torch.get_rng_state(), state) and torch.get_num_threads() == threads
 
 
@@ -126,10 +129,12 @@ def fake_runs(monkeypatch, efficiencies: list[float]) -> list[int]:
         assert device.efficiency == 1.0 and device.flops_fp32 == MACHINE["flops_fp32"]
         calls.append(1)
         efficiency = efficiencies[len(calls) - 1]
-        return EfficiencyRun(4_200_000, 4, SEQUENCES, TOKENS, 0.2, 0.3, 5e9, 0.02, efficiency, 0.005, 0.5)
+        return EfficiencyRun(Workload(calibration.run_config()).describe(), "one thread's CPU time", 4, 0.2, 0.3,
+                             SEQUENCES, 5e9, 0.02, efficiency, 0.005, 0.5)
 
+    monkeypatch.setattr(calibration, "accelerator", lambda: None)  # this machine's CPU, also on a GPU machine
     monkeypatch.setattr(calibration, "measure_machine", lambda: dict(MACHINE))
-    monkeypatch.setattr(calibration, "measure_efficiency", run)
+    monkeypatch.setattr(calibration, "measure_efficiency", lambda device, target: run(device))
     return calls
 
 
@@ -143,8 +148,8 @@ def test_plan_prints_the_cached_efficiency_and_recalibrate_replaces_it(tmp_path,
         main(["plan", "--model_config", str(path), "--block_size", "16", flag])
         return " ".join(capsys.readouterr().out.split())
 
-    source = ("measured on this machine: a 4.2M-parameter Llama, 4 x 128 tokens, 0.2 s a step as one micro-batch "
-              "(one thread's CPU time), 0.3 s as 4, MFU 50.0%")
+    source = ("measured on this machine: a 4.2M-parameter Llama in fp32, 4 x 128 tokens, 0.2 s a step as one "
+              "micro-batch (one thread's CPU time), 0.3 s as 4, MFU 50.0%; links measured (gloo, 2 local processes)")
     assert f"at efficiency 0.3 of peak for matmuls ({source})" in plan("--calibrate")
     assert json.loads(cache.read_text())["run"]["efficiency"] == 0.3
     assert "at efficiency 0.3 of peak" in plan("--calibrate") and len(calls) == 1  # read from the cache
@@ -161,6 +166,7 @@ def test_a_cache_from_before_the_efficiency_run_is_measured_again(cache, monkeyp
     assert json.loads(cache.read_text())["version"] == calibration.CACHE_VERSION
 
 
+@pytest.mark.skipif(accelerator() is not None, reason="a machine with an accelerator calibrates that, not its CPU")
 def test_calibrate_measures_this_machine(cache):
     """The whole calibration, unreplaced: gloo's workers forked, the run timed, everything cached."""
     device = calibrate()
@@ -174,3 +180,90 @@ def test_calibrate_measures_this_machine(cache):
     assert 0 < device.latency < 0.1  # a small all-reduce after compute: the other rank's wait included
     record = json.loads(cache.read_text())
     assert record["run"]["efficiency"] == device.efficiency and calibrate() == device
+
+
+def test_a_bf16_workload_with_masters_gives_both_steps_at_the_bf16_peak():
+    """The accelerator's workload (bf16 parameters, fp32 masters and AdamW state; ``workload_for``), run on the CPU
+    at a small size: the planner, at the solved values and the bf16 peak, gives both measured steps."""
+    config = model_config_tiny()
+    work = Workload(config, 2, 64, Precision(torch.bfloat16, torch.float32))
+    run = measure_efficiency(FAST, machine.CPU, work)
+    assert 0 < run.efficiency < 1 and "in bf16 with fp32 masters, 2 x 64 tokens" in run.workload
+    one, several = calibration.run_estimates(work, world=1)
+    solved = dataclasses.replace(FAST, efficiency=run.efficiency, microbatch_overhead=run.microbatch_overhead)
+    assert one.precision.masters and one.step_time(solved) == pytest.approx(run.step_seconds, rel=1e-9)
+    assert several.step_time(solved) == pytest.approx(run.split_step_seconds, rel=1e-9)
+
+
+def model_config_tiny() -> LlamaConfig:
+    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def test_where_torch_finds_an_accelerator_it_is_measured_and_cached_by_its_name(cache, monkeypatch):
+    """``calibrate`` measures the accelerator (not the CPU) where torch finds one, names it in the cache, and
+    measures again when the cache holds another device's figures (a CPU's, or another card's)."""
+    gpu = torch.device("cuda")  # never touched: the measurements are replaced
+    found = {"name": "nvidia h100 80gb hbm3"}
+    monkeypatch.setattr(calibration, "accelerator", lambda: gpu)
+    monkeypatch.setattr(calibration, "describe_accelerator", lambda: (found["name"], 80 * 2**30))
+    measured: list[str] = []
+
+    def accelerator_fields(target):
+        assert target == gpu
+        measured.append(found["name"])
+        return {**MACHINE, "name": f"{found['name']} (calibrated)", "fused_adamw": True}, "the h100 preset's"
+
+    monkeypatch.setattr(calibration, "measure_accelerator", accelerator_fields)
+    monkeypatch.setattr(calibration, "measure_machine", lambda: pytest.fail("the CPU measured beside a GPU"))
+    monkeypatch.setattr(calibration, "measure_efficiency", lambda device, target: EfficiencyRun(
+        "a 0.4B Llama", "wall clock", 4, 0.05, 0.06, 4, 1e13, 0.01, 0.7, 0.001, 0.6))
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({"version": calibration.CACHE_VERSION, "measured": "cpu",
+                                 "device": {**MACHINE, "efficiency": 0.3}}))
+    device = calibrate()
+    assert device.efficiency == 0.7 and device.name == "nvidia h100 80gb hbm3 (calibrated)" and device.fused_adamw
+    assert device.efficiency_source.endswith("(wall clock), 0.06 s as 4, MFU 60.0%; links the h100 preset's")
+    assert json.loads(cache.read_text())["measured"] == "nvidia h100 80gb hbm3"
+    assert calibrate() == device and measured == ["nvidia h100 80gb hbm3"]  # read from the cache
+    found["name"] = "nvidia l40s"
+    assert calibrate().name == "nvidia l40s (calibrated)" and len(measured) == 2
+
+
+def test_an_accelerators_links_are_its_presets_else_assumed_and_said(monkeypatch):
+    """One device has no link to time: a card a preset names gets the preset's links and devices per node, another
+    ``ASSUMED_LINKS``, and the source says which. The device measurements run here on CPU tensors, small."""
+    for name, size in (("_matmul_flops", 128), ("_copy_bandwidth", 2**16), ("_op_bandwidth", 2**16)):
+        real = getattr(machine, name)
+        monkeypatch.setattr(machine, name, lambda *args, real=real, size=size: real(*args[:-1], size))
+    monkeypatch.setattr(machine, "describe_accelerator", lambda: ("nvidia h200", 140 * 2**30))
+    fields, source = machine.measure_accelerator(machine.CPU)
+    h200 = PRESETS["h200"]
+    assert source == "the h200 preset's" and fields["memory_bytes"] == 140 * 2**30
+    assert (fields["intra_bandwidth"], fields["per_node"], fields["latency"]) == (
+        h200.intra_bandwidth, h200.per_node, h200.latency)
+    assert fields["flops_bf16"] > 0 and fields["memory_bandwidth"] > 0 and fields["reserve_bytes"] > 0
+    assert dict(fields["op_bandwidth"]).keys() == TIMED_OPS.keys()
+    monkeypatch.setattr(machine, "describe_accelerator", lambda: ("some new card", 24 * 2**30))
+    fields, source = machine.measure_accelerator(machine.CPU)
+    assert source.startswith("assumed") and fields["intra_bandwidth"] == machine.ASSUMED_LINKS["intra_bandwidth"]
+    assert calibration._device({**fields, "efficiency": 1.0}).name == "some new card (calibrated)"
+
+
+@pytest.mark.skipif(accelerator() is None, reason="needs an accelerator (run on a GPU machine; CI has none)")
+def test_calibrate_measures_the_accelerator(cache):
+    """The whole calibration on the accelerator torch finds, unreplaced: the device's own peaks and memory, the
+    0.37B Llama's two runs, and the planner giving both measured steps at the solved values."""
+    device = calibrate()
+    name, memory = describe_accelerator()
+    assert device.name == f"{name} (calibrated)" and device.memory_bytes == memory and device.fused_adamw
+    assert device.flops_bf16 > device.flops_fp32 > 0 and 0 < device.efficiency <= 1
+    assert device.microbatch_overhead >= 0 and device.fused_attention_dropout
+    record = json.loads(cache.read_text())
+    assert record["measured"] == name and record["run"]["clock"] == "wall clock"
+    work = calibration.workload_for(accelerator())
+    one, several = calibration.run_estimates(work, world=1)
+    assert one.step_time(device) == pytest.approx(record["run"]["step_seconds"], rel=1e-6)
+    if device.microbatch_overhead > 0:
+        assert several.step_time(device) == pytest.approx(record["run"]["split_step_seconds"], rel=1e-6)
+    print(json.dumps(record))

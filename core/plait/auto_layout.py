@@ -3,8 +3,8 @@
 The launching process plans once, before any worker starts: the run's model (on the meta device), its global
 batch (``--per_device_train_batch_size`` x processes x ``--gradient_accumulation_steps`` as written, the same
 sequences whatever split wins), its block size and LoRA settings, ``--nproc_per_node`` processes, and the device
-found here (an H100, H200 or A100 by name, with the memory the driver reports; otherwise this machine measured once
-by ``--calibrate``'s routine). It prints the top 3 with their numbers and why the first won, and hands the workers
+found here (an H100, H200 or A100 by name, with the memory the driver reports; otherwise this machine, its accelerator or its
+CPU, measured once by ``--calibrate``'s routine). It prints the top 3 with their numbers and why the first won, and hands the workers
 its flags, so every rank runs the one layout chosen.
 """
 
@@ -17,7 +17,7 @@ from rich.table import Table
 
 from plait.config import ConfigError, ParallelConfig
 from plait.costs.calibration import calibrate
-from plait.costs.device import GiB, PRESETS, Device
+from plait.costs.device import GiB, Device, preset_for
 from plait.costs.render import gib
 from plait.costs.search import batch_split, describe
 from plait.device import describe_accelerator
@@ -29,11 +29,9 @@ def detect_device() -> Device:
     """The device model for this machine: a preset by the accelerator's name (its memory as the driver reports
     it), else this machine measured (cached: ``costs.calibration.calibrate``)."""
     found = describe_accelerator()
-    if found is not None:
-        name, memory = found
-        for key in ("h100", "h200", "a100"):
-            if key in name:
-                return dataclasses.replace(PRESETS[key], memory_bytes=memory)
+    preset = preset_for(found[0]) if found is not None else None
+    if preset is not None:
+        return dataclasses.replace(preset, memory_bytes=found[1])
     return calibrate()
 
 

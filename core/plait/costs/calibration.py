@@ -1,63 +1,96 @@
 """This machine as a ``Device`` (``plait plan --calibrate``): measured once, then read from a cache.
 
-``device.measure_machine`` gives the peak (a one-thread matmul) and the bandwidths. A matmul's peak leaves out what
-a training step spends besides: per-op framework overhead, the non-matmul kernels, the step's fixed costs (on this
-CPU they made the planner's step times about half the measured ones at efficiency 1). So the efficiency is measured,
-not assumed: a short training run of a small Llama on one thread is timed, and the efficiency is the one at which
-the planner's own step-time model (``LayoutEstimate.step_time``: matmul FLOPs / (peak x efficiency) plus the
-modelled memory traffic) gives the measured step. The same batch is timed again as several micro-batches: the
-difference is what each micro-batch costs beyond its FLOPs (``Device.microbatch_overhead``), which makes the search
-weigh micro-batch size against accumulation by measurement. The cache is versioned: one written by an older
-calibration is measured again.
+``machine.measure_machine`` (the CPU) or ``machine.measure_accelerator`` (the accelerator torch finds) gives the
+peaks and the bandwidths. A matmul's peak leaves out what a training step spends besides: per-op framework
+overhead, the non-matmul kernels, the step's fixed costs (on this CPU they made the planner's step times about half
+the measured ones at efficiency 1). So the efficiency is measured, not assumed: a short training run (a
+``Workload``: a small Llama in fp32 on one CPU thread, a 0.37B one in bf16 with fp32 masters on an accelerator) is
+timed, and the efficiency is the one at which the planner's own step-time model (``LayoutEstimate.step_time``:
+matmul FLOPs / (peak x efficiency) plus the modelled memory traffic) gives the measured step. The same batch is
+timed again as several micro-batches: the difference is what each micro-batch costs beyond its FLOPs
+(``Device.microbatch_overhead``), which makes the search weigh micro-batch size against accumulation by
+measurement. The cache is versioned and names what it measured: one written by an older calibration, or of
+another device, is measured again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 
 from plait.config import ParallelConfig
+from plait.costs import machine
 from plait.costs.activations import trace_activations
-from plait.costs.device import Device, measure_machine, one_thread
+from plait.costs.device import Device
 from plait.costs.estimate import Batch, LayoutEstimate, estimate_layout
+from plait.costs.machine import measure_accelerator, measure_machine, one_thread
 from plait.costs.memory import Precision
+from plait.device import accelerator, describe_accelerator, use_fused_adamw
 from plait.layout_plan import plan_layout
+from plait.materialize import load_parallel_model
 from plait.meta import build_meta_model
 from plait.model_config import DEFAULT_MODEL_CONFIG
 from plait.optim import OptimizerStep, build_optimizer
-from plait.parallelize import ParallelModel, parallelize
+from plait.parallelize import ParallelModel
 from plait.registry import default_registry
 
-# 5: latency measured in a step (after compute); 4: non-matmul traffic counted by operation (``traffic``); 3: the
-# per-micro-batch overhead measured too; 2: efficiency measured; unversioned: assumed
-CACHE_VERSION = 5
-# The run: plait's tiny Llama at twice its width, the size of bench/plan_check.py's timed Llama, whose step
+# 6: the accelerator measured where there is one, the cache naming what it measured; 5: latency measured in a step
+# (after compute); 4: non-matmul traffic counted by operation (``traffic``); 3: the per-micro-batch overhead
+# measured too; 2: efficiency measured; unversioned: assumed
+CACHE_VERSION = 6
+# The CPU's run: plait's tiny Llama at twice its width, the size of bench/plan_check.py's timed Llama, whose step
 # (4 x 128 tokens) takes about 0.3 s on one thread of a 2-core CPU, timed twice: as one micro-batch, and as
 # SEQUENCES micro-batches of one sequence (gradient accumulation); the median of the timed steps of each, after
 # the first steps (allocator and kernel warm-up) are dropped.
 WIDTH, SEQUENCES, TOKENS, WARMUP, STEPS = 2, 4, 128, 2, 5
+# The accelerator's: ``accelerator_config``'s 0.37B Llama at 4 x 2048 tokens, in bf16 with fp32 masters
+ACCELERATOR_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the calibration times: ``config``'s model trained on ``sequences`` x ``tokens`` a step, as one
+    micro-batch and as ``sequences`` of one, in ``precision`` (``plait train``'s: fp32, or ``--bf16``'s bf16
+    parameters with fp32 masters)."""
+
+    config: PretrainedConfig
+    sequences: int = SEQUENCES
+    tokens: int = TOKENS
+    precision: Precision = Precision()
+
+    def describe(self) -> str:
+        parameters = sum(p.numel() for p in build_meta_model(self.config).parameters())
+        dtype = "bf16 with fp32 masters" if self.precision.masters else "fp32"
+        return f"a {parameters / 1e6:.1f}M-parameter Llama in {dtype}, {self.sequences} x {self.tokens} tokens"
+
+
+def workload_for(target: torch.device) -> Workload:
+    """The CPU's run (``run_config``), or the accelerator's (``accelerator_config``)."""
+    if target.type == "cpu":
+        return Workload(run_config())
+    return Workload(accelerator_config(), SEQUENCES, ACCELERATOR_TOKENS, Precision(torch.bfloat16, torch.float32))
 
 
 @dataclass(frozen=True)
 class EfficiencyRun:
     """Two timed training runs of one batch and what the planner's model needs to give both step times."""
 
-    parameters: int
+    workload: str  # ``Workload.describe``
+    clock: str  # what the seconds are
     layers: int
-    sequences: int
-    tokens: int  # per sequence
-    step_seconds: float  # one micro-batch of ``sequences``: the median of the timed steps, in CPU time
+    step_seconds: float  # one micro-batch: the median of the timed steps
     split_step_seconds: float  # the same batch as ``sequences`` micro-batches of one sequence
+    microbatches: int  # of the split run
     flops: float  # matmul FLOPs of one step, the planner's count (``estimate._step_flops``)
     rest_seconds: float  # what the planner adds to the matmuls: activation and optimizer memory traffic
     efficiency: float
@@ -65,9 +98,8 @@ class EfficiencyRun:
     mfu: float  # the one-micro-batch step's FLOPs per second over the matmul peak
 
     def describe(self) -> str:
-        return (f"measured on this machine: a {self.parameters / 1e6:.1f}M-parameter Llama, {self.sequences} x "
-                f"{self.tokens} tokens, {self.step_seconds:.3g} s a step as one micro-batch (one thread's CPU time), "
-                f"{self.split_step_seconds:.3g} s as {self.sequences}, MFU {self.mfu:.1%}")
+        return (f"measured on this machine: {self.workload}, {self.step_seconds:.3g} s a step as one micro-batch "
+                f"({self.clock}), {self.split_step_seconds:.3g} s as {self.microbatches}, MFU {self.mfu:.1%}")
 
 
 def cache_path() -> Path:
@@ -76,24 +108,38 @@ def cache_path() -> Path:
 
 
 def calibrate(memory_bytes: int | None = None, refresh: bool = False) -> Device:
-    """This machine as a ``Device`` (measured once, then read from ``cache_path()``; ``refresh``: measure again)."""
+    """This machine as a ``Device``: its accelerator where torch finds one, else its CPU (measured once, then read
+    from ``cache_path()``; ``refresh``: measure again)."""
+    target = accelerator() or machine.CPU
+    found = describe_accelerator() if target.type != "cpu" else None
+    measured = found[0] if found is not None else target.type  # a cache of another device is not this one's
     path = cache_path()
     cached = json.loads(path.read_text()) if path.exists() and not refresh else {}
-    if cached.get("version") == CACHE_VERSION:
+    if cached.get("version") == CACHE_VERSION and cached.get("measured") == measured:
         fields = cached["device"]
     else:
-        fields = measure_machine()
-        run = measure_efficiency(_device({**fields, "efficiency": 1.0}))
-        fields = {**fields, "efficiency": run.efficiency, "efficiency_source": run.describe(),
+        if target.type == "cpu":
+            fields, links = measure_machine(), "measured (gloo, 2 local processes)"
+        else:
+            fields, links = measure_accelerator(target)
+        run = measure_efficiency(_device({**fields, "efficiency": 1.0}), target)
+        fields = {**fields, "efficiency": run.efficiency, "efficiency_source": f"{run.describe()}; links {links}",
                   "microbatch_overhead": run.microbatch_overhead}
-        _write(path, {"version": CACHE_VERSION, "device": fields, "run": dataclasses.asdict(run)})
+        _write(path, {"version": CACHE_VERSION, "measured": measured, "device": fields,
+                      "run": dataclasses.asdict(run)})
     device = _device(fields)
     return dataclasses.replace(device, memory_bytes=memory_bytes) if memory_bytes else device
 
 
+def cached_device(path: Path) -> Device:
+    """The ``Device`` a calibration cache file holds (one copied from another machine: bench/gpu_headroom.py
+    plans an earlier run's rows on it)."""
+    return _device(json.loads(Path(path).read_text())["device"])
+
+
 def _device(fields: dict) -> Device:
     """A ``Device`` from its JSON fields (``op_speed``'s and ``op_bandwidth``'s pairs come back as lists)."""
-    return Device(**{**fields, "op_speed": tuple(map(tuple, fields["op_speed"])),
+    return Device(**{**fields, "op_speed": tuple(map(tuple, fields.get("op_speed", ()))),
                      "op_bandwidth": tuple(map(tuple, fields.get("op_bandwidth", ())))})
 
 
@@ -105,29 +151,32 @@ def _write(path: Path, record: dict) -> None:
     os.replace(tmp.name, path)
 
 
-def measure_efficiency(device: Device) -> EfficiencyRun:
-    """Time the run on this machine's CPU and solve the planner's step time on ``device`` (the measured peak and
-    bandwidths) for the efficiency and the per-micro-batch overhead (``solve_step_model``)."""
-    config = run_config()
-    whole, split = _timed_runs(config, (1, SEQUENCES))
-    one, several = run_estimates(config, world=1)
+def measure_efficiency(device: Device, target: torch.device = machine.CPU,
+                       work: Workload | None = None) -> EfficiencyRun:
+    """Time ``work`` (``workload_for(target)``) on ``target`` and solve the planner's step time on ``device`` (the
+    measured peaks and bandwidths) for the efficiency and the per-micro-batch overhead (``solve_step_model``)."""
+    work = work or workload_for(target)
+    whole, split = _timed_runs(work, (1, work.sequences), target)
+    one, several = run_estimates(work, world=1)
     efficiency, overhead = solve_step_model(device, one, several, whole, split)
-    at_peak = one.flops[0] / device.peak_flops(low_precision=False)
+    low = work.precision.param != torch.float32
+    at_peak = one.flops[0] / device.peak_flops(low)
     rest = one.step_time(dataclasses.replace(device, efficiency=1.0, microbatch_overhead=0.0)) - at_peak
-    parameters = sum(p.numel() for p in build_meta_model(config).parameters())
-    return EfficiencyRun(parameters, config.num_hidden_layers, SEQUENCES, TOKENS, whole, split, one.flops[0], rest,
-                         efficiency, overhead, at_peak / whole)
+    clock = "one thread's CPU time" if target.type == "cpu" else "wall clock"
+    return EfficiencyRun(work.describe(), clock, work.config.num_hidden_layers, whole, split, work.sequences,
+                         one.flops[0], rest, efficiency, overhead, at_peak / whole)
 
 
-def run_estimates(config: PretrainedConfig, world: int) -> tuple[LayoutEstimate, LayoutEstimate]:
-    """The planner's estimates of the calibration run on ``world`` data-parallel processes: ``SEQUENCES`` x
-    ``TOKENS`` per process as one micro-batch, and as ``SEQUENCES`` micro-batches of one sequence."""
-    meta = build_meta_model(config)
+def run_estimates(work: Workload, world: int) -> tuple[LayoutEstimate, LayoutEstimate]:
+    """The planner's estimates of ``work`` on ``world`` data-parallel processes: ``work.sequences`` x
+    ``work.tokens`` per process as one micro-batch, and as ``work.sequences`` micro-batches of one sequence."""
+    meta = build_meta_model(work.config, work.precision.param)
     registry = default_registry()
     plan = plan_layout(meta, ParallelConfig(), world, registry)
-    trace = trace_activations(meta, TOKENS, registry, plan.adapter, fused_dropout=False)  # this CPU
-    return tuple(estimate_layout(meta, plan, batch, Precision(), trace)  # type: ignore[return-value]
-                 for batch in (Batch(SEQUENCES, TOKENS), Batch(1, TOKENS, SEQUENCES)))
+    # a Llama without dropout: whether the attention kernel takes dropout changes nothing
+    trace = trace_activations(meta, work.tokens, registry, plan.adapter, fused_dropout=False)
+    return tuple(estimate_layout(meta, plan, batch, work.precision, trace)  # type: ignore[return-value]
+                 for batch in (Batch(work.sequences, work.tokens), Batch(1, work.tokens, work.sequences)))
 
 
 def solve_step_model(device: Device, one: LayoutEstimate, several: LayoutEstimate, one_seconds: float,
@@ -156,30 +205,41 @@ def run_config() -> PretrainedConfig:
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
-def _timed_runs(config: PretrainedConfig, splits: tuple[int, ...]) -> list[float]:
-    """Seconds of one training step of ``config``'s model on ``SEQUENCES`` x ``TOKENS`` tokens as each of ``splits``
-    micro-batches (median of ``STEPS`` after ``WARMUP``), one thread, the global random state left as it was. Each
-    split trains a model of its own, their steps taken in turns, so a slow spell of the machine (or its warming
-    up) hits every split alike: timed one after the other, the difference between splits (the per-micro-batch
-    overhead, tens of ms) came out 0 in 3 of 7 runs. The seconds are this thread's CPU time: what a step costs the
-    machine, not how long a busy machine's scheduler kept it waiting (on a shared 2-core machine at load 5, wall
-    time was 0.24-0.27 s a step, CPU time 0.16-0.18 s); with nothing else running the two are equal, as one thread
-    does all of a step's work (intra-op and autograd's CPU work run on the caller)."""
-    with torch.random.fork_rng(devices=[]), one_thread():
+def accelerator_config() -> LlamaConfig:
+    """The accelerator's run: a Llama of bench/gpu.py's 1.24B widths (hidden 2048, MLP 8192, 32 heads of 64, 8 kv
+    heads: the matmul shapes of a 1B-8B model's layers) with 4 layers and a 32k vocabulary, 0.37B parameters: 12 GB
+    a step at 4 x 2048 tokens, a few seconds to time on a Hopper GPU."""
+    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=ACCELERATOR_TOKENS)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _timed_runs(work: Workload, splits: tuple[int, ...], target: torch.device = machine.CPU) -> list[float]:
+    """Seconds of one training step of ``work`` on ``target`` as each of ``splits`` micro-batches (median of
+    ``STEPS`` after ``WARMUP``), the global random state left as it was. The splits take their steps in turns on
+    one model, so a slow spell of the machine (or its warming up) hits every split alike: timed one after the
+    other, the difference between splits (the per-micro-batch overhead, tens of ms) came out 0 in 3 of 7 runs.
+    On the CPU the work runs on one thread, as each of torchrun's local processes does, and the seconds are this
+    thread's CPU time (``machine.seconds_on``): what a step costs the machine, not how long a busy machine's
+    scheduler kept it waiting (on a shared 2-core machine at load 5, wall time was 0.24-0.27 s a step, CPU time
+    0.16-0.18 s); with nothing else running the two are equal, as one thread does all of a step's work."""
+    cpu = target.type == "cpu"
+    forked = torch.random.fork_rng(devices=[] if cpu else [target], device_type=None if cpu else target.type)
+    with forked, one_thread() if cpu else contextlib.nullcontext():
         torch.manual_seed(0)
-        ids = torch.randint(0, config.vocab_size, (SEQUENCES, TOKENS))
-        runs = []
-        for microbatches in splits:
-            pmodel = parallelize(AutoModelForCausalLM.from_config(config), ParallelConfig())  # one process
-            # plait's own optimizer step (torch's multi-tensor AdamW on the CPU), clipping by the global norm
-            step = OptimizerStep(pmodel.grad_sync, build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4), 1.0)
-            runs.append((pmodel, step, ids.chunk(microbatches)))
+        ids = torch.randint(0, work.config.vocab_size, (work.sequences, work.tokens)).to(target)
+        pmodel = load_parallel_model(work.config, ParallelConfig(), dtype=work.precision.param, device=target)
+        # plait's own optimizer step (the fused AdamW where torch has one, else its multi-tensor one), clipping by
+        # the global norm
+        optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4, fused=use_fused_adamw(target),
+                                    optimizer_dtype=work.precision.optimizer)
+        step = OptimizerStep(pmodel.grad_sync, optimizer, 1.0)
         seconds: list[list[float]] = [[] for _ in splits]
         for _ in range(WARMUP + STEPS):
-            for (pmodel, step, microbatches), times in zip(runs, seconds):
-                start = time.thread_time()
-                _train_step(pmodel, step, microbatches)
-                times.append(time.thread_time() - start)
+            for microbatches, times in zip(splits, seconds):
+                chunks = ids.chunk(microbatches)
+                times.append(machine.seconds_on(target, lambda: _train_step(pmodel, step, chunks)))
     return [statistics.median(times[WARMUP:]) for times in seconds]
 
 

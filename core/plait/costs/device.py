@@ -3,33 +3,16 @@
 The presets are vendor figures (docs/plan.md lists the sources); ``efficiency`` is the fraction of peak FLOP/s a
 transformer step's matmuls reach: measured for the H100 and H200 by bench/gpu.py and bench/gpu_headroom.py (below),
 assumed elsewhere (Megatron-LM and torchtitan report 40-55% MFU on H100/A100 with fused kernels).
-``measure_machine`` measures this machine instead: a one-thread fp32 matmul (torchrun gives each of several local
-processes one thread), a copy for memory bandwidth, the operations a CPU runs below it (``traffic.TIMED_OPS``),
-and gloo collectives between 2 local processes for link
-bandwidth and latency; ``costs.calibration`` adds the efficiency, from a timed training run, and caches the result.
+``costs.machine`` measures this machine instead (its CPU, or the accelerator torch finds), and ``costs.calibration``
+adds the efficiency, from a timed training run, and caches the result.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import re
-import socket
-import statistics
-import sys
-import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-
-import torch
 
 from plait.config import ConfigError
-from plait.costs.traffic import TIMED_OPS
-from plait.device import use_fused_adamw
 
 GiB = 1024**3
 
@@ -150,6 +133,12 @@ PRESETS = {
 }
 
 
+def preset_for(name: str) -> Device | None:
+    """The preset of an accelerator by the name its driver reports ("NVIDIA H100 80GB HBM3" -> h100), or None."""
+    name = name.lower()
+    return next((device for key, device in PRESETS.items() if key in ("h100", "h200", "a100") and key in name), None)
+
+
 _UNITS = {"": 2**30, "g": 2**30, "gib": 2**30, "gb": 10**9, "m": 2**20, "mib": 2**20, "mb": 10**6,
           "t": 2**40, "tib": 2**40, "tb": 10**12}
 
@@ -166,125 +155,3 @@ def parse_memory(text: str, flag: str = "--device_memory") -> int:
     if value <= 0:
         raise ConfigError(f"{flag}={text!r} must be positive")
     return value
-
-
-def measure_machine() -> dict:
-    """This machine's ``Device`` fields, all but ``efficiency`` and its source (``costs.calibration`` measures
-    those from a training run)."""
-    with one_thread():
-        flops = _matmul_flops()
-        copy_bw = _copy_bandwidth()
-        op_bandwidth = [(op, _op_bandwidth(fn)) for op, fn in TIMED_OPS.items()]
-    bandwidth, latency, op_speed = _gloo_allreduce()
-    import psutil
-
-    return {"name": "calibrated", "memory_bytes": psutil.virtual_memory().total, "flops_bf16": flops,
-            "flops_fp32": flops, "memory_bandwidth": copy_bw, "intra_bandwidth": bandwidth,
-            "inter_bandwidth": bandwidth, "per_node": os.cpu_count() or 1, "latency": latency,
-            "op_speed": op_speed, "fused_adamw": use_fused_adamw(torch.device("cpu")),
-            "fused_attention_dropout": False, "op_bandwidth": op_bandwidth}
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch's CPU ops on one thread, as each of several local processes torchrun starts does."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _matmul_flops(n: int = 512, repeats: int = 20) -> float:
-    """The best of ``repeats`` (a few ms each), in CPU time as the calibration run's steps are."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    best = min(_cpu_seconds(lambda: a @ b) for _ in range(repeats))
-    return 2 * n**3 / best
-
-
-def _copy_bandwidth(numel: int = 16 * 2**20, repeats: int = 3) -> float:
-    src, dst = torch.randn(numel), torch.empty(numel)
-    dst.copy_(src)
-    best = min(_cpu_seconds(lambda: dst.copy_(src)) for _ in range(repeats))
-    return 2 * numel * 4 / best  # read + write
-
-
-def _op_bandwidth(fn, numel: int = 4 * 2**20, repeats: int = 5) -> float:
-    """Bytes ``fn`` reads and writes per second on a tensor of rows of 1024 (its input and output, as
-    ``traffic.TrafficCounter`` counts them): the median of ``repeats`` after one warm-up."""
-    x = torch.rand(numel // 1024, 1024) + 0.5  # positive: rsqrt's domain, a probability for bernoulli_
-    fn(x)
-    seconds = sorted(_cpu_seconds(lambda: fn(x)) for _ in range(repeats))
-    return 2 * numel * 4 / seconds[repeats // 2]
-
-
-def _cpu_seconds(fn) -> float:
-    """This thread's CPU time in ``fn`` (one-thread work): what it costs the machine, not how long a busy machine's
-    scheduler kept it waiting (on a shared 2-core machine a wall-clock matmul peak ranged 44-88 GFLOP/s)."""
-    start = time.thread_time()
-    fn()
-    return time.thread_time() - start
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _gloo_allreduce() -> tuple[float, float, list[list]]:
-    """(bytes/s of a ring all-reduce's per-rank traffic, seconds of a 4-byte all-reduce in a step (after compute),
-    [[op, speed per ring byte over the all-reduce's]] for all-gather and reduce-scatter) between 2 processes."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # fork: the workers start in under a second where spawn's import torch and plait again (7-19 s on 2 cores);
-    # they run one thread and gloo only, what a fork of a process that used OpenMP or CUDA can do, and the callers
-    # (plait plan, --layout auto's launcher) hold no process group to inherit (macOS: spawn, its system frameworks
-    # are not fork-safe)
-    start_method = "fork" if sys.platform == "linux" else "spawn"
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "allreduce.json"
-        mp.start_processes(_allreduce_worker, args=(port, str(out)), nprocs=2, start_method=start_method)
-        result = json.loads(out.read_text())
-    return result["bandwidth"], result["latency"], result["op_speed"]
-
-
-def _allreduce_worker(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    big, small = torch.ones(4 * 2**20), torch.ones(1)
-    dist.all_reduce(big)
-    dist.barrier()
-    seconds = min(_timed(lambda: dist.all_reduce(big)) for _ in range(3))
-    latency = min(_timed(lambda: dist.all_reduce(small)) for _ in range(20))
-    # In a step a collective follows compute on both ranks and waits for the later one, and for gloo's transport
-    # threads to be scheduled beside the busy ones: a 4-byte all-reduce after 2 ms of matmuls took 0.45 ms (median)
-    # on the idle 2-core VM and 0.8-2.6 ms with other work running, against 0.16 ms back to back; cp=2's 32
-    # all-to-alls a step waited 1-2 ms each (profile, docs/plan.md). The step model's latency is that median.
-    work = torch.randn(256, 256)
-
-    def after_work() -> float:
-        for _ in range(5):
-            work @ work
-        return _timed(lambda: dist.all_reduce(small))
-
-    in_step = statistics.median(after_work() for _ in range(30))
-    half, whole = big[: big.numel() // 2], torch.empty_like(big)
-    gather = min(_timed(lambda: dist.all_gather_into_tensor(whole, half)) for _ in range(3))
-    scatter = min(_timed(lambda: dist.reduce_scatter_tensor(half, big)) for _ in range(3))
-    if rank == 0:
-        ring = 2 * (2 - 1) / 2 * big.numel() * 4  # what each rank sends in a ring all-reduce
-        bandwidth = ring / max(seconds - latency, 1e-9)
-        # each sends half the bytes of the all-reduce (all-gather: (p-1) n_local; reduce-scatter: (p-1)/p n)
-        speed = [[op, ring / 2 / max(t - latency, 1e-9) / bandwidth] for op, t in
-                 (("all_gather", gather), ("reduce_scatter", scatter))]
-        Path(out).write_text(json.dumps({"bandwidth": bandwidth, "latency": in_step, "op_speed": speed}))
-    dist.destroy_process_group()
