@@ -53,8 +53,10 @@ CACHE_VERSION = 6
 # SEQUENCES micro-batches of one sequence (gradient accumulation); the median of the timed steps of each, after
 # the first steps (allocator and kernel warm-up) are dropped.
 WIDTH, SEQUENCES, TOKENS, WARMUP, STEPS = 2, 4, 128, 2, 5
-# The accelerator's: ``accelerator_config``'s 0.37B Llama at 4 x 2048 tokens, in bf16 with fp32 masters
-ACCELERATOR_TOKENS = 2048
+# The accelerator's: ``accelerator_config``'s 0.37B Llama at 4 x 2048 tokens, in bf16 with fp32 masters, the
+# median of 20 steps (0.05-0.06 s each on an H200): of two calibrations of 5 steps, one timed the split run 0.082 s
+# against the other's 0.062, which made its per-micro-batch overhead 2.3x the other's
+ACCELERATOR_TOKENS, ACCELERATOR_WARMUP, ACCELERATOR_STEPS = 2048, 3, 20
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class Workload:
     sequences: int = SEQUENCES
     tokens: int = TOKENS
     precision: Precision = Precision()
+    warmup: int = WARMUP
+    steps: int = STEPS
 
     def describe(self) -> str:
         parameters = sum(p.numel() for p in build_meta_model(self.config).parameters())
@@ -78,7 +82,8 @@ def workload_for(target: torch.device) -> Workload:
     """The CPU's run (``run_config``), or the accelerator's (``accelerator_config``)."""
     if target.type == "cpu":
         return Workload(run_config())
-    return Workload(accelerator_config(), SEQUENCES, ACCELERATOR_TOKENS, Precision(torch.bfloat16, torch.float32))
+    return Workload(accelerator_config(), SEQUENCES, ACCELERATOR_TOKENS, Precision(torch.bfloat16, torch.float32),
+                    ACCELERATOR_WARMUP, ACCELERATOR_STEPS)
 
 
 @dataclass(frozen=True)
@@ -216,8 +221,8 @@ def accelerator_config() -> LlamaConfig:
 
 
 def _timed_runs(work: Workload, splits: tuple[int, ...], target: torch.device = machine.CPU) -> list[float]:
-    """Seconds of one training step of ``work`` on ``target`` as each of ``splits`` micro-batches (median of
-    ``STEPS`` after ``WARMUP``), the global random state left as it was. The splits take their steps in turns on
+    """Seconds of one training step of ``work`` on ``target`` as each of ``splits`` micro-batches (the median of
+    its timed steps after its warm-up), the global random state left as it was. The splits take their steps in turns on
     one model, so a slow spell of the machine (or its warming up) hits every split alike: timed one after the
     other, the difference between splits (the per-micro-batch overhead, tens of ms) came out 0 in 3 of 7 runs.
     On the CPU the work runs on one thread, as each of torchrun's local processes does, and the seconds are this
@@ -225,7 +230,7 @@ def _timed_runs(work: Workload, splits: tuple[int, ...], target: torch.device = 
     scheduler kept it waiting (on a shared 2-core machine at load 5, wall time was 0.24-0.27 s a step, CPU time
     0.16-0.18 s); with nothing else running the two are equal, as one thread does all of a step's work."""
     cpu = target.type == "cpu"
-    forked = torch.random.fork_rng(devices=[] if cpu else [target], device_type=None if cpu else target.type)
+    forked = torch.random.fork_rng(devices=[] if cpu else [target], device_type=target.type)
     with forked, one_thread() if cpu else contextlib.nullcontext():
         torch.manual_seed(0)
         ids = torch.randint(0, work.config.vocab_size, (work.sequences, work.tokens)).to(target)
@@ -236,11 +241,11 @@ def _timed_runs(work: Workload, splits: tuple[int, ...], target: torch.device = 
                                     optimizer_dtype=work.precision.optimizer)
         step = OptimizerStep(pmodel.grad_sync, optimizer, 1.0)
         seconds: list[list[float]] = [[] for _ in splits]
-        for _ in range(WARMUP + STEPS):
+        for _ in range(work.warmup + work.steps):
             for microbatches, times in zip(splits, seconds):
                 chunks = ids.chunk(microbatches)
                 times.append(machine.seconds_on(target, lambda: _train_step(pmodel, step, chunks)))
-    return [statistics.median(times[WARMUP:]) for times in seconds]
+    return [statistics.median(times[work.warmup:]) for times in seconds]
 
 
 def _train_step(pmodel: ParallelModel, step: OptimizerStep, microbatches: tuple[torch.Tensor, ...]) -> None:
