@@ -186,7 +186,7 @@ def test_a_bf16_workload_with_masters_gives_both_steps_at_the_bf16_peak():
     """The accelerator's workload (bf16 parameters, fp32 masters and AdamW state; ``workload_for``), run on the CPU
     at a small size: the planner, at the solved values and the bf16 peak, gives both measured steps."""
     config = model_config_tiny()
-    work = Workload(config, 2, 64, Precision(torch.bfloat16, torch.float32))
+    work = Workload(config, 2, 64, Precision(torch.bfloat16, torch.float32), split=2)
     run = measure_efficiency(FAST, machine.CPU, work)
     assert 0 < run.efficiency < 1 and "in bf16 with fp32 masters, 2 x 64 tokens" in run.workload
     one, several = calibration.run_estimates(work, world=1)

@@ -54,16 +54,19 @@ CACHE_VERSION = 6
 # the first steps (allocator and kernel warm-up) are dropped.
 WIDTH, SEQUENCES, TOKENS, WARMUP, STEPS = 2, 4, 128, 2, 5
 # The accelerator's: ``accelerator_config``'s 0.37B Llama at 4 x 2048 tokens, in bf16 with fp32 masters, the
-# median of 20 steps (0.05-0.06 s each on an H200): of two calibrations of 5 steps, one timed the split run 0.082 s
-# against the other's 0.062, which made its per-micro-batch overhead 2.3x the other's
-ACCELERATOR_TOKENS, ACCELERATOR_WARMUP, ACCELERATOR_STEPS = 2048, 3, 20
+# median of 20 steps (0.05-0.06 s each on an H200: of two calibrations of 5 steps, one timed the split run 0.082 s
+# against the other's 0.062), split in 2 micro-batches of 4096 tokens. Split in 4 of 2048, each micro-batch's GPU
+# work (about 7 ms) was near the CPU's time to launch it, and the split run took 0.063-0.074 s in four calibrations
+# (the whole one 0.0463-0.0465), an overhead of 1.4-2.3 ms a layer; the planner then put the 1.24B Llama's splits
+# (16 layers, GPU-bound) up to 1.49x their measured steps.
+ACCELERATOR_TOKENS, ACCELERATOR_WARMUP, ACCELERATOR_STEPS, ACCELERATOR_SPLIT = 2048, 3, 20, 2
 
 
 @dataclass(frozen=True)
 class Workload:
     """What the calibration times: ``config``'s model trained on ``sequences`` x ``tokens`` a step, as one
-    micro-batch and as ``sequences`` of one, in ``precision`` (``plait train``'s: fp32, or ``--bf16``'s bf16
-    parameters with fp32 masters)."""
+    micro-batch and as ``split`` micro-batches (gradient accumulation), in ``precision`` (``plait train``'s: fp32,
+    or ``--bf16``'s bf16 parameters with fp32 masters), the median of ``steps`` after ``warmup``."""
 
     config: PretrainedConfig
     sequences: int = SEQUENCES
@@ -71,6 +74,11 @@ class Workload:
     precision: Precision = Precision()
     warmup: int = WARMUP
     steps: int = STEPS
+    split: int = SEQUENCES
+
+    def __post_init__(self) -> None:
+        if self.sequences % self.split:
+            raise ValueError(f"split={self.split} micro-batches do not divide sequences={self.sequences}")
 
     def describe(self) -> str:
         parameters = sum(p.numel() for p in build_meta_model(self.config).parameters())
@@ -83,7 +91,7 @@ def workload_for(target: torch.device) -> Workload:
     if target.type == "cpu":
         return Workload(run_config())
     return Workload(accelerator_config(), SEQUENCES, ACCELERATOR_TOKENS, Precision(torch.bfloat16, torch.float32),
-                    ACCELERATOR_WARMUP, ACCELERATOR_STEPS)
+                    ACCELERATOR_WARMUP, ACCELERATOR_STEPS, ACCELERATOR_SPLIT)
 
 
 @dataclass(frozen=True)
@@ -94,7 +102,7 @@ class EfficiencyRun:
     clock: str  # what the seconds are
     layers: int
     step_seconds: float  # one micro-batch: the median of the timed steps
-    split_step_seconds: float  # the same batch as ``sequences`` micro-batches of one sequence
+    split_step_seconds: float  # the same batch as ``microbatches`` micro-batches
     microbatches: int  # of the split run
     flops: float  # matmul FLOPs of one step, the planner's count (``estimate._step_flops``)
     rest_seconds: float  # what the planner adds to the matmuls: activation and optimizer memory traffic
@@ -161,27 +169,28 @@ def measure_efficiency(device: Device, target: torch.device = machine.CPU,
     """Time ``work`` (``workload_for(target)``) on ``target`` and solve the planner's step time on ``device`` (the
     measured peaks and bandwidths) for the efficiency and the per-micro-batch overhead (``solve_step_model``)."""
     work = work or workload_for(target)
-    whole, split = _timed_runs(work, (1, work.sequences), target)
+    whole, split = _timed_runs(work, (1, work.split), target)
     one, several = run_estimates(work, world=1)
     efficiency, overhead = solve_step_model(device, one, several, whole, split)
     low = work.precision.param != torch.float32
     at_peak = one.flops[0] / device.peak_flops(low)
     rest = one.step_time(dataclasses.replace(device, efficiency=1.0, microbatch_overhead=0.0)) - at_peak
     clock = "one thread's CPU time" if target.type == "cpu" else "wall clock"
-    return EfficiencyRun(work.describe(), clock, work.config.num_hidden_layers, whole, split, work.sequences,
+    return EfficiencyRun(work.describe(), clock, work.config.num_hidden_layers, whole, split, work.split,
                          one.flops[0], rest, efficiency, overhead, at_peak / whole)
 
 
 def run_estimates(work: Workload, world: int) -> tuple[LayoutEstimate, LayoutEstimate]:
     """The planner's estimates of ``work`` on ``world`` data-parallel processes: ``work.sequences`` x
-    ``work.tokens`` per process as one micro-batch, and as ``work.sequences`` micro-batches of one sequence."""
+    ``work.tokens`` per process as one micro-batch, and as ``work.split`` micro-batches."""
     meta = build_meta_model(work.config, work.precision.param)
     registry = default_registry()
     plan = plan_layout(meta, ParallelConfig(), world, registry)
     # a Llama without dropout: whether the attention kernel takes dropout changes nothing
     trace = trace_activations(meta, work.tokens, registry, plan.adapter, fused_dropout=False)
     return tuple(estimate_layout(meta, plan, batch, work.precision, trace)  # type: ignore[return-value]
-                 for batch in (Batch(work.sequences, work.tokens), Batch(1, work.tokens, work.sequences)))
+                 for batch in (Batch(work.sequences, work.tokens),
+                               Batch(work.sequences // work.split, work.tokens, work.split)))
 
 
 def solve_step_model(device: Device, one: LayoutEstimate, several: LayoutEstimate, one_seconds: float,
