@@ -8,8 +8,8 @@ extra micro-batch costs: the figures behind a preset's reserve, fragmentation an
     python bench/gpu_headroom.py --replan ... --hardware calibration.json  # a GPU's `plait plan --calibrate` cache
 
 ``--hardware`` is the device model the planned step is computed on: a preset, ``calibrated`` (this GPU measured by
-``plait plan --calibrate``'s routine, cached), or a calibration cache file copied from a GPU machine (bench/results/
-gpu-calibrate-*.jsonl holds an H200's: its ``device`` field, under a ``{"device": ...}`` object, is such a file).
+``plait plan --calibrate``'s routine, cached), or a calibration cache file copied from a GPU machine
+(``$XDG_CACHE_HOME/plait/calibration.json``; each line of bench/results/gpu-calibrate-*.jsonl, saved alone, is one).
 
 A variant is ``b<sequences>-m<micro-batches>[-ckpt][-expandable]``: ``plait train --bf16`` (bf16 parameters, fp32
 master weights, gradients and AdamW state, fused AdamW, clipping) on bench/gpu.py's 1.24B Llama, ``sequences`` x

@@ -3,9 +3,9 @@
 The launching process plans once, before any worker starts: the run's model (on the meta device), its global
 batch (``--per_device_train_batch_size`` x processes x ``--gradient_accumulation_steps`` as written, the same
 sequences whatever split wins), its block size and LoRA settings, ``--nproc_per_node`` processes, and the device
-found here (an H100, H200 or A100 by name, with the memory the driver reports; otherwise this machine, its accelerator or its
-CPU, measured once by ``--calibrate``'s routine). It prints the top 3 with their numbers and why the first won, and hands the workers
-its flags, so every rank runs the one layout chosen.
+found here (an H100, H200 or A100 by name, with the memory the driver reports; otherwise this machine, its
+accelerator or its CPU, measured once by ``--calibrate``'s routine). It prints the top 3 with their numbers and why
+the first won, and hands the workers its flags, so every rank runs the one layout chosen.
 """
 
 from __future__ import annotations

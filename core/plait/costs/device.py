@@ -45,7 +45,7 @@ class Device:
     efficiency_source: str = "assumed"
     # Seconds each micro-batch costs per decoder layer (forward and backward) beyond its FLOPs and memory traffic:
     # the framework's per-operation dispatch and small matmuls running below the peak. Measured by ``calibrate``
-    # (on this CPU 3-12 ms a layer); about 1 ms on Hopper GPUs (``HOPPER_MICROBATCH``).
+    # (on this CPU 3-12 ms a layer, on an H200 1.1-1.3 ms); about 1 ms on Hopper GPUs (``HOPPER_MICROBATCH``).
     microbatch_overhead: float = 0.0
     # The fused attention kernel takes dropout (flash and memory-efficient attention on GPUs); torch's CPU kernel
     # does not, so sdpa with attention dropout runs its math path there, s x s probabilities and all
