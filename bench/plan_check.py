@@ -262,6 +262,9 @@ def _time_layouts(jobs: dict, tiny: bool, steps: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
+    from plait.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # as plait train's CPU processes run
     rank = dist.get_rank()
     models = time_models(tiny)
     calibration = [key for key in jobs if key.startswith(CALIBRATION + "|")]

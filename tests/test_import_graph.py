@@ -19,7 +19,7 @@ ROOT = "plait"
 # Bottom to top. A name stands for a module, or for a package with every module in it that no more specific name
 # places elsewhere (plait.lora, but plait.lora.export); the root package stands for plait/__init__.py alone.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("device", {"plait.device"}),
+    ("device", {"plait.device", "plait.host_memory"}),
     ("foundation", {"plait.config", "plait.pipeline_schedules", "plait.comm", "plait.patterns", "plait.markers",
                     "plait.meta", "plait.seeds", "plait.training_forward", "plait.faults"}),
     ("parallel primitives", {"plait.mesh", "plait.tp.mappings", "plait.tp.layers", "plait.tp.loss", "plait.tp.rng",

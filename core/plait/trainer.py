@@ -32,6 +32,7 @@ from plait.device import peak_memory_bytes, pick_device, use_fused_adamw
 from plait.float8 import check_float8_device
 from plait.fsdp import local
 from plait.heartbeat import Heartbeat
+from plait.host_memory import keep_freed_memory
 from plait.log_line import log_line, progress_text
 from plait.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_max
 from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
@@ -201,6 +202,8 @@ class Trainer:
         self.args = args
         resume, model_config, meta, saved, plan = plan_run(args, int(os.environ.get("WORLD_SIZE", "1")))
         self.device = device = pick_device(args.device)
+        if device.type == "cpu":  # the next step reuses what this one frees, not page-faulting it in again
+            keep_freed_memory()
         check_float8_device(plan.config, device)  # float8 off a float8 GPU: before any data is read
         # Data before any process group: a bad file fails every rank at once, never inside a collective.
         self.blocks, self.val_blocks, self.tokenizer = load_checked_data(args, model_config, plan)

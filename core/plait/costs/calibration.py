@@ -36,6 +36,7 @@ from plait.costs.estimate import Batch, LayoutEstimate, estimate_layout
 from plait.costs.machine import measure_accelerator, measure_machine, one_thread
 from plait.costs.memory import Precision
 from plait.device import accelerator, describe_accelerator, use_fused_adamw
+from plait.host_memory import keep_freed_memory
 from plait.layout_plan import plan_layout
 from plait.materialize import load_parallel_model
 from plait.meta import build_meta_model
@@ -239,6 +240,8 @@ def _timed_runs(work: Workload, splits: tuple[int, ...], target: torch.device = 
     scheduler kept it waiting (on a shared 2-core machine at load 5, wall time was 0.24-0.27 s a step, CPU time
     0.16-0.18 s); with nothing else running the two are equal, as one thread does all of a step's work."""
     cpu = target.type == "cpu"
+    if cpu:  # as plait train's CPU processes run (``host_memory``)
+        keep_freed_memory()
     forked = torch.random.fork_rng(devices=[] if cpu else [target], device_type=target.type)
     with forked, one_thread() if cpu else contextlib.nullcontext():
         torch.manual_seed(0)
