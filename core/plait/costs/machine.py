@@ -63,7 +63,7 @@ def measure_accelerator(target: torch.device) -> tuple[dict, str]:
     if preset is not None:
         links, source = {k: getattr(preset, k) for k in (*ASSUMED_LINKS, "per_node")}, f"the {preset.name} preset's"
     else:
-        links = {**ASSUMED_LINKS, "per_node": torch.accelerator.device_count()}
+        links = {**ASSUMED_LINKS, "per_node": max(torch.accelerator.device_count(), 1)}
         source = "assumed (PCIe 4.0 x16, 100 Gb/s between nodes): one device has no link to time"
     fields = {"name": f"{name} (calibrated)", "memory_bytes": memory,
               "flops_bf16": _matmul_flops(target, torch.bfloat16, 8192),
