@@ -261,9 +261,8 @@ def activation_bytes(
     forwards = 2 if config.gradient_checkpointing else 1  # a recomputed layer runs its forward twice
     traffic: dict[str, float] = {}
     for index in layers:
-        add_bytes(traffic, trace.layers[index].traffic.per_rank(tp, sp, True, cp, trace.squares, forwards))
-    for index in layers:
         unit = trace.layers[index]
+        add_bytes(traffic, unit.traffic.per_rank(tp, sp, True, cp, trace.squares, forwards))
         saved, big = unit_bytes(unit, tp, sp, True, columns, cp, ring, imbalance, whole, saves_shard)
         saved += layer_extra
         largest = max(largest, big)

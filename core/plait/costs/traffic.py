@@ -31,8 +31,11 @@ BACKWARD = 1.5
 MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_mm"})
 DROPOUTS = frozenset({"bernoulli", "bernoulli_", "native_dropout"})
 # Operations a CPU runs far below its memory bandwidth (random numbers, transcendental functions), each timed on a
-# tensor by ``device.measure_machine`` (a GPU runs them at its bandwidth): ``Device.op_bandwidth``. On this VM's
-# CPU, one thread, bytes read and written per second: a copy 23 GB/s, tanh 2.4, softmax 6.2, bernoulli 1.1.
+# tensor by ``machine.measure_machine`` (and ``measure_accelerator``): ``Device.op_bandwidth``. On this VM's CPU,
+# one thread, bytes read and written per second: a copy 23 GB/s, tanh 2.4, softmax 6.2, bernoulli 1.1. Names that
+# run one kernel share its function (``_safe_softmax``, the softmax of a fully masked row as 0, is softmax's), which
+# is timed once.
+_softmax = lambda x: torch.softmax(x, -1)  # noqa: E731
 TIMED_OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "bernoulli_": lambda x: x.bernoulli_(0.9),
     "tanh": torch.tanh,
@@ -41,8 +44,8 @@ TIMED_OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
     "sigmoid": torch.sigmoid,
-    "_softmax": lambda x: torch.softmax(x, -1),
-    "_safe_softmax": lambda x: torch.softmax(x, -1),
+    "_softmax": _softmax,
+    "_safe_softmax": _softmax,
     "_log_softmax": lambda x: torch.log_softmax(x, -1),
     "native_layer_norm": lambda x: F.layer_norm(x, x.shape[-1:]),
 }
