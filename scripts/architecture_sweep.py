@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import sys
 import time
 from collections import defaultdict
@@ -36,7 +34,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STEP1_NOISE = 10.0  # a step-1 gradient this many tolerances off, or fewer, may be fp32 noise: float64 decides
 MODES = ("zero1-dp2", "zero3-dp2", "tp2-sp", "pp2-1f1b", "consolidate-tp2-sp", "cp2", "ep2")
 DENSE = "n/a (no routed experts)"  # the ep2 cell of a dense model: nothing to divide, not a refusal
 CHUNK = 12  # architectures per world: bounds what one crash costs
@@ -146,71 +143,29 @@ def run(rows: list[Row], wanted: tuple[str, ...] = MODES) -> None:
         else:
             for row in chunk:  # the kit names a result by its subject: the ref, for both kinds of adapter
                 record(row, [r for r in results if r.adapter == row.ref])
-    recheck_float64(rows)
-
-
-def recheck_float64(rows: list[Row]) -> None:
-    """Run the NOISE cells again in float64, where fp32 reordering noise shrinks 20-300x and a mis-split layer
-    stays off by 1e-4 (see plait.testing.conformance): pass there makes the cell a pass, with both numbers."""
-    from plait.testing.conformance import run_conformance
-
-    for modes, chunk in chunks(rows, lambda row: tuple(m for m in MODES if row.cells.get(m, "").startswith("NOISE"))):
-        for result in run_conformance([r.ref for r in chunk], list(modes), dtype="float64"):
-            row = next(r for r in chunk if r.ref == result.adapter)
-            fp32 = row.cells[result.mode].removeprefix("NOISE (").removesuffix(")")
-            if result.status == "pass":
-                row.cells[result.mode] = f"pass (float64: loss {result.loss_rel:.0e}, grad {result.grad_tol:.0e}; " \
-                                         f"fp32: {fp32})"
-                row.passed[result.mode] = True
-            else:
-                note = " ".join(result.note.split())
-                row.cells[result.mode] = f"FAIL (float64: {note[:200]}; fp32: {fp32})"
 
 
 def record(row: Row, results) -> None:
+    """Each kit result as its cell; an fp32 miss shaped like reordering noise comes back from the kit as its float64
+    recheck (``plait.testing.noise``), which decides, and its cell gives both numbers."""
+    from plait.testing.noise import noise_note
+
     for result in results:
         numbers = f"loss {result.loss_rel:.0e}, grad {result.grad_tol:.2f}" if result.loss_rel is not None else ""
-        if result.status == "pass":
+        note = " ".join(result.note.split())
+        if result.fp32 is not None:
+            was = result.fp32
+            fp32 = f"fp32: loss {was.loss_rel:.0e}, grad {was.grad_tol:.2f}; {noise_note(was.note)}"
+            row.cells[result.mode] = (
+                f"pass (float64: loss {result.loss_rel:.0e}, grad {result.grad_tol:.0e}; {fp32})"
+                if result.status == "pass" else f"FAIL (float64: {note.split(' (float64 recheck')[0][:200]}; {fp32})")
+        elif result.status == "pass":
             row.cells[result.mode] = f"pass ({numbers})"
         elif result.status == "skipped":
-            row.cells[result.mode] = f"refused: {' '.join(result.note.split())}"
-        elif fp32_noise(result):  # rechecked in float64 by recheck_float64
-            row.cells[result.mode] = f"NOISE ({numbers}; {noise_note(result.note)})"
+            row.cells[result.mode] = f"refused: {note}"
         else:
-            note = " ".join(result.note.split())
             row.cells[result.mode] = f"FAIL ({numbers}{'; ' if numbers else ''}{note[:300]})"
         row.passed[result.mode] = result.status == "pass"
-
-
-def noise_note(note: str) -> str:
-    """Where the fp32 gradients left the tolerance: 'step 1 within tolerance, step 2 grad X over it', or at step 1
-    'step 1 grad X 2.2x the tolerance'."""
-    first = note.lstrip()
-    if first.startswith("step 1 grad"):
-        name = first.split(":")[0]
-        return f"{name} {tolerances(first, step=1)[0]:.1f}x the tolerance"
-    return f"step 1 within tolerance, {first.split(':')[0]} over it"
-
-
-def fp32_noise(result) -> bool:
-    """A failure only in gradients, with every loss right, after step 1 or at step 1 within ``STEP1_NOISE`` times
-    the tolerance: possibly fp32 reordering noise, which Adam (eps 1e-6) amplifies in some tiny models (gemma3_text,
-    mixtral, olmo2 in tests/test_generic_conformance.py) and which in Gemma 4 exceeds the kit's tolerance at step 1
-    already (one process in fp32, without plait, is 2.6x the tolerance off its own float64 gradient there). Such a
-    cell is not a pass: ``recheck_float64`` runs it again in float64, which decides. A mis-split module is off by
-    1e-4 or more at step 1 (the kit's tolerance is 1e-6 + 1e-5*|ref|: 10x and more)."""
-    first = result.note.lstrip()
-    if result.loss_rel is None or result.loss_rel > 1e-5 or result.grad_tol is None:
-        return False
-    if first.startswith(("step 2 grad", "step 3 grad", "step 4 grad")):  # ZeRO-2/3 modes: 4 steps
-        return True
-    return first.startswith("step 1 grad") and max(tolerances(first, step=1), default=math.inf) <= STEP1_NOISE
-
-
-def tolerances(note: str, step: int) -> list[float]:
-    """The multiples of the tolerance a kit note gives for ``step``'s gradients, in order ("step 1 grad w: max |Δ|
-    4.95e-06 (2.2e+00x tolerance); ...")."""
-    return [float(x) for x in re.findall(rf"step {step} grad [^;]*?\(([0-9.e+-]+)x tolerance\)", note)]
 
 
 def column_counts(rows: list[Row], mode: str) -> str:
@@ -236,7 +191,6 @@ def render(rows: list[Row], seconds: float) -> str:
     passing = [r for r in rows if passes_all(r)]
     via_float64 = [r for r in passing if any("float64" in c for c in r.cells.values())]
     failing = [r for r in rows if any(c.startswith("FAIL") for c in r.cells.values())]
-    noisy = [r for r in rows if r not in failing and any(c.startswith("NOISE") for c in r.cells.values())]
     not_run = [r for r in rows if not r.cells]
     lines = [
         "# Architectures plait trains",
@@ -254,8 +208,7 @@ def render(rows: list[Row], seconds: float) -> str:
         "",
         f"**{len(passing)} of {len(rows)} pass every mode ({len(via_float64)} of them through the float64 recheck "
         f"below); {len(failing)} fail a mode; "
-        f"{len(rows) - len(passing) - len(failing) - len(noisy) - len(not_run)} are refused in at least one"
-        + (f"; {len(noisy)} are fp32 noise not yet rechecked" if noisy else "")
+        f"{len(rows) - len(passing) - len(failing) - len(not_run)} are refused in at least one"
         + (f"; {len(not_run)} not run yet" if not_run else "") + ".**",
         "",
         "Per mode: " + "; ".join(f"`{m}` {column_counts(rows, m)}" for m in MODES) + ".",

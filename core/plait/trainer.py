@@ -290,6 +290,7 @@ class Trainer:
             rows = local_microbatch(indices, mesh.dp_rank, mesh.dp, accumulation, micro)
             ids, labels, positions = batch_inputs(self.blocks, rows, self.device, self.spans)
             step_loss += self.pmodel.train_step(ids, labels, num_items_in_batch=num_items, position_ids=positions)
+        faults.maybe_inject(step + 1, params=self.optimizer_step.grad_sync.params)  # testing aid, as at the step's start
         loss = comm.all_reduce(step_loss, mesh.replica_group)  # equal on every rank: all of them decide alike
         lr = self.optimizer_step.lr
         record = {"step": step + 1, "loss": loss.item(), "lr": lr, "trainable_tokens": num_items}

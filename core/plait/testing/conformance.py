@@ -45,6 +45,7 @@ from plait.testing.conformance_modes import (
     ADAM_EPS, ATOL, LOSS_RTOL, LR, MODES, RTOL, STEPS, Mode, Subject, adapter_ref, load_subject, with_overrides,
 )
 from plait.testing.launcher import WorkerFailure, launch
+from plait.testing.noise import fp32_noise, noise_note
 
 WORKER = "plait.testing.conformance_worker"
 DTYPES = ("float32", "float64")
@@ -73,6 +74,7 @@ class ModeResult:
     grad_err: float | None = None
     grad_tol: float | None = None
     dtype: str = "float32"
+    fp32: ModeResult | None = None  # a float64 recheck's result: the fp32 miss it decided (plait.testing.noise)
 
     @property
     def failed(self) -> bool:
@@ -219,10 +221,11 @@ def _missing(world: int, per_rank: dict[int, dict], stacks: dict[int, str], cras
 
 def run_conformance(
     adapters: Sequence[str | ModuleType], modes: Sequence[str] | None = None, *, timeout: float | None = None,
-    dtype: str = "float32",
+    dtype: str = "float32", recheck: bool = True,
 ) -> list[ModeResult]:
     """Run the modes (default: all) for every adapter; one launch per world size covers all of them, and a
-    fresh launch the pairs after a pair that left its world broken.
+    fresh launch the pairs after a pair that left its world broken. ``recheck``: an fp32 miss shaped like
+    reordering noise is decided in float64 (``recheck_float64``).
 
     Raises AdapterError (unknown adapter, no ``plait_tiny_config``) or ConfigError (unknown mode or dtype)
     before launching anything.
@@ -243,7 +246,26 @@ def run_conformance(
                 runs.setdefault(mode.world, []).append((subject, mode))
     for world, pairs in sorted(runs.items()):
         _run_world(world, pairs, dtype, timeout, results)
+    if recheck:
+        recheck_float64([pair for pairs in runs.values() for pair in pairs], results, timeout)
     return [results[s.ref, r.name] for s in subjects for r in selected]
+
+
+def recheck_float64(pairs: Sequence[tuple[Subject, Mode]], results: dict[tuple[str, str], ModeResult],
+                    timeout: float | None = None) -> None:
+    """Run the ``pairs`` whose fp32 result is shaped like reordering noise (``plait.testing.noise``) again in
+    float64, one launch per world size, and put the float64 result, which decides, in their place (its ``fp32``
+    keeps the miss it decided)."""
+    noisy = [(s, m) for s, m in pairs if fp32_noise(results[s.ref, m.name])]
+    found: dict[tuple[str, str], ModeResult] = {}
+    for world in sorted({m.world for _, m in noisy}):
+        _run_world(world, [(s, m) for s, m in noisy if m.world == world], "float64", timeout, found)
+    for key, result in found.items():
+        fp32 = results[key]
+        result.fp32 = fp32
+        result.note = " ".join(filter(None, [result.note, f"(float64 recheck of fp32: loss {fp32.loss_rel:.0e}, "
+                                                          f"grad {fp32.grad_tol:.2f}; {noise_note(fp32.note)})"]))
+        results[key] = result
 
 
 # --------------------------------------------------------------------------------------------------

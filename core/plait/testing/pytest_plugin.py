@@ -21,7 +21,8 @@ import pytest
 
 from plait.config import ConfigError
 from plait.testing.conformance import (
-    DTYPES, ModeResult, _run_world, _skip_reason, adapter_ref, render_table, run_conformance, select_modes,
+    DTYPES, ModeResult, _run_world, _skip_reason, adapter_ref, recheck_float64, render_table, run_conformance,
+    select_modes,
 )
 from plait.testing.conformance_modes import Mode, Subject, load_subject
 
@@ -47,11 +48,12 @@ def assert_conformance(*adapters: str | ModuleType, modes: Sequence[str] | None 
 
 def run_conformance_pairs(
     pairs: Sequence[tuple[str | ModuleType, str]], *, dtype: str = "float32", timeout: float | None = None,
-    subjects: dict[str, Subject] | None = None,
+    subjects: dict[str, Subject] | None = None, recheck: bool = True,
 ) -> list[ModeResult]:
     """``run_conformance`` for chosen (adapter, mode name) pairs instead of every mode of every adapter: the same
-    skips, and one launch per world size for all of them (and a fresh one after a pair that broke its world).
-    ``subjects``: adapters already loaded, by reference (filled in with those loaded here)."""
+    skips, the same float64 recheck of noise-shaped fp32 misses (``recheck``), and one launch per world size for all
+    of them (and a fresh one after a pair that broke its world). ``subjects``: adapters already loaded, by reference
+    (filled in with those loaded here)."""
     if dtype not in DTYPES:
         raise ConfigError(f"conformance dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     subjects = {} if subjects is None else subjects
@@ -71,6 +73,8 @@ def run_conformance_pairs(
             runs.setdefault(mode.world, []).append((subject, mode))
     for world, world_pairs in sorted(runs.items()):
         _run_world(world, world_pairs, dtype, timeout, results)
+    if recheck:
+        recheck_float64([pair for world_pairs in runs.values() for pair in world_pairs], results, timeout)
     return [results[subject.ref, mode.name] for subject, mode in wanted]
 
 
@@ -78,8 +82,9 @@ def run_conformance_pairs(
 def plait_conformance() -> Callable[..., dict[tuple[str, str], ModeResult]]:
     """``plait_conformance(*adapters, modes=None, dtype="float32", pairs=())`` -> {(adapter name, mode name):
     ModeResult}: every mode of ``modes`` (default: all) for every adapter of ``adapters``, and the (adapter, mode
-    name) ``pairs``, all in the same launches; run once per distinct argument list in the session. Each adapter's
-    tiny model is loaded once in the session."""
+    name) ``pairs``, all in the same launches; run once per distinct argument list in the session. An fp32 miss
+    shaped like reordering noise comes back as its float64 recheck (``plait.testing.noise``), which decides. Each
+    adapter's tiny model is loaded once in the session."""
     cache: dict[tuple, dict[tuple[str, str], ModeResult]] = {}
     subjects: dict[str, Subject] = {}
 
