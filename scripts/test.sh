@@ -14,7 +14,7 @@ case "${1:-}" in
     shift
     venv=.venv-$deps
     "${PYTHON:-python3}" -m venv --clear "$venv"
-    PYTHON=$venv/bin/python PLAIT_DEPS=$deps bash scripts/setup.sh
+    PYTHON=$venv/bin/python PLAIT_DEPS=$deps PLAIT_EXTRAS=test,plot bash scripts/setup.sh
     "$venv/bin/python" -m pip freeze --exclude-editable | sed -E 's/^(torch==[^+]*)\+.*/\1/' > "$venv/tested.txt"
     echo "testing with: $(grep -iE '^(torch|transformers|peft|accelerate|tokenizers|datasets|safetensors|pluggy)==' \
       "$venv/tested.txt" | paste -sd' ') (all: $venv/tested.txt)"
@@ -23,5 +23,5 @@ case "${1:-}" in
     exec "$venv/bin/python" -m pytest -q "$@"
     ;;
 esac
-bash scripts/setup.sh
+PLAIT_EXTRAS=test,plot bash scripts/setup.sh  # the main job's set-up and the test tools
 exec "${PYTHON:-python3}" -m pytest -q "$@"
