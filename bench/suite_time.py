@@ -1,14 +1,20 @@
-"""Is the test suite slower than at an earlier commit? Time the same test files at both, side by side.
+"""How long does the test suite take, and where does the time go? Or: is it slower than at an earlier commit?
 
-    python bench/suite_time.py --base 0921804 [--rounds 2] [--files tests/test_pipeline.py ...]
+    python bench/suite_time.py [--top 20] [pytest args ...]     the whole suite (or the given files), as CI runs
+                                                                  it: total wall time, the slowest items, per file
+    python bench/suite_time.py --base 0921804 [--rounds 2] [--files tests/test_pipeline.py ...]   A/B
 
-The earlier commit runs from a git worktree in its own virtual environment, built by that commit's own
-scripts/setup.sh and then given every third-party package of this environment at the same version: an
-installed package changes start-up time (transformers imports scipy, accelerate, boto3... whenever they are
-installed: about 2 s per worker process here), so both sides must see the same ones. A separate environment
-is needed because this one's plait entry points (plait-transformers) do not import into an older core.
-Rounds alternate (head, base, head, base, ...) so that drift in the machine's load hits both. Run it on an
-idle machine: every test world is a set of processes competing for the same cores.
+The first form runs pytest once with a JUnit report and prints the wall-clock total, then the ``--top`` slowest
+items (a test's time includes its share of fixture set-up: a module's launched world is charged to the first test
+that asks for it) and the files by their summed time. Run it alone on the machine: the suite's worlds compete
+for the same cores, and a concurrent job stretches every figure (2 cores: a second suite doubles them).
+
+The second form times the same test files at HEAD and at an earlier commit side by side. The earlier commit runs
+from a git worktree in its own virtual environment, built by that commit's own scripts/setup.sh and then given
+every third-party package of this environment at the same version: an installed package changes start-up time
+(transformers imports scipy, accelerate, boto3... whenever they are installed: about 2 s per worker process here),
+so both sides must see the same ones. Rounds alternate (head, base, head, base, ...) so that drift in the machine's
+load hits both.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +39,35 @@ def run(cmd: list[str], **kwargs) -> str:
     return subprocess.run(cmd, check=True, capture_output=True, text=True, **kwargs).stdout
 
 
+def profile(pytest_args: list[str], top: int) -> int:
+    """Run pytest once (``pytest_args``, default the whole suite) and print the total, the slowest items and the
+    files by their summed time; returns pytest's exit status."""
+    with tempfile.TemporaryDirectory(prefix="plait-suite-time-") as tmp:
+        report = Path(tmp) / "junit.xml"
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                               *pytest_args], cwd=ROOT, capture_output=True, text=True)
+        wall = time.monotonic() - start
+        cases = [(f"{c.get('classname', '').replace('.', '/')}.py::{c.get('name')}", float(c.get("time", 0)))
+                 for c in ET.parse(report).iter("testcase")] if report.exists() else []
+    summary = next((line for line in reversed(done.stdout.splitlines()) if re.search(r"\d+ (passed|failed)", line)),
+                   "no summary")
+    print(f"suite: {wall:.0f} s wall ({wall / 60:.1f} min), {len(cases)} items: {summary.strip('= ')}")
+    print(f"\n| the {top} slowest items | seconds |\n| --- | --- |")
+    for name, seconds in sorted(cases, key=lambda c: -c[1])[:top]:
+        print(f"| {name} | {seconds:.1f} |")
+    by_file: dict[str, float] = defaultdict(float)
+    for name, seconds in cases:
+        by_file[name.split("::")[0]] += seconds
+    print("\n| file | seconds | share |\n| --- | --- | --- |")
+    total = sum(by_file.values()) or 1.0
+    for name, seconds in sorted(by_file.items(), key=lambda f: -f[1])[:top]:
+        print(f"| {name} | {seconds:.0f} | {seconds / total:.0%} |")
+    if done.returncode not in (0, 5):
+        print(done.stdout[-3000:], file=sys.stderr)
+    return done.returncode
+
+
 def base_env(commit: str, work: Path) -> tuple[Path, Path]:
     """A worktree of ``commit`` and a venv with its plait installed plus this environment's packages."""
     tree, venv = work / "tree", work / "venv"
@@ -40,7 +77,7 @@ def base_env(commit: str, work: Path) -> tuple[Path, Path]:
     ours = [line for line in run([sys.executable, "-m", "pip", "freeze"]).splitlines()
             if line and not line.startswith(("-e", "plait")) and "@ file:" not in line]
     (work / "requirements.txt").write_text("\n".join(ours) + "\n")
-    run(["bash", "scripts/setup.sh"], cwd=tree, env={**os.environ, "PYTHON": str(python)})
+    run(["bash", "scripts/setup.sh"], cwd=tree, env={**os.environ, "PYTHON": str(python), "PLAIT_EXTRAS": "test,plot"})
     run([str(python), "-m", "pip", "install", "-q", "-r", str(work / "requirements.txt")])
     return tree, python
 
@@ -54,26 +91,34 @@ def time_suite(python: str, tree: Path, files: list[str]) -> tuple[float, str]:
     return time.monotonic() - start, re.sub(r" in [\d.]+s.*", "", summary)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", required=True, help="the earlier commit")
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--files", nargs="+", default=FILES)
-    args = parser.parse_args()
+def compare(base: str, rounds: int, files: list[str]) -> int:
+    """The A/B form: ``files`` at HEAD and at ``base``, alternating, ``rounds`` times each."""
     head = run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]).strip()
     with tempfile.TemporaryDirectory(prefix="plait-suite-time-") as tmp:
-        tree, python = base_env(args.base, Path(tmp))
+        tree, python = base_env(base, Path(tmp))
         try:
             rows = []
-            for _ in range(args.rounds):
-                rows.append((f"HEAD {head}", *time_suite(sys.executable, ROOT, args.files)))
-                rows.append((f"base {args.base}", *time_suite(str(python), tree, args.files)))
+            for _ in range(rounds):
+                rows.append((f"HEAD {head}", *time_suite(sys.executable, ROOT, files)))
+                rows.append((f"base {base}", *time_suite(str(python), tree, files)))
         finally:
             run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)])
     print("| commit | seconds | tests |\n| --- | --- | --- |")
     for name, seconds, summary in rows:
         print(f"| {name} | {seconds:.0f} | {summary} |")
     return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--top", type=int, default=20, help="how many of the slowest items and files to list")
+    parser.add_argument("--base", help="an earlier commit to time the --files against, side by side")
+    parser.add_argument("--rounds", type=int, default=1, help="with --base: alternating rounds")
+    parser.add_argument("--files", nargs="+", default=FILES, help="with --base: the test files to time")
+    args, pytest_args = parser.parse_known_args()
+    if args.base:
+        return compare(args.base, args.rounds, args.files)
+    return profile(pytest_args, args.top)
 
 
 if __name__ == "__main__":

@@ -222,6 +222,26 @@ def test_consolidate_pytorch_format(saved, tmp_path):
     torch.testing.assert_close(logits(model, ids), logits(pmodel, ids), rtol=0, atol=1e-5)
 
 
+def test_consolidate_command_passes_every_flag(saved, tmp_path):
+    """`plait consolidate` of a whole checkpoint: --format, --dtype and --max_shard_size all reach the files
+    (pytorch shards of bf16 tensors, each at most 10 KB), and the model loads as the trained one in bf16."""
+    from plait.cli import main
+
+    path, pmodel = saved
+    main(["consolidate", str(path), str(tmp_path / "pt"), "--format", "pytorch", "--dtype", "bfloat16",
+          "--max_shard_size", "10KB"])
+    files = sorted(f for f in os.listdir(tmp_path / "pt") if f.endswith(".bin"))
+    assert len(files) > 2 and all(f.startswith("pytorch_model-") for f in files), files
+    assert (tmp_path / "pt" / "pytorch_model.bin.index.json").is_file()
+    for f in files:
+        tensors = torch.load(tmp_path / "pt" / f, weights_only=True)
+        assert sum(t.numel() * t.element_size() for t in tensors.values()) <= 10_000, f
+        assert all(t.dtype == torch.bfloat16 for t in tensors.values()), f
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "pt", dtype=torch.bfloat16)
+    for name, param in pmodel.module.named_parameters():
+        assert torch.equal(model.state_dict()[name], param.detach().to(torch.bfloat16)), name
+
+
 def test_consolidate_refuses_bad_arguments(saved, tmp_path):
     path, _ = saved
     (tmp_path / "full").mkdir()

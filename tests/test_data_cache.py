@@ -17,6 +17,7 @@ import plait.data.cache as cache_module
 import plait.data.sources as sources_module
 import plait.trainer
 from plait.cli import main
+from plait.config import ParallelConfig
 from plait.data import GlobalBatchSampler, default_corpus_path, train_bpe_tokenizer
 from plait.cp.sequence import read_spans
 from plait.data.blocks import TokenBlocks, training_blocks
@@ -527,6 +528,25 @@ def test_prepare_data_prints_documents_tokens_blocks_epochs(tmp_path, capsys, to
     assert f"--max_steps 30: 480 blocks = {480 / blocks:.3f} epochs of the training data" in out
     main(argv)
     assert "; from the cache" in capsys.readouterr().out
+
+
+def test_prepare_data_global_batch_is_the_runs_at_cp2(tmp_path, capsys):
+    """cp ranks split each sequence, they take no batch of their own: 4 processes at cp=2 are dp=2, as the trainer's
+    mesh derives it (ParallelConfig.resolve), not dp=4 (what prepare-data once printed, leaving cp out)."""
+    data = tmp_path / "d.txt"
+    data.write_text("some words " * 200)
+    argv = ["prepare-data", "--model_config", write_model(tmp_path), "--train_file", str(data), "--block_size", "16",
+            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--nproc_per_node", "4",
+            "--context_parallel_size", "2", "--max_steps", "3", "--data_cache_dir", str(tmp_path / "cache")]
+    main(argv)
+    assert ParallelConfig(cp=2).resolve(4).dp == 2  # the run's dp, from the same data_parallel_size
+    assert "global batch: 16 blocks (4 per device x dp 2 x 2 accumulation steps) = 256 tokens per step" in \
+        capsys.readouterr().out
+    main([*argv, "--world_size", "8", "--tensor_parallel_size", "2"])  # 8 / (tp 2 * cp 2): dp 2 again
+    assert "(4 per device x dp 2 x 2 accumulation steps)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # 6 processes cannot hold tp 1 * cp 2 * pp 2 = 4: the run's refusal
+        main([*argv, "--world_size", "6", "--pipeline_parallel_size", "2"])
+    assert "world size 6 is not divisible by tp*cp*pp = 1*2*2 = 4" in capsys.readouterr().err
 
 
 def test_train_file_may_be_a_glob(tmp_path):

@@ -2,7 +2,8 @@
 ZeRO-1 dp=2, pp=2 and cp=2 against one process (one world of 2 ranks, tests/workers/float8_parity.py), and every
 refusal.
 
-Tolerances are the measured differences (torch 2.13 CPU, torchao 0.18.0) with a margin, so a float8 path that went
+Tolerances are the measured differences (torch 2.13 CPU, torchao 0.18.0; the same at 1 and 2 threads) with a margin
+of about 2x for float8's rounding and 3-4x for fp32 noise (a few units in the last place), so a float8 path that went
 wrong (a transposed operand, a wrong scale, the high-precision matmul instead) fails while float8's own rounding
 passes. Emulation rounds the operands to float8 exactly as the GPU kernels do and multiplies in fp32.
 """
@@ -65,10 +66,10 @@ def test_one_process_float8_is_bf16_within_float8_rounding(bf16_runs, recipe):
     grads = max(worst_grad(g, r) for g, r in zip(run["grads"], bf16["grads"]))
     first = worst_grad(run["grads"][0], bf16["grads"][0])  # same weights: float8's rounding alone
     # Measured: loss 3.0e-4 (tensorwise) / 2.9e-4 (rowwise) relative; gradients (worst parameter, relative norm of
-    # the difference) 0.12 / 0.094 at the first step, 0.14 / 0.11 over the 3 steps (Adam's sign-like first
+    # the difference) 0.12 / 0.094 at the first step, 0.145 / 0.115 over the 3 steps (Adam's sign-like first
     # updates carry the rounding into the weights); bf16 itself against fp32: loss 5.1e-5, gradients 0.012 at the
     # first step, 0.020 over the 3.
-    assert loss < 2e-3 and grads < 0.3, (loss, grads)
+    assert loss < 6e-4 and grads < 0.25, (loss, grads)
     # Not silently high precision: float8 moves the gradients by far more than bf16's own rounding does.
     assert first > 3 * worst_grad(bf16["grads"][0], bf16_runs["fp32"]["grads"][0]), first
 
@@ -88,9 +89,9 @@ def test_float8_recomputes_alike_and_runs_under_autocast():
     assert all(torch.equal(g, results["recompute"][1][n]) for n, g in results["plain"][1].items())
     loss, grads = results["autocast"]
     reference_loss, reference = results["autocast-bf16"]
-    # measured: loss 1.5e-4 relative, gradients 0.11 (worst parameter)
-    assert 0 < abs(loss - reference_loss).item() / reference_loss.item() < 2e-3
-    assert worst_grad(grads, reference) < 0.3
+    # measured: loss 1.5e-4 relative, gradients 0.105 (worst parameter)
+    assert 0 < abs(loss - reference_loss).item() / reference_loss.item() < 3e-4
+    assert worst_grad(grads, reference) < 0.2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -111,10 +112,10 @@ def test_tp2_sp_rowwise_follows_one_process(parity):
     for rank, r in enumerate(parity["tp2-sp-rowwise"]):
         assert len(r["float8_layers"]) == LINEARS and r["names_unchanged"], (rank, r)
         assert "float8=axiswise (emulated)" in r["repr"], r["repr"]  # plait's row-parallel layer, in float8
-        # measured: loss 1.2e-7, gradients 3.5e-7, parameters after 3 steps 2.1e-8 (relative)
-        assert r["loss_f8"] < 1e-5 and r["grad_f8"] < 1e-5 and r["param_f8"] < 1e-5, (rank, r)
+        # measured: loss 1.2e-7, gradients 3.5e-7, parameters after 3 steps 2.0e-8 (relative)
+        assert r["loss_f8"] < 5e-7 and r["grad_f8"] < 1e-6 and r["param_f8"] < 8e-8, (rank, r)
         # against fp32 without float8: measured loss 5.2e-4, gradients 0.13; float8 is on (not 0)
-        assert 1e-5 < r["loss_hp"] < 2e-3 and 0.01 < r["grad_hp"] < 0.3, (rank, r)
+        assert 1e-5 < r["loss_hp"] < 1e-3 and 0.01 < r["grad_hp"] < 0.25, (rank, r)
         # the float8 tp=2 checkpoint, loaded at dp=2 without float8: the same weights (layout-free)
         assert r["checkpoint_equal"] and r["checkpoint_float8_layers"] == 0, (rank, r)
 
@@ -125,13 +126,13 @@ def test_tp2_sp_tensorwise_within_float8_rounding(parity):
     round_scales_to_power_of_2) they agree to fp32 noise, which puts the whole difference on the scales."""
     for rank, r in enumerate(parity["tp2-sp-tensorwise"]):
         assert len(r["float8_layers"]) == LINEARS and r["names_unchanged"], (rank, r)
-        # measured: loss 2.3e-4, gradients 0.16, parameters 0.025 against one process in float8; loss 2.9e-4,
+        # measured: loss 2.3e-4, gradients 0.156, parameters 0.025 against one process in float8; loss 2.9e-4,
         # gradients 0.15 against fp32 without float8
-        assert r["loss_f8"] < 2e-3 and r["grad_f8"] < 0.3 and r["param_f8"] < 0.1, (rank, r)
-        assert 1e-5 < r["loss_hp"] < 2e-3 and 0.01 < r["grad_hp"] < 0.3, (rank, r)
+        assert r["loss_f8"] < 5e-4 and r["grad_f8"] < 0.3 and r["param_f8"] < 0.05, (rank, r)
+        assert 1e-5 < r["loss_hp"] < 6e-4 and 0.01 < r["grad_hp"] < 0.3, (rank, r)
     for rank, r in enumerate(parity["tp2-sp-tensorwise-pow2"]):
         # measured: loss 1.2e-7, gradients 1.2e-6, parameters 7.0e-8
-        assert r["loss_f8"] < 1e-5 and r["grad_f8"] < 2e-5 and r["param_f8"] < 1e-5, (rank, r)
+        assert r["loss_f8"] < 5e-7 and r["grad_f8"] < 3e-6 and r["param_f8"] < 2e-7, (rank, r)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -141,10 +142,10 @@ def test_zero1_pp_and_cp_follow_one_process(parity, layout):
     for rank, r in enumerate(parity[f"{layout}-rowwise"]):
         held = LINEARS // 2 if layout == "pp2" else LINEARS
         assert len(r["float8_layers"]) == held and r["names_unchanged"], (rank, r)
-        # measured, each layout: loss 1.2e-7; gradient norm 7.0e-8 (zero1, pp2) / 1.0e-8 (cp2); parameters after 3
-        # steps 2.3e-8 / 2.3e-8 / 3.1e-8
-        assert r["loss_f8"] < 1e-5 and r["norm_f8"] < 1e-5 and r["param_f8"] < 1e-5, (rank, r)
-        assert 1e-5 < r["loss_hp"] < 2e-3, (rank, r)
+        # measured, each layout: loss 1.2e-7; gradient norm 7.2e-8 (zero1, cp2) / 7.0e-8 (pp2); parameters after 3
+        # steps 2.3e-8 / 2.3e-8 / 3.1e-8; against fp32 without float8: loss 5.2e-4
+        assert r["loss_f8"] < 5e-7 and r["norm_f8"] < 2e-7 and r["param_f8"] < 1e-7, (rank, r)
+        assert 1e-5 < r["loss_hp"] < 1e-3, (rank, r)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,6 +160,20 @@ def test_a_missing_torchao_names_the_extra(monkeypatch):
         TrainArgs(float8="rowwise").validate()
     with pytest.raises(ConfigError, match=message):
         plan_layout(build_meta_model(tiny_config("llama")), ParallelConfig(float8="rowwise"))
+
+
+def test_float8_is_marked_experimental_until_it_is_faster():
+    """--float8 measured 0.445x bf16's tokens/s on an H100: its help and README (flag table, float8 section) say it is
+    experimental, with that number and what ends it, so nobody turns it on for speed."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    text = next(a.help for a in parser._actions if "--float8" in a.option_strings)
+    assert text.startswith("EXPERIMENTAL (measured 0.445x bf16's tokens/s on an H100; experimental until an "
+                           "accelerator shows >= 1.0x)"), text
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert "`--float8 {tensorwise,rowwise}` (experimental: 0.445x bf16's tokens/s on an H100)" in readme
+    section = readme[readme.index("## float8 matmuls"):].split("\n## ", 1)[0]
+    assert "**Experimental.**" in section and "0.445x" in section and ">= 1.0x" in section
 
 
 def test_flags_and_their_refusals():

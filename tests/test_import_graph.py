@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
                              "plait.cp.ulysses"}),
     ("adapter declarations", {"plait.tp.styles", "plait.declarations", "plait.hookspecs"}),
     ("mechanisms", {"plait.registry", "plait.tp", "plait.cp", "plait.ep", "plait.pipeline", "plait.lora", "plait.grad_sync",
+                    "plait.moe_balance",
                     "plait.activation_checkpoint", "plait.compile", "plait.float8", "plait.fsdp"}),
     ("layout plan", {"plait.layout_plan"}),
     ("apply", {"plait.parallelize"}),

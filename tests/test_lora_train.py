@@ -111,6 +111,69 @@ def test_consolidate_writes_the_adapter_of_a_lora_checkpoint_by_default(straight
     assert not (tmp_path / "whole").exists()
 
 
+def weights(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Each weight file of a consolidated directory (safetensors or torch.save) by name: its tensors."""
+    return {f.name: load_file(f) if f.suffix == ".safetensors" else torch.load(f, weights_only=True)
+            for f in sorted(folder.iterdir()) if f.suffix in (".safetensors", ".bin")}
+
+
+def test_consolidate_flags_act_on_the_merged_model(straight, tmp_path):
+    """--dtype, --max_shard_size and --format reach --lora merged (they were once dropped there, writing one fp32
+    safetensors file): bf16 files of at most 20 KB each (the tiny model is 151 KB in fp32), the same bytes as
+    torch.save files under transformers' names, both loading with from_pretrained as the bf16 merge."""
+    ckpt = straight[0] / "checkpoint-4"
+    main(["consolidate", str(ckpt), str(tmp_path / "fp32"), "--lora", "merged"])
+    cast = ["--lora", "merged", "--dtype", "bfloat16", "--max_shard_size", "20KB"]
+    main(["consolidate", str(ckpt), str(tmp_path / "st"), *cast])
+    main(["consolidate", str(ckpt), str(tmp_path / "pt"), *cast, "--format", "pytorch"])
+    full = weights(tmp_path / "fp32")["model.safetensors"]
+    assert all(t.dtype == torch.float32 for t in full.values())  # without --dtype: the merge's precision
+    st, pt = weights(tmp_path / "st"), weights(tmp_path / "pt")
+    assert len(st) > 1 and (tmp_path / "st" / "model.safetensors.index.json").is_file(), list(st)
+    for name, tensors in st.items():
+        assert sum(t.numel() * t.element_size() for t in tensors.values()) <= 20_000, name
+        assert all(torch.equal(t, full[key].to(torch.bfloat16)) for key, t in tensors.items()), name
+    as_bin = {n: "pytorch_" + n.removesuffix(".safetensors") + ".bin" for n in st}  # transformers' names
+    assert list(pt) == list(as_bin.values()) and (tmp_path / "pt" / "pytorch_model.bin.index.json").is_file()
+    for name, tensors in st.items():
+        torch_saved = pt[as_bin[name]]
+        assert torch_saved.keys() == tensors.keys() and all(torch.equal(torch_saved[k], t) for k, t in tensors.items())
+    for folder in ("st", "pt"):
+        assert json.loads((tmp_path / folder / "config.json").read_text())["dtype"] == "bfloat16"
+        model, info = AutoModelForCausalLM.from_pretrained(tmp_path / folder, output_loading_info=True)
+        assert model.dtype == torch.bfloat16 and not info["missing_keys"] and not info["unexpected_keys"], folder
+        assert all(torch.equal(t, full[k].to(torch.bfloat16)) for k, t in model.state_dict().items()), folder
+
+
+def test_consolidate_flags_act_on_the_adapter_or_are_refused(base_dir, straight, tmp_path, capsys):
+    """--dtype and --format reach the peft adapter (bf16 tensors in adapter_model.bin, which peft loads); peft reads
+    one file, so --max_shard_size is refused in one line, before any weight is read (the weights are deleted)."""
+    ckpt = straight[0] / "checkpoint-4"
+    main(["consolidate", str(ckpt), str(tmp_path / "fp32"), "--lora", "adapter"])
+    main(["consolidate", str(ckpt), str(tmp_path / "bf16"), "--lora", "adapter", "--dtype", "bfloat16", "--format",
+          "pytorch"])
+    full = weights(tmp_path / "fp32")["adapter_model.safetensors"]
+    saved = weights(tmp_path / "bf16")
+    assert list(saved) == ["adapter_model.bin"] and saved["adapter_model.bin"].keys() == full.keys()
+    assert all(torch.equal(t, full[k].to(torch.bfloat16)) for k, t in saved["adapter_model.bin"].items())
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(tmp_path / "bf16"))
+    loaded = peft.get_submodule("base_model.model.model.layers.0.self_attn.q_proj").lora_A["default"].weight
+    assert torch.equal(loaded.float(), saved["adapter_model.bin"][key].float())
+    weightless = shutil.copytree(ckpt, tmp_path / "ckpt")
+    for file in (weightless / "shards").glob("*.safetensors"):
+        file.unlink()
+    capsys.readouterr()  # from_pretrained's progress bars
+    for lora in ([], ["--lora", "adapter"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["consolidate", str(weightless), str(tmp_path / "out"), *lora, "--max_shard_size", "1MB"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1, err
+        assert ("--max_shard_size 1MB with --lora adapter (a LoRA checkpoint's default): a peft adapter is one "
+                "weights file (peft reads no shards); drop --max_shard_size, or write one model with --lora merged") in err
+        assert not (tmp_path / "out").exists()
+
+
 def test_a_changed_base_is_refused(base_dir, straight, tmp_path):
     out, _ = straight
     moved = tmp_path / "base"

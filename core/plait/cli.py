@@ -118,7 +118,9 @@ def print_served_architectures(registry, as_json: bool) -> None:
 
 def cmd_consolidate(ns: argparse.Namespace) -> None:
     """A whole model for a full checkpoint; for a LoRA checkpoint, which holds only the adapters and a reference
-    to its base, what ``--lora`` asks for, by default the peft adapter (the small, lossless export)."""
+    to its base, what ``--lora`` asks for, by default the peft adapter (the small, lossless export). --format and
+    --dtype act on every path; --max_shard_size on a whole or merged model, and is refused for a peft adapter
+    (one file) before any weight is read."""
     from plait.checkpoint import consolidate  # when run (module docstring)
     from plait.checkpoint.format import read_index
 
@@ -128,7 +130,8 @@ def cmd_consolidate(ns: argparse.Namespace) -> None:
     if lora:
         from plait.lora.export import consolidate_lora  # when run (module docstring)
 
-        out = consolidate_lora(ns.checkpoint_dir, ns.output_dir, lora)
+        out = consolidate_lora(ns.checkpoint_dir, ns.output_dir, lora, format=ns.format, dtype=ns.dtype,
+                               max_shard_size=ns.max_shard_size)
         loader = "peft.PeftModel.from_pretrained(base, {!r})" if lora == "adapter" else \
             "transformers.AutoModelForCausalLM.from_pretrained({!r})"
         if ns.lora is None:
@@ -138,8 +141,8 @@ def cmd_consolidate(ns: argparse.Namespace) -> None:
         else:
             print(f"wrote {out}: load it with {loader.format(str(out))}")
         return
-    out = consolidate(ns.checkpoint_dir, ns.output_dir, format=ns.format, dtype=ns.dtype,
-                      max_shard_size=ns.max_shard_size)
+    shard = {} if ns.max_shard_size is None else {"max_shard_size": ns.max_shard_size}
+    out = consolidate(ns.checkpoint_dir, ns.output_dir, format=ns.format, dtype=ns.dtype, **shard)
     print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
 
 
@@ -192,10 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     cons = sub.add_parser("consolidate", parents=common, help="write a checkpoint as one Hugging Face model dir")
     cons.add_argument("checkpoint_dir", help="a checkpoint-N dir (or its shard folder)")
     cons.add_argument("output_dir", help="new (or empty) directory for config.json, weights, tokenizer")
-    cons.add_argument("--format", choices=("safetensors", "pytorch"), default="safetensors")
+    cons.add_argument("--format", choices=("safetensors", "pytorch"), default="safetensors",
+                      help="weight files: safetensors, or pytorch (torch.save .bin files); LoRA adapters too")
     cons.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                      help="cast floating tensors (default: as saved)")
-    cons.add_argument("--max_shard_size", default="5GB", help="split weights into files of at most this size")
+                      help="cast floating tensors (default: as saved; --lora merged: float32, the merge's precision)")
+    cons.add_argument("--max_shard_size", default=None, help="split weights into files of at most this size, e.g. "
+                      "500MB (default: 5GB); not with --lora adapter, whose peft file is never split")
     cons.add_argument("--lora", choices=("merged", "adapter"), default=None,
                       help="a LoRA checkpoint: the base with the adapters merged in, or a peft adapter dir "
                            "(default for a LoRA checkpoint: adapter)")

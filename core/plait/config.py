@@ -13,10 +13,27 @@ from plait.pipeline_schedules import SCHEDULES
 
 CP_ATTENTION = ("auto", "all-to-all", "ring")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearRecipeName values plait runs (plait.float8)
+MOE_AUX_LOSS_SCOPES = ("micro_batch", "global_batch")  # what the router's load-balancing loss averages over
 
 
 class ConfigError(ValueError):
     """A layout or model/layout combination that plait refuses, with a message naming values and fix."""
+
+
+def data_parallel_size(world_size: int, tp: int = 1, cp: int = 1, pp: int = 1) -> int:
+    """dp = world_size / (tp * cp * pp): the replicas of the model that each take a share of the global batch.
+
+    The one place dp is derived: ``ParallelConfig.resolve`` (so ``plait train``'s mesh and its global batch) and
+    ``plait prepare-data``'s global batch call it, so the batch a command reports is the one a run trains on (it
+    once left cp out, reporting twice the batch at cp=2). Raises, naming the sizes, when they do not divide."""
+    model_parallel = tp * cp * pp
+    if world_size < 1:
+        raise ConfigError(f"world size {world_size} is not a number of processes; launch a multiple of {model_parallel}")
+    if world_size % model_parallel:
+        names, values = ("tp*cp*pp", f"{tp}*{cp}*{pp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
+        raise ConfigError(f"world size {world_size} is not divisible by {names} = {values} = {model_parallel}; "
+                          f"launch a multiple of {model_parallel} processes or change {names.replace('*', '/')}")
+    return world_size // model_parallel
 
 
 class FaultError(RuntimeError):
@@ -35,6 +52,11 @@ class ParallelConfig:
     ep: expert-parallel size: each MoE layer's experts divided over ep ranks carved from the dp x cp ranks
     (plait.ep); tokens go to their experts' ranks with an all-to-all. moe_capacity_factor: None is dropless;
     a number caps the (token, expert) pairs a rank sends each expert at ceil(factor * pairs / experts).
+    moe_aux_loss_scope: what the MoE router's load-balancing loss (``output_router_logits``) is computed over.
+    "micro_batch" (transformers' definition, per forward): each forward's loss, averaged over a step's forwards,
+    so its value depends on how the batch is split over dp, cp and microbatches. "global_batch" (Qiu et al. 2025;
+    Megatron's global aux loss): one loss from the expert fractions and mean probabilities of every token of
+    the step, the same for every layout (plait.moe_balance; a no-grad routing pass first).
     expert_tensor_parallel: under tp, split each routed expert's intermediate dimension over tp (Megatron's
     expert tensor parallelism); False keeps experts whole on every tp rank, each computing its own tokens (its
     sequence shard under SP, a 1/tp share of the rows without), their gradients summed over tp.
@@ -63,6 +85,7 @@ class ParallelConfig:
     cp_attention: str = "auto"
     ep: int = 1
     moe_capacity_factor: float | None = None
+    moe_aux_loss_scope: str = "micro_batch"
     expert_tensor_parallel: bool = True
     sp: bool = True
     disable_embedding_parallelization: bool = False
@@ -96,6 +119,9 @@ class ParallelConfig:
         factor = self.moe_capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
             raise ConfigError(f"moe_capacity_factor={factor!r} must be a positive number (or None: dropless)")
+        if self.moe_aux_loss_scope not in MOE_AUX_LOSS_SCOPES:
+            raise ConfigError(f"moe_aux_loss_scope={self.moe_aux_loss_scope!r} is unknown; choose one of "
+                              f"{', '.join(MOE_AUX_LOSS_SCOPES)}")
         if self.float8 is not None and self.float8 not in FLOAT8_RECIPES:
             raise ConfigError(
                 f"float8={self.float8!r} is unknown; choose one of {', '.join(FLOAT8_RECIPES)} (or None: no float8)"
@@ -130,12 +156,8 @@ class ParallelConfig:
         model_parallel = self.tp * self.cp * self.pp
         names = "tp*cp*pp" if self.cp > 1 else "tp*pp"
         values = f"{self.tp}*{self.cp}*{self.pp}" if self.cp > 1 else f"{self.tp}*{self.pp}"
-        if world_size % model_parallel != 0:
-            raise ConfigError(
-                f"world size {world_size} is not divisible by {names} = {values} = {model_parallel}; "
-                f"launch a multiple of {model_parallel} processes or change {names.replace('*', '/')}"
-            )
-        dp = world_size // model_parallel if self.dp is None else self.dp
+        derived = data_parallel_size(world_size, self.tp, self.cp, self.pp)
+        dp = derived if self.dp is None else self.dp
         if model_parallel * dp != world_size:
             raise ConfigError(
                 f"{names}*dp = {values}*{dp} = {model_parallel * dp} != world size {world_size}; "
@@ -156,6 +178,8 @@ class ParallelConfig:
             cp += f" ep={self.ep}" + (f" capacity={self.moe_capacity_factor:g}" if self.moe_capacity_factor else "")
         if not self.expert_tensor_parallel and self.tp > 1:
             cp += " experts whole over tp"
+        if self.moe_aux_loss_scope != "micro_batch":
+            cp += f" aux loss over the {self.moe_aux_loss_scope.replace('_', ' ')}"
         if self.float8 is not None:
             cp += f" float8={self.float8}" + (" (emulated)" if self.float8_emulate else "")
         if self.pp > 1:

@@ -26,6 +26,7 @@ from plait.ep.layout import EPPlan, plan_expert_parallel
 from plait.float8 import plan_float8
 from plait.fsdp import ROOT, unit_of
 from plait.lora.layout import LoraPlan, plan_lora
+from plait.moe_balance import check_global_scope
 from plait.pipeline.cuts import StageSplit
 from plait.pipeline.layout import plan_stages, replicated_across_stages, stage_rows, stages_of_rank, tied_across_stages
 from plait.registry import Adapter, Registry, default_registry
@@ -84,6 +85,7 @@ def plan_layout(
     adapter = registry.resolve(model.config)
     check_capabilities(adapter, config, model.config)
     check_zero_stage(config)
+    check_global_scope(model, config, lora)
     ep_plan = plan_expert_parallel(model, config)
     cp_plan = plan_context_parallel(model, config)
     if cp_plan is not None:

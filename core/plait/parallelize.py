@@ -34,6 +34,7 @@ from plait.grad_sync import GradSync, norm_params
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.layers import LoraDropout, apply_lora
 from plait.mesh import Mesh
+from plait.moe_balance import GlobalBalance, aux_divisor, global_balance
 from plait.pipeline.runner import PipelineRunner
 from plait.pipeline.stages import StageChunk, dropped, prune
 from plait.registry import Adapter, Registry
@@ -66,12 +67,17 @@ class ParallelModel(nn.Module):
     Losses are normalised by the global token count (``num_items_in_batch``), so that summing over dp
     ranks and microbatches gives the exact mean. ``forward`` (pp=1 only) returns one batch's loss or this
     rank's vocab slice of the logits.
+
+    Under ``moe_aux_loss_scope="global_batch"`` the router's load-balancing loss is the global batch's
+    (plait.moe_balance): every ``train_step``, ``eval_loss`` and ``forward`` with labels first runs a routing
+    pass (no-grad forwards) over its batch, so by default a call's batch over every dp rank is the global batch;
+    ``set_global_batch`` names the batches of several ``train_step`` calls (gradient accumulation) instead.
     """
 
     def __init__(
         self, module: nn.Module, mesh: Mesh, plan: LayoutPlan, applied: AppliedTP, grad_sync: GradSync,
         loss_fn: CausalLMLoss, pipeline: PipelineRunner | None, cp: ContextParallel | None = None,
-        experts: AppliedEP | None = None, fsdp: AppliedFSDP | None = None,
+        experts: AppliedEP | None = None, fsdp: AppliedFSDP | None = None, balance: GlobalBalance | None = None,
     ) -> None:
         super().__init__()
         self.module, self.mesh, self.plan, self.applied = module, mesh, plan, applied
@@ -79,6 +85,7 @@ class ParallelModel(nn.Module):
         self.experts = experts or AppliedEP()  # expert parallelism's parameters and dispatches (empty at ep=1)
         self.lora_base: dict | None = None  # a LoRA run's frozen weights: where from (plait.lora.base)
         self.aux_loss_sum: torch.Tensor | None = None  # training forwards' aux-loss terms (moe_metrics reads)
+        self.balance = balance  # the global-batch load-balancing loss (None: micro_batch scope, or no aux loss)
         local = {name for name, _ in module.named_parameters(remove_duplicate=False)}
         specs = plan.specs_by_rank[mesh.tp_rank]
         if plan.ep is not None:
@@ -123,6 +130,10 @@ class ParallelModel(nn.Module):
         self._check_sequence(input_ids, attention_mask)
         if self.cp is not None and labels is not None and num_items_in_batch is None:  # whole sequences' count
             num_items_in_batch = (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
+        if self.balance is not None and labels is not None:  # its own batch's balance, a step's left as it was
+            with self.balance.kept():
+                self._routing_pass([(input_ids, attention_mask, position_ids)], one_forward=True)
+                return self._forward(input_ids, labels, attention_mask, num_items_in_batch, position_ids)
         return self._forward(input_ids, labels, attention_mask, num_items_in_batch, position_ids)
 
     def _forward(self, input_ids, labels, attention_mask, num_items_in_batch, position_ids=None) -> torch.Tensor:
@@ -136,6 +147,11 @@ class ParallelModel(nn.Module):
         if labels is None:
             return out.logits
         loss = self.loss(out.logits, labels, num_items_in_batch)
+        if self.balance is not None:  # the global batch's load balancing: this forward's part (plait.moe_balance)
+            term = self.balance.term(out.router_logits, attention_mask) / aux_divisor(self.config)
+            if torch.is_grad_enabled():
+                self.aux_loss_sum = term.detach() + (0 if self.aux_loss_sum is None else self.aux_loss_sum)
+            return loss + term
         aux = getattr(out, "aux_loss", None)  # MoE load balancing, when the config sets output_router_logits
         if aux is not None:
             # transformers adds coef * aux per forward; plait trains on its mean over a step's forwards (the
@@ -173,7 +189,50 @@ class ParallelModel(nn.Module):
         ``position_ids`` ([batch, seq], whole sequences): restarting at 0 inside a row marks packed documents,
         which transformers' mask then keeps apart (block-diagonal attention, on every pipeline stage).
         """
+        if self.balance is not None:
+            self._balance_for(input_ids, attention_mask, position_ids)
         return self._run(input_ids, labels, attention_mask, num_items_in_batch, position_ids, train=True)
+
+    def set_global_batch(
+        self, batches: Sequence[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
+    ) -> None:
+        """Name the batches of the next ``len(batches)`` ``train_step`` calls, (input_ids, attention_mask,
+        position_ids) each as those calls will get them: under ``moe_aux_loss_scope="global_batch"`` the
+        load-balancing loss is then the one of all of them over every dp rank (one optimizer step's gradient
+        accumulation), counted now in one routing pass; the calls must follow in this order with these batches
+        (their shapes are checked). Nothing under micro_batch. Every rank calls it (a collective over dp)."""
+        if self.balance is None or not batches:
+            return
+        self._routing_pass(batches)
+        self.balance.pending = [tuple(ids.shape) for ids, _, _ in batches]
+
+    def _balance_for(self, input_ids, attention_mask, position_ids) -> None:
+        """The weights of the global batch a ``train_step`` call belongs to: named by ``set_global_batch``, or
+        its own batch (over every dp rank), counted now."""
+        if not self.balance.pending:
+            self._routing_pass([(input_ids, attention_mask, position_ids)])
+            return
+        expected = self.balance.pending.pop(0)
+        if tuple(input_ids.shape) != expected:
+            self.balance.pending = []
+            raise ConfigError(
+                f"train_step got input_ids of shape {tuple(input_ids.shape)}, but set_global_batch named a batch of "
+                f"shape {expected} for this call; pass set_global_batch the batches of the coming train_step calls, "
+                f"in their order"
+            )
+
+    def _routing_pass(self, batches, one_forward: bool = False) -> None:
+        """Count the routing of ``batches`` over every dp rank (plait.moe_balance): each run forward without
+        autograd as its call will run it (``train_step``'s microbatches and pipeline schedule, or ``forward``'s
+        one pass), so that the counts are of the very logits the training forwards route by. The labels are
+        the ids: the loss computed beside is thrown away."""
+        with torch.no_grad(), self.balance.routing_pass():
+            for ids, mask, positions in batches:
+                if one_forward:
+                    self._forward(ids, ids, mask, 1, positions)
+                else:
+                    self._run(ids, ids, mask, 1, positions, train=False)
+        self.balance.finish()
 
     def eval_loss(
         self,
@@ -184,7 +243,10 @@ class ParallelModel(nn.Module):
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``train_step`` without backward (validation loss), on every rank of the pipeline."""
-        with torch.no_grad():
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            if self.balance is not None:  # its own batch's balance, leaving a training step's as it was
+                stack.enter_context(self.balance.kept())
+                self._routing_pass([(input_ids, attention_mask, position_ids)])
             return self._run(input_ids, labels, attention_mask, num_items_in_batch, position_ids, train=False)
 
     def _check_sequence(
@@ -302,13 +364,16 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
         applied.grad_sums = [(new[id(p)], group) for p, group in applied.grad_sums]
     grad_sync = _grad_sync(model, plan, mesh, applied, sp_params, experts.params)
     loss_fn = _loss_fn(applied, mesh, shift=cp is None)
+    balance = global_balance(model, config, mesh.dp_group)
     pipeline = None
     if plan.split is not None:
         seq_shards = config.tp if config.sequence_parallel else 1
         context = functools.partial(precision_context, config, model)
-        chunks = [StageChunk(model, plan.split, s, seq_shards, applied.entry.clear, context, cp) for s in stage_ids]
-        pipeline = PipelineRunner(chunks, stage_ids, mesh, loss_fn, plan.split.plan.token_ids)
-    return ParallelModel(model, mesh, plan, applied, grad_sync, loss_fn, pipeline, cp, experts, fsdp)
+        term = balance.term if balance is not None else None
+        chunks = [StageChunk(model, plan.split, s, seq_shards, applied.entry.clear, context, cp, term)
+                  for s in stage_ids]
+        pipeline = PipelineRunner(chunks, stage_ids, mesh, loss_fn, plan.split.plan.token_ids, aux_divisor(config))
+    return ParallelModel(model, mesh, plan, applied, grad_sync, loss_fn, pipeline, cp, experts, fsdp, balance)
 
 
 def _dropout_regions(

@@ -17,7 +17,7 @@ import torch
 
 from plait.cp.sequence import check_length
 from plait.data.sft_blocks import OVERLONG
-from plait.config import CP_ATTENTION, FLOAT8_RECIPES, ConfigError, ParallelConfig
+from plait.config import CP_ATTENTION, FLOAT8_RECIPES, MOE_AUX_LOSS_SCOPES, ConfigError, ParallelConfig
 from plait.float8 import ALIGN, require_torchao
 from plait.lora.config import lora_config
 from plait.pipeline_schedules import SCHEDULES, microbatch_refusal
@@ -72,6 +72,7 @@ class TrainArgs:
     expert_parallel_size: int = field(default=1, metadata={"help": "ep: ranks each MoE layer's experts are divided over, carved from the data-parallel (x cp) ranks"})
     disable_expert_tensor_parallel: bool = field(default=False, metadata={"help": "under tp, keep routed experts whole on every tp rank (each computes its own tokens) instead of splitting them"})
     moe_capacity_factor: float = field(default=0.0, metadata={"help": "under ep, cap the tokens a rank sends each expert at factor x its even share, dropping the rest (0: dropless)"})
+    moe_aux_loss_scope: str = field(default="micro_batch", metadata={"help": "what the MoE router's load-balancing loss (output_router_logits) is computed over: micro_batch (transformers' definition: each forward's, averaged; its value depends on the layout) or global_batch (every token of the optimizer step, all micro-batches and ranks: the same for every layout; one extra forward per step)"})
     pipeline_parallel_size: int = field(default=1, metadata={"help": "pp: pipeline stages (ranks) the layers are cut into"})
     virtual_pipeline_size: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved schedules)"})
     num_microbatches: int = field(default=0, metadata={"help": "pipeline microbatches per micro-step (divides the per-device batch; 0: 1 without pp, with pp the smallest count >= pp the schedule accepts that divides the batch)"})
@@ -81,7 +82,7 @@ class TrainArgs:
     zero_stage: int = field(default=0, metadata={"help": "what to shard over the data-parallel ranks: 0 nothing, 1 optimizer state, 2 also gradients, 3 also parameters (2 and 3 on torch's FSDP2; with --bf16 the shards stay fp32 masters and layers compute in bf16)"})
     bf16: bool = field(default=False, metadata={"help": "bf16 parameters, with master weights in --optimizer_dtype"})
     bf16_autocast: bool = field(default=False, metadata={"help": "fp32 parameters, bf16 matmuls (torch.autocast)"})
-    float8: str | None = field(default=None, metadata={"help": f"compute the decoder layers' linear layers (attention and MLP projections; not the embeddings or LM head) in float8 with torchao's recipe {' or '.join(FLOAT8_RECIPES)} (dynamic scales per tensor or per row; under tp, per shard); parameters, gradients and optimizer state keep their dtype (pair with --bf16); needs a GPU with float8 matmuls (compute capability 8.9+: L4, RTX 4090, H100, ...) and pip install 'plait[float8]'"})
+    float8: str | None = field(default=None, metadata={"help": f"EXPERIMENTAL (measured 0.445x bf16's tokens/s on an H100; experimental until an accelerator shows >= 1.0x): compute the decoder layers' linear layers (attention and MLP projections; not the embeddings or LM head) in float8 with torchao's recipe {' or '.join(FLOAT8_RECIPES)} (dynamic scales per tensor or per row; under tp, per shard); parameters, gradients and optimizer state keep their dtype (pair with --bf16); needs a GPU with float8 matmuls (compute capability 8.9+: L4, RTX 4090, H100, ...) and pip install 'plait[float8]'"})
     float8_emulate: bool = field(default=False, metadata={"help": "with --float8: emulate the float8 matmuls (float8-rounded operands, fp32 products) on any device, for float8's numerics without its speed (CPU, tests, GPUs without float8)"})
     optimizer_dtype: str = field(default="float32", metadata={"help": "dtype of optimizer state and master weights: float32 or bfloat16"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "clip by the global gradient norm (0: no clipping)"})
@@ -156,6 +157,9 @@ class TrainArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be positive")
+        if self.moe_aux_loss_scope not in MOE_AUX_LOSS_SCOPES:
+            raise ConfigError(f"--moe_aux_loss_scope={self.moe_aux_loss_scope!r} is unknown; choose one of "
+                              f"{', '.join(MOE_AUX_LOSS_SCOPES)}")
         if self.context_parallel_size > 1:
             config = self.parallel_config()
             check_length(self.block_size, config.cp, config.tp, config.sequence_parallel)
@@ -280,6 +284,7 @@ class TrainArgs:
             cp_attention=self.cp_attention,
             ep=self.expert_parallel_size,
             moe_capacity_factor=self.moe_capacity_factor or None,
+            moe_aux_loss_scope=self.moe_aux_loss_scope,
             expert_tensor_parallel=not self.disable_expert_tensor_parallel,
             pp=self.pipeline_parallel_size,
             virtual_pipeline_size=self.virtual_pipeline_size,

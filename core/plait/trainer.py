@@ -286,9 +286,11 @@ class Trainer:
         accumulation = args.gradient_accumulation_steps
         self.heartbeat.at(step + 1, "forward-backward")
         step_loss = torch.zeros((), device=self.device)
-        for micro in range(accumulation):
-            rows = local_microbatch(indices, mesh.dp_rank, mesh.dp, accumulation, micro)
-            ids, labels, positions = batch_inputs(self.blocks, rows, self.device, self.spans)
+        micro_steps = [batch_inputs(self.blocks, local_microbatch(indices, mesh.dp_rank, mesh.dp, accumulation, micro),
+                                    self.device, self.spans) for micro in range(accumulation)]
+        # --moe_aux_loss_scope global_batch: the load-balancing loss of every micro-step (a routing pass first)
+        self.pmodel.set_global_batch([(ids, None, positions) for ids, _, positions in micro_steps])
+        for ids, labels, positions in micro_steps:
             step_loss += self.pmodel.train_step(ids, labels, num_items_in_batch=num_items, position_ids=positions)
         faults.maybe_inject(step + 1, params=self.optimizer_step.grad_sync.params)  # testing aid, as at the step's start
         loss = comm.all_reduce(step_loss, mesh.replica_group)  # equal on every rank: all of them decide alike

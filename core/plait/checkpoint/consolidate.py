@@ -38,6 +38,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # the CPU cache between the read that fills it and the pwrite that empties it made those writes 3-5x faster
 # than 16 MiB blocks (240 MiB of column-split weights: pwrite 0.1-0.2 s against 0.6-1.3 s).
 BLOCK_BYTES = 1 << 20
+DEFAULT_SHARD_SIZE = "5GB"  # --max_shard_size's default, for a whole model and a merged LoRA one alike
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                "float16": torch.float16, "fp16": torch.float16}
 
@@ -48,7 +49,7 @@ def consolidate(
     format: str = "safetensors",
     dtype: str | torch.dtype | None = None,
     *,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str = DEFAULT_SHARD_SIZE,
     verify: bool = True,
 ) -> Path:
     """Write the model of ``checkpoint_dir`` (a checkpoint or its shard folder) as a Hugging Face directory.
@@ -61,8 +62,8 @@ def consolidate(
     """
     if format not in ("safetensors", "pytorch"):
         raise ConfigError(f"format={format!r} is unknown; choose 'safetensors' or 'pytorch'")
-    out_dtype = _parse_dtype(dtype)
-    max_bytes = _parse_size(max_shard_size)
+    out_dtype = parse_dtype(dtype)
+    max_bytes = parse_size(max_shard_size)
     output = Path(output_dir)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ConfigError(f"output directory {output} exists and is not empty; choose a new one")
@@ -275,7 +276,8 @@ def _write_pytorch(reader: CheckpointReader, path: Path, shard: list) -> None:
     os.replace(partial, path)
 
 
-def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """A dtype from its name (``--dtype``), checked before any weight is read; None keeps the saved dtype."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     key = str(dtype).lower().removeprefix("torch.")
@@ -284,7 +286,7 @@ def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPE_NAMES[key]
 
 
-def _parse_size(size: int | str) -> int:
+def parse_size(size: int | str) -> int:
     """Bytes from an int or a string like "5GB", "500MB", "2GiB" (Hugging Face's convention: GB = 10**9)."""
     if isinstance(size, int):
         return size

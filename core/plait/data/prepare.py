@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from plait.config import ConfigError
+from plait.config import ConfigError, data_parallel_size
 from plait.train_args import TrainArgs, add_arguments, from_namespace
 
 
@@ -20,17 +20,17 @@ def add_prepare_data_parser(sub: argparse._SubParsersAction, parents: list[argpa
                                                  "print documents, tokens, blocks and epochs")
     add_arguments(parser, TrainArgs)
     parser.add_argument("--world_size", type=int, default=None,
-                        help="processes of the run, for the global batch (default: --nproc_per_node, at least tp * pp)")
+                        help="processes of the run, for the global batch (default: --nproc_per_node, at least "
+                             "tp * cp * pp)")
     parser.set_defaults(func=cmd_prepare_data)
 
 
-def data_parallel_size(args: TrainArgs, world_size: int | None) -> int:
-    model_parallel = args.tensor_parallel_size * args.pipeline_parallel_size
-    world = world_size or (args.nproc_per_node if args.nproc_per_node > 1 else model_parallel)
-    if world < 1 or world % model_parallel:
-        raise ConfigError(f"world size {world} is not divisible by tp*pp = {args.tensor_parallel_size}*"
-                          f"{args.pipeline_parallel_size} = {model_parallel}; give --world_size a multiple of it")
-    return world // model_parallel
+def run_data_parallel_size(args: TrainArgs, world_size: int | None) -> int:
+    """The run's dp, derived as ``plait train`` derives it (``plait.config.data_parallel_size``), for the global
+    batch this command prints; the world is --world_size, else --nproc_per_node, else the smallest layout."""
+    tp, cp, pp = args.tensor_parallel_size, args.context_parallel_size, args.pipeline_parallel_size
+    world = world_size or (args.nproc_per_node if args.nproc_per_node > 1 else tp * cp * pp)
+    return data_parallel_size(world, tp, cp, pp)
 
 
 def cmd_prepare_data(ns: argparse.Namespace) -> None:
@@ -39,7 +39,7 @@ def cmd_prepare_data(ns: argparse.Namespace) -> None:
         raise ConfigError("give --train_file or --dataset_name, not both")
     # Every other flag is checked as `plait train` checks it; the data paths by the data layer (globs too).
     dataclasses.replace(args, train_file=None, validation_file=None).validate()
-    dp = data_parallel_size(args, ns.world_size)
+    dp = run_data_parallel_size(args, ns.world_size)
 
     # Imported when the command runs: every ``plait`` command builds this parser, and these cost seconds.
     from plait.data.sft import SFT_FORMATS, data_format, load_sft_data

@@ -5,23 +5,26 @@ names without its ``base_model.model.`` prefix and adapter name), read from a ch
 or gathered from a running model (``gather_lora``). The adapter is written with peft's own config class and
 key names, so ``PeftModel.from_pretrained(base, dir)`` loads it on the unmodified base; the merged model is
 ``W + scale * B @ A`` (transposed for Conv1D weights; per expert for an expert parameter), saved with
-``save_pretrained``.
+``save_pretrained``. ``plait consolidate``'s flags act on both as on a whole checkpoint: ``--dtype`` casts the
+written tensors, ``--format pytorch`` writes ``torch.save`` files; ``--max_shard_size`` splits the merged model
+and is refused for an adapter, which peft reads from one file.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
 from peft import LoraConfig
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from plait import comm
-from plait.checkpoint.consolidate import TOKENIZER_FILES
-from plait.checkpoint.format import full_box, model_config, read_index
+from plait.checkpoint.consolidate import DEFAULT_SHARD_SIZE, TOKENIZER_FILES, parse_dtype, parse_size
+from plait.checkpoint.format import full_box, model_config, read_index, write_json
 from plait.checkpoint.load import CheckpointReader
 from plait.checkpoint.st_io import DTYPES
 from plait.config import ConfigError, ParallelConfig
@@ -35,6 +38,8 @@ from plait.meta import build_meta_model
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_WEIGHTS_PT = "adapter_model.bin"  # peft's name for a torch.save adapter, read when no safetensors is there
+FORMATS = ("safetensors", "pytorch")
 
 
 def gather_lora(pmodel) -> dict[str, torch.Tensor]:
@@ -77,16 +82,20 @@ def _targeted(config: LoraConfig, name: str) -> bool:
 
 
 def save_adapter(path: str | os.PathLike, tensors: dict[str, torch.Tensor], config: LoraConfig,
-                 base: nn.Module | None = None, base_path: str | None = None) -> Path:
-    """Write a peft adapter directory (adapter_config.json + adapter_model.safetensors) to a temporary folder,
-    renamed to ``path`` when complete."""
+                 base: nn.Module | None = None, base_path: str | None = None, format: str = "safetensors") -> Path:
+    """Write a peft adapter directory (adapter_config.json + adapter_model.safetensors, or adapter_model.bin for
+    ``format="pytorch"``, both read by ``PeftModel.from_pretrained``) to a temporary folder, renamed to ``path``
+    when complete."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.writing")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     adapter_config(config, base, base_path).save_pretrained(str(tmp))
-    save_file({PEFT_PREFIX + name: t.detach().contiguous() for name, t in tensors.items()},
-              str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    weights = {PEFT_PREFIX + name: t.detach().contiguous() for name, t in tensors.items()}
+    if format == "pytorch":
+        torch.save(weights, tmp / ADAPTER_WEIGHTS_PT)
+    else:
+        save_file(weights, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     if path.exists():
         shutil.rmtree(path)
     os.replace(tmp, path)
@@ -119,25 +128,65 @@ def merge_into(model: nn.Module, tensors: dict[str, torch.Tensor], config: LoraC
     return model
 
 
-def save_merged(path: str | os.PathLike, model: nn.Module, tensors: dict[str, torch.Tensor],
-                config: LoraConfig) -> Path:
-    """``merge_into`` then ``save_pretrained`` to a temporary folder renamed to ``path``."""
+def save_merged(path: str | os.PathLike, model: nn.Module, tensors: dict[str, torch.Tensor], config: LoraConfig,
+                format: str = "safetensors", dtype: torch.dtype | None = None,
+                max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
+    """``merge_into`` (in the model's dtype), cast to ``dtype`` if given, then ``save_pretrained`` in files of at
+    most ``max_shard_size`` (``format="pytorch"``: as ``torch.save`` files) to a temporary folder renamed to
+    ``path``."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.writing")
     shutil.rmtree(tmp, ignore_errors=True)
-    merge_into(model, tensors, config).save_pretrained(str(tmp))
+    merged = merge_into(model, tensors, config)
+    if dtype is not None:
+        merged.to(dtype)  # floating parameters and buffers only; config.json's dtype follows
+    merged.save_pretrained(str(tmp), max_shard_size=parse_size(max_shard_size))
+    if format == "pytorch":
+        _as_pytorch_files(tmp)
     if path.exists():
         shutil.rmtree(path)
     os.replace(tmp, path)
     return path
 
 
-def consolidate_lora(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, mode: str) -> Path:
+def _as_pytorch_files(folder: Path) -> None:
+    """``save_pretrained`` writes safetensors only (transformers 5): each weight file becomes the ``torch.save``
+    file ``consolidate(format="pytorch")`` writes, under its name (pytorch_model[-0000i-of-0000n].bin, and
+    pytorch_model.bin.index.json for shards), one file in memory at a time."""
+    renamed = {}
+    for src in sorted(folder.glob("model*.safetensors")):
+        dst = src.with_name("pytorch_model" + src.name.removeprefix("model").removesuffix(".safetensors") + ".bin")
+        torch.save(load_file(src), dst)
+        src.unlink()
+        renamed[src.name] = dst.name
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = json.loads(index.read_text())
+        shards["weight_map"] = {name: renamed[file] for name, file in shards["weight_map"].items()}
+        write_json(folder / "pytorch_model.bin.index.json", shards)
+        index.unlink()
+
+
+def consolidate_lora(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, mode: str,
+                     format: str = "safetensors", dtype: str | torch.dtype | None = None,
+                     max_shard_size: int | str | None = None) -> Path:
     """A LoRA checkpoint (any layout) as a peft adapter directory (``mode="adapter"``) or as its base with the
     update merged in (``mode="merged"``, a ``from_pretrained`` directory, tokenizer files copied). The base is
-    reloaded from the checkpoint's reference, checked against the identity it recorded."""
+    reloaded from the checkpoint's reference, checked against the identity it recorded.
+
+    ``format``, ``dtype`` and ``max_shard_size`` are ``consolidate``'s (None: its default, 5GB); every one acts, or
+    is refused before any weight is read: a peft adapter is one file, so it takes no ``max_shard_size``.
+    ``dtype`` None writes the adapters as saved, the merged model in float32 (the merge's precision)."""
     if mode not in ("adapter", "merged"):
         raise ConfigError(f"--lora {mode!r} is unknown; choose adapter (a peft directory) or merged")
+    if format not in FORMATS:
+        raise ConfigError(f"--format {format!r} is unknown; choose one of {', '.join(FORMATS)}")
+    out_dtype = parse_dtype(dtype)
+    if mode == "adapter" and max_shard_size is not None:
+        raise ConfigError(f"--max_shard_size {max_shard_size} with --lora adapter (a LoRA checkpoint's default): a "
+                          f"peft adapter is one weights file (peft reads no shards); drop --max_shard_size, or write "
+                          f"one model with --lora merged")
+    max_bytes = parse_size(DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size)
     output = Path(output_dir)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ConfigError(f"output directory {output} exists and is not empty; choose a new one")
@@ -153,7 +202,9 @@ def consolidate_lora(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pat
         reader.read(name, full_box(entry.shape), tensors[name])
     model_cfg = model_config(index)
     if mode == "adapter":
-        return save_adapter(output, tensors, config, build_meta_model(model_cfg), base.get("path"))
+        if out_dtype is not None:
+            tensors = {n: t.to(out_dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+        return save_adapter(output, tensors, config, build_meta_model(model_cfg), base.get("path"), format)
     check_base(base, str(paths.root))
     if base["kind"] == "hf":
         from transformers import AutoModelForCausalLM
@@ -161,7 +212,7 @@ def consolidate_lora(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pat
         model = AutoModelForCausalLM.from_pretrained(base["path"], dtype=torch.float32)
     else:  # seeded random weights: rebuilt exactly as the run built them
         model = load_parallel_model(model_cfg, ParallelConfig(), seed=base["seed"]).module
-    save_merged(output, model, tensors, config)
+    save_merged(output, model, tensors, config, format, out_dtype, max_bytes)
     for extra in TOKENIZER_FILES:
         if (paths.root / extra).is_file():
             shutil.copyfile(paths.root / extra, output / extra)

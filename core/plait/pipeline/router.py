@@ -60,18 +60,19 @@ class RouterAux:
         return self.coef * self.loss(logits, self.num_experts, self.top_k, attention_mask)
 
 
-def router_aux(model: nn.Module) -> RouterAux | None:
+def router_aux(model: nn.Module, where: str = "under pipeline parallelism",
+               fix: str = "set output_router_logits=False or pp=1") -> RouterAux | None:
     """The aux loss a pipeline's last stage computes for ``model`` (a transformers MoE CausalLM), or None when
     ``output_router_logits`` is off. ConfigError, before any collective, for a model whose forward computes it
-    some other way: only this call is repeated exactly."""
+    some other way: only this call is repeated exactly. ``where`` and ``fix`` word the refusal for the caller
+    (plait.moe_balance's global-batch loss rests on the same call)."""
     if not getattr(model.config, "output_router_logits", False):
         return None
     name = type(model).__name__
     if not router_recorders(model):
         raise ConfigError(
-            f"output_router_logits=True under pipeline parallelism, but {name} records no router logits "
-            f"(`_can_record_outputs['router_logits']`) for plait to carry between stages; set "
-            f"output_router_logits=False or pp=1"
+            f"output_router_logits=True {where}, but {name} records no router logits "
+            f"(`_can_record_outputs['router_logits']`) for plait to compute its loss from; {fix}"
         )
     forward = inspect.unwrap(type(model).forward)
     try:
@@ -81,9 +82,9 @@ def router_aux(model: nn.Module) -> RouterAux | None:
     takes_flag = "output_router_logits" in inspect.signature(forward).parameters  # the stages pass it False
     if not (takes_flag and len(_CALL.findall(source)) == 1 and _WEIGHT in source):
         raise ConfigError(
-            f"output_router_logits=True under pipeline parallelism: {name}.forward does not compute its "
-            f"load-balancing loss as {_EXPECTED}, the call plait's last stage repeats on every stage's router "
-            f"logits; set output_router_logits=False or pp=1"
+            f"output_router_logits=True {where}: {name}.forward does not compute its "
+            f"load-balancing loss as {_EXPECTED}, the call plait repeats on the router logits it records; "
+            f"{fix}"
         )
     return RouterAux(forward.__globals__["load_balancing_loss_func"], model.num_experts, model.num_experts_per_tok,
                      model.router_aux_loss_coef)

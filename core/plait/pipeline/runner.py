@@ -49,8 +49,10 @@ class PipelineRunner:
     """
 
     def __init__(self, chunks: list[nn.Module], stage_ids: list[int], mesh: Mesh, loss_fn: LossFn,
-                 token_ids: bool = False) -> None:
+                 token_ids: bool = False, aux_divisor: int | None = None) -> None:
         self.chunks, self.stage_ids, self.mesh, self.loss_fn = chunks, stage_ids, mesh, loss_fn
+        # what each microbatch's aux term is divided by (plait.moe_balance.aux_divisor); None: the step's forwards
+        self.aux_divisor = aux_divisor or mesh.dp * mesh.cp * mesh.config.num_microbatches
         self.token_ids = token_ids  # every stage gets the input ids (``PipelinePlan.token_ids``)
         self.config = mesh.config
         self.num_stages = mesh.pp * self.config.virtual_pipeline_size
@@ -80,12 +82,12 @@ class PipelineRunner:
     def _loss(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         """One microbatch's loss from the last stage's output: its logits, or its logits and the router's aux
         term (coef x aux, plait.pipeline.router), which plait averages over a step's forwards (every dp and cp
-        rank's microbatches) as ``ParallelModel`` does at pp=1: the gradient sums over them make it exact."""
+        rank's microbatches) as ``ParallelModel`` does at pp=1: the gradient sums over them make it exact. Under
+        the global-batch scope the terms already sum to the step's loss, and only cp divides them."""
         if not isinstance(output, tuple):
             return self.loss_fn(output, labels, self._num_items)
         logits, aux = output
-        forwards = self.mesh.dp * self.mesh.cp * self.config.num_microbatches
-        return self.loss_fn(logits, labels, self._num_items) + aux / forwards
+        return self.loss_fn(logits, labels, self._num_items) + aux / self.aux_divisor
 
     def run(
         self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,

@@ -250,15 +250,18 @@ class StageChunk(nn.Module):
     takes and hands on the router logits of every stage so far (``router_logits``, [routers, tokens, experts],
     once there are any), and the last stage returns (logits, the aux term of the microbatch) instead of logits
     (plait.pipeline.router). Its own CausalLM is told not to compute a loss of its stage's routers alone.
+    ``aux_term``: computes that term from all layers' logits and the mask instead of the model's own function
+    (plait.moe_balance's global-batch term); not called on the garbage of a shape-learning forward.
     """
 
     def __init__(
         self, pruned: nn.Module, split: StageSplit, stage: int, seq_shards: int, after_forward: Callable[[], None],
         forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         cp: ContextParallel | None = None,
+        aux_term: Callable[[tuple[torch.Tensor, ...], torch.Tensor | None], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
-        self._forward_context, self.cp = forward_context, cp
+        self._forward_context, self.cp, self._aux_term = forward_context, cp, aux_term
         self.shell = shell(pruned, _replacements(pruned, split, [stage]))
         self.stage, self.seq_shards, self._after_forward = stage, seq_shards, after_forward
         self.is_first, self.is_last = stage == 0, stage == split.num_stages - 1
@@ -324,7 +327,12 @@ class StageChunk(nn.Module):
             with self._forward_context(), recording:
                 output = self.shell(**kwargs, use_cache=False)
                 if self.is_last and self.router_aux is not None:  # in the forward's context, as the CausalLM's
-                    aux = self.router_aux.term(tuple(routers), attention_mask)
+                    if self._aux_term is None:
+                        aux = self.router_aux.term(tuple(routers), attention_mask)
+                    elif self.shapes_only:  # garbage logits: counted, they would corrupt a routing pass
+                        aux = x.new_zeros((), dtype=torch.float32)
+                    else:
+                        aux = self._aux_term(tuple(routers), attention_mask)
         finally:
             self._incoming, self._seq, self._carried_in = None, 0, {}
             self._after_forward()
