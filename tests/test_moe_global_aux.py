@@ -138,6 +138,16 @@ def test_trainer_accumulation_shares_one_balance(tmp_path):
         assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-5)
 
 
+def test_micro_batch_scope_averages_over_accumulation_steps(tmp_path):
+    """``micro_batch``: the aux term is the mean over every forward of the step, accumulation calls included, so 2
+    calls of 2 sequences train on about the aux loss of 1 of 4 (each forward's own balance: not equal), not twice it
+    (each call added its own mean before: 2.005 against 1.0016; now 1.0025 against 1.0016)."""
+    whole = run(tmp_path, "whole", "micro_batch", 4, 1)
+    split = run(tmp_path, "split", "micro_batch", 2, 2)
+    for a, b in zip(whole, split, strict=True):
+        assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=3e-3)
+
+
 def refusal(model, config: ParallelConfig = ParallelConfig(**GLOBAL), lora=None) -> str:
     with pytest.raises(ConfigError) as err:
         plan_layout(model, config, world_size=config.tp * config.pp * config.cp, lora=lora)

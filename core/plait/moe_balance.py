@@ -186,10 +186,10 @@ def global_balance(model: nn.Module, config: ParallelConfig, dp_group: Any) -> G
                          dp_group)
 
 
-def aux_divisor(config: ParallelConfig) -> int:
+def aux_divisor(config: ParallelConfig, calls: int = 1) -> int:
     """What each forward's aux term is divided by: micro_batch averages over the step's forwards (every dp and cp
-    rank's microbatches); global_batch's terms already sum to the step's loss, each cp rank adding 1/cp of its
-    forward's (which it computes whole)."""
+    rank's microbatches of each of the step's ``calls`` to ``train_step``, its gradient accumulation); global_batch's
+    terms already sum to the step's loss, each cp rank adding 1/cp of its forward's (which it computes whole)."""
     if config.moe_aux_loss_scope == "global_batch":
         return config.cp
-    return (config.dp or 1) * config.cp * config.num_microbatches
+    return (config.dp or 1) * config.cp * config.num_microbatches * calls

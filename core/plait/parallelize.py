@@ -86,6 +86,7 @@ class ParallelModel(nn.Module):
         self.lora_base: dict | None = None  # a LoRA run's frozen weights: where from (plait.lora.base)
         self.aux_loss_sum: torch.Tensor | None = None  # training forwards' aux-loss terms (moe_metrics reads)
         self.balance = balance  # the global-batch load-balancing loss (None: micro_batch scope, or no aux loss)
+        self.calls_per_step = 1  # train_step calls of one optimizer step, as set_global_batch last named them
         local = {name for name, _ in module.named_parameters(remove_duplicate=False)}
         specs = plan.specs_by_rank[mesh.tp_rank]
         if plan.ep is not None:
@@ -155,10 +156,11 @@ class ParallelModel(nn.Module):
         aux = getattr(out, "aux_loss", None)  # MoE load balancing, when the config sets output_router_logits
         if aux is not None:
             # transformers adds coef * aux per forward; plait trains on its mean over a step's forwards (the
-            # microbatches of every dp rank), which the gradient sum over dp and microbatches makes exact.
-            # Under cp every rank computes the whole forward's aux (plait.cp.router) and adds 1/cp of it.
+            # microbatches of every dp rank, in each of the step's train_step calls that set_global_batch named),
+            # which the gradient sum over dp, microbatches and calls makes exact. Under cp every rank computes the
+            # whole forward's aux (plait.cp.router) and adds 1/cp of it.
             coef = self.module.config.router_aux_loss_coef
-            term = aux * (coef / (self.mesh.dp * self.mesh.cp * self.config.num_microbatches))
+            term = aux * (coef / aux_divisor(self.config, self.calls_per_step))
             if torch.is_grad_enabled():  # a training forward (not evaluation): the step's metrics report the sum
                 self.aux_loss_sum = term.detach() + (0 if self.aux_loss_sum is None else self.aux_loss_sum)
             loss = loss + term
@@ -200,7 +202,11 @@ class ParallelModel(nn.Module):
         position_ids) each as those calls will get them: under ``moe_aux_loss_scope="global_batch"`` the
         load-balancing loss is then the one of all of them over every dp rank (one optimizer step's gradient
         accumulation), counted now in one routing pass; the calls must follow in this order with these batches
-        (their shapes are checked). Nothing under micro_batch. Every rank calls it (a collective over dp)."""
+        (their shapes are checked). Under micro_batch it only counts the calls: the aux term is averaged over every
+        forward of them, not summed over the calls. Every rank calls it (a collective over dp)."""
+        self.calls_per_step = max(len(batches), 1)
+        if self.pipeline is not None:
+            self.pipeline.aux_divisor = aux_divisor(self.config, self.calls_per_step)
         if self.balance is None or not batches:
             return
         self._routing_pass(batches)

@@ -49,10 +49,11 @@ class PipelineRunner:
     """
 
     def __init__(self, chunks: list[nn.Module], stage_ids: list[int], mesh: Mesh, loss_fn: LossFn,
-                 token_ids: bool = False, aux_divisor: int | None = None) -> None:
+                 token_ids: bool = False, aux_divisor: int = 1) -> None:
         self.chunks, self.stage_ids, self.mesh, self.loss_fn = chunks, stage_ids, mesh, loss_fn
-        # what each microbatch's aux term is divided by (plait.moe_balance.aux_divisor); None: the step's forwards
-        self.aux_divisor = aux_divisor or mesh.dp * mesh.cp * mesh.config.num_microbatches
+        # what each microbatch's aux term is divided by (plait.moe_balance.aux_divisor; the ParallelModel sets it
+        # again when set_global_batch names how many train_step calls make a step)
+        self.aux_divisor = aux_divisor
         self.token_ids = token_ids  # every stage gets the input ids (``PipelinePlan.token_ids``)
         self.config = mesh.config
         self.num_stages = mesh.pp * self.config.virtual_pipeline_size
