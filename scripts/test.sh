@@ -4,11 +4,28 @@
 #                                                installed into the active Python environment
 #   bash scripts/test.sh --latest [pytest args]  the newest releases, in a fresh virtual environment .venv-latest
 #   bash scripts/test.sh --oldest [pytest args]  the oldest versions pyproject.toml allows, in .venv-oldest
+#   bash scripts/test.sh --torch VERSION [pytest args]  torch VERSION from the registry (the current releases are CUDA
+#                                                builds, which run on a CPU) with every other package at the pins,
+#                                                in .venv-torchVERSION; constraints/tested-torchVERSION.txt records
+#                                                a set the whole suite passed with
 # The --latest / --oldest runs write what they installed to .venv-*/tested.txt: after a green --latest run,
 # copying it over constraints/tested.txt moves the pins forward (README, "Dependencies").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
+  --torch)
+    version=$2
+    shift 2
+    venv=.venv-torch$version
+    "${PYTHON:-python3}" -m venv --clear "$venv"
+    "$venv/bin/python" -m pip install -q "torch==$version"
+    PYTHON=$venv/bin/python PLAIT_EXTRAS=test,plot bash scripts/setup.sh  # keeps that torch, the rest at the pins
+    "$venv/bin/python" -m pip freeze --exclude-editable > "$venv/tested.txt"
+    echo "testing with torch $version and the pins (all: $venv/tested.txt)"
+    export VIRTUAL_ENV=$PWD/$venv PATH=$PWD/$venv/bin:$PATH
+    export PLAIT_DEPS=torch$version  # tests/test_dependencies.py: torch differs from the pins on purpose
+    exec "$venv/bin/python" -m pytest -q "$@"
+    ;;
   --latest|--oldest)
     deps=${1#--}
     shift
