@@ -55,6 +55,24 @@ def test_every_requirement_is_pinned_inside_its_range():
             f"constraints/tested.txt pins {name}=={tested[name]}, outside pyproject.toml's {requirement}"
 
 
+def test_the_newer_torch_sets_are_the_pins_with_another_torch():
+    """constraints/tested-torchX.txt (scripts/test.sh --torch X): the pins of tested.txt with torch X and what that
+    build brings (its CUDA libraries, triton) added, nothing else moved, and X inside pyproject.toml's range."""
+    tested = pins("tested.txt")
+    torch_range = next(r for r in requirements() if canonicalize_name(r.name) == "torch").specifier
+    sets = sorted((ROOT / "constraints").glob("tested-torch*.txt"))
+    assert sets, "no constraints/tested-torch*.txt: the newest torch the range admits is unproven"
+    for path in sets:
+        other = pins(path.name)
+        moved = {name: f"{tested[name]} -> {other.get(name)}" for name in tested
+                 if name != "torch" and other.get(name) != tested[name]}
+        assert not moved, f"constraints/{path.name} moves pins other than torch: {moved}"
+        assert path.stem == f"tested-torch{other['torch'].major}.{other['torch'].minor}", path.name
+        assert torch_range.contains(other["torch"]), f"{path.name}: torch {other['torch']} outside {torch_range}"
+        added = sorted(set(other) - set(tested))
+        assert all(n.startswith(("nvidia-", "cuda-", "triton")) for n in added), f"{path.name} adds {added}"
+
+
 def test_the_oldest_constraints_are_the_lower_bounds():
     oldest = pins("oldest.txt")
     expected = {canonicalize_name(r.name): lower_bound(r) for r in requirements()}
