@@ -12,7 +12,10 @@ pp=2 (1F1B), the tp=2 save -> consolidate -> from_pretrained round trip, context
 attention strategy ``auto`` picks) and, for models with routed experts, expert parallelism over 2 ranks (ep=2;
 "n/a" for a dense model), each 3 AdamW steps (ZeRO-3: 4) against one process. A mode the
 layout plan refuses (``plan_layout`` on the meta model, before any process) is "refused" with plait's reason;
-what runs is "pass" or "FAIL" with the measured errors. Architectures are run a chunk per world; a world
+what runs is "pass" or "FAIL" with the measured errors. A tp mode that passes while its layout plan keeps blocks
+whole on every tp rank (``WholeSequence``: the block runs on the whole sequence, its work repeated on every rank) is
+"whole (those modules; ...)" rather than "pass": it matches one process but does not split them, and the summary
+counts only "split" cells toward tensor parallelism. Architectures are run a chunk per world; a world
 that crashes is rerun one architecture at a time, so a crash is pinned on its architecture.
 
 The whole sweep is CPU-heavy; ``--only`` runs some architectures, ``--modes`` some modes (the others keep
@@ -20,6 +23,11 @@ their earlier results). Results accumulate in ``--state`` (a JSON file, one entr
 starts it over) and the table is written from it after every run,
 with the architectures not run yet marked so. Where the state file is missing (it is not committed), it is
 seeded from the table at ``--out``, so a partial run keeps the other rows and cells as they were measured.
+
+``--relabel`` trains nothing: it derives the tp layout plans of every architecture (or ``--only`` some) on meta
+models, about 3 minutes for all of them, and relabels the tp cells that passed, "pass" or "whole (...)", by what the
+plans keep whole now; cells the plans no longer agree with (a refusal, or other modules kept whole) are named on
+stderr, to be rerun with ``--only``.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections import defaultdict
@@ -49,6 +58,38 @@ class Row:
     ref: str | None = None  # what the conformance kit loads (adapter name, or transformers:ARCH)
     cells: dict[str, str] = field(default_factory=dict)  # mode -> result text
     passed: dict[str, bool] = field(default_factory=dict)
+    whole: dict[str, tuple[str, ...]] = field(default_factory=dict)  # tp mode -> modules its plan keeps whole
+
+
+def tp_modes() -> tuple[str, ...]:
+    """The modes whose layout splits over tp ranks (tp > 1): those a plan may split or keep blocks whole in."""
+    from plait.testing.conformance_modes import MODES as KIT_MODES
+
+    return tuple(m for m in MODES if KIT_MODES[m].layout.get("tp", 1) > 1)
+
+
+def kept_whole(plan) -> tuple[str, ...]:
+    """The modules a layout plan keeps whole on every tp rank, as patterns (layer indices as ``*``): those of a
+    ``WholeSequence`` rule, which run on the whole sequence with their work repeated on every rank (a recurrent
+    mixer, an attention or MLP no rule splits; docs/decisions.md D10). Read off the plan's shard decisions, so the
+    table says whatever the adapter derives or declares."""
+    from plait.tp.styles import WholeSequence
+
+    names = {name for shards in plan.shards_by_rank for name, shard in shards.items()
+             if isinstance(shard.style, WholeSequence)}
+    return tuple(sorted({re.sub(r"\.\d+(?=\.|$)", ".*", name) for name in names}))
+
+
+def label(cell: str, whole: tuple[str, ...]) -> str:
+    """A tp cell that matched one process, "pass (X)" or "whole (M; X)", labelled by ``whole`` (the modules its
+    plan keeps whole): "whole (M; X)" where it keeps some, else "pass (X)". Any other cell as it is."""
+    if cell.startswith("whole ("):
+        inner = cell.removeprefix("whole (").partition("; ")[2]
+    elif cell.startswith("pass ("):
+        inner = cell.removeprefix("pass (")
+    else:
+        return cell
+    return f"whole ({', '.join(whole)}; {inner}" if whole else f"pass ({inner}"
 
 
 def architectures() -> list[str]:
@@ -84,7 +125,7 @@ def prepare(arch: str, modes: tuple[str, ...] = MODES) -> Row:
     from types import SimpleNamespace
 
     from plait.config import ParallelConfig
-    from plait.ep.layout import other_experts, routed_experts
+    from plait.ep.layout import other_experts, own_experts, routed_experts
     from plait.layout_plan import plan_layout
     from plait.meta import build_meta_model
     from plait.registry import default_registry
@@ -105,14 +146,17 @@ def prepare(arch: str, modes: tuple[str, ...] = MODES) -> Row:
         row.cells = {mode: f"refused: {one_line(err)}" for mode in modes}
         return row
     for mode in modes:
-        if mode == "ep2" and not routed_experts(model) and other_experts(model) is None:
+        if mode == "ep2" and not routed_experts(model) and not own_experts(model) and other_experts(model) is None:
             row.cells[mode] = DENSE
             continue
         layout = KIT_MODES[mode]
         try:
-            plan_layout(model, ParallelConfig(**layout.layout), layout.world, subject.registry)
+            plan = plan_layout(model, ParallelConfig(**layout.layout), layout.world, subject.registry)
         except Exception as err:
             row.cells[mode] = f"refused: {one_line(err)}"
+            continue
+        if mode in tp_modes():
+            row.whole[mode] = kept_whole(plan)
     row.ref = ref
     return row
 
@@ -165,17 +209,26 @@ def record(row: Row, results) -> None:
             row.cells[result.mode] = f"refused: {note}"
         else:
             row.cells[result.mode] = f"FAIL ({numbers}{'; ' if numbers else ''}{note[:300]})"
+        row.cells[result.mode] = label(row.cells[result.mode], row.whole.get(result.mode, ()))
         row.passed[result.mode] = result.status == "pass"
 
 
 def column_counts(rows: list[Row], mode: str) -> str:
-    """'N pass, M refused, K fail' for one mode's column (and 'L n/a' where a mode does not apply)."""
+    """'N pass, M refused, K fail' for one mode's column (and 'L n/a' where a mode does not apply); in a tp mode the
+    cells that passed are 'S split, W whole': whether the plan split every block or kept some whole."""
     cells = [r.cells.get(mode, "") for r in rows]
     passed = sum(1 for r in rows if r.passed.get(mode))
+    whole = sum(1 for r in rows if r.passed.get(mode) and r.cells.get(mode, "").startswith("whole"))
     refused = sum(1 for c in cells if c.startswith("refused"))
     na = sum(1 for c in cells if c == DENSE)
-    return (f"{passed} pass, {refused} refused, {len(rows) - passed - refused - na} fail or not run"
+    ran = f"{passed - whole} split, {whole} whole" if mode in tp_modes() else f"{passed} pass"
+    return (f"{ran}, {refused} refused, {len(rows) - passed - refused - na} fail or not run"
             + (f", {na} n/a" if na else ""))
+
+
+def splits_every_block(row: Row) -> bool:
+    """Every tp mode passed with nothing kept whole."""
+    return all(row.cells.get(m, "").startswith("pass") for m in tp_modes())
 
 
 def passes_all(row: Row) -> bool:
@@ -189,6 +242,7 @@ def render(rows: list[Row], seconds: float) -> str:
     import transformers
 
     passing = [r for r in rows if passes_all(r)]
+    split = [r for r in passing if splits_every_block(r)]
     via_float64 = [r for r in passing if any("float64" in c for c in r.cells.values())]
     failing = [r for r in rows if any(c.startswith("FAIL") for c in r.cells.values())]
     not_run = [r for r in rows if not r.cells]
@@ -207,24 +261,35 @@ def render(rows: list[Row], seconds: float) -> str:
         "model without routed experts.",
         "",
         f"**{len(passing)} of {len(rows)} pass every mode ({len(via_float64)} of them through the float64 recheck "
-        f"below); {len(failing)} fail a mode; "
+        f"below; {len(split)} of them split every block over tp, {len(passing) - len(split)} keep some whole in the tp "
+        f"modes); {len(failing)} fail a mode; "
         f"{len(rows) - len(passing) - len(failing) - len(not_run)} are refused in at least one"
         + (f"; {len(not_run)} not run yet" if not_run else "") + ".**",
         "",
         "Per mode: " + "; ".join(f"`{m}` {column_counts(rows, m)}" for m in MODES) + ".",
         "",
+        "In the tp modes (" + ", ".join(f"`{m}`" for m in tp_modes()) + ") a cell that matched one process is "
+        "`pass` only where the layout plan split every block over the tp ranks, and `whole (M; ...)` where it kept "
+        "the modules M whole on every rank instead (a `WholeSequence` rule: under SP the block is handed the whole "
+        "sequence and its work is repeated on every rank; docs/decisions.md D10): exact, but M is not "
+        "tensor-parallel, so only `split` cells count toward tp in the lines above. M is read off each "
+        "architecture's layout plan, not a list: `python scripts/architecture_sweep.py --relabel` re-derives it for "
+        "every architecture from meta models, without training.",
+        "",
         "`pass (float64: ...; fp32: ...)`: in fp32 every loss was within 1e-5 and every step-1 gradient within "
         "tolerance, but a later step's gradient was over it: Adam (eps 1e-6) amplifies fp32 "
         "reordering noise in some tiny models (tests/test_generic_conformance.py measures it for gemma3_text, "
         "mixtral and olmo2); or a step-1 gradient was at most 10x the tolerance (Gemma 4: one process in fp32 is "
-        "2.6x the tolerance off its own float64 gradient). The same mode then ran in float64, where that noise shrinks 20-300x while a "
-        "mis-split module stays off by 1e-4 or more, and passed there. transformers computes RMSNorm in fp32 even "
-        "in a float64 model, so where plait splits a norm over tp (full-width q/k norms: `SplitRMSNorm`) some fp32 "
-        "reordering noise stays in the float64 run too (`FAIL (float64: ...)` at a later step, step 1 right). "
-        "Mamba2's mixer likewise runs its scan in fp32 (`hidden_states.float()`, B, C, dt) in a float64 model: on "
-        "one process, without plait, a float64 tiny mamba2's gradients over 4 microbatches differ from one "
-        "batch's by up to 5e-6 relative (`backbone.layers.3.mixer.D`), the size of its step-2 misses in `tp2-sp` and "
-        "`pp2-1f1b` (microbatches split the batch; tp splits the sums).",
+        "2.6x the tolerance off its own float64 gradient). The same mode then ran in float64, where that noise "
+        "shrinks 20-300x while a mis-split module stays off by 1e-4 or more, and passed there. The float64 run is "
+        "float64 throughout: transformers computes RMSNorm, softmax and Mamba2's scan in fp32 even in a float64 "
+        "model (`hidden_states.to(torch.float32)`, `.float()`), and the kit's worker makes every float32 a torch "
+        "function is asked for float64, on the reference and on plait's side alike "
+        "(`plait.testing.conformance_worker.Float64Throughout`). Without it that fp32 rounding stayed in the float64 "
+        "run and any reordering showed it: flex_olmo's split q/k norms (`SplitRMSNorm`) missed by 1.3x the tolerance "
+        "at step 3, mamba2 by up to 34x at steps 2-3 (its float64 gradients over 4 microbatches differ from one "
+        "batch's by 5e-8 of the largest entry on one process, without plait; 6e-16 float64 throughout). Every "
+        "float64 cell of this table was decided under this rule.",
         "",
         "| architecture | adapter | tp plan | " + " | ".join(MODES) + " |",
         "| --- | --- | --- | " + " | ".join("---" for _ in MODES) + " |",
@@ -244,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="run these modes only (the others keep their earlier results)")
     parser.add_argument("--fresh", action="store_true", help="forget the results of earlier runs")
+    parser.add_argument("--relabel", action="store_true",
+                        help="train nothing: relabel the tp cells that passed as split or whole by the layout plans "
+                             "derived now on meta models, and refresh the tp refusals")
     args = parser.parse_args(argv)
     import transformers
 
@@ -255,6 +323,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.only or ()) - set(everything))
     if unknown:
         parser.error(f"{unknown} are not decoder-only causal LMs; choose from {everything}")
+    if args.relabel:
+        stale = relabel(state, args.only or everything)
+        print(f"relabelled from the plans in {time.monotonic() - start:.0f} s"
+              + (f"; the plans no longer agree with these cells, rerun them: {stale}" if stale else ""),
+              file=sys.stderr)
+        write(args.state, json.dumps(state, indent=1))
+        table = [Row(a, **{k: v for k, v in state[a].items()}) if a in state else Row(a) for a in everything]
+        write(args.out, render(table, state.get("_seconds", 0.0)))
+        return 0
     rows = []
     modes = tuple(args.modes)
     for arch in args.only or everything:
@@ -275,6 +352,45 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def relabel(state: dict, archs: list[str]) -> list[str]:
+    """Relabel ``state``'s tp cells of ``archs`` from their layout plans alone (meta models, no process): a cell that
+    passed becomes "pass" or "whole (...)" by what the plan keeps whole now (``label``); a refusal takes the plan's
+    current text. The numbers stay those measured, so this holds only for cells measured with the plans derived
+    now: returns "ARCH MODE (was -> now)" for the cells the plans no longer agree with, to rerun with ``--only``:
+    refused now but run before (made refused), run now but refused before, or "whole (M; ...)" where the plan keeps
+    other modules whole now (both left as they are). A "pass" cell keeps no record of its plan: one measured before
+    this labelling (or with a plan since changed from split to whole) is relabelled as the plan is now."""
+    stale = []
+    for arch in archs:
+        entry = state.get(arch)
+        if entry is None:
+            continue
+        row = prepare(arch, tp_modes())
+        for mode in tp_modes():
+            cell, now = entry["cells"].get(mode), row.cells.get(mode, "")
+            if cell is None:
+                continue
+            if now.startswith("refused"):
+                if not cell.startswith("refused"):
+                    stale.append(f"{arch} {mode} ({cell.split(' ')[0]} -> refused)")
+                entry["cells"][mode], entry["passed"][mode] = now, False
+            elif cell.startswith("refused"):
+                stale.append(f"{arch} {mode} (refused -> runs)")
+            elif entry["passed"].get(mode):
+                whole = row.whole.get(mode, ())
+                if cell.startswith("whole (") and recorded_whole(cell) != whole:  # measured with other plans
+                    stale.append(f"{arch} {mode} (whole {', '.join(recorded_whole(cell))} -> "
+                                 f"{', '.join(whole) or 'split'})")
+                else:
+                    entry["cells"][mode] = label(cell, whole)
+    return stale
+
+
+def recorded_whole(cell: str) -> tuple[str, ...]:
+    """The modules a "whole (M; ...)" cell records as kept whole."""
+    return tuple(cell.removeprefix("whole (").partition("; ")[0].split(", "))
+
+
 def seed_from_table(path: Path) -> dict:
     """The state a table written by ``render`` records: each architecture's adapter, cells and passes, and the
     minutes the run took. Cells of modes the table has no column for are left out (not run)."""
@@ -293,7 +409,7 @@ def seed_from_table(path: Path) -> dict:
             continue
         found = {m: c for m, c in zip(columns, cells[3:]) if c not in ("not run", "-")}
         state[cells[0]] = {"adapter": cells[1], "cells": found,
-                           "passed": {m: c.startswith("pass") for m, c in found.items() if c != DENSE}}
+                           "passed": {m: c.startswith(("pass", "whole")) for m, c in found.items() if c != DENSE}}
     return state
 
 

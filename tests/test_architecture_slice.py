@@ -78,6 +78,7 @@ def test_the_sweep_state_seeds_from_the_table_and_renders_it_back():
 
 
 @pytest.mark.parametrize("cell, expected", [("pass (loss 1e-07, grad 0.24)", "pass"),
+                                            ("whole (model.layers.*.mamba; loss 1e-07, grad 0.24)", "whole"),
                                             ("refused: layer type 'x' ...", "refused"),
                                             ("n/a (no routed experts)", "n/a"), ("FAIL (loss ...)", "FAIL")])
 def test_cell_kinds(cell, expected):
@@ -102,3 +103,42 @@ def test_only_gradients_near_the_tolerance_go_to_the_float64_recheck():
     assert not fp32_noise(result(near, loss=1e-3))
     assert not fp32_noise(result("step 2 grad w: max |Δ| 3e-05 (3.0e+00x tolerance)", dtype="float64"))
     assert not fp32_noise(result("", status="pass"))
+
+
+def test_tp_cells_say_whether_the_plan_split_the_blocks_or_kept_them_whole():
+    """What a tp plan keeps whole on every rank (WholeSequence rules) is read off the layout plan of the meta model,
+    not a list: JetMoE's attention and MoE block, a recurrent mixer; Llama's plan splits everything. A tp cell that
+    passed says which ("whole (M; ...)" or "pass (...)"), the relabel keeps the numbers, and the summary counts only
+    split cells toward tp."""
+    sweep = sweep_module()
+    jetmoe, qwen3 = sweep.prepare("jetmoe", ("tp2-sp",)), sweep.prepare("qwen3", ("tp2-sp",))
+    assert jetmoe.whole["tp2-sp"] == ("model.layers.*.mlp", "model.layers.*.self_attention")
+    assert qwen3.whole["tp2-sp"] == () and "tp2-sp" not in qwen3.cells  # planned, to run
+    cell = sweep.label("pass (loss 1e-07, grad 0.02)", jetmoe.whole["tp2-sp"])
+    assert cell == "whole (model.layers.*.mlp, model.layers.*.self_attention; loss 1e-07, grad 0.02)"
+    assert sweep.recorded_whole(cell) == jetmoe.whole["tp2-sp"]
+    assert sweep.label(cell, ()) == "pass (loss 1e-07, grad 0.02)" and sweep.label("FAIL (x)", ("m",)) == "FAIL (x)"
+    assert sweep.tp_modes() == ("tp2-sp", "consolidate-tp2-sp")
+    rows = [sweep.Row("a", cells={"tp2-sp": cell}, passed={"tp2-sp": True}),
+            sweep.Row("b", cells={"tp2-sp": "pass (loss 0e+00, grad 0.1)"}, passed={"tp2-sp": True}),
+            sweep.Row("c", cells={"tp2-sp": "refused: no"}, passed={"tp2-sp": False})]
+    assert sweep.column_counts(rows, "tp2-sp") == "1 split, 1 whole, 1 refused, 0 fail or not run"
+    assert sweep.column_counts(rows, "cp2") == "0 pass, 0 refused, 3 fail or not run"
+
+
+def test_relabel_names_cells_measured_with_other_plans(monkeypatch):
+    """The relabel trains nothing: a cell whose plan now keeps other modules whole, or that the plan now refuses or
+    no longer refuses, is named for a rerun rather than relabelled with numbers of another plan."""
+    sweep = sweep_module()
+    plans = {"x": sweep.Row("x", whole={"tp2-sp": ("m.*.attn",), "consolidate-tp2-sp": ("m.*.attn",)}),
+             "y": sweep.Row("y", cells={"tp2-sp": "refused: no", "consolidate-tp2-sp": "refused: no"})}
+    monkeypatch.setattr(sweep, "prepare", lambda arch, modes: plans[arch])
+    state = {"x": {"cells": {"tp2-sp": "pass (loss 1, grad 2)", "consolidate-tp2-sp": "whole (m.*.mlp; loss 1)"},
+                   "passed": {"tp2-sp": True, "consolidate-tp2-sp": True}},
+             "y": {"cells": {"tp2-sp": "pass (loss 1)", "consolidate-tp2-sp": "refused: old"},
+                   "passed": {"tp2-sp": True, "consolidate-tp2-sp": False}}}
+    stale = sweep.relabel(state, ["x", "y"])
+    assert state["x"]["cells"] == {"tp2-sp": "whole (m.*.attn; loss 1, grad 2)",
+                                   "consolidate-tp2-sp": "whole (m.*.mlp; loss 1)"}
+    assert state["y"]["cells"] == {"tp2-sp": "refused: no", "consolidate-tp2-sp": "refused: no"}
+    assert stale == ["x consolidate-tp2-sp (whole m.*.mlp -> m.*.attn)", "y tp2-sp (pass -> refused)"]

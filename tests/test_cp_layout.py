@@ -115,3 +115,70 @@ def test_router_loss_needs_router_logits_to_gather(monkeypatch):
     monkeypatch.setattr(plait.cp.layout, "router_recorders", lambda model: [])  # a model that records none
     with pytest.raises(ConfigError, match="MixtralForCausalLM records no router logits plait can gather over cp"):
         plan("transformers:mixtral", 2, {"output_router_logits": True}, cp=2)
+
+
+def test_composite_gemma4_masks_are_built_over_the_whole_sequence():
+    """Gemma 4's multimodal models build every layer type's mask at once through masking_utils'
+    create_masks_for_generate, which calls masking_utils' own builders: it is wrapped like them, so its masks are
+    built over the whole sequence (and its block ids, all -1 in a text forward, stand for the whole sequence)."""
+    assert plan("transformers:gemma4", 2, cp=2).cp is not None
+    assert plan("transformers:gemma4_unified", 2, cp=2).cp is not None
+
+
+def test_a_mask_built_from_the_local_slice_is_refused_naming_the_builder(monkeypatch):
+    """Before create_masks_for_generate was wrapped, Gemma 4's masks were built from each rank's slice (the dry run
+    swallowed it and cp2 failed at its first step): such a builder is refused before launch, named."""
+    import transformers.masking_utils
+    from transformers.models.gemma4 import modeling_gemma4
+
+    import plait.cp.masks
+
+    original = plait.cp.masks._is_builder
+    monkeypatch.setattr(plait.cp.masks, "_is_builder",
+                        lambda value: original(value) and "create_masks_" not in getattr(value, "__name__", ""))
+    monkeypatch.setattr(modeling_gemma4, "create_masks_for_generate",
+                        transformers.masking_utils.create_masks_for_generate)
+    with pytest.raises(ConfigError, match=r"Gemma4ForConditionalGeneration builds an attention mask from this rank's "
+                                          r"slice of the sequence \(modeling_gemma4.py:\d+, in forward\), through "
+                                          r"create_masks_for_generate of transformers.masking_utils"):
+        plan("transformers:gemma4", 2, cp=2)
+
+
+def test_attention_handed_a_mask_plait_did_not_build_is_refused_naming_it(monkeypatch):
+    """A model building some mask of its own for an attention call (here: Llama's attention handed a tensor) is
+    refused naming the attention module."""
+    from transformers.models.llama import modeling_llama
+
+    forward = modeling_llama.LlamaDecoderLayer.forward
+
+    def own_mask(self, *args, **kwargs):
+        kwargs["attention_mask"] = torch.ones(1, 1, 8, 8, dtype=torch.bool, device="meta")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", own_mask)
+    with pytest.raises(ConfigError, match=r"model.layers.0.self_attn \(LlamaAttention\): .*LlamaAttention was handed a "
+                                          r"Tensor mask, not one plait built over the whole sequence"):
+        plan("llama", 2, cp=2)
+
+
+def test_the_dry_run_runs_past_routed_experts_and_lets_other_errors_through(monkeypatch):
+    """Routed experts (transformers' routing contract, DBRX's own experts too) run as a shape-only stand-in on the
+    meta device, so the dry run reaches the head; JetMoE's gating reads its token counts (no value on meta): the dry
+    run ends there. An error of any other kind is not swallowed."""
+    from plait.cp.dry_run import check_on_meta
+
+    for subject in ("transformers:qwen3_moe", "transformers:dbrx", "transformers:longcat_flash"):
+        model = build_meta_model(load_subject(subject).config)
+        reached = []
+        model.get_output_embeddings().register_forward_hook(lambda *args: reached.append(True))
+        check_on_meta(model)
+        assert reached, subject
+    check_on_meta(build_meta_model(load_subject("transformers:jetmoe").config))
+    model = build_meta_model(load_subject("llama").config)
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug of the model's")
+
+    model.model.norm.forward = broken
+    with pytest.raises(ValueError, match="a bug of the model's"):
+        check_on_meta(model)

@@ -17,7 +17,12 @@ meta model what it cannot place:
 - Zaya, JetMoE: softmax attention whose projections no rule splits (Zaya's q/k convolved along the sequence, JetMoE's
   mixture of attention heads) kept whole and run on the whole sequence under SP (WholeSequence), as attention with
   its own kernel is; JetMoE's MoE block, kept whole the same way, adds a bias of its own (replicated specs);
-- Inkling2: its ``block_states``, carried from layer to layer beside the hidden states, refuse SP before launch.
+- Inkling2: its ``block_states``, carried from layer to layer beside the hidden states, refuse SP before launch;
+- Bloom, MPT: attention computing its scores itself, with an ALiBi bias per head built by the model for all heads
+  (Bloom's ``alibi`` [batch * heads, 1, S], MPT's ``position_bias`` [heads, 1, S]) and one fused q/k/v projection
+  (Bloom's ``query_key_value`` head by head, (heads, 3, head_dim); MPT's ``Wqkv`` q | k | v, chunked in three):
+  split by heads, each rank handed its own heads' slopes of the bias (``Attention.head_inputs``), with and without
+  SP.
 
 One launch of 2 ranks runs every pair, in float64, where a mis-split layer stays off by 1e-4 or more.
 """
@@ -35,18 +40,20 @@ from plait_transformers_derive import derive, tp_plan
 
 pytest_plugins = ["plait.testing.pytest_plugin"]
 
-ARCHITECTURES = ("dots3_note_text", "diffllama", "zaya", "jetmoe")
+ARCHITECTURES = ("dots3_note_text", "diffllama", "zaya", "jetmoe", "bloom", "mpt")
 MODES = ("tp2-sp", "consolidate-tp2-sp")
 WITHOUT_SP = (("hy_v4", "tp2"),)  # architectures whose TP plan runs, but not under sequence parallelism
+ALSO_WITHOUT_SP = (("bloom", "tp2"), ("mpt", "tp2"))  # the ALiBi slices without SP too
 
 
 @pytest.fixture(scope="module")
 def results(plait_conformance):
     return plait_conformance(*(f"transformers:{a}" for a in ARCHITECTURES), modes=list(MODES), dtype="float64",
-                             pairs=[(f"transformers:{a}", mode) for a, mode in WITHOUT_SP])
+                             pairs=[(f"transformers:{a}", mode) for a, mode in (*WITHOUT_SP, *ALSO_WITHOUT_SP)])
 
 
-@pytest.mark.parametrize(("arch", "mode"), [*((a, m) for a in ARCHITECTURES for m in MODES), *WITHOUT_SP])
+@pytest.mark.parametrize(("arch", "mode"), [*((a, m) for a in ARCHITECTURES for m in MODES), *WITHOUT_SP,
+                                            *ALSO_WITHOUT_SP])
 def test_attention_rule_parity(results, arch, mode):
     from plait.testing.pytest_plugin import format_results
 
@@ -149,3 +156,29 @@ def test_softmax_attention_no_rule_splits_runs_whole():
 def test_a_side_input_carried_from_layer_to_layer_refuses_sequence_parallelism():
     sp = derive(plait_tiny_config("inkling2_text")).sp
     assert isinstance(sp, Refusal) and "carries block_states from layer to layer" in str(sp)
+
+
+@pytest.mark.parametrize(("arch", "style", "qkv_ranges", "bias"), [
+    ("bloom", "HeadInterleavedAttention", ((48, 96),), "alibi"),  # heads 2-3: [q k v] of head_dim 8 each
+    ("mpt", "Attention", ((16, 32), (48, 64), (80, 96)), "position_bias"),  # heads 2-3 of q, of k, of v
+])
+def test_alibi_attention_splits_heads_and_hands_each_rank_its_slopes(arch, style, qkv_ranges, bias):
+    """Attention computing its scores itself with a per-head ALiBi bias: split by heads (no longer kept whole), the
+    bias argument sliced to the rank's heads."""
+    import torch
+
+    from plait.tp.apply import _slice_head_inputs
+
+    config = plait_tiny_config(arch)
+    rule = next(r for r in derive(config).tp.rules if type(r).__name__ == style)
+    assert rule.head_inputs == (bias,) and not any(type(r).__name__ == "WholeSequence" for r in derive(config).tp.rules)
+    name = rule.pattern.replace("*", "0")
+    block = build_meta_model(config).get_submodule(name)
+    first = rule.shards(name, block, 2, 1)[0]
+    assert first.weight.ranges == qkv_ranges and first.head_inputs == {bias: (4, 2, 4)}
+    hook = _slice_head_inputs(block, first.head_inputs)
+    full = torch.arange(3 * 4 * 5.0).view(3 * 4, 1, 5)  # [batch * heads, 1, S]: batch 3, 4 heads
+    _, kwargs = hook(block, (), {bias: full})
+    assert torch.equal(kwargs[bias], full.view(3, 4, 1, 5)[:, 2:4].reshape(6, 1, 5))
+    args, _ = hook(block, (torch.zeros(1), *((None,) if arch == "bloom" else ()), full[:4]), {})  # by position
+    assert torch.equal(args[-1], full[2:4])

@@ -11,6 +11,7 @@ from plait.layout_plan import check_capabilities
 from plait.registry import default_registry
 from plait.tp.layout import plan_tensor_parallel
 from plait.tp.sequence_parallel import sp_grad_sum_params
+from plait.tp.sharding import ShardSpec
 from tiny_models import tiny_config, tiny_model
 
 
@@ -222,9 +223,24 @@ def test_expert_parallel_refusals_name_the_values_and_the_fix():
     with pytest.raises(ConfigError, match=r"ep=2, but llama has no routed experts .*; use ep=1"):
         plan_layout(meta_model("llama"), ParallelConfig(ep=2), 2)
     llama4 = load_subject("transformers:llama4_text")
-    with pytest.raises(ConfigError, match=r"\(Llama4TextExperts\) holds experts stacked on dim 0, but its forward "
-                                          r"takes no routing"):
+    with pytest.raises(ConfigError, match=r"\(Llama4TextExperts\) holds experts stacked on dim 0, but its "
+                                          r"forward\(hidden_states\) takes no routing"):
         plan_layout(build_meta_model(llama4.config), ParallelConfig(ep=2), 2, llama4.registry)
+    jetmoe = load_subject("transformers:jetmoe")  # experts over tokens already grouped, in attention and MLP
+    with pytest.raises(ConfigError, match=r"ep=2: model.layers.0.mlp.input_linear \(JetMoeParallelExperts\) holds "
+                                          r"experts stacked on dim 0, but its forward\(inputs, expert_size\) takes no "
+                                          r"routing .*; use ep=1 for jetmoe"):
+        plan_layout(build_meta_model(jetmoe.config), ParallelConfig(ep=2), 2, jetmoe.registry)
+    longcat = load_subject("transformers:longcat_flash")  # zero-compute experts beside the weighted ones
+    with pytest.raises(ConfigError, match=r"\(LongcatFlashExperts\) takes routing .* but its parameters "
+                                          r"\{'gate_up_proj': \(6, 64, 32\), 'down_proj': \(4, 32, 32\)\} are not"):
+        plan_layout(build_meta_model(longcat.config), ParallelConfig(ep=2), 2, longcat.registry)
+    dbrx = load_subject("transformers:dbrx")  # its own experts module: w1 / v1 / w2 [experts * ffn, hidden]
+    ep = plan_layout(build_meta_model(dbrx.config), ParallelConfig(ep=2), 2, dbrx.registry).ep
+    assert ep.modules[0] == "transformer.blocks.0.ffn.experts" and ep.num_experts == 4
+    assert ep.owns("transformer.blocks.0.ffn.experts.mlp.w1") and not ep.owns("transformer.blocks.0.ffn.router.layer.weight")
+    spec = ep.localize({"transformer.blocks.0.ffn.experts.mlp.w1": ShardSpec((256, 32))}, 1)
+    assert spec["transformer.blocks.0.ffn.experts.mlp.w1"].local_shape == (128, 32)  # experts 2-3: rows 128-255
 
 
 @pytest.mark.parametrize("pp, schedule, v, batch, expected", [

@@ -186,8 +186,8 @@ def show_derived(source: str) -> str:
 # Where scripts/architecture_sweep.py writes the conformance kit's results for every architecture (a checkout's).
 SWEEP_RESULTS = Path(__file__).resolve().parents[2] / "docs" / "architectures.md"
 # A sweep cell's first word -> what the docstring of a starter says of that mode.
-OUTCOMES = {"pass": "passed", "FAIL": "failed", "NOISE": "failed in fp32 (not rechecked in float64)",
-            "refused": "refused", "n/a": "n/a"}
+OUTCOMES = {"pass": "passed", "whole": "passed with blocks kept whole on every tp rank", "FAIL": "failed",
+            "NOISE": "failed in fp32 (not rechecked in float64)", "refused": "refused", "n/a": "n/a"}
 
 
 def _proof(architecture: str) -> list[str]:

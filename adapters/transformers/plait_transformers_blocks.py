@@ -22,8 +22,9 @@ from plait.tp.styles import (
 )
 
 from plait_transformers_common import (
-    CONFIG_READS, GATHERED, K, LINEAR_STYLES, LOCAL_ATTRS, O, Q, QKV, V, get_module, is_attention, is_covered,
-    is_linear, is_softmax_attention, layer_pattern, out_features, own_params, Refusal, refuse, whole_sequence,
+    CONFIG_READS, GATHERED, K, LINEAR_STYLES, LOCAL_ATTRS, O, Q, QKV, V, get_module, head_biases, is_attention,
+    is_covered, is_linear, is_softmax_attention, layer_pattern, out_features, own_params, Refusal, refuse,
+    whole_sequence,
 )
 from plait_transformers_latent import latent_attention_rules, is_latent_attention
 from plait_transformers_layer_linears import replicated_linear
@@ -49,10 +50,12 @@ def undeclared_attention(model: nn.Module, layers: str | None,
                  for role, names in (("q", Q), ("k", K), ("v", V), ("o", O))}
         source = inspect.getsource(type(module).forward)
         fused = next((c for c in QKV if isinstance(module._modules.get(c), nn.Linear)), None)
-        if roles["q"] is None and fused and roles["o"] and "ALL_ATTENTION_FUNCTIONS" in source and \
+        if roles["q"] is None and fused and roles["o"] and \
+                ("ALL_ATTENTION_FUNCTIONS" in source or head_biases(module)) and \
                 module._modules[fused].out_features == 3 * module._modules[roles["o"]].in_features:
-            # multi-head attention with one fused q/k/v projection (Persimmon's query_key_value): its layout is
-            # checked as a declared one's; GPT-BigCode's multi-query c_attn is narrower and stays unsplit
+            # multi-head attention with one fused q/k/v projection (Persimmon's query_key_value), or computing its
+            # scores itself with an ALiBi bias per head (Bloom, MPT; the bias sliced to each rank's heads): its
+            # layout is checked as a declared one's; GPT-BigCode's multi-query c_attn is narrower and stays unsplit
             found[pattern] = (module, {fused: "colwise", roles["o"]: "rowwise"}, {})
             continue
         if None in roles.values() or "ALL_ATTENTION_FUNCTIONS" not in source:
@@ -384,11 +387,15 @@ def _fused_attention_rules(config, parent, block, styles, qkv: str, o: str) -> l
                                               f"({heads} + 2 x {kv_heads}) x {head_dim}")
     source = inspect.getsource(type(block).forward)
     local = {attr: q for attr, q in LOCAL_ATTRS.items() if isinstance(vars(block).get(attr), int)}
-    common = dict(qkv=qkv, o=o, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, local_attrs=local)
+    common = dict(qkv=qkv, o=o, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, local_attrs=local,
+                  head_inputs=head_biases(block))
+    # Persimmon's and Bloom's _split_heads / _reshape (heads, 3, head_dim): the same
     interleaved = ".chunk(3" in source and ("3 * self.head_size" in source or "3 * self.head_dim" in source) or \
-        "self.num_heads, 3, self.head_dim)" in inspect.getsource(type(block))  # Persimmon's _split_heads: the same
+        "self.num_heads, 3, self.head_dim)" in inspect.getsource(type(block))
     if interleaved and kv_heads == heads:
         return [HeadInterleavedAttention(parent, **common), *norms]
+    if _thirds(source, qkv) and kv_heads == heads and not interleaved:
+        return [Attention(parent, **common), *norms]
     groups = _qkv_groups(block, source)
     if groups and kv_heads == heads and not interleaved:
         return [HeadInterleavedAttention(parent, groups=groups, **common), *norms]
@@ -399,6 +406,16 @@ def _fused_attention_rules(config, parent, block, styles, qkv: str, o: str) -> l
     raise refuse(arch, f"{parent}.{qkv}", f"{type(block).__name__}.forward splits its fused qkv in a layout plait does "
                                           f"not recognise (neither q|k|v sliced by head counts nor per-head "
                                           f"interleaved)")
+
+
+def _thirds(source: str, qkv: str) -> bool:
+    """Whether a forward chunks its fused qkv output in three, q | k | v side by side, each viewed by the block's own
+    head count (MPT: ``mixed_qkv = self.Wqkv(hidden_states)``, ``mixed_qkv.chunk(3, dim=2)``, ``reshape(batch_size,
+    seq_length, self.n_heads, self.head_dim)``): Attention's fused layout, the head counts per rank."""
+    read = re.search(rf"(\w+) = self\.{qkv}\(hidden_states\)", source)
+    if read is None or not re.search(rf"= {read.group(1)}\.chunk\(3, dim=(2|-1)\)", source):
+        return False
+    return re.search(r"\.(reshape|view)\([^()]*self\.(n_heads|num_heads), self\.head_dim\)", source) is not None
 
 
 def _qkv_groups(block: nn.Module, source: str) -> int | None:

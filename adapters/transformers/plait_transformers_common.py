@@ -27,7 +27,17 @@ QKV = ("qkv_proj", "query_key_value", "qkv", "Wqkv", "c_attn")  # fused q, k and
 
 # Attention-module attributes that hold a head count read from the config at init: per rank under tp.
 LOCAL_ATTRS = {"num_heads": "q_heads", "num_attention_heads": "q_heads", "num_key_value_heads": "kv_heads",
-               "num_kv_heads": "kv_heads", "num_key_value_groups": "kv_groups"}
+               "num_kv_heads": "kv_heads", "num_key_value_groups": "kv_groups", "n_heads": "q_heads"}  # n_heads: MPT
+
+
+# Forward arguments of an attention block computing its scores itself that add a bias per head to them, laid out
+# by head on dim 0 (ALiBi: Bloom's ``alibi`` [batch * heads, 1, S], MPT's ``position_bias`` [heads, 1, S]).
+HEAD_BIASES = ("alibi", "position_bias")
+
+
+def head_biases(block: nn.Module) -> tuple[str, ...]:
+    """The arguments of ``block``'s forward that carry a per-head bias (``HEAD_BIASES``)."""
+    return tuple(a for a in inspect.signature(type(block).forward).parameters if a in HEAD_BIASES)
 
 
 # Head counts an attention forward must not read from the (shared, unsplit) config.

@@ -33,7 +33,7 @@ def gather_full(pmodel: ParallelModel, name: str, local: torch.Tensor) -> torch.
         for tp_rank, piece in zip(tp_ranks, row):
             shard = plan.specs_by_rank[tp_rank][name]
             if ep_rank is not None:
-                shard = shard.with_experts(*plan.ep.expert_range(ep_rank))
+                shard = plan.ep.localize({name: shard}, ep_rank)[name]
             shard.place(piece, full)
     return full
 

@@ -132,8 +132,14 @@ def _whole_sequence(builder: Callable) -> Callable:
             arguments["attention_mask"] = context.attention_mask
         if arguments.get("position_ids") is not None:  # (a meta dry run has no documents to find)
             arguments["position_ids"] = None if context.position_ids.is_meta else context.position_ids
-        if arguments.get("block_sequence_ids") is not None:
-            raise RuntimeError("block_sequence_ids (token groups) are not supported under context parallelism")
+        blocks = arguments.get("block_sequence_ids")
+        if blocks is not None:  # [batch, S/C]: token groups attending within themselves (Gemma 4's images)
+            if not blocks.is_meta and not bool((blocks == -1).all()):
+                raise RuntimeError("block_sequence_ids with token groups (bidirectional blocks, such as images) are "
+                                   "not supported under context parallelism")
+            # all -1, every token causal (what a text-only forward passes): the same over the whole sequence (a meta
+            # dry run cannot read them; a text forward is what cp trains)
+            arguments["block_sequence_ids"] = blocks.new_full((blocks.shape[0], context.seq), -1)
         return builder(*bound.args, **bound.kwargs)
 
     setattr(wrapper, _WRAPPED, True)
@@ -152,9 +158,13 @@ def mask_builders(model: nn.Module) -> dict[str, list[str]]:
 
 
 def _is_builder(value: Any) -> bool:
+    """A mask builder of ``transformers.masking_utils``: ``create_*mask`` (``create_causal_mask``, ...) and
+    ``create_masks_for_generate``, which Gemma 3/4's models call to build every layer type's mask at once (through
+    the builders of masking_utils itself, which wrapping a modeling module's names does not reach)."""
     target = getattr(value, "__wrapped__", value) if getattr(value, _WRAPPED, False) else value
+    name = getattr(target, "__name__", "")
     return (callable(target) and getattr(target, "__module__", None) == masking_utils.__name__
-            and getattr(target, "__name__", "").startswith("create_") and target.__name__.endswith("mask"))
+            and name.startswith("create_") and (name.endswith("mask") or name.startswith("create_masks_")))
 
 
 def wrap_mask_builders(model: nn.Module) -> None:

@@ -36,10 +36,10 @@ def apply_expert_parallel(model: nn.Module, plan: EPPlan, mesh: Mesh, owns: Call
     for name in plan.modules:
         if not owns(name):
             continue
-        module = model.get_submodule(name)
-        for param in module.parameters(recurse=False):
+        module, rows = model.get_submodule(name), plan.rows_per_expert(name)
+        for param in module.parameters():  # its own (transformers' experts) or its children's (DBRX's mlp)
             # in place: the same Parameter objects stay in the tp rules' gradient sums (experts kept whole)
-            param.data = param.data[start:stop].clone()
+            param.data = param.data[start * rows:stop * rows].clone()
             applied.params.append(param)
         dispatch = ExpertParallel(mesh.ep_group, plan.num_experts, plan.capacity_factor)
         dispatch.install(module)

@@ -61,7 +61,8 @@ class ExpertParallel:
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 *args, **kwargs) -> torch.Tensor:
         tokens, k = top_k_index.shape
-        width = hidden_states.shape[-1]
+        shape, width = hidden_states.shape, hidden_states.shape[-1]
+        hidden_states = hidden_states.reshape(-1, width)  # DBRX's experts take [batch, seq, hidden]: the same tokens
         pairs = top_k_index.reshape(-1)
         order = torch.argsort(pairs, stable=True)  # by expert, hence by the ep rank holding it
         counts = torch.bincount(pairs, minlength=self.total)
@@ -74,13 +75,13 @@ class ExpertParallel:
             torch.arange(self.local, device=pairs.device).repeat(self.size), received.reshape(-1))
         if rows.shape[0]:
             ones = torch.ones((rows.shape[0], 1), dtype=top_k_weights.dtype, device=rows.device)
-            out = self._kernel(rows, local_ids.unsqueeze(1), ones, *args, **kwargs)
+            out = self._kernel(rows, local_ids.unsqueeze(1), ones, *args, **kwargs).reshape(-1, width)
         else:  # nothing routed here: the experts still join backward (zero gradients), as on every other rank
             out = rows + sum(p.sum() * 0 for p in self._module.parameters())
         back = _AllToAll.apply(out, recv, send, self.group)
         per_pair = back.new_zeros((tokens * k, width)).index_copy(0, order, back)
         weighted = per_pair.view(tokens, k, width) * top_k_weights.unsqueeze(-1)
-        return weighted.sum(dim=1).to(hidden_states.dtype)
+        return weighted.sum(dim=1).to(hidden_states.dtype).view(shape)
 
     def _cap(self, pairs: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, n_pairs: int):
         """Keep at most the capacity of pairs per expert (the first in token order)."""

@@ -6,19 +6,26 @@ parameter is stacked over experts on dim 0 (``gate_up_proj`` [E, 2I, H], ``down_
 [E, out]) and ``forward(hidden_states, top_k_index, top_k_weights)`` takes flattened tokens and the routing the
 model's own router chose. That contract is all expert parallelism needs: ep rank r keeps experts
 [r * E/ep, (r + 1) * E/ep) of every such module and receives the tokens routed to them (``plait.ep.dispatch``).
-Experts that take another form (Llama4's expert-major ``forward(hidden_states)``, a model's own per-expert
-ModuleList) are refused with the module's name.
+A model's own experts module with the same forward and a ``num_experts`` count serves the same way when every
+parameter under it stacks its experts' rows on dim 0, expert-major, any number of rows each (DBRX's
+``DbrxExperts``: ``mlp.w1`` / ``v1`` / ``w2`` [E * ffn, hidden], viewed per expert as [E, ffn, hidden]).
+Experts that take another form (Llama4's expert-major ``forward(hidden_states)``, JetMoE's ``forward(inputs,
+expert_size)`` over tokens already grouped by expert, a model's own per-expert ModuleList) are refused with the
+module's name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 
 from torch import nn
 
 from plait.config import ConfigError, ParallelConfig
-from plait.tp.sharding import ShardSpec
+from plait.tp.sharding import ExpertAxis, ShardSpec
+
+ROUTING = ("hidden_states", "top_k_index", "top_k_weights")  # the forward of transformers' routed experts
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,7 @@ class EPPlan:
     modules: tuple[str, ...]
     num_experts: int
     capacity_factor: float | None = None
+    rows: tuple[tuple[str, int], ...] = ()  # (module, rows per expert on dim 0) where it is not 1 (DBRX's ffn)
 
     @property
     def local_experts(self) -> int:
@@ -38,16 +46,30 @@ class EPPlan:
         """The experts ep rank ``ep_rank`` holds: [start, stop)."""
         return ep_rank * self.local_experts, (ep_rank + 1) * self.local_experts
 
+    def module_of(self, param_name: str) -> str | None:
+        """The experts module holding ``param_name`` (a model parameter's name) stacked over experts, or None."""
+        return next((m for m in self.modules if param_name.startswith(f"{m}.")), None)
+
     def owns(self, param_name: str) -> bool:
         """Whether ``param_name`` (a model parameter's name) is stacked over experts."""
-        return param_name.rpartition(".")[0] in self.modules
+        return self.module_of(param_name) is not None
+
+    def rows_per_expert(self, module: str) -> int:
+        """Rows of dim 0 each expert takes in ``module``'s parameters (1: transformers' [E, ...])."""
+        return dict(self.rows).get(module, 1)
 
     def localize(self, specs: dict[str, ShardSpec], ep_rank: int) -> dict[str, ShardSpec]:
         """``specs`` (one tp rank's) with each expert parameter, and each tensor whose spec says where it stacks
         experts (``expert_axis``: LoRA factors on them), restricted to ep rank ``ep_rank``'s experts."""
         start, stop = self.expert_range(ep_rank)
-        return {name: spec.with_experts(start, stop) if self.owns(name) or spec.expert_axis is not None else spec
-                for name, spec in specs.items()}
+        found = {}
+        for name, spec in specs.items():
+            module = self.module_of(name)
+            if module is not None and self.rows_per_expert(module) > 1 and spec.expert_axis is None:
+                spec = dataclasses.replace(spec, expert_axis=ExpertAxis(block=self.rows_per_expert(module)))
+            found[name] = spec.with_experts(start, stop) if module is not None or spec.expert_axis is not None \
+                else spec
+        return found
 
 
 def is_routed_experts(module: nn.Module) -> bool:
@@ -61,6 +83,24 @@ def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
     return {name: module for name, module in model.named_modules() if is_routed_experts(module)}
 
 
+def own_experts(model: nn.Module) -> dict[str, tuple[nn.Module, int]]:
+    """A model's own routed-experts modules, not built with ``use_experts_implementation`` but with its contract
+    (``forward(hidden_states, top_k_index, top_k_weights)``, an int ``num_experts``) and every parameter under them
+    stacked over those experts on dim 0, expert-major, the same number of rows each (DBRX's ``DbrxExperts``), by
+    name: (module, rows per expert)."""
+    found = {}
+    for name, module in model.named_modules():
+        experts = getattr(module, "num_experts", None)
+        if is_routed_experts(module) or not isinstance(experts, int) or experts < 1 or \
+                tuple(inspect.signature(type(module).forward).parameters)[1:4] != ROUTING:
+            continue
+        rows = {p.shape[0] // experts if p.dim() >= 2 and p.shape[0] % experts == 0 else 0
+                for p in module.parameters()}
+        if len(rows) == 1 and 0 not in rows:
+            found[name] = (module, rows.pop())
+    return found
+
+
 def plan_expert_parallel(model: nn.Module, config: ParallelConfig) -> EPPlan | None:
     """The EP plan for ``model`` at ``config`` (None at ep=1); ConfigError naming the module and the fix when the
     model's experts cannot be divided."""
@@ -68,13 +108,25 @@ def plan_expert_parallel(model: nn.Module, config: ParallelConfig) -> EPPlan | N
         return None
     model_type = getattr(model.config, "model_type", type(model).__name__)
     found = routed_experts(model)
+    own = own_experts(model)
+    if own and not found:
+        return _own_plan(model_type, own, config)
     if not found:
         other = other_experts(model)
         if other:
+            module = model.get_submodule(other)
+            arguments = ", ".join(tuple(inspect.signature(type(module).forward).parameters)[1:])
+            if arguments.startswith(", ".join(ROUTING)):
+                shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+                raise ConfigError(
+                    f"ep={config.ep}: {other} ({type(module).__name__}) takes routing (forward({arguments})) but its "
+                    f"parameters {shapes} are not each stacked on dim 0 over one count of experts it names in "
+                    f"num_experts (experts without weights, such as zero-compute ones, are not divided with them); "
+                    f"use ep=1 for {model_type}")
             raise ConfigError(
-                f"ep={config.ep}: {other} ({type(model.get_submodule(other)).__name__}) holds experts stacked on "
-                f"dim 0, but its forward takes no routing (not transformers' use_experts_implementation), so its "
-                f"tokens cannot be dispatched; use ep=1 for {model_type}"
+                f"ep={config.ep}: {other} ({type(module).__name__}) holds experts stacked on dim 0, but its "
+                f"forward({arguments}) takes no routing (not transformers' forward(hidden_states, top_k_index, "
+                f"top_k_weights)), so its tokens cannot be dispatched; use ep=1 for {model_type}"
             )
         raise ConfigError(
             f"ep={config.ep}, but {model_type} has no routed experts plait can divide (no module built with "
@@ -105,10 +157,26 @@ def plan_expert_parallel(model: nn.Module, config: ParallelConfig) -> EPPlan | N
     return EPPlan(config.ep, tuple(found), experts, config.moe_capacity_factor)
 
 
+def _own_plan(model_type: str, own: dict[str, tuple[nn.Module, int]], config: ParallelConfig) -> EPPlan:
+    """The EP plan over a model's own experts modules (``own_experts``)."""
+    counts = {module.num_experts for module, _ in own.values()}
+    if len(counts) > 1:
+        raise ConfigError(f"{model_type}: MoE layers with different expert counts {sorted(counts)}; use ep=1")
+    experts = counts.pop()
+    if experts % config.ep:
+        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise ConfigError(f"{model_type} has {experts} experts per MoE layer, not divisible by ep={config.ep}; "
+                          f"choose ep among {divisors}")
+    rows = tuple((name, per) for name, (_, per) in own.items() if per != 1)
+    return EPPlan(config.ep, tuple(own), experts, config.moe_capacity_factor, rows)
+
+
 def other_experts(model: nn.Module) -> str | None:
-    """The first module whose own parameters are stacked over experts (3-D, in a module named like experts)
-    without transformers' experts interface (Llama4's expert-major ``Llama4TextExperts``)."""
+    """The first module whose own parameters are stacked over experts (3-D, in a module named like experts or
+    counting them in ``num_experts``) without transformers' experts interface (Llama4's expert-major
+    ``Llama4TextExperts``; JetMoE's ``JetMoeParallelExperts``, ``forward(inputs, expert_size)``)."""
     for name, module in model.named_modules():
-        if "expert" in name.rpartition(".")[2] and any(p.dim() == 3 for p in module.parameters(recurse=False)):
+        stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+        if stacked and ("expert" in name.rpartition(".")[2] or getattr(module, "num_experts", None) == stacked[0].shape[0]):
             return name
     return None

@@ -14,8 +14,9 @@ Parameters are not compared: every later loss and gradient depends on them.
 
 ``dtype="float64"`` runs the same check in double precision. Some tiny models amplify fp32 reordering noise
 past the tolerance by step 2 or 3 even with eps 1e-6 (Adam divides by sqrt(v)). In float64 the matmuls and
-tp reductions reorder at 1e-16 (transformers still takes softmax and some norms through fp32), so that noise
-drops 20-300x (measured at tp=2 with SP: gemma3_text 2.5x the tolerance in fp32, 0.04x in float64; mixtral
+tp reductions reorder at 1e-16, and so does what transformers computes in fp32 even in a float64 model (softmax,
+RMSNorm, Mamba2's scan): the worker runs float64 throughout, every float32 asked for made float64
+(``conformance_worker.Float64Throughout``), so that noise drops 20-300x (measured at tp=2 with SP: gemma3_text 2.5x the tolerance in fp32, 0.04x in float64; mixtral
 1.9x, 0.008x; olmo2 0.12x in float64), while a mis-split layer stays off by 1e-4: a float64 pass tells the
 two apart. MoE experts run transformers' eager kernel there (torch's grouped matmul takes no float64).
 

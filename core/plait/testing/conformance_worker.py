@@ -18,6 +18,7 @@ inside for their Python stacks (``faulthandler`` on SIGUSR1, into ``rank<N>.stac
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import faulthandler
@@ -33,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait import comm
 from plait.checkpoint import consolidate, save_checkpoint
@@ -171,14 +174,74 @@ class ZeroStep:
         return seen
 
 
+class Float64Throughout:
+    """A float64 run in float64 throughout: every float32 asked for (``x.to(torch.float32)``, ``x.float()``,
+    ``torch.zeros(..., dtype=torch.float32)``, ``softmax(..., dtype=torch.float32)``, ``torch.tensor(2.5,
+    dtype=torch.float32)``) is float64 instead, on the reference and on plait's side alike, and so is the default
+    dtype (``torch.tensor(2.5)``: Gemma's embedding scale is such a buffer, which plait's vocab-parallel embedding
+    builds with an explicit float32: both must be float64). transformers computes RMSNorm, softmax and Mamba2's scan
+    in fp32 even in a float64 model (``hidden_states.to(torch.float32)``, ``.float()``), so without this their fp32
+    rounding stays in a float64 run, and any reordering of the work (a split sum of squares, microbatches) shows it
+    at 1e-7: measured on one process without plait, a float64 tiny mamba2's gradients over 4 microbatches differ
+    from one batch's by 5e-8 of the largest entry, 6e-16 under this mode. What the float64 recheck exists for,
+    reordering noise at 1e-16 against a mis-split module's 1e-4, then holds for every module.
+
+    Two modes: one over torch's Python functions (a dtype asked for before a tensor exists: ``torch.tensor``) and one
+    over aten operators, which stays on in backward, where activation checkpointing recomputes its forward (a
+    torch-function mode is off inside ``Tensor.backward``, which it dispatches itself). Bit reinterpretation
+    (``view(dtype)``) is left alone."""
+
+    def __enter__(self) -> Float64Throughout:
+        self._default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        self._modes = [_Float64Operators(), _Float64Functions()]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        torch.set_default_dtype(self._default)
+
+
+def _float64(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return (tuple(torch.float64 if a is torch.float32 else a for a in args),
+            {k: torch.float64 if v is torch.float32 else v for k, v in kwargs.items()})
+
+
+class _Float64Functions(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.view:
+            return func(*args, **(kwargs or {}))
+        args, kwargs = _float64(args, kwargs or {})
+        return (torch.Tensor.double if func is torch.Tensor.float else func)(*args, **kwargs)
+
+
+class _Float64Operators(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.view.dtype:
+            return func(*args, **(kwargs or {}))
+        args, kwargs = _float64(args, kwargs or {})
+        return func(*args, **kwargs)
+
+
 def run_pair(subject: Subject, mode: Mode, out: Path, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    with Float64Throughout() if dtype == torch.float64 else contextlib.nullcontext():
+        return _run_pair(subject, mode, out, dtype)
+
+
+def _run_pair(subject: Subject, mode: Mode, out: Path, dtype: torch.dtype) -> dict[str, Any]:
     config = with_overrides(subject.config, mode.model)
     if dtype == torch.float64 and hasattr(config, "_experts_implementation"):
         config._experts_implementation = "eager"  # torch's grouped matmul (the default) takes no float64
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(config).to(dtype)
+    # built in the run's dtype: what its init creates in the default dtype (Gemma's embed_scale buffer) is float64
+    # in a float64 run, as Float64Throughout makes plait's own float32 requests (transformers sets the default dtype
+    # to the one it builds a model in)
+    reference = AutoModelForCausalLM.from_config(config, dtype=dtype).to(dtype)
     perturb(reference)
     record = Record([name for name, _ in reference.named_parameters()])
     try:

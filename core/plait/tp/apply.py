@@ -52,6 +52,9 @@ def apply_tensor_parallel(model: nn.Module, shards: dict[str, ModuleShard], mesh
             applied.grad_sums += [(p, group) for p in _summed(new, shard)]
         for attr, value in shard.local_attrs.items():
             setattr(model.get_submodule(parent_name), attr, value)
+        if shard.head_inputs:
+            owner = model.get_submodule(parent_name)
+            owner.register_forward_pre_hook(_slice_head_inputs(owner, shard.head_inputs), with_kwargs=True)
 
     _retie(model, shards, [places for places in tied.values() if len(places) > 1])
     return applied
@@ -75,6 +78,31 @@ def _enter_input(entry: TPRegionEntry):
         entered = entry(hidden)
         return (tuple(entered if a is hidden else a for a in args),
                 {k: entered if v is hidden else v for k, v in kwargs.items()})
+
+    return hook
+
+
+def _slice_head_inputs(module: nn.Module, head_inputs: dict[str, tuple[int, int, int]]):
+    """A forward pre-hook handing ``module`` only its heads of the arguments ``head_inputs`` names (dim 0 viewed as
+    [groups, heads]; heads [first, stop) kept), by keyword or by position."""
+    import inspect
+
+    positions = {name: i - 1 for i, name in enumerate(inspect.signature(type(module).forward).parameters)}
+
+    def narrow(value, heads: int, first: int, stop: int):
+        if value is None:
+            return None
+        grouped = value.reshape(-1, heads, *value.shape[1:])
+        return grouped[:, first:stop].reshape(-1, *value.shape[1:])
+
+    def hook(module, args, kwargs):
+        args = list(args)
+        for name, (heads, first, stop) in head_inputs.items():
+            if name in kwargs:
+                kwargs[name] = narrow(kwargs[name], heads, first, stop)
+            elif 0 <= positions.get(name, -1) < len(args):
+                args[positions[name]] = narrow(args[positions[name]], heads, first, stop)
+        return tuple(args), kwargs
 
     return hook
 

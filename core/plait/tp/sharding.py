@@ -185,6 +185,9 @@ class ModuleShard:
     block: str | None = None
     # specs of parameters other than weight and bias (e.g. an experts module's gate_up_proj and down_proj)
     params: dict[str, ShardSpec] = field(default_factory=dict)
+    # forward arguments of the owner laid out by q heads on dim 0 ([groups * heads, ...], heads innermost: Bloom's
+    # ALiBi bias [batch * heads, 1, S], MPT's [heads, 1, S]) -> (heads, first, stop): the owner gets heads [first, stop)
+    head_inputs: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
     @property
     def owner(self) -> str:

@@ -158,6 +158,9 @@ class Attention(TPRule):
     Laguna's ``g_proj``), split with the q heads.
     ``head_params``: bare parameters of the block with one entry per q head (attention sinks, [heads]),
     split with the q heads (``HeadParams``).
+    ``head_inputs``: forward arguments of the block laid out by q head on dim 0, heads innermost ([batch * heads,
+    1, S]: Bloom's ALiBi bias; [heads, 1, S]: MPT's), which each rank gets sliced to its own heads (a forward
+    pre-hook, ``apply._slice_head_inputs``): its heads' slopes. They carry no gradient to a parameter.
     """
 
     o: str
@@ -172,6 +175,7 @@ class Attention(TPRule):
     q_chunks: int = 1
     head_columns: tuple[str, ...] = ()
     head_params: tuple[str, ...] = ()
+    head_inputs: tuple[str, ...] = ()
     label: ClassVar[str] = "attention"
 
     def __post_init__(self) -> None:
@@ -230,7 +234,11 @@ class Attention(TPRule):
         if unknown:
             raise ConfigError(f"{name}: local_attrs use unknown quantities {sorted(unknown)}; use {sorted(quantities)}")
         projections[0].local_attrs = {attr: quantities[q] for attr, q in self.local_attrs.items()}
+        projections[0].head_inputs = self._head_inputs(q_heads, rank)
         return [*projections, linear_shard(*child(self.o), Row(f"{name}.{self.o}"), None, [q_range])]
+
+    def _head_inputs(self, q_heads: int, rank: int) -> dict[str, tuple[int, int, int]]:
+        return {arg: (self.num_heads, rank * q_heads, (rank + 1) * q_heads) for arg in self.head_inputs}
 
     def _check_heads(self, tp: int) -> None:
         heads, kv_heads = self.num_heads, self.num_kv_heads
@@ -465,6 +473,7 @@ class HeadInterleavedAttention(Attention):
         quantities = {"q_heads": q_heads, "kv_heads": q_heads, "kv_groups": 1, "q_width": q_heads * hd,
                       "kv_width": q_heads * hd}
         qkv.local_attrs = {attr: quantities[q] for attr, q in self.local_attrs.items()}
+        qkv.head_inputs = self._head_inputs(q_heads, rank)
         return [qkv, linear_shard(*child(self.o), Row(f"{name}.{self.o}"), None, [q_range])]
 
 
