@@ -89,7 +89,7 @@ def test_only_gradients_near_the_tolerance_go_to_the_float64_recheck():
     """The kit (and so the sweep) reruns a failed fp32 pair in float64 (which decides) only where every loss was right
     and the gradients were off after step 1, or at step 1 by at most ``STEP1_NOISE`` tolerances (Gemma 4's own fp32
     noise); a gradient off by more at step 1, or a wrong loss, is a FAIL outright."""
-    from plait.testing.noise import fp32_noise, noise_note
+    from plait.testing.noise import fp32_noise, noise_note, noise_shaped
 
     def result(note: str, loss: float = 1e-7, status: str = "FAIL", dtype: str = "float32"):
         return types.SimpleNamespace(note=note, loss_rel=loss, grad_tol=5.0, status=status, dtype=dtype)
@@ -103,6 +103,13 @@ def test_only_gradients_near_the_tolerance_go_to_the_float64_recheck():
     assert not fp32_noise(result(near, loss=1e-3))
     assert not fp32_noise(result("step 2 grad w: max |Δ| 3e-05 (3.0e+00x tolerance)", dtype="float64"))
     assert not fp32_noise(result("", status="pass"))
+    # the suite's parity workers (cp, the MoE global aux loss) apply the rule to the failures of all their ranks
+    assert noise_shaped(["step 3 grad v: max |diff| 2e-06 (3.10x tolerance)", "step 2 grad w: max |diff| 1.7e-06 "
+                                                                             "(1.45x tolerance)"])
+    assert noise_shaped(near.split("; "))
+    assert not noise_shaped([*near.split("; "), "step 1 grad c: max |Δ| 2e-04 (4.0e+01x tolerance)"])
+    assert not noise_shaped(["step 2 grad w: max |Δ| 3e-05 (3.0e+00x tolerance)", "step 3 loss 4.1 vs 4.2 (rel 2e-2)"])
+    assert not noise_shaped(["step 2 grad w: plait has none"]) and not noise_shaped([])
 
 
 def test_tp_cells_say_whether_the_plan_split_the_blocks_or_kept_them_whole():

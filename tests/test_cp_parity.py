@@ -2,9 +2,10 @@
 
 At every step every rank compares the loss and the gradient of each parameter it steps on (its tp slice, its
 pipeline stage, its ZeRO-1 share or its ZeRO-2/3 rows) with the same slice of the reference's, and the ranks
-together must have compared every parameter of the model, by full name, at every step. A case runs once: in
-float32, or in float64 where the worker's FLOAT64 records that fp32 rounding, amplified by Adam, was measured to
-exceed the tolerance or come within 2x of it. The worlds: 2 ranks (cp=2), 4 ranks (cp=4; cp2 x tp2; cp2 x pp2 under each
+together must have compared every parameter of the model, by full name, at every step. A case runs in float32, or
+in float64 where the worker's FLOAT64 records that fp32 rounding, amplified by Adam, was measured to exceed the
+tolerance or come within 2x of it; an fp32 case whose failures are shaped like that rounding is decided in float64
+(``plait.testing.noise.noise_shaped``). The worlds: 2 ranks (cp=2), 4 ranks (cp=4; cp2 x tp2; cp2 x pp2 under each
 pipeline schedule; cp2 x dp2 under ZeRO-1, 2 and 3), one launch each.
 """
 

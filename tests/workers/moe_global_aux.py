@@ -8,7 +8,10 @@ that cuts that batch over dp ranks, microbatches, ``set_global_batch``'s accumul
 slices or ep ranks, and on every rank compares each step's loss, the gradients of the parameters it holds and
 (at step 1) the evaluation loss; where pp=1 also the aux term the step's metrics report (``aux_loss_sum``, summed
 over the world). One case trains under the default scope, ``micro_batch``, to show the difference. The ranks'
-records are merged; rank 0 writes ``<tag>.json``: {case: record}.
+records are merged; rank 0 writes ``<tag>.json``: {case: record}. A case runs in fp32; where its failures over the
+ranks are shaped like fp32 rounding amplified by Adam (gradients only, from step 2 on:
+``plait.testing.noise.noise_shaped``; mixtral's embeddings reached 1.3x the tolerance at step 2 on an AMD EPYC) it
+runs again in float64, which decides.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from plait.config import ParallelConfig  # noqa: E402
 from plait.parallelize import parallelize  # noqa: E402
 from plait.testing.conformance_modes import ADAM_EPS, BATCH, LR, SEQ  # noqa: E402
 from plait.testing.conformance_worker import PlainStep, Record, ZeroStep, compare_grads, perturb  # noqa: E402
+from plait.testing.noise import noise_shaped  # noqa: E402
 
 STEPS = 4
 LOSS_RTOL = 1e-6  # the kit's is 1e-5; measured here below 2e-7
@@ -74,11 +78,22 @@ CASES: dict[str, dict[str, Case]] = {
 }
 
 
-def run_case(case: Case) -> dict:
+def decided(case: Case) -> dict:
+    """``run_case`` in fp32, or where its failures are noise-shaped in float64 (its fp32 failures kept beside)."""
+    record = run_case(case, torch.float32)
+    if case.scope == "global_batch" and record["loss_rel"] <= LOSS_RTOL and noise_shaped(record["failures"]):
+        record = {**run_case(case, torch.float64), "fp32_failures": record["failures"]}
+    return record
+
+
+def run_case(case: Case, dtype: torch.dtype) -> dict:
     from transformers import AutoModelForCausalLM
 
+    config = model_config(case.arch)
+    if dtype == torch.float64:
+        config._experts_implementation = "eager"  # torch's grouped matmul (the default) takes no float64
     torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(model_config(case.arch))
+    reference = AutoModelForCausalLM.from_config(config).to(dtype)
     perturb(reference)
     record = Record([name for name, _ in reference.named_parameters()])
     record.values.update(aux_share=None, eval_rel=None, aux_rel=None)
@@ -118,7 +133,7 @@ def run_case(case: Case) -> dict:
         compare_grads(record, step, pmodel, reference, optimizer_step(record, step))
         ref_opt.step()
         ref_opt.zero_grad()
-    return merged(record.json())
+    return {**merged(record.json()), "dtype": str(dtype).removeprefix("torch.")}
 
 
 def merged(record: dict) -> dict:
@@ -138,7 +153,7 @@ def main() -> None:
     results = {}
     for name, case in CASES[tag].items():
         start = time.perf_counter()
-        results[name] = {**run_case(case), "seconds": time.perf_counter() - start}
+        results[name] = {**decided(case), "seconds": time.perf_counter() - start}
     if dist.get_rank() == 0:
         (out / f"{tag}.json").write_text(json.dumps(results))
     dist.destroy_process_group()

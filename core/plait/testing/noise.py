@@ -8,17 +8,20 @@ hold it: the shape of the miss decides. A miss in gradients only, with every los
 1 within ``STEP1_NOISE`` times the tolerance (Gemma 4: one process in fp32 is 2.6x the tolerance off its own float64
 gradient at step 1), is run again in float64, where that noise shrinks 20-300x while a mis-split module stays off
 by 1e-4 or more (10x the tolerance and more at step 1): the float64 result is the verdict. The kit's callers
-(``run_conformance``, the pytest fixture, ``plait check-adapter``, the architecture sweep) all use this rule.
+(``run_conformance``, the pytest fixture, ``plait check-adapter``, the architecture sweep) all use this rule, and so
+do the suite's own parity workers (``noise_shaped``, on their lists of failures).
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from typing import Protocol
 
 from plait.testing.conformance_modes import LOSS_RTOL
 
+GRAD_MISS = re.compile(r"step (\d+) grad [^;]*\(([0-9.e+-]+)x tolerance\)")  # "step 2 grad w: ... (1.3x tolerance)"
 STEP1_NOISE = 10.0  # a step-1 gradient this many tolerances off, or fewer, may be fp32 noise: float64 decides
 
 
@@ -57,3 +60,14 @@ def noise_note(note: str) -> str:
     if first.startswith("step 1 grad"):
         return f"{first.split(':')[0]} {tolerances(first, step=1)[0]:.1f}x the tolerance"
     return f"step 1 within tolerance, {first.split(':')[0]} over it"
+
+
+def noise_shaped(failures: Sequence[str]) -> bool:
+    """``fp32_noise`` for a list of fp32 failures gathered over a world's ranks: every one a gradient over its
+    tolerance (no loss, no missing gradient), the first after step 1 or at step 1 within ``STEP1_NOISE`` times the
+    tolerance. Such a case is run again in float64, which decides."""
+    found = [GRAD_MISS.match(failure) for failure in failures]
+    if not found or not all(found):
+        return False
+    first = min(int(match.group(1)) for match in found)
+    return first > 1 or max(float(match.group(2)) for match in found if match.group(1) == "1") <= STEP1_NOISE
