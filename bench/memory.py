@@ -1,23 +1,25 @@
 """Bytes per rank of parameters, gradients and optimizer state for tp x pp x dp layouts at ZeRO stages 0-3,
-beside the ZeRO paper's formula; the step time of stage 3 over stage 1; and peak RSS of one step with activation
-checkpointing on vs off.
+each checked against the ZeRO paper's formula; the peak resident memory per rank of each stage through plait's
+trainer; the step time of stage 3 over stage 1; and peak RSS of one step with activation checkpointing on vs off.
 
     python bench/memory.py
 
-Everything is measured on the real tensors of each rank after one optimizer step (sum of numel *
-element_size), then compared with Rajbhandari et al. 2020, per parameter held by the rank (psi):
-mixed-precision Adam keeps 2 (bf16 params) + 2 (bf16 grads) + 12 (fp32 master, exp_avg, exp_avg_sq)
-bytes, ZeRO-1 2 + 2 + 12/dp; in fp32, 4 + 4 + 8 (8/dp). "bf16" rows keep bf16 gradients as the paper
-does (main_grads=False); plait's default also accumulates them in fp32 ``main_grad`` buffers
-(+4 bytes per parameter, the "fp32 acc" column). The goal checked in the last column: optimizer state per
-rank = 1/dp of the unsharded state, to within one parameter's state.
+Everything is measured on the real tensors of each rank (sum of numel * element_size): parameters and optimizer
+state after one optimizer step, gradients as that step meets them. They are compared with Rajbhandari et al. 2020,
+per parameter held by the rank (psi): mixed-precision Adam keeps 2 (bf16 params) + 2 (bf16 grads) + 12 (fp32
+master, exp_avg, exp_avg_sq) bytes, ZeRO-1 2 + 2 + 12/dp; in fp32, 4 + 4 + 8 (8/dp). "bf16" rows keep bf16
+gradients as the paper does (main_grads=False); plait's default accumulates them in fp32 ``main_grad`` buffers
+instead (4 bytes per parameter: the "bf16+fp32acc" rows' gradients). The "ok" column checks all three against the
+formula: exactly, up to AdamW's 4-byte step count per tensor, one parameter's state (ZeRO-1 partitions whole
+parameters) and one row per tensor (ZeRO-2/3 split each tensor's rows over dp); else it names what is off.
 
 ZeRO-2/3 run on FSDP2 (plait.fsdp): between steps each rank stores its rows of every parameter, gradient and AdamW
 state, so fp32 stages 2 and 3 both hold 16 psi/dp (stage 3: 4/dp + 4/dp + 8/dp); with --bf16 the shards are the fp32
 masters, also 16 psi/dp, and layers compute on bf16 gathered copies. Stage 2 differs from stage 3 during the step:
 it keeps every layer gathered from its forward to the end of the step (+4 psi in fp32, +2 psi in bf16), where
 DeepSpeed's ZeRO-2 (4 psi + 12 psi/dp) keeps the full parameters as its only copy; FSDP2 keeps the shard beside the
-gathered copy (docs/decisions.md). The table shows what is stored between steps.
+gathered copy (docs/decisions.md). The table shows what is stored between steps; the peak-RSS table what each stage
+holds at its peak (at dp=2 FSDP2's stage 2 reaches the paper's 10 psi there: 4/2 + 4 + 8/2).
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ LAYOUTS = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (2, 1, 1), (2, 1, 2), (2, 1, 4)]
 H, L, VOCAB, FFN, HEADS = 256, 4, 2048, 768, 8
 RSS_BATCH, RSS_SEQ, RSS_LAYERS = 8, 512, 8
 TIME_BATCH, TIME_SEQ, TIME_STEPS = 4, 256, 6
+# the peak-RSS table: a 51M-parameter Llama (fp32 AdamW), one 32-token sequence per rank: the model's bytes dominate
+PEAK_MODEL = dict(vocab_size=8192, hidden_size=640, intermediate_size=1792, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=8, max_position_embeddings=64)
+PEAK_STEPS = 3
 MIB = 1024 * 1024
 
 
@@ -94,12 +100,21 @@ def layout_worker(out: Path, tp: int, pp: int) -> None:
             params = list(pmodel.parameters())
             ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
             pmodel(ids, labels=ids).backward()
-            grads = tensor_bytes(local(g) for g in (p.grad for p in params) if g is not None)
-            main = tensor_bytes(grad_of(p) for p in params if hasattr(p, MAIN_GRAD))
+            seen = {}
+            step = optimizer.step
+
+            def counted_step(*args, **kwargs):  # the gradients as the optimizer meets them (reduced, sharded)
+                seen["grads"] = tensor_bytes(local(g) for g in (p.grad for p in params) if g is not None)
+                seen["main"] = tensor_bytes(grad_of(p) for p in params if hasattr(p, MAIN_GRAD))
+                return step(*args, **kwargs)
+
+            optimizer.step = counted_step
             OptimizerStep(pmodel.grad_sync, optimizer)()
-            mine = {"params": tensor_bytes(local(p) for p in params), "grads": grads, "fp32_acc": main,
-                    "state": optimizer_state_bytes(optimizer), "psi": sum(p.numel() for p in params),
-                    "largest": max(p.numel() for p in params)}
+            mine = {"params": tensor_bytes(local(p) for p in params), "grads": seen["grads"],
+                    "fp32_acc": seen["main"], "state": optimizer_state_bytes(optimizer),
+                    "psi": sum(p.numel() for p in params), "largest": max(p.numel() for p in params),
+                    "tensors": len(params), "row_elements": sum(p.numel() // p.shape[0] if p.dim() else 1
+                                                                for p in params)}
             everyone = [None] * world
             if world > 1:
                 dist.all_gather_object(everyone, mine)
@@ -143,6 +158,70 @@ def time_worker(out: Path) -> None:
         out.write_text(json.dumps({stage: statistics.median(r[2]) for stage, r in runs.items()}))
 
 
+def resident(field: str) -> int:
+    """VmRSS, or VmHWM (the resident set's high-water mark since the last reset), of this process in bytes."""
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":")) * 1024
+
+
+def stage_worker(out: Path, config: str, output_dir: str, stage: int) -> None:
+    """One rank of a ``plait train`` run (``Trainer``) at ``stage``: its peak resident memory after each step, the
+    high-water mark reset once the trainer is built (what ``peak_rss_mb`` reports, without the build)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from plait import comm
+    from plait.train_args import TrainArgs
+    from plait.trainer import Trainer
+
+    trainer = Trainer(TrainArgs(model_config=config, output_dir=output_dir, max_steps=PEAK_STEPS, zero_stage=stage,
+                                per_device_train_batch_size=1, block_size=32, save_steps=0, save_final=False))
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    base = resident("VmRSS")
+    peaks = []
+    for step in range(PEAK_STEPS):
+        trainer.step(step)
+        peaks.append(resident("VmHWM"))
+    psi = sum(p.numel() for p in trainer.pmodel.parameters())
+    trainer.heartbeat.close()
+    ranks = comm.all_gather_object({"base": base, "peaks": peaks, "psi": psi}, comm.world_group())
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(ranks))
+
+
+def peak_rss_table(tmp: Path) -> None:
+    """Each rank's peak resident memory per step at ZeRO stages 1-3 (dp=2, fp32 AdamW), one world per stage (a peak
+    is its process's), beside the formula's bytes at each stage's peak."""
+    from transformers import LlamaConfig
+
+    from plait.testing import launch
+
+    dp = 2
+    config = tmp / "peak_model.json"
+    config.write_text(LlamaConfig(**PEAK_MODEL).to_json_string())
+    # bytes per parameter at the stage's peak: ZeRO-1 parameters + whole gradients + state/dp; FSDP2's stage 2 its
+    # shards + the gathered layers + state/dp (the gradients grow as layers are freed); stage 3 all over dp
+    at_peak = {1: 4 + 4 + 8 / dp, 2: 4 / dp + 4 + 8 / dp, 3: 16 / dp}
+    print(f"Peak resident memory per rank, plait's trainer on the CPU, dp={dp}, fp32 AdamW, Llama "
+          f"h={PEAK_MODEL['hidden_size']} L={PEAK_MODEL['num_hidden_layers']} ffn={PEAK_MODEL['intermediate_size']} "
+          f"vocab={PEAK_MODEL['vocab_size']}, 1 x 32 tokens per rank, {PEAK_STEPS} steps (MiB)")
+    print(f"{'zero':>4} {'bytes/param':>11} {'formula':>8} {'vs zero 1':>9} {'rank':>4} {'after build':>11} "
+          f"{'peak per step':>22} {'peak':>6} {'vs zero 1':>9}")
+    first: dict[int, int] = {}
+    for stage in (1, 2, 3):
+        out = tmp / f"peak_zero{stage}.json"
+        launch([__file__, "--stage-worker", str(out), str(config), str(tmp / f"peak_run{stage}"), str(stage)], dp,
+               timeout=600)
+        for rank, r in enumerate(json.loads(out.read_text())):
+            psi, peak = r["psi"], max(r["peaks"])
+            first.setdefault(rank, peak)
+            print(f"{stage:4d} {at_peak[stage]:11.1f} {psi * at_peak[stage] / MIB:8.1f} "
+                  f"{psi * (at_peak[stage] - at_peak[1]) / MIB:9.1f} {rank:4d} {r['base'] / MIB:11.1f} "
+                  f"{' '.join(f'{p / MIB:6.0f}' for p in r['peaks']):>22} {peak / MIB:6.0f} "
+                  f"{(peak - first[rank]) / MIB:9.0f}")
+
+
 def rss_worker(checkpointing: bool) -> None:
     """One process: peak RSS of a training step (forward + backward) over the RSS before it."""
     import psutil
@@ -163,15 +242,30 @@ def rss_worker(checkpointing: bool) -> None:
 
 
 def formula(precision: str, stage: int, dp: int) -> tuple[float, float, float]:
-    """Bytes per parameter stored between steps: (params, grads, optimizer state). Stages 0-1: the ZeRO paper's
-    (mixed precision: bf16 params and grads, fp32 master + moments); stages 2-3 on FSDP2: fp32 shards of
-    parameters and gradients, fp32 moments, all over dp (under --bf16 the fp32 shards are the masters)."""
+    """Bytes per parameter a rank holds: (params, grads, optimizer state). Stages 0-1: the ZeRO paper's (mixed
+    precision: bf16 params and grads, fp32 master + moments; "bf16+fp32acc": fp32 gradient buffers instead of bf16
+    gradients); stages 2-3 on FSDP2: fp32 shards of parameters and gradients, fp32 moments, all over dp (under --bf16
+    the fp32 shards are the masters)."""
     if stage >= 2:
         return 4 / dp, 4 / dp, 8 / dp
     shard = dp if stage == 1 else 1
     if precision == "fp32":
         return 4, 4, 8 / shard
-    return 2, 2, 12 / shard
+    return 2, 4 if precision == "bf16+fp32acc" else 2, 12 / shard
+
+
+def misses(precision: str, stage: int, dp: int, rank: dict) -> list[str]:
+    """What of one rank's bytes is off the formula: none where parameters, gradients (with fp32 buffers) and state
+    are the formula's to within AdamW's step count per tensor, one parameter's state (ZeRO-1 partitions whole
+    parameters) and one row per tensor (ZeRO-2/3: torch.chunk of each tensor's rows over dp)."""
+    fp, fg, fs = formula(precision, stage, dp)
+    psi = rank["psi"]
+    rows = 4 * rank["row_elements"] if stage >= 2 else 0
+    whole = rank["largest"] * fs * dp if stage == 1 else 0
+    allowed = {"params": (psi * fp, rows), "grads": (psi * fg, rows),
+               "state": (psi * fs, 4 * rank["tensors"] + whole + 2 * rows)}
+    held = {"params": rank["params"], "grads": rank["grads"] + rank["fp32_acc"], "state": rank["state"]}
+    return [name for name, (want, slack) in allowed.items() if abs(held[name] - want) > slack]
 
 
 def main() -> None:
@@ -179,7 +273,12 @@ def main() -> None:
     parser.add_argument("--layout-worker", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--rss-worker", choices=("on", "off"), help=argparse.SUPPRESS)
     parser.add_argument("--time-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--stage-worker", nargs=4, help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    if ns.stage_worker:
+        out, config, output_dir, stage = ns.stage_worker
+        stage_worker(Path(out), config, output_dir, int(stage))
+        return
     if ns.time_worker:
         time_worker(Path(ns.time_worker))
         return
@@ -193,11 +292,13 @@ def main() -> None:
     from plait.testing import launch
 
     tmp = Path(tempfile.mkdtemp(prefix="memory-"))
-    print(f"Llama h={H} L={L} ffn={FFN} vocab={VOCAB} (untied), AdamW; bytes per rank after one optimizer step")
-    print("ranks: max over the world (params, grads) / max and min (optimizer state); formula = psi * bytes/param")
+    print(f"Llama h={H} L={L} ffn={FFN} vocab={VOCAB} (untied), AdamW; bytes per rank: parameters and state after "
+          f"one optimizer step, gradients as it meets them (bf16+fp32acc: the fp32 buffers)")
+    print("ranks: max over the world (params, grads) / max and min (optimizer state); formula = psi * bytes/param; "
+          "ok: every rank's three within the formula's rounding (else what is off)")
     header = (f"{'tp':>2} {'pp':>2} {'dp':>2} {'zero':>5} {'precision':>13} {'psi':>9} {'params MiB':>10} "
-              f"{'formula':>8} {'grads MiB':>9} {'formula':>8} {'fp32 acc':>8} {'state MiB max/min':>17} "
-              f"{'formula':>8} {'state/unsharded':>15} {'goal':>5}")
+              f"{'formula':>8} {'grads MiB':>9} {'formula':>8} {'state MiB max/min':>17} {'formula':>8} "
+              f"{'state/unsharded':>15} {'ok':>12}")
     print(header)
     for tp, pp, dp in LAYOUTS:
         out = tmp / f"tp{tp}_pp{pp}_dp{dp}.json"
@@ -209,17 +310,15 @@ def main() -> None:
             psi = max(x["psi"] for x in ranks)
             fp, fg, fs = formula(r["precision"], r["stage"], dp)
             state_max, state_min = max(x["state"] for x in ranks), min(x["state"] for x in ranks)
-            # the stage-0 state over dp (stages 2-3 under bf16: fp32 moments only, the shards being the masters)
-            target = unsharded[r["precision"]] / (dp if r["stage"] else 1) * (8 / 12 if r["stage"] >= 2 and
-                                                                             r["precision"] != "fp32" else 1)
-            one_param = max(x["largest"] for x in ranks) * (12 if r["precision"] != "fp32" else 8)
-            ok = "ok" if state_max - target <= one_param else "MISS"
+            off = sorted({name for x in ranks for name in misses(r["precision"], r["stage"], dp, x)})
+            ok = "ok" if not off else "MISS " + ",".join(off)
             print(f"{tp:2d} {pp:2d} {dp:2d} {r['stage']:>5} {r['precision']:>13} {psi:9,d} "
                   f"{max(x['params'] for x in ranks) / MIB:10.2f} {psi * fp / MIB:8.2f} "
-                  f"{max(x['grads'] for x in ranks) / MIB:9.2f} {psi * fg / MIB:8.2f} "
-                  f"{max(x['fp32_acc'] for x in ranks) / MIB:8.2f} "
+                  f"{max(x['grads'] + x['fp32_acc'] for x in ranks) / MIB:9.2f} {psi * fg / MIB:8.2f} "
                   f"{state_max / MIB:8.2f}/{state_min / MIB:<8.2f} {psi * fs / MIB:8.2f} "
-                  f"{state_max / unsharded[r['precision']]:15.3f} {ok:>5}")
+                  f"{state_max / unsharded[r['precision']]:15.3f} {ok:>12}")
+    print()
+    peak_rss_table(tmp)
     print()
     out = tmp / "time.json"
     launch([__file__, "--time-worker", str(out)], 2, timeout=600)

@@ -24,7 +24,7 @@ from plait.cp.layout import CPPlan, plan_context_parallel
 from plait.declarations import SPPlan, TPPlan
 from plait.ep.layout import EPPlan, plan_expert_parallel
 from plait.float8 import plan_float8
-from plait.fsdp import ROOT, unit_of
+from plait.fsdp import ROOT, edge_units, unit_of
 from plait.lora.layout import LoraPlan, plan_lora
 from plait.moe_balance import check_global_scope
 from plait.pipeline.cuts import StageSplit
@@ -59,7 +59,7 @@ class LayoutPlan:
     specs_by_rank: tuple[dict[str, ShardSpec], ...]
     sp_plan: SPPlan | None
     leaves: tuple[str, ...]
-    units: tuple[str, ...] = ()  # ZeRO-2/3: the leaf modules that are each one FSDP2 unit (plait.fsdp)
+    units: tuple[str, ...] = ()  # ZeRO-2/3: the modules that are each one FSDP2 unit (plait.fsdp): ``fsdp_units``
     lora: LoraPlan | None = None  # LoRA adapters (their specs are in specs_by_rank); the base is frozen
     cp: CPPlan | None = None  # context parallelism: the attention strategies that apply (None at cp=1)
     ep: EPPlan | None = None  # expert parallelism: the routed-experts modules (None at ep=1)
@@ -114,8 +114,9 @@ def plan_layout(
         sp_grad_sum_params(model, sp_plan, shards_by_rank[0])  # validates the plan against the model
     targets = tuple(checkpoint_targets(model, leaf_patterns)) if config.gradient_checkpointing or config.fsdp else ()
     leaves = targets if config.gradient_checkpointing else ()
+    units = fsdp_units(model, targets) if config.fsdp else ()
     if config.fsdp:
-        check_units_share_nothing(model, targets, config.zero_stage)
+        check_units_share_nothing(model, units, config.zero_stage)
     lora_plan = None
     if lora is not None:
         lora_tp_plan = tp_plan
@@ -127,7 +128,8 @@ def plan_layout(
     float8 = plan_float8(model, config, leaf_patterns, specs_by_rank, lora)
     return LayoutPlan(
         config=config.resolve(world_size), adapter=adapter, model_config=model.config, split=split, tied=tied,
-        shards_by_rank=shards_by_rank, specs_by_rank=specs_by_rank, sp_plan=sp_plan, leaves=leaves, units=targets if config.fsdp else (), lora=lora_plan,
+        shards_by_rank=shards_by_rank, specs_by_rank=specs_by_rank, sp_plan=sp_plan, leaves=leaves, units=units,
+        lora=lora_plan,
         cp=cp_plan, ep=ep_plan, float8=float8, replicated=replicated,
     )
 
@@ -190,6 +192,12 @@ def check_zero_stage(config: ParallelConfig) -> None:
         raise ConfigError(f"{stage} with pipeline_schedule='zero-bubble': it computes weight gradients after FSDP2 "
                           f"has reduced them (after the input gradients); use '1f1b' or 'interleaved-1f1b', or "
                           f"--zero_stage 1")
+
+
+def fsdp_units(model: nn.Module, leaves: tuple[str, ...]) -> tuple[str, ...]:
+    """ZeRO-2/3's FSDP2 units: each leaf module (decoder layer), then the input embedding and the output head where
+    they can be units of their own (``plait.fsdp.edge_units``); the model's root unit holds the rest."""
+    return leaves + edge_units(model, leaves)
 
 
 def check_units_share_nothing(model: nn.Module, units: tuple[str, ...], stage: int) -> None:

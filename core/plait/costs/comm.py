@@ -36,7 +36,7 @@ what a ring algorithm sends per rank: all-reduce 2(p-1)/p n, all-gather (p-1) n_
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +46,7 @@ from plait.costs.context_parallel import attention_comm
 from plait.costs.experts import RoutedCall, ep_comm, token_share
 from plait.costs.memory import Precision, RankParam, zero1_owned
 from plait.costs.tp_modules import VOCAB_LABELS
-from plait.fsdp import unit_of
+from plait.fsdp import gathered_once, unit_of
 from plait.grad_sync import BUCKET_BYTES
 from plait.layout_plan import LayoutPlan
 from plait.tp.sequence_parallel import sp_grad_sum_params
@@ -225,7 +225,7 @@ def step_comm(
     if apart:
         groups.append(("edp", [p for p in trained if p.expert], dp // config.ep))
     if config.fsdp and dp > 1:
-        return merged(ops + fsdp_comm(plan, held, precision, dp, acc))
+        return merged(ops + fsdp_comm(plan, held, precision, dp, acc, gathered_once(model, plan.units)))
     for group, params, size in groups:
         if size == 1 or not params:
             continue
@@ -241,16 +241,25 @@ def step_comm(
 
 
 def fsdp_comm(plan: LayoutPlan, held: list[RankParam], precision: Precision, replicas: int,
-              accumulation: int) -> list[CommOp]:
-    """ZeRO-2/3's all-gathers and reduce-scatters over the replica group in one step."""
+              accumulation: int, once: Collection[str] = ()) -> list[CommOp]:
+    """ZeRO-2/3's all-gathers and reduce-scatters over the replica group in one step (``once``: the units stage 3
+    gathers once per micro-batch, not twice: ``plait.fsdp.gathered_once``)."""
     config = plan.config
-    units = {unit_of(p.name, plan.units) for p in held}
-    shard = sum(p.numel for p in held) // replicas * precision.param.itemsize
+    of = {p.name: unit_of(p.name, plan.units) for p in held}
+    units = set(of.values())
+    itemsize = precision.param.itemsize
+    shard = sum(p.numel for p in held) // replicas * itemsize
     backwards = accumulation * config.num_microbatches
-    gathers = 2 * backwards if config.zero_stage == 3 else backwards if config.pp > 1 else 1
-    reduce_bytes = max(precision.param.itemsize, 4 if precision.param != precision.optimizer else 0)
+    if config.zero_stage == 3:
+        kept = units & set(once)
+        kept_shard = sum(p.numel for p in held if of[p.name] in kept) // replicas * itemsize
+        count, size = backwards * (2 * len(units) - len(kept)), backwards * (2 * shard - kept_shard)
+    else:
+        rounds = backwards if config.pp > 1 else 1
+        count, size = rounds * len(units), rounds * shard
+    reduce_bytes = max(itemsize, 4 if precision.param != precision.optimizer else 0)
     trained = sum(p.numel for p in held if p.trainable) * reduce_bytes
-    return [CommOp("dp", "all_gather", gathers * len(units), gathers * shard),
+    return [CommOp("dp", "all_gather", count, size),
             CommOp("dp", "reduce_scatter", backwards * len(units), backwards * trained)]
 
 

@@ -12,9 +12,9 @@ Parameters, gradients and optimizer state follow the code that allocates them, f
 Under ZeRO-2/3 (FSDP2, ``plait.fsdp``) each replica rank stores its rows of every parameter (torch.chunk of dim 0
 over the dp x cp ranks), their gradients and AdamW state, all in the optimizer dtype (with --bf16 the shards are the
 fp32 masters); the layers compute on gathered copies in the parameter dtype: under stage 2 every unit's for the
-whole step, under stage 3 the model's root unit (embeddings, final norm, head) and two decoder layers (the one
-computing and the one prefetched). A unit's gradient is whole, in the parameter dtype and in fp32 for the
-reduce-scatter, while it is reduced.
+whole step, under stage 3 the model's root unit (final norm; tied embeddings) and two units (the one computing and
+the one prefetched; counted as the two largest of the decoder layers, the input embedding and the output head). A
+unit's gradient is whole, in the parameter dtype and in fp32 for the reduce-scatter, while it is reduced.
 Under expert parallelism (ep) a rank holds E/ep of each MoE layer's experts: dim 0 of every experts parameter is
 divided by ep, after tp's split of the intermediate dimension. ZeRO-1 then shards the dense parameters over the
 replica group (dp x cp ranks) and the expert ones over the expert-replica group (dp x cp / ep ranks, the ranks
@@ -176,11 +176,11 @@ def fsdp_static_bytes(params: list[RankParam], precision: Precision, replicas: i
         unit = unit_of(p.name, units)
         unit_numel[unit] = unit_numel.get(unit, 0) + p.numel
         unit_trained[unit] = unit_trained.get(unit, 0) + (p.numel if p.trainable else 0)
-    leaves = [n for u, n in unit_numel.items() if u != ROOT]
+    leaves = sorted((n for u, n in unit_numel.items() if u != ROOT), reverse=True)
     if stage == 2:
         gathered = sum(unit_numel.values()) * compute
     else:
-        gathered = (unit_numel.get(ROOT, 0) + 2 * max(leaves, default=0)) * compute
+        gathered = (unit_numel.get(ROOT, 0) + sum(leaves[:2])) * compute
     reduced = max(unit_trained.values(), default=0) * (compute + (4 if compute != 4 else 0))
     out = []
     for rank in range(replicas):

@@ -30,7 +30,7 @@ from plait.costs.estimate import Batch, LayoutEstimate, estimate_layout
 from plait.costs.experts import routed_experts
 from plait.costs.memory import Precision
 from plait.cp.sequence import check_length
-from plait.layout_plan import LayoutPlan, check_units_share_nothing, plan_layout
+from plait.layout_plan import LayoutPlan, check_units_share_nothing, fsdp_units, plan_layout
 from plait.registry import AdapterError, Registry
 
 if TYPE_CHECKING:
@@ -58,6 +58,7 @@ def search_layouts(
         global_batch = batch.per_device * (base.dp or world_size // (base.tp * base.cp * base.pp)) * batch.accumulation
     result = SearchResult()
     plans: dict[tuple, LayoutPlan | str] = {}
+    fsdp_units_of: dict[tuple, tuple[str, ...]] = {}  # per plan key: ZeRO-2/3's units
     cache: dict = {}  # estimate_layout's, shared by the layouts of one plan (the plans above stay alive)
     experts = math.gcd(*routed_experts(model).values())  # 0 for a dense model
     for config in candidates(base, world_size, global_batch, experts, len(trace.layers)):
@@ -90,18 +91,21 @@ def search_layouts(
         if isinstance(plan, str):
             result.refused.append((label, plan))
             continue
+        units: tuple[str, ...] = ()
         if config.fsdp:  # a parameter two units share (the plan above was made without ZeRO-2/3)
             if ("units", key) not in plans:
+                fsdp_units_of[key] = fsdp_units(model, plan.leaves)
                 try:
-                    check_units_share_nothing(model, plan.leaves, 3)
+                    check_units_share_nothing(model, fsdp_units_of[key], 3)
                     plans["units", key] = ""
                 except ConfigError as err:
                     plans["units", key] = str(err)
             if plans["units", key]:
                 result.refused.append((label, plans["units", key]))
                 continue
+            units = fsdp_units_of[key]
         plan = dataclasses.replace(plan, config=config, leaves=plan.leaves if config.gradient_checkpointing else (),
-                                   units=plan.leaves if config.fsdp else ())  # the leaves are ZeRO-2/3's units
+                                   units=units)
         for size in sizes:  # micro-batch size per device; the accumulation steps make up the rank's share
             split = Batch(size, batch.seq, share // size)
             estimate = estimate_layout(model, plan, split, precision, trace, weight_decay, decay_embeddings, cache,
