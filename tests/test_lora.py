@@ -37,8 +37,10 @@ TRAINED_LOGITS_TOL = 1e-4
 # measured 0.7-0.83 here and 1.14-1.18 on another machine (transformers 5.24, peft 0.21.2). The same cases in
 # float64 match to 2e-9 of that tolerance at every step (GPT2, Llama; a mis-split adapter is off by the order of
 # the gradient itself, 1e4), so every step is checked there, 10 times tighter than fp32: Qwen3's per-head q/k
-# RMSNorm, which transformers computes in fp32 even in a float64 model, keeps some fp32 noise (0.022 at step 3).
-FLOAT64_GRAD_ERR = 0.1
+# RMSNorm, which transformers computes in fp32 even in a float64 model, keeps some fp32 noise: 0.022 at step 3 with
+# AVX-512 kernels, 0.115 with ATEN_CPU_CAPABILITY=default (tp2 and tp2_sp, step 2): its bound is 0.5.
+FLOAT64_GRAD_ERR = {"qwen3": 0.5}
+FLOAT64_GRAD_ERR_DEFAULT = 0.1
 
 
 def run_worker(tmp_path_factory, *flags: str) -> dict:
@@ -72,7 +74,8 @@ def test_lora_parity_with_peft_on_one_process(results, results64, arch, layout):
             assert not case["failures"], f"rank {rank}: {case['failures']}"
             assert case["loss_rel"] <= LOSS_RTOL, f"rank {rank}: {case}"
         assert r["grad_err_by_step"][0] <= 1.0, f"rank {rank}: {r.get('grad_worst')}"
-        assert max(r64["grad_err_by_step"]) <= FLOAT64_GRAD_ERR, f"rank {rank}: {r64.get('grad_worst')}"
+        assert max(r64["grad_err_by_step"]) <= FLOAT64_GRAD_ERR.get(arch, FLOAT64_GRAD_ERR_DEFAULT), \
+            f"rank {rank}: {r64.get('grad_worst')}"
         assert max(r64["elem_err_by_step"]) <= 1.0, f"rank {rank}: per element over the kit's tolerance: {r64}"
         assert r["base_changed"] == [], f"rank {rank}: frozen base weights changed: {r['base_changed']}"
         assert r["frozen_grads"] == [] and r["frozen_stepped"] == 0, f"rank {rank}: {r}"
