@@ -20,7 +20,7 @@ from plait.tp.styles import (
 )
 
 import plait_transformers
-from plait_transformers_tiny import tiny_config
+from plait_transformers.tiny import tiny_config
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 
@@ -253,7 +253,7 @@ def test_refused_plans_still_train_data_parallel(registry, arch):
 
 @pytest.mark.parametrize("arch", ["phi3", "olmo2", "gpt_neox", "mixtral", "youtu"])
 def test_show_derived_code_loads_as_an_adapter_with_the_same_plans(arch):
-    from plait_transformers_derive import Refusal, derive
+    from plait_transformers.derivation import Refusal, derive
 
     module = types.ModuleType(f"derived_{arch}")
     exec(compile(plait_transformers.show_derived(arch), f"<derived {arch}>", "exec"), module.__dict__)
@@ -303,7 +303,7 @@ def test_show_derived_of_an_undeclared_model_type_equals_that_of_its_config(tmp_
 def test_pipeline_plan_follows_the_forward_where_transformers_has_no_pp_plan(width, before, after):
     """OPTDecoder registers final_layer_norm (and project_out) before its layers and runs them after: the last
     stage runs them, where by registration order the first stage owned them and later ones passed them by."""
-    from plait_transformers_derive import derive
+    from plait_transformers.derivation import derive
 
     plan = derive(tiny("opt", word_embed_proj_dim=width)).pipeline
     assert plan.first == ("model.decoder.embed_tokens", "model.decoder.embed_positions", *before)
@@ -331,7 +331,7 @@ class _NormBothSides(torch.nn.Module):
 
 def test_pipeline_plan_refuses_a_norm_with_parameters_on_both_sides_of_the_layers():
     """The stage owning it would be the last; the first would pass it by: refused, not silently wrong."""
-    from plait_transformers_stages import pipeline_plan
+    from plait_transformers.pipeline_stages import pipeline_plan
 
     model = torch.nn.Module()
     model.model, model.pp_plan = _NormBothSides(), None

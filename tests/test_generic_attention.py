@@ -14,8 +14,8 @@ from plait.layout_plan import plan_layout
 from plait.meta import build_meta_model
 from plait.tp.styles import HeadParams, ReplicatedGradSum
 
-from plait_transformers_derive import derive
-from plait_transformers_tiny import tiny_config
+from plait_transformers.derivation import derive
+from plait_transformers.tiny import tiny_config
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 
@@ -212,7 +212,7 @@ def test_attention_blocks_of_different_classes_at_one_path_are_refused(monkeypat
     """Layers whose attention blocks differ in class at one module path (transformers 5.23's Inkling2: full and
     sliding attention) cannot be told apart by plait's patterns. Built here from qwen3 with one layer's block
     given another class, so that the rule stays tested whatever a release does to the model that showed it."""
-    import plait_transformers_derive
+    from plait_transformers import derivation
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
     class SlidingAttention(Qwen3Attention):
@@ -223,8 +223,8 @@ def test_attention_blocks_of_different_classes_at_one_path_are_refused(monkeypat
         model.model.layers[1].self_attn.__class__ = SlidingAttention
         return model
 
-    monkeypatch.setattr(plait_transformers_derive, "build_meta_model", build)
-    monkeypatch.setattr(plait_transformers_derive, "_CACHE", {})
+    monkeypatch.setattr(derivation, "build_meta_model", build)
+    monkeypatch.setattr(derivation, "_CACHE", {})
     refusal = derive(tiny("qwen3")).tp
     assert str(refusal) == ("qwen3: model.layers.*.self_attn: attention blocks of different classes ['Qwen3Attention', "
                             "'SlidingAttention'] at one module path, which plait's patterns cannot tell apart")

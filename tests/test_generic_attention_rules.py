@@ -35,8 +35,8 @@ from plait.meta import build_meta_model
 from plait.testing.conformance_modes import LOSS_RTOL
 from plait.tp.styles import LatentAttention, PairedHeadsAttention, ReplicatedGradSum
 from plait_transformers import plait_tiny_config
-from plait_transformers_common import Refusal
-from plait_transformers_derive import derive, tp_plan
+from plait_transformers.common import Refusal
+from plait_transformers.derivation import derive, tp_plan
 
 pytest_plugins = ["plait.testing.pytest_plugin"]
 
@@ -110,9 +110,9 @@ def test_latent_attention_parameter_that_is_no_sink_is_refused():
 
 def test_a_gate_not_read_per_head_is_not_split_with_the_heads(monkeypatch):
     """A Linear of heads outputs that the forward does not apply per head is no head gate: refused as a stray."""
-    import plait_transformers_latent
+    from plait_transformers import latent
 
-    monkeypatch.setattr(plait_transformers_latent, "_head_gate", lambda block, child, per_head: False)
+    monkeypatch.setattr(latent, "_head_gate", lambda block, child, per_head: False)
     config = plait_tiny_config("dots3_note_text")
     with pytest.raises(Refusal, match=r"self_attn\.g_proj: a module with parameters inside latent attention"):
         tp_plan(build_meta_model(config), config, "model.layers", [])

@@ -1,5 +1,5 @@
 """Linears no tensor-parallel rule splits, kept whole on every rank, and the per-token inputs a model hands its layers
-beside the hidden states, split on the sequence under SP (plait_transformers_layer_linears, ``SPPlan.side_inputs``):
+beside the hidden states, split on the sequence under SP (plait_transformers.layer_linears, ``SPPlan.side_inputs``):
 
 - Zamba, Zamba2: ``linear`` on the hybrid layer after the shared attention block, and the shared block's MLP (Zamba2's
   with low-rank adapters beside its fused gate | up), Linears only, token by token; ``original_hidden_states`` (the
@@ -23,8 +23,8 @@ from plait.config import ConfigError
 from plait.testing.conformance_modes import LOSS_RTOL
 from plait.tp.sequence_parallel import SideInputScatter
 from plait_transformers import plait_tiny_config
-from plait_transformers_derive import derive
-from plait_transformers_layer_linears import in_linear_block, replicated_linear
+from plait_transformers.derivation import derive
+from plait_transformers.layer_linears import in_linear_block, replicated_linear
 
 pytest_plugins = ["plait.testing.pytest_plugin"]
 

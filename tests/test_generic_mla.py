@@ -16,10 +16,10 @@ from plait.meta import build_meta_model
 from plait.tp.styles import ExpertMajorExperts, LatentAttention, MoEExperts, ReplicatedGradSum
 
 import plait_transformers
-from plait_transformers_blocks import is_scalar_activation
-from plait_transformers_common import Refusal
-from plait_transformers_derive import tp_plan
-from plait_transformers_latent import MLA_DOWN, latent_attention_rules
+from plait_transformers.common import Refusal
+from plait_transformers.derivation import tp_plan
+from plait_transformers.latent import MLA_DOWN, latent_attention_rules
+from plait_transformers.mlp import is_scalar_activation
 
 MLA = ("deepseek_v2", "deepseek_v3", "axk1", "youtu", "glm4_moe_lite", "minicpm3")
 ATTENTION = "model.layers.*.self_attn"

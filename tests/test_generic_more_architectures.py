@@ -31,11 +31,9 @@ from __future__ import annotations
 import pytest
 
 from plait.testing.conformance_modes import LOSS_RTOL
-import plait_transformers_derive
-import plait_transformers_stages
-from plait_transformers import plait_tiny_config
-from plait_transformers_common import Refusal
-from plait_transformers_derive import derive
+from plait_transformers import derivation, plait_tiny_config, sp_region
+from plait_transformers.common import Refusal
+from plait_transformers.derivation import derive
 
 pytest_plugins = ["plait.testing.pytest_plugin"]
 
@@ -93,8 +91,8 @@ def test_an_mlp_on_the_decoder_layer_is_split_whole_or_flattened_to_tokens(monke
         rules = {type(r).__name__ + ":" + r.pattern for r in derive(plait_tiny_config(arch)).tp.rules}
         assert {f"Column:{layers}.*.fc1", f"Row:{layers}.*.fc2"} <= rules
     assert derive(plait_tiny_config("opt")).sp.end == "model.decoder.final_layer_norm"
-    monkeypatch.setattr(plait_transformers_stages, "_final_norm", lambda model, layers: None)
-    monkeypatch.setattr(plait_transformers_derive, "_CACHE", {})
+    monkeypatch.setattr(sp_region, "_final_norm", lambda model, layers: None)
+    monkeypatch.setattr(derivation, "_CACHE", {})
     refusal = derive(plait_tiny_config("opt")).sp
     assert isinstance(refusal, Refusal)
     assert str(refusal).startswith("opt: model.decoder.final_layer_norm: a norm beside the layers that the "

@@ -15,7 +15,7 @@ from plait.materialize import load_parallel_model
 from plait.meta import build_meta_model
 from plait.pipeline.stages import PassThrough
 from plait_transformers import plait_tiny_config, plait_tp_plan
-from plait_transformers_derive import Refusal, derive
+from plait_transformers.derivation import Refusal, derive
 
 BIAS = "e_score_correction_bias"
 

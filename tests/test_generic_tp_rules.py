@@ -28,9 +28,10 @@ from plait.testing.conformance_modes import LOSS_RTOL
 from plait.tp.sharding import TPSizeError
 from plait.tp.styles import FusedColumn, HeadInterleavedAttention, SplitNorm
 from plait_transformers import plait_tiny_config
-from plait_transformers_blocks import _check_one_input, _linear_path, split_sub_norm
-from plait_transformers_common import Refusal
-from plait_transformers_derive import derive
+from plait_transformers.attention import _check_one_input, _linear_path
+from plait_transformers.common import Refusal
+from plait_transformers.derivation import derive
+from plait_transformers.mlp import split_sub_norm
 
 pytest_plugins = ["plait.testing.pytest_plugin"]
 

@@ -5,7 +5,7 @@ parallelism its column-parallel input is gathered, and its row-parallel output r
 from plait import AdapterInfo, Column, Row, SPPlan, TPPlan, hookimpl
 
 import plait_transformers
-from plait_transformers_derive import derive
+from plait_transformers.derivation import derive
 
 SHARED = "model.layers.*.mlp.shared_expert"
 

@@ -2,7 +2,7 @@
 every parameter. Pure functions of a (meta) model, no communication.
 
 ``plan_layout`` calls them before any process group exists; each rule decides its own modules
-(``tp/styles.py``), in the shard types of ``tp/sharding.py``.
+(``tp/styles/``), in the shard types of ``tp/sharding.py``.
 """
 
 from __future__ import annotations

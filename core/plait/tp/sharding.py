@@ -1,6 +1,6 @@
 """Shard specs and shard decisions: what a tp rank holds of a tensor and of a module. Pure, no communication.
 
-How one rule splits its modules lives with the rule (``tp/styles.py``, built on this module); walking a TP plan
+How one rule splits its modules lives with the rule (``tp/styles/``, built on this module); walking a TP plan
 over a model is ``tp/layout.py``. This module holds the shard types and the range arithmetic the rules share.
 
 The same types answer "what does tp rank r hold?" for applying TP, for ``plait plan`` (on a meta model),
@@ -170,7 +170,7 @@ class ModuleShard:
     """The decision for one module: its style, the spec of its weight and bias, and who shares it."""
 
     name: str
-    style: Any  # the TPRule that decided it and builds the module's replacement (tp/styles.py, above this module)
+    style: Any  # the TPRule that decided it and builds the module's replacement (tp/styles/, above this module)
     transposed: bool  # transformers Conv1D: weight is [in, out]
     weight: ShardSpec
     bias: ShardSpec | None

@@ -20,8 +20,8 @@ from torch import nn
 
 from plait.tp.sharding import linear_shape
 
-from plait_transformers_blocks import gated_mlp, viewed_in_halves
-from plait_transformers_common import is_attention, is_linear, own_params
+from plait_transformers.common import is_attention, is_linear, own_params
+from plait_transformers.mlp import gated_mlp, viewed_in_halves
 
 
 def structural_tp_plan(model: nn.Module, layers: str | None) -> dict[str, str]:

@@ -17,7 +17,7 @@ from plait.patterns import matches
 from plait.tp.sharding import linear_shape
 from plait.tp.styles import LatentAttention, TPRule
 
-from plait_transformers_common import (
+from plait_transformers.common import (
     CONFIG_READS, LOCAL_ATTRS, out_features, layer_pattern, own_params, own_params_deep, refuse,
 )
 

@@ -12,9 +12,9 @@ is missing, raised only when a layout needs that plan (tp > 1, sequence parallel
 still trains any model the adapter serves.
 
 This module walks transformers' tp plan and holds the model-wide rules (embedding and head, MoE blocks); the
-rules for one attention or MLP block are in plait_transformers_blocks (latent attention in
-plait_transformers_latent), the SP region and pipeline stages in plait_transformers_stages, and what they all
-share in plait_transformers_common.
+rules for one block are in blocks (attention in attention, latent attention in latent, MLPs in mlp), the SP
+region in sp_region and the pipeline stages in pipeline_stages (what both read of the forward in forward_flow),
+and what they all share in common.
 """
 
 from __future__ import annotations
@@ -31,14 +31,16 @@ from plait.meta import build_meta_model
 from plait.patterns import matches
 from plait.tp.styles import ExpertMajorExperts, MoEExperts, MoERouter, ScaledVocabEmbedding, TPRule
 
-from plait_transformers_blocks import block_rules, bare_refusal, undeclared_attention, undeclared_mixers
-from plait_transformers_common import (
+from plait_transformers.attention import undeclared_attention
+from plait_transformers.blocks import block_rules, bare_refusal, undeclared_mixers
+from plait_transformers.common import (
     LINEAR_STYLES, LM_HEAD_STYLES, LOCAL_PARAMS, MOE_STYLES, is_attention, is_linear, layer_container,
     layer_pattern, own_params, own_params_deep, Refusal, refuse,
 )
-from plait_transformers_latent import unplanned_latent_attention
-from plait_transformers_stages import norms_after_loop, pipeline_plan, sp_plan
-from plait_transformers_structure import structural_tp_plan
+from plait_transformers.latent import unplanned_latent_attention
+from plait_transformers.pipeline_stages import pipeline_plan
+from plait_transformers.sp_region import norms_after_loop, sp_plan
+from plait_transformers.structure import structural_tp_plan
 
 
 @dataclass

@@ -1,144 +1,27 @@
-"""Tensor-parallel styles: one class per way of splitting a module, in one place.
+"""Tensor-parallel styles of the sequence-mixing block of a decoder layer: attention split by heads.
 
-A rule names a module pattern. ``shards`` decides, for one tp rank and on a meta model, what each matching
-module keeps (pure; every divisibility problem is found here, before any process group); ``build`` makes
-the parallel layer that replaces the module from its local weights. Adding a style is one class here and,
-if it needs one, one layer in ``tp/layers.py``. Linear and transformers' Conv1D (a transposed linear) are
-both handled.
+``Attention`` splits q, k and v by whole heads (column-parallel) and ``o`` over the same heads (row-parallel);
+its variants cover layouts and forwards that plain head runs do not (head counts read from the config, paired
+heads, a head-interleaved fused qkv, full-width q/k norms), and ``LatentAttention`` splits DeepSeek's MLA the
+same way. They are block rules: one rule decides the shards of all the block's children, linear styles
+(``linear``), because the heads a rank keeps must match across q, k, v and o.
+``WholeSequence`` is the fallback for a mixer no rule splits (a recurrent or state-space one): kept whole.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from torch import nn
 
 from plait.config import ConfigError
-from plait.mesh import Mesh
-from plait.tp.layers import (
-    ColumnParallelLinear, ExpertMajorRegion, ExpertsRegion, RouterLogitsGather, RowParallelLinear,
-    ScaledVocabParallelEmbedding, SplitRMSNorm, TokenShareRegion, TPRegionEntry, VocabParallelEmbedding,
-    WholeSequenceRegion,
-)
-from plait.tp.sharding import ModuleShard, ShardSpec, TPSizeError, even_range, linear_shape, linear_shard, vocab_split
-
-
-@dataclass(frozen=True)
-class BuildContext:
-    """What building a parallel layer needs from the running world."""
-
-    mesh: Mesh
-    entry: TPRegionEntry  # where activations enter the TP region (gathered from sequence shards under SP)
-    sequence_parallel: bool
-
-
-@dataclass(frozen=True)
-class TPRule:
-    """A module pattern (``model.layers.*.mlp.up_proj``) and how the modules it matches are split."""
-
-    pattern: str
-    label: ClassVar[str] = ""
-    vocab_parallel: ClassVar[bool] = False  # kept replicated under disable_embedding_parallelization
-
-    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
-        """Shard decisions of tp rank ``rank`` for module ``name`` (and, for a block, its children)."""
-        raise NotImplementedError
-
-    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        """The parallel layer replacing ``module``, holding this rank's slices of its weights."""
-        raise NotImplementedError(f"{type(self).__name__} shards child modules; it builds none itself")
-
-
-def _local(shard: ModuleShard, module: nn.Module) -> tuple:
-    weight = shard.weight.slice_full(module.weight.detach())
-    bias = shard.bias.slice_full(module.bias.detach()) if shard.bias is not None else None
-    return weight, bias
-
-
-@dataclass(frozen=True)
-class Column(TPRule):
-    """Output features split; the input replicated (or gathered from sequence shards)."""
-
-    label: ClassVar[str] = "column"
-
-    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
-        _, fan_out, _ = linear_shape(module)
-        return [linear_shard(name, module, self, [even_range(fan_out, tp, rank, f"{name} output features")], None)]
-
-    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        weight, bias = _local(shard, module)
-        if shard.entered_by_parent:  # its input arrives entered; the region's entry still knows its shard
-            return ColumnParallelLinear(weight, bias, shard.transposed, None, parent_entry=ctx.entry)
-        return ColumnParallelLinear(weight, bias, shard.transposed, ctx.entry)
-
-
-@dataclass(frozen=True)
-class FusedQKV(Column):
-    """The fused q/k/v projection of an ``Attention`` block (built as a Column; its ranges, whole heads of q, k
-    and v, come from the block's rule). Its own label says in ``plait plan`` that nothing is gathered."""
-
-    label: ClassVar[str] = "fused_qkv"
-
-
-@dataclass(frozen=True)
-class Row(TPRule):
-    """Input features split; partial outputs summed (or reduce-scattered to sequence shards)."""
-
-    label: ClassVar[str] = "row"
-
-    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
-        fan_in, _, _ = linear_shape(module)
-        return [linear_shard(name, module, self, None, [even_range(fan_in, tp, rank, f"{name} input features")])]
-
-    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        weight, bias = _local(shard, module)
-        return RowParallelLinear(weight, bias, shard.transposed, ctx.mesh.tp_group, ctx.sequence_parallel)
-
-
-@dataclass(frozen=True)
-class VocabHead(TPRule):
-    """The LM head, column-parallel over the vocab padded to a multiple of tp, feeding the parallel loss."""
-
-    label: ClassVar[str] = "vocab_head"
-    vocab_parallel: ClassVar[bool] = True
-
-    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
-        _, vocab, _ = linear_shape(module)
-        start, stop, pad = vocab_split(vocab, tp, rank)
-        shard = linear_shard(name, module, self, [(start, stop)], None, pad)
-        shard.vocab_range = (start, stop)
-        return [shard]
-
-    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        weight, bias = _local(shard, module)
-        start, stop = shard.vocab_range
-        # Under SP the head's input was gathered from sequence shards already (see sequence_parallel.py).
-        entry = None if ctx.sequence_parallel else ctx.entry
-        return ColumnParallelLinear(weight, bias, shard.transposed, entry, stop - start)
-
-
-@dataclass(frozen=True)
-class VocabEmbedding(TPRule):
-    """Embedding rows (the vocab) split, padded to a multiple of tp; lookups summed over tp."""
-
-    label: ClassVar[str] = "vocab_embedding"
-    vocab_parallel: ClassVar[bool] = True
-
-    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
-        if not isinstance(module, nn.Embedding):
-            raise ConfigError(f"{name} is a {type(module).__name__}, not an nn.Embedding; it cannot be vocab-parallel")
-        start, stop, pad = vocab_split(module.num_embeddings, tp, rank)
-        weight = ShardSpec(tuple(module.weight.shape), 0, ((start, stop),), pad)
-        return [ModuleShard(name, self, False, weight, None, vocab_range=(start, stop))]
-
-    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        weight, _ = _local(shard, module)
-        start, stop = shard.vocab_range
-        return VocabParallelEmbedding(weight, start, stop, module.num_embeddings, module.padding_idx, ctx.mesh.tp_group)
+from plait.tp.layers import WholeSequenceRegion
+from plait.tp.sharding import ModuleShard, ShardSpec, TPSizeError, linear_shape, linear_shard
+from plait.tp.styles.base import BuildContext, TPRule
+from plait.tp.styles.linear import Column, FusedQKV, HeadParams, ReplicatedGradSum, Row, SplitNorm
 
 
 @dataclass(frozen=True)
@@ -254,106 +137,6 @@ class Attention(TPRule):
                 f"tp={tp} is not a multiple of num_key_value_heads={kv_heads}; kv heads are replicated only when "
                 f"tp is a multiple of them"
             )
-
-
-@dataclass(frozen=True)
-class ScaledVocabEmbedding(VocabEmbedding):
-    """``VocabEmbedding`` for an embedding module that multiplies its lookups by a constant (transformers'
-    scaled word embeddings, e.g. Gemma3's): the float attribute ``scale_attr`` of the module holds it."""
-
-    scale_attr: str = "scalar_embed_scale"
-    label: ClassVar[str] = "scaled_vocab_embedding"
-
-    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
-        if not isinstance(getattr(module, self.scale_attr, None), (int, float)):
-            raise ConfigError(f"{name} ({type(module).__name__}) has no number {self.scale_attr!r} to scale lookups by")
-        return super().shards(name, module, tp, rank)
-
-    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        weight, _ = _local(shard, module)
-        start, stop = shard.vocab_range
-        return ScaledVocabParallelEmbedding(weight, start, stop, module.num_embeddings, module.padding_idx,
-                                            ctx.mesh.tp_group, scale=float(getattr(module, self.scale_attr)))
-
-
-@dataclass(frozen=True)
-class ReplicatedGradSum(TPRule):
-    """A module kept whole on every rank whose gradient each rank computes only in part, summed over tp:
-    per-head q/k norms (Qwen3, Gemma3) inside an attention block see only this rank's heads; the low-rank down
-    projections of latent attention feed only this rank's heads (``LatentAttention``); a learned activation's
-    scalars, applied elementwise to the features a column-parallel projection split (Apertus' xIELU
-    ``alpha_p`` and ``alpha_n``), see only this rank's features.
-
-    Its specs name the full range along dim 0 on every rank (not ``dim=None``), so that the sequence-parallel
-    region does not count it a second time as a norm on sequence shards; ranks holding equal specs count
-    its gradient once in the norm, as for replicated kv heads. Parameters other than a weight and a bias go
-    to ``ModuleShard.params``.
-    """
-
-    label: ClassVar[str] = "replicated_grad_sum"
-
-    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
-        params = dict(module.named_parameters())
-        if not params or any("." in leaf or p.dim() == 0 for leaf, p in params.items()):
-            found = {leaf: tuple(p.shape) for leaf, p in params.items()}
-            raise ConfigError(f"{name} ({type(module).__name__}): replicated_grad_sum handles a module's own "
-                              f"parameters of one dimension or more, found {found or 'none'}")
-        specs = {leaf: ShardSpec(tuple(p.shape), 0, ((0, p.shape[0]),)) for leaf, p in params.items()}
-        weight = specs.get("weight", next(iter(specs.values())))  # ModuleShard always names one spec as its weight
-        others = {leaf: spec for leaf, spec in specs.items() if leaf not in ("weight", "bias")}
-        return [ModuleShard(name, self, False, weight, specs.get("bias"), grad_sum_block=tp, params=others)]
-
-    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        return module
-
-
-@dataclass(frozen=True)
-class HeadParams(TPRule):
-    """Bare parameters of an attention block with one entry per q head (attention sinks: ``sinks``
-    [num_attention_heads], read as one logit per local head by the attention function), built by ``Attention``
-    when it names them in ``head_params``: each rank keeps the entries of its own q heads, which never repeat
-    across ranks (kv heads may, q heads do not), so each rank owns its slice's gradient."""
-
-    label: ClassVar[str] = "head_params"
-
-    def block_shard(self, name: str, module: nn.Module, leaves: tuple[str, ...], heads: int, tp: int,
-                    rank: int) -> ModuleShard:
-        """The shard of block ``name``'s parameters ``leaves`` (each [heads]) for tp rank ``rank``."""
-        q_heads = heads // tp
-        specs = {}
-        for leaf in leaves:
-            param = module._parameters.get(leaf)
-            if param is None or tuple(param.shape) != (heads,):
-                found = None if param is None else tuple(param.shape)
-                raise ConfigError(f"{name}.{leaf}: a per-head parameter needs shape ({heads},) (one entry per q "
-                                  f"head), found {found}")
-            specs[leaf] = ShardSpec((heads,), 0, ((rank * q_heads, (rank + 1) * q_heads),))
-        return ModuleShard(name, self, False, specs[leaves[0]], None, params=specs)
-
-    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        for leaf, spec in shard.params.items():
-            old = module._parameters[leaf]
-            module._parameters[leaf] = nn.Parameter(spec.slice_full(old.detach()), requires_grad=old.requires_grad)
-        return module
-
-
-@dataclass(frozen=True)
-class FusedColumn(Column):
-    """A column-parallel linear whose output is ``chunks`` projections side by side (Phi3's ``gate_up_proj``:
-    gate | up): each rank keeps the same slice of every chunk, so a chunk(2) of its output pairs matching gate
-    and up features for a row-parallel projection after it."""
-
-    chunks: int = 2
-    label: ClassVar[str] = "fused_column"
-
-    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
-        _, fan_out, _ = linear_shape(module)
-        if fan_out % self.chunks:
-            raise ConfigError(f"{name}: {fan_out} output features do not split into {self.chunks} fused projections")
-        width = fan_out // self.chunks
-        start, stop = even_range(width, tp, rank, f"{name} output features per fused projection")
-        ranges = [(c * width + start, c * width + stop) for c in range(self.chunks)]
-        return [linear_shard(name, module, self, ranges, None)]
 
 
 def _head_split(heads: int, kv_heads: int, head_dim: int, tp: int, rank: int) -> tuple:
@@ -478,32 +261,6 @@ class HeadInterleavedAttention(Attention):
 
 
 @dataclass(frozen=True)
-class SplitNorm(TPRule):
-    """An RMSNorm over features a column-parallel projection split: weight sliced like the features, sum of
-    squares all-reduced (``layers.SplitRMSNorm``). Built by ``FullWidthNormAttention`` for q/k norms; as a rule of
-    its own (``full_width`` 0: its weight's width), for a norm whose features are split evenly over tp, as a
-    Column's outputs or an attention block's heads are (BitNet's ``attn_sub_norm`` before ``o_proj`` and
-    ``ffn_sub_norm`` before ``down_proj``)."""
-
-    full_width: int = 0
-    copies: int = 1
-    label: ClassVar[str] = "split_rms_norm"
-
-    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
-        weight = getattr(module, "weight", None)
-        if [n for n, _ in module.named_parameters()] != ["weight"] or weight.dim() != 1:
-            raise ConfigError(f"{name} ({type(module).__name__}): a split RMSNorm has one weight of one dimension")
-        rows = even_range(weight.shape[0], tp, rank, f"{name} features")
-        return [ModuleShard(name, self, False, ShardSpec(tuple(weight.shape), 0, (rows,)), None)]
-
-    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        weight, _ = _local(shard, module)
-        eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps")
-        width = self.full_width or shard.weight.full_shape[0]
-        return SplitRMSNorm(weight, eps, width, self.copies, ctx.mesh.tp_group)
-
-
-@dataclass(frozen=True)
 class FullWidthNormAttention(Attention):
     """``Attention`` with RMSNorms over the whole projected q and k (OLMo2's ``q_norm`` / ``k_norm``, over
     heads x head_dim, not per head): the norms keep this rank's slice of their weight and all-reduce the sum of
@@ -526,84 +283,6 @@ class FullWidthNormAttention(Attention):
             style = SplitNorm(f"{name}.{attr}", full_width=width, copies=copies)
             shards.append(ModuleShard(f"{name}.{attr}", style, False, spec, None, grad_sum_block=copies))
         return shards
-
-
-def _experts_transposed(module: nn.Module, up, down, fused: bool) -> bool:
-    """Whether expert weights are stored [E, in, out] (Llama4: gate_up_proj [E, H, 2I], down_proj [E, I, H]) rather
-    than transformers' usual [E, out, in]: the module's ``is_transposed`` when it says, else the shapes (the
-    up projection's output pairs with the down projection's input)."""
-    if hasattr(module, "is_transposed"):
-        return bool(module.is_transposed)
-    factor = 2 if fused else 1
-    usual, transposed = up.shape[1] == factor * down.shape[2], up.shape[2] == factor * down.shape[1]
-    if usual == transposed:
-        raise ConfigError(f"{type(module).__name__}: expert weight shapes {tuple(up.shape)} and {tuple(down.shape)} do "
-                          f"not say which dimension is the intermediate one")
-    return transposed
-
-
-@dataclass(frozen=True)
-class MoEExperts(TPRule):
-    """A transformers experts module (weights fused over experts: ``gate_up_proj`` [E, 2I, H] or ``up_proj``
-    [E, I, H], and ``down_proj`` [E, H, I]; transposed when ``is_transposed``; gate and up side by side, or
-    interleaved when ``is_concatenated`` is False) split over tp on the intermediate dimension I: every rank
-    holds a slice of every expert, matching halves of gate and up. The router stays replicated; the module
-    becomes its own tensor-parallel region (``layers.ExpertsRegion``)."""
-
-    label: ClassVar[str] = "moe_experts"
-    region: ClassVar[type] = ExpertsRegion  # how tokens enter and leave the module (its forward's arguments)
-
-    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
-        params = dict(module.named_parameters(recurse=False))
-        arguments = list(inspect.signature(module.forward).parameters)[:len(self.region.ARGS)]
-        if tuple(arguments) != self.region.ARGS:
-            raise ConfigError(f"{name} ({type(module).__name__}): {self.label} needs forward{self.region.ARGS} "
-                              f"(tokens and their routing), found forward({', '.join(arguments)})")
-        fused = "gate_up_proj" if "gate_up_proj" in params else "up_proj"
-        unknown = sorted(set(params) - {fused, "down_proj"})
-        if unknown or "down_proj" not in params or getattr(module, "has_post_expert_norm", False):
-            raise ConfigError(f"{name} ({type(module).__name__}): moe_experts splits gate_up_proj / up_proj and "
-                              f"down_proj only; found {sorted(params)}")
-        transposed = _experts_transposed(module, params[fused], params["down_proj"], fused == "gate_up_proj")
-        up_dim, down_dim = (2, 1) if transposed else (1, 2)
-        inter = params["down_proj"].shape[down_dim]
-        start, stop = even_range(inter, tp, rank, f"{name} expert intermediate size")
-        if fused == "up_proj":
-            up_ranges = [(start, stop)]
-        elif getattr(module, "is_concatenated", True):
-            up_ranges = [(start, stop), (inter + start, inter + stop)]
-        else:  # [gate_0, up_0, gate_1, up_1, ...]
-            up_ranges = [(2 * start, 2 * stop)]
-        specs = {fused: ShardSpec(tuple(params[fused].shape), up_dim, tuple(up_ranges)),
-                 "down_proj": ShardSpec(tuple(params["down_proj"].shape), down_dim, ((start, stop),))}
-        return [ModuleShard(name, self, transposed, specs[fused], None, params=specs)]
-
-    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        for leaf, spec in shard.params.items():
-            old = module._parameters[leaf]
-            module._parameters[leaf] = nn.Parameter(spec.slice_full(old.detach()), requires_grad=old.requires_grad)
-        self.region(ctx.mesh.tp_group, ctx.sequence_parallel).install(module)
-        return module
-
-
-@dataclass(frozen=True)
-class MoERouter(TPRule):
-    """An MoE router kept whole on every rank, for a model whose config asks for router logits (the
-    load-balancing loss, ``output_router_logits``): under SP each rank routes its sequence shard's tokens, and
-    the logits it returns for the loss are all-gathered (``layers.RouterLogitsGather``) so that every rank
-    computes transformers' loss over the whole sequence. Routing itself stays local."""
-
-    label: ClassVar[str] = "moe_router"
-
-    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
-        bias = getattr(module, "bias", None)
-        return [ModuleShard(name, self, False, ShardSpec(tuple(module.weight.shape)),
-                            ShardSpec(tuple(bias.shape)) if isinstance(bias, nn.Parameter) else None)]
-
-    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        if ctx.sequence_parallel:
-            RouterLogitsGather(ctx.mesh.tp_group).install(module)
-        return module
 
 
 @dataclass(frozen=True)
@@ -691,35 +370,4 @@ class WholeSequence(TPRule):
     def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
         if ctx.sequence_parallel:
             WholeSequenceRegion(ctx.entry, ctx.mesh.tp_group, self.argument).install(module)
-        return module
-
-
-@dataclass(frozen=True)
-class ExpertMajorExperts(MoEExperts):
-    """``MoEExperts`` for an experts module that takes every token once per expert, pre-scaled by its routing
-    score, expert-major (Llama4's ``forward(hidden_states)``, [experts * tokens, hidden]): split the same way,
-    entered and left through ``layers.ExpertMajorRegion``."""
-
-    label: ClassVar[str] = "moe_experts_expert_major"
-    region: ClassVar[type] = ExpertMajorRegion
-
-
-@dataclass(frozen=True)
-class WholeExperts(MoEExperts):
-    """A routed experts module kept whole on every tp rank (expert tensor parallelism off): each tp rank computes
-    its own tokens' pairs through whole experts (under SP its sequence shard; without SP a 1/tp share of the rows,
-    ``layers.TokenShareRegion``), so no activation crosses tp inside the experts and their weight gradients,
-    each covering a share of the tokens, are summed over tp. With expert parallelism the ep all-to-all then moves
-    each tp rank's own tokens."""
-
-    label: ClassVar[str] = "moe_experts_whole"
-
-    def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
-        specs = {leaf: ShardSpec(tuple(p.shape)) for leaf, p in module.named_parameters(recurse=False)}
-        first = next(iter(specs.values()))
-        return [ModuleShard(name, self, False, first, None, grad_sum_block=tp, params=specs)]
-
-    def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        if not ctx.sequence_parallel:
-            TokenShareRegion(ctx.mesh.tp_group).install(module)
         return module

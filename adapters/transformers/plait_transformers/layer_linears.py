@@ -19,7 +19,7 @@ import re
 
 from torch import nn
 
-from plait_transformers_common import is_attention, is_softmax_attention, own_params
+from plait_transformers.common import is_attention, is_softmax_attention, own_params
 
 # Code that can move values between tokens (or reshape them into other dimensions): a block whose forward holds any
 # of it is not token by token as far as plait can read.

@@ -71,6 +71,10 @@ def refuse(arch: str, module: str, missing: str) -> Refusal:
     return Refusal(f"{arch}: {module}: {missing}")
 
 
+NO_LAYERS = ("no decoder layer list found (pp plan, _no_split_modules, or a ModuleList of num_hidden_layers blocks "
+             "of one class)")
+
+
 def layer_container(model: nn.Module) -> str | None:
     """The ModuleList of decoder layers: the pp plan's list, else the one holding ``_no_split_modules``, else
     (neither declared: BioGPT, CTRL, GIT) the repeated block list of the module tree (``_repeated_blocks``)."""
@@ -130,6 +134,10 @@ def out_features(module: nn.Module) -> int:
 
 def own_params_deep(module: nn.Module | None) -> bool:
     return module is not None and any(True for _ in module.parameters())
+
+
+def holds(module: nn.Module, target: nn.Module | None) -> bool:
+    return target is not None and any(m is target for m in module.modules())
 
 
 def is_softmax_attention(block: nn.Module) -> bool:

@@ -1,6 +1,6 @@
 """plait's generic adapter: plans for any decoder-only transformers causal LM, derived from what transformers
 declares for it (``base_model_tp_plan``, ``base_model_pp_plan``, ``_no_split_modules``) and checked against
-the model built on the meta device (plait_transformers_derive.py and the modules it names).
+the model built on the meta device (derivation.py and the modules it names).
 
 It claims no fixed architectures: the registry hands it only models no explicit adapter claims, so an
 explicit adapter (plait-llama, ...) always wins and stays the way to override a derived plan. It serves every
@@ -17,8 +17,8 @@ from pathlib import Path
 
 from plait import AdapterInfo, ConfigError, hookimpl
 from plait.meta import causal_lm_refusal
-from plait_transformers_derive import Refusal, derive
-from plait_transformers_tiny import tiny_config
+from plait_transformers.derivation import Refusal, derive
+from plait_transformers.tiny import tiny_config
 
 MAX_TINY_PARAMETERS = 5_000_000  # a tiny config's model is built for real on every rank of a test world
 # Causal-LM classes of transformers that are no model of their own: speculative-decoding draft models, whose forward
@@ -184,7 +184,7 @@ def show_derived(source: str) -> str:
 
 
 # Where scripts/architecture_sweep.py writes the conformance kit's results for every architecture (a checkout's).
-SWEEP_RESULTS = Path(__file__).resolve().parents[2] / "docs" / "architectures.md"
+SWEEP_RESULTS = Path(__file__).resolve().parents[3] / "docs" / "architectures.md"
 # A sweep cell's first word -> what the docstring of a starter says of that mode.
 OUTCOMES = {"pass": "passed", "whole": "passed with blocks kept whole on every tp rank", "FAIL": "failed",
             "NOISE": "failed in fp32 (not rechecked in float64)", "refused": "refused", "n/a": "n/a"}
@@ -219,9 +219,3 @@ def _proof(architecture: str) -> list[str]:
                          f"scripts/architecture_sweep.py recorded it in docs/architectures.md at transformers "
                          f"{version.group(1)}{installed}: {outcomes}. Unproven: any other config, and whatever you "
                          f"change; run `plait check-adapter <this module>`.", 112)
-
-
-if __name__ == "__main__":
-    import sys
-
-    print(show_derived(sys.argv[1]))

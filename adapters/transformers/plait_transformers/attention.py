@@ -1,33 +1,30 @@
-"""Tensor-parallel rules for one block of a decoder layer: attention (separate q/k/v, fused qkv in the two layouts
-transformers' models use, per-head and full-width q/k norms, gates, sinks), a latent-attention block
-(plait_transformers_latent), an MLP (column / row, fused gate|up, scalar activation parameters), blocks
-transformers' plan leaves out but the model's structure shows, and recurrent mixers kept whole.
+"""Tensor-parallel rules for attention blocks: separate q/k/v projections (with per-head and full-width q/k norms,
+per-head output gates and sinks, heads paired or counted per layer), a fused qkv in the two layouts transformers'
+models use, and attention blocks transformers' plan leaves out but the model's structure shows
+(``undeclared_attention``). Each splits the block by whole heads, as the forward's source shows it reads them; a
+layout it cannot read is refused.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
-from collections import defaultdict
 
 from torch import nn
-from transformers.activations import ACT2CLS
 
-from plait import Attention, Column, Row
+from plait import Attention
 from plait.patterns import matches
 from plait.tp.sharding import linear_shape
 from plait.tp.styles import (
-    FullWidthNormAttention, FusedColumn, HeadInterleavedAttention, LocalConfigAttention, PairedHeadsAttention,
-    ReplicatedGradSum, SplitNorm, TPRule, WholeSequence,
+    FullWidthNormAttention, HeadInterleavedAttention, LocalConfigAttention, PairedHeadsAttention, ReplicatedGradSum,
+    SplitNorm, TPRule,
 )
 
-from plait_transformers_common import (
-    CONFIG_READS, GATHERED, K, LINEAR_STYLES, LOCAL_ATTRS, O, Q, QKV, V, get_module, head_biases, is_attention,
-    is_covered, is_linear, is_softmax_attention, layer_pattern, out_features, own_params, Refusal, refuse,
-    whole_sequence,
+from plait_transformers.common import (
+    CONFIG_READS, GATHERED, K, LOCAL_ATTRS, O, Q, QKV, V, get_module, head_biases, is_attention,
+    is_softmax_attention, layer_pattern, out_features, own_params, refuse, whole_sequence,
 )
-from plait_transformers_latent import latent_attention_rules, is_latent_attention
-from plait_transformers_layer_linears import replicated_linear
+from plait_transformers.mlp import split_sub_norm
 
 
 def undeclared_attention(model: nn.Module, layers: str | None,
@@ -35,7 +32,7 @@ def undeclared_attention(model: nn.Module, layers: str | None,
     """Attention blocks in the decoder layers that transformers' plan leaves out (granitemoe's and phimoe's
     declare only the experts), found by inspecting the model: a block calling transformers' attention functions
     with separate Linear q, k, v and o projections and no styled child gets the styles transformers declares
-    for such blocks elsewhere (q/k/v colwise, o rowwise); ``_attention_rules`` checks its widths and heads as for
+    for such blocks elsewhere (q/k/v colwise, o rowwise); ``attention_rules`` checks its widths and heads as for
     a declared one. Its sinks (a parameter the forward passes as the attention functions' ``s_aux``, one logit per q
     head) are split with the q heads, as transformers' plans declare them elsewhere. Keyed by layer pattern: (one
     block, its styles, its sinks' styles)."""
@@ -104,151 +101,6 @@ def _check_one_input(model: nn.Module, name: str, pattern: str, block: nn.Module
                                                        f"as one tensor; the tensor-parallel region enters only that one")
 
 
-def undeclared_mixers(model: nn.Module, arch: str, layers: str | None, rules: list[TPRule],
-                      notes: list[str]) -> list[TPRule]:
-    """Children of the decoder layers holding matrices that no rule touches (a recurrent mixer transformers' plan
-    leaves out, such as OLMo-Hybrid's gated delta net; an attention with its own kernel and a fused projection no
-    rule reads, such as Bloom's; softmax attention whose projections no rule splits: GPT-BigCode's multi-query
-    ``c_attn``, Zaya's convolved q/k, JetMoE's mixture of attention heads): kept whole on every rank, which is exact
-    without SP, and run on the whole sequence under SP (WholeSequence). One rule per layer
-    pattern when every layer's module there is untouched, else one per layer."""
-    if layers is None:
-        return []
-    patterns = [r.pattern for r in rules]
-    found: dict[str, list[tuple[str, nn.Module]]] = defaultdict(list)  # pattern -> untouched (name, module)
-    seen: dict[str, int] = defaultdict(int)  # pattern -> layers holding a child there
-    for index, layer in enumerate(model.get_submodule(layers)):
-        for child, module in layer.named_children():
-            name, pattern = f"{layers}.{index}.{child}", f"{layers}.*.{child}"
-            seen[pattern] += 1
-            if not any(p.dim() > 1 for p in module.parameters()):
-                continue
-            if not any(is_covered(n, patterns) for n, _ in module.named_modules(prefix=name)):
-                found[pattern].append((name, module))
-    mixers: list[TPRule] = []
-    for pattern, hits in found.items():
-        names = [pattern] if len(hits) == seen[pattern] else [name for name, _ in hits]
-        mlp = gated_mlp(hits[0][1])
-        if mlp and all(gated_mlp(module) == mlp for _, module in hits):
-            mixers += [style(f"{name}.{child}") for name in names for style, child in zip((Column, Column, Row), mlp)]
-            norm = mlp_sub_norm(hits[0][1])  # over the split product, before the row-parallel down projection
-            mixers += [SplitNorm(f"{name}.{norm[0]}") for name in names] if norm else []
-            notes.append(f"{pattern} ({type(hits[0][1]).__name__}): an MLP transformers' plan leaves out, split as "
-                         f"declared ones ({mlp[0]}, {mlp[1]} column-, {mlp[2]} row-parallel)")
-            continue
-        mlp = direct_mlp(model.get_submodule(layers)[0])
-        if mlp and child_of(pattern) in mlp and len(hits) == seen[pattern]:
-            mixers.append((Column if child_of(pattern) == mlp[0] else Row)(pattern))
-            notes.append(f"{pattern}: an MLP written on the decoder layer ({mlp[0]} -> activation -> {mlp[1]}), "
-                         f"split as declared ones ({mlp[0]} column-, {mlp[1]} row-parallel)")
-            continue
-        if all(replicated_linear(model, layers, name) for name, _ in hits):  # Zamba's linear, Gemma 4's per-layer
-            notes.append(f"{pattern}: a Linear on the decoder layer itself, token by token: kept whole on every "
-                         f"rank, its gradient summed over tp under SP")
-            continue
-        if is_linear(hits[0][1]):  # OPT's fc1 / fc2: an MLP written on the decoder layer itself, among its norms
-            raise refuse(arch, pattern, f"a {type(hits[0][1]).__name__} directly on the decoder layer that no rule "
-                                        f"splits (an MLP written on the layer itself, but not as x = fc2(act(fc1(x))) "
-                                        f"on the hidden states, whole or flattened to [tokens, hidden]); write an adapter (`plait plan "
-                                        f"--show-derived {arch}` starts one)")
-        each = [whole_sequence(arch, name, module) for name, module in hits]
-        mixers += [WholeSequence(pattern, argument=each[0].argument)] if len(hits) == seen[pattern] else each
-        notes.append(f"{pattern} ({type(hits[0][1]).__name__}): no rule splits it; kept whole on every rank and run "
-                     f"on the whole sequence under SP")
-    return mixers
-
-
-def child_of(pattern: str) -> str:
-    return pattern.rpartition(".")[2]
-
-
-def direct_mlp(layer: nn.Module) -> tuple[str, str] | None:
-    """(first, second) of an MLP written on the decoder layer itself (XGLM, TrOCR, BioGPT: ``fc1`` and ``fc2``), where
-    the layer's forward runs ``x = second(act(first(x)))`` on its hidden states, with only parameter-free
-    activations and dropout between: the first column-, the second row-parallel, as a block of its own would be. The
-    hidden states may be flattened to [tokens, hidden] first (OPT: ``reshape(-1, hidden_states.size(-1))``): the
-    sequence all-gather and reduce-scatter work on the second-to-last dimension, the tokens, and every op between
-    them is token by token. A forward that reshapes anything else before them, or does anything else between them,
-    gets None."""
-    lines = [line.strip() for line in inspect.getsource(type(layer).forward).splitlines()]
-    linears = {n: m for n, m in layer.named_children() if isinstance(m, nn.Linear)}
-    free = {n for n, m in layer.named_children() if not any(True for _ in m.parameters())}
-    for first, up in linears.items():
-        for second, down in linears.items():
-            if up.out_features != down.in_features or up.in_features != down.out_features or first == second:
-                continue
-            start = next((i for i, line in enumerate(lines) if f"self.{first}(" in line), None)
-            end = next((i for i, line in enumerate(lines) if f"self.{second}(" in line), None)
-            if start is None or end is None or end < start:
-                continue
-            between = lines[start:end + 1]
-            if _reshapes_tokens_only(lines[:start]) and all(_elementwise(line, first, second, free) for line in between):
-                return first, second
-    return None
-
-
-def _reshapes_tokens_only(lines: list[str]) -> bool:
-    """Whether every reshape in ``lines`` (a layer's forward up to its MLP) keeps the last dimension and flattens the
-    rest into tokens (``x = x.reshape(-1, x.size(-1))``) or no reshape is there."""
-    token = r"\w+ = (\w+)\.(?:reshape|view)\(-1, \1\.(?:size\(-1\)|shape\[-1\])\)"
-    return all(re.fullmatch(token, line) for line in lines if re.search(r"\.(reshape|view|flatten)\(", line))
-
-
-def _elementwise(line: str, first: str, second: str, free: set[str]) -> bool:
-    """Whether a line between the two linears of a direct MLP is ``x = op(x)``: one of them, a parameter-free child
-    (the activation) or dropout, or the activation of the first (``x = self.act(self.fc1(x))``); blank or comment."""
-    if not line or line.startswith("#"):
-        return True
-    ops = rf"(?:self\.(?:{'|'.join(map(re.escape, {first, second} | free))})|nn\.functional\.dropout|F\.dropout)"
-    return re.fullmatch(rf"(\w+) = {ops}\((?:{ops}\()?\1(?:, [^()]*)?\)?\)", line) is not None
-
-
-def gated_mlp(block: nn.Module) -> tuple[str, str, str] | None:
-    """(gate, up, down) of a gated MLP whose forward is ``down(act(gate(x)) * up(x))`` over three Linear children
-    and nothing else with parameters (AFMoE's dense layers; LFM2-MoE's ``w2(F.silu(w1(x)) * w3(x))``), or with an
-    RMSNorm over the product before ``down`` (BitNet's ``ffn_sub_norm``, ``mlp_sub_norm`` names it), else None."""
-    found = re.search(r"self\.(\w+)\(\s*(?:self\.\w+\(\s*)?"  # down, and a norm around the product if any
-                      r"[\w.]+\(self\.(\w+)\((\w+)\)\)\s*\*\s*self\.(\w+)\(\3\)\s*\)",
-                      inspect.getsource(type(block).forward))
-    if found is None:
-        return None
-    down, gate, _, up = found.groups()
-    names = (gate, up, down)
-    with_params = {n for n, m in block.named_modules() if own_params(m)}
-    norm = (mlp_sub_norm(block) or (None,))[0]
-    if with_params - {norm} != set(names) or not all(isinstance(block._modules.get(n), nn.Linear) for n in names):
-        return None
-    return names
-
-
-def mlp_sub_norm(block: nn.Module) -> tuple[str, str] | None:
-    """(norm, down) of a gated MLP normalising ``act(gate(x)) * up(x)`` right before its down projection
-    (``down(norm(act(gate(x)) * up(x)))``) where the norm is a split RMSNorm (``split_sub_norm``), else None."""
-    found = re.search(r"self\.(\w+)\(\s*self\.(\w+)\(\s*[\w.]+\(self\.\w+\(\w+\)\)\s*\*",
-                      inspect.getsource(type(block).forward))
-    return (found.group(2), found.group(1)) if found and split_sub_norm(block, found.group(2), found.group(1)) else None
-
-
-def split_sub_norm(block: nn.Module, child: str, consumer: str) -> bool:
-    """Whether ``child`` is an RMSNorm (``weight * x * rsqrt(mean(x^2) + eps)``, one weight as wide as the
-    features) whose output goes straight into the row-parallel ``consumer`` (BitNet's ``attn_sub_norm`` before
-    ``o_proj``, ``ffn_sub_norm`` before ``down_proj``): its features are split over tp, so it is split with them
-    and its sum of squares all-reduced (SplitNorm), which is exact."""
-    module, target = block._modules.get(child), block._modules.get(consumer)
-    if module is None or not is_linear(target) or "RMSNorm" not in type(module).__name__:
-        return False
-    params = dict(module.named_parameters())
-    if set(params) != {"weight"} or tuple(params["weight"].shape) != (linear_shape(target)[0],):
-        return False
-    norm = inspect.getsource(type(module).forward)
-    if "rsqrt(" not in norm or "return self.weight * " not in norm:
-        return False
-    source = inspect.getsource(type(block).forward)
-    chained = rf"self\.{consumer}\(\s*self\.{child}\("
-    stepwise = rf"(\w+) = self\.{child}\(\1\)[^\n]*\n\s*\w+ = self\.{consumer}\(\1\)"
-    return re.search(chained, source) is not None or re.search(stepwise, source) is not None
-
-
 def _output_gates(block: nn.Module, source: str, projections: set[str]) -> list[str]:
     """Linear children of an attention block whose output, read from the block's input, multiplies the attention
     output through a sigmoid (AFMoE: ``gate_states = self.gate_proj(hidden_states)`` ...
@@ -265,102 +117,7 @@ def _output_gates(block: nn.Module, source: str, projections: set[str]) -> list[
     return gates
 
 
-def bare_refusal(arch: str, parent: str, params: dict[str, str]) -> Refusal:
-    """The refusal for parameters transformers' plan shards by themselves where plait has no rule for them."""
-    leaf, style = next(iter(params.items()))
-    return refuse(arch, f"{parent}.{leaf}", f"transformers shards the parameter itself ({style}); plait splits bare "
-                                            f"parameters only with the q heads of a q/k/v attention block")
-
-
-def block_rules(model, config, parent: str, block: nn.Module, styles: dict[str, str],
-                 bare: dict[str, str]) -> list[TPRule]:
-    """The rules of one block transformers' plan styles children of (``bare``: its parameters the plan styles)."""
-    arch = config.model_type
-    roles = {role: next((s for c in names for s in styles if s == c or s.startswith(f"{c}.")), None)  # a wrapped one
-             for role, names in (("q", Q), ("k", K), ("v", V), ("o", O))}
-    if roles["q"] and roles["k"] and roles["v"]:
-        return _attention_rules(model, config, parent, styles, roles, bare)
-    if is_latent_attention(block):
-        return latent_attention_rules(model, config, parent, block, styles, bare)
-    if bare:
-        raise bare_refusal(arch, parent, bare)
-    fused = next((c for c in QKV if c in styles), None)
-    if fused and roles["o"]:
-        return _fused_attention_rules(config, parent, block, styles, fused, roles["o"])
-    if all(style == "colwise_gather_output" for style in styles.values()) and not is_softmax_attention(block):
-        # transformers gathers every projection's output: it computes the block whole on every rank
-        return [whole_sequence(arch, parent, block)]
-    if is_attention(block):
-        raise refuse(arch, parent, f"attention whose projections {sorted(styles)} are neither separate q, k, v nor "
-                                   f"a fused qkv plait knows; plait has no rule for it")
-    rules: list[TPRule] = []
-    for child, style in styles.items():
-        name = f"{parent}.{child}"
-        module = block.get_submodule(child)
-        if style not in LINEAR_STYLES and style not in GATHERED:
-            raise refuse(arch, name, f"transformers' style {style!r} has no plait rule")
-        if not is_linear(module):
-            raise refuse(arch, name, f"{style} on a {type(module).__name__}; plait splits only Linear / Conv1D")
-        if style == "colwise_gather_output":
-            rules.append(_fused_column(arch, name, block, child, styles))
-        else:
-            rules.append(Column(name) if style == "colwise" else Row(name))
-    if not (any(isinstance(r, Column) for r in rules) and any(isinstance(r, Row) for r in rules)):
-        raise refuse(arch, parent, f"{sorted(styles)} do not pair column-parallel with row-parallel projections, so "
-                                   f"the split activations would leave the block")
-    norm, down = mlp_sub_norm(block) or (None, None)
-    norm = norm if styles.get(down) == "rowwise" else None
-    stray = [n for n, m in block.named_modules() if n and n not in styles and n != norm and own_params(m)]
-    columns = [r.pattern.rpartition(".")[2] for r in rules if isinstance(r, Column)]
-    unknown = [n for n in stray if not is_scalar_activation(block, n, columns)]
-    if unknown:
-        raise refuse(arch, f"{parent}.{unknown[0]}", "replicated parameters inside a tensor-parallel block see split "
-                                                     "activations; plait cannot tell how to sum their gradients")
-    split = [SplitNorm(f"{parent}.{norm}")] if norm else []
-    return [*rules, *split, *(ReplicatedGradSum(f"{parent}.{n}") for n in stray)]
-
-
-def is_scalar_activation(block: nn.Module, child: str, columns: list[str]) -> bool:
-    """Whether ``child`` is one of transformers' activation functions (elementwise) whose parameters are single
-    numbers (Apertus' xIELU ``alpha_p``, ``alpha_n``: shape [1], broadcast over every feature), applied by the
-    block's forward directly to a column-parallel projection's output. Each rank then computes their gradient over
-    its own slice of the features only, and the sum over tp is exact (ReplicatedGradSum). A per-feature
-    parameter, or one applied elsewhere (to the block's unsplit input), is not this case."""
-    module = block.get_submodule(child)
-    activations = {c[0] if isinstance(c, tuple) else c for c in ACT2CLS.values()}
-    if "." in child or type(module) not in activations or any(p.numel() != 1 for p in module.parameters()):
-        return False
-    source = inspect.getsource(type(block).forward)
-    return any(re.search(rf"self\.{child}\(\s*self\.{column}\(", source) for column in columns)
-
-
-def _fused_column(arch: str, name: str, block: nn.Module, child: str, styles: dict[str, str]) -> TPRule:
-    """A column-parallel projection transformers gathers because its output is two projections side by side
-    (``gate_up_proj``: gate | up, chunked in two and multiplied): each rank keeps matching halves (FusedColumn).
-    Anything else gathered is refused: plait cannot tell which full-width op follows it."""
-    rows = [c for c, style in styles.items() if GATHERED.get(style, style) == "rowwise"]
-    fan_in = linear_shape(block.get_submodule(rows[0]))[0] if len(rows) == 1 else None
-    source = inspect.getsource(type(block).forward)
-    halves = "gate_up" in child and ".chunk(2" in source or viewed_in_halves(source, child)
-    if halves and out_features(block.get_submodule(child)) == 2 * (fan_in or -1):
-        return FusedColumn(name, chunks=2)
-    raise refuse(arch, name, "transformers gathers this projection's output (colwise_gather_output) for an op over "
-                             "the full width that plait does not know; it has no real split for it")
-
-
-def viewed_in_halves(source: str, child: str) -> bool:
-    """Whether a forward views ``child``'s output as two halves, gate and up, and multiplies them (Moshi's gating
-    MLP: ``x = self.fc1(x)``, ``x.view(batch_size, sequence_length, 2, -1)``,
-    ``self.activation_fn(x[..., 0, :]) * x[..., 1, :]``): a FusedColumn's matching slices of each half."""
-    read = re.search(rf"(\w+) = self\.{child}\(\w+\)", source)
-    if read is None:
-        return False
-    x = read.group(1)
-    return f"{x} = {x}.view(batch_size, sequence_length, 2, -1)" in source and \
-        re.search(rf"{x} = self\.\w+\({x}\[\.\.\., 0, :\]\) \* {x}\[\.\.\., 1, :\]", source) is not None
-
-
-def _fused_attention_rules(config, parent, block, styles, qkv: str, o: str) -> list[TPRule]:
+def fused_attention_rules(config, parent, block, styles, qkv: str, o: str) -> list[TPRule]:
     """Attention with one fused q/k/v projection, in one of the layouts transformers' models use, read from
     the forward's source: q | k | v side by side, sliced at ``num_attention_heads * head_dim`` (Phi3
     ``qkv_proj``; LocalConfigAttention gives the block a config holding this rank's head counts), or head by
@@ -427,7 +184,7 @@ def _qkv_groups(block: nn.Module, source: str) -> int | None:
     return mp_num if laid_out and isinstance(mp_num, int) else None
 
 
-def _attention_rules(model, config, parent, styles, roles, bare) -> list[TPRule]:
+def attention_rules(model, config, parent, styles, roles, bare) -> list[TPRule]:
     """The Attention rule(s) of the blocks ``parent`` matches: heads from the config, or per layer from the
     projections' widths where the block's own head-count attributes confirm them (one rule per layer when
     layers differ); q projections carrying a per-head gate (``q_chunks``); colwise children whose output is per
