@@ -6,7 +6,7 @@ rank at a long block, and step time beside tp=2 and dp=2.
 Run it alone (a concurrent job halves the times). Three parts, each a world of gloo ranks:
 
 - comm: one train_step (forward + backward) of a Llama (L layers, 8 query heads, 2 kv heads) at cp=2 per
-  strategy, every collective counted (plait.comm.count_collectives) against the formula (b sequences, n = S/C
+  strategy, every collective counted (plait.base.comm.count_collectives) against the formula (b sequences, n = S/C
   local tokens, d = head dim, e = 4 bytes, r = C/gcd(kv heads, C) copies of each kv head for all-to-all):
   all-to-all: per layer 4 all-to-alls forward (q: b*Hq*n*d*e, k and v: b*Hkv*r*n*d*e, output: b*Hq*n*d*e) and
   the same 4 backward; ring: per layer 2(C-1) sends forward (k, v: b*Hkv*n*d*e each), backward 2(C-1) of k and
@@ -55,7 +55,7 @@ def comm_part(out: Path, strategy: str) -> None:
     import torch
 
     import plait
-    from plait import comm
+    from plait.base import comm
 
     layers, batch, seq = 2, 2, 256
     pmodel = plait.parallelize(model(layers, seq), plait.ParallelConfig(cp=2, cp_attention=strategy))

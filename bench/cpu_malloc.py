@@ -1,4 +1,4 @@
-"""What glibc's returning of freed memory costs a CPU training step (``plait.host_memory``), side by side in one run:
+"""What glibc's returning of freed memory costs a CPU training step (``plait.base.host_memory``), side by side in one run:
 
     python bench/cpu_malloc.py [--rounds 2] [--steps 5]
 
@@ -40,7 +40,7 @@ def child(name: str, kept: bool, steps: int) -> dict[str, list[float]]:
     from transformers import AutoModelForCausalLM
 
     from plait import ParallelConfig, parallelize
-    from plait.host_memory import keep_freed_memory
+    from plait.base.host_memory import keep_freed_memory
     from plait.optim import OptimizerStep, build_optimizer
 
     if kept:

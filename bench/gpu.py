@@ -33,7 +33,7 @@ import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from mfu import flops_per_token, peak_flops
-from plait import device
+from plait.base import device
 
 DEVICE = device.pick_device("auto")  # the accelerator torch finds (bench/gpu.py is run by hand on one)
 
@@ -104,10 +104,10 @@ def plain_step(config: LlamaConfig, recipe: str, options: set[str], ids: torch.T
 def plait_step(config: LlamaConfig, recipe: str, options: set[str], ids: torch.Tensor) -> tuple:
     """plait's own model, optimizer and step (what ``plait train`` runs) for the recipe."""
     import plait
-    from plait.compile import compile_leaf_modules
-    from plait.materialize import load_parallel_model
+    from plait.parallel.compile import compile_leaf_modules
+    from plait.checkpoint.materialize import load_parallel_model
     from plait.optim import OptimizerStep, build_optimizer
-    from plait.registry import default_registry
+    from plait.plugin.registry import default_registry
 
     dtype, autocast, masters = RECIPES[recipe]
     parallel = plait.ParallelConfig(gradient_checkpointing="ckpt" in options, bf16_autocast=autocast)
@@ -191,7 +191,7 @@ def run_load(stage: str, workdir: Path) -> dict:
     import plait
     from plait.checkpoint import save_checkpoint
     from plait.checkpoint.consolidate import consolidate
-    from plait.materialize import load_parallel_model
+    from plait.checkpoint.materialize import load_parallel_model
     from plait.optim import OptimizerStep, build_optimizer
 
     baseline = peak_rss_mib()

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from plait.metrics import read_metrics
+from plait.run.metrics import read_metrics
 
 LLAMA_3B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 16384, "hidden_size": 3072,
             "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8,

@@ -45,7 +45,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from plait import device
+from plait.base import device
 
 DEVICE = device.pick_device("auto")
 GiB = 2**30
@@ -70,8 +70,8 @@ def model_config(tiny: bool, model: str = "llama"):
         return GPT2Config(n_embd=64 if tiny else 1536, n_layer=2 if tiny else 24, n_head=4 if tiny else 16,
                           n_positions=4096, vocab_size=2048 if tiny else 50257)
     if tiny:
-        from plait.model_config import read_model_config
-        from plait.train_args import TrainArgs
+        from plait.run.model_config import read_model_config
+        from plait.run.train_args import TrainArgs
 
         return read_model_config(TrainArgs())
     sys.path.insert(0, os.path.dirname(__file__))
@@ -91,7 +91,7 @@ def memory_in_use() -> tuple[int, int] | None:
 
 def run_variant(name: str, steps: int, seq: int, tiny: bool, model: str = "llama") -> dict:
     from plait import ParallelConfig
-    from plait.materialize import load_parallel_model
+    from plait.checkpoint.materialize import load_parallel_model
     from plait.optim import OptimizerStep, build_optimizer
 
     sequences, microbatches, options = parse_variant(name)
@@ -146,8 +146,8 @@ def planned(name: str, seq: int, tiny: bool, hardware: str, model: str = "llama"
     from plait.costs.estimate import Batch, estimate_layout
     from plait.costs.memory import Precision
     from plait.layout_plan import plan_layout
-    from plait.meta import build_meta_model
-    from plait.registry import default_registry
+    from plait.base.meta import build_meta_model
+    from plait.plugin.registry import default_registry
 
     sequences, microbatches, options = parse_variant(name)
     registry = default_registry()

@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from gpu import llama_1b
 
 import plait
-from plait import device
+from plait.base import device
 from plait.data.sft_blocks import Example, count_labels, lay_out
-from plait.materialize import load_parallel_model
+from plait.checkpoint.materialize import load_parallel_model
 from plait.optim import OptimizerStep, build_optimizer
-from plait.registry import default_registry
+from plait.plugin.registry import default_registry
 from plait.tp.loss import IGNORE_INDEX
 
 PAD = 0

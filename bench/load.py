@@ -3,7 +3,7 @@
     python bench/load.py [--keep DIR]
 
 1. Writes a Llama with random fp32 weights (safetensors, one file) to a temporary directory.
-2. World of 2, ``plait.materialize.load_parallel_model(dir, tp=2)``: each rank's peak RSS over its baseline
+2. World of 2, ``plait.checkpoint.materialize.load_parallel_model(dir, tp=2)``: each rank's peak RSS over its baseline
    (after imports, before loading; peak from VmHWM, reset through /proc/self/clear_refs) beside the bytes of
    its shards. Goal: at most 1.25x the shard bytes.
 3. Same world, naive: ``parallelize(AutoModelForCausalLM.from_pretrained(dir), tp=2)`` on every rank (the
@@ -56,7 +56,7 @@ def write_model(directory: Path) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from plait.meta import build_meta_model
+    from plait.base.meta import build_meta_model
 
     config = model_config()
     meta = build_meta_model(config)
@@ -76,7 +76,7 @@ def worker(mode: str, source: Path, work: Path, out: Path) -> None:
 
     from plait import ParallelConfig, parallelize
     from plait.checkpoint import consolidate, save_checkpoint
-    from plait.materialize import load_parallel_model
+    from plait.checkpoint.materialize import load_parallel_model
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()

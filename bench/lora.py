@@ -55,7 +55,8 @@ def bytes_worker(args) -> None:
     """One rank: a step of full fine-tuning, then of LoRA; bytes held right after ``optimizer.step``."""
     import torch.distributed as dist
 
-    from plait import ParallelConfig, comm, parallelize
+    from plait import ParallelConfig, parallelize
+    from plait.base import comm
     from plait.optim import build_optimizer
 
     dist.init_process_group("gloo")

@@ -13,7 +13,7 @@ instead (4 bytes per parameter: the "bf16+fp32acc" rows' gradients). The "ok" co
 formula: exactly, up to AdamW's 4-byte step count per tensor, one parameter's state (ZeRO-1 partitions whole
 parameters) and one row per tensor (ZeRO-2/3 split each tensor's rows over dp); else it names what is off.
 
-ZeRO-2/3 run on FSDP2 (plait.fsdp): between steps each rank stores its rows of every parameter, gradient and AdamW
+ZeRO-2/3 run on FSDP2 (plait.parallel.fsdp): between steps each rank stores its rows of every parameter, gradient and AdamW
 state, so fp32 stages 2 and 3 both hold 16 psi/dp (stage 3: 4/dp + 4/dp + 8/dp); with --bf16 the shards are the fp32
 masters, also 16 psi/dp, and layers compute on bf16 gathered copies. Stage 2 differs from stage 3 during the step:
 it keeps every layer gathered from its forward to the end of the step (+4 psi in fp32, +2 psi in bf16), where
@@ -75,13 +75,13 @@ def layout_worker(out: Path, tp: int, pp: int) -> None:
     from transformers import LlamaForCausalLM
 
     from plait import ParallelConfig, parallelize
-    from plait.grad_sync import MAIN_GRAD, grad_of
+    from plait.parallel.grad_sync import MAIN_GRAD, grad_of
     from plait.optim import OptimizerStep, build_optimizer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    from plait.fsdp import local
+    from plait.parallel.fsdp import local
 
     rows = []
     for precision in ("fp32", "bf16", "bf16+fp32acc"):
@@ -170,9 +170,9 @@ def stage_worker(out: Path, config: str, output_dir: str, stage: int) -> None:
 
     import torch.distributed as dist
 
-    from plait import comm
-    from plait.train_args import TrainArgs
-    from plait.trainer import Trainer
+    from plait.base import comm
+    from plait.run.train_args import TrainArgs
+    from plait.run.trainer import Trainer
 
     trainer = Trainer(TrainArgs(model_config=config, output_dir=output_dir, max_steps=PEAK_STEPS, zero_stage=stage,
                                 per_device_train_batch_size=1, block_size=32, save_steps=0, save_final=False))

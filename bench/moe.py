@@ -7,7 +7,7 @@ Run it alone (a concurrent job halves the times). The model is OLMoE-shaped and 
 layers, hidden 256, 16 experts of intermediate 128, top-4 routing, vocab 4096. Parts, each a world of gloo ranks:
 
 - comm: one train_step (forward and backward, 2 sequences of 256 tokens per rank) at ep=2, every collective
-  counted (plait.comm.count_collectives). Per MoE layer and forward a rank sends its per-expert counts (E int64),
+  counted (plait.base.comm.count_collectives). Per MoE layer and forward a rank sends its per-expert counts (E int64),
   its T*k (token, expert) rows (dispatch) and the rows it computed for the others (combine); backward sends the
   same two again. Over the ep group: L * (ep * E * 8 + 4 * T_group * k * H * e) bytes, e = 4 (fp32).
 - memory: expert and dense parameter bytes and AdamW state bytes per rank (mean over ranks) at dp=4 with ep=1,
@@ -51,7 +51,7 @@ def comm_part(out: Path) -> None:
     import torch
 
     import plait
-    from plait import comm
+    from plait.base import comm
 
     batch, seq = 2, 256
     pmodel = plait.parallelize(model(), plait.ParallelConfig(ep=2))
@@ -68,7 +68,7 @@ def memory_part(out: Path, what: str) -> None:
     import torch
 
     import plait
-    from plait import comm
+    from plait.base import comm
     from plait.optim import OptimizerStep, build_optimizer
 
     ep, zero = int(what.split("-")[0]), what.endswith("zero1")

@@ -15,7 +15,7 @@
    bytes of the distinct tensors autograd saved in the step's forward (saved_tensors_hooks, by address) vs the
    planner's traced activations, which separates an activation error from a transient one (not under pp, where
    micro-batches reuse each other's addresses).
-3. Communication: the planner's collectives beside those plait.comm counts in the measured step (ep's all-to-all
+3. Communication: the planner's collectives beside those plait.base.comm counts in the measured step (ep's all-to-all
    bytes as the mean over ranks: routing moves them between ranks), and beside
    bench/tp_comm.py's formula for its model (counts and bytes equal); bubble beside bench/pp_bubble.py's formulas.
 4. Step time with ``--calibrate``: for three models (a Llama at several batch shapes, a GPT-2, a Qwen3), the planner's 5 best layouts of 2 ranks (each with
@@ -159,11 +159,11 @@ def _predict(config_kwargs: dict, model_cfg, dtype, per_device: int, seq: int, w
 
     from plait import ParallelConfig
     from plait.layout_plan import plan_layout
-    from plait.meta import build_meta_model
+    from plait.base.meta import build_meta_model
     from plait.costs.activations import trace_activations
     from plait.costs.estimate import Batch, estimate_layout
     from plait.costs.memory import Precision
-    from plait.registry import default_registry
+    from plait.plugin.registry import default_registry
 
     registry = default_registry()
     meta = build_meta_model(model_cfg, dtype)
@@ -224,7 +224,7 @@ def _measure_memory(kwargs: dict, tiny: bool, rank: int, moe: bool = False) -> d
     import torch
     import torch.distributed as dist
 
-    from plait.comm import count_collectives
+    from plait.base.comm import count_collectives
 
     b, s = memory_seq(tiny)
     cfg = model_config(tiny, moe=moe)
@@ -262,7 +262,7 @@ def _time_layouts(jobs: dict, tiny: bool, steps: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from plait.host_memory import keep_freed_memory
+    from plait.base.host_memory import keep_freed_memory
 
     keep_freed_memory()  # as plait train's CPU processes run
     rank = dist.get_rank()
@@ -344,14 +344,14 @@ def rank_layouts(tiny: bool, calibrate: bool):
 
     from plait import ParallelConfig
     from plait.layout_plan import plan_layout
-    from plait.meta import build_meta_model
+    from plait.base.meta import build_meta_model
     from plait.costs.activations import trace_activations
     from plait.costs.calibration import calibrate as measure_device
     from plait.costs.device import PRESETS
     from plait.costs.estimate import Batch
     from plait.costs.memory import Precision
     from plait.costs.search import batch_split, describe, search_layouts
-    from plait.registry import default_registry
+    from plait.plugin.registry import default_registry
 
     device = measure_device(refresh=True) if calibrate else PRESETS["cpu"]  # this run's machine, measured now
     registry = default_registry()
@@ -384,8 +384,8 @@ def check_invariance(device) -> list[str]:
     from plait.costs.memory import Precision
     from plait.costs.search import batch_split, describe, search_layouts
     from plait.layout_plan import plan_layout
-    from plait.meta import build_meta_model
-    from plait.registry import default_registry
+    from plait.base.meta import build_meta_model
+    from plait.plugin.registry import default_registry
 
     registry = default_registry()
     meta = build_meta_model(model_config(False, time_model=True), torch.float32)
@@ -486,14 +486,14 @@ def report_comm(per_rank) -> list[str]:
 
     from plait import ParallelConfig
     from plait.layout_plan import plan_layout
-    from plait.meta import build_meta_model
+    from plait.base.meta import build_meta_model
     from plait.costs.activations import trace_activations
     from plait.costs.estimate import Batch, estimate_layout
     from plait.costs.memory import Precision
-    from plait.registry import default_registry
+    from plait.plugin.registry import default_registry
 
-    print("\n3. communication of one step: plait.comm's count vs planned (count, bytes), rank 0")
-    # not plait.comm's: pipelining's send/recv, ZeroRedundancyOptimizer's broadcast, FSDP2's gathers and reduce-scatters
+    print("\n3. communication of one step: plait.base.comm's count vs planned (count, bytes), rank 0")
+    # not plait.base.comm's: pipelining's send/recv, ZeroRedundancyOptimizer's broadcast, FSDP2's gathers and reduce-scatters
     unrecorded = {("pp", "send"), ("pp", "recv"), ("dp", "broadcast"), ("dp", "all_gather"), ("dp", "reduce_scatter")}
     bad = []
     for name in MEMORY_LAYOUTS:

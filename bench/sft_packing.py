@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from plait import device
+from plait.base import device
 from plait.data.sft_blocks import Example, batch_inputs, count_labels, lay_out
 
 PAD = 0

@@ -62,7 +62,7 @@ def worker(out_dir: Path, steps: int, name: str) -> None:
     from transformers import AutoModelForCausalLM
 
     import plait
-    from plait.comm import count_collectives
+    from plait.base.comm import count_collectives
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:

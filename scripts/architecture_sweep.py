@@ -94,12 +94,12 @@ def label(cell: str, whole: tuple[str, ...]) -> str:
 
 def architectures() -> list[str]:
     """Decoder-only causal-LM model types: what AutoModelForCausalLM builds, less the encoder-decoder and
-    encoder-only types (``plait.meta.causal_lm_refusal``, the trainer's own check)."""
+    encoder-only types (``plait.base.meta.causal_lm_refusal``, the trainer's own check)."""
     from types import SimpleNamespace
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from plait.meta import causal_lm_refusal
+    from plait.base.meta import causal_lm_refusal
 
     return sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if not causal_lm_refusal(SimpleNamespace(model_type=t)))
 
@@ -113,8 +113,8 @@ def declares_tp_plan(arch: str) -> bool:
 
 def one_line(error: BaseException) -> str:
     """The error in one line: plait's own refusals as they are, anything else prefixed with its type."""
-    from plait.config import ConfigError
-    from plait.registry import AdapterError
+    from plait.base.config import ConfigError
+    from plait.plugin.registry import AdapterError
 
     text = " ".join(str(error).split()).removeprefix("the generic transformers adapter cannot derive this plan: ")
     return text if isinstance(error, (ConfigError, AdapterError)) else f"{type(error).__name__}: {text}"
@@ -124,11 +124,11 @@ def prepare(arch: str, modes: tuple[str, ...] = MODES) -> Row:
     """The serving adapter, its tiny config, and each of ``modes`` refused by the layout plan or left to run."""
     from types import SimpleNamespace
 
-    from plait.config import ParallelConfig
+    from plait.base.config import ParallelConfig
     from plait.ep.layout import other_experts, own_experts, routed_experts
     from plait.layout_plan import plan_layout
-    from plait.meta import build_meta_model
-    from plait.registry import default_registry
+    from plait.base.meta import build_meta_model
+    from plait.plugin.registry import default_registry
     from plait.testing.conformance_modes import MODES as KIT_MODES
     from plait.testing.conformance_modes import load_subject
 

@@ -14,5 +14,5 @@ from plait.testing import launcher
 from plait.testing.launcher import LAUNCH_ENV
 
 os.environ.setdefault(LAUNCH_ENV, "fork")
-launcher.FORK_PRELOAD += [m for m in ("plait", "plait.cli", "plait.trainer", "plait.testing.conformance_worker")
+launcher.FORK_PRELOAD += [m for m in ("plait", "plait.cli", "plait.run.trainer", "plait.testing.conformance_worker")
                           if m not in launcher.FORK_PRELOAD]

@@ -13,10 +13,10 @@ from rich.console import Console
 import processes
 from plait.auto_layout import choose_layout
 from plait.cli import build_parser
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.costs.device import PRESETS
-from plait.metrics import read_metrics
-from plait.train_args import TrainArgs, from_namespace
+from plait.run.metrics import read_metrics
+from plait.run.train_args import TrainArgs, from_namespace
 from tiny_models import tiny_config
 
 DEVICE = dataclasses.replace(PRESETS["cpu"], reserve_bytes=0)

@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM
 
 import plait
 import plait.cli
-import plait.registry
-import plait.trainer
+import plait.plugin.registry
+import plait.run.trainer
 from plait.cli import main
 import processes
 from tiny_models import tiny_config
@@ -60,16 +60,16 @@ def _adapter(name: str, architectures: tuple[str, ...], *, tp_plan: plait.TPPlan
 
 def load_extra_adapter(monkeypatch, module: types.ModuleType, *, block: str = "") -> None:
     """The default registry, rebuilt on first use inside main(), loads ``module`` after the installed ones."""
-    original = plait.registry.Registry.load_entry_points
+    original = plait.plugin.registry.Registry.load_entry_points
 
     def load(self):
         original(self)
         self.register(module)
 
-    monkeypatch.setattr(plait.registry, "_default", None)
-    monkeypatch.setattr(plait.registry.Registry, "load_entry_points", load)
+    monkeypatch.setattr(plait.plugin.registry, "_default", None)
+    monkeypatch.setattr(plait.plugin.registry.Registry, "load_entry_points", load)
     if block:
-        monkeypatch.setenv(plait.registry.BLOCKED_ENV, block)
+        monkeypatch.setenv(plait.plugin.registry.BLOCKED_ENV, block)
 
 
 def duplicate_claim(monkeypatch, tmp_path):
@@ -234,7 +234,7 @@ def warm():
     for config in (tiny_config("llama"), tiny_config("gpt2"), DogeConfig(**json.loads(DOGE_CONFIG))):
         with torch.device("meta"):
             AutoModelForCausalLM.from_config(config)
-    plait.registry.default_registry()
+    plait.plugin.registry.default_registry()
 
 
 def base_flags(tmp_path: Path) -> list[str]:
@@ -253,8 +253,8 @@ def never(what: str):
 @pytest.mark.parametrize("flags, setup, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_refused_at_once(warm, tmp_path, monkeypatch, capsys, flags, setup, message):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(plait.trainer, "init_distributed", never("torch.distributed initialisation"))
-    monkeypatch.setattr(plait.trainer, "materialize", never("the weights"))
+    monkeypatch.setattr(plait.run.trainer, "init_distributed", never("torch.distributed initialisation"))
+    monkeypatch.setattr(plait.run.trainer, "materialize", never("the weights"))
     extra = setup(monkeypatch, tmp_path) if setup else []
     argv = ["train", *base_flags(tmp_path), *flags, *extra]  # later flags override earlier ones
     with pytest.raises(SystemExit) as exit_info:
@@ -367,7 +367,7 @@ TAKES = {
 def every_flag_value() -> list[tuple[str, str]]:
     from dataclasses import fields
 
-    from plait.train_args import TrainArgs
+    from plait.run.train_args import TrainArgs
 
     values = []
     for f in fields(TrainArgs):
@@ -385,8 +385,8 @@ def test_every_flag_refuses_a_bad_value(warm, tmp_path, monkeypatch, capsys, nam
         pytest.skip(f"--{name} {value} is taken: {TAKES[name + '=' + value]}")
     monkeypatch.chdir(tmp_path)  # "bogus" is resolved here, where nothing of that name exists
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(plait.trainer, "init_distributed", never("torch.distributed initialisation"))
-    monkeypatch.setattr(plait.trainer, "materialize", never("the weights"))
+    monkeypatch.setattr(plait.run.trainer, "init_distributed", never("torch.distributed initialisation"))
+    monkeypatch.setattr(plait.run.trainer, "materialize", never("the weights"))
     with pytest.raises(SystemExit) as exit_info:
         main(["train", *base_flags(tmp_path), f"--{name}", value])
     last = capsys.readouterr().err.strip().splitlines()[-1]
@@ -452,7 +452,7 @@ def test_a_workers_error_is_one_line_for_the_job(tmp_path):
 
 
 def test_workers_lines_are_said_once_with_the_ranks_where_they_differ(tmp_path, capsys):
-    from plait.torchrun import say_once
+    from plait.run.torchrun import say_once
 
     for rank, text in enumerate(["plait: error: A", "plait: error: B", "plait: error: A"]):
         (tmp_path / f"rank{rank}.txt").write_text(text)
@@ -479,7 +479,7 @@ def test_the_culprit_is_the_worker_a_signal_killed():
     by a signal (not torchrun's own SIGTERM) is named, rather than a peer that failed on its lost connection."""
     from types import SimpleNamespace as Failure
 
-    from plait.torchrun import culprit
+    from plait.run.torchrun import culprit
 
     failures = {0: Failure(timestamp=10, exitcode=1), 1: Failure(timestamp=10, exitcode=-9),
                 2: Failure(timestamp=10, exitcode=-15)}

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig
 
 from plait.cli import main
-from plait.config import ParallelConfig
+from plait.base.config import ParallelConfig
 from plait.costs import calibration
 from plait.costs.activations import trace_activations
 from plait.costs import machine
@@ -22,10 +22,10 @@ from plait.costs.device import PRESETS
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.memory import Precision
 from plait.costs.traffic import TIMED_OPS
-from plait.device import accelerator, describe_accelerator
+from plait.base.device import accelerator, describe_accelerator
 from plait.layout_plan import plan_layout
-from plait.meta import build_meta_model
-from plait.registry import default_registry
+from plait.base.meta import build_meta_model
+from plait.plugin.registry import default_registry
 
 # A peak far above what one CPU thread reaches: the run's efficiency is then well under 1, never clamped at peak
 FAST = dataclasses.replace(PRESETS["cpu"], flops_fp32=1e12, flops_bf16=1e12)

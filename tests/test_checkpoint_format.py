@@ -22,8 +22,8 @@ from plait.checkpoint import (
 from plait.checkpoint import st_io
 from plait.checkpoint.format import flat_range_boxes, spec_boxes, uncovered
 from plait.checkpoint.state import LocalTensor, torch_optimizer_state
-from plait.config import ConfigError
-from plait.materialize import SeededInit, load_parallel_model
+from plait.base.config import ConfigError
+from plait.checkpoint.materialize import SeededInit, load_parallel_model
 from plait.tp.sharding import ShardSpec
 
 TINY = dict(vocab_size=61, bos_token_id=0, eos_token_id=1)
@@ -132,7 +132,7 @@ def test_spec_boxes_skip_padding_and_follow_ranges():
     ("gpt2", GPT2Config(n_embd=32, n_layer=2, n_head=4, **TINY), "transformer.h.0.mlp.c_proj.weight", (128, 32)),
 ])
 def test_seeded_init_slices_one_full_tensor(monkeypatch, adapter, config, name, shape):
-    import plait.materialize as loading
+    import plait.checkpoint.materialize as loading
 
     monkeypatch.setattr(loading, "INIT_CHUNK_ELEMENTS", 100)  # many row blocks
     registry = default_registry()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from plait import hookspecs
+from plait.plugin import hookspecs
 from plait.cli import main
 from plait.plan_command import parameter_bytes_per_rank
 from tiny_models import tiny_config
@@ -56,7 +56,7 @@ def test_plan_bytes_add_up():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from plait.registry import default_registry
+    from plait.plugin.registry import default_registry
     from plait.tp.layout import param_specs, plan_tensor_parallel
 
     config = tiny_config("llama")

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.config import ConfigError, ParallelConfig
+from plait.base.config import ConfigError, ParallelConfig
 from plait.cp.layout import RING_FROM
 from plait.cp.sequence import chunk_bounds, local_index, natural_order, read_spans
 from plait.layout_plan import plan_layout
-from plait.meta import build_meta_model
+from plait.base.meta import build_meta_model
 from plait.testing.conformance_modes import load_subject, with_overrides
-from plait.train_args import TrainArgs
+from plait.run.train_args import TrainArgs
 
 
 def plan(subject: str, world: int, overrides: dict | None = None, **layout):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.pipeline_schedules import SCHEDULES
+from plait.base.pipeline_schedules import SCHEDULES
 from plait.testing import launch
 from workers.cp_parity import CASES, STEPS
 

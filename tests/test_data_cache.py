@@ -15,16 +15,16 @@ import torch
 
 import plait.data.cache as cache_module
 import plait.data.sources as sources_module
-import plait.trainer
+import plait.run.trainer
 from plait.cli import main
-from plait.config import ParallelConfig
+from plait.base.config import ParallelConfig
 from plait.data import GlobalBatchSampler, default_corpus_path, train_bpe_tokenizer
 from plait.cp.sequence import read_spans
 from plait.data.blocks import TokenBlocks, training_blocks
 from plait.data.cache import ByteEncoder, TokenCache, TokenizerEncoder
 from plait.data.sources import resolve_sources, sample_lines
-from plait.data.train_data import load_data, prepare_data
-from plait.train_args import TrainArgs
+from plait.run.train_data import load_data, prepare_data
+from plait.run.train_args import TrainArgs
 from tiny_models import tiny_config
 
 
@@ -298,7 +298,7 @@ def test_waiting_rank_gives_up_when_nobody_prepares(corpus_slice, tmp_path, monk
     monkeypatch.setenv("LOCAL_RANK", "1")
     args = TrainArgs(train_file=str(corpus_slice), block_size=16, data_cache_dir=str(tmp_path), ddp_timeout=1)
     start = time.monotonic()
-    with pytest.raises(plait.config.ConfigError) as info:
+    with pytest.raises(plait.base.config.ConfigError) as info:
         load_data(args, 61)
     assert time.monotonic() - start < 10
     message = str(info.value)
@@ -440,7 +440,7 @@ BAD_INPUTS = [
 def test_bad_input_fails_at_once_and_leaves_no_cache(tmp_path, monkeypatch, capsys, corpus_slice, tokenizer_dir,
                                                      vocab, write, name, message):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.setattr(plait.trainer, "init_distributed", lambda *a, **k: pytest.fail("reached torch.distributed"))
+    monkeypatch.setattr(plait.run.trainer, "init_distributed", lambda *a, **k: pytest.fail("reached torch.distributed"))
     path = corpus_slice if write is None else tmp_path / name
     if write is not None:
         write(path)
@@ -503,10 +503,10 @@ def test_training_reads_the_cache(tmp_path, encode_calls):
     config = write_model(tmp_path)
     common = dict(model_config=config, max_steps=2, per_device_train_batch_size=2, block_size=16,
                   data_cache_dir=str(tmp_path / "cache"))
-    first = plait.trainer.train(TrainArgs(output_dir=str(tmp_path / "a"), **common))
+    first = plait.run.trainer.train(TrainArgs(output_dir=str(tmp_path / "a"), **common))
     assert encode_calls
     encode_calls.clear()
-    second = plait.trainer.train(TrainArgs(output_dir=str(tmp_path / "b"), **common))
+    second = plait.run.trainer.train(TrainArgs(output_dir=str(tmp_path / "b"), **common))
     assert encode_calls == []
     assert [r["loss"] for r in second] == [r["loss"] for r in first]
 
@@ -550,8 +550,8 @@ def test_prepare_data_global_batch_is_the_runs_at_cp2(tmp_path, capsys):
 
 
 def test_train_file_may_be_a_glob(tmp_path):
-    from plait.config import ConfigError
-    from plait.train_args import TrainArgs
+    from plait.base.config import ConfigError
+    from plait.run.train_args import TrainArgs
 
     (tmp_path / "a.txt").write_text("some text")
     TrainArgs(train_file=str(tmp_path / "*.txt"), output_dir=str(tmp_path / "out")).validate()

@@ -1,9 +1,9 @@
-"""plait names no device type outside ``core/plait/device.py``, and that module answers from torch's own tables.
+"""plait names no device type outside ``core/plait/base/device.py``, and that module answers from torch's own tables.
 
 The scan: every ``.py`` under core/, adapters/, scripts/ and examples/ is tokenized, and any token but a comment
 that contains "cuda" in any case (a name such as ``torch.cuda``, a method ``.cuda()``, a string, a docstring,
 a help text) fails, named by file and line. Comments may mention CUDA (a measurement, a reason). bench/ and
-tests/ are not scanned: they measure or test the CUDA path on purpose. ``plait.device`` itself is checked on
+tests/ are not scanned: they measure or test the CUDA path on purpose. ``plait.base.device`` itself is checked on
 the CPU, with torch's accelerator API stood in for where a test needs an accelerator (an XPU, a PrivateUse1
 backend, CUDA for the behaviour that must not change).
 """
@@ -18,14 +18,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from plait import comm, device
-from plait.config import ConfigError
-from plait.runtime import init_distributed
-from plait.runtime import pick_device as runtime_pick_device
+from plait.base import comm
+from plait.base import device
+from plait.base.config import ConfigError
+from plait.run.runtime import init_distributed
+from plait.run.runtime import pick_device as runtime_pick_device
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("core", "adapters", "scripts", "examples")
-DEVICE_MODULE = ROOT / "core" / "plait" / "device.py"
+DEVICE_MODULE = ROOT / "core" / "plait" / "base" / "device.py"
 
 
 def cuda_mentions(path: Path) -> list[int]:
@@ -47,7 +48,7 @@ def violations(root: Path) -> list[str]:
 
 def test_no_device_type_is_named_outside_device_py():
     found = violations(ROOT)
-    assert not found, ("these name cuda; ask plait.device (core/plait/device.py) instead:\n" + "\n".join(found))
+    assert not found, ("these name cuda; ask plait.base.device (core/plait/base/device.py) instead:\n" + "\n".join(found))
 
 
 def test_the_scan_finds_a_planted_mention_and_spares_comments(tmp_path):
@@ -67,7 +68,7 @@ def test_the_scan_finds_a_planted_mention_and_spares_comments(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# plait.device on the CPU, with torch's accelerator stood in for
+# plait.base.device on the CPU, with torch's accelerator stood in for
 # --------------------------------------------------------------------------------------------------
 
 
@@ -107,7 +108,7 @@ def test_an_xpu_is_picked_with_torchs_backend(found):
 
 
 def test_cuda_behaves_as_before(found):
-    """What the code did before plait.device: cuda:LOCAL_RANK, NCCL, AdamW fused on the GPU only."""
+    """What the code did before plait.base.device: cuda:LOCAL_RANK, NCCL, AdamW fused on the GPU only."""
     found("cuda")
     assert device.pick_device("auto") == device.pick_device("cuda") == torch.device("cuda", 3)
     assert device.default_backend(torch.device("cuda", 3)) == "nccl"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from plait.cli import main
-from plait.metrics import read_metrics
+from plait.run.metrics import read_metrics
 from plait.testing import launch
 from plait.testing.conformance_modes import load_subject
 

@@ -15,10 +15,10 @@ import pytest
 
 from plait.checkpoint import latest_checkpoint
 
-from plait.metrics import read_metrics
+from plait.run.metrics import read_metrics
 from plait.testing.launcher import free_port
-from plait.train_args import TrainArgs
-from plait.trainer import train
+from plait.run.train_args import TrainArgs
+from plait.run.trainer import train
 import processes
 from tiny_models import tiny_config
 

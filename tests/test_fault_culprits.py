@@ -1,7 +1,7 @@
 """Issue 28: a fault ends the job in one line that names its culprit, and loses nothing.
 
 Real commands, as a user meets them: ``plait train --nproc_per_node 2`` (plait's launcher, one line for the job)
-with a fault injected into one rank (``PLAIT_FAULT_INJECT``, plait/faults.py), and two torchrun "nodes" on the
+with a fault injected into one rank (``PLAIT_FAULT_INJECT``, plait/base/faults.py), and two torchrun "nodes" on the
 loopback whose output dirs are node-local (the second in a mount namespace of its own, a tmpfs over the dir).
 """
 
@@ -138,12 +138,12 @@ def test_node_local_output_dirs_are_refused_before_the_first_step(model_config, 
 def test_an_unexpected_error_is_one_line_and_the_traceback_is_asked_for(monkeypatch, capsys, model_config, tmp_path):
     """A fault plait has no words for (here, a RuntimeError from inside the trainer) is still one line, exit 1,
     with its type; ``--debug`` adds the traceback above it."""
-    import plait.trainer
+    import plait.run.trainer
 
     def boom(args):
         raise RuntimeError("something inside torch broke\nsecond line of its text")
 
-    monkeypatch.setattr(plait.trainer, "train", boom)
+    monkeypatch.setattr(plait.run.trainer, "train", boom)
     argv = ["train", "--model_config", model_config, "--output_dir", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

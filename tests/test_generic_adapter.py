@@ -12,8 +12,8 @@ import torch
 import plait
 from plait import AdapterError, AdapterInfo, Attention, Column, ConfigError, ParallelConfig, Registry, Row, hookimpl
 from plait.layout_plan import plan_layout
-from plait.meta import build_meta_model
-from plait.registry import served_architectures
+from plait.base.meta import build_meta_model
+from plait.plugin.registry import served_architectures
 from plait.tp.styles import (
     FullWidthNormAttention, FusedColumn, HeadInterleavedAttention, LocalConfigAttention, MoEExperts, ReplicatedGradSum,
     ScaledVocabEmbedding, VocabEmbedding, VocabHead,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.meta import build_meta_model
+from plait.base.meta import build_meta_model
 from plait.testing.conformance_modes import LOSS_RTOL
 from plait.tp.styles import LatentAttention, PairedHeadsAttention, ReplicatedGradSum
 from plait_transformers import plait_tiny_config

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.testing.conformance_modes import LOSS_RTOL
 from plait.tp.sequence_parallel import SideInputScatter
 from plait_transformers import plait_tiny_config

@@ -12,7 +12,7 @@ from torch import nn
 
 from plait import ConfigError, ParallelConfig, Registry
 from plait.layout_plan import plan_layout
-from plait.meta import build_meta_model
+from plait.base.meta import build_meta_model
 from plait.tp.styles import ExpertMajorExperts, LatentAttention, MoEExperts, ReplicatedGradSum
 
 import plait_transformers

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 from plait import ConfigError, ParallelConfig
 from plait.checkpoint import consolidate, load_checkpoint, save_checkpoint
 from plait.checkpoint.state import persistent_buffers
-from plait.materialize import load_parallel_model
-from plait.meta import build_meta_model
+from plait.checkpoint.materialize import load_parallel_model
+from plait.base.meta import build_meta_model
 from plait.pipeline.stages import PassThrough
 from plait_transformers import plait_tiny_config, plait_tp_plan
 from plait_transformers.derivation import Refusal, derive
@@ -79,7 +79,7 @@ def test_dory_tiny_config_loops_both_attention_kinds_between_one_input_and_one_o
 
 @pytest.mark.parametrize("arch, text_type", [("emu3", "emu3_text_model"), ("mllama", "mllama_text_model")])
 def test_a_text_config_built_only_under_its_composite_type_builds_and_loads_again(tmp_path, arch, text_type):
-    from plait.meta import causal_lm_refusal
+    from plait.base.meta import causal_lm_refusal
 
     model = AutoModelForCausalLM.from_config(plait_tiny_config(arch))  # transformers builds it from the text config
     assert model.config.model_type == text_type and causal_lm_refusal(model.config) is None

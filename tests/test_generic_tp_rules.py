@@ -178,7 +178,7 @@ def test_a_projection_wrapping_one_linear_is_split_as_that_linear():
     assert moshi.local_attrs["num_key_value_groups"] == "kv_groups"
     mlp = {r.pattern: r for r in derive(plait_tiny_config("moshi")).tp.rules}["model.layers.*.mlp.fc1"]
     assert isinstance(mlp, FusedColumn) and mlp.chunks == 2
-    from plait.meta import build_meta_model
+    from plait.base.meta import build_meta_model
 
     model = build_meta_model(plait_tiny_config("moshi"))
     shards = moshi.shards("model.layers.0.self_attn", model.get_submodule("model.layers.0.self_attn"), 2, 1)

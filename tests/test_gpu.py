@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.metrics import read_metrics
+from plait.run.metrics import read_metrics
 from plait.testing.launcher import launch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -43,7 +43,7 @@ def run(tmp_path_factory) -> Path:
 def test_trains_on_cuda(run):
     losses = [r["loss"] for r in read_metrics(run)]
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
-    assert all(r["peak_device_mb"] > 0 for r in read_metrics(run))  # the allocator's peak, via plait.device
+    assert all(r["peak_device_mb"] > 0 for r in read_metrics(run))  # the allocator's peak, via plait.base.device
 
 
 def test_resume_from_gpu_checkpoint_matches(run, tmp_path):

@@ -20,9 +20,9 @@ from plait.checkpoint.hf_dir import read_hf_index
 from plait.checkpoint.load import CheckpointReader
 from plait.checkpoint.st_io import SafetensorsFile
 from plait.cli import main
-from plait.config import ConfigError, ParallelConfig
-from plait.materialize import load_parallel_model
-from plait.metrics import read_metrics
+from plait.base.config import ConfigError, ParallelConfig
+from plait.checkpoint.materialize import load_parallel_model
+from plait.run.metrics import read_metrics
 from plait.testing import launch
 from plait.testing.conformance_modes import load_subject
 

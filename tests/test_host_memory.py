@@ -1,4 +1,4 @@
-"""``plait.host_memory``: glibc keeps the memory a CPU step frees (issue 30: the page faults behind CPU steps that
+"""``plait.base.host_memory``: glibc keeps the memory a CPU step frees (issue 30: the page faults behind CPU steps that
 ran faster split). Each case runs in a fresh interpreter: mallopt changes its whole process, and glibc's
 thresholds start from their defaults only in a new one."""
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 
 FREED = """
 import json, sys, torch
-from plait.host_memory import keep_freed_memory
+from plait.base.host_memory import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "kept" else False
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) * 1024
@@ -42,7 +42,7 @@ def test_a_freed_block_stays_for_reuse_where_glibc_is_told_and_goes_back_to_the_
 
 MAPPED = """
 import json, torch
-from plait.host_memory import keep_freed_memory, mapped_empty
+from plait.base.host_memory import keep_freed_memory, mapped_empty
 keep_freed_memory()
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) * 1024

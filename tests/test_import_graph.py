@@ -11,34 +11,38 @@ so an import of ``plait.a.b`` from outside ``plait.a`` counts as one of ``plait.
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from pathlib import Path
 
 import grimp
 
 ROOT = "plait"
 
 # Bottom to top. A name stands for a module, or for a package with every module in it that no more specific name
-# places elsewhere (plait.lora, but plait.lora.export); the root package stands for plait/__init__.py alone.
+# places elsewhere (plait.base, but plait.base.device); the root package stands for plait/__init__.py alone.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("device", {"plait.device", "plait.host_memory"}),
-    ("foundation", {"plait.config", "plait.pipeline_schedules", "plait.comm", "plait.patterns", "plait.markers",
-                    "plait.meta", "plait.seeds", "plait.training_forward", "plait.faults"}),
-    ("parallel primitives", {"plait.mesh", "plait.tp.mappings", "plait.tp.layers", "plait.tp.loss", "plait.tp.rng",
-                             "plait.tp.sharding", "plait.cp.sequence", "plait.cp.masks", "plait.cp.ring",
-                             "plait.cp.ulysses"}),
-    ("adapter declarations", {"plait.tp.styles", "plait.declarations", "plait.hookspecs"}),
-    ("mechanisms", {"plait.registry", "plait.tp", "plait.cp", "plait.ep", "plait.pipeline", "plait.lora", "plait.grad_sync",
-                    "plait.moe_balance",
-                    "plait.activation_checkpoint", "plait.compile", "plait.float8", "plait.fsdp"}),
+    ("device", {"plait.base.device", "plait.base.host_memory"}),
+    ("foundation", {"plait.base"}),
+    ("parallel primitives", {"plait.base.mesh", "plait.tp.mappings", "plait.tp.layers", "plait.tp.loss",
+                             "plait.tp.rng", "plait.tp.sharding", "plait.cp.sequence", "plait.cp.masks",
+                             "plait.cp.ring", "plait.cp.ulysses"}),
+    ("adapter declarations", {"plait.tp.styles", "plait.tp.plans", "plait.plugin"}),
+    ("mechanisms", {"plait.plugin.registry", "plait.parallel", "plait.tp", "plait.cp", "plait.ep", "plait.pipeline",
+                    "plait.lora"}),
     ("layout plan", {"plait.layout_plan"}),
     ("apply", {"plait.parallelize"}),
-    ("model state", {"plait.optim", "plait.checkpoint", "plait.materialize", "plait.gather", "plait.lora.export"}),
-    ("run inputs", {"plait.train_args", "plait.model_config", "plait.data", "plait.trackers"}),
-    ("training", {"plait.trainer", "plait.runtime", "plait.metrics", "plait.log_line", "plait.moe_metrics",
-                  "plait.heartbeat", "plait.stop"}),
+    ("model state", {"plait.optim", "plait.checkpoint"}),
+    ("data", {"plait.data"}),
+    ("run", {"plait.run"}),
     ("tools on a layout", {"plait.costs", "plait.testing"}),
     ("entry points", {"plait", "plait.__main__", "plait.cli", "plait.plan_command", "plait.auto_layout",
-                      "plait.torchrun"}),
+                      "plait.run.torchrun"}),
 ]
+# The root of core/plait: the package's face (what ``import plait`` gives, the front door ``parallelize`` and the
+# plan it applies) and the entry points; every other module lives in the folder of its layer.
+ROOT_MODULES = {"plait", "plait.__main__", "plait.cli", "plait.plan_command", "plait.auto_layout",
+                "plait.layout_plan", "plait.parallelize"}
+MAX_ROOT_MODULES = 20
+MAX_LINES = 500
 
 
 def build_graph() -> grimp.ImportGraph:
@@ -124,6 +128,30 @@ def unplaced(graph: grimp.ImportGraph, layers: list[tuple[str, set[str]]]) -> li
             + [f"{name} is no module of {ROOT}" for name in sorted(named - graph.modules)])
 
 
+def room_of(module: str) -> str:
+    """The folder a module lies in (``plait.tp`` for ``plait.tp.styles.linear``), or the module itself at the root."""
+    return ".".join(module.split(".")[:2])
+
+
+def folder_cycles(found: dict[tuple[str, str], str]) -> list[str]:
+    """Imports between folders (and root modules) that close a loop, as lines naming the loop and one import of
+    each step: a folder that imports a folder which imports it back runs back up the stack, whatever the layers
+    of its modules. The root package is left out: it is the face, importing from every folder."""
+    rooms: dict[tuple[str, str], str] = {}
+    for (importer, imported), where in found.items():
+        a, b = room_of(importer), room_of(imported)
+        if a != b and ROOT not in (a, b):
+            rooms.setdefault((a, b), f"{importer} -> {imported}, {where}")
+    return [" -> ".join(cycle) + "\n    " + "\n    ".join(rooms[step] for step in zip(cycle, cycle[1:]))
+            for cycle in cycles(rooms)]
+
+
+def root_modules(graph: grimp.ImportGraph) -> set[str]:
+    """The modules at the root of the package (no package of their own)."""
+    packages = {m.rpartition(".")[0] for m in graph.modules}
+    return {m for m in graph.modules if m == ROOT or (m.count(".") == 1 and m not in packages)}
+
+
 # --------------------------------------------------------------------------------------------------
 # The contract
 # --------------------------------------------------------------------------------------------------
@@ -144,6 +172,25 @@ def test_each_layer_imports_only_the_layers_below():
     assert not lines, "imports up the stack (LAYERS, bottom to top):\n" + "\n".join(lines)
 
 
+def test_no_folder_imports_back_up():
+    found = folder_cycles(imports(build_graph()))
+    assert not found, ("folders that import each other (move the shared piece down):\n" + "\n".join(found))
+
+
+def test_the_root_holds_the_face_and_entry_points_only():
+    root = root_modules(build_graph())
+    assert root <= ROOT_MODULES and len(root) <= MAX_ROOT_MODULES, (
+        f"modules at the root of core/plait outside its face and entry points: {sorted(root - ROOT_MODULES)}; "
+        "put each in the folder of its layer (docs/architecture.md)")
+
+
+def test_no_source_file_over_500_lines():
+    repo = Path(__file__).resolve().parent.parent
+    long = [f"{path.relative_to(repo)}: {n} lines" for folder in ("core", "adapters") for path in
+            sorted((repo / folder).rglob("*.py")) if (n := len(path.read_text().splitlines())) > MAX_LINES]
+    assert not long, f"split by what the code does (no file over {MAX_LINES} lines):\n" + "\n".join(long)
+
+
 # --------------------------------------------------------------------------------------------------
 # The checks themselves, on made-up graphs: they can fail
 # --------------------------------------------------------------------------------------------------
@@ -153,35 +200,52 @@ def made_up_graph(*edges: tuple[str, str]) -> grimp.ImportGraph:
     graph = grimp.ImportGraph()
     for importer, imported in edges:
         for module in (importer, imported):
-            graph.add_module(module)
+            while module.count("."):
+                graph.add_module(module)
+                module = module.rpartition(".")[0]
         graph.add_import(importer=importer, imported=imported, line_number=1, line_contents=f"import {imported}")
     return graph
 
 
 def test_a_cycle_is_found_and_named():
-    graph = made_up_graph(("plait.config", "plait.mesh"), ("plait.mesh", "plait.comm"), ("plait.comm", "plait.config"),
-                          ("plait.trainer", "plait.config"))
-    assert cycles(imports(graph)) == [["plait.comm", "plait.config", "plait.mesh", "plait.comm"]]
+    graph = made_up_graph(("plait.base.config", "plait.base.mesh"), ("plait.base.mesh", "plait.base.comm"),
+                          ("plait.base.comm", "plait.base.config"), ("plait.run.trainer", "plait.base.config"))
+    assert cycles(imports(graph)) == [["plait.base.comm", "plait.base.config", "plait.base.mesh", "plait.base.comm"]]
 
 
 def test_a_package_init_closes_a_cycle():
     """config imports a module of plait.pipeline, whose __init__.py imports a module built on config."""
-    graph = made_up_graph(("plait.config", "plait.pipeline.table"), ("plait.pipeline", "plait.pipeline.layout"),
-                          ("plait.pipeline.layout", "plait.config"))
-    assert cycles(imports(graph)) == [["plait.config", "plait.pipeline", "plait.pipeline.layout", "plait.config"]]
+    graph = made_up_graph(("plait.base.config", "plait.pipeline.table"), ("plait.pipeline", "plait.pipeline.layout"),
+                          ("plait.pipeline.layout", "plait.base.config"))
+    assert cycles(imports(graph)) == [["plait.base.config", "plait.pipeline", "plait.pipeline.layout", "plait.base.config"]]
 
 
 def test_an_upward_import_is_named_with_both_layers():
-    layers = [("low", {"plait.config"}), ("high", {"plait.trainer"})]
-    graph = made_up_graph(("plait.config", "plait.trainer"), ("plait.trainer", "plait.config"))
+    layers = [("low", {"plait.base.config"}), ("high", {"plait.run.trainer"})]
+    graph = made_up_graph(("plait.base.config", "plait.run.trainer"), ("plait.run.trainer", "plait.base.config"))
     assert upward_imports(imports(graph), layers) == [
-        "plait.config (low) imports plait.trainer (high), line 1: import plait.trainer"]
+        "plait.base.config (low) imports plait.run.trainer (high), line 1: import plait.run.trainer"]
 
 
 def test_the_most_specific_name_places_a_module():
-    layers = [("low", {"plait.lora"}), ("high", {"plait.lora.export", "plait"})]
-    modules = ("plait.lora", "plait.lora.layers", "plait.lora.export", "plait")
+    layers = [("low", {"plait.lora"}), ("high", {"plait.checkpoint.lora_export", "plait"})]
+    modules = ("plait.lora", "plait.lora.layers", "plait.checkpoint.lora_export", "plait")
     assert [layer_of(module, layers) for module in modules] == [0, 0, 1, 1]
-    graph = made_up_graph(("plait", "plait.lora"), ("plait.lora.layers", "plait.lora.export"),
+    graph = made_up_graph(("plait", "plait.lora"), ("plait.lora.layers", "plait.checkpoint.lora_export"),
                           ("plait.cli", "plait.lora"))
-    assert unplaced(graph, layers) == ["plait.cli is in no layer"]
+    assert unplaced(graph, layers) == ["plait.checkpoint is in no layer", "plait.cli is in no layer"]
+
+
+def test_folders_that_import_each_other_are_named():
+    """Each import keeps to the layers (mesh below apply), but the folders import each other back."""
+    graph = made_up_graph(("plait.tp.apply", "plait.base.mesh"), ("plait.base.mesh", "plait.tp.layers"),
+                          ("plait", "plait.tp.apply"))
+    assert folder_cycles(imports(graph)) == [
+        "plait.base -> plait.tp -> plait.base\n"
+        "    plait.base.mesh -> plait.tp.layers, line 1: import plait.tp.layers\n"
+        "    plait.tp.apply -> plait.base.mesh, line 1: import plait.base.mesh"]
+
+
+def test_the_root_modules_are_those_in_no_folder():
+    graph = made_up_graph(("plait.cli", "plait.tp.apply"), ("plait.trainer", "plait.base.config"))
+    assert root_modules(graph) == {"plait.cli", "plait.trainer"}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from plait.testing import WorkerFailure, launch
-from plait import device
+from plait.base import device
 from plait.testing.launcher import LAUNCH_ENV
 
 WORKER = """

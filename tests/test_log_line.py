@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.log_line import duration, log_line
+from plait.run.log_line import duration, log_line
 
 RECORD = {"step": 12, "loss": 4.12341, "lr": 9e-4, "grad_norm": 0.81234, "tokens_per_s": 12345.4, "peak_rss_mb": 600.0}
 

@@ -16,7 +16,7 @@ import torch
 from peft import get_peft_model
 
 from plait import ParallelConfig, parallelize
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.layout_plan import plan_layout
 from plait.lora.config import lora_config
 from plait.testing import launch

@@ -20,15 +20,15 @@ from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig
 
 from plait import ParallelConfig, parallelize
 from plait.checkpoint.format import full_box, uncovered
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.layout_plan import plan_layout
 from plait.lora.config import lora_config
 from plait.lora.experts import updated
-from plait.lora.export import PEFT_PREFIX, consolidate_lora
-from plait.materialize import load_parallel_model
+from plait.checkpoint.lora_export import PEFT_PREFIX, consolidate_lora
+from plait.checkpoint.materialize import load_parallel_model
 from plait.testing import launch
 from plait.testing.conformance_modes import LOSS_RTOL
-from plait.train_args import TrainArgs
+from plait.run.train_args import TrainArgs
 from workers.lora_experts_parity import SEED, model_config
 
 WORKER = Path(__file__).parent / "workers" / "lora_experts_parity.py"

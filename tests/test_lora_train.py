@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from plait.cli import main
-from plait.config import ConfigError
-from plait.lora.export import consolidate_lora
-from plait.metrics import read_metrics
+from plait.base.config import ConfigError
+from plait.checkpoint.lora_export import consolidate_lora
+from plait.run.metrics import read_metrics
 from plait.testing import launch
 import processes
 from tiny_models import tiny_model
@@ -106,7 +106,7 @@ def test_consolidate_writes_the_adapter_of_a_lora_checkpoint_by_default(straight
     assert ((tmp_path / "default" / "adapter_config.json").read_text()
             == (tmp_path / "adapter" / "adapter_config.json").read_text())
     with pytest.raises(ConfigError, match=r"is a LoRA checkpoint \(the adapters and a reference to the base\); "
-                                          r"write it with plait.lora.export.consolidate_lora"):
+                                          r"write it with plait.checkpoint.lora_export.consolidate_lora"):
         consolidate(ckpt, tmp_path / "whole")
     assert not (tmp_path / "whole").exists()
 

@@ -1,4 +1,4 @@
-"""The MoE load-balancing loss over the global batch (``moe_aux_loss_scope="global_batch"``, plait.moe_balance): one
+"""The MoE load-balancing loss over the global batch (``moe_aux_loss_scope="global_batch"``, plait.parallel.moe_balance): one
 process at the global batch in one forward (transformers' own loss) is what dp, microbatches, accumulation calls,
 pp (1f1b, zero-bubble, gpipe), cp (both strategies), ep, tp + SP, ZeRO-1/3 and their combinations train on, in
 loss, evaluation loss, the reported aux term and every gradient on every rank, step after step; the default
@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.config import ConfigError, ParallelConfig
+from plait.base.config import ConfigError, ParallelConfig
 from plait.layout_plan import plan_layout
-from plait.meta import build_meta_model
-from plait.metrics import read_metrics
+from plait.base.meta import build_meta_model
+from plait.run.metrics import read_metrics
 from plait.parallelize import parallelize
 from plait.testing import launch
 from plait.testing.conformance_modes import load_subject
 from plait.testing.conformance_worker import perturb
-from plait.train_args import TrainArgs
-from plait.trainer import train
+from plait.run.train_args import TrainArgs
+from plait.run.trainer import train
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from moe_global_aux import CASES  # noqa: E402

@@ -1,4 +1,4 @@
-"""MoE routing metrics (plait.moe_metrics): a step's tokens per expert are the model's own router's, counted once per
+"""MoE routing metrics (plait.run.moe_metrics): a step's tokens per expert are the model's own router's, counted once per
 training forward (not in evaluation, not again when activation checkpointing recomputes a layer), the same summed
 over dp, cp, tp with SP and pp ranks; ``plait train`` logs them for an MoE model and not for a dense one."""
 
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.metrics import read_metrics
-from plait.moe_metrics import RoutingMetrics
+from plait.run.metrics import read_metrics
+from plait.run.moe_metrics import RoutingMetrics
 from plait.testing import launch
 from plait.testing.conformance_modes import load_subject
-from plait.log_line import progress_text
-from plait.trainer import train
-from plait.train_args import TrainArgs
+from plait.run.log_line import progress_text
+from plait.run.trainer import train
+from plait.run.train_args import TrainArgs
 from tiny_models import tiny_config
 from workers.moe_metrics_worker import CASES, build, hand_count, reference_aux
 

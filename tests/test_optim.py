@@ -171,7 +171,7 @@ def test_bad_optimizer_settings_are_refused():
 
 def test_checkpointing_needs_matching_leaf_modules():
     from plait import ConfigError
-    from plait.activation_checkpoint import checkpoint_targets
+    from plait.parallel.activation_checkpoint import checkpoint_targets
 
     with pytest.raises(ConfigError, match=r"matches the adapter's leaf modules \['decoder.\*'\]"):
         checkpoint_targets(_tiny_llama(), ["decoder.*"])
@@ -200,7 +200,7 @@ def test_checkpointing_replays_dropout():
 def test_main_grads_start_each_step_from_nothing():
     """``zero_grads`` only marks the fp32 buffers stale: the step's first backward copies into them and a later
     one adds; a buffer that no backward wrote reads as zeros, never as the last step's sum."""
-    from plait.grad_sync import grad_of, zero_grads
+    from plait.parallel.grad_sync import grad_of, zero_grads
     from plait.optim.mixed_precision import accumulate_grads_in
 
     used, unused = (nn.Parameter(torch.ones(3, dtype=torch.bfloat16)) for _ in range(2))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.metrics import read_metrics
+from plait.run.metrics import read_metrics
 from plait.testing import assert_conformance, launch
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "plait-opt"
@@ -87,7 +87,7 @@ def test_init_reads_opts_init_std(model_config):
 
 @pytest.fixture(scope="module")
 def single_process_metrics(env, model_config, tmp_path_factory):
-    from plait import registry
+    from plait.plugin import registry
     from plait.cli import main
 
     single = tmp_path_factory.mktemp("single")
@@ -128,7 +128,7 @@ def test_init_fallback_is_stated_only_without_an_init_hook(installed):
     import plait_opt
 
     from plait import Registry, hookimpl
-    from plait.materialize import init_fallback_note
+    from plait.checkpoint.materialize import init_fallback_note
 
     config = plait_opt.plait_tiny_config()
     registry = Registry(autoload=False)

@@ -29,15 +29,15 @@ from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.memory import Precision
 from plait.costs.search import batch_split, describe, search_layouts
 from plait.layout_plan import plan_layout
-from plait.meta import build_meta_model
+from plait.base.meta import build_meta_model
 from plait.plan_command import train_command
-from plait.registry import default_registry
-from plait.train_args import TrainArgs, from_namespace
+from plait.plugin.registry import default_registry
+from plait.run.train_args import TrainArgs, from_namespace
 from plait.testing import launch
 
 WORKER = Path(__file__).parent / "workers" / "planner_worker.py"
 LOSS_PEAK = Path(__file__).parent / "workers" / "loss_peak.py"
-# Collectives plait.comm does not see: pipeline send/recv (torch.distributed.pipelining's) and ZeRO-1's
+# Collectives plait.base.comm does not see: pipeline send/recv (torch.distributed.pipelining's) and ZeRO-1's
 # parameter broadcast (ZeroRedundancyOptimizer's own).
 # FSDP2's all-gathers and reduce-scatters under ZeRO-2/3 are torch's own too.
 UNRECORDED = {("pp", "send"), ("pp", "recv"), ("dp", "broadcast"), ("dp", "all_gather"), ("dp", "reduce_scatter")}

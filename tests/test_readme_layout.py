@@ -35,7 +35,7 @@ def test_every_quoted_path_exists():
 def test_every_named_core_module_exists():
     stack = without_parentheses(layout_section()).split("`core/plait/`", 1)[1].split("`adapters/<arch>/`", 1)[0]
     names = [name.strip(" `/.:\n") for name in stack.split(":", 1)[1].split(",")]
-    assert "trainer" in names and "cli" in names
+    assert "run" in names and "cli" in names
     for name in names:
         found = (ROOT / "core" / "plait" / f"{name}.py").exists() or (ROOT / "core" / "plait" / name / "__init__.py").exists()
         assert found, f"README's repository layout names the core module {name!r}, which does not exist"

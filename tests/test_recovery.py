@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 
 from plait.checkpoint.format import latest_checkpoint, list_checkpoints
 from plait.cli import main
-from plait.config import ParallelConfig
-from plait.materialize import load_parallel_model
-from plait.metrics import read_metrics
+from plait.base.config import ParallelConfig
+from plait.checkpoint.materialize import load_parallel_model
+from plait.run.metrics import read_metrics
 from plait.testing import launch
 import processes
 from tiny_models import tiny_config

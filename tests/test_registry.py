@@ -9,7 +9,7 @@ import pytest
 
 import plait
 from plait import AdapterError, AdapterInfo, Registry, TPPlan, hookimpl
-from plait import registry as registry_module
+from plait.plugin import registry as registry_module
 
 
 def make_adapter(name: str, architectures: tuple[str, ...], leaf: bool = True, sp: bool = False):

@@ -2,7 +2,7 @@
 
 A rank that raises mid-training, or that is stuck before a collective, ends the whole torchrun job with a
 non-zero status within a bounded time, with the reason on screen and no process left behind
-(faults are injected with ``PLAIT_FAULT_INJECT``, see plait/faults.py).
+(faults are injected with ``PLAIT_FAULT_INJECT``, see plait/base/faults.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from plait.metrics import read_metrics
+from plait.run.metrics import read_metrics
 from plait.testing import launch
 from tiny_models import tiny_config
 
@@ -118,11 +118,11 @@ def test_stuck_rank_is_ended_by_ddp_timeout(train_flags, tmp_path):
           f"(--ddp_timeout={DDP_TIMEOUT_S}), {result['total_s']:.1f}s in all")
     assert result["code"] != 0
     assert f"a collective waited longer than --ddp_timeout={DDP_TIMEOUT_S}s" in result["output"]
-    # its peer names it from the heartbeats (plait.heartbeat): alive, but behind the others
+    # its peer names it from the heartbeats (plait.run.heartbeat): alive, but behind the others
     assert "is stuck at step 2, phase data (it still runs, but the others reached step 2, phase forward-backward)" \
         in result["output"] and "rank 1 (" in result["output"], result["output"][-3000:]
     assert result["workers"] >= 2 and not result["alive"], f"workers still running: {result['alive']}"
-    # torchrun then sends the stuck rank SIGTERM, which plait takes as "stop after this step" (plait.stop); its
+    # torchrun then sends the stuck rank SIGTERM, which plait takes as "stop after this step" (plait.run.stop); its
     # step never ends, so it ends itself when the grace period (--ddp_timeout again) runs out, and says so
     assert f"rank 1 did not stop within --ddp_timeout={DDP_TIMEOUT_S}s of SIGTERM" in result["output"]
     assert DDP_TIMEOUT_S - 1 < result["after_fault_s"] < 2 * DDP_TIMEOUT_S + 10, (

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.data.chat_tokenizer import chat_tokenizer, save_chat_tokenizer
 from plait.data.sft import SFTCache, SFTEncoder, data_format, load_sft_data, read_records
 from plait.data.sft_blocks import (
     Example, batch_inputs, count_labels, describe_counts, lay_out, truncation_warning,
 )
 from plait.data.sources import resolve_sources
-from plait.train_args import TrainArgs
+from plait.run.train_args import TrainArgs
 
 from tiny_models import tiny_model
 
@@ -288,7 +288,7 @@ def test_load_sft_data_errors_before_any_process_group(tmp_path, tokenizer_dir):
 
 
 def test_plait_train_on_chat_data(tmp_path, tokenizer_dir):
-    from plait.trainer import train
+    from plait.run.trainer import train
 
     data = write_jsonl(tmp_path / "chat.jsonl", CHATS * 8)
     config = tmp_path / "config.json"

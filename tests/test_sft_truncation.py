@@ -12,8 +12,8 @@ import torch
 
 from plait.data.chat_tokenizer import save_chat_tokenizer
 from plait.testing import launch
-from plait.train_args import TrainArgs
-from plait.trainer import Trainer
+from plait.run.train_args import TrainArgs
+from plait.run.trainer import Trainer
 
 WORKER = str(Path(__file__).parent / "workers" / "trainers.py")
 STEPS = 8

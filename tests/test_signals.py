@@ -18,10 +18,10 @@ import psutil
 import pytest
 
 from plait.checkpoint import latest_checkpoint
-from plait.metrics import read_metrics
+from plait.run.metrics import read_metrics
 from plait.cli import build_parser, main
-from plait.stop import StopRequested, StopSignals
-from plait.train_args import TrainArgs, from_namespace
+from plait.run.stop import StopRequested, StopSignals
+from plait.run.train_args import TrainArgs, from_namespace
 from tiny_models import tiny_config
 
 TIMEOUT = 120
@@ -98,7 +98,7 @@ def test_sigterm_saves_the_step_and_resume_continues_exactly(model_config, tmp_p
 
 
 def test_the_launcher_passes_one_signal_on_and_kills_all_on_a_second(tmp_path):
-    """plait's supervision of torchrun (``plait.torchrun.supervise``) with a stand-in launcher whose worker
+    """plait's supervision of torchrun (``plait.run.torchrun.supervise``) with a stand-in launcher whose worker
     ignores SIGINT, as a worker busy in a step that never ends: the first SIGINT goes to the worker only, the
     second kills the launcher and its worker at once; SIGTERM alone, passed on, ends a worker that obeys it.
     Last, plait itself is SIGKILLed: its launcher still gets SIGTERM, from the kernel (PR_SET_PDEATHSIG), as
@@ -151,7 +151,7 @@ def test_a_second_sigint_in_a_worker_stops_at_once():
 def test_one_process_stops_at_the_step_and_no_save_on_signal_saves_nothing(model_config, tmp_path):
     """In one process (no torchrun): SIGTERM during step 3 stops the run after it; --no_save_on_signal leaves
     only the checkpoint --save_steps 2 wrote, and the line names it."""
-    from plait.trainer import Trainer
+    from plait.run.trainer import Trainer
 
     args = from_namespace(build_parser().parse_args(["train", *flags(model_config, tmp_path, "--max_steps", "10",
                                                                      "--save_steps", "2", "--no_save_on_signal")]),

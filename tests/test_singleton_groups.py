@@ -3,7 +3,7 @@ on NCCL) calls the collectives and trains exactly like a plain single process.""
 
 from __future__ import annotations
 
-from plait.metrics import read_metrics
+from plait.run.metrics import read_metrics
 from plait.testing.launcher import launch
 
 ARGS = ["-m", "plait", "train", "--device", "cpu", "--max_steps", "3", "--per_device_train_batch_size", "4",
@@ -22,9 +22,9 @@ def test_singleton_groups_train_like_one_process(tmp_path):
 def test_unknown_attention_kernel_is_refused_with_the_choices():
     import pytest
 
-    from plait.config import ConfigError
-    from plait.model_config import read_model_config
-    from plait.train_args import TrainArgs
+    from plait.base.config import ConfigError
+    from plait.run.model_config import read_model_config
+    from plait.run.train_args import TrainArgs
 
     with pytest.raises(ConfigError, match="attn_implementation='flash9' is unknown; choose one of eager, .*sdpa"):
         read_model_config(TrainArgs(attn_implementation="flash9"))

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from plait.metrics import read_metrics
+from plait.run.metrics import read_metrics
 from plait.cli import main
 from plait.testing import launch
-from plait.train_args import TrainArgs
-from plait.trainer import train
+from plait.run.train_args import TrainArgs
+from plait.run.trainer import train
 import processes
 from tiny_models import tiny_config
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from plait.cli import main
-from plait.metrics import read_metrics
+from plait.run.metrics import read_metrics
 from plait.testing import launch
 from tiny_models import tiny_config
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from plait.cli import build_parser, main
-from plait.train_args import TrainArgs, from_namespace
-from plait.trainer import train
+from plait.run.train_args import TrainArgs, from_namespace
+from plait.run.trainer import train
 from tiny_models import tiny_config
 
 
@@ -103,7 +103,7 @@ def test_dataset_without_text_column(model_config, tmp_path, capsys):
 
 
 def test_exclude_embeddings_from_weight_decay_flag(model_config, tmp_path):
-    from plait.trainer import Trainer
+    from plait.run.trainer import Trainer
 
     args = parse("--model_config", model_config, "--output_dir", str(tmp_path / "out"), "--block_size", "16",
                  "--weight_decay", "0.1", "--exclude_embeddings_from_weight_decay")
@@ -114,9 +114,9 @@ def test_exclude_embeddings_from_weight_decay_flag(model_config, tmp_path):
 
 
 def test_a_cpu_trainer_keeps_freed_memory_for_the_next_step(model_config, tmp_path, monkeypatch):
-    """On the CPU the trainer tells glibc to keep what a step frees (``plait.host_memory``: CPU steps page-faulted
+    """On the CPU the trainer tells glibc to keep what a step frees (``plait.base.host_memory``: CPU steps page-faulted
     their activations in again every step: up to 24% of a step on the 2-core VM)."""
-    from plait import trainer
+    from plait.run import trainer
 
     calls: list[int] = []
     monkeypatch.setattr(trainer, "keep_freed_memory", lambda: calls.append(1) or True)

@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM
 from plait.data import GlobalBatchSampler
 from plait.data.chat_tokenizer import save_chat_tokenizer
 from plait.data.sft_blocks import batch_inputs, count_labels
-from plait.data.train_data import load_data
+from plait.run.train_data import load_data
 from plait.testing import launch
-from plait.train_args import TrainArgs
+from plait.run.train_args import TrainArgs
 from tiny_models import tiny_config
 
 WORKER = str(Path(__file__).parent / "workers" / "trainers.py")
@@ -102,7 +102,7 @@ def test_the_comparison_catches_a_planted_bug(cases, monkeypatch, tmp_path):
     (one gradient scaled by 1.001 before every step) the same comparison fails. (Adam's update is nearly blind
     to a steady scale, so the losses barely move: the gradient norm is what must catch it.)"""
     import plait.optim.step
-    from plait.trainer import Trainer
+    from plait.run.trainer import Trainer
 
     args = {**cases["tp2_sp"], "tensor_parallel_size": 1}
     expected = reference(args, args["per_device_train_batch_size"])

@@ -18,7 +18,7 @@ from plait.testing import launch
 from tiny_models import tiny_config
 
 TRAINERS = str(Path(__file__).parent / "workers" / "trainers.py")
-# A NaN written into rank 0's gradients after step 2's backward (plait/faults.py), as a diverging run makes them. Made
+# A NaN written into rank 0's gradients after step 2's backward (plait/base/faults.py), as a diverging run makes them. Made
 # by construction: where an extreme learning rate takes the weights depends on the CPU's kernels (with lr 1e4 an
 # AVX-512 Xeon saturated the tiny Llama at step 1 instead: grad_norm 0, no NaN, no guard fired).
 NAN_AT = {"PLAIT_FAULT_INJECT": "0:2:nan"}
@@ -80,8 +80,8 @@ def test_skip_nonfinite_steps_counts_then_stops(model_config, tmp_path, capsys, 
 
 def test_learning_rate_zero_trains_nothing(model_config, tmp_path):
     from plait import ParallelConfig
-    from plait.materialize import load_parallel_model
-    from plait.model_config import load_config_file
+    from plait.checkpoint.materialize import load_parallel_model
+    from plait.run.model_config import load_config_file
 
     out = tmp_path / "out"
     main(train_flags(model_config, out, "--learning_rate", "0", "--max_steps", "3", "--save_steps", "3"))

@@ -8,7 +8,7 @@ import torch
 import plait
 from plait import ConfigError, ParallelConfig
 from plait.layout_plan import check_capabilities
-from plait.registry import default_registry
+from plait.plugin.registry import default_registry
 from plait.tp.layout import plan_tensor_parallel
 from plait.tp.sequence_parallel import sp_grad_sum_params
 from plait.tp.sharding import ShardSpec
@@ -180,7 +180,7 @@ def test_capability_refused():
 
 
 def test_plan_patterns_match_one_component():
-    from plait.patterns import matches
+    from plait.base.patterns import matches
 
     assert matches("model.layers.*.mlp", "model.layers.11.mlp")
     assert not matches("model.layers.*.mlp", "model.layers.1.x.mlp")
@@ -208,7 +208,7 @@ def test_expert_parallel_refusals_name_the_values_and_the_fix():
     """ep's refusals, before any group: not dividing dp x cp, nor the experts; a dense model; Llama4's experts;
     a capacity factor that is not a positive number."""
     from plait.layout_plan import plan_layout
-    from plait.meta import build_meta_model
+    from plait.base.meta import build_meta_model
     from plait.testing.conformance_modes import load_subject
 
     with pytest.raises(ConfigError, match=r"ep=3 must divide the ranks it is carved from, dp = 4; choose an ep "
@@ -251,7 +251,7 @@ def test_expert_parallel_refusals_name_the_values_and_the_fix():
     (4, "interleaved-1f1b", 2, 12, 4),  # rounds of pp: 4, not 6
 ])
 def test_pipeline_alone_picks_its_microbatches(pp, schedule, v, batch, expected):
-    from plait.train_args import TrainArgs
+    from plait.run.train_args import TrainArgs
 
     args = TrainArgs(pipeline_parallel_size=pp, pipeline_schedule=schedule, virtual_pipeline_size=v,
                      per_device_train_batch_size=batch)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from plait.cli import main
-from plait.metrics import read_metrics
+from plait.run.metrics import read_metrics
 from plait.testing import launch
 from tiny_models import tiny_config
 
@@ -150,7 +150,7 @@ def test_what_zero_stages_do_not_run_is_refused_before_any_process_group(layout,
     """Refused in one line naming the values and the fix, from the config or the plan on the meta model."""
     from plait import ConfigError, ParallelConfig
     from plait.layout_plan import plan_layout
-    from plait.meta import build_meta_model
+    from plait.base.meta import build_meta_model
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         plan_layout(build_meta_model(tiny_config("llama")), ParallelConfig(**layout), 4)
@@ -161,7 +161,7 @@ def test_a_block_shared_by_layers_is_refused_under_zero3():
     ZeRO-2/3 is refused naming the layers and the parameter (the search checks the same before ranking)."""
     from plait import ConfigError, ParallelConfig
     from plait.layout_plan import plan_layout
-    from plait.meta import build_meta_model
+    from plait.base.meta import build_meta_model
     from plait.testing.conformance_modes import load_subject
 
     subject = load_subject("transformers:zamba2")

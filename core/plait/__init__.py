@@ -10,14 +10,16 @@ for _name in ("torchao", "torch.utils._pytree"):
     if logging.getLogger(_name).level == logging.NOTSET:
         logging.getLogger(_name).setLevel(logging.ERROR)
 
-from plait.config import ConfigError, ParallelConfig
-from plait.declarations import AdapterInfo, Capabilities, PipelinePlan, SPPlan, TPPlan
+from plait.base.config import ConfigError, ParallelConfig
+from plait.base.markers import hookimpl
 from plait.layout_plan import LayoutPlan, plan_layout
-from plait.markers import hookimpl
-from plait.mesh import Mesh
+from plait.base.mesh import Mesh
 from plait.parallelize import ParallelModel, parallelize
-from plait.registry import AdapterError, Registry, default_registry, register
+from plait.plugin.declarations import AdapterInfo, Capabilities, PipelinePlan
+from plait.plugin.registry import AdapterError, Registry, default_registry, register
+from plait.tp.plans import SPPlan, TPPlan
 from plait.tp.styles import Attention, Column, Row, VocabEmbedding, VocabHead
+
 
 __version__ = "0.1.0"
 

@@ -15,14 +15,14 @@ import sys
 import traceback
 from typing import NoReturn
 
-from plait.config import ConfigError, FaultError
+from plait.base.config import ConfigError, FaultError
 from plait.costs.device import PRESETS
-from plait.data.prepare import add_prepare_data_parser
-from plait.registry import AdapterError, default_registry, served_architectures
-from plait.runtime import TrainingDiverged
-from plait.stop import StopRequested
-from plait.torchrun import report_error, run_under_torchrun
-from plait.train_args import TrainArgs, add_arguments, from_namespace
+from plait.run.prepare_data import add_prepare_data_parser
+from plait.plugin.registry import AdapterError, default_registry, served_architectures
+from plait.run.runtime import TrainingDiverged
+from plait.run.stop import StopRequested
+from plait.run.torchrun import report_error, run_under_torchrun
+from plait.run.train_args import TrainArgs, add_arguments, from_namespace
 
 
 def cmd_train(ns: argparse.Namespace) -> None:
@@ -40,7 +40,7 @@ def cmd_train(ns: argparse.Namespace) -> None:
         args = from_namespace(build_parser().parse_args(argv), TrainArgs)
         args.validate()
     if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
-        from plait.trainer import check_before_launch  # when run (module docstring)
+        from plait.run.trainer import check_before_launch  # when run (module docstring)
 
         check_before_launch(args, args.nproc_per_node)  # bad input: one line here, not one per worker and a dump
         # Not under torchrun yet: become torchrun, running this same command on every process.
@@ -49,7 +49,7 @@ def cmd_train(ns: argparse.Namespace) -> None:
             i = argv.index("--nproc_per_node")
             del argv[i : i + 2]
         sys.exit(run_under_torchrun(argv, args.nproc_per_node, args.ddp_timeout))
-    from plait.trainer import train  # when run (module docstring)
+    from plait.run.trainer import train  # when run (module docstring)
 
     train(args)
     end_process_group(fault=False)
@@ -128,7 +128,7 @@ def cmd_consolidate(ns: argparse.Namespace) -> None:
     if lora is None and "lora" in read_index(ns.checkpoint_dir)[1].extra:
         lora = "adapter"
     if lora:
-        from plait.lora.export import consolidate_lora  # when run (module docstring)
+        from plait.checkpoint.lora_export import consolidate_lora  # when run (module docstring)
 
         out = consolidate_lora(ns.checkpoint_dir, ns.output_dir, lora, format=ns.format, dtype=ns.dtype,
                                max_shard_size=ns.max_shard_size)

@@ -17,19 +17,19 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from plait.activation_checkpoint import checkpoint_targets
-from plait.config import ConfigError, ParallelConfig
+from plait.parallel.activation_checkpoint import checkpoint_targets
+from plait.base.config import ConfigError, ParallelConfig
 from plait.cp.dry_run import check_on_meta
 from plait.cp.layout import CPPlan, plan_context_parallel
-from plait.declarations import SPPlan, TPPlan
+from plait.tp.plans import SPPlan, TPPlan
 from plait.ep.layout import EPPlan, plan_expert_parallel
-from plait.float8 import plan_float8
-from plait.fsdp import ROOT, edge_units, unit_of
+from plait.parallel.float8 import plan_float8
+from plait.parallel.fsdp import ROOT, edge_units, unit_of
 from plait.lora.layout import LoraPlan, plan_lora
-from plait.moe_balance import check_global_scope
+from plait.parallel.moe_balance import check_global_scope
 from plait.pipeline.cuts import StageSplit
 from plait.pipeline.layout import plan_stages, replicated_across_stages, stage_rows, stages_of_rank, tied_across_stages
-from plait.registry import Adapter, Registry, default_registry
+from plait.plugin.registry import Adapter, Registry, default_registry
 from plait.tp.layout import experts_kept_whole, param_specs, plan_tensor_parallel, tp_sizes_that_fit
 from plait.tp.sequence_parallel import sp_grad_sum_params
 from plait.tp.sharding import ModuleShard, ShardSpec, TPSizeError
@@ -47,7 +47,7 @@ class LayoutPlan:
     keeps only its stages' entries; under ep, ``ep.localize`` narrows the expert parameters to an ep rank's). ``split``: the pipeline stages (None at pp=1); ``tied``: parameter names
     that are one tensor held by the first and last stage; ``replicated``: parameter names every stage holds
     (the pipeline plan's ``every_stage`` modules), their gradients summed over the pipeline. ``leaves``: modules to recompute in backward.
-    ``float8``: the linear layers whose matmuls run in float8 (``plait.float8``; empty without float8).
+    ``float8``: the linear layers whose matmuls run in float8 (``plait.parallel.float8``; empty without float8).
     """
 
     config: ParallelConfig
@@ -59,7 +59,7 @@ class LayoutPlan:
     specs_by_rank: tuple[dict[str, ShardSpec], ...]
     sp_plan: SPPlan | None
     leaves: tuple[str, ...]
-    units: tuple[str, ...] = ()  # ZeRO-2/3: the modules that are each one FSDP2 unit (plait.fsdp): ``fsdp_units``
+    units: tuple[str, ...] = ()  # ZeRO-2/3: the modules that are each one FSDP2 unit (plait.parallel.fsdp): ``fsdp_units``
     lora: LoraPlan | None = None  # LoRA adapters (their specs are in specs_by_rank); the base is frozen
     cp: CPPlan | None = None  # context parallelism: the attention strategies that apply (None at cp=1)
     ep: EPPlan | None = None  # expert parallelism: the routed-experts modules (None at ep=1)
@@ -178,7 +178,7 @@ def pipeline_layout(
 
 
 def check_zero_stage(config: ParallelConfig) -> None:
-    """Refuse what ZeRO-2/3 (FSDP2, ``plait.fsdp``) does not run with yet, naming the fix."""
+    """Refuse what ZeRO-2/3 (FSDP2, ``plait.parallel.fsdp``) does not run with yet, naming the fix."""
     if not config.fsdp:
         return
     stage = f"zero_stage={config.zero_stage}"
@@ -196,7 +196,7 @@ def check_zero_stage(config: ParallelConfig) -> None:
 
 def fsdp_units(model: nn.Module, leaves: tuple[str, ...]) -> tuple[str, ...]:
     """ZeRO-2/3's FSDP2 units: each leaf module (decoder layer), then the input embedding and the output head where
-    they can be units of their own (``plait.fsdp.edge_units``); the model's root unit holds the rest."""
+    they can be units of their own (``plait.parallel.fsdp.edge_units``); the model's root unit holds the rest."""
     return leaves + edge_units(model, leaves)
 
 

@@ -19,25 +19,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm
-from plait.activation_checkpoint import apply_activation_checkpointing
-from plait.config import ConfigError, ParallelConfig
+from plait.base import comm
+from plait.parallel.activation_checkpoint import apply_activation_checkpointing
+from plait.base.config import ConfigError, ParallelConfig
 from plait.cp.attention import install_context_parallel
-from plait.compile import compile_leaf_modules
+from plait.parallel.compile import compile_leaf_modules
 from plait.cp.context import ContextParallel
 from plait.cp.router import install_router_gather
 from plait.cp.sequence import check_length
 from plait.ep.apply import AppliedEP, apply_expert_parallel
-from plait.float8 import apply_float8, check_float8_device, check_float8_tokens
-from plait.fsdp import AppliedFSDP, apply_fsdp, remap_params
-from plait.grad_sync import GradSync, norm_params
+from plait.parallel.float8 import apply_float8, check_float8_device, check_float8_tokens
+from plait.parallel.fsdp import AppliedFSDP, apply_fsdp, remap_params
+from plait.parallel.grad_sync import GradSync, norm_params
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.layers import LoraDropout, apply_lora
-from plait.mesh import Mesh
-from plait.moe_balance import GlobalBalance, aux_divisor, global_balance
+from plait.base.mesh import Mesh
+from plait.parallel.moe_balance import GlobalBalance, aux_divisor, global_balance
 from plait.pipeline.runner import PipelineRunner
 from plait.pipeline.stages import StageChunk, dropped, prune
-from plait.registry import Adapter, Registry
+from plait.plugin.registry import Adapter, Registry
 from plait.tp.apply import AppliedTP, apply_tensor_parallel
 from plait.tp.loss import IGNORE_INDEX, CausalLMLoss
 from plait.tp.rng import install_dropout_rng
@@ -69,7 +69,7 @@ class ParallelModel(nn.Module):
     rank's vocab slice of the logits.
 
     Under ``moe_aux_loss_scope="global_batch"`` the router's load-balancing loss is the global batch's
-    (plait.moe_balance): every ``train_step``, ``eval_loss`` and ``forward`` with labels first runs a routing
+    (plait.parallel.moe_balance): every ``train_step``, ``eval_loss`` and ``forward`` with labels first runs a routing
     pass (no-grad forwards) over its batch, so by default a call's batch over every dp rank is the global batch;
     ``set_global_batch`` names the batches of several ``train_step`` calls (gradient accumulation) instead.
     """
@@ -148,7 +148,7 @@ class ParallelModel(nn.Module):
         if labels is None:
             return out.logits
         loss = self.loss(out.logits, labels, num_items_in_batch)
-        if self.balance is not None:  # the global batch's load balancing: this forward's part (plait.moe_balance)
+        if self.balance is not None:  # the global batch's load balancing: this forward's part (plait.parallel.moe_balance)
             term = self.balance.term(out.router_logits, attention_mask) / aux_divisor(self.config)
             if torch.is_grad_enabled():
                 self.aux_loss_sum = term.detach() + (0 if self.aux_loss_sum is None else self.aux_loss_sum)
@@ -228,7 +228,7 @@ class ParallelModel(nn.Module):
             )
 
     def _routing_pass(self, batches, one_forward: bool = False) -> None:
-        """Count the routing of ``batches`` over every dp rank (plait.moe_balance): each run forward without
+        """Count the routing of ``batches`` over every dp rank (plait.parallel.moe_balance): each run forward without
         autograd as its call will run it (``train_step``'s microbatches and pipeline schedule, or ``forward``'s
         one pass), so that the counts are of the very logits the training forwards route by. The labels are
         the ids: the loss computed beside is thrown away."""

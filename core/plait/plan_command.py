@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from plait.config import ConfigError, ParallelConfig
+from plait.base.config import ConfigError, ParallelConfig
 from plait.costs.activations import ActivationTrace, trace_activations
 from plait.costs.advice import cheaper_settings, fewest_devices
 from plait.costs.calibration import calibrate
@@ -30,11 +30,11 @@ from plait.costs.render import estimate_json, print_estimate, print_search, sear
 from plait.costs.search import SearchResult, search_layouts
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.config import lora_config
-from plait.meta import build_meta_model
-from plait.model_config import read_model_config
+from plait.base.meta import build_meta_model
+from plait.run.model_config import read_model_config
 from plait.pipeline.layout import rank_of_stage, stage_bytes, stage_rows
-from plait.registry import Registry, default_registry
-from plait.train_args import TrainArgs
+from plait.plugin.registry import Registry, default_registry
+from plait.run.train_args import TrainArgs
 
 
 def parameter_bytes_per_rank(model: torch.nn.Module, specs_by_rank: list[dict], ep: int = 1) -> list[int]:

@@ -1,6 +1,6 @@
 """plait adapter for transformers' OPT (facebook/opt-125m ... opt-66b), which declares no tp plan of its own.
 
-Every fact plait needs about the architecture, one hook each (plait.hookspecs has the reference):
+Every fact plait needs about the architecture, one hook each (plait.plugin.hookspecs has the reference):
 - the tensor-parallel plan: attention split by heads (q, k, v column-parallel, out_proj row-parallel), the MLP's
   fc1 column- and fc2 row-parallel, the vocabulary split in the embedding and the head (tied by default);
 - the sequence-parallel region: from the first decoder layer to the decoder's final norm, with the LayerNorms

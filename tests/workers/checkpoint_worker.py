@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig
 
-from plait import ParallelConfig, comm
+from plait import ParallelConfig
+from plait.base import comm
 from plait.checkpoint import CheckpointError, consolidate, load_checkpoint, save_checkpoint
 from plait.checkpoint.format import read_index
-from plait.materialize import load_parallel_model
+from plait.checkpoint.materialize import load_parallel_model
 from plait.optim import OptimizerStep, build_optimizer
-from plait.gather import gather_full, gather_logits
+from plait.checkpoint.gather import gather_full, gather_logits
 
 SEED, N, BATCH, SEQ = 7, 3, 4, 16
 PP2 = ParallelConfig(pp=2, num_microbatches=2)

@@ -33,11 +33,11 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.models.gemma2 import modeling_gemma2
 
-from plait.config import ParallelConfig
+from plait.base.config import ParallelConfig
 from plait.cp import ring
 from plait.optim.step import OptimizerStep, build_optimizer
-from plait import comm
-from plait.fsdp import local
+from plait.base import comm
+from plait.parallel.fsdp import local
 from plait.parallelize import parallelize
 from plait.testing.conformance_modes import ADAM_EPS, ATOL, LOSS_RTOL, LR, RTOL, load_subject, with_overrides
 from plait.testing.conformance_worker import perturb

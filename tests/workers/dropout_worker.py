@@ -20,7 +20,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import plait  # noqa: E402
-from plait import comm  # noqa: E402
+from plait.base import comm  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 
 DROPOUT = dict(attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1, _attn_implementation="eager")

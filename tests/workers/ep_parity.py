@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from moe_aux_worker import model_config, reference_loss, step_after_sync
-from plait import comm
-from plait.config import ParallelConfig
+from plait.base import comm
+from plait.base.config import ParallelConfig
 from plait.optim import OptimizerStep
 from plait.parallelize import parallelize
 from plait.testing.conformance_modes import ADAM_EPS, BATCH, LOSS_RTOL, LR, SEQ, STEPS, load_subject
@@ -112,7 +112,7 @@ def capacity_case() -> dict:
     rank, against what the dispatch dropped and what the step's routing metrics report (summed over ranks)."""
     from transformers import AutoModelForCausalLM
 
-    from plait.moe_metrics import RoutingMetrics
+    from plait.run.moe_metrics import RoutingMetrics
 
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config_of("mixtral"))

@@ -26,12 +26,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import plait  # noqa: E402
-from plait import comm  # noqa: E402
+from plait.base import comm  # noqa: E402
 from plait.checkpoint import save_checkpoint  # noqa: E402
-from plait.float8 import Float8Matmul, float8_modules  # noqa: E402
-from plait.materialize import load_parallel_model  # noqa: E402
+from plait.parallel.float8 import Float8Matmul, float8_modules  # noqa: E402
+from plait.checkpoint.materialize import load_parallel_model  # noqa: E402
 from plait.tp.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from plait.gather import gather_full  # noqa: E402
+from plait.checkpoint.gather import gather_full  # noqa: E402
 from plait.optim import OptimizerStep, build_optimizer  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 

@@ -12,11 +12,11 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from plait import comm
-from plait.config import ParallelConfig
-from plait.materialize import load_parallel_model
+from plait.base import comm
+from plait.base.config import ParallelConfig
+from plait.checkpoint.materialize import load_parallel_model
 from plait.optim import OptimizerStep, build_optimizer
-from plait.runtime import init_distributed, pick_device
+from plait.run.runtime import init_distributed, pick_device
 
 
 def main(hf_dir: str) -> None:

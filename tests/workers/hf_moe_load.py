@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM
 
 from plait.checkpoint import st_io
 from plait.checkpoint.state import persistent_buffers
-from plait.config import ParallelConfig
-from plait.materialize import load_parallel_model
+from plait.base.config import ParallelConfig
+from plait.checkpoint.materialize import load_parallel_model
 
 ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3")
 LAYOUTS = {"tp2": dict(tp=2), "ep2": dict(ep=2)}

@@ -26,12 +26,13 @@ import torch.nn.functional as F
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, MixtralConfig
 
-from plait import ParallelConfig, comm
+from plait import ParallelConfig
+from plait.base import comm
 from plait.checkpoint import save_checkpoint
-from plait.gather import gather_logits
+from plait.checkpoint.gather import gather_logits
 from plait.lora.config import lora_config
-from plait.lora.export import gather_lora, save_adapter, save_merged
-from plait.materialize import load_parallel_model
+from plait.checkpoint.lora_export import gather_lora, save_adapter, save_merged
+from plait.checkpoint.materialize import load_parallel_model
 from plait.optim import OptimizerStep, build_optimizer
 from plait.testing.conformance_modes import ADAM_EPS, ATOL, LOSS_RTOL, LR, RTOL, STEPS
 

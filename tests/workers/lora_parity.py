@@ -29,12 +29,13 @@ import torch.nn.functional as F
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Phi3Config, Qwen3Config
 
-from plait import ParallelConfig, comm, parallelize
+from plait import ParallelConfig, parallelize
+from plait.base import comm
 from plait.data.sft_blocks import Example, batch_inputs, count_labels, lay_out
 from plait.lora.config import lora_config
-from plait.lora.export import gather_lora, save_adapter, save_merged
+from plait.checkpoint.lora_export import gather_lora, save_adapter, save_merged
 from plait.optim import OptimizerStep, build_optimizer
-from plait.gather import gather_logits
+from plait.checkpoint.gather import gather_logits
 
 STEPS, BATCH, SEQ, VOCAB, LR = 3, 4, 16, 61, 1e-2
 LAYOUTS = {"tp2_sp": dict(tp=2, sp=True), "tp2": dict(tp=2, sp=False), "pp2": dict(pp=2, num_microbatches=2),

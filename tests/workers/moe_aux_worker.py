@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from plait import comm
-from plait.config import ConfigError, ParallelConfig
+from plait.base import comm
+from plait.base.config import ConfigError, ParallelConfig
 from plait.parallelize import parallelize
 from plait.testing.conformance_modes import BATCH, LOSS_RTOL, SEQ, STEPS, load_subject
 from plait.testing.conformance_worker import Record, compare_grads, local_grads, perturb

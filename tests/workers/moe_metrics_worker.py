@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from plait.config import ParallelConfig
-from plait.moe_metrics import RoutingMetrics
+from plait.base.config import ParallelConfig
+from plait.run.moe_metrics import RoutingMetrics
 from plait.parallelize import parallelize
 from plait.testing.conformance_modes import load_subject
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from moe_aux_worker import COEF, model_config  # noqa: E402
 
-from plait import comm  # noqa: E402
-from plait.config import ParallelConfig  # noqa: E402
+from plait.base import comm  # noqa: E402
+from plait.base.config import ParallelConfig  # noqa: E402
 from plait.parallelize import parallelize  # noqa: E402
 from plait.testing.conformance_modes import ADAM_EPS, BATCH, LOSS_RTOL, LR, SEQ, STEPS  # noqa: E402
 from plait.testing.conformance_worker import PlainStep, Record, compare_grads, perturb  # noqa: E402

@@ -31,7 +31,7 @@ from plait.optim.clip import global_grad_norm  # noqa: E402
 from plait.layout_plan import pipeline_layout  # noqa: E402
 from plait.pipeline import stages_of_rank  # noqa: E402
 from plait.pipeline.stages import is_placeholder  # noqa: E402
-from plait.gather import gather_full  # noqa: E402
+from plait.checkpoint.gather import gather_full  # noqa: E402
 
 VOCAB, BATCH, SEQ, STEPS = 61, 8, 16, 3
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)

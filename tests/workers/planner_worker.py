@@ -4,7 +4,7 @@ Run as a world of 2 ranks: ``planner_worker.py OUT.json``. For each layout, a ti
 vocab 61: padded under tp; one kv head: replicated under tp, its gradient summed, repeated by cp's
 all-to-all; or a tiny Mixtral, its routed experts kept whole over tp) is laid out, its optimizer
 built as ``plait train`` builds it, and two steps run; each rank records its parameter, gradient (after
-backward) and optimizer bytes (after the step), the collectives ``plait.comm`` saw in the second step (the
+backward) and optimizer bytes (after the step), the collectives ``plait.base.comm`` saw in the second step (the
 first infers pipeline shapes), and the planner's numbers for that rank. Rank 0 writes them all.
 """
 
@@ -19,16 +19,16 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, PretrainedConfig
 
 from plait import ParallelConfig, parallelize
-from plait.comm import count_collectives
+from plait.base.comm import count_collectives
 from plait.costs.activations import trace_activations
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.measure import gradient_bytes, optimizer_bytes, parameter_bytes
 from plait.costs.memory import Precision
 from plait.layout_plan import plan_layout
 from plait.lora.config import lora_config
-from plait.meta import build_meta_model
+from plait.base.meta import build_meta_model
 from plait.optim import OptimizerStep, build_optimizer
-from plait.registry import default_registry
+from plait.plugin.registry import default_registry
 
 SEQ, BATCH = 16, 4
 # name -> (layout, bf16 parameters, weight decay)

@@ -25,8 +25,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from plait import ParallelConfig, parallelize
 from plait.data.sft_blocks import Example, batch_inputs, count_labels, lay_out
 from plait.optim import OptimizerStep, build_optimizer
-from plait.gather import gather_full
-from plait.grad_sync import grad_of
+from plait.checkpoint.gather import gather_full
+from plait.parallel.grad_sync import grad_of
 
 VOCAB, SEQ, BATCH, STEPS, LR = 61, 16, 8, 3, 1e-3
 LAYOUTS = {"tp2_sp": dict(tp=2, sp=True), "pp2": dict(pp=2, num_microbatches=2), "zero1_dp2": dict(zero_1=True)}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 def main(role: str, *args: str) -> None:
     if role == "supervise":
-        from plait.torchrun import supervise
+        from plait.run.torchrun import supervise
 
         for i in range(int(args[1])):
             pids = f"{args[0]}/pids-{i}"

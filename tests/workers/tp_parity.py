@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import plait  # noqa: E402
-from plait.gather import gather_full, gather_logits  # noqa: E402
+from plait.checkpoint.gather import gather_full, gather_logits  # noqa: E402
 from plait.testing.conformance_modes import ADAM_EPS  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 
@@ -97,7 +97,7 @@ def run_case(name: str) -> dict:
         loss = pmodel(local, labels=local, num_items_in_batch=num_items)
         loss.backward()
         pmodel.grad_sync.finish()
-        global_loss = plait.comm.all_reduce(loss.detach().clone(), mesh.dp_group)
+        global_loss = plait.base.comm.all_reduce(loss.detach().clone(), mesh.dp_group)
         worst["loss_rel"] = max(worst["loss_rel"], abs(global_loss.item() - ref_loss.item()) / abs(ref_loss.item()))
         for pname, param in pmodel.module.named_parameters():
             full = gather_full(pmodel, pname, param.grad)

@@ -1,4 +1,4 @@
-"""Worker: several `plait train` runs (plait.trainer.Trainer), one after another in one world, so that a test
+"""Worker: several `plait train` runs (plait.run.trainer.Trainer), one after another in one world, so that a test
 of many layouts pays for one launch.
 
 argv: <out.json> <flags.json>: flags.json maps each case to its TrainArgs keywords. Every rank records each
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from plait import comm
-from plait.runtime import TrainingDiverged
-from plait.train_args import TrainArgs
-from plait.trainer import Trainer
+from plait.base import comm
+from plait.run.runtime import TrainingDiverged
+from plait.run.train_args import TrainArgs
+from plait.run.trainer import Trainer
 
 
 def run(args: dict) -> dict:

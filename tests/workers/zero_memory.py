@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from plait import comm
-from plait.fsdp import local
-from plait.grad_sync import grad_of
+from plait.base import comm
+from plait.parallel.fsdp import local
+from plait.parallel.grad_sync import grad_of
 from plait.optim import Zero1Optimizer
-from plait.train_args import TrainArgs
-from plait.trainer import Trainer
+from plait.run.train_args import TrainArgs
+from plait.run.trainer import Trainer
 
 MIB = 2**20
 

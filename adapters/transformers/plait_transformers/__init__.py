@@ -16,7 +16,7 @@ import textwrap
 from pathlib import Path
 
 from plait import AdapterInfo, ConfigError, hookimpl
-from plait.meta import causal_lm_refusal
+from plait.base.meta import causal_lm_refusal
 from plait_transformers.derivation import Refusal, derive
 from plait_transformers.tiny import tiny_config
 
@@ -104,7 +104,7 @@ def checked(config):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from plait.meta import build_meta_model
+    from plait.base.meta import build_meta_model
 
     try:
         size = sum(p.numel() for p in build_meta_model(config).parameters())

@@ -11,7 +11,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from plait import ConfigError
-from plait.patterns import matches
+from plait.base.patterns import matches
 from plait.tp.styles import WholeSequence
 
 

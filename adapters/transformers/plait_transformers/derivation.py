@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from plait import Column, PipelinePlan, Row, SPPlan, TPPlan, VocabEmbedding, VocabHead
-from plait.meta import build_meta_model
-from plait.patterns import matches
+from plait.base.meta import build_meta_model
+from plait.base.patterns import matches
 from plait.tp.styles import ExpertMajorExperts, MoEExperts, MoERouter, ScaledVocabEmbedding, TPRule
 
 from plait_transformers.attention import undeclared_attention

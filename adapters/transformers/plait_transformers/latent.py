@@ -13,7 +13,7 @@ import re
 
 from torch import nn
 
-from plait.patterns import matches
+from plait.base.patterns import matches
 from plait.tp.sharding import linear_shape
 from plait.tp.styles import LatentAttention, TPRule
 

@@ -15,7 +15,7 @@ from collections import defaultdict
 from torch import nn
 
 from plait import SPPlan, TPPlan
-from plait.patterns import matches
+from plait.base.patterns import matches
 from plait.tp.styles import MoEExperts, MoERouter, WholeSequence
 
 from plait_transformers.common import (

@@ -29,8 +29,8 @@ from plait.checkpoint.format import (
 from plait.checkpoint.load import CheckpointReader
 from plait.checkpoint.st_io import DTYPES, SafetensorsWriter, byte_view, tensor_bytes
 from plait.checkpoint.state import local_params
-from plait.config import ConfigError
-from plait.meta import build_meta_model
+from plait.base.config import ConfigError
+from plait.base.meta import build_meta_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
@@ -71,7 +71,7 @@ def consolidate(
     paths, index = read_index(checkpoint_dir)
     if "lora" in index.extra:  # its tensors are the adapters alone: the base would be reported missing
         raise ConfigError(f"{paths.root} is a LoRA checkpoint (the adapters and a reference to the base); write it "
-                          f"with plait.lora.export.consolidate_lora(..., 'adapter' or 'merged'), or `plait consolidate "
+                          f"with plait.checkpoint.lora_export.consolidate_lora(..., 'adapter' or 'merged'), or `plait consolidate "
                           f"--lora adapter|merged`")
     reader = CheckpointReader(paths, index)
     config = model_config(index)

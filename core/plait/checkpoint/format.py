@@ -29,7 +29,7 @@ from typing import Any
 
 from transformers import CONFIG_MAPPING, PretrainedConfig
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.tp.sharding import ShardSpec
 
 FORMAT = "plait-checkpoint"

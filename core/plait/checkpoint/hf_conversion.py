@@ -23,7 +23,7 @@ from transformers.core_model_loading import (
 )
 
 from plait.checkpoint.format import Index, Piece, TensorEntry
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 
 Collected = TensorEntry | list[TensorEntry]  # a converter's value: one tensor, or a source pattern's list
 

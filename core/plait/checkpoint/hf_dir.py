@@ -24,7 +24,7 @@ from plait.checkpoint.format import CheckpointPaths, Index, Piece, TensorEntry, 
 from plait.checkpoint.hf_conversion import converted
 from plait.checkpoint.load import CheckpointReader
 from plait.checkpoint.st_io import NAMES, SafetensorsError, SafetensorsFile
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"

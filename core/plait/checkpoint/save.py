@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from plait import comm, faults
-from plait.config import FaultError
+from plait.base import comm
+from plait.base import faults
+from plait.base.config import FaultError
 from plait.checkpoint.format import INDEX, SHARDS, CheckpointError, Index, Piece, TensorEntry, write_json
 from plait.checkpoint.st_io import CHECKSUM, NAMES, write_tensors
 from plait.checkpoint.state import (

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from plait import comm
-from plait.config import ConfigError
+from plait.base import comm
+from plait.base.config import ConfigError
 
 
 def check_shared_dir(folder: Path, flag: str = "--output_dir") -> None:

@@ -36,8 +36,8 @@ from torch import nn
 
 from plait.checkpoint.format import Box, CheckpointError, TensorEntry, full_box, spec_boxes
 from plait.checkpoint.st_io import DTYPES
-from plait.device import accelerator as device_accelerator
-from plait.fsdp import local
+from plait.base.device import accelerator as device_accelerator
+from plait.parallel.fsdp import local
 from plait.tp.sharding import ShardSpec
 
 

@@ -34,12 +34,12 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.costs.experts import SPLIT, WHOLE, RoutedCall, ShapeOnlyExperts, routed_experts, unrouted_stack
 from plait.costs.traffic import Traffic, TrafficCounter, is_square
-from plait.declarations import PipelinePlan
+from plait.plugin.declarations import PipelinePlan
 from plait.pipeline.cuts import fallback_plan
-from plait.registry import Registry
+from plait.plugin.registry import Registry
 
 FIRST, LAST = "first", "last"
 

@@ -12,8 +12,8 @@ more before the first backward, each chunk holding 1/v of the rank's layers; gpi
 
 from __future__ import annotations
 
-from plait.config import ParallelConfig
-from plait.pipeline_schedules import SCHEDULES
+from plait.base.config import ParallelConfig
+from plait.base.pipeline_schedules import SCHEDULES
 
 
 def bubble_fraction(config: ParallelConfig) -> float:

@@ -1,4 +1,4 @@
-"""Communication of one training step, per rank, by group and op: what ``plait.comm`` would record.
+"""Communication of one training step, per rank, by group and op: what ``plait.base.comm`` would record.
 
 Tensor parallelism (per micro-step; bench/tp_comm.py checks the same counts against a real step): each
 row-parallel linear all-reduces its output forward and the input of its column-parallel region backward;
@@ -46,8 +46,8 @@ from plait.costs.context_parallel import attention_comm
 from plait.costs.experts import RoutedCall, ep_comm, token_share
 from plait.costs.memory import Precision, RankParam, zero1_owned
 from plait.costs.tp_modules import VOCAB_LABELS
-from plait.fsdp import gathered_once, unit_of
-from plait.grad_sync import BUCKET_BYTES
+from plait.parallel.fsdp import gathered_once, unit_of
+from plait.parallel.grad_sync import BUCKET_BYTES
 from plait.layout_plan import LayoutPlan
 from plait.tp.sequence_parallel import sp_grad_sum_params
 
@@ -243,7 +243,7 @@ def step_comm(
 def fsdp_comm(plan: LayoutPlan, held: list[RankParam], precision: Precision, replicas: int,
               accumulation: int, once: Collection[str] = ()) -> list[CommOp]:
     """ZeRO-2/3's all-gathers and reduce-scatters over the replica group in one step (``once``: the units stage 3
-    gathers once per micro-batch, not twice: ``plait.fsdp.gathered_once``)."""
+    gathers once per micro-batch, not twice: ``plait.parallel.fsdp.gathered_once``)."""
     config = plan.config
     of = {p.name: unit_of(p.name, plan.units) for p in held}
     units = set(of.values())

@@ -22,7 +22,7 @@ float mask for backward in every layer (the memory-efficient kernel takes a bias
 
 ring (plait.cp.ring): forward C - 1 ring shifts of the local k (b Hkv n d e) and v (b Hkv n dv e), no kv
 repetition; backward C - 1 shifts of k and v and C of their gradients, accumulated in the compute dtype (fp32,
-or float64 for a float64 model: c bytes); recomputation repeats the forward shifts. ``plait.comm`` records
+or float64 for a float64 model: c bytes); recomputation repeats the forward shifts. ``plait.base.comm`` records
 each tensor of a shift as one ``send`` (each paired with a receive of the same bytes, not listed). Memory:
 the ring keeps no probabilities (eager's S x S tensors are dropped from the trace, as for fused kernels);
 its transient is the scores of one (query tile, key tile) block, [b, Hq, t, t] with t = min(n/2, ring.TILE) in

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 
 GiB = 1024**3
 

@@ -31,7 +31,7 @@ from plait.costs.experts import check_expert_parallel, effective_imbalance, expe
 from plait.costs.memory import (ActivationBytes, Precision, StaticBytes, activation_bytes, layers_of, rank_params,
                                 static_bytes)
 from plait.costs.tp_modules import column_modules, row_modules, shard_saving_columns, whole_experts
-from plait.grad_sync import BUCKET_BYTES
+from plait.parallel.grad_sync import BUCKET_BYTES
 from plait.layout_plan import LayoutPlan
 from plait.optim.param_groups import embedding_params
 
@@ -120,7 +120,7 @@ class LayoutEstimate:
         # Ranks are laid out (dp, pp, cp, tp): a group is inside a node when the block of ranks it spans fits.
         link = lambda span: device.intra_bandwidth if span <= per_node else device.inter_bandwidth  # noqa: E731
         replicas = dp * cp
-        ep_groups = [range(g, g + ep) for g in range(0, replicas, ep)]  # plait.mesh: consecutive replica ranks
+        ep_groups = [range(g, g + ep) for g in range(0, replicas, ep)]  # plait.base.mesh: consecutive replica ranks
         edp_groups = [range(j, replicas, ep) for j in range(ep)]  # the same experts: one per ep group
         bandwidth = {"tp": link(tp), "cp": link(tp * cp), "pp": link(tp * cp * pp), "dp": link(tp * cp * pp * dp),
                      "ep": link(_span(config, ep_groups)), "edp": link(_span(config, edp_groups))}

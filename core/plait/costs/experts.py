@@ -46,7 +46,7 @@ from unittest import mock
 
 from torch import nn
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.ep.layout import is_routed_experts
 
 WHOLE, SPLIT = "whole", "split"  # an expert tensor's share on a tp rank: all of it, or 1/tp (the intermediate)

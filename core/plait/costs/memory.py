@@ -9,7 +9,7 @@ Parameters, gradients and optimizer state follow the code that allocates them, f
   scalar per parameter, and fp32 master copies of bf16 parameters; under ZeRO-1 only for the parameters the
   rank owns, partitioned exactly as ``ZeroRedundancyOptimizer`` does (per parameter group, largest first,
   each to the rank with the fewest elements so far).
-Under ZeRO-2/3 (FSDP2, ``plait.fsdp``) each replica rank stores its rows of every parameter (torch.chunk of dim 0
+Under ZeRO-2/3 (FSDP2, ``plait.parallel.fsdp``) each replica rank stores its rows of every parameter (torch.chunk of dim 0
 over the dp x cp ranks), their gradients and AdamW state, all in the optimizer dtype (with --bf16 the shards are the
 fp32 masters); the layers compute on gathered copies in the parameter dtype: under stage 2 every unit's for the
 whole step, under stage 3 the model's root unit (final norm; tied embeddings) and two units (the one computing and
@@ -36,7 +36,7 @@ from plait.costs.bubble import in_flight
 from plait.costs.context_parallel import attention_memory, strategy
 from plait.costs.experts import expert_parameters
 from plait.costs.traffic import add_bytes
-from plait.fsdp import ROOT, row_range, unit_of
+from plait.parallel.fsdp import ROOT, row_range, unit_of
 from plait.layout_plan import LayoutPlan
 from plait.optim.param_groups import decays, embedding_params
 from plait.pipeline.cuts import StageSplit
@@ -198,7 +198,7 @@ def static_bytes(
     """Parameter, gradient and optimizer bytes of the ranks holding ``params`` (a replica group of ``replicas`` =
     dp x cp ranks): one per replica rank under ZeRO-1 (``zero_1``, ``replicas`` > 1), in the group's order, else
     one for all. Under ep the dense parameters are sharded over the group and the expert ones over the ranks
-    holding the same experts: replica rank r is position r // ep of its expert-replica group (``plait.mesh``).
+    holding the same experts: replica rank r is position r // ep of its expert-replica group (``plait.base.mesh``).
     ``zero_stage`` 2 or 3: ``fsdp_static_bytes`` (``units``: the plan's FSDP2 units)."""
     if zero_stage >= 2 and replicas > 1:
         return fsdp_static_bytes(params, precision, replicas, zero_stage, units)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from plait.config import ConfigError, ParallelConfig
+from plait.base.config import ConfigError, ParallelConfig
 from plait.costs.activations import ActivationTrace
 from plait.costs.device import Device
 from plait.costs.estimate import Batch, LayoutEstimate, estimate_layout
@@ -31,7 +31,7 @@ from plait.costs.experts import routed_experts
 from plait.costs.memory import Precision
 from plait.cp.sequence import check_length
 from plait.layout_plan import LayoutPlan, check_units_share_nothing, fsdp_units, plan_layout
-from plait.registry import AdapterError, Registry
+from plait.plugin.registry import AdapterError, Registry
 
 if TYPE_CHECKING:
     from peft import LoraConfig

@@ -37,7 +37,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.cp.attention import install_context_parallel
 from plait.cp.context import ContextParallel
 from plait.cp.layout import CPPlan

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from plait.config import ConfigError, ParallelConfig
+from plait.base.config import ConfigError, ParallelConfig
 from plait.cp.masks import mask_builders
 from plait.cp.router import router_recorders
 

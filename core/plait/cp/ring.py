@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from plait import comm
+from plait.base import comm
 from plait.cp.masks import EMPTY, FULL, SequenceMask
 from plait.cp.sequence import chunk_bounds
 

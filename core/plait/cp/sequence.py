@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 
 def chunk_bounds(seq: int, size: int, rank: int) -> list[tuple[int, int]]:
     """[start, stop) of the two chunks of a ``seq``-token sequence that cp rank ``rank`` of ``size`` holds."""

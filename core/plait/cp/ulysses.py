@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from plait import comm
+from plait.base import comm
 from plait.cp.masks import SequenceMask
 from plait.cp.sequence import local_index, natural_order
 

@@ -9,20 +9,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from plait.data.cache import default_cache_root
-from plait.train_args import TrainArgs
 
 
-def tokenizer_dir(args: TrainArgs) -> Path | None:
+def tokenizer_dir(tokenizer_name: str | None, model_name_or_path: str | None) -> Path | None:
     """--tokenizer_name, else the model dir's own tokenizer (a pretrained model must see its own tokens)."""
-    if args.tokenizer_name:
-        return Path(args.tokenizer_name)
-    if args.model_name_or_path and any(
-        (Path(args.model_name_or_path) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")
+    if tokenizer_name:
+        return Path(tokenizer_name)
+    if model_name_or_path and any(
+        (Path(model_name_or_path) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")
     ):
-        return Path(args.model_name_or_path)
+        return Path(model_name_or_path)
     return None
 
 
-def cache_root(args: TrainArgs) -> Path:
+def cache_root(data_cache_dir: str | None) -> Path:
     """--data_cache_dir, else ``$XDG_CACHE_HOME/plait`` (``~/.cache/plait``)."""
-    return Path(args.data_cache_dir).expanduser() if getattr(args, "data_cache_dir", None) else default_cache_root()
+    return Path(data_cache_dir).expanduser() if data_cache_dir else default_cache_root()

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.data.cache import CacheEntry, tokenizer_fingerprint
 from plait.data.paths import cache_root, tokenizer_dir
 from plait.data.sft_blocks import Example, SFTBlocks, describe_counts, lay_out, truncation_warning
@@ -166,7 +166,7 @@ def load_sft_data(args, vocab_size: int, fmt: str | None = None) -> SFTData:
     --data_format, --train_on_prompt, --block_size, --packing, --overlong, --data_cache_dir); before any
     process group, so a bad line fails every rank at once (ConfigError naming the file and line)."""
     fmt = fmt or data_format(args)
-    directory = tokenizer_dir(args)
+    directory = tokenizer_dir(args.tokenizer_name, args.model_name_or_path)
     if directory is None:
         raise ConfigError(f"--data_format {fmt} needs a tokenizer (with a chat template for chat data); give "
                           f"--tokenizer_name DIR or a --model_name_or_path dir holding one")
@@ -183,7 +183,7 @@ def load_sft_data(args, vocab_size: int, fmt: str | None = None) -> SFTData:
             if spec is None:
                 sets.append(None)
                 continue
-            cache = SFTCache(cache_root(args), resolve_sources(spec, args.text_field, flag), encoder)
+            cache = SFTCache(cache_root(args.data_cache_dir), resolve_sources(spec, args.text_field, flag), encoder)
             meta, made = cache.ensure(local_rank, float(args.ddp_timeout))
             blocks = lay_out(cache.examples(), args.block_size, pad_id, args.packing, args.overlong)
             if blocks.counts.trainable_kept == 0:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.data.sources import resolve_sources
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # what chat templates render

@@ -9,7 +9,7 @@ from torch import nn
 
 from plait.ep.dispatch import ExpertParallel
 from plait.ep.layout import EPPlan
-from plait.mesh import Mesh
+from plait.base.mesh import Mesh
 
 
 @dataclass

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm
-from plait.training_forward import is_training_forward
+from plait.base import comm
+from plait.base.training_forward import is_training_forward
 
 
 class _AllToAll(torch.autograd.Function):

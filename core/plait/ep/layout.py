@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from plait.config import ConfigError, ParallelConfig
+from plait.base.config import ConfigError, ParallelConfig
 from plait.tp.sharding import ExpertAxis, ShardSpec
 
 ROUTING = ("hidden_states", "top_k_index", "top_k_weights")  # the forward of transformers' routed experts

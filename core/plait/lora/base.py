@@ -12,7 +12,7 @@ from typing import Any
 
 import xxhash
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 CHUNK = 1 << 24

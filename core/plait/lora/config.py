@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 
 if TYPE_CHECKING:  # peft is imported only where LoRA is used: it costs every process seconds
     from peft import LoraConfig

@@ -17,8 +17,8 @@ from torch import nn
 
 from plait.lora import experts
 from plait.lora.layout import LORA_A, LORA_B, WRAPPER, LoraPlan
-from plait.mesh import Mesh
-from plait.seeds import init_seed
+from plait.base.mesh import Mesh
+from plait.base.seeds import init_seed
 from plait.tp import mappings
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.ep.layout import routed_experts
 from plait.lora.config import check_supported, scaling
 from plait.tp.layout import plan_tensor_parallel

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm
-from plait.grad_sync import grad_of
+from plait.base import comm
+from plait.parallel.grad_sync import grad_of
 
 
 def global_grad_norm(

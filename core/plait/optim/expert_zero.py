@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from plait import comm
+from plait.base import comm
 from plait.checkpoint.state import ReadOp, merge_optimizer_meta, optimizer_state, plan_optimizer_load
-from plait.grad_sync import BUCKET_BYTES, sum_grads
+from plait.parallel.grad_sync import BUCKET_BYTES, sum_grads
 from plait.optim.zero import Zero1Optimizer
 
 if TYPE_CHECKING:

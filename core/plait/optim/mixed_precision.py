@@ -25,7 +25,7 @@ from plait.checkpoint.format import CheckpointError, spec_boxes
 from plait.checkpoint.state import (
     LocalTensor, ReadOp, local_views, optimizer_key, torch_load_plan, torch_optimizer_state,
 )
-from plait.grad_sync import MAIN_GRAD, MAIN_GRAD_STALE
+from plait.parallel.grad_sync import MAIN_GRAD, MAIN_GRAD_STALE
 from plait.optim.stand_ins import StandInOptimizer
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""The optimizer of a ZeRO-2/3 model (``plait.fsdp``): any torch optimizer, stepping each parameter's local rows.
+"""The optimizer of a ZeRO-2/3 model (``plait.parallel.fsdp``): any torch optimizer, stepping each parameter's local rows.
 
 FSDP2's parameters are DTensors whose local rows are this rank's 1/dp of each tp/pp shard. Stepping those rows as
 plain tensors (views of FSDP2's own storage, so the next gather sees the update) keeps the optimizer state plain
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from plait.fsdp import local
+from plait.parallel.fsdp import local
 from plait.optim.stand_ins import StandInOptimizer
 
 

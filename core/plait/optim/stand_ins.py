@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from plait.checkpoint.state import LocalTensor, ReadOp, param_name, torch_load_plan, torch_optimizer_state
-from plait.grad_sync import grad_of, zero_grads
+from plait.parallel.grad_sync import grad_of, zero_grads
 
 if TYPE_CHECKING:
     from plait.checkpoint.format import TensorEntry

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from plait import comm
-from plait.config import ConfigError
-from plait.grad_sync import BUCKET_BYTES, GradSync
+from plait.base import comm
+from plait.base.config import ConfigError
+from plait.parallel.grad_sync import BUCKET_BYTES, GradSync
 from plait.optim.clip import clip_grads_, global_grad_norm
 from plait.optim.expert_zero import ExpertZero1Optimizer
 from plait.optim.mixed_precision import MasterWeightOptimizer, accumulate_grads_in

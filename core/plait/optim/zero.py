@@ -14,7 +14,7 @@ everywhere. Only owners' gradients are exact afterwards; clipping and the step r
 Measured on gloo (184 MB, dp=2): reduce to owners 297 ms, all-reduce 287 ms, ``reduce_scatter_single``
 726 ms; on NCCL a reduce moves half an all-reduce's bytes. The parameter broadcast after the step is
 ``ZeroRedundancyOptimizer``'s own (``dist.broadcast`` per parameter, 107 ms for the same bytes), so it is
-the one collective ``plait.comm.count_collectives`` does not see.
+the one collective ``plait.base.comm.count_collectives`` does not see.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from plait import comm
+from plait.base import comm
 from plait.checkpoint.state import (
     LocalTensor, ReadOp, hyperparameters, optimizer_state, plan_optimizer_load, to_json,
 )
-from plait.grad_sync import BUCKET_BYTES, buckets, flatten, grad_of, unflatten, zero_grads
+from plait.parallel.grad_sync import BUCKET_BYTES, buckets, flatten, grad_of, unflatten, zero_grads
 
 if TYPE_CHECKING:
     from plait.checkpoint.format import TensorEntry

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from plait.config import ConfigError
-from plait.declarations import PipelinePlan
-from plait.patterns import matches
+from plait.base.config import ConfigError
+from plait.plugin.declarations import PipelinePlan
+from plait.base.patterns import matches
 
 
 @dataclass(frozen=True)

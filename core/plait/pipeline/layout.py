@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import defaultdict
 from torch import nn
 
-from plait.config import ConfigError, ParallelConfig
-from plait.declarations import PipelinePlan
+from plait.base.config import ConfigError, ParallelConfig
+from plait.plugin.declarations import PipelinePlan
 from plait.pipeline.cuts import StageSplit, fallback_plan, split_stages
 from plait.pipeline.router import router_aux
 from plait.pipeline.runner import check_schedule

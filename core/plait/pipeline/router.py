@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.cp.router import router_recorders
 
 # The call every transformers MoE CausalLM with this loss makes (mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss,
@@ -65,7 +65,7 @@ def router_aux(model: nn.Module, where: str = "under pipeline parallelism",
     """The aux loss a pipeline's last stage computes for ``model`` (a transformers MoE CausalLM), or None when
     ``output_router_logits`` is off. ConfigError, before any collective, for a model whose forward computes it
     some other way: only this call is repeated exactly. ``where`` and ``fix`` word the refusal for the caller
-    (plait.moe_balance's global-batch loss rests on the same call)."""
+    (plait.parallel.moe_balance's global-batch loss rests on the same call)."""
     if not getattr(model.config, "output_router_logits", False):
         return None
     name = type(model).__name__

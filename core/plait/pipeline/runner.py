@@ -1,6 +1,6 @@
 """Running a step through ``torch.distributed.pipelining`` schedules (docs/decisions.md D3).
 
-Schedules by name (the table is ``plait.pipeline_schedules``): gpipe and 1f1b run one stage per rank;
+Schedules by name (the table is ``plait.base.pipeline_schedules``): gpipe and 1f1b run one stage per rank;
 interleaved-1f1b and zero-bubble (ZB1P, with the backward split into input and weight passes) run
 ``virtual_pipeline_size`` looped stages per rank (rank r holds stages r, r + pp, ...). Losses are sums over
 tokens divided by the global token count, so the schedule must not rescale gradients (``scale_grads=False``)
@@ -14,10 +14,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from plait import comm
-from plait.config import ConfigError, ParallelConfig
-from plait.mesh import Mesh
-from plait.pipeline_schedules import SCHEDULES, microbatch_refusal
+from plait.base import comm
+from plait.base.config import ConfigError, ParallelConfig
+from plait.base.mesh import Mesh
+from plait.base.pipeline_schedules import SCHEDULES, microbatch_refusal
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, "int | torch.Tensor"], torch.Tensor]
 
@@ -51,7 +51,7 @@ class PipelineRunner:
     def __init__(self, chunks: list[nn.Module], stage_ids: list[int], mesh: Mesh, loss_fn: LossFn,
                  token_ids: bool = False, aux_divisor: int = 1) -> None:
         self.chunks, self.stage_ids, self.mesh, self.loss_fn = chunks, stage_ids, mesh, loss_fn
-        # what each microbatch's aux term is divided by (plait.moe_balance.aux_divisor; the ParallelModel sets it
+        # what each microbatch's aux term is divided by (plait.parallel.moe_balance.aux_divisor; the ParallelModel sets it
         # again when set_global_batch names how many train_step calls make a step)
         self.aux_divisor = aux_divisor
         self.token_ids = token_ids  # every stage gets the input ids (``PipelinePlan.token_ids``)

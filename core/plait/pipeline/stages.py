@@ -28,12 +28,20 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed._composable_state import _insert_module_state
+from torch.distributed.fsdp import FSDPModule
 
 from plait.cp.context import ContextParallel
-from plait.fsdp import share_state
 from plait.pipeline.cuts import StageSplit
 from plait.pipeline.router import RouterRecorder, router_aux
 
+
+
+def share_state(unit: nn.Module, copied: nn.Module) -> None:
+    """Let a shallow copy of an FSDP unit (a pipeline stage's shell of the model, ``pipeline.stages.shell``) run as
+    that unit: torch finds a unit's state by module object, so the copy is registered under the same state."""
+    if isinstance(unit, FSDPModule):
+        _insert_module_state(copied, unit._get_fsdp_state())
 
 class Absent(nn.Module):
     """A module owned by another stage, which this stage's forward never calls (an input embedding when
@@ -251,7 +259,7 @@ class StageChunk(nn.Module):
     once there are any), and the last stage returns (logits, the aux term of the microbatch) instead of logits
     (plait.pipeline.router). Its own CausalLM is told not to compute a loss of its stage's routers alone.
     ``aux_term``: computes that term from all layers' logits and the mask instead of the model's own function
-    (plait.moe_balance's global-batch term); not called on the garbage of a shape-learning forward.
+    (plait.parallel.moe_balance's global-batch term); not called on the garbage of a shape-learning forward.
     """
 
     def __init__(

@@ -39,9 +39,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from plait.config import ConfigError, ParallelConfig
+from plait.base.config import ConfigError, ParallelConfig
 from plait.layout_plan import check_capabilities
-from plait.registry import AdapterError
+from plait.plugin.registry import AdapterError
 from plait.testing.conformance_modes import (
     ADAM_EPS, ATOL, LOSS_RTOL, LR, MODES, RTOL, STEPS, Mode, Subject, adapter_ref, load_subject, with_overrides,
 )

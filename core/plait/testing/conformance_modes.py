@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from plait.config import ConfigError, ParallelConfig
+from plait.base.config import ConfigError, ParallelConfig
 from plait.layout_plan import plan_layout
-from plait.meta import build_meta_model
-from plait.registry import Adapter, AdapterError, Registry
+from plait.base.meta import build_meta_model
+from plait.plugin.registry import Adapter, AdapterError, Registry
 from plait.tp.styles import Attention
 
 STEPS, LR, ADAM_EPS, BATCH, SEQ = 3, 1e-3, 1e-6, 4, 16  # BATCH: sequences per data-parallel rank and step
@@ -220,7 +220,7 @@ def load_subject(ref: str) -> Subject:
         raise AdapterError(
             f"adapter {adapter.name!r} does not implement plait_tiny_config; implement it to return a small "
             f"transformers config of its architecture (a few layers, hidden 32-64, vocab ~60-130) so the "
-            f"conformance kit can build a test model (see plait.hookspecs.plait_tiny_config)"
+            f"conformance kit can build a test model (see plait.plugin.hookspecs.plait_tiny_config)"
         )
     return Subject(ref, registry, adapter, config)
 

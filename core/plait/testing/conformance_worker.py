@@ -37,10 +37,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from plait import comm
+from plait.base import comm
 from plait.checkpoint import consolidate, save_checkpoint
-from plait.config import ParallelConfig
-from plait.fsdp import local
+from plait.base.config import ParallelConfig
+from plait.parallel.fsdp import local
 from plait.optim import OptimizerStep, build_optimizer
 from plait.parallelize import ParallelModel, parallelize
 from plait.testing.conformance_modes import (

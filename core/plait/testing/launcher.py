@@ -37,7 +37,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from plait import device
+from plait.base import device
 
 LAUNCH_ENV = "PLAIT_LAUNCH"  # "fork": ranks forked from a preloaded server; anything else: fresh processes
 # Imported once by the fork server: the costly part of every worker's start-up. They read no environment

@@ -19,7 +19,7 @@ from types import ModuleType
 
 import pytest
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.testing.conformance import (
     DTYPES, ModeResult, _run_world, _skip_reason, adapter_ref, recheck_float64, render_table, run_conformance,
     select_modes,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch import nn
 
-from plait.mesh import Mesh
+from plait.base.mesh import Mesh
 from plait.tp.layers import TPRegionEntry
 from plait.tp.sharding import ModuleShard
 from plait.tp.styles import BuildContext, VocabHead

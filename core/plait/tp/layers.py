@@ -15,11 +15,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from plait import comm
+from plait.base import comm
 from plait.tp import mappings
 
 Group = dist.ProcessGroup | None
-Float8 = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # x, weight [out, in] -> x @ weight.T (plait.float8)
+Float8 = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # x, weight [out, in] -> x @ weight.T (plait.parallel.float8)
 
 
 class TPRegionEntry:
@@ -77,7 +77,7 @@ class TPRegionEntry:
 def _matmul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool, float8: Float8 | None = None,
 ) -> torch.Tensor:
-    if float8 is not None:  # torchao's float8 matmul of the local shard (plait.float8; never transposed)
+    if float8 is not None:  # torchao's float8 matmul of the local shard (plait.parallel.float8; never transposed)
         y = float8(x, weight)
         return y if bias is None else y + bias.to(y.dtype)
     if transposed:  # transformers Conv1D: y = x @ W + b with W [in, out]
@@ -122,7 +122,7 @@ class ColumnParallelLinear(nn.Module):
 
     Under SP the layer saves its input's sequence shard for backward, not the gathered input
     (``_ColumnMatmulSavingShard``). ``out_features_valid`` trims padded output columns (vocab padding) so they never
-    reach a logit. ``float8``: set by ``plait.float8.apply_float8`` for a layer whose matmul runs in float8.
+    reach a logit. ``float8``: set by ``plait.parallel.float8.apply_float8`` for a layer whose matmul runs in float8.
     """
 
     float8: Float8 | None = None

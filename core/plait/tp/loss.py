@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plait import comm
+from plait.base import comm
 
 IGNORE_INDEX = -100
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from plait import comm
+from plait.base import comm
 
 Group = dist.ProcessGroup | None
 # The token dimension: transformers keeps activations as [batch, sequence, hidden] (dim 1), and some layers flatten

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm
-from plait.config import ConfigError
-from plait.declarations import SPPlan
-from plait.patterns import matches
+from plait.base import comm
+from plait.base.config import ConfigError
+from plait.tp.plans import SPPlan
+from plait.base.patterns import matches
 from plait.tp import mappings
 from plait.tp.sharding import ModuleShard
 from plait.tp.styles import WholeExperts

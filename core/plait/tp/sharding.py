@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 
 
 Box = tuple[tuple[int, int], ...]  # a block of a tensor: [start, stop) per dim

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 from torch import nn
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.tp.layers import WholeSequenceRegion
 from plait.tp.sharding import ModuleShard, ShardSpec, TPSizeError, linear_shape, linear_shard
 from plait.tp.styles.base import BuildContext, TPRule

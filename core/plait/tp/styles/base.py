@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from torch import nn
 
-from plait.mesh import Mesh
+from plait.base.mesh import Mesh
 from plait.tp.layers import TPRegionEntry
 from plait.tp.sharding import ModuleShard
 

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from torch import nn
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.tp.layers import ExpertMajorRegion, ExpertsRegion, RouterLogitsGather, TokenShareRegion
 from plait.tp.sharding import ModuleShard, ShardSpec, even_range
 from plait.tp.styles.base import BuildContext, TPRule

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from torch import nn
 
-from plait.config import ConfigError
+from plait.base.config import ConfigError
 from plait.tp.layers import (
     ColumnParallelLinear, RowParallelLinear, ScaledVocabParallelEmbedding, SplitRMSNorm, VocabParallelEmbedding,
 )

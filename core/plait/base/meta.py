@@ -1,0 +1,76 @@
+"""Models on the meta device: a transformers model's structure and shapes without its memory.
+
+Used to build a model no rank holds whole (``plait.checkpoint.materialize``, like optimum-neuron's
+``lazy_load_for_parallelism`` and NxD's meta init) and to know a config's parameter names and shapes
+without allocating them (``plait consolidate``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+
+@contextlib.contextmanager
+def meta_init() -> Iterator[None]:
+    """Every tensor created inside is a meta tensor."""
+    with torch.device("meta"):
+        yield
+
+
+def causal_lm_refusal(config: PretrainedConfig) -> str | None:
+    """Why ``config`` cannot be a decoder-only transformers causal LM (None: it can), in one line: an
+    encoder-decoder model, an encoder-only one (BERT and its kin, which transformers maps to a masked LM: its
+    causal-LM head runs only with is_decoder=true), or a type AutoModelForCausalLM does not build. The trainer's check and
+    the generic adapter's refusals both ask here."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    model_type = config.model_type
+    config_class = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
+    if getattr(config, "is_encoder_decoder", False) or getattr(config_class, "is_encoder_decoder", False):
+        return f"{model_type} is an encoder-decoder model; plait trains decoder-only causal LMs"
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        return (f"{model_type} is an encoder-only model (its causal-LM head runs only with is_decoder=true in the "
+                f"config); plait trains decoder-only causal LMs")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not register_text_causal_lm(model_type):
+        return (f"transformers has no causal-LM class for {model_type!r} (AutoModelForCausalLM does not build it); "
+                f"plait trains decoder-only causal LMs")
+    return None
+
+
+def register_text_causal_lm(model_type: str) -> bool:
+    """Whether ``model_type`` is a text config whose causal-LM class transformers maps only under its composite's
+    type, registered with AutoModelForCausalLM if so. AutoModelForCausalLM maps 'emu3' (and 'mllama') to
+    Emu3ForCausalLM, a text-only decoder that takes the composite's text config ('emu3_text_model'): the model it
+    builds, and every checkpoint of it, carries the text config, which AutoModelForCausalLM cannot build again
+    (from_config, or from_pretrained of a consolidated checkpoint) unless the pair is registered."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type not in CONFIG_MAPPING:
+        return False
+    text_config = CONFIG_MAPPING[model_type]
+    module = model_type_to_module_name(model_type)
+    for composite in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        if model_type_to_module_name(composite) != module or composite not in CONFIG_MAPPING:
+            continue
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[composite]]
+        if CONFIG_MAPPING[composite].sub_configs.get("text_config") is text_config is model_class.config_class:
+            AutoModelForCausalLM.register(text_config, model_class, exist_ok=True)
+            return True
+    return False
+
+
+def build_meta_model(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The transformers causal LM of ``config`` on the meta device (a composite's text config too:
+    ``register_text_causal_lm``)."""
+    register_text_causal_lm(config.model_type)
+    with meta_init():
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)

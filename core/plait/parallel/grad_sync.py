@@ -1,0 +1,197 @@
+"""Gradient reductions after backward: sums over the groups that share a parameter.
+
+``GradSync`` is the one object that knows, for a laid-out model, which gradients are summed over which
+group and which gradients this rank counts in the global norm; the optimizer step drives it. Reductions are
+coalesced into flat buckets so a model with hundreds of small parameters issues a handful of collectives.
+A parameter whose gradients are accumulated in a higher-precision buffer (``main_grad``, set up by
+``plait.optim.mixed_precision``) is reduced through that buffer: ``grad_of`` is the one place that knows.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.base import comm
+from plait.parallel.fsdp import local
+from plait.base.mesh import Mesh
+
+BUCKET_BYTES = 32 * 1024 * 1024
+MAIN_GRAD = "main_grad"  # Megatron's name for a gradient kept apart from ``param.grad`` (e.g. in fp32)
+
+
+MAIN_GRAD_STALE = "main_grad_stale"  # the buffer still holds the last step's sum: it counts as zero
+
+
+def grad_of(param: nn.Parameter) -> torch.Tensor | None:
+    """The gradient plait reduces, clips and steps on: ``param.main_grad`` when the parameter has one.
+
+    A buffer no backward has written since ``zero_grads`` is zeroed here, on first read: only parameters that
+    got no gradient in a step (unrouted experts, say) pay for a zeroing pass. Under ZeRO-2/3 (FSDP2) it is the
+    local rows of the sharded gradient.
+    """
+    if not hasattr(param, MAIN_GRAD):
+        return local(param.grad) if param.grad is not None else None
+    buffer = getattr(param, MAIN_GRAD)
+    if getattr(param, MAIN_GRAD_STALE, False):
+        buffer.zero_()
+        setattr(param, MAIN_GRAD_STALE, False)
+    return buffer
+
+
+def zero_grads(params: Iterable[nn.Parameter]) -> None:
+    """Drop ``grad`` and mark ``main_grad`` buffers stale, so the next step starts from nothing.
+
+    Marking rather than zeroing: the step's first backward then copies its gradient into the buffer instead of
+    adding it to zeros (``optim.mixed_precision``), which saves writing and reading the whole fp32 buffer once
+    a step (about 2% of a 1B model's step on an H100, bench/gpu.py).
+    """
+    for p in params:
+        p.grad = None
+        if hasattr(p, MAIN_GRAD):
+            setattr(p, MAIN_GRAD_STALE, True)
+
+
+def sum_grads(
+    params: list[nn.Parameter], group: dist.ProcessGroup | None, bucket_bytes: int = BUCKET_BYTES,
+    reduce_dtype: torch.dtype | None = None,
+) -> None:
+    """All-reduce (sum) the gradients of ``params`` over ``group`` in flat buckets per dtype.
+
+    ``reduce_dtype`` (e.g. float32 for bf16 gradients) is the dtype on the wire; None keeps each gradient's.
+    """
+    if comm.trivial(group):
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        grad = grad_of(p)
+        if grad is not None:
+            by_dtype[reduce_dtype or grad.dtype].append(grad)
+    for dtype, grads in by_dtype.items():
+        for bucket in buckets(grads, bucket_bytes):
+            flat = flatten(bucket, dtype)
+            comm.all_reduce(flat, group)
+            unflatten(flat, bucket)
+
+
+def sum_copies(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    """``sum_grads`` over copies of parameters that several ranks hold (tied weights, every-stage modules,
+    Zamba2's shared block). A copy its rank's forward never used has no gradient: it counts as zeros where another
+    rank's copy has one (so every rank flattens the same tensors), and stays None where none has (the optimizer
+    then skips it, as it would on one process)."""
+    if comm.trivial(group) or not params:
+        return
+    used = torch.tensor([float(grad_of(p) is not None) for p in params], device=params[0].device)
+    comm.all_reduce(used, group)
+    for param, count in zip(params, used.tolist()):
+        if count and grad_of(param) is None:
+            param.grad = torch.zeros_like(param)
+    sum_grads(params, group)
+
+
+def buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> Iterable[list[torch.Tensor]]:
+    """Consecutive groups of ``tensors`` of at least ``bucket_bytes`` each (the last may be smaller)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        bucket.append(t)
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def flatten(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` back into ``tensors`` (casting to each one's dtype)."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+class GradSync:
+    """Gradient sums of one rank of a laid-out model, and the parameters its share of the grad norm covers.
+
+    ``shared``: parameters replicated over a tp group (or a block of it) whose gradients each rank computes
+    only in part (sequence-parallel norms, row-parallel biases, kv heads shared by several ranks), by group.
+    ``tied``: the copies of a weight held by the first and last pipeline stage (tied embeddings), summed over
+    ``ends_group``. ``replicated``: parameters every pipeline stage holds (``PipelinePlan.every_stage``: Gemma's
+    per-layer embeddings), each stage's gradient covering its own layers, summed over the pipeline group.
+    ``norm_params``: the gradients this rank adds to the global norm (see ``norm_params``).
+    ``experts``: parameters of this rank's experts under expert parallelism, held by the expert-replica group
+    (dp x cp / ep ranks) only: their gradients are summed there, and the other ep ranks hold other experts.
+    """
+
+    def __init__(
+        self, mesh: Mesh, params: list[nn.Parameter], shared: dict[Any, list[nn.Parameter]],
+        tied: list[nn.Parameter], ends_group: Any, norm_params: list[nn.Parameter],
+        experts: list[nn.Parameter] | None = None, replicated: list[nn.Parameter] | None = None,
+    ) -> None:
+        self.mesh, self.params, self.shared, self.tied = mesh, params, shared, tied
+        self.replicated = replicated or []
+        self.ends_group, self.norm_params = ends_group, norm_params
+        self.experts = experts or []
+        self._expert_ids = {id(p) for p in self.experts}
+
+    def is_expert(self, param: nn.Parameter) -> bool:
+        return id(param) in self._expert_ids
+
+    def model_parallel(self) -> None:
+        """Sum partial gradients over the tp groups that share parameters, the tied copies over the two
+        pipeline ends and the replicated ones over the pipeline (so every copy takes identical steps)."""
+        for group, params in self.shared.items():
+            sum_grads(params, group)
+        if self.tied:
+            sum_copies(self.tied, self.ends_group)
+        if self.replicated:
+            sum_copies(self.replicated, self.mesh.pp_group)
+
+    def data_parallel(
+        self, params: list[nn.Parameter] | None = None, bucket_bytes: int = BUCKET_BYTES,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        """All-reduce ``params`` (default: every trainable parameter) over the replica group (dp x cp), expert
+        parameters over the expert-replica group."""
+        params = self.params if params is None else params
+        dense = [p for p in params if not self.is_expert(p)]
+        sum_grads(dense, self.mesh.replica_group, bucket_bytes, reduce_dtype)
+        experts = [p for p in params if self.is_expert(p)]
+        if experts:
+            sum_grads(experts, self.mesh.expert_replica_group, bucket_bytes, reduce_dtype)
+
+    def finish(self) -> None:
+        """Both: what a plain (non-ZeRO) optimizer needs before its step."""
+        self.model_parallel()
+        self.data_parallel()
+
+
+def norm_params(
+    named_params: Iterable[tuple[str, nn.Parameter]], specs_by_rank: list[dict[str, Any]], tp_rank: int,
+    skip: Iterable[nn.Parameter] = (),
+) -> list[nn.Parameter]:
+    """The parameters whose gradients this rank counts in the global gradient norm.
+
+    Every distinct slice of every logical parameter is counted on exactly one rank of the tp group: a
+    tp-sharded slice on its rank, a replicated parameter (or a kv head shared by a block of ranks, whose
+    ShardSpec is then equal across the block) on the first rank holding that same slice. ``skip``: second
+    copies counted elsewhere (a tied embedding held by the last stage is counted on the first). Summing the
+    squares over tp (and pp, and dp for the slices each dp rank updates) gives the single-process norm.
+    """
+    skipped = {id(p) for p in skip}
+    counted = []
+    for name, param in named_params:
+        spec = specs_by_rank[tp_rank][name]
+        if id(param) not in skipped and not any(specs_by_rank[r][name] == spec for r in range(tp_rank)):
+            counted.append(param)
+    return counted

@@ -1,0 +1,71 @@
+"""The transformers config a run trains, from its flags: a model directory's, a config.json, the checkpoint
+resumed from, or plait's tiny Llama.
+
+``plait train``, ``plait plan`` and ``plait prepare-data`` all read it, before any model or process group exists.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import transformers
+from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from plait.checkpoint.format import model_config as saved_model_config
+from plait.checkpoint.format import read_index
+from plait.base.config import ConfigError
+from plait.base.meta import causal_lm_refusal
+from plait.run.train_args import TrainArgs
+
+DEFAULT_MODEL_CONFIG = "tiny-llama.json"
+
+
+def read_model_config(args: TrainArgs, resume: Path | None = None) -> PretrainedConfig:
+    """The transformers config: from the model dir, the given config.json, the checkpoint resumed from, or
+    plait's tiny Llama."""
+    if args.model_name_or_path:
+        config = AutoConfig.from_pretrained(args.model_name_or_path)
+    elif args.model_config:
+        config = load_config_file(Path(args.model_config))
+    elif resume is not None:
+        config = saved_model_config(read_index(resume)[1])
+    else:
+        config = load_config_file(Path(str(resources.files("plait.configs").joinpath(DEFAULT_MODEL_CONFIG))))
+    if args.attn_implementation:
+        known = ["eager", *ALL_ATTENTION_FUNCTIONS.keys()]
+        if args.attn_implementation not in known:
+            raise ConfigError(f"--attn_implementation={args.attn_implementation!r} is unknown; choose one of "
+                              f"{', '.join(known)}")
+        config._attn_implementation = args.attn_implementation
+    refuse_non_causal(config)
+    return config
+
+
+def refuse_non_causal(config: PretrainedConfig) -> None:
+    """One line, before any model is built, for a model plait cannot train (what ``causal_lm_refusal`` names)."""
+    refusal = causal_lm_refusal(config)
+    if refusal:
+        raise ConfigError(refusal)
+
+
+def load_config_file(path: Path) -> PretrainedConfig:
+    """A transformers config.json, without needing the rest of a model dir."""
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON ({err}); it must be a transformers config.json") from None
+    if not isinstance(values, dict) or "model_type" not in values:
+        raise ConfigError(f"{path} has no 'model_type'; it must be a transformers config.json")
+    model_type = values.pop("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"{path}: model_type {model_type!r} is not one transformers {transformers.__version__} knows; "
+                          f"check the spelling, or upgrade transformers")
+    try:
+        return AutoConfig.for_model(model_type, **values)
+    except Exception as err:  # noqa: BLE001 (values the config class refuses: its strict validators raise their own kinds)
+        why = " ".join(str(err).split())
+        raise ConfigError(f"{path}: transformers refuses this {model_type} config: {why}") from None

@@ -1,0 +1,162 @@
+"""``plait train --nproc_per_node N``: the same command re-run under torchrun, with signals passed on, and its
+errors said once.
+
+torchrun runs in a session of its own, so that a terminal's Ctrl-C reaches plait alone, and plait passes each
+signal on exactly once: the first SIGINT or SIGTERM goes to every worker (they finish the step, save and stop
+together: ``plait.run.stop``), a second one kills torchrun and every process under it at once. On Linux torchrun
+also gets SIGTERM if plait itself dies (even by SIGKILL), so no worker is ever left training as an orphan.
+torchrun's own grace period before it kills workers it signals (when a scheduler signals it directly) is set
+to --ddp_timeout, the bound plait already puts on a step.
+
+A worker's error is one ``plait: error:`` line for the whole job, not one per rank under torchrun's report of
+the failed worker (a traceback and a 20-line summary). Each worker writes its line to a file in
+``PLAIT_ERROR_DIR`` (``report_error``) instead of stderr; torchrun runs in-process here (``python -m
+plait.run.torchrun``: its ``run``, without the decorator that prints the report), and after the job plait prints each
+distinct line once (a rank's number only where ranks differ) and exits with the worker's status: 2 for bad input,
+3 for a diverged run. A worker that died without a line (a crash, a signal) is named with its exit code or signal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import FrameType
+
+import psutil
+
+from plait.run.stop import SIGNALS
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: the kernel sends SIGTERM when the parent (plait) dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+ERROR_DIR = "PLAIT_ERROR_DIR"  # where each worker writes its one error line (report_error), read by the launcher
+
+
+def report_error(message: str) -> None:
+    """Say ``message`` (a ``plait: error:`` line): on stderr, or under plait's launcher into this rank's file, so
+    that the job says it once."""
+    folder = os.environ.get(ERROR_DIR)
+    if not folder:
+        print(message, file=sys.stderr)
+        return
+    path = Path(folder) / f"rank{os.environ.get('RANK', '0')}.txt"
+    path.with_suffix(".tmp").write_text(message)
+    path.with_suffix(".tmp").replace(path)
+
+
+def run_under_torchrun(argv: list[str], nproc: int, grace_s: int) -> int:
+    """Run ``python -m plait argv`` on ``nproc`` local processes; return the exit status to exit with: the
+    job's (a worker's own, for its error), or 128 + the signal that stopped it."""
+    with tempfile.TemporaryDirectory(prefix="plait-errors-") as folder:
+        status = supervise([sys.executable, "-m", "plait.run.torchrun", "--standalone", f"--nproc_per_node={nproc}",
+                            f"--shutdown_timeout={grace_s}", "-m", "plait", *argv], {**os.environ, ERROR_DIR: folder})
+        say_once(Path(folder), nproc)
+        return status
+
+
+def say_once(folder: Path, nproc: int) -> None:
+    """Print how the job failed, once: a worker killed by a signal (the culprit: the others' errors follow from
+    it), else each distinct error line the workers wrote, with the ranks that said it where not every rank of
+    the ``nproc`` said the same, else how the first failed worker ended."""
+    lines = {int(p.stem.removeprefix("rank")): p.read_text() for p in folder.glob("rank*.txt")}
+    failed = (folder / "failed.txt").read_text() if (folder / "failed.txt").exists() else None
+    if failed and " was killed by " in failed:
+        print(f"plait: error: {failed}", file=sys.stderr)
+        return
+    distinct = list(dict.fromkeys(lines.values()))
+    for line in distinct:
+        ranks = sorted(r for r, text in lines.items() if text == line)
+        named = len(distinct) > 1 or len(ranks) < nproc
+        prefix = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: " if named else ""
+        print(line.replace("plait: error: ", f"plait: error: {prefix}", 1), file=sys.stderr)
+    if not lines and failed:
+        print(f"plait: error: {failed}", file=sys.stderr)
+
+
+def _torchrun(argv: list[str]) -> int:
+    """torchrun's ``run`` on ``argv``, with its report of a failed worker replaced by one line in PLAIT_ERROR_DIR
+    (``failed.txt``: the culprit rank and how it ended); the failed worker's exit status."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its "failed (exitcode...)" lines
+    grace_for_the_rest(next(int(a.split("=", 1)[1]) for a in argv if a.startswith("--shutdown_timeout=")))
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as err:
+        rank, failure = culprit(err.failures)
+        how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else \
+            f"exited with code {failure.exitcode}"
+        (Path(os.environ[ERROR_DIR]) / "failed.txt").write_text(
+            f"worker rank {rank} ({socket.gethostname()}, pid {failure.pid}) {how}")
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0
+
+
+def grace_for_the_rest(seconds: int) -> None:
+    """After one worker fails, torchrun ends the others with SIGTERM and, 30 s later (a fixed default of its
+    ``PContext.close``, not its --shutdown_timeout), SIGKILL. A worker stopped by SIGSTOP (a frozen host) takes
+    SIGTERM only when it runs again, so it is the SIGKILL that ends it: give that the same grace as the rest of
+    plait, --ddp_timeout."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    close = PContext.close
+    PContext.close = lambda self, death_sig=None, timeout=seconds: close(self, death_sig, timeout)
+
+
+def culprit(failures: dict) -> tuple[int, object]:
+    """The failure to name, among those torchrun saw first (it also reports the workers it then ended itself, with
+    SIGTERM or, after its grace, SIGKILL, at a later time): a worker a signal other than SIGTERM ended (SIGKILL
+    from an out-of-memory killer, SIGSEGV), whose peers fail on the lost connection in the same moment, else the
+    lowest rank that failed by itself (exit status), not one torchrun ended (SIGTERM)."""
+    first = min(f.timestamp for f in failures.values())
+    seen_first = sorted((r, f) for r, f in failures.items() if f.timestamp == first)
+    killed = [(r, f) for r, f in seen_first if f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
+    failed = [(r, f) for r, f in seen_first if f.exitcode > 0]
+    return (killed or failed or seen_first)[0]
+
+
+def supervise(cmd: list[str], env: dict[str, str] | None = None) -> int:
+    """Run ``cmd`` (a launcher whose children are the workers) in a session of its own, dying with this
+    process; pass the first SIGINT or SIGTERM to its children (to itself while it has none), and on a second
+    kill it and everything under it. Returns its exit status, or 128 + the first signal."""
+    launcher = subprocess.Popen(cmd, start_new_session=True, env=env,
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    received: list[int] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        try:
+            if len(received) > 1:  # the second signal: everything stops now
+                for proc in [*psutil.Process(launcher.pid).children(recursive=True), psutil.Process(launcher.pid)]:
+                    proc.kill()
+                return
+            workers = psutil.Process(launcher.pid).children()
+            for proc in workers or [psutil.Process(launcher.pid)]:  # none started yet: the launcher stops itself
+                proc.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass  # already gone
+
+    previous = {s: signal.signal(s, forward) for s in SIGNALS}
+    try:
+        status = launcher.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 + received[0] if received else status
+
+
+if __name__ == "__main__":
+    sys.exit(_torchrun(sys.argv[1:]))

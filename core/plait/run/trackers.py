@@ -1,0 +1,154 @@
+"""--report_to: experiment trackers (TensorBoard, Weights & Biases, MLflow) that get each step's metrics, as Hugging
+Face's Trainer sends them, beside metrics.jsonl.
+
+Each tracker's package is optional (a pip extra of plait); ``parse_report_to`` refuses a name whose package is
+missing when the flags are validated, before any process group, rather than at the first step. The packages are
+imported only when a tracker opens, so a run that reports nowhere never loads them. The trainer opens the
+trackers on rank 0 only. Every step is logged under its own number (the record's "step"), so a resumed run
+continues the curve it left; TensorBoard also hides what the interrupted run logged past the checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Protocol
+
+from plait.base.config import ConfigError
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+def needed_modules(name: str) -> tuple[str, ...]:
+    """The modules tracker ``name`` imports: MLflow's default local store is SQLite, which needs SQLAlchemy and
+    alembic (mlflow-skinny has neither); a tracking server set by MLFLOW_TRACKING_URI does not."""
+    if name == "mlflow" and not os.environ.get("MLFLOW_TRACKING_URI"):
+        return ("mlflow", "sqlalchemy", "alembic")
+    return (name,)
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def parse_report_to(value: str) -> list[str]:
+    """The trackers of a --report_to value (comma-separated; 'none' or '': none), each known and installed."""
+    names = list(dict.fromkeys(name.strip() for name in value.split(",") if name.strip()))
+    if names == ["none"]:
+        return []
+    for name in names:
+        if name not in TRACKERS:
+            raise ConfigError(f"--report_to={value!r}: {name!r} is not a tracker; give none, or one or more of "
+                              f"{', '.join(TRACKERS)} separated by commas")
+        missing = [module for module in needed_modules(name) if not installed(module)]
+        if missing:
+            raise ConfigError(f"--report_to {name} needs {', '.join(missing)}, not installed here; "
+                              f"pip install 'plait[{name}]'")
+    return names
+
+
+class Tracker(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def close(self, exit_status: int) -> None: ...
+
+
+class TensorBoard:
+    """Event files in <output_dir>/tensorboard (``tensorboard --logdir``). ``purge_step`` makes TensorBoard drop
+    the steps from the first one on that an earlier writer logged: a resume, or an older run in the same dir."""
+
+    def __init__(self, output_dir: Path, params: dict, first_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # here: only a run that reports to it pays the import
+
+        self.writer = SummaryWriter(str(output_dir / "tensorboard"), purge_step=first_step + 1)
+        self.writer.add_text("args", "\n".join(f"    {key} = {value!r}" for key, value in params.items()))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self, exit_status: int) -> None:
+        self.writer.close()
+
+
+class WandB:
+    """A W&B run in project WANDB_PROJECT (default "plait"), its files under WANDB_DIR (default output_dir), the
+    flags as its config; W&B's own variables (WANDB_MODE=offline, WANDB_ENTITY, WANDB_NAME ...) apply as usual."""
+
+    def __init__(self, output_dir: Path, params: dict, first_step: int) -> None:
+        import wandb
+
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "plait"),
+                              dir=os.environ.get("WANDB_DIR", str(output_dir)), config=params)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self, exit_status: int) -> None:
+        self.run.finish(exit_code=exit_status)
+
+
+class MLflow:
+    """An MLflow run at MLFLOW_TRACKING_URI (default ``sqlite:///<output_dir>/mlflow.db``: the kind of store MLflow
+    defaults to, kept with the run; its file store refuses to open unless told to), the flags as its params;
+    MLFLOW_EXPERIMENT_NAME and MLFLOW_RUN_ID apply as usual."""
+
+    def __init__(self, output_dir: Path, params: dict, first_step: int) -> None:
+        import mlflow
+
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            mlflow.set_tracking_uri(f"sqlite:///{(output_dir / 'mlflow.db').resolve()}")
+        self.mlflow = mlflow
+        mlflow.start_run()
+        mlflow.log_params(params)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.mlflow.log_metrics(metrics, step=step)
+
+    def close(self, exit_status: int) -> None:
+        self.mlflow.end_run("FINISHED" if exit_status == 0 else "KILLED" if exit_status > 128 else "FAILED")
+
+
+OPENERS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
+
+
+class Trackers:
+    """The open trackers of a run (none on ranks but 0). A context manager: leaving it closes them all with the
+    run's exit status: 0, an exception's ``exit_status`` (plait.run.stop.StopRequested's 128 + the signal: a run
+    stopped by a signal, killed rather than failed), else 1."""
+
+    def __init__(self, trackers: list[Tracker]) -> None:
+        self.trackers = trackers
+
+    @classmethod
+    def open(cls, names: list[str], output_dir: Path, params: dict, first_step: int) -> Trackers:
+        """Open each named tracker for a run writing to ``output_dir`` whose flags are ``params``, resumed after
+        ``first_step`` steps (0: a fresh run). One that cannot start (W&B without a login, an MLflow server out
+        of reach) ends the run with one line, the trackers opened before it closed."""
+        opened: list[Tracker] = []
+        for name in names:
+            try:
+                opened.append(OPENERS[name](output_dir, params, first_step))
+            except Exception as err:
+                cls(opened).close(1)
+                raise ConfigError(f"--report_to {name} could not start ({type(err).__name__}: {err}); "
+                                  f"fix its setup or leave it out of --report_to") from err
+        return cls(opened)
+
+    def log(self, record: dict) -> None:
+        """A step's record: its numbers (not flags nor lists, such as moe_load) under its "step"."""
+        metrics = {key: value for key, value in record.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"}
+        for tracker in self.trackers:
+            tracker.log(metrics, record["step"])
+
+    def close(self, exit_status: int) -> None:
+        for tracker in self.trackers:
+            tracker.close(exit_status)
+
+    def __enter__(self) -> Trackers:
+        return self
+
+    def __exit__(self, kind: type | None, error: BaseException | None, *_) -> None:
+        self.close(0 if error is None else getattr(error, "exit_status", 1))

@@ -1,0 +1,352 @@
+"""The flags of ``plait train``: one dataclass, so the command line and a config file share their names.
+
+Names follow Hugging Face / optimum-neuron training scripts so existing launch scripts read naturally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from plait.cp.sequence import check_length
+from plait.data.sft_blocks import OVERLONG
+from plait.base.config import CP_ATTENTION, FLOAT8_RECIPES, MOE_AUX_LOSS_SCOPES, ConfigError, ParallelConfig
+from plait.parallel.float8 import ALIGN, require_torchao
+from plait.lora.config import lora_config
+from plait.base.pipeline_schedules import SCHEDULES, microbatch_refusal
+from plait.run.trackers import parse_report_to
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+
+LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+DATA_FORMATS = ("auto", "text", "chat", "prompt_completion")
+LAYOUTS = ("manual", "auto")
+# the flags --layout auto chooses (plait.auto_layout); giving one beside it is refused
+AUTO_LAYOUT_FLAGS = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "expert_parallel_size",
+                     "virtual_pipeline_size", "num_microbatches", "pipeline_schedule", "disable_sequence_parallel",
+                     "zero_1", "gradient_checkpointing", "pipeline_cuts")
+
+
+def _names(listed: str) -> list[str]:
+    """The names of a comma-separated flag (empty: none)."""
+    return [name.strip() for name in listed.split(",") if name.strip()]
+
+
+LORA_SETTINGS = ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters")  # need --lora_r
+
+
+@dataclass
+class TrainArgs:
+    model_config: str | None = field(default=None, metadata={"help": "transformers config.json: random init"})
+    model_name_or_path: str | None = field(default=None, metadata={"help": "a local Hugging Face model dir"})
+    train_file: str | None = field(default=None, metadata={"help": ".txt, .jsonl, .parquet, a directory or a glob of them (text field: --text_field); default: bundled corpus"})
+    output_dir: str = field(default="runs/plait", metadata={"help": "metrics.jsonl (and later checkpoints) go here"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "tp: ranks that split each layer"})
+    disable_sequence_parallel: bool = field(default=False, metadata={"help": "keep activations between TP regions whole"})
+    disable_embedding_parallelization: bool = field(default=False, metadata={"help": "keep embeddings and LM head replicated"})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "sequences per data-parallel rank per micro-step"})
+    block_size: int = field(default=128, metadata={"help": "tokens per sequence"})
+    learning_rate: float = field(default=1e-3, metadata={"help": "AdamW learning rate"})
+    max_steps: int = field(default=100, metadata={"help": "optimizer steps"})
+    seed: int = field(default=0, metadata={"help": "the same seed gives the same weights and data for every layout"})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "a local tokenizer dir (default: the model dir's, else a BPE trained on the data)"})
+    dataset_name: str | None = field(default=None, metadata={"help": "a local `datasets` dir (save_to_disk) with a 'text' column"})
+    validation_file: str | None = field(default=None, metadata={"help": ".txt or .jsonl for eval loss and perplexity"})
+    eval_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0: only at the end, if a validation file is given)"})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay, on matrices only (never biases or norm weights)"})
+    exclude_embeddings_from_weight_decay: bool = field(default=False, metadata={"help": "do not decay token and position embeddings either"})
+    lr_scheduler_type: str = field(default="linear", metadata={"help": f"one of {', '.join(LR_SCHEDULERS)}"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
+    context_parallel_size: int = field(default=1, metadata={"help": "cp: ranks that split every sequence (long contexts)"})
+    cp_attention: str = field(default="auto", metadata={"help": f"attention across cp ranks: one of {', '.join(CP_ATTENTION)}"})
+    expert_parallel_size: int = field(default=1, metadata={"help": "ep: ranks each MoE layer's experts are divided over, carved from the data-parallel (x cp) ranks"})
+    disable_expert_tensor_parallel: bool = field(default=False, metadata={"help": "under tp, keep routed experts whole on every tp rank (each computes its own tokens) instead of splitting them"})
+    moe_capacity_factor: float = field(default=0.0, metadata={"help": "under ep, cap the tokens a rank sends each expert at factor x its even share, dropping the rest (0: dropless)"})
+    moe_aux_loss_scope: str = field(default="micro_batch", metadata={"help": "what the MoE router's load-balancing loss (output_router_logits) is computed over: micro_batch (transformers' definition: each forward's, averaged; its value depends on the layout) or global_batch (every token of the optimizer step, all micro-batches and ranks: the same for every layout; one extra forward per step)"})
+    pipeline_parallel_size: int = field(default=1, metadata={"help": "pp: pipeline stages (ranks) the layers are cut into"})
+    virtual_pipeline_size: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved schedules)"})
+    num_microbatches: int = field(default=0, metadata={"help": "pipeline microbatches per micro-step (divides the per-device batch; 0: 1 without pp, with pp the smallest count >= pp the schedule accepts that divides the batch)"})
+    pipeline_schedule: str = field(default="1f1b", metadata={"help": f"one of {', '.join(SCHEDULES)}"})
+    pipeline_cuts: str | None = field(default=None, metadata={"help": "comma-separated leaf modules to cut after (default: balanced)"})
+    zero_1: bool = field(default=False, metadata={"help": "shard optimizer state over data-parallel ranks (ZeRO-1; the same as --zero_stage 1)"})
+    zero_stage: int = field(default=0, metadata={"help": "what to shard over the data-parallel ranks: 0 nothing, 1 optimizer state, 2 also gradients, 3 also parameters (2 and 3 on torch's FSDP2; with --bf16 the shards stay fp32 masters and layers compute in bf16)"})
+    bf16: bool = field(default=False, metadata={"help": "bf16 parameters, with master weights in --optimizer_dtype"})
+    bf16_autocast: bool = field(default=False, metadata={"help": "fp32 parameters, bf16 matmuls (torch.autocast)"})
+    float8: str | None = field(default=None, metadata={"help": f"EXPERIMENTAL (measured 0.445x bf16's tokens/s on an H100; experimental until an accelerator shows >= 1.0x): compute the decoder layers' linear layers (attention and MLP projections; not the embeddings or LM head) in float8 with torchao's recipe {' or '.join(FLOAT8_RECIPES)} (dynamic scales per tensor or per row; under tp, per shard); parameters, gradients and optimizer state keep their dtype (pair with --bf16); needs a GPU with float8 matmuls (compute capability 8.9+: L4, RTX 4090, H100, ...) and pip install 'plait[float8]'"})
+    float8_emulate: bool = field(default=False, metadata={"help": "with --float8: emulate the float8 matmuls (float8-rounded operands, fp32 products) on any device, for float8's numerics without its speed (CPU, tests, GPUs without float8)"})
+    optimizer_dtype: str = field(default="float32", metadata={"help": "dtype of optimizer state and master weights: float32 or bfloat16"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "clip by the global gradient norm (0: no clipping)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute leaf modules (decoder layers) in backward"})
+    attn_implementation: str | None = field(default=None, metadata={"help": "transformers attention kernel: eager, sdpa, flash_attention_2, ... (default: transformers' choice)"})
+    torch_compile: bool = field(default=False, metadata={"help": "torch.compile each leaf module (decoder layer)"})
+    save_steps: int = field(default=0, metadata={"help": "save a sharded checkpoint every N steps (0: only the final one, see --save_final)"})
+    save_final: bool = field(default=True, metadata={"help": "save a checkpoint after the last step, ready for plait consolidate (--no_save_final: end without one)"})
+    save_total_limit: int = field(default=0, metadata={"help": "keep only the newest N checkpoints (0: keep all)"})
+    save_on_signal: bool = field(default=True, metadata={"help": "on SIGTERM or a first SIGINT (Ctrl-C), finish the step and save a checkpoint before stopping (--no_save_on_signal: stop without saving)"})
+    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "a checkpoint dir, or 'auto': the newest complete one in output_dir"})
+    logging_steps: int = field(default=1, metadata={"help": "print a log line every N steps when stderr is not a terminal (a terminal shows a progress bar; metrics.jsonl gets every step)"})
+    report_to: str = field(default="none", metadata={"help": "comma-separated experiment trackers that get every step's metrics, as metrics.jsonl: none, tensorboard (event files in <output_dir>/tensorboard), wandb (project 'plait' or $WANDB_PROJECT; W&B's env vars apply, WANDB_MODE=offline among them), mlflow ($MLFLOW_TRACKING_URI, default sqlite:///<output_dir>/mlflow.db); each is a pip extra: pip install 'plait[wandb]'"})
+    layout: str = field(default="manual", metadata={"help": "manual: the layout flags as given; auto: plait plan "
+                        "--search picks tp, pp, cp, ep, SP, ZeRO-1, recomputation, the micro-batch size and the "
+                        "accumulation steps for this run's model, global batch, block size and --nproc_per_node "
+                        "processes on the detected device, prints its top 3 and why the first won, and trains with it"})
+    nproc_per_node: int = field(default=1, metadata={"help": "launch this many processes with torchrun (when not already under torchrun)"})
+    config: str | None = field(default=None, metadata={"help": "a TOML file whose keys are these flag names; flags override it"})
+    device: str = field(default="auto", metadata={"help": "auto (the accelerator torch finds, else cpu), cpu, or any torch device type; an accelerator's bare type gets LOCAL_RANK as its index"})
+    backend: str = field(default="auto", metadata={"help": "torch.distributed backend: auto (torch's default for the device type: gloo on cpu, nccl on NVIDIA GPUs, ...), or any backend name (gloo, nccl, xla, ...)"})
+    ddp_timeout: int = field(default=600, metadata={"help": "seconds a collective may wait before the job fails"})
+    skip_nonfinite_steps: int = field(default=0, metadata={"help": "skip up to N steps whose loss or gradient norm is not finite (not applied, counted in metrics) before stopping (0: stop at the first)"})
+    text_field: str = field(default="text", metadata={"help": "the text field of .jsonl lines, and the text column of Parquet files and --dataset_name"})
+    data_cache_dir: str | None = field(default=None, metadata={"help": "where tokenized data and trained tokenizers are cached (default: $XDG_CACHE_HOME/plait, else ~/.cache/plait)"})
+    data_format: str = field(default="auto", metadata={"help": "auto, text (packed plain text), chat (.jsonl 'messages' or ShareGPT 'conversations', rendered with the tokenizer's chat template) or prompt_completion (.jsonl 'prompt' + 'completion'); auto reads the first .jsonl line"})
+    train_on_prompt: bool = field(default=False, metadata={"help": "SFT: train on prompt / user tokens too (default: only completion / assistant tokens count)"})
+    packing: bool = field(default=False, metadata={"help": "SFT: pack several examples per block, attention kept within each (default: one example per block, padded)"})
+    overlong: str = field(default="truncate", metadata={"help": "SFT examples longer than --block_size: truncate (keep the first block_size tokens), drop (truncate, and skip every example left with no token to train on) or refuse"})
+    lora_r: int = field(default=0, metadata={"help": "train LoRA adapters of this rank on the frozen model (0: train every parameter)"})
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r (peft's LoraConfig)"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input (peft's lora_dropout)"})
+    lora_target_modules: str | None = field(default=None, metadata={"help": "comma-separated module names as peft takes them (default: the attention and MLP projections of the adapter's TP plan; '': none, with --lora_target_parameters)"})
+    lora_target_parameters: str | None = field(default=None, metadata={"help": "comma-separated expert parameters as peft's target_parameters takes them, e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj (routed experts' stacked weights; no --lora_dropout)"})
+
+    def lora(self) -> "LoraConfig | None":
+        """peft's LoraConfig from the --lora_* flags (None without --lora_r)."""
+        if not self.lora_r:
+            return None
+        targets = None if self.lora_target_modules is None else _names(self.lora_target_modules)
+        parameters = {"target_parameters": _names(self.lora_target_parameters)} if self.lora_target_parameters else {}
+        return lora_config(self.lora_r, self.lora_alpha, self.lora_dropout, targets, **parameters)
+
+    def validate(self) -> None:
+        """Checks that need no model: fail before any process group or file exists."""
+        if self.model_config and self.model_name_or_path:
+            raise ConfigError("give --model_config (random init) or --model_name_or_path (load weights), not both")
+        for path_flag in ("model_config", "model_name_or_path"):
+            value = getattr(self, path_flag)
+            if value is not None and not Path(value).exists():
+                raise ConfigError(f"--{path_flag} {value!r} does not exist")
+        if self.model_config and Path(self.model_config).is_dir():
+            raise ConfigError(f"--model_config {self.model_config!r} is a directory; give its config.json, or load "
+                              f"the model's weights with --model_name_or_path {self.model_config}")
+        for path_flag in ("train_file", "validation_file"):  # a file, a directory, or a glob of them
+            value = getattr(self, path_flag)
+            if value is not None and not Path(value).exists() and not glob.glob(value, recursive=True):
+                raise ConfigError(f"--{path_flag} {value!r} does not exist (nor matches a file as a glob)")
+        resume = self.resume_from_checkpoint
+        if resume not in (None, "auto") and not Path(resume).exists():
+            raise ConfigError(f"--resume_from_checkpoint {resume!r} does not exist (give a checkpoint dir, or 'auto')")
+        for path_flag in ("tokenizer_name", "dataset_name"):
+            value = getattr(self, path_flag)
+            if value is not None and not Path(value).exists():
+                raise ConfigError(f"--{path_flag} {value!r} does not exist")
+        if self.train_file and self.dataset_name:
+            raise ConfigError("give --train_file or --dataset_name, not both")
+        positive = ("per_device_train_batch_size", "block_size", "logging_steps", "ddp_timeout",
+                    "gradient_accumulation_steps", "tensor_parallel_size", "nproc_per_node", "pipeline_parallel_size",
+                    "context_parallel_size", "expert_parallel_size",
+                    "virtual_pipeline_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name}={getattr(self, name)} must be positive")
+        if self.moe_aux_loss_scope not in MOE_AUX_LOSS_SCOPES:
+            raise ConfigError(f"--moe_aux_loss_scope={self.moe_aux_loss_scope!r} is unknown; choose one of "
+                              f"{', '.join(MOE_AUX_LOSS_SCOPES)}")
+        if self.context_parallel_size > 1:
+            config = self.parallel_config()
+            check_length(self.block_size, config.cp, config.tp, config.sequence_parallel)
+        if self.per_device_train_batch_size % self.microbatches():
+            raise ConfigError(
+                f"--per_device_train_batch_size={self.per_device_train_batch_size} is not divisible by "
+                f"--num_microbatches={self.num_microbatches}; use a batch that is a multiple of {self.num_microbatches}"
+            )
+        for name in ("num_microbatches", "max_steps", "eval_steps", "warmup_steps", "save_steps", "save_total_limit", "skip_nonfinite_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name}={getattr(self, name)} must be >= 0")
+        if not self.learning_rate >= 0:  # 0 is a run that measures the loss without moving the weights
+            raise ConfigError(f"--learning_rate={self.learning_rate} must be >= 0")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight_decay={self.weight_decay} must be >= 0")
+        if self.moe_capacity_factor < 0:
+            raise ConfigError(f"--moe_capacity_factor={self.moe_capacity_factor} must be >= 0 (0: dropless)")
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"--max_grad_norm={self.max_grad_norm} must be >= 0 (0 turns clipping off)")
+        if self.optimizer_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"--optimizer_dtype={self.optimizer_dtype!r} is unknown; choose float32 or bfloat16")
+        if self.bf16 and self.bf16_autocast:
+            raise ConfigError("give --bf16 (bf16 parameters) or --bf16_autocast (fp32 parameters), not both")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"--layout={self.layout!r} is unknown; choose one of {', '.join(LAYOUTS)}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError as err:
+                raise ConfigError(f"--device={self.device!r} is not a device torch knows ({err}); use auto, cpu, or "
+                                  f"the name of an accelerator type torch has, with or without an index") from None
+        if self.data_format not in DATA_FORMATS:
+            raise ConfigError(f"--data_format={self.data_format!r} is unknown; choose one of {', '.join(DATA_FORMATS)}")
+        if self.overlong not in OVERLONG:
+            raise ConfigError(f"--overlong={self.overlong!r} is unknown; choose one of {', '.join(OVERLONG)}")
+        if self.lora_r < 0:
+            raise ConfigError(f"--lora_r={self.lora_r} must be >= 0 (0: no LoRA)")
+        self.lora()  # the LoRA flags' own checks
+        if self.cp_attention not in CP_ATTENTION:
+            raise ConfigError(f"--cp_attention={self.cp_attention!r} is unknown; choose one of {', '.join(CP_ATTENTION)}")
+        if self.lr_scheduler_type not in LR_SCHEDULERS:
+            raise ConfigError(f"--lr_scheduler_type={self.lr_scheduler_type!r} is unknown; choose one of {', '.join(LR_SCHEDULERS)}")
+        parse_report_to(self.report_to)  # known trackers, their packages installed
+        self._check_output_dir()
+        if self.float8 is not None:
+            if self.float8 not in FLOAT8_RECIPES:
+                raise ConfigError(f"--float8={self.float8!r} is unknown; choose one of {', '.join(FLOAT8_RECIPES)}")
+            require_torchao(self.float8)
+            if self.block_size % (ALIGN * self.context_parallel_size):
+                per = f" / cp={self.context_parallel_size}" if self.context_parallel_size > 1 else ""
+                raise ConfigError(
+                    f"--float8 {self.float8}: --block_size={self.block_size}{per} is not a multiple of {ALIGN}, which "
+                    f"float8's weight-gradient matmul (torch._scaled_mm) needs for the tokens it contracts over "
+                    f"(checked under --float8_emulate too); use a --block_size that is a multiple of "
+                    f"{ALIGN * self.context_parallel_size}")
+        elif self.float8_emulate:
+            raise ConfigError(f"--float8_emulate emulates float8 matmuls, but --float8 is not given; add --float8 "
+                              f"{' or '.join(FLOAT8_RECIPES)}")
+
+    def _check_output_dir(self) -> None:
+        out = Path(self.output_dir)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--output_dir {self.output_dir!r} is an existing file, not a directory; give a directory")
+        existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"--output_dir {self.output_dir!r} cannot be written: {existing} is not writable by this "
+                              f"user; give a directory you can write to")
+
+    def check_flags_take_effect(self) -> None:
+        """A flag that does nothing in the chosen layout is refused, not silently ignored: the user meant
+        something by it (most often a layout flag they forgot). For a run only: ``plait plan --search`` reads
+        --cp_attention and --pipeline_schedule for the layouts it tries."""
+        pp, cp, tp, ep = (self.pipeline_parallel_size, self.context_parallel_size, self.tensor_parallel_size,
+                          self.expert_parallel_size)
+        idle = [
+            (pp == 1 and self.virtual_pipeline_size > 1, f"--virtual_pipeline_size={self.virtual_pipeline_size}",
+             "pipeline parallelism", "--pipeline_parallel_size"),
+            (pp == 1 and self.pipeline_schedule in SCHEDULES and self.pipeline_schedule != "1f1b",
+             f"--pipeline_schedule={self.pipeline_schedule}",
+             "pipeline parallelism", "--pipeline_parallel_size"),
+            (pp == 1 and bool(self.pipeline_cuts), "--pipeline_cuts", "pipeline parallelism", "--pipeline_parallel_size"),
+            (cp == 1 and self.cp_attention != "auto", f"--cp_attention={self.cp_attention}", "context parallelism",
+             "--context_parallel_size"),
+            (ep == 1 and self.moe_capacity_factor > 0, f"--moe_capacity_factor={self.moe_capacity_factor:g}",
+             "expert parallelism", "--expert_parallel_size"),
+            (tp == 1 and self.disable_expert_tensor_parallel, "--disable_expert_tensor_parallel", "tensor parallelism",
+             "--tensor_parallel_size"),
+        ]
+        for unused, flag, axis, size in idle:
+            if unused:
+                raise ConfigError(f"{flag} has no effect without {axis} ({size} 1); drop it, or set {size}")
+        if not self.lora_r and not self.resume_from_checkpoint:  # a LoRA checkpoint brings its own settings
+            defaults = {f.name: f.default for f in fields(self)}
+            given = [f"--{name}" for name in LORA_SETTINGS if getattr(self, name) != defaults[name]]
+            if given:
+                raise ConfigError(f"{', '.join(given)} ha{'ve' if len(given) > 1 else 's'} no effect without LoRA "
+                                  f"(--lora_r 0); drop {'them' if len(given) > 1 else 'it'}, or set --lora_r (e.g. 8)")
+
+    def microbatches(self) -> int:
+        """--num_microbatches, or when 0 the default: 1 without pipeline parallelism; with it the smallest count
+        of at least pp microbatches that divides the per-device batch and the schedule accepts
+        (``microbatch_refusal``), so that ``--pipeline_parallel_size P`` alone works and keeps the bubble smallest."""
+        if self.num_microbatches:
+            return self.num_microbatches
+        pp, batch = self.pipeline_parallel_size, self.per_device_train_batch_size
+        if pp == 1:
+            return 1
+        schedule = self.pipeline_schedule if self.pipeline_schedule in SCHEDULES else "1f1b"  # unknown: refused later
+        for count in range(pp, batch + 1):
+            if batch % count == 0 and microbatch_refusal(schedule, pp, count) is None:
+                return count
+        raise ConfigError(
+            f"--pipeline_parallel_size={pp} needs at least {pp} microbatches per micro-step, but "
+            f"--per_device_train_batch_size={batch} cannot be split into them; use --per_device_train_batch_size {pp} "
+            f"(or a multiple of it), or --pipeline_schedule gpipe --num_microbatches 1"
+        )
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tp=self.tensor_parallel_size,
+            cp=self.context_parallel_size,
+            cp_attention=self.cp_attention,
+            ep=self.expert_parallel_size,
+            moe_capacity_factor=self.moe_capacity_factor or None,
+            moe_aux_loss_scope=self.moe_aux_loss_scope,
+            expert_tensor_parallel=not self.disable_expert_tensor_parallel,
+            pp=self.pipeline_parallel_size,
+            virtual_pipeline_size=self.virtual_pipeline_size,
+            num_microbatches=self.microbatches(),
+            pipeline_schedule=self.pipeline_schedule,
+            pipeline_cuts=tuple(c.strip() for c in self.pipeline_cuts.split(",") if c.strip()) if self.pipeline_cuts else (),
+            sp=not self.disable_sequence_parallel,
+            disable_embedding_parallelization=self.disable_embedding_parallelization,
+            zero_1=self.zero_1,
+            zero_stage=self.zero_stage,
+            mixed_precision=self.bf16 and self.zero_stage >= 2,
+            gradient_checkpointing=self.gradient_checkpointing,
+            bf16_autocast=self.bf16_autocast,
+            float8=self.float8,
+            float8_emulate=self.float8_emulate,
+        )
+
+
+def _kind(f: dataclasses.Field) -> type:
+    return {"int": int, "float": float, "bool": bool}.get(str(f.type), str)
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type = TrainArgs) -> None:
+    """One ``--name`` flag per dataclass field; booleans are switches. Defaults are None here, so that
+    ``from_namespace`` can tell a flag given on the command line from one left to the config file."""
+    for f in fields(cls):
+        help_text = f.metadata.get("help", "")
+        if _kind(f) is bool:
+            parser.add_argument(f"--{f.name}", action="store_true", default=None, help=help_text)
+            if f.default is True:  # a switch that is on by default is turned off as Hugging Face's parser does
+                parser.add_argument(f"--no_{f.name}", action="store_false", dest=f.name, default=None,
+                                    help=f"turn --{f.name} off")
+        else:
+            parser.add_argument(f"--{f.name}", type=_kind(f), default=None, help=f"{help_text} (default: {f.default})")
+
+
+def read_config_file(path: str, cls: type = TrainArgs) -> dict:
+    """The TOML file's keys, checked against the flag names and types."""
+    import tomllib
+
+    try:
+        values = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path!r} does not exist") from None
+    except (IsADirectoryError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--config {path!r} is not a TOML file ({err.__class__.__name__}); give a file of "
+                          f"`flag = value` lines") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"--config {path}: not valid TOML ({err})") from None
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
+    for key, value in values.items():
+        kind = _kind(known[key])
+        if not isinstance(value, kind) and not (kind is float and isinstance(value, int)):
+            raise ConfigError(f"--config {path}: {key} = {value!r} should be of type {kind.__name__}")
+    return values
+
+
+def from_namespace(ns: argparse.Namespace, cls: type = TrainArgs):
+    """Defaults, then the --config file, then flags given on the command line."""
+    given = {f.name: getattr(ns, f.name) for f in fields(cls) if getattr(ns, f.name) is not None}
+    from_file = read_config_file(given["config"], cls) if given.get("config") else {}
+    return cls(**{**from_file, **given})

@@ -1,0 +1,405 @@
+"""``plait train``: one training loop for every layout.
+
+The global batch of a step is a function of (seed, step) only (GlobalBatchSampler); each data-parallel
+rank takes its contiguous share of each micro-step, and losses are normalised by the global token count,
+so any layout with the same global batch trains on the same tokens and, in fp32, follows the same curve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import closing
+import datetime
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import nn
+from transformers import PretrainedConfig, get_scheduler
+
+from plait.base import comm
+from plait.base import faults
+from plait.base.config import ConfigError, ParallelConfig
+from plait.cp.sequence import read_spans
+from plait.data import GlobalBatchSampler, local_microbatch
+from plait.data.sft_blocks import batch_inputs, count_labels
+from plait.run.train_data import load_data
+from plait.base.device import peak_memory_bytes, pick_device, use_fused_adamw
+from plait.parallel.float8 import check_float8_device
+from plait.parallel.fsdp import local
+from plait.run.heartbeat import Heartbeat
+from plait.base.host_memory import keep_freed_memory
+from plait.run.log_line import log_line, progress_text
+from plait.run.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_max
+from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
+from plait.checkpoint.format import read_index, remove_partial_checkpoints
+from plait.checkpoint.shared_dir import check_shared_dir
+from plait.checkpoint.state import local_params
+from plait.checkpoint import (
+    checkpoint_path, latest_checkpoint, load_checkpoint, rotate_checkpoints, save_checkpoint, should_save,
+)
+from plait.layout_plan import LayoutPlan, plan_layout
+from plait.lora.base import check_base, saved_lora
+from plait.checkpoint.materialize import init_fallback_note, materialize, resolve_source
+from plait.base.meta import build_meta_model
+from plait.run.model_config import read_model_config
+from plait.run.moe_metrics import RoutingMetrics
+from plait.parallelize import ParallelModel, parallelize
+from plait.plugin.registry import default_registry
+from plait.base.seeds import init_seed
+from plait.run.stop import StopRequested, StopSignals
+from plait.run.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process
+from plait.run.train_args import TrainArgs
+from plait.run.trackers import Trackers, parse_report_to
+
+def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
+    """Model-dependent checks, still before any process group exists."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and args.block_size > positions:
+        raise ConfigError(
+            f"--block_size={args.block_size} is larger than the model's max_position_embeddings={positions}; "
+            f"use --block_size {positions} or less"
+        )
+    parallel = args.parallel_config()
+    if parallel.sequence_parallel and args.block_size % parallel.tp:
+        lower = args.block_size - args.block_size % parallel.tp
+        nearest = f"{lower} or {lower + parallel.tp}" if lower else f"{parallel.tp}"
+        raise ConfigError(  # kept a refusal, not padded: docs/decisions.md D9
+            f"--block_size={args.block_size} is not divisible by --tensor_parallel_size={parallel.tp} under sequence "
+            f"parallelism; use --block_size {nearest} (a multiple of {parallel.tp}) or --disable_sequence_parallel"
+        )
+
+
+def check_resume_matches(args: TrainArgs, meta: nn.Module, resume: Path | None) -> None:
+    """A checkpoint of another model than --model_config / --model_name_or_path names is refused, rather than
+    silently training the checkpoint's model. Compares every parameter's name and shape: the meta model's
+    against the checkpoint's index (no second model is built)."""
+    if resume is None or not (args.model_config or args.model_name_or_path):
+        return
+    _, index = read_index(resume)
+    lora = saved_lora(index.extra)
+    if lora is not None:  # adapters only: the base is the one the checkpoint names (its identity is checked)
+        named = lora[1].get("path")
+        if args.model_name_or_path and named != str(Path(args.model_name_or_path).resolve()):
+            raise ConfigError(f"--resume_from_checkpoint {resume} holds LoRA adapters of the base {named}, not of "
+                              f"--model_name_or_path {args.model_name_or_path}; leave the flag out or name that base")
+        return
+    saved = {name: tuple(entry.shape) for name, entry in index.params().items()}
+    wanted = local_params(meta).shapes()  # parameters and persistent buffers, as a checkpoint saves them
+    if saved != wanted:
+        flag = "--model_name_or_path" if args.model_name_or_path else "--model_config"
+        first = sorted(set(saved.items()) ^ set(wanted.items()))[0][0]
+        saved_type = index.model_config.get("model_type")
+        raise ConfigError(
+            f"--resume_from_checkpoint {resume} holds a {saved_type} model "
+            f"({', '.join(index.model_config.get('architectures') or [])}) that differs from {flag}'s "
+            f"{meta.config.model_type} model (first difference: {first}); resume with the model it was saved "
+            f"from, or leave out {flag} to use the checkpoint's own config"
+        )
+
+
+def check_validation_blocks(blocks: torch.Tensor | None, config: ParallelConfig) -> None:
+    """Evaluation splits whole pipeline microbatches over dp ranks: refuse too little validation data at
+    start-up rather than at the first evaluation, hours in."""
+    needed = config.dp * config.num_microbatches
+    if blocks is not None and len(blocks) < needed:
+        raise ConfigError(f"the validation data has {len(blocks)} blocks, fewer than dp*num_microbatches = "
+                          f"{needed}; use a larger --validation_file")
+
+
+@torch.no_grad()
+def evaluate(pmodel: ParallelModel, blocks: torch.Tensor, batch_size: int, device: torch.device) -> dict:
+    """Mean loss and perplexity over every validation block, split over data-parallel ranks."""
+    mesh = pmodel.mesh
+    m = pmodel.config.num_microbatches
+    usable = len(blocks) // (mesh.dp * m) * (mesh.dp * m)  # every dp rank, whole pipeline microbatches
+    mine = torch.arange(usable)[mesh.dp_rank :: mesh.dp]
+    num_items = count_labels(blocks, torch.arange(usable))
+    batch_size = max(batch_size // m * m, m)
+    total = torch.zeros((), device=device)
+    pmodel.eval()
+    for start in range(0, len(mine), batch_size):
+        ids, labels, positions = batch_inputs(blocks, mine[start : start + batch_size], device)
+        total += pmodel.eval_loss(ids, labels, num_items_in_batch=num_items, position_ids=positions)
+    pmodel.train()
+    loss = comm.all_reduce(total, mesh.replica_group).item()  # dp ranks' batches, cp ranks' tokens
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+
+def diverged_message(step: int, bad: NonFiniteStep, args: TrainArgs) -> str:
+    """One line: the step, the values, what was (not) done, and the likely fixes with the flags' values."""
+    fixes = [f"lower --learning_rate (now {args.learning_rate:g})",
+             f"clip harder with --max_grad_norm (now {args.max_grad_norm:g})" if args.max_grad_norm
+             else "clip with --max_grad_norm 1.0"]
+    if args.bf16 and args.optimizer_dtype != "float32":
+        fixes.append("keep fp32 master weights (--optimizer_dtype float32)")
+    elif args.bf16 or args.bf16_autocast:
+        fixes.append("train in fp32 (drop --bf16 / --bf16_autocast)")
+    return (f"step {step}: {bad}; the step was not applied and no checkpoint was saved (the last one on disk "
+            f"is from before it); likely fixes: {', '.join(fixes)}, or skip such steps with --skip_nonfinite_steps")
+
+
+def resume_path(args: TrainArgs) -> Path | None:
+    """The checkpoint to resume from: the given one, or with 'auto' the newest complete one (None: fresh)."""
+    if args.resume_from_checkpoint == "auto":
+        return latest_checkpoint(args.output_dir)
+    return Path(args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+
+
+def plan_run(args: TrainArgs, world: int) -> tuple[Path | None, PretrainedConfig, nn.Module, tuple | None, LayoutPlan]:
+    """Every check of a run that needs the model but no data and no process group: the flags, the checkpoint to
+    resume (it must hold this model), the model's limits and the layout planned on the meta model for ``world``
+    processes. The trainer runs it first; ``plait train --nproc_per_node N`` runs it in the launching process,
+    so bad input ends in one line before any worker starts. Returns the checkpoint to resume (or None), the
+    model config, the meta model, the LoRA settings a LoRA checkpoint saved (or None) and the plan."""
+    args.validate()
+    args.check_flags_take_effect()
+    resume = resume_path(args)
+    model_config = read_model_config(args, resume)
+    # ZeRO-2/3 keeps fp32 shards (the master weights) and gathers them in bf16 (ParallelConfig.mixed_precision)
+    meta = build_meta_model(model_config, torch.bfloat16 if args.bf16 and args.zero_stage < 2 else torch.float32)
+    check_resume_matches(args, meta, resume)
+    check_model_fits(args, model_config)
+    saved = saved_lora(read_index(resume)[1].extra) if resume is not None else None
+    if saved is not None:
+        check_base(saved[1], str(resume))
+    lora = args.lora() or (saved[0] if saved is not None else None)  # a LoRA checkpoint names its own config
+    return resume, model_config, meta, saved, plan_layout(meta, args.parallel_config(), world, lora=lora)
+
+
+def check_before_launch(args: TrainArgs, world: int) -> None:
+    """What ``plait train --nproc_per_node N`` does in the launching process before any worker starts: plan the
+    run (``plan_run``) and prepare its data, so bad input (a layout, a model, an empty or unreadable data file)
+    is one line there instead of one per worker and torchrun's dump. The data is tokenized into the cache here,
+    once; the workers read it back."""
+    _, model_config, _, _, plan = plan_run(args, world)
+    load_checked_data(args, model_config, plan)
+
+
+def load_checked_data(args: TrainArgs, model_config: PretrainedConfig, plan: LayoutPlan) -> tuple:
+    """``load_data``'s training blocks, validation blocks and tokenizer, with enough validation data for the
+    layout: the trainer's data and ``check_before_launch``'s check are this one call."""
+    blocks, val_blocks, tokenizer = load_data(args, model_config.vocab_size)
+    check_validation_blocks(val_blocks, plan.config)
+    return blocks, val_blocks, tokenizer
+
+
+class Trainer:
+    """One training job: ``Trainer(args)`` builds everything (checks first, then the process group, the model,
+    optimizer and state), ``step(step)`` runs one optimizer step, ``train()`` runs the loop with logging,
+    evaluation and checkpoints.
+
+    The model is built once on the meta device; the layout is planned (every refusal) before any process
+    group exists; each rank then materialises only its shards, and a resume reads the checkpoint once
+    (weights, optimizer, scheduler and RNG together).
+    """
+
+    def __init__(self, args: TrainArgs) -> None:
+        self.args = args
+        resume, model_config, meta, saved, plan = plan_run(args, int(os.environ.get("WORLD_SIZE", "1")))
+        self.device = device = pick_device(args.device)
+        if device.type == "cpu":  # the next step reuses what this one frees, not page-faulting it in again
+            keep_freed_memory()
+        check_float8_device(plan.config, device)  # float8 off a float8 GPU: before any data is read
+        # Data before any process group: a bad file fails every rank at once, never inside a collective.
+        self.blocks, self.val_blocks, self.tokenizer = load_checked_data(args, model_config, plan)
+        init_distributed(device, args.backend, args.ddp_timeout)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.heartbeat = Heartbeat.start(int(os.environ.get("RANK", "0")), world)  # names a stuck rank on a timeout
+        check_shared_dir(Path(args.output_dir))  # node-local dirs would fail only at the first save
+        torch.manual_seed(args.seed)  # the stream dropout draws from: a function of --seed, as is everything else
+        self.console = Console(stderr=True, quiet=not is_main_process())
+
+        # Each rank materialises only its own shards: from the checkpoint, the model dir, or seeded init.
+        load_start = time.perf_counter()
+        source = resume or args.model_name_or_path or model_config
+        kind, path = ("checkpoint", resume) if resume else resolve_source(source)[1:]
+        if saved is not None:  # a LoRA checkpoint: the frozen base from its reference, the adapters from it
+            kind, path = saved[1]["kind"], Path(saved[1]["path"]) if saved[1]["kind"] == "hf" else None
+        self.pmodel = pmodel = parallelize(meta, plan, timeout=datetime.timedelta(seconds=args.ddp_timeout))
+        materialize(pmodel, kind, path, seed=saved[1].get("seed", args.seed) if saved else args.seed, device=device)
+        note = init_fallback_note(default_registry(), pmodel.adapter, model_config) if kind == "init" else None
+        if note:
+            self.console.print(f"note: {note}")
+        if args.torch_compile:
+            pmodel.torch_compile(default_registry().leaf_modules(pmodel.adapter, model_config))
+        self.mesh = mesh = pmodel.mesh
+        # a cp rank reads only the tokens of its slice of each block (and their labels) from a token file
+        self.spans = read_spans(args.block_size, mesh.cp, mesh.cp_rank) if mesh.cp > 1 else None
+        if mesh.cp > 1:  # each cp rank drops out its own tokens: its own stream (alike over its tp group)
+            torch.manual_seed(init_seed(args.seed, "dropout", mesh.cp_rank))
+        self.global_batch = args.per_device_train_batch_size * mesh.dp * args.gradient_accumulation_steps
+        self.sampler = GlobalBatchSampler(len(self.blocks), self.global_batch, args.seed)
+        # AdamW's fused kernel (one launch for all parameters) where torch has one for the device, not on the CPU
+        fused = {"fused": True} if use_fused_adamw(device) else {}
+        self.optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=args.learning_rate,
+                                         weight_decay=args.weight_decay,
+                                         decay_embeddings=not args.exclude_embeddings_from_weight_decay,
+                                         optimizer_dtype=getattr(torch, args.optimizer_dtype), **fused)
+        self.optimizer_step = OptimizerStep(pmodel.grad_sync, self.optimizer, args.max_grad_norm or None)
+        self.scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer, num_warmup_steps=args.warmup_steps,
+                                       num_training_steps=max(args.max_steps, 1))
+        self.first_step, self.skipped_steps, self.empty_steps = 0, 0, 0
+        self.signals, self.stop_signal = StopSignals(is_main_process(), args.ddp_timeout), 0
+        if resume is not None:
+            state = load_checkpoint(resume, pmodel, self.optimizer, self.scheduler)
+            self.sampler.load_state_dict(state.extra["sampler"])
+            self.skipped_steps = state.extra.get("skipped_steps", 0)
+            self.empty_steps = state.extra.get("empty_steps", 0)
+            self.first_step = state.step
+            self.console.print(f"resumed from {resume} at step {self.first_step}"
+                               + (" (resharded)" if state.resharded else ""))
+        self.routing = RoutingMetrics.install(pmodel)  # None for a dense model
+        self.output_dir = Path(args.output_dir)
+        if is_main_process():
+            for partial in remove_partial_checkpoints(self.output_dir):
+                self.console.print(f"removed {partial}: a save that never finished")
+        self.log = MetricsLog(self.output_dir, fresh=resume is None)
+        self.log.write({"event": "load", "step": self.first_step, "load_seconds": time.perf_counter() - load_start,
+                        "peak_rss_mb": peak_rss_mb(), "source": "init" if kind == "init" else str(source),
+                        **({"moe_layers": self.routing.names} if self.routing is not None else {})})
+        count = sum(local(p).numel() for p in pmodel.parameters())  # ZeRO-3: the rows this rank stores
+        trained = sum(local(p).numel() for p in pmodel.parameters() if p.requires_grad)
+        lora = f" (LoRA r={pmodel.plan.lora.config.r}: {trained:,} trained)" if pmodel.plan.lora is not None else ""
+        cp = f" | cp attention {pmodel.plan.cp.strategy_for(args.block_size)}" if pmodel.plan.cp is not None else ""
+        self.console.print(
+            f"[bold]plait[/] layout {mesh.config.describe()}{cp} | adapter {pmodel.adapter.name} "
+            f"({pmodel.adapter.distribution or 'in-process'}) | parameters on rank 0: {count:,}{lora} | "
+            f"{len(self.blocks):,} blocks of {args.block_size} tokens, global batch {self.global_batch}")
+
+    def step(self, step: int) -> dict:
+        """Forward, backward and optimizer update of step ``step`` (0-based); returns its metrics record.
+
+        A step whose loss or gradient norm is not finite is not applied; up to --skip_nonfinite_steps of them
+        are skipped (counted in the record), the next one stops the run with ``TrainingDiverged``."""
+        args, mesh = self.args, self.mesh
+        start = time.perf_counter()
+        indices = self.sampler.indices(step)
+        # sum of token losses / labelled tokens of the whole global batch (every micro-step, every dp rank)
+        num_items = count_labels(self.blocks, indices)
+        if num_items == 0:
+            return self.empty_step(step, start)
+        accumulation = args.gradient_accumulation_steps
+        self.heartbeat.at(step + 1, "forward-backward")
+        step_loss = torch.zeros((), device=self.device)
+        micro_steps = [batch_inputs(self.blocks, local_microbatch(indices, mesh.dp_rank, mesh.dp, accumulation, micro),
+                                    self.device, self.spans) for micro in range(accumulation)]
+        # --moe_aux_loss_scope global_batch: the load-balancing loss of every micro-step (a routing pass first)
+        self.pmodel.set_global_batch([(ids, None, positions) for ids, _, positions in micro_steps])
+        for ids, labels, positions in micro_steps:
+            step_loss += self.pmodel.train_step(ids, labels, num_items_in_batch=num_items, position_ids=positions)
+        faults.maybe_inject(step + 1, params=self.optimizer_step.grad_sync.params)  # testing aid, as at the step's start
+        loss = comm.all_reduce(step_loss, mesh.replica_group)  # equal on every rank: all of them decide alike
+        lr = self.optimizer_step.lr
+        record = {"step": step + 1, "loss": loss.item(), "lr": lr, "trainable_tokens": num_items}
+        if self.routing is not None:
+            record.update(self.routing.take().record())
+        self.heartbeat.at(step + 1, "optimizer")
+        try:
+            record["grad_norm"] = self.optimizer_step(loss).item()
+        except NonFiniteStep as bad:
+            self.skipped_steps += 1
+            record.update(grad_norm=bad.values["grad_norm"], skipped=True)
+            if self.skipped_steps > args.skip_nonfinite_steps:
+                self.log.write({**record, "skipped_steps": self.skipped_steps})
+                raise TrainingDiverged(diverged_message(step + 1, bad, args)) from None
+        self.scheduler.step()
+        self.end_step(record, start)
+        if self.skipped_steps:
+            record["skipped_steps"] = self.skipped_steps
+        return record
+
+    def empty_step(self, step: int, start: float) -> dict:
+        """A step whose global batch holds no token to train on (every label truncated away or masked): it
+        contributes zero, as the global-token normalisation defines, so nothing is run or applied; the learning
+        rate schedule moves on, and the step is counted, never taken for a divergence (a 0/0 loss)."""
+        self.empty_steps += 1
+        lr = self.optimizer_step.lr
+        with warnings.catch_warnings():  # torch warns when the very first step is empty: the order is meant
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before", UserWarning)
+            self.scheduler.step()
+        self.console.print(f"step {step + 1}: no token to train on in this step's global batch (every label was "
+                           f"truncated away or masked); nothing was applied")
+        record = {"step": step + 1, "loss": 0.0, "lr": lr, "trainable_tokens": 0, "grad_norm": 0.0,
+                  "empty_steps": self.empty_steps}
+        self.end_step(record, start)
+        return record
+
+    def end_step(self, record: dict, start: float) -> None:
+        """The step's throughput and peak memory (host, and the accelerator's allocator where there is one); and,
+        in the same max-reduction over the world, the stop signal any rank received, so that every rank sees it
+        after the same step (``plait.run.stop``)."""
+        accelerator_peak = peak_memory_bytes(self.device)  # None on the CPU: the same on every rank
+        extra = [] if accelerator_peak is None else [accelerator_peak / 2**20]
+        peak, signum, *device_peak = world_max([own_peak_rss_mb(), self.signals.signum, *extra])
+        self.stop_signal = int(signum)
+        record.update(tokens_per_s=self.global_batch * self.args.block_size / (time.perf_counter() - start),
+                      peak_rss_mb=peak)
+        if device_peak:
+            record["peak_device_mb"] = device_peak[0]
+
+    def save(self, step: int) -> Path:
+        self.heartbeat.at(step, "save")
+        extra = {"sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps,
+                 "empty_steps": self.empty_steps}
+        path = save_checkpoint(checkpoint_path(self.output_dir, step), self.pmodel, self.optimizer, self.scheduler,
+                               step, extra, tokenizer=self.tokenizer)
+        rotate_checkpoints(self.output_dir, self.args.save_total_limit, self.mesh.rank)
+        self.console.print(f"saved {path}")
+        return path
+
+    def train(self) -> list[dict]:
+        """Steps from the first (0, or the resumed one) to --max_steps; returns each one's metrics (every rank).
+
+        On a terminal rank 0 shows a progress bar; elsewhere (a log file, a pipe) it prints one readable line per
+        --logging_steps instead, its ETA from the mean step so far. The --report_to trackers, opened on rank 0
+        only, get every step's metrics and are closed however the loop ends, with its exit status. SIGTERM or
+        SIGINT stops the run after the step in progress, saving it (``plait.run.stop``)."""
+        args, history = self.args, []
+        terminal = self.console.is_terminal
+        progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                            TextColumn("{task.description}"), TimeRemainingColumn(), console=self.console,
+                            disable=not (is_main_process() and terminal))
+        names = parse_report_to(args.report_to) if is_main_process() else []
+        trackers = Trackers.open(names, self.output_dir, dataclasses.asdict(args), self.first_step)
+        started = time.perf_counter()
+        explained = explain_timeouts(args.ddp_timeout, self.heartbeat)
+        with closing(self.heartbeat), trackers, progress, explained, self.signals:
+            task = progress.add_task("", total=args.max_steps, completed=self.first_step)
+            for step in range(self.first_step, args.max_steps):
+                self.heartbeat.at(step + 1, "data")
+                faults.maybe_inject(step + 1)  # testing aid: a no-op unless PLAIT_FAULT_INJECT is set
+                record = self.step(step)
+                is_last = step + 1 == args.max_steps
+                if self.val_blocks is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or is_last):
+                    self.heartbeat.at(step + 1, "evaluation")
+                    record.update(evaluate(self.pmodel, self.val_blocks, args.per_device_train_batch_size, self.device))
+                history.append(record)
+                self.log.write(record)
+                trackers.log(record)
+                progress.update(task, advance=1, description=progress_text(record))
+                if (step + 1) % args.logging_steps == 0 and not terminal:
+                    seconds_per_step = (time.perf_counter() - started) / (step + 1 - self.first_step)
+                    self.console.print(log_line(record, args.max_steps, seconds_per_step), soft_wrap=True)
+                saved = None
+                if should_save(step + 1, args.save_steps) or (is_last and args.save_final):
+                    saved = self.save(step + 1)
+                signum = 0 if is_last else self.stop_signal
+                if signum:
+                    if saved is None and args.save_on_signal:
+                        saved = self.save(step + 1)
+                    last = latest_checkpoint(self.output_dir)
+                    raise StopRequested(signum, step + 1, args.max_steps, saved and str(saved), last and str(last))
+        if is_main_process() and history and plot_loss_curve(history, self.output_dir / "loss.png"):
+            self.console.print(f"loss curve: {self.output_dir / 'loss.png'}")
+        return history
+
+
+def train(args: TrainArgs) -> list[dict]:
+    """Run the training job described by ``args``; returns the per-step metrics (every rank)."""
+    return Trainer(args).train()
