@@ -14,7 +14,9 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -26,7 +28,7 @@ from plait.base import comm
 from plait.base import faults
 from plait.base.config import ConfigError, ParallelConfig
 from plait.cp.sequence import read_spans
-from plait.data import GlobalBatchSampler, local_microbatch
+from plait.data import GlobalBatchSampler
 from plait.data.sft_blocks import batch_inputs, count_labels
 from plait.run.train_data import load_data
 from plait.base.device import peak_memory_bytes, pick_device, use_fused_adamw
@@ -54,6 +56,8 @@ from plait.plugin.registry import default_registry
 from plait.base.seeds import init_seed
 from plait.run.stop import StopRequested, StopSignals
 from plait.run.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process
+from plait.run.methods.base import TrainingMethod
+from plait.run.methods.next_token import NextToken
 from plait.run.train_args import TrainArgs
 from plait.run.trackers import Trackers, parse_report_to
 
@@ -199,7 +203,10 @@ class Trainer:
     (weights, optimizer, scheduler and RNG together).
     """
 
-    def __init__(self, args: TrainArgs) -> None:
+    def __init__(self, args: TrainArgs,
+                 method: Callable[[Any, list[tuple[int, int]] | None], TrainingMethod] = NextToken) -> None:
+        """``method``: the training method, made from the loaded training blocks and this cp rank's token spans
+        (next-token prediction: language modelling, or SFT on SFT data)."""
         self.args = args
         resume, model_config, meta, saved, plan = plan_run(args, int(os.environ.get("WORLD_SIZE", "1")))
         self.device = device = pick_device(args.device)
@@ -234,7 +241,8 @@ class Trainer:
         if mesh.cp > 1:  # each cp rank drops out its own tokens: its own stream (alike over its tp group)
             torch.manual_seed(init_seed(args.seed, "dropout", mesh.cp_rank))
         self.global_batch = args.per_device_train_batch_size * mesh.dp * args.gradient_accumulation_steps
-        self.sampler = GlobalBatchSampler(len(self.blocks), self.global_batch, args.seed)
+        self.method = method(self.blocks, self.spans)
+        self.sampler = GlobalBatchSampler(len(self.method), self.global_batch, args.seed)
         # AdamW's fused kernel (one launch for all parameters) where torch has one for the device, not on the CPU
         fused = {"fused": True} if use_fused_adamw(device) else {}
         self.optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=args.learning_rate,
@@ -280,19 +288,16 @@ class Trainer:
         args, mesh = self.args, self.mesh
         start = time.perf_counter()
         indices = self.sampler.indices(step)
-        # sum of token losses / labelled tokens of the whole global batch (every micro-step, every dp rank)
-        num_items = count_labels(self.blocks, indices)
+        # the loss's divisor over the whole global batch (every micro-step, every dp rank)
+        num_items = self.method.divisor(indices)
         if num_items == 0:
             return self.empty_step(step, start)
-        accumulation = args.gradient_accumulation_steps
         self.heartbeat.at(step + 1, "forward-backward")
         step_loss = torch.zeros((), device=self.device)
-        micro_steps = [batch_inputs(self.blocks, local_microbatch(indices, mesh.dp_rank, mesh.dp, accumulation, micro),
-                                    self.device, self.spans) for micro in range(accumulation)]
-        # --moe_aux_loss_scope global_batch: the load-balancing loss of every micro-step (a routing pass first)
-        self.pmodel.set_global_batch([(ids, None, positions) for ids, _, positions in micro_steps])
-        for ids, labels, positions in micro_steps:
-            step_loss += self.pmodel.train_step(ids, labels, num_items_in_batch=num_items, position_ids=positions)
+        batches = self.method.micro_batches(indices, mesh, args.gradient_accumulation_steps, self.device)
+        self.method.before_step(self.pmodel, batches)
+        for batch in batches:
+            step_loss += self.method.micro_step(self.pmodel, batch, num_items)
         faults.maybe_inject(step + 1, params=self.optimizer_step.grad_sync.params)  # testing aid, as at the step's start
         loss = comm.all_reduce(step_loss, mesh.replica_group)  # equal on every rank: all of them decide alike
         lr = self.optimizer_step.lr

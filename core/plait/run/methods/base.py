@@ -1,0 +1,45 @@
+"""What a training method is to the trainer: its batches, its loss's divisor and its micro-step.
+
+The one ``Trainer`` (``plait.run.trainer``) runs any method on any layout. Each optimizer step it samples the
+global batch's rows (every rank knows all of them), asks the method for the loss's divisor over that whole batch
+and for this rank's micro-batches, runs the method's micro-step on each (forward and backward through the
+``ParallelModel``, which owns every layout's mechanics) and steps the optimizer, so that a method never sees a
+process group, a pipeline schedule or a shard, and the trainer holds no branch per method. What a method owns:
+its data format (the batches it makes from the rows), its extra models (a reference or a teacher, laid out on the
+same mesh by the method) and its loss.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from plait.base.mesh import Mesh
+from plait.parallelize import ParallelModel
+
+
+class TrainingMethod(ABC):
+    """One training method over a dataset of ``len(self)`` examples (the sampler draws rows from them)."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """The number of training examples."""
+
+    @abstractmethod
+    def divisor(self, rows: torch.Tensor) -> int:
+        """The loss's divisor for the global batch of ``rows``, the same on every rank (next-token: its labelled
+        tokens); 0 means the step has nothing to train on and is skipped."""
+
+    @abstractmethod
+    def micro_batches(self, rows: torch.Tensor, mesh: Mesh, accumulation: int, device: torch.device) -> list[Any]:
+        """This rank's ``accumulation`` micro-batches of the global batch ``rows``, on ``device``."""
+
+    @abstractmethod
+    def micro_step(self, pmodel: ParallelModel, batch: Any, divisor: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns this rank's share of the step's loss (summed over
+        the micro-steps and the data-parallel ranks, the step's loss)."""
+
+    def before_step(self, pmodel: ParallelModel, batches: list[Any]) -> None:
+        """Called once a step, before its micro-steps, with all of them (default: nothing)."""
