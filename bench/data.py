@@ -130,8 +130,8 @@ def old_path_worker(corpus: str, tokenizer: str) -> None:
 
 def startup_worker(corpus: str, tokenizer: str, cache: str) -> None:
     """One process: seconds of the trainer's data start-up (``prepare_data``) with a warm cache."""
-    from plait.run.train_data import prepare_data
     from plait.run.train_args import TrainArgs
+    from plait.run.train_data import prepare_data
 
     args = TrainArgs(train_file=corpus, tokenizer_name=tokenizer, data_cache_dir=cache, block_size=BLOCK)
     start = time.perf_counter()

@@ -104,9 +104,9 @@ def plain_step(config: LlamaConfig, recipe: str, options: set[str], ids: torch.T
 def plait_step(config: LlamaConfig, recipe: str, options: set[str], ids: torch.Tensor) -> tuple:
     """plait's own model, optimizer and step (what ``plait train`` runs) for the recipe."""
     import plait
-    from plait.parallel.compile import compile_leaf_modules
     from plait.checkpoint.materialize import load_parallel_model
     from plait.optim import OptimizerStep, build_optimizer
+    from plait.parallel.compile import compile_leaf_modules
     from plait.plugin.registry import default_registry
 
     dtype, autocast, masters = RECIPES[recipe]

@@ -142,11 +142,11 @@ def planned(name: str, seq: int, tiny: bool, hardware: str, model: str = "llama"
     """The planner's peak and step time (on the ``hardware`` device model) for the variant's layout: one process,
     ``--bf16`` with fp32 masters."""
     from plait import ParallelConfig
+    from plait.base.meta import build_meta_model
     from plait.costs.activations import trace_activations
     from plait.costs.estimate import Batch, estimate_layout
     from plait.costs.memory import Precision
     from plait.layout_plan import plan_layout
-    from plait.base.meta import build_meta_model
     from plait.plugin.registry import default_registry
 
     sequences, microbatches, options = parse_variant(name)

@@ -28,8 +28,8 @@ from gpu import llama_1b
 
 import plait
 from plait.base import device
-from plait.data.sft_blocks import Example, count_labels, lay_out
 from plait.checkpoint.materialize import load_parallel_model
+from plait.data.sft_blocks import Example, count_labels, lay_out
 from plait.optim import OptimizerStep, build_optimizer
 from plait.plugin.registry import default_registry
 from plait.tp.loss import IGNORE_INDEX

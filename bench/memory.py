@@ -75,8 +75,8 @@ def layout_worker(out: Path, tp: int, pp: int) -> None:
     from transformers import LlamaForCausalLM
 
     from plait import ParallelConfig, parallelize
-    from plait.parallel.grad_sync import MAIN_GRAD, grad_of
     from plait.optim import OptimizerStep, build_optimizer
+    from plait.parallel.grad_sync import MAIN_GRAD, grad_of
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:

@@ -158,11 +158,11 @@ def _predict(config_kwargs: dict, model_cfg, dtype, per_device: int, seq: int, w
     import torch.distributed as dist
 
     from plait import ParallelConfig
-    from plait.layout_plan import plan_layout
     from plait.base.meta import build_meta_model
     from plait.costs.activations import trace_activations
     from plait.costs.estimate import Batch, estimate_layout
     from plait.costs.memory import Precision
+    from plait.layout_plan import plan_layout
     from plait.plugin.registry import default_registry
 
     registry = default_registry()
@@ -343,7 +343,6 @@ def rank_layouts(tiny: bool, calibrate: bool):
     import torch
 
     from plait import ParallelConfig
-    from plait.layout_plan import plan_layout
     from plait.base.meta import build_meta_model
     from plait.costs.activations import trace_activations
     from plait.costs.calibration import calibrate as measure_device
@@ -351,6 +350,7 @@ def rank_layouts(tiny: bool, calibrate: bool):
     from plait.costs.estimate import Batch
     from plait.costs.memory import Precision
     from plait.costs.search import batch_split, describe, search_layouts
+    from plait.layout_plan import plan_layout
     from plait.plugin.registry import default_registry
 
     device = measure_device(refresh=True) if calibrate else PRESETS["cpu"]  # this run's machine, measured now
@@ -379,12 +379,12 @@ def check_invariance(device) -> list[str]:
     import torch
 
     from plait import ParallelConfig
+    from plait.base.meta import build_meta_model
     from plait.costs.activations import trace_activations
     from plait.costs.estimate import Batch
     from plait.costs.memory import Precision
     from plait.costs.search import batch_split, describe, search_layouts
     from plait.layout_plan import plan_layout
-    from plait.base.meta import build_meta_model
     from plait.plugin.registry import default_registry
 
     registry = default_registry()
@@ -485,11 +485,11 @@ def report_comm(per_rank) -> list[str]:
     import tp_comm
 
     from plait import ParallelConfig
-    from plait.layout_plan import plan_layout
     from plait.base.meta import build_meta_model
     from plait.costs.activations import trace_activations
     from plait.costs.estimate import Batch, estimate_layout
     from plait.costs.memory import Precision
+    from plait.layout_plan import plan_layout
     from plait.plugin.registry import default_registry
 
     print("\n3. communication of one step: plait.base.comm's count vs planned (count, bytes), rank 0")

@@ -125,9 +125,9 @@ def prepare(arch: str, modes: tuple[str, ...] = MODES) -> Row:
     from types import SimpleNamespace
 
     from plait.base.config import ParallelConfig
+    from plait.base.meta import build_meta_model
     from plait.ep.layout import other_experts, own_experts, routed_experts
     from plait.layout_plan import plan_layout
-    from plait.base.meta import build_meta_model
     from plait.plugin.registry import default_registry
     from plait.testing.conformance_modes import MODES as KIT_MODES
     from plait.testing.conformance_modes import load_subject

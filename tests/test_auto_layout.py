@@ -12,8 +12,8 @@ from rich.console import Console
 
 import processes
 from plait.auto_layout import choose_layout
-from plait.cli import build_parser
 from plait.base.config import ConfigError
+from plait.cli import build_parser
 from plait.costs.device import PRESETS
 from plait.run.metrics import read_metrics
 from plait.run.train_args import TrainArgs, from_namespace

@@ -21,10 +21,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import plait
+from plait.cli import main
 import plait.cli
 import plait.plugin.registry
 import plait.run.trainer
-from plait.cli import main
 import processes
 from tiny_models import tiny_config
 

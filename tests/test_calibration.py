@@ -11,20 +11,20 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from plait.cli import main
 from plait.base.config import ParallelConfig
+from plait.base.device import accelerator, describe_accelerator
+from plait.base.meta import build_meta_model
+from plait.cli import main
 from plait.costs import calibration
-from plait.costs.activations import trace_activations
 from plait.costs import machine
+from plait.costs.activations import trace_activations
 from plait.costs.calibration import (SEQUENCES, TOKENS, EfficiencyRun, Workload, cache_path, calibrate,
                                      measure_efficiency)
 from plait.costs.device import PRESETS
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.memory import Precision
 from plait.costs.traffic import TIMED_OPS
-from plait.base.device import accelerator, describe_accelerator
 from plait.layout_plan import plan_layout
-from plait.base.meta import build_meta_model
 from plait.plugin.registry import default_registry
 
 # A peak far above what one CPU thread reaches: the run's efficiency is then well under 1, never clamped at peak

@@ -15,15 +15,15 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from plait import ParallelConfig, default_registry
+from plait.base.config import ConfigError
 from plait.checkpoint import (
     CheckpointError, checkpoint_path, consolidate, latest_checkpoint, list_checkpoints, load_checkpoint,
     rotate_checkpoints, save_checkpoint, should_save,
 )
 from plait.checkpoint import st_io
 from plait.checkpoint.format import flat_range_boxes, spec_boxes, uncovered
-from plait.checkpoint.state import LocalTensor, torch_optimizer_state
-from plait.base.config import ConfigError
 from plait.checkpoint.materialize import SeededInit, load_parallel_model
+from plait.checkpoint.state import LocalTensor, torch_optimizer_state
 from plait.tp.sharding import ShardSpec
 
 TINY = dict(vocab_size=61, bos_token_id=0, eos_token_id=1)

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from plait.plugin import hookspecs
 from plait.cli import main
 from plait.plan_command import parameter_bytes_per_rank
+from plait.plugin import hookspecs
 from tiny_models import tiny_config
 
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from plait.base.config import ConfigError, ParallelConfig
+from plait.base.meta import build_meta_model
 from plait.cp.layout import RING_FROM
 from plait.cp.sequence import chunk_bounds, local_index, natural_order, read_spans
 from plait.layout_plan import plan_layout
-from plait.base.meta import build_meta_model
-from plait.testing.conformance_modes import load_subject, with_overrides
 from plait.run.train_args import TrainArgs
+from plait.testing.conformance_modes import load_subject, with_overrides
 
 
 def plan(subject: str, world: int, overrides: dict | None = None, **layout):

@@ -13,18 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-import plait.data.cache as cache_module
-import plait.data.sources as sources_module
-import plait.run.trainer
-from plait.cli import main
 from plait.base.config import ParallelConfig
-from plait.data import GlobalBatchSampler, default_corpus_path, train_bpe_tokenizer
+from plait.cli import main
 from plait.cp.sequence import read_spans
+from plait.data import GlobalBatchSampler, default_corpus_path, train_bpe_tokenizer
 from plait.data.blocks import TokenBlocks, training_blocks
 from plait.data.cache import ByteEncoder, TokenCache, TokenizerEncoder
+import plait.data.cache as cache_module
 from plait.data.sources import resolve_sources, sample_lines
-from plait.run.train_data import load_data, prepare_data
+import plait.data.sources as sources_module
 from plait.run.train_args import TrainArgs
+from plait.run.train_data import load_data, prepare_data
+import plait.run.trainer
 from tiny_models import tiny_config
 
 

@@ -16,9 +16,9 @@ import pytest
 from plait.checkpoint import latest_checkpoint
 
 from plait.run.metrics import read_metrics
-from plait.testing.launcher import free_port
 from plait.run.train_args import TrainArgs
 from plait.run.trainer import train
+from plait.testing.launcher import free_port
 import processes
 from tiny_models import tiny_config
 

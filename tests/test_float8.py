@@ -20,15 +20,15 @@ import torch
 from transformers import MixtralConfig
 
 import plait
-from plait.parallel import float8
 from plait.base.config import ConfigError, ParallelConfig
-from plait.parallel.float8 import check_float8_device, float8_modules
+from plait.base.meta import build_meta_model
 from plait.layout_plan import plan_layout
 from plait.lora.config import lora_config
-from plait.base.meta import build_meta_model
-from plait.testing import launch
+from plait.parallel import float8
+from plait.parallel.float8 import check_float8_device, float8_modules
 from plait.run.train_args import TrainArgs, add_arguments, from_namespace
 from plait.run.trainer import Trainer
+from plait.testing import launch
 from tiny_models import tiny_config, tiny_model
 from workers.float8_parity import LAYOUTS, LINEARS, RECIPES, float8_llama, make_batches, train, worst_grad
 

@@ -9,10 +9,10 @@ import types
 import pytest
 import torch
 
-import plait
 from plait import AdapterError, AdapterInfo, Attention, Column, ConfigError, ParallelConfig, Registry, Row, hookimpl
-from plait.layout_plan import plan_layout
+import plait
 from plait.base.meta import build_meta_model
+from plait.layout_plan import plan_layout
 from plait.plugin.registry import served_architectures
 from plait.tp.styles import (
     FullWidthNormAttention, FusedColumn, HeadInterleavedAttention, LocalConfigAttention, MoEExperts, ReplicatedGradSum,

@@ -10,8 +10,8 @@ import re
 import pytest
 
 from plait import Attention, ConfigError, ParallelConfig, Registry
-from plait.layout_plan import plan_layout
 from plait.base.meta import build_meta_model
+from plait.layout_plan import plan_layout
 from plait.tp.styles import HeadParams, ReplicatedGradSum
 
 from plait_transformers.derivation import derive

@@ -11,8 +11,8 @@ import pytest
 from torch import nn
 
 from plait import ConfigError, ParallelConfig, Registry
-from plait.layout_plan import plan_layout
 from plait.base.meta import build_meta_model
+from plait.layout_plan import plan_layout
 from plait.tp.styles import ExpertMajorExperts, LatentAttention, MoEExperts, ReplicatedGradSum
 
 import plait_transformers

@@ -9,10 +9,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from plait import ConfigError, ParallelConfig
-from plait.checkpoint import consolidate, load_checkpoint, save_checkpoint
-from plait.checkpoint.state import persistent_buffers
-from plait.checkpoint.materialize import load_parallel_model
 from plait.base.meta import build_meta_model
+from plait.checkpoint import consolidate, load_checkpoint, save_checkpoint
+from plait.checkpoint.materialize import load_parallel_model
+from plait.checkpoint.state import persistent_buffers
 from plait.pipeline.stages import PassThrough
 from plait_transformers import plait_tiny_config, plait_tp_plan
 from plait_transformers.derivation import Refusal, derive

@@ -15,13 +15,13 @@ from transformers import AutoModelForCausalLM
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, get_model_conversion_mapping
 from transformers.core_model_loading import MergeModulelist, Transpose, WeightConverter
 
+from plait.base.config import ConfigError, ParallelConfig
 from plait.checkpoint.hf_conversion import converted
 from plait.checkpoint.hf_dir import read_hf_index
 from plait.checkpoint.load import CheckpointReader
+from plait.checkpoint.materialize import load_parallel_model
 from plait.checkpoint.st_io import SafetensorsFile
 from plait.cli import main
-from plait.base.config import ConfigError, ParallelConfig
-from plait.checkpoint.materialize import load_parallel_model
 from plait.run.metrics import read_metrics
 from plait.testing import launch
 from plait.testing.conformance_modes import load_subject

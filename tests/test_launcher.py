@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from plait.testing import WorkerFailure, launch
 from plait.base import device
+from plait.testing import WorkerFailure, launch
 from plait.testing.launcher import LAUNCH_ENV
 
 WORKER = """

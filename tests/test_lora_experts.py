@@ -19,16 +19,16 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig
 
 from plait import ParallelConfig, parallelize
-from plait.checkpoint.format import full_box, uncovered
 from plait.base.config import ConfigError
+from plait.checkpoint.format import full_box, uncovered
+from plait.checkpoint.lora_export import PEFT_PREFIX, consolidate_lora
+from plait.checkpoint.materialize import load_parallel_model
 from plait.layout_plan import plan_layout
 from plait.lora.config import lora_config
 from plait.lora.experts import updated
-from plait.checkpoint.lora_export import PEFT_PREFIX, consolidate_lora
-from plait.checkpoint.materialize import load_parallel_model
+from plait.run.train_args import TrainArgs
 from plait.testing import launch
 from plait.testing.conformance_modes import LOSS_RTOL
-from plait.run.train_args import TrainArgs
 from workers.lora_experts_parity import SEED, model_config
 
 WORKER = Path(__file__).parent / "workers" / "lora_experts_parity.py"

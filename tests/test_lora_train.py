@@ -14,9 +14,9 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from plait.cli import main
 from plait.base.config import ConfigError
 from plait.checkpoint.lora_export import consolidate_lora
+from plait.cli import main
 from plait.run.metrics import read_metrics
 from plait.testing import launch
 import processes

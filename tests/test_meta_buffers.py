@@ -9,8 +9,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GPTNeoConfig
 
 from plait.base.config import ConfigError
-from plait.checkpoint.materialize import materialize_buffers
 from plait.base.meta import build_meta_model
+from plait.checkpoint.materialize import materialize_buffers
 
 
 def test_boolean_masks_of_gpt_neo_are_rebuilt_exactly():

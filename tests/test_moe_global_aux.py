@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from plait.base.config import ConfigError, ParallelConfig
-from plait.layout_plan import plan_layout
 from plait.base.meta import build_meta_model
-from plait.run.metrics import read_metrics
+from plait.layout_plan import plan_layout
 from plait.parallelize import parallelize
+from plait.run.metrics import read_metrics
+from plait.run.train_args import TrainArgs
+from plait.run.trainer import train
 from plait.testing import launch
 from plait.testing.conformance_modes import load_subject
 from plait.testing.conformance_worker import perturb
-from plait.run.train_args import TrainArgs
-from plait.run.trainer import train
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from moe_global_aux import CASES  # noqa: E402

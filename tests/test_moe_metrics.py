@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from plait.run.log_line import progress_text
 from plait.run.metrics import read_metrics
 from plait.run.moe_metrics import RoutingMetrics
+from plait.run.train_args import TrainArgs
+from plait.run.trainer import train
 from plait.testing import launch
 from plait.testing.conformance_modes import load_subject
-from plait.run.log_line import progress_text
-from plait.run.trainer import train
-from plait.run.train_args import TrainArgs
 from tiny_models import tiny_config
 from workers.moe_metrics_worker import CASES, build, hand_count, reference_aux
 

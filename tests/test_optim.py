@@ -200,8 +200,8 @@ def test_checkpointing_replays_dropout():
 def test_main_grads_start_each_step_from_nothing():
     """``zero_grads`` only marks the fp32 buffers stale: the step's first backward copies into them and a later
     one adds; a buffer that no backward wrote reads as zeros, never as the last step's sum."""
-    from plait.parallel.grad_sync import grad_of, zero_grads
     from plait.optim.mixed_precision import accumulate_grads_in
+    from plait.parallel.grad_sync import grad_of, zero_grads
 
     used, unused = (nn.Parameter(torch.ones(3, dtype=torch.bfloat16)) for _ in range(2))
     accumulate_grads_in([used, unused], torch.float32)

@@ -87,8 +87,8 @@ def test_init_reads_opts_init_std(model_config):
 
 @pytest.fixture(scope="module")
 def single_process_metrics(env, model_config, tmp_path_factory):
-    from plait.plugin import registry
     from plait.cli import main
+    from plait.plugin import registry
 
     single = tmp_path_factory.mktemp("single")
     saved = registry._default

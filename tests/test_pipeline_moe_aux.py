@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from plait.base.config import ConfigError, ParallelConfig
-from plait.layout_plan import plan_layout
 from plait.base.meta import build_meta_model
+from plait.layout_plan import plan_layout
 from plait.testing import launch
 from plait.testing.conformance_modes import load_subject
 

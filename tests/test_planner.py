@@ -19,8 +19,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, MixtralConfig
 
-import plait
 from plait import AdapterInfo, ConfigError, ParallelConfig, Registry, TPPlan, hookimpl
+import plait
+from plait.base.meta import build_meta_model
 from plait.cli import build_parser, main
 from plait.costs.activations import trace_activations
 from plait.costs.bubble import bubble_fraction, in_flight
@@ -29,7 +30,6 @@ from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.memory import Precision
 from plait.costs.search import batch_split, describe, search_layouts
 from plait.layout_plan import plan_layout
-from plait.base.meta import build_meta_model
 from plait.plan_command import train_command
 from plait.plugin.registry import default_registry
 from plait.run.train_args import TrainArgs, from_namespace

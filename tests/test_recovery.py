@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from plait.checkpoint.format import latest_checkpoint, list_checkpoints
-from plait.cli import main
 from plait.base.config import ParallelConfig
+from plait.checkpoint.format import latest_checkpoint, list_checkpoints
 from plait.checkpoint.materialize import load_parallel_model
+from plait.cli import main
 from plait.run.metrics import read_metrics
 from plait.testing import launch
 import processes

@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-import plait
 from plait import AdapterError, AdapterInfo, Registry, TPPlan, hookimpl
+import plait
 from plait.plugin import registry as registry_module
 
 

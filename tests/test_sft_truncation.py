@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from plait.data.chat_tokenizer import save_chat_tokenizer
-from plait.testing import launch
 from plait.run.train_args import TrainArgs
 from plait.run.trainer import Trainer
+from plait.testing import launch
 
 WORKER = str(Path(__file__).parent / "workers" / "trainers.py")
 STEPS = 8

@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from plait.checkpoint import latest_checkpoint
-from plait.run.metrics import read_metrics
 from plait.cli import build_parser, main
+from plait.run.metrics import read_metrics
 from plait.run.stop import StopRequested, StopSignals
 from plait.run.train_args import TrainArgs, from_namespace
 from tiny_models import tiny_config

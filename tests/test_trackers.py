@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from plait.run import trackers
 from plait.base.config import ConfigError
+from plait.run import trackers
 from plait.run.metrics import read_metrics
 from plait.run.stop import StopRequested
-from plait.testing import launch
 from plait.run.trackers import Trackers, parse_report_to
 from plait.run.train_args import TrainArgs
+from plait.testing import launch
 from tiny_models import tiny_config
 
 

@@ -10,13 +10,13 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from plait.base.config import ParallelConfig
+from plait.base.meta import build_meta_model
 from plait.costs.activations import FIRST, LAST, UnitTrace, trace_activations
 from plait.costs.device import PRESETS
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.memory import Precision
 from plait.costs.traffic import BACKWARD, PLAIN, TrafficCounter, is_square
 from plait.layout_plan import plan_layout
-from plait.base.meta import build_meta_model
 from plait.plugin.registry import default_registry
 
 SEQ = 32

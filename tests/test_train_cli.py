@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from plait.run.metrics import read_metrics
 from plait.cli import main
-from plait.testing import launch
+from plait.run.metrics import read_metrics
 from plait.run.train_args import TrainArgs
 from plait.run.trainer import train
+from plait.testing import launch
 import processes
 from tiny_models import tiny_config
 

@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM
 from plait.data import GlobalBatchSampler
 from plait.data.chat_tokenizer import save_chat_tokenizer
 from plait.data.sft_blocks import batch_inputs, count_labels
+from plait.run.train_args import TrainArgs
 from plait.run.train_data import load_data
 from plait.testing import launch
-from plait.run.train_args import TrainArgs
 from tiny_models import tiny_config
 
 WORKER = str(Path(__file__).parent / "workers" / "trainers.py")

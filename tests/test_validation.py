@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import plait
 from plait import ConfigError, ParallelConfig
+import plait
 from plait.layout_plan import check_capabilities
 from plait.plugin.registry import default_registry
 from plait.tp.layout import plan_tensor_parallel
@@ -207,8 +207,8 @@ def test_sequence_checked_once_per_step_at_pp1(monkeypatch):
 def test_expert_parallel_refusals_name_the_values_and_the_fix():
     """ep's refusals, before any group: not dividing dp x cp, nor the experts; a dense model; Llama4's experts;
     a capacity factor that is not a positive number."""
-    from plait.layout_plan import plan_layout
     from plait.base.meta import build_meta_model
+    from plait.layout_plan import plan_layout
     from plait.testing.conformance_modes import load_subject
 
     with pytest.raises(ConfigError, match=r"ep=3 must divide the ranks it is carved from, dp = 4; choose an ep "

@@ -149,8 +149,8 @@ def test_a_model_directory_loads_straight_into_the_zero3_rows(tmp_path):
 def test_what_zero_stages_do_not_run_is_refused_before_any_process_group(layout, message):
     """Refused in one line naming the values and the fix, from the config or the plan on the meta model."""
     from plait import ConfigError, ParallelConfig
-    from plait.layout_plan import plan_layout
     from plait.base.meta import build_meta_model
+    from plait.layout_plan import plan_layout
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         plan_layout(build_meta_model(tiny_config("llama")), ParallelConfig(**layout), 4)
@@ -160,8 +160,8 @@ def test_a_block_shared_by_layers_is_refused_under_zero3():
     """Zamba2's transformer block is shared by several decoder layers: FSDP2 shards a parameter in one unit, so
     ZeRO-2/3 is refused naming the layers and the parameter (the search checks the same before ranking)."""
     from plait import ConfigError, ParallelConfig
-    from plait.layout_plan import plan_layout
     from plait.base.meta import build_meta_model
+    from plait.layout_plan import plan_layout
     from plait.testing.conformance_modes import load_subject
 
     subject = load_subject("transformers:zamba2")

@@ -12,8 +12,8 @@ for _name in ("torchao", "torch.utils._pytree"):
 
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.markers import hookimpl
-from plait.layout_plan import LayoutPlan, plan_layout
 from plait.base.mesh import Mesh
+from plait.layout_plan import LayoutPlan, plan_layout
 from plait.parallelize import ParallelModel, parallelize
 from plait.plugin.declarations import AdapterInfo, Capabilities, PipelinePlan
 from plait.plugin.registry import AdapterError, Registry, default_registry, register

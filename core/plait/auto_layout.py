@@ -16,11 +16,11 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.base.config import ConfigError, ParallelConfig
+from plait.base.device import describe_accelerator
 from plait.costs.calibration import calibrate
 from plait.costs.device import GiB, Device, preset_for
 from plait.costs.render import gib
 from plait.costs.search import batch_split, describe
-from plait.base.device import describe_accelerator
 from plait.plan_command import PlannedRun, layout_flags
 from plait.run.train_args import AUTO_LAYOUT_FLAGS, TrainArgs
 

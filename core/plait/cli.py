@@ -17,8 +17,8 @@ from typing import NoReturn
 
 from plait.base.config import ConfigError, FaultError
 from plait.costs.device import PRESETS
-from plait.run.prepare_data import add_prepare_data_parser
 from plait.plugin.registry import AdapterError, default_registry, served_architectures
+from plait.run.prepare_data import add_prepare_data_parser
 from plait.run.runtime import TrainingDiverged
 from plait.run.stop import StopRequested
 from plait.run.torchrun import report_error, run_under_torchrun

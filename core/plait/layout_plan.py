@@ -17,20 +17,20 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from plait.parallel.activation_checkpoint import checkpoint_targets
 from plait.base.config import ConfigError, ParallelConfig
 from plait.cp.dry_run import check_on_meta
 from plait.cp.layout import CPPlan, plan_context_parallel
-from plait.tp.plans import SPPlan, TPPlan
 from plait.ep.layout import EPPlan, plan_expert_parallel
+from plait.lora.layout import LoraPlan, plan_lora
+from plait.parallel.activation_checkpoint import checkpoint_targets
 from plait.parallel.float8 import plan_float8
 from plait.parallel.fsdp import ROOT, edge_units, unit_of
-from plait.lora.layout import LoraPlan, plan_lora
 from plait.parallel.moe_balance import check_global_scope
 from plait.pipeline.cuts import StageSplit
 from plait.pipeline.layout import plan_stages, replicated_across_stages, stage_rows, stages_of_rank, tied_across_stages
 from plait.plugin.registry import Adapter, Registry, default_registry
 from plait.tp.layout import experts_kept_whole, param_specs, plan_tensor_parallel, tp_sizes_that_fit
+from plait.tp.plans import SPPlan, TPPlan
 from plait.tp.sequence_parallel import sp_grad_sum_params
 from plait.tp.sharding import ModuleShard, ShardSpec, TPSizeError
 

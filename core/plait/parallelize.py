@@ -20,20 +20,20 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.base import comm
-from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 from plait.base.config import ConfigError, ParallelConfig
+from plait.base.mesh import Mesh
 from plait.cp.attention import install_context_parallel
-from plait.parallel.compile import compile_leaf_modules
 from plait.cp.context import ContextParallel
 from plait.cp.router import install_router_gather
 from plait.cp.sequence import check_length
 from plait.ep.apply import AppliedEP, apply_expert_parallel
+from plait.layout_plan import LayoutPlan, plan_layout
+from plait.lora.layers import LoraDropout, apply_lora
+from plait.parallel.activation_checkpoint import apply_activation_checkpointing
+from plait.parallel.compile import compile_leaf_modules
 from plait.parallel.float8 import apply_float8, check_float8_device, check_float8_tokens
 from plait.parallel.fsdp import AppliedFSDP, apply_fsdp, remap_params
 from plait.parallel.grad_sync import GradSync, norm_params
-from plait.layout_plan import LayoutPlan, plan_layout
-from plait.lora.layers import LoraDropout, apply_lora
-from plait.base.mesh import Mesh
 from plait.parallel.moe_balance import GlobalBalance, aux_divisor, global_balance
 from plait.pipeline.runner import PipelineRunner
 from plait.pipeline.stages import StageChunk, dropped, prune

@@ -19,6 +19,7 @@ from rich.table import Table
 from torch import nn
 
 from plait.base.config import ConfigError, ParallelConfig
+from plait.base.meta import build_meta_model
 from plait.costs.activations import ActivationTrace, trace_activations
 from plait.costs.advice import cheaper_settings, fewest_devices
 from plait.costs.calibration import calibrate
@@ -30,10 +31,9 @@ from plait.costs.render import estimate_json, print_estimate, print_search, sear
 from plait.costs.search import SearchResult, search_layouts
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.config import lora_config
-from plait.base.meta import build_meta_model
-from plait.run.model_config import read_model_config
 from plait.pipeline.layout import rank_of_stage, stage_bytes, stage_rows
 from plait.plugin.registry import Registry, default_registry
+from plait.run.model_config import read_model_config
 from plait.run.train_args import TrainArgs
 
 

@@ -25,9 +25,9 @@ from plait import ParallelConfig
 from plait.base import comm
 from plait.checkpoint import CheckpointError, consolidate, load_checkpoint, save_checkpoint
 from plait.checkpoint.format import read_index
+from plait.checkpoint.gather import gather_full, gather_logits
 from plait.checkpoint.materialize import load_parallel_model
 from plait.optim import OptimizerStep, build_optimizer
-from plait.checkpoint.gather import gather_full, gather_logits
 
 SEED, N, BATCH, SEQ = 7, 3, 4, 16
 PP2 = ParallelConfig(pp=2, num_microbatches=2)

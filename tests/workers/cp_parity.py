@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.models.gemma2 import modeling_gemma2
 
+from plait.base import comm
 from plait.base.config import ParallelConfig
 from plait.cp import ring
 from plait.optim.step import OptimizerStep, build_optimizer
-from plait.base import comm
 from plait.parallel.fsdp import local
 from plait.parallelize import parallelize
 from plait.testing.conformance_modes import ADAM_EPS, ATOL, LOSS_RTOL, LR, RTOL, load_subject, with_overrides

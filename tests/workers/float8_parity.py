@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import plait  # noqa: E402
 from plait.base import comm  # noqa: E402
 from plait.checkpoint import save_checkpoint  # noqa: E402
-from plait.parallel.float8 import Float8Matmul, float8_modules  # noqa: E402
-from plait.checkpoint.materialize import load_parallel_model  # noqa: E402
-from plait.tp.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from plait.checkpoint.gather import gather_full  # noqa: E402
+from plait.checkpoint.materialize import load_parallel_model  # noqa: E402
 from plait.optim import OptimizerStep, build_optimizer  # noqa: E402
+from plait.parallel.float8 import Float8Matmul, float8_modules  # noqa: E402
+from plait.tp.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 
 STEPS, GLOBAL_BATCH, SEQ, LR = 3, 4, 16, 1e-3

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from plait.checkpoint import st_io
-from plait.checkpoint.state import persistent_buffers
 from plait.base.config import ParallelConfig
+from plait.checkpoint import st_io
 from plait.checkpoint.materialize import load_parallel_model
+from plait.checkpoint.state import persistent_buffers
 
 ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3")
 LAYOUTS = {"tp2": dict(tp=2), "ep2": dict(ep=2)}

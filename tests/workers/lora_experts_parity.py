@@ -30,9 +30,9 @@ from plait import ParallelConfig
 from plait.base import comm
 from plait.checkpoint import save_checkpoint
 from plait.checkpoint.gather import gather_logits
-from plait.lora.config import lora_config
 from plait.checkpoint.lora_export import gather_lora, save_adapter, save_merged
 from plait.checkpoint.materialize import load_parallel_model
+from plait.lora.config import lora_config
 from plait.optim import OptimizerStep, build_optimizer
 from plait.testing.conformance_modes import ADAM_EPS, ATOL, LOSS_RTOL, LR, RTOL, STEPS
 

@@ -31,11 +31,11 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Phi3Conf
 
 from plait import ParallelConfig, parallelize
 from plait.base import comm
+from plait.checkpoint.gather import gather_logits
+from plait.checkpoint.lora_export import gather_lora, save_adapter, save_merged
 from plait.data.sft_blocks import Example, batch_inputs, count_labels, lay_out
 from plait.lora.config import lora_config
-from plait.checkpoint.lora_export import gather_lora, save_adapter, save_merged
 from plait.optim import OptimizerStep, build_optimizer
-from plait.checkpoint.gather import gather_logits
 
 STEPS, BATCH, SEQ, VOCAB, LR = 3, 4, 16, 61, 1e-2
 LAYOUTS = {"tp2_sp": dict(tp=2, sp=True), "tp2": dict(tp=2, sp=False), "pp2": dict(pp=2, num_microbatches=2),

@@ -20,11 +20,11 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from plait import ParallelConfig, parallelize
+from plait.base.meta import build_meta_model
 from plait.costs.activations import trace_activations
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.memory import Precision
 from plait.layout_plan import plan_layout
-from plait.base.meta import build_meta_model
 from plait.plugin.registry import default_registry
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters

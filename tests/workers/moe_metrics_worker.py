@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from plait.base.config import ParallelConfig
-from plait.run.moe_metrics import RoutingMetrics
 from plait.parallelize import parallelize
+from plait.run.moe_metrics import RoutingMetrics
 from plait.testing.conformance_modes import load_subject
 
 # Each layout splits the routing differently: dp and cp ranks route different tokens, tp ranks the same ones

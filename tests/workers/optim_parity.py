@@ -20,10 +20,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from plait import ParallelConfig, parallelize
 from plait.base import comm
 from plait.data import local_microbatch
+from plait.optim import OptimizerStep, Zero1Optimizer, build_optimizer
 from plait.optim.param_groups import embedding_params, weight_decay_groups
 from plait.parallel.fsdp import local
 from plait.parallel.grad_sync import grad_of
-from plait.optim import OptimizerStep, Zero1Optimizer, build_optimizer
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 5, 8, 16, 97
 LR, WEIGHT_DECAY, SMALL_NORM = 1e-2, 0.1, 0.05

@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_decoder import TinyAdapter, TinyConfig, TinyDecoder  # noqa: E402
 
 from plait import ConfigError, ParallelConfig, Registry, parallelize  # noqa: E402
-from plait.optim.clip import global_grad_norm  # noqa: E402
+from plait.checkpoint.gather import gather_full  # noqa: E402
 from plait.layout_plan import pipeline_layout  # noqa: E402
+from plait.optim.clip import global_grad_norm  # noqa: E402
 from plait.pipeline import stages_of_rank  # noqa: E402
 from plait.pipeline.stages import is_placeholder  # noqa: E402
-from plait.checkpoint.gather import gather_full  # noqa: E402
 
 VOCAB, BATCH, SEQ, STEPS = 61, 8, 16, 3
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)

@@ -20,13 +20,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Pretr
 
 from plait import ParallelConfig, parallelize
 from plait.base.comm import count_collectives
+from plait.base.meta import build_meta_model
 from plait.costs.activations import trace_activations
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.measure import gradient_bytes, optimizer_bytes, parameter_bytes
 from plait.costs.memory import Precision
 from plait.layout_plan import plan_layout
 from plait.lora.config import lora_config
-from plait.base.meta import build_meta_model
 from plait.optim import OptimizerStep, build_optimizer
 from plait.plugin.registry import default_registry
 

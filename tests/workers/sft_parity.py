@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from plait import ParallelConfig, parallelize
+from plait.checkpoint.gather import gather_full
 from plait.data.sft_blocks import Example, batch_inputs, count_labels, lay_out
 from plait.optim import OptimizerStep, build_optimizer
-from plait.checkpoint.gather import gather_full
 from plait.parallel.grad_sync import grad_of
 
 VOCAB, SEQ, BATCH, STEPS, LR = 61, 16, 8, 3, 1e-3

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from plait import ParallelConfig
 from plait.checkpoint.load import CheckpointReader
-from plait.parallel.fsdp import local
 from plait.checkpoint.materialize import load_parallel_model
+from plait.parallel.fsdp import local
 
 
 def main() -> None:

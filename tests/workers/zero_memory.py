@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from plait.base import comm
+from plait.optim import Zero1Optimizer
 from plait.parallel.fsdp import local
 from plait.parallel.grad_sync import grad_of
-from plait.optim import Zero1Optimizer
 from plait.run.train_args import TrainArgs
 from plait.run.trainer import Trainer
 

@@ -23,14 +23,14 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from plait.base.config import ConfigError
+from plait.base.meta import build_meta_model
 from plait.checkpoint.format import (
     CheckpointError, TensorEntry, full_box, model_config, read_index, shape_problems, write_json,
 )
 from plait.checkpoint.load import CheckpointReader
 from plait.checkpoint.st_io import DTYPES, SafetensorsWriter, byte_view, tensor_bytes
 from plait.checkpoint.state import local_params
-from plait.base.config import ConfigError
-from plait.base.meta import build_meta_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")

@@ -22,8 +22,8 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
-from plait.checkpoint.format import Index, Piece, TensorEntry
 from plait.base.config import ConfigError
+from plait.checkpoint.format import Index, Piece, TensorEntry
 
 Collected = TensorEntry | list[TensorEntry]  # a converter's value: one tensor, or a source pattern's list
 

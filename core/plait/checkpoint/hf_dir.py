@@ -20,11 +20,11 @@ from pathlib import Path
 from transformers import AutoConfig, PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 
+from plait.base.config import ConfigError
 from plait.checkpoint.format import CheckpointPaths, Index, Piece, TensorEntry, full_box, shape_problems
 from plait.checkpoint.hf_conversion import converted
 from plait.checkpoint.load import CheckpointReader
 from plait.checkpoint.st_io import NAMES, SafetensorsError, SafetensorsFile
-from plait.base.config import ConfigError
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from plait.base import comm
+from plait.base.config import ParallelConfig
 from plait.checkpoint.format import (
     Box, CheckpointError, CheckpointPaths, Index, TensorEntry, full_box, intersect, read_index, shape_problems,
     uncovered,
@@ -28,7 +29,6 @@ from plait.checkpoint.st_io import CHECKSUM, DTYPES, SafetensorsError, Safetenso
 from plait.checkpoint.state import (
     ReadOp, load_scheduler_state, local_params, local_views, plan_optimizer_load, set_rng_state,
 )
-from plait.base.config import ParallelConfig
 from plait.parallel.fsdp import local
 from plait.parallelize import ParallelModel
 from plait.tp.sharding import ShardSpec

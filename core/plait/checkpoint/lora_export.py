@@ -23,18 +23,18 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from plait.base import comm
+from plait.base.config import ConfigError, ParallelConfig
+from plait.base.meta import build_meta_model
 from plait.checkpoint.consolidate import DEFAULT_SHARD_SIZE, TOKENIZER_FILES, parse_dtype, parse_size
 from plait.checkpoint.format import full_box, model_config, read_index, write_json
-from plait.checkpoint.load import CheckpointReader
-from plait.checkpoint.st_io import DTYPES
-from plait.base.config import ConfigError, ParallelConfig
 from plait.checkpoint.gather import gather_full
+from plait.checkpoint.load import CheckpointReader
+from plait.checkpoint.materialize import load_parallel_model
+from plait.checkpoint.st_io import DTYPES
 from plait.lora.base import check_base, saved_lora
 from plait.lora.config import scaling
 from plait.lora.experts import updated
 from plait.lora.layout import LORA_A, LORA_B, parameter_targets
-from plait.checkpoint.materialize import load_parallel_model
-from plait.base.meta import build_meta_model
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

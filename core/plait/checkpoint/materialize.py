@@ -26,19 +26,19 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from plait.base.config import ConfigError, ParallelConfig
+from plait.base.meta import build_meta_model
+from plait.base.seeds import init_seed
 from plait.checkpoint.format import INDEX, SHARDS, full_box, model_config, read_index
 from plait.checkpoint.hf_dir import open_hf_dir, read_hf_index
 from plait.checkpoint.load import load_checkpoint
 from plait.checkpoint.state import local_params, local_views, persistent_buffers
-from plait.base.config import ConfigError, ParallelConfig
-from plait.parallel.float8 import check_float8_device
-from plait.parallel.fsdp import install_local, reset_storage
 from plait.lora.base import base_reference, check_base, saved_lora
 from plait.lora.layers import local_init
-from plait.base.meta import build_meta_model
+from plait.parallel.float8 import check_float8_device
+from plait.parallel.fsdp import install_local, reset_storage
 from plait.parallelize import ParallelModel, parallelize
 from plait.plugin.registry import Adapter, Registry, default_registry
-from plait.base.seeds import init_seed
 from plait.tp.sharding import ShardSpec
 
 if TYPE_CHECKING:  # peft is imported only where LoRA is used: it costs every process seconds

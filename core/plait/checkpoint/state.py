@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.base.device import accelerator as device_accelerator
 from plait.checkpoint.format import Box, CheckpointError, TensorEntry, full_box, spec_boxes
 from plait.checkpoint.st_io import DTYPES
-from plait.base.device import accelerator as device_accelerator
 from plait.parallel.fsdp import local
 from plait.tp.sharding import ShardSpec
 

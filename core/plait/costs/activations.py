@@ -37,8 +37,8 @@ from transformers.pytorch_utils import Conv1D
 from plait.base.config import ConfigError
 from plait.costs.experts import SPLIT, WHOLE, RoutedCall, ShapeOnlyExperts, routed_experts, unrouted_stack
 from plait.costs.traffic import Traffic, TrafficCounter, is_square
-from plait.plugin.declarations import PipelinePlan
 from plait.pipeline.cuts import fallback_plan
+from plait.plugin.declarations import PipelinePlan
 from plait.plugin.registry import Registry
 
 FIRST, LAST = "first", "last"

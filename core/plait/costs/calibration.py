@@ -29,21 +29,21 @@ import torch
 from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 
 from plait.base.config import ParallelConfig
+from plait.base.device import accelerator, describe_accelerator, use_fused_adamw
+from plait.base.host_memory import keep_freed_memory
+from plait.base.meta import build_meta_model
+from plait.checkpoint.materialize import load_parallel_model
 from plait.costs import machine
 from plait.costs.activations import trace_activations
 from plait.costs.device import Device
 from plait.costs.estimate import Batch, LayoutEstimate, estimate_layout
 from plait.costs.machine import measure_accelerator, measure_machine, one_thread
 from plait.costs.memory import Precision
-from plait.base.device import accelerator, describe_accelerator, use_fused_adamw
-from plait.base.host_memory import keep_freed_memory
 from plait.layout_plan import plan_layout
-from plait.checkpoint.materialize import load_parallel_model
-from plait.base.meta import build_meta_model
-from plait.run.model_config import DEFAULT_MODEL_CONFIG
 from plait.optim import OptimizerStep, build_optimizer
 from plait.parallelize import ParallelModel
 from plait.plugin.registry import default_registry
+from plait.run.model_config import DEFAULT_MODEL_CONFIG
 
 # 6: the accelerator measured where there is one, the cache naming what it measured; 5: latency measured in a step
 # (after compute); 4: non-matmul traffic counted by operation (``traffic``); 3: the per-micro-batch overhead

@@ -46,9 +46,9 @@ from plait.costs.context_parallel import attention_comm
 from plait.costs.experts import RoutedCall, ep_comm, token_share
 from plait.costs.memory import Precision, RankParam, zero1_owned
 from plait.costs.tp_modules import VOCAB_LABELS
+from plait.layout_plan import LayoutPlan
 from plait.parallel.fsdp import gathered_once, unit_of
 from plait.parallel.grad_sync import BUCKET_BYTES
-from plait.layout_plan import LayoutPlan
 from plait.tp.sequence_parallel import sp_grad_sum_params
 
 

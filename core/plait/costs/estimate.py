@@ -31,9 +31,9 @@ from plait.costs.experts import check_expert_parallel, effective_imbalance, expe
 from plait.costs.memory import (ActivationBytes, Precision, StaticBytes, activation_bytes, layers_of, rank_params,
                                 static_bytes)
 from plait.costs.tp_modules import column_modules, row_modules, shard_saving_columns, whole_experts
-from plait.parallel.grad_sync import BUCKET_BYTES
 from plait.layout_plan import LayoutPlan
 from plait.optim.param_groups import embedding_params
+from plait.parallel.grad_sync import BUCKET_BYTES
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from plait.base.device import describe_accelerator, synchronize, use_fused_adamw
 from plait.costs.device import GPU_FRAGMENTATION, GPU_RESERVE, preset_for
 from plait.costs.traffic import TIMED_OPS
-from plait.base.device import describe_accelerator, synchronize, use_fused_adamw
 
 CPU = torch.device("cpu")
 # Links of an accelerator whose name no preset has, which one device cannot measure: a PCIe 4.0 x16 card's peer

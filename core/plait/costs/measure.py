@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from plait.parallel.fsdp import local
-from plait.parallel.grad_sync import grad_of
 from plait.optim.mixed_precision import MasterWeightOptimizer
 from plait.optim.zero import Zero1Optimizer
+from plait.parallel.fsdp import local
+from plait.parallel.grad_sync import grad_of
 
 
 def parameter_bytes(module: nn.Module) -> int:

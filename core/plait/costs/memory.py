@@ -36,9 +36,9 @@ from plait.costs.bubble import in_flight
 from plait.costs.context_parallel import attention_memory, strategy
 from plait.costs.experts import expert_parameters
 from plait.costs.traffic import add_bytes
-from plait.parallel.fsdp import ROOT, row_range, unit_of
 from plait.layout_plan import LayoutPlan
 from plait.optim.param_groups import decays, embedding_params
+from plait.parallel.fsdp import ROOT, row_range, unit_of
 from plait.pipeline.cuts import StageSplit
 
 ADAM_STATES = 2  # exp_avg, exp_avg_sq

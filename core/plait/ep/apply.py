@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from plait.base.mesh import Mesh
 from plait.ep.dispatch import ExpertParallel
 from plait.ep.layout import EPPlan
-from plait.base.mesh import Mesh
 
 
 @dataclass

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.lora import experts
-from plait.lora.layout import LORA_A, LORA_B, WRAPPER, LoraPlan
 from plait.base.mesh import Mesh
 from plait.base.seeds import init_seed
+from plait.lora import experts
+from plait.lora.layout import LORA_A, LORA_B, WRAPPER, LoraPlan
 from plait.tp import mappings
 
 if TYPE_CHECKING:

@@ -19,8 +19,8 @@ from torch import nn
 
 from plait.base import comm
 from plait.checkpoint.state import ReadOp, merge_optimizer_meta, optimizer_state, plan_optimizer_load
-from plait.parallel.grad_sync import BUCKET_BYTES, sum_grads
 from plait.optim.zero import Zero1Optimizer
+from plait.parallel.grad_sync import BUCKET_BYTES, sum_grads
 
 if TYPE_CHECKING:
     import torch.distributed as dist

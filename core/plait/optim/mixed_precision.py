@@ -25,8 +25,8 @@ from plait.checkpoint.format import CheckpointError, spec_boxes
 from plait.checkpoint.state import (
     LocalTensor, ReadOp, local_views, optimizer_key, torch_load_plan, torch_optimizer_state,
 )
-from plait.parallel.grad_sync import MAIN_GRAD, MAIN_GRAD_STALE
 from plait.optim.stand_ins import StandInOptimizer
+from plait.parallel.grad_sync import MAIN_GRAD, MAIN_GRAD_STALE
 
 if TYPE_CHECKING:
     from plait.checkpoint.format import TensorEntry

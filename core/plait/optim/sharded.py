@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from plait.parallel.fsdp import local
 from plait.optim.stand_ins import StandInOptimizer
+from plait.parallel.fsdp import local
 
 
 class ShardedOptimizer(StandInOptimizer):

@@ -16,13 +16,13 @@ import torch
 
 from plait.base import comm
 from plait.base.config import ConfigError
-from plait.parallel.grad_sync import BUCKET_BYTES, GradSync
 from plait.optim.clip import clip_grads_, global_grad_norm
 from plait.optim.expert_zero import ExpertZero1Optimizer
 from plait.optim.mixed_precision import MasterWeightOptimizer, accumulate_grads_in
 from plait.optim.param_groups import embedding_params, weight_decay_groups
 from plait.optim.sharded import ShardedOptimizer
 from plait.optim.zero import Zero1Optimizer
+from plait.parallel.grad_sync import BUCKET_BYTES, GradSync
 from plait.parallelize import ParallelModel
 
 

@@ -45,8 +45,8 @@ from transformers.pytorch_utils import Conv1D
 
 from plait.base import device
 from plait.base.config import ConfigError, ParallelConfig
-from plait.ep.layout import other_experts, routed_experts
 from plait.base.patterns import leaf_module_names
+from plait.ep.layout import other_experts, routed_experts
 from plait.tp.layers import ColumnParallelLinear, RowParallelLinear
 from plait.tp.sharding import ShardSpec
 

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.base import comm
-from plait.parallel.fsdp import local
 from plait.base.mesh import Mesh
+from plait.parallel.fsdp import local
 
 BUCKET_BYTES = 32 * 1024 * 1024
 MAIN_GRAD = "main_grad"  # Megatron's name for a gradient kept apart from ``param.grad`` (e.g. in fp32)

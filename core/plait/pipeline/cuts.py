@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from plait.base.config import ConfigError
-from plait.plugin.declarations import PipelinePlan
 from plait.base.patterns import matches
+from plait.plugin.declarations import PipelinePlan
 
 
 @dataclass(frozen=True)

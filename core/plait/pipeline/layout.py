@@ -11,10 +11,10 @@ from collections import defaultdict
 from torch import nn
 
 from plait.base.config import ConfigError, ParallelConfig
-from plait.plugin.declarations import PipelinePlan
 from plait.pipeline.cuts import StageSplit, fallback_plan, split_stages
 from plait.pipeline.router import router_aux
 from plait.pipeline.runner import check_schedule
+from plait.plugin.declarations import PipelinePlan
 
 
 def plan_stages(

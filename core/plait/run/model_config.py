@@ -15,10 +15,10 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from plait.checkpoint.format import model_config as saved_model_config
-from plait.checkpoint.format import read_index
 from plait.base.config import ConfigError
 from plait.base.meta import causal_lm_refusal
+from plait.checkpoint.format import model_config as saved_model_config
+from plait.checkpoint.format import read_index
 from plait.run.train_args import TrainArgs
 
 DEFAULT_MODEL_CONFIG = "tiny-llama.json"

@@ -43,8 +43,8 @@ def cmd_prepare_data(ns: argparse.Namespace) -> None:
 
     # Imported when the command runs: every ``plait`` command builds this parser, and these cost seconds.
     from plait.data.sft import SFT_FORMATS, data_format, load_sft_data
-    from plait.run.train_data import prepare_data
     from plait.run.model_config import read_model_config
+    from plait.run.train_data import prepare_data
 
     vocab_size = read_model_config(args).vocab_size
     try:  # the data layer's errors name the file and the fix: the command's one line

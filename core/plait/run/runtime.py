@@ -18,8 +18,8 @@ import torch.distributed as dist
 from plait.base import comm
 from plait.base.config import ConfigError, FaultError
 from plait.base.device import default_backend, set_device
-from plait.run.heartbeat import Heartbeat
 from plait.base.device import pick_device as pick_device  # its older home: plait.run.runtime.pick_device still works
+from plait.run.heartbeat import Heartbeat
 
 
 def init_distributed(device: torch.device, backend: str, timeout_s: int) -> bool:

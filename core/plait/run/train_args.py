@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from plait.base.config import CP_ATTENTION, FLOAT8_RECIPES, MOE_AUX_LOSS_SCOPES, ConfigError, ParallelConfig
+from plait.base.pipeline_schedules import SCHEDULES, microbatch_refusal
 from plait.cp.sequence import check_length
 from plait.data.sft_blocks import OVERLONG
-from plait.base.config import CP_ATTENTION, FLOAT8_RECIPES, MOE_AUX_LOSS_SCOPES, ConfigError, ParallelConfig
-from plait.parallel.float8 import ALIGN, require_torchao
 from plait.lora.config import lora_config
-from plait.base.pipeline_schedules import SCHEDULES, microbatch_refusal
+from plait.parallel.float8 import ALIGN, require_torchao
 from plait.run.trackers import parse_report_to
 
 if TYPE_CHECKING:

@@ -27,39 +27,39 @@ from transformers import PretrainedConfig, get_scheduler
 from plait.base import comm
 from plait.base import faults
 from plait.base.config import ConfigError, ParallelConfig
-from plait.cp.sequence import read_spans
-from plait.data import GlobalBatchSampler
-from plait.data.sft_blocks import batch_inputs, count_labels
-from plait.run.train_data import load_data
 from plait.base.device import peak_memory_bytes, pick_device, use_fused_adamw
-from plait.parallel.float8 import check_float8_device
-from plait.parallel.fsdp import local
-from plait.run.heartbeat import Heartbeat
 from plait.base.host_memory import keep_freed_memory
-from plait.run.log_line import log_line, progress_text
-from plait.run.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_max
-from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
-from plait.checkpoint.format import read_index, remove_partial_checkpoints
-from plait.checkpoint.shared_dir import check_shared_dir
-from plait.checkpoint.state import local_params
+from plait.base.meta import build_meta_model
+from plait.base.seeds import init_seed
 from plait.checkpoint import (
     checkpoint_path, latest_checkpoint, load_checkpoint, rotate_checkpoints, save_checkpoint, should_save,
 )
+from plait.checkpoint.format import read_index, remove_partial_checkpoints
+from plait.checkpoint.materialize import init_fallback_note, materialize, resolve_source
+from plait.checkpoint.shared_dir import check_shared_dir
+from plait.checkpoint.state import local_params
+from plait.cp.sequence import read_spans
+from plait.data import GlobalBatchSampler
+from plait.data.sft_blocks import batch_inputs, count_labels
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.base import check_base, saved_lora
-from plait.checkpoint.materialize import init_fallback_note, materialize, resolve_source
-from plait.base.meta import build_meta_model
-from plait.run.model_config import read_model_config
-from plait.run.moe_metrics import RoutingMetrics
+from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
+from plait.parallel.float8 import check_float8_device
+from plait.parallel.fsdp import local
 from plait.parallelize import ParallelModel, parallelize
 from plait.plugin.registry import default_registry
-from plait.base.seeds import init_seed
-from plait.run.stop import StopRequested, StopSignals
-from plait.run.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process
+from plait.run.heartbeat import Heartbeat
+from plait.run.log_line import log_line, progress_text
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.next_token import NextToken
-from plait.run.train_args import TrainArgs
+from plait.run.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_max
+from plait.run.model_config import read_model_config
+from plait.run.moe_metrics import RoutingMetrics
+from plait.run.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process
+from plait.run.stop import StopRequested, StopSignals
 from plait.run.trackers import Trackers, parse_report_to
+from plait.run.train_args import TrainArgs
+from plait.run.train_data import load_data
 
 def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
     """Model-dependent checks, still before any process group exists."""

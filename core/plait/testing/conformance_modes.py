@@ -16,8 +16,8 @@ from types import ModuleType
 from typing import Any
 
 from plait.base.config import ConfigError, ParallelConfig
-from plait.layout_plan import plan_layout
 from plait.base.meta import build_meta_model
+from plait.layout_plan import plan_layout
 from plait.plugin.registry import Adapter, AdapterError, Registry
 from plait.tp.styles import Attention
 

@@ -38,10 +38,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.base import comm
-from plait.checkpoint import consolidate, save_checkpoint
 from plait.base.config import ParallelConfig
-from plait.parallel.fsdp import local
+from plait.checkpoint import consolidate, save_checkpoint
 from plait.optim import OptimizerStep, build_optimizer
+from plait.parallel.fsdp import local
 from plait.parallelize import ParallelModel, parallelize
 from plait.testing.conformance_modes import (
     ADAM_EPS, ATOL, BATCH, LOSS_RTOL, LR, MODES, RTOL, SEQ, STEPS, Mode, Subject, load_subject, with_overrides,

@@ -10,8 +10,8 @@ from __future__ import annotations
 from torch import nn
 
 from plait.base.config import ConfigError
-from plait.tp.plans import TPPlan
 from plait.base.patterns import matches
+from plait.tp.plans import TPPlan
 from plait.tp.sharding import ModuleShard, ShardSpec
 from plait.tp.styles import MoEExperts, WholeExperts
 

@@ -18,9 +18,9 @@ from torch import nn
 
 from plait.base import comm
 from plait.base.config import ConfigError
-from plait.tp.plans import SPPlan
 from plait.base.patterns import matches
 from plait.tp import mappings
+from plait.tp.plans import SPPlan
 from plait.tp.sharding import ModuleShard
 from plait.tp.styles import WholeExperts
 
