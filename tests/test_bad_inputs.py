@@ -132,7 +132,7 @@ CASES = [
                                   "4", "--pipeline_schedule", "interleaved-1f1b"], FOUR_LAYERS,
      "4 layers cannot fill 6 pipeline stages (pp*virtual_pipeline_size = 2*3)"),
     ("interleaved_needs_v", ["--pipeline_parallel_size", "2", "--num_microbatches", "2", "--pipeline_schedule",
-                             "interleaved-1f1b"], None, "needs virtual_pipeline_size > 1"),
+                             "interleaved-1f1b"], None, "needs virtual_pipeline_size >= 2"),
     ("1f1b_with_v", ["--pipeline_parallel_size", "2", "--virtual_pipeline_size", "2", "--num_microbatches", "2"],
      FOUR_LAYERS, "pipeline_schedule='1f1b' runs one stage per rank but virtual_pipeline_size=2"),
     ("interleaved_rounds", ["--pipeline_parallel_size", "2", "--virtual_pipeline_size", "2", "--num_microbatches", "5",

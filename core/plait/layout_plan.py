@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from plait.base.config import ConfigError, ParallelConfig
+from plait.base.pipeline_schedules import SCHEDULES
 from plait.cp.dry_run import check_on_meta
 from plait.cp.layout import CPPlan, plan_context_parallel
 from plait.ep.layout import EPPlan, plan_expert_parallel
@@ -188,9 +189,10 @@ def check_zero_stage(config: ParallelConfig) -> None:
     if config.float8 is not None:
         raise ConfigError(f"{stage} with float8={config.float8!r}: float8 weights under FSDP2 need torchao's float8 "
                           f"all-gather, which plait does not wire yet; use --zero_stage 1 with float8")
-    if config.pp > 1 and config.pipeline_schedule == "zero-bubble":
-        raise ConfigError(f"{stage} with pipeline_schedule='zero-bubble': it computes weight gradients after FSDP2 "
-                          f"has reduced them (after the input gradients); use '1f1b' or 'interleaved-1f1b', or "
+    if config.pp > 1 and SCHEDULES[config.pipeline_schedule].split_backward:
+        whole = ", ".join(repr(name) for name, s in SCHEDULES.items() if not s.split_backward)
+        raise ConfigError(f"{stage} with pipeline_schedule={config.pipeline_schedule!r}: it computes weight gradients "
+                          f"after FSDP2 has reduced them (after the input gradients); use one of {whole}, or "
                           f"--zero_stage 1")
 
 

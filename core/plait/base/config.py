@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from plait.base.pipeline_schedules import SCHEDULES
+from plait.base.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULES
 
 CP_ATTENTION = ("auto", "all-to-all", "ring")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearRecipeName values plait runs (plait.parallel.float8)
@@ -91,7 +91,7 @@ class ParallelConfig:
     disable_embedding_parallelization: bool = False
     virtual_pipeline_size: int = 1
     num_microbatches: int = 1
-    pipeline_schedule: str = "1f1b"
+    pipeline_schedule: str = DEFAULT_SCHEDULE
     pipeline_cuts: tuple[str, ...] = field(default_factory=tuple)
     zero_1: bool = False
     zero_stage: int = 0

@@ -12,21 +12,32 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Schedule:
-    """A pipeline schedule by name: its ``torch.distributed.pipelining`` class (imported on first use: the
-    module costs about a second of start-up, which no pp=1 run should pay) and whether it runs several
-    looped stages per rank (``virtual_pipeline_size`` > 1) or exactly one."""
+    """A pipeline schedule by name, and every fact about it that plait reads: its ``torch.distributed.pipelining``
+    class (imported on first use: the module costs about a second of start-up, which no pp=1 run should pay);
+    ``min_virtual``/``multi_stage``: the looped stages per rank it runs (``virtual_pipeline_size``: at least
+    ``min_virtual``; above 1 only where ``multi_stage``); ``all_forward_first``: every micro-batch's forward before
+    any backward (GPipe: all of them in flight at the peak); ``bubble_share``: the share of the interleaved bubble
+    left idle (zero-bubble's split backward fills two thirds of it); ``split_backward``: weight gradients computed
+    after the input gradients, later than FSDP2 reduces them (ZeRO-2/3 refused)."""
 
     torch_class: str
     multi_stage: bool
+    min_virtual: int = 1
+    all_forward_first: bool = False
+    bubble_share: float = 1.0
+    split_backward: bool = False
 
 
-# The one table of schedules: ParallelConfig's choices, the flags' help and the runner all read it.
+# The one table of schedules: ParallelConfig's choices, the flags' help, the runner, the planner's bubble and
+# memory, the layout search and the plan's refusals all read it.
 SCHEDULES = {
-    "gpipe": Schedule("ScheduleGPipe", multi_stage=False),
+    "gpipe": Schedule("ScheduleGPipe", multi_stage=False, all_forward_first=True),
     "1f1b": Schedule("Schedule1F1B", multi_stage=False),
-    "interleaved-1f1b": Schedule("ScheduleInterleaved1F1B", multi_stage=True),
-    "zero-bubble": Schedule("ScheduleInterleavedZeroBubble", multi_stage=True),
+    "interleaved-1f1b": Schedule("ScheduleInterleaved1F1B", multi_stage=True, min_virtual=2),
+    "zero-bubble": Schedule("ScheduleInterleavedZeroBubble", multi_stage=True, bubble_share=1 / 3,
+                            split_backward=True),
 }
+DEFAULT_SCHEDULE = "1f1b"
 
 
 def microbatch_refusal(name: str, pp: int, microbatches: int) -> str | None:

@@ -25,7 +25,7 @@ def bubble_fraction(config: ParallelConfig) -> float:
     if not SCHEDULES[name].multi_stage:
         return (p - 1) / (m + p - 1)
     base = (p - 1) / (v * m + p - 1)
-    return base / 3 if name == "zero-bubble" else base
+    return base * SCHEDULES[name].bubble_share
 
 
 def in_flight(config: ParallelConfig, pp_rank: int) -> float:
@@ -35,7 +35,7 @@ def in_flight(config: ParallelConfig, pp_rank: int) -> float:
     if p == 1:
         return 1.0
     name = config.pipeline_schedule
-    if name == "gpipe":
+    if SCHEDULES[name].all_forward_first:
         return float(m)
     if not SCHEDULES[name].multi_stage:
         return float(min(m, p - pp_rank))

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from plait.base.config import ConfigError, ParallelConfig
+from plait.base.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULES
 from plait.costs.activations import ActivationTrace
 from plait.costs.device import Device
 from plait.costs.estimate import Batch, LayoutEstimate, estimate_layout
@@ -142,9 +143,8 @@ def candidates(base: ParallelConfig, world_size: int, global_batch: int, experts
             dp = world_size // (tp * cp * pp)
             per_device = max(1, global_batch // dp)
             virtual = [v for v in (2**k for k in range(1, 8)) if pp * v <= layers]
-            for vpp, schedule in ([(1, "1f1b")] if pp == 1 else
-                                  [(1, "1f1b"), *((v, s) for v in virtual for s in ("interleaved-1f1b",
-                                                                                    "zero-bubble"))]):
+            looped = [(v, name) for v in virtual for name, schedule in SCHEDULES.items() if schedule.multi_stage]
+            for vpp, schedule in [(1, DEFAULT_SCHEDULE)] + (looped if pp > 1 else []):
                 micro = [1] if pp == 1 else [pp * 2**k for k in range(8) if pp * 2**k <= per_device] or [pp]
                 for m, ep, sp, zero, ckpt in itertools.product(
                         micro, _divisors(math.gcd(experts, dp * cp)) if experts else [1],
@@ -183,7 +183,7 @@ def _zero_stages(replicas: int, schedule: str) -> list[int]:
     schedule (``layout_plan.check_zero_stage``)."""
     if replicas == 1:
         return [0]
-    return [0, 1] if schedule == "zero-bubble" else [0, 1, 2, 3]
+    return [0, 1] if SCHEDULES[schedule].split_backward else [0, 1, 2, 3]
 
 
 def _divisors(n: int) -> list[int]:

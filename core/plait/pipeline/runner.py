@@ -17,7 +17,7 @@ from torch import nn
 from plait.base import comm
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.mesh import Mesh
-from plait.base.pipeline_schedules import SCHEDULES, microbatch_refusal
+from plait.base.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULES, microbatch_refusal
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, "int | torch.Tensor"], torch.Tensor]
 
@@ -31,10 +31,11 @@ def check_schedule(config: ParallelConfig) -> None:
             f"pipeline_schedule={name!r} runs one stage per rank but virtual_pipeline_size={v}; use "
             f"'interleaved-1f1b' or 'zero-bubble' for virtual stages, or set virtual_pipeline_size=1"
         )
-    if name == "interleaved-1f1b" and v == 1:
+    if v < SCHEDULES[name].min_virtual:
+        least = SCHEDULES[name].min_virtual
         raise ConfigError(
-            "pipeline_schedule='interleaved-1f1b' needs virtual_pipeline_size > 1 (got 1); set "
-            "virtual_pipeline_size=2 or use pipeline_schedule='1f1b'"
+            f"pipeline_schedule={name!r} needs virtual_pipeline_size >= {least} (got {v}); set "
+            f"virtual_pipeline_size={least} or use pipeline_schedule={DEFAULT_SCHEDULE!r}"
         )
     refusal = microbatch_refusal(name, pp, m)
     if refusal:

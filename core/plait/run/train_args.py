@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from plait.base.config import CP_ATTENTION, FLOAT8_RECIPES, MOE_AUX_LOSS_SCOPES, ConfigError, ParallelConfig
-from plait.base.pipeline_schedules import SCHEDULES, microbatch_refusal
+from plait.base.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULES, microbatch_refusal
 from plait.cp.sequence import check_length
 from plait.data.sft_blocks import OVERLONG
 from plait.lora.config import lora_config
@@ -76,7 +76,7 @@ class TrainArgs:
     pipeline_parallel_size: int = field(default=1, metadata={"help": "pp: pipeline stages (ranks) the layers are cut into"})
     virtual_pipeline_size: int = field(default=1, metadata={"help": "model chunks per pipeline rank (interleaved schedules)"})
     num_microbatches: int = field(default=0, metadata={"help": "pipeline microbatches per micro-step (divides the per-device batch; 0: 1 without pp, with pp the smallest count >= pp the schedule accepts that divides the batch)"})
-    pipeline_schedule: str = field(default="1f1b", metadata={"help": f"one of {', '.join(SCHEDULES)}"})
+    pipeline_schedule: str = field(default=DEFAULT_SCHEDULE, metadata={"help": f"one of {', '.join(SCHEDULES)}"})
     pipeline_cuts: str | None = field(default=None, metadata={"help": "comma-separated leaf modules to cut after (default: balanced)"})
     zero_1: bool = field(default=False, metadata={"help": "shard optimizer state over data-parallel ranks (ZeRO-1; the same as --zero_stage 1)"})
     zero_stage: int = field(default=0, metadata={"help": "what to shard over the data-parallel ranks: 0 nothing, 1 optimizer state, 2 also gradients, 3 also parameters (2 and 3 on torch's FSDP2; with --bf16 the shards stay fp32 masters and layers compute in bf16)"})
@@ -237,7 +237,7 @@ class TrainArgs:
         idle = [
             (pp == 1 and self.virtual_pipeline_size > 1, f"--virtual_pipeline_size={self.virtual_pipeline_size}",
              "pipeline parallelism", "--pipeline_parallel_size"),
-            (pp == 1 and self.pipeline_schedule in SCHEDULES and self.pipeline_schedule != "1f1b",
+            (pp == 1 and self.pipeline_schedule in SCHEDULES and self.pipeline_schedule != DEFAULT_SCHEDULE,
              f"--pipeline_schedule={self.pipeline_schedule}",
              "pipeline parallelism", "--pipeline_parallel_size"),
             (pp == 1 and bool(self.pipeline_cuts), "--pipeline_cuts", "pipeline parallelism", "--pipeline_parallel_size"),
@@ -267,7 +267,7 @@ class TrainArgs:
         pp, batch = self.pipeline_parallel_size, self.per_device_train_batch_size
         if pp == 1:
             return 1
-        schedule = self.pipeline_schedule if self.pipeline_schedule in SCHEDULES else "1f1b"  # unknown: refused later
+        schedule = self.pipeline_schedule if self.pipeline_schedule in SCHEDULES else DEFAULT_SCHEDULE  # unknown: refused later
         for count in range(pp, batch + 1):
             if batch % count == 0 and microbatch_refusal(schedule, pp, count) is None:
                 return count
