@@ -1,7 +1,9 @@
 """Mesh: the tp / cp / pp / dp process groups of one torchrun world, built once and passed explicitly.
 
 Ranks are laid out as ``torch.arange(world).view(dp, pp, cp, tp)`` (picotron's grid with Megatron's cp next
-to tp): tp ranks are adjacent, then cp ranks, so the chattiest groups share a node. The ranks of one dp
+to tp; ``DIMS``, outermost first): tp ranks are adjacent, then cp ranks, so the chattiest groups share a node. Each
+dimension's group is the ranks that differ along it alone (``ranks_along``), so a new dimension is one entry of
+``DIMS`` (its size a field of ``ParallelConfig``, its rank and group fields here). The ranks of one dp
 replica's cp group hold the same parameters and different parts of each sequence, so gradients are summed,
 and ZeRO shards optimizer state, over the ``replica_group`` (dp x cp); the batch is split over dp only.
 
@@ -17,6 +19,7 @@ A world of one process (no torch.distributed) is a valid mesh whose groups are a
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +29,18 @@ from plait.base import comm
 from plait.base.config import ParallelConfig
 
 ProcessGroup = dist.ProcessGroup
+
+# The mesh's dimensions, outermost first: each is a ParallelConfig size with a ``{name}_rank`` and a
+# ``{name}_group`` on Mesh.
+DIMS = ("dp", "pp", "cp", "tp")
+
+
+def ranks_along(grid: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor:
+    """The ranks of ``grid`` (shaped as ``DIMS``) in rows that differ along the dimensions ``names`` alone, one
+    row per position of the others; within a row the last of ``names`` varies fastest."""
+    along = [DIMS.index(name) for name in names]
+    others = [i for i in range(len(DIMS)) if i not in along]
+    return grid.permute(*others, *along).reshape(-1, math.prod(grid.shape[i] for i in along))
 
 
 @dataclass
@@ -75,7 +90,7 @@ class Mesh:
         return self.config.ep
 
     def _grid(self) -> torch.Tensor:
-        return torch.arange(self.world_size).view(self.dp, self.pp, self.cp, self.tp)
+        return torch.arange(self.world_size).view(*(getattr(self, name) for name in DIMS))
 
     @classmethod
     def from_world(cls, config: ParallelConfig, timeout: datetime.timedelta | None = None) -> "Mesh":
@@ -87,21 +102,18 @@ class Mesh:
         world_size = dist.get_world_size() if distributed else 1
         rank = dist.get_rank() if distributed else 0
         config = config.resolve(world_size)
-        grid = torch.arange(world_size).view(config.dp, config.pp, config.cp, config.tp)
-        dp_i, pp_i, cp_i, tp_i = (int(c) for c in (grid == rank).nonzero()[0])
-        ep_i = (dp_i * config.cp + cp_i) % config.ep  # position in the replica ranks' order, dp major
-        mesh = cls(config, rank, world_size, tp_rank=tp_i, pp_rank=pp_i, dp_rank=dp_i, cp_rank=cp_i, ep_rank=ep_i,
+        grid = torch.arange(world_size).view(*(getattr(config, name) for name in DIMS))
+        at = dict(zip(DIMS, (int(c) for c in (grid == rank).nonzero()[0])))
+        ep_i = (at["dp"] * config.cp + at["cp"]) % config.ep  # position in the replica ranks' order, dp major
+        mesh = cls(config, rank, world_size, **{f"{name}_rank": at[name] for name in DIMS}, ep_rank=ep_i,
                    timeout=timeout)
         if distributed:
-            mesh.tp_group = _new_groups(grid.reshape(-1, config.tp), rank, timeout)
-            mesh.pp_group = _new_groups(grid.permute(0, 2, 3, 1).reshape(-1, config.pp), rank, timeout)
-            mesh.dp_group = _new_groups(grid.permute(1, 2, 3, 0).reshape(-1, config.dp), rank, timeout)
+            for name in DIMS:
+                setattr(mesh, f"{name}_group", _new_groups(ranks_along(grid, (name,)), rank, timeout))
             if config.cp > 1:
-                mesh.cp_group = _new_groups(grid.permute(0, 1, 3, 2).reshape(-1, config.cp), rank, timeout)
-                replicas = grid.permute(1, 3, 0, 2).reshape(-1, config.dp * config.cp)
-                mesh.replica_group = _new_groups(replicas, rank, timeout)
+                mesh.replica_group = _new_groups(ranks_along(grid, ("dp", "cp")), rank, timeout)
             if config.ep > 1:
-                replicas = grid.permute(1, 3, 0, 2).reshape(-1, config.dp * config.cp // config.ep, config.ep)
+                replicas = ranks_along(grid, ("dp", "cp")).reshape(-1, config.dp * config.cp // config.ep, config.ep)
                 mesh.ep_group = _new_groups(replicas.reshape(-1, config.ep), rank, timeout)
                 mesh.expert_replica_group = _new_groups(replicas.transpose(1, 2).reshape(-1, replicas.shape[1]),
                                                         rank, timeout)
@@ -135,7 +147,7 @@ class Mesh:
             if self.world_size == 1 or self.pp == 1:
                 self._ends = (None,)
             else:
-                ends = self._grid()[:, [0, self.pp - 1]].permute(0, 2, 3, 1).reshape(-1, 2)
+                ends = ranks_along(self._grid()[:, [0, self.pp - 1]], ("pp",))
                 group = _new_groups(ends, self.rank, self.timeout)
                 self._ends = (group if self.pp_rank in (0, self.pp - 1) else None,)
         return self._ends[0]
