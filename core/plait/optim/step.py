@@ -51,6 +51,9 @@ def build_optimizer(
     ``ShardedOptimizer`` under ZeRO-2/3 (the local rows of FSDP2's shards; with mixed precision those are fp32
     and are the master weights, so ``optimizer_dtype`` asks for nothing more).
     """
+    if not isinstance(pmodel, ParallelModel):
+        raise ConfigError(f"build_optimizer takes the ParallelModel that parallelize returns, not a "
+                          f"{type(pmodel).__name__}; build the optimizer after parallelize, from the model it returns")
     params = [p for p in pmodel.parameters() if p.requires_grad]
     zero_1 = pmodel.config.zero_1 if zero_1 is None else zero_1
     if pmodel.fsdp is not None:
@@ -84,6 +87,26 @@ def build_optimizer(
     return constructor(groups, **optimizer_kwargs)
 
 
+# plait's optimizers, which build_optimizer makes from the ParallelModel (the masters one holds fp32 copies)
+BUILT_FROM_THE_MODEL = (Zero1Optimizer, ExpertZero1Optimizer, ShardedOptimizer, MasterWeightOptimizer)
+
+
+def check_holds_model_params(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
+    """Refuse an optimizer that holds tensors other than the parallel model's trainable parameters: one built on
+    the model before ``parallelize`` holds the weights that ``parallelize`` replaced with their shards, and would
+    step them without error while the shards never train."""
+    if isinstance(optimizer, BUILT_FROM_THE_MODEL):
+        return
+    ours = {id(p) for p in params}
+    held = [t for group in optimizer.param_groups for t in group["params"]]
+    foreign = sum(id(t) not in ours and t.requires_grad for t in held)  # frozen ones are never stepped
+    if foreign:
+        raise ConfigError(f"the optimizer holds {foreign} of its {len(held)} tensors that are not the parallel "
+                          f"model's trainable parameters (built before parallelize, which replaces the weights it "
+                          f"splits?); build the optimizer after parallelize, from the model it returns: "
+                          f"build_optimizer(pmodel, torch.optim.AdamW, ...)")
+
+
 class NonFiniteStep(RuntimeError):
     """The loss or the global gradient norm of a step is not finite: the step was not applied (gradients are
     dropped, parameters and optimizer state untouched)."""
@@ -114,6 +137,7 @@ class OptimizerStep:
     ) -> None:
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm={max_grad_norm} must be positive (or None for no clipping)")
+        check_holds_model_params(optimizer, grad_sync.params)
         self.grad_sync, self.optimizer, self.max_grad_norm = grad_sync, optimizer, max_grad_norm
         self.reduce_dtype, self.bucket_bytes = reduce_dtype, bucket_bytes
         self.zero = isinstance(optimizer, (Zero1Optimizer, ExpertZero1Optimizer))

@@ -1,0 +1,46 @@
+"""A new user's own loop fails loudly, not silently: an optimizer built on the model before ``parallelize`` (which
+replaces the weights it splits with their shards) would step stale tensors while the shards never train; it is
+refused in one line at ``OptimizerStep``, as is ``build_optimizer`` on a model that was never parallelized."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from plait import ParallelConfig, parallelize
+from plait.base.config import ConfigError
+from plait.optim import OptimizerStep, build_optimizer
+from plait.testing import launch
+from tiny_models import tiny_config
+
+WORKER = Path(__file__).parent / "workers" / "own_loop_mistakes.py"
+FIX = "build the optimizer after parallelize, from the model it returns"
+
+
+def test_an_optimizer_built_before_parallelize_is_refused_at_tp2(tmp_path):
+    out = tmp_path / "out.json"
+    launch([str(WORKER), str(out)], 2, timeout=120)
+    for rank, r in enumerate(json.loads(out.read_text())):
+        assert r["stale"] > 0, (rank, r)  # the split weights: what would have stayed untrained
+        assert r["error"] and FIX in r["error"], (rank, r)
+        assert f"holds {r['stale']} of its {r['held']} tensors" in r["error"], (rank, r)
+        assert r["norm"] > 0, (rank, r)  # built after parallelize, the same model steps
+
+
+def test_an_extra_trainable_tensor_is_refused_and_the_models_own_are_not():
+    torch.manual_seed(0)
+    pmodel = parallelize(AutoModelForCausalLM.from_config(tiny_config("llama")), ParallelConfig())
+    OptimizerStep(pmodel.grad_sync, torch.optim.AdamW(pmodel.parameters()))
+    stray = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ConfigError, match=f"holds 1 of its .* tensors .*{FIX}"):
+        OptimizerStep(pmodel.grad_sync, torch.optim.AdamW([*pmodel.parameters(), stray]))
+
+
+def test_build_optimizer_on_a_model_not_parallelized_says_what_to_do():
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    with pytest.raises(ConfigError, match=f"not a LlamaForCausalLM; {FIX}"):
+        build_optimizer(model)
