@@ -44,3 +44,9 @@ def test_build_optimizer_on_a_model_not_parallelized_says_what_to_do():
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     with pytest.raises(ConfigError, match=f"not a LlamaForCausalLM; {FIX}"):
         build_optimizer(model)
+
+
+def test_describe_before_the_world_is_known_says_where_dp_comes_from():
+    assert "dp=world/(tp*pp) " in ParallelConfig(tp=2).describe()
+    assert "dp=world/(tp*cp*pp) " in ParallelConfig(tp=2, cp=2).describe()
+    assert "dp=2 " in ParallelConfig(tp=2).resolve(4).describe()

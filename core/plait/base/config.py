@@ -171,8 +171,12 @@ class ParallelConfig:
             )
         return dataclasses.replace(self, dp=dp)
 
+    def _dp_from_world(self) -> str:
+        return f"world/({'tp*cp*pp' if self.cp > 1 else 'tp*pp'})"
+
     def describe(self) -> str:
-        """One line for logs: the layout as the user would write it."""
+        """One line for logs: the layout as the user would write it (before ``resolve``, dp is what the world size
+        will give: ``dp=world/(tp*pp)``, never ``dp=None``)."""
         cp = f" cp={self.cp} ({self.cp_attention})" if self.cp > 1 else ""
         if self.ep > 1:
             cp += f" ep={self.ep}" + (f" capacity={self.moe_capacity_factor:g}" if self.moe_capacity_factor else "")
@@ -185,6 +189,6 @@ class ParallelConfig:
         if self.pp > 1:
             cp += f" {self.pipeline_schedule} microbatches={self.num_microbatches}"
         return (
-            f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} sp={self.sequence_parallel} "
+            f"tp={self.tp} pp={self.pp} dp={self.dp or self._dp_from_world()}{cp} sp={self.sequence_parallel} "
             f"vpp={self.virtual_pipeline_size} zero={self.zero_stage}" + (" bf16 (fp32 masters)" if self.mixed_precision else "")
         )
