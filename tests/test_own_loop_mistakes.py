@@ -50,3 +50,17 @@ def test_describe_before_the_world_is_known_says_where_dp_comes_from():
     assert "dp=world/(tp*pp) " in ParallelConfig(tp=2).describe()
     assert "dp=world/(tp*cp*pp) " in ParallelConfig(tp=2, cp=2).describe()
     assert "dp=2 " in ParallelConfig(tp=2).resolve(4).describe()
+
+
+def test_a_layout_of_several_processes_outside_torchrun_says_how_to_launch(monkeypatch):
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match=r"needs 4 processes, but this process runs alone .*`torchrun "
+                                          r"--nproc_per_node 4 .*` and call torch.distributed.init_process_group"):
+        parallelize(model, ParallelConfig(tp=2, pp=2))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="one of torchrun's 2 but has not joined their group; call "
+                                          r"torch.distributed.init_process_group\(\) before parallelize"):
+        parallelize(model, ParallelConfig(tp=2))

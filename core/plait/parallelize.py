@@ -11,8 +11,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import os
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -308,6 +311,22 @@ class ParallelModel(nn.Module):
         return total
 
 
+def check_world_started(config: ParallelConfig) -> None:
+    """Refuse, saying how to start one, a layout of several processes where no torch.distributed world runs:
+    the script was started without torchrun, or under torchrun without joining its process group."""
+    needed = config.tp * config.cp * config.pp * (config.dp or 1)
+    if needed == 1 or (comm.singleton_groups() and "RANK" in os.environ):
+        return
+    layout = f"the layout ({config.describe()}) needs {needed} processes"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(f"{layout}, and this process is one of torchrun's {os.environ['WORLD_SIZE']} but has not "
+                          f"joined their group; call torch.distributed.init_process_group() before parallelize")
+    script = Path(sys.argv[0]).name or "your_script.py"
+    raise ConfigError(f"{layout}, but this process runs alone (no torchrun, no process group); launch it as "
+                      f"`torchrun --nproc_per_node {needed} {script}` and call torch.distributed.init_process_group() "
+                      f"before parallelize")
+
+
 def parallelize(
     model: nn.Module, config: ParallelConfig | LayoutPlan, *, registry: Registry | None = None,
     timeout: datetime.timedelta | None = None, lora: LoraConfig | None = None, lora_seed: int = 0,
@@ -321,6 +340,8 @@ def parallelize(
     can fail runs before the first collective, so a bad layout is an error on every rank, never a hang.
     """
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world_size == 1:
+        check_world_started(config.config if isinstance(config, LayoutPlan) else config)
     if isinstance(config, LayoutPlan):
         plan = config
         plan.config.resolve(world_size)  # a plan made for another world size: raises, naming the numbers
