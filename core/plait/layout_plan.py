@@ -101,7 +101,7 @@ def plan_layout(
     if tp_plan is not None and not config.expert_tensor_parallel:
         tp_plan = experts_kept_whole(tp_plan)
     parallel_embeddings = not config.disable_embedding_parallelization
-    world_size = world_size or config.tp * config.cp * config.pp * (config.dp or 1)
+    world_size = world_size or config.processes
     try:
         shards_by_rank = tuple(
             plan_tensor_parallel(model, tp_plan, config.tp, r, parallel_embeddings) if tp_plan else {}

@@ -314,8 +314,8 @@ class ParallelModel(nn.Module):
 def check_world_started(config: ParallelConfig) -> None:
     """Refuse, saying how to start one, a layout of several processes where no torch.distributed world runs:
     the script was started without torchrun, or under torchrun without joining its process group."""
-    needed = config.tp * config.cp * config.pp * (config.dp or 1)
-    if needed == 1 or (comm.singleton_groups() and "RANK" in os.environ):
+    needed = config.processes
+    if needed == 1:
         return
     layout = f"the layout ({config.describe()}) needs {needed} processes"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -339,9 +339,10 @@ def parallelize(
     ``timeout`` bounds every collective on the tp/pp/dp groups (see ``Mesh.from_world``). Every check that
     can fail runs before the first collective, so a bad layout is an error on every rank, never a hang.
     """
-    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world_size == 1:
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed:
         check_world_started(config.config if isinstance(config, LayoutPlan) else config)
+    world_size = dist.get_world_size() if distributed else 1
     if isinstance(config, LayoutPlan):
         plan = config
         plan.config.resolve(world_size)  # a plan made for another world size: raises, naming the numbers

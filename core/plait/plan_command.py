@@ -27,7 +27,7 @@ from plait.costs.device import PRESETS, Device, parse_memory
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.experts import check_expert_parallel, expert_parameters
 from plait.costs.memory import Precision
-from plait.costs.render import estimate_json, print_estimate, print_search, search_json, world_of
+from plait.costs.render import estimate_json, print_estimate, print_search, search_json
 from plait.costs.search import SearchResult, search_layouts
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.config import lora_config
@@ -98,7 +98,7 @@ def train_command(args, config, per_device: int, per_node: int | None = None, ac
     """The ``plait train`` command running ``config`` with the rest of ``args`` (a ``TrainArgs``) unchanged: one
     node launches its processes itself; a world larger than ``per_node`` devices runs under torchrun on each
     node (HOST: the rendezvous node)."""
-    world = world_of(config)
+    world = config.processes
     nodes = -(-world // per_node) if per_node and world > per_node else 1
     flags: list[str] = ["plait", "train"] if nodes == 1 else [
         "torchrun", f"--nnodes={nodes}", f"--nproc_per_node={world // nodes}", "--rdzv_backend=c10d",
@@ -206,7 +206,7 @@ class PlannedRun:
             self._traced[precision.param] = (other, trace_activations(other, self.args.block_size, self.registry,
                                                                       self.plan.adapter, self.fused_dropout))
         model, trace = self._traced[precision.param]
-        return search_layouts(model, self.plan.config, world or world_of(self.plan.config), self.batch, precision,
+        return search_layouts(model, self.plan.config, world or self.plan.config.processes, self.batch, precision,
                               trace, device, self.registry, **self.decay, moe_imbalance=moe_imbalance,
                               global_batch=global_batch, lora=self.lora if lora is _RUN else lora)
 
@@ -234,7 +234,7 @@ def run_plan(ns, args) -> None:
     run = PlannedRun.of(args, parallel, world_size, device)
     console = Console(width=max(Console().width, 140))
     if ns.search:
-        world = world_of(run.plan.config)
+        world = run.plan.config.processes
         search = functools.partial(run.search, device, moe_imbalance=ns.moe_imbalance,
                                    global_batch=ns.global_batch_size or run.global_batch())
         result = search()

@@ -30,10 +30,15 @@ def data_parallel_size(world_size: int, tp: int = 1, cp: int = 1, pp: int = 1) -
     if world_size < 1:
         raise ConfigError(f"world size {world_size} is not a number of processes; launch a multiple of {model_parallel}")
     if world_size % model_parallel:
-        names, values = ("tp*cp*pp", f"{tp}*{cp}*{pp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
+        names, values = model_parallel_names(tp, cp, pp)
         raise ConfigError(f"world size {world_size} is not divisible by {names} = {values} = {model_parallel}; "
                           f"launch a multiple of {model_parallel} processes or change {names.replace('*', '/')}")
     return world_size // model_parallel
+
+
+def model_parallel_names(tp: int, cp: int, pp: int) -> tuple[str, str]:
+    """("tp*cp*pp", "2*2*1") as messages write the model-parallel product (cp only where it is used)."""
+    return ("tp*cp*pp", f"{tp}*{cp}*{pp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
 
 
 class FaultError(RuntimeError):
@@ -151,11 +156,20 @@ class ParallelConfig:
         """SP is on only where it can do something: a tp group of more than one rank."""
         return self.sp and self.tp > 1
 
+    @property
+    def model_parallel_size(self) -> int:
+        """The ranks of one model replica: tp * cp * pp."""
+        return self.tp * self.cp * self.pp
+
+    @property
+    def processes(self) -> int:
+        """The processes this layout runs on: tp * cp * pp * dp (dp unset: 1, the smallest world)."""
+        return self.model_parallel_size * (self.dp or 1)
+
     def resolve(self, world_size: int) -> "ParallelConfig":
         """Return a copy with dp filled in, after checking tp * cp * pp * dp == world_size."""
-        model_parallel = self.tp * self.cp * self.pp
-        names = "tp*cp*pp" if self.cp > 1 else "tp*pp"
-        values = f"{self.tp}*{self.cp}*{self.pp}" if self.cp > 1 else f"{self.tp}*{self.pp}"
+        model_parallel = self.model_parallel_size
+        names, values = model_parallel_names(self.tp, self.cp, self.pp)
         derived = data_parallel_size(world_size, self.tp, self.cp, self.pp)
         dp = derived if self.dp is None else self.dp
         if model_parallel * dp != world_size:
@@ -170,9 +184,6 @@ class ParallelConfig:
                 f"{dp * self.cp}, or launch more data-parallel ranks"
             )
         return dataclasses.replace(self, dp=dp)
-
-    def _dp_from_world(self) -> str:
-        return f"world/({'tp*cp*pp' if self.cp > 1 else 'tp*pp'})"
 
     def describe(self) -> str:
         """One line for logs: the layout as the user would write it (before ``resolve``, dp is what the world size
@@ -189,6 +200,6 @@ class ParallelConfig:
         if self.pp > 1:
             cp += f" {self.pipeline_schedule} microbatches={self.num_microbatches}"
         return (
-            f"tp={self.tp} pp={self.pp} dp={self.dp or self._dp_from_world()}{cp} sp={self.sequence_parallel} "
+            f"tp={self.tp} pp={self.pp} dp={self.dp or f'world/({model_parallel_names(self.tp, self.cp, self.pp)[0]})'}{cp} sp={self.sequence_parallel} "
             f"vpp={self.virtual_pipeline_size} zero={self.zero_stage}" + (" bf16 (fp32 masters)" if self.mixed_precision else "")
         )

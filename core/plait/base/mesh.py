@@ -43,6 +43,11 @@ def ranks_along(grid: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor:
     return grid.permute(*others, *along).reshape(-1, math.prod(grid.shape[i] for i in along))
 
 
+def grid_of(config: ParallelConfig, world_size: int) -> torch.Tensor:
+    """Every rank at its place in the mesh: ``arange(world_size)`` shaped as ``DIMS`` (``config`` resolved)."""
+    return torch.arange(world_size).view(*(getattr(config, name) for name in DIMS))
+
+
 @dataclass
 class Mesh:
     """This rank's coordinates and groups. Build it with ``Mesh.from_world(config)``."""
@@ -90,7 +95,7 @@ class Mesh:
         return self.config.ep
 
     def _grid(self) -> torch.Tensor:
-        return torch.arange(self.world_size).view(*(getattr(self, name) for name in DIMS))
+        return grid_of(self.config, self.world_size)
 
     @classmethod
     def from_world(cls, config: ParallelConfig, timeout: datetime.timedelta | None = None) -> "Mesh":
@@ -102,7 +107,7 @@ class Mesh:
         world_size = dist.get_world_size() if distributed else 1
         rank = dist.get_rank() if distributed else 0
         config = config.resolve(world_size)
-        grid = torch.arange(world_size).view(*(getattr(config, name) for name in DIMS))
+        grid = grid_of(config, world_size)
         at = dict(zip(DIMS, (int(c) for c in (grid == rank).nonzero()[0])))
         ep_i = (at["dp"] * config.cp + at["cp"]) % config.ep  # position in the replica ranks' order, dp major
         mesh = cls(config, rank, world_size, **{f"{name}_rank": at[name] for name in DIMS}, ep_rank=ep_i,

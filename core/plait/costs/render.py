@@ -48,7 +48,7 @@ def estimate_json(estimate: LayoutEstimate, device: Device | None, memory: int |
     layout = dataclasses.asdict(config)
     layout["pipeline_cuts"] = list(config.pipeline_cuts)
     return {
-        "layout": layout, "world_size": world_of(config),
+        "layout": layout, "world_size": config.processes,
         "batch": dataclasses.asdict(estimate.batch), "ranks": ranks, "peak": estimate.peak,
         "device_memory": memory, "usable_memory": usable, "fits": estimate.peak <= usable if usable else None,
         "communication": [{"pp_rank": pp_rank, "group": op.group, "op": op.op, "count": op.count, "bytes": op.bytes}
@@ -105,7 +105,7 @@ def print_estimate(console: Console, estimate: LayoutEstimate, device: Device | 
     if device is not None:
         seconds = estimate.step_time(device)
         b = estimate.batch
-        tokens = b.per_device * b.seq * b.accumulation * (config.dp or 1) / world_of(config)
+        tokens = b.per_device * b.seq * b.accumulation * (config.dp or 1) / config.processes
         console.print(f"estimated step on {device.name}: {seconds:.4g} s, {tokens / seconds:,.0f} tokens/s/device, "
                       f"MFU {estimate.mfu(device, seconds):.1%} at {device.describe_efficiency()}")
 
@@ -135,7 +135,7 @@ def print_search(console: Console, result: SearchResult, device: Device, command
     for i, (estimate, seconds) in enumerate(result.ranked[:top], 1):
         b = estimate.batch
         tokens = b.per_device * b.seq * b.accumulation * (estimate.plan.config.dp or 1)
-        world = world_of(estimate.plan.config)
+        world = estimate.plan.config.processes
         table.add_row(str(i), describe(estimate.plan.config), batch_split(b), f"{seconds:.4g}", gib(estimate.peak),
                       f"{estimate.bubble:.3f}", f"{tokens / seconds / world:,.0f}",
                       f"{estimate.mfu(device, seconds):.1%}")
@@ -186,11 +186,6 @@ def _number_ranges(template: str, reasons: list[str]) -> str:
         out += values[0] if len(values) == 1 else f"{values[0]}-{values[-1]}"
         out += tail
     return out
-
-
-def world_of(config) -> int:
-    """Ranks of a resolved layout: tp x cp x pp x dp."""
-    return config.tp * config.cp * config.pp * (config.dp or 1)
 
 
 def _ranks(ranks: list[int]) -> str:

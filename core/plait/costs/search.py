@@ -56,7 +56,7 @@ def search_layouts(
     and accumulation steps (``global_batch``: sequences per optimizer step; default that of ``base`` and
     ``batch``; ``moe_imbalance``: ``estimate_layout``'s; ``lora``: LoRA adapters trained on the frozen model)."""
     if global_batch is None:
-        global_batch = batch.per_device * (base.dp or world_size // (base.tp * base.cp * base.pp)) * batch.accumulation
+        global_batch = batch.per_device * (base.dp or world_size // base.model_parallel_size) * batch.accumulation
     result = SearchResult()
     plans: dict[tuple, LayoutPlan | str] = {}
     fsdp_units_of: dict[tuple, tuple[str, ...]] = {}  # per plan key: ZeRO-2/3's units
