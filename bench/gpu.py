@@ -9,7 +9,7 @@ A variant is <loop>-<recipe>[-options]: loop ``hf`` (the plain loop) or ``plait`
 parameters and AdamW, bf16 autocast), ``bf16`` (pure bf16: no masters) or ``masters`` (bf16 parameters, fp32 master
 weights and AdamW state: ``plait train --bf16``); options ``compile`` (each decoder layer, and for plait its loss),
 ``ckpt`` (activation checkpointing), ``nomaingrad`` / ``eagerloss`` (switch one of plait's choices off, to measure
-it). Each plait row is compared with the plain loop of the same recipe and compilation in the same run.
+it), ``fp8`` / ``fp8row`` (plait only: ``--float8 tensorwise`` / ``rowwise``, compared with the plain loop without it). Each plait row is compared with the plain loop of the same recipe and compilation in the same run.
 Each variant runs in its own process (clean GPU memory; compile caches persist on disk) and prints one JSON line;
 the parent prints the table. MFU = tokens/s * (6 N + 12 L h s) / peak bf16 FLOP/s, the formula torchtitan
 reports (N: every parameter, the tied embedding once, since it is also the LM head's matmul).
@@ -50,8 +50,9 @@ VARIANTS += ["plait-masters-ckpt"]
 def parse_variant(name: str) -> tuple[str, str, set[str]]:
     """``plait-masters-compile-ckpt`` -> ("plait", "masters", {"compile", "ckpt"})."""
     loop, recipe, *options = name.split("-")
-    known = {"compile", "ckpt", "nomaingrad", "eagerloss"}
-    if loop not in ("hf", "plait") or recipe not in RECIPES or not set(options) <= known:
+    known = {"compile", "ckpt", "nomaingrad", "eagerloss", "fp8", "fp8row"}
+    if loop not in ("hf", "plait") or recipe not in RECIPES or not set(options) <= known or \
+            (loop == "hf" and {"fp8", "fp8row", "nomaingrad", "eagerloss"} & set(options)):
         raise SystemExit(f"unknown variant {name!r}: <hf|plait>-<{'|'.join(RECIPES)}>[-{'][-'.join(sorted(known))}]")
     return loop, recipe, set(options)
 
@@ -110,7 +111,8 @@ def plait_step(config: LlamaConfig, recipe: str, options: set[str], ids: torch.T
     from plait.plugin.registry import default_registry
 
     dtype, autocast, masters = RECIPES[recipe]
-    parallel = plait.ParallelConfig(gradient_checkpointing="ckpt" in options, bf16_autocast=autocast)
+    float8 = "tensorwise" if "fp8" in options else "rowwise" if "fp8row" in options else None
+    parallel = plait.ParallelConfig(gradient_checkpointing="ckpt" in options, bf16_autocast=autocast, float8=float8)
     pmodel = load_parallel_model(config, parallel, dtype=dtype, device=ids.device)
     if "compile" in options:
         leaves = default_registry().leaf_modules(pmodel.adapter, config)
