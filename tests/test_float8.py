@@ -163,17 +163,19 @@ def test_a_missing_torchao_names_the_extra(monkeypatch):
 
 
 def test_float8_is_marked_experimental_until_it_is_faster():
-    """--float8 measured 0.445x bf16's tokens/s on an H100: its help and README (flag table, float8 section) say it is
-    experimental, with that number and what ends it, so nobody turns it on for speed."""
+    """--float8 measured 1.13x bf16's tokens/s on an H200 for a 1B model but 0.49x for a 3B one with activation
+    checkpointing (README, GPU section): its help and README (flag table, float8 section) say it is experimental,
+    with those numbers and what ends it, so nobody turns it on for speed."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     text = next(a.help for a in parser._actions if "--float8" in a.option_strings)
-    assert text.startswith("EXPERIMENTAL (measured 0.445x bf16's tokens/s on an H100; experimental until an "
-                           "accelerator shows >= 1.0x)"), text
+    assert text.startswith("EXPERIMENTAL (measured on an H200: 1.13x bf16's tokens/s for a 1B model, 0.49x for a 3B "
+                           "one with --gradient_checkpointing; experimental until that case is understood)"), text
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert "`--float8 {tensorwise,rowwise}` (experimental: 0.445x bf16's tokens/s on an H100)" in readme
+    assert "`--float8 {tensorwise,rowwise}` (experimental: 1.13x bf16 on an H200 for a 1B model, 0.49x for a 3B one " \
+           "with activation checkpointing)" in readme
     section = readme[readme.index("## float8 matmuls"):].split("\n## ", 1)[0]
-    assert "**Experimental.**" in section and "0.445x" in section and ">= 1.0x" in section
+    assert "**Experimental.**" in section and "1.13x" in section and "0.49x" in section
 
 
 def test_flags_and_their_refusals():
