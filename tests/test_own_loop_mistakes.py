@@ -21,7 +21,9 @@ WORKER = Path(__file__).parent / "workers" / "own_loop_mistakes.py"
 FIX = "build the optimizer after parallelize, from the model it returns"
 
 
-def test_an_optimizer_built_before_parallelize_is_refused_at_tp2(tmp_path):
+def test_an_optimizer_built_before_parallelize_is_refused_at_tp2_and_replicas_start_equal(tmp_path):
+    """Also: ranks that built the model from different seeds lay out rank 0's (parallelize broadcasts it), at dp=2
+    and at tp=2, and their dp replicas take identical steps."""
     out = tmp_path / "out.json"
     launch([str(WORKER), str(out)], 2, timeout=120)
     for rank, r in enumerate(json.loads(out.read_text())):
@@ -29,6 +31,10 @@ def test_an_optimizer_built_before_parallelize_is_refused_at_tp2(tmp_path):
         assert r["error"] and FIX in r["error"], (rank, r)
         assert f"holds {r['stale']} of its {r['held']} tensors" in r["error"], (rank, r)
         assert r["norm"] > 0, (rank, r)  # built after parallelize, the same model steps
+    r = json.loads(out.read_text())[1]
+    assert len(r["differed"]) > 10, r  # rank 1's own seed gave other weights than rank 0's
+    assert r["dp_not_rank0s"] == [] and r["replicas_apart_after_steps"] == [], r
+    assert r["tp_not_rank0s"] == [], r  # split weights are slices of rank 0's, replicated ones rank 0's
 
 
 def test_an_extra_trainable_tensor_is_refused_and_the_models_own_are_not():

@@ -17,6 +17,7 @@ from plait.layout_plan import LayoutPlan, plan_layout
 from plait.parallelize import ParallelModel, parallelize
 from plait.plugin.declarations import AdapterInfo, Capabilities, PipelinePlan
 from plait.plugin.registry import AdapterError, Registry, default_registry, register
+from plait.tp.loss import num_items_in_batch
 from plait.tp.plans import SPPlan, TPPlan
 from plait.tp.styles import Attention, Column, Row, VocabEmbedding, VocabHead
 
@@ -26,5 +27,5 @@ __version__ = "0.1.0"
 __all__ = [
     "AdapterError", "AdapterInfo", "Attention", "Capabilities", "Column", "ConfigError", "Mesh",
     "LayoutPlan", "ParallelConfig", "ParallelModel", "PipelinePlan", "Registry", "Row", "SPPlan", "TPPlan", "VocabEmbedding",
-    "VocabHead", "default_registry", "hookimpl", "parallelize", "plan_layout", "register",
+    "VocabHead", "default_registry", "hookimpl", "num_items_in_batch", "parallelize", "plan_layout", "register",
 ]

@@ -1,7 +1,7 @@
 """``parallelize(model, config)``: the one entry point, applying a layout plan in a fixed order.
 
 config -> ``plan_layout`` (adapter, plans, every refusal; no communication) -> mesh (process groups) ->
-pipeline pruning (drop other stages' modules) -> tensor parallel layers -> float8 -> sequence parallel region ->
+rank 0's weights on every rank (a model that holds them: plait.parallel.replicas) -> pipeline pruning (drop other stages' modules) -> tensor parallel layers -> float8 -> sequence parallel region ->
 activation checkpointing -> gradient sync -> pipeline runner -> ParallelModel. Data flows one way: each
 step is built from the ones before it and handed to the next, and nothing is patched in afterwards.
 """
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.base import comm
+from plait.base.batches import local_microbatch
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.mesh import Mesh
 from plait.cp.attention import install_context_parallel
@@ -38,6 +39,7 @@ from plait.parallel.float8 import apply_float8, check_float8_device, check_float
 from plait.parallel.fsdp import AppliedFSDP, apply_fsdp, remap_params
 from plait.parallel.grad_sync import GradSync, norm_params
 from plait.parallel.moe_balance import GlobalBalance, aux_divisor, global_balance
+from plait.parallel.replicas import broadcast_from_first
 from plait.pipeline.runner import PipelineRunner
 from plait.pipeline.stages import StageChunk, dropped, prune
 from plait.plugin.registry import Adapter, Registry
@@ -113,6 +115,20 @@ class ParallelModel(nn.Module):
         names = compile_leaf_modules(self.module, leaf_patterns)
         self.loss.compile()
         return names
+
+    def local_batch(self, tensor: torch.Tensor, accumulation_steps: int = 1, micro_step: int = 0) -> torch.Tensor:
+        """This rank's rows of a global batch ``tensor`` (ids, labels, mask or positions) for ``train_step`` or
+        ``eval_loss``: its dp replica's contiguous slice (of micro-step ``micro_step`` of ``accumulation_steps``);
+        the tp, cp and pp ranks of a replica pass the same rows (cp ranks take their tokens inside)."""
+        rows = local_microbatch(torch.arange(tensor.shape[0]), self.mesh.dp_rank, self.mesh.dp, accumulation_steps,
+                                micro_step)
+        return tensor[rows.to(tensor.device)]
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The whole batch's loss from this rank's share (what ``train_step`` and ``eval_loss`` return when given
+        the global ``num_items_in_batch``): the sum over the ranks that split the batch (dp x cp), equal on every
+        rank. A collective: every rank calls it."""
+        return comm.all_reduce(loss.detach().clone(), self.mesh.replica_group)
 
     def forward(
         self,
@@ -336,6 +352,8 @@ def parallelize(
     ``config``: the layout, or a ``LayoutPlan`` already computed for this model (``plan_layout``).
     ``lora``: freeze the model and train LoRA adapters (peft's config; ``plait.lora``), initialised from
     ``lora_seed`` when the model holds weights (a meta model gets them from ``materialize``).
+    A model that holds weights is made global rank 0's on every rank first (``plait.parallel.replicas``): ranks
+    that built it with different seeds would otherwise train replicas that never agree.
     ``timeout`` bounds every collective on the tp/pp/dp groups (see ``Mesh.from_world``). Every check that
     can fail runs before the first collective, so a bad layout is an error on every rank, never a hang.
     """
@@ -355,6 +373,7 @@ def parallelize(
 
 def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -> ParallelModel:
     config = plan.config
+    broadcast_from_first(model, comm.world_group())  # the replicas start equal: one model is laid out
     stage_ids = plan.stages_of(mesh.pp_rank)
     if plan.split is not None:
         prune(model, plan.split, stage_ids)  # before anything touches weights: other stages' modules are gone

@@ -1,6 +1,8 @@
-"""One rank of a tp=2 world making a new user's mistake: the optimizer built on the model before parallelize.
-Writes, per rank, the error OptimizerStep raised (None: it accepted) and how many of the optimizer's tensors
-were the parallel model's; with the optimizer built after, the step runs."""
+"""One rank of a 2-process world making a new user's mistakes. The optimizer built on the model before parallelize
+(tp=2): writes, per rank, the error OptimizerStep raised (None: it accepted) and how many of the optimizer's tensors
+were the parallel model's; with the optimizer built after, the step runs. The model built with a different seed on
+each rank (dp=2, then tp=2): whether the weights differed before parallelize, whether they are rank 0's after it,
+and whether the dp replicas are still equal after two steps."""
 
 from __future__ import annotations
 
@@ -39,10 +41,42 @@ def main(out: Path) -> None:
     ids = torch.randint(0, 61, (2, 8))
     pmodel.train_step(ids, ids)
     record["norm"] = OptimizerStep(pmodel.grad_sync, after)().item()
+    record.update(different_seeds(comm.world_group()))
     ranks = comm.all_gather_object(record, comm.world_group())
     if dist.get_rank() == 0:
         out.write_text(json.dumps(ranks))
     dist.destroy_process_group()
+
+
+def different_seeds(world) -> dict:
+    """Each rank builds its model from its own seed: parallelize lays out rank 0's (dp=2: all of it; tp=2: each
+    rank its slice of rank 0's split weights), and the dp replicas then take identical steps."""
+    torch.manual_seed(100 + dist.get_rank())
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    own = {name: p.detach().clone() for name, p in model.named_parameters()}
+    first = comm.all_gather_object(own, world)[0]
+    found = {"differed": [n for n in own if not torch.equal(own[n], first[n])]}
+    pmodel = parallelize(model, ParallelConfig())  # dp=2
+    found["dp_not_rank0s"] = [n for n, p in pmodel.module.named_parameters() if not torch.equal(p, first[n])]
+    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-2)
+    for step in range(2):
+        ids = torch.randint(0, 61, (4, 8), generator=torch.Generator().manual_seed(step))
+        pmodel.train_step(pmodel.local_batch(ids), pmodel.local_batch(ids), num_items_in_batch=4 * 7)
+        OptimizerStep(pmodel.grad_sync, optimizer)()
+    trained = {n: p.detach() for n, p in pmodel.module.named_parameters()}
+    peer = comm.all_gather_object(trained, world)[0]
+    found["replicas_apart_after_steps"] = [n for n in trained if not torch.equal(trained[n], peer[n])]
+    torch.manual_seed(200 + dist.get_rank())
+    pmodel = parallelize(AutoModelForCausalLM.from_config(tiny_config("llama")), ParallelConfig(tp=2))
+    found["tp_not_rank0s"] = [name for name, p in pmodel.module.named_parameters()  # this rank's shard of rank 0's
+                              if not torch.equal(p, pmodel.param_specs[name].slice_full(first_of_seed(200, name)))]
+    return found
+
+
+def first_of_seed(seed: int, name: str) -> torch.Tensor:
+    """Parameter ``name`` of the model rank 0 built (seed ``seed``), rebuilt here."""
+    torch.manual_seed(seed)
+    return dict(AutoModelForCausalLM.from_config(tiny_config("llama")).named_parameters())[name].detach()
 
 
 if __name__ == "__main__":

@@ -4,11 +4,12 @@ Everything here is independent of torch.distributed: callers pass their
 data-parallel rank and size, and every rank derives the same global batch.
 """
 
+from plait.base.batches import local_microbatch
 from plait.data.blocks import TokenBlocks
 from plait.data.cache import TokenCache
 from plait.data.corpus import default_corpus_path
 from plait.data.dataset import pack_blocks, tokenize_files
-from plait.data.sampler import GlobalBatchSampler, local_microbatch
+from plait.data.sampler import GlobalBatchSampler
 from plait.data.sources import resolve_sources
 from plait.data.tokenizer import load_or_train_tokenizer, train_bpe_tokenizer
 

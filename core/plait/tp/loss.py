@@ -78,6 +78,13 @@ def vocab_parallel_cross_entropy(
     return total / num_items_in_batch
 
 
+def num_items_in_batch(labels: torch.Tensor) -> torch.Tensor:
+    """The loss's divisor for a global batch's ``labels`` [rows, seq]: the tokens with a label after the causal shift
+    (not each row's first position, nor -100). Every rank knows the global batch, so no collective is needed; passed
+    to ``train_step`` on every rank, it makes the ranks' and micro-steps' losses sum to one process's."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum()
+
+
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     """Position t gets the label of token t+1, the last position an ignored one: the logits stay whole."""
     return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)

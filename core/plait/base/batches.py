@@ -1,0 +1,42 @@
+"""Which rows of a global batch each data-parallel rank trains at each micro-step: one rule for the trainer's
+sampler and for a user's own loop (``ParallelModel.local_batch``), so both see the same tokens on every layout."""
+
+from __future__ import annotations
+
+import torch
+
+
+def local_microbatch(
+    global_indices: torch.LongTensor,
+    dp_rank: int,
+    dp_size: int,
+    accumulation_steps: int,
+    micro_step: int,
+) -> torch.LongTensor:
+    """Return the slice of a global batch for one data-parallel rank and micro-step.
+
+    The global batch is split into ``accumulation_steps`` contiguous micro-steps,
+    and each micro-step into ``dp_size`` contiguous rank slices. Together the
+    slices cover the global batch exactly once, so the same global batch (and,
+    up to float rounding, the same update) is trained whatever the dp size and
+    accumulation.
+
+    Raises:
+        ValueError: if the global batch does not divide evenly, or the rank or
+            micro-step is out of range.
+    """
+    global_batch_size = global_indices.numel()
+    if dp_size < 1 or accumulation_steps < 1:
+        raise ValueError(f"dp_size={dp_size} and accumulation_steps={accumulation_steps} must be positive")
+    if global_batch_size % (dp_size * accumulation_steps) != 0:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not divisible by "
+            f"dp_size * accumulation_steps = {dp_size} * {accumulation_steps} = {dp_size * accumulation_steps}"
+        )
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} is out of range for dp_size={dp_size}")
+    if not 0 <= micro_step < accumulation_steps:
+        raise ValueError(f"micro_step={micro_step} is out of range for accumulation_steps={accumulation_steps}")
+    per_rank = global_batch_size // (dp_size * accumulation_steps)
+    start = (micro_step * dp_size + dp_rank) * per_rank
+    return global_indices[start : start + per_rank]
