@@ -201,7 +201,7 @@ def test_flags_and_their_refusals():
 
 def test_real_float8_needs_a_float8_gpu(tmp_path):
     with pytest.raises(ConfigError, match=r"^float8=rowwise: float8 matmuls \(torch._scaled_mm\) run on CUDA GPUs of "
-                                          r"compute capability 8.9 or more .* this run is on cpu: add --float8_emulate"):
+                                          r"compute capability 8.9 or more .* this run is on cpu: add float8_emulate=True"):
         check_float8_device(ParallelConfig(float8="rowwise"), torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"this run is on cpu"):  # a model holding CPU weights, before any group
         plait.parallelize(float8_llama(), ParallelConfig(float8="tensorwise"))

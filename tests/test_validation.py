@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from plait import ConfigError, ParallelConfig
 import plait
+from plait.base.words import flag_words
 from plait.layout_plan import check_capabilities
 from plait.plugin.registry import default_registry
 from plait.tp.layout import plan_tensor_parallel
@@ -84,8 +87,8 @@ NINE_HEADS = dict(num_attention_heads=9, num_key_value_heads=9, hidden_size=36, 
     "overrides, layout, world, refusal, hint",
     [
         (NINE_HEADS, dict(tp=2), 2, "num_attention_heads=9 is not divisible by tp=2; choose a tp that divides 9",
-         "with 2 processes, no tp > 1 fits this model: use them for pipeline stages (--pipeline_parallel_size 2) "
-         "or data parallelism (--tensor_parallel_size 1: dp=2; --zero_1 shards the optimizer state over it)"),
+         "with 2 processes, no tp > 1 fits this model: use them for pipeline stages (pp=2) "
+         "or data parallelism (tp=1: dp=2; zero_1=True shards the optimizer state over it)"),
         (NINE_HEADS, dict(tp=2), 9, "num_attention_heads=9 is not divisible by tp=2",
          "with 9 processes, tp=3 or 9 would work"),
         (NINE_HEADS, dict(tp=2, pp=2, num_microbatches=2), 18, "num_attention_heads=9 is not divisible by tp=2",
@@ -110,6 +113,30 @@ def test_tp_refusal_lists_the_tp_sizes_that_fit_the_world(overrides, layout, wor
         plan_layout(model, ParallelConfig(**layout), world)
     message = str(refused.value)
     assert message.startswith(refusal) and f"; {hint}" in message and "\n" not in message, message
+
+
+def test_a_refusal_names_fields_to_python_and_flags_to_plait(tmp_path, capsys):
+    """The same refusal in the caller's words: ParallelConfig's fields from Python, the flags under the plait
+    command (plait.base.words)."""
+    from plait.cli import main
+    from plait.layout_plan import plan_layout
+
+    model = meta_model("llama", **NINE_HEADS)
+    fields = r"pipeline stages \(pp=2\) or data parallelism \(tp=1: dp=2; zero_1=True shards"
+    flags = r"pipeline stages \(--pipeline_parallel_size 2\) or data parallelism \(--tensor_parallel_size 1: dp=2; " \
+            r"--zero_1 shards"
+    with pytest.raises(ConfigError, match=fields):
+        plan_layout(model, ParallelConfig(tp=2), 2)
+    with flag_words(), pytest.raises(ConfigError, match=flags):
+        plan_layout(model, ParallelConfig(tp=2), 2)
+    with pytest.raises(ConfigError, match=fields):  # the words go back with the block
+        plan_layout(model, ParallelConfig(tp=2), 2)
+    path = tmp_path / "config.json"
+    tiny_config("llama", **NINE_HEADS).to_json_file(path)
+    with pytest.raises(SystemExit):
+        main(["plan", "--model_config", str(path), "--block_size", "18", "--tensor_parallel_size", "2",
+              "--world_size", "2"])
+    assert re.search(flags, capsys.readouterr().err)
 
 
 def test_plait_plan_names_the_tp_sizes_that_fit(tmp_path, capsys):
@@ -170,12 +197,14 @@ def test_capability_refused():
         plait_adapter_info, plait_tp_plan, plait_leaf_modules)
     adapter = registry.register(module)
     with pytest.raises(ConfigError, match=r"adapter 'no_tp' does not support tp, sp \(it supports: pp, vpp, tied_embeddings\)"
-                                          r".*: --tensor_parallel_size 1 \(tp=1\)$"):
+                                          r".*: tp=1$"):
         check_capabilities(adapter, ParallelConfig(tp=2).resolve(2), tiny_config("llama"))
     module.plait_adapter_info = plait.hookimpl(lambda: plait.AdapterInfo(
         name="no_sp", architectures=("llama",), capabilities=plait.Capabilities(sp=False)))
     no_sp = plait.Registry(autoload=False).register(module)
-    with pytest.raises(ConfigError, match=r"does not support sp .*: --disable_sequence_parallel \(sp=False\)$"):
+    with pytest.raises(ConfigError, match=r"does not support sp .*: sp=False$"):
+        check_capabilities(no_sp, ParallelConfig(tp=2).resolve(2), tiny_config("llama"))
+    with flag_words(), pytest.raises(ConfigError, match=r"does not support sp .*: --disable_sequence_parallel$"):
         check_capabilities(no_sp, ParallelConfig(tp=2).resolve(2), tiny_config("llama"))
 
 

@@ -16,6 +16,7 @@ import traceback
 from typing import NoReturn
 
 from plait.base.config import ConfigError, FaultError
+from plait.base.words import flag_words
 from plait.costs.device import PRESETS
 from plait.plugin.registry import AdapterError, default_registry, served_architectures
 from plait.run.prepare_data import add_prepare_data_parser
@@ -278,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     ns.argv = list(argv) if argv is not None else sys.argv[1:]
     debug = getattr(ns, "debug", False) or os.environ.get(DEBUG_ENV) == "1"
     try:
-        ns.func(ns)
+        with flag_words():  # refusals name this command's flags, not ParallelConfig's fields (plait.base.words)
+            ns.func(ns)
     except (ConfigError, AdapterError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as err:
         fail(err, 2, debug)
     except TrainingDiverged as err:

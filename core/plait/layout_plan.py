@@ -19,6 +19,7 @@ from torch import nn
 
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.pipeline_schedules import SCHEDULES
+from plait.base.words import setting
 from plait.cp.dry_run import check_on_meta
 from plait.cp.layout import CPPlan, plan_context_parallel
 from plait.ep.layout import EPPlan, plan_expert_parallel
@@ -149,10 +150,10 @@ def _tp_alternatives(model: nn.Module, tp_plan: TPPlan, config: ParallelConfig, 
         return f"with {processes}, tp={_either(fits)} would work"
     if room > 1:
         stages = config.pp * room
-        pipeline = (f"pipeline stages (--pipeline_parallel_size {stages}) or "
+        pipeline = (f"pipeline stages ({setting('pp', stages)}) or "
                     if getattr(model.config, "num_hidden_layers", 0) >= stages else "")
         return (f"with {processes}, no tp > 1 fits this model: use them for {pipeline}data parallelism "
-                f"(--tensor_parallel_size 1: dp={room}; --zero_1 shards the optimizer state over it)")
+                f"({setting('tp', 1)}: dp={room}; {setting('zero_1', True)} shards the optimizer state over it)")
     heads = getattr(model.config, "num_attention_heads", 0) or 0
     allowed = tp_sizes_that_fit(model, tp_plan, [t for t in range(2, heads + 1) if heads % t == 0],
                                 parallel_embeddings)
@@ -185,15 +186,16 @@ def check_zero_stage(config: ParallelConfig) -> None:
     stage = f"zero_stage={config.zero_stage}"
     if config.ep > 1:
         raise ConfigError(f"{stage} with ep={config.ep}: expert parameters are summed over their own replica group, "
-                          f"which plait's FSDP2 units do not shard over yet; use --zero_stage 1 (or 0) with ep, or ep=1")
+                          f"which plait's FSDP2 units do not shard over yet; use {setting('zero_stage', 1)} (or 0) with ep, or "
+                          f"{setting('ep', 1)}")
     if config.float8 is not None:
         raise ConfigError(f"{stage} with float8={config.float8!r}: float8 weights under FSDP2 need torchao's float8 "
-                          f"all-gather, which plait does not wire yet; use --zero_stage 1 with float8")
+                          f"all-gather, which plait does not wire yet; use {setting('zero_stage', 1)} with float8")
     if config.pp > 1 and SCHEDULES[config.pipeline_schedule].split_backward:
         whole = ", ".join(repr(name) for name, s in SCHEDULES.items() if not s.split_backward)
         raise ConfigError(f"{stage} with pipeline_schedule={config.pipeline_schedule!r}: it computes weight gradients "
                           f"after FSDP2 has reduced them (after the input gradients); use one of {whole}, or "
-                          f"--zero_stage 1")
+                          f"{setting('zero_stage', 1)}")
 
 
 def fsdp_units(model: nn.Module, leaves: tuple[str, ...]) -> tuple[str, ...]:
@@ -214,17 +216,16 @@ def check_units_share_nothing(model: nn.Module, units: tuple[str, ...], stage: i
     if shared is not None:
         where = " and ".join(f"{unit} (as {name})" for unit, name in list(shared.items())[:2])
         raise ConfigError(f"zero_stage={stage}: one parameter is used by {where}; FSDP2 shards a parameter in one "
-                          f"unit only, and a decoder layer is one unit; use --zero_stage 1 (ZeRO-1) for this model")
+                          f"unit only, and a decoder layer is one unit; use {setting('zero_stage', 1)} (ZeRO-1) for this "
+                          f"model")
 
 
-# The flag (and ParallelConfig field) that turns each capability off.
-_CAPABILITY_FIXES = {
-    "tp": "--tensor_parallel_size 1 (tp=1)",
-    "sp": "--disable_sequence_parallel (sp=False)",
-    "pp": "--pipeline_parallel_size 1 (pp=1)",
-    "vpp": "--virtual_pipeline_size 1 (virtual_pipeline_size=1)",
-    "tied_embeddings": "a model config with tie_word_embeddings false, or tp=pp=1",
-}
+def _capability_fix(name: str) -> str:
+    """The setting that turns capability ``name`` off, in the caller's words (plait.base.words)."""
+    if name == "tied_embeddings":
+        return f"a model config with tie_word_embeddings false, or {setting('tp', 1)} and {setting('pp', 1)}"
+    return {"tp": setting("tp", 1), "sp": setting("sp", False), "pp": setting("pp", 1),
+            "vpp": setting("virtual_pipeline_size", 1)}[name]
 
 
 def check_capabilities(adapter: Adapter, config: ParallelConfig, model_config: Any) -> None:
@@ -234,7 +235,7 @@ def check_capabilities(adapter: Adapter, config: ParallelConfig, model_config: A
               "tied_embeddings": config.tp * config.pp > 1 and bool(getattr(model_config, "tie_word_embeddings", False))}
     refused = [name for name, needed in wanted.items() if needed and not getattr(caps, name)]
     if refused:
-        fixes = [_CAPABILITY_FIXES[name] for name in refused if not (name == "sp" and "tp" in refused)]
+        fixes = [_capability_fix(name) for name in refused if not (name == "sp" and "tp" in refused)]
         raise ConfigError(
             f"adapter {adapter.name!r} does not support {', '.join(refused)} (it supports: "
             f"{', '.join(caps.supported()) or 'nothing'}); change the layout ({config.describe()}): "

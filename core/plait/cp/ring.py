@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from plait.base import comm
+from plait.base.words import setting
 from plait.cp.masks import EMPTY, FULL, SequenceMask
 from plait.cp.sequence import chunk_bounds
 
@@ -167,7 +168,7 @@ def ring_attention(
     if dropout:
         raise RuntimeError(
             f"{type(module).__name__}: attention dropout {dropout} has no exact ring counterpart; use "
-            f"--cp_attention all-to-all (or auto) or set attention_dropout=0"
+            f"{setting('cp_attention', 'all-to-all')} (or auto) or set attention_dropout=0"
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5

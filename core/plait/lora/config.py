@@ -14,6 +14,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from plait.base.config import ConfigError
+from plait.base.words import setting
 
 if TYPE_CHECKING:  # peft is imported only where LoRA is used: it costs every process seconds
     from peft import LoraConfig
@@ -57,9 +58,10 @@ def check_supported(config: LoraConfig) -> None:
                           f"LoRA (r, lora_alpha, lora_dropout, target_modules, target_parameters, use_rslora, "
                           f"init_lora_weights)")
     if config.target_parameters and config.lora_dropout:
-        raise ConfigError(f"--lora_dropout={config.lora_dropout} with --lora_target_parameters "
-                          f"{config.target_parameters}: a parameter's update is added to the weight, which has no "
-                          f"input to drop (peft refuses it too); use --lora_dropout 0")
+        raise ConfigError(f"{setting('lora_dropout', config.lora_dropout)} with "
+                          f"{setting('target_parameters', config.target_parameters)}: a parameter's update is added "
+                          f"to the weight, which has no input to drop (peft refuses it too); use "
+                          f"{setting('lora_dropout', 0)}")
 
 
 def scaling(config: LoraConfig) -> float:

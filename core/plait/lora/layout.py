@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from plait.base.config import ConfigError
+from plait.base.words import setting
 from plait.ep.layout import routed_experts
 from plait.lora.config import check_supported, scaling
 from plait.tp.layout import plan_tensor_parallel
@@ -96,8 +97,9 @@ def default_targets(model: nn.Module, tp_plan) -> list[str]:
     """The projections the adapter's TP plan splits as column or row (attention and MLP), as the last
     component of their names (peft's ``target_modules`` style: ``["q_proj", "k_proj", ...]``)."""
     if tp_plan is None:
-        raise ConfigError("the model's adapter has no TP plan to take LoRA target modules from; "
-                          "name them with --lora_target_modules (e.g. q_proj,v_proj)")
+        example = setting("target_modules", ["q_proj", "v_proj"])
+        raise ConfigError(f"the model's adapter has no TP plan to take LoRA target modules from; name them, e.g. "
+                          f"{example}")
     shards = plan_tensor_parallel(model, tp_plan, 1, 0, parallel_embeddings=False)
     return sorted({name.rpartition(".")[2] for name, s in shards.items() if isinstance(s.style, (Column, Row))})
 
@@ -137,14 +139,15 @@ def plan_lora(
 
     targets = [name for name, _ in model.named_modules() if name and check_target_module_exists(config, name)]
     if config.target_modules and not targets:
-        raise ConfigError(f"--lora_target_modules {config.target_modules} match no module of "
+        raise ConfigError(f"{setting('target_modules', config.target_modules)} match no module of "
                           f"{type(model).__name__}; name projections such as q_proj,v_proj")
     params = parameter_targets(model, config)
     if config.target_parameters and not params:
-        raise ConfigError(f"--lora_target_parameters {config.target_parameters} match no parameter of "
+        raise ConfigError(f"{setting('target_parameters', config.target_parameters)} match no parameter of "
                           f"{type(model).__name__}; name expert weights such as mlp.experts.gate_up_proj")
     if not targets and not params:
-        raise ConfigError("LoRA has nothing to adapt: name --lora_target_modules or --lora_target_parameters")
+        raise ConfigError(f"LoRA has nothing to adapt: name {setting('target_modules')} or "
+                          f"{setting('target_parameters')}")
     experts = routed_experts(model)
     modules_by_rank = []
     for rank in range(tp):
@@ -156,7 +159,7 @@ def plan_lora(
             if module not in experts:
                 raise ConfigError(f"LoRA target parameter {module}.{leaf} is not in routed experts (a module built "
                                   f"with transformers' use_experts_implementation); plait adapts those only: adapt "
-                                  f"a linear layer through --lora_target_modules")
+                                  f"a linear layer through {setting('target_modules')}")
             placed[name] = _place_parameter(name, leaf, experts[module], shards_by_rank[rank].get(module), config.r, tp)
         modules_by_rank.append(placed)
     return LoraPlan(config, scaling(config), tuple(modules_by_rank))
@@ -168,7 +171,7 @@ def _place_parameter(name: str, leaf: str, module: nn.Module, shard: ModuleShard
     if param.dim() != 3:
         raise ConfigError(f"LoRA target parameter {leaf} of {type(module).__name__} has shape {list(param.shape)}; "
                           f"plait adapts expert weights stacked over experts (3-D) only: leave it out of "
-                          f"--lora_target_parameters")
+                          f"{setting('target_parameters')}")
     experts = param.shape[0]
     out_dim, in_dim = (2, 1) if getattr(module, "is_transposed", False) else (1, 2)
     a = ShardSpec((r * experts, param.shape[in_dim]), expert_axis=ExpertAxis(0, 1, r))
@@ -182,7 +185,7 @@ def _place_parameter(name: str, leaf: str, module: nn.Module, shard: ModuleShard
         return LoraModule(name, "row", replace(a, dim=1, ranges=split.ranges), b, b_grad_sum=tp, parameter=leaf)
     raise ConfigError(f"LoRA target parameter {leaf} of {type(module).__name__} is split on dim {split.dim} by "
                       f"the TP plan; LoRA follows a split of its input or output features only: leave it out of "
-                      f"--lora_target_parameters")
+                      f"{setting('target_parameters')}")
 
 
 def _place(name: str, module: nn.Module, shard: ModuleShard | None, r: int, tp: int, sp: bool) -> LoraModule:
@@ -190,7 +193,7 @@ def _place(name: str, module: nn.Module, shard: ModuleShard | None, r: int, tp: 
         fan_in, fan_out, _ = linear_shape(module)
     except ConfigError:
         raise ConfigError(f"LoRA target {name} is a {type(module).__name__}; plait adapts Linear and Conv1D "
-                          f"layers only: narrow --lora_target_modules") from None
+                          f"layers only: narrow {setting('target_modules')}") from None
     a_full, b_full = ShardSpec((r, fan_in)), ShardSpec((fan_out, r))
     if shard is None:
         return LoraModule(name, "whole", a_full, b_full)
@@ -201,4 +204,4 @@ def _place(name: str, module: nn.Module, shard: ModuleShard | None, r: int, tp: 
         b = ShardSpec((fan_out, r), 0, shard.weight.ranges)
         return LoraModule(name, "column", a_full, b, a_grad_sum=tp, b_grad_sum=shard.grad_sum_block)
     raise ConfigError(f"LoRA target {name} is split as {shard.style.label!r} by the TP plan; LoRA follows column- "
-                      f"and row-parallel projections only: leave it out of --lora_target_modules")
+                      f"and row-parallel projections only: leave it out of {setting('target_modules')}")

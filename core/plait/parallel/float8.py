@@ -46,6 +46,7 @@ from transformers.pytorch_utils import Conv1D
 from plait.base import device
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.patterns import leaf_module_names
+from plait.base.words import setting
 from plait.ep.layout import other_experts, routed_experts
 from plait.tp.layers import ColumnParallelLinear, RowParallelLinear
 from plait.tp.sharding import ShardSpec
@@ -135,8 +136,8 @@ def check_float8_device(config: ParallelConfig, where: torch.device | str) -> No
         return
     why = device.float8_unsupported(torch.device(where))
     if why is not None:
-        raise ConfigError(f"float8={config.float8}: {why}: add --float8_emulate (ParallelConfig(float8_emulate=True)) "
-                          f"to check float8 numerics there, without the speed-up, or train without --float8")
+        raise ConfigError(f"float8={config.float8}: {why}: add {setting('float8_emulate', True)} to check float8 "
+                          f"numerics there, without the speed-up, or train without {setting('float8')}")
 
 
 def check_float8_tokens(config: ParallelConfig, tokens: int) -> None:
