@@ -71,11 +71,11 @@ def test_format_detection(tmp_path):
     chat = write_jsonl(tmp_path / "chat.jsonl", CHATS)
     pc = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "a", "completion": "b"}])
     text = write_jsonl(tmp_path / "text.jsonl", [{"text": "hello"}])
-    assert data_format(TrainArgs(train_file=str(chat))) == "chat"
-    assert data_format(TrainArgs(train_file=str(pc))) == "prompt_completion"
-    assert data_format(TrainArgs(train_file=str(text))) == "text"
-    assert data_format(TrainArgs()) == "text"
-    assert data_format(TrainArgs(train_file=str(text), data_format="chat")) == "chat"
+    assert data_format(TrainArgs(train_file=str(chat)).sft_source()) == "chat"
+    assert data_format(TrainArgs(train_file=str(pc)).sft_source()) == "prompt_completion"
+    assert data_format(TrainArgs(train_file=str(text)).sft_source()) == "text"
+    assert data_format(TrainArgs().sft_source()) == "text"
+    assert data_format(TrainArgs(train_file=str(text), data_format="chat").sft_source()) == "chat"
 
 
 @pytest.mark.parametrize("line, problem", [
@@ -137,15 +137,15 @@ def test_unknown_first_line_names_its_near_misses(tmp_path, first, message):
     path = write_jsonl(tmp_path / "data.jsonl", [first, CHATS[1]])
     with pytest.raises(ConfigError, match=r"data.jsonl line 1: no 'messages', 'conversations', 'prompt'\+'completion' "
                                           rf"or 'text' field; {message}"):
-        data_format(TrainArgs(train_file=str(path)))
+        data_format(TrainArgs(train_file=str(path)).sft_source())
 
 
 def test_plain_text_jsonl_and_txt_stay_text(tmp_path):
     body = write_jsonl(tmp_path / "body.jsonl", [{"body": "plain", "id": 1}])
-    assert data_format(TrainArgs(train_file=str(body), text_field="body")) == "text"
+    assert data_format(TrainArgs(train_file=str(body), text_field="body").sft_source()) == "text"
     txt = tmp_path / "notes.txt"
     txt.write_text('{"message": "a .txt file is text whatever it holds"}\n')
-    assert data_format(TrainArgs(train_file=str(txt))) == "text"
+    assert data_format(TrainArgs(train_file=str(txt)).sft_source()) == "text"
 
 
 SHAREGPT_ROLE_NAMES = {"system": "system", "user": "human", "assistant": "gpt"}
@@ -158,7 +158,7 @@ def test_sharegpt_is_chat_with_the_tokens_of_its_messages(tmp_path, tokenizer):
                                    for m in chat["messages"]]} for chat in CHATS]
     sharegpt[1]["conversations"][1]["from"] = "chatgpt"  # ShareGPT V3 names the model that answered
     shared = write_jsonl(tmp_path / "sharegpt.jsonl", sharegpt)
-    assert data_format(TrainArgs(train_file=str(shared))) == "chat"
+    assert data_format(TrainArgs(train_file=str(shared)).sft_source()) == "chat"
     assert [r for _, r in read_records(shared, "chat")] == CHATS
     encoder = SFTEncoder(tokenizer, "chat", False)
     caches = [SFTCache(tmp_path / "cache", resolve_sources(path), encoder)
@@ -278,13 +278,13 @@ def test_load_sft_data_errors_before_any_process_group(tmp_path, tokenizer_dir):
     args = TrainArgs(train_file=str(bad), tokenizer_name=str(tokenizer_dir), data_cache_dir=str(tmp_path / "c"),
                      block_size=64)
     with pytest.raises(ConfigError, match="bad.jsonl line 2: no 'messages' or 'conversations' list"):
-        load_sft_data(args, 300)
+        load_sft_data(args.sft_source(), 300)
     good = write_jsonl(tmp_path / "good.jsonl", CHATS)
     with pytest.raises(ConfigError, match="needs a tokenizer"):
-        load_sft_data(TrainArgs(train_file=str(good), data_cache_dir=str(tmp_path / "c")), 300)
+        load_sft_data(TrainArgs(train_file=str(good), data_cache_dir=str(tmp_path / "c")).sft_source(), 300)
     with pytest.raises(ConfigError, match="more than --block_size=8"):
         load_sft_data(TrainArgs(train_file=str(good), tokenizer_name=str(tokenizer_dir), block_size=8,
-                                overlong="refuse", data_cache_dir=str(tmp_path / "c")), 300)
+                                overlong="refuse", data_cache_dir=str(tmp_path / "c")).sft_source(), 300)
 
 
 def test_plait_train_on_chat_data(tmp_path, tokenizer_dir):

@@ -31,7 +31,7 @@ from plait.base.config import ConfigError
 from plait.data.cache import CacheEntry, tokenizer_fingerprint
 from plait.data.paths import cache_root, tokenizer_dir
 from plait.data.sft_blocks import Example, SFTBlocks, describe_counts, lay_out, truncation_warning
-from plait.data.sft_records import data_format, read_records
+from plait.data.sft_records import SFTSource, data_format, read_records
 from plait.data.sources import Source, resolve_sources
 from plait.data.tokenizer import load_tokenizer
 
@@ -161,41 +161,41 @@ class SFTData:
     tokenizer: Any
 
 
-def load_sft_data(args, vocab_size: int, fmt: str | None = None) -> SFTData:
-    """SFT blocks from ``args`` (--train_file, --validation_file, --tokenizer_name or the model dir's tokenizer,
-    --data_format, --train_on_prompt, --block_size, --packing, --overlong, --data_cache_dir); before any
+def load_sft_data(source: SFTSource, vocab_size: int, fmt: str | None = None) -> SFTData:
+    """SFT blocks from ``source`` (the flags --train_file, --validation_file, --tokenizer_name or the model dir's
+    tokenizer, --data_format, --train_on_prompt, --block_size, --packing, --overlong, --data_cache_dir); before any
     process group, so a bad line fails every rank at once (ConfigError naming the file and line)."""
-    fmt = fmt or data_format(args)
-    directory = tokenizer_dir(args.tokenizer_name, args.model_name_or_path)
+    fmt = fmt or data_format(source)
+    directory = tokenizer_dir(source.tokenizer_name, source.model_name_or_path)
     if directory is None:
         raise ConfigError(f"--data_format {fmt} needs a tokenizer (with a chat template for chat data); give "
                           f"--tokenizer_name DIR or a --model_name_or_path dir holding one")
-    if args.dataset_name or not args.train_file:
+    if source.dataset_name or not source.train_file:
         raise ConfigError(f"--data_format {fmt} reads .jsonl files: give --train_file")
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     try:
         tokenizer = load_tokenizer(directory, vocab_size)
-        encoder = SFTEncoder(tokenizer, fmt, args.train_on_prompt, f"the tokenizer at {directory}")
+        encoder = SFTEncoder(tokenizer, fmt, source.train_on_prompt, f"the tokenizer at {directory}")
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         sets = []
-        for name, spec, flag in (("train", args.train_file, "--train_file"),
-                                 ("validation", args.validation_file, "--validation_file")):
+        for name, spec, flag in (("train", source.train_file, "--train_file"),
+                                 ("validation", source.validation_file, "--validation_file")):
             if spec is None:
                 sets.append(None)
                 continue
-            cache = SFTCache(cache_root(args.data_cache_dir), resolve_sources(spec, args.text_field, flag), encoder)
-            meta, made = cache.ensure(local_rank, float(args.ddp_timeout))
-            blocks = lay_out(cache.examples(), args.block_size, pad_id, args.packing, args.overlong)
+            cache = SFTCache(cache_root(source.data_cache_dir), resolve_sources(spec, source.text_field, flag), encoder)
+            meta, made = cache.ensure(local_rank, float(source.ddp_timeout))
+            blocks = lay_out(cache.examples(), source.block_size, pad_id, source.packing, source.overlong)
             if blocks.counts.trainable_kept == 0:
                 raise ValueError(f"{spec}: no example has a token left to train on after --block_size="
-                                 f"{args.block_size} truncation (the longest has {blocks.counts.longest:,} tokens); "
+                                 f"{source.block_size} truncation (the longest has {blocks.counts.longest:,} tokens); "
                                  f"raise --block_size")
             if local_rank == 0:
-                print(f"{name} data ({fmt}): {describe_counts(blocks.counts, args.block_size)}; "
-                      f"{blocks.real_tokens:,} tokens in {len(blocks):,} {'packed' if args.packing else 'padded'} "
-                      f"blocks of {args.block_size} ({blocks.pad_tokens:,} padding), "
+                print(f"{name} data ({fmt}): {describe_counts(blocks.counts, source.block_size)}; "
+                      f"{blocks.real_tokens:,} tokens in {len(blocks):,} {'packed' if source.packing else 'padded'} "
+                      f"blocks of {source.block_size} ({blocks.pad_tokens:,} padding), "
                       f"{'tokenized into' if made else 'read from'} {cache.path}", file=sys.stderr)
-                warning = truncation_warning(blocks.counts, args.block_size)
+                warning = truncation_warning(blocks.counts, source.block_size)
                 if warning:
                     print(warning, file=sys.stderr)
             sets.append(blocks)

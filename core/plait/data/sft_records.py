@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,26 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 NEAR_MISS_CUTOFF = 0.75  # 'message', 'Messages', 'prompts', 'txt' match; 'context' (0.73 to 'text') does not
 
 
+@dataclass(frozen=True)
+class SFTSource:
+    """Where SFT data comes from and how it is laid out in blocks: plain values, named as plait train's flags that
+    fill them (``TrainArgs.sft_source``), which the data layer's messages name."""
+
+    train_file: str | None = None
+    validation_file: str | None = None
+    dataset_name: str | None = None
+    text_field: str = "text"
+    data_format: str = "auto"
+    tokenizer_name: str | None = None
+    model_name_or_path: str | None = None
+    train_on_prompt: bool = False
+    block_size: int = 128
+    packing: bool = False
+    overlong: str = "truncate"
+    data_cache_dir: str | None = None
+    ddp_timeout: float = 600.0
+
+
 def record_format(record: Any, text_field: str = "text") -> str | None:
     """chat, prompt_completion or text, from a parsed .jsonl line's fields; None for none of them."""
     if not isinstance(record, dict):
@@ -45,7 +66,7 @@ def record_format(record: Any, text_field: str = "text") -> str | None:
     return None
 
 
-def data_format(args) -> str:
+def data_format(source: SFTSource) -> str:
     """--data_format, or with ``auto`` the format of the first line of the first .jsonl training file
     (anything else is plain text).
 
@@ -53,11 +74,11 @@ def data_format(args) -> str:
         ConfigError: for a first line that is a JSON object with none of the formats' fields, naming the keys
             it has and the known ones they resemble.
     """
-    if args.data_format != "auto":
-        return args.data_format
-    if args.dataset_name or not args.train_file:
+    if source.data_format != "auto":
+        return source.data_format
+    if source.dataset_name or not source.train_file:
         return "text"
-    first = resolve_sources(args.train_file, args.text_field, "--train_file")[0]
+    first = resolve_sources(source.train_file, source.text_field, "--train_file")[0]
     if first.kind != "jsonl":
         return "text"
     for number, line in _lines(first.path):
@@ -65,11 +86,11 @@ def data_format(args) -> str:
             record = json.loads(line)
         except ValueError as err:
             raise ConfigError(f"{first.path} line {number}: not valid JSON ({err})") from None
-        fmt = record_format(record, args.text_field)
+        fmt = record_format(record, source.text_field)
         if fmt is None and isinstance(record, dict):
             raise ConfigError(f"{first.path} line {number}: no 'messages', 'conversations', 'prompt'+'completion' "
-                              f"or {args.text_field!r} field; found {_keys(record)}"
-                              f"{_unknown_format_hint(record, args.text_field)}")
+                              f"or {source.text_field!r} field; found {_keys(record)}"
+                              f"{_unknown_format_hint(record, source.text_field)}")
         return fmt or "text"  # not a JSON object: the text reader names the line
     return "text"
 

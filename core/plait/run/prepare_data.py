@@ -48,8 +48,8 @@ def cmd_prepare_data(ns: argparse.Namespace) -> None:
 
     vocab_size = read_model_config(args).vocab_size
     try:  # the data layer's errors name the file and the fix: the command's one line
-        if data_format(args) in SFT_FORMATS:  # load_sft_data prints examples, tokens, blocks and the cache entry
-            lines = batch_lines(args, dp, len(load_sft_data(args, vocab_size).blocks))
+        if data_format(args.sft_source()) in SFT_FORMATS:  # load_sft_data prints examples, tokens, blocks and the cache entry
+            lines = batch_lines(args, dp, len(load_sft_data(args.sft_source(), vocab_size).blocks))
         else:
             lines = report(prepare_data(args, vocab_size, local_rank=0, progress=True), args, dp)
     except (ValueError, OSError) as err:

@@ -19,6 +19,7 @@ from plait.base.config import CP_ATTENTION, FLOAT8_RECIPES, MOE_AUX_LOSS_SCOPES,
 from plait.base.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULES, microbatch_refusal
 from plait.cp.sequence import check_length
 from plait.data.sft_blocks import OVERLONG
+from plait.data.sft_records import SFTSource
 from plait.lora.config import lora_config
 from plait.parallel.float8 import ALIGN, require_torchao
 from plait.run.trackers import parse_report_to
@@ -276,6 +277,10 @@ class TrainArgs:
             f"--per_device_train_batch_size={batch} cannot be split into them; use --per_device_train_batch_size {pp} "
             f"(or a multiple of it), or --pipeline_schedule gpipe --num_microbatches 1"
         )
+
+    def sft_source(self) -> SFTSource:
+        """The data flags the SFT data layer reads, as plain values."""
+        return SFTSource(**{f.name: getattr(self, f.name) for f in fields(SFTSource)})
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(

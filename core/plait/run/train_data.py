@@ -115,11 +115,11 @@ def load_data(args: TrainArgs, vocab_size: int) -> tuple[TokenBlocks, TokenBlock
     SFT data (--data_format chat / prompt_completion, or detected) gives ``SFTBlocks`` instead
     (``plait.data.sft``)."""
     try:
-        fmt = data_format(args)  # reads the first source: a bad path fails here
+        fmt = data_format(args.sft_source())  # reads the first source: a bad path fails here
     except (ValueError, OSError) as err:
         raise ConfigError(str(err)) from err
     if fmt in SFT_FORMATS:  # conversations or prompt/completion: padded or packed SFT blocks
-        sft = load_sft_data(args, vocab_size, fmt)
+        sft = load_sft_data(args.sft_source(), vocab_size, fmt)
         return sft.blocks, sft.val_blocks, sft.tokenizer
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     try:
