@@ -1,0 +1,111 @@
+"""The preference losses of DPO and its family, as TRL 1.16's DPOTrainer defines them, from sequence log-probs.
+
+Each loss is a function of one pair's four numbers: the policy's and the reference's summed log-probs of the chosen
+and of the rejected completion (plus, for the length-normalised ``ipo`` and ``sigmoid_norm``, each completion's token
+count). A pair's loss is ``sum(weight * loss_type's loss)`` over ``loss_type`` (TRL's multi-loss combination, MPO's
+form); a batch's is the mean over its pairs. Computed per pair, the mean over a global batch is the sum of every
+rank's pairs divided by the global pair count, so any split over data-parallel ranks and micro-steps gives one
+process's loss; TRL's losses that sort a batch (``aot``, ``aot_unpaired``) or need token-level terms (``sft``,
+``discopop``'s tau, WPO weighting) depend on how the batch is cut and are not offered.
+
+The metrics carry TRL's names (``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``,
+``rewards/margins``, ``logps/chosen``, ``logps/rejected``), as sums over pairs to be divided by the global count.
+tests/test_preference_loss.py holds every loss and metric to TRL's own code on the same log-probs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from plait.base.config import ConfigError
+
+LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero", "apo_down", "nca_pair", "bco_pair", "sppo_hard",
+              "sigmoid_norm", "exo_pair")
+BATCH_DEPENDENT = ("aot", "aot_unpaired", "sft", "discopop")  # TRL's, refused here (module docstring)
+
+
+@dataclass(frozen=True)
+class PairLogps:
+    """Per pair [pairs]: summed completion log-probs of the policy and the reference, and completion lengths."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    ref_chosen: torch.Tensor
+    ref_rejected: torch.Tensor
+    chosen_tokens: torch.Tensor
+    rejected_tokens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """TRL's ``beta``, ``loss_type`` (one or several), ``loss_weights`` (default 1.0 each) and ``label_smoothing``."""
+
+    beta: float = 0.1
+    loss_type: tuple[str, ...] = ("sigmoid",)
+    loss_weights: tuple[float, ...] | None = None
+    label_smoothing: float = 0.0
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.loss_type if t not in LOSS_TYPES]
+        if unknown or not self.loss_type:
+            why = (f" ({', '.join(t for t in unknown if t in BATCH_DEPENDENT)}: its value depends on how the batch is "
+                   f"split over ranks)") if set(unknown) & set(BATCH_DEPENDENT) else ""
+            raise ConfigError(f"--loss_type {','.join(self.loss_type) or '(none)'}: unknown{why}; choose from "
+                              f"{', '.join(LOSS_TYPES)}")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            raise ConfigError(f"--loss_weights has {len(self.loss_weights)} values for {len(self.loss_type)} loss "
+                              f"types ({','.join(self.loss_type)}); give one weight per type")
+        if self.beta <= 0:
+            raise ConfigError(f"--beta={self.beta} must be positive (the strength of the pull to the reference)")
+        if "robust" in self.loss_type and not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"--label_smoothing={self.label_smoothing} with the robust loss must lie in [0, 0.5) "
+                              f"(the probability that a preference label is flipped)")
+        if "exo_pair" in self.loss_type and self.label_smoothing <= 0.0:
+            raise ConfigError("the exo_pair loss needs --label_smoothing > 0 (the EXO paper recommends 1e-3)")
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        return self.loss_weights or (1.0,) * len(self.loss_type)
+
+    def per_pair(self, p: PairLogps) -> torch.Tensor:
+        """Each pair's loss [pairs]: the weighted sum of its loss types'."""
+        return sum(w * self._one(t, p) for t, w in zip(self.loss_type, self.weights))
+
+    def _one(self, loss_type: str, p: PairLogps) -> torch.Tensor:
+        beta, eps = self.beta, self.label_smoothing
+        chosen_ratio, rejected_ratio = p.chosen - p.ref_chosen, p.rejected - p.ref_rejected
+        delta = chosen_ratio - rejected_ratio
+        if loss_type == "sigmoid":
+            return -F.logsigmoid(beta * delta)
+        if loss_type == "hinge":
+            return torch.relu(1 - beta * delta)
+        if loss_type in ("ipo", "sigmoid_norm"):  # per-token averages of the log-ratios
+            average = chosen_ratio / p.chosen_tokens.clamp(min=1) - rejected_ratio / p.rejected_tokens.clamp(min=1)
+            return (average - 1 / (2 * beta)) ** 2 if loss_type == "ipo" else -F.logsigmoid(beta * average)
+        if loss_type == "robust":
+            return (-(1 - eps) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
+        if loss_type == "apo_zero":
+            return 1 - torch.sigmoid(beta * chosen_ratio) + torch.sigmoid(beta * rejected_ratio)
+        if loss_type == "apo_down":
+            return torch.sigmoid(beta * chosen_ratio) + 1 - torch.sigmoid(beta * delta)
+        if loss_type == "nca_pair":
+            chosen, rejected = beta * chosen_ratio, beta * rejected_ratio
+            return -F.logsigmoid(chosen) - 0.5 * F.logsigmoid(-chosen) - 0.5 * F.logsigmoid(-rejected)
+        if loss_type == "bco_pair":
+            return -F.logsigmoid(beta * chosen_ratio) - F.logsigmoid(-beta * rejected_ratio)
+        if loss_type == "sppo_hard":
+            return (chosen_ratio - 0.5 / beta) ** 2 + (rejected_ratio + 0.5 / beta) ** 2
+        # exo_pair: KL(p_f || p_rh) over {chosen, rejected} with p_rh = [1 - eps, eps]
+        log_chosen, log_rejected = F.logsigmoid(beta * delta), F.logsigmoid(-beta * delta)
+        return log_chosen.exp() * (log_chosen - math.log1p(-eps)) + log_rejected.exp() * (log_rejected - math.log(eps))
+
+    def metric_sums(self, p: PairLogps) -> dict[str, torch.Tensor]:
+        """TRL's metrics of these pairs as sums over them (divide by the global pair count after summing ranks)."""
+        chosen, rejected = self.beta * (p.chosen - p.ref_chosen), self.beta * (p.rejected - p.ref_rejected)
+        return {"rewards/chosen": chosen.sum(), "rewards/rejected": rejected.sum(),
+                "rewards/accuracies": (chosen > rejected).float().sum(), "rewards/margins": (chosen - rejected).sum(),
+                "logps/chosen": p.chosen.sum(), "logps/rejected": p.rejected.sum()}
