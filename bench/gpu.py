@@ -174,8 +174,9 @@ def profile_steps(step, path: Path) -> dict:
     kinds: dict[str, float] = {}
     for e in events:
         name = e.key.lower()
-        kind = ("gemm" if any(k in name for k in ("gemm", "nvjet", "cutlass", "sm90", "matmul")) else
-                "attention" if any(k in name for k in ("flash", "attention", "fmha", "efficient")) else
+        # attention first: cuDNN's attention kernels carry "sm90" in their names too
+        kind = ("attention" if any(k in name for k in ("flash", "attention", "fmha", "efficient", "sdpa")) else
+                "gemm" if any(k in name for k in ("gemm", "nvjet", "cutlass", "sm90", "matmul")) else
                 "optimizer" if any(k in name for k in ("adam", "multi_tensor", "foreach")) else
                 "nccl" if "nccl" in name else "triton" if "triton" in name else "other")
         kinds[kind] = kinds.get(kind, 0.0) + e.device_time_total / 2 / 1e3
