@@ -3,7 +3,8 @@
     torchrun --nproc_per_node 2 examples/own_loop.py --tp 2            # tensor parallel (dp = 1)
     torchrun --nproc_per_node 2 examples/own_loop.py --pp 2            # two pipeline stages
     torchrun --nproc_per_node 2 examples/own_loop.py                   # data parallel (dp = 2)
-    torchrun --nproc_per_node 2 examples/own_loop.py --resume own-loop-out/checkpoint-2   # at any layout
+    torchrun --nproc_per_node 2 examples/own_loop.py --resume own-loop-out/checkpoint-2 --output_dir resumed
+                                                        # from step 2, at any layout (here dp = 2)
 
 A tiny Qwen2 built from a config trains on random tokens. The global batch of a step depends on the step alone,
 so every layout trains on the same tokens; each rank passes its slice of it (``pmodel.local_batch``). The loop
