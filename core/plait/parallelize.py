@@ -1,9 +1,10 @@
 """``parallelize(model, config)``: the one entry point, applying a layout plan in a fixed order.
 
 config -> ``plan_layout`` (adapter, plans, every refusal; no communication) -> mesh (process groups) ->
-rank 0's weights on every rank (a model that holds them: plait.parallel.replicas) -> pipeline pruning (drop other stages' modules) -> tensor parallel layers -> float8 -> sequence parallel region ->
-activation checkpointing -> gradient sync -> pipeline runner -> ParallelModel. Data flows one way: each
-step is built from the ones before it and handed to the next, and nothing is patched in afterwards.
+rank 0's weights on every rank (a model that holds them: plait.parallel.replicas) -> pipeline pruning (drop other
+stages' modules) -> tensor parallel layers -> float8 -> sequence parallel region -> activation checkpointing ->
+gradient sync -> pipeline runner -> ParallelModel. Data flows one way: each step is built from the ones before it
+and handed to the next, and nothing is patched in afterwards.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from plait.pipeline.runner import PipelineRunner
 from plait.pipeline.stages import StageChunk, dropped, prune
 from plait.plugin.registry import Adapter, Registry
 from plait.tp.apply import AppliedTP, apply_tensor_parallel
-from plait.tp.loss import IGNORE_INDEX, CausalLMLoss
+from plait.tp.loss import CausalLMLoss, num_items_in_batch as count_label_tokens
 from plait.tp.rng import install_dropout_rng
 from plait.tp.sequence_parallel import install_sequence_parallel, region_prefix, sp_grad_sum_params
 from plait.tp.sharding import ModuleShard, ShardSpec
@@ -149,7 +150,7 @@ class ParallelModel(nn.Module):
             )
         self._check_sequence(input_ids, attention_mask)
         if self.cp is not None and labels is not None and num_items_in_batch is None:  # whole sequences' count
-            num_items_in_batch = (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
+            num_items_in_batch = count_label_tokens(labels).clamp(min=1)
         if self.balance is not None and labels is not None:  # its own batch's balance, a step's left as it was
             with self.balance.kept():
                 self._routing_pass([(input_ids, attention_mask, position_ids)], one_forward=True)
@@ -307,7 +308,7 @@ class ParallelModel(nn.Module):
                 f"use a per-rank batch that is a multiple of {m}"
             )
         if num_items_in_batch is None:
-            num_items_in_batch = (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
+            num_items_in_batch = count_label_tokens(labels).clamp(min=1)
         if self.pipeline is not None:
             if self.cp is not None:  # stages get this rank's tokens and the whole positions (StageChunk)
                 if position_ids is None:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from plait.data.blocks import TokenBlocks
-from plait.tp.loss import IGNORE_INDEX
+from plait.tp.loss import IGNORE_INDEX, num_items_in_batch
 
 
 @dataclass(frozen=True)
@@ -215,5 +215,5 @@ def count_labels(blocks, rows: torch.Tensor) -> int:
     on every rank without communication since every rank knows the global batch's rows. Plain-text blocks:
     every shifted token counts."""
     if isinstance(blocks, SFTBlocks):
-        return int((blocks.labels[rows][:, 1:] != IGNORE_INDEX).sum())
+        return int(num_items_in_batch(blocks.labels[rows]))
     return len(rows) * (blocks.shape[1] - 1)
