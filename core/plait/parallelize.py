@@ -45,6 +45,7 @@ from plait.pipeline.runner import PipelineRunner
 from plait.pipeline.stages import StageChunk, dropped, prune
 from plait.plugin.registry import Adapter, Registry
 from plait.tp.apply import AppliedTP, apply_tensor_parallel
+from plait.tp.logprobs import Objective, read_logits
 from plait.tp.loss import CausalLMLoss, num_items_in_batch as count_label_tokens
 from plait.tp.rng import install_dropout_rng
 from plait.tp.sequence_parallel import install_sequence_parallel, region_prefix, sp_grad_sum_params
@@ -157,7 +158,8 @@ class ParallelModel(nn.Module):
                 return self._forward(input_ids, labels, attention_mask, num_items_in_batch, position_ids)
         return self._forward(input_ids, labels, attention_mask, num_items_in_batch, position_ids)
 
-    def _forward(self, input_ids, labels, attention_mask, num_items_in_batch, position_ids=None) -> torch.Tensor:
+    def _forward(self, input_ids, labels, attention_mask, num_items_in_batch, position_ids=None, objective=None,
+                 rows=None) -> torch.Tensor:
         if self.cp is not None:  # this rank's tokens, the whole sequence's positions and mask at hand
             batch, seq = input_ids.shape
             labels = None if labels is None else self.cp.shard_labels(labels)
@@ -167,7 +169,10 @@ class ParallelModel(nn.Module):
             out = self._model(input_ids, attention_mask, position_ids)
         if labels is None:
             return out.logits
-        loss = self.loss(out.logits, labels, num_items_in_batch)
+        if objective is not None:  # a training method's own loss from the logits (plait.tp.logprobs)
+            loss = objective(read_logits(out.logits, labels, rows, self.loss, self.mesh))
+        else:
+            loss = self.loss(out.logits, labels, num_items_in_batch)
         if self.balance is not None:  # the global batch's load balancing: this forward's part (plait.parallel.moe_balance)
             term = self.balance.term(out.router_logits, attention_mask) / aux_divisor(self.config)
             if torch.is_grad_enabled():
@@ -201,6 +206,7 @@ class ParallelModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        objective: Objective | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one optimizer step's local batch, split into ``num_microbatches``;
         gradients accumulate into ``.grad``. Returns the loss (summed over microbatches: the step's loss
@@ -210,10 +216,14 @@ class ParallelModel(nn.Module):
         rank's batch, right only for dp=1. Sync gradients afterwards (``OptimizerStep`` or ``grad_sync``).
         ``position_ids`` ([batch, seq], whole sequences): restarting at 0 inside a row marks packed documents,
         which transformers' mask then keeps apart (block-diagonal attention, on every pipeline stage).
+        ``objective``: a training method's loss instead of the cross-entropy (DPO's, ...): called with each
+        microbatch's logits on the ranks that compute the loss (the last pipeline stage), it returns this rank's
+        share of the step's loss (``plait.tp.logprobs``); ``num_items_in_batch`` is then unused.
         """
         if self.balance is not None:
             self._balance_for(input_ids, attention_mask, position_ids)
-        return self._run(input_ids, labels, attention_mask, num_items_in_batch, position_ids, train=True)
+        return self._run(input_ids, labels, attention_mask, num_items_in_batch, position_ids, train=True,
+                         objective=objective)
 
     def set_global_batch(
         self, batches: Sequence[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
@@ -267,13 +277,15 @@ class ParallelModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        objective: Objective | None = None,
     ) -> torch.Tensor:
-        """``train_step`` without backward (validation loss), on every rank of the pipeline."""
+        """``train_step`` without backward (validation loss, or an ``objective``'s), on every rank of the pipeline."""
         with torch.no_grad(), contextlib.ExitStack() as stack:
             if self.balance is not None:  # its own batch's balance, leaving a training step's as it was
                 stack.enter_context(self.balance.kept())
                 self._routing_pass([(input_ids, attention_mask, position_ids)])
-            return self._run(input_ids, labels, attention_mask, num_items_in_batch, position_ids, train=False)
+            return self._run(input_ids, labels, attention_mask, num_items_in_batch, position_ids, train=False,
+                             objective=objective)
 
     def _check_sequence(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, microbatches: int = 1,
@@ -298,7 +310,8 @@ class ParallelModel(nn.Module):
                 f"use a block size that is a multiple of {self.mesh.tp}, or disable sequence parallelism"
             )
 
-    def _run(self, input_ids, labels, attention_mask, num_items_in_batch, position_ids, train: bool) -> torch.Tensor:
+    def _run(self, input_ids, labels, attention_mask, num_items_in_batch, position_ids, train: bool,
+             objective: Objective | None = None) -> torch.Tensor:
         """Checks first (identical on every rank, so a refusal never leaves a peer inside a collective)."""
         m = self.config.num_microbatches
         self._check_sequence(input_ids, attention_mask, m, train)
@@ -314,12 +327,14 @@ class ParallelModel(nn.Module):
                 if position_ids is None:
                     position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
                 input_ids, labels = self.cp.take(input_ids), self.cp.shard_labels(labels)
-            return self.pipeline.run(input_ids, labels, attention_mask, num_items_in_batch, train, position_ids)
+            return self.pipeline.run(input_ids, labels, attention_mask, num_items_in_batch, train, position_ids,
+                                     objective)
         total = None  # in the loss's own dtype: fp32 at least, float64 for a float64 model
         masks = attention_mask.chunk(m) if attention_mask is not None else [None] * m
         positions = position_ids.chunk(m) if position_ids is not None else [None] * m
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device).chunk(m)
         for i, (ids, labs, mask, pos) in enumerate(zip(input_ids.chunk(m), labels.chunk(m), masks, positions)):
-            loss = self._forward(ids, labs, mask, num_items_in_batch, pos)
+            loss = self._forward(ids, labs, mask, num_items_in_batch, pos, objective, rows[i])
             if train:
                 if self.fsdp is not None:
                     self.fsdp.keep_gathered(i < m - 1)

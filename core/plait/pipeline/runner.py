@@ -18,6 +18,7 @@ from plait.base import comm
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.mesh import Mesh
 from plait.base.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULES, microbatch_refusal
+from plait.tp.logprobs import Objective, read_logits
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, "int | torch.Tensor"], torch.Tensor]
 
@@ -60,6 +61,7 @@ class PipelineRunner:
         self.num_stages = mesh.pp * self.config.virtual_pipeline_size
         self._schedules: dict[tuple, object] = {}
         self._num_items: int | torch.Tensor = 1
+        self._objective: Objective | None = None  # a training method's loss for this run (ParallelModel.train_step)
         # the step loss: fp32 at least, float64 for a float64 model; the same on every stage, for the broadcast
         param = next((p for chunk in chunks for p in chunk.parameters()), None)
         self.loss_dtype = torch.float32 if param is None else torch.promote_types(torch.float32, param.dtype)
@@ -86,21 +88,29 @@ class PipelineRunner:
         term (coef x aux, plait.pipeline.router), which plait averages over a step's forwards (every dp and cp
         rank's microbatches) as ``ParallelModel`` does at pp=1: the gradient sums over them make it exact. Under
         the global-batch scope the terms already sum to the step's loss, and only cp divides them."""
-        if not isinstance(output, tuple):
-            return self.loss_fn(output, labels, self._num_items)
-        logits, aux = output
-        return self.loss_fn(logits, labels, self._num_items) + aux / self.aux_divisor
+        logits, aux = output if isinstance(output, tuple) else (output, None)
+        if self._objective is not None:  # labels carry each row's index in the batch as a last column (run)
+            loss = self._objective(read_logits(logits, labels[:, :-1], labels[:, -1], self.loss_fn, self.mesh))
+        else:
+            loss = self.loss_fn(logits, labels, self._num_items)
+        return loss if aux is None else loss + aux / self.aux_divisor
 
     def run(
         self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
         num_items_in_batch: int | torch.Tensor, train: bool, position_ids: torch.Tensor | None = None,
+        objective: Objective | None = None,
     ) -> torch.Tensor:
         """Forward (and backward when ``train``) of every microbatch; the summed loss, on every pp rank.
         The attention mask and position ids go to every stage (each rebuilds the causal mask), and the input
-        ids too where the plan asks for them (every rank of the pipeline reads the same batch)."""
+        ids too where the plan asks for them (every rank of the pipeline reads the same batch). With an
+        ``objective`` the last stage computes it instead of the cross-entropy; the schedule splits the target into
+        microbatches, so each row's index in the batch rides along as the target's last column."""
         key = (tuple(input_ids.shape), attention_mask is not None, position_ids is not None, train)
         schedule = self._schedule(key, input_ids.device)
-        self._num_items = num_items_in_batch
+        self._num_items, self._objective = num_items_in_batch, objective
+        if objective is not None:
+            rows = torch.arange(labels.shape[0], device=labels.device)
+            labels = torch.cat([labels, rows[:, None]], dim=1)
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
         if position_ids is not None:
             kwargs["position_ids"] = position_ids

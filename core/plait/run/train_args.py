@@ -43,6 +43,11 @@ def _names(listed: str) -> list[str]:
 
 
 LORA_SETTINGS = ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters")  # need --lora_r
+METHODS = ("next_token", "dpo")  # plait.run.methods.table.METHODS, by name (tests/test_dpo.py holds them equal)
+# DPO's flags, with TRL's names (DPOConfig); they need --method dpo
+DPO_SETTINGS = ("beta", "loss_type", "loss_weights", "label_smoothing", "truncation_mode", "precompute_ref_log_probs",
+                "ref_model_name_or_path")
+TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
 @dataclass
@@ -118,6 +123,14 @@ class TrainArgs:
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input (peft's lora_dropout)"})
     lora_target_modules: str | None = field(default=None, metadata={"help": "comma-separated module names as peft takes them (default: the attention and MLP projections of the adapter's TP plan; '': none, with --lora_target_parameters)"})
     lora_target_parameters: str | None = field(default=None, metadata={"help": "comma-separated expert parameters as peft's target_parameters takes them, e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj (routed experts' stacked weights; no --lora_dropout)"})
+    method: str = field(default="next_token", metadata={"help": f"the training method: one of {', '.join(METHODS)} (next_token: language modelling, or SFT on chat / prompt-completion data; dpo: preference training on a .jsonl of 'prompt', 'chosen', 'rejected' rows, TRL's DPOTrainer; --block_size is its max_length)"})
+    beta: float = field(default=0.1, metadata={"help": "dpo: the strength of the pull to the reference model (TRL's beta)"})
+    loss_type: str = field(default="sigmoid", metadata={"help": "dpo: the preference loss, or several comma-separated (summed, weighted by --loss_weights), as TRL's loss_type: sigmoid, hinge, ipo, robust, apo_zero, apo_down, nca_pair, bco_pair, sppo_hard, sigmoid_norm, exo_pair"})
+    loss_weights: str | None = field(default=None, metadata={"help": "dpo: comma-separated weights, one per --loss_type (default: 1 each)"})
+    label_smoothing: float = field(default=0.0, metadata={"help": "dpo: the probability that a preference label is wrong (robust, exo_pair; TRL's label_smoothing)"})
+    truncation_mode: str = field(default="keep_start", metadata={"help": f"dpo: how a prompt + completion longer than --block_size is cut: one of {', '.join(TRUNCATION_MODES)} (keep_start drops rows whose prompt alone fills it, as TRL)"})
+    precompute_ref_log_probs: bool = field(default=False, metadata={"help": "dpo: read the reference model's log-probs of every row once before training, then free it"})
+    ref_model_name_or_path: str | None = field(default=None, metadata={"help": "dpo: the reference model's directory (same vocabulary; default: the policy as it starts)"})
 
     def lora(self) -> "LoraConfig | None":
         """peft's LoraConfig from the --lora_* flags (None without --lora_r)."""
@@ -127,8 +140,15 @@ class TrainArgs:
         parameters = {"target_parameters": _names(self.lora_target_parameters)} if self.lora_target_parameters else {}
         return lora_config(self.lora_r, self.lora_alpha, self.lora_dropout, targets, **parameters)
 
+    def dpo_loss_types(self) -> list[str]:
+        return _names(self.loss_type)
+
+    def dpo_loss_weights(self) -> tuple[float, ...] | None:
+        return None if self.loss_weights is None else tuple(float(w) for w in _names(self.loss_weights))
+
     def validate(self) -> None:
         """Checks that need no model: fail before any process group or file exists."""
+        self._validate_method()
         if self.model_config and self.model_name_or_path:
             raise ConfigError("give --model_config (random init) or --model_name_or_path (load weights), not both")
         for path_flag in ("model_config", "model_name_or_path"):
@@ -219,6 +239,36 @@ class TrainArgs:
         elif self.float8_emulate:
             raise ConfigError(f"--float8_emulate emulates float8 matmuls, but --float8 is not given; add --float8 "
                               f"{' or '.join(FLOAT8_RECIPES)}")
+
+    def _validate_method(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"--method {self.method!r} is unknown; choose one of {', '.join(METHODS)}")
+        defaults = {f.name: f.default for f in fields(self)}
+        if self.method != "dpo":
+            given = [f"--{name}" for name in DPO_SETTINGS if getattr(self, name) != defaults[name]]
+            if given:
+                raise ConfigError(f"{', '.join(given)} ha{'ve' if len(given) > 1 else 's'} no effect without --method "
+                                  f"dpo (--method {self.method}); drop {'them' if len(given) > 1 else 'it'}, or add "
+                                  f"--method dpo")
+            return
+        if self.truncation_mode not in TRUNCATION_MODES:
+            raise ConfigError(f"--truncation_mode {self.truncation_mode!r} is unknown; choose one of "
+                              f"{', '.join(TRUNCATION_MODES)}")
+        try:
+            weights = self.dpo_loss_weights()
+        except ValueError:
+            raise ConfigError(f"--loss_weights {self.loss_weights!r}: give comma-separated numbers, one per "
+                              f"--loss_type") from None
+        from plait.run.methods.preference_loss import PreferenceLoss  # its checks: TRL's rules, one line each
+
+        PreferenceLoss(self.beta, tuple(self.dpo_loss_types()), weights, self.label_smoothing)
+        sft_only = [(self.validation_file, "--validation_file"), (self.packing, "--packing"),
+                    (self.lora_r, "--lora_r"), (self.dataset_name, "--dataset_name")]
+        given = [flag for value, flag in sft_only if value]
+        if given:
+            raise ConfigError(f"--method dpo does not take {', '.join(given)} yet (preference evaluation, packed "
+                              f"pairs, LoRA's adapters-off reference and datasets dirs are to come); drop "
+                              f"{'them' if len(given) > 1 else 'it'}")
 
     def _check_output_dir(self) -> None:
         out = Path(self.output_dir)

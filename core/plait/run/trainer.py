@@ -14,9 +14,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from rich.console import Console
@@ -51,7 +49,7 @@ from plait.plugin.registry import default_registry
 from plait.run.heartbeat import Heartbeat
 from plait.run.log_line import log_line, progress_text
 from plait.run.methods.base import TrainingMethod
-from plait.run.methods.next_token import NextToken
+from plait.run.methods.table import METHODS
 from plait.run.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_max
 from plait.run.model_config import read_model_config
 from plait.run.moe_metrics import RoutingMetrics
@@ -182,7 +180,8 @@ def check_before_launch(args: TrainArgs, world: int) -> None:
     is one line there instead of one per worker and torchrun's dump. The data is tokenized into the cache here,
     once; the workers read it back."""
     _, model_config, _, _, plan = plan_run(args, world)
-    load_checked_data(args, model_config, plan)
+    method = METHODS[args.method]
+    method.load_data(args, model_config, plan) or load_checked_data(args, model_config, plan)
 
 
 def load_checked_data(args: TrainArgs, model_config: PretrainedConfig, plan: LayoutPlan) -> tuple:
@@ -203,10 +202,10 @@ class Trainer:
     (weights, optimizer, scheduler and RNG together).
     """
 
-    def __init__(self, args: TrainArgs,
-                 method: Callable[[Any, list[tuple[int, int]] | None], TrainingMethod] = NextToken) -> None:
-        """``method``: the training method, made from the loaded training blocks and this cp rank's token spans
-        (next-token prediction: language modelling, or SFT on SFT data)."""
+    def __init__(self, args: TrainArgs, method: type[TrainingMethod] | None = None) -> None:
+        """``method``: the training method (default: the one --method names); it reads its data
+        (``TrainingMethod.load_data``) and is made once the model is laid out (``TrainingMethod.create``)."""
+        method = method or METHODS[args.method]
         self.args = args
         resume, model_config, meta, saved, plan = plan_run(args, int(os.environ.get("WORLD_SIZE", "1")))
         self.device = device = pick_device(args.device)
@@ -214,7 +213,8 @@ class Trainer:
             keep_freed_memory()
         check_float8_device(plan.config, device)  # float8 off a float8 GPU: before any data is read
         # Data before any process group: a bad file fails every rank at once, never inside a collective.
-        self.blocks, self.val_blocks, self.tokenizer = load_checked_data(args, model_config, plan)
+        self.blocks, self.val_blocks, self.tokenizer = (method.load_data(args, model_config, plan)
+                                                        or load_checked_data(args, model_config, plan))
         init_distributed(device, args.backend, args.ddp_timeout)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.heartbeat = Heartbeat.start(int(os.environ.get("RANK", "0")), world)  # names a stuck rank on a timeout
@@ -241,7 +241,7 @@ class Trainer:
         if mesh.cp > 1:  # each cp rank drops out its own tokens: its own stream (alike over its tp group)
             torch.manual_seed(init_seed(args.seed, "dropout", mesh.cp_rank))
         self.global_batch = args.per_device_train_batch_size * mesh.dp * args.gradient_accumulation_steps
-        self.method = method(self.blocks, self.spans)
+        self.method = method.create(self)
         self.sampler = GlobalBatchSampler(len(self.method), self.global_batch, args.seed)
         # AdamW's fused kernel (one launch for all parameters) where torch has one for the device, not on the CPU
         fused = {"fused": True} if use_fused_adamw(device) else {}
@@ -301,7 +301,8 @@ class Trainer:
         faults.maybe_inject(step + 1, params=self.optimizer_step.grad_sync.params)  # testing aid, as at the step's start
         loss = comm.all_reduce(step_loss, mesh.replica_group)  # equal on every rank: all of them decide alike
         lr = self.optimizer_step.lr
-        record = {"step": step + 1, "loss": loss.item(), "lr": lr, "trainable_tokens": num_items}
+        record = {"step": step + 1, "loss": loss.item(), "lr": lr, "trainable_tokens": num_items,
+                  **self.method.step_metrics(self.pmodel)}
         if self.routing is not None:
             record.update(self.routing.take().record())
         self.heartbeat.at(step + 1, "optimizer")
@@ -343,7 +344,8 @@ class Trainer:
         extra = [] if accelerator_peak is None else [accelerator_peak / 2**20]
         peak, signum, *device_peak = world_max([own_peak_rss_mb(), self.signals.signum, *extra])
         self.stop_signal = int(signum)
-        record.update(tokens_per_s=self.global_batch * self.args.block_size / (time.perf_counter() - start),
+        tokens = self.method.step_tokens() or self.global_batch * self.args.block_size
+        record.update(tokens_per_s=tokens / (time.perf_counter() - start),
                       peak_rss_mb=peak)
         if device_peak:
             record["peak_device_mb"] = device_peak[0]

@@ -23,6 +23,18 @@ from plait.parallelize import ParallelModel
 class TrainingMethod(ABC):
     """One training method over a dataset of ``len(self)`` examples (the sampler draws rows from them)."""
 
+    @classmethod
+    def load_data(cls, args: Any, model_config: Any, plan: Any) -> tuple[Any, Any, Any] | None:
+        """(training data, validation data or None, tokenizer) from the run's flags, read before any process group
+        exists (a bad file fails every rank alike); None: the trainer's next-token data (token or SFT blocks)."""
+        return None
+
+    @classmethod
+    def create(cls, trainer: Any) -> "TrainingMethod":
+        """The method for a ``Trainer`` that has loaded its data and laid out its model (``trainer.blocks``: what
+        ``load_data`` read; ``trainer.spans``: this cp rank's token ranges of a block, None without cp)."""
+        return cls(trainer.blocks, trainer.spans)
+
     @abstractmethod
     def __len__(self) -> int:
         """The number of training examples."""
@@ -43,3 +55,13 @@ class TrainingMethod(ABC):
 
     def before_step(self, pmodel: ParallelModel, batches: list[Any]) -> None:
         """Called once a step, before its micro-steps, with all of them (default: nothing)."""
+
+    def step_metrics(self, pmodel: ParallelModel) -> dict[str, float]:
+        """The method's own metrics of the step just run, the same on every rank (every rank calls it: it may be a
+        collective); default: none."""
+        return {}
+
+    def step_tokens(self) -> int | None:
+        """The tokens the step just run put through the model (its throughput's numerator), once ``step_metrics``
+        has run; None: the global batch's blocks x --block_size."""
+        return None

@@ -8,14 +8,22 @@ prompt and each prompt+completion are tokenized whole, and the completion starts
 prompt+completion's ids first differ (a chat template may render the prompt alone differently; tokens may merge
 across the boundary); the implicit prompt is cut by TRL's ``extract_prompt``, quirks included (a space before the
 cut stays with the completion; completions that are prefixes of each other cut one element early).
-tests/test_preference_data.py holds every form to TRL's own preprocessing.
+tests/test_preference_data.py holds every form to TRL's own preprocessing, and the rows a batch is made of to TRL's
+collator.
 """
 
 from __future__ import annotations
 
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from plait.base.config import ConfigError
+from plait.tp.loss import IGNORE_INDEX
 
 KEYS = ("prompt", "chosen", "rejected")
 
@@ -76,3 +84,72 @@ def _shared(ids: list[int], other: list[int]) -> int:
             break
         length += 1
     return length
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One preference row's token ids: the prompt, and the chosen and rejected completions after it."""
+
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+
+
+def read_pairs(path: Path, tokenizer: Any, max_length: int, truncation_mode: str) -> list[Pair]:
+    """Every row of a .jsonl preference file, tokenized as TRL does; as TRL, a row whose prompt alone fills
+    ``max_length`` is dropped under ``keep_start`` truncation (it would keep no completion token), said in one line
+    on stderr. A row whose two completions are the same is refused: it teaches nothing and is most often a mistake."""
+    if path.suffix != ".jsonl":
+        raise ConfigError(f"--train_file {path}: preference data is read from .jsonl files (one row per line, "
+                          f"'prompt', 'chosen' and 'rejected'); convert it, e.g. with datasets' to_json")
+    pairs, dropped = [], []
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {number}"
+            try:
+                row = json.loads(line)
+            except ValueError as err:
+                raise ConfigError(f"{where}: not valid JSON ({err})") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{where}: not a JSON object; a preference row holds 'prompt', 'chosen' and 'rejected'")
+            pair = Pair(*tokenize_pair(tokenizer, row, where))
+            if pair.chosen == pair.rejected:
+                raise ConfigError(f"{where}: 'chosen' and 'rejected' are the same completion; a preference pair needs "
+                                  f"two different ones (drop the row)")
+            if truncation_mode != "keep_start" or len(pair.prompt) < max_length:
+                pairs.append(pair)
+            else:
+                dropped.append(number)
+    if dropped:
+        print(f"note: dropped {len(dropped)} preference row(s) of {path} whose prompt alone fills --block_size "
+              f"{max_length} (lines {', '.join(map(str, dropped[:5]))}{' ...' if len(dropped) > 5 else ''}), as TRL "
+              f"does under keep_start truncation; raise --block_size or use --truncation_mode keep_end to keep them",
+              file=sys.stderr)
+    if not pairs:
+        raise ConfigError(f"--train_file {path}: no preference row to train on (every prompt fills --block_size "
+                          f"{max_length} under keep_start truncation, or the file is empty)")
+    return pairs
+
+
+def pair_rows(pairs: list[Pair], indices: list[int], pad_id: int, max_length: int, truncation_mode: str,
+              multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input ids and labels [2 * pairs, length] of the pairs ``indices``: each pair's chosen row, then its rejected
+    row (a split of the rows into even runs keeps pairs whole). A row is prompt + completion cut to ``max_length``
+    as TRL's collator cuts it, labelled on the completion only, padded on the right (causal attention: the padding
+    changes no real token's logits) to the longest row, rounded up to ``multiple`` (what the layout splits the
+    sequence by)."""
+    rows = []
+    for i in indices:
+        pair = pairs[i]
+        for completion in (pair.chosen, pair.rejected):
+            ids, labels = pair.prompt + completion, [IGNORE_INDEX] * len(pair.prompt) + completion
+            cut = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+            rows.append((ids[cut], labels[cut]))
+    length = -(-max(len(ids) for ids, _ in rows) // multiple) * multiple
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+    for row, (ids, labs) in enumerate(rows):
+        input_ids[row, :len(ids)], labels[row, :len(labs)] = torch.tensor(ids), torch.tensor(labs)
+    return input_ids, labels

@@ -1,0 +1,204 @@
+"""DPO and its family (``plait train --method dpo``): TRL 1.16's DPOTrainer on any layout.
+
+Each micro-step takes this rank's preference pairs as rows, each pair's chosen completion beside its rejected one
+(``pair_rows``: one forward for both, as TRL concatenates them), and the reference model's summed log-probs of the
+same rows. The policy's loss is an objective of its logits (``plait.tp.logprobs``): each row's summed log-prob of
+its completion (vocab-parallel under tp, summed over the cp ranks' slices under cp, on the last pipeline stage under
+pp), then ``PreferenceLoss`` per pair, summed and divided by the global batch's pair count, so any split over ranks
+and micro-steps gives one process's loss.
+
+The reference is the starting policy (or --ref_model_name_or_path), laid out on the same mesh as a second, frozen
+model, read forward-only each step; with --precompute_ref_log_probs it is read once over the whole dataset before
+the first step and then dropped. TRL's metrics (rewards/chosen, rewards/rejected, rewards/accuracies,
+rewards/margins, logps/chosen, logps/rejected) are means over the global batch's pairs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.base import comm
+from plait.base.config import ConfigError
+from plait.base.mesh import Mesh
+from plait.base.meta import build_meta_model
+from plait.checkpoint.materialize import materialize, resolve_source
+from plait.data import local_microbatch
+from plait.data.paths import tokenizer_dir
+from plait.data.tokenizer import load_tokenizer
+from plait.layout_plan import plan_layout
+from plait.parallelize import ParallelModel, parallelize
+from plait.run.methods.base import TrainingMethod
+from plait.run.methods.preference_data import Pair, pair_rows, read_pairs
+from plait.run.methods.preference_loss import PairLogps, PreferenceLoss
+from plait.tp.logprobs import Logits
+from plait.tp.loss import IGNORE_INDEX
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # ids, labels, rows' token counts, pair ids
+
+
+class DPO(TrainingMethod):
+    """Preference pairs, the loss's settings and the reference: a frozen model on the same mesh, or a table of
+    every row's log-prob read from it before training (--precompute_ref_log_probs)."""
+
+    def __init__(self, pairs: list[Pair], loss: PreferenceLoss, reference: ParallelModel, pad_id: int,
+                 max_length: int, truncation_mode: str, batch_pairs: int, precompute: bool,
+                 device: torch.device) -> None:
+        self.pairs, self.loss, self.pad_id, self.batch_pairs = pairs, loss, pad_id, batch_pairs
+        self.max_length, self.truncation_mode = max_length, truncation_mode
+        self.reference: ParallelModel | None = reference
+        self.table: torch.Tensor | None = None  # precomputed: [pairs, 2] reference log-probs
+        mesh = reference.mesh
+        config = mesh.config
+        # the sequence length the layout splits: 2*cp under cp (load-balanced halves), tp under SP
+        self.multiple = (2 * mesh.cp if mesh.cp > 1 else 1) * (mesh.tp if config.sequence_parallel else 1)
+        self.seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # the step's (policy, reference, tokens)
+        self.step_pairs, self.tokens = 0, 0  # the step's global pairs, and the tokens of its padded rows
+        self.local_tokens = 0  # the tokens of this rank's rows in the step
+        if precompute:
+            self.table = self._precompute(reference, device)
+            self.reference = None  # its memory back before training starts
+
+    @classmethod
+    def load_data(cls, args: Any, model_config: Any, plan: Any) -> tuple[list[Pair], None, Any]:
+        if not args.train_file:
+            raise ConfigError("--method dpo needs --train_file: a .jsonl of preference rows ('prompt', 'chosen', "
+                              "'rejected')")
+        folder = tokenizer_dir(args.tokenizer_name, args.model_name_or_path)
+        if folder is None:
+            raise ConfigError("--method dpo needs a tokenizer: give --model_name_or_path with one, or --tokenizer_name")
+        if args.ref_model_name_or_path:  # before any process group: its config alone
+            reference = resolve_source(args.ref_model_name_or_path)[0]
+            if reference.vocab_size != model_config.vocab_size:
+                raise ConfigError(f"--ref_model_name_or_path {args.ref_model_name_or_path} has vocab_size "
+                                  f"{reference.vocab_size}, the policy {model_config.vocab_size}; the reference must "
+                                  f"share the policy's tokenizer")
+        tokenizer = load_tokenizer(folder, model_config.vocab_size)
+        return read_pairs(Path(args.train_file), tokenizer, args.block_size, args.truncation_mode), None, tokenizer
+
+    @classmethod
+    def create(cls, trainer: Any) -> "DPO":
+        args = trainer.args
+        loss = PreferenceLoss(args.beta, tuple(args.dpo_loss_types()), args.dpo_loss_weights(), args.label_smoothing)
+        reference = build_reference(args, trainer.pmodel, trainer.device)
+        tokenizer = trainer.tokenizer
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return cls(trainer.blocks, loss, reference, pad_id, args.block_size, args.truncation_mode,
+                   args.per_device_train_batch_size, args.precompute_ref_log_probs, trainer.device)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def divisor(self, rows: torch.Tensor) -> int:
+        return len(rows)  # the global batch's pairs: the loss and every metric are means over them
+
+    def micro_batches(self, rows: torch.Tensor, mesh: Mesh, accumulation: int, device: torch.device) -> list[Batch]:
+        batches, self.local_tokens = [], 0
+        for micro in range(accumulation):
+            pairs = local_microbatch(rows, mesh.dp_rank, mesh.dp, accumulation, micro).tolist()
+            ids, labels = pair_rows(self.pairs, pairs, self.pad_id, self.max_length, self.truncation_mode,
+                                    self.multiple)
+            tokens = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+            self.local_tokens += ids.numel()
+            batches.append((ids.to(device), labels.to(device), tokens.to(device), torch.tensor(pairs, device=device)))
+        return batches
+
+    def micro_step(self, pmodel: ParallelModel, batch: Batch, divisor: int) -> torch.Tensor:
+        ids, labels, tokens, pairs = batch
+        if self.table is not None:
+            reference = self.table[pairs.to(self.table.device)].reshape(-1).to(ids.device)
+        else:
+            reference = row_logps(self.reference, ids, labels)
+        self.step_pairs = divisor
+        policy = torch.full_like(reference, float("nan"))  # each row's log-prob, where this rank computes the loss
+        self.seen.append((policy, reference, tokens))
+        return pmodel.train_step(ids, labels, objective=self._objective(policy, reference, tokens, divisor))
+
+    def _objective(self, policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor, divisor: int):
+        def objective(logits: Logits) -> torch.Tensor:
+            logps = logits.sequence_sum(logits.label_logps())
+            rows, ref = logits.rows, reference[logits.rows].to(logps.dtype)
+            # kept by row, not summed: torch's pipeline schedules may compute a micro-batch's loss twice
+            policy[rows] = logps.detach().to(policy)
+            counts = tokens[rows].to(logps.dtype)
+            pairs = PairLogps(logps[0::2], logps[1::2], ref[0::2], ref[1::2], counts[0::2], counts[1::2])
+            return self.loss.per_pair(pairs).sum() / (divisor * logits.cp)  # each cp rank: 1/cp of its pairs' loss
+        return objective
+
+    def step_metrics(self, pmodel: ParallelModel) -> dict[str, float]:
+        """The step's TRL metrics, the same on every rank: the sums over this rank's pairs (where it computed the
+        loss: the last pipeline stage), summed over the ranks that split the batch (dp x cp, each cp rank holding the
+        same whole-sequence sums) and sent from the last pipeline stage."""
+        mesh = pmodel.mesh
+        sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=self.seen[0][0].device)
+        sums[-1] = self.local_tokens / mesh.cp  # this replica's rows (every cp rank reads them all)
+        for policy, reference, tokens in self.seen:
+            if not policy.isnan().any():
+                counts = tokens.to(policy)
+                pairs = PairLogps(policy[0::2], policy[1::2], reference[0::2], reference[1::2], counts[0::2],
+                                  counts[1::2])
+                found = self.loss.metric_sums(pairs)
+                sums[:-1] += torch.stack([found[name] for name in METRICS]).to(sums) / mesh.cp
+        self.seen = []
+        sums = comm.all_reduce(sums, mesh.replica_group)
+        if mesh.pp > 1:
+            sums = comm.broadcast(sums, mesh.pp_group, src=mesh.pp - 1)
+        *means, self.tokens = sums.tolist()
+        return {name: value / self.step_pairs for name, value in zip(METRICS, means)}
+
+    def step_tokens(self) -> int:
+        return int(self.tokens)
+
+    def _precompute(self, reference: ParallelModel, device: torch.device) -> torch.Tensor:
+        """Every pair's reference log-probs [pairs, 2] on every rank: each dp replica reads every dp-th pair, in
+        batches of a micro-step's pairs (the last one filled up with pair 0, read and dropped), the same number of
+        batches on every rank (expert parallelism's dispatch is a collective over dp ranks)."""
+        mesh, size = reference.mesh, self.batch_pairs
+        table = torch.zeros(len(self.pairs), 2, dtype=torch.float64, device=device)
+        mine = list(range(mesh.dp_rank, len(self.pairs), mesh.dp))
+        for start in range(0, -(-len(self.pairs) // mesh.dp), size):
+            chunk = mine[start:start + size]
+            padded = chunk + [0] * (size - len(chunk))
+            ids, labels = pair_rows(self.pairs, padded, self.pad_id, self.max_length, self.truncation_mode,
+                                    self.multiple)
+            logps = row_logps(reference, ids.to(device), labels.to(device)).reshape(-1, 2)
+            if chunk:
+                table[torch.tensor(chunk, device=device)] = logps[:len(chunk)].to(table)
+        table = comm.all_reduce(table, mesh.dp_group)
+        return comm.broadcast(table, mesh.pp_group, src=mesh.pp - 1) if mesh.pp > 1 else table
+
+
+def row_logps(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's summed log-prob of its labelled tokens under ``model``, without gradients [rows] (filled on the
+    ranks that compute the loss: every rank but the last pipeline stage's peers get zeros)."""
+    out = torch.zeros(ids.shape[0], dtype=torch.float64, device=ids.device)
+
+    def record(logits: Logits) -> torch.Tensor:
+        out[logits.rows] = logits.sequence_sum(logits.label_logps()).detach().to(out)
+        return logits.values.new_zeros((), dtype=torch.float32)
+
+    model.eval()
+    model.eval_loss(ids, labels, objective=record)
+    return out
+
+
+def build_reference(args: Any, policy: ParallelModel, device: torch.device) -> ParallelModel:
+    """The reference model on the policy's layout, frozen: --ref_model_name_or_path, else the policy as it started
+    (the model directory, or the same seeded init; never a checkpoint being resumed)."""
+    source = args.ref_model_name_or_path or args.model_name_or_path or policy.plan.model_config
+    config, kind, path = resolve_source(source)  # its vocabulary was checked with the data (DPO.load_data)
+    meta = build_meta_model(config, torch.bfloat16 if args.bf16 else torch.float32)
+    # forward-only: no optimizer state to shard, no backward to recompute for
+    layout = dataclasses.replace(policy.config, zero_stage=0, zero_1=False, mixed_precision=False,
+                                 gradient_checkpointing=False)
+    plan = plan_layout(meta, layout, comm.group_size(comm.world_group()))
+    reference = parallelize(meta, plan, timeout=datetime.timedelta(seconds=args.ddp_timeout))
+    materialize(reference, kind, path, seed=args.seed, device=device)
+    reference.requires_grad_(False)
+    return reference

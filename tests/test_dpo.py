@@ -1,0 +1,189 @@
+"""``plait train --method dpo`` held to TRL 1.16's DPOTrainer and to one process on every layout.
+
+TRL's DPOTrainer trains the same tiny model (it and its reference loaded from one directory) on the same pairs in
+the order plait's seeded sampler draws them, in fp32 (DPOConfig turns bf16 on by default: off here), with the same
+AdamW, learning-rate schedule and clipping; each step's loss and TRL's logged metrics (rewards/chosen,
+rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected) must agree within 1e-5 for
+every loss type plait offers, and for two combined with weights. Then one launched world of 2 ranks runs DPO at
+tp=2 with SP, pp=2, cp=2, ZeRO-1 and ZeRO-3 at dp=2, dp=2 with accumulation, and tp=2 with the reference's
+log-probs precomputed: every rank's loss, gradient norm and metrics at every step equal one process's.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from plait.base.config import ConfigError
+from plait.data import GlobalBatchSampler
+from plait.data.chat_tokenizer import save_chat_tokenizer
+from plait.run.methods.dpo import METRICS
+from plait.run.methods.table import METHODS
+from plait.run.train_args import METHODS as METHOD_NAMES
+from plait.run.train_args import TrainArgs
+from plait.run.trainer import Trainer
+from plait.testing import launch
+from tiny_models import tiny_config
+
+WORKER = str(Path(__file__).parent / "workers" / "trainers.py")
+VOCAB, BLOCK, BATCH, STEPS, LR = 320, 32, 4, 2, 1e-3
+WORDS = ["what is two plus two", "four", "five", "name a colour", "blue", "green", "hello there", "hi", "a cat", "a dog"]
+# each loss type plait offers, with the label smoothing the ones that read it need; and two of them combined
+LOSSES = {name: {"loss_type": name} for name in ("sigmoid", "hinge", "ipo", "apo_zero", "apo_down", "nca_pair",
+                                                  "bco_pair", "sppo_hard", "sigmoid_norm")}
+LOSSES |= {"robust": {"loss_type": "robust", "label_smoothing": 0.1},
+           "exo_pair": {"loss_type": "exo_pair", "label_smoothing": 1e-3},
+           "sigmoid+ipo": {"loss_type": "sigmoid,ipo", "loss_weights": "1.0,0.5"}}
+LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2),
+           "pp2": dict(pipeline_parallel_size=2, num_microbatches=2),
+           "cp2": dict(context_parallel_size=2),
+           "zero1_dp2": dict(zero_1=True, per_device_train_batch_size=BATCH // 2),
+           "zero3_dp2": dict(zero_stage=3, per_device_train_batch_size=BATCH // 2),
+           "dp2_accumulation": dict(per_device_train_batch_size=1, gradient_accumulation_steps=2),
+           "tp2_precomputed": dict(tensor_parallel_size=2, precompute_ref_log_probs=True)}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dpo")
+    save_chat_tokenizer(WORDS * 20, VOCAB, root / "model")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB)).save_pretrained(root / "model")
+    rng = random.Random(0)
+    with open(root / "pairs.jsonl", "w") as file:
+        for i in range(32):
+            a, b, c = rng.sample(WORDS, 3)
+            file.write(json.dumps({"prompt": f"{a} {i % 7}", "chosen": f" {b}", "rejected": f" {c} {c}"}) + "\n")
+    return root
+
+
+def flags(root: Path, **extra) -> dict:
+    return {**dict(method="dpo", model_name_or_path=str(root / "model"), train_file=str(root / "pairs.jsonl"),
+                   block_size=BLOCK, per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=LR,
+                   device="cpu", save_final=False, seed=0), **extra}
+
+
+def plait_history(root: Path, out: Path, **extra) -> list[dict]:
+    return Trainer(TrainArgs(**flags(root, output_dir=str(out), **extra))).train()
+
+
+def trl_history(root: Path, out: Path, loss_type: str, loss_weights: str | None = None,
+                label_smoothing: float = 0.0) -> list[dict]:
+    from trl import DPOConfig, DPOTrainer
+
+    rows = [json.loads(line) for line in (root / "pairs.jsonl").read_text().splitlines()]
+    sampler = GlobalBatchSampler(len(rows), BATCH, 0)
+    order = [rows[i] for step in range(STEPS) for i in sampler.indices(step).tolist()]
+    model = root / "model"
+    config = DPOConfig(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=LR,
+                       logging_steps=1, report_to=[], max_length=BLOCK, use_cpu=True, save_strategy="no", bf16=False,
+                       train_sampling_strategy="sequential", seed=0, loss_type=loss_type.split(","),
+                       loss_weights=None if loss_weights is None else [float(w) for w in loss_weights.split(",")],
+                       label_smoothing=label_smoothing)
+    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+                         ref_model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), args=config,
+                         train_dataset=Dataset.from_list(order), processing_class=AutoTokenizer.from_pretrained(model))
+    trainer.train()
+    return [record for record in trainer.state.log_history if "loss" in record]
+
+
+def scale(record: dict, key: str, beta: float) -> float:
+    """What a difference in ``key`` is measured against: the value itself, but for a reward, which is beta x a
+    difference of two summed log-probs of tens (fp32 leaves it 1e-7 of noise however small it is), beta x those
+    log-probs; a count of pairs (accuracies) must be exact."""
+    if key == "rewards/accuracies":
+        return 0.0
+    if key.startswith("rewards/"):
+        sides = {"chosen": ("chosen",), "rejected": ("rejected",), "margins": ("chosen", "rejected")}[key[8:]]
+        return beta * sum(abs(record[f"logps/{side}"]) for side in sides)
+    return abs(record[key])
+
+
+def worst(got: list[dict], expected: list[dict], keys=("loss", *METRICS), beta: float = 0.1) -> tuple[float, str]:
+    """The largest difference over steps and ``keys``, relative to ``scale``, and where."""
+    found = [(abs(g[k] - e[k]) / scale(e, k, beta) if scale(e, k, beta) else float(g[k] != e[k]),
+              f"step {e['step']} {k}: {g[k]} vs {e[k]}")
+             for g, e in zip(got, expected, strict=True) for k in keys]
+    return max(found)
+
+
+def test_the_method_table_and_the_flag_name_the_same_methods():
+    assert tuple(METHODS) == METHOD_NAMES
+
+
+@pytest.mark.parametrize("case", LOSSES)
+def test_each_loss_type_matches_trls_dpo_trainer(root, tmp_path, case):
+    settings = LOSSES[case]
+    expected = trl_history(root, tmp_path / "trl", **settings)
+    got = plait_history(root, tmp_path / "plait", **settings)
+    assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(1, STEPS + 1))
+    difference, where = worst(got, expected)
+    assert difference <= 5e-7, where  # measured up to 8.6e-8: fp32 rounding (1.2e-7 is one ulp)
+    assert got[-1]["rewards/margins"] != 0.0  # step 2 trains on what step 1 learned
+
+
+@pytest.fixture(scope="module")
+def layouts(root, tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("layouts")
+    cases = {name: flags(root, output_dir=str(out / name), **layout) for name, layout in LAYOUTS.items()}
+    (out / "flags.json").write_text(json.dumps(cases))
+    launch([WORKER, str(out / "runs.json"), str(out / "flags.json")], 2, timeout=300)
+    return json.loads((out / "runs.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def one_process(root, tmp_path_factory) -> list[dict]:
+    return plait_history(root, tmp_path_factory.mktemp("one"))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_gives_one_process_numbers(layouts, one_process, layout):
+    for rank, record in enumerate(layouts[layout]):
+        difference, where = worst(record["history"], one_process, ("loss", "grad_norm", *METRICS))
+        assert difference <= 5e-7, f"rank {rank}: {where}"  # measured up to 1.7e-7 (dp2 with accumulation)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (dict(loss_type="aot"), r"--loss_type aot: unknown \(aot: its value depends on how the batch is split"),
+    (dict(loss_type="sigmoid,ipo", loss_weights="1"), r"--loss_weights has 1 values for 2 loss types"),
+    (dict(method="next_token", beta=0.2), r"--beta has no effect without --method dpo"),
+    (dict(packing=True), r"--method dpo does not take --packing yet"),
+])
+def test_bad_flags_are_one_line_before_anything_runs(root, tmp_path, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainArgs(**{**flags(root, output_dir=str(tmp_path / "out")), **extra}).validate()
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_data_is_one_line_naming_the_row(root, tmp_path, capsys):
+    from plait.run.methods.preference_data import read_pairs
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "model")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "hi", "chosen": " four", "rejected": " five"}) + "\n"
+                    + json.dumps({"prompt": "hello there", "chosen": " four", "rejected": " four"}) + "\n")
+    with pytest.raises(ConfigError, match=rf"^{rows} line 2: 'chosen' and 'rejected' are the same completion"):
+        read_pairs(rows, tokenizer, BLOCK, "keep_start")
+    rows.write_text(json.dumps({"prompt": "hi", "chosen": " four", "rejected": " five"}) + "\n"
+                    + json.dumps({"prompt": "hello there " * 20, "chosen": " four", "rejected": " five"}) + "\n")
+    assert len(read_pairs(rows, tokenizer, BLOCK, "keep_start")) == 1
+    assert f"note: dropped 1 preference row(s) of {rows} whose prompt alone fills --block_size {BLOCK} (lines 2)" in \
+        capsys.readouterr().err
+    assert len(read_pairs(rows, tokenizer, BLOCK, "keep_end")) == 2
+
+
+def test_a_reference_with_another_vocabulary_is_refused_before_any_process_group(root, tmp_path):
+    from plait.run.methods.dpo import DPO
+    from plait.run.model_config import read_model_config
+
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB + 64)).save_pretrained(tmp_path / "ref")
+    args = TrainArgs(**flags(root, output_dir=str(tmp_path / "out"), ref_model_name_or_path=str(tmp_path / "ref")))
+    with pytest.raises(ConfigError, match=rf"^--ref_model_name_or_path {tmp_path / 'ref'} has vocab_size {VOCAB + 64}, "
+                                          rf"the policy {VOCAB}; the reference must share the policy's tokenizer$"):
+        DPO.load_data(args, read_model_config(args, None), None)  # the trainer reads data before any group exists
