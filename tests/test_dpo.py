@@ -4,9 +4,10 @@ TRL's DPOTrainer trains the same tiny model (it and its reference loaded from on
 the order plait's seeded sampler draws them, in fp32 (DPOConfig turns bf16 on by default: off here), with the same
 AdamW, learning-rate schedule and clipping; each step's loss and TRL's logged metrics (rewards/chosen,
 rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected) must agree within 1e-5 for
-every loss type plait offers, and for two combined with weights. Then one launched world of 2 ranks runs DPO at
+every loss type plait offers, for two combined with weights, and under LoRA (TRL's reference is then peft's model
+with its adapters off, plait's the same: no second copy). Then one launched world of 2 ranks runs DPO at
 tp=2 with SP, pp=2, cp=2, ZeRO-1 and ZeRO-3 at dp=2, dp=2 with accumulation, and tp=2 with the reference's
-log-probs precomputed: every rank's loss, gradient norm and metrics at every step equal one process's.
+log-probs precomputed, and LoRA at tp=2 and at pp=2 (precomputed): every rank's loss, gradient norm and metrics at every step equal one process's.
 """
 
 from __future__ import annotations
@@ -33,20 +34,26 @@ from tiny_models import tiny_config
 
 WORKER = str(Path(__file__).parent / "workers" / "trainers.py")
 VOCAB, BLOCK, BATCH, STEPS, LR = 320, 32, 4, 2, 1e-3
+TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # named: peft's default for Llama is q and v
 WORDS = ["what is two plus two", "four", "five", "name a colour", "blue", "green", "hello there", "hi", "a cat", "a dog"]
 # each loss type plait offers, with the label smoothing the ones that read it need; and two of them combined
 LOSSES = {name: {"loss_type": name} for name in ("sigmoid", "hinge", "ipo", "apo_zero", "apo_down", "nca_pair",
                                                   "bco_pair", "sppo_hard", "sigmoid_norm")}
 LOSSES |= {"robust": {"loss_type": "robust", "label_smoothing": 0.1},
            "exo_pair": {"loss_type": "exo_pair", "label_smoothing": 1e-3},
-           "sigmoid+ipo": {"loss_type": "sigmoid,ipo", "loss_weights": "1.0,0.5"}}
+           "sigmoid+ipo": {"loss_type": "sigmoid,ipo", "loss_weights": "1.0,0.5"},
+           "sigmoid, LoRA": {"loss_type": "sigmoid", "lora_r": 4, "lora_target_modules": TARGETS}}
 LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2),
            "pp2": dict(pipeline_parallel_size=2, num_microbatches=2),
            "cp2": dict(context_parallel_size=2),
            "zero1_dp2": dict(zero_1=True, per_device_train_batch_size=BATCH // 2),
            "zero3_dp2": dict(zero_stage=3, per_device_train_batch_size=BATCH // 2),
            "dp2_accumulation": dict(per_device_train_batch_size=1, gradient_accumulation_steps=2),
-           "tp2_precomputed": dict(tensor_parallel_size=2, precompute_ref_log_probs=True)}
+           "tp2_precomputed": dict(tensor_parallel_size=2, precompute_ref_log_probs=True),
+           "tp2_lora": dict(tensor_parallel_size=2, lora_r=4),
+           "pp2_lora_precomputed": dict(pipeline_parallel_size=2, num_microbatches=2, lora_r=4,
+                                        precompute_ref_log_probs=True)}
+LORA_LAYOUTS = ("tp2_lora", "pp2_lora_precomputed")
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +80,25 @@ def plait_history(root: Path, out: Path, **extra) -> list[dict]:
     return Trainer(TrainArgs(**flags(root, output_dir=str(out), **extra))).train()
 
 
+def peft_model(root: Path, lora_r: int):
+    """The model under peft's LoRA as ``plait train --lora_r`` starts it: peft's config from the same flags, A from
+    plait's seeded init (B is zero in both)."""
+    from peft import get_peft_model
+
+    from plait.lora.layers import full_init
+
+    args = TrainArgs(**flags(root, lora_r=lora_r, lora_target_modules=TARGETS))
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32), args.lora())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_A" in name:
+                plain = name.removeprefix("base_model.model.").replace(".default.", ".")
+                param.copy_(full_init(plain, tuple(param.shape), True, args.seed))
+    return model
+
+
 def trl_history(root: Path, out: Path, loss_type: str, loss_weights: str | None = None,
-                label_smoothing: float = 0.0) -> list[dict]:
+                label_smoothing: float = 0.0, lora_r: int = 0, lora_target_modules: str = "") -> list[dict]:
     from trl import DPOConfig, DPOTrainer
 
     rows = [json.loads(line) for line in (root / "pairs.jsonl").read_text().splitlines()]
@@ -86,8 +110,12 @@ def trl_history(root: Path, out: Path, loss_type: str, loss_weights: str | None 
                        train_sampling_strategy="sequential", seed=0, loss_type=loss_type.split(","),
                        loss_weights=None if loss_weights is None else [float(w) for w in loss_weights.split(",")],
                        label_smoothing=label_smoothing)
-    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
-                         ref_model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), args=config,
+    if lora_r:  # TRL's reference is then the model with its adapters off
+        policy, reference = peft_model(root, lora_r), None
+    else:
+        policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=config,
                          train_dataset=Dataset.from_list(order), processing_class=AutoTokenizer.from_pretrained(model))
     trainer.train()
     return [record for record in trainer.state.log_history if "loss" in record]
@@ -138,14 +166,16 @@ def layouts(root, tmp_path_factory) -> dict[str, list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def one_process(root, tmp_path_factory) -> list[dict]:
-    return plait_history(root, tmp_path_factory.mktemp("one"))
+def one_process(root, tmp_path_factory) -> dict[str, list[dict]]:
+    return {"full": plait_history(root, tmp_path_factory.mktemp("one")),
+            "lora": plait_history(root, tmp_path_factory.mktemp("one_lora"), lora_r=4)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layout_gives_one_process_numbers(layouts, one_process, layout):
+    expected = one_process["lora" if layout in LORA_LAYOUTS else "full"]
     for rank, record in enumerate(layouts[layout]):
-        difference, where = worst(record["history"], one_process, ("loss", "grad_norm", *METRICS))
+        difference, where = worst(record["history"], expected, ("loss", "grad_norm", *METRICS))
         assert difference <= 5e-7, f"rank {rank}: {where}"  # measured up to 1.7e-7 (dp2 with accumulation)
 
 

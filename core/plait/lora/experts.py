@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from plait.lora import switch
+
 
 def updated(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, transposed: bool) -> torch.Tensor:
     """``weight`` plus ``scale * B_e @ A_e`` for each of its experts (as many as ``weight.shape[0]``; A and B in
@@ -36,6 +38,8 @@ def install(module: nn.Module, factors: dict[str, nn.Module], scale: float) -> N
     transposed = getattr(module, "is_transposed", False)  # peft reads the layout from the same attribute
 
     def forward(*args, **kwargs):
+        if not switch.active():
+            return inner(*args, **kwargs)
         frozen = {leaf: module._parameters[leaf] for leaf in factors}
         try:
             for leaf, holder in factors.items():  # torch.func.functional_call's swap, without re-entering hooks

@@ -17,7 +17,7 @@ from torch import nn
 
 from plait.base.mesh import Mesh
 from plait.base.seeds import init_seed
-from plait.lora import experts
+from plait.lora import experts, switch
 from plait.lora.layout import LORA_A, LORA_B, WRAPPER, LoraPlan
 from plait.tp import mappings
 
@@ -132,6 +132,8 @@ def _column_hook(scale: float):
     is the same tensor, gathered once under SP), B's rows are the base's output features."""
 
     def hook(module, args, output):
+        if not switch.active():
+            return output
         x = args[0]
         entry = getattr(module, "entry", None)
         if entry is not None:
@@ -147,6 +149,8 @@ def _row_hook(scale: float, mesh: Mesh, sequence_parallel: bool):
     (reduce-scattered to sequence shards under SP), as the base output is, before B."""
 
     def hook(module, args, output):
+        if not switch.active():
+            return output
         low = F.linear(module.lora_dropout(args[0]), module.lora_A.weight)
         if sequence_parallel:
             low = mappings.reduce_scatter_to_seq(low, mesh.tp_group)

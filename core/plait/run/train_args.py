@@ -263,12 +263,11 @@ class TrainArgs:
 
         PreferenceLoss(self.beta, tuple(self.dpo_loss_types()), weights, self.label_smoothing)
         sft_only = [(self.validation_file, "--validation_file"), (self.packing, "--packing"),
-                    (self.lora_r, "--lora_r"), (self.dataset_name, "--dataset_name")]
+                    (self.dataset_name, "--dataset_name")]
         given = [flag for value, flag in sft_only if value]
         if given:
             raise ConfigError(f"--method dpo does not take {', '.join(given)} yet (preference evaluation, packed "
-                              f"pairs, LoRA's adapters-off reference and datasets dirs are to come); drop "
-                              f"{'them' if len(given) > 1 else 'it'}")
+                              f"pairs and datasets dirs are to come); drop {'them' if len(given) > 1 else 'it'}")
 
     def _check_output_dir(self) -> None:
         out = Path(self.output_dir)

@@ -8,13 +8,15 @@ pp), then ``PreferenceLoss`` per pair, summed and divided by the global batch's 
 and micro-steps gives one process's loss.
 
 The reference is the starting policy (or --ref_model_name_or_path), laid out on the same mesh as a second, frozen
-model, read forward-only each step; with --precompute_ref_log_probs it is read once over the whole dataset before
-the first step and then dropped. TRL's metrics (rewards/chosen, rewards/rejected, rewards/accuracies,
+model, read forward-only each step; under LoRA it is the policy's frozen base, read with the adapters off (TRL's and
+peft's way: no second copy); with --precompute_ref_log_probs it is read once over the whole dataset before the first
+step (a second model then dropped). TRL's metrics (rewards/chosen, rewards/rejected, rewards/accuracies,
 rewards/margins, logps/chosen, logps/rejected) are means over the global batch's pairs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 from pathlib import Path
@@ -31,6 +33,7 @@ from plait.data import local_microbatch
 from plait.data.paths import tokenizer_dir
 from plait.data.tokenizer import load_tokenizer
 from plait.layout_plan import plan_layout
+from plait.lora import switch
 from plait.parallelize import ParallelModel, parallelize
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.preference_data import Pair, pair_rows, read_pairs
@@ -47,14 +50,14 @@ class DPO(TrainingMethod):
     """Preference pairs, the loss's settings and the reference: a frozen model on the same mesh, or a table of
     every row's log-prob read from it before training (--precompute_ref_log_probs)."""
 
-    def __init__(self, pairs: list[Pair], loss: PreferenceLoss, reference: ParallelModel, pad_id: int,
+    def __init__(self, pairs: list[Pair], loss: PreferenceLoss, reference: Reference, pad_id: int,
                  max_length: int, truncation_mode: str, batch_pairs: int, precompute: bool,
                  device: torch.device) -> None:
         self.pairs, self.loss, self.pad_id, self.batch_pairs = pairs, loss, pad_id, batch_pairs
         self.max_length, self.truncation_mode = max_length, truncation_mode
-        self.reference: ParallelModel | None = reference
+        self.reference: Reference | None = reference
         self.table: torch.Tensor | None = None  # precomputed: [pairs, 2] reference log-probs
-        mesh = reference.mesh
+        mesh = reference.model.mesh
         config = mesh.config
         # the sequence length the layout splits: 2*cp under cp (load-balanced halves), tp under SP
         self.multiple = (2 * mesh.cp if mesh.cp > 1 else 1) * (mesh.tp if config.sequence_parallel else 1)
@@ -63,7 +66,7 @@ class DPO(TrainingMethod):
         self.local_tokens = 0  # the tokens of this rank's rows in the step
         if precompute:
             self.table = self._precompute(reference, device)
-            self.reference = None  # its memory back before training starts
+            self.reference = None  # a second model's memory back before training starts
 
     @classmethod
     def load_data(cls, args: Any, model_config: Any, plan: Any) -> tuple[list[Pair], None, Any]:
@@ -86,7 +89,10 @@ class DPO(TrainingMethod):
     def create(cls, trainer: Any) -> "DPO":
         args = trainer.args
         loss = PreferenceLoss(args.beta, tuple(args.dpo_loss_types()), args.dpo_loss_weights(), args.label_smoothing)
-        reference = build_reference(args, trainer.pmodel, trainer.device)
+        if trainer.pmodel.plan.lora is not None and not args.ref_model_name_or_path:
+            reference = Reference(trainer.pmodel, adapters_off=True)  # the base: peft's disable_adapter, no copy
+        else:
+            reference = Reference(build_reference(args, trainer.pmodel, trainer.device))
         tokenizer = trainer.tokenizer
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return cls(trainer.blocks, loss, reference, pad_id, args.block_size, args.truncation_mode,
@@ -114,7 +120,7 @@ class DPO(TrainingMethod):
         if self.table is not None:
             reference = self.table[pairs.to(self.table.device)].reshape(-1).to(ids.device)
         else:
-            reference = row_logps(self.reference, ids, labels)
+            reference = self.reference.logps(ids, labels)
         self.step_pairs = divisor
         policy = torch.full_like(reference, float("nan"))  # each row's log-prob, where this rank computes the loss
         self.seen.append((policy, reference, tokens))
@@ -155,11 +161,11 @@ class DPO(TrainingMethod):
     def step_tokens(self) -> int:
         return int(self.tokens)
 
-    def _precompute(self, reference: ParallelModel, device: torch.device) -> torch.Tensor:
+    def _precompute(self, reference: Reference, device: torch.device) -> torch.Tensor:
         """Every pair's reference log-probs [pairs, 2] on every rank: each dp replica reads every dp-th pair, in
         batches of a micro-step's pairs (the last one filled up with pair 0, read and dropped), the same number of
         batches on every rank (expert parallelism's dispatch is a collective over dp ranks)."""
-        mesh, size = reference.mesh, self.batch_pairs
+        mesh, size = reference.model.mesh, self.batch_pairs
         table = torch.zeros(len(self.pairs), 2, dtype=torch.float64, device=device)
         mine = list(range(mesh.dp_rank, len(self.pairs), mesh.dp))
         for start in range(0, -(-len(self.pairs) // mesh.dp), size):
@@ -167,11 +173,23 @@ class DPO(TrainingMethod):
             padded = chunk + [0] * (size - len(chunk))
             ids, labels = pair_rows(self.pairs, padded, self.pad_id, self.max_length, self.truncation_mode,
                                     self.multiple)
-            logps = row_logps(reference, ids.to(device), labels.to(device)).reshape(-1, 2)
+            logps = reference.logps(ids.to(device), labels.to(device)).reshape(-1, 2)
             if chunk:
                 table[torch.tensor(chunk, device=device)] = logps[:len(chunk)].to(table)
         table = comm.all_reduce(table, mesh.dp_group)
         return comm.broadcast(table, mesh.pp_group, src=mesh.pp - 1) if mesh.pp > 1 else table
+
+
+class Reference:
+    """Where the reference's log-probs come from: a frozen model on the policy's mesh, or under LoRA the policy itself
+    with its adapters off (its frozen base)."""
+
+    def __init__(self, model: ParallelModel, adapters_off: bool = False) -> None:
+        self.model, self.adapters_off = model, adapters_off
+
+    def logps(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with switch.adapters_off() if self.adapters_off else contextlib.nullcontext():
+            return row_logps(self.model, ids, labels)
 
 
 def row_logps(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -183,8 +201,12 @@ def row_logps(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor) -> 
         out[logits.rows] = logits.sequence_sum(logits.label_logps()).detach().to(out)
         return logits.values.new_zeros((), dtype=torch.float32)
 
+    training = model.training
     model.eval()
-    model.eval_loss(ids, labels, objective=record)
+    try:
+        model.eval_loss(ids, labels, objective=record)
+    finally:
+        model.train(training)
     return out
 
 
