@@ -43,11 +43,13 @@ def _names(listed: str) -> list[str]:
 
 
 LORA_SETTINGS = ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters")  # need --lora_r
-METHODS = ("next_token", "dpo")  # plait.run.methods.table.METHODS, by name (tests/test_dpo.py holds them equal)
+METHODS = ("next_token", "dpo", "kd")  # plait.run.methods.table.METHODS, by name (tests/test_dpo.py holds them equal)
 # DPO's flags, with TRL's names (DPOConfig); they need --method dpo
 DPO_SETTINGS = ("beta", "loss_type", "loss_weights", "label_smoothing", "truncation_mode", "precompute_ref_log_probs",
                 "ref_model_name_or_path")
 TRUNCATION_MODES = ("keep_start", "keep_end")
+KD_SETTINGS = ("teacher_model_name_or_path", "kd_loss", "kd_beta", "kd_temperature", "kd_ratio")  # need --method kd
+KD_LOSSES = ("fkl", "rkl", "jsd")  # plait.run.methods.kd.divergence's kinds
 
 
 @dataclass
@@ -123,7 +125,7 @@ class TrainArgs:
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input (peft's lora_dropout)"})
     lora_target_modules: str | None = field(default=None, metadata={"help": "comma-separated module names as peft takes them (default: the attention and MLP projections of the adapter's TP plan; '': none, with --lora_target_parameters)"})
     lora_target_parameters: str | None = field(default=None, metadata={"help": "comma-separated expert parameters as peft's target_parameters takes them, e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj (routed experts' stacked weights; no --lora_dropout)"})
-    method: str = field(default="next_token", metadata={"help": f"the training method: one of {', '.join(METHODS)} (next_token: language modelling, or SFT on chat / prompt-completion data; dpo: preference training on a .jsonl of 'prompt', 'chosen', 'rejected' rows, TRL's DPOTrainer; --block_size is its max_length)"})
+    method: str = field(default="next_token", metadata={"help": f"the training method: one of {', '.join(METHODS)} (next_token: language modelling, or SFT on chat / prompt-completion data; dpo: preference training on a .jsonl of 'prompt', 'chosen', 'rejected' rows, TRL's DPOTrainer; --block_size is its max_length; kd: distillation from --teacher_model_name_or_path on the next-token data)"})
     beta: float = field(default=0.1, metadata={"help": "dpo: the strength of the pull to the reference model (TRL's beta)"})
     loss_type: str = field(default="sigmoid", metadata={"help": "dpo: the preference loss, or several comma-separated (summed, weighted by --loss_weights), as TRL's loss_type: sigmoid, hinge, ipo, robust, apo_zero, apo_down, nca_pair, bco_pair, sppo_hard, sigmoid_norm, exo_pair"})
     loss_weights: str | None = field(default=None, metadata={"help": "dpo: comma-separated weights, one per --loss_type (default: 1 each)"})
@@ -131,6 +133,11 @@ class TrainArgs:
     truncation_mode: str = field(default="keep_start", metadata={"help": f"dpo: how a prompt + completion longer than --block_size is cut: one of {', '.join(TRUNCATION_MODES)} (keep_start drops rows whose prompt alone fills it, as TRL)"})
     precompute_ref_log_probs: bool = field(default=False, metadata={"help": "dpo: read the reference model's log-probs of every row once before training, then free it"})
     ref_model_name_or_path: str | None = field(default=None, metadata={"help": "dpo: the reference model's directory (same vocabulary; default: the policy as it starts)"})
+    teacher_model_name_or_path: str | None = field(default=None, metadata={"help": "kd: the teacher's model directory (or plait checkpoint): the student's vocabulary, any size; laid out on the student's layout, forward-only"})
+    kd_loss: str = field(default="fkl", metadata={"help": f"kd: the divergence per token, one of {', '.join(KD_LOSSES)}: fkl KL(teacher||student), rkl KL(student||teacher), jsd the generalized Jensen-Shannon divergence with --kd_beta (TRL's generalized_jsd_loss: beta 0 is fkl, 1 rkl)"})
+    kd_beta: float = field(default=0.5, metadata={"help": "kd: the teacher's weight in jsd's mixture, strictly between 0 and 1 (TRL's GKD beta)"})
+    kd_temperature: float = field(default=1.0, metadata={"help": "kd: both models' logits are divided by it before the divergence"})
+    kd_ratio: float = field(default=0.5, metadata={"help": "kd: the loss is (1 - kd_ratio) x cross-entropy + kd_ratio x divergence (1: the divergence alone)"})
 
     def lora(self) -> "LoraConfig | None":
         """peft's LoraConfig from the --lora_* flags (None without --lora_r)."""
@@ -244,12 +251,15 @@ class TrainArgs:
         if self.method not in METHODS:
             raise ConfigError(f"--method {self.method!r} is unknown; choose one of {', '.join(METHODS)}")
         defaults = {f.name: f.default for f in fields(self)}
-        if self.method != "dpo":
-            given = [f"--{name}" for name in DPO_SETTINGS if getattr(self, name) != defaults[name]]
-            if given:
+        for method, settings in (("kd", KD_SETTINGS), ("dpo", DPO_SETTINGS)):
+            given = [f"--{name}" for name in settings if getattr(self, name) != defaults[name]]
+            if given and self.method != method:
                 raise ConfigError(f"{', '.join(given)} ha{'ve' if len(given) > 1 else 's'} no effect without --method "
-                                  f"dpo (--method {self.method}); drop {'them' if len(given) > 1 else 'it'}, or add "
-                                  f"--method dpo")
+                                  f"{method} (--method {self.method}); drop {'them' if len(given) > 1 else 'it'}, or "
+                                  f"add --method {method}")
+        if self.method == "kd":
+            self._validate_kd(defaults)
+        if self.method != "dpo":
             return
         if self.truncation_mode not in TRUNCATION_MODES:
             raise ConfigError(f"--truncation_mode {self.truncation_mode!r} is unknown; choose one of "
@@ -268,6 +278,23 @@ class TrainArgs:
         if given:
             raise ConfigError(f"--method dpo does not take {', '.join(given)} yet (preference evaluation, packed "
                               f"pairs and datasets dirs are to come); drop {'them' if len(given) > 1 else 'it'}")
+
+    def _validate_kd(self, defaults: dict) -> None:
+        if not self.teacher_model_name_or_path:
+            raise ConfigError("--method kd needs --teacher_model_name_or_path: the teacher's model directory")
+        if self.kd_loss not in KD_LOSSES:
+            raise ConfigError(f"--kd_loss {self.kd_loss!r} is unknown; choose one of {', '.join(KD_LOSSES)}")
+        if self.kd_loss != "jsd" and self.kd_beta != defaults["kd_beta"]:
+            raise ConfigError(f"--kd_beta has no effect with --kd_loss {self.kd_loss} (it weighs jsd's mixture); drop "
+                              f"it, or use --kd_loss jsd")
+        if not 0.0 < self.kd_beta < 1.0:
+            raise ConfigError(f"--kd_beta={self.kd_beta:g} must lie strictly between 0 and 1 (0 is --kd_loss fkl, 1 is "
+                              f"--kd_loss rkl)")
+        if not self.kd_temperature > 0.0:
+            raise ConfigError(f"--kd_temperature={self.kd_temperature:g} must be positive")
+        if not 0.0 <= self.kd_ratio <= 1.0:
+            raise ConfigError(f"--kd_ratio={self.kd_ratio:g} must lie in [0, 1] (the divergence's weight against the "
+                              f"cross-entropy)")
 
     def _check_output_dir(self) -> None:
         out = Path(self.output_dir)

@@ -6,7 +6,8 @@ reading them exactly takes: the labels aligned with them, which rows of the ``tr
 vocabulary slice (tensor parallelism) and the sequence slice (context parallelism) this rank holds. Its
 ``label_logps`` is the vocab-parallel cross-entropy per token, negated (no vocabulary is gathered), and its
 ``sequence_sum`` sums per row over the whole sequence, across the cp ranks, with a backward that hands every cp rank
-the gradient of the whole sum. An objective computes from these its share of the step's loss: the shares of every
+the gradient of the whole sum; ``log_softmax`` and ``vocab_sum`` give the full-vocabulary distribution a divergence
+needs (distillation), still without gathering the vocabulary. An objective computes from these its share of the step's loss: the shares of every
 micro-batch and of the dp x cp ranks sum to the loss (a term computed from ``sequence_sum`` is the same on each cp
 rank, so it divides by ``cp``).
 """
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from plait.base import comm
 from plait.base.mesh import Mesh
+from plait.tp import mappings
 from plait.tp.loss import IGNORE_INDEX, CausalLMLoss, _flat_upcast, _VocabParallelCrossEntropy, shift_labels
 
 
@@ -62,6 +64,25 @@ class Logits:
         else:
             loss = _VocabParallelCrossEntropy.apply(flat, labels, self.vocab_start, self.tp_group)
         return -loss.view(self.labels.shape)
+
+    def log_softmax(self, values: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+        """log-probs over the whole vocabulary of this rank's slice of ``values`` (default: these logits; a teacher's
+        logits sliced alike), divided by ``temperature`` first, in at least fp32 [rows, seq, vocab slice]. Under tp
+        the normaliser is summed over the ranks' slices; its gradient reaches each rank's own logits exactly."""
+        z = (self.values if values is None else values)
+        z = z.to(torch.promote_types(z.dtype, torch.float32)) / temperature
+        if comm.group_size(self.tp_group) == 1:
+            return F.log_softmax(z, dim=-1)
+        peak = comm.all_reduce(z.detach().amax(dim=-1), self.tp_group, op="max")  # a constant: cancels in the result
+        # every rank's log-probs read the normaliser, so its gradient is the sum of theirs (not vocab_sum's identity)
+        total = _SumOverGroup.apply((z - peak.unsqueeze(-1)).exp().sum(dim=-1), self.tp_group)
+        return z - (total.log() + peak).unsqueeze(-1)
+
+    def vocab_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` [rows, seq, vocab slice] summed over the whole vocabulary [rows, seq], the same on every tp rank,
+        for a loss every tp rank computes alike from it (forward all-reduce, backward identity: each rank's slice gets
+        the gradient of the whole sum, which every rank holds)."""
+        return mappings.reduce_from_tp(values.sum(dim=-1), self.tp_group)
 
     def sequence_sum(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` [rows, seq] summed per row over the whole sequence (every cp rank's slice) [rows]."""

@@ -17,8 +17,6 @@ rewards/margins, logps/chosen, logps/rejected) are means over the global batch's
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +25,13 @@ import torch
 from plait.base import comm
 from plait.base.config import ConfigError
 from plait.base.mesh import Mesh
-from plait.base.meta import build_meta_model
-from plait.checkpoint.materialize import materialize, resolve_source
 from plait.data import local_microbatch
 from plait.data.paths import tokenizer_dir
 from plait.data.tokenizer import load_tokenizer
-from plait.layout_plan import plan_layout
 from plait.lora import switch
-from plait.parallelize import ParallelModel, parallelize
+from plait.parallelize import ParallelModel
 from plait.run.methods.base import TrainingMethod
+from plait.run.methods.frozen import check_vocabulary, frozen_on_mesh
 from plait.run.methods.preference_data import Pair, pair_rows, read_pairs
 from plait.run.methods.preference_loss import PairLogps, PreferenceLoss
 from plait.tp.logprobs import Logits
@@ -77,11 +73,8 @@ class DPO(TrainingMethod):
         if folder is None:
             raise ConfigError("--method dpo needs a tokenizer: give --model_name_or_path with one, or --tokenizer_name")
         if args.ref_model_name_or_path:  # before any process group: its config alone
-            reference = resolve_source(args.ref_model_name_or_path)[0]
-            if reference.vocab_size != model_config.vocab_size:
-                raise ConfigError(f"--ref_model_name_or_path {args.ref_model_name_or_path} has vocab_size "
-                                  f"{reference.vocab_size}, the policy {model_config.vocab_size}; the reference must "
-                                  f"share the policy's tokenizer")
+            check_vocabulary("--ref_model_name_or_path", args.ref_model_name_or_path, "reference", "policy",
+                             model_config)
         tokenizer = load_tokenizer(folder, model_config.vocab_size)
         return read_pairs(Path(args.train_file), tokenizer, args.block_size, args.truncation_mode), None, tokenizer
 
@@ -92,7 +85,8 @@ class DPO(TrainingMethod):
         if trainer.pmodel.plan.lora is not None and not args.ref_model_name_or_path:
             reference = Reference(trainer.pmodel, adapters_off=True)  # the base: peft's disable_adapter, no copy
         else:
-            reference = Reference(build_reference(args, trainer.pmodel, trainer.device))
+            source = args.ref_model_name_or_path or args.model_name_or_path or trainer.pmodel.plan.model_config
+            reference = Reference(frozen_on_mesh(source, args, trainer.pmodel, trainer.device))
         tokenizer = trainer.tokenizer
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return cls(trainer.blocks, loss, reference, pad_id, args.block_size, args.truncation_mode,
@@ -208,19 +202,3 @@ def row_logps(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor) -> 
     finally:
         model.train(training)
     return out
-
-
-def build_reference(args: Any, policy: ParallelModel, device: torch.device) -> ParallelModel:
-    """The reference model on the policy's layout, frozen: --ref_model_name_or_path, else the policy as it started
-    (the model directory, or the same seeded init; never a checkpoint being resumed)."""
-    source = args.ref_model_name_or_path or args.model_name_or_path or policy.plan.model_config
-    config, kind, path = resolve_source(source)  # its vocabulary was checked with the data (DPO.load_data)
-    meta = build_meta_model(config, torch.bfloat16 if args.bf16 else torch.float32)
-    # forward-only: no optimizer state to shard, no backward to recompute for
-    layout = dataclasses.replace(policy.config, zero_stage=0, zero_1=False, mixed_precision=False,
-                                 gradient_checkpointing=False)
-    plan = plan_layout(meta, layout, comm.group_size(comm.world_group()))
-    reference = parallelize(meta, plan, timeout=datetime.timedelta(seconds=args.ddp_timeout))
-    materialize(reference, kind, path, seed=args.seed, device=device)
-    reference.requires_grad_(False)
-    return reference

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.dpo import DPO
+from plait.run.methods.kd import Distillation
 from plait.run.methods.next_token import NextToken
 
-METHODS: dict[str, type[TrainingMethod]] = {"next_token": NextToken, "dpo": DPO}
+METHODS: dict[str, type[TrainingMethod]] = {"next_token": NextToken, "dpo": DPO, "kd": Distillation}

@@ -1,0 +1,45 @@
+"""A frozen second model on the trained model's mesh: DPO's reference, distillation's teacher.
+
+It is laid out with the trained model's layout (the same tp, cp, pp and dp ranks, so its logits for a micro-batch are
+on the ranks that compute the loss, sliced the same way), forward-only: no ZeRO sharding of optimizer state it does
+not have, no activation checkpointing for a backward it never runs. Its weights are read lazily into its shards as
+the trained model's are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any
+
+import torch
+
+from plait.base import comm
+from plait.base.config import ConfigError
+from plait.base.meta import build_meta_model
+from plait.checkpoint.materialize import materialize, resolve_source
+from plait.layout_plan import plan_layout
+from plait.parallelize import ParallelModel, parallelize
+
+
+def check_vocabulary(flag: str, source: str, role: str, trained: str, model_config: Any) -> None:
+    """Refuse a second model whose vocabulary is not the trained model's, from its config alone (before any
+    process group): its log-probs would be of other tokens."""
+    other = resolve_source(source)[0]
+    if other.vocab_size != model_config.vocab_size:
+        raise ConfigError(f"{flag} {source} has vocab_size {other.vocab_size}, the {trained} "
+                          f"{model_config.vocab_size}; the {role} must share the {trained}'s tokenizer")
+
+
+def frozen_on_mesh(source: Any, args: Any, trained: ParallelModel, device: torch.device) -> ParallelModel:
+    """The model at ``source`` (a model directory, a plait checkpoint or a config for the seeded init, as
+    ``resolve_source`` reads it) on ``trained``'s layout, frozen, in ``trained``'s dtype."""
+    config, kind, path = resolve_source(source)
+    meta = build_meta_model(config, torch.bfloat16 if args.bf16 else torch.float32)
+    layout = dataclasses.replace(trained.config, zero_stage=0, zero_1=False, mixed_precision=False,
+                                 gradient_checkpointing=False)
+    plan = plan_layout(meta, layout, comm.group_size(comm.world_group()))
+    model = parallelize(meta, plan, timeout=datetime.timedelta(seconds=args.ddp_timeout))
+    materialize(model, kind, path, seed=args.seed, device=device)
+    model.requires_grad_(False)
+    return model
