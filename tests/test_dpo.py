@@ -4,10 +4,10 @@ TRL's DPOTrainer trains the same tiny model (it and its reference loaded from on
 the order plait's seeded sampler draws them, in fp32 (DPOConfig turns bf16 on by default: off here), with the same
 AdamW, learning-rate schedule and clipping; each step's loss and TRL's logged metrics (rewards/chosen,
 rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected) must agree within 1e-5 for
-every loss type plait offers, for two combined with weights, and under LoRA (TRL's reference is then peft's model
+every loss type plait offers, for two combined with weights, for RPO (sigmoid with TRL's sft term), and under LoRA (TRL's reference is then peft's model
 with its adapters off, plait's the same: no second copy). Then one launched world of 2 ranks runs DPO at
 tp=2 with SP, pp=2, cp=2, ZeRO-1 and ZeRO-3 at dp=2, dp=2 with accumulation, and tp=2 with the reference's
-log-probs precomputed, and LoRA at tp=2 and at pp=2 (precomputed): every rank's loss, gradient norm and metrics at every step equal one process's.
+log-probs precomputed, LoRA at tp=2 and at pp=2 (precomputed), and RPO at cp=2 and at dp=2 with accumulation: every rank's loss, gradient norm and metrics at every step equal one process's.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ LOSSES = {name: {"loss_type": name} for name in ("sigmoid", "hinge", "ipo", "apo
 LOSSES |= {"robust": {"loss_type": "robust", "label_smoothing": 0.1},
            "exo_pair": {"loss_type": "exo_pair", "label_smoothing": 1e-3},
            "sigmoid+ipo": {"loss_type": "sigmoid,ipo", "loss_weights": "1.0,0.5"},
+           "rpo": {"loss_type": "sigmoid,sft", "loss_weights": "1.0,0.5"},  # the sft term: over the batch's tokens
            "sigmoid, LoRA": {"loss_type": "sigmoid", "lora_r": 4, "lora_target_modules": TARGETS}}
 LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2),
            "pp2": dict(pipeline_parallel_size=2, num_microbatches=2),
@@ -54,6 +55,9 @@ LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2),
            "pp2_lora_precomputed": dict(pipeline_parallel_size=2, num_microbatches=2, lora_r=4,
                                         precompute_ref_log_probs=True)}
 LORA_LAYOUTS = ("tp2_lora", "pp2_lora_precomputed")
+RPO = dict(loss_type="sigmoid,sft", loss_weights="1.0,0.5")
+LAYOUTS |= {"cp2_rpo": dict(context_parallel_size=2, **RPO),  # the sft term: its token count global, 1/cp per rank
+            "dp2_accumulation_rpo": dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, **RPO)}
 
 
 @pytest.fixture(scope="module")
@@ -168,12 +172,13 @@ def layouts(root, tmp_path_factory) -> dict[str, list[dict]]:
 @pytest.fixture(scope="module")
 def one_process(root, tmp_path_factory) -> dict[str, list[dict]]:
     return {"full": plait_history(root, tmp_path_factory.mktemp("one")),
-            "lora": plait_history(root, tmp_path_factory.mktemp("one_lora"), lora_r=4)}
+            "lora": plait_history(root, tmp_path_factory.mktemp("one_lora"), lora_r=4),
+            "rpo": plait_history(root, tmp_path_factory.mktemp("one_rpo"), **RPO)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layout_gives_one_process_numbers(layouts, one_process, layout):
-    expected = one_process["lora" if layout in LORA_LAYOUTS else "full"]
+    expected = one_process["lora" if layout in LORA_LAYOUTS else "rpo" if layout.endswith("rpo") else "full"]
     for rank, record in enumerate(layouts[layout]):
         difference, where = worst(record["history"], expected, ("loss", "grad_norm", *METRICS))
         assert difference <= 5e-7, f"rank {rank}: {where}"  # measured up to 1.7e-7 (dp2 with accumulation)

@@ -57,14 +57,17 @@ def plait_loss(loss: PreferenceLoss, data: dict) -> tuple[float, dict[str, float
     logps, counts = data["log_probs"].sum(dim=1), data["completion_mask"].sum(dim=1)
     pairs = PairLogps(*logps.chunk(2), *data["ref_logps"].chunk(2), *counts.chunk(2))
     sums = loss.metric_sums(pairs)
-    return float(loss.per_pair(pairs).sum() / PAIRS), {k: float(v / PAIRS) for k, v in sums.items()}
+    chosen_tokens = data["completion_mask"][:PAIRS, 1:].sum()  # the labelled (shifted) chosen positions
+    value = loss.per_pair(pairs).sum() / PAIRS - loss.sft_weight * logps[:PAIRS].sum() / chosen_tokens
+    return float(value), {k: float(v / PAIRS) for k, v in sums.items()}
 
 
 @pytest.mark.parametrize("loss", [PreferenceLoss(loss_type=(t,), beta=0.3,
                                                  label_smoothing=0.1 if t in ("robust", "exo_pair") else 0.0)
                                   for t in LOSS_TYPES] +
-                         [PreferenceLoss(loss_type=("sigmoid", "bco_pair", "hinge"), loss_weights=(0.8, 0.2, 1.0))],
-                         ids=list(LOSS_TYPES) + ["mpo"])
+                         [PreferenceLoss(loss_type=("sigmoid", "bco_pair", "hinge"), loss_weights=(0.8, 0.2, 1.0)),
+                          PreferenceLoss(loss_type=("sigmoid", "sft"), loss_weights=(1.0, 0.5))],
+                         ids=list(LOSS_TYPES) + ["mpo", "rpo"])
 def test_each_loss_and_metric_is_trls(loss):
     # float64 log-probs agree to 1e-12; exo_pair's to float32's rounding (3e-8 measured): TRL makes its epsilon a
     # float32 tensor, so log(1 - eps) and log(eps) carry float32 rounding into the float64 loss.

@@ -59,6 +59,7 @@ class DPO(TrainingMethod):
         self.multiple = (2 * mesh.cp if mesh.cp > 1 else 1) * (mesh.tp if config.sequence_parallel else 1)
         self.seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # the step's (policy, reference, tokens)
         self.step_pairs, self.tokens = 0, 0  # the step's global pairs, and the tokens of its padded rows
+        self.chosen_tokens = 1  # the step's chosen completion tokens (sft's divisor)
         self.local_tokens = 0  # the tokens of this rank's rows in the step
         if precompute:
             self.table = self._precompute(reference, device)
@@ -96,6 +97,9 @@ class DPO(TrainingMethod):
         return len(self.pairs)
 
     def divisor(self, rows: torch.Tensor) -> int:
+        if self.loss.sft_weight:  # TRL's sft term is a mean over the global batch's chosen tokens
+            _, labels = pair_rows(self.pairs, rows.tolist(), self.pad_id, self.max_length, self.truncation_mode, 1)
+            self.chosen_tokens = int((labels[0::2, 1:] != IGNORE_INDEX).sum())
         return len(rows)  # the global batch's pairs: the loss and every metric are means over them
 
     def micro_batches(self, rows: torch.Tensor, mesh: Mesh, accumulation: int, device: torch.device) -> list[Batch]:
@@ -128,7 +132,10 @@ class DPO(TrainingMethod):
             policy[rows] = logps.detach().to(policy)
             counts = tokens[rows].to(logps.dtype)
             pairs = PairLogps(logps[0::2], logps[1::2], ref[0::2], ref[1::2], counts[0::2], counts[1::2])
-            return self.loss.per_pair(pairs).sum() / (divisor * logits.cp)  # each cp rank: 1/cp of its pairs' loss
+            loss = self.loss.per_pair(pairs).sum() / divisor
+            if self.loss.sft_weight:
+                loss = loss - self.loss.sft_weight * logps[0::2].sum() / max(self.chosen_tokens, 1)
+            return loss / logits.cp  # each cp rank holds the whole sequences' sums: its share is 1/cp
         return objective
 
     def step_metrics(self, pmodel: ParallelModel) -> dict[str, float]:

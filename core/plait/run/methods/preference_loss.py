@@ -5,8 +5,11 @@ and of the rejected completion (plus, for the length-normalised ``ipo`` and ``si
 count). A pair's loss is ``sum(weight * loss_type's loss)`` over ``loss_type`` (TRL's multi-loss combination, MPO's
 form); a batch's is the mean over its pairs. Computed per pair, the mean over a global batch is the sum of every
 rank's pairs divided by the global pair count, so any split over data-parallel ranks and micro-steps gives one
-process's loss; TRL's losses that sort a batch (``aot``, ``aot_unpaired``) or need token-level terms (``sft``,
-``discopop``'s tau, WPO weighting) depend on how the batch is cut and are not offered.
+process's loss. TRL's ``sft`` term (RPO: the chosen completions' negative log-likelihood, ``--loss_type
+sigmoid,sft``) is a mean over the batch's chosen tokens, not over pairs: it is ``sft_weight`` x their summed log-prob
+over the global batch's chosen-token count (``DPO`` counts them), which on one process is TRL's mean. TRL's losses that
+sort a batch (``aot``, ``aot_unpaired``) or read a batch statistic (``discopop``'s tau, WPO weighting) depend on how
+the batch is cut and are not offered.
 
 The metrics carry TRL's names (``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``,
 ``rewards/margins``, ``logps/chosen``, ``logps/rejected``), as sums over pairs to be divided by the global count.
@@ -24,8 +27,8 @@ import torch.nn.functional as F
 from plait.base.config import ConfigError
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero", "apo_down", "nca_pair", "bco_pair", "sppo_hard",
-              "sigmoid_norm", "exo_pair")
-BATCH_DEPENDENT = ("aot", "aot_unpaired", "sft", "discopop")  # TRL's, refused here (module docstring)
+              "sigmoid_norm", "exo_pair", "sft")
+BATCH_DEPENDENT = ("aot", "aot_unpaired", "discopop")  # TRL's, refused here (module docstring)
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,15 @@ class PreferenceLoss:
     def weights(self) -> tuple[float, ...]:
         return self.loss_weights or (1.0,) * len(self.loss_type)
 
+    @property
+    def sft_weight(self) -> float:
+        """The weight of TRL's ``sft`` term (0 without it): times the chosen tokens' mean negative log-likelihood."""
+        return sum(w for t, w in zip(self.loss_type, self.weights) if t == "sft")
+
     def per_pair(self, p: PairLogps) -> torch.Tensor:
-        """Each pair's loss [pairs]: the weighted sum of its loss types'."""
-        return sum(w * self._one(t, p) for t, w in zip(self.loss_type, self.weights))
+        """Each pair's loss [pairs]: the weighted sum of its loss types' (``sft`` aside: a per-token term)."""
+        return sum((w * self._one(t, p) for t, w in zip(self.loss_type, self.weights) if t != "sft"),
+                   torch.zeros_like(p.chosen))
 
     def _one(self, loss_type: str, p: PairLogps) -> torch.Tensor:
         beta, eps = self.beta, self.label_smoothing
