@@ -184,6 +184,21 @@ def test_every_layout_gives_one_process_numbers(layouts, one_process, layout):
         assert difference <= 5e-7, f"rank {rank}: {where}"  # measured up to 1.7e-7 (dp2 with accumulation)
 
 
+@pytest.mark.parametrize("layout", ["tp2_sp", "pp2", "tp2_precomputed", "tp2_lora"])
+def test_plait_plan_counts_the_references_bytes_each_rank_holds(root, layouts, tmp_path, layout):
+    """``plait plan``'s 'second model' per rank: the reference's parameters on the policy's layout, as each rank of
+    the run held them; none where the run holds none (precomputed log-probs free it; LoRA's is the base itself)."""
+    from plait.costs.estimate import estimate_layout
+    from plait.plan_command import PlannedRun
+
+    args = TrainArgs(**flags(root, output_dir=str(tmp_path), **LAYOUTS[layout]))
+    run = PlannedRun.of(args, args.parallel_config(), 2)
+    estimate = estimate_layout(run.model, run.plan, run.batch, run.precision, run.trace, second=run.second)
+    for rank, record in enumerate(layouts[layout]):
+        assert estimate.for_rank(rank).second == (record["second_model_bytes"] or 0), (rank, record)
+    assert (run.second is None) == (layout in ("tp2_precomputed", "tp2_lora"))
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (dict(loss_type="aot"), r"--loss_type aot: unknown \(aot: its value depends on how the batch is split"),
     (dict(loss_type="sigmoid,ipo", loss_weights="1"), r"--loss_weights has 1 values for 2 loss types"),

@@ -11,6 +11,7 @@ vocabulary slices), pp=2, cp=2 and ZeRO-1 / ZeRO-3 at dp=2, every rank against t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -128,6 +129,23 @@ def test_every_layout_gives_the_plain_loops_numbers(root, layouts, tmp_path, lay
         # normaliser's gradient taken from this rank's slice alone (what the float64 slice test below pins down)
 
 
+@pytest.mark.parametrize("layout", ["tp2_sp", "pp2"])
+def test_plait_plan_counts_the_teachers_bytes_each_rank_holds(root, layouts, tmp_path, layout):
+    """``plait plan``'s 'second model' per rank: the teacher's parameters on the student's layout (as each rank of
+    the run held them) and, on the last pipeline stage, its kept logits (rows x tokens x vocabulary slice)."""
+    from plait.costs.estimate import estimate_layout
+    from plait.plan_command import PlannedRun
+
+    args = TrainArgs(**flags(root, tmp_path, **LAYOUT_CASE, **LAYOUTS[layout]))
+    run = PlannedRun.of(args, args.parallel_config(), 2)
+    estimate = estimate_layout(run.model, run.plan, run.batch, run.precision, run.trace, second=run.second)
+    config = run.plan.config
+    for rank, record in enumerate(layouts[layout]):
+        planned = estimate.for_rank(rank)
+        logits = BATCH * BLOCK * VOCAB // config.tp * 4 if planned.pp_rank == config.pp - 1 else 0
+        assert planned.second - logits == record["second_model_bytes"] > 0, (rank, planned.second, record)
+
+
 @pytest.mark.parametrize("kind", ["fkl", "rkl", "jsd"])
 def test_each_divergence_is_trls_on_the_whole_vocabulary(kind):
     """The divergence itself, values and gradients, against TRL's generalized_jsd_loss per token in float64."""
@@ -179,3 +197,22 @@ def test_a_teacher_with_another_vocabulary_is_refused_from_its_config(root, tmp_
                                           rf"{VOCAB + 64}, the student {VOCAB}; the teacher must share the student's "
                                           rf"tokenizer$"):
         Distillation.load_data(args, read_model_config(args, None), None)
+
+
+def test_layout_search_refuses_what_fits_only_without_the_teacher(root, tmp_path):
+    """--layout auto's search counts the teacher: on a device between a layout's peak without it and with it, the
+    layout is refused as not fitting, and taken when the same run has no teacher."""
+    from plait.costs.device import PRESETS
+    from plait.plan_command import PlannedRun
+
+    args = TrainArgs(**flags(root, tmp_path))
+    run = PlannedRun.of(args, args.parallel_config(), 1)
+    bare = dataclasses.replace(run, second=None)
+    cpu = PRESETS["cpu"]
+    roomy = dataclasses.replace(cpu, memory_bytes=2**40, reserve_bytes=0, fragmentation=0.0)
+    with_teacher = {(e.plan.config, e.batch): e.peak for e, _ in run.search(roomy).ranked}
+    without = {(e.plan.config, e.batch): e.peak for e, _ in bare.search(roomy).ranked}
+    assert with_teacher.keys() == without.keys() and all(with_teacher[k] > without[k] for k in without)
+    tight = dataclasses.replace(roomy, memory_bytes=min(with_teacher.values()) - 1)  # below every peak with it
+    assert not run.search(tight).ranked and bare.search(tight).ranked
+    assert all("does not fit" in reason for _, reason in run.search(tight).refused)

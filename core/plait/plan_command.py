@@ -20,6 +20,7 @@ from torch import nn
 
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.meta import build_meta_model
+from plait.checkpoint.materialize import resolve_source
 from plait.costs.activations import ActivationTrace, trace_activations
 from plait.costs.advice import cheaper_settings, fewest_devices
 from plait.costs.calibration import calibrate
@@ -29,6 +30,7 @@ from plait.costs.experts import check_expert_parallel, expert_parameters
 from plait.costs.memory import Precision
 from plait.costs.render import estimate_json, print_estimate, print_search, search_json
 from plait.costs.search import SearchResult, search_layouts
+from plait.costs.second_model import SecondModel
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.config import lora_config
 from plait.pipeline.layout import rank_of_stage, stage_bytes, stage_rows
@@ -153,6 +155,20 @@ def layout_flags(config, per_device: int, accumulation: int) -> list[str]:
 _RUN = object()  # PlannedRun.search: the run's own LoRA settings
 
 
+def second_model(args: TrainArgs, model: nn.Module, dtype: torch.dtype) -> SecondModel | None:
+    """The frozen second model ``args``' training method lays out beside the trained one, on the meta device: DPO's
+    reference (none under LoRA, where it is the base with the adapters off, nor with --precompute_ref_log_probs,
+    which frees it before the first step), distillation's teacher (its logits of a micro-step kept)."""
+    if args.method == "dpo" and not args.precompute_ref_log_probs and (args.ref_model_name_or_path or not args.lora_r):
+        if not args.ref_model_name_or_path:
+            return SecondModel(model, "DPO's reference")  # the policy as it starts: the same shapes
+        return SecondModel(build_meta_model(resolve_source(args.ref_model_name_or_path)[0], dtype), "DPO's reference")
+    if args.method == "kd":
+        teacher = build_meta_model(resolve_source(args.teacher_model_name_or_path)[0], dtype)
+        return SecondModel(teacher, "distillation's teacher", keeps_logits=True)
+    return None
+
+
 @dataclass
 class PlannedRun:
     """One run as ``plait plan`` and ``plait train --layout auto`` estimate it: its meta model, the layout it asks
@@ -166,6 +182,7 @@ class PlannedRun:
     lora: object | None
     registry: Registry
     fused_dropout: bool = True  # the device's fused attention takes dropout (``Device.fused_attention_dropout``)
+    second: SecondModel | None = None  # the training method's frozen second model (``second_model``)
     _traced: dict = field(default_factory=dict)  # parameter dtype -> (meta model, trace), for other precisions
 
     @classmethod
@@ -181,7 +198,8 @@ class PlannedRun:
         fused = device is None or device.fused_attention_dropout
         trace = trace_activations(model, args.block_size, registry, plan.adapter, fused)
         precision = Precision(dtype, getattr(torch, args.optimizer_dtype) if args.bf16 else dtype)
-        return cls(args, model, plan, trace, precision, lora, registry, fused, {dtype: (model, trace)})
+        return cls(args, model, plan, trace, precision, lora, registry, fused, second_model(args, model, dtype),
+                   {dtype: (model, trace)})
 
     @property
     def batch(self) -> Batch:
@@ -208,7 +226,7 @@ class PlannedRun:
         model, trace = self._traced[precision.param]
         return search_layouts(model, self.plan.config, world or self.plan.config.processes, self.batch, precision,
                               trace, device, self.registry, **self.decay, moe_imbalance=moe_imbalance,
-                              global_batch=global_batch, lora=self.lora if lora is _RUN else lora)
+                              global_batch=global_batch, lora=self.lora if lora is _RUN else lora, second=self.second)
 
 
 def run_plan(ns, args) -> None:
@@ -252,7 +270,7 @@ def run_plan(ns, args) -> None:
         return
     model, plan = run.model, run.plan
     estimate = estimate_layout(model, plan, run.batch, run.precision, run.trace, **run.decay,
-                               moe_imbalance=ns.moe_imbalance)
+                               moe_imbalance=ns.moe_imbalance, second=run.second, registry=run.registry)
     if ns.json:
         print(json.dumps(estimate_json(estimate, device, memory), indent=2))
         return

@@ -2,7 +2,8 @@
 of many layouts pays for one launch.
 
 argv: <out.json> <flags.json>: flags.json maps each case to its TrainArgs keywords. Every rank records each
-case's metrics history, or the one-line message of a run that stopped on a non-finite step; rank 0 writes
+case's metrics history (and the bytes of a training method's frozen second model it holds), or the one-line message
+of a run that stopped on a non-finite step; rank 0 writes
 {case: [per-rank record]}.
 """
 
@@ -20,9 +21,20 @@ from plait.run.train_args import TrainArgs
 from plait.run.trainer import Trainer
 
 
+def second_model_bytes(trainer: Trainer) -> int | None:
+    """The bytes of the parameters this rank holds of the method's frozen second model (DPO's reference, a
+    distillation teacher), as ``plait plan`` counts them; None without one."""
+    method = trainer.method
+    frozen = getattr(method, "teacher", None) or getattr(getattr(method, "reference", None), "model", None)
+    if frozen is None or frozen is trainer.pmodel:
+        return None
+    return sum(p.numel() * p.element_size() for p in frozen.parameters())
+
+
 def run(args: dict) -> dict:
+    trainer = Trainer(TrainArgs(**args))
     try:
-        return {"history": Trainer(TrainArgs(**args)).train()}
+        return {"history": trainer.train(), "second_model_bytes": second_model_bytes(trainer)}
     except TrainingDiverged as err:
         return {"diverged": str(err)}
 

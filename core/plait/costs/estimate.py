@@ -30,10 +30,12 @@ from plait.costs.device import Device
 from plait.costs.experts import check_expert_parallel, effective_imbalance, expert_flops_per_token, expert_parameters
 from plait.costs.memory import (ActivationBytes, Precision, StaticBytes, activation_bytes, layers_of, rank_params,
                                 static_bytes)
+from plait.costs.second_model import SecondModel, second_model_bytes
 from plait.costs.tp_modules import column_modules, row_modules, shard_saving_columns, whole_experts
 from plait.layout_plan import LayoutPlan
 from plait.optim.param_groups import embedding_params
 from plait.parallel.grad_sync import BUCKET_BYTES
+from plait.plugin.registry import Registry, default_registry
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class RankEstimate:
     activations: ActivationBytes
     dp_buffer: int  # a flattened gradient bucket during the dp reduction
     cp_rank: int = 0
+    second: int = 0  # a training method's frozen second model (reference, teacher): its parameters, kept logits
 
     @property
     def transient(self) -> int:
@@ -69,7 +72,7 @@ class RankEstimate:
     @property
     def peak(self) -> int:
         s, a = self.static, self.activations
-        return s.parameters + s.gradients + s.optimizer + s.gathered + a.in_flight + self.transient
+        return s.parameters + s.gradients + s.optimizer + s.gathered + self.second + a.in_flight + self.transient
 
 
 @dataclass
@@ -153,11 +156,13 @@ class LayoutEstimate:
 def estimate_layout(
     model: nn.Module, plan: LayoutPlan, batch: Batch, precision: Precision, trace: ActivationTrace,
     weight_decay: float = 0.0, decay_embeddings: bool = True, cache: dict | None = None, moe_imbalance: float = 1.0,
+    second: SecondModel | None = None, registry: Registry | None = None,
 ) -> LayoutEstimate:
     """Memory, communication, bubble and FLOPs of ``plan`` for ``batch`` (``trace``: ``trace_activations`` of
     the same model at ``batch.seq``). ``cache``: a dict kept across the layouts of one search, holding what
     depends only on the model and the plan's sharding and split (each rank's parameters, row/column linears).
-    ``moe_imbalance``: the busiest ep rank's routed pairs over its balanced share (``experts``)."""
+    ``moe_imbalance``: the busiest ep rank's routed pairs over its balanced share (``experts``). ``second``: the
+    training method's frozen second model, laid out alike (``second_model``; ``registry`` plans it)."""
     cache = {} if cache is None else cache
     config = plan.config
     check_expert_parallel(model, config.ep)
@@ -198,13 +203,15 @@ def estimate_layout(
                 moved[pp_rank] = {op: nbytes * config.num_microbatches * batch.accumulation
                                   for op, nbytes in acts.traffic.items()}
             grads = sum(p.numel for p in held if p.trainable) * precision.grad_bytes
+            frozen = 0 if second is None else second_model_bytes(second, plan, registry or default_registry(), tp_rank,
+                                                                 pp_rank, batch.per_device, batch.seq, cache)
             for replica, static in enumerate(static_bytes(held, precision, replicas, config.zero_1, config.ep,
                                                           weight_decay, decay_embeddings, config.zero_stage,
                                                           plan.units)):
                 dp_rank, cp_rank = divmod(replica, cp)  # the replica group's order: dp-major, then cp
                 rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
                 bucket = min(grads, BUCKET_BYTES) if replicas > 1 and not config.fsdp else 0  # FSDP2: in gathered
-                ranks.append(RankEstimate(rank, tp_rank, pp_rank, dp_rank, static, acts, bucket, cp_rank))
+                ranks.append(RankEstimate(rank, tp_rank, pp_rank, dp_rank, static, acts, bucket, cp_rank, frozen))
     notes = [f"attention: {trace.attn_implementation}"
              + (" (eager keeps the s x s probabilities of every layer)" if trace.attn_implementation == "eager" else
                 " (torch's math path: attention dropout, which this device's fused kernel does not take; it keeps "
@@ -227,6 +234,10 @@ def estimate_layout(
                      + ("; all-to-all's whole-sequence mask counted as a transient"
                         if attention == "all-to-all" and trace.attn_implementation in ("sdpa", "eager") else ""))
     notes += _moe_notes(trace, config, moe_imbalance, imbalance)
+    if second is not None:
+        notes.append(f"{second.role}: a frozen copy laid out alike, forward-only; its parameters"
+                     + (" and its logits of a micro-step (last stage)" if second.keeps_logits else "")
+                     + " in each rank's 'second model'")
     return LayoutEstimate(plan, batch, precision, ranks, comm, bubble_fraction(config), flops, moved,
                           trace.attn_implementation, layer_count, notes=notes)
 

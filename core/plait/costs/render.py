@@ -41,6 +41,7 @@ def estimate_json(estimate: LayoutEstimate, device: Device | None, memory: int |
     usable = device.usable_bytes if device is not None else memory  # a device model keeps its runtime reserve
     ranks = [{"rank": r.rank, "tp_rank": r.tp_rank, "pp_rank": r.pp_rank, "dp_rank": r.dp_rank, "cp_rank": r.cp_rank,
               "parameters": r.static.parameters, "gradients": r.static.gradients, "optimizer": r.static.optimizer,
+              "second_model": r.second,
               "activations_per_microbatch": r.activations.per_microbatch,
               "in_flight_microbatches": r.activations.in_flight_microbatches,
               "activations_in_flight": r.activations.in_flight, "transient": r.transient,
@@ -69,15 +70,17 @@ def print_estimate(console: Console, estimate: LayoutEstimate, device: Device | 
     rows: dict[tuple, list[int]] = defaultdict(list)
     for r in estimate.ranks:
         a = r.activations
-        key = (r.static.parameters, r.static.gradients, r.static.optimizer, a.per_microbatch,
+        key = (r.static.parameters, r.static.gradients, r.static.optimizer, r.second, a.per_microbatch,
                a.in_flight_microbatches, a.in_flight, r.transient, r.peak)
         rows[key].append(r.rank)
-    table = Table("ranks", "parameters", "gradients", "optimizer", "activations / micro-batch", "in flight",
-                  "activations", "transient", "peak", title=f"memory per rank ({config.describe()})")
-    for (params, grads, optim, per_mb, flight, acts, transient, peak), ranks in rows.items():
+    second = any(r.second for r in estimate.ranks)  # a column only where the training method has a second model
+    table = Table("ranks", "parameters", "gradients", "optimizer", *(["second model"] if second else []),
+                  "activations / micro-batch", "in flight", "activations", "transient", "peak",
+                  title=f"memory per rank ({config.describe()})")
+    for (params, grads, optim, frozen, per_mb, flight, acts, transient, peak), ranks in rows.items():
         mark = "" if memory is None or peak <= memory else " [red](does not fit)[/]"
-        table.add_row(_ranks(ranks), gib(params), gib(grads), gib(optim), gib(per_mb), f"{flight:g}", gib(acts),
-                      gib(transient), gib(peak) + mark)
+        table.add_row(_ranks(ranks), gib(params), gib(grads), gib(optim), *([gib(frozen)] if second else []),
+                      gib(per_mb), f"{flight:g}", gib(acts), gib(transient), gib(peak) + mark)
     console.print(table)
     comm = Table("pp rank", "group", "op", "count", "bytes", title="communication per optimizer step (one rank)",
                  caption="bytes: what this rank hands the collective, summed over its calls (an all_gather's output "

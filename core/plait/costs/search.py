@@ -28,6 +28,7 @@ from plait.base.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULES
 from plait.costs.activations import ActivationTrace
 from plait.costs.device import Device
 from plait.costs.estimate import Batch, LayoutEstimate, estimate_layout
+from plait.costs.second_model import SecondModel
 from plait.costs.experts import routed_experts
 from plait.costs.memory import Precision
 from plait.cp.sequence import check_length
@@ -50,11 +51,12 @@ def search_layouts(
     model: nn.Module, base: ParallelConfig, world_size: int, batch: Batch, precision: Precision,
     trace: ActivationTrace, device: Device, registry: Registry, weight_decay: float = 0.0,
     decay_embeddings: bool = True, moe_imbalance: float = 1.0, global_batch: int | None = None,
-    lora: "LoraConfig | None" = None,
+    lora: "LoraConfig | None" = None, second: SecondModel | None = None,
 ) -> SearchResult:
     """Estimate every layout of ``world_size`` ranks, with every split of the global batch into micro-batch size
     and accumulation steps (``global_batch``: sequences per optimizer step; default that of ``base`` and
-    ``batch``; ``moe_imbalance``: ``estimate_layout``'s; ``lora``: LoRA adapters trained on the frozen model)."""
+    ``batch``; ``moe_imbalance``: ``estimate_layout``'s; ``lora``: LoRA adapters trained on the frozen model; ``second``: the
+    training method's frozen second model, ``estimate_layout``'s)."""
     if global_batch is None:
         global_batch = batch.per_device * (base.dp or world_size // base.model_parallel_size) * batch.accumulation
     result = SearchResult()
@@ -110,7 +112,7 @@ def search_layouts(
         for size in sizes:  # micro-batch size per device; the accumulation steps make up the rank's share
             split = Batch(size, batch.seq, share // size)
             estimate = estimate_layout(model, plan, split, precision, trace, weight_decay, decay_embeddings, cache,
-                                       moe_imbalance)
+                                       moe_imbalance, second, registry)
             if estimate.peak > device.usable_bytes:  # the runtime's reserve kept free (costs.device)
                 result.refused.append((f"{label} {batch_split(split)}", f"does not fit: peak "
                                        f"{estimate.peak / 2**30:.2f} GiB > {device.usable_bytes / 2**30:.2f} GiB "

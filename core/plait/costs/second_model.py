@@ -1,0 +1,51 @@
+"""The memory of a training method's second model: DPO's reference, distillation's teacher.
+
+The method lays it out on the trained model's layout, frozen and forward-only (``plait.run.methods.frozen``): no
+gradients, no optimizer state, no ZeRO sharding, no recomputation. What a rank holds for it through the step is its
+parameters on that layout and, for a teacher, the logits of the micro-step it keeps for the loss (on the last
+pipeline stage: the micro-step's rows x this rank's tokens x its vocabulary slice). Its forward's own activations
+are freed as it goes (no autograd) and are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from plait.costs.memory import rank_params
+from plait.layout_plan import LayoutPlan, plan_layout
+from plait.plugin.registry import Registry
+
+
+@dataclass(frozen=True)
+class SecondModel:
+    """A frozen second model (``model`` on the meta device, in its dtype); ``role`` names it in the plan's notes;
+    ``keeps_logits``: its logits of a micro-step are kept for the loss (distillation's teacher)."""
+
+    model: nn.Module
+    role: str
+    keeps_logits: bool = False
+
+
+def second_model_bytes(second: SecondModel, plan: LayoutPlan, registry: Registry, tp_rank: int, pp_rank: int,
+                       rows: int, seq: int, cache: dict) -> int:
+    """Bytes tp rank ``tp_rank`` of pipeline rank ``pp_rank`` holds for ``second`` while the trained model trains
+    on micro-steps of ``rows`` sequences of ``seq`` tokens (the second model's plan, made on the trained model's
+    layout, is kept in ``cache``)."""
+    config = plan.config
+    key = ("second", id(second.model), config.tp, config.cp, config.pp, config.virtual_pipeline_size,
+           config.pipeline_schedule, config.sp)
+    if key not in cache:
+        layout = dataclasses.replace(config, dp=None, ep=1, zero_stage=0, zero_1=False, mixed_precision=False,
+                                     gradient_checkpointing=False)
+        cache[key] = plan_layout(second.model, layout, config.processes, registry)
+    held = rank_params(second.model, cache[key], tp_rank, pp_rank)
+    size = next(second.model.parameters()).element_size()
+    logits = 0
+    if second.keeps_logits and pp_rank == config.pp - 1:
+        vocab = second.model.config.get_text_config().vocab_size
+        logits = rows * (seq // config.cp) * math.ceil(vocab / config.tp) * size  # in the model's dtype
+    return sum(p.numel for p in held) * size + logits
