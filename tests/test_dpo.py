@@ -199,6 +199,22 @@ def test_plait_plan_counts_the_references_bytes_each_rank_holds(root, layouts, t
     assert (run.second is None) == (layout in ("tp2_precomputed", "tp2_lora"))
 
 
+def test_plait_plan_counts_two_rows_per_pair(root, tmp_path):
+    """A DPO example is a pair: its activations, FLOPs and communication are those of twice the rows."""
+    from plait.costs.estimate import estimate_layout
+    from plait.plan_command import PlannedRun
+
+    def estimate(**extra):
+        args = TrainArgs(**{**flags(root, output_dir=str(tmp_path), precompute_ref_log_probs=True), **extra})
+        run = PlannedRun.of(args, args.parallel_config(), 1)
+        return estimate_layout(run.model, run.plan, run.batch, run.precision, run.trace, second=run.second)
+
+    pairs, rows = estimate(per_device_train_batch_size=2), estimate(method="next_token", per_device_train_batch_size=4,
+                                                                    precompute_ref_log_probs=False)
+    assert pairs.ranks[0].activations == rows.ranks[0].activations and pairs.flops == rows.flops
+    assert pairs.comm == rows.comm and pairs.peak == rows.peak
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (dict(loss_type="aot"), r"--loss_type aot: unknown \(aot: its value depends on how the batch is split"),
     (dict(loss_type="sigmoid,ipo", loss_weights="1"), r"--loss_weights has 1 values for 2 loss types"),

@@ -204,7 +204,9 @@ class PlannedRun:
     @property
     def batch(self) -> Batch:
         a = self.args
-        return Batch(a.per_device_train_batch_size, a.block_size, a.gradient_accumulation_steps)
+        # DPO: an example is a pair, its chosen and rejected rows side by side (plait.run.methods.dpo)
+        return Batch(a.per_device_train_batch_size, a.block_size, a.gradient_accumulation_steps,
+                     rows_per_example=2 if a.method == "dpo" else 1)
 
     @property
     def decay(self) -> dict:

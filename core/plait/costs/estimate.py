@@ -42,11 +42,18 @@ from plait.plugin.registry import Registry, default_registry
 class Batch:
     """Per data-parallel rank: sequences per micro-step (split into the pipeline's micro-batches), tokens per
     sequence, micro-steps per optimizer step. Under cp every rank of a cp group gets these same sequences and
-    holds seq / cp tokens of each."""
+    holds seq / cp tokens of each. ``rows_per_example``: the sequences one example puts through the model (DPO: a
+    pair's chosen and rejected rows, 2), while ``per_device`` counts examples, as the flag does."""
 
     per_device: int
     seq: int
     accumulation: int = 1
+    rows_per_example: int = 1
+
+    @property
+    def rows(self) -> int:
+        """Sequences per micro-step that go through the model."""
+        return self.per_device * self.rows_per_example
 
 
 @dataclass(frozen=True)
@@ -168,10 +175,10 @@ def estimate_layout(
     check_expert_parallel(model, config.ep)
     imbalance = effective_imbalance(moe_imbalance, config.ep)
     tp, pp, dp, cp = config.tp, config.pp, config.dp or 1, config.cp
-    microbatch = batch.per_device // config.num_microbatches
+    microbatch = batch.rows // config.num_microbatches
     act_dtype = torch.bfloat16 if config.bf16_autocast else precision.param
     hidden = model.config.get_text_config().hidden_size
-    shape = StepShape(batch.per_device, batch.seq, hidden, torch.empty((), dtype=act_dtype).element_size(),
+    shape = StepShape(batch.rows, batch.seq, hidden, torch.empty((), dtype=act_dtype).element_size(),
                       batch.accumulation)
     if "named" not in cache:
         cache["named"] = list(model.named_parameters(remove_duplicate=False))
@@ -204,7 +211,7 @@ def estimate_layout(
                                   for op, nbytes in acts.traffic.items()}
             grads = sum(p.numel for p in held if p.trainable) * precision.grad_bytes
             frozen = 0 if second is None else second_model_bytes(second, plan, registry or default_registry(), tp_rank,
-                                                                 pp_rank, batch.per_device, batch.seq, cache)
+                                                                 pp_rank, batch.rows, batch.seq, cache)
             for replica, static in enumerate(static_bytes(held, precision, replicas, config.zero_1, config.ep,
                                                           weight_decay, decay_embeddings, config.zero_stage,
                                                           plan.units)):
@@ -278,7 +285,7 @@ def _step_flops(model: nn.Module, plan: LayoutPlan, pp_rank: int, held, batch: B
     for recomputed layers; experts modules in ``whole`` are kept whole over tp, computing 1/tp of the tokens."""
     config = plan.config
     text = model.config.get_text_config()
-    tokens = batch.per_device * batch.seq * batch.accumulation // config.cp  # cp: each rank has 1/cp of them
+    tokens = batch.rows * batch.seq * batch.accumulation // config.cp  # cp: each rank has 1/cp of them
     weights = sum(p.numel for p in held if len(p.full_shape) >= 2 and not p.embedding and not p.expert)
     has_last = plan.split is None or plan.split.num_stages - 1 in plan.stages_of(pp_rank)
     if has_last and getattr(text, "tie_word_embeddings", False):

@@ -65,7 +65,9 @@ def print_estimate(console: Console, estimate: LayoutEstimate, device: Device | 
     bubble and, with a device, the fit and step time."""
     config = estimate.plan.config
     b = estimate.batch
-    console.print(f"batch per data-parallel rank: {b.per_device} sequences x {b.seq} tokens x {b.accumulation} "
+    examples = f"{b.per_device} sequences" if b.rows_per_example == 1 else \
+        f"{b.per_device} examples of {b.rows_per_example} sequences"
+    console.print(f"batch per data-parallel rank: {examples} x {b.seq} tokens x {b.accumulation} "
                   f"accumulation steps (--per_device_train_batch_size, --block_size, --gradient_accumulation_steps)")
     rows: dict[tuple, list[int]] = defaultdict(list)
     for r in estimate.ranks:
@@ -108,7 +110,7 @@ def print_estimate(console: Console, estimate: LayoutEstimate, device: Device | 
     if device is not None:
         seconds = estimate.step_time(device)
         b = estimate.batch
-        tokens = b.per_device * b.seq * b.accumulation * (config.dp or 1) / config.processes
+        tokens = b.rows * b.seq * b.accumulation * (config.dp or 1) / config.processes
         console.print(f"estimated step on {device.name}: {seconds:.4g} s, {tokens / seconds:,.0f} tokens/s/device, "
                       f"MFU {estimate.mfu(device, seconds):.1%} at {device.describe_efficiency()}")
 
@@ -137,7 +139,7 @@ def print_search(console: Console, result: SearchResult, device: Device, command
                           f"over the device's peak, at {device.describe_efficiency()}")
     for i, (estimate, seconds) in enumerate(result.ranked[:top], 1):
         b = estimate.batch
-        tokens = b.per_device * b.seq * b.accumulation * (estimate.plan.config.dp or 1)
+        tokens = b.rows * b.seq * b.accumulation * (estimate.plan.config.dp or 1)
         world = estimate.plan.config.processes
         table.add_row(str(i), describe(estimate.plan.config), batch_split(b), f"{seconds:.4g}", gib(estimate.peak),
                       f"{estimate.bubble:.3f}", f"{tokens / seconds / world:,.0f}",

@@ -110,7 +110,7 @@ def search_layouts(
         plan = dataclasses.replace(plan, config=config, leaves=plan.leaves if config.gradient_checkpointing else (),
                                    units=units)
         for size in sizes:  # micro-batch size per device; the accumulation steps make up the rank's share
-            split = Batch(size, batch.seq, share // size)
+            split = dataclasses.replace(batch, per_device=size, accumulation=share // size)
             estimate = estimate_layout(model, plan, split, precision, trace, weight_decay, decay_embeddings, cache,
                                        moe_imbalance, second, registry)
             if estimate.peak > device.usable_bytes:  # the runtime's reserve kept free (costs.device)
