@@ -3,11 +3,13 @@
 TRL's DPOTrainer trains the same tiny model (it and its reference loaded from one directory) on the same pairs in
 the order plait's seeded sampler draws them, in fp32 (DPOConfig turns bf16 on by default: off here), with the same
 AdamW, learning-rate schedule and clipping; each step's loss and TRL's logged metrics (rewards/chosen,
-rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected) must agree within 1e-5 for
-every loss type plait offers, for two combined with weights, for RPO (sigmoid with TRL's sft term), and under LoRA (TRL's reference is then peft's model
-with its adapters off, plait's the same: no second copy). Then one launched world of 2 ranks runs DPO at
-tp=2 with SP, pp=2, cp=2, ZeRO-1 and ZeRO-3 at dp=2, dp=2 with accumulation, and tp=2 with the reference's
-log-probs precomputed, LoRA at tp=2 and at pp=2 (precomputed), and RPO at cp=2 and at dp=2 with accumulation: every rank's loss, gradient norm and metrics at every step equal one process's.
+rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected) must agree within 5e-7 for
+every loss type plait offers, for two combined with weights, for RPO (sigmoid with TRL's sft term), and under LoRA
+(TRL's reference is then peft's model with its adapters off, plait's the same: no second copy). Then one launched
+world of 2 ranks runs DPO at tp=2 with SP, pp=2 (and with activation checkpointing), cp=2, ZeRO-1, ZeRO-2 and ZeRO-3
+at dp=2, dp=2 with accumulation, tp=2 with the reference's log-probs precomputed, LoRA at tp=2 and at pp=2
+(precomputed), and RPO at cp=2 and at dp=2 with accumulation: every rank's loss, gradient norm and metrics at every
+step equal one process's. ``plait plan``'s count of the reference is held to what those ranks held.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2),
            "zero3_dp2": dict(zero_stage=3, per_device_train_batch_size=BATCH // 2),
            "dp2_accumulation": dict(per_device_train_batch_size=1, gradient_accumulation_steps=2),
            "tp2_precomputed": dict(tensor_parallel_size=2, precompute_ref_log_probs=True),
+           "pp2_recompute": dict(pipeline_parallel_size=2, num_microbatches=2, gradient_checkpointing=True),
+           "zero2_dp2": dict(zero_stage=2, per_device_train_batch_size=BATCH // 2),
            "tp2_lora": dict(tensor_parallel_size=2, lora_r=4),
            "pp2_lora_precomputed": dict(pipeline_parallel_size=2, num_microbatches=2, lora_r=4,
                                         precompute_ref_log_probs=True)}

@@ -6,7 +6,8 @@ reads both with ``from_pretrained``, trains on plait's blocks in its sampler's o
 its loss is ``(1 - kd_ratio) x cross-entropy + kd_ratio x divergence``, each over the batch's labelled tokens. One
 process (plait's trainer) must give the loop's loss and gradient norm at every step for each divergence, with a
 temperature and with the divergence alone; one launched world of 2 ranks runs jsd at tp=2 with SP (the divergence on
-vocabulary slices), pp=2, cp=2 and ZeRO-1 / ZeRO-3 at dp=2, every rank against the same loop.
+vocabulary slices; and with activation checkpointing), pp=2, cp=2, ZeRO-1 / ZeRO-3 at dp=2 and ZeRO-2 at dp=2 with
+accumulation, every rank against the same loop.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ CASES = {"fkl": dict(kd_loss="fkl"), "rkl": dict(kd_loss="rkl"),
 LAYOUT_CASE = dict(kd_loss="jsd", kd_beta=0.3, kd_temperature=2.0)
 LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2, num_microbatches=2),
            "cp2": dict(context_parallel_size=2), "zero1_dp2": dict(zero_1=True, per_device_train_batch_size=BATCH // 2),
-           "zero3_dp2": dict(zero_stage=3, per_device_train_batch_size=BATCH // 2)}
+           "zero3_dp2": dict(zero_stage=3, per_device_train_batch_size=BATCH // 2),
+           "zero2_dp2_accumulation": dict(zero_stage=2, per_device_train_batch_size=1, gradient_accumulation_steps=2),
+           "tp2_recompute": dict(tensor_parallel_size=2, gradient_checkpointing=True)}
 
 
 @pytest.fixture(scope="module")
