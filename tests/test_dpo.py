@@ -71,15 +71,17 @@ def root(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB)).save_pretrained(root / "model")
     rng = random.Random(0)
-    with open(root / "pairs.jsonl", "w") as file:
-        for i in range(32):
-            a, b, c = rng.sample(WORDS, 3)
-            file.write(json.dumps({"prompt": f"{a} {i % 7}", "chosen": f" {b}", "rejected": f" {c} {c}"}) + "\n")
+    for name, count in (("pairs.jsonl", 32), ("validation.jsonl", 6)):  # 6: plait's last batch is filled up
+        with open(root / name, "w") as file:
+            for i in range(count):
+                a, b, c = rng.sample(WORDS, 3)
+                file.write(json.dumps({"prompt": f"{a} {i % 7}", "chosen": f" {b}", "rejected": f" {c} {c}"}) + "\n")
     return root
 
 
 def flags(root: Path, **extra) -> dict:
     return {**dict(method="dpo", model_name_or_path=str(root / "model"), train_file=str(root / "pairs.jsonl"),
+                   validation_file=str(root / "validation.jsonl"),
                    block_size=BLOCK, per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=LR,
                    device="cpu", save_final=False, seed=0), **extra}
 
@@ -106,7 +108,8 @@ def peft_model(root: Path, lora_r: int):
 
 
 def trl_history(root: Path, out: Path, loss_type: str, loss_weights: str | None = None,
-                label_smoothing: float = 0.0, lora_r: int = 0, lora_target_modules: str = "") -> list[dict]:
+                label_smoothing: float = 0.0, lora_r: int = 0, lora_target_modules: str = "",
+                evaluate: bool = False) -> list[dict]:
     from trl import DPOConfig, DPOTrainer
 
     rows = [json.loads(line) for line in (root / "pairs.jsonl").read_text().splitlines()]
@@ -117,35 +120,52 @@ def trl_history(root: Path, out: Path, loss_type: str, loss_weights: str | None 
                        logging_steps=1, report_to=[], max_length=BLOCK, use_cpu=True, save_strategy="no", bf16=False,
                        train_sampling_strategy="sequential", seed=0, loss_type=loss_type.split(","),
                        loss_weights=None if loss_weights is None else [float(w) for w in loss_weights.split(",")],
-                       label_smoothing=label_smoothing)
+                       label_smoothing=label_smoothing,
+                       **(dict(eval_strategy="steps", eval_steps=STEPS, per_device_eval_batch_size=3)
+                          if evaluate else {}))
     if lora_r:  # TRL's reference is then the model with its adapters off
         policy, reference = peft_model(root, lora_r), None
     else:
         policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     trainer = DPOTrainer(model=policy, ref_model=reference, args=config,
-                         train_dataset=Dataset.from_list(order), processing_class=AutoTokenizer.from_pretrained(model))
+                         train_dataset=Dataset.from_list(order), processing_class=AutoTokenizer.from_pretrained(model),
+                         **(dict(eval_dataset=Dataset.from_list(validation(root))) if evaluate else {}))
     trainer.train()
-    return [record for record in trainer.state.log_history if "loss" in record]
+    history = [record for record in trainer.state.log_history if "loss" in record]
+    for record in trainer.state.log_history:  # an evaluation is a record of its own: put it beside its step's
+        if "eval_loss" in record:
+            next(r for r in history if r["step"] == record["step"]).update(record)
+    return history
+
+
+def validation(root: Path) -> list[dict]:
+    return [json.loads(line) for line in (root / "validation.jsonl").read_text().splitlines()]
 
 
 def scale(record: dict, key: str, beta: float) -> float:
     """What a difference in ``key`` is measured against: the value itself, but for a reward, which is beta x a
     difference of two summed log-probs of tens (fp32 leaves it 1e-7 of noise however small it is), beta x those
     log-probs; a count of pairs (accuracies) must be exact."""
-    if key == "rewards/accuracies":
+    prefix = "eval_" if key.startswith("eval_") else ""
+    name = key.removeprefix(prefix)
+    if name == "rewards/accuracies":
         return 0.0
-    if key.startswith("rewards/"):
-        sides = {"chosen": ("chosen",), "rejected": ("rejected",), "margins": ("chosen", "rejected")}[key[8:]]
-        return beta * sum(abs(record[f"logps/{side}"]) for side in sides)
+    if name.startswith("rewards/"):
+        sides = {"chosen": ("chosen",), "rejected": ("rejected",), "margins": ("chosen", "rejected")}[name[8:]]
+        return beta * sum(abs(record[f"{prefix}logps/{side}"]) for side in sides)
     return abs(record[key])
 
 
+EVALUATION = ("eval_loss", *(f"eval_{name}" for name in METRICS))
+
+
 def worst(got: list[dict], expected: list[dict], keys=("loss", *METRICS), beta: float = 0.1) -> tuple[float, str]:
-    """The largest difference over steps and ``keys``, relative to ``scale``, and where."""
+    """The largest difference over steps and ``keys`` (and the evaluation's, at the steps that have one), relative to
+    ``scale``, and where."""
     found = [(abs(g[k] - e[k]) / scale(e, k, beta) if scale(e, k, beta) else float(g[k] != e[k]),
               f"step {e['step']} {k}: {g[k]} vs {e[k]}")
-             for g, e in zip(got, expected, strict=True) for k in keys]
+             for g, e in zip(got, expected, strict=True) for k in (*keys, *(k for k in EVALUATION if k in e))]
     return max(found)
 
 
@@ -162,6 +182,19 @@ def test_each_loss_type_matches_trls_dpo_trainer(root, tmp_path, case):
     difference, where = worst(got, expected)
     assert difference <= 5e-7, where  # measured up to 8.6e-8: fp32 rounding (1.2e-7 is one ulp)
     assert got[-1]["rewards/margins"] != 0.0  # step 2 trains on what step 1 learned
+
+
+@pytest.mark.parametrize("case", ["sigmoid", "ipo"])
+def test_evaluation_matches_trls(root, tmp_path, case):
+    """--validation_file: the loss and TRL's metrics over every validation pair at the last step, named as TRL logs
+    them (eval_loss, eval_rewards/chosen, ...). TRL averages its metrics over evaluation batches (a mean of batch
+    means), plait over pairs: the same where TRL's batches are equal (6 pairs in 2 of 3 here). RPO's sft term is not
+    compared here: TRL takes it per evaluation batch (its token mean), plait over every validation token."""
+    expected = trl_history(root, tmp_path / "trl", evaluate=True, **LOSSES[case])
+    got = plait_history(root, tmp_path / "plait", **LOSSES[case])
+    assert all(name in got[-1] for name in EVALUATION) and all(name in expected[-1] for name in EVALUATION)
+    difference, where = worst(got, expected)
+    assert difference <= 5e-7, where
 
 
 @pytest.fixture(scope="module")

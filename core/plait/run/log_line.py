@@ -19,7 +19,9 @@ def log_line(record: dict, max_steps: int, seconds_per_step: float) -> str:
     The time left is ``seconds_per_step`` (the mean so far, evaluations and saves included) per step to go."""
     parts = [f"step {record['step']}/{max_steps}", f"loss {record['loss']:.4f}"]
     if "eval_loss" in record:
-        parts += [f"eval_loss {record['eval_loss']:.4f}", f"eval_ppl {record['eval_ppl']:.2f}"]
+        parts.append(f"eval_loss {record['eval_loss']:.4f}")
+    if "eval_ppl" in record:  # next-token evaluation (a preference evaluation has rewards instead)
+        parts.append(f"eval_ppl {record['eval_ppl']:.2f}")
     parts += [f"lr {record['lr']:.1e}", f"grad_norm {record['grad_norm']:.3f}"]
     if record.get("skipped"):
         parts.append("not applied (non-finite)")

@@ -272,12 +272,11 @@ class TrainArgs:
         from plait.run.methods.preference_loss import PreferenceLoss  # its checks: TRL's rules, one line each
 
         PreferenceLoss(self.beta, tuple(self.dpo_loss_types()), weights, self.label_smoothing)
-        sft_only = [(self.validation_file, "--validation_file"), (self.packing, "--packing"),
-                    (self.dataset_name, "--dataset_name")]
+        sft_only = [(self.packing, "--packing"), (self.dataset_name, "--dataset_name")]
         given = [flag for value, flag in sft_only if value]
         if given:
-            raise ConfigError(f"--method dpo does not take {', '.join(given)} yet (preference evaluation, packed "
-                              f"pairs and datasets dirs are to come); drop {'them' if len(given) > 1 else 'it'}")
+            raise ConfigError(f"--method dpo does not take {', '.join(given)} yet (packed pairs and datasets dirs are "
+                              f"to come); drop {'them' if len(given) > 1 else 'it'}")
 
     def _validate_kd(self, defaults: dict) -> None:
         if not self.teacher_model_name_or_path:

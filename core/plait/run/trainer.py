@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from contextlib import closing
 import datetime
-import math
 import os
 import time
 import warnings
@@ -38,13 +37,12 @@ from plait.checkpoint.shared_dir import check_shared_dir
 from plait.checkpoint.state import local_params
 from plait.cp.sequence import read_spans
 from plait.data import GlobalBatchSampler
-from plait.data.sft_blocks import batch_inputs, count_labels
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.base import check_base, saved_lora
 from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
 from plait.parallel.float8 import check_float8_device
 from plait.parallel.fsdp import local
-from plait.parallelize import ParallelModel, parallelize
+from plait.parallelize import parallelize
 from plait.plugin.registry import default_registry
 from plait.run.heartbeat import Heartbeat
 from plait.run.log_line import log_line, progress_text
@@ -112,25 +110,6 @@ def check_validation_blocks(blocks: torch.Tensor | None, config: ParallelConfig)
     if blocks is not None and len(blocks) < needed:
         raise ConfigError(f"the validation data has {len(blocks)} blocks, fewer than dp*num_microbatches = "
                           f"{needed}; use a larger --validation_file")
-
-
-@torch.no_grad()
-def evaluate(pmodel: ParallelModel, blocks: torch.Tensor, batch_size: int, device: torch.device) -> dict:
-    """Mean loss and perplexity over every validation block, split over data-parallel ranks."""
-    mesh = pmodel.mesh
-    m = pmodel.config.num_microbatches
-    usable = len(blocks) // (mesh.dp * m) * (mesh.dp * m)  # every dp rank, whole pipeline microbatches
-    mine = torch.arange(usable)[mesh.dp_rank :: mesh.dp]
-    num_items = count_labels(blocks, torch.arange(usable))
-    batch_size = max(batch_size // m * m, m)
-    total = torch.zeros((), device=device)
-    pmodel.eval()
-    for start in range(0, len(mine), batch_size):
-        ids, labels, positions = batch_inputs(blocks, mine[start : start + batch_size], device)
-        total += pmodel.eval_loss(ids, labels, num_items_in_batch=num_items, position_ids=positions)
-    pmodel.train()
-    loss = comm.all_reduce(total, mesh.replica_group).item()  # dp ranks' batches, cp ranks' tokens
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
 
 def diverged_message(step: int, bad: NonFiniteStep, args: TrainArgs) -> str:
@@ -385,7 +364,8 @@ class Trainer:
                 is_last = step + 1 == args.max_steps
                 if self.val_blocks is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or is_last):
                     self.heartbeat.at(step + 1, "evaluation")
-                    record.update(evaluate(self.pmodel, self.val_blocks, args.per_device_train_batch_size, self.device))
+                    record.update(self.method.evaluate(self.pmodel, self.val_blocks, args.per_device_train_batch_size,
+                                                       self.device))
                 history.append(record)
                 self.log.write(record)
                 trackers.log(record)

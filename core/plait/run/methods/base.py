@@ -61,6 +61,11 @@ class TrainingMethod(ABC):
         collective); default: none."""
         return {}
 
+    @abstractmethod
+    def evaluate(self, pmodel: ParallelModel, data: Any, batch_size: int, device: torch.device) -> dict[str, float]:
+        """Metrics over the validation data (what ``load_data`` read beside the training data), the same on every
+        rank (every rank calls it: it holds collectives); ``batch_size``: examples per dp rank and forward."""
+
     def step_tokens(self) -> int | None:
         """The tokens the step just run put through the model (its throughput's numerator), once ``step_metrics``
         has run; None: the global batch's blocks x --block_size."""

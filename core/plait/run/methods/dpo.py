@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,11 +49,12 @@ class DPO(TrainingMethod):
 
     def __init__(self, pairs: list[Pair], loss: PreferenceLoss, reference: Reference, pad_id: int,
                  max_length: int, truncation_mode: str, batch_pairs: int, precompute: bool,
-                 device: torch.device) -> None:
+                 device: torch.device, val_pairs: list[Pair] | None = None) -> None:
         self.pairs, self.loss, self.pad_id, self.batch_pairs = pairs, loss, pad_id, batch_pairs
         self.max_length, self.truncation_mode = max_length, truncation_mode
         self.reference: Reference | None = reference
         self.table: torch.Tensor | None = None  # precomputed: [pairs, 2] reference log-probs
+        self.val_table: torch.Tensor | None = None  # the same for the validation pairs
         mesh = reference.model.mesh
         config = mesh.config
         # the sequence length the layout splits: 2*cp under cp (load-balanced halves), tp under SP
@@ -62,11 +64,13 @@ class DPO(TrainingMethod):
         self.chosen_tokens = 1  # the step's chosen completion tokens (sft's divisor)
         self.local_tokens = 0  # the tokens of this rank's rows in the step
         if precompute:
-            self.table = self._precompute(reference, device)
+            self.table = self._read_all(pairs, reference.logps, mesh, device)
+            if val_pairs is not None:
+                self.val_table = self._read_all(val_pairs, reference.logps, mesh, device)
             self.reference = None  # a second model's memory back before training starts
 
     @classmethod
-    def load_data(cls, args: Any, model_config: Any, plan: Any) -> tuple[list[Pair], None, Any]:
+    def load_data(cls, args: Any, model_config: Any, plan: Any) -> tuple[list[Pair], list[Pair] | None, Any]:
         if not args.train_file:
             raise ConfigError("--method dpo needs --train_file: a .jsonl of preference rows ('prompt', 'chosen', "
                               "'rejected')")
@@ -77,7 +81,8 @@ class DPO(TrainingMethod):
             check_vocabulary("--ref_model_name_or_path", args.ref_model_name_or_path, "reference", "policy",
                              model_config)
         tokenizer = load_tokenizer(folder, model_config.vocab_size)
-        return read_pairs(Path(args.train_file), tokenizer, args.block_size, args.truncation_mode), None, tokenizer
+        read = lambda path: read_pairs(Path(path), tokenizer, args.block_size, args.truncation_mode)  # noqa: E731
+        return read(args.train_file), read(args.validation_file) if args.validation_file else None, tokenizer
 
     @classmethod
     def create(cls, trainer: Any) -> "DPO":
@@ -91,7 +96,8 @@ class DPO(TrainingMethod):
         tokenizer = trainer.tokenizer
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return cls(trainer.blocks, loss, reference, pad_id, args.block_size, args.truncation_mode,
-                   args.per_device_train_batch_size, args.precompute_ref_log_probs, trainer.device)
+                   args.per_device_train_batch_size, args.precompute_ref_log_probs, trainer.device,
+                   trainer.val_blocks)
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -162,24 +168,37 @@ class DPO(TrainingMethod):
     def step_tokens(self) -> int:
         return int(self.tokens)
 
-    def _precompute(self, reference: Reference, device: torch.device) -> torch.Tensor:
-        """Every pair's reference log-probs [pairs, 2] on every rank: each dp replica reads every dp-th pair, in
-        batches of a micro-step's pairs (the last one filled up with pair 0, read and dropped), the same number of
-        batches on every rank (expert parallelism's dispatch is a collective over dp ranks)."""
-        mesh, size = reference.model.mesh, self.batch_pairs
-        table = torch.zeros(len(self.pairs), 2, dtype=torch.float64, device=device)
-        mine = list(range(mesh.dp_rank, len(self.pairs), mesh.dp))
-        for start in range(0, -(-len(self.pairs) // mesh.dp), size):
+    def _read_all(self, pairs: list[Pair], logps: Callable, mesh: Mesh, device: torch.device) -> torch.Tensor:
+        """Every pair's log-probs [pairs, 2] under ``logps`` (a model's ``row_logps``), on every rank: each dp replica
+        reads every dp-th pair, in batches of a micro-step's pairs (the last one filled up with pair 0, read and
+        dropped), the same number of batches on every rank (expert parallelism's dispatch is a collective over dp
+        ranks); the last pipeline stage's values are sent to the others."""
+        size = self.batch_pairs
+        table = torch.zeros(len(pairs), 2, dtype=torch.float64, device=device)
+        mine = list(range(mesh.dp_rank, len(pairs), mesh.dp))
+        for start in range(0, -(-len(pairs) // mesh.dp), size):
             chunk = mine[start:start + size]
             padded = chunk + [0] * (size - len(chunk))
-            ids, labels = pair_rows(self.pairs, padded, self.pad_id, self.max_length, self.truncation_mode,
-                                    self.multiple)
-            logps = reference.logps(ids.to(device), labels.to(device)).reshape(-1, 2)
+            ids, labels = pair_rows(pairs, padded, self.pad_id, self.max_length, self.truncation_mode, self.multiple)
+            found = logps(ids.to(device), labels.to(device)).reshape(-1, 2)
             if chunk:
-                table[torch.tensor(chunk, device=device)] = logps[:len(chunk)].to(table)
+                table[torch.tensor(chunk, device=device)] = found[:len(chunk)].to(table)
         table = comm.all_reduce(table, mesh.dp_group)
         return comm.broadcast(table, mesh.pp_group, src=mesh.pp - 1) if mesh.pp > 1 else table
 
+    @torch.no_grad()
+    def evaluate(self, pmodel: ParallelModel, data: list[Pair], batch_size: int, device: torch.device) -> dict:
+        """TRL's evaluation: the loss and the six metrics over every validation pair (``eval_`` before their names),
+        read with the policy and the reference on the training layout, the same on every rank."""
+        policy = self._read_all(data, lambda ids, labels: row_logps(pmodel, ids, labels), pmodel.mesh, device)
+        reference = self.val_table if self.val_table is not None else \
+            self._read_all(data, self.reference.logps, pmodel.mesh, device)
+        _, labels = pair_rows(data, list(range(len(data))), self.pad_id, self.max_length, self.truncation_mode, 1)
+        counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).to(policy)
+        pairs = PairLogps(policy[:, 0], policy[:, 1], reference[:, 0], reference[:, 1], counts[0::2], counts[1::2])
+        loss = self.loss.per_pair(pairs).mean() - self.loss.sft_weight * policy[:, 0].sum() / counts[0::2].sum()
+        sums = self.loss.metric_sums(pairs)
+        return {"eval_loss": loss.item(), **{f"eval_{name}": (sums[name] / len(data)).item() for name in METRICS}}
 
 class Reference:
     """Where the reference's log-probs come from: a frozen model on the policy's mesh, or under LoRA the policy itself

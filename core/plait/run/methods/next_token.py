@@ -6,8 +6,11 @@ The loss is the cross-entropy summed over the global batch's labelled tokens, di
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from plait.base import comm
 from plait.base.mesh import Mesh
 from plait.data import local_microbatch
 from plait.data.sft_blocks import batch_inputs, count_labels
@@ -41,3 +44,21 @@ class NextToken(TrainingMethod):
     def micro_step(self, pmodel: ParallelModel, batch: Batch, divisor: int) -> torch.Tensor:
         ids, labels, positions = batch
         return pmodel.train_step(ids, labels, num_items_in_batch=divisor, position_ids=positions)
+
+    @torch.no_grad()
+    def evaluate(self, pmodel: ParallelModel, data, batch_size: int, device: torch.device) -> dict[str, float]:
+        """Mean loss and perplexity over every validation block, split over data-parallel ranks."""
+        mesh = pmodel.mesh
+        m = pmodel.config.num_microbatches
+        usable = len(data) // (mesh.dp * m) * (mesh.dp * m)  # every dp rank, whole pipeline microbatches
+        mine = torch.arange(usable)[mesh.dp_rank :: mesh.dp]
+        num_items = count_labels(data, torch.arange(usable))
+        batch_size = max(batch_size // m * m, m)
+        total = torch.zeros((), device=device)
+        pmodel.eval()
+        for start in range(0, len(mine), batch_size):
+            ids, labels, positions = batch_inputs(data, mine[start : start + batch_size], device)
+            total += pmodel.eval_loss(ids, labels, num_items_in_batch=num_items, position_ids=positions)
+        pmodel.train()
+        loss = comm.all_reduce(total, mesh.replica_group).item()  # dp ranks' batches, cp ranks' tokens
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
