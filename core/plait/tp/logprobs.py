@@ -1,15 +1,15 @@
 """What a training method's objective reads from one micro-batch's logits, on every layout.
 
 Next-token training needs only the summed cross-entropy (``plait.tp.loss``). Other methods need more: DPO the summed
-log-probability of each completion, GRPO each token's. ``Logits`` hands an objective this rank's logits with what
-reading them exactly takes: the labels aligned with them, which rows of the ``train_step`` batch they are, the
-vocabulary slice (tensor parallelism) and the sequence slice (context parallelism) this rank holds. Its
-``label_logps`` is the vocab-parallel cross-entropy per token, negated (no vocabulary is gathered), and its
-``sequence_sum`` sums per row over the whole sequence, across the cp ranks, with a backward that hands every cp rank
-the gradient of the whole sum; ``log_softmax`` and ``vocab_sum`` give the full-vocabulary distribution a divergence
-needs (distillation), still without gathering the vocabulary. An objective computes from these its share of the step's loss: the shares of every
-micro-batch and of the dp x cp ranks sum to the loss (a term computed from ``sequence_sum`` is the same on each cp
-rank, so it divides by ``cp``).
+log-probability of each completion, distillation the whole distribution over the vocabulary. ``Logits`` hands an
+objective this rank's logits with what reading them exactly takes: the labels aligned with them, which rows of the
+``train_step`` batch they are, the vocabulary slice (tensor parallelism) and the sequence slice (context
+parallelism) this rank holds. ``label_logps`` is the vocab-parallel cross-entropy per token, negated (no vocabulary
+is gathered); ``sequence_sum`` sums per row over the whole sequence, across the cp ranks, with a backward that hands
+every cp rank the gradient of the whole sum; ``log_softmax`` and ``vocab_sum`` give the full-vocabulary distribution
+a divergence needs, still without gathering the vocabulary. An objective computes from these its share of the
+step's loss: the shares of every micro-batch and of the dp x cp ranks sum to the loss (a term computed from
+``sequence_sum`` is the same on each cp rank, so it divides by ``cp``).
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ class Logits:
 Objective = Callable[[Logits], torch.Tensor]
 
 
-def read_logits(values: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor, loss: CausalLMLoss, mesh: Mesh) -> Logits:
+def read_logits(values: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor, loss: CausalLMLoss,
+                mesh: Mesh) -> Logits:
     """``Logits`` of one micro-batch: ``labels`` as the model was given them (shifted here, unless context
     parallelism shifted them on the whole sequence already), the vocabulary slice of ``loss``, the cp group of
     ``mesh``."""

@@ -113,7 +113,8 @@ def read_pairs(path: Path, tokenizer: Any, max_length: int, truncation_mode: str
             except ValueError as err:
                 raise ConfigError(f"{where}: not valid JSON ({err})") from None
             if not isinstance(row, dict):
-                raise ConfigError(f"{where}: not a JSON object; a preference row holds 'prompt', 'chosen' and 'rejected'")
+                raise ConfigError(f"{where}: not a JSON object; a preference row holds 'prompt', 'chosen' and "
+                                  f"'rejected'")
             pair = Pair(*tokenize_pair(tokenizer, row, where))
             if pair.chosen == pair.rejected:
                 raise ConfigError(f"{where}: 'chosen' and 'rejected' are the same completion; a preference pair needs "
