@@ -8,8 +8,9 @@ every loss type plait offers, for two combined with weights, for RPO (sigmoid wi
 (TRL's reference is then peft's model with its adapters off, plait's the same: no second copy). Then one launched
 world of 2 ranks runs DPO at tp=2 with SP, pp=2 (and with activation checkpointing), cp=2, ZeRO-1, ZeRO-2 and ZeRO-3
 at dp=2, dp=2 with accumulation, tp=2 with the reference's log-probs precomputed, LoRA at tp=2 and at pp=2
-(precomputed), and RPO at cp=2 and at dp=2 with accumulation: every rank's loss, gradient norm and metrics at every
-step equal one process's. ``plait plan``'s count of the reference is held to what those ranks held.
+(precomputed), RPO at cp=2 and at dp=2 with accumulation, and ep=2 on a tiny Qwen3-MoE: every rank's loss,
+gradient norm and metrics at every step equal one process's. ``plait plan``'s count of the reference is held to
+what those ranks held.
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ from plait.run.train_args import METHODS as METHOD_NAMES
 from plait.run.train_args import TrainArgs
 from plait.run.trainer import Trainer
 from plait.testing import launch
+from plait_transformers import plait_tiny_config
 from tiny_models import tiny_config
 
 WORKER = str(Path(__file__).parent / "workers" / "trainers.py")
 VOCAB, BLOCK, BATCH, STEPS, LR = 320, 32, 4, 2, 1e-3
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # named: peft's default for Llama is q and v
-WORDS = ["what is two plus two", "four", "five", "name a colour", "blue", "green", "hello there", "hi", "a cat", "a dog"]
+WORDS = ["what is two plus two", "four", "five", "name a colour", "blue", "green", "hello there", "hi", "a cat",
+         "a dog"]
 # each loss type plait offers, with the label smoothing the ones that read it need; and two of them combined
 LOSSES = {name: {"loss_type": name} for name in ("sigmoid", "hinge", "ipo", "apo_zero", "apo_down", "nca_pair",
                                                   "bco_pair", "sppo_hard", "sigmoid_norm")}
@@ -59,7 +62,9 @@ LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2),
            "pp2_lora_precomputed": dict(pipeline_parallel_size=2, num_microbatches=2, lora_r=4,
                                         precompute_ref_log_probs=True)}
 LORA_LAYOUTS = ("tp2_lora", "pp2_lora_precomputed")
+MOE_LAYOUTS = ("ep2",)
 RPO = dict(loss_type="sigmoid,sft", loss_weights="1.0,0.5")
+LAYOUTS["ep2"] = dict(expert_parallel_size=2, per_device_train_batch_size=BATCH // 2)  # on the MoE model
 LAYOUTS |= {"cp2_rpo": dict(context_parallel_size=2, **RPO),  # the sft term: its token count global, 1/cp per rank
             "dp2_accumulation_rpo": dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, **RPO)}
 
@@ -70,6 +75,11 @@ def root(tmp_path_factory) -> Path:
     save_chat_tokenizer(WORDS * 20, VOCAB, root / "model")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB)).save_pretrained(root / "model")
+    moe = plait_tiny_config("qwen3_moe")  # routed experts, for ep (no load-balancing loss: output_router_logits off)
+    moe.vocab_size = VOCAB
+    save_chat_tokenizer(WORDS * 20, VOCAB, root / "moe")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(moe).save_pretrained(root / "moe")
     rng = random.Random(0)
     for name, count in (("pairs.jsonl", 32), ("validation.jsonl", 6)):  # 6: plait's last batch is filled up
         with open(root / name, "w") as file:
@@ -201,6 +211,8 @@ def test_evaluation_matches_trls(root, tmp_path, case):
 def layouts(root, tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("layouts")
     cases = {name: flags(root, output_dir=str(out / name), **layout) for name, layout in LAYOUTS.items()}
+    for name in MOE_LAYOUTS:
+        cases[name]["model_name_or_path"] = str(root / "moe")
     (out / "flags.json").write_text(json.dumps(cases))
     launch([WORKER, str(out / "runs.json"), str(out / "flags.json")], 2, timeout=300)
     return json.loads((out / "runs.json").read_text())
@@ -210,12 +222,14 @@ def layouts(root, tmp_path_factory) -> dict[str, list[dict]]:
 def one_process(root, tmp_path_factory) -> dict[str, list[dict]]:
     return {"full": plait_history(root, tmp_path_factory.mktemp("one")),
             "lora": plait_history(root, tmp_path_factory.mktemp("one_lora"), lora_r=4),
-            "rpo": plait_history(root, tmp_path_factory.mktemp("one_rpo"), **RPO)}
+            "rpo": plait_history(root, tmp_path_factory.mktemp("one_rpo"), **RPO),
+            "moe": plait_history(root, tmp_path_factory.mktemp("one_moe"), model_name_or_path=str(root / "moe"))}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layout_gives_one_process_numbers(layouts, one_process, layout):
-    expected = one_process["lora" if layout in LORA_LAYOUTS else "rpo" if layout.endswith("rpo") else "full"]
+    expected = one_process["lora" if layout in LORA_LAYOUTS else "rpo" if layout.endswith("rpo") else
+                           "moe" if layout in MOE_LAYOUTS else "full"]
     for rank, record in enumerate(layouts[layout]):
         difference, where = worst(record["history"], expected, ("loss", "grad_norm", *METRICS))
         assert difference <= 5e-7, f"rank {rank}: {where}"  # measured up to 1.7e-7 (dp2 with accumulation)

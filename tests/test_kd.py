@@ -61,7 +61,8 @@ def root(tmp_path_factory) -> Path:
 
 
 def flags(root: Path, out: Path, **extra) -> dict:
-    return {**dict(method="kd", model_name_or_path=str(root / "student"), teacher_model_name_or_path=str(root / "teacher"),
+    return {**dict(method="kd", model_name_or_path=str(root / "student"),
+                   teacher_model_name_or_path=str(root / "teacher"),
                    train_file=str(root / "text.txt"), block_size=BLOCK, per_device_train_batch_size=BATCH,
                    max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", device="cpu", save_final=False,
                    seed=3, data_cache_dir=str(root / "cache"), output_dir=str(out)), **extra}
