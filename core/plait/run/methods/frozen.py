@@ -13,11 +13,13 @@ import datetime
 from typing import Any
 
 import torch
+from torch import nn
 
 from plait.base import comm
 from plait.base.config import ConfigError
 from plait.base.meta import build_meta_model
 from plait.checkpoint.materialize import materialize, resolve_source
+from plait.ep.layout import own_experts, routed_experts
 from plait.layout_plan import plan_layout
 from plait.parallelize import ParallelModel, parallelize
 
@@ -31,13 +33,19 @@ def check_vocabulary(flag: str, source: str, role: str, trained: str, model_conf
                           f"{model_config.vocab_size}; the {role} must share the {trained}'s tokenizer")
 
 
+def second_model_ep(model: nn.Module, ep: int) -> int:
+    """The trained model's ep for a second model with routed experts to divide, else 1 (a dense teacher of an MoE
+    student holds its layers whole on every rank of the ep group, as without expert parallelism)."""
+    return ep if routed_experts(model) or own_experts(model) else 1
+
+
 def frozen_on_mesh(source: Any, args: Any, trained: ParallelModel, device: torch.device) -> ParallelModel:
     """The model at ``source`` (a model directory, a plait checkpoint or a config for the seeded init, as
     ``resolve_source`` reads it) on ``trained``'s layout, frozen, in ``trained``'s dtype."""
     config, kind, path = resolve_source(source)
     meta = build_meta_model(config, torch.bfloat16 if args.bf16 else torch.float32)
     layout = dataclasses.replace(trained.config, zero_stage=0, zero_1=False, mixed_precision=False,
-                                 gradient_checkpointing=False)
+                                 gradient_checkpointing=False, ep=second_model_ep(meta, trained.config.ep))
     plan = plan_layout(meta, layout, comm.group_size(comm.world_group()))
     model = parallelize(meta, plan, timeout=datetime.timedelta(seconds=args.ddp_timeout))
     materialize(model, kind, path, seed=args.seed, device=device)
