@@ -304,3 +304,26 @@ def test_a_reference_with_another_vocabulary_is_refused_before_any_process_group
     with pytest.raises(ConfigError, match=rf"^--ref_model_name_or_path {tmp_path / 'ref'} has vocab_size {VOCAB + 64}, "
                                           rf"the policy {VOCAB}; the reference must share the policy's tokenizer$"):
         DPO.load_data(args, read_model_config(args, None), None)  # the trainer reads data before any group exists
+
+
+def test_rows_are_trls_collator_and_a_fixed_length_pads_them_alike(root):
+    """pair_rows makes TRL's collated rows, each pair's chosen then rejected (TRL puts all chosen first), padded to
+    the longest or to a fixed length (what pipeline parallelism asks: one schedule shape), the labels on the
+    completions only."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    from plait.run.methods.preference_data import pair_rows, read_pairs
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "model")
+    pairs = read_pairs(root / "pairs.jsonl", tokenizer, 8, "keep_start")
+    batch = DataCollatorForPreference(pad_token_id=0, max_length=8)([
+        {"prompt_ids": p.prompt, "chosen_ids": p.chosen, "rejected_ids": p.rejected} for p in pairs[:3]])
+    order = [0, 3, 1, 4, 2, 5]  # TRL: chosen rows, then rejected rows
+    ids, labels = pair_rows(pairs, [0, 1, 2], 0, 8, "keep_start", 1)
+    width = batch["input_ids"].shape[1]
+    assert torch.equal(ids[:, :width], batch["input_ids"][order]) and (ids[:, width:] == 0).all()
+    expected = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)[order]
+    assert torch.equal(labels[:, :width], expected)
+    fixed, fixed_labels = pair_rows(pairs, [0, 1, 2], 0, 8, "keep_start", 1, length=12)
+    assert fixed.shape == (6, 12) and torch.equal(fixed[:, :ids.shape[1]], ids)
+    assert (fixed_labels[:, ids.shape[1]:] == -100).all()

@@ -59,6 +59,9 @@ class DPO(TrainingMethod):
         config = mesh.config
         # the sequence length the layout splits: 2*cp under cp (load-balanced halves), tp under SP
         self.multiple = (2 * mesh.cp if mesh.cp > 1 else 1) * (mesh.tp if config.sequence_parallel else 1)
+        # under pp every row is padded to --block_size: torch's schedules are built (and kept) per batch shape, and a
+        # length per batch would build a new one almost every step
+        self.length = -(-max_length // self.multiple) * self.multiple if mesh.pp > 1 else None
         self.seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # the step's (policy, reference, tokens)
         self.step_pairs, self.tokens = 0, 0  # the step's global pairs, and the tokens of its padded rows
         self.chosen_tokens = 1  # the step's chosen completion tokens (sft's divisor)
@@ -113,7 +116,7 @@ class DPO(TrainingMethod):
         for micro in range(accumulation):
             pairs = local_microbatch(rows, mesh.dp_rank, mesh.dp, accumulation, micro).tolist()
             ids, labels = pair_rows(self.pairs, pairs, self.pad_id, self.max_length, self.truncation_mode,
-                                    self.multiple)
+                                    self.multiple, self.length)
             tokens = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
             self.local_tokens += ids.numel()
             batches.append((ids.to(device), labels.to(device), tokens.to(device), torch.tensor(pairs, device=device)))
@@ -179,7 +182,8 @@ class DPO(TrainingMethod):
         for start in range(0, -(-len(pairs) // mesh.dp), size):
             chunk = mine[start:start + size]
             padded = chunk + [0] * (size - len(chunk))
-            ids, labels = pair_rows(pairs, padded, self.pad_id, self.max_length, self.truncation_mode, self.multiple)
+            ids, labels = pair_rows(pairs, padded, self.pad_id, self.max_length, self.truncation_mode, self.multiple,
+                                    self.length)
             found = logps(ids.to(device), labels.to(device)).reshape(-1, 2)
             if chunk:
                 table[torch.tensor(chunk, device=device)] = found[:len(chunk)].to(table)

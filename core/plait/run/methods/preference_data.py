@@ -135,12 +135,12 @@ def read_pairs(path: Path, tokenizer: Any, max_length: int, truncation_mode: str
 
 
 def pair_rows(pairs: list[Pair], indices: list[int], pad_id: int, max_length: int, truncation_mode: str,
-              multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+              multiple: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Input ids and labels [2 * pairs, length] of the pairs ``indices``: each pair's chosen row, then its rejected
     row (a split of the rows into even runs keeps pairs whole). A row is prompt + completion cut to ``max_length``
     as TRL's collator cuts it, labelled on the completion only, padded on the right (causal attention: the padding
     changes no real token's logits) to the longest row, rounded up to ``multiple`` (what the layout splits the
-    sequence by)."""
+    sequence by), or to ``length`` where given (one shape for every batch)."""
     rows = []
     for i in indices:
         pair = pairs[i]
@@ -148,7 +148,7 @@ def pair_rows(pairs: list[Pair], indices: list[int], pad_id: int, max_length: in
             ids, labels = pair.prompt + completion, [IGNORE_INDEX] * len(pair.prompt) + completion
             cut = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
             rows.append((ids[cut], labels[cut]))
-    length = -(-max(len(ids) for ids, _ in rows) // multiple) * multiple
+    length = length or -(-max(len(ids) for ids, _ in rows) // multiple) * multiple
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
     for row, (ids, labs) in enumerate(rows):
