@@ -228,3 +228,18 @@ def test_layout_search_refuses_what_fits_only_without_the_teacher(root, tmp_path
     tight = dataclasses.replace(roomy, memory_bytes=min(with_teacher.values()) - 1)  # below every peak with it
     assert not run.search(tight).ranked and bare.search(tight).ranked
     assert all("does not fit" in reason for _, reason in run.search(tight).refused)
+
+
+def test_plait_plan_prints_the_teacher(root, tmp_path, capsys):
+    """`plait plan --method kd` shows a 'second model' column and says what it holds; --json has it per rank."""
+    from plait.cli import main
+
+    flags_ = ["--method", "kd", "--model_name_or_path", str(root / "student"), "--teacher_model_name_or_path",
+              str(root / "teacher"), "--block_size", str(BLOCK), "--per_device_train_batch_size", str(BATCH),
+              "--tensor_parallel_size", "2"]
+    main(["plan", *flags_])
+    out = capsys.readouterr().out
+    assert "second model" in out and "distillation's teacher: a frozen copy laid out alike" in " ".join(out.split())
+    main(["plan", *flags_, "--json"])
+    ranks = json.loads(capsys.readouterr().out)["ranks"]
+    assert len(ranks) == 2 and all(r["second_model"] > 0 for r in ranks)
