@@ -327,3 +327,27 @@ def test_rows_are_trls_collator_and_a_fixed_length_pads_them_alike(root):
     fixed, fixed_labels = pair_rows(pairs, [0, 1, 2], 0, 8, "keep_start", 1, length=12)
     assert fixed.shape == (6, 12) and torch.equal(fixed[:, :ids.shape[1]], ids)
     assert (fixed_labels[:, ids.shape[1]:] == -100).all()
+
+
+def test_the_bundled_pairs_train(tmp_path):
+    """examples/preference/pairs.jsonl is what its script writes from the bundled conversations, and DPO trains on it
+    (conversational rows, a chat tokenizer's template) as docs/post-training.md's walkthrough does, on a tiny model."""
+    import subprocess
+    import sys
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    subprocess.run([sys.executable, str(examples / "preference" / "make_pairs.py"), "--out", str(tmp_path / "p.jsonl")],
+                   check=True)
+    assert (tmp_path / "p.jsonl").read_text() == (examples / "preference" / "pairs.jsonl").read_text()
+    texts = [m["content"] for line in (examples / "sft" / "conversations.jsonl").read_text().splitlines()
+             for m in json.loads(line)["messages"]]
+    save_chat_tokenizer(texts, 512, tmp_path / "model")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=512, max_position_embeddings=128)
+                                     ).save_pretrained(tmp_path / "model")
+    history = Trainer(TrainArgs(method="dpo", model_name_or_path=str(tmp_path / "model"), block_size=64,
+                                train_file=str(examples / "preference" / "pairs.jsonl"), per_device_train_batch_size=8,
+                                max_steps=3, learning_rate=1e-3, device="cpu", save_final=False,
+                                output_dir=str(tmp_path / "out"))).train()
+    assert history[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)  # ln 2: the policy is its reference
+    assert history[-1]["rewards/margins"] > 0 and history[-1]["loss"] < history[0]["loss"]
