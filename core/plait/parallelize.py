@@ -332,7 +332,9 @@ class ParallelModel(nn.Module):
         total = None  # in the loss's own dtype: fp32 at least, float64 for a float64 model
         masks = attention_mask.chunk(m) if attention_mask is not None else [None] * m
         positions = position_ids.chunk(m) if position_ids is not None else [None] * m
-        rows = torch.arange(input_ids.shape[0], device=input_ids.device).chunk(m)
+        rows = [None] * m  # each microbatch's rows in the batch: what an objective reads them by
+        if objective is not None:
+            rows = torch.arange(input_ids.shape[0], device=input_ids.device).chunk(m)
         for i, (ids, labs, mask, pos) in enumerate(zip(input_ids.chunk(m), labels.chunk(m), masks, positions)):
             loss = self._forward(ids, labs, mask, num_items_in_batch, pos, objective, rows[i])
             if train:

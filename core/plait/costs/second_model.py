@@ -18,7 +18,7 @@ from torch import nn
 from plait.costs.memory import rank_params
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.plugin.registry import Registry
-from plait.run.methods.frozen import second_model_ep
+from plait.run.methods.frozen import frozen_layout
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,8 @@ def second_model_bytes(second: SecondModel, plan: LayoutPlan, registry: Registry
     config = plan.config
     key = ("second", id(second.model), config.tp, config.cp, config.pp, config.ep, config.virtual_pipeline_size,
            config.pipeline_schedule, config.sp)
-    if key not in cache:  # laid out as plait.run.methods.frozen lays it out
-        layout = dataclasses.replace(config, dp=None, ep=second_model_ep(second.model, config.ep), zero_stage=0,
-                                     zero_1=False, mixed_precision=False, gradient_checkpointing=False)
+    if key not in cache:  # laid out as the run lays it out
+        layout = dataclasses.replace(frozen_layout(second.model, config), dp=None)
         cache[key] = plan_layout(second.model, layout, config.processes, registry)
     held = rank_params(second.model, cache[key], tp_rank, pp_rank)
     size = next(second.model.parameters()).element_size()

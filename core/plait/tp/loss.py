@@ -82,7 +82,12 @@ def num_items_in_batch(labels: torch.Tensor) -> torch.Tensor:
     """The loss's divisor for a global batch's ``labels`` [rows, seq]: the tokens with a label after the causal shift
     (not each row's first position, nor -100). Every rank knows the global batch, so no collective is needed; passed
     to ``train_step`` on every rank, it makes the ranks' and micro-steps' losses sum to one process's."""
-    return (labels[:, 1:] != IGNORE_INDEX).sum()
+    return labelled_tokens(labels).sum()
+
+
+def labelled_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Each row's tokens with a label after the causal shift [rows] (``num_items_in_batch`` per row)."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

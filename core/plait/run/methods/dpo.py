@@ -32,11 +32,11 @@ from plait.data.tokenizer import load_tokenizer
 from plait.lora import switch
 from plait.parallelize import ParallelModel
 from plait.run.methods.base import TrainingMethod
-from plait.run.methods.frozen import check_vocabulary, frozen_on_mesh
+from plait.run.methods.frozen import check_vocabulary, frozen_on_mesh, read_rows
 from plait.run.methods.preference_data import Pair, pair_rows, read_pairs
 from plait.run.methods.preference_loss import PairLogps, PreferenceLoss
 from plait.tp.logprobs import Logits
-from plait.tp.loss import IGNORE_INDEX
+from plait.tp.loss import labelled_tokens
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -108,7 +108,7 @@ class DPO(TrainingMethod):
     def divisor(self, rows: torch.Tensor) -> int:
         if self.loss.sft_weight:  # TRL's sft term is a mean over the global batch's chosen tokens
             _, labels = pair_rows(self.pairs, rows.tolist(), self.pad_id, self.max_length, self.truncation_mode, 1)
-            self.chosen_tokens = int((labels[0::2, 1:] != IGNORE_INDEX).sum())
+            self.chosen_tokens = int(labelled_tokens(labels[0::2]).sum())
         return len(rows)  # the global batch's pairs: the loss and every metric are means over them
 
     def micro_batches(self, rows: torch.Tensor, mesh: Mesh, accumulation: int, device: torch.device) -> list[Batch]:
@@ -117,7 +117,7 @@ class DPO(TrainingMethod):
             pairs = local_microbatch(rows, mesh.dp_rank, mesh.dp, accumulation, micro).tolist()
             ids, labels = pair_rows(self.pairs, pairs, self.pad_id, self.max_length, self.truncation_mode,
                                     self.multiple, self.length)
-            tokens = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+            tokens = labelled_tokens(labels)
             self.local_tokens += ids.numel()
             batches.append((ids.to(device), labels.to(device), tokens.to(device), torch.tensor(pairs, device=device)))
         return batches
@@ -198,7 +198,7 @@ class DPO(TrainingMethod):
         reference = self.val_table if self.val_table is not None else \
             self._read_all(data, self.reference.logps, pmodel.mesh, device)
         _, labels = pair_rows(data, list(range(len(data))), self.pad_id, self.max_length, self.truncation_mode, 1)
-        counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).to(policy)
+        counts = labelled_tokens(labels).to(policy)
         pairs = PairLogps(policy[:, 0], policy[:, 1], reference[:, 0], reference[:, 1], counts[0::2], counts[1::2])
         loss = self.loss.per_pair(pairs).mean() - self.loss.sft_weight * policy[:, 0].sum() / counts[0::2].sum()
         sums = self.loss.metric_sums(pairs)
@@ -217,18 +217,7 @@ class Reference:
 
 
 def row_logps(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each row's summed log-prob of its labelled tokens under ``model``, without gradients [rows] (filled on the
-    ranks that compute the loss: every rank but the last pipeline stage's peers get zeros)."""
-    out = torch.zeros(ids.shape[0], dtype=torch.float64, device=ids.device)
-
-    def record(logits: Logits) -> torch.Tensor:
-        out[logits.rows] = logits.sequence_sum(logits.label_logps()).detach().to(out)
-        return logits.values.new_zeros((), dtype=torch.float32)
-
-    training = model.training
-    model.eval()
-    try:
-        model.eval_loss(ids, labels, objective=record)
-    finally:
-        model.train(training)
-    return out
+    """Each row's summed log-prob of its labelled tokens under ``model``, without gradients [rows], in float64 (zeros
+    on the ranks that compute no loss: every pipeline stage but the last)."""
+    found = read_rows(model, ids, labels, lambda logits: logits.sequence_sum(logits.label_logps()))
+    return ids.new_zeros(ids.shape[0], dtype=torch.float64) if found is None else found.double()

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from plait.base import comm
-from plait.base.config import ConfigError
+from plait.base.config import ConfigError, ParallelConfig
 from plait.base.meta import build_meta_model
 from plait.checkpoint.materialize import materialize, resolve_source
 from plait.ep.layout import own_experts, routed_experts
 from plait.layout_plan import plan_layout
 from plait.parallelize import ParallelModel, parallelize
+from plait.tp.logprobs import Logits
 
 
 def check_vocabulary(flag: str, source: str, role: str, trained: str, model_config: Any) -> None:
@@ -33,10 +35,36 @@ def check_vocabulary(flag: str, source: str, role: str, trained: str, model_conf
                           f"{model_config.vocab_size}; the {role} must share the {trained}'s tokenizer")
 
 
-def second_model_ep(model: nn.Module, ep: int) -> int:
-    """The trained model's ep for a second model with routed experts to divide, else 1 (a dense teacher of an MoE
-    student holds its layers whole on every rank of the ep group, as without expert parallelism)."""
-    return ep if routed_experts(model) or own_experts(model) else 1
+def frozen_layout(model: nn.Module, trained: ParallelConfig) -> ParallelConfig:
+    """The layout of a frozen second model beside a model trained with ``trained``: the same tp, cp, pp and dp ranks,
+    forward-only (no ZeRO, no recomputation), and the trained ep only where ``model`` has routed experts to divide (a
+    dense teacher of an MoE student holds its layers whole on every rank of the ep group). ``plait plan`` counts it
+    with the same layout (``plait.costs.second_model``)."""
+    ep = trained.ep if routed_experts(model) or own_experts(model) else 1
+    return dataclasses.replace(trained, zero_stage=0, zero_1=False, mixed_precision=False,
+                               gradient_checkpointing=False, ep=ep)
+
+
+def read_rows(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor, read: Callable[[Logits], torch.Tensor],
+              position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``read`` of each row of a batch under ``model`` (a function of its logits: per-row log-probs, the logits
+    themselves), forward-only and in eval mode (the model's mode restored after), [rows, ...]; None on the ranks that
+    compute no loss (every pipeline stage but the last)."""
+    kept: dict[str, torch.Tensor] = {}
+
+    def keep(logits: Logits) -> torch.Tensor:
+        value = read(logits).detach()
+        out = kept.setdefault("out", value.new_empty((ids.shape[0], *value.shape[1:])))
+        out[logits.rows] = value  # by row: torch's pipeline schedules may run a micro-batch's loss twice
+        return logits.values.new_zeros((), dtype=torch.float32)
+
+    training = model.training
+    model.eval()
+    try:
+        model.eval_loss(ids, labels, position_ids=position_ids, objective=keep)
+    finally:
+        model.train(training)
+    return kept.get("out")
 
 
 def frozen_on_mesh(source: Any, args: Any, trained: ParallelModel, device: torch.device) -> ParallelModel:
@@ -44,9 +72,7 @@ def frozen_on_mesh(source: Any, args: Any, trained: ParallelModel, device: torch
     ``resolve_source`` reads it) on ``trained``'s layout, frozen, in ``trained``'s dtype."""
     config, kind, path = resolve_source(source)
     meta = build_meta_model(config, torch.bfloat16 if args.bf16 else torch.float32)
-    layout = dataclasses.replace(trained.config, zero_stage=0, zero_1=False, mixed_precision=False,
-                                 gradient_checkpointing=False, ep=second_model_ep(meta, trained.config.ep))
-    plan = plan_layout(meta, layout, comm.group_size(comm.world_group()))
+    plan = plan_layout(meta, frozen_layout(meta, trained.config), comm.group_size(comm.world_group()))
     model = parallelize(meta, plan, timeout=datetime.timedelta(seconds=args.ddp_timeout))
     materialize(model, kind, path, seed=args.seed, device=device)
     model.requires_grad_(False)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from plait.parallelize import ParallelModel
-from plait.run.methods.frozen import check_vocabulary, frozen_on_mesh
+from plait.run.methods.frozen import check_vocabulary, frozen_on_mesh, read_rows
 from plait.run.methods.next_token import Batch, NextToken
 from plait.tp.logprobs import Logits
 from plait.tp.loss import IGNORE_INDEX
@@ -41,21 +41,6 @@ def divergence(logits: Logits, teacher: torch.Tensor, kind: str, beta: float, te
     return beta * towards_teacher + (1 - beta) * towards_student
 
 
-def teacher_logits(teacher: ParallelModel, batch: Batch) -> torch.Tensor | None:
-    """The teacher's logits of a micro-batch, this rank's slices [rows, seq slice, vocab slice], without gradients
-    (None on ranks that do not compute the loss: every pipeline stage but the last)."""
-    ids, labels, positions = batch
-    kept: dict[str, torch.Tensor] = {}
-
-    def keep(logits: Logits) -> torch.Tensor:
-        values = kept.setdefault("values", logits.values.new_empty((ids.shape[0], *logits.values.shape[1:])))
-        values[logits.rows] = logits.values.detach()
-        return logits.values.new_zeros((), dtype=torch.float32)
-
-    teacher.eval_loss(ids, labels, position_ids=positions, objective=keep)
-    return kept.get("values")
-
-
 class Distillation(NextToken):
     """Next-token data (text or SFT blocks) with a teacher: see the module docstring."""
 
@@ -63,7 +48,6 @@ class Distillation(NextToken):
                  ratio: float) -> None:
         super().__init__(blocks, spans)
         self.teacher, self.kind, self.beta, self.temperature, self.ratio = teacher, kind, beta, temperature, ratio
-        teacher.eval()
 
     @classmethod
     def load_data(cls, args: Any, model_config: Any, plan: Any) -> None:
@@ -80,7 +64,8 @@ class Distillation(NextToken):
 
     def micro_step(self, pmodel: ParallelModel, batch: Batch, divisor: int) -> torch.Tensor:
         ids, labels, positions = batch
-        teacher = teacher_logits(self.teacher, batch)
+        # its logits, this rank's slices [rows, seq slice, vocab slice] (None where no loss is computed)
+        teacher = read_rows(self.teacher, ids, labels, lambda logits: logits.values, positions)
         return pmodel.train_step(ids, labels, num_items_in_batch=divisor, position_ids=positions,
                                  objective=self._objective(teacher, divisor))
 
