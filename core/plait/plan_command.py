@@ -20,7 +20,6 @@ from torch import nn
 
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.meta import build_meta_model
-from plait.checkpoint.materialize import resolve_source
 from plait.costs.activations import ActivationTrace, trace_activations
 from plait.costs.advice import cheaper_settings, fewest_devices
 from plait.costs.calibration import calibrate
@@ -30,11 +29,12 @@ from plait.costs.experts import check_expert_parallel, expert_parameters
 from plait.costs.memory import Precision
 from plait.costs.render import estimate_json, print_estimate, print_search, search_json
 from plait.costs.search import SearchResult, search_layouts
-from plait.costs.second_model import SecondModel
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.config import lora_config
 from plait.pipeline.layout import rank_of_stage, stage_bytes, stage_rows
 from plait.plugin.registry import Registry, default_registry
+from plait.run.methods.frozen import SecondModel
+from plait.run.methods.table import METHODS
 from plait.run.model_config import read_model_config
 from plait.run.train_args import TrainArgs
 
@@ -155,20 +155,6 @@ def layout_flags(config, per_device: int, accumulation: int) -> list[str]:
 _RUN = object()  # PlannedRun.search: the run's own LoRA settings
 
 
-def second_model(args: TrainArgs, model: nn.Module, dtype: torch.dtype) -> SecondModel | None:
-    """The frozen second model ``args``' training method lays out beside the trained one, on the meta device: DPO's
-    reference (none under LoRA, where it is the base with the adapters off, nor with --precompute_ref_log_probs,
-    which frees it before the first step), distillation's teacher (its logits of a micro-step kept)."""
-    if args.method == "dpo" and not args.precompute_ref_log_probs and (args.ref_model_name_or_path or not args.lora_r):
-        if not args.ref_model_name_or_path:
-            return SecondModel(model, "DPO's reference")  # the policy as it starts: the same shapes
-        return SecondModel(build_meta_model(resolve_source(args.ref_model_name_or_path)[0], dtype), "DPO's reference")
-    if args.method == "kd":
-        teacher = build_meta_model(resolve_source(args.teacher_model_name_or_path)[0], dtype)
-        return SecondModel(teacher, "distillation's teacher", keeps_logits=True)
-    return None
-
-
 @dataclass
 class PlannedRun:
     """One run as ``plait plan`` and ``plait train --layout auto`` estimate it: its meta model, the layout it asks
@@ -182,7 +168,7 @@ class PlannedRun:
     lora: object | None
     registry: Registry
     fused_dropout: bool = True  # the device's fused attention takes dropout (``Device.fused_attention_dropout``)
-    second: SecondModel | None = None  # the training method's frozen second model (``second_model``)
+    second: SecondModel | None = None  # the training method's frozen second model (``TrainingMethod.second_model``)
     _traced: dict = field(default_factory=dict)  # parameter dtype -> (meta model, trace), for other precisions
 
     @classmethod
@@ -198,8 +184,8 @@ class PlannedRun:
         fused = device is None or device.fused_attention_dropout
         trace = trace_activations(model, args.block_size, registry, plan.adapter, fused)
         precision = Precision(dtype, getattr(torch, args.optimizer_dtype) if args.bf16 else dtype)
-        return cls(args, model, plan, trace, precision, lora, registry, fused, second_model(args, model, dtype),
-                   {dtype: (model, trace)})
+        second = METHODS[args.method].second_model(args, model, dtype)  # a reference, a teacher: in the memory
+        return cls(args, model, plan, trace, precision, lora, registry, fused, second, {dtype: (model, trace)})
 
     @property
     def batch(self) -> Batch:

@@ -55,8 +55,8 @@ def search_layouts(
 ) -> SearchResult:
     """Estimate every layout of ``world_size`` ranks, with every split of the global batch into micro-batch size
     and accumulation steps (``global_batch``: sequences per optimizer step; default that of ``base`` and
-    ``batch``; ``moe_imbalance``: ``estimate_layout``'s; ``lora``: LoRA adapters trained on the frozen model; ``second``: the
-    training method's frozen second model, ``estimate_layout``'s)."""
+    ``batch``; ``moe_imbalance``: ``estimate_layout``'s; ``lora``: LoRA adapters trained on the frozen model;
+    ``second``: the training method's frozen second model, ``estimate_layout``'s)."""
     if global_batch is None:
         global_batch = batch.per_device * (base.dp or world_size // base.model_parallel_size) * batch.accumulation
     result = SearchResult()

@@ -11,24 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
-from torch import nn
 
 from plait.costs.memory import rank_params
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.plugin.registry import Registry
-from plait.run.methods.frozen import frozen_layout
-
-
-@dataclass(frozen=True)
-class SecondModel:
-    """A frozen second model (``model`` on the meta device, in its dtype); ``role`` names it in the plan's notes;
-    ``keeps_logits``: its logits of a micro-step are kept for the loss (distillation's teacher)."""
-
-    model: nn.Module
-    role: str
-    keeps_logits: bool = False
+from plait.run.methods.frozen import SecondModel, frozen_layout
 
 
 def second_model_bytes(second: SecondModel, plan: LayoutPlan, registry: Registry, tp_rank: int, pp_rank: int,

@@ -12,12 +12,15 @@ same mesh by the method) and its loss.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from plait.base.mesh import Mesh
 from plait.parallelize import ParallelModel
+
+if TYPE_CHECKING:
+    from plait.run.methods.frozen import SecondModel
 
 
 class TrainingMethod(ABC):
@@ -34,6 +37,12 @@ class TrainingMethod(ABC):
         """The method for a ``Trainer`` that has loaded its data and laid out its model (``trainer.blocks``: what
         ``load_data`` read; ``trainer.spans``: this cp rank's token ranges of a block, None without cp)."""
         return cls(trainer.blocks, trainer.spans)
+
+    @classmethod
+    def second_model(cls, args: Any, model: Any, dtype: torch.dtype) -> "SecondModel | None":
+        """The frozen second model a run with ``args`` lays out beside the trained ``model`` (both on the meta device,
+        in ``dtype``), for ``plait plan`` to count; default: none."""
+        return None
 
     @abstractmethod
     def __len__(self) -> int:

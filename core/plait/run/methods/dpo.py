@@ -26,13 +26,15 @@ import torch
 from plait.base import comm
 from plait.base.config import ConfigError
 from plait.base.mesh import Mesh
+from plait.base.meta import build_meta_model
+from plait.checkpoint.materialize import resolve_source
 from plait.data import local_microbatch
 from plait.data.paths import tokenizer_dir
 from plait.data.tokenizer import load_tokenizer
 from plait.lora import switch
 from plait.parallelize import ParallelModel
 from plait.run.methods.base import TrainingMethod
-from plait.run.methods.frozen import check_vocabulary, frozen_on_mesh, read_rows
+from plait.run.methods.frozen import SecondModel, check_vocabulary, frozen_on_mesh, read_rows
 from plait.run.methods.preference_data import Pair, pair_rows, read_pairs
 from plait.run.methods.preference_loss import PairLogps, PreferenceLoss
 from plait.tp.logprobs import Logits
@@ -101,6 +103,15 @@ class DPO(TrainingMethod):
         return cls(trainer.blocks, loss, reference, pad_id, args.block_size, args.truncation_mode,
                    args.per_device_train_batch_size, args.precompute_ref_log_probs, trainer.device,
                    trainer.val_blocks)
+
+    @classmethod
+    def second_model(cls, args: Any, model: Any, dtype: torch.dtype) -> SecondModel | None:
+        # none under LoRA (the base, adapters off) nor precomputed (freed before the first step)
+        if args.precompute_ref_log_probs or (args.lora_r and not args.ref_model_name_or_path):
+            return None
+        if not args.ref_model_name_or_path:
+            return SecondModel(model, "DPO's reference")  # the policy as it starts: the same shapes
+        return SecondModel(build_meta_model(resolve_source(args.ref_model_name_or_path)[0], dtype), "DPO's reference")
 
     def __len__(self) -> int:
         return len(self.pairs)

@@ -9,6 +9,7 @@ the trained model's are.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import datetime
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,16 @@ from plait.ep.layout import own_experts, routed_experts
 from plait.layout_plan import plan_layout
 from plait.parallelize import ParallelModel, parallelize
 from plait.tp.logprobs import Logits
+
+
+@dataclass(frozen=True)
+class SecondModel:
+    """What ``plait plan`` counts of a method's frozen second model: ``model`` on the meta device, in its dtype;
+    ``role`` names it in the plan's notes; ``keeps_logits``: its logits of a micro-step are kept for the loss."""
+
+    model: nn.Module
+    role: str
+    keeps_logits: bool = False
 
 
 def check_vocabulary(flag: str, source: str, role: str, trained: str, model_config: Any) -> None:

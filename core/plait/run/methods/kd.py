@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
+from plait.base.meta import build_meta_model
+from plait.checkpoint.materialize import resolve_source
 from plait.parallelize import ParallelModel
-from plait.run.methods.frozen import check_vocabulary, frozen_on_mesh, read_rows
+from plait.run.methods.frozen import SecondModel, check_vocabulary, frozen_on_mesh, read_rows
 from plait.run.methods.next_token import Batch, NextToken
 from plait.tp.logprobs import Logits
 from plait.tp.loss import IGNORE_INDEX
@@ -54,6 +56,11 @@ class Distillation(NextToken):
         check_vocabulary("--teacher_model_name_or_path", args.teacher_model_name_or_path, "teacher", "student",
                          model_config)
         return None  # the student's next-token data
+
+    @classmethod
+    def second_model(cls, args: Any, model: Any, dtype: torch.dtype) -> SecondModel:
+        teacher = build_meta_model(resolve_source(args.teacher_model_name_or_path)[0], dtype)
+        return SecondModel(teacher, "distillation's teacher", keeps_logits=True)
 
     @classmethod
     def create(cls, trainer: Any) -> "Distillation":
