@@ -73,18 +73,21 @@ def test_what_the_generic_adapter_does_not_serve_is_named(registry, model_type, 
 def test_a_causal_lm_without_a_tp_plan_gets_one_from_its_module_tree(registry):
     """Issue 24: data parallelism, ZeRO and pipeline stages need no tp plan, and tp > 1 gets the styles transformers
     declares for the same structures (StableLM: q/k/v/o attention and a gated MLP); softmax attention no rule splits
-    is kept whole and run on the whole sequence under SP (GPT-BigCode's multi-query fused c_attn); OPT's SP region
-    ends at its final norm, which its decoder registers before its layers."""
+    is kept whole and run on the whole sequence under SP (JetMoE's mixture of attention heads); GPT-BigCode's
+    multi-query fused c_attn is split (q heads per rank, its one kv head replicated); OPT's SP region ends at its
+    final norm, which its decoder registers before its layers."""
     for model_type in ("opt", "stablelm", "mamba"):
         assert registry.resolve(types.SimpleNamespace(model_type=model_type)).name == "transformers"
     rules = {type(r).__name__: r.pattern for r in plait_transformers.plait_tp_plan(tiny("stablelm")).rules}
     assert rules["Attention"] == "model.layers.*.self_attn" and rules["Row"] == "model.layers.*.mlp.down_proj"
     assert rules["VocabEmbedding"] == "model.embed_tokens" and rules["VocabHead"] == "lm_head"
     assert plait_transformers.plait_sp_plan(tiny("opt")).end == "model.decoder.final_layer_norm"
-    whole = {r.pattern for r in plait_transformers.plait_tp_plan(tiny("gpt_bigcode")).rules
+    whole = {r.pattern for r in plait_transformers.plait_tp_plan(tiny("jetmoe")).rules
              if type(r).__name__ == "WholeSequence"}
-    assert whole == {"transformer.h.*.attn"}
-    assert "transformer.h.*.attn.c_attn" in plait_transformers.plait_sp_plan(tiny("gpt_bigcode")).norms
+    assert whole == {"model.layers.*.self_attention", "model.layers.*.mlp"}
+    assert "model.layers.*.self_attention.kv_proj" in plait_transformers.plait_sp_plan(tiny("jetmoe")).norms
+    bigcode = {type(r).__name__: r.pattern for r in plait_transformers.plait_tp_plan(tiny("gpt_bigcode")).rules}
+    assert bigcode["Attention"] == "transformer.h.*.attn" and "WholeSequence" not in bigcode
 
 
 def generic(name: str, refusal=True) -> types.ModuleType:

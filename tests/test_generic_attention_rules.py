@@ -22,7 +22,12 @@ meta model what it cannot place:
   (Bloom's ``alibi`` [batch * heads, 1, S], MPT's ``position_bias`` [heads, 1, S]) and one fused q/k/v projection
   (Bloom's ``query_key_value`` head by head, (heads, 3, head_dim); MPT's ``Wqkv`` q | k | v, chunked in three):
   split by heads, each rank handed its own heads' slopes of the bias (``Attention.head_inputs``), with and without
-  SP.
+  SP;
+- GPT-BigCode, Falcon: multi-query attention with one fused projection, q heads | one k | one v head (GPT-BigCode's
+  ``c_attn`` split by its widths, Falcon's ``query_key_value`` viewed as heads + 2): the q heads split, the kv head
+  replicated, and only the fused weight's k and v rows summed over tp and counted once in the norm
+  (``ModuleShard.shared_ranges``); tests/test_undeclared_architectures.py runs their tp2-sp in fp32, here the
+  consolidation round trip in float64.
 
 One launch of 2 ranks runs every pair, in float64, where a mis-split layer stays off by 1e-4 or more.
 """
@@ -30,10 +35,13 @@ One launch of 2 ranks runs every pair, in float64, where a mis-split layer stays
 from __future__ import annotations
 
 import pytest
+import torch
 
 from plait.base.meta import build_meta_model
 from plait.testing.conformance_modes import LOSS_RTOL
-from plait.tp.styles import LatentAttention, PairedHeadsAttention, ReplicatedGradSum
+from plait.parallel.grad_sync import norm_params
+from plait.tp.sharding import Part
+from plait.tp.styles import Attention, LatentAttention, PairedHeadsAttention, ReplicatedGradSum
 from plait_transformers import plait_tiny_config
 from plait_transformers.common import Refusal
 from plait_transformers.derivation import derive, tp_plan
@@ -44,16 +52,18 @@ ARCHITECTURES = ("dots3_note_text", "diffllama", "zaya", "jetmoe", "bloom", "mpt
 MODES = ("tp2-sp", "consolidate-tp2-sp")
 WITHOUT_SP = (("hy_v4", "tp2"),)  # architectures whose TP plan runs, but not under sequence parallelism
 ALSO_WITHOUT_SP = (("bloom", "tp2"), ("mpt", "tp2"))  # the ALiBi slices without SP too
+MULTI_QUERY = (("gpt_bigcode", "consolidate-tp2-sp"), ("falcon", "consolidate-tp2-sp"))
 
 
 @pytest.fixture(scope="module")
 def results(plait_conformance):
     return plait_conformance(*(f"transformers:{a}" for a in ARCHITECTURES), modes=list(MODES), dtype="float64",
-                             pairs=[(f"transformers:{a}", mode) for a, mode in (*WITHOUT_SP, *ALSO_WITHOUT_SP)])
+                             pairs=[(f"transformers:{a}", mode) for a, mode in (*WITHOUT_SP, *ALSO_WITHOUT_SP,
+                                                                                 *MULTI_QUERY)])
 
 
 @pytest.mark.parametrize(("arch", "mode"), [*((a, m) for a in ARCHITECTURES for m in MODES), *WITHOUT_SP,
-                                            *ALSO_WITHOUT_SP])
+                                            *ALSO_WITHOUT_SP, *MULTI_QUERY])
 def test_attention_rule_parity(results, arch, mode):
     from plait.testing.pytest_plugin import format_results
 
@@ -61,6 +71,31 @@ def test_attention_rule_parity(results, arch, mode):
     assert result.status == "pass", format_results([result])
     assert result.loss_rel is not None and result.loss_rel <= LOSS_RTOL
     assert result.grad_tol is not None and result.grad_tol <= 1
+
+
+@pytest.mark.parametrize("arch", ["gpt_bigcode", "falcon"])
+def test_multi_query_shares_the_kv_rows_and_counts_them_once(arch):
+    """The derived rule splits the q heads and replicates the one kv head; at tp=2 each rank's fused weight is
+    [its q rows | k | v], the k and v rows summed over both ranks; in the norm rank 0 counts all its rows, rank 1
+    its q rows only, so every row of the full weight is counted exactly once."""
+    config = plait_tiny_config(arch)
+    rule = next(r for r in derive(config).tp.rules if isinstance(r, Attention))
+    assert (rule.qkv, rule.num_kv_heads) == ({"gpt_bigcode": "c_attn", "falcon": "query_key_value"}[arch], 1)
+    heads, hd = rule.num_heads, rule.head_dim
+    model = build_meta_model(config)
+    name = f"{rule.pattern.replace('*', '0')}.{rule.qkv}"
+    shards = [{s.name: s for s in rule.shards(rule.pattern.replace("*", "0"),
+                                               model.get_submodule(rule.pattern.replace("*", "0")), 2, r)}[name]
+              for r in range(2)]
+    assert [s.weight.ranges for s in shards] == [
+        ((0, heads * hd // 2), (heads * hd, (heads + 1) * hd), ((heads + 1) * hd, (heads + 2) * hd)),
+        ((heads * hd // 2, heads * hd), (heads * hd, (heads + 1) * hd), ((heads + 1) * hd, (heads + 2) * hd))]
+    assert [(s.grad_sum_block, s.shared_ranges) for s in shards] == [(2, (1, 2))] * 2
+    specs = [{f"{name}.weight": s.weight} for s in shards]
+    param = torch.nn.Parameter(torch.empty(shards[0].weight.local_shape, device="meta"))
+    counted = [norm_params([(f"{name}.weight", param)], specs, r) for r in range(2)]
+    assert counted[0] == ([param], {})
+    assert counted[1] == ([param], {f"{name}.weight": Part(0, ((0, heads * hd // 2),))})
 
 
 def latent_rules(arch: str) -> dict[str, LatentAttention]:

@@ -45,7 +45,7 @@ FLOAT64_GRAD_ERR_DEFAULT = 0.1
 
 def run_worker(tmp_path_factory, *flags: str) -> dict:
     out = tmp_path_factory.mktemp("lora") / "results.json"
-    launch([str(WORKER), str(out), *flags, *ARCHS, "phi3"], 2, timeout=600)
+    launch([str(WORKER), str(out), *flags, *ARCHS, "phi3", "gpt_bigcode"], 2, timeout=600)
     return json.loads(out.read_text())
 
 
@@ -89,6 +89,15 @@ def test_phi3_fused_projections_split_per_head_and_per_chunk(results, results64,
     test_lora_parity_with_peft_on_one_process(results, results64, "phi3", layout)
     r = results[f"phi3/{layout}"][0]  # rank 0 writes the exports
     assert r["adapter_target_modules"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"], r
+    assert r["logits_peft_dir"] <= LOGITS_TOL and r["logits_merged"] <= LOGITS_TOL, r
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp", "tp2"])
+def test_multi_query_fused_qkv_shares_only_the_kv_rows_of_b(results, results64, layout):
+    """GPT-BigCode's multi-query c_attn (q heads | one k | one v head) at tp=2: B's q rows are each rank's own, its
+    k and v rows replicated, their gradient summed over the ranks (and counted once in the norm)."""
+    test_lora_parity_with_peft_on_one_process(results, results64, "gpt_bigcode", layout)
+    r = results[f"gpt_bigcode/{layout}"][0]
     assert r["logits_peft_dir"] <= LOGITS_TOL and r["logits_merged"] <= LOGITS_TOL, r
 
 

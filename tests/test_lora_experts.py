@@ -16,7 +16,7 @@ import pytest
 import torch
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig
+from transformers import AutoModelForCausalLM, GptOssConfig
 
 from plait import ParallelConfig, parallelize
 from plait.base.config import ConfigError

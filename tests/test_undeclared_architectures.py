@@ -19,11 +19,11 @@ pytest_plugins = ["plait.testing.pytest_plugin"]
 ARCHITECTURES = ("opt", "bloom", "falcon", "gpt_bigcode", "gpt_neo", "stablelm", "mpt", "dbrx", "persimmon")
 MODES = ("zero1-dp2", "pp2-1f1b", "tp2-sp")
 # Multi-query attention's fused projection, with its own kernel (Falcon) or through transformers' attention functions
-# (GPT-BigCode's c_attn: q heads | one k | one v head), and DBRX's blocks (its class declares a plan for the LM head
-# alone) are kept whole and run on the whole sequence under SP, as the derivation's notes say: exact, and the MLPs
-# and the vocabulary are still split. Persimmon's query_key_value is laid out head by head as GPT-NeoX's, and split
-# so; Bloom's too, and MPT's Wqkv as q | k | v, their ALiBi bias sliced to each rank's heads
-# (tests/test_generic_attention_rules.py checks both in float64).
+# (GPT-BigCode's c_attn: q heads | one k | one v head), is split: q heads per rank, the kv head replicated with its
+# rows' gradients summed (tests/test_generic_attention_rules.py checks their consolidation in float64). DBRX's
+# blocks (its class declares a plan for the LM head alone) are kept whole and run on the whole sequence under SP:
+# exact, and the vocabulary is still split. Persimmon's query_key_value is laid out head by head as GPT-NeoX's, and
+# split so; Bloom's too, and MPT's Wqkv as q | k | v, their ALiBi bias sliced to each rank's heads (float64 there too).
 
 
 @pytest.fixture(scope="module")

@@ -94,14 +94,9 @@ class ParallelModel(nn.Module):
         self.aux_loss_sum: torch.Tensor | None = None  # training forwards' aux-loss terms (moe_metrics reads)
         self.balance = balance  # the global-batch load-balancing loss (None: micro_batch scope, or no aux loss)
         self.calls_per_step = 1  # train_step calls of one optimizer step, as set_global_batch last named them
-        local = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-        specs = plan.specs_by_rank[mesh.tp_rank]
-        if plan.ep is not None:
-            specs = plan.ep.localize(specs, mesh.ep_rank)
         self.fsdp = fsdp  # ZeRO-2/3: the FSDP2 units (None without)
-        self.param_specs: dict[str, ShardSpec] = {
-            name: fsdp.rows(spec) if fsdp is not None else spec for name, spec in specs.items() if name in local
-        }  # shard spec of every parameter of ``module`` on this rank (names as in the original model)
+        # shard spec of every parameter of ``module`` on this rank (names as in the original model)
+        self.param_specs: dict[str, ShardSpec] = local_specs(module, plan, mesh, fsdp)
 
     @property
     def adapter(self) -> Adapter:
@@ -426,8 +421,8 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
                           config.mixed_precision)
         new = remap_params(before, model)
         sp_params = [new[id(p)] for p in sp_params]
-        applied.grad_sums = [(new[id(p)], group) for p, group in applied.grad_sums]
-    grad_sync = _grad_sync(model, plan, mesh, applied, sp_params, experts.params)
+        applied.grad_sums = [(new[id(p)], group, part) for p, group, part in applied.grad_sums]
+    grad_sync = _grad_sync(model, plan, mesh, applied, sp_params, experts.params, local_specs(model, plan, mesh, fsdp))
     loss_fn = _loss_fn(applied, mesh, shift=cp is None)
     balance = global_balance(model, config, mesh.dp_group)
     pipeline = None
@@ -456,30 +451,47 @@ def _dropout_regions(
     return attention, rows
 
 
+def local_specs(model: nn.Module, plan: LayoutPlan, mesh: Mesh, fsdp: AppliedFSDP | None) -> dict[str, ShardSpec]:
+    """The shard spec of every parameter ``model`` holds on this rank: its tp shard, its experts under ep, its
+    rows under ZeRO-2/3."""
+    local = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    specs = plan.specs_by_rank[mesh.tp_rank]
+    if plan.ep is not None:
+        specs = plan.ep.localize(specs, mesh.ep_rank)
+    return {name: fsdp.rows(spec) if fsdp is not None else spec for name, spec in specs.items() if name in local}
+
+
 def _grad_sync(
     model: nn.Module, plan: LayoutPlan, mesh: Mesh, applied: AppliedTP, sp_params: list[nn.Parameter],
-    experts: list[nn.Parameter],
+    experts: list[nn.Parameter], specs: dict[str, ShardSpec],
 ) -> GradSync:
+    local = dict(model.named_parameters(remove_duplicate=False))
+    names = {id(p): name for name, p in local.items()}
+    held = lambda part, name: part.in_rows(*specs[name].rows) if specs[name].rows else part  # noqa: E731 (ZeRO-2/3)
     shared: dict[Any, list[nn.Parameter]] = defaultdict(list)
     for param in sp_params:
         if param.requires_grad:  # frozen (LoRA's base) parameters have no gradient to sum
             shared[mesh.tp_group].append(param)
-    for param, group in applied.grad_sums:
+    shared_parts = {}
+    for param, group, part in applied.grad_sums:
         if param.requires_grad:
             shared[group].append(param)
-    local = dict(model.named_parameters(remove_duplicate=False))
+            if part is not None:
+                shared_parts[id(param)] = held(part, names[id(param)])
     tied = list({id(p): p for names in plan.tied for n in names
                  if (p := local.get(n)) is not None and p.requires_grad}.values())
     replicated = list({id(p): p for n in plan.replicated
                        if (p := local.get(n)) is not None and p.requires_grad}.values())
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     copies = tied + replicated  # counted in the norm on the first stage only
-    counted = norm_params(trained, list(plan.specs_by_rank), mesh.tp_rank, skip=copies if mesh.pp_rank > 0 else ())
+    counted, partly = norm_params(trained, list(plan.specs_by_rank), mesh.tp_rank,
+                                  skip=copies if mesh.pp_rank > 0 else ())
     trainable = [p for p in model.parameters() if p.requires_grad]
     # A collective: every rank creates the group, in the same order, even a middle stage holding no copy.
     ends_group = mesh.pipeline_ends_group() if plan.tied else None
     return GradSync(mesh, trainable, dict(shared), tied, ends_group, counted,
-                    [p for p in experts if p.requires_grad], replicated)
+                    [p for p in experts if p.requires_grad], replicated, shared_parts,
+                    {id(local[name]): held(part, name) for name, part in partly.items()})
 
 
 def _loss_fn(applied: AppliedTP, mesh: Mesh, shift: bool = True) -> CausalLMLoss:

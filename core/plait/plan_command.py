@@ -71,8 +71,9 @@ def print_plan(model: torch.nn.Module, plan: LayoutPlan) -> None:
                       f"{plan.cp.describe()}")
     rows: Counter = Counter()
     for name, shard in plan.shards_by_rank[0].items():
-        split = "sharded" if shard.weight.local_shape != shard.weight.full_shape else \
-            "replicated" + (", grad summed" if shard.grad_sum_block > 1 else "")
+        split = ("sharded" + (", kv rows grad summed" if shard.shared_ranges else "")
+                 if shard.weight.local_shape != shard.weight.full_shape else
+                 "replicated" + (", grad summed" if shard.grad_sum_block > 1 else ""))
         key = (re.sub(r"\.\d+\.", ".*.", name), shard.style.label, split, shard.weight.full_shape,
                shard.weight.local_shape)
         rows[key] += 1

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from peft import PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Phi3Config, Qwen3Config
+from transformers import AutoModelForCausalLM, GPT2Config, GPTBigCodeConfig, LlamaConfig, Phi3Config, Qwen3Config
 
 from plait import ParallelConfig, parallelize
 from plait.base import comm
@@ -40,7 +40,7 @@ from plait.optim import OptimizerStep, build_optimizer
 STEPS, BATCH, SEQ, VOCAB, LR = 3, 4, 16, 61, 1e-2
 LAYOUTS = {"tp2_sp": dict(tp=2, sp=True), "tp2": dict(tp=2, sp=False), "pp2": dict(pp=2, num_microbatches=2),
            "zero1_dp2": dict(zero_1=True), "cp2": dict(cp=2)}
-FUSED_ONLY = ("phi3",)  # architectures checked for their fused projections' split only
+FUSED_ONLY = ("phi3", "gpt_bigcode")  # architectures checked for their fused projections' split only
 FUSED_LAYOUTS = {name: LAYOUTS[name] for name in ("tp2_sp", "tp2")}
 SFT_LAYOUTS = ("tp2_sp", "pp2", "cp2")  # SFT + LoRA: packed examples, prompt tokens masked, restarting position ids
 
@@ -92,6 +92,9 @@ def base_model(arch: str) -> torch.nn.Module:
         config = Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                             pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    elif arch == "gpt_bigcode":  # multi-query c_attn: q heads | one k | one v head, the kv rows shared over tp=2
+        config = GPTBigCodeConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ, multi_query=True,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     else:
         raise ValueError(arch)
     torch.manual_seed(0)

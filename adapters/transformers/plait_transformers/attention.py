@@ -49,10 +49,10 @@ def undeclared_attention(model: nn.Module, layers: str | None,
         fused = next((c for c in QKV if isinstance(module._modules.get(c), nn.Linear)), None)
         if roles["q"] is None and fused and roles["o"] and \
                 ("ALL_ATTENTION_FUNCTIONS" in source or head_biases(module)) and \
-                module._modules[fused].out_features == 3 * module._modules[roles["o"]].in_features:
-            # multi-head attention with one fused q/k/v projection (Persimmon's query_key_value), or computing its
-            # scores itself with an ALiBi bias per head (Bloom, MPT; the bias sliced to each rank's heads): its
-            # layout is checked as a declared one's; GPT-BigCode's multi-query c_attn is narrower and stays unsplit
+                module._modules[fused].out_features in _fused_widths(module, model.config, module._modules[roles["o"]]):
+            # attention with one fused q/k/v projection (Persimmon's query_key_value; GPT-BigCode's and Falcon's
+            # multi-query ones: q heads | one k | one v head), or computing its scores itself with an ALiBi bias per
+            # head (Bloom, MPT; the bias sliced to each rank's heads): its layout is checked as a declared one's
             found[pattern] = (module, {fused: "colwise", roles["o"]: "rowwise"}, {})
             continue
         if None in roles.values() or "ALL_ATTENTION_FUNCTIONS" not in source:
@@ -63,6 +63,52 @@ def undeclared_attention(model: nn.Module, layers: str | None,
         sinks = {leaf: "colwise" for leaf in module._parameters if f"s_aux=self.{leaf}," in source}
         found[pattern] = (module, {**styles, **gates, roles["o"]: "rowwise"}, sinks)
     return found
+
+
+def _fused_kv_heads(block: nn.Module, config, heads: int) -> int:
+    """The kv heads of an attention block with a fused qkv: the block's own count where it keeps one (GPT-BigCode's
+    ``kv_heads``, Falcon's ``num_kv_heads``: 1 under multi-query attention), else the config's, else ``heads``."""
+    own = next((v for a in ("kv_heads", "num_kv_heads", "num_key_value_heads")
+                if isinstance(v := vars(block).get(a), int)), None)
+    return own or getattr(config, "num_key_value_heads", None) or heads
+
+
+def _fused_widths(block: nn.Module, config, o: nn.Linear) -> tuple[int, ...]:
+    """The output widths of a fused q | k | v projection before ``o``: three times o's input (as many kv heads as
+    q heads), or o's input and two kv heads' widths (multi-query or grouped kv heads, counted by the block)."""
+    heads = next((v for a in ("num_heads", "n_heads") if isinstance(v := vars(block).get(a), int)), None)
+    if heads is None or o.in_features % heads:
+        return (3 * o.in_features,)
+    kv_width = _fused_kv_heads(block, config, heads) * (o.in_features // heads)
+    return 3 * o.in_features, o.in_features + 2 * kv_width
+
+
+# How a forward splits its fused output into q | k | v by the block's own widths (a regular expression over its
+# source), and which of the block's attributes hold those widths (set to this rank's); each applies only where the
+# block's ``multi_query`` attribute, if it has one, is True (its other branch lays the heads out otherwise).
+WIDTH_SPLITS = (
+    # GPT-BigCode: .split((self.embed_dim, self.kv_dim, self.kv_dim), dim=3); one kv head
+    (r"\.split\(\(self\.embed_dim, self\.kv_dim, self\.kv_dim\), dim=3\)",
+     {"embed_dim": "q_width", "kv_dim": "kv_width", "kv_heads": "kv_heads"}),
+    # DBRX: qkv_states.split([self.hidden_size, self.num_key_value_heads * self.head_dim, (again)], dim=2)
+    (r"\.split\(\s*\[\s*self\.hidden_size,\s*self\.num_key_value_heads \* self\.head_dim,"
+     r"\s*self\.num_key_value_heads \* self\.head_dim,?\s*\],\s*dim=2", {"hidden_size": "q_width"}),
+)
+
+
+def _q_then_kv(block: nn.Module, source: str, kv_heads: int) -> dict[str, str] | None:
+    """The width attributes (``Attention.local_attrs``) of a block whose forward reads its fused qkv as q heads | k
+    heads | v heads side by side by its own widths or head count (``WIDTH_SPLITS``; Falcon's multi-query
+    ``view(..., self.num_heads + 2, self.head_dim)``, then ``[..., :-2, :]`` for q, before its new decoder
+    architecture), else None."""
+    if vars(block).get("multi_query") is False or vars(block).get("new_decoder_architecture"):
+        return None
+    found = next((attrs for pattern, attrs in WIDTH_SPLITS if re.search(pattern, source)), None)
+    if found is not None:
+        return {attr: q for attr, q in found.items() if isinstance(vars(block).get(attr), int)}
+    whole = inspect.getsource(type(block))
+    falcon = "self.num_heads + 2, self.head_dim)" in whole and "[..., :-2, :]" in whole
+    return {} if falcon and kv_heads == 1 and vars(block).get("multi_query") is True else None
 
 
 def _linear_path(block: nn.Module, child: str) -> str | None:
@@ -128,7 +174,7 @@ def fused_attention_rules(config, parent, block, styles, qkv: str, o: str) -> li
     if GATHERED.get(styles[o], styles[o]) != "rowwise" or GATHERED.get(styles[qkv], styles[qkv]) != "colwise":
         raise refuse(arch, parent, f"fused attention styles {styles} are not column-parallel qkv and row-parallel out")
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_heads = _fused_kv_heads(block, config, heads)
     head_dim = getattr(block, "head_dim", None) or getattr(block, "head_size", None) or \
         getattr(config, "head_dim", None) or config.hidden_size // heads
     stray = [n for n, m in block.named_modules() if n and n not in (qkv, o) and own_params(m)]
@@ -153,6 +199,9 @@ def fused_attention_rules(config, parent, block, styles, qkv: str, o: str) -> li
         return [HeadInterleavedAttention(parent, **common), *norms]
     if _thirds(source, qkv) and kv_heads == heads and not interleaved:
         return [Attention(parent, **common), *norms]
+    widths = _q_then_kv(block, source, kv_heads)
+    if widths is not None:  # q heads split; kv heads too, or replicated (a multi-query block's one) when fewer than tp
+        return [Attention(parent, **{**common, "local_attrs": {**local, **widths}}), *norms]
     groups = _qkv_groups(block, source)
     if groups and kv_heads == heads and not interleaved:
         return [HeadInterleavedAttention(parent, groups=groups, **common), *norms]
@@ -318,9 +367,9 @@ def _paired_attention(arch, parent, blocks, roles, config, head_dim: int, local:
         odd = sorted(n for n, p in b._parameters.items()
                      if p is not None and (n not in scalars or tuple(p.shape) != (head_dim,)))
         if inner or odd:
-            raise refuse(arch, f"{name}.{(inner or odd)[0]}", f"a parameter inside attention pairing head h with h + "
-                                                              f"H/2 that is not a [head_dim] vector reduced to one "
-                                                              f"scalar; plait cannot tell how its heads use it")
+            raise refuse(arch, f"{name}.{(inner or odd)[0]}", "a parameter inside attention pairing head h with h + "
+                                                              "H/2 that is not a [head_dim] vector reduced to one "
+                                                              "scalar; plait cannot tell how its heads use it")
     shared = tuple(n for n, p in block._parameters.items() if p is not None)
     return PairedHeadsAttention(parent, q=roles["q"], k=roles["k"], v=roles["v"], o=roles["o"], num_heads=heads,
                                 num_kv_heads=kv_heads, head_dim=head_dim, local_attrs=local, shared_params=shared)

@@ -177,8 +177,11 @@ def step_comm(
             norms = {n for n, p in model.named_parameters() if id(p) in norm_ids}
             summed["sp"] = sum(p.numel for p in learned if p.name in norms)
         for module, shard in plan.shards_by_rank[0].items():
-            if shard.grad_sum_block > 1:
-                numel = sum(p.numel for p in learned if p.name.rpartition(".")[0] == module)
+            if shard.grad_sum_block > 1:  # the shared rows only, where the rest is the rank's own (a fused qkv's q)
+                spec = shard.weight
+                share = sum(b - a for a, b in spec.local_spans(shard.shared_ranges)) / spec.local_shape[spec.dim] \
+                    if shard.shared_ranges else 1
+                numel = round(share * sum(p.numel for p in learned if p.name.rpartition(".")[0] == module))
                 summed[shard.grad_sum_block] = summed.get(shard.grad_sum_block, 0) + numel
         for numel in summed.values():
             if numel:

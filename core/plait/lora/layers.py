@@ -20,6 +20,7 @@ from plait.base.seeds import init_seed
 from plait.lora import experts, switch
 from plait.lora.layout import LORA_A, LORA_B, WRAPPER, LoraPlan
 from plait.tp import mappings
+from plait.tp.sharding import Part
 
 if TYPE_CHECKING:
     from plait.ep.layout import EPPlan
@@ -73,11 +74,11 @@ def local_init(plan: LoraPlan, name: str, spec, seed: int, dtype: torch.dtype) -
 def apply_lora(
     model: nn.Module, plan: LoraPlan, mesh: Mesh, sequence_parallel: bool, owns, seed: int = 0,
     ep: EPPlan | None = None,
-) -> tuple[list[tuple[nn.Parameter, object]], list[nn.Parameter]]:
+) -> tuple[list[tuple[nn.Parameter, object, Part | None]], list[nn.Parameter]]:
     """Freeze every parameter of ``model``, add this rank's LoRA matrices to its adapted modules and expert
     parameters (on the base weight's device; left empty on meta for ``materialize``). Returns the (parameter,
-    group) pairs whose gradients are summed over a group of tp ranks, and under ``ep`` the factors of this
-    rank's experts (their gradients are summed over the expert-replica group, as the experts' own are)."""
+    group, part or None for all) whose gradients are summed over a group of tp ranks, and under ``ep`` the factors of
+    this rank's experts (their gradients are summed over the expert-replica group, as the experts' own are)."""
     for param in model.parameters():
         param.requires_grad_(False)
     specs = plan.specs(mesh.tp_rank)
@@ -109,9 +110,11 @@ def apply_lora(
                 if plan.config.lora_dropout else nn.Identity()
             base.register_forward_hook(_row_hook(plan.scale, mesh, sequence_parallel) if placed.kind == "row"
                                        else _column_hook(plan.scale))
-        for param, block in ((holder.lora_A.weight, placed.a_grad_sum), (holder.lora_B.weight, placed.b_grad_sum)):
+        b_part = Part(0, placed.b.local_spans(placed.b_shared)) if placed.b_shared else None
+        for param, block, part in ((holder.lora_A.weight, placed.a_grad_sum, None),
+                                   (holder.lora_B.weight, placed.b_grad_sum, b_part)):
             if block > 1:
-                sums.append((param, mesh.tp_group if block == mesh.tp else mesh.tp_block_group(block)))
+                sums.append((param, mesh.tp_group if block == mesh.tp else mesh.tp_block_group(block), part))
     for module, factors in adapted.items():
         experts.install(model.get_submodule(module), factors, plan.scale)
     return sums, expert_factors

@@ -55,6 +55,7 @@ class LoraModule:
     a_grad_sum: int = 1
     b_grad_sum: int = 1
     parameter: str | None = None  # peft's target_parameters: the adapted parameter of ``module``
+    b_shared: tuple[int, ...] = ()  # of B's ranges, those b_grad_sum sums (a fused qkv's kv rows); () = all
 
     @property
     def module(self) -> str:
@@ -202,6 +203,7 @@ def _place(name: str, module: nn.Module, shard: ModuleShard | None, r: int, tp: 
         return LoraModule(name, "row", a, b_full, b_grad_sum=tp if sp else 1)
     if isinstance(shard.style, Column) and not shard.weight.pad:
         b = ShardSpec((fan_out, r), 0, shard.weight.ranges)
-        return LoraModule(name, "column", a_full, b, a_grad_sum=tp, b_grad_sum=shard.grad_sum_block)
+        return LoraModule(name, "column", a_full, b, a_grad_sum=tp, b_grad_sum=shard.grad_sum_block,
+                          b_shared=shard.shared_ranges)
     raise ConfigError(f"LoRA target {name} is split as {shard.style.label!r} by the TP plan; LoRA follows column- "
                       f"and row-parallel projections only: leave it out of {setting('target_modules')}")

@@ -15,12 +15,14 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.base import comm
-from plait.parallel.grad_sync import grad_of
+from plait.parallel.grad_sync import grads_of
+from plait.tp.sharding import Part
 
 
 def global_grad_norm(
     params: Iterable[nn.Parameter], groups: Sequence[dist.ProcessGroup | None], device: torch.device,
     dtype: torch.dtype = torch.float32, experts: Iterable[nn.Parameter] = (), ep_group: dist.ProcessGroup | None = None,
+    parts: dict[int, Part] | None = None,
 ) -> torch.Tensor:
     """The L2 norm (in ``dtype``, on ``device``) of the gradients of ``params`` with squares summed over ``groups``.
 
@@ -30,9 +32,9 @@ def global_grad_norm(
 
     ``dtype`` must be the same on every rank (the all-reduces sum one tensor of it): fp32 for fp32, bf16 or fp16
     gradients, float64 for a float64 model. A rank with nothing to count (a ZeRO rank owning no counted
-    parameter) still joins the all-reduces.
+    parameter) still joins the all-reduces. ``parts``: of some parameters (by id) this rank counts only a part.
     """
-    total = _squares(params, device, dtype)
+    total = _squares(params, device, dtype, parts)
     experts = list(experts)
     if experts:
         total = total + comm.all_reduce(_squares(experts, device, dtype), ep_group)
@@ -41,18 +43,20 @@ def global_grad_norm(
     return total.sqrt()
 
 
-def _squares(params: Iterable[nn.Parameter], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The sum of squares of the gradients of ``params``: per-tensor norms from one multi-tensor kernel per
-    (device, dtype) group (``torch._foreach_norm``, what ``clip_grad_norm_`` uses), not one launch per tensor."""
-    norms = [norm for grads in _by_dtype(params).values() for norm in torch._foreach_norm(grads, 2, dtype=dtype)]
+def _squares(params: Iterable[nn.Parameter], device: torch.device, dtype: torch.dtype,
+             parts: dict[int, Part] | None = None) -> torch.Tensor:
+    """The sum of squares of the gradients of ``params`` (of ``parts`` where given): per-tensor norms from one
+    multi-tensor kernel per (device, dtype) group (``torch._foreach_norm``, what ``clip_grad_norm_`` uses), not one
+    launch per tensor."""
+    norms = [norm for grads in _by_dtype(grads_of(params, parts)).values()
+             for norm in torch._foreach_norm(grads, 2, dtype=dtype)]
     return torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=dtype, device=device)
 
 
-def _by_dtype(params: Iterable[nn.Parameter]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+def _by_dtype(grads: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for grad in (grad_of(p) for p in params):
-        if grad is not None:
-            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    for grad in grads:
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
     return groups
 
 
@@ -60,5 +64,5 @@ def _by_dtype(params: Iterable[nn.Parameter]) -> dict[tuple[torch.device, torch.
 def clip_grads_(params: Iterable[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
     """Scale the gradients of ``params`` so that the global norm ``total_norm`` becomes at most ``max_norm``."""
     scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    for (_, dtype), grads in _by_dtype(params).items():
+    for (_, dtype), grads in _by_dtype(grads_of(params)).items():
         torch._foreach_mul_(grads, scale.to(dtype))

@@ -165,8 +165,7 @@ class OptimizerStep:
             self.optimizer.reduce_gradients(self.bucket_bytes, self.reduce_dtype)
         elif not self.sharded:
             self.grad_sync.data_parallel(self.updated, self.bucket_bytes, self.reduce_dtype)
-        norm = global_grad_norm(self.norm_params, self.norm_groups, self.device, self.norm_dtype, self.norm_experts,
-                                self.grad_sync.mesh.ep_group)
+        norm = self.grad_norm()
         checked = {"grad_norm": norm} if loss is None else {"loss": loss.to(norm), "grad_norm": norm}
         if not torch.isfinite(torch.stack(list(checked.values()))).all():  # one host sync, with the norm's
             self.optimizer.zero_grad(set_to_none=True)
@@ -176,6 +175,12 @@ class OptimizerStep:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global gradient norm of the gradients as they are now, reduced (the same on every rank): each
+        distinct slice of every parameter counted once over the layout, as one process's ``get_total_norm``."""
+        return global_grad_norm(self.norm_params, self.norm_groups, self.device, self.norm_dtype, self.norm_experts,
+                                self.grad_sync.mesh.ep_group, self.grad_sync.norm_parts)
 
     @property
     def lr(self) -> float:

@@ -20,12 +20,24 @@ from torch import nn
 from plait.base import comm
 from plait.base.mesh import Mesh
 from plait.parallel.fsdp import local
+from plait.tp.sharding import Part
 
 BUCKET_BYTES = 32 * 1024 * 1024
 MAIN_GRAD = "main_grad"  # Megatron's name for a gradient kept apart from ``param.grad`` (e.g. in fp32)
 
 
 MAIN_GRAD_STALE = "main_grad_stale"  # the buffer still holds the last step's sum: it counts as zero
+
+
+def grads_of(params: Iterable[nn.Parameter], parts: dict[int, Part] | None = None) -> list[torch.Tensor]:
+    """The gradients of ``params`` that exist (``grad_of``), each cut to its ``parts`` entry where it has one."""
+    found = []
+    for p in params:
+        grad = grad_of(p)
+        if grad is not None:
+            part = parts.get(id(p)) if parts else None
+            found += part.views(grad) if part is not None else [grad]
+    return found
 
 
 def grad_of(param: nn.Parameter) -> torch.Tensor | None:
@@ -59,19 +71,18 @@ def zero_grads(params: Iterable[nn.Parameter]) -> None:
 
 def sum_grads(
     params: list[nn.Parameter], group: dist.ProcessGroup | None, bucket_bytes: int = BUCKET_BYTES,
-    reduce_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None, parts: dict[int, Part] | None = None,
 ) -> None:
     """All-reduce (sum) the gradients of ``params`` over ``group`` in flat buckets per dtype.
 
     ``reduce_dtype`` (e.g. float32 for bf16 gradients) is the dtype on the wire; None keeps each gradient's.
+    ``parts``: for some parameters (by id), the part of the gradient to sum; the rest is left as it is.
     """
     if comm.trivial(group):
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-    for p in params:
-        grad = grad_of(p)
-        if grad is not None:
-            by_dtype[reduce_dtype or grad.dtype].append(grad)
+    for grad in grads_of(params, parts):
+        by_dtype[reduce_dtype or grad.dtype].append(grad)
     for dtype, grads in by_dtype.items():
         for bucket in buckets(grads, bucket_bytes):
             flat = flatten(bucket, dtype)
@@ -131,16 +142,20 @@ class GradSync:
     ``norm_params``: the gradients this rank adds to the global norm (see ``norm_params``).
     ``experts``: parameters of this rank's experts under expert parallelism, held by the expert-replica group
     (dp x cp / ep ranks) only: their gradients are summed there, and the other ep ranks hold other experts.
+    ``shared_parts`` / ``norm_parts``: for parameters (by id) of which only a part is shared, or counted here (a
+    fused qkv with a replicated kv head), that part (``Part``); the others are whole.
     """
 
     def __init__(
         self, mesh: Mesh, params: list[nn.Parameter], shared: dict[Any, list[nn.Parameter]],
         tied: list[nn.Parameter], ends_group: Any, norm_params: list[nn.Parameter],
         experts: list[nn.Parameter] | None = None, replicated: list[nn.Parameter] | None = None,
+        shared_parts: dict[int, Part] | None = None, norm_parts: dict[int, Part] | None = None,
     ) -> None:
         self.mesh, self.params, self.shared, self.tied = mesh, params, shared, tied
         self.replicated = replicated or []
         self.ends_group, self.norm_params = ends_group, norm_params
+        self.shared_parts, self.norm_parts = shared_parts or {}, norm_parts or {}
         self.experts = experts or []
         self._expert_ids = {id(p) for p in self.experts}
 
@@ -151,7 +166,7 @@ class GradSync:
         """Sum partial gradients over the tp groups that share parameters, the tied copies over the two
         pipeline ends and the replicated ones over the pipeline (so every copy takes identical steps)."""
         for group, params in self.shared.items():
-            sum_grads(params, group)
+            sum_grads(params, group, parts=self.shared_parts)
         if self.tied:
             sum_copies(self.tied, self.ends_group)
         if self.replicated:
@@ -179,19 +194,28 @@ class GradSync:
 def norm_params(
     named_params: Iterable[tuple[str, nn.Parameter]], specs_by_rank: list[dict[str, Any]], tp_rank: int,
     skip: Iterable[nn.Parameter] = (),
-) -> list[nn.Parameter]:
-    """The parameters whose gradients this rank counts in the global gradient norm.
+) -> tuple[list[nn.Parameter], dict[str, Part]]:
+    """The parameters whose gradients this rank counts in the global gradient norm, and for those it counts in
+    part, by name, the part (spans of the local tensor's split dim).
 
     Every distinct slice of every logical parameter is counted on exactly one rank of the tp group: a
     tp-sharded slice on its rank, a replicated parameter (or a kv head shared by a block of ranks, whose
-    ShardSpec is then equal across the block) on the first rank holding that same slice. ``skip``: second
-    copies counted elsewhere (a tied embedding held by the last stage is counted on the first). Summing the
-    squares over tp (and pp, and dp for the slices each dp rank updates) gives the single-process norm.
+    ShardSpec is then equal across the block) on the first rank holding that same slice; a split tensor's ranges
+    (a fused qkv's q, k and v rows) each so. ``skip``: second copies counted elsewhere (a tied embedding held by
+    the last stage is counted on the first). Summing the squares over tp (and pp, and dp for the slices each dp
+    rank updates) gives the single-process norm.
     """
     skipped = {id(p) for p in skip}
-    counted = []
+    counted, parts = [], {}
     for name, param in named_params:
         spec = specs_by_rank[tp_rank][name]
-        if id(param) not in skipped and not any(specs_by_rank[r][name] == spec for r in range(tp_rank)):
-            counted.append(param)
-    return counted
+        earlier = [specs_by_rank[r][name] for r in range(tp_rank)]
+        if id(param) in skipped or any(s == spec for s in earlier):
+            continue
+        counted.append(param)
+        if spec is not None and spec.dim is not None and len(spec.ranges) > 1 and earlier:
+            held = {(s.dim, r) for s in earlier if s is not None for r in s.ranges}
+            own = tuple(i for i, r in enumerate(spec.ranges) if (spec.dim, r) not in held)
+            if len(own) < len(spec.ranges):
+                parts[name] = Part(spec.dim, spec.local_spans(own))
+    return counted, parts

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 
-import copy
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable

@@ -55,7 +55,8 @@ class Record:
 
     def __init__(self, expected: list[str]) -> None:
         self.no_grad: set[str] = set()  # parameters one process computes no gradient for
-        self.values: dict[str, Any] = {"loss_rel": None, "grad_err": None, "grad_tol": None, "failures": [],
+        self.values: dict[str, Any] = {"loss_rel": None, "norm_rel": None, "grad_err": None, "grad_tol": None,
+                                       "failures": [],
                                        "checked": set(), "expected": expected, "crashed": False}
 
     def fail(self, message: str) -> None:
@@ -130,17 +131,20 @@ def local_grads(record: Record, step: int, named: list[tuple[str, torch.nn.Param
 
 
 class PlainStep:
-    """AdamW on every local parameter after ``finish_grad_sync``: the ParallelModel contract."""
+    """AdamW on every local parameter after ``finish_grad_sync``: the ParallelModel contract; the global gradient
+    norm as plait's OptimizerStep counts it (each slice once over the layout), not applied."""
 
     def __init__(self, pmodel: ParallelModel) -> None:
         self.pmodel, self.optimizer = pmodel, torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=ADAM_EPS)
+        self.norm = OptimizerStep(pmodel.grad_sync, self.optimizer).grad_norm
 
-    def __call__(self, record: Record, step: int) -> dict[str, torch.Tensor]:
+    def __call__(self, record: Record, step: int) -> tuple[dict[str, torch.Tensor], float]:
         self.pmodel.grad_sync.finish()
         grads = local_grads(record, step, list(self.pmodel.module.named_parameters()))
+        norm = self.norm().item()
         self.optimizer.step()
         self.optimizer.zero_grad()
-        return grads
+        return grads, norm
 
 
 class ZeroStep:
@@ -157,7 +161,7 @@ class ZeroStep:
         # shard: no rank owns them, and one process gives them no gradient either
         self.frozen = [n for n, p in pmodel.module.named_parameters() if not p.requires_grad]
 
-    def __call__(self, record: Record, step: int) -> dict[str, torch.Tensor]:
+    def __call__(self, record: Record, step: int) -> tuple[dict[str, torch.Tensor], float]:
         seen: dict[str, torch.Tensor] = {}
         record.values["checked"].update(self.frozen)
         inner = self.optimizer.step
@@ -168,10 +172,10 @@ class ZeroStep:
 
         self.optimizer.step = step_reading_grads
         try:
-            self.run()
+            norm = self.run().item()
         finally:
             del self.optimizer.step  # the class's own method again
-        return seen
+        return seen, norm
 
 
 class Float64Throughout:
@@ -276,11 +280,16 @@ def train(record: Record, pmodel: ParallelModel, reference: torch.nn.Module, mod
         if rel > LOSS_RTOL:
             record.fail(f"step {step} loss {global_loss:.6f} vs {ref_loss.item():.6f}: "
                         f"rel err {rel:.2e} > {LOSS_RTOL:g}")
+        norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters() if p.grad is not None]).item()
         if mode.clip is not None:  # the reference clipped as plait clips: by the global norm, before the step
-            norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters() if p.grad is not None])
-            optimizer_step.run.max_grad_norm = mode.clip * norm.item()  # below this step's norm: it bites
+            optimizer_step.run.max_grad_norm = mode.clip * norm  # below this step's norm: it bites
             torch.nn.utils.clip_grad_norm_(reference.parameters(), optimizer_step.run.max_grad_norm)
-        compare_grads(record, step, pmodel, reference, optimizer_step(record, step))
+        grads, plait_norm = optimizer_step(record, step)
+        compare_grads(record, step, pmodel, reference, grads)
+        rel = abs(plait_norm - norm) / norm  # every slice counted once: one process's norm, before any clipping
+        record.worst("norm_rel", rel)
+        if rel > LOSS_RTOL:
+            record.fail(f"step {step} gradient norm {plait_norm:.6g} vs {norm:.6g}: rel err {rel:.2e} > {LOSS_RTOL:g}")
         ref_opt.step()
         ref_opt.zero_grad()
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from plait.base.mesh import Mesh
 from plait.tp.layers import TPRegionEntry
-from plait.tp.sharding import ModuleShard
+from plait.tp.sharding import ModuleShard, Part
 from plait.tp.styles import BuildContext, VocabHead
 
 
@@ -24,7 +24,8 @@ class AppliedTP:
     vocab_start: int = 0  # first vocab id of this rank's logits (0 when the head is replicated)
     vocab_per_rank: int = 0  # padded vocab rows per rank (vocab-parallel head only)
     vocab_size: int = 0  # the real vocabulary (vocab-parallel head only)
-    grad_sums: list[tuple[nn.Parameter, dist.ProcessGroup | None]] = field(default_factory=list)
+    # (parameter, group its gradient is summed over, the part summed: None for the whole gradient)
+    grad_sums: list[tuple[nn.Parameter, dist.ProcessGroup | None, Part | None]] = field(default_factory=list)
 
 
 def apply_tensor_parallel(model: nn.Module, shards: dict[str, ModuleShard], mesh: Mesh, sp: bool) -> AppliedTP:
@@ -49,7 +50,7 @@ def apply_tensor_parallel(model: nn.Module, shards: dict[str, ModuleShard], mesh
             applied.vocab_per_rank = shard.weight.local_shape[shard.weight.dim]
         if shard.grad_sum_block > 1:
             group = mesh.tp_block_group(shard.grad_sum_block)
-            applied.grad_sums += [(p, group) for p in _summed(new, shard)]
+            applied.grad_sums += [(p, group, _shared_part(new, p, shard)) for p in _summed(new, shard)]
         for attr, value in shard.local_attrs.items():
             setattr(model.get_submodule(parent_name), attr, value)
         if shard.head_inputs:
@@ -66,6 +67,15 @@ def _summed(module: nn.Module, shard: ModuleShard) -> list[nn.Parameter]:
     blocks = any(True for child in module.children() for _ in child.parameters())
     own = dict(module.named_parameters(recurse=False))
     return [own[leaf] for leaf in shard.params if leaf in own] if blocks and shard.params else list(module.parameters())
+
+
+def _shared_part(module: nn.Module, param: nn.Parameter, shard: ModuleShard) -> Part | None:
+    """The part of ``param`` (the module's weight or bias) whose gradient the block shares, where the shard shares
+    only some of its ranges (``ModuleShard.shared_ranges``), else None (all of it)."""
+    if not shard.shared_ranges:
+        return None
+    spec = shard.weight if param is module.weight else shard.bias
+    return Part(spec.dim, spec.local_spans(shard.shared_ranges))
 
 
 def _enter_input(entry: TPRegionEntry):

@@ -139,6 +139,11 @@ class ShardSpec:
             _view(local, box, at).copy_(_view(full, box))
         return local
 
+    def local_spans(self, indices: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """Where ``ranges[i]`` (for each i in ``indices``) lies along ``dim`` of the local tensor: [start, stop)."""
+        starts = list(itertools.accumulate((b - a for a, b in self.ranges), initial=0))
+        return tuple((starts[i], starts[i + 1]) for i in indices)
+
     def place(self, local: torch.Tensor, full: torch.Tensor) -> None:
         """Write this shard's data (not its padding) into ``full``."""
         for box, at in self.boxes():
@@ -175,6 +180,9 @@ class ModuleShard:
     weight: ShardSpec
     bias: ShardSpec | None
     grad_sum_block: int = 1  # >1: replicated kv head shared by this many adjacent tp ranks
+    # indices into weight.ranges (and bias.ranges) that all ranks of the grad_sum_block hold (a fused qkv's k and
+    # v rows of a replicated kv head, beside the q rows each rank holds alone): only those are summed; () = all
+    shared_ranges: tuple[int, ...] = ()
     vocab_range: tuple[int, int] | None = None  # vocab styles: [start, stop) of real rows this rank owns
     local_attrs: dict[str, object] = field(default_factory=dict)  # head counts; a per-rank config copy
     # q/k/v of an attention block: the block's own input enters the TP region (attention code reshapes by
@@ -198,6 +206,29 @@ class ModuleShard:
     def spec(self, leaf: str) -> ShardSpec | None:
         """The spec of this module's parameter ``leaf`` (None: replicated)."""
         return getattr(self, leaf) if leaf in ("weight", "bias") else self.params.get(leaf)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Spans [start, stop) along ``dim`` of a parameter's local tensor: the part of it that a gradient sum or the
+    norm covers where the rest is not (a fused qkv's k and v rows of one kv head replicated over a block of tp
+    ranks, beside the q rows each rank holds alone: ``ModuleShard.shared_ranges``)."""
+
+    dim: int
+    spans: tuple[tuple[int, int], ...]
+
+    def views(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor.narrow(self.dim, a, b - a) for a, b in self.spans]
+
+    def numel(self, shape: tuple[int, ...]) -> int:
+        return sum(b - a for a, b in self.spans) * math.prod(shape) // shape[self.dim]
+
+    def in_rows(self, start: int, stop: int) -> "Part":
+        """This part of a tensor of which this rank holds rows [start, stop) of dim 0 (ZeRO-2/3), in those rows."""
+        if self.dim != 0:
+            return self
+        cut = ((max(a, start) - start, min(b, stop) - start) for a, b in self.spans)
+        return Part(0, tuple((a, b) for a, b in cut if b > a))
 
 
 def even_range(total: int, tp: int, rank: int, what: str) -> tuple[int, int]:

@@ -30,7 +30,8 @@ class Attention(TPRule):
     the output features) and the output projection ``o``, plus head counts from the model config.
 
     Heads split over tp: q heads H/tp per rank; kv heads KV/tp per rank when KV >= tp, or one replicated
-    kv head per rank when KV < tp (its gradient summed over the ranks sharing it). ``local_attrs`` names
+    kv head per rank when KV < tp (its gradient summed over the ranks sharing it; in a fused qkv, the k and v rows
+    alone, ``ModuleShard.shared_ranges``: multi-query attention, GPT-BigCode's and Falcon's). ``local_attrs`` names
     attributes of the attention module that transformers read from the config and that must hold per-rank
     values, mapped to one of: q_heads, kv_heads, kv_groups, q_width, kv_width.
 
@@ -89,13 +90,13 @@ class Attention(TPRule):
             kv_range = (head * hd, (head + 1) * hd)
         child = lambda attr: (f"{name}.{attr}", module.get_submodule(attr))  # noqa: E731
         if self.qkv is not None:
-            if block > 1:
-                raise TPSizeError(f"{name}: fused qkv with num_key_value_heads={kv_heads} < tp={tp} is not supported; use a tp "
-                                  f"that divides {kv_heads}")
             kv_width = kv_heads * hd
             ranges = [q_range, (heads * hd + kv_range[0], heads * hd + kv_range[1]),
                       (heads * hd + kv_width + kv_range[0], heads * hd + kv_width + kv_range[1])]
-            projections = [linear_shard(*child(self.qkv), FusedQKV(f"{name}.{self.qkv}"), ranges, None)]
+            fused = linear_shard(*child(self.qkv), FusedQKV(f"{name}.{self.qkv}"), ranges, None)
+            if block > 1:  # q rows this rank's own, k and v rows (one kv head) shared with the block: summed there
+                fused.grad_sum_block, fused.shared_ranges = block, (1, 2)
+            projections = [fused]
         else:
             projections = [linear_shard(*child(self.q), Column(f"{name}.{self.q}"), [q_out], None)]
             for attr in (self.k, self.v):
