@@ -43,12 +43,17 @@ def _names(listed: str) -> list[str]:
 
 
 LORA_SETTINGS = ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters")  # need --lora_r
-METHODS = ("next_token", "dpo", "kd")  # plait.run.methods.table.METHODS, by name (tests/test_dpo.py holds them equal)
+# plait.run.methods.table.METHODS, by name (tests/test_dpo.py holds them equal)
+METHODS = ("next_token", "dpo", "cpo", "orpo", "kd")
 # DPO's flags, with TRL's names (DPOConfig); they need --method dpo
 DPO_SETTINGS = ("beta", "loss_type", "loss_weights", "label_smoothing", "truncation_mode", "precompute_ref_log_probs",
                 "ref_model_name_or_path")
 TRUNCATION_MODES = ("keep_start", "keep_end")
 KD_SETTINGS = ("teacher_model_name_or_path", "kd_loss", "kd_beta", "kd_temperature", "kd_ratio")  # need --method kd
+# the methods each method-specific flag takes effect with (TRL's CPOConfig and ORPOConfig share DPOConfig's names)
+SETTINGS = {**{name: ("dpo",) for name in DPO_SETTINGS}, "beta": ("dpo", "cpo", "orpo"),
+            "loss_type": ("dpo", "cpo"), "label_smoothing": ("dpo", "cpo"), "simpo_gamma": ("cpo",),
+            "cpo_alpha": ("cpo",), **{name: ("kd",) for name in KD_SETTINGS}}
 KD_LOSSES = ("fkl", "rkl", "jsd")  # plait.run.methods.kd.divergence's kinds
 
 
@@ -125,13 +130,15 @@ class TrainArgs:
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input (peft's lora_dropout)"})
     lora_target_modules: str | None = field(default=None, metadata={"help": "comma-separated module names as peft takes them (default: the attention and MLP projections of the adapter's TP plan; '': none, with --lora_target_parameters)"})
     lora_target_parameters: str | None = field(default=None, metadata={"help": "comma-separated expert parameters as peft's target_parameters takes them, e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj (routed experts' stacked weights; no --lora_dropout)"})
-    method: str = field(default="next_token", metadata={"help": f"the training method: one of {', '.join(METHODS)} (next_token: language modelling, or SFT on chat / prompt-completion data; dpo: preference training on a .jsonl of 'prompt', 'chosen', 'rejected' rows, TRL's DPOTrainer; --block_size is its max_length; kd: distillation from --teacher_model_name_or_path on the next-token data)"})
-    beta: float = field(default=0.1, metadata={"help": "dpo: the strength of the pull to the reference model (TRL's beta)"})
-    loss_type: str = field(default="sigmoid", metadata={"help": "dpo: the preference loss, or several comma-separated (summed, weighted by --loss_weights), as TRL's loss_type: sigmoid, hinge, ipo, robust, apo_zero, apo_down, nca_pair, bco_pair, sppo_hard, sigmoid_norm, exo_pair, sft (the chosen completions' NLL: RPO is sigmoid,sft)"})
+    method: str = field(default="next_token", metadata={"help": f"the training method: one of {', '.join(METHODS)} (next_token: language modelling, or SFT on chat / prompt-completion data; dpo: preference training on a .jsonl of 'prompt', 'chosen', 'rejected' rows, TRL's DPOTrainer; --block_size is its max_length; cpo, orpo: the same rows without a reference model, TRL's CPOTrainer (SimPO: --loss_type simpo --cpo_alpha 0) and ORPOTrainer; kd: distillation from --teacher_model_name_or_path on the next-token data)"})
+    beta: float = field(default=0.1, metadata={"help": "dpo, cpo, orpo: the preference loss's scale (TRL's beta; dpo: the strength of the pull to the reference model)"})
+    loss_type: str = field(default="sigmoid", metadata={"help": "dpo: the preference loss, or several comma-separated (summed, weighted by --loss_weights), as TRL's loss_type: sigmoid, hinge, ipo, robust, apo_zero, apo_down, nca_pair, bco_pair, sppo_hard, sigmoid_norm, exo_pair, sft (the chosen completions' NLL: RPO is sigmoid,sft); cpo: one of sigmoid, hinge, ipo, simpo"})
     loss_weights: str | None = field(default=None, metadata={"help": "dpo: comma-separated weights, one per --loss_type (default: 1 each)"})
-    label_smoothing: float = field(default=0.0, metadata={"help": "dpo: the probability that a preference label is wrong (robust, exo_pair; TRL's label_smoothing)"})
+    label_smoothing: float = field(default=0.0, metadata={"help": "dpo, cpo: the probability that a preference label is wrong (dpo's robust, exo_pair; cpo's sigmoid, simpo; TRL's label_smoothing)"})
     truncation_mode: str = field(default="keep_start", metadata={"help": f"dpo: how a prompt + completion longer than --block_size is cut: one of {', '.join(TRUNCATION_MODES)} (keep_start drops rows whose prompt alone fills it, as TRL)"})
     precompute_ref_log_probs: bool = field(default=False, metadata={"help": "dpo: read the reference model's log-probs of every row once before training, then free it"})
+    simpo_gamma: float = field(default=0.5, metadata={"help": "cpo: the target reward margin of --loss_type simpo (TRL's simpo_gamma)"})
+    cpo_alpha: float = field(default=1.0, metadata={"help": "cpo: the weight of the chosen completions' NLL beside the preference loss (TRL's cpo_alpha; SimPO: 0)"})
     ref_model_name_or_path: str | None = field(default=None, metadata={"help": "dpo: the reference model's directory (same vocabulary; default: the policy as it starts)"})
     teacher_model_name_or_path: str | None = field(default=None, metadata={"help": "kd: the teacher's model directory (or plait checkpoint): the student's vocabulary, any size; laid out on the student's layout, forward-only"})
     kd_loss: str = field(default="fkl", metadata={"help": f"kd: the divergence per token, one of {', '.join(KD_LOSSES)}: fkl KL(teacher||student), rkl KL(student||teacher), jsd the generalized Jensen-Shannon divergence with --kd_beta (TRL's generalized_jsd_loss: beta 0 is fkl, 1 rkl)"})
@@ -251,14 +258,28 @@ class TrainArgs:
         if self.method not in METHODS:
             raise ConfigError(f"--method {self.method!r} is unknown; choose one of {', '.join(METHODS)}")
         defaults = {f.name: f.default for f in fields(self)}
-        for method, settings in (("kd", KD_SETTINGS), ("dpo", DPO_SETTINGS)):
-            given = [f"--{name}" for name in settings if getattr(self, name) != defaults[name]]
-            if given and self.method != method:
-                raise ConfigError(f"{', '.join(given)} ha{'ve' if len(given) > 1 else 's'} no effect without --method "
-                                  f"{method} (--method {self.method}); drop {'them' if len(given) > 1 else 'it'}, or "
-                                  f"add --method {method}")
+        for methods in dict.fromkeys(SETTINGS.values()):
+            given = [f"--{name}" for name, where in SETTINGS.items() if where == methods
+                     and getattr(self, name) != defaults[name]]
+            if given and self.method not in methods:
+                wanted = " or ".join(f"--method {m}" for m in methods)
+                raise ConfigError(f"{', '.join(given)} ha{'ve' if len(given) > 1 else 's'} no effect without {wanted} "
+                                  f"(--method {self.method}); drop {'them' if len(given) > 1 else 'it'}, or use "
+                                  f"{wanted}")
         if self.method == "kd":
             self._validate_kd(defaults)
+        if self.method in ("cpo", "orpo"):
+            from plait.run.methods.reference_free import CPOLoss, ORPOLoss  # their checks, one line each
+
+            CPOLoss(self.beta, self.loss_type, self.label_smoothing, self.simpo_gamma, self.cpo_alpha) \
+                if self.method == "cpo" else ORPOLoss(self.beta)
+        if self.method not in ("dpo", "cpo", "orpo"):
+            return
+        sft_only = [(self.packing, "--packing"), (self.dataset_name, "--dataset_name")]
+        given = [flag for value, flag in sft_only if value]
+        if given:
+            raise ConfigError(f"--method {self.method} does not take {', '.join(given)} yet (packed pairs and datasets "
+                              f"dirs are to come); drop {'them' if len(given) > 1 else 'it'}")
         if self.method != "dpo":
             return
         if self.truncation_mode not in TRUNCATION_MODES:
@@ -272,11 +293,6 @@ class TrainArgs:
         from plait.run.methods.preference_loss import PreferenceLoss  # its checks: TRL's rules, one line each
 
         PreferenceLoss(self.beta, tuple(self.dpo_loss_types()), weights, self.label_smoothing)
-        sft_only = [(self.packing, "--packing"), (self.dataset_name, "--dataset_name")]
-        given = [flag for value, flag in sft_only if value]
-        if given:
-            raise ConfigError(f"--method dpo does not take {', '.join(given)} yet (packed pairs and datasets dirs are "
-                              f"to come); drop {'them' if len(given) > 1 else 'it'}")
 
     def _validate_kd(self, defaults: dict) -> None:
         if not self.teacher_model_name_or_path:

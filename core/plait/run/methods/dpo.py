@@ -17,8 +17,8 @@ rewards/margins, logps/chosen, logps/rejected) are means over the global batch's
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,8 +40,6 @@ from plait.run.methods.preference_loss import PairLogps, PreferenceLoss
 from plait.tp.logprobs import Logits
 from plait.tp.loss import labelled_tokens
 
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected")
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # ids, labels, rows' token counts, pair ids
 
 
@@ -49,24 +47,24 @@ class DPO(TrainingMethod):
     """Preference pairs, the loss's settings and the reference: a frozen model on the same mesh, or a table of
     every row's log-prob read from it before training (--precompute_ref_log_probs)."""
 
-    def __init__(self, pairs: list[Pair], loss: PreferenceLoss, reference: Reference, pad_id: int,
+    def __init__(self, pairs: list[Pair], loss: PreferenceLoss, reference: Reference | None, pad_id: int,
                  max_length: int, truncation_mode: str, batch_pairs: int, precompute: bool,
-                 device: torch.device, val_pairs: list[Pair] | None = None) -> None:
+                 device: torch.device, val_pairs: list[Pair] | None = None, mesh: Mesh | None = None) -> None:
         self.pairs, self.loss, self.pad_id, self.batch_pairs = pairs, loss, pad_id, batch_pairs
         self.max_length, self.truncation_mode = max_length, truncation_mode
-        self.reference: Reference | None = reference
+        self.reference = reference  # None: a reference-free loss (CPO, ORPO), whose reference log-probs are zeros
         self.table: torch.Tensor | None = None  # precomputed: [pairs, 2] reference log-probs
         self.val_table: torch.Tensor | None = None  # the same for the validation pairs
-        mesh = reference.model.mesh
+        mesh = reference.model.mesh if reference is not None else mesh
         config = mesh.config
         # the sequence length the layout splits: 2*cp under cp (load-balanced halves), tp under SP
         self.multiple = (2 * mesh.cp if mesh.cp > 1 else 1) * (mesh.tp if config.sequence_parallel else 1)
         # under pp every row is padded to --block_size: torch's schedules are built (and kept) per batch shape, and a
         # length per batch would build a new one almost every step
         self.length = -(-max_length // self.multiple) * self.multiple if mesh.pp > 1 else None
-        self.seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # the step's (policy, reference, tokens)
+        self.seen: list[tuple[torch.Tensor, ...]] = []  # the step's (policy, nll, reference, tokens) by row
         self.step_pairs, self.tokens = 0, 0  # the step's global pairs, and the tokens of its padded rows
-        self.chosen_tokens = 1  # the step's chosen completion tokens (sft's divisor)
+        self.chosen_tokens = 1  # the step's chosen tokens the NLL averages over (sft's divisor)
         self.local_tokens = 0  # the tokens of this rank's rows in the step
         if precompute:
             self.table = self._read_all(pairs, reference.logps, mesh, device)
@@ -118,8 +116,8 @@ class DPO(TrainingMethod):
 
     def divisor(self, rows: torch.Tensor) -> int:
         if self.loss.sft_weight:  # TRL's sft term is a mean over the global batch's chosen tokens
-            _, labels = pair_rows(self.pairs, rows.tolist(), self.pad_id, self.max_length, self.truncation_mode, 1)
-            self.chosen_tokens = int(labelled_tokens(labels[0::2]).sum())
+            ids, labels = pair_rows(self.pairs, rows.tolist(), self.pad_id, self.max_length, self.truncation_mode, 1)
+            self.chosen_tokens = int(labelled_tokens(self.model_labels(ids, labels)[0::2]).sum())
         return len(rows)  # the global batch's pairs: the loss and every metric are means over them
 
     def micro_batches(self, rows: torch.Tensor, mesh: Mesh, accumulation: int, device: torch.device) -> list[Batch]:
@@ -128,33 +126,49 @@ class DPO(TrainingMethod):
             pairs = local_microbatch(rows, mesh.dp_rank, mesh.dp, accumulation, micro).tolist()
             ids, labels = pair_rows(self.pairs, pairs, self.pad_id, self.max_length, self.truncation_mode,
                                     self.multiple, self.length)
-            tokens = labelled_tokens(labels)
+            tokens, labels = labelled_tokens(labels), self.model_labels(ids, labels)
             self.local_tokens += ids.numel()
             batches.append((ids.to(device), labels.to(device), tokens.to(device), torch.tensor(pairs, device=device)))
         return batches
+
+    def model_labels(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The labels the policy's forward is given for rows ``ids`` labelled on their completions (``read_logps``
+        reads them back): these labels (ORPO's also mark its prompt tokens)."""
+        return labels
+
+    def read_logps(self, logits: Logits) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row [rows]: the summed log-prob of its completion, and of the tokens the NLL term averages (the same
+        for DPO and CPO; ORPO's whole row)."""
+        logps = logits.sequence_sum(logits.label_logps())
+        return logps, logps
 
     def micro_step(self, pmodel: ParallelModel, batch: Batch, divisor: int) -> torch.Tensor:
         ids, labels, tokens, pairs = batch
         if self.table is not None:
             reference = self.table[pairs.to(self.table.device)].reshape(-1).to(ids.device)
+        elif self.reference is None:
+            reference = torch.zeros(ids.shape[0], dtype=torch.float64, device=ids.device)
         else:
             reference = self.reference.logps(ids, labels)
         self.step_pairs = divisor
         policy = torch.full_like(reference, float("nan"))  # each row's log-prob, where this rank computes the loss
-        self.seen.append((policy, reference, tokens))
-        return pmodel.train_step(ids, labels, objective=self._objective(policy, reference, tokens, divisor))
+        nll = torch.full_like(reference, float("nan"))
+        self.seen.append((policy, nll, reference, tokens))
+        return pmodel.train_step(ids, labels, objective=self._objective(policy, nll, reference, tokens, divisor))
 
-    def _objective(self, policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor, divisor: int):
+    def _objective(self, policy: torch.Tensor, nll: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor,
+                   divisor: int):
         def objective(logits: Logits) -> torch.Tensor:
-            logps = logits.sequence_sum(logits.label_logps())
+            logps, nll_logps = self.read_logps(logits)
             rows, ref = logits.rows, reference[logits.rows].to(logps.dtype)
             # kept by row, not summed: torch's pipeline schedules may compute a micro-batch's loss twice
-            policy[rows] = logps.detach().to(policy)
+            policy[rows], nll[rows] = logps.detach().to(policy), nll_logps.detach().to(nll)
             counts = tokens[rows].to(logps.dtype)
-            pairs = PairLogps(logps[0::2], logps[1::2], ref[0::2], ref[1::2], counts[0::2], counts[1::2])
+            pairs = PairLogps(logps[0::2], logps[1::2], ref[0::2], ref[1::2], counts[0::2], counts[1::2],
+                              nll_logps[0::2])
             loss = self.loss.per_pair(pairs).sum() / divisor
             if self.loss.sft_weight:
-                loss = loss - self.loss.sft_weight * logps[0::2].sum() / max(self.chosen_tokens, 1)
+                loss = loss - self.loss.sft_weight * pairs.nll_chosen.sum() / max(self.chosen_tokens, 1)
             return loss / logits.cp  # each cp rank holds the whole sequences' sums: its share is 1/cp
         return objective
 
@@ -163,39 +177,42 @@ class DPO(TrainingMethod):
         loss: the last pipeline stage), summed over the ranks that split the batch (dp x cp, each cp rank holding the
         same whole-sequence sums) and sent from the last pipeline stage."""
         mesh = pmodel.mesh
-        sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=self.seen[0][0].device)
+        names = self.loss.metrics
+        sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.seen[0][0].device)
         sums[-1] = self.local_tokens / mesh.cp  # this replica's rows (every cp rank reads them all)
-        for policy, reference, tokens in self.seen:
+        for policy, nll, reference, tokens in self.seen:
             if not policy.isnan().any():
                 counts = tokens.to(policy)
                 pairs = PairLogps(policy[0::2], policy[1::2], reference[0::2], reference[1::2], counts[0::2],
-                                  counts[1::2])
+                                  counts[1::2], nll[0::2])
                 found = self.loss.metric_sums(pairs)
-                sums[:-1] += torch.stack([found[name] for name in METRICS]).to(sums) / mesh.cp
+                sums[:-1] += torch.stack([found[name] for name in names]).to(sums) / mesh.cp
         self.seen = []
         sums = comm.all_reduce(sums, mesh.replica_group)
         if mesh.pp > 1:
             sums = comm.broadcast(sums, mesh.pp_group, src=mesh.pp - 1)
         *means, self.tokens = sums.tolist()
-        return {name: value / self.step_pairs for name, value in zip(METRICS, means)}
+        return self.loss.metric_means(dict(zip(names, means)), self.step_pairs, self.chosen_tokens)
 
     def step_tokens(self) -> int:
         return int(self.tokens)
 
-    def _read_all(self, pairs: list[Pair], logps: Callable, mesh: Mesh, device: torch.device) -> torch.Tensor:
-        """Every pair's log-probs [pairs, 2] under ``logps`` (a model's ``row_logps``), on every rank: each dp replica
+    def _read_all(self, pairs: list[Pair], logps: Callable, mesh: Mesh, device: torch.device,
+                  values: int = 1) -> torch.Tensor:
+        """Every pair's log-probs [pairs, 2] (or ``values`` per row: [pairs, 2, values]) under ``logps`` (a model's
+        ``row_logps``), labels as ``model_labels`` gives them, on every rank: each dp replica
         reads every dp-th pair, in batches of a micro-step's pairs (the last one filled up with pair 0, read and
         dropped), the same number of batches on every rank (expert parallelism's dispatch is a collective over dp
         ranks); the last pipeline stage's values are sent to the others."""
         size = self.batch_pairs
-        table = torch.zeros(len(pairs), 2, dtype=torch.float64, device=device)
+        table = torch.zeros(len(pairs), 2, *((values,) if values > 1 else ()), dtype=torch.float64, device=device)
         mine = list(range(mesh.dp_rank, len(pairs), mesh.dp))
         for start in range(0, -(-len(pairs) // mesh.dp), size):
             chunk = mine[start:start + size]
             padded = chunk + [0] * (size - len(chunk))
             ids, labels = pair_rows(pairs, padded, self.pad_id, self.max_length, self.truncation_mode, self.multiple,
                                     self.length)
-            found = logps(ids.to(device), labels.to(device)).reshape(-1, 2)
+            found = logps(ids.to(device), self.model_labels(ids, labels).to(device)).reshape(-1, *table.shape[1:])
             if chunk:
                 table[torch.tensor(chunk, device=device)] = found[:len(chunk)].to(table)
         table = comm.all_reduce(table, mesh.dp_group)
@@ -205,15 +222,21 @@ class DPO(TrainingMethod):
     def evaluate(self, pmodel: ParallelModel, data: list[Pair], batch_size: int, device: torch.device) -> dict:
         """TRL's evaluation: the loss and the six metrics over every validation pair (``eval_`` before their names),
         read with the policy and the reference on the training layout, the same on every rank."""
-        policy = self._read_all(data, lambda ids, labels: row_logps(pmodel, ids, labels), pmodel.mesh, device)
-        reference = self.val_table if self.val_table is not None else \
-            self._read_all(data, self.reference.logps, pmodel.mesh, device)
-        _, labels = pair_rows(data, list(range(len(data))), self.pad_id, self.max_length, self.truncation_mode, 1)
+        read = lambda logits: torch.stack(self.read_logps(logits), dim=-1)  # noqa: E731
+        both = self._read_all(data, lambda ids, labels: row_logps(pmodel, ids, labels, read, 2), pmodel.mesh, device,
+                              2)
+        policy, nll = both[..., 0], both[..., 1]
+        reference = self.val_table if self.val_table is not None else torch.zeros_like(policy) \
+            if self.reference is None else self._read_all(data, self.reference.logps, pmodel.mesh, device)
+        ids, labels = pair_rows(data, list(range(len(data))), self.pad_id, self.max_length, self.truncation_mode, 1)
         counts = labelled_tokens(labels).to(policy)
-        pairs = PairLogps(policy[:, 0], policy[:, 1], reference[:, 0], reference[:, 1], counts[0::2], counts[1::2])
-        loss = self.loss.per_pair(pairs).mean() - self.loss.sft_weight * policy[:, 0].sum() / counts[0::2].sum()
-        sums = self.loss.metric_sums(pairs)
-        return {"eval_loss": loss.item(), **{f"eval_{name}": (sums[name] / len(data)).item() for name in METRICS}}
+        nll_tokens = int(labelled_tokens(self.model_labels(ids, labels)[0::2]).sum())
+        pairs = PairLogps(policy[:, 0], policy[:, 1], reference[:, 0], reference[:, 1], counts[0::2], counts[1::2],
+                          nll[:, 0])
+        loss = self.loss.per_pair(pairs).mean() - self.loss.sft_weight * pairs.nll_chosen.sum() / nll_tokens
+        means = self.loss.metric_means(self.loss.metric_sums(pairs), len(data), nll_tokens)  # tensors, as TRL's
+        return {"eval_loss": loss.item(), **{f"eval_{name}": float(value) for name, value in means.items()}}
+
 
 class Reference:
     """Where the reference's log-probs come from: a frozen model on the policy's mesh, or under LoRA the policy itself
@@ -227,8 +250,12 @@ class Reference:
             return row_logps(self.model, ids, labels)
 
 
-def row_logps(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each row's summed log-prob of its labelled tokens under ``model``, without gradients [rows], in float64 (zeros
-    on the ranks that compute no loss: every pipeline stage but the last)."""
-    found = read_rows(model, ids, labels, lambda logits: logits.sequence_sum(logits.label_logps()))
-    return ids.new_zeros(ids.shape[0], dtype=torch.float64) if found is None else found.double()
+def row_logps(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor,
+              read: Callable[[Logits], torch.Tensor] | None = None, values: int = 1) -> torch.Tensor:
+    """Each row's summed log-prob of its labelled tokens under ``model`` (or ``read`` of its logits: ``values`` per
+    row), without gradients, in float64 (zeros on the ranks that compute no loss: every pipeline stage but the
+    last)."""
+    found = read_rows(model, ids, labels, read or (lambda logits: logits.sequence_sum(logits.label_logps())))
+    if found is None:
+        return ids.new_zeros((ids.shape[0], *((values,) if values > 1 else ())), dtype=torch.float64)
+    return found.double()

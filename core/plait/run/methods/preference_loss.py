@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 from plait.base.config import ConfigError
 
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero", "apo_down", "nca_pair", "bco_pair", "sppo_hard",
               "sigmoid_norm", "exo_pair", "sft")
 BATCH_DEPENDENT = ("aot", "aot_unpaired", "discopop")  # TRL's, refused here (module docstring)
@@ -41,6 +43,11 @@ class PairLogps:
     ref_rejected: torch.Tensor
     chosen_tokens: torch.Tensor
     rejected_tokens: torch.Tensor
+    nll: torch.Tensor | None = None  # the chosen rows' log-probs the NLL term averages (default: the completions')
+
+    @property
+    def nll_chosen(self) -> torch.Tensor:
+        return self.chosen if self.nll is None else self.nll
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,16 @@ class PreferenceLoss:
         # exo_pair: KL(p_f || p_rh) over {chosen, rejected} with p_rh = [1 - eps, eps]
         log_chosen, log_rejected = F.logsigmoid(beta * delta), F.logsigmoid(-beta * delta)
         return log_chosen.exp() * (log_chosen - math.log1p(-eps)) + log_rejected.exp() * (log_rejected - math.log(eps))
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """The metrics' names, in the order ``metric_sums`` may be summed in."""
+        return METRICS
+
+    @staticmethod
+    def metric_means(sums: dict[str, float], pairs: int, chosen_tokens: int) -> dict[str, float]:
+        """The metrics from their sums over ``pairs`` pairs (whose chosen completions hold ``chosen_tokens``)."""
+        return {name: value / pairs for name, value in sums.items()}
 
     def metric_sums(self, p: PairLogps) -> dict[str, torch.Tensor]:
         """TRL's metrics of these pairs as sums over them (divide by the global pair count after summing ranks)."""
