@@ -93,7 +93,11 @@ LAYOUTS |= {"tp2_sp_simpo": dict(tensor_parallel_size=2, **FREE["simpo"]),
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("dpo")
+    return build_root(tmp_path_factory.mktemp("dpo"))
+
+
+def build_root(root: Path) -> Path:
+    """The tiny models (Llama, a 4-layer Llama, Qwen3-MoE) with a chat tokenizer, and the pairs, under ``root``."""
     save_chat_tokenizer(WORDS * 20, VOCAB, root / "model")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB)).save_pretrained(root / "model")

@@ -22,7 +22,7 @@ from plait.data import GlobalBatchSampler
 from plait.run.methods.preference_loss import METRICS
 from plait.run.methods.reference_free import read_legacy_pairs
 from plait.run.train_args import TrainArgs
-from test_dpo import BATCH, BLOCK, LR, STEPS, flags, plait_history, root, scale  # noqa: F401 (root: the fixture)
+from test_dpo import BATCH, BLOCK, LR, STEPS, build_root, flags, plait_history, scale
 
 CASES = {"cpo_sigmoid": dict(method="cpo"), "cpo_hinge": dict(method="cpo", loss_type="hinge", cpo_alpha=0.5),
          "cpo_ipo": dict(method="cpo", loss_type="ipo"),
@@ -30,6 +30,11 @@ CASES = {"cpo_sigmoid": dict(method="cpo"), "cpo_hinge": dict(method="cpo", loss
          "simpo_smoothed": dict(method="cpo", loss_type="simpo", cpo_alpha=0.0, label_smoothing=0.1, beta=2.0),
          "orpo": dict(method="orpo", beta=0.2)}
 EXTRA = {"cpo": ("nll_loss",), "orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen")}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return build_root(tmp_path_factory.mktemp("free"))
 
 
 def worst(got: list[dict], expected: list[dict], keys: tuple[str, ...], beta: float) -> tuple[float, str]:
