@@ -69,6 +69,9 @@ RPO = dict(loss_type="sigmoid,sft", loss_weights="1.0,0.5")
 # 0.27 of it in fp32, the LM head's and the input embedding's, whose rows sum over many tokens; bf16: 0.33 of 1e4 times it)
 GRAD_ATOL, GRAD_RTOL = 1e-7, 1e-5
 LAYOUTS["ep2"] = dict(expert_parallel_size=2, per_device_train_batch_size=BATCH // 2)  # on the MoE model
+# its load-balancing loss over the global batch (as one process), padding masked
+LAYOUTS["ep2_aux"] = dict(expert_parallel_size=2, per_device_train_batch_size=BATCH // 2,
+                          moe_aux_loss_scope="global_batch")
 LAYOUTS |= {"cp2_rpo": dict(context_parallel_size=2, **RPO),  # the sft term: its token count global, 1/cp per rank
             "dp2_accumulation_rpo": dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, **RPO)}
 # the reference-free methods (tests/test_reference_free.py holds them to TRL): per-token means, the NLL's global count,
@@ -101,15 +104,17 @@ def build_root(root: Path) -> Path:
     save_chat_tokenizer(WORDS * 20, VOCAB, root / "model")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB)).save_pretrained(root / "model")
-    moe = plait_tiny_config("qwen3_moe")  # routed experts, for ep (no load-balancing loss: output_router_logits off)
-    moe.vocab_size = VOCAB
     save_chat_tokenizer(WORDS * 20, VOCAB, root / "deep")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB, num_hidden_layers=4)).save_pretrained(
         root / "deep")
-    save_chat_tokenizer(WORDS * 20, VOCAB, root / "moe")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(moe).save_pretrained(root / "moe")
+    moe = plait_tiny_config("qwen3_moe")  # routed experts, for ep (moe: no load-balancing loss)
+    moe.vocab_size = VOCAB
+    for name, aux in (("moe", False), ("moe_aux", True)):  # moe_aux: its load-balancing loss, 10x transformers' coef
+        moe.output_router_logits, moe.router_aux_loss_coef = aux, 0.01
+        save_chat_tokenizer(WORDS * 20, VOCAB, root / name)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(moe).save_pretrained(root / name)
     rng = random.Random(0)
     for name, count in (("pairs.jsonl", 32), ("validation.jsonl", 6)):  # 6: plait's last batch is filled up
         with open(root / name, "w") as file:
@@ -156,13 +161,13 @@ def peft_model(root: Path, lora_r: int):
 
 def trl_history(root: Path, out: Path, loss_type: str, loss_weights: str | None = None,
                 label_smoothing: float = 0.0, lora_r: int = 0, lora_target_modules: str = "",
-                evaluate: bool = False) -> list[dict]:
+                evaluate: bool = False, model: str = "model") -> list[dict]:
     from trl import DPOConfig, DPOTrainer
 
     rows = [json.loads(line) for line in (root / "pairs.jsonl").read_text().splitlines()]
     sampler = GlobalBatchSampler(len(rows), BATCH, 0)
     order = [rows[i] for step in range(STEPS) for i in sampler.indices(step).tolist()]
-    model = root / "model"
+    model = root / model
     config = DPOConfig(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=LR,
                        logging_steps=1, report_to=[], max_length=BLOCK, use_cpu=True, save_strategy="no", bf16=False,
                        train_sampling_strategy="sequential", seed=0, loss_type=loss_type.split(","),
@@ -231,6 +236,15 @@ def test_each_loss_type_matches_trls_dpo_trainer(root, tmp_path, case):
     assert got[-1]["rewards/margins"] != 0.0  # step 2 trains on what step 1 learned
 
 
+def test_an_moe_models_load_balancing_loss_counts_real_tokens_as_trls(root, tmp_path):
+    """An MoE model adding its routers' load-balancing loss (output_router_logits): TRL gives the model its collator's
+    attention mask, so padding is not routed in the loss; plait passes the same mask (each row's real tokens)."""
+    expected = trl_history(root, tmp_path / "trl", "sigmoid", model="moe_aux")
+    got = plait_history(root, tmp_path / "plait", model_name_or_path=str(root / "moe_aux"), validation_file=None)
+    difference, where = worst(got, expected)
+    assert difference <= 5e-7, where
+
+
 @pytest.mark.parametrize("case", ["sigmoid", "ipo"])
 def test_evaluation_matches_trls(root, tmp_path, case):
     """--validation_file: the loss and TRL's metrics over every validation pair at the last step, named as TRL logs
@@ -250,6 +264,7 @@ def layouts(root, tmp_path_factory) -> dict[str, list[dict]]:
     cases = {name: flags(root, output_dir=str(out / name), **layout) for name, layout in LAYOUTS.items()}
     for name in MOE_LAYOUTS:
         cases[name]["model_name_or_path"] = str(root / "moe")
+    cases["ep2_aux"]["model_name_or_path"] = str(root / "moe_aux")
     for name in (n for n in LAYOUTS if n.endswith("_deep")):
         cases[name]["model_name_or_path"] = str(root / "deep")
     (out / "flags.json").write_text(json.dumps(cases))
@@ -261,7 +276,8 @@ def layouts(root, tmp_path_factory) -> dict[str, list[dict]]:
 @pytest.fixture(scope="module")
 def one_process(root, tmp_path_factory) -> dict[str, list[dict]]:
     runs = {"full": {}, "lora": dict(lora_r=4), "rpo": RPO, "moe": dict(model_name_or_path=str(root / "moe")),
-            "deep": dict(model_name_or_path=str(root / "deep")), "bf16": dict(bf16=True), **FREE}
+            "deep": dict(model_name_or_path=str(root / "deep")), "bf16": dict(bf16=True),
+            "moe_aux": dict(model_name_or_path=str(root / "moe_aux")), **FREE}
     return {name: plait_run(root, tmp_path_factory.mktemp(f"one_{name}"), **extra) for name, extra in runs.items()}
 
 
@@ -270,7 +286,8 @@ def test_every_layout_gives_one_process_numbers(layouts, one_process, layout):
     free = next((name for name in FREE if layout.endswith(f"_{name}")), None)
     expected = one_process[free or ("lora" if layout in LORA_LAYOUTS else "rpo" if layout.endswith("rpo") else
                                     "moe" if layout in MOE_LAYOUTS else "deep" if layout.endswith("_deep") else
-                                    "bf16" if layout.endswith("_bf16") else "full")]
+                                    "bf16" if layout.endswith("_bf16") else "moe_aux" if layout == "ep2_aux" else
+                                    "full")]
     history, grads = expected
     bf16 = layout.endswith("_bf16")
     scale = 1e4 if bf16 else 1  # bf16: 1e4 times fp32's tolerance (bf16 keeps 8 bits: its matmuls at tp=2 differ)

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import shutil
 import traceback
 from typing import NoReturn
 
@@ -143,7 +144,20 @@ def cmd_consolidate(ns: argparse.Namespace) -> None:
             print(f"wrote {out}: load it with {loader.format(str(out))}")
         return
     shard = {} if ns.max_shard_size is None else {"max_shard_size": ns.max_shard_size}
-    out = consolidate(ns.checkpoint_dir, ns.output_dir, format=ns.format, dtype=ns.dtype, **shard)
+    target = ns.output_dir
+    if "://" in target:  # a store: written here first, then copied there
+        from plait.checkpoint import store  # when run (module docstring)
+
+        if store.exists(target):
+            raise ConfigError(f"output directory {target} exists; choose a new one")
+        local = store.stage(target, 0) / "consolidated"
+        shutil.rmtree(local, ignore_errors=True)
+        out = consolidate(ns.checkpoint_dir, local, format=ns.format, dtype=ns.dtype, **shard)
+        store.upload_tree(out, target)
+        shutil.rmtree(local, ignore_errors=True)
+        print(f"wrote {target}: load it with transformers.AutoModelForCausalLM.from_pretrained on a local copy")
+        return
+    out = consolidate(ns.checkpoint_dir, target, format=ns.format, dtype=ns.dtype, **shard)
     print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
 
 

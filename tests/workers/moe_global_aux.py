@@ -130,7 +130,7 @@ def run_case(case: Case, dtype: torch.dtype) -> dict:
             aux = comm.all_reduce(pmodel.aux_loss_sum.clone(), comm.world_group()).item() / mesh.tp
             pmodel.aux_loss_sum = None
             record.worst("aux_rel", abs(aux - ref_aux) / ref_aux)
-        compare_grads(record, step, pmodel, reference, optimizer_step(record, step))
+        compare_grads(record, step, pmodel, reference, optimizer_step(record, step)[0])  # (grads, norm)
         ref_opt.step()
         ref_opt.zero_grad()
     return {**merged(record.json()), "dtype": str(dtype).removeprefix("torch.")}

@@ -123,7 +123,7 @@ def run_case(case: Case) -> dict:
         record.worst("aux_share", aux_share)
         if rel > LOSS_RTOL:
             record.fail(f"step {step} loss {global_loss:.6f} vs {ref_loss.item():.6f}: rel err {rel:.2e}")
-        compare_grads(record, step, pmodel, reference, optimizer_step(record, step))
+        compare_grads(record, step, pmodel, reference, optimizer_step(record, step)[0])  # (grads, norm)
         ref_opt.step()
         ref_opt.zero_grad()
     return merged(record.json())

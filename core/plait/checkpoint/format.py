@@ -30,6 +30,7 @@ from typing import Any
 from transformers import CONFIG_MAPPING, PretrainedConfig
 
 from plait.base.config import ConfigError
+from plait.checkpoint import store
 from plait.tp.sharding import ShardSpec
 
 FORMAT = "plait-checkpoint"
@@ -248,7 +249,15 @@ class CheckpointPaths:
 
 
 def resolve(path: str | os.PathLike) -> CheckpointPaths:
-    """Accept a checkpoint directory or its shard folder (``shards/``)."""
+    """Accept a checkpoint directory or its shard folder (``shards/``), or a checkpoint's URL in a store (read from
+    its local copy, ``store.fetch``)."""
+    if store.is_url(path):
+        url = str(path).rstrip("/").removesuffix(f"/{SHARDS}")
+        state = store.committed(url)
+        if not state:
+            raise CheckpointError(f"checkpoint {url} " + ("does not exist" if state is None else
+                                                          "has no commit object: its save never finished"))
+        path = store.fetch(url, SHARDS, INDEX)
     path = Path(path)
     if (path / INDEX).is_file():
         return CheckpointPaths(path.parent if path.name == SHARDS else path, path)
@@ -285,8 +294,11 @@ def read_index(path: str | os.PathLike) -> tuple[CheckpointPaths, Index]:
 # --------------------------------------------------------------------------------------------------
 
 
-def checkpoint_path(output_dir: str | os.PathLike, step: int) -> Path:
-    """Where the checkpoint of ``step`` goes: ``<output_dir>/checkpoint-<step>`` (Hugging Face's naming)."""
+def checkpoint_path(output_dir: str | os.PathLike, step: int) -> Path | str:
+    """Where the checkpoint of ``step`` goes: ``<output_dir>/checkpoint-<step>`` (Hugging Face's naming; a URL under
+    a URL)."""
+    if store.is_url(output_dir):
+        return store.join(str(output_dir), f"{CHECKPOINT_PREFIX}{step}")
     return Path(output_dir) / f"{CHECKPOINT_PREFIX}{step}"
 
 
@@ -295,8 +307,11 @@ def should_save(step: int, save_steps: int) -> bool:
     return save_steps > 0 and step > 0 and step % save_steps == 0
 
 
-def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints under ``output_dir``, oldest step first (temporary folders are ignored)."""
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path] | list[str]:
+    """Complete checkpoints under ``output_dir``, oldest step first (temporary folders, and in a store checkpoints
+    without their commit object, are ignored)."""
+    if store.is_url(output_dir):
+        return [url for _, url in store.checkpoints(str(output_dir), CHECKPOINT_PREFIX)]
     found = []
     for child in Path(output_dir).iterdir() if Path(output_dir).is_dir() else []:
         match = re.fullmatch(rf"{CHECKPOINT_PREFIX}(\d+)", child.name)
@@ -305,9 +320,15 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def remove_partial_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Delete ``checkpoint-N.tmp`` folders: saves a killed job never finished (``list_checkpoints`` already
-    ignores them). Call on one rank, at start-up, before this job saves anything."""
+def remove_partial_checkpoints(output_dir: str | os.PathLike) -> list[Path] | list[str]:
+    """Delete ``checkpoint-N.tmp`` folders (in a store, checkpoints without their commit object): saves a killed
+    job never finished (``list_checkpoints`` already ignores them). Call on one rank, at start-up, before this job
+    saves anything."""
+    if store.is_url(output_dir):
+        doomed = [url for _, url in store.checkpoints(str(output_dir), CHECKPOINT_PREFIX, committed=False)]
+        for url in doomed:
+            store.remove(url)
+        return doomed
     doomed = [child for child in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*.tmp")
               if re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+\.tmp", child.name) and child.is_dir()]
     for path in doomed:
@@ -315,7 +336,7 @@ def remove_partial_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     return doomed
 
 
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | str | None:
     found = list_checkpoints(output_dir)
     return found[-1] if found else None
 
@@ -327,5 +348,5 @@ def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | No
     found = list_checkpoints(output_dir)
     doomed = found[: max(0, len(found) - save_total_limit)]
     for path in doomed:
-        shutil.rmtree(path)
+        store.remove(path) if store.is_url(path) else shutil.rmtree(path)
     return doomed

@@ -29,7 +29,8 @@ from transformers import PretrainedConfig
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.meta import build_meta_model
 from plait.base.seeds import init_seed
-from plait.checkpoint.format import INDEX, SHARDS, full_box, model_config, read_index
+from plait.checkpoint import store
+from plait.checkpoint.format import INDEX, SHARDS, full_box, model_config, read_index, resolve
 from plait.checkpoint.hf_dir import open_hf_dir, read_hf_index
 from plait.checkpoint.load import load_checkpoint
 from plait.checkpoint.state import local_params, local_views, persistent_buffers
@@ -141,7 +142,7 @@ def resolve_source(source: PretrainedConfig | str | os.PathLike) -> tuple[Pretra
     """(config, "init" | "hf" | "checkpoint", directory): a directory's config comes from its index."""
     if isinstance(source, PretrainedConfig):
         return source, "init", None
-    path = Path(source)
+    path = resolve(source).root if store.is_url(source) else Path(source)  # a checkpoint in a store: its local copy
     if (path / SHARDS / INDEX).is_file() or (path / INDEX).is_file():
         return model_config(read_index(path)[1]), "checkpoint", path
     if not (path / "config.json").is_file():

@@ -4,7 +4,8 @@ A box held by several ranks (replicated tensors, dp replicas, kv heads shared by
 by the lowest rank holding it, so the checkpoint is the size of the model and its optimizer state whatever
 the layout. Everything is written into ``<path>.tmp`` (each file through ``.partial`` + ``os.replace``), and
 rank 0 renames the folder after every rank has reported success: a crash mid-save leaves only a ``.tmp``
-folder, never a checkpoint that looks complete.
+folder, never a checkpoint that looks complete. At a URL (``plait.checkpoint.store``) each rank writes into a
+folder of its own on its local disk and uploads its files, and rank 0 commits the checkpoint last of all.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from plait.base import comm
 from plait.base import faults
 from plait.base.config import FaultError
+from plait.checkpoint import store
 from plait.checkpoint.format import INDEX, SHARDS, CheckpointError, Index, Piece, TensorEntry, write_json
 from plait.checkpoint.st_io import CHECKSUM, NAMES, write_tensors
 from plait.checkpoint.state import (
@@ -45,17 +47,19 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     *,
     tokenizer: Any | None = None,
-) -> Path:
-    """Save model, optimizer, scheduler, RNG and data position (``step``, ``extra``) at ``path``.
+) -> Path | str:
+    """Save model, optimizer, scheduler, RNG and data position (``step``, ``extra``) at ``path`` (a folder, or a URL
+    in a store).
 
     Every rank must call it. ``extra`` is JSON-safe trainer state (e.g. the sampler's position);
     ``tokenizer`` (rank 0's is used) is saved beside the weights so ``consolidate`` can ship it.
     Returns the checkpoint directory; raises on every rank if any rank failed: CheckpointError for state that
     cannot be saved, CheckpointNotSaved for a write that failed.
     """
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    url = str(path) if store.is_url(path) else None
     mesh = pmodel.mesh
+    path = store.stage(url, mesh.rank) / "save" if url else Path(path)  # at a URL, this rank's files first
+    tmp = path.with_name(path.name + ".tmp")
     world = comm.world_group()
 
     tensors: list[LocalTensor] = []
@@ -90,9 +94,11 @@ def save_checkpoint(
             for box in boxes:
                 owner.setdefault((logical, tuple(box)), meta["rank"])
 
-    if mesh.rank == 0:
+    if mesh.rank == 0 or url:  # a folder every rank shares, or each rank's own
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / SHARDS).mkdir(parents=True)
+    if mesh.rank == 0 and url:
+        store.remove(url)  # an older save of this step, if any: uncommitted first
     comm.barrier(world)
 
     report: dict[str, Any] = {"error": None, "files": {}, "pieces": {}, "entries": {}}
@@ -102,6 +108,12 @@ def save_checkpoint(
                          f"{prefix}-rank{mesh.rank:05d}.safetensors", tmp / SHARDS, report)
     except OSError as exc:
         report["error"] = f"writing {tmp}: {exc}"
+    if url and report["error"] is None:
+        try:
+            for name in report["files"]:
+                store.upload(tmp / SHARDS / name, store.join(url, SHARDS, name))
+        except OSError as exc:
+            report["error"] = str(exc)
     faults.maybe_inject(step, "save")  # testing aid: a no-op unless PLAIT_FAULT_INJECT names this save
     reports = comm.all_gather_object(report, world)
     try:
@@ -121,9 +133,29 @@ def save_checkpoint(
             pmodel.module.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        _replace_dir(tmp, path)
-    comm.barrier(world)
-    return path
+        if url:
+            committed = _commit(tmp, url, set(reports[0]["files"]))
+        else:
+            _replace_dir(tmp, path)
+    if not url:
+        comm.barrier(world)
+        return path
+    error = comm.all_gather_object(committed if mesh.rank == 0 else None, world)[0]  # rank 0's, on every rank
+    shutil.rmtree(tmp, ignore_errors=True)
+    if error:
+        raise CheckpointNotSaved(error)
+    return url
+
+
+def _commit(tmp: Path, url: str, uploaded: set[str]) -> str | None:
+    """Upload rank 0's other files (the index, the config, the tokenizer) to ``url``, then its commit object; the
+    error that stopped it, or None."""
+    try:
+        store.upload_tree(tmp, url, skip={f"{SHARDS}/{name}" for name in uploaded})
+        store.commit(url)
+    except OSError as exc:
+        return f"checkpoint {url} was not saved: {exc}"
+    return None
 
 
 def _write_owned(

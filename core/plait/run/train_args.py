@@ -62,7 +62,7 @@ class TrainArgs:
     model_config: str | None = field(default=None, metadata={"help": "transformers config.json: random init"})
     model_name_or_path: str | None = field(default=None, metadata={"help": "a local Hugging Face model dir"})
     train_file: str | None = field(default=None, metadata={"help": ".txt, .jsonl, .parquet, a directory or a glob of them (text field: --text_field); default: bundled corpus"})
-    output_dir: str = field(default="runs/plait", metadata={"help": "metrics.jsonl (and later checkpoints) go here"})
+    output_dir: str = field(default="runs/plait", metadata={"help": "checkpoints, metrics.jsonl and loss.png go here: a directory, or an object store's URL (s3://bucket/run: plait[s3])"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "tp: ranks that split each layer"})
     disable_sequence_parallel: bool = field(default=False, metadata={"help": "keep activations between TP regions whole"})
     disable_embedding_parallelization: bool = field(default=False, metadata={"help": "keep embeddings and LM head replicated"})
@@ -177,7 +177,7 @@ class TrainArgs:
             if value is not None and not Path(value).exists() and not glob.glob(value, recursive=True):
                 raise ConfigError(f"--{path_flag} {value!r} does not exist (nor matches a file as a glob)")
         resume = self.resume_from_checkpoint
-        if resume not in (None, "auto") and not Path(resume).exists():
+        if resume not in (None, "auto") and "://" not in resume and not Path(resume).exists():
             raise ConfigError(f"--resume_from_checkpoint {resume!r} does not exist (give a checkpoint dir, or 'auto')")
         for path_flag in ("tokenizer_name", "dataset_name"):
             value = getattr(self, path_flag)
@@ -312,6 +312,11 @@ class TrainArgs:
                               f"cross-entropy)")
 
     def _check_output_dir(self) -> None:
+        if "://" in self.output_dir:  # a store: its package must be installed (a one-line refusal naming it)
+            from plait.checkpoint.store import filesystem  # noqa: PLC0415 (the package is heavy; only for a URL)
+
+            filesystem(self.output_dir)
+            return
         out = Path(self.output_dir)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"--output_dir {self.output_dir!r} is an existing file, not a directory; give a directory")

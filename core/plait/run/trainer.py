@@ -32,6 +32,7 @@ from plait.checkpoint import (
     checkpoint_path, latest_checkpoint, load_checkpoint, rotate_checkpoints, save_checkpoint, should_save,
 )
 from plait.checkpoint.format import read_index, remove_partial_checkpoints
+from plait.checkpoint.store import is_url
 from plait.checkpoint.materialize import init_fallback_note, materialize, resolve_source
 from plait.checkpoint.shared_dir import check_shared_dir
 from plait.checkpoint.state import local_params
@@ -51,6 +52,7 @@ from plait.run.methods.table import METHODS
 from plait.run.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_max
 from plait.run.model_config import read_model_config
 from plait.run.moe_metrics import RoutingMetrics
+from plait.run.run_files import RunFiles
 from plait.run.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process
 from plait.run.stop import StopRequested, StopSignals
 from plait.run.trackers import Trackers, parse_report_to
@@ -125,11 +127,13 @@ def diverged_message(step: int, bad: NonFiniteStep, args: TrainArgs) -> str:
             f"is from before it); likely fixes: {', '.join(fixes)}, or skip such steps with --skip_nonfinite_steps")
 
 
-def resume_path(args: TrainArgs) -> Path | None:
-    """The checkpoint to resume from: the given one, or with 'auto' the newest complete one (None: fresh)."""
-    if args.resume_from_checkpoint == "auto":
+def resume_path(args: TrainArgs) -> Path | str | None:
+    """The checkpoint to resume from: the given one, or with 'auto' the newest complete one (None: fresh); a URL
+    where it is in a store."""
+    resume = args.resume_from_checkpoint
+    if resume == "auto":
         return latest_checkpoint(args.output_dir)
-    return Path(args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    return resume if is_url(resume) else Path(resume) if resume else None
 
 
 def plan_run(args: TrainArgs, world: int) -> tuple[Path | None, PretrainedConfig, nn.Module, tuple | None, LayoutPlan]:
@@ -197,7 +201,8 @@ class Trainer:
         init_distributed(device, args.backend, args.ddp_timeout)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.heartbeat = Heartbeat.start(int(os.environ.get("RANK", "0")), world)  # names a stuck rank on a timeout
-        check_shared_dir(Path(args.output_dir))  # node-local dirs would fail only at the first save
+        if not is_url(args.output_dir):  # a store is shared by every node
+            check_shared_dir(Path(args.output_dir))  # node-local dirs would fail only at the first save
         torch.manual_seed(args.seed)  # the stream dropout draws from: a function of --seed, as is everything else
         self.console = Console(stderr=True, quiet=not is_main_process())
 
@@ -242,9 +247,13 @@ class Trainer:
             self.console.print(f"resumed from {resume} at step {self.first_step}"
                                + (" (resharded)" if state.resharded else ""))
         self.routing = RoutingMetrics.install(pmodel)  # None for a dense model
-        self.output_dir = Path(args.output_dir)
+        # checkpoints go to --output_dir; the run's other files (metrics.jsonl, loss.png, trackers') to it too, or
+        # for a store to a local folder first, copied there at each save and at the end (RunFiles)
+        self.checkpoints = args.output_dir
+        self.files = RunFiles(args.output_dir, self.mesh.rank, fetch=resume is not None)
+        self.output_dir = self.files.local
         if is_main_process():
-            for partial in remove_partial_checkpoints(self.output_dir):
+            for partial in remove_partial_checkpoints(self.checkpoints):
                 self.console.print(f"removed {partial}: a save that never finished")
         self.log = MetricsLog(self.output_dir, fresh=resume is None)
         self.log.write({"event": "load", "step": self.first_step, "load_seconds": time.perf_counter() - load_start,
@@ -333,9 +342,10 @@ class Trainer:
         self.heartbeat.at(step, "save")
         extra = {"sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps,
                  "empty_steps": self.empty_steps}
-        path = save_checkpoint(checkpoint_path(self.output_dir, step), self.pmodel, self.optimizer, self.scheduler,
+        path = save_checkpoint(checkpoint_path(self.checkpoints, step), self.pmodel, self.optimizer, self.scheduler,
                                step, extra, tokenizer=self.tokenizer)
-        rotate_checkpoints(self.output_dir, self.args.save_total_limit, self.mesh.rank)
+        rotate_checkpoints(self.checkpoints, self.args.save_total_limit, self.mesh.rank)
+        self.files.publish()
         self.console.print(f"saved {path}")
         return path
 
@@ -380,10 +390,11 @@ class Trainer:
                 if signum:
                     if saved is None and args.save_on_signal:
                         saved = self.save(step + 1)
-                    last = latest_checkpoint(self.output_dir)
+                    last = latest_checkpoint(self.checkpoints)
                     raise StopRequested(signum, step + 1, args.max_steps, saved and str(saved), last and str(last))
         if is_main_process() and history and plot_loss_curve(history, self.output_dir / "loss.png"):
             self.console.print(f"loss curve: {self.output_dir / 'loss.png'}")
+        self.files.publish()
         return history
 
 

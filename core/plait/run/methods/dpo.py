@@ -35,7 +35,7 @@ from plait.lora import switch
 from plait.parallelize import ParallelModel
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.frozen import SecondModel, check_vocabulary, frozen_on_mesh, read_rows
-from plait.run.methods.preference_data import Pair, pair_rows, read_pairs
+from plait.run.methods.preference_data import Pair, pair_rows, read_pairs, real_tokens
 from plait.run.methods.preference_loss import PairLogps, PreferenceLoss
 from plait.tp.logprobs import Logits
 from plait.tp.loss import labelled_tokens
@@ -49,10 +49,13 @@ class DPO(TrainingMethod):
 
     def __init__(self, pairs: list[Pair], loss: PreferenceLoss, reference: Reference | None, pad_id: int,
                  max_length: int, truncation_mode: str, batch_pairs: int, precompute: bool,
-                 device: torch.device, val_pairs: list[Pair] | None = None, mesh: Mesh | None = None) -> None:
+                 device: torch.device, val_pairs: list[Pair] | None = None, mesh: Mesh | None = None,
+                 masked: bool = False) -> None:
         self.pairs, self.loss, self.pad_id, self.batch_pairs = pairs, loss, pad_id, batch_pairs
         self.max_length, self.truncation_mode = max_length, truncation_mode
         self.reference = reference  # None: a reference-free loss (CPO, ORPO), whose reference log-probs are zeros
+        # an MoE model's load-balancing loss counts real tokens only, as TRL's (its collator's attention mask)
+        self.masked = masked
         self.table: torch.Tensor | None = None  # precomputed: [pairs, 2] reference log-probs
         self.val_table: torch.Tensor | None = None  # the same for the validation pairs
         mesh = reference.model.mesh if reference is not None else mesh
@@ -100,7 +103,7 @@ class DPO(TrainingMethod):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return cls(trainer.blocks, loss, reference, pad_id, args.block_size, args.truncation_mode,
                    args.per_device_train_batch_size, args.precompute_ref_log_probs, trainer.device,
-                   trainer.val_blocks)
+                   trainer.val_blocks, masked=routed(trainer.pmodel))
 
     @classmethod
     def second_model(cls, args: Any, model: Any, dtype: torch.dtype) -> SecondModel | None:
@@ -154,7 +157,9 @@ class DPO(TrainingMethod):
         policy = torch.full_like(reference, float("nan"))  # each row's log-prob, where this rank computes the loss
         nll = torch.full_like(reference, float("nan"))
         self.seen.append((policy, nll, reference, tokens))
-        return pmodel.train_step(ids, labels, objective=self._objective(policy, nll, reference, tokens, divisor))
+        mask = real_tokens(labels) if self.masked else None
+        return pmodel.train_step(ids, labels, attention_mask=mask,
+                                 objective=self._objective(policy, nll, reference, tokens, divisor))
 
     def _objective(self, policy: torch.Tensor, nll: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor,
                    divisor: int):
@@ -236,6 +241,11 @@ class DPO(TrainingMethod):
         loss = self.loss.per_pair(pairs).mean() - self.loss.sft_weight * pairs.nll_chosen.sum() / nll_tokens
         means = self.loss.metric_means(self.loss.metric_sums(pairs), len(data), nll_tokens)  # tensors, as TRL's
         return {"eval_loss": loss.item(), **{f"eval_{name}": float(value) for name, value in means.items()}}
+
+
+def routed(pmodel: ParallelModel) -> bool:
+    """Whether the model adds a load-balancing loss of its routers (``output_router_logits``)."""
+    return bool(getattr(pmodel.module.config, "output_router_logits", False))
 
 
 class Reference:

@@ -154,3 +154,11 @@ def pair_rows(pairs: list[Pair], indices: list[int], pad_id: int, max_length: in
     for row, (ids, labs) in enumerate(rows):
         input_ids[row, :len(ids)], labels[row, :len(labs)] = torch.tensor(ids), torch.tensor(labs)
     return input_ids, labels
+
+
+def real_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """1 on each row's real tokens, 0 on its right padding [rows, seq]: a row is prompt | completion | padding, its
+    last labelled position its last real token (the attention mask TRL's collator gives the model)."""
+    positions = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
+    last = torch.where(labels != IGNORE_INDEX, positions, -1).amax(dim=1, keepdim=True)
+    return (positions <= last).long()

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from plait.base.config import ConfigError
 from plait.data.paths import tokenizer_dir
 from plait.data.tokenizer import load_tokenizer
-from plait.run.methods.dpo import DPO
-from plait.run.methods.preference_data import Pair, extract_prompt, is_conversational
+from plait.run.methods.dpo import DPO, routed
+from plait.run.methods.preference_data import Pair, extract_prompt, is_conversational, real_tokens
 from plait.run.methods.preference_loss import METRICS, PairLogps
 from plait.tp.logprobs import Logits
 from plait.tp.loss import IGNORE_INDEX
@@ -236,7 +236,8 @@ class CPO(DPO):
         args, tokenizer = trainer.args, trainer.tokenizer
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return cls(trainer.blocks, cls.loss(args), None, pad_id, args.block_size, "keep_start",
-                   args.per_device_train_batch_size, False, trainer.device, trainer.val_blocks, trainer.pmodel.mesh)
+                   args.per_device_train_batch_size, False, trainer.device, trainer.val_blocks, trainer.pmodel.mesh,
+                   routed(trainer.pmodel))
 
     @classmethod
     def second_model(cls, args: Any, model: Any, dtype: torch.dtype) -> None:
@@ -256,10 +257,7 @@ class ORPO(CPO):
         return ORPOLoss(args.beta)
 
     def model_labels(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        labelled = labels != IGNORE_INDEX
-        positions = torch.arange(labels.shape[1]).expand_as(labels)
-        last = torch.where(labelled, positions, -1).amax(dim=1, keepdim=True)  # a row: prompt | completion | padding
-        prompt = ~labelled & (positions <= last)
+        prompt = (labels == IGNORE_INDEX) & real_tokens(labels).bool()
         return torch.where(prompt, ids + self.PROMPT, labels)
 
     def read_logps(self, logits: Logits) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,236 @@
+"""Issue 47, point 1: checkpoints and run files in an object store (plait.checkpoint.store), against a real S3 server
+that the tests start on loopback (moto's server mode) and reach through s3fs, configured as a user would: the AWS_*
+variables and AWS_ENDPOINT_URL.
+
+A 2-rank run at tp=2 saves to s3://, another resumes it with 'auto' from the store, each rank uploading its own files
+and rank 0 committing; the losses equal one process's, and the store holds the run's metrics and loss curve. A
+checkpoint without its commit object (a save that never finished) is skipped by 'auto', refused when named, and
+removed by the next run; a damaged object is found by its checksum on read; `plait consolidate` reads from and
+writes to the store. Behind a proxy that fails a share of the requests (HTTP 503) the same run completes with the same
+losses.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.base.config import ConfigError
+from plait.checkpoint import store as object_store
+from plait.checkpoint.format import CheckpointError, latest_checkpoint, read_index, remove_partial_checkpoints
+from plait.cli import main
+from plait.run.metrics import read_metrics
+from plait.run.train_args import TrainArgs
+from plait.testing import launch
+from tiny_models import tiny_config
+
+BUCKET = "plait"
+
+
+@pytest.fixture(scope="module")
+def server():
+    """moto's S3 server on a free loopback port; yields its address."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    try:
+        yield "http://{}:{}".format(*moto.get_host_and_port())
+    finally:
+        moto.stop()
+
+
+@pytest.fixture(scope="module")
+def s3(server, tmp_path_factory):
+    """The environment a user sets for an S3-compatible store, pointing at the server; a bucket in it."""
+    import s3fs
+
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": server, "PLAIT_STAGE_DIR": str(tmp_path_factory.mktemp("stage"))}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem().mkdir(BUCKET)
+    try:
+        yield f"s3://{BUCKET}"
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    path.write_text(tiny_config("llama", vocab_size=300).to_json_string())
+    return str(path)
+
+
+def flags(model_config: str, out: str, *extra: str) -> list[str]:
+    return ["--model_config", model_config, "--output_dir", out, "--max_steps", "4", "--block_size", "16",
+            "--per_device_train_batch_size", "4", "--save_steps", "2", "--lr_scheduler_type", "constant", *extra]
+
+
+def store_metrics(url: str, tmp_path: Path) -> list[dict]:
+    local = object_store.download(object_store.join(url, "metrics.jsonl"), tmp_path / "metrics.jsonl")
+    return read_metrics(local.parent)
+
+
+def objects(url: str) -> list[str]:
+    fs, path = object_store.filesystem(url)
+    fs.invalidate_cache()
+    return sorted(entry[len(path) + 1:] for entry in fs.find(path))
+
+
+@pytest.fixture(scope="module")
+def one_process(model_config, tmp_path_factory):
+    out = tmp_path_factory.mktemp("local")
+    main(["train", *flags(model_config, str(out))])
+    return read_metrics(out)
+
+
+@pytest.fixture(scope="module")
+def run_url(s3, model_config):
+    """2 steps at tp=2 saved to the store, then 'auto' resumes them from it for 2 more."""
+    url = f"{s3}/run"
+    first = flags(model_config, url, "--tensor_parallel_size", "2")
+    first[first.index("--max_steps") + 1] = "2"
+    launch(["-m", "plait", "train", *first], 2, timeout=240)
+    launch(["-m", "plait", "train", *flags(model_config, url, "--tensor_parallel_size", "2",
+                                            "--resume_from_checkpoint", "auto")], 2, timeout=240)
+    return url
+
+
+def test_a_run_saves_to_the_store_and_resumes_from_it(run_url, one_process, tmp_path):
+    records = store_metrics(run_url, tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # the resumed run appended to the store's metrics
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in one_process], rel=1e-5)
+    found = objects(run_url)
+    for step in (2, 4):
+        assert {f"checkpoint-{step}/{name}" for name in (
+            "COMMITTED", "config.json", "shards/index.json", "shards/model-rank00000.safetensors",
+            "shards/model-rank00001.safetensors")} <= set(found), found
+    assert {"metrics.jsonl", "loss.png"} <= set(found)
+    assert latest_checkpoint(run_url) == f"{run_url}/checkpoint-4"
+
+
+def test_an_uncommitted_checkpoint_is_skipped_refused_and_removed(run_url):
+    fs, path = object_store.filesystem(run_url)
+    fs.copy(f"{path}/checkpoint-4", f"{path}/checkpoint-6", recursive=True)
+    fs.rm_file(f"{path}/checkpoint-6/{object_store.COMMIT}")
+    fs.invalidate_cache()
+    assert latest_checkpoint(run_url) == f"{run_url}/checkpoint-4"  # what 'auto' resumes
+    with pytest.raises(CheckpointError, match="checkpoint-6 has no commit object: its save never finished$"):
+        read_index(f"{run_url}/checkpoint-6")
+    assert remove_partial_checkpoints(run_url) == [f"{run_url}/checkpoint-6"]
+    assert not any(name.startswith("checkpoint-6") for name in objects(run_url))
+
+
+def test_consolidate_reads_and_writes_the_store(run_url, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    main(["consolidate", f"{run_url}/checkpoint-4", str(tmp_path / "local")])
+    main(["consolidate", f"{run_url}/checkpoint-4", f"{run_url}/hf"])
+    fs, path = object_store.filesystem(run_url)
+    fs.get(f"{path}/hf", str(tmp_path / "copy"), recursive=True)
+    local = AutoModelForCausalLM.from_pretrained(tmp_path / "local")
+    copy = AutoModelForCausalLM.from_pretrained(tmp_path / "copy")
+    for (name, a), (_, b) in zip(local.state_dict().items(), copy.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(SystemExit):
+        main(["consolidate", f"{run_url}/checkpoint-4", f"{run_url}/hf"])
+    assert capsys.readouterr().err.strip().endswith(f"output directory {run_url}/hf exists; choose a new one")
+
+
+def test_a_damaged_object_is_found_by_its_checksum(run_url, tmp_path, monkeypatch, capsys):
+    fs, path = object_store.filesystem(run_url)
+    fs.copy(f"{path}/checkpoint-4", f"{path}/damaged", recursive=True)
+    shard = f"{path}/damaged/shards/model-rank00001.safetensors"
+    data = bytearray(fs.cat_file(shard))
+    data[-3] ^= 0xFF  # a flipped byte in the last tensor's data: same size, header intact
+    fs.pipe_file(shard, bytes(data))
+    monkeypatch.setenv("PLAIT_STAGE_DIR", str(tmp_path / "fresh"))  # no local copy from before
+    with pytest.raises(SystemExit):
+        main(["consolidate", f"{run_url}/damaged", str(tmp_path / "out")])
+    assert "model-rank00001.safetensors: tensor 'lm_head.weight' is corrupted (xxh3_64 checksum" in \
+        capsys.readouterr().err
+
+
+def test_a_store_without_its_package_is_refused_in_one_line(model_config, tmp_path):
+    with pytest.raises(ConfigError, match=r"^gs://bucket/run: gs:// needs a package that is not installed \(Please "
+                                          r"install gcsfs to access Google Storage\)$"):
+        TrainArgs(model_config=model_config, output_dir="gs://bucket/run").validate()
+    with pytest.raises(ConfigError, match=r"^nope://bucket/run: Protocol not known: nope"):
+        TrainArgs(model_config=model_config, output_dir="nope://bucket/run").validate()
+
+
+class FlakyProxy(BaseHTTPRequestHandler):
+    """Forwards each request to the store, but answers every ``EVERY``-th with 503 (Slow Down) instead."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive, and "Expect: 100-continue" answered before a body is read
+    EVERY, target, count, failed = 3, "", 0, 0
+    lock = threading.Lock()
+
+    def handle_one(self) -> None:
+        with FlakyProxy.lock:
+            FlakyProxy.count += 1
+            fail = FlakyProxy.count % FlakyProxy.EVERY == 0
+            FlakyProxy.failed += fail
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if fail:
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        connection = http.client.HTTPConnection(*self.target.removeprefix("http://").split(":"))
+        headers = {k: v for k, v in self.headers.items() if k.lower() != "expect"}
+        connection.request(self.command, self.path, body, headers)
+        answer = connection.getresponse()
+        payload = answer.read()
+        self.send_response(answer.status)
+        for key, value in answer.getheaders():
+            if key.lower() not in ("transfer-encoding", "connection") and \
+                    (key.lower() != "content-length" or self.command == "HEAD"):
+                self.send_header(key, value)
+        if self.command != "HEAD":
+            self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = handle_one
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+
+def test_a_store_failing_a_share_of_requests_still_gets_the_run(s3, server, model_config, one_process, tmp_path,
+                                                                 monkeypatch):
+    FlakyProxy.target, FlakyProxy.count, FlakyProxy.failed = server, 0, 0
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), FlakyProxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.server_address[1]}")
+    monkeypatch.setenv("PLAIT_STAGE_DIR", str(tmp_path / "stage"))
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        url = f"{s3}/flaky"
+        launch(["-m", "plait", "train", *flags(model_config, url, "--tensor_parallel_size", "2")], 2, timeout=240)
+        main(["consolidate", f"{url}/checkpoint-4", str(tmp_path / "hf")])
+    finally:
+        proxy.shutdown()
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert FlakyProxy.failed > 10, FlakyProxy.failed  # the store did fail requests
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server)
+    records = store_metrics(url, tmp_path)
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in one_process], rel=1e-5)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
