@@ -86,6 +86,12 @@ LAYOUTS |= {"pp2_gpipe": dict(pipeline_parallel_size=2, num_microbatches=2, pipe
             "pp2_zero_bubble_deep": dict(pipeline_parallel_size=2, num_microbatches=2, virtual_pipeline_size=2,
                                          pipeline_schedule="zero-bubble")}
 LAYOUTS["tp2_sp_bf16"] = dict(tensor_parallel_size=2, bf16=True)  # bf16 parameters, fp32 masters: against one bf16 process
+# --packing: each micro-batch's pairs packed (documents apart by their position ids), against one unpacked process
+LAYOUTS |= {"tp2_sp_packed": dict(tensor_parallel_size=2, packing=True),
+            "cp2_packed": dict(context_parallel_size=2, packing=True),
+            "pp2_packed": dict(pipeline_parallel_size=2, num_microbatches=2, packing=True),
+            "dp2_accumulation_packed_orpo": dict(per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                                                 packing=True, method="orpo", beta=0.2)}
 LAYOUTS |= {"tp2_sp_simpo": dict(tensor_parallel_size=2, **FREE["simpo"]),
             "cp2_cpo": dict(context_parallel_size=2, **FREE["cpo"]),
             "cp2_orpo": dict(context_parallel_size=2, **FREE["orpo"]),
@@ -236,6 +242,21 @@ def test_each_loss_type_matches_trls_dpo_trainer(root, tmp_path, case):
     assert got[-1]["rewards/margins"] != 0.0  # step 2 trains on what step 1 learned
 
 
+def test_packed_pairs_give_the_unpacked_numbers(root, one_process, tmp_path):
+    """One process with --packing: the pairs of a step in packed rows (pack_pairs), each document apart by its position
+    ids and read back by its labels, give the unpacked run's loss, gradient norm and metrics."""
+    got = plait_history(root, tmp_path, packing=True)
+    difference, where = worst(got, one_process["full"][0], ("loss", "grad_norm", *METRICS))
+    assert difference <= 5e-7, where
+
+
+def test_packing_with_a_load_balancing_loss_is_refused(root, tmp_path):
+    with pytest.raises(ConfigError, match=r"^--packing with --method dpo: the model adds its routers' load-balancing "
+                                          r"loss \(output_router_logits\), whose padding mask cannot go with packed "
+                                          r"pairs; drop --packing$"):
+        plait_history(root, tmp_path, packing=True, model_name_or_path=str(root / "moe_aux"))
+
+
 def test_an_moe_models_load_balancing_loss_counts_real_tokens_as_trls(root, tmp_path):
     """An MoE model adding its routers' load-balancing loss (output_router_logits): TRL gives the model its collator's
     attention mask, so padding is not routed in the loss; plait passes the same mask (each row's real tokens)."""
@@ -338,7 +359,6 @@ def test_plait_plan_counts_two_rows_per_pair(root, tmp_path):
     (dict(loss_type="aot"), r"--loss_type aot: unknown \(aot: its value depends on how the batch is split"),
     (dict(loss_type="sigmoid,ipo", loss_weights="1"), r"--loss_weights has 1 values for 2 loss types"),
     (dict(method="next_token", beta=0.2), r"--beta has no effect without --method dpo"),
-    (dict(packing=True), r"--method dpo does not take --packing yet"),
 ])
 def test_bad_flags_are_one_line_before_anything_runs(root, tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):

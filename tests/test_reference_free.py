@@ -110,7 +110,7 @@ def test_rows_are_trls_tokenization(root, tmp_path):
     (dict(method="dpo", simpo_gamma=1.0), "--simpo_gamma has no effect without --method cpo (--method dpo); drop it, "
                                           "or use --method cpo"),
     (dict(method="orpo", beta=0.0), "--beta=0.0 must be positive"),
-    (dict(method="cpo", packing=True), "--method cpo does not take --packing yet"),
+    (dict(method="cpo", dataset_name="tests"), "--method cpo does not take --dataset_name yet"),
 ])
 def test_bad_flags_are_one_line(root, tmp_path, extra, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message)):

@@ -123,7 +123,7 @@ class TrainArgs:
     data_cache_dir: str | None = field(default=None, metadata={"help": "where tokenized data and trained tokenizers are cached (default: $XDG_CACHE_HOME/plait, else ~/.cache/plait)"})
     data_format: str = field(default="auto", metadata={"help": "auto, text (packed plain text), chat (.jsonl 'messages' or ShareGPT 'conversations', rendered with the tokenizer's chat template) or prompt_completion (.jsonl 'prompt' + 'completion'); auto reads the first .jsonl line"})
     train_on_prompt: bool = field(default=False, metadata={"help": "SFT: train on prompt / user tokens too (default: only completion / assistant tokens count)"})
-    packing: bool = field(default=False, metadata={"help": "SFT: pack several examples per block, attention kept within each (default: one example per block, padded)"})
+    packing: bool = field(default=False, metadata={"help": "SFT: pack several examples per block, attention kept within each (default: one example per block, padded); dpo, cpo, orpo: pack each micro-batch's pairs into rows of up to two --block_size, each pair's chosen and rejected side by side"})
     overlong: str = field(default="truncate", metadata={"help": "SFT examples longer than --block_size: truncate (keep the first block_size tokens), drop (truncate, and skip every example left with no token to train on) or refuse"})
     lora_r: int = field(default=0, metadata={"help": "train LoRA adapters of this rank on the frozen model (0: train every parameter)"})
     lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r (peft's LoraConfig)"})
@@ -275,11 +275,9 @@ class TrainArgs:
                 if self.method == "cpo" else ORPOLoss(self.beta)
         if self.method not in ("dpo", "cpo", "orpo"):
             return
-        sft_only = [(self.packing, "--packing"), (self.dataset_name, "--dataset_name")]
-        given = [flag for value, flag in sft_only if value]
-        if given:
-            raise ConfigError(f"--method {self.method} does not take {', '.join(given)} yet (packed pairs and datasets "
-                              f"dirs are to come); drop {'them' if len(given) > 1 else 'it'}")
+        if self.dataset_name:
+            raise ConfigError(f"--method {self.method} does not take --dataset_name yet (preference pairs come from a "
+                              f".jsonl --train_file); drop it")
         if self.method != "dpo":
             return
         if self.truncation_mode not in TRUNCATION_MODES:

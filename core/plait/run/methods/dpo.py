@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +36,13 @@ from plait.lora import switch
 from plait.parallelize import ParallelModel
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.frozen import SecondModel, check_vocabulary, frozen_on_mesh, read_rows
-from plait.run.methods.preference_data import Pair, pair_rows, read_pairs, real_tokens
+from plait.run.methods.preference_data import DOC, Pair, pack_pairs, pair_rows, read_pairs, real_tokens
 from plait.run.methods.preference_loss import PairLogps, PreferenceLoss
 from plait.tp.logprobs import Logits
-from plait.tp.loss import labelled_tokens
+from plait.tp.loss import IGNORE_INDEX, labelled_tokens
 
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # ids, labels, rows' token counts, pair ids
+# ids, labels, rows' completion tokens, pair ids, and under --packing the packed rows (pack_pairs), else None
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]
 
 
 class DPO(TrainingMethod):
@@ -50,7 +52,7 @@ class DPO(TrainingMethod):
     def __init__(self, pairs: list[Pair], loss: PreferenceLoss, reference: Reference | None, pad_id: int,
                  max_length: int, truncation_mode: str, batch_pairs: int, precompute: bool,
                  device: torch.device, val_pairs: list[Pair] | None = None, mesh: Mesh | None = None,
-                 masked: bool = False) -> None:
+                 masked: bool = False, packing: bool = False) -> None:
         self.pairs, self.loss, self.pad_id, self.batch_pairs = pairs, loss, pad_id, batch_pairs
         self.max_length, self.truncation_mode = max_length, truncation_mode
         self.reference = reference  # None: a reference-free loss (CPO, ORPO), whose reference log-probs are zeros
@@ -65,6 +67,12 @@ class DPO(TrainingMethod):
         # under pp every row is padded to --block_size: torch's schedules are built (and kept) per batch shape, and a
         # length per batch would build a new one almost every step
         self.length = -(-max_length // self.multiple) * self.multiple if mesh.pp > 1 else None
+        # --packing: the policy reads a micro-batch's pairs packed into rows of up to two --block_size (a pair always
+        # fits), documents kept apart by their position ids; under pp those rows are that long and fill the schedule's
+        # micro-batches (an empty row where one is short); the reference reads them unpacked (pack_pairs)
+        self.packing = packing
+        self.capacity = -(-2 * max_length // self.multiple) * self.multiple
+        self.rows_multiple = config.num_microbatches if mesh.pp > 1 else 1
         self.seen: list[tuple[torch.Tensor, ...]] = []  # the step's (policy, nll, reference, tokens) by row
         self.step_pairs, self.tokens = 0, 0  # the step's global pairs, and the tokens of its padded rows
         self.chosen_tokens = 1  # the step's chosen tokens the NLL averages over (sft's divisor)
@@ -86,6 +94,7 @@ class DPO(TrainingMethod):
         if args.ref_model_name_or_path:  # before any process group: its config alone
             check_vocabulary("--ref_model_name_or_path", args.ref_model_name_or_path, "reference", "policy",
                              model_config)
+        check_packing(args, model_config)
         tokenizer = load_tokenizer(folder, model_config.vocab_size)
         read = lambda path: read_pairs(Path(path), tokenizer, args.block_size, args.truncation_mode)  # noqa: E731
         return read(args.train_file), read(args.validation_file) if args.validation_file else None, tokenizer
@@ -103,7 +112,7 @@ class DPO(TrainingMethod):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return cls(trainer.blocks, loss, reference, pad_id, args.block_size, args.truncation_mode,
                    args.per_device_train_batch_size, args.precompute_ref_log_probs, trainer.device,
-                   trainer.val_blocks, masked=routed(trainer.pmodel))
+                   trainer.val_blocks, masked=routed(trainer.pmodel), packing=args.packing)
 
     @classmethod
     def second_model(cls, args: Any, model: Any, dtype: torch.dtype) -> SecondModel | None:
@@ -130,8 +139,14 @@ class DPO(TrainingMethod):
             ids, labels = pair_rows(self.pairs, pairs, self.pad_id, self.max_length, self.truncation_mode,
                                     self.multiple, self.length)
             tokens, labels = labelled_tokens(labels), self.model_labels(ids, labels)
-            self.local_tokens += ids.numel()
-            batches.append((ids.to(device), labels.to(device), tokens.to(device), torch.tensor(pairs, device=device)))
+            packed = None
+            if self.packing:
+                packed = pack_pairs(ids, labels, self.pad_id, self.capacity, self.multiple, self.rows_multiple,
+                                    self.capacity if self.length else None)
+                packed = (*(t.to(device) for t in packed[:3]), packed[3])
+            self.local_tokens += (packed[0] if packed else ids).numel()
+            batches.append((ids.to(device), labels.to(device), tokens.to(device), torch.tensor(pairs, device=device),
+                            packed))
         return batches
 
     def model_labels(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -139,33 +154,49 @@ class DPO(TrainingMethod):
         reads them back): these labels (ORPO's also mark its prompt tokens)."""
         return labels
 
-    def read_logps(self, logits: Logits) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row [rows]: the summed log-prob of its completion, and of the tokens the NLL term averages (the same
-        for DPO and CPO; ORPO's whole row)."""
-        logps = logits.sequence_sum(logits.label_logps())
+    def read_logps(self, logits: Logits, sums: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row [rows] (or per document, ``sums`` of per-position values): the summed log-prob of its completion,
+        and of the tokens the NLL term averages (the same for DPO and CPO; ORPO's whole row)."""
+        logps = (sums or logits.sequence_sum)(logits.label_logps())
         return logps, logps
 
     def micro_step(self, pmodel: ParallelModel, batch: Batch, divisor: int) -> torch.Tensor:
-        ids, labels, tokens, pairs = batch
+        ids, labels, tokens, pairs, packed = batch
         if self.table is not None:
             reference = self.table[pairs.to(self.table.device)].reshape(-1).to(ids.device)
         elif self.reference is None:
             reference = torch.zeros(ids.shape[0], dtype=torch.float64, device=ids.device)
+        elif packed is not None:  # the policy's packed rows, so that both read the same forward's numbers
+            reference = self._packed_reference(packed, ids.shape[0])
         else:
             reference = self.reference.logps(ids, labels)
         self.step_pairs = divisor
         policy = torch.full_like(reference, float("nan"))  # each row's log-prob, where this rank computes the loss
         nll = torch.full_like(reference, float("nan"))
         self.seen.append((policy, nll, reference, tokens))
+        if packed is not None:
+            ids, labels, positions, docs = packed
+            return pmodel.train_step(ids, labels, position_ids=positions,
+                                     objective=self._objective(policy, nll, reference, tokens, divisor, docs))
         mask = real_tokens(labels) if self.masked else None
         return pmodel.train_step(ids, labels, attention_mask=mask,
                                  objective=self._objective(policy, nll, reference, tokens, divisor))
 
     def _objective(self, policy: torch.Tensor, nll: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor,
-                   divisor: int):
+                   divisor: int, docs: list[list[int]] | None = None):
+        """The loss of a micro-batch's logits: per row, or with ``docs`` (packed rows: each one's documents) per
+        document, each carried by its labels (``pack_pairs``)."""
         def objective(logits: Logits) -> torch.Tensor:
-            logps, nll_logps = self.read_logps(logits)
-            rows, ref = logits.rows, reference[logits.rows].to(logps.dtype)
+            if docs is None:
+                logps, nll_logps = self.read_logps(logits)
+                rows = logits.rows
+            else:
+                rows = torch.tensor([d for r in logits.rows.tolist() for d in docs[r]], dtype=torch.long,
+                                    device=logits.rows.device)
+                if not len(rows):  # an empty row filling the pipeline's micro-batches
+                    return logits.values.sum() * 0
+                logps, nll_logps = self._read_documents(logits, rows)
+            ref = reference[rows].to(logps.dtype)
             # kept by row, not summed: torch's pipeline schedules may compute a micro-batch's loss twice
             policy[rows], nll[rows] = logps.detach().to(policy), nll_logps.detach().to(nll)
             counts = tokens[rows].to(logps.dtype)
@@ -176,6 +207,36 @@ class DPO(TrainingMethod):
                 loss = loss - self.loss.sft_weight * pairs.nll_chosen.sum() / max(self.chosen_tokens, 1)
             return loss / logits.cp  # each cp rank holds the whole sequences' sums: its share is 1/cp
         return objective
+
+    def _packed_reference(self, packed: tuple, count: int) -> torch.Tensor:
+        """The reference's completion log-probs of the ``count`` documents of packed rows [count] (zeros on the ranks
+        that compute no loss)."""
+        ids, labels, positions, docs = packed
+
+        def read(logits: Logits) -> torch.Tensor:  # [rows, count]: each row's documents at their places
+            rows = logits.rows.tolist()
+            owner = torch.tensor([i for i, r in enumerate(rows) for _ in docs[r]], dtype=torch.long)
+            documents = torch.tensor([d for r in rows for d in docs[r]], dtype=torch.long, device=ids.device)
+            out = logits.values.new_zeros((len(rows), count), dtype=torch.float64)
+            if len(documents):
+                out[owner.to(out.device), documents] = self._read_documents(logits, documents)[0].double()
+            return out
+
+        found = self.reference.read(ids, labels, read, positions)
+        return ids.new_zeros(count, dtype=torch.float64) if found is None else found.sum(dim=0)
+
+    def _read_documents(self, logits: Logits, documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``read_logps`` per document of packed rows: each position's document from its label, the labels
+        without it."""
+        carried = logits.labels != IGNORE_INDEX
+        doc = torch.where(carried, logits.labels // DOC - 1, -1)
+        plain = replace(logits, labels=torch.where(carried, logits.labels % DOC, IGNORE_INDEX))
+        mine = doc.unsqueeze(0) == documents.view(-1, 1, 1)  # [documents, rows, seq]
+
+        def sums(values: torch.Tensor) -> torch.Tensor:
+            return plain.sequence_sum((values.unsqueeze(0) * mine).sum(dim=1))
+
+        return self.read_logps(plain, sums)
 
     def step_metrics(self, pmodel: ParallelModel) -> dict[str, float]:
         """The step's TRL metrics, the same on every rank: the sums over this rank's pairs (where it computed the
@@ -243,6 +304,14 @@ class DPO(TrainingMethod):
         return {"eval_loss": loss.item(), **{f"eval_{name}": float(value) for name, value in means.items()}}
 
 
+def check_packing(args: Any, model_config: Any) -> None:
+    """--packing with a model adding a load-balancing loss: refused (its attention mask, which keeps padding out of
+    that loss, would stop transformers from reading the packed documents off the position ids)."""
+    if args.packing and getattr(model_config, "output_router_logits", False):
+        raise ConfigError(f"--packing with --method {args.method}: the model adds its routers' load-balancing loss "
+                          f"(output_router_logits), whose padding mask cannot go with packed pairs; drop --packing")
+
+
 def routed(pmodel: ParallelModel) -> bool:
     """Whether the model adds a load-balancing loss of its routers (``output_router_logits``)."""
     return bool(getattr(pmodel.module.config, "output_router_logits", False))
@@ -258,6 +327,12 @@ class Reference:
     def logps(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with switch.adapters_off() if self.adapters_off else contextlib.nullcontext():
             return row_logps(self.model, ids, labels)
+
+    def read(self, ids: torch.Tensor, labels: torch.Tensor, read: Callable[[Logits], torch.Tensor],
+             position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``read_rows`` of the reference (None on the ranks that compute no loss)."""
+        with switch.adapters_off() if self.adapters_off else contextlib.nullcontext():
+            return read_rows(self.model, ids, labels, read, position_ids)
 
 
 def row_logps(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor,

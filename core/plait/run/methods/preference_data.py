@@ -162,3 +162,44 @@ def real_tokens(labels: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
     last = torch.where(labels != IGNORE_INDEX, positions, -1).amax(dim=1, keepdim=True)
     return (positions <= last).long()
+
+
+DOC = 1 << 44  # in a packed row, a label plus DOC x (its document's index + 1): which document each token is of
+
+
+def pack_pairs(ids: torch.Tensor, labels: torch.Tensor, pad_id: int, capacity: int, multiple: int,
+               rows_multiple: int = 1, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
+    """Preference rows (``pair_rows``: a pair's chosen row, then its rejected one, right-padded) packed, for
+    ``--packing``: each pair's two rows back to back in one packed row, pairs in order, a new packed row where the next
+    pair would pass ``capacity`` tokens. Rows as long as the longest (rounded up to ``multiple``) or ``length``, as
+    many as a multiple of ``rows_multiple`` (empty rows added). Position ids restart at each document, so attention
+    stays within it; each label carries its document's index (``DOC``), and a document's first token has none (its
+    own row's shift drops it: no token predicts it across a boundary). Returns (ids, labels, position ids, the
+    documents of each packed row)."""
+    lengths = real_tokens(labels).sum(dim=1).tolist()
+    groups: list[list[int]] = [[]]
+    used = 0
+    for first in range(0, len(lengths), 2):
+        need = lengths[first] + lengths[first + 1]
+        if groups[-1] and used + need > capacity:
+            groups.append([])
+            used = 0
+        groups[-1] += [first, first + 1]
+        used += need
+    longest = max(sum(lengths[i] for i in group) for group in groups)
+    width = length or -(-longest // multiple) * multiple
+    groups += [[] for _ in range(-len(groups) % rows_multiple)]
+    out_ids = torch.full((len(groups), width), pad_id, dtype=torch.long)
+    out_labels = torch.full((len(groups), width), IGNORE_INDEX, dtype=torch.long)
+    positions = torch.zeros((len(groups), width), dtype=torch.long)
+    for row, group in enumerate(groups):
+        at = 0
+        for doc in group:
+            n = lengths[doc]
+            carried = labels[doc, :n]
+            out_ids[row, at:at + n] = ids[doc, :n]
+            out_labels[row, at:at + n] = torch.where(carried != IGNORE_INDEX, carried + DOC * (doc + 1), IGNORE_INDEX)
+            out_labels[row, at] = IGNORE_INDEX
+            positions[row, at:at + n] = torch.arange(n)
+            at += n
+    return out_ids, out_labels, positions, groups

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass, replace
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from plait.base.config import ConfigError
 from plait.data.paths import tokenizer_dir
 from plait.data.tokenizer import load_tokenizer
-from plait.run.methods.dpo import DPO, routed
+from plait.run.methods.dpo import DPO, check_packing, routed
 from plait.run.methods.preference_data import Pair, extract_prompt, is_conversational, real_tokens
 from plait.run.methods.preference_loss import METRICS, PairLogps
 from plait.tp.logprobs import Logits
@@ -223,6 +224,7 @@ class CPO(DPO):
         if folder is None:
             raise ConfigError(f"--method {args.method} needs a tokenizer: give --model_name_or_path with one, or "
                               f"--tokenizer_name")
+        check_packing(args, model_config)
         tokenizer = load_tokenizer(folder, model_config.vocab_size)
         read = lambda path: read_legacy_pairs(Path(path), tokenizer, args.block_size)  # noqa: E731
         return read(args.train_file), read(args.validation_file) if args.validation_file else None, tokenizer
@@ -237,7 +239,7 @@ class CPO(DPO):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return cls(trainer.blocks, cls.loss(args), None, pad_id, args.block_size, "keep_start",
                    args.per_device_train_batch_size, False, trainer.device, trainer.val_blocks, trainer.pmodel.mesh,
-                   routed(trainer.pmodel))
+                   routed(trainer.pmodel), args.packing)
 
     @classmethod
     def second_model(cls, args: Any, model: Any, dtype: torch.dtype) -> None:
@@ -260,8 +262,9 @@ class ORPO(CPO):
         prompt = (labels == IGNORE_INDEX) & real_tokens(labels).bool()
         return torch.where(prompt, ids + self.PROMPT, labels)
 
-    def read_logps(self, logits: Logits) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_logps(self, logits: Logits, sums: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         marked = logits.labels >= self.PROMPT
         completion = replace(logits, labels=torch.where(marked, IGNORE_INDEX, logits.labels))
         whole = replace(logits, labels=torch.where(marked, logits.labels - self.PROMPT, logits.labels))
-        return (completion.sequence_sum(completion.label_logps()), whole.sequence_sum(whole.label_logps()))
+        sums = sums or logits.sequence_sum
+        return sums(completion.label_logps()), sums(whole.label_logps())
