@@ -47,6 +47,15 @@ LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel
            "zero2_dp2_accumulation": dict(zero_stage=2, per_device_train_batch_size=1, gradient_accumulation_steps=2),
            "tp2_recompute": dict(tensor_parallel_size=2, gradient_checkpointing=True)}
 MOE = {"ep2": dict(expert_parallel_size=2, per_device_train_batch_size=BATCH // 2)}  # a MoE student, dense teacher
+# every pipeline schedule: GPipe on the 2-layer student, the interleaved ones (2 stages a rank) on a 4-layer student
+DEEP = {"pp2_interleaved": dict(pipeline_parallel_size=2, num_microbatches=2, virtual_pipeline_size=2,
+                                pipeline_schedule="interleaved-1f1b"),
+        "pp2_zero_bubble": dict(pipeline_parallel_size=2, num_microbatches=2, virtual_pipeline_size=2,
+                                pipeline_schedule="zero-bubble")}
+LAYOUTS["pp2_gpipe"] = dict(pipeline_parallel_size=2, num_microbatches=2, pipeline_schedule="gpipe")
+# LoRA on the student (the teacher whole, frozen), against one plait process with the same adapters
+LORA = {"tp2_lora": dict(tensor_parallel_size=2, lora_r=4), "pp2_lora": dict(pipeline_parallel_size=2,
+                                                                             num_microbatches=2, lora_r=4)}
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +63,9 @@ def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("kd")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB)).save_pretrained(root / "student")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB, num_hidden_layers=4)).save_pretrained(
+        root / "deep")
     config = tiny_config("llama", vocab_size=VOCAB)
     config.hidden_size, config.intermediate_size = 2 * config.hidden_size, 2 * config.intermediate_size
     config.num_hidden_layers = 2 * config.num_hidden_layers
@@ -129,6 +141,9 @@ def layouts(root, tmp_path_factory) -> dict[str, list[dict]]:
     cases = {name: flags(root, out / name, **LAYOUT_CASE, **layout) for name, layout in LAYOUTS.items()}
     cases |= {name: flags(root, out / name, **LAYOUT_CASE, **layout, model_name_or_path=str(root / "moe"))
               for name, layout in MOE.items()}
+    cases |= {name: flags(root, out / name, **LAYOUT_CASE, **layout, model_name_or_path=str(root / "deep"))
+              for name, layout in DEEP.items()}
+    cases |= {name: flags(root, out / name, **LAYOUT_CASE, **layout) for name, layout in LORA.items()}
     cases["tp2_bf16"] = flags(root, out / "tp2_bf16", **LAYOUT_CASE, tensor_parallel_size=2, bf16=True)
     (out / "flags.json").write_text(json.dumps(cases))
     launch([WORKER, str(out / "runs.json"), str(out / "flags.json")], 2, timeout=300)
@@ -141,21 +156,35 @@ def one_process(root, tmp_path_factory) -> dict[str, tuple[list[dict], dict[str,
     """plait on one process (held to the plain loop above): its history and the gradients its first step applied."""
     found = {}
     for name, extra in (("student", {}), ("moe", dict(model_name_or_path=str(root / "moe"))),
-                        ("bf16", dict(bf16=True))):
+                        ("deep", dict(model_name_or_path=str(root / "deep"))), ("bf16", dict(bf16=True)),
+                        ("lora", dict(lora_r=4))):
         trainer = Trainer(TrainArgs(**flags(root, tmp_path_factory.mktemp(f"one_{name}"), **LAYOUT_CASE, **extra)))
         kept = capture_gradients(trainer)
         found[name] = (trainer.train(), whole([kept]))
     return found
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, *MOE])
+@pytest.mark.parametrize("layout", [*LAYOUTS, *MOE, *DEEP])
 def test_every_layout_gives_the_plain_loops_numbers(root, layouts, one_process, tmp_path, layout):
-    expected = reference(root, tmp_path, **LAYOUT_CASE, student="moe" if layout in MOE else "student")
+    student = "moe" if layout in MOE else "deep" if layout in DEEP else "student"
+    expected = reference(root, tmp_path, **LAYOUT_CASE, student=student)
     for rank, record in enumerate(layouts[layout]["ranks"]):
         difference, where = worst(record["history"], expected)
         assert difference <= 5e-7, f"rank {rank}: {where}"  # measured up to 1.1e-7; 9.4e-6 at tp2 with the
         # normaliser's gradient taken from this rank's slice alone (what the float64 slice test below pins down)
-    assert_gradients(layouts[layout]["grads"], one_process["moe" if layout in MOE else "student"][1])
+    assert_gradients(layouts[layout]["grads"], one_process[student][1])
+
+
+@pytest.mark.parametrize("layout", LORA)
+def test_lora_on_the_student_gives_one_process_numbers(layouts, one_process, layout):
+    """LoRA adapters on the student (plait's seeded init), the teacher whole: loss and gradient norm at every step,
+    and the adapters' first-step gradients, as one plait process with the same adapters."""
+    history, grads = one_process["lora"]
+    for rank, record in enumerate(layouts[layout]["ranks"]):
+        for got, want in zip(record["history"], history, strict=True):
+            for key in ("loss", "grad_norm"):
+                assert abs(got[key] - want[key]) <= 5e-7 * abs(want[key]), (rank, key, got[key], want[key])
+    assert_gradients(layouts[layout]["grads"], grads)
 
 
 def assert_gradients(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], scale: float = 1.0) -> None:
