@@ -6,8 +6,8 @@ A 2-rank run at tp=2 saves to s3://, another resumes it with 'auto' from the sto
 and rank 0 committing; the losses equal one process's, and the store holds the run's metrics and loss curve. A
 checkpoint without its commit object (a save that never finished) is skipped by 'auto', refused when named, and
 removed by the next run; a damaged object is found by its checksum on read; `plait consolidate` reads from and
-writes to the store. Behind a proxy that fails a share of the requests (HTTP 503) the same run completes with the same
-losses.
+writes to the store, fetching only the tensor files it reads. Behind a proxy that fails a share of the requests (HTTP
+503) the same run completes with the same losses.
 """
 
 from __future__ import annotations
@@ -135,10 +135,13 @@ def test_an_uncommitted_checkpoint_is_skipped_refused_and_removed(run_url):
     assert not any(name.startswith("checkpoint-6") for name in objects(run_url))
 
 
-def test_consolidate_reads_and_writes_the_store(run_url, tmp_path, capsys):
+def test_consolidate_reads_and_writes_the_store(run_url, tmp_path, capsys, monkeypatch):
     from transformers import AutoModelForCausalLM
 
+    monkeypatch.setenv("PLAIT_STAGE_DIR", str(tmp_path / "stage"))  # a local copy of its own, to look into
     main(["consolidate", f"{run_url}/checkpoint-4", str(tmp_path / "local")])
+    fetched = sorted(p.name for p in (tmp_path / "stage").rglob("*.safetensors") if "copy" in p.parts)
+    assert fetched == ["model-rank00000.safetensors", "model-rank00001.safetensors"]  # the optimizer's not read
     main(["consolidate", f"{run_url}/checkpoint-4", f"{run_url}/hf"])
     fs, path = object_store.filesystem(run_url)
     fs.get(f"{path}/hf", str(tmp_path / "copy"), recursive=True)

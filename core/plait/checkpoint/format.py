@@ -246,6 +246,17 @@ def write_json(path: Path, data: Any) -> None:
 class CheckpointPaths:
     root: Path  # checkpoint-<step>/
     shards: Path  # checkpoint-<step>/shards/
+    url: str | None = None  # a checkpoint in a store: root is its local copy, whose shard files come when first read
+
+    def shard(self, name: str) -> Path:
+        """The local path of shard file ``name``, fetched from the store first where it is not here yet."""
+        path = self.shards / name
+        if self.url is not None and not path.is_file():
+            try:
+                store.download(store.join(self.url, SHARDS, name), path)
+            except FileNotFoundError:  # the reader names it as missing
+                pass
+        return path
 
 
 def resolve(path: str | os.PathLike) -> CheckpointPaths:
@@ -257,7 +268,8 @@ def resolve(path: str | os.PathLike) -> CheckpointPaths:
         if not state:
             raise CheckpointError(f"checkpoint {url} " + ("does not exist" if state is None else
                                                           "has no commit object: its save never finished"))
-        path = store.fetch(url, SHARDS, INDEX)
+        local = store.fetch(url, SHARDS, INDEX)  # all but the tensor files, which each rank fetches as it reads them
+        return CheckpointPaths(local, local / SHARDS, url)
     path = Path(path)
     if (path / INDEX).is_file():
         return CheckpointPaths(path.parent if path.name == SHARDS else path, path)

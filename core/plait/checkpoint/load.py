@@ -59,7 +59,7 @@ class CheckpointReader:
     def file(self, name: str) -> SafetensorsFile:
         if name not in self._files:
             try:
-                self._files[name] = SafetensorsFile(self.paths.shards / name)
+                self._files[name] = SafetensorsFile(self.paths.shard(name))
             except SafetensorsError as exc:
                 raise CheckpointError(f"checkpoint shard {exc}") from None
         return self._files[name]
@@ -71,7 +71,7 @@ class CheckpointReader:
         for name in sorted(wanted):
             if name not in self.index.files:
                 raise CheckpointError(f"the index of {self.paths.root} points to {name}, which it does not list")
-            path = self.paths.shards / name
+            path = self.paths.shard(name)
             if not path.is_file():
                 raise CheckpointError(
                     f"checkpoint shard {path} is missing (the index lists it); the checkpoint is incomplete"

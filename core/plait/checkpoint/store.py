@@ -29,7 +29,8 @@ from plait.base.config import ConfigError
 
 COMMIT = "COMMITTED"
 ATTEMPTS, BACKOFF = 6, 0.2  # tries of one call to the store, and the first wait (doubled after each failure)
-EXTRAS = {"s3": "s3", "s3a": "s3"}  # schemes with an extra of plait's (the suite runs them); others name fsspec's package
+# schemes with an extra of plait's (the suite runs them); for the others the refusal quotes fsspec's own advice
+EXTRAS = {"s3": "s3", "s3a": "s3"}
 T = TypeVar("T")
 
 
@@ -152,8 +153,9 @@ def committed(url: str) -> bool | None:
 
 
 def fetch(url: str, shards: str, index: str) -> Path:
-    """A local copy of the committed checkpoint at ``url`` (``committed`` first), cached in this rank's ``stage``:
-    fetched once, and again only if the store's index object changed since."""
+    """A local copy of the committed checkpoint at ``url`` (``committed`` first) but its tensor files (``.safetensors``
+    under ``shards``, which a reader fetches when it first reads one), cached in this rank's ``stage``: kept, with
+    the tensor files fetched into it, until the store's index object changes."""
     fs, path = filesystem(url)
     local = stage(url, int(os.environ.get("RANK", "0"))) / "copy"
     info = retried(lambda: fs.info(join(path, shards, index)), f"looking up {url}")
@@ -163,7 +165,7 @@ def fetch(url: str, shards: str, index: str) -> Path:
     shutil.rmtree(local, ignore_errors=True)
     for entry in retried(lambda: fs.find(path), f"listing {url}"):
         relative = entry[len(path.rstrip("/")) + 1:]
-        if relative != COMMIT:
+        if relative != COMMIT and not (relative.startswith(f"{shards}/") and relative.endswith(".safetensors")):
             download(join(url, relative), local / relative)
     (local / COMMIT).write_text(stamp)
     return local
