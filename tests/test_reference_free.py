@@ -63,7 +63,8 @@ def trl_history(root: Path, out: Path, method: str, **settings) -> list[dict]:
                           bf16=False, train_sampling_strategy="sequential", seed=0, **settings)
     model = root / "model"
     trainer = trainer_class(model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), args=config,
-                            train_dataset=Dataset.from_list(order), processing_class=AutoTokenizer.from_pretrained(model))
+                            train_dataset=Dataset.from_list(order),
+                            processing_class=AutoTokenizer.from_pretrained(model))
     trainer.train()
     return [record for record in trainer.state.log_history if "loss" in record]
 

@@ -168,7 +168,8 @@ DOC = 1 << 44  # in a packed row, a label plus DOC x (its document's index + 1):
 
 
 def pack_pairs(ids: torch.Tensor, labels: torch.Tensor, pad_id: int, capacity: int, multiple: int,
-               rows_multiple: int = 1, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
+               rows_multiple: int = 1, length: int | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
     """Preference rows (``pair_rows``: a pair's chosen row, then its rejected one, right-padded) packed, for
     ``--packing``: each pair's two rows back to back in one packed row, pairs in order, a new packed row where the next
     pair would pass ``capacity`` tokens. Rows as long as the longest (rounded up to ``multiple``) or ``length``, as
