@@ -82,6 +82,15 @@ def test_decoder_layers_are_found_in_the_module_tree_where_transformers_declares
     assert derive(plait_tiny_config("openai-gpt")).sp.end == "transformer.h.3"  # no final norm: the last layer
 
 
+def test_a_conv1d_fused_qkv_split_by_width_is_split_by_heads():
+    """OpenAI GPT's attention computes its scores itself from a Conv1D c_attn split by width (``x.split(self.split_size,
+    dim=2)``) into heads of ``self.n_head``: split by heads, its widths per rank (its tp2-sp and consolidation cells
+    pass split, in this file's world and docs/architectures.md), where it was kept whole."""
+    rule = next(r for r in derive(plait_tiny_config("openai-gpt")).tp.rules if r.pattern == "transformer.h.*.attn")
+    assert (type(rule).__name__, rule.qkv, rule.o) == ("Attention", "c_attn", "c_proj")
+    assert rule.local_attrs == {"split_size": "q_width", "n_head": "q_heads"}
+
+
 def test_an_mlp_on_the_decoder_layer_is_split_whole_or_flattened_to_tokens(monkeypatch):
     """OPT flattens the hidden states to [tokens, hidden] before fc1: the sequence gather and reduce-scatter work
     on the tokens (the second-to-last dimension), so it splits as XGLM's. Its final norm is registered before its

@@ -12,6 +12,8 @@ import re
 
 from torch import nn
 
+from transformers.pytorch_utils import Conv1D
+
 from plait import Attention
 from plait.base.patterns import matches
 from plait.tp.sharding import linear_shape
@@ -46,13 +48,15 @@ def undeclared_attention(model: nn.Module, layers: str | None,
         roles = {role: next((p for c in names if (p := _linear_path(module, c))), None)
                  for role, names in (("q", Q), ("k", K), ("v", V), ("o", O))}
         source = inspect.getsource(type(module).forward)
-        fused = next((c for c in QKV if isinstance(module._modules.get(c), nn.Linear)), None)
-        if roles["q"] is None and fused and roles["o"] and \
-                ("ALL_ATTENTION_FUNCTIONS" in source or head_biases(module)) and \
-                module._modules[fused].out_features in _fused_widths(module, model.config, module._modules[roles["o"]]):
+        fused = next((c for c in QKV if isinstance(module._modules.get(c), (nn.Linear, Conv1D))), None)
+        own_scores = head_biases(module) or re.search(SPLIT_BY_SIZE, source)
+        widths = _fused_widths(module, model.config, module._modules[roles["o"]]) if fused and roles["o"] else ()
+        if roles["q"] is None and fused and ("ALL_ATTENTION_FUNCTIONS" in source or own_scores) and \
+                out_features(module._modules[fused]) in widths:
             # attention with one fused q/k/v projection (Persimmon's query_key_value; GPT-BigCode's and Falcon's
             # multi-query ones: q heads | one k | one v head), or computing its scores itself with an ALiBi bias per
-            # head (Bloom, MPT; the bias sliced to each rank's heads): its layout is checked as a declared one's
+            # head (Bloom, MPT; the bias sliced to each rank's heads) or from a q | k | v split by width (OpenAI GPT's
+            # Conv1D c_attn): its layout is checked as a declared one's
             found[pattern] = (module, {fused: "colwise", roles["o"]: "rowwise"}, {})
             continue
         if None in roles.values() or "ALL_ATTENTION_FUNCTIONS" not in source:
@@ -73,16 +77,19 @@ def _fused_kv_heads(block: nn.Module, config, heads: int) -> int:
     return own or getattr(config, "num_key_value_heads", None) or heads
 
 
-def _fused_widths(block: nn.Module, config, o: nn.Linear) -> tuple[int, ...]:
-    """The output widths of a fused q | k | v projection before ``o``: three times o's input (as many kv heads as
-    q heads), or o's input and two kv heads' widths (multi-query or grouped kv heads, counted by the block)."""
-    heads = next((v for a in ("num_heads", "n_heads") if isinstance(v := vars(block).get(a), int)), None)
-    if heads is None or o.in_features % heads:
-        return (3 * o.in_features,)
-    kv_width = _fused_kv_heads(block, config, heads) * (o.in_features // heads)
-    return 3 * o.in_features, o.in_features + 2 * kv_width
+def _fused_widths(block: nn.Module, config, o: nn.Module) -> tuple[int, ...]:
+    """The output widths of a fused q | k | v projection before ``o`` (a Linear or Conv1D): three times o's input
+    (as many kv heads as q heads), or o's input and two kv heads' widths (multi-query or grouped kv heads, counted by
+    the block)."""
+    width = o.weight.shape[0] if isinstance(o, Conv1D) else o.in_features
+    heads = next((v for a in ("num_heads", "n_heads", "n_head") if isinstance(v := vars(block).get(a), int)), None)
+    if heads is None or width % heads:
+        return (3 * width,)
+    kv_width = _fused_kv_heads(block, config, heads) * (width // heads)
+    return 3 * width, width + 2 * kv_width
 
 
+SPLIT_BY_SIZE = r"\.split\(self\.split_size, dim=2\)"
 # How a forward splits its fused output into q | k | v by the block's own widths (a regular expression over its
 # source), and which of the block's attributes hold those widths (set to this rank's); each applies only where the
 # block's ``multi_query`` attribute, if it has one, is True (its other branch lays the heads out otherwise).
@@ -90,6 +97,8 @@ WIDTH_SPLITS = (
     # GPT-BigCode: .split((self.embed_dim, self.kv_dim, self.kv_dim), dim=3); one kv head
     (r"\.split\(\(self\.embed_dim, self\.kv_dim, self\.kv_dim\), dim=3\)",
      {"embed_dim": "q_width", "kv_dim": "kv_width", "kv_heads": "kv_heads"}),
+    # OpenAI GPT: query, key, value = x.split(self.split_size, dim=2), then split_heads by self.n_head
+    (SPLIT_BY_SIZE, {"split_size": "q_width", "n_head": "q_heads"}),
     # DBRX: qkv_states.split([self.hidden_size, self.num_key_value_heads * self.head_dim, (again)], dim=2)
     (r"\.split\(\s*\[\s*self\.hidden_size,\s*self\.num_key_value_heads \* self\.head_dim,"
      r"\s*self\.num_key_value_heads \* self\.head_dim,?\s*\],\s*dim=2", {"hidden_size": "q_width"}),
@@ -112,11 +121,11 @@ def _q_then_kv(block: nn.Module, source: str, kv_heads: int) -> dict[str, str] |
 
 
 def _linear_path(block: nn.Module, child: str) -> str | None:
-    """``child`` where it is a Linear; ``child.<inner>`` where it wraps one Linear, holding nothing else, and its
-    forward returns that Linear of its first argument (Moshi's MoshiLinear: ``return self.linear(x)``), so that the
-    wrapper adds nothing to split; else None."""
+    """``child`` where it is a Linear (or transformers' Conv1D: OpenAI GPT's c_proj); ``child.<inner>`` where it wraps
+    one Linear, holding nothing else, and its forward returns that Linear of its first argument (Moshi's MoshiLinear:
+    ``return self.linear(x)``), so that the wrapper adds nothing to split; else None."""
     module = block._modules.get(child)
-    if isinstance(module, nn.Linear):
+    if isinstance(module, (nn.Linear, Conv1D)):
         return child
     children = dict(module.named_children()) if module is not None else {}
     if len(children) != 1 or own_params(module) or not isinstance(next(iter(children.values())), nn.Linear):
