@@ -316,9 +316,14 @@ def test_every_layout_gives_one_process_numbers(layouts, one_process, layout):
         difference, where = worst(record["history"], history, ("loss", "grad_norm", *METRICS))
         # measured up to 1.7e-7 in fp32 (dp2 with accumulation); bf16's matmuls at tp=2 against one process's: 2.2e-4
         assert difference <= (1e-3 if bf16 else 5e-7), f"rank {rank}: {where}"
-    got = layouts[layout]["grads"]
-    assert sorted(got) == sorted(grads), "the parameters the first step updated differ"
-    for name, reference in grads.items():
+    assert_gradients(layouts[layout]["grads"], grads, scale)
+
+
+def assert_gradients(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], scale: float = 1.0) -> None:
+    """The first step's gradients, gathered whole from every rank, element by element against one process's (within
+    GRAD_ATOL + GRAD_RTOL |g|, ``scale`` times it); tests/test_kd.py uses it too."""
+    assert sorted(got) == sorted(expected), "the parameters the first step updated differ"
+    for name, reference in expected.items():
         assert not got[name].isnan().any(), f"{name}: elements no rank held"
         error = ((got[name] - reference).abs() / (GRAD_ATOL + GRAD_RTOL * reference.abs())).max().item() / scale
         assert error <= 1, f"step 1 gradient of {name}: {error:.2f}x the tolerance"

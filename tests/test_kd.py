@@ -32,7 +32,7 @@ from plait.testing import launch
 from plait.tp.logprobs import Logits
 from plait_transformers import plait_tiny_config
 from tiny_models import tiny_config
-from test_dpo import GRAD_ATOL, GRAD_RTOL
+from test_dpo import assert_gradients
 from workers.trainers import capture_gradients, whole
 
 WORKER = str(Path(__file__).parent / "workers" / "trainers.py")
@@ -185,16 +185,6 @@ def test_lora_on_the_student_gives_one_process_numbers(layouts, one_process, lay
             for key in ("loss", "grad_norm"):
                 assert abs(got[key] - want[key]) <= 5e-7 * abs(want[key]), (rank, key, got[key], want[key])
     assert_gradients(layouts[layout]["grads"], grads)
-
-
-def assert_gradients(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], scale: float = 1.0) -> None:
-    """The first step's gradients, gathered whole from every rank, element by element against one process's (within
-    test_dpo's bound, ``scale`` times it)."""
-    assert sorted(got) == sorted(expected), "the parameters the first step updated differ"
-    for name, reference in expected.items():
-        assert not got[name].isnan().any(), f"{name}: elements no rank held"
-        error = ((got[name] - reference).abs() / (GRAD_ATOL + GRAD_RTOL * reference.abs())).max().item() / scale
-        assert error <= 1, f"step 1 gradient of {name}: {error:.2f}x the tolerance"
 
 
 def test_bf16_at_tp2_gives_one_bf16_process_numbers(layouts, one_process):
