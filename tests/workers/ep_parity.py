@@ -28,7 +28,7 @@ from plait.base.config import ParallelConfig
 from plait.optim import OptimizerStep
 from plait.parallelize import parallelize
 from plait.testing.conformance_modes import ADAM_EPS, BATCH, LOSS_RTOL, LR, SEQ, STEPS, load_subject
-from plait.testing.conformance_worker import Record, compare_grads, perturb
+from plait.testing.conformance_worker import Record, compare_grads, perturb, reference_grads
 
 HAS_AUX = {"mixtral", "qwen3_moe", "gpt_oss", "olmoe"}  # deepseek_v3 balances with a bias, not a loss
 # dbrx: its own experts module (DbrxExperts: routed, w1 / v1 / w2 [experts * ffn, hidden]), run without its aux loss
@@ -83,7 +83,7 @@ def run_case(arch: str, layout: dict) -> dict:
         record.worst("loss_rel", rel)
         if rel > LOSS_RTOL:
             record.fail(f"step {step} loss {global_loss:.6f} vs {ref_loss.item():.6f}: rel err {rel:.2e}")
-        compare_grads(record, step, pmodel, reference, optimizer_step(record, step))
+        compare_grads(record, step, pmodel, reference_grads(reference), optimizer_step(record, step))
         ref_opt.step()
         ref_opt.zero_grad()
     record.values["experts_held"] = sum(p.numel() for n, p in pmodel.module.named_parameters() if "experts" in n)

@@ -21,7 +21,7 @@ from plait.base import comm
 from plait.base.config import ConfigError, ParallelConfig
 from plait.parallelize import parallelize
 from plait.testing.conformance_modes import BATCH, LOSS_RTOL, SEQ, STEPS, load_subject
-from plait.testing.conformance_worker import Record, compare_grads, local_grads, perturb
+from plait.testing.conformance_worker import Record, compare_grads, local_grads, perturb, reference_grads
 
 LAYOUTS = {
     "tp2-sp": dict(tp=2, sp=True), "tp2": dict(tp=2, sp=False), "dp2": dict(tp=1),
@@ -78,7 +78,7 @@ def run_case(arch: str, layout: dict) -> dict:
         record.worst("aux_share", aux_share)
         if rel > LOSS_RTOL:
             record.fail(f"step {step} loss {global_loss:.6f} vs {ref_loss.item():.6f}: rel err {rel:.2e}")
-        compare_grads(record, step, pmodel, reference, optimizer_step(record, step))
+        compare_grads(record, step, pmodel, reference_grads(reference), optimizer_step(record, step))
         ref_opt.step()
         ref_opt.zero_grad()
     return record.json()

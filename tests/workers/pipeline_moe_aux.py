@@ -27,7 +27,9 @@ from plait.base import comm  # noqa: E402
 from plait.base.config import ParallelConfig  # noqa: E402
 from plait.parallelize import parallelize  # noqa: E402
 from plait.testing.conformance_modes import ADAM_EPS, BATCH, LOSS_RTOL, LR, SEQ, STEPS  # noqa: E402
-from plait.testing.conformance_worker import PlainStep, Record, compare_grads, perturb  # noqa: E402
+from plait.testing.conformance_worker import (  # noqa: E402
+    PlainStep, Record, compare_grads, perturb, reference_grads,
+)
 
 PAD = 4  # trailing tokens of every row that a padding-mask case masks out (the same count per row and forward)
 PP2 = dict(pp=2, num_microbatches=4)
@@ -123,7 +125,7 @@ def run_case(case: Case) -> dict:
         record.worst("aux_share", aux_share)
         if rel > LOSS_RTOL:
             record.fail(f"step {step} loss {global_loss:.6f} vs {ref_loss.item():.6f}: rel err {rel:.2e}")
-        compare_grads(record, step, pmodel, reference, optimizer_step(record, step)[0])  # (grads, norm)
+        compare_grads(record, step, pmodel, reference_grads(reference), optimizer_step(record, step)[0])  # grads
         ref_opt.step()
         ref_opt.zero_grad()
     return merged(record.json())
