@@ -161,3 +161,86 @@ def test_cp2_bf16_with_accumulation_follows_fp32(model_config, straight, tmp_pat
     assert [r["loss"] for r in read_metrics(tmp_path)] == pytest.approx([r["loss"] for r in records[:2]], rel=2e-2)
     layout = " ".join(output[0].split())  # the console wraps long lines
     assert "cp=2 (auto)" in layout and "cp attention all-to-all" in layout
+
+
+# -- --save_async: checkpoints written in the background --------------------------------------------------------
+
+def tensors_of(checkpoint) -> dict[tuple[str, str], torch.Tensor]:
+    """Every tensor of a checkpoint's shard files, by (file, key)."""
+    from safetensors.torch import load_file
+
+    return {(f.name, key): t for f in sorted((checkpoint / "shards").glob("*.safetensors"))
+            for key, t in load_file(f).items()}
+
+
+def assert_same_tensors(checkpoint, expected) -> None:
+    mine, theirs = tensors_of(checkpoint), tensors_of(expected)
+    assert mine.keys() == theirs.keys() and mine
+    for key, tensor in mine.items():
+        assert torch.equal(tensor, theirs[key]), key
+
+
+def test_async_saves_are_the_synchronous_ones_and_a_crash_mid_write_keeps_the_previous(model_config, straight,
+                                                                                         tmp_path):
+    """--save_async writes the same checkpoints, bit for bit, as a synchronous save at the same steps. A rank killed
+    while the background writes step 4's (PLAIT_FAULT_INJECT's write phase: before its files) leaves checkpoint-2
+    the newest, and 'auto' resumes from it to the uninterrupted losses. At tp=2 the background's collectives run on
+    a gloo group of their own beside the training's."""
+    from plait.checkpoint import list_checkpoints
+    from plait.testing.launcher import WorkerFailure
+
+    out, records = straight
+    async_out = tmp_path / "async"
+    launch(["-m", "plait", "train", *flags(model_config, async_out, "--save_async")], 1, timeout=240)
+    assert [r["loss"] for r in read_metrics(async_out)] == [r["loss"] for r in records]
+    for step in (2, 4):
+        assert_same_tensors(async_out / f"checkpoint-{step}", out / f"checkpoint-{step}")
+
+    crashed = tmp_path / "crashed"
+    with pytest.raises(WorkerFailure, match="killed|-9|SIGKILL"):
+        launch(["-m", "plait", "train", *flags(model_config, crashed, "--save_async")], 1, timeout=240,
+               env={"PLAIT_FAULT_INJECT": "0:4:kill:write"})
+    assert list_checkpoints(crashed) == [crashed / "checkpoint-2"]
+    assert_same_tensors(crashed / "checkpoint-2", out / "checkpoint-2")
+    resumed = run(flags(model_config, crashed, "--save_async", "--resume_from_checkpoint", "auto"))[-2:]
+    assert [r["step"] for r in resumed] == [3, 4] and [r["loss"] for r in resumed] == [r["loss"] for r in records[2:]]
+    assert_same_tensors(crashed / "checkpoint-4", out / "checkpoint-4")
+
+    tp2 = tmp_path / "tp2"
+    launch(["-m", "plait", "train", *flags(model_config, tp2, "--save_async", "--tensor_parallel_size", "2")], 2,
+           timeout=240)
+    assert [r["loss"] for r in read_metrics(tp2)] == pytest.approx([r["loss"] for r in records], rel=1e-5)
+    assert list_checkpoints(tp2) == [tp2 / "checkpoint-2", tp2 / "checkpoint-4"]
+
+
+def test_the_host_copy_shares_no_memory_with_training():
+    """What an asynchronous save writes is a copy: the next step may change the weights and the optimizer state at
+    once. Its bytes are the tensors this rank writes (here all of them: one process)."""
+    from transformers import LlamaForCausalLM
+
+    from plait import ParallelConfig, parallelize
+    from plait.checkpoint.save import prepare_save
+    from plait.optim import OptimizerStep, build_optimizer
+
+    config = tiny_config("llama")
+    pmodel = parallelize(LlamaForCausalLM(config), ParallelConfig())
+    optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-3)
+    ids = torch.randint(0, config.vocab_size, (2, 8))
+    pmodel(ids, labels=ids).backward()
+    OptimizerStep(pmodel.grad_sync, optimizer)()
+    pending = prepare_save("unused", pmodel, optimizer, step=1)
+    live = [*pmodel.parameters(), *(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))]
+    before = {id(t): t.tensor.clone() for t in pending.tensors}
+    expected = sum(t.tensor.numel() * t.tensor.element_size() for t in pending.tensors)
+    assert pending.host_copy() == expected > 0
+    live_storage = {t.untyped_storage().data_ptr() for t in live}
+    assert not {t.tensor.untyped_storage().data_ptr() for t in pending.tensors} & live_storage
+    assert all(torch.equal(t.tensor, before[id(t)]) for t in pending.tensors)
+
+
+def test_save_async_without_save_steps_is_refused(model_config, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model_config", model_config, "--output_dir", str(tmp_path), "--save_async"])
+    assert exit_info.value.code == 2
+    assert "--save_async overlaps a checkpoint's writing" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -8,11 +8,12 @@ ends them), ``stop`` (SIGSTOP itself: a process that stops responding, as on a f
 itself, as an out-of-memory killer would) or ``nan`` (a NaN written into this rank's gradients after the step's
 backward, as a diverging run or a bad batch on one rank makes them: the non-finite guard must stop every rank
 alike, whatever the CPU's kernels do with an extreme learning rate). PHASE is where: ``step`` (default: at the
-start of the step; ``nan`` after its backward) or ``save`` (while saving that step's checkpoint, after this rank
-wrote its files and before the checkpoint is complete). A fault fires in the first attempt only
+start of the step; ``nan`` after its backward), ``write`` (while saving that step's checkpoint, before this rank
+writes its files: with --save_async in the background, the next steps running) or ``save`` (after this rank wrote
+its files and before the checkpoint is complete). A fault fires in the first attempt only
 (TORCHELASTIC_RESTART_COUNT unset or 0), so a job torchrun restarts runs clean. Unset, it costs one environment
 lookup per call. The trainer calls ``maybe_inject`` at the start of each step and, with the gradients, after its
-backward, and the checkpoint writer once per save; nothing else does.
+backward, and the checkpoint writer twice per save; nothing else does.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from plait.base.config import ConfigError
 
 ENV = "PLAIT_FAULT_INJECT"
 KINDS = ("raise", "sleep", "stop", "kill", "nan")
-PHASES = ("step", "save")
+PHASES = ("step", "write", "save")
 
 
 class InjectedFault(RuntimeError):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from plait.base import comm
 from plait.base import faults
@@ -56,14 +57,57 @@ def save_checkpoint(
     Returns the checkpoint directory; raises on every rank if any rank failed: CheckpointError for state that
     cannot be saved, CheckpointNotSaved for a write that failed.
     """
+    pending = prepare_save(path, pmodel, optimizer, scheduler, step, extra, tokenizer=tokenizer)
+    return write_save(pending, comm.world_group())
+
+
+@dataclasses.dataclass
+class PendingSave:
+    """A checkpoint whose metadata every rank has agreed on (``prepare_save``) and whose tensors are yet to be
+    written (``write_save``): what this rank writes, in the tensors it holds or in host copies of them."""
+
+    url: str | None
+    path: Path  # the checkpoint folder, or at a URL this rank's staging folder
+    rank: int
+    step: int
+    tensors: list[LocalTensor]  # those holding at least one box this rank owns
+    owner: dict[tuple[str, tuple], int]
+    metas: list[dict[str, Any]]
+    aliases: dict[str, str]
+    pmodel: ParallelModel
+    tokenizer: Any | None
+
+    def host_copy(self) -> int:
+        """Copy every tensor this rank writes to host memory, so that training may change its own at once; the bytes
+        copied (what an asynchronous save costs in host memory)."""
+        copied = 0
+        for t in self.tensors:
+            t.tensor = t.tensor.detach().to("cpu", copy=True)
+            copied += t.tensor.numel() * t.tensor.element_size()
+        return copied
+
+
+def prepare_save(
+    path: str | os.PathLike,
+    pmodel: ParallelModel,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+    step: int = 0,
+    extra: dict[str, Any] | None = None,
+    *,
+    tokenizer: Any | None = None,
+) -> PendingSave:
+    """The first half of ``save_checkpoint``, on every rank at the same step: each rank's state and metadata, and
+    which rank writes each box (gathered over the world). Raises CheckpointError on every rank for state that
+    cannot be saved."""
     url = str(path) if store.is_url(path) else None
     mesh = pmodel.mesh
     path = store.stage(url, mesh.rank) / "save" if url else Path(path)  # at a URL, this rank's files first
-    tmp = path.with_name(path.name + ".tmp")
     world = comm.world_group()
 
     tensors: list[LocalTensor] = []
     local: dict[str, Any] = {"rank": mesh.rank, "error": None, "optimizer": None}
+    aliases: dict[str, str] = {}
     try:
         found = local_params(pmodel.module, pmodel.param_specs)
         aliases = found.aliases
@@ -93,19 +137,30 @@ def save_checkpoint(
         for logical, boxes in meta["boxes"]:
             for box in boxes:
                 owner.setdefault((logical, tuple(box)), meta["rank"])
+    mine = [t for t in tensors if any(owner[(t.logical, box)] == mesh.rank for box, _ in t.boxes)]
+    return PendingSave(url, path, mesh.rank, step, mine, owner, metas, aliases, pmodel, tokenizer)
 
-    if mesh.rank == 0 or url:  # a folder every rank shares, or each rank's own
+
+def write_save(pending: PendingSave, group: dist.ProcessGroup | None) -> Path | str:
+    """The second half of ``save_checkpoint``: every rank writes its files into the temporary folder, rank 0 the
+    index, then the rename (or at a URL the uploads and the commit object). Its collectives run on ``group``, the
+    world's ranks (a group of its own for a save in the background). Raises CheckpointNotSaved on every rank for
+    a write that failed, the temporary folder removed."""
+    url, path, rank = pending.url, pending.path, pending.rank
+    tmp = path.with_name(path.name + ".tmp")
+    faults.maybe_inject(pending.step, "write")  # testing aid, as below
+    if rank == 0 or url:  # a folder every rank shares, or each rank's own
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / SHARDS).mkdir(parents=True)
-    if mesh.rank == 0 and url:
+    if rank == 0 and url:
         store.remove(url)  # an older save of this step, if any: uncommitted first
-    comm.barrier(world)
+    comm.barrier(group)
 
     report: dict[str, Any] = {"error": None, "files": {}, "pieces": {}, "entries": {}}
     try:
         for kind, prefix in (("param", "model"), ("optim", "optim")):
-            _write_owned([t for t in tensors if t.kind == kind], owner, mesh.rank,
-                         f"{prefix}-rank{mesh.rank:05d}.safetensors", tmp / SHARDS, report)
+            _write_owned([t for t in pending.tensors if t.kind == kind], pending.owner, rank,
+                         f"{prefix}-rank{rank:05d}.safetensors", tmp / SHARDS, report)
     except OSError as exc:
         report["error"] = f"writing {tmp}: {exc}"
     if url and report["error"] is None:
@@ -114,33 +169,34 @@ def save_checkpoint(
                 store.upload(tmp / SHARDS / name, store.join(url, SHARDS, name))
         except OSError as exc:
             report["error"] = str(exc)
-    faults.maybe_inject(step, "save")  # testing aid: a no-op unless PLAIT_FAULT_INJECT names this save
-    reports = comm.all_gather_object(report, world)
+    faults.maybe_inject(pending.step, "save")  # testing aid: a no-op unless PLAIT_FAULT_INJECT names this save
+    reports = comm.all_gather_object(report, group)
     try:
         _raise_errors(reports, f"checkpoint {path} was not saved", CheckpointNotSaved)
     except CheckpointNotSaved:
-        if mesh.rank == 0:
+        if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-    if mesh.rank == 0:
+    if rank == 0:
+        pmodel = pending.pmodel
         if not pmodel.module.config.architectures:  # as transformers' save_pretrained does
             pmodel.module.config.architectures = [type(pmodel.module).__name__]
-        index = _build_index(pmodel, step, metas, reports, aliases)
+        index = _build_index(pmodel, pending.step, pending.metas, reports, pending.aliases)
         write_json(tmp / SHARDS / INDEX, index.to_json())
         pmodel.module.config.save_pretrained(tmp)
         if getattr(pmodel.module, "generation_config", None) is not None:
             pmodel.module.generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        if pending.tokenizer is not None:
+            pending.tokenizer.save_pretrained(tmp)
         if url:
             committed = _commit(tmp, url, set(reports[0]["files"]))
         else:
             _replace_dir(tmp, path)
     if not url:
-        comm.barrier(world)
+        comm.barrier(group)
         return path
-    error = comm.all_gather_object(committed if mesh.rank == 0 else None, world)[0]  # rank 0's, on every rank
+    error = comm.all_gather_object(committed if rank == 0 else None, group)[0]  # rank 0's, on every rank
     shutil.rmtree(tmp, ignore_errors=True)
     if error:
         raise CheckpointNotSaved(error)

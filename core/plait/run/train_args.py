@@ -104,6 +104,7 @@ class TrainArgs:
     torch_compile: bool = field(default=False, metadata={"help": "torch.compile each leaf module (decoder layer)"})
     save_steps: int = field(default=0, metadata={"help": "save a sharded checkpoint every N steps (0: only the final one, see --save_final)"})
     save_final: bool = field(default=True, metadata={"help": "save a checkpoint after the last step, ready for plait consolidate (--no_save_final: end without one)"})
+    save_async: bool = field(default=False, metadata={"help": "write each --save_steps checkpoint in the background while training goes on: each rank copies its part to host memory (its shard of the weights and optimizer state, see plait plan) and the next save, and the end of the run, wait for it; a crash mid-write leaves the previous checkpoint the newest"})
     save_total_limit: int = field(default=0, metadata={"help": "keep only the newest N checkpoints (0: keep all)"})
     save_on_signal: bool = field(default=True, metadata={"help": "on SIGTERM or a first SIGINT (Ctrl-C), finish the step and save a checkpoint before stopping (--no_save_on_signal: stop without saving)"})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "a checkpoint dir, or 'auto': the newest complete one in output_dir"})
@@ -206,6 +207,10 @@ class TrainArgs:
         for name in ("num_microbatches", "max_steps", "eval_steps", "warmup_steps", "save_steps", "save_total_limit", "skip_nonfinite_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be >= 0")
+        if self.save_async and not self.save_steps:
+            raise ConfigError("--save_async overlaps a checkpoint's writing with the steps after it, and with "
+                              "--save_steps 0 none follow the only (final) save; set --save_steps N or drop "
+                              "--save_async")
         if not self.learning_rate >= 0:  # 0 is a run that measures the loss without moving the weights
             raise ConfigError(f"--learning_rate={self.learning_rate} must be >= 0")
         if self.weight_decay < 0:

@@ -28,12 +28,12 @@ from plait.base.device import peak_memory_bytes, pick_device, use_fused_adamw
 from plait.base.host_memory import keep_freed_memory
 from plait.base.meta import build_meta_model
 from plait.base.seeds import init_seed
-from plait.checkpoint import (
-    checkpoint_path, latest_checkpoint, load_checkpoint, rotate_checkpoints, save_checkpoint, should_save,
-)
+from plait.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, rotate_checkpoints, should_save
+from plait.checkpoint.async_save import BackgroundSaver
 from plait.checkpoint.format import read_index, remove_partial_checkpoints
 from plait.checkpoint.store import is_url
 from plait.checkpoint.materialize import init_fallback_note, materialize, resolve_source
+from plait.checkpoint.save import prepare_save, write_save
 from plait.checkpoint.shared_dir import check_shared_dir
 from plait.checkpoint.state import local_params
 from plait.cp.sequence import read_spans
@@ -238,6 +238,7 @@ class Trainer:
                                        num_training_steps=max(args.max_steps, 1))
         self.first_step, self.skipped_steps, self.empty_steps = 0, 0, 0
         self.signals, self.stop_signal = StopSignals(is_main_process(), args.ddp_timeout), 0
+        self.saver = BackgroundSaver() if args.save_async else None
         if resume is not None:
             state = load_checkpoint(resume, pmodel, self.optimizer, self.scheduler)
             self.sampler.load_state_dict(state.extra["sampler"])
@@ -338,16 +339,31 @@ class Trainer:
         if device_peak:
             record["peak_device_mb"] = device_peak[0]
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int) -> Path | str:
+        """Save the checkpoint of ``step``; with --save_async its writing goes on in the background (``wait_saved``
+        waits for it) and its path is returned at once."""
         self.heartbeat.at(step, "save")
         extra = {"sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps,
                  "empty_steps": self.empty_steps}
-        path = save_checkpoint(checkpoint_path(self.checkpoints, step), self.pmodel, self.optimizer, self.scheduler,
-                               step, extra, tokenizer=self.tokenizer)
-        rotate_checkpoints(self.checkpoints, self.args.save_total_limit, self.mesh.rank)
+        path = checkpoint_path(self.checkpoints, step)
+        pending = prepare_save(path, self.pmodel, self.optimizer, self.scheduler, step, extra,
+                               tokenizer=self.tokenizer)
+        if self.saver is None:
+            self._saved(write_save(pending, comm.world_group()))
+        else:
+            self.saver.start(pending, self._saved)
         self.files.publish()
-        self.console.print(f"saved {path}")
         return path
+
+    def _saved(self, path: Path | str) -> None:
+        """A checkpoint is complete: rotate the old ones out and say so (on the saving thread)."""
+        rotate_checkpoints(self.checkpoints, self.args.save_total_limit, self.mesh.rank)
+        self.console.print(f"saved {path}")
+
+    def wait_saved(self) -> None:
+        """Return once no checkpoint is being written in the background (--save_async); raise its error if any."""
+        if self.saver is not None:
+            self.saver.wait()
 
     def train(self) -> list[dict]:
         """Steps from the first (0, or the resumed one) to --max_steps; returns each one's metrics (every rank).
@@ -390,8 +406,10 @@ class Trainer:
                 if signum:
                     if saved is None and args.save_on_signal:
                         saved = self.save(step + 1)
+                    self.wait_saved()
                     last = latest_checkpoint(self.checkpoints)
                     raise StopRequested(signum, step + 1, args.max_steps, saved and str(saved), last and str(last))
+            self.wait_saved()  # the last checkpoint complete before the run ends
         if is_main_process() and history and plot_loss_curve(history, self.output_dir / "loss.png"):
             self.console.print(f"loss curve: {self.output_dir / 'loss.png'}")
         self.files.publish()

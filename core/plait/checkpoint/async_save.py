@@ -1,0 +1,60 @@
+"""``--save_async``: a checkpoint written in the background while training goes on.
+
+A save has two halves (``plait.checkpoint.save``). The first, ``prepare_save``, runs on the training thread at the
+step being saved: every rank gathers the metadata and learns which boxes it writes, then copies those tensors to
+host memory (``PendingSave.host_copy``), so the next optimizer step may change its own at once. The second,
+``write_save``, runs on a thread of its own: the files, rank 0's index and the rename (or uploads and the commit
+object), as a synchronous save does. Its collectives run on a gloo group of their own, created once by every rank,
+so they never interleave with the training's on the world's group.
+
+The next save waits for the previous one to finish (one in flight, so one host copy at a time), and so does the end
+of the run, the last checkpoint included. A write that fails raises CheckpointNotSaved on every rank at that wait.
+A crash while a write is in the background leaves its checkpoint a ``.tmp`` folder (no commit object in a store),
+which ``--resume_from_checkpoint auto`` ignores: the previous checkpoint stays the newest.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+from plait.base import comm
+from plait.checkpoint.save import PendingSave, write_save
+
+
+class BackgroundSaver:
+    """Writes one checkpoint at a time in the background. Every rank creates it at the same point (the group it
+    builds is collective) and calls ``start`` and ``wait`` at the same steps."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo") if comm.world_group() is not None else None
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.host_bytes = 0  # the host copy of the save in flight, or of the last one
+
+    def start(self, pending: PendingSave, done: Callable[[Path | str], None]) -> None:
+        """Wait for the previous save, copy ``pending``'s tensors to host memory, and write them in the background;
+        ``done(path)`` runs there once the checkpoint is complete."""
+        self.wait()
+        self.host_bytes = pending.host_copy()
+
+        def write() -> None:
+            try:
+                done(write_save(pending, self.group))
+            except BaseException as err:  # raised on the training thread at the next wait
+                self.error = err
+
+        self.thread = threading.Thread(target=write, name=f"plait-save-{pending.step}", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        """Return once no save is in flight; raise the error the last one ended with, if any."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
