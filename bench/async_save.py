@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -27,19 +28,23 @@ MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidde
 KINDS = ("no saves", "synchronous", "--save_async")
 
 
+def run_dir(tmp: Path, kind: str) -> Path:
+    return tmp / kind.strip("-")
+
+
 def worker(kind: str, steps: int, tmp: Path) -> None:
     """One run: print the seconds ``train()`` took and the checkpoints it left."""
     from plait.run.train_args import TrainArgs
     from plait.run.trainer import Trainer
 
     saves = {} if kind == "no saves" else {"save_steps": 2, "save_async": kind == "--save_async"}
-    trainer = Trainer(TrainArgs(model_config=str(tmp / "config.json"), output_dir=str(tmp / kind.strip("-")),
+    trainer = Trainer(TrainArgs(model_config=str(tmp / "config.json"), output_dir=str(run_dir(tmp, kind)),
                                 max_steps=steps, per_device_train_batch_size=4, block_size=128, save_final=False,
                                 lr_scheduler_type="constant", **saves))
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
-    saved = sorted(p.name for p in (tmp / kind.strip("-")).glob("checkpoint-*"))
+    saved = sorted(p.name for p in run_dir(tmp, kind).glob("checkpoint-*"))
     print(json.dumps({"seconds": seconds, "saved": saved}))
 
 
@@ -68,8 +73,7 @@ def main() -> None:
                 expected = [] if kind == "no saves" else [f"checkpoint-{s}" for s in range(2, ns.steps + 1, 2)]
                 assert sorted(result["saved"]) == sorted(expected), (kind, result["saved"])
                 seconds[kind].append(result["seconds"])
-                for folder in Path(tmp).glob("*/"):
-                    subprocess.run(["rm", "-rf", str(folder)], check=True)
+                shutil.rmtree(run_dir(Path(tmp), kind))  # the next run starts without checkpoints
     base = statistics.median(seconds["no saves"])
     print(f"plait train, one rank, Llama h={MODEL['hidden_size']} L={MODEL['num_hidden_layers']} "
           f"vocab={MODEL['vocab_size']}, 4 x 128 tokens a step, {ns.steps} steps, a checkpoint every 2 steps, "

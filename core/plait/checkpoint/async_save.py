@@ -33,13 +33,12 @@ class BackgroundSaver:
         self.group = dist.new_group(backend="gloo") if comm.world_group() is not None else None
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self.host_bytes = 0  # the host copy of the save in flight, or of the last one
 
     def start(self, pending: PendingSave, done: Callable[[Path | str], None]) -> None:
         """Wait for the previous save, copy ``pending``'s tensors to host memory, and write them in the background;
         ``done(path)`` runs there once the checkpoint is complete."""
         self.wait()
-        self.host_bytes = pending.host_copy()
+        pending.host_copy()
 
         def write() -> None:
             try:
