@@ -2,9 +2,10 @@
 
 When a collective times out (--ddp_timeout) or loses its peer, the backend only says that it waited, not for
 whom. So every rank of a training run publishes, once a second from a thread of its own, where it is: its host,
-pid, step and phase (``data``, ``forward-backward``, ``optimizer``, ``evaluation``, ``save``) and a beat
-counter, under ``plait/heartbeat/<attempt>/<rank>`` in the store torchrun (or any ``env://`` launcher) serves at
-MASTER_ADDR:MASTER_PORT, and again at once whenever its phase changes. A rank whose collective failed reads
+pid, step and phase (``data``, ``forward-backward``, ``optimizer``, ``evaluation``, ``save``), its last step's own
+time (``plait.run.stragglers``) and a beat counter, under ``plait/heartbeat/<attempt>/<rank>`` in the store
+torchrun (or any ``env://`` launcher) serves at MASTER_ADDR:MASTER_PORT, and again at once whenever its phase
+changes. A rank whose collective failed reads
 every rank's entry twice, a few beats apart:
 
 - a rank whose counter did not move has stopped responding (SIGSTOP, a frozen host, a dead process): the whole
@@ -53,6 +54,7 @@ class Heartbeat:
     def __init__(self, rank: int, world_size: int, store: dist.Store | None, interval_s: float = INTERVAL_S) -> None:
         self.rank, self.world_size, self.store, self.interval_s = rank, world_size, store, interval_s
         self.step, self.phase = 0, "start"
+        self.step_s = 0.0  # the time of this rank's own work in its last step (plait.run.stragglers)
         self._host, self._pid, self._beat = socket.gethostname(), os.getpid(), 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -78,7 +80,8 @@ class Heartbeat:
     def _publish(self) -> None:
         with self._lock:
             self._beat += 1
-            record = {"host": self._host, "pid": self._pid, "step": self.step, "phase": self.phase, "beat": self._beat}
+            record = {"host": self._host, "pid": self._pid, "step": self.step, "phase": self.phase, "beat": self._beat,
+                      "step_s": round(self.step_s, 4)}
             try:
                 self.store.set(_key(self.rank), json.dumps(record))
             except (RuntimeError, OSError):  # the store went away (the job is ending): nothing left to tell
@@ -95,6 +98,15 @@ class Heartbeat:
             if self.store.check([_key(rank)]):
                 found[rank] = json.loads(self.store.get(_key(rank)))
         return found
+
+    def host_of(self, rank: int) -> str:
+        """The host ``rank`` published (this rank's own where there is no store, or it has not published)."""
+        if self.store is None or rank == self.rank:
+            return self._host
+        try:
+            return json.loads(self.store.get(_key(rank)))["host"] if self.store.check([_key(rank)]) else "host unknown"
+        except (RuntimeError, OSError):
+            return "host unknown"
 
     def culprit(self, wait_s: float | None = None) -> str | None:
         """Which rank the others wait for, in words (host, pid, step, phase), or None where it cannot be told."""

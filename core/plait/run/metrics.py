@@ -58,6 +58,14 @@ def world_max(values: list[float]) -> list[float]:
     return comm.all_reduce(own, world, op="max").tolist()
 
 
+def world_rows(values: list[float]) -> list[list[float]]:
+    """Every rank's ``values``, in rank order, in one collective (the trainer's per-step one: the maxima of its
+    flags and the step time of each rank, for naming stragglers, come from the same gather)."""
+    world = comm.world_group()
+    own = torch.tensor([values], dtype=torch.float64, device=comm.device_for(world))
+    return comm.all_gather(own, world, dim=0).tolist()
+
+
 def plot_loss_curve(history: list[dict], path: Path) -> bool:
     """Write the training (and eval) loss per step as a PNG; False when matplotlib is not installed."""
     try:

@@ -46,10 +46,11 @@ from plait.parallel.fsdp import local
 from plait.parallelize import parallelize
 from plait.plugin.registry import default_registry
 from plait.run.heartbeat import Heartbeat
+from plait.run.stragglers import StragglerWatch, describe
 from plait.run.log_line import log_line, progress_text
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.table import METHODS
-from plait.run.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_max
+from plait.run.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_rows
 from plait.run.model_config import read_model_config
 from plait.run.moe_metrics import RoutingMetrics
 from plait.run.run_files import RunFiles
@@ -201,6 +202,8 @@ class Trainer:
         init_distributed(device, args.backend, args.ddp_timeout)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.heartbeat = Heartbeat.start(int(os.environ.get("RANK", "0")), world)  # names a stuck rank on a timeout
+        self.stragglers = StragglerWatch(world)  # names a rank that stays slow (plait.run.stragglers)
+        self.step_started = time.perf_counter()
         if not is_url(args.output_dir):  # a store is shared by every node
             check_shared_dir(Path(args.output_dir))  # node-local dirs would fail only at the first save
         torch.manual_seed(args.seed)  # the stream dropout draws from: a function of --seed, as is everything else
@@ -287,7 +290,8 @@ class Trainer:
         self.method.before_step(self.pmodel, batches)
         for batch in batches:
             step_loss += self.method.micro_step(self.pmodel, batch, num_items)
-        faults.maybe_inject(step + 1, params=self.optimizer_step.grad_sync.params)  # testing aid, as at the step's start
+        faults.maybe_inject(step + 1, params=self.optimizer_step.grad_sync.params)  # testing aid (as at the start)
+        self.heartbeat.step_s = time.perf_counter() - self.step_started  # this rank's own work (stragglers)
         loss = comm.all_reduce(step_loss, mesh.replica_group)  # equal on every rank: all of them decide alike
         lr = self.optimizer_step.lr
         record = {"step": step + 1, "loss": loss.item(), "lr": lr, "trainable_tokens": num_items,
@@ -314,6 +318,7 @@ class Trainer:
         contributes zero, as the global-token normalisation defines, so nothing is run or applied; the learning
         rate schedule moves on, and the step is counted, never taken for a divergence (a 0/0 loss)."""
         self.empty_steps += 1
+        self.heartbeat.step_s = time.perf_counter() - self.step_started
         lr = self.optimizer_step.lr
         with warnings.catch_warnings():  # torch warns when the very first step is empty: the order is meant
             warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before", UserWarning)
@@ -331,8 +336,15 @@ class Trainer:
         after the same step (``plait.run.stop``)."""
         accelerator_peak = peak_memory_bytes(self.device)  # None on the CPU: the same on every rank
         extra = [] if accelerator_peak is None else [accelerator_peak / 2**20]
-        peak, signum, *device_peak = world_max([own_peak_rss_mb(), self.signals.signum, *extra])
+        rows = world_rows([self.heartbeat.step_s, own_peak_rss_mb(), self.signals.signum, *extra])
+        times = [row[0] for row in rows]
+        peak, signum, *device_peak = [max(column) for column in zip(*rows)][1:]
         self.stop_signal = int(signum)
+        for rank, ratio in self.stragglers.observe(times):
+            if is_main_process():
+                self.console.print(describe(rank, self.heartbeat.host_of(rank), ratio), soft_wrap=True)
+        if len(times) > 1:
+            record["stragglers"] = len(self.stragglers.named)
         tokens = self.method.step_tokens() or self.global_batch * self.args.block_size
         record.update(tokens_per_s=tokens / (time.perf_counter() - start),
                       peak_rss_mb=peak)
@@ -384,6 +396,7 @@ class Trainer:
         with closing(self.heartbeat), trackers, progress, explained, self.signals:
             task = progress.add_task("", total=args.max_steps, completed=self.first_step)
             for step in range(self.first_step, args.max_steps):
+                self.step_started = time.perf_counter()
                 self.heartbeat.at(step + 1, "data")
                 faults.maybe_inject(step + 1)  # testing aid: a no-op unless PLAIT_FAULT_INJECT is set
                 record = self.step(step)
