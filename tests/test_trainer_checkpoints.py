@@ -244,3 +244,27 @@ def test_save_async_without_save_steps_is_refused(model_config, tmp_path, capsys
     assert exit_info.value.code == 2
     assert "--save_async overlaps a checkpoint's writing" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16-masters"])
+def test_plan_gives_the_host_memory_an_async_save_copies(model_config, tmp_path, capsys, precision):
+    """``plait plan --save_async`` names the host memory a save holds: the bytes the trainer's host copy takes
+    (here one process, which writes everything: parameters, and with --bf16 the fp32 masters beside them)."""
+    import json
+
+    from plait.checkpoint.save import prepare_save
+    from plait.costs.render import gib
+    from plait.run.train_args import TrainArgs
+    from plait.run.trainer import Trainer
+
+    shape = ["--block_size", "16", "--per_device_train_batch_size", "2", *precision]
+    main(["plan", "--model_config", model_config, *shape, "--json"])
+    planned = json.loads(capsys.readouterr().out)["ranks"][0]["checkpoint_bytes"]
+    main(["plan", "--model_config", model_config, *shape, "--save_async", "--save_steps", "2"])
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("--save_async:"))
+    assert f"copies up to {gib(planned)} per rank to host memory" in line, line
+    trainer = Trainer(TrainArgs(model_config=model_config, block_size=16, per_device_train_batch_size=2,
+                                output_dir=str(tmp_path), max_steps=1, bf16=bool(precision)))
+    trainer.step(0)
+    pending = prepare_save(tmp_path / "checkpoint-1", trainer.pmodel, trainer.optimizer, trainer.scheduler, 1)
+    assert pending.host_copy() == planned

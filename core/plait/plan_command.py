@@ -27,7 +27,7 @@ from plait.costs.device import PRESETS, Device, parse_memory
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.experts import check_expert_parallel, expert_parameters
 from plait.costs.memory import Precision
-from plait.costs.render import estimate_json, print_estimate, print_search, search_json
+from plait.costs.render import async_save_note, estimate_json, print_estimate, print_search, search_json
 from plait.costs.search import SearchResult, search_layouts
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.config import lora_config
@@ -265,3 +265,5 @@ def run_plan(ns, args) -> None:
         return
     print_plan(model, plan)
     print_estimate(console, estimate, device, memory)
+    if args.save_async:
+        console.print(async_save_note(estimate))

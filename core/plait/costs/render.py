@@ -3,8 +3,9 @@
 JSON schema (``plait plan --json``): {"layout": {...ParallelConfig...}, "world_size", "batch": {"per_device",
 "seq", "accumulation"}, "ranks": [{"rank", "tp_rank", "pp_rank", "dp_rank", "cp_rank", "parameters", "gradients",
 "optimizer", "activations_per_microbatch", "in_flight_microbatches", "activations_in_flight", "transient",
-"peak"}], "peak", "device_memory" (or null), "usable_memory" (device_memory less the device model's reserve), "fits" (or null), "communication": [{"pp_rank", "group", "op",
-"count", "bytes"}], "bubble", "flops_per_step": {pp_rank: FLOPs}, "step_seconds" (or null), "notes",
+"peak", "checkpoint_bytes"}], "peak", "device_memory" (or null), "usable_memory" (device_memory less the device
+model's reserve), "fits" (or null), "communication": [{"pp_rank", "group", "op", "count", "bytes"}], "bubble",
+"flops_per_step": {pp_rank: FLOPs}, "step_seconds" (or null), "notes",
 "cp_attention" (the strategy for the block size under cp, or null)}. Group "dp" is the replica group: dp x cp
 ranks under context parallelism; under expert parallelism "ep" is the experts' all-to-alls and "edp" the expert
 gradients' group (the dp x cp / ep ranks holding the same experts).
@@ -24,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.costs.device import Device
-from plait.costs.estimate import LayoutEstimate
+from plait.costs.estimate import LayoutEstimate, RankEstimate
 from plait.costs.advice import WORLD_FACTORS, Fit, describe_fit, strategy
 from plait.costs.search import SearchResult, batch_split, describe
 
@@ -45,7 +46,7 @@ def estimate_json(estimate: LayoutEstimate, device: Device | None, memory: int |
               "activations_per_microbatch": r.activations.per_microbatch,
               "in_flight_microbatches": r.activations.in_flight_microbatches,
               "activations_in_flight": r.activations.in_flight, "transient": r.transient,
-              "peak": r.peak} for r in estimate.ranks]
+              "peak": r.peak, "checkpoint_bytes": checkpoint_bytes(r)} for r in estimate.ranks]
     layout = dataclasses.asdict(config)
     layout["pipeline_cuts"] = list(config.pipeline_cuts)
     return {
@@ -58,6 +59,19 @@ def estimate_json(estimate: LayoutEstimate, device: Device | None, memory: int |
         "step_seconds": estimate.step_time(device) if device else None, "notes": estimate.notes,
         "cp_attention": estimate.plan.cp.strategy_for(estimate.batch.seq) if estimate.plan.cp else None,
     }
+
+
+def checkpoint_bytes(rank: RankEstimate) -> int:
+    """The most a rank writes into a checkpoint, its parameters and optimizer state as it holds them: what
+    ``--save_async`` copies to host memory per save (a tensor several ranks hold is written by one of them)."""
+    return rank.static.parameters + rank.static.optimizer
+
+
+def async_save_note(estimate: LayoutEstimate) -> str:
+    """``plait plan --save_async``'s line: the host memory a save holds while its files are written."""
+    most = max(checkpoint_bytes(r) for r in estimate.ranks)
+    return (f"--save_async: each save copies up to {gib(most)} per rank to host memory (the parameters and "
+            f"optimizer state it writes), held until its files are written")
 
 
 def print_estimate(console: Console, estimate: LayoutEstimate, device: Device | None, memory: int | None) -> None:
