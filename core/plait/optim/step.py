@@ -117,6 +117,14 @@ class NonFiniteStep(RuntimeError):
         super().__init__(f"non-finite {' and '.join(bad)} ({', '.join(f'{k}={v}' for k, v in values.items())})")
 
 
+class UncommittedStep(Exception):
+    """A step the replica groups did not commit (a group failed during it): no group applies it."""
+
+    def __init__(self, grad_norm: float) -> None:
+        super().__init__(f"step not committed by the replica groups (grad norm {grad_norm:.4g})")
+        self.grad_norm = grad_norm
+
+
 class OptimizerStep:
     """Call once per optimizer step, after the backward of every micro-step; returns the global grad norm.
 
@@ -133,13 +141,14 @@ class OptimizerStep:
 
     def __init__(
         self, grad_sync: GradSync, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None,
-        *, reduce_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES,
+        *, reduce_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES, across: Any = None,
     ) -> None:
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm={max_grad_norm} must be positive (or None for no clipping)")
         check_holds_model_params(optimizer, grad_sync.params)
         self.grad_sync, self.optimizer, self.max_grad_norm = grad_sync, optimizer, max_grad_norm
         self.reduce_dtype, self.bucket_bytes = reduce_dtype, bucket_bytes
+        self.across = across  # replica groups beyond this world (plait.run.replicas): average(params), commit()
         self.zero = isinstance(optimizer, (Zero1Optimizer, ExpertZero1Optimizer))
         # ZeRO-2/3: FSDP2 has reduce-scattered the gradients over dp x cp already, each rank holding its rows
         self.sharded = isinstance(optimizer, ShardedOptimizer)
@@ -165,6 +174,8 @@ class OptimizerStep:
             self.optimizer.reduce_gradients(self.bucket_bytes, self.reduce_dtype)
         elif not self.sharded:
             self.grad_sync.data_parallel(self.updated, self.bucket_bytes, self.reduce_dtype)
+        if self.across is not None:
+            self.across.average(self.updated)
         norm = self.grad_norm()
         checked = {"grad_norm": norm} if loss is None else {"loss": loss.to(norm), "grad_norm": norm}
         if not torch.isfinite(torch.stack(list(checked.values()))).all():  # one host sync, with the norm's
@@ -172,6 +183,9 @@ class OptimizerStep:
             raise NonFiniteStep({name: value.item() for name, value in checked.items()})
         if self.max_grad_norm is not None:
             clip_grads_(self.updated, self.max_grad_norm, norm)
+        if self.across is not None and not self.across.commit():
+            self.optimizer.zero_grad(set_to_none=True)
+            raise UncommittedStep(norm.item())
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm

@@ -22,6 +22,7 @@ from plait.data.sft_blocks import OVERLONG
 from plait.data.sft_records import SFTSource
 from plait.lora.config import lora_config
 from plait.parallel.float8 import ALIGN, require_torchao
+from plait.run.replicas import check_fault_tolerance
 from plait.run.trackers import parse_report_to
 
 if TYPE_CHECKING:
@@ -119,6 +120,9 @@ class TrainArgs:
     device: str = field(default="auto", metadata={"help": "auto (the accelerator torch finds, else cpu), cpu, or any torch device type; an accelerator's bare type gets LOCAL_RANK as its index"})
     backend: str = field(default="auto", metadata={"help": "torch.distributed backend: auto (torch's default for the device type: gloo on cpu, nccl on NVIDIA GPUs, ...), or any backend name (gloo, nccl, xla, ...)"})
     ddp_timeout: int = field(default=600, metadata={"help": "seconds a collective may wait before the job fails"})
+    fault_tolerance: str = field(default="none", metadata={"help": "none, or torchft: this job is one replica group of a data-parallel run that keeps training when another group dies (--replica_group_id, --num_replica_groups, the lighthouse at $TORCHFT_LIGHTHOUSE; pip install 'plait[ft]')"})
+    replica_group_id: int = field(default=0, metadata={"help": "--fault_tolerance torchft: this job's replica group, 0 to --num_replica_groups - 1 (it trains on that share of each global batch)"})
+    num_replica_groups: int = field(default=1, metadata={"help": "--fault_tolerance torchft: how many replica groups share each global batch"})
     skip_nonfinite_steps: int = field(default=0, metadata={"help": "skip up to N steps whose loss or gradient norm is not finite (not applied, counted in metrics) before stopping (0: stop at the first)"})
     text_field: str = field(default="text", metadata={"help": "the text field of .jsonl lines, and the text column of Parquet files and --dataset_name"})
     data_cache_dir: str | None = field(default=None, metadata={"help": "where tokenized data and trained tokenizers are cached (default: $XDG_CACHE_HOME/plait, else ~/.cache/plait)"})
@@ -207,6 +211,10 @@ class TrainArgs:
         for name in ("num_microbatches", "max_steps", "eval_steps", "warmup_steps", "save_steps", "save_total_limit", "skip_nonfinite_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be >= 0")
+        if self.fault_tolerance not in ("none", "torchft"):
+            raise ConfigError(f"--fault_tolerance={self.fault_tolerance!r} is unknown; choose none or torchft")
+        check_fault_tolerance(self.fault_tolerance, self.replica_group_id, self.num_replica_groups,
+                              self.zero_1 or self.zero_stage > 0)
         if self.save_async and not self.save_steps:
             raise ConfigError("--save_async overlaps a checkpoint's writing with the steps after it, and with "
                               "--save_steps 0 none follow the only (final) save; set --save_steps N or drop "

@@ -8,7 +8,7 @@ so any layout with the same global batch trains on the same tokens and, in fp32,
 from __future__ import annotations
 
 import dataclasses
-from contextlib import closing
+from contextlib import closing, nullcontext
 import datetime
 import os
 import time
@@ -40,12 +40,13 @@ from plait.cp.sequence import read_spans
 from plait.data import GlobalBatchSampler
 from plait.layout_plan import LayoutPlan, plan_layout
 from plait.lora.base import check_base, saved_lora
-from plait.optim import NonFiniteStep, OptimizerStep, build_optimizer
+from plait.optim import NonFiniteStep, OptimizerStep, UncommittedStep, build_optimizer
 from plait.parallel.float8 import check_float8_device
 from plait.parallel.fsdp import local
 from plait.parallelize import parallelize
 from plait.plugin.registry import default_registry
 from plait.run.heartbeat import Heartbeat
+from plait.run.replicas import join_replica_groups
 from plait.run.stragglers import StragglerWatch, describe
 from plait.run.log_line import log_line, progress_text
 from plait.run.methods.base import TrainingMethod
@@ -229,7 +230,8 @@ class Trainer:
             torch.manual_seed(init_seed(args.seed, "dropout", mesh.cp_rank))
         self.global_batch = args.per_device_train_batch_size * mesh.dp * args.gradient_accumulation_steps
         self.method = method.create(self)
-        self.sampler = GlobalBatchSampler(len(self.method), self.global_batch, args.seed)
+        # replica groups (--fault_tolerance torchft) each train on their share of a global batch R times theirs
+        self.sampler = GlobalBatchSampler(len(self.method), self.global_batch * args.num_replica_groups, args.seed)
         # AdamW's fused kernel (one launch for all parameters) where torch has one for the device, not on the CPU
         fused = {"fused": True} if use_fused_adamw(device) else {}
         self.optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=args.learning_rate,
@@ -240,6 +242,10 @@ class Trainer:
         self.scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer, num_warmup_steps=args.warmup_steps,
                                        num_training_steps=max(args.max_steps, 1))
         self.first_step, self.skipped_steps, self.empty_steps = 0, 0, 0
+        self.loop_step, self.healed_step, self.replicas = 0, None, None
+        if args.fault_tolerance == "torchft":
+            self.replicas = join_replica_groups(self)
+            self.optimizer_step.across = self.replicas
         self.signals, self.stop_signal = StopSignals(is_main_process(), args.ddp_timeout), 0
         self.saver = BackgroundSaver() if args.save_async else None
         if resume is not None:
@@ -279,7 +285,7 @@ class Trainer:
         are skipped (counted in the record), the next one stops the run with ``TrainingDiverged``."""
         args, mesh = self.args, self.mesh
         start = time.perf_counter()
-        indices = self.sampler.indices(step)
+        indices = self.sampler.indices(step).chunk(self.args.num_replica_groups)[self.args.replica_group_id]
         # the loss's divisor over the whole global batch (every micro-step, every dp rank)
         num_items = self.method.divisor(indices)
         if num_items == 0:
@@ -301,6 +307,12 @@ class Trainer:
         self.heartbeat.at(step + 1, "optimizer")
         try:
             record["grad_norm"] = self.optimizer_step(loss).item()
+        except UncommittedStep as lost:  # a replica group failed during the step: no group applies it
+            record.update(grad_norm=lost.grad_norm, committed=False, replica_groups=self.replicas.participants)
+            self.console.print(f"step {step + 1} not committed: a replica group failed during it; the live groups go "
+                               f"on without it")
+            self.end_step(record, start)
+            return record
         except NonFiniteStep as bad:
             self.skipped_steps += 1
             record.update(grad_norm=bad.values["grad_norm"], skipped=True)
@@ -308,10 +320,25 @@ class Trainer:
                 self.log.write({**record, "skipped_steps": self.skipped_steps})
                 raise TrainingDiverged(diverged_message(step + 1, bad, args)) from None
         self.scheduler.step()
+        if self.replicas is not None:
+            record["replica_groups"] = self.replicas.participants
         self.end_step(record, start)
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps
         return record
+
+    def quorum(self, step: int) -> int:
+        """The step to run next: ``step``, or with replica groups (--fault_tolerance torchft) after their quorum the
+        live groups' step where this group rejoined them (it took their state: ``plait.run.replicas``)."""
+        if self.replicas is None:
+            return step
+        self.loop_step = step
+        self.replicas.start_step()
+        if self.healed_step is not None:
+            step, self.healed_step = self.healed_step, None
+            self.console.print(f"replica group {self.args.replica_group_id} joined the live groups at step {step + 1}, "
+                               f"with their weights and optimizer state ({self.replicas.participants} groups)")
+        return step
 
     def empty_step(self, step: int, start: float) -> dict:
         """A step whose global batch holds no token to train on (every label truncated away or masked): it
@@ -393,9 +420,11 @@ class Trainer:
         trackers = Trackers.open(names, self.output_dir, dataclasses.asdict(args), self.first_step)
         started = time.perf_counter()
         explained = explain_timeouts(args.ddp_timeout, self.heartbeat)
-        with closing(self.heartbeat), trackers, progress, explained, self.signals:
+        replicas = closing(self.replicas) if self.replicas else nullcontext()
+        with closing(self.heartbeat), replicas, trackers, progress, explained, self.signals:
             task = progress.add_task("", total=args.max_steps, completed=self.first_step)
-            for step in range(self.first_step, args.max_steps):
+            step = self.first_step
+            while step < args.max_steps and (step := self.quorum(step)) < args.max_steps:
                 self.step_started = time.perf_counter()
                 self.heartbeat.at(step + 1, "data")
                 faults.maybe_inject(step + 1)  # testing aid: a no-op unless PLAIT_FAULT_INJECT is set
@@ -422,6 +451,7 @@ class Trainer:
                     self.wait_saved()
                     last = latest_checkpoint(self.checkpoints)
                     raise StopRequested(signum, step + 1, args.max_steps, saved and str(saved), last and str(last))
+                step += 1
             self.wait_saved()  # the last checkpoint complete before the run ends
         if is_main_process() and history and plot_loss_curve(history, self.output_dir / "loss.png"):
             self.console.print(f"loss curve: {self.output_dir / 'loss.png'}")
