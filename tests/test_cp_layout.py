@@ -182,3 +182,30 @@ def test_the_dry_run_runs_past_routed_experts_and_lets_other_errors_through(monk
     model.model.norm.forward = broken
     with pytest.raises(ValueError, match="a bug of the model's"):
         check_on_meta(model)
+
+
+def test_the_dry_run_runs_once_per_model_while_it_stays_the_same(monkeypatch):
+    """Its verdict is the model's (a group of one, whatever the layout), so planning many cp layouts of one model (a
+    search) runs it once; a refusal is given again each time; a model changed since (its config here) runs again."""
+    import plait.cp.dry_run as dry_run
+
+    runs = []
+    monkeypatch.setattr(dry_run, "_run_on_meta", lambda model: runs.append(model))
+    model = build_meta_model(load_subject("llama").config)
+    for _ in range(3):
+        dry_run.check_on_meta(model)
+    assert len(runs) == 1
+    model.config.rms_norm_eps = 1e-3
+    dry_run.check_on_meta(model)
+    assert len(runs) == 2
+
+    def refuse(model):
+        runs.append(model)
+        raise ConfigError("LlamaForCausalLM works on the attention mask itself")
+
+    monkeypatch.setattr(dry_run, "_run_on_meta", refuse)
+    other = build_meta_model(load_subject("llama").config)
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="works on the attention mask itself"):
+            dry_run.check_on_meta(other)
+    assert len(runs) == 3

@@ -50,7 +50,7 @@ def cmd_train(ns: argparse.Namespace) -> None:
         if "--nproc_per_node" in argv:
             i = argv.index("--nproc_per_node")
             del argv[i : i + 2]
-        sys.exit(run_under_torchrun(argv, args.nproc_per_node, args.ddp_timeout))
+        sys.exit(run_under_torchrun(argv, args.nproc_per_node, args.ddp_timeout, args.max_restarts))
     from plait.run.trainer import train  # when run (module docstring)
 
     train(args)

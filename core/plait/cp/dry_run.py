@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import inspect
 import traceback
+import weakref
 from pathlib import Path
 from types import TracebackType
 
@@ -51,13 +52,34 @@ META_VALUES = ("Tensor.item() cannot be called on meta tensors", "Cannot copy ou
                "register_meta function for torch.nonzero()")
 MASK_MISMATCH = "was built outside a context-parallel forward of whole sequences"  # plait.cp.masks
 FOREIGN_MASK = "mask, not one plait built over the whole sequence"  # plait.cp.attention
+# check_on_meta's verdict per model: (its modules and config when checked, the refusal or None)
+_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def check_on_meta(model: nn.Module) -> None:
     """Raise ConfigError when ``model`` (on the meta device; others are not run) reads the cp mask itself, builds
-    a mask plait cannot hand the whole sequence, or hands its attention a mask plait did not build."""
+    a mask plait cannot hand the whole sequence, or hands its attention a mask plait did not build.
+
+    The forward runs on a group of one whatever the layout, so its verdict is the model's: kept per model (while
+    its modules and config stay as they were), a search planning many cp layouts of one model runs it once."""
     if not all(p.is_meta for p in model.parameters()):
         return
+    shape = (tuple((name, type(m)) for name, m in model.named_modules()), model.config.to_json_string())
+    known = _VERDICTS.get(model)
+    if known is not None and known[0] == shape:
+        if known[1] is not None:
+            raise ConfigError(known[1])
+        return
+    try:
+        _run_on_meta(model)
+    except ConfigError as err:
+        _VERDICTS[model] = (shape, str(err))
+        raise
+    _VERDICTS[model] = (shape, None)
+
+
+def _run_on_meta(model: nn.Module) -> None:
+    """``check_on_meta``'s forward of a copy of ``model`` with cp installed on a group of one."""
     shadow = copy.deepcopy(model)
     names = {id(m): name or type(shadow).__name__ for name, m in shadow.named_modules()}
     for module in shadow.modules():

@@ -56,12 +56,14 @@ def report_error(message: str) -> None:
     path.with_suffix(".tmp").replace(path)
 
 
-def run_under_torchrun(argv: list[str], nproc: int, grace_s: int) -> int:
-    """Run ``python -m plait argv`` on ``nproc`` local processes; return the exit status to exit with: the
-    job's (a worker's own, for its error), or 128 + the signal that stopped it."""
+def run_under_torchrun(argv: list[str], nproc: int, grace_s: int, max_restarts: int = 0) -> int:
+    """Run ``python -m plait argv`` on ``nproc`` local processes, restarted up to ``max_restarts`` times after a
+    failure; return the exit status to exit with: the job's (a worker's own, for its error), or 128 + the signal
+    that stopped it."""
     with tempfile.TemporaryDirectory(prefix="plait-errors-") as folder:
         status = supervise([sys.executable, "-m", "plait.run.torchrun", "--standalone", f"--nproc_per_node={nproc}",
-                            f"--shutdown_timeout={grace_s}", "-m", "plait", *argv], {**os.environ, ERROR_DIR: folder})
+                            f"--shutdown_timeout={grace_s}", f"--max-restarts={max_restarts}", "-m", "plait", *argv],
+                           {**os.environ, ERROR_DIR: folder})
         say_once(Path(folder), nproc)
         return status
 

@@ -120,6 +120,7 @@ class TrainArgs:
     device: str = field(default="auto", metadata={"help": "auto (the accelerator torch finds, else cpu), cpu, or any torch device type; an accelerator's bare type gets LOCAL_RANK as its index"})
     backend: str = field(default="auto", metadata={"help": "torch.distributed backend: auto (torch's default for the device type: gloo on cpu, nccl on NVIDIA GPUs, ...), or any backend name (gloo, nccl, xla, ...)"})
     ddp_timeout: int = field(default=600, metadata={"help": "seconds a collective may wait before the job fails"})
+    max_restarts: int = field(default=0, metadata={"help": "with --nproc_per_node: torchrun restarts every worker up to N times after one fails, and each restart resumes from the newest complete checkpoint by itself"})
     fault_tolerance: str = field(default="none", metadata={"help": "none, or torchft: this job is one replica group of a data-parallel run that keeps training when another group dies (--replica_group_id, --num_replica_groups, the lighthouse at $TORCHFT_LIGHTHOUSE; pip install 'plait[ft]')"})
     replica_group_id: int = field(default=0, metadata={"help": "--fault_tolerance torchft: this job's replica group, 0 to --num_replica_groups - 1 (it trains on that share of each global batch)"})
     num_replica_groups: int = field(default=1, metadata={"help": "--fault_tolerance torchft: how many replica groups share each global batch"})
@@ -208,7 +209,8 @@ class TrainArgs:
                 f"--per_device_train_batch_size={self.per_device_train_batch_size} is not divisible by "
                 f"--num_microbatches={self.num_microbatches}; use a batch that is a multiple of {self.num_microbatches}"
             )
-        for name in ("num_microbatches", "max_steps", "eval_steps", "warmup_steps", "save_steps", "save_total_limit", "skip_nonfinite_steps"):
+        for name in ("num_microbatches", "max_steps", "eval_steps", "warmup_steps", "save_steps", "save_total_limit",
+                     "skip_nonfinite_steps", "max_restarts"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be >= 0")
         if self.fault_tolerance not in ("none", "torchft"):

@@ -130,9 +130,11 @@ def diverged_message(step: int, bad: NonFiniteStep, args: TrainArgs) -> str:
 
 
 def resume_path(args: TrainArgs) -> Path | str | None:
-    """The checkpoint to resume from: the given one, or with 'auto' the newest complete one (None: fresh); a URL
-    where it is in a store."""
+    """The checkpoint to resume from: the given one, or with 'auto' (and in workers torchrun restarted, unless one is
+    given) the newest complete one (None: fresh); a URL where it is in a store."""
     resume = args.resume_from_checkpoint
+    if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        resume = "auto"  # torchrun restarted the workers (--max_restarts): each goes on from the newest checkpoint
     if resume == "auto":
         return latest_checkpoint(args.output_dir)
     return resume if is_url(resume) else Path(resume) if resume else None
