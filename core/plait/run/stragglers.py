@@ -60,7 +60,7 @@ class StragglerWatch:
         return found
 
 
-def describe(rank: int, host: str, ratio: float, patience: int = PATIENCE) -> str:
+def straggler_line(rank: int, host: str, ratio: float, patience: int = PATIENCE) -> str:
     """The log line naming a straggler."""
     return (f"straggler: rank {rank} ({host}) took {ratio:.1f}x the median step time of all ranks for {patience} "
             f"steps in a row (its own work before the step's reduction; look at that host's load, clocks and "

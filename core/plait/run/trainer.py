@@ -47,7 +47,7 @@ from plait.parallelize import parallelize
 from plait.plugin.registry import default_registry
 from plait.run.heartbeat import Heartbeat
 from plait.run.replicas import join_replica_groups
-from plait.run.stragglers import StragglerWatch, describe
+from plait.run.stragglers import StragglerWatch, straggler_line
 from plait.run.log_line import log_line, progress_text
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.table import METHODS
@@ -371,7 +371,7 @@ class Trainer:
         self.stop_signal = int(signum)
         for rank, ratio in self.stragglers.observe(times):
             if is_main_process():
-                self.console.print(describe(rank, self.heartbeat.host_of(rank), ratio), soft_wrap=True)
+                self.console.print(straggler_line(rank, self.heartbeat.host_of(rank), ratio), soft_wrap=True)
         if len(times) > 1:
             record["stragglers"] = len(self.stragglers.named)
         tokens = self.method.step_tokens() or self.global_batch * self.args.block_size
