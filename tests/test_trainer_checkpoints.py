@@ -236,6 +236,15 @@ def test_the_host_copy_shares_no_memory_with_training():
     live_storage = {t.untyped_storage().data_ptr() for t in live}
     assert not {t.tensor.untyped_storage().data_ptr() for t in pending.tensors} & live_storage
     assert all(torch.equal(t.tensor, before[id(t)]) for t in pending.tensors)
+    # the next save copies into the previous one's host tensors (written out by then): the new values, no new memory
+    pmodel(ids, labels=ids).backward()
+    OptimizerStep(pmodel.grad_sync, optimizer)()
+    again = prepare_save("unused", pmodel, optimizer, step=2)
+    fresh = {t.logical: t.tensor.clone() for t in again.tensors}
+    assert again.host_copy([t.tensor for t in pending.tensors]) == expected
+    assert [t.tensor.data_ptr() for t in again.tensors] == [t.tensor.data_ptr() for t in pending.tensors]
+    assert all(torch.equal(t.tensor, fresh[t.logical]) for t in again.tensors)
+    assert any(not torch.equal(t.tensor, before[id(old)]) for t, old in zip(again.tensors, pending.tensors))
 
 
 def test_save_async_without_save_steps_is_refused(model_config, tmp_path, capsys):

@@ -7,8 +7,8 @@ host memory (``PendingSave.host_copy``), so the next optimizer step may change i
 object), as a synchronous save does. Its collectives run on a gloo group of their own, created once by every rank,
 so they never interleave with the training's on the world's group.
 
-The next save waits for the previous one to finish (one in flight, so one host copy at a time), and so does the end
-of the run, the last checkpoint included. A write that fails raises CheckpointNotSaved on every rank at that wait.
+The next save waits for the previous one to finish (one in flight, so one host copy at a time, whose tensors the
+next save copies into: allocated once), and so does the end of the run, the last checkpoint included. A write that fails raises CheckpointNotSaved on every rank at that wait.
 A crash while a write is in the background leaves its checkpoint a ``.tmp`` folder (no commit object in a store),
 which ``--resume_from_checkpoint auto`` ignores: the previous checkpoint stays the newest.
 """
@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from plait.base import comm
@@ -33,12 +34,14 @@ class BackgroundSaver:
         self.group = dist.new_group(backend="gloo") if comm.world_group() is not None else None
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.buffers: list[torch.Tensor] = []  # the last save's host copies, reused by the next once it is written
 
     def start(self, pending: PendingSave, done: Callable[[Path | str], None]) -> None:
         """Wait for the previous save, copy ``pending``'s tensors to host memory, and write them in the background;
         ``done(path)`` runs there once the checkpoint is complete."""
         self.wait()
-        pending.host_copy()
+        pending.host_copy(self.buffers)
+        self.buffers = [t.tensor for t in pending.tensors]
 
         def write() -> None:
             try:

@@ -77,12 +77,19 @@ class PendingSave:
     pmodel: ParallelModel
     tokenizer: Any | None
 
-    def host_copy(self) -> int:
+    def host_copy(self, reuse: list[torch.Tensor] | None = None) -> int:
         """Copy every tensor this rank writes to host memory, so that training may change its own at once; the bytes
-        copied (what an asynchronous save costs in host memory)."""
+        copied (what an asynchronous save costs in host memory). ``reuse``: the host tensors of the previous save,
+        written out already, copied into where shape and dtype agree (every save after the first: no new
+        allocation, no page faults on hundreds of MB each time)."""
         copied = 0
-        for t in self.tensors:
-            t.tensor = t.tensor.detach().to("cpu", copy=True)
+        for i, t in enumerate(self.tensors):
+            source = t.tensor.detach()
+            old = reuse[i] if reuse is not None and i < len(reuse) else None
+            if old is not None and old.shape == source.shape and old.dtype == source.dtype:
+                t.tensor = old.copy_(source)
+            else:
+                t.tensor = source.to("cpu", copy=True)
             copied += t.tensor.numel() * t.tensor.element_size()
         return copied
 
