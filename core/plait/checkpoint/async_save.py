@@ -8,7 +8,8 @@ object), as a synchronous save does. Its collectives run on a gloo group of thei
 so they never interleave with the training's on the world's group.
 
 The next save waits for the previous one to finish (one in flight, so one host copy at a time, whose tensors the
-next save copies into: allocated once), and so does the end of the run, the last checkpoint included. A write that fails raises CheckpointNotSaved on every rank at that wait.
+next save copies into: allocated once), and so does the end of the run, the last checkpoint included. A write
+that fails raises CheckpointNotSaved on every rank at that wait.
 A crash while a write is in the background leaves its checkpoint a ``.tmp`` folder (no commit object in a store),
 which ``--resume_from_checkpoint auto`` ignores: the previous checkpoint stays the newest.
 """

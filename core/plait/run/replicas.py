@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from plait.base.config import ConfigError
+from plait.parallel.grad_sync import grad_of
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
@@ -55,17 +56,11 @@ def check_fault_tolerance(mode: str, group_id: int, groups: int, zero: bool) -> 
         raise ConfigError("--fault_tolerance torchft needs torchft: pip install 'plait[ft]'") from None
 
 
-def _grad(param: torch.Tensor) -> torch.Tensor | None:
-    """The gradient the optimizer steps on: the fp32 accumulator of a parameter with one (``main_grad``)."""
-    grad = getattr(param, "main_grad", None)
-    return param.grad if grad is None else grad
-
-
 class ReplicaGroups:
     """This rank's member of the replica groups: the quorum at each step's start, the gradients averaged over the
     live groups, the commit; ``state`` and ``load`` are what a rejoining group takes from a live one."""
 
-    def __init__(self, group_id: int, groups: int, rank: int, world_size: int, timeout_s: int,
+    def __init__(self, group_id: int, rank: int, world_size: int, timeout_s: int,
                  state: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]) -> None:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum and commit at INFO
         import torchft
@@ -73,7 +68,6 @@ class ReplicaGroups:
 
         if not os.environ.get("PLAIT_DEBUG"):  # a failed peer is expected here: plait says so in one line
             logging.getLogger("torchft").setLevel(logging.CRITICAL)
-        self.group_id, self.groups = group_id, groups
         timeout = datetime.timedelta(seconds=timeout_s)
         address = port = None
         self._own_store = None
@@ -93,7 +87,7 @@ class ReplicaGroups:
     def average(self, params: list[torch.Tensor]) -> None:
         """Average each gradient with the same rank of every live group (a failed peer makes the step uncommitted:
         ``commit`` then says so)."""
-        works = [self.manager.allreduce(grad) for grad in map(_grad, params) if grad is not None]
+        works = [self.manager.allreduce(grad) for grad in map(grad_of, params) if grad is not None]
         for work in works:
             work.wait()
 
@@ -134,5 +128,4 @@ def join_replica_groups(trainer: Any) -> ReplicaGroups:
         trainer.healed_step = saved["step"]
 
     mesh = trainer.mesh
-    return ReplicaGroups(args.replica_group_id, args.num_replica_groups, mesh.rank, mesh.world_size, args.ddp_timeout,
-                         state, load)
+    return ReplicaGroups(args.replica_group_id, mesh.rank, mesh.world_size, args.ddp_timeout, state, load)
