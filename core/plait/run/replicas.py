@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from plait.base.config import ConfigError
-from plait.parallel.grad_sync import grad_of
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
@@ -87,6 +86,8 @@ class ReplicaGroups:
     def average(self, params: list[torch.Tensor]) -> None:
         """Average each gradient with the same rank of every live group (a failed peer makes the step uncommitted:
         ``commit`` then says so)."""
+        from plait.parallel.grad_sync import grad_of  # FSDP's import: not for the CLI, which imports this module
+
         works = [self.manager.allreduce(grad) for grad in map(grad_of, params) if grad is not None]
         for work in works:
             work.wait()
