@@ -31,39 +31,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
+
+from plait.testing.metrics_watch import MetricsWatch
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 256,
           "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
           "max_position_embeddings": 128, "tie_word_embeddings": False}
-
-
-class Watch:
-    """The monotonic time at which each record of ``metrics.jsonl`` first appeared (polled every 20 ms)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.seen, self._stop = path, [], threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        count = 0
-        while not self._stop.is_set():
-            lines = self.path.read_text().splitlines() if self.path.exists() else []
-            now = time.monotonic()
-            for line in lines[count:]:
-                if line.endswith("}"):
-                    self.seen.append((now, json.loads(line)))
-                    count += 1
-            time.sleep(0.02)
-
-    def stop(self) -> list[tuple[float, dict]]:
-        self._stop.set()
-        self._thread.join()
-        return self.seen
 
 
 def train(flags: list[str], env: dict[str, str] | None = None, wait: bool = True) -> subprocess.Popen:
@@ -89,14 +64,14 @@ def recovery(seen: list[tuple[float, dict]], kill_at: int) -> tuple[float, int]:
 
 
 def restart_case(base: list[str], out: Path, kill: str, kill_at: int) -> tuple[float, int]:
-    watch = Watch(out / "metrics.jsonl")
+    watch = MetricsWatch(out / "metrics.jsonl")
     train([*base, "--output_dir", str(out), "--nproc_per_node", "2", "--max_restarts", "1"],
           {"PLAIT_FAULT_INJECT": kill})
     return recovery(watch.stop(), kill_at)
 
 
 def fresh_case(base: list[str], out: Path, kill: str, kill_at: int) -> tuple[float, int]:
-    watch = Watch(out / "metrics.jsonl")
+    watch = MetricsWatch(out / "metrics.jsonl")
     train([*base, "--output_dir", str(out), "--nproc_per_node", "2"], {"PLAIT_FAULT_INJECT": kill})
     train([*base, "--output_dir", str(out), "--nproc_per_node", "2", "--resume_from_checkpoint", "auto"])
     return recovery(watch.stop(), kill_at)
@@ -109,7 +84,7 @@ def torchft_case(base: list[str], out: Path, kill_at: int) -> tuple[float, int]:
     env = {"TORCHFT_LIGHTHOUSE": lighthouse.address()}
     try:
         ft = [*base, "--fault_tolerance", "torchft", "--num_replica_groups", "2"]
-        watch = Watch(out / "group0" / "metrics.jsonl")
+        watch = MetricsWatch(out / "group0" / "metrics.jsonl")
         survivor = train([*ft, "--output_dir", str(out / "group0"), "--replica_group_id", "0"], env, wait=False)
         train([*ft, "--output_dir", str(out / "group1"), "--replica_group_id", "1"],
               {**env, "PLAIT_FAULT_INJECT": f"0:{kill_at}:kill"})

@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 
 from plait.cli import main
 from plait.testing.launcher import free_port
+from plait.testing.metrics_watch import MetricsWatch
 import processes
 from tiny_models import tiny_config
 
@@ -58,27 +58,6 @@ def left_running(out: Path) -> list[int]:
     return found
 
 
-def first_appearance(path: Path):
-    """Watch for ``path`` from now on (a thread polling every 0.05 s); the returned call gives when it appeared
-    (time.monotonic()). The time a job takes from its start depends on the load (3 test workers on 2 cores: the
-    interpreters' start-up alone took up to a minute); what follows a fault is the test's to bound."""
-    seen: list[float] = []
-
-    def watch() -> None:
-        while not path.exists():
-            time.sleep(0.05)
-        seen.append(time.monotonic())
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-
-    def when() -> float:
-        watcher.join(timeout=1)
-        assert seen, f"{path} never appeared"
-        return seen[0]
-    return when
-
-
 def plait_train(flags: list[str], fault: str, timeout: float = 150) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
     result = processes.run([sys.executable, "-m", "plait", "train", "--nproc_per_node", "2", *flags], timeout=timeout,
@@ -91,9 +70,11 @@ def test_a_rank_that_stops_responding_is_named(model_config, tmp_path):
     """Rank 1 SIGSTOPs itself before step 2 (a frozen host): after --ddp_timeout its peer names it, with its host,
     pid, step and phase, in the job's one line; exit 1; the stopped worker is killed, none is left."""
     out = tmp_path / "out"
-    first_step = first_appearance(out / "metrics.jsonl")  # step 1's record: rank 1 stops right after it
+    # timed from step 1's record (rank 1 stops right after it), not from the command's start, whose interpreters'
+    # start-up depends on the machine's load (3 test workers on 2 cores: up to a minute)
+    watch = MetricsWatch(out / "metrics.jsonl")
     result, seconds = plait_train(train_flags(model_config, out, ddp_timeout=STOPPED_TIMEOUT_S), "1:2:stop")
-    since_stop = time.monotonic() - first_step()
+    since_stop = time.monotonic() - next(t for t, record in watch.stop() if record.get("step") == 1)
     print(f"stopped rank: exit {result.returncode} after {seconds:.1f}s, {since_stop:.1f}s after step 1 "
           f"(--ddp_timeout={STOPPED_TIMEOUT_S})")
     assert result.returncode == 1, result.stderr[-3000:]

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from plait.cli import main
 from plait.run.metrics import read_metrics
 from plait.testing import WorkerFailure, launch
+from plait.testing.metrics_watch import MetricsWatch
 from tiny_models import tiny_config
 
 STEPS, KILLED_AT = 50, 10
@@ -47,16 +48,6 @@ def tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     return found
 
 
-def committed_alone_after(out: Path, since: float, deadline: float) -> float | None:
-    """Seconds after ``since`` at which ``out``'s metrics first show a step committed by one group alone."""
-    while time.monotonic() < deadline:
-        if (out / "metrics.jsonl").exists() and any(r.get("replica_groups") == 1 and r.get("committed", True)
-                                                     and r["step"] > KILLED_AT for r in read_metrics(out)):
-            return time.monotonic() - since
-        time.sleep(0.1)
-    return None
-
-
 @pytest.mark.slow
 def test_a_killed_group_leaves_the_other_training_and_its_replacement_rejoins(lighthouse, tmp_path):
     config = tmp_path / "config.json"
@@ -71,15 +62,21 @@ def test_a_killed_group_leaves_the_other_training_and_its_replacement_rejoins(li
         except Exception as err:  # noqa: BLE001 (re-raised in the test's thread below)
             outcome["error"] = err
 
+    watch = MetricsWatch(survivor / "metrics.jsonl")
     thread = threading.Thread(target=run_survivor)
     thread.start()
     with pytest.raises(WorkerFailure, match="exited with code -9"):
         launch(flags(config, tmp_path / "group1", 1), 1, timeout=300,
                env={**env, "PLAIT_FAULT_INJECT": f"0:{KILLED_AT}:kill"})
     killed = time.monotonic()
-    alone = committed_alone_after(survivor, killed, killed + 60)
+    # the first step group 0 commits alone after the kill (the replacement starts after it: joining at once, it would
+    # make the next quorum whole again)
+    alone = watch.first(lambda r: r.get("replica_groups") == 1 and r.get("committed", True) and r["step"] > KILLED_AT,
+                        timeout=60)
+    alone = None if alone is None else alone - killed
     replacement = launch(flags(config, tmp_path / "group1-again", 1), 1, timeout=300, env=env)
     thread.join(timeout=300)
+    watch.stop()
     assert "error" not in outcome, outcome.get("error")
     assert alone is not None and alone < 10, f"group 0 committed no step alone within 10 s of the kill ({alone})"
     print(f"group 0 committed a step alone {alone:.1f} s after group 1 was killed")
