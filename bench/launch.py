@@ -1,11 +1,14 @@
-"""What the test launcher's fork server saves: the same worlds started as fresh processes and forked from the
-preloaded server (plait.testing.launcher), side by side, alternating rounds.
+"""What a preloaded fork server saves: the same worlds started as fresh processes and forked from the server
+(plait.base.forking), side by side, alternating rounds.
 
     python bench/launch.py [--rounds 3] [--suite]
 
 A world here is 2 ranks that import transformers, build a tiny Llama, join a gloo world and take one tp=2 training
-step: the shape of most test worlds. ``--suite`` also times the whole test suite once per way (``PLAIT_LAUNCH``),
-which takes most of half an hour. Run it on an idle machine: the ranks compete for the same 2 cores.
+step: the shape of most test worlds (plait.testing.launcher). The second table is a whole ``plait train
+--nproc_per_node 2`` command (tiny Llama, 2 steps, a checkpoint) with torchrun's workers forked, as plait starts them
+on a machine without an accelerator, and as fresh ``python -m plait`` processes: wall time and the CPU-seconds the
+machine spent (/proc/stat, so nothing else may run). ``--suite`` also times the whole test suite once per way
+(``PLAIT_LAUNCH``), which takes most of half an hour. Run it on an idle machine: the ranks compete for the cores.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +48,49 @@ def time_world(mode: str, script: Path) -> float:
     return time.monotonic() - start
 
 
+# plait train as its command line runs it, with the workers' start chosen (plait.run.torchrun asks forking_is_safe)
+COMMAND = """
+import sys
+import plait.base.forking as forking
+way = sys.argv.pop(1)
+forking.forking_is_safe = lambda: way == "forked"
+from plait.cli import main
+main()
+"""
+
+
+def cpu_seconds() -> float:
+    """CPU time the machine has spent, all processes (user, nice, system, irq, softirq)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    return sum(int(fields[i]) for i in (0, 1, 2, 5, 6)) / os.sysconf("SC_CLK_TCK")
+
+
+def time_command(way: str, tmp: Path) -> tuple[float, float]:
+    """Wall and CPU seconds of one ``plait train --nproc_per_node 2`` with its workers started ``way``."""
+    out = tmp / f"out-{way}-{time.monotonic_ns()}"
+    cpu, start = cpu_seconds(), time.monotonic()
+    subprocess.run([sys.executable, "-c", COMMAND, way, "train", "--model_config", str(tmp / "config.json"),
+                    "--nproc_per_node", "2", "--output_dir", str(out), "--max_steps", "2", "--block_size", "16"],
+                   check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return time.monotonic() - start, cpu_seconds() - cpu
+
+
+def compare_commands(rounds: int, tmp: Path) -> None:
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2).to_json_file(tmp / "config.json")
+    runs: dict[str, list[tuple[float, float]]] = {"fresh": [], "forked": []}
+    for _ in range(rounds):
+        for way in runs:
+            runs[way].append(time_command(way, tmp))
+    print("\n| plait train --nproc_per_node 2, workers | wall, median s | CPU, median s | rounds (wall / CPU) |")
+    print("| --- | ---: | ---: | --- |")
+    for way, values in runs.items():
+        wall, cpu = statistics.median(v[0] for v in values), statistics.median(v[1] for v in values)
+        print(f"| {way} | {wall:.1f} | {cpu:.1f} | {', '.join(f'{w:.1f} / {c:.1f}' for w, c in values)} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -62,6 +109,8 @@ def main() -> None:
     for mode, values in times.items():
         print(f"| {mode} | {statistics.median(values):.2f} | {', '.join(f'{v:.2f}' for v in values)} |")
     print(f"\nfork / subprocess: {statistics.median(times['fork']) / statistics.median(times['subprocess']):.2f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        compare_commands(args.rounds, Path(tmp))
     if args.suite:
         print("\n| ranks started as | whole suite, s | result |")
         print("| --- | ---: | --- |")

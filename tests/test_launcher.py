@@ -108,3 +108,19 @@ def test_a_machine_with_an_accelerator_gets_fresh_processes(tmp_path, monkeypatc
     (tmp_path / "worker.py").write_text(WORKER)
     (tmp_path / "helper_beside_the_script.py").write_text("")
     assert "preloaded=False" in launch([str(tmp_path / "worker.py"), "ok"], 1, timeout=120)[0]
+
+
+def test_plait_trains_workers_are_forked_only_without_an_accelerator(monkeypatch):
+    """``plait train --nproc_per_node N`` runs torchrun with its workers forked from the preloaded server
+    (``--run-path --start-method=forkserver`` and plait/__main__.py, test_signals shows them forked and signalled
+    there), and as fresh ``python -m plait`` processes where an accelerator is present."""
+    from plait.run import torchrun
+
+    commands = []
+    monkeypatch.setattr(torchrun, "supervise", lambda cmd, env=None: commands.append(cmd) or 0)
+    torchrun.run_under_torchrun(["train", "--max_steps", "1"], 2, 60)
+    monkeypatch.setattr(device, "accelerator", lambda: torch.device("cuda"))
+    torchrun.run_under_torchrun(["train", "--max_steps", "1"], 2, 60)
+    main = os.path.join(os.path.dirname(torchrun.__file__), os.pardir, "__main__.py")
+    assert commands[0][-6:-3] == ["--run-path", "--start-method=forkserver", os.path.abspath(main)], commands[0]
+    assert commands[1][-5:-3] == ["-m", "plait"], commands[1]

@@ -46,9 +46,10 @@ def steps_done(out: Path) -> int:
 
 
 def start_and_signal(args: list[str], out: Path, signals: list[signal.Signals], after_steps: int,
-                     env: dict | None = None) -> tuple[int, str, list[psutil.Process]]:
+                     env: dict | None = None) -> tuple[int, str, dict[int, tuple[int, str]]]:
     """Start `plait train` (its own session, as from a terminal), send ``signals`` to the plait process alone
-    once ``after_steps`` steps are logged; return its exit status, its output and every process it had."""
+    once ``after_steps`` steps are logged; return its exit status, its output and every process it had (pid:
+    parent's pid, command line)."""
     log = out.parent / f"{out.name}.log"
     with open(log, "wb") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "plait", "train", *args], stdout=sink, stderr=subprocess.STDOUT,
@@ -61,13 +62,14 @@ def start_and_signal(args: list[str], out: Path, signals: list[signal.Signals], 
             time.sleep(0.2)
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         assert len(family) >= 4, family  # plait, torchrun, two workers
+        seen = {p.pid: (p.ppid(), " ".join(p.cmdline())) for p in family}
         for sig in signals:
             proc.send_signal(sig)
             time.sleep(1.0)
         status = proc.wait(timeout=30)
         gone, alive = psutil.wait_procs(family, timeout=10)
         assert not alive, f"left running: {alive}"
-        return status, log.read_text(errors="replace"), family
+        return status, log.read_text(errors="replace"), seen
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -76,9 +78,15 @@ def start_and_signal(args: list[str], out: Path, signals: list[signal.Signals], 
 
 def test_sigterm_saves_the_step_and_resume_continues_exactly(model_config, tmp_path):
     out = tmp_path / "run"
-    status, output, _ = start_and_signal(flags(model_config, out, "--tensor_parallel_size", "2",
-                                               "--nproc_per_node", "2", "--max_steps", "100000"),
-                                         out, [signal.SIGTERM], after_steps=3)
+    status, output, family = start_and_signal(flags(model_config, out, "--tensor_parallel_size", "2",
+                                                    "--nproc_per_node", "2", "--max_steps", "100000"),
+                                              out, [signal.SIGTERM], after_steps=3)
+    # no accelerator here: torchrun's workers were forked from the preloaded server (plait.base.forking), and the
+    # signal reached them through it
+    torchrun = [pid for pid, (_, cmdline) in family.items() if "-m plait.run.torchrun" in cmdline]
+    servers = [pid for pid, (parent, cmdline) in family.items()
+               if parent in torchrun and "from multiprocessing.forkserver import" in cmdline]
+    assert len(servers) == 1 and sum(parent == servers[0] for parent, _ in family.values()) == 2, family
     stopped = len(read_metrics(out))
     assert status == 128 + signal.SIGTERM, output[-3000:]
     assert output.count(f"plait: stopped by SIGTERM after step {stopped} of 100000; saved {out}/checkpoint-{stopped};"

@@ -13,12 +13,12 @@ Two ways to start the ranks, the same watchdog over both:
   ``multiprocessing`` forkserver, started on first use and gone with the caller. A forked rank runs its
   script as ``python`` would (``__main__``, ``sys.argv``, the script's directory or the cwd first on
   ``sys.path``) with the environment it was given; what the preloaded modules read from the environment at
-  import time is the only thing it cannot change, so that list stays short (``FORK_PRELOAD``). As with any
+  import time is the only thing it cannot change (``FORK_PRELOAD``: plait.base.forking's list, which plait's
+  own launcher uses too, and the test suite's models). As with any
   multiprocessing start, the caller's main script is imported in each rank under ``__mp_main__`` (a
   ``__name__ == "__main__"`` guard keeps its body from running); a caller whose main is no file
-  (``python -``) gets fresh processes. So does a caller on a machine with an accelerator: the server's preloaded
-  imports touch it (torchao, which transformers imports, asks the GPU its capability), and the GPU runtime refuses
-  to start again in a forked child (tests/test_launcher.py names the error measured on an H100).
+  (``python -``) gets fresh processes. So does a caller on a machine with an accelerator
+  (``plait.base.forking.forking_is_safe``; tests/test_launcher.py names the error measured on an H100).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
-import random
 import runpy
 import socket
 import subprocess
@@ -37,13 +36,11 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from plait.base import device
+from plait.base import forking
 
 LAUNCH_ENV = "PLAIT_LAUNCH"  # "fork": ranks forked from a preloaded server; anything else: fresh processes
-# Imported once by the fork server: the costly part of every worker's start-up. They read no environment
-# variable a test world sets (plait itself is not preloaded: it reads PLAIT_* variables at import).
-FORK_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils",
-                "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"]
+# Imported once by the fork server: the costly part of every worker's start-up, and the tests' two models.
+FORK_PRELOAD = [*forking.PRELOAD, "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"]
 
 
 class WorkerFailure(AssertionError):
@@ -97,7 +94,7 @@ def _main_is_importable() -> bool:
 
 def _fork_is_safe() -> bool:
     """Forked ranks only where no accelerator is present: see the module's docstring."""
-    return _main_is_importable() and device.accelerator() is None
+    return _main_is_importable() and forking.forking_is_safe()
 
 
 def _start_forked(argv: Sequence[str], env: dict[str, str], cwd: str | None, log: Path) -> _Rank:
@@ -127,9 +124,6 @@ def _run_forked(argv: list[str], env: dict[str, str], cwd: str | None, log: str)
     if cwd is not None:
         os.chdir(cwd)
     extra_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    random.seed()  # a fresh process draws its own seed; a forked one would share the server's
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # OpenMP read the variable in the server
