@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("apply", {"plait.parallelize"}),
     ("model state", {"plait.optim", "plait.checkpoint"}),
     ("data", {"plait.data"}),
-    ("run", {"plait.run"}),
+    ("run", {"plait.run", "plait.generation"}),
     ("tools on a layout", {"plait.costs", "plait.testing"}),
     ("entry points", {"plait", "plait.__main__", "plait.cli", "plait.plan_command", "plait.auto_layout",
                       "plait.run.torchrun"}),

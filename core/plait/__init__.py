@@ -26,13 +26,14 @@ _EXPORTS = {
     "Registry": "plait.plugin.registry", "default_registry": "plait.plugin.registry", "register": "plait.plugin.registry",
     "num_items_in_batch": "plait.tp.loss", "SPPlan": "plait.tp.plans", "TPPlan": "plait.tp.plans",
     "Attention": "plait.tp.styles", "Column": "plait.tp.styles", "Row": "plait.tp.styles",
-    "VocabEmbedding": "plait.tp.styles", "VocabHead": "plait.tp.styles",
+    "VocabEmbedding": "plait.tp.styles", "VocabHead": "plait.tp.styles", "generate": "plait.generation.decode",
 }
 
 if TYPE_CHECKING:
     from plait.base.config import ConfigError, ParallelConfig
     from plait.base.markers import hookimpl
     from plait.base.mesh import Mesh
+    from plait.generation.decode import generate
     from plait.layout_plan import LayoutPlan, plan_layout
     from plait.parallelize import ParallelModel, parallelize
     from plait.plugin.declarations import AdapterInfo, Capabilities, PipelinePlan
@@ -73,5 +74,6 @@ __version__ = "0.1.0"
 __all__ = [  # the names of _EXPORTS, written out for tools that read __all__ without running this file
     "AdapterError", "AdapterInfo", "Attention", "Capabilities", "Column", "ConfigError", "LayoutPlan", "Mesh",
     "ParallelConfig", "ParallelModel", "PipelinePlan", "Registry", "Row", "SPPlan", "TPPlan", "VocabEmbedding",
-    "VocabHead", "default_registry", "hookimpl", "num_items_in_batch", "parallelize", "plan_layout", "register",
+    "VocabHead", "default_registry", "generate", "hookimpl", "num_items_in_batch", "parallelize", "plan_layout",
+    "register",
 ]

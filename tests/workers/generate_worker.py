@@ -1,0 +1,100 @@
+"""Worker: plait.generate on several layouts of one world against one process (tests/test_generate.py).
+
+For each case every rank builds the same tiny model, lays a copy out and generates from the same left-padded
+prompts: greedily (compared with transformers' ``generate`` on one process) and sampled (compared with the same
+decoding loop run on the plain model in this process, ``decode``). It also records the refusals. One JSON per rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import plait  # noqa: E402
+from plait.generation.decode import decode  # noqa: E402
+from tiny_models import tiny_model  # noqa: E402
+
+NEW, EOS, PAD = 12, 7, 0
+SAMPLING = dict(temperature=0.8, top_k=20, top_p=0.9, seed=5)
+# name -> (arch, ParallelConfig kwargs)
+CASES = {
+    "llama-tp2": ("llama", dict(tp=2, sp=False)),
+    "llama-dp2": ("llama", dict(tp=1)),
+    "llama-zero1-dp2": ("llama", dict(zero_1=True)),
+    "llama-zero2-dp2": ("llama", dict(zero_stage=2)),
+    "llama-zero3-dp2": ("llama", dict(zero_stage=3)),
+    "gpt2-tp2": ("gpt2", dict(tp=2, sp=False)),
+}
+
+
+def prompts(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Four prompts of 9, 6, 9 and 4 tokens, left padded (no EOS among them)."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(EOS + 1, vocab, (4, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    for row, length in enumerate((9, 6, 9, 4)):
+        mask[row, : 9 - length] = 0
+        ids[row, : 9 - length] = PAD
+    return ids, mask
+
+
+def one_process(reference, ids, mask) -> dict[str, list]:
+    reference.eval()
+    with torch.no_grad():
+        greedy = reference.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                                    eos_token_id=EOS, pad_token_id=PAD)
+
+        def forward(step_ids, step_mask, positions, cache):
+            out = reference(input_ids=step_ids, attention_mask=step_mask, position_ids=positions,
+                            past_key_values=cache, use_cache=True)
+            return out.logits[:, -1]
+
+        sampled = decode(forward, ids, mask, slice(0, ids.shape[0]), ids.shape[0], max_new_tokens=NEW,
+                         eos_token_id=EOS, pad_token_id=PAD, all_done=lambda mine: mine, **SAMPLING)
+    return {"greedy": greedy.tolist(), "sampled": sampled.tolist()}
+
+
+def run_case(name: str) -> dict:
+    arch, layout = CASES[name]
+    reference = tiny_model(arch, seed=0)
+    ids, mask = prompts(reference.config.vocab_size)
+    pmodel = plait.parallelize(copy.deepcopy(reference), plait.ParallelConfig(**layout))
+    pmodel.train()  # generation evaluates (no dropout) and gives the mode back
+    greedy = plait.generate(pmodel, ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    sampled = plait.generate(pmodel, ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD, **SAMPLING)
+    return {"one_process": one_process(reference, ids, mask), "greedy": greedy.tolist(),
+            "sampled": sampled.tolist(), "still_training": pmodel.module.training}
+
+
+def refusals() -> dict[str, str]:
+    """What generate says, before any collective, for a layout or batch it does not serve."""
+    said = {}
+    for name, layout, batch in (("sp", dict(tp=2, sp=True), 4), ("odd-batch", dict(tp=1), 3)):
+        pmodel = plait.parallelize(tiny_model("llama"), plait.ParallelConfig(**layout))
+        try:
+            plait.generate(pmodel, torch.ones(batch, 8, dtype=torch.long), max_new_tokens=2)
+            said[name] = "not refused"
+        except plait.ConfigError as err:
+            said[name] = str(err)
+    return said
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    results = {name: run_case(name) for name in CASES}
+    results["refusals"] = refusals()
+    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
