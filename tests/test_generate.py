@@ -2,7 +2,8 @@
 
 One world of 2 ranks runs every case (tests/workers/generate_worker.py): greedy decoding equals transformers'
 ``generate`` on one process token for token, and sampling (temperature, top-k, top-p, a seed) gives one process's
-tokens, on every rank, with left-padded prompts of different lengths and an EOS that ends rows early."""
+tokens, on every rank (tp, dp, ZeRO-1/2/3, ep), with left-padded prompts of different lengths and an EOS that ends
+rows early."""
 
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ CASES = {
     "llama-zero2-dp2": ("llama", dict(zero_stage=2)),
     "llama-zero3-dp2": ("llama", dict(zero_stage=3)),
     "gpt2-tp2": ("gpt2", dict(tp=2, sp=False)),
+    "mixtral-ep2": ("mixtral", dict(ep=2)),
 }
 
 
@@ -62,9 +63,20 @@ def one_process(reference, ids, mask) -> dict[str, list]:
     return {"greedy": greedy.tolist(), "sampled": sampled.tolist()}
 
 
+def model(arch: str) -> torch.nn.Module:
+    """tests/tiny_models' model, or the generic adapter's tiny config of ``arch`` (a MoE: mixtral)."""
+    if arch != "mixtral":
+        return tiny_model(arch, seed=0)
+    from plait_transformers import plait_tiny_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(plait_tiny_config("mixtral"))
+
+
 def run_case(name: str) -> dict:
     arch, layout = CASES[name]
-    reference = tiny_model(arch, seed=0)
+    reference = model(arch)
     ids, mask = prompts(reference.config.vocab_size)
     pmodel = plait.parallelize(copy.deepcopy(reference), plait.ParallelConfig(**layout))
     pmodel.train()  # generation evaluates (no dropout) and gives the mode back

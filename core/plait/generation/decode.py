@@ -13,9 +13,10 @@ Temperature 0 is greedy: transformers' ``generate`` on one process, token for to
 Every rank runs the same number of forwards (tp, ep and ZeRO-3's collectives run inside them): decoding stops when
 every row of the global batch has met EOS, or after ``max_new_tokens``.
 
-Held to one process (tests/test_generate.py): tp without sequence parallelism, data parallelism, ZeRO-1/2/3.
-Refused by name, before any collective: sequence parallelism (a decode step's one token cannot be split over tp
-ranks), pp and cp. Expert parallelism and LoRA run through the same forwards but are not held to one process yet.
+Held to one process (tests/test_generate.py): tp without sequence parallelism, data parallelism, ZeRO-1/2/3, expert
+parallelism (each replica's rows dispatched to the experts' ranks in every forward). Refused by name, before any
+collective: sequence parallelism (a decode step's one token cannot be split over tp ranks), pp and cp. LoRA runs
+through the same forwards but is not held to one process yet.
 """
 
 from __future__ import annotations
