@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -23,6 +21,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from plait.checkpoint import latest_checkpoint
+from plait.cli import main as main_of_plait
 from plait.data.chat_tokenizer import save_chat_tokenizer
 
 DATA = Path(__file__).with_name("sft") / "conversations.jsonl"
@@ -53,6 +52,16 @@ def answer(model, tokenizer, question: str) -> str:
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
+def plait(argv: list[str]) -> None:
+    """``plait ARGV...`` as its command line runs it (plait.cli.main), here in this process: its imports are paid
+    already. A failure has printed its one line and exits with the command's status."""
+    try:
+        main_of_plait(argv)
+    except SystemExit as exit_:  # the launcher of --nproc_per_node N exits with the job's status, 0 included
+        if exit_.code:
+            raise
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default=None, help="a local model dir with a chat template (default: tiny random)")
@@ -66,17 +75,16 @@ def main() -> None:
     base = Path(args.base) if args.base else tiny_base(out)
 
     run = out / "run"
-    plait = [sys.executable, "-m", "plait"]
-    subprocess.run([*plait, "train", "--nproc_per_node", str(args.nproc), "--tensor_parallel_size", str(args.nproc),
-                    "--model_name_or_path", str(base), "--train_file", str(DATA), "--data_format", "chat",
-                    "--packing", "--block_size", "128", "--per_device_train_batch_size", "8",
-                    "--lora_r", "16", "--lora_alpha", "32", "--learning_rate", "1e-2",
-                    "--lr_scheduler_type", "cosine", "--warmup_steps", "10", "--max_steps", str(args.max_steps),
-                    "--save_steps", str(args.max_steps), "--logging_steps", "50",
-                    "--data_cache_dir", str(out / "cache"), "--output_dir", str(run)], check=True)
+    plait(["train", "--nproc_per_node", str(args.nproc), "--tensor_parallel_size", str(args.nproc),
+           "--model_name_or_path", str(base), "--train_file", str(DATA), "--data_format", "chat",
+           "--packing", "--block_size", "128", "--per_device_train_batch_size", "8",
+           "--lora_r", "16", "--lora_alpha", "32", "--learning_rate", "1e-2",
+           "--lr_scheduler_type", "cosine", "--warmup_steps", "10", "--max_steps", str(args.max_steps),
+           "--save_steps", str(args.max_steps), "--logging_steps", "50",
+           "--data_cache_dir", str(out / "cache"), "--output_dir", str(run)])
     checkpoint = latest_checkpoint(run)
     for mode in ("adapter", "merged"):
-        subprocess.run([*plait, "consolidate", str(checkpoint), str(out / mode), "--lora", mode], check=True)
+        plait(["consolidate", str(checkpoint), str(out / mode), "--lora", mode])
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(out / "adapter")).eval()

@@ -12,19 +12,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from plait.checkpoint import latest_checkpoint
+from plait.cli import main as main_of_plait
 from plait.data.chat_tokenizer import save_chat_tokenizer
 
 DATA = Path(__file__).with_name("sft") / "conversations.jsonl"
 MODEL = {"model_type": "llama", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+
+def plait(argv: list[str]) -> None:
+    """``plait ARGV...`` as its command line runs it (plait.cli.main), here in this process: its imports are paid
+    already. A failure has printed its one line and exits with the command's status."""
+    try:
+        main_of_plait(argv)
+    except SystemExit as exit_:  # the launcher of --nproc_per_node N exits with the job's status, 0 included
+        if exit_.code:
+            raise
 
 
 def main() -> None:
@@ -42,16 +51,14 @@ def main() -> None:
     config.write_text(json.dumps(MODEL))
 
     run = out / "run"
-    plait = [sys.executable, "-m", "plait"]
-    subprocess.run([*plait, "train", "--nproc_per_node", str(args.nproc), "--tensor_parallel_size", str(args.nproc),
-                    "--model_config", str(config), "--train_file", str(DATA), "--tokenizer_name", str(tokenizer_dir),
-                    "--data_format", "chat", "--packing", "--block_size", "128", "--per_device_train_batch_size", "8",
-                    "--learning_rate", "3e-3", "--lr_scheduler_type", "cosine", "--warmup_steps", "10",
-                    "--max_steps", str(args.max_steps), "--save_steps", str(args.max_steps),
-                    "--logging_steps", "50", "--data_cache_dir", str(out / "cache"), "--output_dir", str(run)],
-                   check=True)
+    plait(["train", "--nproc_per_node", str(args.nproc), "--tensor_parallel_size", str(args.nproc),
+           "--model_config", str(config), "--train_file", str(DATA), "--tokenizer_name", str(tokenizer_dir),
+           "--data_format", "chat", "--packing", "--block_size", "128", "--per_device_train_batch_size", "8",
+           "--learning_rate", "3e-3", "--lr_scheduler_type", "cosine", "--warmup_steps", "10",
+           "--max_steps", str(args.max_steps), "--save_steps", str(args.max_steps),
+           "--logging_steps", "50", "--data_cache_dir", str(out / "cache"), "--output_dir", str(run)])
     hf_dir = out / "hf"
-    subprocess.run([*plait, "consolidate", str(latest_checkpoint(run)), str(hf_dir)], check=True)
+    plait(["consolidate", str(latest_checkpoint(run)), str(hf_dir)])
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()

@@ -124,7 +124,7 @@ def test_slurm_script_with_fake_srun(model_config, tmp_path, reference_losses):
 @pytest.mark.timeout(TIMEOUT)  # a hang fails here; the script's subprocess goes with it
 def test_sft_chat_example_ends_in_a_model_generate_uses(tmp_path, capfd, monkeypatch):
     """examples/sft_chat.py, 2 steps on one process: tokenizer, chat SFT, consolidate, generate. The script runs in
-    this process (its own imports paid already); its plait commands are processes of their own."""
+    this process (its own imports paid already), and so do its plait commands (plait.cli.main, as the script does)."""
     processes.run_script(ROOT / "examples" / "sft_chat.py", ["--output_dir", tmp_path, "--max_steps", "2",
                                                             "--nproc", "1"], monkeypatch)
     out = capfd.readouterr().out

@@ -194,7 +194,7 @@ def test_a_changed_base_is_refused(base_dir, straight, tmp_path):
 @pytest.mark.timeout(240)  # a hang fails here; the script's subprocess goes with it
 def test_lora_chat_example_ends_in_models_generate_uses(tmp_path, capfd, monkeypatch):
     """examples/lora_chat.py, 2 steps on one process: base, LoRA chat SFT, adapter and merged exports, generate.
-    The script runs in this process (its own imports paid already); its plait commands are processes of their own."""
+    The script runs in this process (its own imports paid already), and so do its plait commands (plait.cli.main)."""
     root = Path(__file__).resolve().parent.parent
     processes.run_script(root / "examples" / "lora_chat.py", ["--output_dir", tmp_path, "--max_steps", "2",
                                                               "--nproc", "1"], monkeypatch)
