@@ -21,7 +21,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from plait.checkpoint import latest_checkpoint
-from plait.cli import main as main_of_plait
+from plait.cli import main as plait  # plait's command line, run in this process: its imports are paid
 from plait.data.chat_tokenizer import save_chat_tokenizer
 
 DATA = Path(__file__).with_name("sft") / "conversations.jsonl"
@@ -50,16 +50,6 @@ def answer(model, tokenizer, question: str) -> str:
         output = model.generate(**inputs, max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eos_token_id,
                                 pad_token_id=tokenizer.pad_token_id)
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
-
-
-def plait(argv: list[str]) -> None:
-    """``plait ARGV...`` as its command line runs it (plait.cli.main), here in this process: its imports are paid
-    already. A failure has printed its one line and exits with the command's status."""
-    try:
-        main_of_plait(argv)
-    except SystemExit as exit_:  # the launcher of --nproc_per_node N exits with the job's status, 0 included
-        if exit_.code:
-            raise
 
 
 def main() -> None:

@@ -18,22 +18,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from plait.checkpoint import latest_checkpoint
-from plait.cli import main as main_of_plait
+from plait.cli import main as plait  # plait's command line, run in this process: its imports are paid
 from plait.data.chat_tokenizer import save_chat_tokenizer
 
 DATA = Path(__file__).with_name("sft") / "conversations.jsonl"
 MODEL = {"model_type": "llama", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
-
-
-def plait(argv: list[str]) -> None:
-    """``plait ARGV...`` as its command line runs it (plait.cli.main), here in this process: its imports are paid
-    already. A failure has printed its one line and exits with the command's status."""
-    try:
-        main_of_plait(argv)
-    except SystemExit as exit_:  # the launcher of --nproc_per_node N exits with the job's status, 0 included
-        if exit_.code:
-            raise
 
 
 def main() -> None:

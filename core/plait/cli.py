@@ -50,7 +50,10 @@ def cmd_train(ns: argparse.Namespace) -> None:
         if "--nproc_per_node" in argv:
             i = argv.index("--nproc_per_node")
             del argv[i : i + 2]
-        sys.exit(run_under_torchrun(argv, args.nproc_per_node, args.ddp_timeout, args.max_restarts))
+        status = run_under_torchrun(argv, args.nproc_per_node, args.ddp_timeout, args.max_restarts)
+        if status:
+            sys.exit(status)
+        return  # done, as a run on one process returns: main() can be called from a script (examples/sft_chat.py)
     from plait.run.trainer import train  # when run (module docstring)
 
     train(args)

@@ -37,6 +37,7 @@ from plait.testing.conformance_worker import Float64Throughout  # noqa: E402
 
 VOCAB, BATCH, SEQ, STEPS = 61, 8, 16, 3
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+FLOAT64 = {"gemma4"}  # built in float64 (build), run in float64 throughout (parity)
 
 
 def build(arch: str, attn: str = "sdpa", device: str = "cpu"):
@@ -244,7 +245,6 @@ def refusals() -> dict:
 
 
 PP2 = dict(pp=2, num_microbatches=4)
-FLOAT64 = {"gemma4"}  # built in float64 (build), run in float64 throughout (parity)
 def replicated_difference(pm) -> float | None:
     """Max difference between the copies every stage holds of the plan's every_stage modules (None if none)."""
     local = dict(pm.module.named_parameters())

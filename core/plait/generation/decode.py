@@ -24,12 +24,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from plait.base import comm
 from plait.base.config import ConfigError
 from plait.checkpoint.gather import gather_logits
-from plait.parallelize import ParallelModel, precision_context
+from plait.parallelize import ParallelModel
 
 
 def check_layout(pmodel: ParallelModel, batch: int) -> None:
@@ -116,32 +115,19 @@ def generate(
     world = comm.world_group()
 
     def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        try:
-            with precision_context(pmodel.config, module):
-                out = module(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                             use_cache=True)
-        finally:
-            pmodel.applied.entry.clear()
+        out = pmodel._model(ids, mask, positions, past_key_values=cache, use_cache=True)
         return gather_logits(pmodel, out.logits[:, -1])
 
     def all_done(mine: bool) -> bool:
         return comm.all_reduce(torch.tensor([0 if mine else 1]), world).item() == 0
 
-    with torch.no_grad(), _evaluating(module):
-        ids = decode(forward, input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
-                     max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                     eos_token_id=eos_token_id, pad_token_id=pad_token_id, all_done=all_done)
+    training = module.training
+    module.eval()  # no dropout; the model's own mode given back after
+    try:
+        with torch.no_grad():
+            ids = decode(forward, input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
+                         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id, all_done=all_done)
+    finally:
+        module.train(training)
     return comm.all_gather(ids, mesh.dp_group, dim=0)
-
-
-class _evaluating:
-    """The module in eval mode (no dropout) for the block, its own mode restored after."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module, self.training = module, module.training
-
-    def __enter__(self) -> None:
-        self.module.eval()
-
-    def __exit__(self, *exc) -> None:
-        self.module.train(self.training)

@@ -180,10 +180,14 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None) -> int:
 def workers(launcher: int) -> list[psutil.Process]:
     """torchrun's workers: its children, or where they are forked, the fork server's (torchrun's other child,
     multiprocessing's resource tracker, is no worker)."""
-    children = psutil.Process(launcher).children()
-    helpers = [c for c in children if "from multiprocessing." in " ".join(c.cmdline())]
-    server = [c for c in helpers if "forkserver" in " ".join(c.cmdline())]
-    return [w for s in server for w in s.children()] + [c for c in children if c not in helpers]
+    found = []
+    for child in psutil.Process(launcher).children():
+        command = " ".join(child.cmdline())
+        if "from multiprocessing.forkserver " in command:
+            found += child.children()
+        elif "from multiprocessing." not in command:
+            found.append(child)
+    return found
 
 
 if __name__ == "__main__":
