@@ -5,9 +5,11 @@
 
 A world here is 2 ranks that import transformers, build a tiny Llama, join a gloo world and take one tp=2 training
 step: the shape of most test worlds (plait.testing.launcher). The second table is a whole ``plait train
---nproc_per_node 2`` command (tiny Llama, 2 steps, a checkpoint) with torchrun's workers forked, as plait starts them
-on a machine without an accelerator, and as fresh ``python -m plait`` processes: wall time and the CPU-seconds the
-machine spent (/proc/stat, so nothing else may run). ``--suite`` also times the whole test suite once per way
+--nproc_per_node 2`` command (tiny Llama, 2 steps, a checkpoint) started the three ways plait.run.torchrun knows:
+torchrun forked from the command and forking the workers (a command of its own on a machine without an accelerator),
+a fresh torchrun forking them from its fork server (plait.cli.main called in a process with threads), and fresh
+``python -m plait`` workers (an accelerator present): wall time and the CPU-seconds the machine spent (/proc/stat, so
+nothing else may run). ``--suite`` also times the whole test suite once per way
 (``PLAIT_LAUNCH``), which takes most of half an hour. Run it on an idle machine: the ranks compete for the cores.
 """
 
@@ -48,12 +50,16 @@ def time_world(mode: str, script: Path) -> float:
     return time.monotonic() - start
 
 
-# plait train as its command line runs it, with the workers' start chosen (plait.run.torchrun asks forking_is_safe)
+# plait train as its command line runs it, with the workers' start chosen (plait.run.torchrun asks forking_is_safe
+# and ForkedTorchrun.possible)
 COMMAND = """
 import sys
 import plait.base.forking as forking
+from plait.run.torchrun import ForkedTorchrun
 way = sys.argv.pop(1)
-forking.forking_is_safe = lambda: way == "forked"
+forking.forking_is_safe = lambda: way != "fresh"
+if way == "fork server":
+    ForkedTorchrun.possible = staticmethod(lambda: False)
 from plait.cli import main
 main()
 """
@@ -67,7 +73,7 @@ def cpu_seconds() -> float:
 
 def time_command(way: str, tmp: Path) -> tuple[float, float]:
     """Wall and CPU seconds of one ``plait train --nproc_per_node 2`` with its workers started ``way``."""
-    out = tmp / f"out-{way}-{time.monotonic_ns()}"
+    out = tmp / f"out-{way.replace(' ', '-')}-{time.monotonic_ns()}"
     cpu, start = cpu_seconds(), time.monotonic()
     subprocess.run([sys.executable, "-c", COMMAND, way, "train", "--model_config", str(tmp / "config.json"),
                     "--nproc_per_node", "2", "--output_dir", str(out), "--max_steps", "2", "--block_size", "16"],
@@ -80,7 +86,7 @@ def compare_commands(rounds: int, tmp: Path) -> None:
 
     LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2).to_json_file(tmp / "config.json")
-    runs: dict[str, list[tuple[float, float]]] = {"fresh": [], "forked": []}
+    runs: dict[str, list[tuple[float, float]]] = {"forked torchrun": [], "fork server": [], "fresh": []}
     for _ in range(rounds):
         for way in runs:
             runs[way].append(time_command(way, tmp))

@@ -111,16 +111,40 @@ def test_a_machine_with_an_accelerator_gets_fresh_processes(tmp_path, monkeypatc
 
 
 def test_plait_trains_workers_are_forked_only_without_an_accelerator(monkeypatch):
-    """``plait train --nproc_per_node N`` runs torchrun with its workers forked from the preloaded server
-    (``--run-path --start-method=forkserver`` and plait/__main__.py, test_signals shows them forked and signalled
-    there), and as fresh ``python -m plait`` processes where an accelerator is present."""
+    """``plait train --nproc_per_node N`` runs torchrun with its workers forked: by torchrun forked from the command
+    (``ForkedTorchrun``: ``--run-path --start-method=fork`` and plait/__main__.py; test_signals shows them forked and
+    signalled there), or from a fresh torchrun's preloaded server (``--start-method=forkserver``); and as fresh
+    ``python -m plait`` processes where an accelerator is present."""
     from plait.run import torchrun
+
+    class Forked:  # a stand-in for the forked torchrun: what it is told to run
+        def run(self, argv, env):
+            commands.append(argv)
+            return 0
 
     commands = []
     monkeypatch.setattr(torchrun, "supervise", lambda cmd, env=None: commands.append(cmd) or 0)
+    torchrun.run_under_torchrun(["train", "--max_steps", "1"], 2, 60, forked=Forked())
     torchrun.run_under_torchrun(["train", "--max_steps", "1"], 2, 60)
     monkeypatch.setattr(device, "accelerator", lambda: torch.device("cuda"))
     torchrun.run_under_torchrun(["train", "--max_steps", "1"], 2, 60)
-    main = os.path.join(os.path.dirname(torchrun.__file__), os.pardir, "__main__.py")
-    assert commands[0][-6:-3] == ["--run-path", "--start-method=forkserver", os.path.abspath(main)], commands[0]
-    assert commands[1][-5:-3] == ["-m", "plait"], commands[1]
+    main = os.path.abspath(os.path.join(os.path.dirname(torchrun.__file__), os.pardir, "__main__.py"))
+    assert commands[0][-6:-3] == ["--run-path", "--start-method=fork", main], commands[0]
+    assert commands[1][-6:-3] == ["--run-path", "--start-method=forkserver", main], commands[1]
+    assert commands[2][-5:-3] == ["-m", "plait"], commands[2]
+    assert not torchrun.ForkedTorchrun.possible()  # pytest's workers have threads: torchrun starts fresh in them
+
+
+def test_a_forked_torchrun_the_launcher_does_not_start_ends():
+    """A refused plan closes the forked torchrun unstarted: it exits at once, having started nothing (run in a
+    process of one thread, as ``plait train`` is)."""
+    script = ("import os, psutil\n"
+              "from plait.run.torchrun import ForkedTorchrun\n"
+              "assert ForkedTorchrun.possible()\n"
+              "forked = ForkedTorchrun()\n"
+              "child = psutil.Process(forked.pid)\n"
+              "assert child.ppid() == os.getpid() and not child.children()\n"
+              "forked.close()\n"
+              "print('gone' if not psutil.pid_exists(forked.pid) else 'left')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "gone", done.stderr[-2000:]

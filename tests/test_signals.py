@@ -81,12 +81,13 @@ def test_sigterm_saves_the_step_and_resume_continues_exactly(model_config, tmp_p
     status, output, family = start_and_signal(flags(model_config, out, "--tensor_parallel_size", "2",
                                                     "--nproc_per_node", "2", "--max_steps", "100000"),
                                               out, [signal.SIGTERM], after_steps=3)
-    # no accelerator here: torchrun's workers were forked from the preloaded server (plait.base.forking), and the
-    # signal reached them through it
-    torchrun = [pid for pid, (_, cmdline) in family.items() if "-m plait.run.torchrun" in cmdline]
-    servers = [pid for pid, (parent, cmdline) in family.items()
-               if parent in torchrun and "from multiprocessing.forkserver import" in cmdline]
-    assert len(servers) == 1 and sum(parent == servers[0] for parent, _ in family.values()) == 2, family
+    # no accelerator here: torchrun was forked from plait before its plan and forked the two workers
+    # (plait.run.torchrun.ForkedTorchrun): one command line throughout, no fresh interpreter; the signal reached them
+    plait = next(pid for pid, (parent, _) in family.items() if parent not in family)
+    launcher = family[plait][1]
+    torchrun = [pid for pid, (parent, _) in family.items() if parent == plait]
+    assert len(torchrun) == 1 and family[torchrun[0]][1] == launcher, family
+    assert [cmdline for parent, cmdline in family.values() if parent == torchrun[0]] == [launcher] * 2, family
     stopped = len(read_metrics(out))
     assert status == 128 + signal.SIGTERM, output[-3000:]
     assert output.count(f"plait: stopped by SIGTERM after step {stopped} of 100000; saved {out}/checkpoint-{stopped};"

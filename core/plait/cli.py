@@ -23,41 +23,60 @@ from plait.plugin.registry import AdapterError, default_registry, served_archite
 from plait.run.prepare_data import add_prepare_data_parser
 from plait.run.runtime import TrainingDiverged
 from plait.run.stop import StopRequested
-from plait.run.torchrun import report_error, run_under_torchrun
+from plait.run.torchrun import ForkedTorchrun, report_error, run_under_torchrun
 from plait.run.train_args import TrainArgs, add_arguments, from_namespace
 
 
 def cmd_train(ns: argparse.Namespace) -> None:
     args = from_namespace(ns, TrainArgs)
     args.validate()
-    argv = ns.argv  # the command's own words, from the subcommand on
+    if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        # Not under torchrun yet: become torchrun, running this same command on every process; forked from here
+        # before the plan where it can be (plait.run.torchrun.ForkedTorchrun), ended unstarted if the plan refuses
+        forked = ForkedTorchrun() if ForkedTorchrun.possible() else None
+        try:
+            status = launch(args, ns.argv, forked)
+        finally:
+            if forked is not None:
+                forked.close()
+        if status:
+            sys.exit(status)
+        return  # done, as a run on one process returns: main() can be called from a script (examples/sft_chat.py)
     if args.layout == "auto":
         if "LOCAL_RANK" in os.environ:
             raise ConfigError("--layout auto plans once, in the launching process: start it with plait train "
                               "--nproc_per_node N, not under torchrun")
-        from plait.auto_layout import choose_layout  # when run (module docstring)
-
-        # the chosen flags after the user's: argparse takes the last of a flag (the batch split among them)
-        argv = [*argv, *choose_layout(args, args.nproc_per_node), "--layout", "manual"]
-        args = from_namespace(build_parser().parse_args(argv), TrainArgs)
-        args.validate()
-    if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
-        from plait.run.trainer import check_before_launch  # when run (module docstring)
-
-        check_before_launch(args, args.nproc_per_node)  # bad input: one line here, not one per worker and a dump
-        # Not under torchrun yet: become torchrun, running this same command on every process.
-        argv = list(argv)
-        if "--nproc_per_node" in argv:
-            i = argv.index("--nproc_per_node")
-            del argv[i : i + 2]
-        status = run_under_torchrun(argv, args.nproc_per_node, args.ddp_timeout, args.max_restarts)
-        if status:
-            sys.exit(status)
-        return  # done, as a run on one process returns: main() can be called from a script (examples/sft_chat.py)
+        args, _ = auto_layout(args, ns.argv)
     from plait.run.trainer import train  # when run (module docstring)
 
     train(args)
     end_process_group(fault=False)
+
+
+def launch(args: TrainArgs, argv: list[str], forked: ForkedTorchrun | None) -> int:
+    """``plait train --nproc_per_node N`` before any worker: the layout chosen (``--layout auto``), the run checked
+    (bad input: one line here, not one per worker and a dump), then torchrun on the same command; its status."""
+    if args.layout == "auto":
+        args, argv = auto_layout(args, argv)
+    from plait.run.trainer import check_before_launch  # when run (module docstring)
+
+    check_before_launch(args, args.nproc_per_node)
+    argv = list(argv)
+    if "--nproc_per_node" in argv:
+        i = argv.index("--nproc_per_node")
+        del argv[i : i + 2]
+    return run_under_torchrun(argv, args.nproc_per_node, args.ddp_timeout, args.max_restarts, forked)
+
+
+def auto_layout(args: TrainArgs, argv: list[str]) -> tuple[TrainArgs, list[str]]:
+    """``--layout auto``: the command's words with the chosen flags after the user's (argparse takes the last of a
+    flag: the batch split among them) and ``--layout manual``, and what they parse to."""
+    from plait.auto_layout import choose_layout  # when run (module docstring)
+
+    argv = [*argv, *choose_layout(args, args.nproc_per_node), "--layout", "manual"]
+    args = from_namespace(build_parser().parse_args(argv), TrainArgs)
+    args.validate()
+    return args, argv
 
 
 def cmd_plan(ns: argparse.Namespace) -> None:

@@ -8,11 +8,13 @@ also gets SIGTERM if plait itself dies (even by SIGKILL), so no worker is ever l
 torchrun's own grace period before it kills workers it signals (when a scheduler signals it directly) is set
 to --ddp_timeout, the bound plait already puts on a step.
 
-Where no accelerator is present the workers are forked from a server that imported torch, transformers and plait's
-trainer once (plait.base.forking; torchrun's own ``--run-path`` with ``--start-method forkserver``), not started as
-fresh ``python -m plait`` processes that import them again each: a whole two-worker command (tiny Llama, 2 steps)
-took 20.7 CPU-seconds and 19.1 s instead of 34.7 and 24.6 on a 2-core VM (bench/launch.py). A worker is still the
-same command: plait/__main__.py run as ``__main__`` with torchrun's environment.
+Where no accelerator is present the workers are forked, not started as fresh ``python -m plait`` processes that
+import torch and transformers again each (plait.base.forking). From a plait command of its own (one thread), torchrun
+itself is forked from it before it plans (``ForkedTorchrun``: plait has imported torch, transformers and its trainer
+for the plan already), and forks the workers (``--start-method fork``); elsewhere (plait.cli.main called in a
+process with threads) torchrun starts fresh and forks them from a server that imported those once (``--start-method
+forkserver``). A worker is still the same command: plait/__main__.py run as ``__main__`` (torchrun's ``--run-path``)
+with torchrun's environment. bench/launch.py times the three ways.
 
 A worker's error is one ``plait: error:`` line for the whole job, not one per rank under torchrun's report of
 the failed worker (a traceback and a 20-line summary). Each worker writes its line to a file in
@@ -25,6 +27,8 @@ distinct line once (a rank's number only where ranks differ) and exits with the 
 from __future__ import annotations
 
 import ctypes
+import io
+import json
 import logging
 import multiprocessing
 import os
@@ -33,6 +37,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -49,7 +56,10 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-FORKED = "--run-path --start-method=forkserver".split()  # torchrun: a script run in processes of that start method
+FORK_SERVED = "--run-path --start-method=forkserver".split()  # torchrun: a script run in processes of that method
+FORKED = "--run-path --start-method=fork".split()
+MAIN = str(Path(__file__).resolve().parent.parent / "__main__.py")  # what ``python -m plait`` runs
+FRESH_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)]
 ERROR_DIR = "PLAIT_ERROR_DIR"  # where each worker writes its one error line (report_error), read by the launcher
 
 
@@ -65,18 +75,113 @@ def report_error(message: str) -> None:
     path.with_suffix(".tmp").replace(path)
 
 
-def run_under_torchrun(argv: list[str], nproc: int, grace_s: int, max_restarts: int = 0) -> int:
+def run_under_torchrun(argv: list[str], nproc: int, grace_s: int, max_restarts: int = 0,
+                       forked: ForkedTorchrun | None = None) -> int:
     """Run ``python -m plait argv`` on ``nproc`` local processes (forked where ``forking_is_safe``), restarted up to
     ``max_restarts`` times after a failure; return the exit status to exit with: the job's (a worker's own, for its
-    error), or 128 + the signal that stopped it."""
-    worker = [*FORKED, str(Path(__file__).resolve().parent.parent / "__main__.py")] if forking.forking_is_safe() \
-        else ["-m", "plait"]
+    error), or 128 + the signal that stopped it. ``forked``: torchrun forked from this process already, waiting."""
+    options = ["--standalone", f"--nproc_per_node={nproc}", f"--shutdown_timeout={grace_s}",
+               f"--max-restarts={max_restarts}"]
     with tempfile.TemporaryDirectory(prefix="plait-errors-") as folder:
-        status = supervise([sys.executable, "-m", "plait.run.torchrun", "--standalone", f"--nproc_per_node={nproc}",
-                            f"--shutdown_timeout={grace_s}", f"--max-restarts={max_restarts}", *worker, *argv],
-                           {**os.environ, ERROR_DIR: folder})
+        if forked is not None:
+            status = forked.run([*options, *FORKED, MAIN, *argv], {ERROR_DIR: folder})
+        else:
+            worker = [*FORK_SERVED, MAIN] if forking.forking_is_safe() else ["-m", "plait"]
+            status = supervise([sys.executable, "-m", "plait.run.torchrun", *options, *worker, *argv],
+                               {**os.environ, ERROR_DIR: folder})
         say_once(Path(folder), nproc)
         return status
+
+
+class ForkedTorchrun:
+    """torchrun, forked from ``plait train --nproc_per_node N`` before it plans the run, waiting for the word to
+    start. The launching process imports torch, transformers and plait's trainer for its plan anyway; a fresh
+    torchrun (``python -m plait.run.torchrun``) and its fork server imported them again, about 4 and 10 CPU-seconds
+    on a 2-core VM. Forked before the plan, it holds nothing the plan did (threads of a tokenizer, OpenMP's pool):
+    what the fork server held, imports. ``run`` sends the command (the plan may have chosen the layout) and
+    supervises it; ``close`` without ``run`` (bad input refused, an error) ends it with nothing started.
+
+    Only where workers may be forked at all (``forking_is_safe``) and from a process of one thread (``possible``):
+    a fork copies only the calling thread, and another's locks would stay held in the copy (plait.cli.main called
+    in a test runner, which has threads, starts torchrun fresh instead)."""
+
+    @staticmethod
+    def possible() -> bool:
+        return forking.forking_is_safe() and hasattr(os, "fork") and threading.active_count() == 1
+
+    def __init__(self) -> None:
+        for name in forking.PRELOAD:  # what the plan imports too: here, before the fork, so that torchrun has them
+            __import__(name)
+        read, self._order = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        launcher = os.getpid()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self._order)
+            status = 1
+            try:
+                status = _wait_then_torchrun(read, launcher)
+            except BaseException:  # noqa: BLE001 (a child of the launcher: say it, never run its code on)
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        os.close(read)
+
+    def run(self, argv: list[str], env: dict[str, str]) -> int:
+        """Start torchrun on ``argv`` with ``env`` added to its environment; its exit status (``supervised``)."""
+        with os.fdopen(self._order, "wb") as order:
+            order.write(json.dumps([argv, env]).encode())
+        self._order = None
+        return supervised(self.pid, lambda: os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1]))
+
+    def close(self) -> None:
+        """End it unstarted (a no-op after ``run``)."""
+        if self._order is not None:
+            os.close(self._order)
+            self._order = None
+            os.waitpid(self.pid, 0)
+
+
+def _fresh_signal_handlers() -> None:
+    """A fresh interpreter's signal handlers: in the forked torchrun, and again in each worker it forks, where
+    torchrun's own (SIGTERM raising its SignalException) would stay (a fork keeps Python's handlers)."""
+    for signum in FRESH_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _wait_then_torchrun(read: int, launcher: int) -> int:
+    """In the forked torchrun: wait for the command, then be what ``python -m plait.run.torchrun`` is."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C while the launcher plans is the launcher's to take
+    with os.fdopen(read, "rb") as order:
+        words = order.read()
+    if not words:  # the launcher closed it: nothing to start
+        return 0
+    argv, env = json.loads(words)
+    os.setsid()  # as supervise's torchrun: a terminal's Ctrl-C reaches the launcher alone, which passes it on
+    if sys.platform == "linux":
+        _die_with_parent()
+    if os.getppid() != launcher:  # it died before the line above
+        return 1
+    _fresh_signal_handlers()
+    torchrun = os.getpid()
+    os.register_at_fork(after_in_child=lambda: os.getppid() == torchrun and _fresh_signal_handlers())
+    os.environ.update(env)
+    # torchrun gives each of several workers one OpenMP thread; a fresh worker reads that when torch loads, a
+    # forked one has torch loaded already, with the launcher's count
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # what torchrun's ``python -u`` gives a fresh worker: its lines as they are written, on the process's own stdout
+    # and stderr (not a stream the launcher's caller may have put in their place)
+    sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True,
+                                               encoding=stream.encoding, errors=stream.errors)
+                              for fd, stream in ((1, sys.stdout), (2, sys.stderr)))
+    return _torchrun(argv)
 
 
 def say_once(folder: Path, nproc: int) -> None:
@@ -105,7 +210,7 @@ def _torchrun(argv: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its "failed (exitcode...)" lines
-    if "--start-method=forkserver" in argv:  # the server starts with the first worker, from this environment
+    if FORK_SERVED[1] in argv:  # the server starts with the first worker, from this environment
         multiprocessing.set_forkserver_preload(forking.PRELOAD)
         os.environ["PYTHONUNBUFFERED"] = "1"  # what torchrun's ``python -u`` gives a fresh worker
     grace_for_the_rest(next(int(a.split("=", 1)[1]) for a in argv if a.startswith("--shutdown_timeout=")))
@@ -149,28 +254,34 @@ def culprit(failures: dict) -> tuple[int, object]:
 
 def supervise(cmd: list[str], env: dict[str, str] | None = None) -> int:
     """Run ``cmd`` (a launcher whose children are the workers) in a session of its own, dying with this
-    process; pass the first SIGINT or SIGTERM to its children (to itself while it has none), and on a second
-    kill it and everything under it. Returns its exit status, or 128 + the first signal."""
+    process, under ``supervised``."""
     launcher = subprocess.Popen(cmd, start_new_session=True, env=env,
                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    return supervised(launcher.pid, launcher.wait)
+
+
+def supervised(launcher: int, wait: Callable[[], int]) -> int:
+    """Wait for process ``launcher`` (``wait``: its exit status); meanwhile pass the first SIGINT or SIGTERM to its
+    children (to itself while it has none), and on a second kill it and everything under it. Returns its exit
+    status, or 128 + the first signal."""
     received: list[int] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
         try:
             if len(received) > 1:  # the second signal: everything stops now
-                for proc in [*psutil.Process(launcher.pid).children(recursive=True), psutil.Process(launcher.pid)]:
+                for proc in [*psutil.Process(launcher).children(recursive=True), psutil.Process(launcher)]:
                     proc.kill()
                 return
             # none started yet: the launcher stops itself
-            for proc in workers(launcher.pid) or [psutil.Process(launcher.pid)]:
+            for proc in workers(launcher) or [psutil.Process(launcher)]:
                 proc.send_signal(signum)
         except psutil.NoSuchProcess:
             pass  # already gone
 
     previous = {s: signal.signal(s, forward) for s in SIGNALS}
     try:
-        status = launcher.wait()
+        status = wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
