@@ -288,13 +288,61 @@ _REFERENCE_RUNS: dict[tuple, list[ReferenceStep]] = {}
 
 def reference_run(subject: Subject, mode: Mode, reference: torch.nn.Module, dp: int) -> list[ReferenceStep]:
     """The one-process run ``mode`` is compared with: AdamW steps of ``reference`` (trained in place when first
-    computed) on the global batch of ``dp`` data-parallel ranks, clipped as the mode clips."""
+    computed) on the global batch of ``dp`` data-parallel ranks, clipped as the mode clips. Rank 0 computes it and
+    sends it to the others, which wait without computing (in a world of 2 on 2 cores, the other core serves the
+    other test worker): every rank of a world held the same run, computed again on each (a tenth of the generic
+    kit's time). An error computing it is raised on every rank from here: the same message at the same line."""
     dtype = next(reference.parameters()).dtype
     key = (subject.ref, json.dumps(mode.model, sort_keys=True, default=str), str(dtype), dp, mode.steps, mode.clip)
     if key in _REFERENCE_RUNS:
         return _REFERENCE_RUNS[key]
     if any(k[0] != subject.ref for k in _REFERENCE_RUNS):
         _REFERENCE_RUNS.clear()
+    steps = _REFERENCE_RUNS[key] = sent_from_rank_0(mode, reference, dp)
+    return steps
+
+
+def sent_from_rank_0(mode: Mode, reference: torch.nn.Module, dp: int) -> list[ReferenceStep]:
+    """``one_process_steps`` computed on rank 0 and sent to every rank: each step's numbers as one small object,
+    its batch and gradients as tensors, one flat tensor per dtype (pickled, each gradient took as long to send as to
+    compute; a float64 model may keep some parameters in fp32)."""
+    steps: list[ReferenceStep] = []
+    summary: list[Any] = [None, None]  # each step's loss, norm and no_grad set; or what computing them raised
+    if dist.get_rank() == 0:
+        try:
+            steps = one_process_steps(mode, reference, dp)
+            summary[0] = [(step.loss, step.norm, step.no_grad) for step in steps]
+        except Exception as err:  # noqa: BLE001 (raised on every rank below; a transformers error may not pickle)
+            summary[1] = f"{type(err).__name__}: {err}"
+    dist.broadcast_object_list(summary, src=0)
+    if summary[1] is not None:
+        raise RuntimeError(f"the one-process run raised {summary[1]}")
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.nn.Parameter]]] = {}  # reference_grads' names, in its order
+    for name, param in reference.named_parameters(remove_duplicate=False):
+        by_dtype.setdefault(param.dtype, []).append((name, param))
+    if dist.get_rank() == 0:
+        for step in steps:
+            dist.broadcast(step.ids, src=0)
+            for named in by_dtype.values():
+                dist.broadcast(torch.cat([step.grads[name].reshape(-1) for name, _ in named]), src=0)
+        return steps
+    for loss, norm, no_grad in summary[0]:
+        ids = torch.empty(BATCH * dp, SEQ, dtype=torch.long)
+        dist.broadcast(ids, src=0)
+        grads = {}
+        for named in by_dtype.values():
+            # a buffer of the parameters' dtype made without naming it: Float64Throughout turns an fp32 asked for
+            # into float64, while the fp32 parameters a float64 model keeps (its strict fp32 modules) send fp32
+            flat = torch.cat([p.detach().reshape(-1) for _, p in named])
+            dist.broadcast(flat, src=0)
+            pieces = flat.split([p.numel() for _, p in named])
+            grads.update({name: piece.view(p.shape) for (name, p), piece in zip(named, pieces)})
+        steps.append(ReferenceStep(ids, loss, norm, grads, no_grad))
+    return steps
+
+
+def one_process_steps(mode: Mode, reference: torch.nn.Module, dp: int) -> list[ReferenceStep]:
+    """``reference_run``'s steps, computed here."""
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=ADAM_EPS)
     gen = torch.Generator().manual_seed(1)
     vocab = reference.config.get_text_config().vocab_size  # a composite config (Gemma4) holds it in its text config
@@ -312,7 +360,6 @@ def reference_run(subject: Subject, mode: Mode, reference: torch.nn.Module, dp: 
         steps.append(ReferenceStep(ids, loss.item(), norm, grads, no_grad))
         ref_opt.step()
         ref_opt.zero_grad()
-    _REFERENCE_RUNS[key] = steps
     return steps
 
 
