@@ -34,13 +34,13 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("data", {"plait.data"}),
     ("run", {"plait.run", "plait.generation"}),
     ("tools on a layout", {"plait.costs", "plait.testing"}),
-    ("entry points", {"plait", "plait.__main__", "plait.cli", "plait.plan_command", "plait.auto_layout",
-                      "plait.run.torchrun"}),
+    ("entry points", {"plait", "plait.__main__", "plait.cli", "plait.plan_command", "plait.generate_command",
+                      "plait.auto_layout", "plait.run.torchrun"}),
 ]
 # The root of core/plait: the package's face (what ``import plait`` gives, the front door ``parallelize`` and the
 # plan it applies) and the entry points; every other module lives in the folder of its layer.
-ROOT_MODULES = {"plait", "plait.__main__", "plait.cli", "plait.plan_command", "plait.auto_layout",
-                "plait.layout_plan", "plait.parallelize"}
+ROOT_MODULES = {"plait", "plait.__main__", "plait.cli", "plait.plan_command", "plait.generate_command",
+                "plait.auto_layout", "plait.layout_plan", "plait.parallelize"}
 MAX_ROOT_MODULES = 20
 MAX_LINES = 500
 

@@ -19,6 +19,7 @@ from typing import NoReturn
 from plait.base.config import ConfigError, FaultError
 from plait.base.words import flag_words
 from plait.costs.device import PRESETS
+from plait.generate_command import add_generate_parser
 from plait.plugin.registry import AdapterError, default_registry, served_architectures
 from plait.run.prepare_data import add_prepare_data_parser
 from plait.run.runtime import TrainingDiverged
@@ -258,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=cmd_check_adapter)
 
     add_prepare_data_parser(sub, common)  # plait prepare-data: tokenize into the cache first
+    add_generate_parser(sub, common)  # plait generate: completions from a model's shards
 
     adapters = sub.add_parser("adapters", parents=common, help="list installed architecture adapters")
     adapters.add_argument("--json", action="store_true", help="print a JSON list")

@@ -83,9 +83,10 @@ def decode(
     ids, mask = input_ids, attention_mask
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = forward(ids, mask, positions, cache)
-    done = torch.zeros(ids.shape[0], dtype=torch.bool)
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     for _ in range(max_new_tokens):
-        noise = gumbel(generator, total_rows, logits.shape[-1])[rows] if temperature > 0 else None
+        noise = gumbel(generator, total_rows, logits.shape[-1])[rows].to(logits.device) if temperature > 0 \
+            else None
         token = pick(logits.float(), noise, temperature, top_k, top_p)
         token = token.masked_fill(done, pad_token_id)
         ids = torch.cat([ids, token[:, None]], dim=1)

@@ -1,0 +1,106 @@
+"""Generation speed: ``plait.generate`` from a laid-out model against transformers' ``generate`` on one process.
+
+    python bench/generate.py [--batch 8] [--prompt 32] [--new 32] [--rounds 3]
+
+A 135M-class Llama (SmolLM-135M's shape: 30 layers of width 576, 9 heads and 3 kv heads, a 49,152-token vocabulary;
+random weights, fp32) decodes the same batch of random prompts greedily to exactly ``--new`` tokens (no EOS), three
+ways: transformers' ``generate`` on one process, ``plait.generate`` on the model parallelized on one process (tp=1),
+and ``plait.generate`` at tp=2 on two processes (a world launched by plait.testing.launch, one OpenMP thread each,
+where one process uses the machine's threads). Prints new tokens per second, the median of ``--rounds`` (after a
+warm-up round), and each against transformers. Run it alone: the ways compete for the cores otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+             num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True)
+
+WORKER = """
+import json, statistics, sys, time
+import torch, torch.distributed as dist
+from transformers import LlamaForCausalLM
+import plait
+dist.init_process_group("gloo")
+model_dir, batch, prompt, new, rounds, out = sys.argv[1], *map(int, sys.argv[2:6]), sys.argv[6]
+pmodel = plait.parallelize(LlamaForCausalLM.from_pretrained(model_dir), plait.ParallelConfig(tp=2, sp=False))
+ids = torch.randint(0, 49152, (batch, prompt), generator=torch.Generator().manual_seed(0))
+times = []
+for _ in range(rounds + 1):
+    start = time.perf_counter()
+    plait.generate(pmodel, ids, max_new_tokens=new)
+    times.append(time.perf_counter() - start)
+if dist.get_rank() == 0:
+    open(out, "w").write(json.dumps(times[1:]))
+dist.destroy_process_group()
+"""
+
+
+def timed(run, rounds: int) -> list[float]:
+    run()  # warm-up
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    import plait
+    from plait.testing import launch
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
+    ids = torch.randint(0, SHAPE["vocab_size"], (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    new = args.new
+    results = {}
+    with torch.no_grad():
+        expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)
+        results["transformers generate, one process"] = timed(
+            lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                   do_sample=False, eos_token_id=None, pad_token_id=0), args.rounds)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        pmodel = plait.parallelize(model, plait.ParallelConfig())
+        got = plait.generate(pmodel, ids, mask, max_new_tokens=new)
+        assert torch.equal(got, expected), "plait's greedy tokens differ from transformers'"
+        results["plait.generate, tp=1"] = timed(lambda: plait.generate(pmodel, ids, mask, max_new_tokens=new),
+                                                args.rounds)
+        script, out = Path(tmp) / "worker.py", Path(tmp) / "tp2.json"
+        script.write_text(WORKER)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        launch([str(script), tmp, str(args.batch), str(args.prompt), str(new), str(args.rounds), str(out)], 2,
+               timeout=1800)
+        results["plait.generate, tp=2 (2 processes)"] = json.loads(out.read_text())
+    tokens = args.batch * new
+    base = tokens / statistics.median(results["transformers generate, one process"])
+    print(f"Llama of SmolLM-135M's shape, fp32, batch {args.batch}, prompts of {args.prompt}, {new} new tokens, "
+          f"greedy; {torch.get_num_threads()} threads in one process, {os.cpu_count()} cores")
+    print("| way | new tokens/s (median) | vs transformers | rounds, s |\n| --- | ---: | ---: | --- |")
+    for way, times in results.items():
+        rate = tokens / statistics.median(times)
+        print(f"| {way} | {rate:.1f} | {rate / base:.2f}x | {', '.join(f'{t:.2f}' for t in times)} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

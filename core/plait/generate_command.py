@@ -1,0 +1,209 @@
+"""``plait generate``: completions of a file of prompts from a model's own shards, on any layout generation serves
+(tp without SP, dp, ep, ZeRO-3: plait.generation.decode).
+
+    plait generate --model_name_or_path DIR --prompts prompts.jsonl --output completions.jsonl \\
+        [--max_new_tokens 64] [--temperature 0] [--nproc_per_node 2 --tensor_parallel_size 2]
+
+DIR is a Hugging Face model directory or a plait checkpoint (any saved layout, no consolidation: its tokenizer files
+are saved beside the weights). Each prompt line is a JSON object with a ``prompt`` string, or chat ``messages``
+rendered with the tokenizer's chat template and its generation prompt; the output holds each input row with its
+``completion`` added, in the input's order. Prompts are left padded and decoded ``--batch_size`` at a time (the global
+batch, split over the dp replicas); a completion ends at the tokenizer's EOS, or before the first ``--stop`` string.
+The same ``--seed`` and ``--batch_size`` give the same completions in every layout (each batch's noise is drawn for
+the whole batch from one generator). Bad input (a prompt line, a model or tokenizer directory, a batch the replicas
+do not divide, a layout generation does not serve) is one line before any process group; the output file appears
+whole or not at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from plait.base.config import ConfigError
+
+BATCH_FLAGS = ("--max_new_tokens", "--batch_size", "--top_k")
+
+
+def add_generate_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("generate", parents=parents, help="complete a file of prompts with a model (a Hugging "
+                            "Face dir or a plait checkpoint) on its tp / dp / ep / ZeRO-3 shards")
+    parser.add_argument("--model_name_or_path", required=True, help="a Hugging Face model dir or a plait checkpoint")
+    parser.add_argument("--tokenizer_name", default=None, help="tokenizer dir (default: the model's)")
+    parser.add_argument("--prompts", required=True, type=Path,
+                        help="JSON lines, each with a 'prompt' string or chat 'messages' (the tokenizer's template)")
+    parser.add_argument("--output", required=True, type=Path, help="JSON lines: each prompt's row with 'completion'")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    parser.add_argument("--top_k", type=int, default=0, help="sample from the k likeliest tokens (0: all)")
+    parser.add_argument("--top_p", type=float, default=1.0, help="sample from the likeliest tokens of this mass")
+    parser.add_argument("--seed", type=int, default=0, help="sampling's seed: the same completions in every layout")
+    parser.add_argument("--stop", nargs="+", default=[], metavar="TEXT",
+                        help="stop strings: a completion ends before the first of them")
+    parser.add_argument("--batch_size", type=int, default=8,
+                        help="prompts decoded together, over all data-parallel replicas (a multiple of dp)")
+    parser.add_argument("--tensor_parallel_size", type=int, default=1)
+    parser.add_argument("--expert_parallel_size", type=int, default=1)
+    parser.add_argument("--zero_stage", type=int, choices=(0, 3), default=0,
+                        help="3: each dp rank stores 1/dp of the weights, gathered layer by layer")
+    parser.add_argument("--bf16", action="store_true", help="weights and compute in bfloat16")
+    parser.add_argument("--nproc_per_node", type=int, default=1, help="launch this many processes with torchrun")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--ddp_timeout", type=int, default=600, help="seconds a collective may wait")
+    parser.set_defaults(func=cmd_generate)
+
+
+def read_prompts(path: Path) -> list[dict[str, Any]]:
+    """The prompt rows of ``path``, each checked: one line naming the file, line and fix for the first bad one."""
+    if not path.is_file():
+        raise ConfigError(f"--prompts {path}: no such file")
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{number}: not JSON ({err.msg}); each line is an object with 'prompt' or "
+                              f"'messages'") from None
+        prompt, messages = (row.get("prompt"), row.get("messages")) if isinstance(row, dict) else (None, None)
+        if not (isinstance(prompt, str) and prompt or isinstance(messages, list) and messages):
+            raise ConfigError(f"{path}:{number}: a line needs a non-empty 'prompt' string or a 'messages' list")
+        rows.append(row)
+    if not rows:
+        raise ConfigError(f"--prompts {path}: no prompts in it")
+    return rows
+
+
+def check_args(ns: argparse.Namespace, world: int) -> None:
+    """The numbers and the layout, before a weight or a process group: one line each."""
+    for flag in BATCH_FLAGS:
+        value = getattr(ns, flag[2:])
+        if value < (0 if flag == "--top_k" else 1):
+            raise ConfigError(f"{flag} {value}: give a positive number" + (" or 0" if flag == "--top_k" else ""))
+    if ns.temperature < 0 or not 0 < ns.top_p <= 1:
+        raise ConfigError(f"--temperature {ns.temperature} --top_p {ns.top_p}: temperature >= 0 (0: greedy), "
+                          f"0 < top_p <= 1")
+    if world % ns.tensor_parallel_size:
+        raise ConfigError(f"--tensor_parallel_size {ns.tensor_parallel_size} does not divide {world} processes")
+    dp = world // ns.tensor_parallel_size
+    if ns.batch_size % dp:
+        valid = ", ".join(str(dp * k) for k in range(1, 4))
+        raise ConfigError(f"--batch_size {ns.batch_size} is split over dp={dp} replicas: give a multiple of {dp} "
+                          f"({valid}, ...)")
+
+
+def cmd_generate(ns: argparse.Namespace) -> None:
+    launching = ns.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ
+    if not launching:
+        rows, tokenizer = checked_input(ns, int(os.environ.get("WORLD_SIZE", "1")))
+        complete(ns, rows, tokenizer)
+        return
+    from plait.run.torchrun import ForkedTorchrun, run_under_torchrun  # when run: every command builds this parser
+
+    forked = ForkedTorchrun() if ForkedTorchrun.possible() else None  # before anything that may start threads
+    try:
+        checked_input(ns, ns.nproc_per_node)  # bad input: one line here, not one per worker
+        argv = list(ns.argv)
+        del argv[argv.index("--nproc_per_node"): argv.index("--nproc_per_node") + 2]
+        status = run_under_torchrun(argv, ns.nproc_per_node, ns.ddp_timeout, forked=forked)
+    finally:
+        if forked is not None:
+            forked.close()
+    if status:
+        sys.exit(status)
+
+
+def checked_input(ns: argparse.Namespace, world: int) -> tuple[list[dict[str, Any]], Any]:
+    """The prompts and the tokenizer, every flag and the model directory checked, for ``world`` processes."""
+    rows = read_prompts(ns.prompts)
+    check_args(ns, world)
+    from plait.checkpoint.materialize import resolve_source
+
+    config, _, path = resolve_source(ns.model_name_or_path)
+    return rows, load_prompt_tokenizer(ns, path, config)
+
+
+def load_prompt_tokenizer(ns: argparse.Namespace, model_dir: Path | None, config: Any) -> Any:
+    """The tokenizer of ``--tokenizer_name`` or the model dir, padding on the left, with a pad token."""
+    from plait.data.tokenizer import load_tokenizer
+
+    if model_dir is None and ns.tokenizer_name is None:
+        raise ConfigError("--model_name_or_path names no directory: give --tokenizer_name")
+    try:
+        tokenizer = load_tokenizer(Path(ns.tokenizer_name or model_dir), config.get_text_config().vocab_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.pad_token_id is None:
+        raise ConfigError(f"the tokenizer of {ns.tokenizer_name or model_dir} has neither a pad nor an EOS token")
+    return tokenizer
+
+
+def render(row: dict[str, Any], tokenizer: Any) -> str:
+    if "prompt" in row:
+        return row["prompt"]
+    if not tokenizer.chat_template:
+        raise ConfigError("a prompt has 'messages' but the tokenizer has no chat template: give 'prompt' strings or "
+                          "a --tokenizer_name with a template")
+    return tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+
+
+def completion_text(tokens: list[int], tokenizer: Any, stop: list[str]) -> tuple[str, int]:
+    """A row's new tokens as text, ended at EOS (excluded) or before the first stop string; and how many tokens
+    were generated for it (EOS counted)."""
+    eos = tokenizer.eos_token_id
+    count = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+    text = tokenizer.decode(tokens[: count - 1] if eos in tokens else tokens, skip_special_tokens=True)
+    ends = [text.find(s) for s in stop if s in text]
+    return (text[: min(ends)] if ends else text), count
+
+
+def complete(ns: argparse.Namespace, rows: list[dict[str, Any]], tokenizer: Any) -> None:
+    """Load the model's shards, decode every batch of prompts, write the output on rank 0 (temporary, then renamed)."""
+    import datetime
+
+    import torch
+
+    from plait.base.config import ParallelConfig
+    from plait.base.device import pick_device
+    from plait.checkpoint.materialize import load_parallel_model
+    from plait.generation.decode import generate
+    from plait.run.runtime import init_distributed
+
+    device = pick_device(ns.device)
+    init_distributed(device, "auto", ns.ddp_timeout)
+    layout = ParallelConfig(tp=ns.tensor_parallel_size, ep=ns.expert_parallel_size, sp=False,
+                            zero_stage=ns.zero_stage)
+    pmodel = load_parallel_model(ns.model_name_or_path, layout, dtype=torch.bfloat16 if ns.bf16 else torch.float32,
+                                 device=device, timeout=datetime.timedelta(seconds=ns.ddp_timeout))
+    texts = [render(row, tokenizer) for row in rows]
+    start, generated, out = time.perf_counter(), 0, []
+    for first in range(0, len(texts), ns.batch_size):
+        batch = texts[first: first + ns.batch_size]
+        batch += batch[-1:] * (ns.batch_size - len(batch))  # the last batch filled to size: the same split
+        encoded = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+        ids = generate(pmodel, encoded.input_ids.to(device), encoded.attention_mask.to(device),
+                       max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p,
+                       seed=ns.seed + first, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        for row, new in zip(rows[first: first + ns.batch_size], ids[:, encoded.input_ids.shape[1]:].tolist()):
+            text, count = completion_text(new, tokenizer, ns.stop)
+            out.append({**row, "completion": text})
+            generated += count
+    seconds = time.perf_counter() - start
+    if int(os.environ.get("RANK", "0")) == 0:
+        ns.output.parent.mkdir(parents=True, exist_ok=True)
+        partial = ns.output.with_name(ns.output.name + ".tmp")
+        partial.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in out), encoding="utf-8")
+        partial.replace(ns.output)
+        print(f"{len(out)} completions, {generated:,} new tokens in {seconds:.1f} s ({generated / seconds:,.1f} "
+              f"tokens/s, layout {pmodel.mesh.config.describe()}): {ns.output}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
