@@ -2,8 +2,8 @@
 
     python bench/generate.py [--batch 8] [--prompt 32] [--new 32] [--rounds 3]
 
-A 135M-class Llama (SmolLM-135M's shape: 30 layers of width 576, 9 heads and 3 kv heads, a 49,152-token vocabulary;
-random weights, fp32) decodes the same batch of random prompts greedily to exactly ``--new`` tokens (no EOS), three
+A 125M-parameter Llama (16 layers of width 768, 12 heads and 4 kv heads, MLP 2048, a 32,000-token vocabulary, tied
+head: a 135M-class model whose heads tp=2 divides, which SmolLM-135M's 9 do not; random weights, fp32) decodes the same batch of random prompts greedily to exactly ``--new`` tokens (no EOS), three
 ways: transformers' ``generate`` on one process, ``plait.generate`` on the model parallelized on one process (tp=1),
 and ``plait.generate`` at tp=2 on two processes (a world launched by plait.testing.launch, one OpenMP thread each,
 where one process uses the machine's threads). Prints new tokens per second, the median of ``--rounds`` (after a
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-             num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True)
+SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
+             num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=True)
 
 WORKER = """
 import json, statistics, sys, time
@@ -35,7 +35,7 @@ import plait
 dist.init_process_group("gloo")
 model_dir, batch, prompt, new, rounds, out = sys.argv[1], *map(int, sys.argv[2:6]), sys.argv[6]
 pmodel = plait.parallelize(LlamaForCausalLM.from_pretrained(model_dir), plait.ParallelConfig(tp=2, sp=False))
-ids = torch.randint(0, 49152, (batch, prompt), generator=torch.Generator().manual_seed(0))
+ids = torch.randint(0, 32000, (batch, prompt), generator=torch.Generator().manual_seed(0))
 times = []
 for _ in range(rounds + 1):
     start = time.perf_counter()
@@ -94,7 +94,8 @@ def main() -> None:
         results["plait.generate, tp=2 (2 processes)"] = json.loads(out.read_text())
     tokens = args.batch * new
     base = tokens / statistics.median(results["transformers generate, one process"])
-    print(f"Llama of SmolLM-135M's shape, fp32, batch {args.batch}, prompts of {args.prompt}, {new} new tokens, "
+    size = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**SHAPE)).parameters()) / 1e6
+    print(f"Llama of {size:.0f}M parameters, fp32, batch {args.batch}, prompts of {args.prompt}, {new} new tokens, "
           f"greedy; {torch.get_num_threads()} threads in one process, {os.cpu_count()} cores")
     print("| way | new tokens/s (median) | vs transformers | rounds, s |\n| --- | ---: | ---: | --- |")
     for way, times in results.items():
