@@ -3,11 +3,12 @@
     python bench/generate.py [--batch 8] [--prompt 32] [--new 32] [--rounds 3]
 
 A 125M-parameter Llama (16 layers of width 768, 12 heads and 4 kv heads, MLP 2048, a 32,000-token vocabulary, tied
-head: a 135M-class model whose heads tp=2 divides, which SmolLM-135M's 9 do not; random weights, fp32) decodes the same batch of random prompts greedily to exactly ``--new`` tokens (no EOS), three
-ways: transformers' ``generate`` on one process, ``plait.generate`` on the model parallelized on one process (tp=1),
-and ``plait.generate`` at tp=2 on two processes (a world launched by plait.testing.launch, one OpenMP thread each,
-where one process uses the machine's threads). Prints new tokens per second, the median of ``--rounds`` (after a
-warm-up round), and each against transformers. Run it alone: the ways compete for the cores otherwise.
+head: a 135M-class model whose heads tp=2 divides, which SmolLM-135M's 9 do not; random weights, fp32) decodes the
+same batch of random prompts greedily to exactly ``--new`` tokens (no EOS), three ways: transformers' ``generate`` on
+one process and ``plait.generate`` on the same model parallelized on one process (tp=1), in alternating order, and
+``plait.generate`` at tp=2 on two processes (a world launched by plait.testing.launch, one OpenMP thread each, where
+one process uses the machine's threads). Prints new tokens per second, the median of ``--rounds`` (after a warm-up
+round), and each against transformers. Run it alone: the ways compete for the cores otherwise.
 """
 
 from __future__ import annotations
@@ -47,13 +48,18 @@ dist.destroy_process_group()
 """
 
 
-def timed(run, rounds: int) -> list[float]:
-    run()  # warm-up
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
+def alternating(ways: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each way per round, after a warm-up; the order flips every round (whichever ran second in each
+    round was measured 8% slower when one order was kept: the machine's drift, not the way)."""
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    with torch.no_grad():
+        for run in ways.values():
+            run()
+        for i in range(rounds):
+            for name in (list(ways) if i % 2 == 0 else list(ways)[::-1]):
+                start = time.perf_counter()
+                ways[name]()
+                times[name].append(time.perf_counter() - start)
     return times
 
 
@@ -72,20 +78,19 @@ def main() -> None:
     ids = torch.randint(0, SHAPE["vocab_size"], (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     new = args.new
-    results = {}
     with torch.no_grad():
         expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                   do_sample=False, eos_token_id=None, pad_token_id=0)
-        results["transformers generate, one process"] = timed(
-            lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                   do_sample=False, eos_token_id=None, pad_token_id=0), args.rounds)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
-        pmodel = plait.parallelize(model, plait.ParallelConfig())
+        pmodel = plait.parallelize(model, plait.ParallelConfig())  # the same module: its weights shared
         got = plait.generate(pmodel, ids, mask, max_new_tokens=new)
         assert torch.equal(got, expected), "plait's greedy tokens differ from transformers'"
-        results["plait.generate, tp=1"] = timed(lambda: plait.generate(pmodel, ids, mask, max_new_tokens=new),
-                                                args.rounds)
+        ways = {"transformers generate, one process": lambda: model.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                    eos_token_id=None, pad_token_id=0),
+                "plait.generate, tp=1": lambda: plait.generate(pmodel, ids, mask, max_new_tokens=new)}
+        results = alternating(ways, args.rounds)
         script, out = Path(tmp) / "worker.py", Path(tmp) / "tp2.json"
         script.write_text(WORKER)
         os.environ["OMP_NUM_THREADS"] = "1"
