@@ -189,7 +189,7 @@ class ParallelModel(nn.Module):
     def _model(self, input_ids, attention_mask, position_ids, **cache) -> Any:
         extra = {"use_cache": False, **cache} | ({} if position_ids is None else {"position_ids": position_ids})
         try:
-            with precision_context(self.config, self.module):  # cache: past_key_values, use_cache (plait.generation)
+            with precision_context(self.config, self.module):  # cache: the KV cache, use_cache (plait.generation)
                 return self.module(input_ids=input_ids, attention_mask=attention_mask, **extra)
         finally:
             self.applied.entry.clear()

@@ -117,11 +117,14 @@ def generate(
     world = comm.world_group()
 
     # the head on the last position only, as transformers' generate asks: a prompt's other positions need no logits
-    # (32 of them cost a tenth of a 125M model's decoding); where the model's forward takes the argument
-    last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(module).forward).parameters else {}
+    # (32 of them cost a tenth of a 125M model's decoding); where the model's forward takes the argument. The cache
+    # under the name the forward takes: ``cache`` (transformers 5.24, which warns at ``past_key_values``) or the older
+    arguments = inspect.signature(type(module).forward).parameters
+    last = {"logits_to_keep": 1} if "logits_to_keep" in arguments else {}
+    cache_name = "cache" if "cache" in arguments else "past_key_values"
 
     def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        out = pmodel._model(ids, mask, positions, past_key_values=cache, use_cache=True, **last)
+        out = pmodel._model(ids, mask, positions, use_cache=True, **{cache_name: cache}, **last)
         return gather_logits(pmodel, out.logits[:, -1])
 
     def all_done(mine: bool) -> bool:
