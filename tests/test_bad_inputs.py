@@ -25,6 +25,7 @@ from plait.cli import main
 import plait.cli
 import plait.plugin.registry
 import plait.run.trainer
+import plait.run.torchrun
 from plait.testing import launch
 import processes
 from tiny_models import tiny_config
@@ -281,7 +282,7 @@ def test_launcher_refuses_before_any_worker_starts(warm, tmp_path, monkeypatch, 
     exit 2 there, instead of one line per worker and torchrun's ChildFailedError dump."""
     _, flags, setup, message = next(c for c in CASES if c[0] == case)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.setattr(plait.cli, "run_under_torchrun", never("torchrun"))
+    monkeypatch.setattr(plait.run.torchrun, "run_under_torchrun", never("torchrun"))
     extra = setup(monkeypatch, tmp_path) if setup else []
     with pytest.raises(SystemExit) as exit_info:
         main(["train", *base_flags(tmp_path), "--nproc_per_node", "2", *flags, *extra])
@@ -303,7 +304,7 @@ def test_every_bad_input_through_the_launcher(warm, tmp_path, monkeypatch, capsy
     already holds a run's files gets nothing new."""
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(plait.cli, "run_under_torchrun", never("torchrun"))
+    monkeypatch.setattr(plait.run.torchrun, "run_under_torchrun", never("torchrun"))
     nproc = getattr(setup, "world", 2)
     extra = setup(monkeypatch, tmp_path) if setup and not hasattr(setup, "world") else []
     out = tmp_path / "out"

@@ -24,7 +24,7 @@ from plait.plugin.registry import AdapterError, default_registry, served_archite
 from plait.run.prepare_data import add_prepare_data_parser
 from plait.run.runtime import TrainingDiverged
 from plait.run.stop import StopRequested
-from plait.run.torchrun import ForkedTorchrun, report_error, run_under_torchrun
+from plait.run.torchrun import launch, report_error
 from plait.run.train_args import TrainArgs, add_arguments, from_namespace
 
 
@@ -32,17 +32,9 @@ def cmd_train(ns: argparse.Namespace) -> None:
     args = from_namespace(ns, TrainArgs)
     args.validate()
     if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
-        # Not under torchrun yet: become torchrun, running this same command on every process; forked from here
-        # before the plan where it can be (plait.run.torchrun.ForkedTorchrun), ended unstarted if the plan refuses
-        forked = ForkedTorchrun() if ForkedTorchrun.possible() else None
-        try:
-            status = launch(args, ns.argv, forked)
-        finally:
-            if forked is not None:
-                forked.close()
-        if status:
-            sys.exit(status)
-        return  # done, as a run on one process returns: main() can be called from a script (examples/sft_chat.py)
+        # Not under torchrun yet: become torchrun, running this same command on every process
+        launch(args.nproc_per_node, args.ddp_timeout, lambda: checked_before_launch(args, ns.argv), args.max_restarts)
+        return
     if args.layout == "auto":
         if "LOCAL_RANK" in os.environ:
             raise ConfigError("--layout auto plans once, in the launching process: start it with plait train "
@@ -54,19 +46,15 @@ def cmd_train(ns: argparse.Namespace) -> None:
     end_process_group(fault=False)
 
 
-def launch(args: TrainArgs, argv: list[str], forked: ForkedTorchrun | None) -> int:
-    """``plait train --nproc_per_node N`` before any worker: the layout chosen (``--layout auto``), the run checked
-    (bad input: one line here, not one per worker and a dump), then torchrun on the same command; its status."""
+def checked_before_launch(args: TrainArgs, argv: list[str]) -> list[str]:
+    """``plait train --nproc_per_node N`` before any worker: the layout chosen (``--layout auto``) and the run
+    checked; the command the workers run."""
     if args.layout == "auto":
         args, argv = auto_layout(args, argv)
     from plait.run.trainer import check_before_launch  # when run (module docstring)
 
     check_before_launch(args, args.nproc_per_node)
-    argv = list(argv)
-    if "--nproc_per_node" in argv:
-        i = argv.index("--nproc_per_node")
-        del argv[i : i + 2]
-    return run_under_torchrun(argv, args.nproc_per_node, args.ddp_timeout, args.max_restarts, forked)
+    return argv
 
 
 def auto_layout(args: TrainArgs, argv: list[str]) -> tuple[TrainArgs, list[str]]:

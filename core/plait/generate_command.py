@@ -20,14 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from plait.base.config import ConfigError
 
-BATCH_FLAGS = ("--max_new_tokens", "--batch_size", "--top_k")
+COUNT_FLAGS = ("--max_new_tokens", "--batch_size", "--top_k")
 
 
 def add_generate_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -82,7 +81,7 @@ def read_prompts(path: Path) -> list[dict[str, Any]]:
 
 def check_args(ns: argparse.Namespace, world: int) -> None:
     """The numbers and the layout, before a weight or a process group: one line each."""
-    for flag in BATCH_FLAGS:
+    for flag in COUNT_FLAGS:
         value = getattr(ns, flag[2:])
         if value < (0 if flag == "--top_k" else 1):
             raise ConfigError(f"{flag} {value}: give a positive number" + (" or 0" if flag == "--top_k" else ""))
@@ -99,34 +98,29 @@ def check_args(ns: argparse.Namespace, world: int) -> None:
 
 
 def cmd_generate(ns: argparse.Namespace) -> None:
-    launching = ns.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ
-    if not launching:
-        rows, tokenizer = checked_input(ns, int(os.environ.get("WORLD_SIZE", "1")))
-        complete(ns, rows, tokenizer)
+    if ns.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        from plait.run.torchrun import launch  # when run: every command builds this parser
+
+        def checked_command() -> list[str]:  # bad input: one line here, not one per worker
+            checked_input(ns, ns.nproc_per_node)
+            return ns.argv
+
+        launch(ns.nproc_per_node, ns.ddp_timeout, checked_command)
         return
-    from plait.run.torchrun import ForkedTorchrun, run_under_torchrun  # when run: every command builds this parser
-
-    forked = ForkedTorchrun() if ForkedTorchrun.possible() else None  # before anything that may start threads
-    try:
-        checked_input(ns, ns.nproc_per_node)  # bad input: one line here, not one per worker
-        argv = list(ns.argv)
-        del argv[argv.index("--nproc_per_node"): argv.index("--nproc_per_node") + 2]
-        status = run_under_torchrun(argv, ns.nproc_per_node, ns.ddp_timeout, forked=forked)
-    finally:
-        if forked is not None:
-            forked.close()
-    if status:
-        sys.exit(status)
+    rows, texts, tokenizer = checked_input(ns, int(os.environ.get("WORLD_SIZE", "1")))
+    complete(ns, rows, texts, tokenizer)
 
 
-def checked_input(ns: argparse.Namespace, world: int) -> tuple[list[dict[str, Any]], Any]:
-    """The prompts and the tokenizer, every flag and the model directory checked, for ``world`` processes."""
+def checked_input(ns: argparse.Namespace, world: int) -> tuple[list[dict[str, Any]], list[str], Any]:
+    """The prompts, their texts (chat messages rendered) and the tokenizer, every flag and the model directory
+    checked, for ``world`` processes."""
     rows = read_prompts(ns.prompts)
     check_args(ns, world)
     from plait.checkpoint.materialize import resolve_source
 
     config, _, path = resolve_source(ns.model_name_or_path)
-    return rows, load_prompt_tokenizer(ns, path, config)
+    tokenizer = load_prompt_tokenizer(ns, path, config)
+    return rows, [render(row, tokenizer) for row in rows], tokenizer
 
 
 def load_prompt_tokenizer(ns: argparse.Namespace, model_dir: Path | None, config: Any) -> Any:
@@ -166,7 +160,7 @@ def completion_text(tokens: list[int], tokenizer: Any, stop: list[str]) -> tuple
     return (text[: min(ends)] if ends else text), count
 
 
-def complete(ns: argparse.Namespace, rows: list[dict[str, Any]], tokenizer: Any) -> None:
+def complete(ns: argparse.Namespace, rows: list[dict[str, Any]], texts: list[str], tokenizer: Any) -> None:
     """Load the model's shards, decode every batch of prompts, write the output on rank 0 (temporary, then renamed)."""
     import datetime
 
@@ -184,7 +178,6 @@ def complete(ns: argparse.Namespace, rows: list[dict[str, Any]], tokenizer: Any)
                             zero_stage=ns.zero_stage)
     pmodel = load_parallel_model(ns.model_name_or_path, layout, dtype=torch.bfloat16 if ns.bf16 else torch.float32,
                                  device=device, timeout=datetime.timedelta(seconds=ns.ddp_timeout))
-    texts = [render(row, tokenizer) for row in rows]
     start, generated, out = time.perf_counter(), 0, []
     for first in range(0, len(texts), ns.batch_size):
         batch = texts[first: first + ns.batch_size]

@@ -93,6 +93,26 @@ def run_under_torchrun(argv: list[str], nproc: int, grace_s: int, max_restarts: 
         return status
 
 
+def launch(nproc: int, grace_s: int, check: Callable[[], list[str]], max_restarts: int = 0) -> None:
+    """The launching side of ``plait train`` or ``plait generate`` with ``--nproc_per_node N``: torchrun forked first
+    where it can be (``ForkedTorchrun``: before ``check`` may start threads), then ``check()``, which refuses bad
+    input in one line here rather than one per worker and returns the command the workers run; then torchrun on it
+    (ended unstarted if ``check`` raised). Exits with a failed job's status; returns after one that succeeded, as a
+    run on one process does (plait.cli.main can be called from a script: examples/sft_chat.py)."""
+    forked = ForkedTorchrun() if ForkedTorchrun.possible() else None
+    try:
+        argv = list(check())
+        if "--nproc_per_node" in argv:  # the workers are the processes; they run the command as given otherwise
+            i = argv.index("--nproc_per_node")
+            del argv[i : i + 2]
+        status = run_under_torchrun(argv, nproc, grace_s, max_restarts, forked)
+    finally:
+        if forked is not None:
+            forked.close()
+    if status:
+        sys.exit(status)
+
+
 class ForkedTorchrun:
     """torchrun, forked from ``plait train --nproc_per_node N`` before it plans the run, waiting for the word to
     start. The launching process imports torch, transformers and plait's trainer for its plan anyway; a fresh

@@ -298,8 +298,8 @@ def reference_run(subject: Subject, mode: Mode, reference: torch.nn.Module, dp: 
         return _REFERENCE_RUNS[key]
     if any(k[0] != subject.ref for k in _REFERENCE_RUNS):
         _REFERENCE_RUNS.clear()
-    steps = _REFERENCE_RUNS[key] = sent_from_rank_0(mode, reference, dp)
-    return steps
+    _REFERENCE_RUNS[key] = sent_from_rank_0(mode, reference, dp)
+    return _REFERENCE_RUNS[key]
 
 
 def sent_from_rank_0(mode: Mode, reference: torch.nn.Module, dp: int) -> list[ReferenceStep]:
