@@ -1,14 +1,14 @@
-"""Generation speed: ``plait.generate`` from a laid-out model against transformers' ``generate`` on one process.
+"""Generation speed: ``ParallelModel.generate`` against transformers' ``generate`` on one process.
 
     python bench/generate.py [--batch 8] [--prompt 32] [--new 32] [--rounds 3]
 
 A 125M-parameter Llama (16 layers of width 768, 12 heads and 4 kv heads, MLP 2048, a 32,000-token vocabulary, tied
 head: a 135M-class model whose heads tp=2 divides, which SmolLM-135M's 9 do not; random weights, fp32) decodes the
 same batch of random prompts greedily to exactly ``--new`` tokens (no EOS), three ways: transformers' ``generate`` on
-one process and ``plait.generate`` on the same model parallelized on one process (tp=1), in alternating order, and
-``plait.generate`` at tp=2 on two processes (a world launched by plait.testing.launch, one OpenMP thread each, where
-one process uses the machine's threads). Prints new tokens per second, the median of ``--rounds`` (after a warm-up
-round), and each against transformers. Run it alone: the ways compete for the cores otherwise.
+one process and ``ParallelModel.generate`` on the same model parallelized on one process (tp=1), in alternating
+order, and ``ParallelModel.generate`` at tp=2 on two processes (a world launched by plait.testing.launch, one OpenMP
+thread each, where one process uses the machine's threads). Prints new tokens per second, the median of ``--rounds``
+(after a warm-up round), and each against transformers. Run it alone: the ways compete for the cores otherwise.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ ids = torch.randint(0, 32000, (batch, prompt), generator=torch.Generator().manua
 times = []
 for _ in range(rounds + 1):
     start = time.perf_counter()
-    plait.generate(pmodel, ids, max_new_tokens=new)
+    pmodel.generate(ids, max_new_tokens=new)
     times.append(time.perf_counter() - start)
 if dist.get_rank() == 0:
     open(out, "w").write(json.dumps(times[1:]))
@@ -84,19 +84,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         pmodel = plait.parallelize(model, plait.ParallelConfig())  # the same module: its weights shared
-        got = plait.generate(pmodel, ids, mask, max_new_tokens=new)
+        got = pmodel.generate(ids, mask, max_new_tokens=new)
         assert torch.equal(got, expected), "plait's greedy tokens differ from transformers'"
         ways = {"transformers generate, one process": lambda: model.generate(
                     input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                     eos_token_id=None, pad_token_id=0),
-                "plait.generate, tp=1": lambda: plait.generate(pmodel, ids, mask, max_new_tokens=new)}
+                "ParallelModel.generate, tp=1": lambda: pmodel.generate(ids, mask, max_new_tokens=new)}
         results = alternating(ways, args.rounds)
         script, out = Path(tmp) / "worker.py", Path(tmp) / "tp2.json"
         script.write_text(WORKER)
         os.environ["OMP_NUM_THREADS"] = "1"
         launch([str(script), tmp, str(args.batch), str(args.prompt), str(new), str(args.rounds), str(out)], 2,
                timeout=1800)
-        results["plait.generate, tp=2 (2 processes)"] = json.loads(out.read_text())
+        results["ParallelModel.generate, tp=2 (2 processes)"] = json.loads(out.read_text())
     tokens = args.batch * new
     base = tokens / statistics.median(results["transformers generate, one process"])
     size = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**SHAPE)).parameters()) / 1e6

@@ -1,4 +1,4 @@
-"""plait.generate: KV-cached decoding from a laid-out model's shards, the same tokens as one process (issue 48).
+"""ParallelModel.generate: KV-cached decoding from a laid-out model's shards, the same tokens as one process (issue 48).
 
 One world of 2 ranks runs every case (tests/workers/generate_worker.py): greedy decoding equals transformers'
 ``generate`` on one process token for token, and sampling (temperature, top-k, top-p, a seed) gives one process's

@@ -27,12 +27,12 @@ LAYERS: list[tuple[str, set[str]]] = [
                              "plait.cp.ring", "plait.cp.ulysses"}),
     ("adapter declarations", {"plait.tp.styles", "plait.tp.plans", "plait.plugin"}),
     ("mechanisms", {"plait.plugin.registry", "plait.parallel", "plait.tp", "plait.cp", "plait.ep", "plait.pipeline",
-                    "plait.lora"}),
+                    "plait.lora", "plait.generation"}),
     ("layout plan", {"plait.layout_plan"}),
-    ("apply", {"plait.parallelize"}),
+    ("apply", {"plait.parallel_model", "plait.parallelize"}),
     ("model state", {"plait.optim", "plait.checkpoint"}),
     ("data", {"plait.data"}),
-    ("run", {"plait.run", "plait.generation"}),
+    ("run", {"plait.run"}),
     ("tools on a layout", {"plait.costs", "plait.testing"}),
     ("entry points", {"plait", "plait.__main__", "plait.cli", "plait.plan_command", "plait.generate_command",
                       "plait.auto_layout", "plait.run.torchrun"}),
@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, set[str]]] = [
 # The root of core/plait: the package's face (what ``import plait`` gives, the front door ``parallelize`` and the
 # plan it applies) and the entry points; every other module lives in the folder of its layer.
 ROOT_MODULES = {"plait", "plait.__main__", "plait.cli", "plait.plan_command", "plait.generate_command",
-                "plait.auto_layout", "plait.layout_plan", "plait.parallelize"}
+                "plait.auto_layout", "plait.layout_plan", "plait.parallel_model", "plait.parallelize"}
 MAX_ROOT_MODULES = 20
 MAX_LINES = 500
 

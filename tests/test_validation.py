@@ -221,7 +221,7 @@ def test_sequence_checked_once_per_step_at_pp1(monkeypatch):
     import torch
 
     from plait import ParallelConfig, parallelize
-    from plait.parallelize import ParallelModel
+    from plait.parallel_model import ParallelModel
     from tiny_models import tiny_model
 
     pmodel = parallelize(tiny_model("llama"), ParallelConfig(num_microbatches=2))

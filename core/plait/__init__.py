@@ -20,22 +20,22 @@ for _name in ("torchao", "torch.utils._pytree"):
 _EXPORTS = {
     "ConfigError": "plait.base.config", "ParallelConfig": "plait.base.config", "hookimpl": "plait.base.markers",
     "Mesh": "plait.base.mesh", "LayoutPlan": "plait.layout_plan", "plan_layout": "plait.layout_plan",
-    "ParallelModel": "plait.parallelize", "parallelize": "plait.parallelize",
+    "ParallelModel": "plait.parallel_model", "parallelize": "plait.parallelize",
     "AdapterInfo": "plait.plugin.declarations", "Capabilities": "plait.plugin.declarations",
     "PipelinePlan": "plait.plugin.declarations", "AdapterError": "plait.plugin.registry",
     "Registry": "plait.plugin.registry", "default_registry": "plait.plugin.registry", "register": "plait.plugin.registry",
     "num_items_in_batch": "plait.tp.loss", "SPPlan": "plait.tp.plans", "TPPlan": "plait.tp.plans",
     "Attention": "plait.tp.styles", "Column": "plait.tp.styles", "Row": "plait.tp.styles",
-    "VocabEmbedding": "plait.tp.styles", "VocabHead": "plait.tp.styles", "generate": "plait.generation.decode",
+    "VocabEmbedding": "plait.tp.styles", "VocabHead": "plait.tp.styles",
 }
 
 if TYPE_CHECKING:
     from plait.base.config import ConfigError, ParallelConfig
     from plait.base.markers import hookimpl
     from plait.base.mesh import Mesh
-    from plait.generation.decode import generate
     from plait.layout_plan import LayoutPlan, plan_layout
-    from plait.parallelize import ParallelModel, parallelize
+    from plait.parallel_model import ParallelModel
+    from plait.parallelize import parallelize
     from plait.plugin.declarations import AdapterInfo, Capabilities, PipelinePlan
     from plait.plugin.registry import AdapterError, Registry, default_registry, register
     from plait.tp.loss import num_items_in_batch
@@ -74,6 +74,6 @@ __version__ = "0.1.0"
 __all__ = [  # the names of _EXPORTS, written out for tools that read __all__ without running this file
     "AdapterError", "AdapterInfo", "Attention", "Capabilities", "Column", "ConfigError", "LayoutPlan", "Mesh",
     "ParallelConfig", "ParallelModel", "PipelinePlan", "Registry", "Row", "SPPlan", "TPPlan", "VocabEmbedding",
-    "VocabHead", "default_registry", "generate", "hookimpl", "num_items_in_batch", "parallelize", "plan_layout",
+    "VocabHead", "default_registry", "hookimpl", "num_items_in_batch", "parallelize", "plan_layout",
     "register",
 ]

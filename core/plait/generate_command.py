@@ -1,5 +1,5 @@
 """``plait generate``: completions of a file of prompts from a model's own shards, on any layout generation serves
-(tp without SP, dp, ep, ZeRO-3: plait.generation.decode).
+(tp without SP, dp, ep, ZeRO-3: ``ParallelModel.generate``).
 
     plait generate --model_name_or_path DIR --prompts prompts.jsonl --output completions.jsonl \\
         [--max_new_tokens 64] [--temperature 0] [--nproc_per_node 2 --tensor_parallel_size 2]
@@ -169,7 +169,6 @@ def complete(ns: argparse.Namespace, rows: list[dict[str, Any]], texts: list[str
     from plait.base.config import ParallelConfig
     from plait.base.device import pick_device
     from plait.checkpoint.materialize import load_parallel_model
-    from plait.generation.decode import generate
     from plait.run.runtime import init_distributed
 
     device = pick_device(ns.device)
@@ -183,9 +182,10 @@ def complete(ns: argparse.Namespace, rows: list[dict[str, Any]], texts: list[str
         batch = texts[first: first + ns.batch_size]
         batch += batch[-1:] * (ns.batch_size - len(batch))  # the last batch filled to size: the same split
         encoded = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
-        ids = generate(pmodel, encoded.input_ids.to(device), encoded.attention_mask.to(device),
-                       max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p,
-                       seed=ns.seed + first, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        ids = pmodel.generate(encoded.input_ids.to(device), encoded.attention_mask.to(device),
+                              max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k,
+                              top_p=ns.top_p, seed=ns.seed + first, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
         for row, new in zip(rows[first: first + ns.batch_size], ids[:, encoded.input_ids.shape[1]:].tolist()):
             text, count = completion_text(new, tokenizer, ns.stop)
             out.append({**row, "completion": text})

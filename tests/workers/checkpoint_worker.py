@@ -25,7 +25,7 @@ from plait import ParallelConfig
 from plait.base import comm
 from plait.checkpoint import CheckpointError, consolidate, load_checkpoint, save_checkpoint
 from plait.checkpoint.format import read_index
-from plait.checkpoint.gather import gather_full, gather_logits
+from plait.checkpoint.gather import gather_full
 from plait.checkpoint.materialize import load_parallel_model
 from plait.optim import OptimizerStep, build_optimizer
 
@@ -74,7 +74,7 @@ def train(pmodel, opt, sched, start: int, stop: int) -> list[float]:
 
 def full_logits(pmodel, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return gather_logits(pmodel, pmodel(ids))
+        return pmodel.gather_logits(pmodel(ids))
 
 
 def max_diff_to_layout(pmodel, other) -> float:

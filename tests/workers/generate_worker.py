@@ -1,4 +1,4 @@
-"""Worker: plait.generate on several layouts of one world against one process (tests/test_generate.py).
+"""Worker: ParallelModel.generate on several layouts of one world against one process (tests/test_generate.py).
 
 For each case every rank builds the same tiny model, lays a copy out and generates from the same left-padded
 prompts: greedily (compared with transformers' ``generate`` on one process) and sampled (compared with the same
@@ -80,8 +80,8 @@ def run_case(name: str) -> dict:
     ids, mask = prompts(reference.config.vocab_size)
     pmodel = plait.parallelize(copy.deepcopy(reference), plait.ParallelConfig(**layout))
     pmodel.train()  # generation evaluates (no dropout) and gives the mode back
-    greedy = plait.generate(pmodel, ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
-    sampled = plait.generate(pmodel, ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD, **SAMPLING)
+    greedy = pmodel.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    sampled = pmodel.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD, **SAMPLING)
     return {"one_process": one_process(reference, ids, mask), "greedy": greedy.tolist(),
             "sampled": sampled.tolist(), "still_training": pmodel.module.training}
 
@@ -92,7 +92,7 @@ def refusals() -> dict[str, str]:
     for name, layout, batch in (("sp", dict(tp=2, sp=True), 4), ("odd-batch", dict(tp=1), 3)):
         pmodel = plait.parallelize(tiny_model("llama"), plait.ParallelConfig(**layout))
         try:
-            plait.generate(pmodel, torch.ones(batch, 8, dtype=torch.long), max_new_tokens=2)
+            pmodel.generate(torch.ones(batch, 8, dtype=torch.long), max_new_tokens=2)
             said[name] = "not refused"
         except plait.ConfigError as err:
             said[name] = str(err)

@@ -29,7 +29,6 @@ from transformers import AutoModelForCausalLM, MixtralConfig
 from plait import ParallelConfig
 from plait.base import comm
 from plait.checkpoint import save_checkpoint
-from plait.checkpoint.gather import gather_logits
 from plait.checkpoint.lora_export import gather_lora, save_adapter, save_merged
 from plait.checkpoint.materialize import load_parallel_model
 from plait.lora.config import lora_config
@@ -128,7 +127,7 @@ def _check_export(pmodel, reference, base, out: Path, result: dict) -> None:
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
     config = pmodel.plan.lora.config
     with torch.no_grad():
-        logits = gather_logits(pmodel, pmodel(ids))
+        logits = pmodel.gather_logits(pmodel(ids))
         tensors = gather_lora(pmodel)
         if pmodel.mesh.rank == 0:
             save_adapter(out / "adapter", tensors, config, base)

@@ -31,7 +31,6 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPTBigCodeConfig, Lla
 
 from plait import ParallelConfig, parallelize
 from plait.base import comm
-from plait.checkpoint.gather import gather_logits
 from plait.checkpoint.lora_export import gather_lora, save_adapter, save_merged
 from plait.data.sft_blocks import Example, batch_inputs, count_labels, lay_out
 from plait.lora.config import lora_config
@@ -181,7 +180,7 @@ def _check_export(pmodel, reference, base, config, out_dir: Path, result: dict) 
     """Logits of the parallel model vs peft's reference, the exported adapter on the base, and the merged model."""
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        logits = gather_logits(pmodel, pmodel(ids))
+        logits = pmodel.gather_logits(pmodel(ids))
         tensors = gather_lora(pmodel)
         if pmodel.mesh.rank == 0:
             save_adapter(out_dir / "adapter", tensors, config, base)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import plait  # noqa: E402
-from plait.checkpoint.gather import gather_full, gather_logits  # noqa: E402
+from plait.checkpoint.gather import gather_full  # noqa: E402
 from plait.testing.conformance_modes import ADAM_EPS  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 
@@ -114,7 +114,7 @@ def run_case(name: str) -> dict:
         worst["param_err"] = max(worst["param_err"], err)
     with torch.no_grad():  # logits after training: full vocabulary, padding never shows
         ids = torch.randint(0, vocab, (1, SEQ), generator=gen)
-        logits = gather_logits(pmodel, pmodel(ids))
+        logits = pmodel.gather_logits(pmodel(ids))
         expected = reference(input_ids=ids, use_cache=False).logits
         if logits.shape != expected.shape:
             failures.append(f"gathered logits shape {tuple(logits.shape)} != {tuple(expected.shape)}")

@@ -11,7 +11,7 @@ import torch
 
 from plait.base import comm
 from plait.parallel.fsdp import local as rows
-from plait.parallelize import ParallelModel
+from plait.parallel_model import ParallelModel
 
 
 def gather_full(pmodel: ParallelModel, name: str, local: torch.Tensor) -> torch.Tensor:
@@ -36,14 +36,3 @@ def gather_full(pmodel: ParallelModel, name: str, local: torch.Tensor) -> torch.
                 shard = plan.ep.localize({name: shard}, ep_rank)[name]
             shard.place(piece, full)
     return full
-
-
-def gather_logits(pmodel: ParallelModel, local_logits: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary logits from every tp rank's slice; padding never shows."""
-    applied = pmodel.applied
-    if not applied.head_is_parallel:
-        return local_logits
-    padded = torch.nn.functional.pad(local_logits, (0, applied.vocab_per_rank - local_logits.shape[-1]))
-    # Real vocab rows are contiguous from 0 across ranks and padding sits at the end, so concatenating the
-    # padded slices and cutting at the vocab size gives the full logits.
-    return comm.all_gather(padded, pmodel.mesh.tp_group, dim=-1)[..., : applied.vocab_size]

@@ -30,7 +30,7 @@ from plait.checkpoint.state import (
     ReadOp, load_scheduler_state, local_params, local_views, plan_optimizer_load, set_rng_state,
 )
 from plait.parallel.fsdp import local
-from plait.parallelize import ParallelModel
+from plait.parallel_model import ParallelModel
 from plait.tp.sharding import ShardSpec
 
 # Config fields that do not change the weights; left out when explaining a mismatch.

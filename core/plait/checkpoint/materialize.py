@@ -38,7 +38,8 @@ from plait.lora.base import base_reference, check_base, saved_lora
 from plait.lora.layers import local_init
 from plait.parallel.float8 import check_float8_device
 from plait.parallel.fsdp import install_local, reset_storage
-from plait.parallelize import ParallelModel, parallelize
+from plait.parallel_model import ParallelModel
+from plait.parallelize import parallelize
 from plait.plugin.registry import Adapter, Registry, default_registry
 from plait.tp.sharding import ShardSpec
 

@@ -31,7 +31,7 @@ from plait.checkpoint.state import (
     scheduler_state, to_json,
 )
 from plait.lora.base import lora_record
-from plait.parallelize import ParallelModel
+from plait.parallel_model import ParallelModel
 
 
 class CheckpointNotSaved(FaultError):

@@ -41,7 +41,7 @@ from plait.costs.machine import measure_accelerator, measure_machine, one_thread
 from plait.costs.memory import Precision
 from plait.layout_plan import plan_layout
 from plait.optim import OptimizerStep, build_optimizer
-from plait.parallelize import ParallelModel
+from plait.parallel_model import ParallelModel
 from plait.plugin.registry import default_registry
 from plait.run.model_config import DEFAULT_MODEL_CONFIG
 

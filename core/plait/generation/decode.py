@@ -1,4 +1,5 @@
-"""Batched, KV-cached decoding from a laid-out model's own shards (issue 48's first piece).
+"""Batched, KV-cached decoding from a laid-out model's own shards: the loop and the token choice behind
+``ParallelModel.generate``, which gives it the forward on its shards.
 
 Every rank passes the same global batch of prompts (left padded, with their attention mask); each data-parallel
 replica decodes its contiguous rows, the tp ranks of a replica together: each holds its heads' keys and values in
@@ -21,20 +22,16 @@ through the same forwards but is not held to one process yet.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
 
-from plait.base import comm
-from plait.base.config import ConfigError
-from plait.checkpoint.gather import gather_logits
-from plait.parallelize import ParallelModel
+from plait.base.config import ConfigError, ParallelConfig
+from plait.base.mesh import Mesh
 
 
-def check_layout(pmodel: ParallelModel, batch: int) -> None:
+def check_layout(config: ParallelConfig, mesh: Mesh, batch: int) -> None:
     """One line for a layout or batch generation does not serve yet; nothing has run."""
-    config, mesh = pmodel.config, pmodel.mesh
     if config.sequence_parallel:
         raise ConfigError(f"generation under sequence parallelism (tp={config.tp}) is not served: a decode step's one "
                           f"token cannot be split over {config.tp} ranks; lay the model out with sp=False "
@@ -99,44 +96,3 @@ def decode(
         positions = positions[:, -1:] + 1
         logits = forward(token[:, None], mask, positions, cache)
     return ids
-
-
-def generate(
-    pmodel: ParallelModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-    max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-    eos_token_id: int | None = None, pad_token_id: int = 0,
-) -> torch.Tensor:
-    """Prompts [batch, length] (the global batch, the same on every rank; left padded where ``attention_mask`` has
-    zeros) and their completions: [batch, length + new], padded with ``pad_token_id`` after a row's EOS."""
-    check_layout(pmodel, input_ids.shape[0])
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    mesh, module = pmodel.mesh, pmodel.module
-    per = input_ids.shape[0] // mesh.dp
-    rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
-    world = comm.world_group()
-
-    # the head on the last position only, as transformers' generate asks: a prompt's other positions need no logits
-    # (32 of them cost a tenth of a 125M model's decoding); where the model's forward takes the argument. The cache
-    # under the name the forward takes: ``cache`` (transformers 5.24, which warns at ``past_key_values``) or the older
-    arguments = inspect.signature(type(module).forward).parameters
-    last = {"logits_to_keep": 1} if "logits_to_keep" in arguments else {}
-    cache_name = "cache" if "cache" in arguments else "past_key_values"
-
-    def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        out = pmodel._model(ids, mask, positions, use_cache=True, **{cache_name: cache}, **last)
-        return gather_logits(pmodel, out.logits[:, -1])
-
-    def all_done(mine: bool) -> bool:
-        return comm.all_reduce(torch.tensor([0 if mine else 1]), world).item() == 0
-
-    training = module.training
-    module.eval()  # no dropout; the model's own mode given back after
-    try:
-        with torch.no_grad():
-            ids = decode(forward, input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
-                         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                         seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id, all_done=all_done)
-    finally:
-        module.train(training)
-    return comm.all_gather(ids, mesh.dp_group, dim=0)

@@ -23,7 +23,7 @@ from plait.optim.param_groups import embedding_params, weight_decay_groups
 from plait.optim.sharded import ShardedOptimizer
 from plait.optim.zero import Zero1Optimizer
 from plait.parallel.grad_sync import BUCKET_BYTES, GradSync
-from plait.parallelize import ParallelModel
+from plait.parallel_model import ParallelModel
 
 
 def build_optimizer(

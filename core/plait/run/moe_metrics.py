@@ -28,7 +28,7 @@ from torch import nn
 from plait.base import comm
 from plait.base.training_forward import is_training_forward
 from plait.ep.layout import routed_experts
-from plait.parallelize import ParallelModel
+from plait.parallel_model import ParallelModel
 
 
 def _model_order(name: str) -> list[tuple[int, int, str]]:

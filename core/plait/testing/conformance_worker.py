@@ -43,7 +43,8 @@ from plait.base.config import ParallelConfig
 from plait.checkpoint import consolidate, save_checkpoint
 from plait.optim import OptimizerStep, build_optimizer
 from plait.parallel.fsdp import local
-from plait.parallelize import ParallelModel, parallelize
+from plait.parallel_model import ParallelModel
+from plait.parallelize import parallelize
 from plait.testing.conformance_modes import (
     ADAM_EPS, ATOL, BATCH, LOSS_RTOL, LR, MODES, RTOL, SEQ, STEPS, Mode, Subject, load_subject, with_overrides,
 )

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from plait.base.mesh import Mesh
-from plait.parallelize import ParallelModel
+from plait.parallel_model import ParallelModel
 
 if TYPE_CHECKING:
     from plait.run.methods.frozen import SecondModel

@@ -33,7 +33,7 @@ from plait.data import local_microbatch
 from plait.data.paths import tokenizer_dir
 from plait.data.tokenizer import load_tokenizer
 from plait.lora import switch
-from plait.parallelize import ParallelModel
+from plait.parallel_model import ParallelModel
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.frozen import SecondModel, check_vocabulary, frozen_on_mesh, read_rows
 from plait.run.methods.preference_data import DOC, Pair, pack_pairs, pair_rows, read_pairs, real_tokens

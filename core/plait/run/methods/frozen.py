@@ -23,7 +23,8 @@ from plait.base.meta import build_meta_model
 from plait.checkpoint.materialize import materialize, resolve_source
 from plait.ep.layout import own_experts, routed_experts
 from plait.layout_plan import plan_layout
-from plait.parallelize import ParallelModel, parallelize
+from plait.parallel_model import ParallelModel
+from plait.parallelize import parallelize
 from plait.tp.logprobs import Logits
 
 

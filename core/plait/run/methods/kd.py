@@ -20,7 +20,7 @@ import torch
 
 from plait.base.meta import build_meta_model
 from plait.checkpoint.materialize import resolve_source
-from plait.parallelize import ParallelModel
+from plait.parallel_model import ParallelModel
 from plait.run.methods.frozen import SecondModel, check_vocabulary, frozen_on_mesh, read_rows
 from plait.run.methods.next_token import Batch, NextToken
 from plait.tp.logprobs import Logits

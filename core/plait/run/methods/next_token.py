@@ -14,7 +14,7 @@ from plait.base import comm
 from plait.base.mesh import Mesh
 from plait.data import local_microbatch
 from plait.data.sft_blocks import batch_inputs, count_labels
-from plait.parallelize import ParallelModel
+from plait.parallel_model import ParallelModel
 from plait.run.methods.base import TrainingMethod
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # input ids, labels, position ids (None: default)
