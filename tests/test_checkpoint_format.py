@@ -1,6 +1,7 @@
 """Single-process checks of the checkpoint building blocks: safetensors slice I/O, box math, seeded init,
 rotation, and consolidation options and failures (multi-process behaviour: test_checkpoint_dist.py)."""
 
+import errno
 import itertools
 import json
 import math
@@ -50,6 +51,37 @@ def test_writer_output_is_read_by_safetensors(tmp_path):
         assert torch.equal(parsed.read(name), tensor), name
         raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         assert sums[name] == parsed.checksum(name) == xxhash.xxh3_64_intdigest(raw), name
+
+
+@pytest.mark.parametrize("refusal", [None, errno.EOPNOTSUPP, errno.EINVAL])
+def test_writes_are_uncached_where_taken_and_plain_where_refused(tmp_path, monkeypatch, refusal):
+    """Checkpoint files are written with RWF_DONTCACHE (bench/async_save.py: 1.04-1.05x a run without saves with
+    it, 1.08-1.12x without); a kernel or file system that refuses the flag gets plain writes, the same bytes."""
+    monkeypatch.setattr(st_io, "UNCACHED", True)
+    flags, real = [], os.pwritev
+
+    def pwritev(fd, buffers, offset, flag=0):
+        flags.append(flag)
+        if refusal is not None:
+            raise OSError(refusal, os.strerror(refusal))
+        return real(fd, buffers, offset, flag)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    tensors = {"w": torch.randn(300, 70), "b": torch.randn(9)}
+    sums = st_io.write_tensors(tmp_path / "a.safetensors", tensors)
+    parsed = st_io.SafetensorsFile(tmp_path / "a.safetensors")
+    for name, tensor in tensors.items():
+        assert torch.equal(parsed.read(name), tensor) and sums[name] == parsed.checksum(name), name
+    assert set(flags) == {st_io.RWF_DONTCACHE}
+    if refusal is None:
+        assert st_io.UNCACHED and len(flags) == 3  # the header and each tensor
+    else:
+        assert not st_io.UNCACHED and len(flags) == 1  # refused once, plain writes from then on
+    with pytest.raises(OSError, match="No space left"):  # any other error is the write's own, raised
+        monkeypatch.setattr(st_io, "UNCACHED", True)
+        monkeypatch.setattr(os, "pwritev", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left")))
+        st_io.write_tensors(tmp_path / "b.safetensors", tensors)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]  # no partial file left
 
 
 @pytest.mark.parametrize("small_chunks", [False, True])
