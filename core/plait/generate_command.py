@@ -1,5 +1,5 @@
 """``plait generate``: completions of a file of prompts from a model's own shards, on any layout generation serves
-(tp without SP, dp, ep, ZeRO-3: ``ParallelModel.generate``).
+(tp, dp, ep, ZeRO-3: ``ParallelModel.generate``).
 
     plait generate --model_name_or_path DIR --prompts prompts.jsonl --output completions.jsonl \\
         [--max_new_tokens 64] [--temperature 0] [--nproc_per_node 2 --tensor_parallel_size 2]
@@ -173,6 +173,8 @@ def complete(ns: argparse.Namespace, rows: list[dict[str, Any]], texts: list[str
 
     device = pick_device(ns.device)
     init_distributed(device, "auto", ns.ddp_timeout)
+    # no sequence parallelism: served (ParallelModel.generate pads each forward to a multiple of tp), but a decode
+    # step's one token would cost tp tokens of compute and cache for nothing a decode step can split
     layout = ParallelConfig(tp=ns.tensor_parallel_size, ep=ns.expert_parallel_size, sp=False,
                             zero_stage=ns.zero_stage)
     pmodel = load_parallel_model(ns.model_name_or_path, layout, dtype=torch.bfloat16 if ns.bf16 else torch.float32,

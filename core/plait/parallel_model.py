@@ -311,7 +311,8 @@ class ParallelModel(nn.Module):
             with torch.no_grad():
                 ids = decode(forward, input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                             seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id, all_done=all_done)
+                             seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id, all_done=all_done,
+                             width=self.mesh.tp if self.config.sequence_parallel else 1)
         finally:
             self.module.train(training)
         return comm.all_gather(ids, self.mesh.dp_group, dim=0)

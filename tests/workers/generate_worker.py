@@ -27,11 +27,13 @@ SAMPLING = dict(temperature=0.8, top_k=20, top_p=0.9, seed=5)
 # name -> (arch, ParallelConfig kwargs)
 CASES = {
     "llama-tp2": ("llama", dict(tp=2, sp=False)),
+    "llama-tp2-sp": ("llama", dict(tp=2)),  # each forward's tokens padded to a multiple of 2 (odd prompts: 9)
     "llama-dp2": ("llama", dict(tp=1)),
     "llama-zero1-dp2": ("llama", dict(zero_1=True)),
     "llama-zero2-dp2": ("llama", dict(zero_stage=2)),
     "llama-zero3-dp2": ("llama", dict(zero_stage=3)),
     "gpt2-tp2": ("gpt2", dict(tp=2, sp=False)),
+    "gpt2-tp2-sp": ("gpt2", dict(tp=2)),
     "mixtral-ep2": ("mixtral", dict(ep=2)),
 }
 
@@ -89,7 +91,7 @@ def run_case(name: str) -> dict:
 def refusals() -> dict[str, str]:
     """What generate says, before any collective, for a layout or batch it does not serve."""
     said = {}
-    for name, layout, batch in (("sp", dict(tp=2, sp=True), 4), ("odd-batch", dict(tp=1), 3)):
+    for name, layout, batch in (("pp", dict(pp=2, num_microbatches=2), 4), ("odd-batch", dict(tp=1), 3)):
         pmodel = plait.parallelize(tiny_model("llama"), plait.ParallelConfig(**layout))
         try:
             pmodel.generate(torch.ones(batch, 8, dtype=torch.long), max_new_tokens=2)

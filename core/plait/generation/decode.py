@@ -14,10 +14,10 @@ Temperature 0 is greedy: transformers' ``generate`` on one process, token for to
 Every rank runs the same number of forwards (tp, ep and ZeRO-3's collectives run inside them): decoding stops when
 every row of the global batch has met EOS, or after ``max_new_tokens``.
 
-Held to one process (tests/test_generate.py): tp without sequence parallelism, data parallelism, ZeRO-1/2/3, expert
-parallelism (each replica's rows dispatched to the experts' ranks in every forward). Refused by name, before any
-collective: sequence parallelism (a decode step's one token cannot be split over tp ranks), pp and cp. LoRA runs
-through the same forwards but is not held to one process yet.
+Held to one process (tests/test_generate.py): tp with and without sequence parallelism (under it every forward's
+tokens are a multiple of tp: masked pads, ``decode``'s ``width``), data parallelism, ZeRO-1/2/3, expert parallelism
+(each replica's rows dispatched to the experts' ranks in every forward). Refused by name, before any collective: pp
+and cp. LoRA runs through the same forwards but is not held to one process yet.
 """
 
 from __future__ import annotations
@@ -32,10 +32,6 @@ from plait.base.mesh import Mesh
 
 def check_layout(config: ParallelConfig, mesh: Mesh, batch: int) -> None:
     """One line for a layout or batch generation does not serve yet; nothing has run."""
-    if config.sequence_parallel:
-        raise ConfigError(f"generation under sequence parallelism (tp={config.tp}) is not served: a decode step's one "
-                          f"token cannot be split over {config.tp} ranks; lay the model out with sp=False "
-                          f"(--disable_sequence_parallel)")
     for name, size in (("pp", config.pp), ("cp", config.cp)):
         if size > 1:
             raise ConfigError(f"generation with {name}={size} is not served yet; use a layout with {name}=1")
@@ -70,17 +66,24 @@ def gumbel(generator: torch.Generator, rows: int, vocab: int) -> torch.Tensor:
 def decode(
     forward: Callable[..., torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: slice,
     total_rows: int, *, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
-    eos_token_id: int | None, pad_token_id: int, all_done: Callable[[bool], bool],
+    eos_token_id: int | None, pad_token_id: int, all_done: Callable[[bool], bool], width: int = 1,
 ) -> torch.Tensor:
     """The decoding loop over ``rows`` of a global batch of ``total_rows``: ``forward(ids, mask, positions, cache)``
-    gives the last position's full-vocabulary logits; ``all_done(mine)`` whether every rank's rows are done."""
+    gives the last position's full-vocabulary logits; ``all_done(mine)`` whether every rank's rows are done.
+
+    ``width``: every forward's sequence a multiple of it (sequence parallelism splits a forward's tokens over its
+    tp ranks). The prompts get that many more left pads, and each new token comes after ``width - 1`` masked pads:
+    pads are keys no query sees (their mask is 0) and their outputs are dropped, so the tokens are the same as
+    at width 1; the cache holds ``width`` entries per new token."""
     from transformers import DynamicCache
 
     generator = torch.Generator().manual_seed(seed)
     cache = DynamicCache()
-    ids, mask = input_ids, attention_mask
+    extra = -input_ids.shape[1] % width
+    step_ids, mask = _pad_left(input_ids, extra, pad_token_id), _pad_left(attention_mask, extra, 0)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = forward(ids, mask, positions, cache)
+    logits = forward(step_ids, mask, positions, cache)
+    ids = input_ids
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     for step in range(max_new_tokens):
         noise = gumbel(generator, total_rows, logits.shape[-1])[rows].to(logits.device) if temperature > 0 \
@@ -92,7 +95,14 @@ def decode(
             done |= token == eos_token_id
         if step == max_new_tokens - 1 or all_done(bool(done.all())):  # every rank alike; no forward after the last
             break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        positions = positions[:, -1:] + 1
-        logits = forward(token[:, None], mask, positions, cache)
+        step_ids = _pad_left(token[:, None], width - 1, pad_token_id)
+        mask = torch.cat([mask, _pad_left(torch.ones_like(mask[:, :1]), width - 1, 0)], dim=1)
+        positions = (positions[:, -1:] + 1).expand(-1, width)
+        logits = forward(step_ids, mask, positions, cache)
     return ids
+
+
+def _pad_left(tensor: torch.Tensor, count: int, value: int) -> torch.Tensor:
+    if count == 0:
+        return tensor
+    return torch.cat([tensor.new_full((tensor.shape[0], count), value), tensor], dim=1)
