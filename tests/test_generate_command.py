@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from plait.cli import main
 from plait.data.chat_tokenizer import save_chat_tokenizer
-from plait.generate_command import completion_text
+from plait.run.prompts import completion_text
 from processes import run
 
 TEXTS = ["the cat sat on the mat", "a dog ran in the park", "birds sing in the morning light", "rain falls softly"]

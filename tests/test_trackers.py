@@ -1,6 +1,7 @@
 """--report_to: one real ``plait train`` run reports to TensorBoard, W&B (offline) and MLflow (a local SQLite
-store), and each tracker, read back with its own reader, holds metrics.jsonl's values at metrics.jsonl's steps;
-the same run's stderr (not a terminal) holds one readable line per --logging_steps. Then the refusals, in one line.
+store), and each tracker, read back with its own reader, holds metrics.jsonl's values at metrics.jsonl's steps and
+its --eval_prompts completions as a table; the same run's stderr (not a terminal) holds one readable line per
+--logging_steps. Then the refusals, in one line.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from plait.base.config import ConfigError
+from plait.data.chat_tokenizer import save_chat_tokenizer
 from plait.run import trackers
 from plait.run.metrics import read_metrics
 from plait.run.stop import StopRequested
@@ -26,18 +28,23 @@ from tiny_models import tiny_config
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[Path, str]:
-    """A 4-step run with an evaluation at the end, its metrics to every tracker; its dir and its output."""
+    """A 4-step run with an evaluation at steps 2 and 4 (the loss and two prompts' completions), its metrics to
+    every tracker; its dir and its output."""
     out = tmp_path_factory.mktemp("tracked")
     config = out / "config.json"
-    config.write_text(tiny_config("llama").to_json_string())
+    config.write_text(tiny_config("llama", vocab_size=320).to_json_string())
     validation = out / "validation.txt"
     validation.write_text("To be, or not to be, that is the question.\n" * 20)
+    save_chat_tokenizer(["To be, or not to be, that is the question."] * 20, 300, out / "tokenizer")
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(out / "wandb-dir"),
            "WANDB_PROJECT": "plait-test", "MLFLOW_TRACKING_URI": ""}
     (out / "wandb-dir").mkdir()
+    (out / "prompts.jsonl").write_text('{"prompt": "To be, or"}\n{"prompt": "that is | the"}\n')
     output = launch(["-m", "plait", "train", "--model_config", str(config), "--output_dir", str(out / "run"),
                      "--max_steps", "4", "--per_device_train_batch_size", "2", "--block_size", "16",
-                     "--validation_file", str(validation), "--logging_steps", "2",
+                     "--validation_file", str(validation), "--tokenizer_name", str(out / "tokenizer"),
+                     "--logging_steps", "2", "--eval_steps", "2",
+                     "--eval_prompts", str(out / "prompts.jsonl"), "--eval_max_new_tokens", "5",
                      "--report_to", "tensorboard,wandb,mlflow"], 1, timeout=180, env=env)[0]
     return out, output
 
@@ -67,8 +74,24 @@ def test_tensorboard_has_the_metrics(run):
     for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
         assert {e.step: e.value for e in events.Scalars(key)} == \
             pytest.approx({step: r[key] for step, r in records.items()}, rel=1e-6)  # stored as float32
-    assert {e.step: e.value for e in events.Scalars("eval_loss")} == pytest.approx({4: records[4]["eval_loss"]})
+    assert {e.step: e.value for e in events.Scalars("eval_loss")} == \
+        pytest.approx({step: records[step]["eval_loss"] for step in (2, 4)})
     assert "args/text_summary" in events.Tags()["tensors"]
+    tables = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("samples/text_summary")}
+    assert sorted(tables) == [2, 4]
+    cell = lambda text: text.replace("|", "\\|").replace("\n", "<br>")  # noqa: E731 (a cell on one line)
+    for step, table in tables.items():
+        rows = [f"| {cell(s['prompt'])} | {cell(s['completion'])} |" for s in records[step]["samples"]]
+        assert table == "\n".join(["| prompt | completion |", "| --- | --- |", *rows])
+
+
+def test_each_evaluation_has_the_prompts_completions(run):
+    out, _ = run
+    records = steps(out)
+    assert [step for step, r in records.items() if "samples" in r] == [2, 4]
+    for step in (2, 4):
+        assert [s["prompt"] for s in records[step]["samples"]] == ["To be, or", "that is | the"]
+        assert all(isinstance(s["completion"], str) for s in records[step]["samples"])
 
 
 def wandb_records(path: Path):
@@ -109,6 +132,11 @@ def test_wandb_offline_run_has_the_metrics(run):
     for step, record in records.items():
         numbers = {k: v for k, v in record.items() if k != "step" and isinstance(v, float)}
         assert {k: history[step][k] for k in numbers} == numbers
+        if "samples" in record:  # a wandb.Table: its rows in a json file of the run's media
+            table = json.loads((path.parent / "files" / history[step]["samples/path"]).read_text())
+            assert table["columns"] == ["prompt", "completion"]
+            assert table["data"] == [[s["prompt"], s["completion"]] for s in record["samples"]]
+    assert [step for step in history if "samples/path" in history[step]] == [2, 4]
     assert config["report_to"] == "tensorboard,wandb,mlflow" and config["max_steps"] == 4
 
 
@@ -124,6 +152,9 @@ def test_mlflow_run_has_the_metrics(run):
     for key in ("loss", "lr", "grad_norm"):
         history = client.get_metric_history(found.info.run_id, key)
         assert {m.step: m.value for m in history} == {step: r[key] for step, r in records.items()}
+    table = json.loads(Path(client.download_artifacts(found.info.run_id, "samples.json", str(out))).read_text())
+    assert table == {"columns": ["step", "prompt", "completion"],
+                     "data": [[step, s["prompt"], s["completion"]] for step in (2, 4) for s in records[step]["samples"]]}
 
 
 def test_tensorboard_resume_replaces_the_steps_after_the_checkpoint(tmp_path):

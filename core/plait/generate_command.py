@@ -57,28 +57,6 @@ def add_generate_parser(sub: argparse._SubParsersAction, parents: list[argparse.
     parser.set_defaults(func=cmd_generate)
 
 
-def read_prompts(path: Path) -> list[dict[str, Any]]:
-    """The prompt rows of ``path``, each checked: one line naming the file, line and fix for the first bad one."""
-    if not path.is_file():
-        raise ConfigError(f"--prompts {path}: no such file")
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}:{number}: not JSON ({err.msg}); each line is an object with 'prompt' or "
-                              f"'messages'") from None
-        prompt, messages = (row.get("prompt"), row.get("messages")) if isinstance(row, dict) else (None, None)
-        if not (isinstance(prompt, str) and prompt or isinstance(messages, list) and messages):
-            raise ConfigError(f"{path}:{number}: a line needs a non-empty 'prompt' string or a 'messages' list")
-        rows.append(row)
-    if not rows:
-        raise ConfigError(f"--prompts {path}: no prompts in it")
-    return rows
-
-
 def check_args(ns: argparse.Namespace, world: int) -> None:
     """The numbers and the layout, before a weight or a process group: one line each."""
     for flag in COUNT_FLAGS:
@@ -114,17 +92,20 @@ def cmd_generate(ns: argparse.Namespace) -> None:
 def checked_input(ns: argparse.Namespace, world: int) -> tuple[list[dict[str, Any]], list[str], Any]:
     """The prompts, their texts (chat messages rendered) and the tokenizer, every flag and the model directory
     checked, for ``world`` processes."""
-    rows = read_prompts(ns.prompts)
+    from plait.run.prompts import pad_id, read_prompts, render
+
+    rows = read_prompts(ns.prompts, "--prompts")
     check_args(ns, world)
     from plait.checkpoint.materialize import resolve_source
 
     config, _, path = resolve_source(ns.model_name_or_path)
     tokenizer = load_prompt_tokenizer(ns, path, config)
+    pad_id(tokenizer)  # one that can pad prompts
     return rows, [render(row, tokenizer) for row in rows], tokenizer
 
 
 def load_prompt_tokenizer(ns: argparse.Namespace, model_dir: Path | None, config: Any) -> Any:
-    """The tokenizer of ``--tokenizer_name`` or the model dir, padding on the left, with a pad token."""
+    """The tokenizer of ``--tokenizer_name`` or the model dir."""
     from plait.data.tokenizer import load_tokenizer
 
     if model_dir is None and ns.tokenizer_name is None:
@@ -133,31 +114,7 @@ def load_prompt_tokenizer(ns: argparse.Namespace, model_dir: Path | None, config
         tokenizer = load_tokenizer(Path(ns.tokenizer_name or model_dir), config.get_text_config().vocab_size)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if tokenizer.pad_token_id is None:
-        raise ConfigError(f"the tokenizer of {ns.tokenizer_name or model_dir} has neither a pad nor an EOS token")
     return tokenizer
-
-
-def render(row: dict[str, Any], tokenizer: Any) -> str:
-    if "prompt" in row:
-        return row["prompt"]
-    if not tokenizer.chat_template:
-        raise ConfigError("a prompt has 'messages' but the tokenizer has no chat template: give 'prompt' strings or "
-                          "a --tokenizer_name with a template")
-    return tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
-
-
-def completion_text(tokens: list[int], tokenizer: Any, stop: list[str]) -> tuple[str, int]:
-    """A row's new tokens as text, ended at EOS (excluded) or before the first stop string; and how many tokens
-    were generated for it (EOS counted)."""
-    eos = tokenizer.eos_token_id
-    count = tokens.index(eos) + 1 if eos in tokens else len(tokens)
-    text = tokenizer.decode(tokens[: count - 1] if eos in tokens else tokens, skip_special_tokens=True)
-    ends = [text.find(s) for s in stop if s in text]
-    return (text[: min(ends)] if ends else text), count
 
 
 def complete(ns: argparse.Namespace, rows: list[dict[str, Any]], texts: list[str], tokenizer: Any) -> None:
@@ -169,6 +126,7 @@ def complete(ns: argparse.Namespace, rows: list[dict[str, Any]], texts: list[str
     from plait.base.config import ParallelConfig
     from plait.base.device import pick_device
     from plait.checkpoint.materialize import load_parallel_model
+    from plait.run.prompts import complete as complete_texts
     from plait.run.runtime import init_distributed
 
     device = pick_device(ns.device)
@@ -179,19 +137,12 @@ def complete(ns: argparse.Namespace, rows: list[dict[str, Any]], texts: list[str
                             zero_stage=ns.zero_stage)
     pmodel = load_parallel_model(ns.model_name_or_path, layout, dtype=torch.bfloat16 if ns.bf16 else torch.float32,
                                  device=device, timeout=datetime.timedelta(seconds=ns.ddp_timeout))
-    start, generated, out = time.perf_counter(), 0, []
-    for first in range(0, len(texts), ns.batch_size):
-        batch = texts[first: first + ns.batch_size]
-        batch += batch[-1:] * (ns.batch_size - len(batch))  # the last batch filled to size: the same split
-        encoded = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
-        ids = pmodel.generate(encoded.input_ids.to(device), encoded.attention_mask.to(device),
-                              max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k,
-                              top_p=ns.top_p, seed=ns.seed + first, eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id)
-        for row, new in zip(rows[first: first + ns.batch_size], ids[:, encoded.input_ids.shape[1]:].tolist()):
-            text, count = completion_text(new, tokenizer, ns.stop)
-            out.append({**row, "completion": text})
-            generated += count
+    start = time.perf_counter()
+    done = complete_texts(pmodel, tokenizer, texts, batch_size=ns.batch_size, device=device,
+                          max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k,
+                          top_p=ns.top_p, seed=ns.seed, stop=ns.stop)
+    out = [{**row, "completion": text} for row, (text, _) in zip(rows, done)]
+    generated = sum(count for _, count in done)
     seconds = time.perf_counter() - start
     if int(os.environ.get("RANK", "0")) == 0:
         ns.output.parent.mkdir(parents=True, exist_ok=True)

@@ -51,6 +51,8 @@ def parse_report_to(value: str) -> list[str]:
 class Tracker(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
+    def samples(self, rows: list[dict[str, str]], step: int) -> None: ...
+
     def close(self, exit_status: int) -> None: ...
 
 
@@ -68,6 +70,13 @@ class TensorBoard:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
 
+    def samples(self, rows: list[dict[str, str]], step: int) -> None:
+        """--eval_prompts' completions as a Markdown table in the Text tab, one per evaluated step."""
+        cell = lambda text: text.replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
+        table = ["| prompt | completion |", "| --- | --- |"]
+        table += [f"| {cell(row['prompt'])} | {cell(row['completion'])} |" for row in rows]
+        self.writer.add_text("samples", "\n".join(table), step)
+
     def close(self, exit_status: int) -> None:
         self.writer.close()
 
@@ -84,6 +93,12 @@ class WandB:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
+
+    def samples(self, rows: list[dict[str, str]], step: int) -> None:
+        import wandb
+
+        table = wandb.Table(columns=["prompt", "completion"], data=[[r["prompt"], r["completion"]] for r in rows])
+        self.run.log({"samples": table}, step=step)
 
     def close(self, exit_status: int) -> None:
         self.run.finish(exit_code=exit_status)
@@ -105,6 +120,11 @@ class MLflow:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.mlflow.log_metrics(metrics, step=step)
+
+    def samples(self, rows: list[dict[str, str]], step: int) -> None:
+        """One table artifact, samples.json, each evaluated step's rows appended (MLflow's log_table appends)."""
+        self.mlflow.log_table(data={"step": [step] * len(rows), "prompt": [r["prompt"] for r in rows],
+                                    "completion": [r["completion"] for r in rows]}, artifact_file="samples.json")
 
     def close(self, exit_status: int) -> None:
         self.mlflow.end_run("FINISHED" if exit_status == 0 else "KILLED" if exit_status > 128 else "FAILED")
@@ -137,11 +157,14 @@ class Trackers:
         return cls(opened)
 
     def log(self, record: dict) -> None:
-        """A step's record: its numbers (not flags nor lists, such as moe_load) under its "step"."""
+        """A step's record: its numbers (not flags nor lists, such as moe_load) under its "step", and its
+        --eval_prompts completions ("samples") as each tracker shows a table."""
         metrics = {key: value for key, value in record.items()
                    if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"}
         for tracker in self.trackers:
             tracker.log(metrics, record["step"])
+            if "samples" in record:
+                tracker.samples(record["samples"], record["step"])
 
     def close(self, exit_status: int) -> None:
         for tracker in self.trackers:

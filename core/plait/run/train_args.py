@@ -22,6 +22,7 @@ from plait.data.sft_blocks import OVERLONG
 from plait.data.sft_records import SFTSource
 from plait.lora.config import lora_config
 from plait.parallel.float8 import ALIGN, require_torchao
+from plait.run.prompts import read_prompts
 from plait.run.replicas import check_fault_tolerance
 from plait.run.trackers import parse_report_to
 
@@ -76,6 +77,8 @@ class TrainArgs:
     dataset_name: str | None = field(default=None, metadata={"help": "a local `datasets` dir (save_to_disk) with a 'text' column"})
     validation_file: str | None = field(default=None, metadata={"help": ".txt or .jsonl for eval loss and perplexity"})
     eval_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0: only at the end, if a validation file is given)"})
+    eval_prompts: str | None = field(default=None, metadata={"help": "a .jsonl of prompts ('prompt' or chat 'messages') completed greedily at each evaluation, from the training layout's shards: into metrics.jsonl ('samples') and the --report_to trackers"})
+    eval_max_new_tokens: int = field(default=32, metadata={"help": "new tokens of each --eval_prompts completion"})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay, on matrices only (never biases or norm weights)"})
     exclude_embeddings_from_weight_decay: bool = field(default=False, metadata={"help": "do not decay token and position embeddings either"})
@@ -194,13 +197,21 @@ class TrainArgs:
         positive = ("per_device_train_batch_size", "block_size", "logging_steps", "ddp_timeout",
                     "gradient_accumulation_steps", "tensor_parallel_size", "nproc_per_node", "pipeline_parallel_size",
                     "context_parallel_size", "expert_parallel_size",
-                    "virtual_pipeline_size")
+                    "virtual_pipeline_size", "eval_max_new_tokens")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be positive")
         if self.moe_aux_loss_scope not in MOE_AUX_LOSS_SCOPES:
             raise ConfigError(f"--moe_aux_loss_scope={self.moe_aux_loss_scope!r} is unknown; choose one of "
                               f"{', '.join(MOE_AUX_LOSS_SCOPES)}")
+        if self.eval_prompts is not None:
+            read_prompts(Path(self.eval_prompts), "--eval_prompts")
+            unserved = [f"--{name} {getattr(self, name)}" for name in ("pipeline_parallel_size", "context_parallel_size")
+                        if getattr(self, name) > 1]
+            if unserved:
+                raise ConfigError(f"--eval_prompts generates from the training layout's shards, and generation with "
+                                  f"{' '.join(unserved)} is not served yet; drop --eval_prompts (or sample from a saved "
+                                  f"checkpoint with plait generate)")
         if self.context_parallel_size > 1:
             config = self.parallel_config()
             check_length(self.block_size, config.cp, config.tp, config.sequence_parallel)
@@ -361,6 +372,9 @@ class TrainArgs:
         for unused, flag, axis, size in idle:
             if unused:
                 raise ConfigError(f"{flag} has no effect without {axis} ({size} 1); drop it, or set {size}")
+        if self.eval_prompts is None and self.eval_max_new_tokens != 32:
+            raise ConfigError(f"--eval_max_new_tokens={self.eval_max_new_tokens} has no effect without --eval_prompts; "
+                              f"drop it, or give --eval_prompts FILE.jsonl")
         if not self.lora_r and not self.resume_from_checkpoint:  # a LoRA checkpoint brings its own settings
             defaults = {f.name: f.default for f in fields(self)}
             given = [f"--{name}" for name in LORA_SETTINGS if getattr(self, name) != defaults[name]]

@@ -14,6 +14,7 @@ import os
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -54,6 +55,7 @@ from plait.run.methods.table import METHODS
 from plait.run.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_rows
 from plait.run.model_config import read_model_config
 from plait.run.moe_metrics import RoutingMetrics
+from plait.run.prompts import EvalPrompts
 from plait.run.run_files import RunFiles
 from plait.run.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process
 from plait.run.stop import StopRequested, StopSignals
@@ -168,7 +170,14 @@ def check_before_launch(args: TrainArgs, world: int) -> None:
     once; the workers read it back."""
     _, model_config, _, _, plan = plan_run(args, world)
     method = METHODS[args.method]
-    method.load_data(args, model_config, plan) or load_checked_data(args, model_config, plan)
+    _, _, tokenizer = method.load_data(args, model_config, plan) or load_checked_data(args, model_config, plan)
+    eval_prompts(args, tokenizer)
+
+
+def eval_prompts(args: TrainArgs, tokenizer: Any) -> EvalPrompts | None:
+    """--eval_prompts rendered with the run's tokenizer, each prompt checked (None without the flag)."""
+    return args.eval_prompts and EvalPrompts(Path(args.eval_prompts), tokenizer, args.eval_max_new_tokens,
+                                             args.per_device_train_batch_size)
 
 
 def load_checked_data(args: TrainArgs, model_config: PretrainedConfig, plan: LayoutPlan) -> tuple:
@@ -202,6 +211,7 @@ class Trainer:
         # Data before any process group: a bad file fails every rank at once, never inside a collective.
         self.blocks, self.val_blocks, self.tokenizer = (method.load_data(args, model_config, plan)
                                                         or load_checked_data(args, model_config, plan))
+        self.eval_prompts = eval_prompts(args, self.tokenizer)
         init_distributed(device, args.backend, args.ddp_timeout)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.heartbeat = Heartbeat.start(int(os.environ.get("RANK", "0")), world)  # names a stuck rank on a timeout
@@ -432,10 +442,14 @@ class Trainer:
                 faults.maybe_inject(step + 1)  # testing aid: a no-op unless PLAIT_FAULT_INJECT is set
                 record = self.step(step)
                 is_last = step + 1 == args.max_steps
-                if self.val_blocks is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or is_last):
+                evaluating = (args.eval_steps and (step + 1) % args.eval_steps == 0) or is_last
+                if evaluating and (self.val_blocks is not None or self.eval_prompts):
                     self.heartbeat.at(step + 1, "evaluation")
+                if self.val_blocks is not None and evaluating:
                     record.update(self.method.evaluate(self.pmodel, self.val_blocks, args.per_device_train_batch_size,
                                                        self.device))
+                if self.eval_prompts and evaluating:  # completions from this step's weights (plait.run.prompts)
+                    record["samples"] = self.eval_prompts.samples(self.pmodel, self.device)
                 history.append(record)
                 self.log.write(record)
                 trackers.log(record)
