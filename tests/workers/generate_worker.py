@@ -19,7 +19,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import plait  # noqa: E402
+from peft import get_peft_model  # noqa: E402
+from plait.checkpoint.lora_export import gather_lora  # noqa: E402
 from plait.generation.decode import decode  # noqa: E402
+from plait.lora.config import lora_config  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 
 NEW, EOS, PAD = 12, 7, 0
@@ -35,6 +38,9 @@ CASES = {
     "gpt2-tp2": ("gpt2", dict(tp=2, sp=False)),
     "gpt2-tp2-sp": ("gpt2", dict(tp=2)),
     "mixtral-ep2": ("mixtral", dict(ep=2)),
+    # LoRA (random A and B) under tp=2 + SP, against peft's model on one process with the same adapter values
+    "llama-lora-tp2-sp": ("llama", dict(tp=2)),
+    "llama-lora-zero3-dp2": ("llama", dict(zero_stage=3)),
 }
 
 
@@ -80,7 +86,17 @@ def run_case(name: str) -> dict:
     arch, layout = CASES[name]
     reference = model(arch)
     ids, mask = prompts(reference.config.vocab_size)
-    pmodel = plait.parallelize(copy.deepcopy(reference), plait.ParallelConfig(**layout))
+    if "-lora-" in name:
+        pmodel = plait.parallelize(copy.deepcopy(reference), plait.ParallelConfig(**layout),
+                                   lora=lora_config(4, 8, init_lora_weights=False), lora_seed=7)
+        adapters = gather_lora(pmodel)
+        reference = get_peft_model(reference, copy.deepcopy(pmodel.plan.lora.config))
+        with torch.no_grad():
+            for peft_name, param in reference.named_parameters():
+                if param.requires_grad:
+                    param.copy_(adapters[peft_name.removeprefix("base_model.model.").replace(".default.", ".")])
+    else:
+        pmodel = plait.parallelize(copy.deepcopy(reference), plait.ParallelConfig(**layout))
     pmodel.train()  # generation evaluates (no dropout) and gives the mode back
     greedy = pmodel.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
     sampled = pmodel.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD, **SAMPLING)

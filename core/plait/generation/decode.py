@@ -17,7 +17,7 @@ every row of the global batch has met EOS, or after ``max_new_tokens``.
 Held to one process (tests/test_generate.py): tp with and without sequence parallelism (under it every forward's
 tokens are a multiple of tp: masked pads, ``decode``'s ``width``), data parallelism, ZeRO-1/2/3, expert parallelism
 (each replica's rows dispatched to the experts' ranks in every forward). Refused by name, before any collective: pp
-and cp. LoRA runs through the same forwards but is not held to one process yet.
+and cp. LoRA (tp=2 with SP, ZeRO-3) gives peft's model's tokens on one process.
 """
 
 from __future__ import annotations
