@@ -29,7 +29,7 @@ from plait.data import GlobalBatchSampler
 from plait.data.chat_tokenizer import save_chat_tokenizer
 from plait.run.methods.preference_loss import METRICS
 from plait.run.methods.table import METHODS
-from plait.run.train_args import METHODS as METHOD_NAMES
+from plait.run.method_args import METHODS as METHOD_NAMES
 from plait.run.train_args import TrainArgs
 from plait.run.trainer import Trainer
 from plait.testing import launch

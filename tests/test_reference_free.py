@@ -106,8 +106,9 @@ def test_rows_are_trls_tokenization(root, tmp_path):
 @pytest.mark.parametrize(("extra", "message"), [
     (dict(method="cpo", loss_type="robust"), "--loss_type robust is not one of --method cpo's: sigmoid, hinge, ipo, "
                                              "simpo (SimPO: --loss_type simpo --cpo_alpha 0)"),
-    (dict(method="orpo", loss_type="hinge"), "--loss_type has no effect without --method dpo or --method cpo "
-                                             "(--method orpo); drop it, or use --method dpo or --method cpo"),
+    (dict(method="orpo", loss_type="hinge"), "--loss_type has no effect without --method dpo or --method cpo or "
+                                             "--method grpo (--method orpo); drop it, or use --method dpo or --method "
+                                             "cpo or --method grpo"),
     (dict(method="dpo", simpo_gamma=1.0), "--simpo_gamma has no effect without --method cpo (--method dpo); drop it, "
                                           "or use --method cpo"),
     (dict(method="orpo", beta=0.0), "--beta=0.0 must be positive"),

@@ -22,6 +22,7 @@ from plait.data.sft_blocks import OVERLONG
 from plait.data.sft_records import SFTSource
 from plait.lora.config import lora_config
 from plait.parallel.float8 import ALIGN, require_torchao
+from plait.run.method_args import MethodArgs, _names
 from plait.run.prompts import read_prompts
 from plait.run.replicas import check_fault_tolerance
 from plait.run.trackers import parse_report_to
@@ -39,28 +40,11 @@ AUTO_LAYOUT_FLAGS = ("tensor_parallel_size", "pipeline_parallel_size", "context_
                      "zero_1", "gradient_checkpointing", "pipeline_cuts")
 
 
-def _names(listed: str) -> list[str]:
-    """The names of a comma-separated flag (empty: none)."""
-    return [name.strip() for name in listed.split(",") if name.strip()]
-
-
 LORA_SETTINGS = ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters")  # need --lora_r
-# plait.run.methods.table.METHODS, by name (tests/test_dpo.py holds them equal)
-METHODS = ("next_token", "dpo", "cpo", "orpo", "kd")
-# DPO's flags, with TRL's names (DPOConfig); they need --method dpo
-DPO_SETTINGS = ("beta", "loss_type", "loss_weights", "label_smoothing", "truncation_mode", "precompute_ref_log_probs",
-                "ref_model_name_or_path")
-TRUNCATION_MODES = ("keep_start", "keep_end")
-KD_SETTINGS = ("teacher_model_name_or_path", "kd_loss", "kd_beta", "kd_temperature", "kd_ratio")  # need --method kd
-# the methods each method-specific flag takes effect with (TRL's CPOConfig and ORPOConfig share DPOConfig's names)
-SETTINGS = {**{name: ("dpo",) for name in DPO_SETTINGS}, "beta": ("dpo", "cpo", "orpo"),
-            "loss_type": ("dpo", "cpo"), "label_smoothing": ("dpo", "cpo"), "simpo_gamma": ("cpo",),
-            "cpo_alpha": ("cpo",), **{name: ("kd",) for name in KD_SETTINGS}}
-KD_LOSSES = ("fkl", "rkl", "jsd")  # plait.run.methods.kd.divergence's kinds
 
 
 @dataclass
-class TrainArgs:
+class TrainArgs(MethodArgs):
     model_config: str | None = field(default=None, metadata={"help": "transformers config.json: random init"})
     model_name_or_path: str | None = field(default=None, metadata={"help": "a local Hugging Face model dir"})
     train_file: str | None = field(default=None, metadata={"help": ".txt, .jsonl, .parquet, a directory or a glob of them (text field: --text_field); default: bundled corpus"})
@@ -139,21 +123,6 @@ class TrainArgs:
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input (peft's lora_dropout)"})
     lora_target_modules: str | None = field(default=None, metadata={"help": "comma-separated module names as peft takes them (default: the attention and MLP projections of the adapter's TP plan; '': none, with --lora_target_parameters)"})
     lora_target_parameters: str | None = field(default=None, metadata={"help": "comma-separated expert parameters as peft's target_parameters takes them, e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj (routed experts' stacked weights; no --lora_dropout)"})
-    method: str = field(default="next_token", metadata={"help": f"the training method: one of {', '.join(METHODS)} (next_token: language modelling, or SFT on chat / prompt-completion data; dpo: preference training on a .jsonl of 'prompt', 'chosen', 'rejected' rows, TRL's DPOTrainer; --block_size is its max_length; cpo, orpo: the same rows without a reference model, TRL's CPOTrainer (SimPO: --loss_type simpo --cpo_alpha 0) and ORPOTrainer; kd: distillation from --teacher_model_name_or_path on the next-token data)"})
-    beta: float = field(default=0.1, metadata={"help": "dpo, cpo, orpo: the preference loss's scale (TRL's beta; dpo: the strength of the pull to the reference model)"})
-    loss_type: str = field(default="sigmoid", metadata={"help": "dpo: the preference loss, or several comma-separated (summed, weighted by --loss_weights), as TRL's loss_type: sigmoid, hinge, ipo, robust, apo_zero, apo_down, nca_pair, bco_pair, sppo_hard, sigmoid_norm, exo_pair, sft (the chosen completions' NLL: RPO is sigmoid,sft); cpo: one of sigmoid, hinge, ipo, simpo"})
-    loss_weights: str | None = field(default=None, metadata={"help": "dpo: comma-separated weights, one per --loss_type (default: 1 each)"})
-    label_smoothing: float = field(default=0.0, metadata={"help": "dpo, cpo: the probability that a preference label is wrong (dpo's robust, exo_pair; cpo's sigmoid, simpo; TRL's label_smoothing)"})
-    truncation_mode: str = field(default="keep_start", metadata={"help": f"dpo: how a prompt + completion longer than --block_size is cut: one of {', '.join(TRUNCATION_MODES)} (keep_start drops rows whose prompt alone fills it, as TRL)"})
-    precompute_ref_log_probs: bool = field(default=False, metadata={"help": "dpo: read the reference model's log-probs of every row once before training, then free it"})
-    simpo_gamma: float = field(default=0.5, metadata={"help": "cpo: the target reward margin of --loss_type simpo (TRL's simpo_gamma)"})
-    cpo_alpha: float = field(default=1.0, metadata={"help": "cpo: the weight of the chosen completions' NLL beside the preference loss (TRL's cpo_alpha; SimPO: 0)"})
-    ref_model_name_or_path: str | None = field(default=None, metadata={"help": "dpo: the reference model's directory (same vocabulary; default: the policy as it starts)"})
-    teacher_model_name_or_path: str | None = field(default=None, metadata={"help": "kd: the teacher's model directory (or plait checkpoint): the student's vocabulary, any size; laid out on the student's layout, forward-only"})
-    kd_loss: str = field(default="fkl", metadata={"help": f"kd: the divergence per token, one of {', '.join(KD_LOSSES)}: fkl KL(teacher||student), rkl KL(student||teacher), jsd the generalized Jensen-Shannon divergence with --kd_beta (TRL's generalized_jsd_loss: beta 0 is fkl, 1 rkl)"})
-    kd_beta: float = field(default=0.5, metadata={"help": "kd: the teacher's weight in jsd's mixture, strictly between 0 and 1 (TRL's GKD beta)"})
-    kd_temperature: float = field(default=1.0, metadata={"help": "kd: both models' logits are divided by it before the divergence"})
-    kd_ratio: float = field(default=0.5, metadata={"help": "kd: the loss is (1 - kd_ratio) x cross-entropy + kd_ratio x divergence (1: the divergence alone)"})
 
     def lora(self) -> "LoraConfig | None":
         """peft's LoraConfig from the --lora_* flags (None without --lora_r)."""
@@ -162,12 +131,6 @@ class TrainArgs:
         targets = None if self.lora_target_modules is None else _names(self.lora_target_modules)
         parameters = {"target_parameters": _names(self.lora_target_parameters)} if self.lora_target_parameters else {}
         return lora_config(self.lora_r, self.lora_alpha, self.lora_dropout, targets, **parameters)
-
-    def dpo_loss_types(self) -> list[str]:
-        return _names(self.loss_type)
-
-    def dpo_loss_weights(self) -> tuple[float, ...] | None:
-        return None if self.loss_weights is None else tuple(float(w) for w in _names(self.loss_weights))
 
     def validate(self) -> None:
         """Checks that need no model: fail before any process group or file exists."""
@@ -280,61 +243,6 @@ class TrainArgs:
             raise ConfigError(f"--float8_emulate emulates float8 matmuls, but --float8 is not given; add --float8 "
                               f"{' or '.join(FLOAT8_RECIPES)}")
 
-    def _validate_method(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError(f"--method {self.method!r} is unknown; choose one of {', '.join(METHODS)}")
-        defaults = {f.name: f.default for f in fields(self)}
-        for methods in dict.fromkeys(SETTINGS.values()):
-            given = [f"--{name}" for name, where in SETTINGS.items() if where == methods
-                     and getattr(self, name) != defaults[name]]
-            if given and self.method not in methods:
-                wanted = " or ".join(f"--method {m}" for m in methods)
-                raise ConfigError(f"{', '.join(given)} ha{'ve' if len(given) > 1 else 's'} no effect without {wanted} "
-                                  f"(--method {self.method}); drop {'them' if len(given) > 1 else 'it'}, or use "
-                                  f"{wanted}")
-        if self.method == "kd":
-            self._validate_kd(defaults)
-        if self.method in ("cpo", "orpo"):
-            from plait.run.methods.reference_free import CPOLoss, ORPOLoss  # their checks, one line each
-
-            CPOLoss(self.beta, self.loss_type, self.label_smoothing, self.simpo_gamma, self.cpo_alpha) \
-                if self.method == "cpo" else ORPOLoss(self.beta)
-        if self.method not in ("dpo", "cpo", "orpo"):
-            return
-        if self.dataset_name:
-            raise ConfigError(f"--method {self.method} does not take --dataset_name yet (preference pairs come from a "
-                              f".jsonl --train_file); drop it")
-        if self.method != "dpo":
-            return
-        if self.truncation_mode not in TRUNCATION_MODES:
-            raise ConfigError(f"--truncation_mode {self.truncation_mode!r} is unknown; choose one of "
-                              f"{', '.join(TRUNCATION_MODES)}")
-        try:
-            weights = self.dpo_loss_weights()
-        except ValueError:
-            raise ConfigError(f"--loss_weights {self.loss_weights!r}: give comma-separated numbers, one per "
-                              f"--loss_type") from None
-        from plait.run.methods.preference_loss import PreferenceLoss  # its checks: TRL's rules, one line each
-
-        PreferenceLoss(self.beta, tuple(self.dpo_loss_types()), weights, self.label_smoothing)
-
-    def _validate_kd(self, defaults: dict) -> None:
-        if not self.teacher_model_name_or_path:
-            raise ConfigError("--method kd needs --teacher_model_name_or_path: the teacher's model directory")
-        if self.kd_loss not in KD_LOSSES:
-            raise ConfigError(f"--kd_loss {self.kd_loss!r} is unknown; choose one of {', '.join(KD_LOSSES)}")
-        if self.kd_loss != "jsd" and self.kd_beta != defaults["kd_beta"]:
-            raise ConfigError(f"--kd_beta has no effect with --kd_loss {self.kd_loss} (it weighs jsd's mixture); drop "
-                              f"it, or use --kd_loss jsd")
-        if not 0.0 < self.kd_beta < 1.0:
-            raise ConfigError(f"--kd_beta={self.kd_beta:g} must lie strictly between 0 and 1 (0 is --kd_loss fkl, 1 is "
-                              f"--kd_loss rkl)")
-        if not self.kd_temperature > 0.0:
-            raise ConfigError(f"--kd_temperature={self.kd_temperature:g} must be positive")
-        if not 0.0 <= self.kd_ratio <= 1.0:
-            raise ConfigError(f"--kd_ratio={self.kd_ratio:g} must lie in [0, 1] (the divergence's weight against the "
-                              f"cross-entropy)")
-
     def _check_output_dir(self) -> None:
         if "://" in self.output_dir:  # a store: its package must be installed (a one-line refusal naming it)
             from plait.checkpoint.store import filesystem  # noqa: PLC0415 (the package is heavy; only for a URL)
@@ -432,7 +340,8 @@ class TrainArgs:
 
 
 def _kind(f: dataclasses.Field) -> type:
-    return {"int": int, "float": float, "bool": bool}.get(str(f.type), str)
+    """A field's type for the command line and the config file: ``float | None`` (unset by default) is a float."""
+    return {"int": int, "float": float, "bool": bool}.get(str(f.type).removesuffix(" | None"), str)
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type = TrainArgs) -> None:

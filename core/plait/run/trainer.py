@@ -243,7 +243,8 @@ class Trainer:
         self.global_batch = args.per_device_train_batch_size * mesh.dp * args.gradient_accumulation_steps
         self.method = method.create(self)
         # replica groups (--fault_tolerance torchft) each train on their share of a global batch R times theirs
-        self.sampler = GlobalBatchSampler(len(self.method), self.global_batch * args.num_replica_groups, args.seed)
+        self.sampler = GlobalBatchSampler(len(self.method), self.method.rows_per_step(self.global_batch)
+                                          * args.num_replica_groups, args.seed)
         # AdamW's fused kernel (one launch for all parameters) where torch has one for the device, not on the CPU
         fused = {"fused": True} if use_fused_adamw(device) else {}
         self.optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=args.learning_rate,
@@ -305,7 +306,7 @@ class Trainer:
         self.heartbeat.at(step + 1, "forward-backward")
         step_loss = torch.zeros((), device=self.device)
         batches = self.method.micro_batches(indices, mesh, args.gradient_accumulation_steps, self.device)
-        self.method.before_step(self.pmodel, batches)
+        self.method.before_step(self.pmodel, batches, step)
         for batch in batches:
             step_loss += self.method.micro_step(self.pmodel, batch, num_items)
         faults.maybe_inject(step + 1, params=self.optimizer_step.grad_sync.params)  # testing aid (as at the start)

@@ -62,8 +62,13 @@ class TrainingMethod(ABC):
         """Forward and backward of one micro-batch; returns this rank's share of the step's loss (summed over
         the micro-steps and the data-parallel ranks, the step's loss)."""
 
-    def before_step(self, pmodel: ParallelModel, batches: list[Any]) -> None:
-        """Called once a step, before its micro-steps, with all of them (default: nothing)."""
+    def rows_per_step(self, global_batch: int) -> int:
+        """The examples the sampler draws for a step of ``global_batch`` rows (GRPO: one prompt per group of
+        completions); default: one per row."""
+        return global_batch
+
+    def before_step(self, pmodel: ParallelModel, batches: list[Any], step: int) -> None:
+        """Called once a step (``step`` counts from 0), before its micro-steps, with all of them (default: nothing)."""
 
     def step_metrics(self, pmodel: ParallelModel) -> dict[str, float]:
         """The method's own metrics of the step just run, the same on every rank (every rank calls it: it may be a

@@ -329,10 +329,11 @@ class Reference:
             return row_logps(self.model, ids, labels)
 
     def read(self, ids: torch.Tensor, labels: torch.Tensor, read: Callable[[Logits], torch.Tensor],
-             position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+             position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+             ) -> torch.Tensor | None:
         """``read_rows`` of the reference (None on the ranks that compute no loss)."""
         with switch.adapters_off() if self.adapters_off else contextlib.nullcontext():
-            return read_rows(self.model, ids, labels, read, position_ids)
+            return read_rows(self.model, ids, labels, read, position_ids, attention_mask)
 
 
 def row_logps(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor,

@@ -58,10 +58,11 @@ def frozen_layout(model: nn.Module, trained: ParallelConfig) -> ParallelConfig:
 
 
 def read_rows(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor, read: Callable[[Logits], torch.Tensor],
-              position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+              position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+              ) -> torch.Tensor | None:
     """``read`` of each row of a batch under ``model`` (a function of its logits: per-row log-probs, the logits
     themselves), forward-only and in eval mode (the model's mode restored after), [rows, ...]; None on the ranks that
-    compute no loss (every pipeline stage but the last)."""
+    compute no loss (every pipeline stage but the last). ``attention_mask``: for rows with left padding (GRPO's)."""
     kept: dict[str, torch.Tensor] = {}
 
     def keep(logits: Logits) -> torch.Tensor:
@@ -73,7 +74,7 @@ def read_rows(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor, rea
     training = model.training
     model.eval()
     try:
-        model.eval_loss(ids, labels, position_ids=position_ids, objective=keep)
+        model.eval_loss(ids, labels, attention_mask, position_ids=position_ids, objective=keep)
     finally:
         model.train(training)
     return kept.get("out")

@@ -37,7 +37,7 @@ class NextToken(TrainingMethod):
         return [batch_inputs(self.blocks, local_microbatch(rows, mesh.dp_rank, mesh.dp, accumulation, micro), device,
                              self.spans) for micro in range(accumulation)]
 
-    def before_step(self, pmodel: ParallelModel, batches: list[Batch]) -> None:
+    def before_step(self, pmodel: ParallelModel, batches: list[Batch], step: int) -> None:
         # --moe_aux_loss_scope global_batch: the load-balancing loss over every micro-step (a routing pass first)
         pmodel.set_global_batch([(ids, None, positions) for ids, _, positions in batches])
 

@@ -1,0 +1,258 @@
+"""GRPO (``plait train --method grpo``): TRL 1.16's GRPOTrainer, its rollouts generated from the policy's own shards.
+
+Each optimizer step takes ``global batch / num_generations`` prompts from the sampler (every rank the same), and the
+policy completes each ``num_generations`` times in the training layout (``ParallelModel.generate``: no second copy of
+the weights; the step's seed is ``--seed`` and the step, so a resumed run draws what the uninterrupted one drew). Every
+rank decodes the completions, calls the reward functions on all of them (TRL's signature) and computes the
+advantages (``grpo_loss.advantages``); the rows ``prompt + completion`` (the prompt left padded, the completion right
+padded, labelled up to and with its first EOS) are then split over the dp ranks and micro-steps as any batch is, and
+each micro-step's loss is an objective of the policy's logits: TRL's per-token term (``grpo_loss.token_terms``, the
+log-probs of logits divided by ``--temperature``, as TRL's) weighted by the loss type's fixed weights, so that the
+shares of every rank and micro-step sum to one process's loss. With ``--beta`` > 0 the reference is the starting
+policy laid out beside it (under LoRA the policy with its adapters off), as DPO's. The forwards pass no position ids,
+as TRL's (positions count from the left pad). Metrics carry TRL's names: reward, reward_std, rewards/<func>/mean,
+completions/mean_length, kl. Layouts: those generation serves (tp with SP, dp, ZeRO-1/2/3, ep, LoRA); pp and cp are
+refused by name (``grpo_args.check_grpo``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.base import comm
+from plait.base.config import ConfigError
+from plait.base.mesh import Mesh
+from plait.data import local_microbatch
+from plait.data.paths import tokenizer_dir
+from plait.data.tokenizer import load_tokenizer
+from plait.parallel_model import ParallelModel
+from plait.run.methods.base import TrainingMethod
+from plait.run.methods.dpo import Reference
+from plait.run.methods.frozen import frozen_on_mesh
+from plait.run.methods.grpo_args import call_rewards, reward_funcs
+from plait.run.methods.grpo_loss import advantages, token_terms, token_weights
+from plait.run.prompts import pad_id
+from plait.tp.logprobs import Logits
+from plait.tp.loss import IGNORE_INDEX
+
+
+@dataclasses.dataclass
+class Prompt:
+    """One prompt row: as TRL's reward functions get it (text or chat messages), its tokens and its other columns."""
+
+    prompt: str | list
+    ids: list[int]
+    columns: dict[str, Any]
+
+
+def read_prompts(path: Path, tokenizer: Any, room: int) -> list[Prompt]:
+    """TRL's prompt-only rows of a .jsonl: ``prompt`` as text or chat messages (the template's generation prompt
+    added), its other keys passed to the reward functions; one line for a bad row or a prompt over ``room`` tokens."""
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{number}: not JSON ({err.msg})") from None
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        if isinstance(prompt, list) and prompt:
+            if not tokenizer.chat_template:
+                raise ConfigError(f"{path}:{number}: a chat prompt, but the tokenizer has no chat template")
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        elif isinstance(prompt, str) and prompt:
+            text = prompt
+        else:
+            raise ConfigError(f"{path}:{number}: a row needs a 'prompt' (text or a list of chat messages)")
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > room:
+            raise ConfigError(f"{path}:{number}: the prompt has {len(ids)} tokens, more than the {room} left for it "
+                              f"(--block_size minus --max_completion_length); shorten it or raise --block_size")
+        rows.append(Prompt(prompt, ids, {k: v for k, v in row.items() if k != "prompt"}))
+    if not rows:
+        raise ConfigError(f"--train_file {path}: no prompts in it")
+    return rows
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """A step's completions as training rows [completions, prompt + completion], all on every rank: ids, attention
+    mask, labels (the completion's tokens to its first EOS), each completion's advantage, and the weight of each
+    position's token term in ``shift_labels``' coordinates (position t: the token at t + 1)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    labels: torch.Tensor
+    advantages: torch.Tensor
+    weights: torch.Tensor
+
+    @classmethod
+    def build(cls, prompts: list[list[int]], completions: torch.Tensor, eos: int | None, pad: int,
+              advantage: torch.Tensor, loss_type: str, max_length: int, micro_rows: list[torch.Tensor]) -> Rollouts:
+        """``prompts`` (token lists, one per completion) and ``completions`` [completions, new tokens]; bnpo's
+        per-device batches are ``micro_rows`` (every rank's micro-batches' rows, in any order)."""
+        width = max(len(p) for p in prompts)
+        prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        done = completions == eos if eos is not None else torch.zeros_like(completions, dtype=torch.bool)
+        # up to and with the first EOS, as TRL's completion mask
+        completion_mask = (done.long().cumsum(1) - done.long() == 0).long()
+        ids = torch.cat([prompt_ids, completions], dim=1)
+        mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        labels = torch.cat([torch.full_like(prompt_ids, IGNORE_INDEX),
+                            completions.masked_fill(completion_mask == 0, IGNORE_INDEX)], dim=1)
+        if loss_type == "bnpo":  # TRL's token mean per per-device batch, averaged over them
+            per_token = torch.zeros(completion_mask.shape, dtype=torch.float64)
+            for rows in micro_rows:
+                per_token[rows] = completion_mask[rows].double() / (completion_mask[rows].sum().clamp(min=1)
+                                                                     * len(micro_rows))
+        else:
+            per_token = token_weights(completion_mask, loss_type, max_length, 1, 1)
+        weights = torch.cat([torch.zeros(prompt_ids.shape, dtype=torch.float64), per_token], dim=1)[:, 1:]
+        weights = torch.nn.functional.pad(weights, (0, 1))  # shifted: position t weighs the token at t + 1
+        return cls(ids, mask, labels, advantage, weights)
+
+
+class GRPO(TrainingMethod):
+    """Prompts, reward functions and the loss's settings; the reference where ``--beta`` > 0."""
+
+    def __init__(self, prompts: list[Prompt], args: Any, tokenizer: Any, reference: Reference | None,
+                 device: torch.device) -> None:
+        self.prompts, self.args, self.tokenizer = prompts, args, tokenizer
+        self.reference, self.device = reference, device
+        self.funcs = reward_funcs(args)
+        self.eos, self.pad = tokenizer.eos_token_id, pad_id(tokenizer)
+        self.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+        self.rows: torch.Tensor | None = None  # the step's prompts
+        self.rollouts: Rollouts | None = None
+        self.metrics: dict[str, float] = {}
+        self.kl = torch.zeros(2, dtype=torch.float64)  # this rank's masked KL sum and token count of the step
+
+    @classmethod
+    def load_data(cls, args: Any, model_config: Any, plan: Any) -> tuple[list[Prompt], None, Any]:
+        folder = tokenizer_dir(args.tokenizer_name, args.model_name_or_path)
+        if folder is None:
+            raise ConfigError("--method grpo needs a tokenizer: give --model_name_or_path with one, or "
+                              "--tokenizer_name")
+        global_batch = args.per_device_train_batch_size * plan.config.dp * args.gradient_accumulation_steps
+        if global_batch % args.num_generations:
+            valid = [g for g in range(2, global_batch + 1) if global_batch % g == 0]
+            raise ConfigError(f"--num_generations {args.num_generations} does not divide the global batch of "
+                              f"{global_batch} completions (--per_device_train_batch_size x dp x "
+                              f"--gradient_accumulation_steps); valid values: {', '.join(map(str, valid))}")
+        tokenizer = load_tokenizer(folder, model_config.vocab_size)
+        pad_id(tokenizer)
+        room = args.block_size - args.max_completion_length
+        return read_prompts(Path(args.train_file), tokenizer, room), None, tokenizer
+
+    @classmethod
+    def create(cls, trainer: Any) -> GRPO:
+        args, reference = trainer.args, None
+        if args.beta != 0.0:
+            if trainer.pmodel.plan.lora is not None:
+                reference = Reference(trainer.pmodel, adapters_off=True)
+            else:
+                source = args.model_name_or_path or trainer.pmodel.plan.model_config
+                reference = Reference(frozen_on_mesh(source, args, trainer.pmodel, trainer.device))
+        return cls(trainer.blocks, args, trainer.tokenizer, reference, trainer.device)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def rows_per_step(self, global_batch: int) -> int:
+        return global_batch // self.args.num_generations
+
+    def divisor(self, rows: torch.Tensor) -> int:
+        return len(rows) * self.args.num_generations
+
+    def micro_batches(self, rows: torch.Tensor, mesh: Mesh, accumulation: int, device: torch.device) -> list[Any]:
+        self.rows, completions = rows, torch.arange(len(rows) * self.args.num_generations)
+        self.all_micro = [local_microbatch(completions, rank, mesh.dp, accumulation, micro)
+                          for micro in range(accumulation) for rank in range(mesh.dp)]
+        return [local_microbatch(completions, mesh.dp_rank, mesh.dp, accumulation, micro)
+                for micro in range(accumulation)]
+
+    def before_step(self, pmodel: ParallelModel, batches: list[Any], step: int) -> None:
+        """Generate the step's completions from the policy and score them (every rank alike)."""
+        args, generations = self.args, self.args.num_generations
+        prompts = [self.prompts[int(i)] for i in self.rows for _ in range(generations)]
+        width = max(len(p.ids) for p in prompts)
+        ids = torch.tensor([[self.pad] * (width - len(p.ids)) + p.ids for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in prompts], device=self.device)
+        out = pmodel.generate(ids, mask, max_new_tokens=args.max_completion_length, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed * 1_000_003 + step,
+                              eos_token_id=self.eos, pad_token_id=self.pad)[:, width:].cpu()
+        out = torch.nn.functional.pad(out, (0, args.max_completion_length - out.shape[1]), value=self.pad)
+        self.score_and_build([p.ids for p in prompts], out, prompts)
+
+    def score_and_build(self, prompt_ids: list[list[int]], completions: torch.Tensor, prompts: list[Prompt]) -> None:
+        """Rewards, advantages and the training rows of ``completions`` [completions, max_completion_length]."""
+        lengths = [(row.index(self.eos) + 1 if self.eos in row else len(row)) for row in completions.tolist()]
+        texts = [self.tokenizer.decode(row[: n - (self.eos in row[:n])], skip_special_tokens=True)
+                 for row, n in zip(completions.tolist(), lengths)]
+        shown = [[{"role": "assistant", "content": t}] if isinstance(p.prompt, list) else t
+                 for p, t in zip(prompts, texts)]
+        columns = {key: [p.columns.get(key) for p in prompts] for key in prompts[0].columns}
+        rewards = torch.tensor(call_rewards(self.funcs, [p.prompt for p in prompts], shown,
+                                            [row[:n] for row, n in zip(completions.tolist(), lengths)], columns),
+                               dtype=torch.float32)
+        weights = torch.tensor([w for _, _, w in self.funcs])
+        advantage = advantages(rewards, weights, self.args.num_generations, self.args.scale_rewards)
+        self.rollouts = Rollouts.build(prompt_ids, completions, self.eos, self.pad, advantage, self.args.loss_type,
+                                       self.args.max_completion_length, self.all_micro)
+        total = (rewards * weights).nansum(dim=1)
+        grouped = total.view(-1, self.args.num_generations)
+        self.metrics = {"reward": total.mean().item(), "reward_std": grouped.std(dim=1).mean().item(),
+                        "completions/mean_length": sum(lengths) / len(lengths)}
+        for j, (name, _, _) in enumerate(self.funcs):
+            self.metrics[f"rewards/{name}/mean"] = rewards[:, j].nanmean().item()
+        self.kl.zero_()
+
+    def micro_step(self, pmodel: ParallelModel, batch: torch.Tensor, divisor: int) -> torch.Tensor:
+        r = self.rollouts
+        ids, mask, labels = (t[batch].to(self.device) for t in (r.ids, r.mask, r.labels))
+        ref = None
+        if self.reference is not None:  # the reference's log-probs of the same tokens, without gradients
+            ref = self.reference.read(ids, labels, self.label_logps, attention_mask=mask)
+        weights, advantage = r.weights[batch].to(self.device), r.advantages[batch].to(self.device)
+
+        def objective(logits: Logits) -> torch.Tensor:
+            logps = self.label_logps(logits)
+            rows = logits.rows
+            own_ref = None if ref is None else ref[rows].to(logps.dtype)
+            terms = token_terms(logps, None, own_ref, advantage[rows], self.args.epsilon, self.epsilon_high,
+                                self.args.beta)
+            w = weights[rows].to(logps.dtype)
+            if own_ref is not None:
+                with torch.no_grad():
+                    kl = torch.exp(own_ref - logps) - (own_ref - logps) - 1
+                    counted = (w > 0).to(kl.dtype)
+                    self.kl += torch.stack([(kl * counted).sum(), counted.sum()]).double().cpu()
+            return (terms * w).sum()
+
+        return pmodel.train_step(ids, labels, mask, objective=objective)
+
+    def label_logps(self, logits: Logits) -> torch.Tensor:
+        """Each position's log-prob of its label under logits divided by --temperature (TRL's)."""
+        if self.args.temperature != 1.0:
+            logits = dataclasses.replace(logits, values=logits.values / self.args.temperature)
+        return logits.label_logps()
+
+    def step_metrics(self, pmodel: ParallelModel) -> dict[str, float]:
+        metrics = dict(self.metrics)
+        if self.reference is not None:
+            kl = comm.all_reduce(self.kl.clone(), pmodel.mesh.dp_group)  # each dp rank's own rows (tp: alike)
+            metrics["kl"] = (kl[0] / kl[1].clamp(min=1)).item()
+        return metrics
+
+    def step_tokens(self) -> int | None:
+        return int(self.rollouts.mask.sum())
+
+    def evaluate(self, pmodel: ParallelModel, data: Any, batch_size: int, device: torch.device) -> dict[str, float]:
+        return {}

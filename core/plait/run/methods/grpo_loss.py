@@ -1,0 +1,78 @@
+"""GRPO's advantages and loss, with TRL 1.16's definitions (GRPOTrainer), written so that any split of the global
+batch over ranks and micro-steps gives one process's loss.
+
+Advantages: each completion's reward (the weighted sum of the reward functions', NaN-skipping as TRL's nansum) minus
+its group's mean (the ``num_generations`` completions of one prompt), divided by the group's standard deviation
+(``scale_rewards="group"``), the whole batch's (``"batch"``) or not at all (``"none"``), plus 1e-4.
+
+Loss, per completion token t (importance sampling per token, TRL's default): with r = exp(logp - old_logp) and A the
+completion's advantage, ``-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)``, plus ``beta`` times the k3 estimate
+of KL(policy || reference), ``exp(ref - logp) - (ref - logp) - 1``. Every loss type is a weighted sum of these terms,
+the weight fixed by the global batch before the step, so each rank's share is the sum over its own tokens:
+
+- ``grpo``: each completion's token mean, averaged over the completions: weight 1 / (its tokens x completions);
+- ``dr_grpo``: 1 / (completions x ``max_completion_length``);
+- ``dapo``: 1 / (completion tokens of the global batch);
+- ``bnpo``: as TRL, a token mean over each per-device batch, averaged over the per-device batches of the step
+  (ranks x accumulation): weight 1 / (tokens of its per-device batch x their count).
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def advantages(rewards: torch.Tensor, weights: torch.Tensor, generations: int, scale: str) -> torch.Tensor:
+    """Each completion's advantage [completions] from ``rewards`` [completions, functions] (NaN: a function with no
+    reward for it) weighted by ``weights`` [functions]; the completions of a prompt are ``generations`` in a row."""
+    total = (rewards * weights.to(rewards.dtype)).nansum(dim=1)
+    grouped = total.view(-1, generations)
+    mean = grouped.nanmean(dim=1).repeat_interleave(generations)
+    if scale == "group":
+        std = _nanstd(grouped, dim=1).repeat_interleave(generations)
+    elif scale == "batch":
+        std = _nanstd(total, dim=0).expand_as(total)
+    else:
+        std = None
+    found = total - mean if std is None else (total - mean) / (std + 1e-4)
+    return torch.nan_to_num(found, nan=0.0)
+
+
+def _nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """The unbiased standard deviation ignoring NaNs, as TRL's ``nanstd``."""
+    mean = values.nanmean(dim=dim, keepdim=True)
+    count = (~values.isnan()).sum(dim=dim)
+    return ((values - mean) ** 2).nansum(dim=dim).div(count - 1).sqrt()
+
+
+def token_weights(mask: torch.Tensor, loss_type: str, max_completion_length: int, per_device: int,
+                  batches: int) -> torch.Tensor:
+    """The weight of each completion token's term [completions, tokens] for the global batch's completion ``mask``:
+    ``per_device`` completions in each of ``batches`` per-device batches (bnpo's groups, in order)."""
+    mask = mask.to(torch.float64)
+    completions = mask.shape[0]
+    if loss_type == "grpo":
+        return mask / (mask.sum(dim=1, keepdim=True).clamp(min=1.0) * completions)
+    if loss_type == "dr_grpo":
+        return mask / (completions * max_completion_length)
+    if loss_type == "dapo":
+        return mask / mask.sum().clamp(min=1.0)
+    per_batch = mask.view(batches, per_device, -1).sum(dim=(1, 2)).clamp(min=1.0)  # bnpo
+    return mask / (per_batch.repeat_interleave(per_device)[:, None] * batches)
+
+
+def token_terms(logps: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None, advantage: torch.Tensor,
+                epsilon: float, epsilon_high: float, beta: float) -> torch.Tensor:
+    """GRPO's term of each token [rows, tokens] from the policy's log-probs (with gradient), the old policy's (None:
+    the policy's own, detached: one iteration per generation), the reference's (None where ``beta`` is 0) and each
+    row's advantage [rows]."""
+    ratio = torch.exp(logps - (logps.detach() if old is None else old))
+    advantage = advantage[:, None].to(logps.dtype)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    terms = -torch.min(ratio * advantage, clipped * advantage)
+    if beta != 0.0:
+        terms = terms + beta * (torch.exp(ref - logps) - (ref - logps) - 1)
+    return terms

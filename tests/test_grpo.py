@@ -1,0 +1,192 @@
+"""``plait train --method grpo``: TRL 1.16's GRPOTrainer, its rollouts from the policy's own shards.
+
+Held to TRL: on fixed completions of a tiny Llama, plait's loss and every gradient equal GRPOTrainer's ``_compute_loss``
+(each loss type, with and without the KL to the reference, a temperature that is not 1), and the advantages TRL's
+formula. Then a real run (tp=2 with sequence parallelism, 2 processes) that logs TRL's metric names, and the refusals.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from plait import ParallelConfig, parallelize
+from plait.base.config import ConfigError
+from plait.data.chat_tokenizer import save_chat_tokenizer
+from plait.run.methods.dpo import Reference
+from plait.run.methods.grpo import GRPO, read_prompts
+from plait.run.methods.grpo_loss import advantages
+from plait.run.metrics import read_metrics
+from plait.run.train_args import TrainArgs
+from processes import run as run_command
+
+TEXT = "the cat sat on the mat. a dog ran in the park. birds sing in the morning light."
+PROMPTS = ["the cat", "a dog ran in", "birds"]
+REWARDS = '''
+def length(prompts, completions, **columns):
+    return [float(len(c)) for c in completions]
+
+
+def has_a(prompts, completions, target, **columns):
+    return [None if t == "skip" else float(t in c) for c, t in zip(completions, target)]
+'''
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    save_chat_tokenizer([TEXT] * 20, 300, root / "model")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=128)).save_pretrained(root / "model")
+    targets = ["a", "skip", "e"]
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "target": t}) + "\n"
+                                                for p, t in zip(PROMPTS, targets)))
+    (root / "rewards.py").write_text(REWARDS)
+    return root
+
+
+def grpo_args(root, **flags) -> TrainArgs:
+    base = dict(method="grpo", model_name_or_path=str(root / "model"), train_file=str(root / "prompts.jsonl"),
+                reward_funcs=f"{root / 'rewards.py'}:length,{root / 'rewards.py'}:has_a", reward_weights="0.1,1.0",
+                num_generations=2, per_device_train_batch_size=6, block_size=24, max_completion_length=8,
+                temperature=0.7, output_dir=str(root / "out"))
+    return TrainArgs(**{**base, **flags})
+
+
+def trl_trainer(root, loss_type: str, beta: float):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    config = GRPOConfig(output_dir=str(root / "trl"), per_device_train_batch_size=6, num_generations=2,
+                        max_completion_length=8, beta=beta, loss_type=loss_type, temperature=0.7, report_to="none",
+                        use_cpu=True, epsilon_high=0.28, bf16=False)
+    trainer = GRPOTrainer(model=LlamaForCausalLM.from_pretrained(root / "model"), args=config,
+                          reward_funcs=[lambda prompts, completions, **kw: [0.0] * len(completions)],
+                          train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
+                          processing_class=AutoTokenizer.from_pretrained(root / "model"))
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+def test_a_step_on_fixed_completions_is_trls(files, loss_type, beta):
+    args = grpo_args(files, loss_type=loss_type, beta=beta, epsilon_high=0.28)
+    args.validate()
+    tokenizer = AutoTokenizer.from_pretrained(files / "model")
+    prompts = read_prompts(files / "prompts.jsonl", tokenizer, 16)
+    model = LlamaForCausalLM.from_pretrained(files / "model")
+    pmodel = parallelize(copy.deepcopy(model), ParallelConfig())
+    reference = Reference(parallelize(copy.deepcopy(model), ParallelConfig())) if beta else None
+    method = GRPO(prompts, args, tokenizer, reference, torch.device("cpu"))
+    [batch] = method.micro_batches(torch.arange(3), pmodel.mesh, 1, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    completions = torch.randint(3, 300, (6, 8), generator=gen)
+    completions[0, 3], completions[3, 0], completions[4, 7] = tokenizer.eos_token_id, tokenizer.eos_token_id, 9
+    rows = [prompts[i] for i in range(3) for _ in range(2)]
+    method.score_and_build([p.ids for p in rows], completions, rows)
+    loss = method.micro_step(pmodel, batch, 6)
+
+    trainer = trl_trainer(files, loss_type, beta)
+    r = method.rollouts
+    width = r.ids.shape[1] - 8
+    inputs = {"prompt_ids": r.ids[:, :width], "prompt_mask": r.mask[:, :width], "completion_ids": completions,
+              "completion_mask": r.mask[:, width:], "advantages": r.advantages,
+              "num_items_in_batch": r.mask[:, width:].sum()}
+    if beta:
+        with torch.no_grad():
+            inputs["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+                trainer.ref_model, r.ids, r.mask, 8)[0]
+    expected = trainer._compute_loss(trainer.model, inputs)
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+    theirs = dict(trainer.model.named_parameters())
+    for name, param in pmodel.module.named_parameters():
+        assert torch.allclose(param.grad, theirs[name].grad, rtol=1e-5, atol=1e-8), name
+    if beta:
+        assert method.step_metrics(pmodel)["kl"] >= 0
+
+
+def test_advantages_are_trls_formula(files):
+    rewards = torch.tensor([[1.0, 0.0], [3.0, float("nan")], [2.0, 1.0], [2.0, 1.0]])
+    weights = torch.tensor([0.5, 2.0])
+    total = torch.tensor([0.5, 1.5, 3.0, 3.0])  # nansum, as TRL
+    group = total.view(2, 2)
+    expected = (total - group.mean(1).repeat_interleave(2)) / (group.std(1).repeat_interleave(2) + 1e-4)
+    assert torch.allclose(advantages(rewards, weights, 2, "group"), expected)
+    assert torch.allclose(advantages(rewards, weights, 2, "batch"),
+                          (total - group.mean(1).repeat_interleave(2)) / (total.std() + 1e-4))
+    assert torch.allclose(advantages(rewards, weights, 2, "none"), total - group.mean(1).repeat_interleave(2))
+
+
+def test_a_run_on_tp2_with_sp_logs_trls_metrics(files):
+    out = files / "run"
+    done = run_command([sys.executable, "-m", "plait", "train", "--method", "grpo", "--model_name_or_path",
+                        str(files / "model"), "--train_file", str(files / "prompts.jsonl"), "--reward_funcs",
+                        f"{files / 'rewards.py'}:length,{files / 'rewards.py'}:has_a", "--num_generations", "2",
+                        "--per_device_train_batch_size", "6", "--block_size", "24", "--max_completion_length", "8",
+                        "--beta", "0.04", "--max_steps", "2", "--output_dir", str(out), "--nproc_per_node", "2",
+                        "--tensor_parallel_size", "2"], timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [r for r in read_metrics(out) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        for key in ("reward", "reward_std", "rewards/length/mean", "rewards/has_a/mean", "completions/mean_length",
+                    "kl", "grad_norm"):
+            assert key in record, (key, record)
+        assert 1 <= record["completions/mean_length"] <= 8
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(num_generations=4), r"^--num_generations 4 does not divide the global batch of 6 completions "
+                              r"\(--per_device_train_batch_size x dp x --gradient_accumulation_steps\); valid values: "
+                              r"2, 3, 6$"),
+    (dict(loss_type="sigmoid"), r"^--loss_type 'sigmoid' is not a GRPO loss; choose one of grpo, dr_grpo, dapo, bnpo$"),
+    (dict(max_completion_length=30), r"^--max_completion_length 30 must be positive and below --block_size 24"),
+    (dict(block_size=10), r"prompts.jsonl:2: the prompt has \d+ tokens, more than the 2 left for it"),
+    (dict(reward_funcs="nowhere.py:f", reward_weights=None),
+     r"^--reward_funcs 'nowhere.py:f': nowhere.py does not exist$"),
+    (dict(reward_funcs="json:nothing", reward_weights=None),
+     r"^--reward_funcs 'json:nothing': json has no function 'nothing'$"),
+    (dict(reward_weights="1"), r"^--reward_weights has 1 weights for 2 --reward_funcs; give one per function$"),
+    (dict(pipeline_parallel_size=2), r"generation with --pipeline_parallel_size 2 is not served yet"),
+    (dict(num_iterations=2), r"^--num_iterations 2: only 1 is served yet"),
+])
+def test_bad_flags_are_one_line(files, flags, message):
+    from plait.run.trainer import check_before_launch
+
+    with pytest.raises(ConfigError, match=message):
+        args = grpo_args(files, **flags)
+        args.validate()
+        check_before_launch(args, 1)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("def f(prompts, completions, **kw):\n    return [1 / (len(c) > 3) for c in completions]",
+     r"^reward function f raised ZeroDivisionError: division by zero at completion \d \(prompt '"),
+    ("def f(prompts, completions, **kw):\n    return [1.0]",
+     r"^reward function f returned 1 rewards for 6 completions"),
+    ("def f(prompts, completions, **kw):\n    return ['a'] * len(completions)",
+     r"^reward function f returned 'a' for completion 0 \("),
+])
+def test_a_bad_reward_function_is_one_line(files, tmp_path, body, message):
+    (tmp_path / "bad.py").write_text(body)
+    args = grpo_args(files, reward_funcs=f"{tmp_path / 'bad.py'}:f", reward_weights=None)
+    tokenizer = AutoTokenizer.from_pretrained(files / "model")
+    prompts = read_prompts(files / "prompts.jsonl", tokenizer, 16)
+    method = GRPO(prompts, args, tokenizer, None, torch.device("cpu"))
+    method.micro_batches(torch.arange(3), parallelize(LlamaForCausalLM.from_pretrained(files / "model"),
+                                                      ParallelConfig()).mesh, 1, torch.device("cpu"))
+    rows = [prompts[i] for i in range(3) for _ in range(2)]
+    completions = torch.full((6, 8), 40)
+    completions[0, 2] = tokenizer.eos_token_id  # a short one
+    with pytest.raises(ConfigError, match=message):
+        method.score_and_build([p.ids for p in rows], completions, rows)
