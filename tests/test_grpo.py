@@ -8,6 +8,7 @@ formula. Then a real run (tp=2 with sequence parallelism, 2 processes) that logs
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 import json
 import os
 import sys
@@ -190,3 +191,68 @@ def test_a_bad_reward_function_is_one_line(files, tmp_path, body, message):
     completions[0, 2] = tokenizer.eos_token_id  # a short one
     with pytest.raises(ConfigError, match=message):
         method.score_and_build([p.ids for p in rows], completions, rows)
+
+
+# Layouts of a world of 2 against one process, on the real path: the policy's own rollouts (sampling gives the same
+# tokens in every layout), their rewards, the loss and the step-1 gradients. Global batch 6 completions (3 prompts).
+LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "dp2": dict(per_device_train_batch_size=3),
+           "dp2_accumulation": dict(per_device_train_batch_size=1, gradient_accumulation_steps=3),
+           "zero3_dp2": dict(per_device_train_batch_size=3, zero_stage=3),
+           "tp2_lora": dict(tensor_parallel_size=2, lora_r=4)}
+RUN = dict(beta=0.04, max_steps=2, learning_rate=1e-2, lr_scheduler_type="constant", device="cpu", save_final=False,
+           loss_type="grpo")
+KEYS = ("loss", "grad_norm", "reward", "reward_std", "rewards/length/mean", "completions/mean_length", "kl")
+
+
+@pytest.fixture(scope="module")
+def one_process(files, tmp_path_factory):
+    from plait.run.trainer import Trainer
+    from workers.trainers import capture_gradients, whole
+
+    runs = {}
+    for name, extra in (("full", {}), ("lora", dict(lora_r=4))):
+        trainer = Trainer(grpo_args(files, output_dir=str(tmp_path_factory.mktemp(name)), **RUN, **extra))
+        kept = capture_gradients(trainer)
+        runs[name] = (trainer.train(), whole([kept]))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def layouts(files, tmp_path_factory):
+    from plait.testing import launch
+
+    out = tmp_path_factory.mktemp("layouts")
+    cases = {name: {**grpo_args(files, output_dir=str(out / name), **RUN, **layout).__dict__}
+             for name, layout in LAYOUTS.items()}
+    (out / "flags.json").write_text(json.dumps(cases))
+    worker = str(Path(__file__).parent / "workers" / "trainers.py")
+    launch([worker, str(out / "runs.json"), str(out / "flags.json")], 2, timeout=300)
+    runs = json.loads((out / "runs.json").read_text())
+    return {name: (records, torch.load(out / f"{name}.grads.pt")) for name, records in runs.items()}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_gives_one_process_rollouts_losses_and_gradients(one_process, layouts, layout):
+    history, grads = one_process["lora" if "lora" in layout else "full"]
+    records, got_grads = layouts[layout]
+    for rank, record in enumerate(records):
+        for got, expected in zip(record["history"], history, strict=True):
+            for key in KEYS:  # the same completions (the rewards, lengths), then the loss and its gradient
+                assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), (rank, got["step"], key)
+    assert sorted(got_grads) == sorted(grads)
+    for name, reference in grads.items():
+        assert torch.allclose(got_grads[name], reference, rtol=1e-5, atol=1e-7), name
+
+
+def test_a_run_resumed_mid_way_draws_and_trains_what_the_whole_run_did(files, tmp_path):
+    """The rollouts' seed is the step's and the sampler's state is in the checkpoint: resuming from step 2 gives the
+    uninterrupted run's steps 3 and 4 (prompts, completions, rewards, losses) exactly."""
+    from plait.run.trainer import Trainer
+
+    whole = Trainer(grpo_args(files, output_dir=str(tmp_path / "whole"), **{**RUN, "max_steps": 4})).train()
+    Trainer(grpo_args(files, output_dir=str(tmp_path / "cut"), **{**RUN, "max_steps": 2}, save_steps=2)).train()
+    resumed = Trainer(grpo_args(files, output_dir=str(tmp_path / "cut"), **{**RUN, "max_steps": 4},
+                                resume_from_checkpoint="auto")).train()
+    assert [r["step"] for r in resumed] == [3, 4]
+    for got, expected in zip(resumed, whole[2:], strict=True):
+        assert {k: got[k] for k in KEYS} == {k: expected[k] for k in KEYS}
