@@ -131,3 +131,14 @@ def test_sft_chat_example_ends_in_a_model_generate_uses(tmp_path, capfd, monkeyp
     assert "user: What colour is grass?\nassistant:" in out, out[-3000:]
     assert "chat_template" in (tmp_path / "hf" / "tokenizer_config.json").read_text() or \
         (tmp_path / "hf" / "chat_template.jinja").exists()
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_grpo_toy_example_draws_its_reward_curve(tmp_path, capfd, monkeypatch):
+    """examples/grpo_toy.py, 2 steps on one process: the prompts, GRPO from the policy's own rollouts, reward.png.
+    (The full 40 steps take the reward from 0.31 to 0.96, in one process and at tp=2 alike: docs/post-training.md.)"""
+    processes.run_script(ROOT / "examples" / "grpo_toy.py", ["--output_dir", tmp_path, "--max_steps", "2"],
+                         monkeypatch)
+    out = capfd.readouterr().out
+    assert "reward (share of vowels): " in out, out[-3000:]
+    assert (tmp_path / "reward.png").stat().st_size > 0

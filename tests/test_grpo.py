@@ -256,3 +256,27 @@ def test_a_run_resumed_mid_way_draws_and_trains_what_the_whole_run_did(files, tm
     assert [r["step"] for r in resumed] == [3, 4]
     for got, expected in zip(resumed, whole[2:], strict=True):
         assert {k: got[k] for k in KEYS} == {k: expected[k] for k in KEYS}
+
+
+def test_rows_padded_for_sequence_parallelism_change_nothing(files):
+    """Under SP a row's length is a multiple of tp: the rows are padded on the right (masked, unlabelled, weight 0),
+    after every token, so one process's loss and gradients are the same with and without the padding."""
+    tokenizer = AutoTokenizer.from_pretrained(files / "model")
+    prompts = read_prompts(files / "prompts.jsonl", tokenizer, 16)
+    rows = [prompts[i] for i in range(3) for _ in range(2)]
+    completions = torch.randint(3, 300, (6, 7), generator=torch.Generator().manual_seed(2))
+    found = []
+    for multiple in (1, 4):
+        args = grpo_args(files, beta=0.04, max_completion_length=7)
+        model = LlamaForCausalLM.from_pretrained(files / "model")
+        pmodel = parallelize(copy.deepcopy(model), ParallelConfig())
+        method = GRPO(prompts, args, tokenizer, Reference(parallelize(model, ParallelConfig())), torch.device("cpu"),
+                      multiple)
+        [batch] = method.micro_batches(torch.arange(3), pmodel.mesh, 1, torch.device("cpu"))
+        method.score_and_build([p.ids for p in rows], completions, rows)
+        found.append((method.rollouts.ids.shape[1], method.micro_step(pmodel, batch, 6).item(),
+                      [p.grad.clone() for p in pmodel.parameters()]))
+    (width, loss, grads), (padded, padded_loss, padded_grads) = found
+    assert padded % 4 == 0 and padded > width  # the test's rows are not a multiple of 4 already
+    assert padded_loss == pytest.approx(loss, rel=1e-6)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-8) for a, b in zip(grads, padded_grads))

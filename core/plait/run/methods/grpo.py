@@ -94,9 +94,11 @@ class Rollouts:
 
     @classmethod
     def build(cls, prompts: list[list[int]], completions: torch.Tensor, eos: int | None, pad: int,
-              advantage: torch.Tensor, loss_type: str, max_length: int, micro_rows: list[torch.Tensor]) -> Rollouts:
+              advantage: torch.Tensor, loss_type: str, max_length: int, micro_rows: list[torch.Tensor],
+              multiple: int = 1) -> Rollouts:
         """``prompts`` (token lists, one per completion) and ``completions`` [completions, new tokens]; bnpo's
-        per-device batches are ``micro_rows`` (every rank's micro-batches' rows, in any order)."""
+        per-device batches are ``micro_rows`` (every rank's micro-batches' rows, in any order). The rows are padded
+        on the right to a multiple of ``multiple`` (sequence parallelism's tp): after every token, so changing none."""
         width = max(len(p) for p in prompts)
         prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
         prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -116,16 +118,20 @@ class Rollouts:
             per_token = token_weights(completion_mask, loss_type, max_length, 1, 1)
         weights = torch.cat([torch.zeros(prompt_ids.shape, dtype=torch.float64), per_token], dim=1)[:, 1:]
         weights = torch.nn.functional.pad(weights, (0, 1))  # shifted: position t weighs the token at t + 1
-        return cls(ids, mask, labels, advantage, weights)
+        extra = -ids.shape[1] % multiple
+        pad_right = lambda t, value: torch.nn.functional.pad(t, (0, extra), value=value)  # noqa: E731
+        return cls(pad_right(ids, pad), pad_right(mask, 0), pad_right(labels, IGNORE_INDEX), advantage,
+                   pad_right(weights, 0.0))
 
 
 class GRPO(TrainingMethod):
     """Prompts, reward functions and the loss's settings; the reference where ``--beta`` > 0."""
 
     def __init__(self, prompts: list[Prompt], args: Any, tokenizer: Any, reference: Reference | None,
-                 device: torch.device) -> None:
+                 device: torch.device, multiple: int = 1) -> None:
         self.prompts, self.args, self.tokenizer = prompts, args, tokenizer
         self.reference, self.device = reference, device
+        self.multiple = multiple  # the rows' length a multiple of it: tp under sequence parallelism
         self.funcs = reward_funcs(args)
         self.eos, self.pad = tokenizer.eos_token_id, pad_id(tokenizer)
         self.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
@@ -160,7 +166,9 @@ class GRPO(TrainingMethod):
             else:
                 source = args.model_name_or_path or trainer.pmodel.plan.model_config
                 reference = Reference(frozen_on_mesh(source, args, trainer.pmodel, trainer.device))
-        return cls(trainer.blocks, args, trainer.tokenizer, reference, trainer.device)
+        config = trainer.pmodel.config
+        return cls(trainer.blocks, args, trainer.tokenizer, reference, trainer.device,
+                   config.tp if config.sequence_parallel else 1)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -205,7 +213,7 @@ class GRPO(TrainingMethod):
         weights = torch.tensor([w for _, _, w in self.funcs])
         advantage = advantages(rewards, weights, self.args.num_generations, self.args.scale_rewards)
         self.rollouts = Rollouts.build(prompt_ids, completions, self.eos, self.pad, advantage, self.args.loss_type,
-                                       self.args.max_completion_length, self.all_micro)
+                                       self.args.max_completion_length, self.all_micro, self.multiple)
         total = (rewards * weights).nansum(dim=1)
         grouped = total.view(-1, self.args.num_generations)
         self.metrics = {"reward": total.mean().item(), "reward_std": grouped.std(dim=1).mean().item(),
