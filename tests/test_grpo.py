@@ -51,6 +51,14 @@ def files(tmp_path_factory):
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "target": t}) + "\n"
                                                 for p, t in zip(PROMPTS, targets)))
     (root / "rewards.py").write_text(REWARDS)
+    from plait_transformers import plait_tiny_config
+    from transformers import AutoModelForCausalLM
+
+    moe = plait_tiny_config("qwen3_moe")  # routed experts for ep (no load-balancing loss), the same tokenizer
+    moe.vocab_size, moe.output_router_logits = 320, False
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(moe).save_pretrained(root / "moe")
+    save_chat_tokenizer([TEXT] * 20, 300, root / "moe")
     return root
 
 
@@ -198,7 +206,8 @@ def test_a_bad_reward_function_is_one_line(files, tmp_path, body, message):
 LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "dp2": dict(per_device_train_batch_size=3),
            "dp2_accumulation": dict(per_device_train_batch_size=1, gradient_accumulation_steps=3),
            "zero3_dp2": dict(per_device_train_batch_size=3, zero_stage=3),
-           "tp2_lora": dict(tensor_parallel_size=2, lora_r=4)}
+           "tp2_lora": dict(tensor_parallel_size=2, lora_r=4), "ep2": dict(expert_parallel_size=2,
+                                                                          per_device_train_batch_size=3)}
 RUN = dict(beta=0.04, max_steps=2, learning_rate=1e-2, lr_scheduler_type="constant", device="cpu", save_final=False,
            loss_type="grpo")
 KEYS = ("loss", "grad_norm", "reward", "reward_std", "rewards/length/mean", "completions/mean_length", "kl")
@@ -210,7 +219,7 @@ def one_process(files, tmp_path_factory):
     from workers.trainers import capture_gradients, whole
 
     runs = {}
-    for name, extra in (("full", {}), ("lora", dict(lora_r=4))):
+    for name, extra in (("full", {}), ("lora", dict(lora_r=4)), ("moe", dict(model_name_or_path=str(files / "moe")))):
         trainer = Trainer(grpo_args(files, output_dir=str(tmp_path_factory.mktemp(name)), **RUN, **extra))
         kept = capture_gradients(trainer)
         runs[name] = (trainer.train(), whole([kept]))
@@ -224,6 +233,7 @@ def layouts(files, tmp_path_factory):
     out = tmp_path_factory.mktemp("layouts")
     cases = {name: {**grpo_args(files, output_dir=str(out / name), **RUN, **layout).__dict__}
              for name, layout in LAYOUTS.items()}
+    cases["ep2"]["model_name_or_path"] = str(files / "moe")
     (out / "flags.json").write_text(json.dumps(cases))
     worker = str(Path(__file__).parent / "workers" / "trainers.py")
     launch([worker, str(out / "runs.json"), str(out / "flags.json")], 2, timeout=300)
@@ -233,7 +243,7 @@ def layouts(files, tmp_path_factory):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layout_gives_one_process_rollouts_losses_and_gradients(one_process, layouts, layout):
-    history, grads = one_process["lora" if "lora" in layout else "full"]
+    history, grads = one_process["lora" if "lora" in layout else "moe" if layout == "ep2" else "full"]
     records, got_grads = layouts[layout]
     for rank, record in enumerate(records):
         for got, expected in zip(record["history"], history, strict=True):
