@@ -136,6 +136,7 @@ class GRPO(TrainingMethod):
         self.eos, self.pad = tokenizer.eos_token_id, pad_id(tokenizer)
         self.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
         self.rows: torch.Tensor | None = None  # the step's prompts
+        self.all_micro: list[torch.Tensor] = []  # every rank's micro-batches' rows of the step (bnpo's batches)
         self.rollouts: Rollouts | None = None
         self.metrics: dict[str, float] = {}
         self.kl = torch.zeros(2, dtype=torch.float64)  # this rank's masked KL sum and token count of the step
@@ -215,8 +216,10 @@ class GRPO(TrainingMethod):
         self.rollouts = Rollouts.build(prompt_ids, completions, self.eos, self.pad, advantage, self.args.loss_type,
                                        self.args.max_completion_length, self.all_micro, self.multiple)
         total = (rewards * weights).nansum(dim=1)
-        grouped = total.view(-1, self.args.num_generations)
-        self.metrics = {"reward": total.mean().item(), "reward_std": grouped.std(dim=1).mean().item(),
+        # TRL's reward_std: the mean of the groups' standard deviations, or the batch's under --scale_rewards batch
+        spread = total.std() if self.args.scale_rewards == "batch" else \
+            total.view(-1, self.args.num_generations).std(dim=1).mean()
+        self.metrics = {"reward": total.mean().item(), "reward_std": spread.item(),
                         "completions/mean_length": sum(lengths) / len(lengths)}
         for j, (name, _, _) in enumerate(self.funcs):
             self.metrics[f"rewards/{name}/mean"] = rewards[:, j].nanmean().item()
