@@ -298,7 +298,8 @@ class Trainer:
         are skipped (counted in the record), the next one stops the run with ``TrainingDiverged``."""
         args, mesh = self.args, self.mesh
         start = time.perf_counter()
-        indices = self.sampler.indices(step).chunk(self.args.num_replica_groups)[self.args.replica_group_id]
+        batch = self.sampler.indices(self.method.sampler_step(step))
+        indices = batch.chunk(self.args.num_replica_groups)[self.args.replica_group_id]
         # the loss's divisor over the whole global batch (every micro-step, every dp rank)
         num_items = self.method.divisor(indices)
         if num_items == 0:
@@ -461,7 +462,8 @@ class Trainer:
                 saved = None
                 if should_save(step + 1, args.save_steps) or (is_last and args.save_final):
                     saved = self.save(step + 1)
-                signum = 0 if is_last else self.stop_signal
+                # a stop waits for a step a checkpoint resumes exactly from (GRPO: a cycle of iterations' end)
+                signum = 0 if is_last or not self.method.resumable_after(step + 1) else self.stop_signal
                 if signum:
                     if saved is None and args.save_on_signal:
                         saved = self.save(step + 1)

@@ -67,6 +67,16 @@ class TrainingMethod(ABC):
         completions); default: one per row."""
         return global_batch
 
+    def sampler_step(self, step: int) -> int:
+        """The sampler's step whose examples optimizer step ``step`` trains on (GRPO: one batch of prompts for the
+        --num_iterations steps that reuse its rollouts); default: its own."""
+        return step
+
+    def resumable_after(self, steps: int) -> bool:
+        """Whether a checkpoint after ``steps`` optimizer steps resumes exactly (GRPO: not inside a cycle of
+        iterations, whose rollouts no checkpoint holds); a stop signal waits for one; default: always."""
+        return True
+
     def before_step(self, pmodel: ParallelModel, batches: list[Any], step: int) -> None:
         """Called once a step (``step`` counts from 0), before its micro-steps, with all of them (default: nothing)."""
 

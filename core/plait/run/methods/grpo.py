@@ -10,9 +10,13 @@ each micro-step's loss is an objective of the policy's logits: TRL's per-token t
 log-probs of logits divided by ``--temperature``, as TRL's) weighted by the loss type's fixed weights, so that the
 shares of every rank and micro-step sum to one process's loss. With ``--beta`` > 0 the reference is the starting
 policy laid out beside it (under LoRA the policy with its adapters off), as DPO's. The forwards pass no position ids,
-as TRL's (positions count from the left pad). Metrics carry TRL's names: reward, reward_std, rewards/<func>/mean,
-completions/mean_length, kl. Layouts: those generation serves (tp with SP, dp, ZeRO-1/2/3, ep, LoRA); pp and cp are
-refused by name (``grpo_args.check_grpo``).
+as TRL's (positions count from the left pad). With ``--num_iterations`` mu > 1, mu optimizer steps train on one batch
+of rollouts (the sampler's batch and the seed are the cycle's), their ratios taken to the log-probs the rollouts were
+drawn with (kept per rank at the cycle's first step); a checkpoint lands only at a cycle's end (--max_steps and
+--save_steps multiples of mu, a stop signal waits for it), so a resumed run regenerates nothing it had. Metrics carry
+TRL's names: reward, reward_std, rewards/<func>/mean, completions/mean_length, kl, clip_ratio/low_mean, high_mean and
+region_mean (token means over the step). Layouts: those generation serves (tp with SP, dp, ZeRO-1/2/3, ep, LoRA); pp
+and cp are refused by name (``grpo_args.check_grpo``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from plait.data.tokenizer import load_tokenizer
 from plait.parallel_model import ParallelModel
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.dpo import Reference
-from plait.run.methods.frozen import frozen_on_mesh
+from plait.run.methods.frozen import frozen_on_mesh, read_rows
 from plait.run.methods.grpo_args import call_rewards, reward_funcs
 from plait.run.methods.grpo_loss import advantages, token_terms, token_weights
 from plait.run.prompts import pad_id
@@ -139,7 +143,10 @@ class GRPO(TrainingMethod):
         self.all_micro: list[torch.Tensor] = []  # every rank's micro-batches' rows of the step (bnpo's batches)
         self.rollouts: Rollouts | None = None
         self.metrics: dict[str, float] = {}
-        self.kl = torch.zeros(2, dtype=torch.float64)  # this rank's masked KL sum and token count of the step
+        # this rank's step sums over its completion tokens: KL, low / high / either clipped, tokens
+        self.counts = torch.zeros(5, dtype=torch.float64)
+        self.cycle: int | None = None  # the cycle of --num_iterations steps whose rollouts are held
+        self.old: torch.Tensor | None = None  # their log-probs as generated (--num_iterations > 1), this rank's rows
 
     @classmethod
     def load_data(cls, args: Any, model_config: Any, plan: Any) -> tuple[list[Prompt], None, Any]:
@@ -187,18 +194,35 @@ class GRPO(TrainingMethod):
         return [local_microbatch(completions, mesh.dp_rank, mesh.dp, accumulation, micro)
                 for micro in range(accumulation)]
 
+    def sampler_step(self, step: int) -> int:
+        return step // self.args.num_iterations
+
+    def resumable_after(self, steps: int) -> bool:
+        return steps % self.args.num_iterations == 0
+
     def before_step(self, pmodel: ParallelModel, batches: list[Any], step: int) -> None:
-        """Generate the step's completions from the policy and score them (every rank alike)."""
-        args, generations = self.args, self.args.num_generations
+        """Generate the step's completions from the policy and score them (every rank alike); with --num_iterations
+        > 1 only at a cycle's first step, keeping this rank's rows' log-probs under the policy that generated them
+        for the ratios of the cycle's steps (TRL's old_per_token_logps)."""
+        self.counts.zero_()
+        args, generations, cycle = self.args, self.args.num_generations, step // self.args.num_iterations
+        if step % args.num_iterations and self.cycle == cycle:
+            return  # the cycle's rollouts once more
         prompts = [self.prompts[int(i)] for i in self.rows for _ in range(generations)]
         width = max(len(p.ids) for p in prompts)
         ids = torch.tensor([[self.pad] * (width - len(p.ids)) + p.ids for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in prompts], device=self.device)
         out = pmodel.generate(ids, mask, max_new_tokens=args.max_completion_length, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, seed=args.seed * 1_000_003 + step,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed * 1_000_003 + cycle,
                               eos_token_id=self.eos, pad_token_id=self.pad)[:, width:].cpu()
         out = torch.nn.functional.pad(out, (0, args.max_completion_length - out.shape[1]), value=self.pad)
         self.score_and_build([p.ids for p in prompts], out, prompts)
+        self.cycle, self.old = cycle, None
+        if args.num_iterations > 1:
+            r, self.old = self.rollouts, torch.zeros(self.rollouts.ids.shape, dtype=torch.float64)
+            for rows in batches:
+                self.old[rows] = read_rows(pmodel, r.ids[rows].to(self.device), r.labels[rows].to(self.device),
+                                           self.label_logps, attention_mask=r.mask[rows].to(self.device)).cpu().double()
 
     def score_and_build(self, prompt_ids: list[list[int]], completions: torch.Tensor, prompts: list[Prompt]) -> None:
         """Rewards, advantages and the training rows of ``completions`` [completions, max_completion_length]."""
@@ -223,7 +247,6 @@ class GRPO(TrainingMethod):
                         "completions/mean_length": sum(lengths) / len(lengths)}
         for j, (name, _, _) in enumerate(self.funcs):
             self.metrics[f"rewards/{name}/mean"] = rewards[:, j].nanmean().item()
-        self.kl.zero_()
 
     def micro_step(self, pmodel: ParallelModel, batch: torch.Tensor, divisor: int) -> torch.Tensor:
         r = self.rollouts
@@ -232,22 +255,32 @@ class GRPO(TrainingMethod):
         if self.reference is not None:  # the reference's log-probs of the same tokens, without gradients
             ref = self.reference.read(ids, labels, self.label_logps, attention_mask=mask)
         weights, advantage = r.weights[batch].to(self.device), r.advantages[batch].to(self.device)
+        old = None if self.old is None else self.old[batch].to(self.device)
 
         def objective(logits: Logits) -> torch.Tensor:
             logps = self.label_logps(logits)
             rows = logits.rows
             own_ref = None if ref is None else ref[rows].to(logps.dtype)
-            terms = token_terms(logps, None, own_ref, advantage[rows], self.args.epsilon, self.epsilon_high,
+            own_old = None if old is None else old[rows].to(logps.dtype)
+            terms = token_terms(logps, own_old, own_ref, advantage[rows], self.args.epsilon, self.epsilon_high,
                                 self.args.beta)
             w = weights[rows].to(logps.dtype)
-            if own_ref is not None:
-                with torch.no_grad():
-                    kl = torch.exp(own_ref - logps) - (own_ref - logps) - 1
-                    counted = (w > 0).to(kl.dtype)
-                    self.kl += torch.stack([(kl * counted).sum(), counted.sum()]).double().cpu()
+            self.count(logps.detach(), own_old, own_ref, advantage[rows], (w > 0).to(logps.dtype))
             return (terms * w).sum()
 
         return pmodel.train_step(ids, labels, mask, objective=objective)
+
+    def count(self, logps: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None, advantage: torch.Tensor,
+              counted: torch.Tensor) -> None:
+        """Add a micro-batch's KL and clipped tokens to the step's sums (TRL's kl and clip_ratio metrics)."""
+        ratio = torch.ones_like(logps) if old is None else torch.exp(logps - old)
+        a = advantage[:, None]
+        low = ((ratio < 1 - self.args.epsilon) & (a < 0)).to(logps.dtype)
+        high = ((ratio > 1 + self.epsilon_high) & (a > 0)).to(logps.dtype)
+        kl = torch.zeros_like(logps) if ref is None else torch.exp(ref - logps) - (ref - logps) - 1
+        sums = [(kl * counted).sum(), (low * counted).sum(), (high * counted).sum(),
+                (torch.maximum(low, high) * counted).sum(), counted.sum()]
+        self.counts += torch.stack(sums).double().cpu()
 
     def label_logps(self, logits: Logits) -> torch.Tensor:
         """Each position's log-prob of its label under logits divided by --temperature (TRL's)."""
@@ -256,10 +289,14 @@ class GRPO(TrainingMethod):
         return logits.label_logps()
 
     def step_metrics(self, pmodel: ParallelModel) -> dict[str, float]:
+        """The rollouts' metrics, and TRL's kl and clip ratios as the step's completion-token means."""
         metrics = dict(self.metrics)
+        kl, low, high, region, tokens = comm.all_reduce(self.counts.clone(), pmodel.mesh.dp_group).clamp(min=0).tolist()
+        tokens = max(tokens, 1.0)  # each dp rank's own rows (its tp ranks count alike)
         if self.reference is not None:
-            kl = comm.all_reduce(self.kl.clone(), pmodel.mesh.dp_group)  # each dp rank's own rows (tp: alike)
-            metrics["kl"] = (kl[0] / kl[1].clamp(min=1)).item()
+            metrics["kl"] = kl / tokens
+        metrics.update({"clip_ratio/low_mean": low / tokens, "clip_ratio/high_mean": high / tokens,
+                        "clip_ratio/region_mean": region / tokens})
         return metrics
 
     def step_tokens(self) -> int | None:

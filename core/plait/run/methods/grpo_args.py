@@ -32,9 +32,14 @@ def check_grpo(args: Any) -> None:
     if args.num_generations < 2:
         raise ConfigError(f"--num_generations {args.num_generations}: GRPO compares the completions of a prompt; give "
                           f"at least 2")
-    if args.num_iterations != 1:
-        raise ConfigError(f"--num_iterations {args.num_iterations}: only 1 is served yet (each batch of rollouts "
-                          f"trained on once)")
+    if args.num_iterations < 1:
+        raise ConfigError(f"--num_iterations {args.num_iterations}: optimizer steps per batch of rollouts, >= 1")
+    uneven = [f"--{name} {getattr(args, name)}" for name in ("max_steps", "save_steps")
+              if getattr(args, name) % args.num_iterations]
+    if uneven:  # a checkpoint inside a cycle would not hold the cycle's rollouts
+        raise ConfigError(f"{' '.join(uneven)} with --num_iterations {args.num_iterations}: checkpoints land where a "
+                          f"cycle of {args.num_iterations} steps on one batch of rollouts ends; give multiples of "
+                          f"{args.num_iterations}")
     if not args.temperature > 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise ConfigError(f"--temperature {args.temperature:g} --top_p {args.top_p:g} --top_k {args.top_k}: rollouts "
                           f"are sampled: temperature > 0, 0 < top_p <= 1, top_k >= 0")
