@@ -289,7 +289,7 @@ class Trainer:
         self.console.print(
             f"[bold]plait[/] layout {mesh.config.describe()}{cp} | adapter {pmodel.adapter.name} "
             f"({pmodel.adapter.distribution or 'in-process'}) | parameters on rank 0: {count:,}{lora} | "
-            f"{len(self.blocks):,} blocks of {args.block_size} tokens, global batch {self.global_batch}")
+            f"{self.method.describe(args.block_size)}, global batch {self.global_batch}")
 
     def step(self, step: int) -> dict:
         """Forward, backward and optimizer update of step ``step`` (0-based); returns its metrics record.

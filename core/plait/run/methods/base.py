@@ -62,6 +62,10 @@ class TrainingMethod(ABC):
         """Forward and backward of one micro-batch; returns this rank's share of the step's loss (summed over
         the micro-steps and the data-parallel ranks, the step's loss)."""
 
+    def describe(self, block_size: int) -> str:
+        """What the run's start line says of the training examples."""
+        return f"{len(self):,} blocks of {block_size} tokens"
+
     def rows_per_step(self, global_batch: int) -> int:
         """The examples the sampler draws for a step of ``global_batch`` rows (GRPO: one prompt per group of
         completions); default: one per row."""

@@ -114,6 +114,9 @@ class DPO(TrainingMethod):
                    args.per_device_train_batch_size, args.precompute_ref_log_probs, trainer.device,
                    trainer.val_blocks, masked=routed(trainer.pmodel), packing=args.packing)
 
+    def describe(self, block_size: int) -> str:
+        return f"{len(self):,} preference pairs of up to {block_size} tokens"
+
     @classmethod
     def second_model(cls, args: Any, model: Any, dtype: torch.dtype) -> SecondModel | None:
         # none under LoRA (the base, adapters off) nor precomputed (freed before the first step)

@@ -181,6 +181,10 @@ class GRPO(TrainingMethod):
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def describe(self, block_size: int) -> str:
+        return (f"{len(self):,} prompts, {self.args.num_generations} completions each of up to "
+                f"{self.args.max_completion_length} tokens")
+
     def rows_per_step(self, global_batch: int) -> int:
         return global_batch // self.args.num_generations
 
