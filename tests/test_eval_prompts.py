@@ -31,7 +31,8 @@ def run(tmp_path_factory):
     (out / "train.txt").write_text((TEXT + "\n") * 200)
     save_chat_tokenizer([TEXT] * 20, 300, out / "tokenizer")
     (out / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
-    done = run_command([sys.executable, "-m", "plait", "train", "--model_config", str(out / "config.json"), "--train_file", str(out / "train.txt"),
+    done = run_command([sys.executable, "-m", "plait", "train", "--model_config", str(out / "config.json"),
+                        "--train_file", str(out / "train.txt"),
             "--tokenizer_name", str(out / "tokenizer"), "--output_dir", str(out / "run"), "--nproc_per_node", "2",
             "--tensor_parallel_size", "2", "--max_steps", "4", "--eval_steps", "2", "--save_steps", "2",
             "--per_device_train_batch_size", "2", "--block_size", "16", "--learning_rate", "0.03",
@@ -60,8 +61,8 @@ def test_samples_are_one_process_completions_from_the_steps_weights(run):
 
 @pytest.mark.parametrize("flags, message", [
     (dict(eval_prompts="missing.jsonl"), r"^--eval_prompts missing.jsonl: no such file$"),
-    (dict(eval_prompts="PROMPTS", pipeline_parallel_size=2),
-     r"^--eval_prompts generates from the training layout's shards, and generation with --pipeline_parallel_size 2 "
+    (dict(eval_prompts="PROMPTS", pipeline_parallel_size=2, virtual_pipeline_size=2),
+     r"^--eval_prompts generates from the training layout's shards, and generation with --virtual_pipeline_size 2 "
      r"is not served yet; drop --eval_prompts \(or sample from a saved checkpoint with plait generate\)$"),
     (dict(eval_prompts="PROMPTS", context_parallel_size=2), r"generation with --context_parallel_size 2 is not served"),
     (dict(eval_prompts="PROMPTS", eval_max_new_tokens=0), r"^--eval_max_new_tokens=0 must be positive$"),

@@ -180,7 +180,7 @@ def test_a_run_on_tp2_with_sp_logs_trls_metrics(files):
     (dict(reward_funcs="json:nothing", reward_weights=None),
      r"^--reward_funcs 'json:nothing': json has no function 'nothing'$"),
     (dict(reward_weights="1"), r"^--reward_weights has 1 weights for 2 --reward_funcs; give one per function$"),
-    (dict(pipeline_parallel_size=2), r"generation with --pipeline_parallel_size 2 is not served yet"),
+    (dict(context_parallel_size=2), r"generation with --context_parallel_size 2 is not served yet"),
     (dict(num_iterations=3, max_steps=10, save_steps=6), r"^--max_steps 10 with --num_iterations 3: checkpoints land "
                                                          r"where a cycle of 3 steps on one batch of rollouts ends; "
                                                          r"give multiples of 3$"),
@@ -226,7 +226,10 @@ LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "dp2": dict(per_device_train_
                                                                           per_device_train_batch_size=3),
            # two optimizer steps on one batch of rollouts: the second's ratios to the log-probs they were drawn with
            "tp2_sp_mu2": dict(tensor_parallel_size=2, num_iterations=2),
-           "dp2_mu2": dict(per_device_train_batch_size=3, num_iterations=2)}
+           "dp2_mu2": dict(per_device_train_batch_size=3, num_iterations=2),
+           # the rollouts decoded stage by stage, the loss on the last stage, rows padded to --block_size
+           "pp2": dict(pipeline_parallel_size=2, num_microbatches=2),
+           "pp2_mu2": dict(pipeline_parallel_size=2, num_microbatches=2, num_iterations=2)}
 RUN = dict(beta=0.04, max_steps=2, learning_rate=1e-2, lr_scheduler_type="constant", device="cpu", save_final=False,
            loss_type="grpo")
 KEYS = ("loss", "grad_norm", "reward", "reward_std", "rewards/length/mean", "completions/mean_length", "kl",

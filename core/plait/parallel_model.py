@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plait.base import comm
@@ -302,6 +303,9 @@ class ParallelModel(nn.Module):
             out = self._model(ids, mask, positions, use_cache=True, **{cache_name: cache}, **last)
             return self.gather_logits(out.logits[:, -1])
 
+        if self.pipeline is not None:
+            forward = self._stage_forward({"use_cache": True, **last}, cache_name)
+
         def all_done(mine: bool) -> bool:
             return comm.all_reduce(torch.tensor([0 if mine else 1]), comm.world_group()).item() == 0
 
@@ -312,10 +316,43 @@ class ParallelModel(nn.Module):
                 ids = decode(forward, input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                              seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id, all_done=all_done,
-                             width=self.mesh.tp if self.config.sequence_parallel else 1)
+                             width=self.mesh.tp if self.config.sequence_parallel else 1,
+                             first_layer=self.pipeline.chunks[0].first_layer if self.pipeline is not None else 0)
         finally:
             self.module.train(training)
         return comm.all_gather(ids, self.mesh.dp_group, dim=0)
+
+    def _stage_forward(self, extra: dict[str, Any], cache_name: str) -> Any:
+        """Decoding's forward under pipeline parallelism (one stage a rank): each stage runs its layers on the step's
+        tokens with its own KV cache and hands its hidden states to the next (a broadcast over the pp group, stage
+        by stage); the last stage's full-vocabulary logits are broadcast back, so every rank picks the same token."""
+        chunk, group = self.pipeline.chunks[0], self.mesh.pp_group
+        source = lambda stage: dist.get_global_rank(group, stage)  # noqa: E731
+        dtype = next(self.module.parameters()).dtype  # what a decoder layer hands on
+        hidden = self.module.config.get_text_config().hidden_size
+
+        def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+            x, step = ids, {**extra, cache_name: cache}
+            for stage in range(self.mesh.pp - 1):
+                if stage == chunk.stage:
+                    sent = chunk.decode_step(x, mask, positions, ids, **step)
+                    sent = (sent[0] if isinstance(sent, tuple) else sent).contiguous()
+                else:
+                    sent = ids.new_empty((ids.shape[0], ids.shape[1] // chunk.seq_shards, hidden), dtype=dtype)
+                dist.broadcast(sent, source(stage), group=group)
+                x = sent if stage == chunk.stage - 1 else x
+            size = torch.zeros(1, dtype=torch.long)
+            if chunk.is_last:
+                out = chunk.decode_step(x, mask, positions, ids, **step)
+                logits = self.gather_logits((out[0] if isinstance(out, tuple) else out)[:, -1]).float()
+                size[0] = logits.shape[-1]
+            dist.broadcast(size, source(self.mesh.pp - 1), group=group)
+            if not chunk.is_last:
+                logits = ids.new_empty((ids.shape[0], int(size)), dtype=torch.float32)
+            dist.broadcast(logits, source(self.mesh.pp - 1), group=group)
+            return logits
+
+        return forward
 
     def _check_sequence(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, microbatches: int = 1,

@@ -38,6 +38,9 @@ CASES = {
     "gpt2-tp2": ("gpt2", dict(tp=2, sp=False)),
     "gpt2-tp2-sp": ("gpt2", dict(tp=2)),
     "mixtral-ep2": ("mixtral", dict(ep=2)),
+    # a stage a rank: each stage's own KV cache, the hidden states of each step handed on, the last stage's logits back
+    "llama-pp2": ("llama", dict(pp=2, num_microbatches=2)),
+    "gpt2-pp2": ("gpt2", dict(pp=2, num_microbatches=2)),  # its head tied to the first stage's embedding
     # LoRA (random A and B) under tp=2 + SP, against peft's model on one process with the same adapter values
     "llama-lora-tp2-sp": ("llama", dict(tp=2)),
     "llama-lora-zero3-dp2": ("llama", dict(zero_stage=3)),
@@ -107,7 +110,7 @@ def run_case(name: str) -> dict:
 def refusals() -> dict[str, str]:
     """What generate says, before any collective, for a layout or batch it does not serve."""
     said = {}
-    for name, layout, batch in (("pp", dict(pp=2, num_microbatches=2), 4), ("odd-batch", dict(tp=1), 3)):
+    for name, layout, batch in (("cp", dict(cp=2), 4), ("odd-batch", dict(tp=1), 3)):
         pmodel = plait.parallelize(tiny_model("llama"), plait.ParallelConfig(**layout))
         try:
             pmodel.generate(torch.ones(batch, 8, dtype=torch.long), max_new_tokens=2)

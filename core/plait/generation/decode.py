@@ -16,13 +16,15 @@ every row of the global batch has met EOS, or after ``max_new_tokens``.
 
 Held to one process (tests/test_generate.py): tp with and without sequence parallelism (under it every forward's
 tokens are a multiple of tp: masked pads, ``decode``'s ``width``), data parallelism, ZeRO-1/2/3, expert parallelism
-(each replica's rows dispatched to the experts' ranks in every forward). Refused by name, before any collective: pp
-and cp. LoRA (tp=2 with SP, ZeRO-3) gives peft's model's tokens on one process.
+(each replica's rows dispatched to the experts' ranks in every forward), pipeline parallelism with a stage a rank
+(each stage's own KV cache: ``stage_cache``; ``ParallelModel`` hands each step's hidden states on), LoRA. Refused by
+name, before any collective: cp, and more than one pipeline stage a rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -32,9 +34,11 @@ from plait.base.mesh import Mesh
 
 def check_layout(config: ParallelConfig, mesh: Mesh, batch: int) -> None:
     """One line for a layout or batch generation does not serve yet; nothing has run."""
-    for name, size in (("pp", config.pp), ("cp", config.cp)):
-        if size > 1:
-            raise ConfigError(f"generation with {name}={size} is not served yet; use a layout with {name}=1")
+    if config.cp > 1:
+        raise ConfigError(f"generation with cp={config.cp} is not served yet; use a layout with cp=1")
+    if config.pp > 1 and config.virtual_pipeline_size > 1:
+        raise ConfigError(f"generation with pp={config.pp} and {config.virtual_pipeline_size} stages a rank is not "
+                          f"served yet; use --virtual_pipeline_size 1")
     if batch % mesh.dp:
         raise ConfigError(f"generation of a batch of {batch} prompts over dp={mesh.dp} replicas: the batch must be a "
                           f"multiple of dp")
@@ -67,6 +71,7 @@ def decode(
     forward: Callable[..., torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: slice,
     total_rows: int, *, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
     eos_token_id: int | None, pad_token_id: int, all_done: Callable[[bool], bool], width: int = 1,
+    first_layer: int = 0,
 ) -> torch.Tensor:
     """The decoding loop over ``rows`` of a global batch of ``total_rows``: ``forward(ids, mask, positions, cache)``
     gives the last position's full-vocabulary logits; ``all_done(mine)`` whether every rank's rows are done.
@@ -74,11 +79,10 @@ def decode(
     ``width``: every forward's sequence a multiple of it (sequence parallelism splits a forward's tokens over its
     tp ranks). The prompts get that many more left pads, and each new token comes after ``width - 1`` masked pads:
     pads are keys no query sees (their mask is 0) and their outputs are dropped, so the tokens are the same as
-    at width 1; the cache holds ``width`` entries per new token."""
-    from transformers import DynamicCache
-
+    at width 1; the cache holds ``width`` entries per new token. ``first_layer``: the first decoder layer whose keys
+    and values this rank holds (a pipeline stage's), which the cache's length is read from."""
     generator = torch.Generator().manual_seed(seed)
-    cache = DynamicCache()
+    cache = stage_cache(first_layer)
     extra = -input_ids.shape[1] % width
     step_ids, mask = _pad_left(input_ids, extra, pad_token_id), _pad_left(attention_mask, extra, 0)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -106,3 +110,19 @@ def _pad_left(tensor: torch.Tensor, count: int, value: int) -> torch.Tensor:
     if count == 0:
         return tensor
     return torch.cat([tensor.new_full((tensor.shape[0], count), value), tensor], dim=1)
+
+
+def stage_cache(first_layer: int) -> Any:
+    """transformers' DynamicCache for the decoder layers from ``first_layer`` on: the model reads the cache's length
+    (positions, the mask's size) from layer 0's entry by default, which a later pipeline stage never fills; this one
+    answers for a layer before ``first_layer`` with ``first_layer``'s."""
+    from transformers import DynamicCache
+
+    class StageCache(DynamicCache):
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return super().get_seq_length(max(layer_idx, first_layer))
+
+        def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+            return super().get_mask_sizes(query_length, max(layer_idx, first_layer))
+
+    return DynamicCache() if first_layer == 0 else StageCache()

@@ -20,10 +20,10 @@ stage holds it) is a ``ZeroEmbedding``, whose output the first layer's pre-hook 
 from __future__ import annotations
 
 import contextlib
-
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -274,6 +274,7 @@ class StageChunk(nn.Module):
         self.is_first, self.is_last = stage == 0, stage == split.num_stages - 1
         self.token_ids, self.carried = split.plan.token_ids, split.plan.carried
         start, stop = split.bounds[stage]
+        self.first_layer = start  # the index of this stage's first decoder layer (its KV cache's first entry)
         self._incoming: torch.Tensor | None = None
         self._outgoing: torch.Tensor | None = None
         self._carried_in: dict[str, torch.Tensor] = {}  # keyword -> value, for this stage's first layer
@@ -307,9 +308,16 @@ class StageChunk(nn.Module):
                 return self._forward(x, router_logits, token_ids=token_ids, **local)
         return self._forward(x, router_logits, attention_mask, position_ids, token_ids)
 
+    def decode_step(self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                    token_ids: torch.Tensor, **cache: Any) -> torch.Tensor:
+        """One decoding forward of this stage (``ParallelModel.generate``): the ids (first stage) or the previous
+        stage's hidden states in, with the stage's own KV cache (``cache``: the cache under the forward's name,
+        ``use_cache``, ``logits_to_keep``); the hidden states to send on, or on the last stage the logits."""
+        return self._forward(x, None, attention_mask, position_ids, token_ids, **cache)
+
     def _forward(self, x: torch.Tensor, router_logits: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None,
-                 token_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                 position_ids: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
+                 **cache: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
@@ -332,7 +340,7 @@ class StageChunk(nn.Module):
         aux = None
         try:
             with self._forward_context(), recording:
-                output = self.shell(**kwargs, use_cache=False)
+                output = self.shell(**kwargs, **({"use_cache": False} | cache))
                 if self.is_last and self.router_aux is not None:  # in the forward's context, as the CausalLM's
                     if self._aux_term is None:
                         aux = self.router_aux.term(tuple(routers), attention_mask)

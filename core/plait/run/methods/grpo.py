@@ -15,8 +15,8 @@ of rollouts (the sampler's batch and the seed are the cycle's), their ratios tak
 drawn with (kept per rank at the cycle's first step); a checkpoint lands only at a cycle's end (--max_steps and
 --save_steps multiples of mu, a stop signal waits for it), so a resumed run regenerates nothing it had. Metrics carry
 TRL's names: reward, reward_std, rewards/<func>/mean, completions/mean_length, kl, clip_ratio/low_mean, high_mean and
-region_mean (token means over the step). Layouts: those generation serves (tp with SP, dp, ZeRO-1/2/3, ep, LoRA); pp
-and cp are refused by name (``grpo_args.check_grpo``).
+region_mean (token means over the step). Layouts: those generation serves (tp with SP, pp with a stage a rank,
+whose rows are padded to --block_size, dp, ZeRO-1/2/3, ep, LoRA); cp is refused by name (``grpo_args.check_grpo``).
 """
 
 from __future__ import annotations
@@ -99,10 +99,11 @@ class Rollouts:
     @classmethod
     def build(cls, prompts: list[list[int]], completions: torch.Tensor, eos: int | None, pad: int,
               advantage: torch.Tensor, loss_type: str, max_length: int, micro_rows: list[torch.Tensor],
-              multiple: int = 1) -> Rollouts:
+              multiple: int = 1, length: int = 0) -> Rollouts:
         """``prompts`` (token lists, one per completion) and ``completions`` [completions, new tokens]; bnpo's
         per-device batches are ``micro_rows`` (every rank's micro-batches' rows, in any order). The rows are padded
-        on the right to a multiple of ``multiple`` (sequence parallelism's tp): after every token, so changing none."""
+        on the right to a multiple of ``multiple`` (sequence parallelism's tp), or to ``length`` (pipeline
+        parallelism's --block_size): after every token, so changing none."""
         width = max(len(p) for p in prompts)
         prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
         prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -122,7 +123,7 @@ class Rollouts:
             per_token = token_weights(completion_mask, loss_type, max_length, 1, 1)
         weights = torch.cat([torch.zeros(prompt_ids.shape, dtype=torch.float64), per_token], dim=1)[:, 1:]
         weights = torch.nn.functional.pad(weights, (0, 1))  # shifted: position t weighs the token at t + 1
-        extra = -ids.shape[1] % multiple
+        extra = max(length - ids.shape[1], 0) or -ids.shape[1] % multiple
         pad_right = lambda t, value: torch.nn.functional.pad(t, (0, extra), value=value)  # noqa: E731
         return cls(pad_right(ids, pad), pad_right(mask, 0), pad_right(labels, IGNORE_INDEX), advantage,
                    pad_right(weights, 0.0))
@@ -132,10 +133,12 @@ class GRPO(TrainingMethod):
     """Prompts, reward functions and the loss's settings; the reference where ``--beta`` > 0."""
 
     def __init__(self, prompts: list[Prompt], args: Any, tokenizer: Any, reference: Reference | None,
-                 device: torch.device, multiple: int = 1) -> None:
+                 device: torch.device, multiple: int = 1, length: int = 0) -> None:
         self.prompts, self.args, self.tokenizer = prompts, args, tokenizer
         self.reference, self.device = reference, device
         self.multiple = multiple  # the rows' length a multiple of it: tp under sequence parallelism
+        # under pp every row --block_size long: torch's schedules are built (and kept) per batch shape
+        self.length = length
         self.funcs = reward_funcs(args)
         self.eos, self.pad = tokenizer.eos_token_id, pad_id(tokenizer)
         self.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
@@ -143,8 +146,9 @@ class GRPO(TrainingMethod):
         self.all_micro: list[torch.Tensor] = []  # every rank's micro-batches' rows of the step (bnpo's batches)
         self.rollouts: Rollouts | None = None
         self.metrics: dict[str, float] = {}
-        # this rank's step sums over its completion tokens: KL, low / high / either clipped, tokens
-        self.counts = torch.zeros(5, dtype=torch.float64)
+        # each completion's sums over its tokens this step: KL, low / high / either clipped, tokens (by row: torch's
+        # pipeline schedules may run a micro-batch's loss more than once, the last time on its real logits)
+        self.counts = torch.zeros(0, 5, dtype=torch.float64)
         self.cycle: int | None = None  # the cycle of --num_iterations steps whose rollouts are held
         self.old: torch.Tensor | None = None  # their log-probs as generated (--num_iterations > 1), this rank's rows
 
@@ -176,7 +180,7 @@ class GRPO(TrainingMethod):
                 reference = Reference(frozen_on_mesh(source, args, trainer.pmodel, trainer.device))
         config = trainer.pmodel.config
         return cls(trainer.blocks, args, trainer.tokenizer, reference, trainer.device,
-                   config.tp if config.sequence_parallel else 1)
+                   config.tp if config.sequence_parallel else 1, args.block_size if config.pp > 1 else 0)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -193,6 +197,7 @@ class GRPO(TrainingMethod):
 
     def micro_batches(self, rows: torch.Tensor, mesh: Mesh, accumulation: int, device: torch.device) -> list[Any]:
         self.rows, completions = rows, torch.arange(len(rows) * self.args.num_generations)
+        self.counts = torch.zeros(len(completions), 5, dtype=torch.float64)  # the step's metrics, filled by row
         self.all_micro = [local_microbatch(completions, rank, mesh.dp, accumulation, micro)
                           for micro in range(accumulation) for rank in range(mesh.dp)]
         return [local_microbatch(completions, mesh.dp_rank, mesh.dp, accumulation, micro)
@@ -208,7 +213,6 @@ class GRPO(TrainingMethod):
         """Generate the step's completions from the policy and score them (every rank alike); with --num_iterations
         > 1 only at a cycle's first step, keeping this rank's rows' log-probs under the policy that generated them
         for the ratios of the cycle's steps (TRL's old_per_token_logps)."""
-        self.counts.zero_()
         args, generations, cycle = self.args, self.args.num_generations, step // self.args.num_iterations
         if step % args.num_iterations and self.cycle == cycle:
             return  # the cycle's rollouts once more
@@ -224,9 +228,11 @@ class GRPO(TrainingMethod):
         self.cycle, self.old = cycle, None
         if args.num_iterations > 1:
             r, self.old = self.rollouts, torch.zeros(self.rollouts.ids.shape, dtype=torch.float64)
-            for rows in batches:
-                self.old[rows] = read_rows(pmodel, r.ids[rows].to(self.device), r.labels[rows].to(self.device),
-                                           self.label_logps, attention_mask=r.mask[rows].to(self.device)).cpu().double()
+            for rows in batches:  # None on the pipeline stages that compute no loss
+                found = read_rows(pmodel, r.ids[rows].to(self.device), r.labels[rows].to(self.device),
+                                  self.label_logps, attention_mask=r.mask[rows].to(self.device))
+                if found is not None:
+                    self.old[rows] = found.cpu().double()
 
     def score_and_build(self, prompt_ids: list[list[int]], completions: torch.Tensor, prompts: list[Prompt]) -> None:
         """Rewards, advantages and the training rows of ``completions`` [completions, max_completion_length]."""
@@ -242,7 +248,7 @@ class GRPO(TrainingMethod):
         weights = torch.tensor([w for _, _, w in self.funcs])
         advantage = advantages(rewards, weights, self.args.num_generations, self.args.scale_rewards)
         self.rollouts = Rollouts.build(prompt_ids, completions, self.eos, self.pad, advantage, self.args.loss_type,
-                                       self.args.max_completion_length, self.all_micro, self.multiple)
+                                       self.args.max_completion_length, self.all_micro, self.multiple, self.length)
         total = (rewards * weights).nansum(dim=1)
         # TRL's reward_std: the mean of the groups' standard deviations, or the batch's under --scale_rewards batch
         spread = total.std() if self.args.scale_rewards == "batch" else \
@@ -269,22 +275,22 @@ class GRPO(TrainingMethod):
             terms = token_terms(logps, own_old, own_ref, advantage[rows], self.args.epsilon, self.epsilon_high,
                                 self.args.beta)
             w = weights[rows].to(logps.dtype)
-            self.count(logps.detach(), own_old, own_ref, advantage[rows], (w > 0).to(logps.dtype))
+            self.count(batch[rows.cpu()], logps.detach(), own_old, own_ref, advantage[rows], (w > 0).to(logps.dtype))
             return (terms * w).sum()
 
         return pmodel.train_step(ids, labels, mask, objective=objective)
 
-    def count(self, logps: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None, advantage: torch.Tensor,
-              counted: torch.Tensor) -> None:
-        """Add a micro-batch's KL and clipped tokens to the step's sums (TRL's kl and clip_ratio metrics)."""
+    def count(self, where: torch.Tensor, logps: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None,
+              advantage: torch.Tensor, counted: torch.Tensor) -> None:
+        """Keep the KL and clipped tokens of the completions ``where`` (TRL's kl and clip_ratio metrics)."""
         ratio = torch.ones_like(logps) if old is None else torch.exp(logps - old)
         a = advantage[:, None]
         low = ((ratio < 1 - self.args.epsilon) & (a < 0)).to(logps.dtype)
         high = ((ratio > 1 + self.epsilon_high) & (a > 0)).to(logps.dtype)
         kl = torch.zeros_like(logps) if ref is None else torch.exp(ref - logps) - (ref - logps) - 1
-        sums = [(kl * counted).sum(), (low * counted).sum(), (high * counted).sum(),
-                (torch.maximum(low, high) * counted).sum(), counted.sum()]
-        self.counts += torch.stack(sums).double().cpu()
+        sums = [(kl * counted).sum(-1), (low * counted).sum(-1), (high * counted).sum(-1),
+                (torch.maximum(low, high) * counted).sum(-1), counted.sum(-1)]
+        self.counts[where] = torch.stack(sums, dim=1).double().cpu()
 
     def label_logps(self, logits: Logits) -> torch.Tensor:
         """Each position's log-prob of its label under logits divided by --temperature (TRL's)."""
@@ -295,8 +301,10 @@ class GRPO(TrainingMethod):
     def step_metrics(self, pmodel: ParallelModel) -> dict[str, float]:
         """The rollouts' metrics, and TRL's kl and clip ratios as the step's completion-token means."""
         metrics = dict(self.metrics)
-        kl, low, high, region, tokens = comm.all_reduce(self.counts.clone(), pmodel.mesh.dp_group).clamp(min=0).tolist()
-        tokens = max(tokens, 1.0)  # each dp rank's own rows (its tp ranks count alike)
+        # each dp rank's own rows (its tp ranks count alike), counted on the last pipeline stage (the others: 0)
+        counts = comm.all_reduce(comm.all_reduce(self.counts.sum(dim=0), pmodel.mesh.dp_group), pmodel.mesh.pp_group)
+        kl, low, high, region, tokens = counts.clamp(min=0).tolist()
+        tokens = max(tokens, 1.0)
         if self.reference is not None:
             metrics["kl"] = kl / tokens
         metrics.update({"clip_ratio/low_mean": low / tokens, "clip_ratio/high_mean": high / tokens,
