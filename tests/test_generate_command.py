@@ -80,11 +80,13 @@ def test_one_process_equals_transformers_generate_and_a_checkpoint_the_model_dir
 
 
 def test_every_layout_gives_one_process_completions(files):
-    """A real command per layout (forked workers): greedy at tp=2, sampled at dp=2 over the same global batches."""
+    """A real command per layout (forked workers): greedy at tp=2 and at pp=2, sampled at dp=2 over the same global
+    batches."""
     folder, model_dir, prompts = files
     greedy, sampled = generate(files, "greedy.jsonl", *GREEDY), generate(files, "sampled.jsonl", *SAMPLED)
     assert sampled != greedy
     for name, flags, expected in (("tp2", [*GREEDY, "--tensor_parallel_size", "2"], greedy),
+                                  ("pp2", [*GREEDY, "--pipeline_parallel_size", "2"], greedy),
                                   ("dp2", SAMPLED, sampled)):
         out = folder / f"{name}.jsonl"
         done = run([sys.executable, "-m", "plait", "generate", "--model_name_or_path", str(model_dir), "--prompts",
@@ -104,17 +106,19 @@ def test_a_completion_ends_at_eos_or_before_a_stop_string(files):
     assert completion_text(ids, tokenizer, ["on", "sat"]) == ("the cat ", len(ids))
 
 
-@pytest.mark.parametrize("case", ["not-json", "no-prompt", "batch-vs-dp", "no-model", "top-p"])
+@pytest.mark.parametrize("case", ["not-json", "no-prompt", "batch-vs-dp", "no-model", "top-p", "split"])
 def test_bad_input_is_one_line_before_anything_loads(files, tmp_path, capsys, case):
     folder, model_dir, prompts = files
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n' + ("{oops\n" if case == "not-json" else '{"text": "x"}\n'))
     flags = {"not-json": ["--prompts", str(bad)], "no-prompt": ["--prompts", str(bad)],
              "batch-vs-dp": ["--nproc_per_node", "2", "--batch_size", "3"],
-             "no-model": ["--model_name_or_path", str(tmp_path / "missing")], "top-p": ["--top_p", "0"]}[case]
+             "no-model": ["--model_name_or_path", str(tmp_path / "missing")], "top-p": ["--top_p", "0"],
+             "split": ["--nproc_per_node", "2", "--tensor_parallel_size", "2", "--pipeline_parallel_size", "2"]}[case]
     expected = {"not-json": f"{bad}:2: not JSON", "no-prompt": f"{bad}:2: a line needs a non-empty 'prompt'",
                 "batch-vs-dp": "--batch_size 3 is split over dp=2 replicas: give a multiple of 2 (2, 4, 6, ...)",
-                "no-model": "is neither a model directory", "top-p": "0 < top_p <= 1"}[case]
+                "no-model": "is neither a model directory", "top-p": "0 < top_p <= 1",
+                "split": "--tensor_parallel_size 2 x --pipeline_parallel_size 2 does not divide 2 processes"}[case]
     out = tmp_path / "out.jsonl"
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "--model_name_or_path", str(model_dir), "--prompts", str(prompts), "--output", str(out),

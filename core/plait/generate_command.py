@@ -1,5 +1,5 @@
 """``plait generate``: completions of a file of prompts from a model's own shards, on any layout generation serves
-(tp, dp, ep, ZeRO-3: ``ParallelModel.generate``).
+(tp, pp, dp, ep, ZeRO-3: ``ParallelModel.generate``).
 
     plait generate --model_name_or_path DIR --prompts prompts.jsonl --output completions.jsonl \\
         [--max_new_tokens 64] [--temperature 0] [--nproc_per_node 2 --tensor_parallel_size 2]
@@ -47,6 +47,8 @@ def add_generate_parser(sub: argparse._SubParsersAction, parents: list[argparse.
     parser.add_argument("--batch_size", type=int, default=8,
                         help="prompts decoded together, over all data-parallel replicas (a multiple of dp)")
     parser.add_argument("--tensor_parallel_size", type=int, default=1)
+    parser.add_argument("--pipeline_parallel_size", type=int, default=1,
+                        help="stages the layers are split into, one a rank (each its own KV cache)")
     parser.add_argument("--expert_parallel_size", type=int, default=1)
     parser.add_argument("--zero_stage", type=int, choices=(0, 3), default=0,
                         help="3: each dp rank stores 1/dp of the weights, gathered layer by layer")
@@ -66,9 +68,11 @@ def check_args(ns: argparse.Namespace, world: int) -> None:
     if ns.temperature < 0 or not 0 < ns.top_p <= 1:
         raise ConfigError(f"--temperature {ns.temperature} --top_p {ns.top_p}: temperature >= 0 (0: greedy), "
                           f"0 < top_p <= 1")
-    if world % ns.tensor_parallel_size:
-        raise ConfigError(f"--tensor_parallel_size {ns.tensor_parallel_size} does not divide {world} processes")
-    dp = world // ns.tensor_parallel_size
+    split = ns.tensor_parallel_size * ns.pipeline_parallel_size
+    if ns.tensor_parallel_size < 1 or ns.pipeline_parallel_size < 1 or world % split:
+        raise ConfigError(f"--tensor_parallel_size {ns.tensor_parallel_size} x --pipeline_parallel_size "
+                          f"{ns.pipeline_parallel_size} does not divide {world} processes")
+    dp = world // split
     if ns.batch_size % dp:
         valid = ", ".join(str(dp * k) for k in range(1, 4))
         raise ConfigError(f"--batch_size {ns.batch_size} is split over dp={dp} replicas: give a multiple of {dp} "
@@ -133,8 +137,9 @@ def complete(ns: argparse.Namespace, rows: list[dict[str, Any]], texts: list[str
     init_distributed(device, "auto", ns.ddp_timeout)
     # no sequence parallelism: served (ParallelModel.generate pads each forward to a multiple of tp), but a decode
     # step's one token would cost tp tokens of compute and cache for nothing a decode step can split
-    layout = ParallelConfig(tp=ns.tensor_parallel_size, ep=ns.expert_parallel_size, sp=False,
-                            zero_stage=ns.zero_stage)
+    pp = ns.pipeline_parallel_size  # its schedule's micro-batches are training's: generation runs the stages itself
+    layout = ParallelConfig(tp=ns.tensor_parallel_size, pp=pp, ep=ns.expert_parallel_size, sp=False,
+                            zero_stage=ns.zero_stage, num_microbatches=pp)
     pmodel = load_parallel_model(ns.model_name_or_path, layout, dtype=torch.bfloat16 if ns.bf16 else torch.float32,
                                  device=device, timeout=datetime.timedelta(seconds=ns.ddp_timeout))
     start = time.perf_counter()
