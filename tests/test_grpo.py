@@ -333,3 +333,19 @@ def test_a_stop_inside_a_cycle_of_iterations_waits_for_its_end(files, tmp_path):
         trainer.train()
     assert stopped.value.step == 2
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+@pytest.mark.parametrize("flags, counted", [(dict(beta=0.04), True), (dict(beta=0.0), False),
+                                            (dict(beta=0.04, lora_r=4), False)])
+def test_plait_plan_counts_the_reference_where_the_run_holds_one(files, tmp_path, flags, counted):
+    """``plait plan``'s second model: GRPO's reference (the starting policy, its shapes) where --beta > 0, none at
+    beta 0 (no reference is loaded) nor under LoRA (the reference is the base with the adapters off)."""
+    from plait.costs.estimate import estimate_layout
+    from plait.plan_command import PlannedRun
+
+    args = grpo_args(files, output_dir=str(tmp_path), **flags)
+    run = PlannedRun.of(args, args.parallel_config(), 1)
+    assert (run.second is not None) == counted
+    estimate = estimate_layout(run.model, run.plan, run.batch, run.precision, run.trace, second=run.second)
+    params = sum(p.numel() for p in LlamaForCausalLM.from_pretrained(files / "model").parameters())
+    assert estimate.for_rank(0).second == (4 * params if counted else 0)  # fp32, one process: the whole policy

@@ -37,7 +37,7 @@ from plait.data.tokenizer import load_tokenizer
 from plait.parallel_model import ParallelModel
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.dpo import Reference
-from plait.run.methods.frozen import frozen_on_mesh, read_rows
+from plait.run.methods.frozen import SecondModel, frozen_on_mesh, read_rows
 from plait.run.methods.grpo_args import call_rewards, reward_funcs
 from plait.run.methods.grpo_loss import advantages, token_terms, token_weights
 from plait.run.prompts import pad_id
@@ -181,6 +181,11 @@ class GRPO(TrainingMethod):
         config = trainer.pmodel.config
         return cls(trainer.blocks, args, trainer.tokenizer, reference, trainer.device,
                    config.tp if config.sequence_parallel else 1, args.block_size if config.pp > 1 else 0)
+
+    @classmethod
+    def second_model(cls, args: Any, model: Any, dtype: torch.dtype) -> SecondModel | None:
+        # the starting policy where --beta > 0; none under LoRA (the base, adapters off)
+        return SecondModel(model, "GRPO's reference") if args.beta != 0.0 and not args.lora_r else None
 
     def __len__(self) -> int:
         return len(self.prompts)
