@@ -269,6 +269,7 @@ def layouts(files, tmp_path_factory):
 def test_every_layout_gives_one_process_rollouts_losses_and_gradients(one_process, layouts, layout):
     history, grads = one_process["lora" if "lora" in layout else "moe" if layout == "ep2" else
                                  "mu2" if layout.endswith("mu2") else "full"]
+    assert all(r["grad_norm"] > 1e-3 and r["reward_std"] > 0 for r in history)  # the groups' rewards differ: a signal
     records, got_grads = layouts[layout]
     for rank, record in enumerate(records):
         for got, expected in zip(record["history"], history, strict=True):
