@@ -347,7 +347,8 @@ def _kind(f: dataclasses.Field) -> type:
 def add_arguments(parser: argparse.ArgumentParser, cls: type = TrainArgs) -> None:
     """One ``--name`` flag per dataclass field; booleans are switches. Defaults are None here, so that
     ``from_namespace`` can tell a flag given on the command line from one left to the config file."""
-    for f in fields(cls):
+    methods = {f.name for f in fields(MethodArgs)}  # the base class's fields, listed after the run's own
+    for f in sorted(fields(cls), key=lambda f: f.name in methods):
         help_text = f.metadata.get("help", "")
         if _kind(f) is bool:
             parser.add_argument(f"--{f.name}", action="store_true", default=None, help=help_text)
