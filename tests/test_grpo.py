@@ -350,3 +350,31 @@ def test_plait_plan_counts_the_reference_where_the_run_holds_one(files, tmp_path
     estimate = estimate_layout(run.model, run.plan, run.batch, run.precision, run.trace, second=run.second)
     params = sum(p.numel() for p in LlamaForCausalLM.from_pretrained(files / "model").parameters())
     assert estimate.for_rank(0).second == (4 * params if counted else 0)  # fp32, one process: the whole policy
+
+
+def test_chat_prompts_are_rendered_and_rewarded_as_trl_does(files, tmp_path):
+    """A prompt given as chat messages is rendered with the template's generation prompt, and the reward functions
+    get it as messages and each completion as [{"role": "assistant", "content": ...}], other columns by name."""
+    tokenizer = AutoTokenizer.from_pretrained(files / "model")
+    messages = [{"role": "user", "content": "the cat"}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": messages, "topic": "cats"}) + "\n")
+    (tmp_path / "seen.py").write_text(
+        "SEEN = []\n\ndef f(prompts, completions, completion_ids, topic, **kw):\n"
+        "    SEEN.append((prompts, completions, completion_ids, topic))\n    return [1.0] * len(completions)\n")
+    [prompt] = read_prompts(tmp_path / "chat.jsonl", tokenizer, 40)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert prompt.columns == {"topic": "cats"}
+    args = grpo_args(files, train_file=str(tmp_path / "chat.jsonl"), reward_funcs=f"{tmp_path / 'seen.py'}:f",
+                     reward_weights=None)
+    method = GRPO([prompt], args, tokenizer, None, torch.device("cpu"))
+    method.micro_batches(torch.arange(1), parallelize(LlamaForCausalLM.from_pretrained(files / "model"),
+                                                      ParallelConfig()).mesh, 1, torch.device("cpu"))
+    completions = torch.tensor([tokenizer("a dog", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                                + [0] * 3] * 2)[:, :8]
+    method.score_and_build([prompt.ids] * 2, completions, [prompt] * 2)
+    [(prompts, shown, ids, topic)] = method.funcs[0][1].__globals__["SEEN"]
+    assert prompts == [messages] * 2 and topic == ["cats"] * 2
+    assert shown == [[{"role": "assistant", "content": "a dog"}]] * 2
+    said = tokenizer("a dog", add_special_tokens=False)["input_ids"]
+    assert ids == [said + [tokenizer.eos_token_id]] * 2  # up to and with EOS
