@@ -24,6 +24,14 @@ def check_grpo(args: Any) -> None:
     if args.validation_file:
         raise ConfigError("--method grpo does not evaluate a --validation_file yet; drop it (--eval_prompts shows "
                           "completions at each evaluation)")
+    unread = [flag for flag, given in (("--packing", args.packing), (f"--data_format {args.data_format}",
+                                                                    args.data_format != "auto"),
+                                       (f"--text_field {args.text_field}", args.text_field != "text"),
+                                       ("--data_cache_dir", args.data_cache_dir is not None)) if given]
+    if unread:  # the prompts are read as they are: nothing is tokenized into blocks, packed or cached
+        several = len(unread) > 1
+        raise ConfigError(f"{', '.join(unread)} ha{'ve' if several else 's'} no effect with --method grpo (its prompts "
+                          f"are TRL's prompt-only rows, read as they are); drop {'them' if several else 'it'}")
     if args.loss_type not in LOSS_TYPES:
         raise ConfigError(f"--loss_type {args.loss_type!r} is not a GRPO loss; choose one of {', '.join(LOSS_TYPES)}")
     if args.scale_rewards not in SCALE_REWARDS:
