@@ -180,7 +180,7 @@ def test_a_run_on_tp2_with_sp_logs_trls_metrics(files):
     (dict(reward_funcs="json:nothing", reward_weights=None),
      r"^--reward_funcs 'json:nothing': json has no function 'nothing'$"),
     (dict(reward_weights="1"), r"^--reward_weights has 1 weights for 2 --reward_funcs; give one per function$"),
-    (dict(context_parallel_size=2), r"generation with --context_parallel_size 2 is not served yet"),
+    (dict(context_parallel_size=2), r"^--method grpo with --context_parallel_size 2 is not served yet"),
     (dict(packing=True, data_format="chat"), r"^--packing, --data_format chat have no effect with --method grpo \(its "
                                              r"prompts are TRL's prompt-only rows, read as they are\); drop them$"),
     (dict(num_iterations=3, max_steps=10, save_steps=6), r"^--max_steps 10 with --num_iterations 3: checkpoints land "

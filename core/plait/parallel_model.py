@@ -21,6 +21,7 @@ from plait.base import comm
 from plait.base.batches import local_microbatch
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.mesh import Mesh
+from plait.cp.attention import whole_sequences
 from plait.cp.context import ContextParallel
 from plait.cp.sequence import check_length
 from plait.ep.apply import AppliedEP
@@ -311,8 +312,10 @@ class ParallelModel(nn.Module):
 
         training = self.module.training
         self.module.eval()  # no dropout; the model's own mode given back after
+        # under cp each cp rank decodes its replica's rows whole, with the model's own attention (not split)
+        whole = contextlib.nullcontext() if self.cp is None else whole_sequences(self.module, self.cp.implementation)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), whole:
                 ids = decode(forward, input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                              seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id, all_done=all_done,

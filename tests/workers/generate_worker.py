@@ -41,6 +41,8 @@ CASES = {
     # a stage a rank: each stage's own KV cache, the hidden states of each step handed on, the last stage's logits back
     "llama-pp2": ("llama", dict(pp=2, num_microbatches=2)),
     "gpt2-pp2": ("gpt2", dict(pp=2, num_microbatches=2)),  # its head tied to the first stage's embedding
+    # each cp rank decodes the replica's rows whole, with the model's own attention
+    "llama-cp2": ("llama", dict(cp=2)),
     # LoRA (random A and B) under tp=2 + SP, against peft's model on one process with the same adapter values
     "llama-lora-tp2-sp": ("llama", dict(tp=2)),
     "llama-lora-zero3-dp2": ("llama", dict(zero_stage=3)),
@@ -110,8 +112,10 @@ def run_case(name: str) -> dict:
 def refusals() -> dict[str, str]:
     """What generate says, before any collective, for a layout or batch it does not serve."""
     said = {}
-    for name, layout, batch in (("cp", dict(cp=2), 4), ("odd-batch", dict(tp=1), 3)):
-        pmodel = plait.parallelize(tiny_model("llama"), plait.ParallelConfig(**layout))
+    cases = (("vpp", dict(pp=2, virtual_pipeline_size=2, num_microbatches=2, pipeline_schedule="interleaved-1f1b"), 4),
+             ("odd-batch", dict(tp=1), 3))
+    for name, layout, batch in cases:  # the interleaved pipeline: 4 layers for its 4 stages
+        pmodel = plait.parallelize(tiny_model("llama", num_hidden_layers=4), plait.ParallelConfig(**layout))
         try:
             pmodel.generate(torch.ones(batch, 8, dtype=torch.long), max_new_tokens=2)
             said[name] = "not refused"

@@ -9,7 +9,9 @@ model's own choice (eager, sdpa, ...) stays the implementation each strategy com
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -60,3 +62,20 @@ def install_context_parallel(model: nn.Module) -> str:
                 copies[id(config)]._attn_implementation = IMPLEMENTATION
             module.config = copies[id(config)]
     return implementation
+
+
+@contextlib.contextmanager
+def whole_sequences(model: nn.Module, implementation: str) -> Iterator[None]:
+    """Inside, ``model`` attends as it did before context parallelism (``implementation``) over whatever sequence it
+    is given: what decoding uses, each cp rank running its rows' whole sequences (the mask builders pass through
+    outside a cp forward already)."""
+    configs = {id(m.config): m.config for m in model.modules()
+               if isinstance(getattr(m, "config", None), PretrainedConfig)
+               and m.config._attn_implementation == IMPLEMENTATION}
+    for config in configs.values():
+        config._attn_implementation = implementation
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config._attn_implementation = IMPLEMENTATION

@@ -17,8 +17,9 @@ every row of the global batch has met EOS, or after ``max_new_tokens``.
 Held to one process (tests/test_generate.py): tp with and without sequence parallelism (under it every forward's
 tokens are a multiple of tp: masked pads, ``decode``'s ``width``), data parallelism, ZeRO-1/2/3, expert parallelism
 (each replica's rows dispatched to the experts' ranks in every forward), pipeline parallelism with a stage a rank
-(each stage's own KV cache: ``stage_cache``; ``ParallelModel`` hands each step's hidden states on), LoRA. Refused by
-name, before any collective: cp, and more than one pipeline stage a rank.
+(each stage's own KV cache: ``stage_cache``; ``ParallelModel`` hands each step's hidden states on), context
+parallelism (each cp rank decodes its replica's rows whole, with the model's own attention: the cache is not split),
+LoRA. Refused by name, before any collective: more than one pipeline stage a rank.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ from plait.base.mesh import Mesh
 
 def check_layout(config: ParallelConfig, mesh: Mesh, batch: int) -> None:
     """One line for a layout or batch generation does not serve yet; nothing has run."""
-    if config.cp > 1:
-        raise ConfigError(f"generation with cp={config.cp} is not served yet; use a layout with cp=1")
     if config.pp > 1 and config.virtual_pipeline_size > 1:
         raise ConfigError(f"generation with pp={config.pp} and {config.virtual_pipeline_size} stages a rank is not "
                           f"served yet; use --virtual_pipeline_size 1")

@@ -169,8 +169,7 @@ class TrainArgs(MethodArgs):
                               f"{', '.join(MOE_AUX_LOSS_SCOPES)}")
         if self.eval_prompts is not None:
             read_prompts(Path(self.eval_prompts), "--eval_prompts")
-            unserved = [f"--{name} {getattr(self, name)}" for name in ("virtual_pipeline_size", "context_parallel_size")
-                        if getattr(self, name) > 1]
+            unserved = [f"--virtual_pipeline_size {self.virtual_pipeline_size}"] if self.virtual_pipeline_size > 1 else []
             if unserved:
                 raise ConfigError(f"--eval_prompts generates from the training layout's shards, and generation with "
                                   f"{' '.join(unserved)} is not served yet; drop --eval_prompts (or sample from a saved "
