@@ -17,7 +17,7 @@ every row of the global batch has met EOS, or after ``max_new_tokens``.
 Held to one process (tests/test_generate.py): tp with and without sequence parallelism (under it every forward's
 tokens are a multiple of tp: masked pads, ``decode``'s ``width``), data parallelism, ZeRO-1/2/3, expert parallelism
 (each replica's rows dispatched to the experts' ranks in every forward), pipeline parallelism with a stage a rank
-(each stage's own KV cache: ``stage_cache``; ``ParallelModel`` hands each step's hidden states on), context
+(each stage's own KV cache: ``StageCache``; ``ParallelModel`` hands each step's hidden states on), context
 parallelism (each cp rank decodes its replica's rows whole, with the model's own attention: the cache is not split),
 LoRA. Refused by name, before any collective: more than one pipeline stage a rank.
 """
@@ -25,9 +25,10 @@ LoRA. Refused by name, before any collective: more than one pipeline stage a ran
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
 
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.mesh import Mesh
@@ -81,9 +82,9 @@ def decode(
     at width 1; the cache holds ``width`` entries per new token. ``first_layer``: the first decoder layer whose keys
     and values this rank holds (a pipeline stage's), which the cache's length is read from."""
     generator = torch.Generator().manual_seed(seed)
-    cache = stage_cache(first_layer)
+    cache = StageCache(first_layer)
     extra = -input_ids.shape[1] % width
-    step_ids, mask = _pad_left(input_ids, extra, pad_token_id), _pad_left(attention_mask, extra, 0)
+    step_ids, mask = F.pad(input_ids, (extra, 0), value=pad_token_id), F.pad(attention_mask, (extra, 0))
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = forward(step_ids, mask, positions, cache)
     ids = input_ids
@@ -98,30 +99,24 @@ def decode(
             done |= token == eos_token_id
         if step == max_new_tokens - 1 or all_done(bool(done.all())):  # every rank alike; no forward after the last
             break
-        step_ids = _pad_left(token[:, None], width - 1, pad_token_id)
-        mask = torch.cat([mask, _pad_left(torch.ones_like(mask[:, :1]), width - 1, 0)], dim=1)
+        step_ids = F.pad(token[:, None], (width - 1, 0), value=pad_token_id)
+        mask = torch.cat([mask, F.pad(torch.ones_like(mask[:, :1]), (width - 1, 0))], dim=1)
         positions = (positions[:, -1:] + 1).expand(-1, width)
         logits = forward(step_ids, mask, positions, cache)
     return ids
 
 
-def _pad_left(tensor: torch.Tensor, count: int, value: int) -> torch.Tensor:
-    if count == 0:
-        return tensor
-    return torch.cat([tensor.new_full((tensor.shape[0], count), value), tensor], dim=1)
-
-
-def stage_cache(first_layer: int) -> Any:
+class StageCache(DynamicCache):
     """transformers' DynamicCache for the decoder layers from ``first_layer`` on: the model reads the cache's length
     (positions, the mask's size) from layer 0's entry by default, which a later pipeline stage never fills; this one
-    answers for a layer before ``first_layer`` with ``first_layer``'s."""
-    from transformers import DynamicCache
+    answers for a layer before ``first_layer`` with ``first_layer``'s (at 0: a DynamicCache)."""
 
-    class StageCache(DynamicCache):
-        def get_seq_length(self, layer_idx: int = 0) -> int:
-            return super().get_seq_length(max(layer_idx, first_layer))
+    def __init__(self, first_layer: int = 0) -> None:
+        super().__init__()
+        self.first_layer = first_layer
 
-        def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-            return super().get_mask_sizes(query_length, max(layer_idx, first_layer))
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return super().get_seq_length(max(layer_idx, self.first_layer))
 
-    return DynamicCache() if first_layer == 0 else StageCache()
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return super().get_mask_sizes(query_length, max(layer_idx, self.first_layer))

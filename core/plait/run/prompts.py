@@ -11,7 +11,7 @@ string.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,20 +23,25 @@ if TYPE_CHECKING:
     from plait.parallel_model import ParallelModel
 
 
+def json_lines(path: Path, hint: str = "") -> Iterator[tuple[int, Any]]:
+    """Each non-blank line of ``path`` with its number, parsed; one line naming the file and line (and ``hint``) for
+    the first that is not JSON."""
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{number}: not JSON ({err.msg}){hint}") from None
+
+
 def read_prompts(path: Path, flag: str) -> list[dict[str, Any]]:
     """The prompt rows of ``path`` (given by ``flag``), each checked: one line naming the file, line and fix for the
     first bad one."""
     if not path.is_file():
         raise ConfigError(f"{flag} {path}: no such file")
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}:{number}: not JSON ({err.msg}); each line is an object with 'prompt' or "
-                              f"'messages'") from None
+    for number, row in json_lines(path, "; each line is an object with 'prompt' or 'messages'"):
         prompt, messages = (row.get("prompt"), row.get("messages")) if isinstance(row, dict) else (None, None)
         if not (isinstance(prompt, str) and prompt or isinstance(messages, list) and messages):
             raise ConfigError(f"{path}:{number}: a line needs a non-empty 'prompt' string or a 'messages' list")
@@ -44,6 +49,15 @@ def read_prompts(path: Path, flag: str) -> list[dict[str, Any]]:
     if not rows:
         raise ConfigError(f"{flag} {path}: no prompts in it")
     return rows
+
+
+def left_padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as one batch, left padded with ``pad`` to the longest: ids and attention mask [rows, longest]."""
+    width = max(len(row) for row in rows)
+    ids = torch.tensor([[pad] * (width - len(row)) + list(row) for row in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], device=device)
+    return ids, mask
 
 
 def render(row: dict[str, Any], tokenizer: Any) -> str:
@@ -88,10 +102,8 @@ def complete(
     for first in range(0, len(texts), batch_size):
         batch = texts[first: first + batch_size]
         batch += batch[-1:] * (batch_size - len(batch))
-        encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in batch]
-        width = max(len(ids) for ids in encoded)
-        ids = torch.tensor([[pad] * (width - len(row)) + row for row in encoded], device=device)
-        mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in encoded], device=device)
+        ids, mask = left_padded([tokenizer(text, add_special_tokens=False)["input_ids"] for text in batch], pad, device)
+        width = ids.shape[1]
         out = pmodel.generate(ids, mask, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, seed=seed + first, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
         done += [completion_text(new, tokenizer, stop) for new in out[:, width:].tolist()]

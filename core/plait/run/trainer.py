@@ -176,8 +176,9 @@ def check_before_launch(args: TrainArgs, world: int) -> None:
 
 def eval_prompts(args: TrainArgs, tokenizer: Any) -> EvalPrompts | None:
     """--eval_prompts rendered with the run's tokenizer, each prompt checked (None without the flag)."""
-    return args.eval_prompts and EvalPrompts(Path(args.eval_prompts), tokenizer, args.eval_max_new_tokens,
-                                             args.per_device_train_batch_size)
+    if not args.eval_prompts:
+        return None
+    return EvalPrompts(Path(args.eval_prompts), tokenizer, args.eval_max_new_tokens, args.per_device_train_batch_size)
 
 
 def load_checked_data(args: TrainArgs, model_config: PretrainedConfig, plan: LayoutPlan) -> tuple:

@@ -22,7 +22,6 @@ whose rows are padded to --block_size, dp, ZeRO-1/2/3, ep, LoRA); cp is refused 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +38,8 @@ from plait.run.methods.base import TrainingMethod
 from plait.run.methods.dpo import Reference
 from plait.run.methods.frozen import SecondModel, frozen_on_mesh, read_rows
 from plait.run.methods.grpo_args import call_rewards, reward_funcs
-from plait.run.methods.grpo_loss import advantages, token_terms, token_weights
-from plait.run.prompts import pad_id
+from plait.run.methods.grpo_loss import advantages, kl_k3, token_terms, token_weights
+from plait.run.prompts import completion_text, json_lines, left_padded, pad_id
 from plait.tp.logprobs import Logits
 from plait.tp.loss import IGNORE_INDEX
 
@@ -58,13 +57,7 @@ def read_prompts(path: Path, tokenizer: Any, room: int) -> list[Prompt]:
     """TRL's prompt-only rows of a .jsonl: ``prompt`` as text or chat messages (the template's generation prompt
     added), its other keys passed to the reward functions; one line for a bad row or a prompt over ``room`` tokens."""
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}:{number}: not JSON ({err.msg})") from None
+    for number, row in json_lines(path):
         prompt = row.get("prompt") if isinstance(row, dict) else None
         if isinstance(prompt, list) and prompt:
             if not tokenizer.chat_template:
@@ -104,9 +97,7 @@ class Rollouts:
         per-device batches are ``micro_rows`` (every rank's micro-batches' rows, in any order). The rows are padded
         on the right to a multiple of ``multiple`` (sequence parallelism's tp), or to ``length`` (pipeline
         parallelism's --block_size): after every token, so changing none."""
-        width = max(len(p) for p in prompts)
-        prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        prompt_ids, prompt_mask = left_padded(prompts, pad)
         done = completions == eos if eos is not None else torch.zeros_like(completions, dtype=torch.bool)
         # up to and with the first EOS, as TRL's completion mask
         completion_mask = (done.long().cumsum(1) - done.long() == 0).long()
@@ -114,13 +105,7 @@ class Rollouts:
         mask = torch.cat([prompt_mask, completion_mask], dim=1)
         labels = torch.cat([torch.full_like(prompt_ids, IGNORE_INDEX),
                             completions.masked_fill(completion_mask == 0, IGNORE_INDEX)], dim=1)
-        if loss_type == "bnpo":  # TRL's token mean per per-device batch, averaged over them
-            per_token = torch.zeros(completion_mask.shape, dtype=torch.float64)
-            for rows in micro_rows:
-                per_token[rows] = completion_mask[rows].double() / (completion_mask[rows].sum().clamp(min=1)
-                                                                     * len(micro_rows))
-        else:
-            per_token = token_weights(completion_mask, loss_type, max_length, 1, 1)
+        per_token = token_weights(completion_mask, loss_type, max_length, micro_rows)
         weights = torch.cat([torch.zeros(prompt_ids.shape, dtype=torch.float64), per_token], dim=1)[:, 1:]
         weights = torch.nn.functional.pad(weights, (0, 1))  # shifted: position t weighs the token at t + 1
         extra = max(length - ids.shape[1], 0) or -ids.shape[1] % multiple
@@ -222,9 +207,8 @@ class GRPO(TrainingMethod):
         if step % args.num_iterations and self.cycle == cycle:
             return  # the cycle's rollouts once more
         prompts = [self.prompts[int(i)] for i in self.rows for _ in range(generations)]
-        width = max(len(p.ids) for p in prompts)
-        ids = torch.tensor([[self.pad] * (width - len(p.ids)) + p.ids for p in prompts], device=self.device)
-        mask = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in prompts], device=self.device)
+        ids, mask = left_padded([p.ids for p in prompts], self.pad, self.device)
+        width = ids.shape[1]
         out = pmodel.generate(ids, mask, max_new_tokens=args.max_completion_length, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed * 1_000_003 + cycle,
                               eos_token_id=self.eos, pad_token_id=self.pad)[:, width:].cpu()
@@ -241,14 +225,13 @@ class GRPO(TrainingMethod):
 
     def score_and_build(self, prompt_ids: list[list[int]], completions: torch.Tensor, prompts: list[Prompt]) -> None:
         """Rewards, advantages and the training rows of ``completions`` [completions, max_completion_length]."""
-        lengths = [(row.index(self.eos) + 1 if self.eos in row else len(row)) for row in completions.tolist()]
-        texts = [self.tokenizer.decode(row[: n - (self.eos in row[:n])], skip_special_tokens=True)
-                 for row, n in zip(completions.tolist(), lengths)]
+        tokens = completions.tolist()
+        texts, lengths = zip(*(completion_text(row, self.tokenizer, ()) for row in tokens))
         shown = [[{"role": "assistant", "content": t}] if isinstance(p.prompt, list) else t
                  for p, t in zip(prompts, texts)]
         columns = {key: [p.columns.get(key) for p in prompts] for key in prompts[0].columns}
         rewards = torch.tensor(call_rewards(self.funcs, [p.prompt for p in prompts], shown,
-                                            [row[:n] for row, n in zip(completions.tolist(), lengths)], columns),
+                                            [row[:n] for row, n in zip(tokens, lengths)], columns),
                                dtype=torch.float32)
         weights = torch.tensor([w for _, _, w in self.funcs])
         advantage = advantages(rewards, weights, self.args.num_generations, self.args.scale_rewards)
@@ -292,7 +275,7 @@ class GRPO(TrainingMethod):
         a = advantage[:, None]
         low = ((ratio < 1 - self.args.epsilon) & (a < 0)).to(logps.dtype)
         high = ((ratio > 1 + self.epsilon_high) & (a > 0)).to(logps.dtype)
-        kl = torch.zeros_like(logps) if ref is None else torch.exp(ref - logps) - (ref - logps) - 1
+        kl = torch.zeros_like(logps) if ref is None else kl_k3(ref, logps)
         sums = [(kl * counted).sum(-1), (low * counted).sum(-1), (high * counted).sum(-1),
                 (torch.maximum(low, high) * counted).sum(-1), counted.sum(-1)]
         self.counts[where] = torch.stack(sums, dim=1).double().cpu()

@@ -4,6 +4,7 @@ reward for that completion, skipped in the sum as TRL's NaN)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import math
@@ -86,6 +87,7 @@ def reward_funcs(args: Any) -> list[tuple[str, RewardFunc, float]]:
     return [(spec.rpartition(":")[2], load(spec), weight) for spec, weight in zip(specs, weights)]
 
 
+@functools.cache  # a process checks the flags and then builds the method: the user's file runs once
 def load(spec: str) -> RewardFunc:
     """The function a spec names: ``path/to/file.py:func`` or ``package.module:func``."""
     where, _, name = spec.rpartition(":")

@@ -19,6 +19,8 @@ the weight fixed by the global batch before the step, so each rank's share is th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
@@ -48,10 +50,10 @@ def _nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
     return ((values - mean) ** 2).nansum(dim=dim).div(count - 1).sqrt()
 
 
-def token_weights(mask: torch.Tensor, loss_type: str, max_completion_length: int, per_device: int,
-                  batches: int) -> torch.Tensor:
-    """The weight of each completion token's term [completions, tokens] for the global batch's completion ``mask``:
-    ``per_device`` completions in each of ``batches`` per-device batches (bnpo's groups, in order)."""
+def token_weights(mask: torch.Tensor, loss_type: str, max_completion_length: int,
+                  batches: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The weight of each completion token's term [completions, tokens] for the global batch's completion ``mask``;
+    ``batches``: the rows of each per-device batch of the step (every rank's micro-batches: bnpo's groups)."""
     mask = mask.to(torch.float64)
     completions = mask.shape[0]
     if loss_type == "grpo":
@@ -60,8 +62,15 @@ def token_weights(mask: torch.Tensor, loss_type: str, max_completion_length: int
         return mask / (completions * max_completion_length)
     if loss_type == "dapo":
         return mask / mask.sum().clamp(min=1.0)
-    per_batch = mask.view(batches, per_device, -1).sum(dim=(1, 2)).clamp(min=1.0)  # bnpo
-    return mask / (per_batch.repeat_interleave(per_device)[:, None] * batches)
+    weights = torch.zeros_like(mask)  # bnpo
+    for rows in batches:
+        weights[rows] = mask[rows] / (mask[rows].sum().clamp(min=1.0) * len(batches))
+    return weights
+
+
+def kl_k3(ref: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
+    """The k3 estimate of KL(policy || reference) per token, as TRL's: exp(ref - logp) - (ref - logp) - 1."""
+    return torch.exp(ref - logps) - (ref - logps) - 1
 
 
 def token_terms(logps: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None, advantage: torch.Tensor,
@@ -74,5 +83,5 @@ def token_terms(logps: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     terms = -torch.min(ratio * advantage, clipped * advantage)
     if beta != 0.0:
-        terms = terms + beta * (torch.exp(ref - logps) - (ref - logps) - 1)
+        terms = terms + beta * kl_k3(ref, logps)
     return terms
