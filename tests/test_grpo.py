@@ -180,7 +180,9 @@ def test_a_run_on_tp2_with_sp_logs_trls_metrics(files):
     (dict(reward_funcs="json:nothing", reward_weights=None),
      r"^--reward_funcs 'json:nothing': json has no function 'nothing'$"),
     (dict(reward_weights="1"), r"^--reward_weights has 1 weights for 2 --reward_funcs; give one per function$"),
-    (dict(context_parallel_size=2), r"^--method grpo with --context_parallel_size 2 is not served yet"),
+    (dict(pipeline_parallel_size=2, virtual_pipeline_size=2),
+     r"^--method grpo generates its rollouts from the policy's shards, and generation with --virtual_pipeline_size 2 "
+     r"is not served yet; use 1$"),
     (dict(packing=True, data_format="chat"), r"^--packing, --data_format chat have no effect with --method grpo \(its "
                                              r"prompts are TRL's prompt-only rows, read as they are\); drop them$"),
     (dict(num_iterations=3, max_steps=10, save_steps=6), r"^--max_steps 10 with --num_iterations 3: checkpoints land "
@@ -231,7 +233,11 @@ LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "dp2": dict(per_device_train_
            "dp2_mu2": dict(per_device_train_batch_size=3, num_iterations=2),
            # the rollouts decoded stage by stage, the loss on the last stage, rows padded to --block_size
            "pp2": dict(pipeline_parallel_size=2, num_microbatches=2),
-           "pp2_mu2": dict(pipeline_parallel_size=2, num_microbatches=2, num_iterations=2)}
+           "pp2_mu2": dict(pipeline_parallel_size=2, num_microbatches=2, num_iterations=2),
+           # each cp rank its slice of every row's tokens: weights, old and reference log-probs cut alike; left-padded
+           # rows through both strategies (a pad's query attends to nothing)
+           "cp2": dict(context_parallel_size=2, cp_attention="all-to-all"),
+           "cp2_ring_mu2": dict(context_parallel_size=2, cp_attention="ring", num_iterations=2)}
 RUN = dict(beta=0.04, max_steps=2, learning_rate=1e-2, lr_scheduler_type="constant", device="cpu", save_final=False,
            loss_type="grpo")
 KEYS = ("loss", "grad_norm", "reward", "reward_std", "rewards/length/mean", "completions/mean_length", "kl",

@@ -16,7 +16,9 @@ drawn with (kept per rank at the cycle's first step); a checkpoint lands only at
 --save_steps multiples of mu, a stop signal waits for it), so a resumed run regenerates nothing it had. Metrics carry
 TRL's names: reward, reward_std, rewards/<func>/mean, completions/mean_length, kl, clip_ratio/low_mean, high_mean and
 region_mean (token means over the step). Layouts: those generation serves (tp with SP, pp with a stage a rank,
-whose rows are padded to --block_size, dp, ZeRO-1/2/3, ep, LoRA); cp is refused by name (``grpo_args.check_grpo``).
+whose rows are padded to --block_size, dp, ZeRO-1/2/3, ep, LoRA, cp). Under cp each rank holds its slice of every
+row's tokens: the per-token weights, old and reference log-probs are cut alike (``cp.take`` in the coordinates of the
+shifted labels), so its share is the sum of its own tokens' terms and the metrics' sums add over the cp ranks too.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ class GRPO(TrainingMethod):
                  device: torch.device, multiple: int = 1, length: int = 0) -> None:
         self.prompts, self.args, self.tokenizer = prompts, args, tokenizer
         self.reference, self.device = reference, device
-        self.multiple = multiple  # the rows' length a multiple of it: tp under sequence parallelism
+        self.multiple = multiple  # the rows' length a multiple of it: tp under SP, times 2 cp under cp
         # under pp every row --block_size long: torch's schedules are built (and kept) per batch shape
         self.length = length
         self.funcs = reward_funcs(args)
@@ -164,8 +166,9 @@ class GRPO(TrainingMethod):
                 source = args.model_name_or_path or trainer.pmodel.plan.model_config
                 reference = Reference(frozen_on_mesh(source, args, trainer.pmodel, trainer.device))
         config = trainer.pmodel.config
-        return cls(trainer.blocks, args, trainer.tokenizer, reference, trainer.device,
-                   config.tp if config.sequence_parallel else 1, args.block_size if config.pp > 1 else 0)
+        multiple = (config.tp if config.sequence_parallel else 1) * (2 * config.cp if config.cp > 1 else 1)
+        return cls(trainer.blocks, args, trainer.tokenizer, reference, trainer.device, multiple,
+                   args.block_size if config.pp > 1 else 0)
 
     @classmethod
     def second_model(cls, args: Any, model: Any, dtype: torch.dtype) -> SecondModel | None:
@@ -216,11 +219,13 @@ class GRPO(TrainingMethod):
         self.score_and_build([p.ids for p in prompts], out, prompts)
         self.cycle, self.old = cycle, None
         if args.num_iterations > 1:
-            r, self.old = self.rollouts, torch.zeros(self.rollouts.ids.shape, dtype=torch.float64)
+            r = self.rollouts
             for rows in batches:  # None on the pipeline stages that compute no loss
                 found = read_rows(pmodel, r.ids[rows].to(self.device), r.labels[rows].to(self.device),
                                   self.label_logps, attention_mask=r.mask[rows].to(self.device))
-                if found is not None:
+                if found is not None:  # [rows, this rank's tokens]: under cp its slice of each row
+                    if self.old is None:
+                        self.old = torch.zeros(len(r.ids), found.shape[1], dtype=torch.float64)
                     self.old[rows] = found.cpu().double()
 
     def score_and_build(self, prompt_ids: list[list[int]], completions: torch.Tensor, prompts: list[Prompt]) -> None:
@@ -253,6 +258,8 @@ class GRPO(TrainingMethod):
         if self.reference is not None:  # the reference's log-probs of the same tokens, without gradients
             ref = self.reference.read(ids, labels, self.label_logps, attention_mask=mask)
         weights, advantage = r.weights[batch].to(self.device), r.advantages[batch].to(self.device)
+        if pmodel.cp is not None:  # this rank's tokens of each row, in the shifted labels' coordinates
+            weights = pmodel.cp.take(weights)
         old = None if self.old is None else self.old[batch].to(self.device)
 
         def objective(logits: Logits) -> torch.Tensor:
@@ -289,8 +296,11 @@ class GRPO(TrainingMethod):
     def step_metrics(self, pmodel: ParallelModel) -> dict[str, float]:
         """The rollouts' metrics, and TRL's kl and clip ratios as the step's completion-token means."""
         metrics = dict(self.metrics)
-        # each dp rank's own rows (its tp ranks count alike), counted on the last pipeline stage (the others: 0)
-        counts = comm.all_reduce(comm.all_reduce(self.counts.sum(dim=0), pmodel.mesh.dp_group), pmodel.mesh.pp_group)
+        # each dp rank's own rows (its tp ranks count alike) and cp rank's own tokens of them, counted on the last
+        # pipeline stage (the others: 0)
+        counts = self.counts.sum(dim=0)
+        for group in (pmodel.mesh.dp_group, pmodel.mesh.cp_group, pmodel.mesh.pp_group):
+            counts = comm.all_reduce(counts, group)
         kl, low, high, region, tokens = counts.clamp(min=0).tolist()
         tokens = max(tokens, 1.0)
         if self.reference is not None:
