@@ -6,9 +6,11 @@ A 125M-parameter Llama (16 layers of width 768, 12 heads and 4 kv heads, MLP 204
 head: a 135M-class model whose heads tp=2 divides, which SmolLM-135M's 9 do not; random weights, fp32) decodes the
 same batch of random prompts greedily to exactly ``--new`` tokens (no EOS), three ways: transformers' ``generate`` on
 one process and ``ParallelModel.generate`` on the same model parallelized on one process (tp=1), in alternating
-order, and ``ParallelModel.generate`` at tp=2 on two processes (a world launched by plait.testing.launch, one OpenMP
-thread each, where one process uses the machine's threads). Prints new tokens per second, the median of ``--rounds``
-(after a warm-up round), and each against transformers. Run it alone: the ways compete for the cores otherwise.
+order, and ``ParallelModel.generate`` at tp=2 and at pp=2 on two processes (worlds launched by plait.testing.launch,
+one OpenMP thread each, where one process uses the machine's threads). Prints new tokens per second, the median of
+``--rounds`` (after a warm-up round), and each against transformers. Under pp the prompts go through the stages in
+micro-batches (plait.generation.pipelined), which pays where a forward's work grows with its rows: try ``--batch 32``.
+Run it alone: the ways compete for the cores otherwise.
 """
 
 from __future__ import annotations
@@ -28,14 +30,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
              num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=True)
 
+# the worlds of two processes: tp (each rank half of every layer's heads) and pp (each rank half of the layers)
+LAYOUTS = {"tp=2": dict(tp=2, sp=False), "pp=2": dict(pp=2, num_microbatches=2)}
 WORKER = """
 import json, statistics, sys, time
 import torch, torch.distributed as dist
 from transformers import LlamaForCausalLM
 import plait
 dist.init_process_group("gloo")
-model_dir, batch, prompt, new, rounds, out = sys.argv[1], *map(int, sys.argv[2:6]), sys.argv[6]
-pmodel = plait.parallelize(LlamaForCausalLM.from_pretrained(model_dir), plait.ParallelConfig(tp=2, sp=False))
+model_dir, batch, prompt, new, rounds, out, layout = sys.argv[1], *map(int, sys.argv[2:6]), *sys.argv[6:8]
+pmodel = plait.parallelize(LlamaForCausalLM.from_pretrained(model_dir), plait.ParallelConfig(**json.loads(layout)))
 ids = torch.randint(0, 32000, (batch, prompt), generator=torch.Generator().manual_seed(0))
 times = []
 for _ in range(rounds + 1):
@@ -91,12 +95,13 @@ def main() -> None:
                     eos_token_id=None, pad_token_id=0),
                 "ParallelModel.generate, tp=1": lambda: pmodel.generate(ids, mask, max_new_tokens=new)}
         results = alternating(ways, args.rounds)
-        script, out = Path(tmp) / "worker.py", Path(tmp) / "tp2.json"
+        script, out = Path(tmp) / "worker.py", Path(tmp) / "world.json"
         script.write_text(WORKER)
         os.environ["OMP_NUM_THREADS"] = "1"
-        launch([str(script), tmp, str(args.batch), str(args.prompt), str(new), str(args.rounds), str(out)], 2,
-               timeout=1800)
-        results["ParallelModel.generate, tp=2 (2 processes)"] = json.loads(out.read_text())
+        for name, layout in LAYOUTS.items():
+            launch([str(script), tmp, str(args.batch), str(args.prompt), str(new), str(args.rounds), str(out),
+                    json.dumps(layout)], 2, timeout=1800)
+            results[f"ParallelModel.generate, {name} (2 processes)"] = json.loads(out.read_text())
     tokens = args.batch * new
     base = tokens / statistics.median(results["transformers generate, one process"])
     size = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**SHAPE)).parameters()) / 1e6

@@ -2,8 +2,9 @@
 
 One world of 2 ranks runs every case (tests/workers/generate_worker.py): greedy decoding equals transformers'
 ``generate`` on one process token for token, and sampling (temperature, top-k, top-p, a seed) gives one process's
-tokens, on every rank (tp, dp, ZeRO-1/2/3, ep), with left-padded prompts of different lengths and an EOS that ends
-rows early."""
+tokens, on every rank (tp, dp, ZeRO-1/2/3, ep, pp, cp, LoRA), with left-padded prompts of different lengths and an
+EOS that ends rows early; for Llama also an EOS that every row meets early, where the batch stops as transformers'
+does. A world of 4 adds pp=4 (middle stages), pp=2 x dp=2 and pp=2 x tp=2 with SP."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from plait.testing import launch
-from workers.generate_worker import CASES, EOS, PAD
+from workers.generate_worker import CASES, CASES_4, EOS, LONG, PAD
 
 WORKER = str(Path(__file__).parent / "workers" / "generate_worker.py")
 
@@ -25,8 +26,16 @@ def ranks(tmp_path_factory) -> list[dict]:
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_every_layout_generates_one_process_tokens(ranks, case):
+@pytest.fixture(scope="module")
+def ranks_4(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("generate4")
+    launch([WORKER, str(out)], 4, timeout=240)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+
+
+@pytest.mark.parametrize("case", [*CASES, *CASES_4])
+def test_every_layout_generates_one_process_tokens(request, case):
+    ranks = request.getfixturevalue("ranks_4" if case in CASES_4 else "ranks")
     for rank, results in enumerate(ranks):
         got = results[case]
         assert got["greedy"] == got["one_process"]["greedy"], f"{case} rank {rank}: greedy differs"
@@ -34,7 +43,12 @@ def test_every_layout_generates_one_process_tokens(ranks, case):
         assert got["still_training"], f"{case} rank {rank}: the model was left in eval mode"
     sampled, greedy = ranks[0][case]["sampled"], ranks[0][case]["greedy"]
     assert sampled != greedy  # sampling drew something else than the argmax
-    if "-lora-" not in case:  # the adapters move the tokens off the base's; its EOS path is checked on the base
+    if "all_stop" in ranks[0][case]:  # every row at EOS early: the batch stops where transformers' does
+        for rank, results in enumerate(ranks):
+            stop = results[case]["all_stop"]
+            assert stop["got"] == stop["expected"], f"{case} rank {rank}: early stop differs"
+            assert len(stop["got"][0]) < 9 + LONG, "the batch did not stop early"
+    elif "-lora-" not in case:  # some rows at EOS (LoRA's EOS path is checked on its base)
         assert any(EOS in row[9:] and row[-1] == PAD for row in sampled + greedy), "no row ended at EOS"
 
 

@@ -9,12 +9,12 @@ them; nothing is patched into it afterwards.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from plait.base import comm
@@ -25,7 +25,8 @@ from plait.cp.attention import whole_sequences
 from plait.cp.context import ContextParallel
 from plait.cp.sequence import check_length
 from plait.ep.apply import AppliedEP
-from plait.generation.decode import check_layout, decode
+from plait.generation.decode import StageCache, check_layout, decode
+from plait.generation.pipelined import StageLink, decode_pipelined
 from plait.layout_plan import LayoutPlan
 from plait.parallel.compile import compile_leaf_modules
 from plait.parallel.float8 import check_float8_tokens
@@ -300,15 +301,21 @@ class ParallelModel(nn.Module):
         last = {"logits_to_keep": 1} if "logits_to_keep" in arguments else {}
         cache_name = "cache" if "cache" in arguments else "past_key_values"
 
-        def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+        cache = StageCache()
+
+        def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             out = self._model(ids, mask, positions, use_cache=True, **{cache_name: cache}, **last)
             return self.gather_logits(out.logits[:, -1])
 
-        if self.pipeline is not None:
-            forward = self._stage_forward({"use_cache": True, **last}, cache_name)
+        def all_done(mine: bool, groups: tuple = (comm.world_group(),)) -> bool:
+            left = torch.tensor([0 if mine else 1])
+            for group in groups:
+                comm.all_reduce(left, group)
+            return left.item() == 0
 
-        def all_done(mine: bool) -> bool:
-            return comm.all_reduce(torch.tensor([0 if mine else 1]), comm.world_group()).item() == 0
+        settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                        width=self.mesh.tp if self.config.sequence_parallel else 1)
 
         training = self.module.training
         self.module.eval()  # no dropout; the model's own mode given back after
@@ -316,46 +323,39 @@ class ParallelModel(nn.Module):
         whole = contextlib.nullcontext() if self.cp is None else whole_sequences(self.module, self.cp.implementation)
         try:
             with torch.no_grad(), whole:
-                ids = decode(forward, input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
-                             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                             seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id, all_done=all_done,
-                             width=self.mesh.tp if self.config.sequence_parallel else 1,
-                             first_layer=self.pipeline.chunks[0].first_layer if self.pipeline is not None else 0)
+                if self.pipeline is None:
+                    ids = decode(forward, input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
+                                 all_done=all_done, **settings)
+                else:  # the last stages of the replicas agree when every row is done
+                    done = functools.partial(all_done, groups=(self.mesh.dp_group, self.mesh.cp_group))
+                    ids = self._decode_stages(input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
+                                              {"use_cache": True, **last}, cache_name, all_done=done, **settings)
         finally:
             self.module.train(training)
         return comm.all_gather(ids, self.mesh.dp_group, dim=0)
 
-    def _stage_forward(self, extra: dict[str, Any], cache_name: str) -> Any:
-        """Decoding's forward under pipeline parallelism (one stage a rank): each stage runs its layers on the step's
-        tokens with its own KV cache and hands its hidden states to the next (a broadcast over the pp group, stage
-        by stage); the last stage's full-vocabulary logits are broadcast back, so every rank picks the same token."""
-        chunk, group = self.pipeline.chunks[0], self.mesh.pp_group
-        source = lambda stage: dist.get_global_rank(group, stage)  # noqa: E731
+    def _decode_stages(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: slice, total: int,
+                       extra: dict[str, Any], cache_name: str, **settings: Any) -> torch.Tensor:
+        """Decoding under pipeline parallelism (one stage a rank; plait.generation.pipelined): the replica's rows in
+        as many micro-batches as stages (where it has rows enough), each with its own KV cache on this stage."""
+        chunk = self.pipeline.chunks[0]
+        micro = min(len(input_ids), self.mesh.pp)
+        caches = [StageCache(chunk.first_layer) for _ in range(micro)]
         dtype = next(self.module.parameters()).dtype  # what a decoder layer hands on
         hidden = self.module.config.get_text_config().hidden_size
 
-        def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
-            x, step = ids, {**extra, cache_name: cache}
-            for stage in range(self.mesh.pp - 1):
-                if stage == chunk.stage:
-                    sent = chunk.decode_step(x, mask, positions, ids, **step)
-                    sent = (sent[0] if isinstance(sent, tuple) else sent).contiguous()
-                else:
-                    sent = ids.new_empty((ids.shape[0], ids.shape[1] // chunk.seq_shards, hidden), dtype=dtype)
-                dist.broadcast(sent, source(stage), group=group)
-                x = sent if stage == chunk.stage - 1 else x
-            size = torch.zeros(1, dtype=torch.long)
-            if chunk.is_last:
-                out = chunk.decode_step(x, mask, positions, ids, **step)
-                logits = self.gather_logits((out[0] if isinstance(out, tuple) else out)[:, -1]).float()
-                size[0] = logits.shape[-1]
-            dist.broadcast(size, source(self.mesh.pp - 1), group=group)
-            if not chunk.is_last:
-                logits = ids.new_empty((ids.shape[0], int(size)), dtype=torch.float32)
-            dist.broadcast(logits, source(self.mesh.pp - 1), group=group)
-            return logits
+        def run(m: int, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor,
+                ) -> torch.Tensor:
+            out = chunk.decode_step(x, mask, positions, ids, **extra, **{cache_name: caches[m]})
+            out = out[0] if isinstance(out, tuple) else out
+            return self.gather_logits(out[:, -1]).float() if chunk.is_last else out.contiguous()
 
-        return forward
+        def receive_buffer(ids: torch.Tensor) -> torch.Tensor:
+            return ids.new_empty((ids.shape[0], ids.shape[1] // chunk.seq_shards, hidden), dtype=dtype)
+
+        link = StageLink(chunk.stage, self.mesh.pp, self.mesh.pp_group)
+        return decode_pipelined(run, receive_buffer, link, input_ids, attention_mask, rows, total, micro,
+                                **settings)
 
     def _check_sequence(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, microbatches: int = 1,

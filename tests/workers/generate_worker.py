@@ -24,8 +24,10 @@ from plait.checkpoint.lora_export import gather_lora  # noqa: E402
 from plait.generation.decode import decode  # noqa: E402
 from plait.lora.config import lora_config  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 NEW, EOS, PAD = 12, 7, 0
+LONG = 30  # new tokens at most where every row stops early
 SAMPLING = dict(temperature=0.8, top_k=20, top_p=0.9, seed=5)
 # name -> (arch, ParallelConfig kwargs)
 CASES = {
@@ -47,6 +49,13 @@ CASES = {
     "llama-lora-tp2-sp": ("llama", dict(tp=2)),
     "llama-lora-zero3-dp2": ("llama", dict(zero_stage=3)),
 }
+# a world of 4: a middle stage (receives hidden states, sends them on, gets the tokens from the last), two replicas
+# whose last stages agree when every row is done, stages of two tp ranks with SP
+CASES_4 = {
+    "llama4-pp4": ("llama4", dict(pp=4, num_microbatches=4)),
+    "llama-pp2-dp2": ("llama", dict(pp=2, num_microbatches=2)),
+    "llama-pp2-tp2-sp": ("llama", dict(pp=2, tp=2, num_microbatches=2)),
+}
 
 
 def prompts(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +75,9 @@ def one_process(reference, ids, mask) -> dict[str, list]:
         greedy = reference.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
                                     eos_token_id=EOS, pad_token_id=PAD)
 
-        def forward(step_ids, step_mask, positions, cache):
+        cache = DynamicCache()
+
+        def forward(step_ids, step_mask, positions):
             out = reference(input_ids=step_ids, attention_mask=step_mask, position_ids=positions,
                             past_key_values=cache, use_cache=True)
             return out.logits[:, -1]
@@ -78,6 +89,8 @@ def one_process(reference, ids, mask) -> dict[str, list]:
 
 def model(arch: str) -> torch.nn.Module:
     """tests/tiny_models' model, or the generic adapter's tiny config of ``arch`` (a MoE: mixtral)."""
+    if arch == "llama4":  # a layer a stage at pp=4 (seed 1: its free greedy rows share a token by the 11th)
+        return tiny_model("llama", seed=1, num_hidden_layers=4)
     if arch != "mixtral":
         return tiny_model(arch, seed=0)
     from plait_transformers import plait_tiny_config
@@ -88,7 +101,7 @@ def model(arch: str) -> torch.nn.Module:
 
 
 def run_case(name: str) -> dict:
-    arch, layout = CASES[name]
+    arch, layout = {**CASES, **CASES_4}[name]
     reference = model(arch)
     ids, mask = prompts(reference.config.vocab_size)
     if "-lora-" in name:
@@ -105,8 +118,24 @@ def run_case(name: str) -> dict:
     pmodel.train()  # generation evaluates (no dropout) and gives the mode back
     greedy = pmodel.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
     sampled = pmodel.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD, **SAMPLING)
-    return {"one_process": one_process(reference, ids, mask), "greedy": greedy.tolist(),
-            "sampled": sampled.tolist(), "still_training": pmodel.module.training}
+    found = {"one_process": one_process(reference, ids, mask), "greedy": greedy.tolist(),
+             "sampled": sampled.tolist(), "still_training": pmodel.module.training}
+    if arch.startswith("llama") and "-lora-" not in name:
+        found["all_stop"] = all_stop(reference, pmodel, ids, mask)
+    return found
+
+
+def all_stop(reference, pmodel, ids, mask) -> dict:
+    """Greedy decoding with an EOS every row meets before ``LONG`` tokens (a token of every row's free greedy
+    completion, the earliest to be in all of them): transformers' tokens and the layout's, both stopping early."""
+    with torch.no_grad():
+        free = reference.generate(ids, attention_mask=mask, max_new_tokens=LONG, do_sample=False, eos_token_id=None,
+                                  pad_token_id=PAD)[:, ids.shape[1]:].tolist()
+        eos = min(set(free[0]).intersection(*map(set, free[1:])), key=lambda t: max(r.index(t) for r in free))
+        expected = reference.generate(ids, attention_mask=mask, max_new_tokens=LONG, do_sample=False,
+                                      eos_token_id=eos, pad_token_id=PAD)
+    got = pmodel.generate(ids, mask, max_new_tokens=LONG, eos_token_id=eos, pad_token_id=PAD)
+    return {"expected": expected.tolist(), "got": got.tolist()}
 
 
 def refusals() -> dict[str, str]:
@@ -127,8 +156,11 @@ def refusals() -> dict[str, str]:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    results = {name: run_case(name) for name in CASES}
-    results["refusals"] = refusals()
+    if dist.get_world_size() == 4:
+        results = {name: run_case(name) for name in CASES_4}
+    else:
+        results = {name: run_case(name) for name in CASES}
+        results["refusals"] = refusals()
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 

@@ -17,7 +17,7 @@ every row of the global batch has met EOS, or after ``max_new_tokens``.
 Held to one process (tests/test_generate.py): tp with and without sequence parallelism (under it every forward's
 tokens are a multiple of tp: masked pads, ``decode``'s ``width``), data parallelism, ZeRO-1/2/3, expert parallelism
 (each replica's rows dispatched to the experts' ranks in every forward), pipeline parallelism with a stage a rank
-(each stage's own KV cache: ``StageCache``; ``ParallelModel`` hands each step's hidden states on), context
+(``plait.generation.pipelined``: micro-batches through the stages, each stage's own KV caches: ``StageCache``), context
 parallelism (each cp rank decodes its replica's rows whole, with the model's own attention: the cache is not split),
 LoRA. Refused by name, before any collective: more than one pipeline stage a rank.
 """
@@ -71,22 +71,20 @@ def decode(
     forward: Callable[..., torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: slice,
     total_rows: int, *, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
     eos_token_id: int | None, pad_token_id: int, all_done: Callable[[bool], bool], width: int = 1,
-    first_layer: int = 0,
 ) -> torch.Tensor:
-    """The decoding loop over ``rows`` of a global batch of ``total_rows``: ``forward(ids, mask, positions, cache)``
-    gives the last position's full-vocabulary logits; ``all_done(mine)`` whether every rank's rows are done.
+    """The decoding loop over ``rows`` of a global batch of ``total_rows``: ``forward(ids, mask, positions)`` (which
+    holds the KV cache) gives the last position's full-vocabulary logits; ``all_done(mine)`` whether every rank's
+    rows are done.
 
     ``width``: every forward's sequence a multiple of it (sequence parallelism splits a forward's tokens over its
     tp ranks). The prompts get that many more left pads, and each new token comes after ``width - 1`` masked pads:
     pads are keys no query sees (their mask is 0) and their outputs are dropped, so the tokens are the same as
-    at width 1; the cache holds ``width`` entries per new token. ``first_layer``: the first decoder layer whose keys
-    and values this rank holds (a pipeline stage's), which the cache's length is read from."""
+    at width 1; the cache holds ``width`` entries per new token."""
     generator = torch.Generator().manual_seed(seed)
-    cache = StageCache(first_layer)
     extra = -input_ids.shape[1] % width
     step_ids, mask = F.pad(input_ids, (extra, 0), value=pad_token_id), F.pad(attention_mask, (extra, 0))
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = forward(step_ids, mask, positions, cache)
+    logits = forward(step_ids, mask, positions)
     ids = input_ids
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     for step in range(max_new_tokens):
@@ -102,7 +100,7 @@ def decode(
         step_ids = F.pad(token[:, None], (width - 1, 0), value=pad_token_id)
         mask = torch.cat([mask, F.pad(torch.ones_like(mask[:, :1]), (width - 1, 0))], dim=1)
         positions = (positions[:, -1:] + 1).expand(-1, width)
-        logits = forward(step_ids, mask, positions, cache)
+        logits = forward(step_ids, mask, positions)
     return ids
 
 

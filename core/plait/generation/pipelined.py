@@ -1,0 +1,150 @@
+"""Decoding under pipeline parallelism with the pipeline full: the prompts cut into micro-batches that follow one
+another through the stages, step after step.
+
+A stage holds some of the decoder layers, so a token's forward visits every stage in turn; decoding the whole batch
+at once would keep one stage busy and the others waiting. Here each replica's rows are cut into ``micro``
+micro-batches (as many as stages, where there are rows enough), each with its own KV cache on every stage, and every
+stage runs them in the same order: step 0 of micro-batches 0, 1, ..., then step 1 of each, and so on. Stage s sends
+each micro-batch's hidden states to stage s + 1 (point to point, without waiting for delivery); the last stage picks
+the micro-batch's token and sends it back to every other stage, where it is the input of that micro-batch's next step
+(the first stage's, and the ids later stages read). With as many micro-batches as stages, a micro-batch's token is
+back at the first stage when its turn comes again, so in the steady state every stage works at once: each forward
+costs a stage 1/micro of the batch's work, which pays wherever the work grows with the rows (the prompts' forward,
+larger batches) and costs nothing where it does not (a small batch's decoding reads each stage's weights per forward
+either way).
+
+Every rank runs the same forwards (tp, ep and ZeRO-3's collectives run inside them): whether a step runs is decided
+on the last stage and travels with the tokens. Its decision for step t + 1 is sent with step t's first token, before
+step t is complete, so it rests on step t - 1: every row of every replica done then (an all-reduce over the last
+stages' dp and cp groups), or ``max_new_tokens`` reached. A batch that finishes at step t so runs one step more,
+whose tokens are dropped: the result is ``decode``'s. Sampling is ``decode``'s too: the last stage draws each step's
+noise for the whole global batch from the seed and gives each micro-batch its rows' part, so the tokens are one
+process's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from plait.generation.decode import gumbel, pick
+
+
+@dataclass(frozen=True)
+class StageLink:
+    """This rank's stage of ``stages`` and the pipeline group its neighbours are found in."""
+
+    stage: int
+    stages: int
+    group: dist.ProcessGroup
+
+    def peer(self, stage: int) -> int:
+        """The global rank of ``stage`` in this rank's pipeline."""
+        return dist.get_global_rank(self.group, stage)
+
+    @property
+    def last(self) -> int:
+        return self.stages - 1
+
+
+@dataclass
+class _Part:
+    """One micro-batch's state on a stage: the step's ids, the mask and positions so far, its tokens, its done rows."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    noise_rows: slice
+    tokens: list[torch.Tensor]
+    done: torch.Tensor
+
+
+def decode_pipelined(
+    run: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    receive_buffer: Callable[[torch.Tensor], torch.Tensor], link: StageLink, input_ids: torch.Tensor,
+    attention_mask: torch.Tensor, rows: slice, total_rows: int, micro: int, *, max_new_tokens: int,
+    temperature: float, top_k: int, top_p: float, seed: int, eos_token_id: int | None, pad_token_id: int,
+    all_done: Callable[[bool], bool], width: int = 1,
+) -> torch.Tensor:
+    """``decode`` on one pipeline stage: ``run(m, x, mask, positions, ids)`` is this stage's forward of micro-batch
+    ``m`` (its own KV cache): the hidden states to send on, or on the last stage the last position's full-vocabulary
+    logits; ``receive_buffer(ids)`` an empty tensor for the hidden states of a step's ``ids``; ``all_done(mine)``
+    (called on the last stage only) whether every replica's rows are done. Returns [rows, prompt + new] on every
+    stage."""
+    extra = -input_ids.shape[1] % width
+    ids, mask = F.pad(input_ids, (extra, 0), value=pad_token_id), F.pad(attention_mask, (extra, 0))
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    start, parts = rows.start, []
+    for i, k, p in zip(*(t.tensor_split(micro) for t in (ids, mask, positions))):
+        parts.append(_Part(i, k, p, slice(start, start + len(i)), [], torch.zeros(len(i), dtype=torch.bool)))
+        start += len(i)
+    generator = torch.Generator().manual_seed(seed)
+    last = link.stage == link.last
+    steps, finished, stopping, go_next = 0, None, False, True
+    for step in range(max_new_tokens):
+        noise, sent = None, []
+        for m, part in enumerate(parts):
+            if step > 0 and not _next_input(part, link, last, pad_token_id, width):
+                return _result(input_ids, parts, link, finished or steps)  # the last stage said step stops
+            x = part.ids if link.stage == 0 else receive_buffer(part.ids)
+            if link.stage > 0:
+                dist.recv(x, link.peer(link.stage - 1), group=link.group)
+            out = run(m, x, part.mask, part.positions, part.ids)
+            if not last:  # on to the next stage while this one runs the next micro-batch
+                sent.append((dist.isend(out, link.peer(link.stage + 1), group=link.group), out))
+                continue
+            if temperature > 0 and noise is None:  # the step's noise for the whole global batch, as decode's
+                noise = gumbel(generator, total_rows, out.shape[-1])
+            token = pick(out.float(), None if noise is None else noise[part.noise_rows], temperature, top_k, top_p)
+            token = token.masked_fill(part.done, pad_token_id)
+            part.tokens.append(token)
+            if eos_token_id is not None:
+                part.done |= token == eos_token_id
+            if m == 0:  # whether step + 1 runs, on what is known now: every replica's rows at step - 1
+                go_next = step + 1 < max_new_tokens and not stopping
+            if step + 1 < max_new_tokens and (go_next or m == 0):  # the token, and the word to go on or stop
+                message = torch.cat([token, torch.tensor([int(go_next)])])
+                sent += [(dist.isend(message, link.peer(s), group=link.group), message) for s in range(link.last)]
+        for work, _ in sent:
+            work.wait()
+        steps = step + 1
+        if last:
+            stopping = all_done(all(bool(p.done.all()) for p in parts))
+            if stopping and finished is None:
+                finished = steps
+            if not go_next:
+                break
+    return _result(input_ids, parts, link, finished or steps)
+
+
+def _next_input(part: _Part, link: StageLink, last: bool, pad_token_id: int, width: int) -> bool:
+    """Make the micro-batch's previous token its next input (from the last stage, unless this is it); False where
+    the last stage said the step does not run."""
+    token = part.tokens[-1] if last else None
+    if not last:
+        message = part.ids.new_empty(len(part.ids) + 1)
+        dist.recv(message, link.peer(link.last), group=link.group)
+        if not message[-1]:
+            return False
+        token = message[:-1]
+        part.tokens.append(token)
+    part.ids = F.pad(token[:, None], (width - 1, 0), value=pad_token_id)
+    part.mask = torch.cat([part.mask, F.pad(torch.ones_like(part.mask[:, :1]), (width - 1, 0))], dim=1)
+    part.positions = (part.positions[:, -1:] + 1).expand(-1, width)
+    return True
+
+
+def _result(input_ids: torch.Tensor, parts: list[_Part], link: StageLink, steps: int) -> torch.Tensor:
+    """The prompts with the last stage's new tokens (its first ``steps``: the other stages may not know where the
+    batch finished), on every stage."""
+    count = torch.tensor([steps])
+    dist.broadcast(count, link.peer(link.last), group=link.group)
+    new = input_ids.new_empty((len(input_ids), int(count)))
+    if link.stage == link.last:
+        new = torch.cat([torch.stack(p.tokens[:steps], dim=1) for p in parts])
+    dist.broadcast(new, link.peer(link.last), group=link.group)
+    return torch.cat([input_ids, new], dim=1)
