@@ -225,6 +225,8 @@ def test_a_bad_reward_function_is_one_line(files, tmp_path, body, message):
 # tokens in every layout), their rewards, the loss and the step-1 gradients. Global batch 6 completions (3 prompts).
 LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "dp2": dict(per_device_train_batch_size=3),
            "dp2_accumulation": dict(per_device_train_batch_size=1, gradient_accumulation_steps=3),
+           "zero1_dp2": dict(per_device_train_batch_size=3, zero_stage=1),
+           "zero2_dp2": dict(per_device_train_batch_size=3, zero_stage=2),
            "zero3_dp2": dict(per_device_train_batch_size=3, zero_stage=3),
            "tp2_lora": dict(tensor_parallel_size=2, lora_r=4), "ep2": dict(expert_parallel_size=2,
                                                                           per_device_train_batch_size=3),
