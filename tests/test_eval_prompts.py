@@ -61,9 +61,6 @@ def test_samples_are_one_process_completions_from_the_steps_weights(run):
 
 @pytest.mark.parametrize("flags, message", [
     (dict(eval_prompts="missing.jsonl"), r"^--eval_prompts missing.jsonl: no such file$"),
-    (dict(eval_prompts="PROMPTS", pipeline_parallel_size=2, virtual_pipeline_size=2),
-     r"^--eval_prompts generates from the training layout's shards, and generation with --virtual_pipeline_size 2 "
-     r"is not served yet; drop --eval_prompts \(or sample from a saved checkpoint with plait generate\)$"),
     (dict(eval_prompts="PROMPTS", eval_max_new_tokens=0), r"^--eval_max_new_tokens=0 must be positive$"),
     (dict(eval_max_new_tokens=8), r"^--eval_max_new_tokens=8 has no effect without --eval_prompts; drop it, or give "
                                   r"--eval_prompts FILE.jsonl$"),

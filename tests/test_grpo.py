@@ -51,6 +51,11 @@ def files(tmp_path_factory):
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "target": t}) + "\n"
                                                 for p, t in zip(PROMPTS, targets)))
     (root / "rewards.py").write_text(REWARDS)
+    torch.manual_seed(0)  # four layers: two stages on each of two pipeline ranks
+    LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=128)).save_pretrained(root / "deep")
+    save_chat_tokenizer([TEXT] * 20, 300, root / "deep")
     from plait_transformers import plait_tiny_config
     from transformers import AutoModelForCausalLM
 
@@ -180,9 +185,6 @@ def test_a_run_on_tp2_with_sp_logs_trls_metrics(files):
     (dict(reward_funcs="json:nothing", reward_weights=None),
      r"^--reward_funcs 'json:nothing': json has no function 'nothing'$"),
     (dict(reward_weights="1"), r"^--reward_weights has 1 weights for 2 --reward_funcs; give one per function$"),
-    (dict(pipeline_parallel_size=2, virtual_pipeline_size=2),
-     r"^--method grpo generates its rollouts from the policy's shards, and generation with --virtual_pipeline_size 2 "
-     r"is not served yet; use 1$"),
     (dict(packing=True, data_format="chat"), r"^--packing, --data_format chat have no effect with --method grpo \(its "
                                              r"prompts are TRL's prompt-only rows, read as they are\); drop them$"),
     (dict(num_iterations=3, max_steps=10, save_steps=6), r"^--max_steps 10 with --num_iterations 3: checkpoints land "
@@ -236,6 +238,9 @@ LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "dp2": dict(per_device_train_
            # the rollouts decoded stage by stage, the loss on the last stage, rows padded to --block_size
            "pp2": dict(pipeline_parallel_size=2, num_microbatches=2),
            "pp2_mu2": dict(pipeline_parallel_size=2, num_microbatches=2, num_iterations=2),
+           # two stages a rank (the interleaved schedule), rollouts through them too
+           "pp2_vpp2": dict(pipeline_parallel_size=2, virtual_pipeline_size=2, num_microbatches=2,
+                            pipeline_schedule="interleaved-1f1b"),
            # each cp rank its slice of every row's tokens: weights, old and reference log-probs cut alike; left-padded
            # rows through both strategies (a pad's query attends to nothing)
            "cp2": dict(context_parallel_size=2, cp_attention="all-to-all"),
@@ -253,7 +258,7 @@ def one_process(files, tmp_path_factory):
 
     runs = {}
     for name, extra in (("full", {}), ("lora", dict(lora_r=4)), ("moe", dict(model_name_or_path=str(files / "moe"))),
-                        ("mu2", dict(num_iterations=2))):
+                        ("mu2", dict(num_iterations=2)), ("deep", dict(model_name_or_path=str(files / "deep")))):
         trainer = Trainer(grpo_args(files, output_dir=str(tmp_path_factory.mktemp(name)), **RUN, **extra))
         kept = capture_gradients(trainer)
         runs[name] = (trainer.train(), whole([kept]))
@@ -268,6 +273,7 @@ def layouts(files, tmp_path_factory):
     cases = {name: {**grpo_args(files, output_dir=str(out / name), **RUN, **layout).__dict__}
              for name, layout in LAYOUTS.items()}
     cases["ep2"]["model_name_or_path"] = str(files / "moe")
+    cases["pp2_vpp2"]["model_name_or_path"] = str(files / "deep")
     (out / "flags.json").write_text(json.dumps(cases))
     worker = str(Path(__file__).parent / "workers" / "trainers.py")
     launch([worker, str(out / "runs.json"), str(out / "flags.json")], 2, timeout=300)
@@ -278,7 +284,7 @@ def layouts(files, tmp_path_factory):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layout_gives_one_process_rollouts_losses_and_gradients(one_process, layouts, layout):
     history, grads = one_process["lora" if "lora" in layout else "moe" if layout == "ep2" else
-                                 "mu2" if layout.endswith("mu2") else "full"]
+                                 "mu2" if layout.endswith("mu2") else "deep" if layout == "pp2_vpp2" else "full"]
     assert all(r["grad_norm"] > 1e-3 and r["reward_std"] > 0 for r in history)  # the groups' rewards differ: a signal
     records, got_grads = layouts[layout]
     for rank, record in enumerate(records):

@@ -25,7 +25,7 @@ from plait.cp.attention import whole_sequences
 from plait.cp.context import ContextParallel
 from plait.cp.sequence import check_length
 from plait.ep.apply import AppliedEP
-from plait.generation.decode import StageCache, check_layout, decode
+from plait.generation.decode import StageCache, check_batch, decode
 from plait.generation.pipelined import StageLink, decode_pipelined
 from plait.layout_plan import LayoutPlan
 from plait.parallel.compile import compile_leaf_modules
@@ -288,7 +288,7 @@ class ParallelModel(nn.Module):
         returns [batch, length + new] on every rank, padded with ``pad_token_id`` after a row's EOS. Temperature 0
         is greedy (transformers' ``generate`` on one process, token for token); sampling (``top_k``, ``top_p``) from
         ``seed`` gives the same tokens in every layout. Every rank calls it (a collective)."""
-        check_layout(self.config, self.mesh, input_ids.shape[0])
+        check_batch(self.mesh, input_ids.shape[0])
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         per = input_ids.shape[0] // self.mesh.dp
@@ -336,24 +336,26 @@ class ParallelModel(nn.Module):
 
     def _decode_stages(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: slice, total: int,
                        extra: dict[str, Any], cache_name: str, **settings: Any) -> torch.Tensor:
-        """Decoding under pipeline parallelism (one stage a rank; plait.generation.pipelined): the replica's rows in
-        as many micro-batches as stages (where it has rows enough), each with its own KV cache on this stage."""
-        chunk = self.pipeline.chunks[0]
+        """Decoding under pipeline parallelism (plait.generation.pipelined): the replica's rows in as many
+        micro-batches as pipeline ranks (where it has rows enough), each with its own KV cache on each of this rank's
+        stages."""
+        chunks = self.pipeline.chunks
         micro = min(len(input_ids), self.mesh.pp)
-        caches = [StageCache(chunk.first_layer) for _ in range(micro)]
+        caches = [[StageCache(chunk.first_layer) for _ in range(micro)] for chunk in chunks]
         dtype = next(self.module.parameters()).dtype  # what a decoder layer hands on
         hidden = self.module.config.get_text_config().hidden_size
 
-        def run(m: int, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor,
+        def run(v: int, m: int, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor,
                 ) -> torch.Tensor:
-            out = chunk.decode_step(x, mask, positions, ids, **extra, **{cache_name: caches[m]})
+            out = chunks[v].decode_step(x, mask, positions, ids, **extra, **{cache_name: caches[v][m]})
             out = out[0] if isinstance(out, tuple) else out
-            return self.gather_logits(out[:, -1]).float() if chunk.is_last else out.contiguous()
+            return self.gather_logits(out[:, -1]).float() if chunks[v].is_last else out.contiguous()
 
-        def receive_buffer(ids: torch.Tensor) -> torch.Tensor:
-            return ids.new_empty((ids.shape[0], ids.shape[1] // chunk.seq_shards, hidden), dtype=dtype)
+        def receive_buffer(v: int, ids: torch.Tensor) -> torch.Tensor:
+            return ids.new_empty((ids.shape[0], ids.shape[1] // chunks[v].seq_shards, hidden), dtype=dtype)
 
-        link = StageLink(chunk.stage, self.mesh.pp, self.mesh.pp_group)
+        link = StageLink(tuple(chunk.stage for chunk in chunks), self.mesh.pp * self.config.virtual_pipeline_size,
+                         self.mesh.pp, self.mesh.pp_group)
         return decode_pipelined(run, receive_buffer, link, input_ids, attention_mask, rows, total, micro,
                                 **settings)
 

@@ -19,7 +19,7 @@ tokens are a multiple of tp: masked pads, ``decode``'s ``width``), data parallel
 (each replica's rows dispatched to the experts' ranks in every forward), pipeline parallelism with a stage a rank
 (``plait.generation.pipelined``: micro-batches through the stages, each stage's own KV caches: ``StageCache``), context
 parallelism (each cp rank decodes its replica's rows whole, with the model's own attention: the cache is not split),
-LoRA. Refused by name, before any collective: more than one pipeline stage a rank.
+LoRA, several pipeline stages a rank (the interleaved schedules' placement).
 """
 
 from __future__ import annotations
@@ -30,15 +30,12 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from plait.base.config import ConfigError, ParallelConfig
+from plait.base.config import ConfigError
 from plait.base.mesh import Mesh
 
 
-def check_layout(config: ParallelConfig, mesh: Mesh, batch: int) -> None:
-    """One line for a layout or batch generation does not serve yet; nothing has run."""
-    if config.pp > 1 and config.virtual_pipeline_size > 1:
-        raise ConfigError(f"generation with pp={config.pp} and {config.virtual_pipeline_size} stages a rank is not "
-                          f"served yet; use --virtual_pipeline_size 1")
+def check_batch(mesh: Mesh, batch: int) -> None:
+    """One line for a batch the replicas cannot share; nothing has run."""
     if batch % mesh.dp:
         raise ConfigError(f"generation of a batch of {batch} prompts over dp={mesh.dp} replicas: the batch must be a "
                           f"multiple of dp")

@@ -34,17 +34,22 @@ import torch.nn.functional as F
 from plait.generation.decode import gumbel, pick
 
 
+HIDDEN, TOKENS = 1, 2  # the tags of the two kinds of message (two may travel between the same ranks)
+
+
 @dataclass(frozen=True)
 class StageLink:
-    """This rank's stage of ``stages`` and the pipeline group its neighbours are found in."""
+    """This rank's stages (ascending) of ``stages``, placed looped over the ``pp`` ranks of ``group`` (stage s on
+    pipeline rank s % pp, as the training schedules place them)."""
 
-    stage: int
+    mine: tuple[int, ...]
     stages: int
+    pp: int
     group: dist.ProcessGroup
 
     def peer(self, stage: int) -> int:
-        """The global rank of ``stage`` in this rank's pipeline."""
-        return dist.get_global_rank(self.group, stage)
+        """The global rank holding ``stage`` in this rank's pipeline."""
+        return dist.get_global_rank(self.group, stage % self.pp)
 
     @property
     def last(self) -> int:
@@ -64,17 +69,18 @@ class _Part:
 
 
 def decode_pipelined(
-    run: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    receive_buffer: Callable[[torch.Tensor], torch.Tensor], link: StageLink, input_ids: torch.Tensor,
+    run: Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    receive_buffer: Callable[[int, torch.Tensor], torch.Tensor], link: StageLink, input_ids: torch.Tensor,
     attention_mask: torch.Tensor, rows: slice, total_rows: int, micro: int, *, max_new_tokens: int,
     temperature: float, top_k: int, top_p: float, seed: int, eos_token_id: int | None, pad_token_id: int,
     all_done: Callable[[bool], bool], width: int = 1,
 ) -> torch.Tensor:
-    """``decode`` on one pipeline stage: ``run(m, x, mask, positions, ids)`` is this stage's forward of micro-batch
-    ``m`` (its own KV cache): the hidden states to send on, or on the last stage the last position's full-vocabulary
-    logits; ``receive_buffer(ids)`` an empty tensor for the hidden states of a step's ``ids``; ``all_done(mine)``
-    (called on the last stage only) whether every replica's rows are done. Returns [rows, prompt + new] on every
-    stage."""
+    """``decode`` on one rank of a pipeline: ``run(v, m, x, mask, positions, ids)`` is the forward of this rank's
+    ``v``-th stage on micro-batch ``m`` (their own KV cache): the hidden states to send on, or on the last stage the
+    last position's full-vocabulary logits; ``receive_buffer(v, ids)`` an empty tensor for the hidden states the
+    ``v``-th stage gets for a step's ``ids``; ``all_done(mine)`` (called where the last stage is only) whether every
+    replica's rows are done. A rank of several stages runs its first stage on every micro-batch, then its second,
+    and so on. Returns [rows, prompt + new] on every rank."""
     extra = -input_ids.shape[1] % width
     ids, mask = F.pad(input_ids, (extra, 0), value=pad_token_id), F.pad(attention_mask, (extra, 0))
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -83,32 +89,35 @@ def decode_pipelined(
         parts.append(_Part(i, k, p, slice(start, start + len(i)), [], torch.zeros(len(i), dtype=torch.bool)))
         start += len(i)
     generator = torch.Generator().manual_seed(seed)
-    last = link.stage == link.last
+    last = link.last in link.mine
+    others = [r for r in range(link.pp) if r != link.last % link.pp]  # the ranks the tokens go to
     steps, finished, stopping, go_next = 0, None, False, True
     for step in range(max_new_tokens):
         noise, sent = None, []
-        for m, part in enumerate(parts):
-            if step > 0 and not _next_input(part, link, last, pad_token_id, width):
-                return _result(input_ids, parts, link, finished or steps)  # the last stage said step stops
-            x = part.ids if link.stage == 0 else receive_buffer(part.ids)
-            if link.stage > 0:
-                dist.recv(x, link.peer(link.stage - 1), group=link.group)
-            out = run(m, x, part.mask, part.positions, part.ids)
-            if not last:  # on to the next stage while this one runs the next micro-batch
-                sent.append((dist.isend(out, link.peer(link.stage + 1), group=link.group), out))
-                continue
-            if temperature > 0 and noise is None:  # the step's noise for the whole global batch, as decode's
-                noise = gumbel(generator, total_rows, out.shape[-1])
-            token = pick(out.float(), None if noise is None else noise[part.noise_rows], temperature, top_k, top_p)
-            token = token.masked_fill(part.done, pad_token_id)
-            part.tokens.append(token)
-            if eos_token_id is not None:
-                part.done |= token == eos_token_id
-            if m == 0:  # whether step + 1 runs, on what is known now: every replica's rows at step - 1
-                go_next = step + 1 < max_new_tokens and not stopping
-            if step + 1 < max_new_tokens and (go_next or m == 0):  # the token, and the word to go on or stop
-                message = torch.cat([token, torch.tensor([int(go_next)])])
-                sent += [(dist.isend(message, link.peer(s), group=link.group), message) for s in range(link.last)]
+        for v, stage in enumerate(link.mine):
+            for m, part in enumerate(parts):
+                if v == 0 and step > 0 and not _next_input(part, link, last, pad_token_id, width):
+                    return _result(input_ids, parts, link, finished or steps)  # the last stage said step stops
+                x = part.ids if stage == 0 else receive_buffer(v, part.ids)
+                if stage > 0:
+                    dist.recv(x, link.peer(stage - 1), group=link.group, tag=HIDDEN)
+                out = run(v, m, x, part.mask, part.positions, part.ids)
+                if stage != link.last:  # on to the next stage while this one runs the next micro-batch
+                    sent.append((dist.isend(out, link.peer(stage + 1), group=link.group, tag=HIDDEN), out))
+                    continue
+                if temperature > 0 and noise is None:  # the step's noise for the whole global batch, as decode's
+                    noise = gumbel(generator, total_rows, out.shape[-1])
+                token = pick(out.float(), None if noise is None else noise[part.noise_rows], temperature, top_k, top_p)
+                token = token.masked_fill(part.done, pad_token_id)
+                part.tokens.append(token)
+                if eos_token_id is not None:
+                    part.done |= token == eos_token_id
+                if m == 0:  # whether step + 1 runs, on what is known now: every replica's rows at step - 1
+                    go_next = step + 1 < max_new_tokens and not stopping
+                if step + 1 < max_new_tokens and (go_next or m == 0):  # the token, and the word to go on or stop
+                    message = torch.cat([token, torch.tensor([int(go_next)])])
+                    sent += [(dist.isend(message, dist.get_global_rank(link.group, r), group=link.group, tag=TOKENS),
+                              message) for r in others]
         for work, _ in sent:
             work.wait()
         steps = step + 1
@@ -127,7 +136,7 @@ def _next_input(part: _Part, link: StageLink, last: bool, pad_token_id: int, wid
     token = part.tokens[-1] if last else None
     if not last:
         message = part.ids.new_empty(len(part.ids) + 1)
-        dist.recv(message, link.peer(link.last), group=link.group)
+        dist.recv(message, link.peer(link.last), group=link.group, tag=TOKENS)
         if not message[-1]:
             return False
         token = message[:-1]
@@ -144,7 +153,7 @@ def _result(input_ids: torch.Tensor, parts: list[_Part], link: StageLink, steps:
     count = torch.tensor([steps])
     dist.broadcast(count, link.peer(link.last), group=link.group)
     new = input_ids.new_empty((len(input_ids), int(count)))
-    if link.stage == link.last:
+    if link.last in link.mine:
         new = torch.cat([torch.stack(p.tokens[:steps], dim=1) for p in parts])
     dist.broadcast(new, link.peer(link.last), group=link.group)
     return torch.cat([input_ids, new], dim=1)

@@ -169,11 +169,6 @@ class TrainArgs(MethodArgs):
                               f"{', '.join(MOE_AUX_LOSS_SCOPES)}")
         if self.eval_prompts is not None:
             read_prompts(Path(self.eval_prompts), "--eval_prompts")
-            unserved = [f"--virtual_pipeline_size {self.virtual_pipeline_size}"] if self.virtual_pipeline_size > 1 else []
-            if unserved:
-                raise ConfigError(f"--eval_prompts generates from the training layout's shards, and generation with "
-                                  f"{' '.join(unserved)} is not served yet; drop --eval_prompts (or sample from a saved "
-                                  f"checkpoint with plait generate)")
         if self.context_parallel_size > 1:
             config = self.parallel_config()
             check_length(self.block_size, config.cp, config.tp, config.sequence_parallel)

@@ -60,9 +60,6 @@ def check_grpo(args: Any) -> None:
     if not 0 < args.max_completion_length < args.block_size:
         raise ConfigError(f"--max_completion_length {args.max_completion_length} must be positive and below "
                           f"--block_size {args.block_size} (a prompt and its completion fit in --block_size)")
-    if args.pipeline_parallel_size > 1 and args.virtual_pipeline_size > 1:
-        raise ConfigError(f"--method grpo generates its rollouts from the policy's shards, and generation with "
-                          f"--virtual_pipeline_size {args.virtual_pipeline_size} is not served yet; use 1")
     reward_funcs(args)
 
 
