@@ -213,7 +213,7 @@ CASES = [
                                                   '4}', "--model_config"),
      "bert is an encoder-only model (its causal-LM head runs only with is_decoder=true in the config)"),
     ("no_causal_lm_class", [], file_with("config.json", '{"model_type": "vit"}', "--model_config"),
-     "transformers has no causal-LM class for 'vit'"),
+     "transformers has no causal-LM or image-text-to-text class for 'vit'"),
     ("vpp_without_pp", ["--virtual_pipeline_size", "3"], None,
      "--virtual_pipeline_size=3 has no effect without pipeline parallelism (--pipeline_parallel_size 1); drop it"),
     ("cp_attention_without_cp", ["--cp_attention", "ring"], None,

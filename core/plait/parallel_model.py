@@ -12,7 +12,7 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from torch import nn
 from plait.base import comm
 from plait.base.batches import local_microbatch
 from plait.base.config import ConfigError, ParallelConfig
+from plait.base.images import ImageBatch
 from plait.base.mesh import Mesh
 from plait.cp.attention import whole_sequences
 from plait.cp.context import ContextParallel
@@ -47,6 +48,8 @@ def precision_context(config: ParallelConfig, module: nn.Module) -> contextlib.A
     if not config.bf16_autocast:
         return contextlib.nullcontext()
     return torch.autocast(device_type=next(module.parameters()).device.type, dtype=torch.bfloat16)
+
+T = TypeVar("T", torch.Tensor, ImageBatch)
 
 
 class ParallelModel(nn.Module):
@@ -98,12 +101,15 @@ class ParallelModel(nn.Module):
         self.loss.compile()
         return names
 
-    def local_batch(self, tensor: torch.Tensor, accumulation_steps: int = 1, micro_step: int = 0) -> torch.Tensor:
-        """This rank's rows of a global batch ``tensor`` (ids, labels, mask or positions) for ``train_step`` or
-        ``eval_loss``: its dp replica's contiguous slice (of micro-step ``micro_step`` of ``accumulation_steps``);
-        the tp, cp and pp ranks of a replica pass the same rows (cp ranks take their tokens inside)."""
-        rows = local_microbatch(torch.arange(tensor.shape[0]), self.mesh.dp_rank, self.mesh.dp, accumulation_steps,
-                                micro_step)
+    def local_batch(self, tensor: T, accumulation_steps: int = 1, micro_step: int = 0) -> T:
+        """This rank's rows of a global batch ``tensor`` (ids, labels, mask or positions, or an ``ImageBatch``) for
+        ``train_step`` or ``eval_loss``: its dp replica's contiguous slice (of micro-step ``micro_step`` of
+        ``accumulation_steps``); the tp, cp and pp ranks of a replica pass the same rows (cp ranks take their tokens
+        inside)."""
+        count = tensor.rows if isinstance(tensor, ImageBatch) else tensor.shape[0]
+        rows = local_microbatch(torch.arange(count), self.mesh.dp_rank, self.mesh.dp, accumulation_steps, micro_step)
+        if isinstance(tensor, ImageBatch):
+            return tensor.take(slice(int(rows[0]), int(rows[-1]) + 1))
         return tensor[rows.to(tensor.device)]
 
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -119,8 +125,10 @@ class ParallelModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        images: ImageBatch | None = None,
     ) -> torch.Tensor:
         """Loss when ``labels`` are given (causal shift inside), else this rank's vocab slice of the logits.
+        ``images``: an image-text-to-text model's image inputs of these rows.
 
         Under cp the logits are this rank's tokens' (``self.cp.take`` picks the matching slice of a whole
         tensor) and the loss is this rank's share: summed over the cp group it is the whole batch's."""
@@ -129,24 +137,24 @@ class ParallelModel(nn.Module):
                 f"forward() runs the whole model, but pp={self.mesh.pp} spreads it over ranks; call "
                 f"train_step() or eval_loss(), which run the pipeline schedule"
             )
-        self._check_sequence(input_ids, attention_mask)
+        self._check_sequence(input_ids, attention_mask, images=images)
         if self.cp is not None and labels is not None and num_items_in_batch is None:  # whole sequences' count
             num_items_in_batch = count_label_tokens(labels).clamp(min=1)
         if self.balance is not None and labels is not None:  # its own batch's balance, a step's left as it was
             with self.balance.kept():
                 self._routing_pass([(input_ids, attention_mask, position_ids)], one_forward=True)
                 return self._forward(input_ids, labels, attention_mask, num_items_in_batch, position_ids)
-        return self._forward(input_ids, labels, attention_mask, num_items_in_batch, position_ids)
+        return self._forward(input_ids, labels, attention_mask, num_items_in_batch, position_ids, images=images)
 
     def _forward(self, input_ids, labels, attention_mask, num_items_in_batch, position_ids=None, objective=None,
-                 rows=None) -> torch.Tensor:
+                 rows=None, images: ImageBatch | None = None) -> torch.Tensor:
         if self.cp is not None:  # this rank's tokens, the whole sequence's positions and mask at hand
             batch, seq = input_ids.shape
             labels = None if labels is None else self.cp.shard_labels(labels)
             with self.cp.forward(batch, seq, attention_mask, position_ids, input_ids.device) as local:
                 out = self._model(self.cp.take(input_ids), local.get("attention_mask"), local["position_ids"])
         else:
-            out = self._model(input_ids, attention_mask, position_ids)
+            out = self._model(input_ids, attention_mask, position_ids, **({} if images is None else images.inputs()))
         if labels is None:
             return out.logits
         if objective is not None:  # a training method's own loss from the logits (plait.tp.logprobs)
@@ -171,10 +179,10 @@ class ParallelModel(nn.Module):
             loss = loss + term
         return loss
 
-    def _model(self, input_ids, attention_mask, position_ids, **cache) -> Any:
-        extra = {"use_cache": False, **cache} | ({} if position_ids is None else {"position_ids": position_ids})
-        try:
-            with precision_context(self.config, self.module):  # cache: the KV cache, use_cache (plait.generation)
+    def _model(self, input_ids, attention_mask, position_ids, **extra) -> Any:
+        extra = {"use_cache": False, **extra} | ({} if position_ids is None else {"position_ids": position_ids})
+        try:  # extra: the KV cache and use_cache (plait.generation), or image inputs
+            with precision_context(self.config, self.module):
                 return self.module(input_ids=input_ids, attention_mask=attention_mask, **extra)
         finally:
             self.applied.entry.clear()
@@ -187,6 +195,7 @@ class ParallelModel(nn.Module):
         num_items_in_batch: int | torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         objective: Objective | None = None,
+        images: ImageBatch | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one optimizer step's local batch, split into ``num_microbatches``;
         gradients accumulate into ``.grad``. Returns the loss (summed over microbatches: the step's loss
@@ -199,11 +208,12 @@ class ParallelModel(nn.Module):
         ``objective``: a training method's loss instead of the cross-entropy (DPO's, ...): called with each
         microbatch's logits on the ranks that compute the loss (the last pipeline stage), it returns this rank's
         share of the step's loss (``plait.tp.logprobs``); ``num_items_in_batch`` is then unused.
+        ``images``: an image-text-to-text model's image inputs of these rows (``plait.base.images``), cut with them.
         """
         if self.balance is not None:
             self._balance_for(input_ids, attention_mask, position_ids)
         return self._run(input_ids, labels, attention_mask, num_items_in_batch, position_ids, train=True,
-                         objective=objective)
+                         objective=objective, images=images)
 
     def set_global_batch(
         self, batches: Sequence[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
@@ -258,6 +268,7 @@ class ParallelModel(nn.Module):
         num_items_in_batch: int | torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         objective: Objective | None = None,
+        images: ImageBatch | None = None,
     ) -> torch.Tensor:
         """``train_step`` without backward (validation loss, or an ``objective``'s), on every rank of the pipeline."""
         with torch.no_grad(), contextlib.ExitStack() as stack:
@@ -265,7 +276,7 @@ class ParallelModel(nn.Module):
                 stack.enter_context(self.balance.kept())
                 self._routing_pass([(input_ids, attention_mask, position_ids)])
             return self._run(input_ids, labels, attention_mask, num_items_in_batch, position_ids, train=False,
-                             objective=objective)
+                             objective=objective, images=images)
 
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits from every tp rank's slice of a vocab-parallel head (padding never shows); the
@@ -361,8 +372,16 @@ class ParallelModel(nn.Module):
 
     def _check_sequence(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, microbatches: int = 1,
-        train: bool | None = None,
+        train: bool | None = None, images: ImageBatch | None = None,
     ) -> None:
+        if images is not None and (self.pipeline is not None or self.cp is not None):
+            why = (f"pp={self.mesh.pp}: the first stage does not feed the vision tower and projector yet"
+                   if self.pipeline is not None else
+                   f"cp={self.mesh.cp}: the image features merge into the whole sequence, which cp cuts first")
+            raise ConfigError(f"image inputs under {why}; use tp, dp and ZeRO for an image-text-to-text model")
+        if images is not None and images.rows != input_ids.shape[0]:
+            raise ConfigError(f"the image inputs are of {images.rows} rows, the input_ids of {input_ids.shape[0]}; "
+                              f"pass the images of the same rows (ImageBatch.take, ParallelModel.local_batch)")
         if attention_mask is not None and (self.config.sequence_parallel or self.cp is not None) and \
                 getattr(self.module.config, "output_router_logits", False):
             where = "context parallelism" if self.cp is not None else "sequence parallelism"
@@ -383,10 +402,10 @@ class ParallelModel(nn.Module):
             )
 
     def _run(self, input_ids, labels, attention_mask, num_items_in_batch, position_ids, train: bool,
-             objective: Objective | None = None) -> torch.Tensor:
+             objective: Objective | None = None, images: ImageBatch | None = None) -> torch.Tensor:
         """Checks first (identical on every rank, so a refusal never leaves a peer inside a collective)."""
         m = self.config.num_microbatches
-        self._check_sequence(input_ids, attention_mask, m, train)
+        self._check_sequence(input_ids, attention_mask, m, train, images)
         if input_ids.shape[0] % m:
             raise ConfigError(
                 f"a local batch of {input_ids.shape[0]} sequences is not divisible by num_microbatches={m}; "
@@ -407,14 +426,29 @@ class ParallelModel(nn.Module):
         rows = [None] * m  # each microbatch's rows in the batch: what an objective reads them by
         if objective is not None:
             rows = torch.arange(input_ids.shape[0], device=input_ids.device).chunk(m)
+        pictures = images.chunk(m) if images is not None else [None] * m
+        if images is not None and self.fsdp is not None:
+            self._check_images_everywhere(pictures)
         for i, (ids, labs, mask, pos) in enumerate(zip(input_ids.chunk(m), labels.chunk(m), masks, positions)):
-            loss = self._forward(ids, labs, mask, num_items_in_batch, pos, objective, rows[i])
+            loss = self._forward(ids, labs, mask, num_items_in_batch, pos, objective, rows[i], pictures[i])
             if train:
                 if self.fsdp is not None:
                     self.fsdp.keep_gathered(i < m - 1)
                 loss.backward()
             total = loss.detach().clone() if total is None else total + loss.detach()
         return total
+
+    def _check_images_everywhere(self, pictures: list[ImageBatch]) -> None:
+        """Under ZeRO-2/3 every micro-batch of every replica must hold an image: FSDP reduces a gradient only where
+        its module ran, so a vision tower idle on one replica would leave the others waiting. A collective (each
+        rank's image counts), so every rank raises together."""
+        counts = comm.all_gather(torch.tensor([[int(p.per_row.sum()) for p in pictures]]), self.mesh.replica_group, 0)
+        empty = (counts == 0).nonzero()
+        if len(empty):
+            replica, micro = empty[0].tolist()
+            raise ConfigError(f"under ZeRO-{self.config.zero_stage} every micro-batch needs an image (FSDP reduces the "
+                              f"vision tower's gradients only where it ran), but micro-batch {micro} of replica "
+                              f"{replica} has none; mix the image rows over the batch, or use ZeRO-1")
 
 
 def local_specs(model: nn.Module, plan: LayoutPlan, mesh: Mesh, fsdp: AppliedFSDP | None) -> dict[str, ShardSpec]:

@@ -24,6 +24,7 @@ from torch import nn
 from plait.base import comm
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.mesh import Mesh
+from plait.base.meta import takes_images
 from plait.cp.attention import install_context_parallel
 from plait.cp.context import ContextParallel
 from plait.cp.router import install_router_gather
@@ -134,6 +135,7 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
         sp_params = [new[id(p)] for p in sp_params]
         applied.grad_sums = [(new[id(p)], group, part) for p, group, part in applied.grad_sums]
     grad_sync = _grad_sync(model, plan, mesh, applied, sp_params, experts.params, local_specs(model, plan, mesh, fsdp))
+    grad_sync.sometimes_unused = takes_images(model.config)
     loss_fn = _loss_fn(applied, mesh, shift=cp is None)
     balance = global_balance(model, config, mesh.dp_group)
     pipeline = None

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
 
 @contextlib.contextmanager
@@ -23,10 +23,10 @@ def meta_init() -> Iterator[None]:
 
 
 def causal_lm_refusal(config: PretrainedConfig) -> str | None:
-    """Why ``config`` cannot be a decoder-only transformers causal LM (None: it can), in one line: an
-    encoder-decoder model, an encoder-only one (BERT and its kin, which transformers maps to a masked LM: its
-    causal-LM head runs only with is_decoder=true), or a type AutoModelForCausalLM does not build. The trainer's check and
-    the generic adapter's refusals both ask here."""
+    """Why ``config`` cannot be a decoder-only transformers causal LM or image-text-to-text model (None: it can), in
+    one line: an encoder-decoder model, an encoder-only one (BERT and its kin, which transformers maps to a masked
+    LM: its causal-LM head runs only with is_decoder=true), or a type neither AutoModelForCausalLM nor
+    AutoModelForImageTextToText builds. The trainer's check and the generic adapter's refusals both ask here."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -39,10 +39,36 @@ def causal_lm_refusal(config: PretrainedConfig) -> str | None:
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
         return (f"{model_type} is an encoder-only model (its causal-LM head runs only with is_decoder=true in the "
                 f"config); plait trains decoder-only causal LMs")
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not register_text_causal_lm(model_type):
-        return (f"transformers has no causal-LM class for {model_type!r} (AutoModelForCausalLM does not build it); "
-                f"plait trains decoder-only causal LMs")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not register_text_causal_lm(model_type) and \
+            not takes_images(config):
+        return (f"transformers has no causal-LM or image-text-to-text class for {model_type!r} "
+                f"(AutoModelForCausalLM and AutoModelForImageTextToText do not build it); plait trains decoder-only "
+                f"causal LMs and image-text-to-text models")
     return None
+
+
+def takes_images(config: PretrainedConfig) -> bool:
+    """Whether ``config``'s model is built as an image-text-to-text model (``model_class``): its type is one
+    AutoModelForImageTextToText builds, and either AutoModelForCausalLM does not build it or the config names an
+    image-text-to-text class in ``architectures`` (a checkpoint of Llama 4's or Qwen 3.5's whole model, where
+    AutoModelForCausalLM would build the text decoder alone)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    model_type = config.model_type
+    if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return False
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return True
+    named = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type]
+    return named != MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] and named in (config.architectures or ())
+
+
+def model_class(config: PretrainedConfig) -> type:
+    """transformers' Auto class that builds ``config``'s model: AutoModelForImageTextToText where it takes images
+    (``takes_images``), else AutoModelForCausalLM."""
+    return AutoModelForImageTextToText if takes_images(config) else AutoModelForCausalLM
 
 
 def register_text_causal_lm(model_type: str) -> bool:
@@ -69,8 +95,8 @@ def register_text_causal_lm(model_type: str) -> bool:
 
 
 def build_meta_model(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The transformers causal LM of ``config`` on the meta device (a composite's text config too:
-    ``register_text_causal_lm``)."""
+    """The transformers model of ``config`` on the meta device: its causal LM (a composite's text config too:
+    ``register_text_causal_lm``) or its image-text-to-text model (``model_class``)."""
     register_text_causal_lm(config.model_type)
     with meta_init():
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model_class(config).from_config(config, dtype=dtype)

@@ -97,12 +97,20 @@ def sum_copies(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> N
     then skips it, as it would on one process)."""
     if comm.trivial(group) or not params:
         return
+    zeros_where_used_elsewhere(params, group)
+    sum_grads(params, group)
+
+
+def zeros_where_used_elsewhere(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    """Give a parameter without a gradient on this rank zeros where another rank of ``group`` has one, so that
+    every rank flattens the same tensors (one small all-reduce of a flag per parameter)."""
+    if comm.trivial(group) or not params:
+        return
     used = torch.tensor([float(grad_of(p) is not None) for p in params], device=params[0].device)
     comm.all_reduce(used, group)
     for param, count in zip(params, used.tolist()):
         if count and grad_of(param) is None:
             param.grad = torch.zeros_like(param)
-    sum_grads(params, group)
 
 
 def buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> Iterable[list[torch.Tensor]]:
@@ -158,6 +166,9 @@ class GradSync:
         self.shared_parts, self.norm_parts = shared_parts or {}, norm_parts or {}
         self.experts = experts or []
         self._expert_ids = {id(p) for p in self.experts}
+        # an image-text model's vision tower has no gradient on a replica whose rows hold no image: the replicas
+        # then agree which gradients exist before summing them (one more small all-reduce a step)
+        self.sometimes_unused = False
 
     def is_expert(self, param: nn.Parameter) -> bool:
         return id(param) in self._expert_ids
@@ -180,6 +191,8 @@ class GradSync:
         parameters over the expert-replica group."""
         params = self.params if params is None else params
         dense = [p for p in params if not self.is_expert(p)]
+        if self.sometimes_unused:  # an image-text model's vision tower, idle on a replica without images
+            zeros_where_used_elsewhere(dense, self.mesh.replica_group)
         sum_grads(dense, self.mesh.replica_group, bucket_bytes, reduce_dtype)
         experts = [p for p in params if self.is_expert(p)]
         if experts:

@@ -1,0 +1,75 @@
+"""The image inputs of a batch of image-text rows, cut by rows as the token ids are.
+
+An image-text-to-text model's processor returns, beside the token ids, tensors of the batch's images: the pixel
+values and what describes them (image sizes, pixel masks, patch grids). Their first dimension counts images (LLaVA,
+Idefics3, Gemma 3: ``pixel_values`` [images, channels, height, width]) or, where the processor flattens each image
+into patches (Qwen-VL: ``pixel_values`` [patches, dim] beside ``image_grid_thw`` [images, 3]), patches. A row holds
+its images in order and the rows' images follow one another, so a contiguous range of rows holds a contiguous range
+of images: cutting a batch into dp replicas' rows and micro-batches only needs each row's image count (and each
+image's patch count, for the tensors that count patches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plait.base.config import ConfigError
+
+
+@dataclass(frozen=True)
+class ImageBatch:
+    """``tensors``: the model's image inputs by argument name (``pixel_values``, ...), the rows' images one after
+    another; ``per_row`` [rows]: each row's image count; ``patches`` [images]: each image's length in the tensors
+    whose first dimension counts patches (None: every tensor counts images); ``row_major``: the tensors whose first
+    dimension counts rows instead (a processor's per-token extras, as Qwen-VL's ``mm_token_type_ids``)."""
+
+    tensors: dict[str, torch.Tensor]
+    per_row: torch.Tensor
+    patches: torch.Tensor | None = None
+    row_major: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        images = int(self.per_row.sum())
+        patches = None if self.patches is None else int(self.patches.sum())
+        for name, tensor in self.tensors.items():
+            if name in self.row_major:
+                if tensor.shape[0] != self.rows:
+                    raise ConfigError(f"image input {name!r} is by row, but has {tensor.shape[0]} rows for "
+                                      f"{self.rows}")
+            elif tensor.shape[0] not in (images, patches):
+                counted = f"{images} images" + ("" if patches is None else f" or {patches} patches")
+                raise ConfigError(f"image input {name!r} has {tensor.shape[0]} entries along its first dimension, "
+                                  f"but the rows hold {counted} (images per row: {self.per_row.tolist()})")
+
+    @property
+    def rows(self) -> int:
+        return len(self.per_row)
+
+    def take(self, rows: slice) -> ImageBatch:
+        """The images of ``rows`` (contiguous, as ``slice(start, stop)``)."""
+        start, stop, _ = rows.indices(self.rows)
+        before = self.per_row[:start].sum()
+        first, last = int(before), int(before + self.per_row[start:stop].sum())
+        patches = None if self.patches is None else self.patches[first:last]
+        cuts = {int(self.per_row.sum()): (first, last)}  # by the length of a tensor's first dimension
+        if self.patches is not None:
+            cuts[int(self.patches.sum())] = (int(self.patches[:first].sum()), int(self.patches[:last].sum()))
+        tensors = {name: t[start:stop] if name in self.row_major else t[slice(*cuts[t.shape[0]])]
+                   for name, t in self.tensors.items()}
+        return ImageBatch(tensors, self.per_row[start:stop], patches, self.row_major)
+
+    def chunk(self, parts: int) -> list[ImageBatch]:
+        """The images of each of the ``parts`` row ranges ``Tensor.chunk`` cuts the rows into."""
+        size = -(-self.rows // parts)
+        return [self.take(slice(start, start + size)) for start in range(0, self.rows, size)]
+
+    def to(self, device: torch.device) -> ImageBatch:
+        return ImageBatch({k: v.to(device) for k, v in self.tensors.items()}, self.per_row, self.patches,
+                          self.row_major)
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The model's keyword arguments: none where these rows hold no image (the model then runs as a text
+        model; an empty pixel tensor would reach the vision tower)."""
+        return dict(self.tensors) if int(self.per_row.sum()) else {}

@@ -1,0 +1,85 @@
+"""Image-text-to-text models (issue 49): built and planned as transformers builds them, trained through
+``ParallelModel.train_step(..., images=...)`` with one process's losses and gradients.
+
+One world of 2 (tests/workers/vlm_parity.py) trains a tiny LLaVA (CLIP tower, projector, Llama decoder) 3 AdamW steps
+at tp=2 with and without SP (the vision tower whole on each tp rank), dp=2, ZeRO-1, ZeRO-2 and ZeRO-3 at dp=2 and
+dp=2 with 2 micro-batches, on rows of 0, 1 or 2 images, with a replica holding none at the last step (under ZeRO-2/3
+every replica holds one: FSDP refuses otherwise, in one line on every rank)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.base.config import ConfigError
+from plait.base.images import ImageBatch
+from plait.testing import launch
+from workers.vlm_parity import LAYOUTS
+
+WORKER = str(Path(__file__).parent / "workers" / "vlm_parity.py")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("vlm") / "out.json"
+    launch([WORKER, str(out)], 2, timeout=240)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_llava_trains_as_one_process_on_every_served_layout(results, layout):
+    got = results[f"llava-{layout}"]
+    for step, (loss, expected) in enumerate(zip(got["losses"], got["ref_losses"], strict=True)):
+        assert loss == pytest.approx(expected, rel=1e-6), step  # measured: 1.1e-7 at most
+    assert got["grad_error"] <= 1.0, got["grad_error"]  # 1e-6 + 1e-5 |g| at every step, rank and element (0.15)
+    assert got["compared"] == results["parameters"]  # every trained parameter, vision tower and projector too
+
+
+@pytest.mark.parametrize("case, message", [
+    ("zero3_no_image", "under ZeRO-3 every micro-batch needs an image (FSDP reduces the vision tower's gradients "
+                       "only where it ran), but micro-batch 0 of replica 0 has none; mix the image rows over the "
+                       "batch, or use ZeRO-1"),
+    ("pp2", "image inputs under pp=2: the first stage does not feed the vision tower and projector yet; use tp, dp "
+            "and ZeRO for an image-text-to-text model"),
+    ("cp2", "image inputs under cp=2: the image features merge into the whole sequence, which cp cuts first; use "
+            "tp, dp and ZeRO for an image-text-to-text model"),
+])
+def test_what_is_not_served_is_refused_on_every_rank(results, case, message):
+    assert results[f"refused-{case}"] == [message, message]
+
+
+def test_an_image_batch_is_cut_by_rows():
+    pixels = torch.arange(5).view(5, 1).float()  # the images of rows 0 (one), 1 (none), 2 (two), 3 (two)
+    batch = ImageBatch({"pixel_values": pixels, "image_sizes": pixels.long()}, torch.tensor([1, 0, 2, 2]))
+    assert batch.take(slice(1, 3)).tensors["pixel_values"].flatten().tolist() == [1.0, 2.0]
+    assert [b.tensors["image_sizes"].flatten().tolist() for b in batch.chunk(2)] == [[0], [1, 2, 3, 4]]
+    assert batch.take(slice(1, 2)).inputs() == {}  # a text-only row: the model runs as a text model
+    # Qwen-VL's flattened patches beside per-image grids: the patch tensor is cut by each image's patch count
+    grids = torch.tensor([[1, 2, 2], [1, 2, 1], [1, 1, 1]])
+    patches = ImageBatch({"pixel_values": torch.arange(7).view(7, 1), "image_grid_thw": grids},
+                         torch.tensor([2, 1]), patches=grids.prod(-1))
+    second = patches.take(slice(1, 2))
+    assert second.tensors["pixel_values"].flatten().tolist() == [6]
+    assert second.tensors["image_grid_thw"].tolist() == [[1, 1, 1]]
+    with pytest.raises(ConfigError, match=r"^image input 'pixel_values' has 3 entries along its first dimension, "
+                                          r"but the rows hold 2 images \(images per row: \[1, 1\]\)$"):
+        ImageBatch({"pixel_values": torch.zeros(3, 1)}, torch.tensor([1, 1]))
+
+
+def test_an_image_text_model_is_built_as_transformers_builds_it():
+    from transformers import AutoConfig, Llama4Config, LlavaConfig
+
+    from plait.base.meta import build_meta_model, causal_lm_refusal, takes_images
+
+    assert type(build_meta_model(LlavaConfig())).__name__ == "LlavaForConditionalGeneration"
+    text_only = Llama4Config()  # AutoModelForCausalLM builds its text decoder, as before
+    whole = Llama4Config(architectures=["Llama4ForConditionalGeneration"])  # a checkpoint of the whole model
+    assert (takes_images(text_only), takes_images(whole), takes_images(AutoConfig.for_model("llama"))) == \
+        (False, True, False)
+    assert causal_lm_refusal(LlavaConfig()) is None
+    assert causal_lm_refusal(AutoConfig.for_model("bert")) == (
+        "bert is an encoder-only model (its causal-LM head runs only with is_decoder=true in the config); plait "
+        "trains decoder-only causal LMs")

@@ -1,0 +1,163 @@
+"""Worker: image-text-to-text models (issue 49) on the layouts that serve them, against one process.
+
+Run as a world of 2: ``vlm_parity.py OUT.json``. For each model (a tiny LLaVA: CLIP vision tower, projector, Llama
+decoder) and layout, a copy of the same model trains ``STEPS`` AdamW steps on the same global batches of image-text
+rows (0, 1 or 2 images a row, image tokens never labelled) through ``ParallelModel.train_step(..., images=...)``;
+the reference is transformers' model and torch's AdamW on the whole batch in this process. Rank 0 writes, per case,
+each step's loss against the reference's, and the largest gradient error of any rank at any step in units of
+1e-6 + 1e-5 |g| (the kit's tolerance), with the parameter names compared on some rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from plait import ConfigError, ParallelConfig, parallelize
+from plait.base.images import ImageBatch
+from plait.optim import OptimizerStep, build_optimizer
+from plait.optim.param_groups import embedding_params, weight_decay_groups
+from plait.parallel.grad_sync import grad_of
+
+STEPS, ROWS, TEXT, LR, WEIGHT_DECAY = 3, 4, 6, 1e-2, 0.1
+# images of each row at each step: micro-batches and replicas with different counts, text-only rows, and at the last
+# step a replica (rows 0 and 1 at dp=2) without any image, whose vision tower does not run; under ZeRO-2/3 (FSDP)
+# every replica holds an image (FSDP_PER_ROW), the other batches are refused
+PER_ROW = [[1, 2, 1, 1], [2, 0, 1, 2], [0, 0, 1, 2]]
+FSDP_PER_ROW = [[1, 2, 1, 1], [2, 0, 1, 2], [1, 0, 0, 1]]
+IMAGE_TOKENS = 16  # a 16x16 image in 4x4 patches, a token each (the "default" features: CLS dropped)
+# name -> ParallelConfig kwargs (a world of 2)
+LAYOUTS = {"tp2_sp": dict(tp=2), "tp2": dict(tp=2, sp=False), "dp2": dict(), "zero1_dp2": dict(zero_1=True),
+           "zero2_dp2": dict(zero_stage=2), "zero3_dp2": dict(zero_stage=3),
+           "dp2_microbatches": dict(num_microbatches=2)}
+FSDP = ("zero2_dp2", "zero3_dp2")
+
+
+def llava():
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=16, patch_size=4, projection_dim=32)
+    text = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=64)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=96, vision_feature_layer=-1,
+                         vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    return LlavaForConditionalGeneration(config)
+
+
+def batches(image_token: int, images: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor, ImageBatch]]:
+    """Each step's rows: images (0, 1 or 2 a row, so micro-batches and replicas hold different counts) as
+    IMAGE_TOKENS image tokens each, then text; labels on the text only, right-padded rows of one length."""
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for step in range(STEPS):
+        per_row = torch.tensor(images[step])
+        seq = max(int(per_row.max()), 1) * IMAGE_TOKENS + TEXT
+        ids = torch.full((ROWS, seq), 0)
+        labels = torch.full((ROWS, seq), -100)
+        for row, count in enumerate(per_row.tolist()):
+            text = torch.randint(1, image_token, (TEXT,), generator=generator)
+            ids[row, : count * IMAGE_TOKENS] = image_token
+            ids[row, count * IMAGE_TOKENS: count * IMAGE_TOKENS + TEXT] = text
+            labels[row, count * IMAGE_TOKENS: count * IMAGE_TOKENS + TEXT] = text
+        pixels = torch.randn(int(per_row.sum()), 3, 16, 16, generator=generator)
+        out.append((ids, labels, ImageBatch({"pixel_values": pixels}, per_row)))
+    return out
+
+
+def reference(base, data) -> dict:
+    model = copy.deepcopy(base)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    groups = weight_decay_groups(model.named_parameters(), shapes, embedding_params(model), WEIGHT_DECAY)
+    optimizer = torch.optim.AdamW(groups, lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, grads = [], []
+    for ids, labels, images in data:
+        mask = (ids != 0).long()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, **images.inputs()).loss
+        loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    trained = sorted(grads[0])  # not the vision tower's unused post_layernorm: LLaVA reads a hidden layer
+    return {"losses": losses, "grads": grads, "trained": trained}
+
+
+def train(base, data, layout: dict) -> dict:
+    pmodel = parallelize(copy.deepcopy(base), ParallelConfig(**layout))
+    optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
+    step = OptimizerStep(pmodel.grad_sync, optimizer, None)
+    owned = {id(p) for p in getattr(optimizer, "owned_params", pmodel.parameters())}
+    stepped: list[dict] = []
+
+    def reading(*args, **kwargs):  # the gradients the optimizer steps on (ZeRO-1: its owned ones)
+        stepped.append({name: grad_of(p).detach().float().clone() for name, p in pmodel.module.named_parameters()
+                        if id(p) in owned and grad_of(p) is not None})
+        return type(optimizer).step(optimizer, *args, **kwargs)
+
+    optimizer.step = reading
+    losses = []
+    for ids, labels, images in data:
+        count = int((labels[:, 1:] != -100).sum())
+        mask = (ids != 0).long()
+        loss = pmodel.train_step(pmodel.local_batch(ids), pmodel.local_batch(labels), pmodel.local_batch(mask),
+                                 num_items_in_batch=count, images=pmodel.local_batch(images))
+        step()
+        losses.append(pmodel.global_loss(loss).item())
+    return {"losses": losses, "grads": stepped, "pmodel": pmodel}
+
+
+def compare(run: dict, expected: dict) -> dict:
+    worst, names = torch.zeros(()), set()
+    for stepped, reference_grads in zip(run["grads"], expected["grads"], strict=True):
+        for name, grad in stepped.items():
+            if name not in reference_grads:
+                want = torch.zeros_like(grad)  # a parameter the forward does not read: no gradient, or zeros
+                worst = torch.maximum(worst, (grad.abs() / 1e-6).max())
+                continue
+            want = run["pmodel"].param_specs[name].slice_full(reference_grads[name])
+            worst = torch.maximum(worst, ((grad - want).abs() / (1e-6 + 1e-5 * want.abs())).max())
+            names.add(name)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(names))
+    return {"losses": run["losses"], "ref_losses": expected["losses"], "grad_error": worst.item(),
+            "compared": sorted(set().union(*everyone))}
+
+
+def main() -> None:
+    out = sys.argv[1]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    base = llava()
+    data = {"mixed": batches(base.config.image_token_index, PER_ROW),
+            "fsdp": batches(base.config.image_token_index, FSDP_PER_ROW)}
+    expected = {kind: reference(base, rows) for kind, rows in data.items()}
+    results = {"parameters": expected["mixed"]["trained"]}
+    for name, layout in LAYOUTS.items():
+        kind = "fsdp" if name in FSDP else "mixed"
+        results[f"llava-{name}"] = compare(train(base, data[kind], layout), expected[kind])
+    # refused on every rank before the forward: a replica without an image under ZeRO-3, images under pp and cp
+    for name, layout, kind in (("zero3_no_image", LAYOUTS["zero3_dp2"], "mixed"),
+                               ("pp2", dict(pp=2, num_microbatches=2), "fsdp"), ("cp2", dict(cp=2), "fsdp")):
+        try:
+            train(base, data[kind], layout)
+            said = "not refused"
+        except ConfigError as err:
+            said = str(err)
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, said)
+        results[f"refused-{name}"] = everyone
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
