@@ -11,12 +11,15 @@ its other name, and hub GPT2 files leave out the base model prefix (``h.0.attn..
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from pathlib import Path
 
+import torch
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 
@@ -42,13 +45,33 @@ def open_hf_dir(
     paths, index = read_hf_index(path)
     optional = optional or {}
     names, base_prefix = [*shapes, *optional], model.base_model_prefix
-    index = converted(index, get_model_conversion_mapping(model), names, base_prefix)
+    with original_classes(model):
+        transforms = get_model_conversion_mapping(model)
+    index = converted(index, transforms, names, base_prefix)
     index = hf_names(index, names, aliases, base_prefix)
     present = {name: shape for name, shape in optional.items() if name in index.tensors}
     problems = shape_problems(index.params(), {**shapes, **present}, "file", "model")
     if problems:
         raise ConfigError(f"{path} does not match its config.json: {'; '.join(problems)}")
     return CheckpointReader(paths, index)
+
+
+@contextlib.contextmanager
+def original_classes(model: torch.nn.Module) -> Iterator[None]:
+    """``model``'s modules under their own classes while inside: ZeRO-2/3's FSDP renames a module's class
+    (``FSDPLlavaForConditionalGeneration``), and transformers looks up a model's checkpoint conversions by class name
+    first (LLaVA's ``language_model.lm_head`` -> ``lm_head`` is listed under its class only)."""
+    swapped = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            own = next(c for c in type(module).__mro__[1:] if not issubclass(c, FSDPModule))
+            swapped.append((module, type(module)))
+            module.__class__ = own
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
 
 
 def read_hf_index(path: str | os.PathLike) -> tuple[CheckpointPaths, Index]:

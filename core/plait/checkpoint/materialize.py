@@ -158,18 +158,22 @@ def resolve_source(source: PretrainedConfig | str | os.PathLike) -> tuple[Pretra
 
 def materialize_buffers(model: nn.Module, device: torch.device) -> None:
     """Recompute every meta buffer (rotary ``inv_freq``, GPT-Neo's boolean causal mask) with transformers' own
-    ``_init_weights``.
+    ``_init_weights`` (the innermost transformers model's holding the buffer: an image-text model's vision tower is a
+    model of its own, whose ``_init_weights`` knows its embeddings where the outer model's does not).
 
     A buffer that ``_init_weights`` does not recompute must be an error naming it, rather than a model that
     silently computes with garbage. So each is filled with sentinels first: NaN for a floating-point buffer
     (still NaN afterwards: not recomputed); for an integer or boolean one, which has no NaN, 0 and then 1 with
     ``_init_weights`` run after each (not recomputed where the two results differ).
     """
-    init_weights = getattr(model, "_init_weights", None)
+    inits = {name: m._init_weights for name, m in model.named_modules() if hasattr(m, "_init_weights")}
     for module_name, module in model.named_modules():
         metas = {n: b for n, b in module._buffers.items() if b is not None and b.is_meta}
         if not metas:
             continue
+        owner = max((name for name in inits if not name or module_name == name or module_name.startswith(name + ".")),
+                    key=len, default=None)
+        init_weights = None if owner is None else inits[owner]
         exact = any(not b.dtype.is_floating_point for b in metas.values())
         results = []
         for fill in (0, 1) if exact else (math.nan,):

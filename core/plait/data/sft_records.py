@@ -57,6 +57,8 @@ def record_format(record: Any, text_field: str = "text") -> str | None:
     """chat, prompt_completion or text, from a parsed .jsonl line's fields; None for none of them."""
     if not isinstance(record, dict):
         return None
+    if "messages" in record and "images" in record:  # TRL's vision format (plait.data.vision)
+        return "vision"
     if "messages" in record or "conversations" in record:
         return "chat"
     if "prompt" in record and "completion" in record:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
-DATA_FORMATS = ("auto", "text", "chat", "prompt_completion")
+DATA_FORMATS = ("auto", "text", "chat", "prompt_completion", "vision")
 LAYOUTS = ("manual", "auto")
 # the flags --layout auto chooses (plait.auto_layout); giving one beside it is refused
 AUTO_LAYOUT_FLAGS = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "expert_parallel_size",
@@ -114,7 +114,7 @@ class TrainArgs(MethodArgs):
     skip_nonfinite_steps: int = field(default=0, metadata={"help": "skip up to N steps whose loss or gradient norm is not finite (not applied, counted in metrics) before stopping (0: stop at the first)"})
     text_field: str = field(default="text", metadata={"help": "the text field of .jsonl lines, and the text column of Parquet files and --dataset_name"})
     data_cache_dir: str | None = field(default=None, metadata={"help": "where tokenized data and trained tokenizers are cached (default: $XDG_CACHE_HOME/plait, else ~/.cache/plait)"})
-    data_format: str = field(default="auto", metadata={"help": "auto, text (packed plain text), chat (.jsonl 'messages' or ShareGPT 'conversations', rendered with the tokenizer's chat template) or prompt_completion (.jsonl 'prompt' + 'completion'); auto reads the first .jsonl line"})
+    data_format: str = field(default="auto", metadata={"help": "auto, text (packed plain text), chat (.jsonl 'messages' or ShareGPT 'conversations', rendered with the tokenizer's chat template) prompt_completion (.jsonl 'prompt' + 'completion') or vision (TRL's image-text rows, 'messages' with image parts and 'images', .jsonl or .parquet, for an image-text-to-text model: its processor renders them); auto reads the first .jsonl line"})
     train_on_prompt: bool = field(default=False, metadata={"help": "SFT: train on prompt / user tokens too (default: only completion / assistant tokens count)"})
     packing: bool = field(default=False, metadata={"help": "SFT: pack several examples per block, attention kept within each (default: one example per block, padded); dpo, cpo, orpo: pack each micro-batch's pairs into rows of up to two --block_size, each pair's chosen and rejected side by side"})
     overlong: str = field(default="truncate", metadata={"help": "SFT examples longer than --block_size: truncate (keep the first block_size tokens), drop (truncate, and skip every example left with no token to train on) or refuse"})

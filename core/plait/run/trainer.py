@@ -51,7 +51,7 @@ from plait.run.replicas import join_replica_groups
 from plait.run.stragglers import StragglerWatch, straggler_line
 from plait.run.log_line import log_line, progress_text
 from plait.run.methods.base import TrainingMethod
-from plait.run.methods.table import METHODS
+from plait.run.methods.table import method_for
 from plait.run.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_rows
 from plait.run.model_config import read_model_config
 from plait.run.moe_metrics import RoutingMetrics
@@ -169,7 +169,7 @@ def check_before_launch(args: TrainArgs, world: int) -> None:
     is one line there instead of one per worker and torchrun's dump. The data is tokenized into the cache here,
     once; the workers read it back."""
     _, model_config, _, _, plan = plan_run(args, world)
-    method = METHODS[args.method]
+    method = method_for(args)
     _, _, tokenizer = method.load_data(args, model_config, plan) or load_checked_data(args, model_config, plan)
     eval_prompts(args, tokenizer)
 
@@ -202,7 +202,7 @@ class Trainer:
     def __init__(self, args: TrainArgs, method: type[TrainingMethod] | None = None) -> None:
         """``method``: the training method (default: the one --method names); it reads its data
         (``TrainingMethod.load_data``) and is made once the model is laid out (``TrainingMethod.create``)."""
-        method = method or METHODS[args.method]
+        method = method or method_for(args)
         self.args = args
         resume, model_config, meta, saved, plan = plan_run(args, int(os.environ.get("WORLD_SIZE", "1")))
         self.device = device = pick_device(args.device)

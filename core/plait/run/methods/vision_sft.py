@@ -1,0 +1,144 @@
+"""Supervised fine-tuning of an image-text-to-text model on TRL's vision format (``--data_format vision``, or auto
+where the first .jsonl line has ``images`` beside ``messages``).
+
+Each row is rendered with the model's own processor and chat template (``plait.data.vision``): its image parts
+become the model's image tokens, its images the pixel tensors, its labels the assistant text only. A micro-batch is
+its rows right padded to the longest (a multiple of tp under sequence parallelism, whose split needs it), with their
+images (``plait.base.images.ImageBatch``); the loss is the cross-entropy over the global batch's labelled tokens
+divided by their count, as next-token SFT's, so every layout and split gives one process's loss. Layouts: tp (the
+vision tower and projector whole on every tp rank), dp, ZeRO-1/2/3; pp and cp are refused before launch.
+
+Under ZeRO-2/3 FSDP reduces a gradient only where its module ran, so a replica whose micro-batch holds no image
+would leave the others waiting on the vision tower's (``ParallelModel`` refuses such a batch). Such a micro-batch
+gets a stand-in row: a training row with images, all its labels ignored, which runs the vision tower and adds
+exactly nothing to the loss or any gradient (no label reads its logits), the other rows' tokens unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.base import comm
+from plait.base.config import ConfigError
+from plait.base.mesh import Mesh
+from plait.data import local_microbatch
+from plait.data.vision import Example, VisionBatch, VisionEncoder, collate, load_processor, read_rows
+from plait.parallel_model import ParallelModel
+from plait.run.methods.base import TrainingMethod
+
+
+def read_examples(path: str, encoder: VisionEncoder, block_size: int) -> list[Example]:
+    """Every row of ``path`` encoded; a row longer than ``block_size`` tokens is refused (cutting it could cut an
+    image's tokens from its pixels)."""
+    examples = [encoder.encode(row, index, path) for index, row in enumerate(read_rows(path))]
+    if not examples:
+        raise ConfigError(f"{path}: no rows in it")
+    for example in examples:
+        if len(example.input_ids) > block_size:
+            raise ConfigError(f"{example.where}: {len(example.input_ids)} tokens with its images' tokens, more than "
+                              f"--block_size {block_size}; raise --block_size or shorten the row")
+    return examples
+
+
+def labelled(example: Example) -> int:
+    """The tokens whose next token the loss scores (labels shift by one inside the loss)."""
+    return int((example.labels[1:] != -100).sum())
+
+
+class VisionSFT(TrainingMethod):
+    """``examples``: the encoded training rows; ``pad_id``: the tokenizer's pad token; ``multiple``: what a
+    micro-batch's length is padded to a multiple of (tp under sequence parallelism)."""
+
+    def __init__(self, examples: list[Example], pad_id: int, multiple: int = 1, stand_in: bool = False) -> None:
+        self.examples, self.pad_id, self.multiple = examples, pad_id, multiple
+        self.tokens = 0
+        with_images = next((e for e in examples if e.num_images), None) if stand_in else None
+        self.stand_in = None if with_images is None else dataclasses.replace(
+            with_images, labels=torch.full_like(with_images.labels, -100), where=f"{with_images.where} (stand-in)")
+
+    @classmethod
+    def load_data(cls, args: Any, model_config: Any, plan: Any) -> tuple[list[Example], list[Example] | None, Any]:
+        if args.pipeline_parallel_size > 1 or args.context_parallel_size > 1:
+            raise ConfigError(f"--data_format vision under --pipeline_parallel_size {args.pipeline_parallel_size} "
+                              f"--context_parallel_size {args.context_parallel_size} is not served yet; train an "
+                              f"image-text-to-text model with tp, dp and ZeRO")
+        folder = args.tokenizer_name or args.model_name_or_path
+        if folder is None:
+            raise ConfigError("--data_format vision needs the model's processor: give --model_name_or_path with one "
+                              "(or --tokenizer_name, a directory holding it)")
+        processor = load_processor(folder)
+        train = read_examples(args.train_file, VisionEncoder(processor, Path(args.train_file).parent), args.block_size)
+        validation = None
+        if args.validation_file:
+            encoder = VisionEncoder(processor, Path(args.validation_file).parent)
+            validation = read_examples(args.validation_file, encoder, args.block_size)
+        return train, validation, processor.tokenizer
+
+    @classmethod
+    def create(cls, trainer: Any) -> VisionSFT:
+        tokenizer, config = trainer.tokenizer, trainer.pmodel.config
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        fsdp = trainer.pmodel.fsdp is not None
+        return cls(trainer.blocks, pad, config.tp if config.sequence_parallel else 1, stand_in=fsdp)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def describe(self, block_size: int) -> str:
+        images = sum(example.num_images for example in self.examples)
+        return f"{len(self):,} image-text rows with {images:,} images"
+
+    def divisor(self, rows: torch.Tensor) -> int:
+        return sum(labelled(self.examples[int(r)]) for r in rows)
+
+    def batch(self, rows: torch.Tensor, device: torch.device) -> VisionBatch:
+        """The examples of ``rows`` collated, padded to a multiple of ``multiple`` tokens."""
+        examples = [self.examples[int(r)] for r in rows]
+        if self.stand_in is not None and not any(e.num_images for e in examples):
+            examples.append(self.stand_in)
+        batch = collate(examples, self.pad_id)
+        extra = -batch.input_ids.shape[1] % self.multiple
+        pad = lambda t, value: torch.nn.functional.pad(t, (0, extra), value=value).to(device)  # noqa: E731
+        images = batch.images.to(device)
+        if extra and images.row_major:  # the processor's per-token extras, padded as the tokens are
+            images = type(images)({k: pad(v, 0) if k in images.row_major else v for k, v in images.tensors.items()},
+                                  images.per_row, images.patches, images.row_major)
+        return VisionBatch(pad(batch.input_ids, self.pad_id), pad(batch.attention_mask, 0),
+                           pad(batch.labels, -100), images)
+
+    def micro_batches(self, rows: torch.Tensor, mesh: Mesh, accumulation: int, device: torch.device) -> list[Any]:
+        self.tokens = sum(len(self.examples[int(r)].input_ids) for r in rows)  # the global batch's, unpadded
+        return [self.batch(local_microbatch(rows, mesh.dp_rank, mesh.dp, accumulation, micro), device)
+                for micro in range(accumulation)]
+
+    def micro_step(self, pmodel: ParallelModel, batch: VisionBatch, divisor: int) -> torch.Tensor:
+        return pmodel.train_step(batch.input_ids, batch.labels, batch.attention_mask, num_items_in_batch=divisor,
+                                 images=batch.images)
+
+    def step_tokens(self) -> int:
+        return self.tokens
+
+    @torch.no_grad()
+    def evaluate(self, pmodel: ParallelModel, data: list[Example], batch_size: int,
+                 device: torch.device) -> dict[str, float]:
+        """Mean loss and perplexity over every validation row (each dp rank its share; every rank the same count
+        of forwards, so rows beyond a multiple of dp are left out)."""
+        mesh = pmodel.mesh
+        usable = len(data) // mesh.dp * mesh.dp
+        mine = torch.arange(usable)[mesh.dp_rank::mesh.dp]
+        evaluator = VisionSFT(data, self.pad_id, self.multiple, stand_in=self.stand_in is not None)
+        count = max(evaluator.divisor(torch.arange(usable)), 1)
+        total = torch.zeros((), device=device)
+        pmodel.eval()
+        for start in range(0, len(mine), batch_size):
+            batch = evaluator.batch(mine[start:start + batch_size], device)
+            total += pmodel.eval_loss(batch.input_ids, batch.labels, batch.attention_mask, num_items_in_batch=count,
+                                      images=batch.images)
+        pmodel.train()
+        loss = comm.all_reduce(total, mesh.replica_group).item()
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}

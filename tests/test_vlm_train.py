@@ -1,0 +1,120 @@
+"""``plait train`` on image-text rows (TRL's vision format) for an image-text-to-text model (issue 49.2): a tiny LLaVA
+with its processor saved beside it, rows of 0, 1 and 2 images; every layout gives one process's losses, gradient
+norms and step-1 gradients; under ZeRO-2/3 a replica whose rows hold no image gets a stand-in row that changes
+nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_vision_data import picture, template, tokenizer, turn
+
+from plait.base.config import ConfigError
+from plait.run.train_args import TrainArgs
+
+IMAGES = [1, 0, 0, 2, 0, 0, 1, 0]  # images per row: most rows text only, so replicas often hold none
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    root = tmp_path_factory.mktemp("vlm-train")
+    tok = tokenizer("<image>")
+    images = CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    # 16x16 images in 4x4 patches: 16 image tokens, the CLS feature dropped by model and processor alike
+    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=4, vision_feature_select_strategy="default",
+                   num_additional_image_tokens=1, image_token="<image>",
+                   chat_template=template("<image>")).save_pretrained(root / "model")
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=16, patch_size=4, projection_dim=32)
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1, vision_feature_select_strategy="default")).save_pretrained(root / "model")
+    for seed in range(4):
+        picture(seed).save(root / f"{seed}.png")
+    rows = [{"messages": [turn("user", *[None] * count, "describe the picture"),
+                          turn("assistant", "a red square on blue" if i % 2 else "blue")],
+             "images": [f"{(i + k) % 4}.png" for k in range(count)]} for i, count in enumerate(IMAGES)]
+    (root / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return root
+
+
+def vlm_args(root: Path, **flags) -> TrainArgs:
+    base = dict(model_name_or_path=str(root / "model"), train_file=str(root / "rows.jsonl"), block_size=96,
+                per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3, lr_scheduler_type="constant",
+                device="cpu", save_final=False, output_dir=str(root / "out"))
+    return TrainArgs(**{**base, **flags})
+
+
+LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "zero1_dp2": dict(per_device_train_batch_size=2, zero_stage=1),
+           "zero3_dp2": dict(per_device_train_batch_size=2, zero_stage=3),
+           "zero2_dp2_accumulation": dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, zero_stage=2)}
+
+
+@pytest.fixture(scope="module")
+def one_process(files, tmp_path_factory):
+    from plait.run.trainer import Trainer
+    from workers.trainers import capture_gradients, whole
+
+    trainer = Trainer(vlm_args(files, output_dir=str(tmp_path_factory.mktemp("one"))))
+    kept = capture_gradients(trainer)
+    return trainer.train(), whole([kept])
+
+
+@pytest.fixture(scope="module")
+def layouts(files, tmp_path_factory):
+    from plait.testing import launch
+
+    out = tmp_path_factory.mktemp("layouts")
+    cases = {name: {**vlm_args(files, output_dir=str(out / name), **layout).__dict__}
+             for name, layout in LAYOUTS.items()}
+    (out / "flags.json").write_text(json.dumps(cases))
+    launch([str(Path(__file__).parent / "workers" / "trainers.py"), str(out / "runs.json"), str(out / "flags.json")],
+           2, timeout=300)
+    runs = json.loads((out / "runs.json").read_text())
+    return {name: (records, torch.load(out / f"{name}.grads.pt")) for name, records in runs.items()}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_trains_as_one_process(one_process, layouts, layout):
+    history, grads = one_process
+    records, got_grads = layouts[layout]
+    for rank, record in enumerate(records):
+        for got, expected in zip(record["history"], history, strict=True):
+            for key in ("loss", "grad_norm"):
+                assert got[key] == pytest.approx(expected[key], rel=1e-5), (rank, got["step"], key)
+    assert set(grads) <= set(got_grads)
+    for name in set(got_grads) - set(grads):  # ZeRO-1 gives zeros to what no rank's forward read (post_layernorm)
+        assert not got_grads[name].any(), name
+    for name, reference in grads.items():
+        assert torch.allclose(got_grads[name], reference, rtol=1e-5, atol=1e-7, equal_nan=True), name
+
+
+def test_labels_and_images_reach_the_model(one_process):
+    history, grads = one_process
+    assert history[-1]["loss"] < history[0]["loss"]
+    # the vision tower and projector learn from the image rows (their gradients are not zero)
+    assert grads["model.multi_modal_projector.linear_1.weight"].abs().sum() > 0
+    assert grads["model.vision_tower.encoder.layers.0.mlp.fc1.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(pipeline_parallel_size=2), r"^--data_format vision under --pipeline_parallel_size 2 "
+                                     r"--context_parallel_size 1 is not served yet; train an image-text-to-text model "
+                                     r"with tp, dp and ZeRO$"),
+    (dict(block_size=48), r"rows.jsonl row 3: \d+ tokens with its images' tokens, more than --block_size 48; raise "
+                          r"--block_size or shorten the row$"),
+])
+def test_bad_flags_are_one_line(files, flags, message):
+    from plait.run.trainer import check_before_launch
+
+    with pytest.raises(ConfigError, match=message):
+        check_before_launch(vlm_args(files, **flags), 2)
