@@ -6,6 +6,7 @@ nothing."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,35 @@ def test_labels_and_images_reach_the_model(one_process):
     # the vision tower and projector learn from the image rows (their gradients are not zero)
     assert grads["model.multi_modal_projector.linear_1.weight"].abs().sum() > 0
     assert grads["model.vision_tower.encoder.layers.0.mlp.fc1.weight"].abs().sum() > 0
+
+
+def test_a_checkpoint_consolidates_into_a_model_and_processor_transformers_loads(files, tmp_path):
+    """``plait consolidate`` of a tp=2 checkpoint: AutoModelForImageTextToText loads it with no key missing or left
+    over, its weights the run's; AutoProcessor loads the processor saved beside it, the same token ids as before."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from plait.testing import launch
+    from processes import run as run_command
+
+    flags = {**vlm_args(files, output_dir=str(tmp_path / "run"), tensor_parallel_size=2, max_steps=2,
+                        save_final=True).__dict__}
+    (tmp_path / "flags.json").write_text(json.dumps({"tp2": flags}))
+    launch([str(Path(__file__).parent / "workers" / "trainers.py"), str(tmp_path / "runs.json"),
+            str(tmp_path / "flags.json")], 2, timeout=300)
+    done = run_command([sys.executable, "-m", "plait", "consolidate", str(tmp_path / "run" / "checkpoint-2"),
+                        str(tmp_path / "hf")], timeout=300)
+    assert f"AutoModelForImageTextToText.from_pretrained('{tmp_path / 'hf'}')" in done.stdout
+    model, info = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info
+    start = AutoModelForImageTextToText.from_pretrained(files / "model")
+    trained = dict(model.named_parameters())
+    assert all(trained[name].shape == p.shape for name, p in start.named_parameters())
+    assert not torch.equal(trained["model.multi_modal_projector.linear_1.weight"],
+                           dict(start.named_parameters())["model.multi_modal_projector.linear_1.weight"])
+    processor, saved = AutoProcessor.from_pretrained(tmp_path / "hf"), AutoProcessor.from_pretrained(files / "model")
+    text = saved.apply_chat_template([turn("user", None, "describe")], tokenize=False)
+    image = [picture(0)]
+    assert processor(text=text, images=image)["input_ids"] == saved(text=text, images=image)["input_ids"]
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -169,7 +169,16 @@ def cmd_consolidate(ns: argparse.Namespace) -> None:
         print(f"wrote {target}: load it with transformers.AutoModelForCausalLM.from_pretrained on a local copy")
         return
     out = consolidate(ns.checkpoint_dir, target, format=ns.format, dtype=ns.dtype, **shard)
-    print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    print(f"wrote {out}: load it with transformers.{auto_class(out)}.from_pretrained({str(out)!r})")
+
+
+def auto_class(directory: str | os.PathLike) -> str:
+    """The Auto class that loads the consolidated ``directory``: an image-text-to-text model's, or a causal LM's."""
+    from transformers import AutoConfig  # when run (module docstring)
+
+    from plait.base.meta import model_class
+
+    return model_class(AutoConfig.from_pretrained(directory)).__name__
 
 
 def cmd_check_adapter(ns: argparse.Namespace) -> None:

@@ -40,7 +40,8 @@ VISION: dict[str, Any] = {
 }
 # Top-level sizes that count an image's tokens or widths from the full-size tower; derived again from the tiny one.
 TOP: dict[str, Any] = {"projection_dim": 32, "image_seq_length": (IMAGE // PATCH) ** 2, "mm_tokens_per_image": 4,
-                       "vision_feature_layer": -1}
+                       "vision_feature_layer": -1, "projection_hidden_size": 32, "projector_hidden_size": 32,
+                       "out_hidden_size": 32, "alignment_intermediate_size": 64}
 # Token ids that open and close an image where the config has them: the processor's layout, and the Qwen-VL
 # family's M-RoPE groups consecutive image tokens into one image, so two images in a row need them between.
 START_KEYS = ("vision_start_token_id", "image_start_token_id", "boi_token_index", "boi_token_id")
@@ -49,11 +50,34 @@ IMAGE_KEYS = ("image_token_id", "image_token_index")
 # Per-type values (dotted keys reach into a sub-config) where the generic fixes above do not build a model that runs.
 FIXES: dict[str, dict[str, Any]] = {
     # anyres: one grid pinpoint the size of the image, so each image is its base view and one tile
-    **{arch: {"image_grid_pinpoints": [[IMAGE, IMAGE]]} for arch in ("llava_next", "llava_next_video")},
+    **{arch: {"image_grid_pinpoints": [[IMAGE, IMAGE]]} for arch in ("llava_next", "llava_next_video",
+                                                                    "llava_onevision")},
+    # the projector's learned queries per patch count: the checkpoints' counts (35x35, 70x70 patches) for 4x4
+    "aria": {"projector_patch_to_query_dict": {(IMAGE // PATCH) ** 2: 4}},
+    # the adapter pools the last two of the tower's layers (the checkpoints' 24th and 18th)
+    "molmo2": {"adapter_config.vision_feature_layer": [-1, -2]},
+    # which vision layers feed which decoder layers (no default): the last tower layer into the first decoder layer
+    "granite4_vision": {"deepstack_layer_map": [[-1, 0]]},
+    # its position table has a row per patch of the largest image (2048 pixels a side)
+    "hunyuan_vl": {"vision_config.max_image_size": 4 * IMAGE, "vision_config.min_image_size": IMAGE},
+    # its MLA attention expands keys for every head, and divides the heads by num_key_value_heads (tiny.py's rule)
+    **{arch: {"text_config.num_key_value_heads": SIZES["num_attention_heads"]} for arch in ("mistral_large4",
+                                                                                             "kimi_k25")},
+    # its decoder builds a sliding-window mask whatever its layer kinds, and the window defaults to None
+    "step3p7": {"text_config.sliding_window": SIZES["sliding_window"]},
+    # the thinker's M-RoPE finds images by the token after vision_start_token_id, which its config class lacks
+    # (a checkpoint's config.json carries it): the checkpoint's ids, moved into the vocabulary with the others
+    **{arch: {"vision_start_token_id": 151652, "vision_end_token_id": 151653}
+       for arch in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")},
     # the adapter's first layer reads the pixel-shuffled width (4 x hidden at ratio 0.5) as the vision MLP's width
     "llama4": {"vision_config.intermediate_size": 4 * VISION["hidden_size"]},
 }
 
+# One flattened patch where it is not channels x temporal_patch_size x patch x patch: a 2D convolution's input
+# (Kimi), a tower that keeps temporal_patch_size in its config but embeds one frame (HunYuan), or one that embeds
+# two frames without the key (Muse Glimmer).
+PATCH_SHAPES: dict[str, tuple[int, ...]] = {"kimi_k25": (CHANNELS, PATCH, PATCH), "hunyuan_vl": (CHANNELS * PATCH**2,),
+                                            "muse_glimmer": (2 * CHANNELS * PATCH**2,)}
 # Llama4ForConditionalGeneration's forward builds its output from the text model's, which has no ``image_outputs``
 # (AttributeError after the loss): with config.return_dict False its body returns the tuple before that, while
 # return_dict=True keeps the output-capturing wrapper from converting that tuple again.
@@ -79,7 +103,7 @@ def tiny_image_text_config(model_type: str) -> PretrainedConfig:
         *path, last = dotted.split(".")
         functools.reduce(lambda d, k: d[k], path, values)[last] = value
     _move_token_ids(values)
-    if "image_grid_thw" in _forward_names(model_type):
+    if "image_grid_thw" in _forward_names(model_type):  # the Qwen-VL family's inputs, and its M-RoPE
         _mrope(values.get("text_config") or values)
     return config_class(**values)
 
@@ -158,11 +182,13 @@ def image_pixels(config: PretrainedConfig, images: int, generator: torch.Generat
     if "image_grid_thw" in names:
         side = IMAGE // PATCH
         width = channels * getattr(vision, "temporal_patch_size", 1) * PATCH**2
-        return {"pixel_values": torch.randn(images * side * side, width, generator=generator),
+        shape = PATCH_SHAPES.get(config.model_type, (width,))
+        return {"pixel_values": torch.randn(images * side * side, *shape, generator=generator),
                 "image_grid_thw": torch.tensor([[1, side, side]] * images)}
-    if "pixel_attention_mask" in names:
+    if "pixel_attention_mask" in names:  # one crop an image; Granite-Docling's mask marks real tiles, not pixels
+        tiles = (images, 1) if config.model_type == "granite_docling" else (images, 1, IMAGE, IMAGE)
         return {"pixel_values": torch.randn(images, 1, channels, IMAGE, IMAGE, generator=generator),
-                "pixel_attention_mask": torch.ones(images, 1, IMAGE, IMAGE, dtype=torch.bool)}
+                "pixel_attention_mask": torch.ones(tiles, dtype=torch.bool)}
     if getattr(config, "image_grid_pinpoints", None):
         return {"pixel_values": torch.randn(images, 2, channels, IMAGE, IMAGE, generator=generator),
                 "image_sizes": sizes}

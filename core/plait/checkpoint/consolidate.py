@@ -33,7 +33,8 @@ from plait.checkpoint.st_io import DTYPES, SafetensorsWriter, byte_view, tensor_
 from plait.checkpoint.state import local_params
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "processor_config.json", "preprocessor_config.json")  # an image-text model's processor too
 # Tensors that pass through memory are assembled and written a block of rows at a time. A block that stays in
 # the CPU cache between the read that fills it and the pwrite that empties it made those writes 3-5x faster
 # than 16 MiB blocks (240 MiB of column-split weights: pwrite 0.1-0.2 s against 0.6-1.3 s).

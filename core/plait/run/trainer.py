@@ -401,7 +401,7 @@ class Trainer:
                  "empty_steps": self.empty_steps}
         path = checkpoint_path(self.checkpoints, step)
         pending = prepare_save(path, self.pmodel, self.optimizer, self.scheduler, step, extra,
-                               tokenizer=self.tokenizer)
+                               tokenizer=self.method.preprocessor(self.tokenizer))
         if self.saver is None:
             self._saved(write_save(pending, comm.world_group()))
         else:

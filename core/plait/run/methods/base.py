@@ -94,6 +94,11 @@ class TrainingMethod(ABC):
         """Metrics over the validation data (what ``load_data`` read beside the training data), the same on every
         rank (every rank calls it: it holds collectives); ``batch_size``: examples per dp rank and forward."""
 
+    def preprocessor(self, tokenizer: Any) -> Any:
+        """What a checkpoint saves beside the weights for ``plait consolidate`` to ship (its ``save_pretrained``):
+        default the run's tokenizer; an image-text model's whole processor."""
+        return tokenizer
+
     def step_tokens(self) -> int | None:
         """The tokens the step just run put through the model (its throughput's numerator), once ``step_metrics``
         has run; None: the global batch's blocks x --block_size."""

@@ -54,8 +54,9 @@ class VisionSFT(TrainingMethod):
     """``examples``: the encoded training rows; ``pad_id``: the tokenizer's pad token; ``multiple``: what a
     micro-batch's length is padded to a multiple of (tp under sequence parallelism)."""
 
-    def __init__(self, examples: list[Example], pad_id: int, multiple: int = 1, stand_in: bool = False) -> None:
-        self.examples, self.pad_id, self.multiple = examples, pad_id, multiple
+    def __init__(self, examples: list[Example], pad_id: int, multiple: int = 1, stand_in: bool = False,
+                 processor: Any = None) -> None:
+        self.examples, self.pad_id, self.multiple, self.processor = examples, pad_id, multiple, processor
         self.tokens = 0
         with_images = next((e for e in examples if e.num_images), None) if stand_in else None
         self.stand_in = None if with_images is None else dataclasses.replace(
@@ -83,11 +84,15 @@ class VisionSFT(TrainingMethod):
     def create(cls, trainer: Any) -> VisionSFT:
         tokenizer, config = trainer.tokenizer, trainer.pmodel.config
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        fsdp = trainer.pmodel.fsdp is not None
-        return cls(trainer.blocks, pad, config.tp if config.sequence_parallel else 1, stand_in=fsdp)
+        fsdp, args = trainer.pmodel.fsdp is not None, trainer.args
+        return cls(trainer.blocks, pad, config.tp if config.sequence_parallel else 1, stand_in=fsdp,
+                   processor=load_processor(args.tokenizer_name or args.model_name_or_path))
 
     def __len__(self) -> int:
         return len(self.examples)
+
+    def preprocessor(self, tokenizer: Any) -> Any:
+        return self.processor or tokenizer  # its image processor and template, for consolidate to ship
 
     def describe(self, block_size: int) -> str:
         images = sum(example.num_images for example in self.examples)
