@@ -55,9 +55,21 @@ def vlm_args(root: Path, **flags) -> TrainArgs:
     return TrainArgs(**{**base, **flags})
 
 
+# LoRA on the language model (the default targets: the tp plan's projections) or on the vision tower too (names both
+# have); each against one process with the same flags
+BOTH = "q_proj,k_proj,v_proj,o_proj,out_proj,fc1,fc2"
 LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "zero1_dp2": dict(per_device_train_batch_size=2, zero_stage=1),
            "zero3_dp2": dict(per_device_train_batch_size=2, zero_stage=3),
-           "zero2_dp2_accumulation": dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, zero_stage=2)}
+           "zero2_dp2_accumulation": dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, zero_stage=2),
+           "tp2_sp_lora": dict(tensor_parallel_size=2, lora_r=4),
+           "dp2_lora_both": dict(per_device_train_batch_size=2, lora_r=4, lora_target_modules=BOTH),
+           "tp2_frozen_tower": dict(tensor_parallel_size=2, freeze_vision_tower=True, freeze_projector=True)}
+ONE_PROCESS = {"full": {}, "lora": dict(lora_r=4), "lora_both": dict(lora_r=4, lora_target_modules=BOTH),
+               "frozen": dict(freeze_vision_tower=True, freeze_projector=True)}
+
+
+def reference_of(layout: str) -> str:
+    return {"tp2_sp_lora": "lora", "dp2_lora_both": "lora_both", "tp2_frozen_tower": "frozen"}.get(layout, "full")
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +77,12 @@ def one_process(files, tmp_path_factory):
     from plait.run.trainer import Trainer
     from workers.trainers import capture_gradients, whole
 
-    trainer = Trainer(vlm_args(files, output_dir=str(tmp_path_factory.mktemp("one"))))
-    kept = capture_gradients(trainer)
-    return trainer.train(), whole([kept])
+    runs = {}
+    for name, flags in ONE_PROCESS.items():
+        trainer = Trainer(vlm_args(files, output_dir=str(tmp_path_factory.mktemp(name)), **flags))
+        kept = capture_gradients(trainer)
+        runs[name] = (trainer.train(), whole([kept]))
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +101,7 @@ def layouts(files, tmp_path_factory):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layout_trains_as_one_process(one_process, layouts, layout):
-    history, grads = one_process
+    history, grads = one_process[reference_of(layout)]
     records, got_grads = layouts[layout]
     for rank, record in enumerate(records):
         for got, expected in zip(record["history"], history, strict=True):
@@ -100,7 +115,7 @@ def test_every_layout_trains_as_one_process(one_process, layouts, layout):
 
 
 def test_labels_and_images_reach_the_model(one_process):
-    history, grads = one_process
+    history, grads = one_process["full"]
     assert history[-1]["loss"] < history[0]["loss"]
     # the vision tower and projector learn from the image rows (their gradients are not zero)
     assert grads["model.multi_modal_projector.linear_1.weight"].abs().sum() > 0
@@ -134,6 +149,30 @@ def test_a_checkpoint_consolidates_into_a_model_and_processor_transformers_loads
     text = saved.apply_chat_template([turn("user", None, "describe")], tokenize=False)
     image = [picture(0)]
     assert processor(text=text, images=image)["input_ids"] == saved(text=text, images=image)["input_ids"]
+
+
+def test_freezing_and_lora_train_what_they_name(one_process):
+    trained = {name: set(grads) for name, (_, grads) in one_process.items()}
+    vision = ("model.vision_tower.", "model.multi_modal_projector.")
+    assert not any(n.startswith(vision) for n in trained["frozen"])  # neither tower nor projector takes a step
+    assert any(n.startswith("model.language_model.") for n in trained["frozen"])
+    assert trained["lora"] and all("lora_" in n and not n.startswith(vision) for n in trained["lora"])
+    assert any(n.startswith("model.vision_tower.") and "lora_" in n for n in trained["lora_both"])
+    assert all("lora_" in n for n in trained["lora_both"])
+
+
+def test_freezing_a_text_model_is_refused(tmp_path):
+    from transformers import LlamaConfig
+
+    from plait.run.trainer import plan_run
+
+    config = tmp_path / "config.json"
+    config.write_text(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4).to_json_string())
+    args = TrainArgs(model_config=str(config), train_file=str(config), freeze_vision_tower=True, device="cpu",
+                     output_dir=str(tmp_path / "out"))
+    with pytest.raises(ConfigError, match=r"^--freeze_vision_tower: LlamaForCausalLM is a text model; drop it$"):
+        plan_run(args, 1)
 
 
 @pytest.mark.parametrize("flags, message", [

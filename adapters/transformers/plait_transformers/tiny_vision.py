@@ -9,14 +9,16 @@ The config starts from ``tiny_config`` (which shrinks every sub-config) and fixe
 (checkpoints put them past the text vocabulary). How many placeholder tokens an image takes is measured, not
 derived: each family (CLS kept or dropped, pixel shuffle, pooling, spatial merge, anyres tiles) counts differently
 and releases change the rule, while the model's own ``get_image_features`` is what its forward checks the
-placeholders against.
+placeholders against; a config's ``image_seq_length`` (the processor's count) is set to that measure.
+
+Run as ``python -m plait_transformers.tiny_vision`` for the table over every installed type.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import math
+import json
 from typing import Any
 
 import torch
@@ -24,10 +26,10 @@ from transformers import AutoModelForImageTextToText, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
+from plait_transformers import MAX_TINY_PARAMETERS
 from plait_transformers.tiny import SIZES, tiny_config
 
 IMAGE, PATCH, VISION_LAYERS, CHANNELS = 16, 4, 2, 3
-MAX_PARAMETERS = 5_000_000
 # Vision-side sizes, set on the keys a sub-config other than the text decoder has: every width the decoder's
 # (projectors map one to the other; the models check several are equal), a 16x16 image in 4x4 patches (16 patches,
 # 2x2 after a 2x2 merge or pixel shuffle).
@@ -39,9 +41,11 @@ VISION: dict[str, Any] = {
     "projector_output_dim": 32,
 }
 # Top-level sizes that count an image's tokens or widths from the full-size tower; derived again from the tiny one.
-TOP: dict[str, Any] = {"projection_dim": 32, "image_seq_length": (IMAGE // PATCH) ** 2, "mm_tokens_per_image": 4,
-                       "vision_feature_layer": -1, "projection_hidden_size": 32, "projector_hidden_size": 32,
-                       "out_hidden_size": 32, "alignment_intermediate_size": 64}
+# (also on the text decoder's config, where PaliGemma keeps its image token count)
+TOP: dict[str, Any] = {"projection_dim": 32, "mm_tokens_per_image": 4, "num_image_tokens": (IMAGE // PATCH) ** 2,
+                       "vision_feature_layer": -1,
+                       "projection_hidden_size": 32, "projector_hidden_size": 32, "out_hidden_size": 32,
+                       "alignment_intermediate_size": 64, "num_query_tokens": 4}
 # Token ids that open and close an image where the config has them: the processor's layout, and the Qwen-VL
 # family's M-RoPE groups consecutive image tokens into one image, so two images in a row need them between.
 START_KEYS = ("vision_start_token_id", "image_start_token_id", "boi_token_index", "boi_token_id")
@@ -98,14 +102,22 @@ def tiny_image_text_config(model_type: str) -> PretrainedConfig:
             sub.update({k: _like(sub[k], v) for k, v in VISION.items() if isinstance(sub.get(k), (int, list))})
             if isinstance(sub.get("layer_types"), list):
                 sub["layer_types"] = sub["layer_types"][:VISION_LAYERS]
-    values.update({k: v for k, v in TOP.items() if k in values and values[k] is not None})
+    for part in (values, values.get("text_config") or {}):
+        part.update({k: v for k, v in TOP.items() if k in part and part[k] is not None})
     for dotted, value in FIXES.get(model_type, {}).items():
         *path, last = dotted.split(".")
         functools.reduce(lambda d, k: d[k], path, values)[last] = value
+    unset = [k for k in IMAGE_KEYS if k in values and values[k] is None]
+    if unset and not any(isinstance(values.get(k), int) for k in IMAGE_KEYS):  # set by a checkpoint's config.json
+        values[unset[0]] = max([_vocab(values)] + [values[k] for k in _special_keys(values)]) + 1
     _move_token_ids(values)
-    if "image_grid_thw" in _forward_names(model_type):  # the Qwen-VL family's inputs, and its M-RoPE
+    declared = [config_class, config_class.sub_configs.get("text_config")]  # the classes that take mrope_section
+    if any("mrope_section" in getattr(c, "ignore_keys_at_rope_validation", ()) for c in declared):
         _mrope(values.get("text_config") or values)
-    return config_class(**values)
+    config = config_class(**values)
+    if getattr(config, "image_seq_length", None) is not None:  # the processor's count (no forward reads it)
+        config.image_seq_length = _tokens_per_image(config.to_json_string(), model_type)
+    return config
 
 
 def _like(old: int | list, value: int) -> int | list:
@@ -173,8 +185,9 @@ def _forward_names(model_type: str, features: bool = False) -> set[str]:
 
 def image_pixels(config: PretrainedConfig, images: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """Pixel inputs of ``images`` images, batched by image along dim 0, in the layout the model's forward takes:
-    flattened patches beside ``image_grid_thw`` (Qwen-VL), one crop a row beside its pixel mask (Idefics),
-    a base view and a tile beside ``image_sizes`` (LLaVA-NeXT), or plain [images, channels, 16, 16]."""
+    flattened patches beside ``image_grid_thw`` (Qwen-VL) or ``spatial_shapes`` (NaFlex), one crop a row beside
+    its pixel mask (Idefics), a base view and a tile beside ``image_sizes`` (LLaVA-NeXT), or plain
+    [images, channels, 16, 16] (beside ``image_sizes`` where the tower takes them)."""
     names, features = _forward_names(config.model_type), _forward_names(config.model_type, features=True)
     vision = getattr(config, "vision_config", None)
     channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None) or CHANNELS
@@ -183,8 +196,16 @@ def image_pixels(config: PretrainedConfig, images: int, generator: torch.Generat
         side = IMAGE // PATCH
         width = channels * getattr(vision, "temporal_patch_size", 1) * PATCH**2
         shape = PATCH_SHAPES.get(config.model_type, (width,))
-        return {"pixel_values": torch.randn(images * side * side, *shape, generator=generator),
+        grid = {"pixel_values": torch.randn(images * side * side, *shape, generator=generator),
                 "image_grid_thw": torch.tensor([[1, side, side]] * images)}
+        if "image_merge_sizes" in names:  # VideoLLaMA3: each image's own merge (its processor's, 1 for images)
+            grid["image_merge_sizes"] = torch.ones(images, dtype=torch.long)
+        return grid
+    if "spatial_shapes" in names:  # NaFlex (LFM2-VL): each image's flattened patches, grid and patch mask
+        side = IMAGE // PATCH
+        return {"pixel_values": torch.randn(images, side * side, channels * PATCH**2, generator=generator),
+                "spatial_shapes": torch.tensor([[side, side]] * images),
+                "pixel_attention_mask": torch.ones(images, side * side, dtype=torch.bool)}
     if "pixel_attention_mask" in names:  # one crop an image; Granite-Docling's mask marks real tiles, not pixels
         tiles = (images, 1) if config.model_type == "granite_docling" else (images, 1, IMAGE, IMAGE)
         return {"pixel_values": torch.randn(images, 1, channels, IMAGE, IMAGE, generator=generator),
@@ -200,7 +221,7 @@ def image_pixels(config: PretrainedConfig, images: int, generator: torch.Generat
 def _tokens_per_image(config_json: str, model_type: str) -> int:
     """How many placeholder tokens one image takes: the rows of the model's own image features for one image,
     measured on a model built under a forked RNG so the caller's seeds are untouched."""
-    config = CONFIG_MAPPING[model_type].from_dict(__import__("json").loads(config_json))
+    config = CONFIG_MAPPING[model_type].from_dict(json.loads(config_json))
     with torch.random.fork_rng(), torch.no_grad():
         torch.manual_seed(0)
         model = AutoModelForImageTextToText.from_config(config).eval()
@@ -263,8 +284,8 @@ def check(model_type: str, images_per_row: tuple[int, ...] = (1, 2, 0, 1)) -> st
         torch.manual_seed(0)
         model = AutoModelForImageTextToText.from_config(config).float().train()
         count = sum(p.numel() for p in model.parameters())
-        if count >= MAX_PARAMETERS:
-            return f"refused: model: {count:,} parameters, over the {MAX_PARAMETERS:,} a tiny model may have"
+        if count >= MAX_TINY_PARAMETERS:
+            return f"refused: model: {count:,} parameters, over the {MAX_TINY_PARAMETERS:,} a tiny model may have"
         step = "batch"
         input_ids, attention_mask, labels, pixels, extras = image_text_batch(config, list(images_per_row))
         step = "forward"

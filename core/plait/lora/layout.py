@@ -22,6 +22,7 @@ Under ep a rank holds its experts' rows of A and columns of B (``ShardSpec.exper
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -94,15 +95,21 @@ class LoraPlan:
         return set(self.specs(0))
 
 
-def default_targets(model: nn.Module, tp_plan) -> list[str]:
+def default_targets(model: nn.Module, tp_plan) -> list[str] | str:
     """The projections the adapter's TP plan splits as column or row (attention and MLP), as the last
-    component of their names (peft's ``target_modules`` style: ``["q_proj", "k_proj", ...]``)."""
+    component of their names (peft's ``target_modules`` style: ``["q_proj", "k_proj", ...]``); where other modules
+    end in the same names (an image-text model's vision tower: its own q_proj, ...), the planned ones by their whole
+    names, as peft's regular-expression form (the language model only)."""
     if tp_plan is None:
         example = setting("target_modules", ["q_proj", "v_proj"])
         raise ConfigError(f"the model's adapter has no TP plan to take LoRA target modules from; name them, e.g. "
                           f"{example}")
     shards = plan_tensor_parallel(model, tp_plan, 1, 0, parallel_embeddings=False)
-    return sorted({name.rpartition(".")[2] for name, s in shards.items() if isinstance(s.style, (Column, Row))})
+    planned = {name for name, s in shards.items() if isinstance(s.style, (Column, Row))}
+    suffixes = sorted({name.rpartition(".")[2] for name in planned})
+    if {name for name, _ in model.named_modules() if name.rpartition(".")[2] in suffixes} <= planned:
+        return suffixes
+    return "|".join(re.escape(name) for name in sorted(planned))
 
 
 def parameter_targets(model: nn.Module, config: LoraConfig) -> dict[str, tuple[str, str]]:

@@ -118,6 +118,8 @@ class TrainArgs(MethodArgs):
     train_on_prompt: bool = field(default=False, metadata={"help": "SFT: train on prompt / user tokens too (default: only completion / assistant tokens count)"})
     packing: bool = field(default=False, metadata={"help": "SFT: pack several examples per block, attention kept within each (default: one example per block, padded); dpo, cpo, orpo: pack each micro-batch's pairs into rows of up to two --block_size, each pair's chosen and rejected side by side"})
     overlong: str = field(default="truncate", metadata={"help": "SFT examples longer than --block_size: truncate (keep the first block_size tokens), drop (truncate, and skip every example left with no token to train on) or refuse"})
+    freeze_vision_tower: bool = field(default=False, metadata={"help": "an image-text-to-text model's vision tower (the encoder of the images) takes no step"})
+    freeze_projector: bool = field(default=False, metadata={"help": "an image-text-to-text model's projector (what maps image features into the language model's width) takes no step"})
     lora_r: int = field(default=0, metadata={"help": "train LoRA adapters of this rank on the frozen model (0: train every parameter)"})
     lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r (peft's LoraConfig)"})
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input (peft's lora_dropout)"})

@@ -52,6 +52,7 @@ from plait.run.stragglers import StragglerWatch, straggler_line
 from plait.run.log_line import log_line, progress_text
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.table import method_for
+from plait.run.methods.vision_sft import freeze_vision
 from plait.run.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_rows
 from plait.run.model_config import read_model_config
 from plait.run.moe_metrics import RoutingMetrics
@@ -154,6 +155,7 @@ def plan_run(args: TrainArgs, world: int) -> tuple[Path | None, PretrainedConfig
     model_config = read_model_config(args, resume)
     # ZeRO-2/3 keeps fp32 shards (the master weights) and gathers them in bf16 (ParallelConfig.mixed_precision)
     meta = build_meta_model(model_config, torch.bfloat16 if args.bf16 and args.zero_stage < 2 else torch.float32)
+    freeze_vision(meta, args.freeze_vision_tower, args.freeze_projector)
     check_resume_matches(args, meta, resume)
     check_model_fits(args, model_config)
     saved = saved_lora(read_index(resume)[1].extra) if resume is not None else None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,14 @@ import torch
 from plait.base import comm
 from plait.base.config import ConfigError
 from plait.base.mesh import Mesh
+from plait.base.meta import takes_images
 from plait.data import local_microbatch
 from plait.data.vision import Example, VisionBatch, VisionEncoder, collate, load_processor, read_rows
 from plait.parallel_model import ParallelModel
 from plait.run.methods.base import TrainingMethod
+
+TOWER = re.compile(r"vision|visual|image_encoder")  # the image encoder's name among the base model's children
+PROJECTOR = re.compile(r"projector|connector|merger|aligner")  # what maps its features into the text width
 
 
 def read_examples(path: str, encoder: VisionEncoder, block_size: int) -> list[Example]:
@@ -43,6 +48,38 @@ def read_examples(path: str, encoder: VisionEncoder, block_size: int) -> list[Ex
             raise ConfigError(f"{example.where}: {len(example.input_ids)} tokens with its images' tokens, more than "
                               f"--block_size {block_size}; raise --block_size or shorten the row")
     return examples
+
+
+def vision_modules(model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """The names of an image-text-to-text model's vision towers and projectors: the base model's children named as
+    transformers names them (``vision_tower``, ``visual``, ``vision_model``; ``multi_modal_projector``,
+    ``connector``), and a projector inside a tower (Qwen-VL's ``visual.merger``)."""
+    base = getattr(model, "model", model)
+    prefix = "model." if base is not model else ""
+    towers = [f"{prefix}{name}" for name, _ in base.named_children() if TOWER.search(name)]
+    projectors = [f"{prefix}{name}" for name, _ in base.named_children() if PROJECTOR.search(name)]
+    projectors += [f"{tower}.{name}" for tower in towers for name, _ in model.get_submodule(tower).named_children()
+                   if PROJECTOR.search(name)]
+    return towers, projectors
+
+
+def freeze_vision(model: torch.nn.Module, tower: bool, projector: bool) -> None:
+    """--freeze_vision_tower, --freeze_projector: their parameters take no gradient (a projector inside the tower
+    follows its own flag); one line for a model that has none."""
+    if not (tower or projector):
+        return
+    towers, projectors = vision_modules(model)
+    flags = [("--freeze_vision_tower", tower, towers), ("--freeze_projector", projector, projectors)]
+    for flag, asked, found in flags:
+        if asked and not found:
+            children = [name for name, _ in getattr(model, "model", model).named_children()]
+            what = "is a text model" if not takes_images(model.config) else f"has none among {children}"
+            raise ConfigError(f"{flag}: {type(model).__name__} {what}; drop it")
+    for name, param in model.named_parameters():
+        in_projector = any(name.startswith(f"{p}.") for p in projectors)
+        in_tower = not in_projector and any(name.startswith(f"{t}.") for t in towers)
+        if (projector and in_projector) or (tower and in_tower):
+            param.requires_grad_(False)
 
 
 def labelled(example: Example) -> int:
