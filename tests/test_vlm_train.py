@@ -63,7 +63,9 @@ LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "zero1_dp2": dict(per_device_
            "zero2_dp2_accumulation": dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, zero_stage=2),
            "tp2_sp_lora": dict(tensor_parallel_size=2, lora_r=4),
            "dp2_lora_both": dict(per_device_train_batch_size=2, lora_r=4, lora_target_modules=BOTH),
-           "tp2_frozen_tower": dict(tensor_parallel_size=2, freeze_vision_tower=True, freeze_projector=True)}
+           "tp2_frozen_tower": dict(tensor_parallel_size=2, freeze_vision_tower=True, freeze_projector=True),
+           # each decoder layer recomputed in backward
+           "zero1_dp2_checkpointing": dict(per_device_train_batch_size=2, zero_stage=1, gradient_checkpointing=True)}
 ONE_PROCESS = {"full": {}, "lora": dict(lora_r=4), "lora_both": dict(lora_r=4, lora_target_modules=BOTH),
                "frozen": dict(freeze_vision_tower=True, freeze_projector=True)}
 

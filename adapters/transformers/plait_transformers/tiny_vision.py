@@ -111,7 +111,8 @@ def tiny_image_text_config(model_type: str) -> PretrainedConfig:
     if unset and not any(isinstance(values.get(k), int) for k in IMAGE_KEYS):  # set by a checkpoint's config.json
         values[unset[0]] = max([_vocab(values)] + [values[k] for k in _special_keys(values)]) + 1
     _move_token_ids(values)
-    declared = [config_class, config_class.sub_configs.get("text_config")]  # the classes that take mrope_section
+    text_type = (values.get("text_config") or {}).get("model_type")
+    declared = [config_class, CONFIG_MAPPING.get(text_type)]  # whether the rotary module reads mrope_section
     if any("mrope_section" in getattr(c, "ignore_keys_at_rope_validation", ()) for c in declared):
         _mrope(values.get("text_config") or values)
     config = config_class(**values)
