@@ -112,8 +112,8 @@ def tiny_image_text_config(model_type: str) -> PretrainedConfig:
         values[unset[0]] = max([_vocab(values)] + [values[k] for k in _special_keys(values)]) + 1
     _move_token_ids(values)
     text_type = (values.get("text_config") or {}).get("model_type")
-    declared = [config_class, CONFIG_MAPPING.get(text_type)]  # whether the rotary module reads mrope_section
-    if any("mrope_section" in getattr(c, "ignore_keys_at_rope_validation", ()) for c in declared):
+    declared = [config_class] + ([CONFIG_MAPPING[text_type]] if text_type in CONFIG_MAPPING else [])
+    if any("mrope_section" in getattr(c, "ignore_keys_at_rope_validation", ()) for c in declared):  # M-RoPE
         _mrope(values.get("text_config") or values)
     config = config_class(**values)
     if getattr(config, "image_seq_length", None) is not None:  # the processor's count (no forward reads it)
