@@ -42,10 +42,8 @@ def test_llava_trains_as_one_process_on_every_served_layout(results, layout):
     ("zero3_no_image", "under ZeRO-3 every micro-batch needs an image (FSDP reduces the vision tower's gradients "
                        "only where it ran), but micro-batch 0 of replica 0 has none; mix the image rows over the "
                        "batch, or use ZeRO-1"),
-    ("pp2", "image inputs under pp=2: the first stage does not feed the vision tower and projector yet; use tp, dp "
-            "and ZeRO for an image-text-to-text model"),
     ("cp2", "image inputs under cp=2: the image features merge into the whole sequence, which cp cuts first; use "
-            "tp, dp and ZeRO for an image-text-to-text model"),
+            "tp, pp, dp and ZeRO for an image-text-to-text model"),
 ])
 def test_what_is_not_served_is_refused_on_every_rank(results, case, message):
     assert results[f"refused-{case}"] == [message, message]

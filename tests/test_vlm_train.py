@@ -65,7 +65,9 @@ LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "zero1_dp2": dict(per_device_
            "dp2_lora_both": dict(per_device_train_batch_size=2, lora_r=4, lora_target_modules=BOTH),
            "tp2_frozen_tower": dict(tensor_parallel_size=2, freeze_vision_tower=True, freeze_projector=True),
            # each decoder layer recomputed in backward
-           "zero1_dp2_checkpointing": dict(per_device_train_batch_size=2, zero_stage=1, gradient_checkpointing=True)}
+           "zero1_dp2_checkpointing": dict(per_device_train_batch_size=2, zero_stage=1, gradient_checkpointing=True),
+           # the vision tower on the first stage, each micro-batch's images with its rows
+           "pp2": dict(pipeline_parallel_size=2, num_microbatches=2)}
 ONE_PROCESS = {"full": {}, "lora": dict(lora_r=4), "lora_both": dict(lora_r=4, lora_target_modules=BOTH),
                "frozen": dict(freeze_vision_tower=True, freeze_projector=True)}
 
@@ -178,9 +180,9 @@ def test_freezing_a_text_model_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (dict(pipeline_parallel_size=2), r"^--data_format vision under --pipeline_parallel_size 2 "
-                                     r"--context_parallel_size 1 is not served yet; train an image-text-to-text model "
-                                     r"with tp, dp and ZeRO$"),
+    (dict(context_parallel_size=2), r"^--data_format vision under --context_parallel_size 2 is not served yet \(the "
+                                    r"image features merge into the whole sequence, which cp cuts first\); train an "
+                                    r"image-text-to-text model with tp, pp, dp and ZeRO$"),
     (dict(block_size=48), r"rows.jsonl row 3: \d+ tokens with its images' tokens, more than --block_size 48; raise "
                           r"--block_size or shorten the row$"),
 ])

@@ -374,11 +374,10 @@ class ParallelModel(nn.Module):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, microbatches: int = 1,
         train: bool | None = None, images: ImageBatch | None = None,
     ) -> None:
-        if images is not None and (self.pipeline is not None or self.cp is not None):
-            why = (f"pp={self.mesh.pp}: the first stage does not feed the vision tower and projector yet"
-                   if self.pipeline is not None else
-                   f"cp={self.mesh.cp}: the image features merge into the whole sequence, which cp cuts first")
-            raise ConfigError(f"image inputs under {why}; use tp, dp and ZeRO for an image-text-to-text model")
+        if images is not None and self.cp is not None:
+            raise ConfigError(f"image inputs under cp={self.mesh.cp}: the image features merge into the whole "
+                              f"sequence, which cp cuts first; use tp, pp, dp and ZeRO for an image-text-to-text "
+                              f"model")
         if images is not None and images.rows != input_ids.shape[0]:
             raise ConfigError(f"the image inputs are of {images.rows} rows, the input_ids of {input_ids.shape[0]}; "
                               f"pass the images of the same rows (ImageBatch.take, ParallelModel.local_batch)")
@@ -413,22 +412,22 @@ class ParallelModel(nn.Module):
             )
         if num_items_in_batch is None:
             num_items_in_batch = count_label_tokens(labels).clamp(min=1)
+        pictures = images.chunk(m) if images is not None else [None] * m
+        if images is not None and self.fsdp is not None:
+            self._check_images_everywhere(pictures)
         if self.pipeline is not None:
             if self.cp is not None:  # stages get this rank's tokens and the whole positions (StageChunk)
                 if position_ids is None:
                     position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
                 input_ids, labels = self.cp.take(input_ids), self.cp.shard_labels(labels)
             return self.pipeline.run(input_ids, labels, attention_mask, num_items_in_batch, train, position_ids,
-                                     objective)
+                                     objective, images)
         total = None  # in the loss's own dtype: fp32 at least, float64 for a float64 model
         masks = attention_mask.chunk(m) if attention_mask is not None else [None] * m
         positions = position_ids.chunk(m) if position_ids is not None else [None] * m
         rows = [None] * m  # each microbatch's rows in the batch: what an objective reads them by
         if objective is not None:
             rows = torch.arange(input_ids.shape[0], device=input_ids.device).chunk(m)
-        pictures = images.chunk(m) if images is not None else [None] * m
-        if images is not None and self.fsdp is not None:
-            self._check_images_everywhere(pictures)
         for i, (ids, labs, mask, pos) in enumerate(zip(input_ids.chunk(m), labels.chunk(m), masks, positions)):
             loss = self._forward(ids, labs, mask, num_items_in_batch, pos, objective, rows[i], pictures[i])
             if train:

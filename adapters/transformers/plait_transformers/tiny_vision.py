@@ -60,10 +60,6 @@ FIXES: dict[str, dict[str, Any]] = {
     "aria": {"projector_patch_to_query_dict": {(IMAGE // PATCH) ** 2: 4}},
     # the adapter pools the last two of the tower's layers (the checkpoints' 24th and 18th)
     "molmo2": {"adapter_config.vision_feature_layer": [-1, -2]},
-    # which vision layers feed which decoder layers (no default): the last tower layer into the first decoder layer
-    "granite4_vision": {"deepstack_layer_map": [[-1, 0]]},
-    # its position table has a row per patch of the largest image (2048 pixels a side)
-    "hunyuan_vl": {"vision_config.max_image_size": 4 * IMAGE, "vision_config.min_image_size": IMAGE},
     # its MLA attention expands keys for every head, and divides the heads by num_key_value_heads (tiny.py's rule)
     **{arch: {"text_config.num_key_value_heads": SIZES["num_attention_heads"]} for arch in ("mistral_large4",
                                                                                              "kimi_k25")},
@@ -77,11 +73,9 @@ FIXES: dict[str, dict[str, Any]] = {
     "llama4": {"vision_config.intermediate_size": 4 * VISION["hidden_size"]},
 }
 
-# One flattened patch where it is not channels x temporal_patch_size x patch x patch: a 2D convolution's input
-# (Kimi), a tower that keeps temporal_patch_size in its config but embeds one frame (HunYuan), or one that embeds
-# two frames without the key (Muse Glimmer).
-PATCH_SHAPES: dict[str, tuple[int, ...]] = {"kimi_k25": (CHANNELS, PATCH, PATCH), "hunyuan_vl": (CHANNELS * PATCH**2,),
-                                            "muse_glimmer": (2 * CHANNELS * PATCH**2,)}
+# One flattened patch where it is not channels x temporal_patch_size x patch x patch: Kimi's patch embedding is a
+# 2D convolution over it.
+PATCH_SHAPES: dict[str, tuple[int, ...]] = {"kimi_k25": (CHANNELS, PATCH, PATCH)}
 # Llama4ForConditionalGeneration's forward builds its output from the text model's, which has no ``image_outputs``
 # (AttributeError after the loss): with config.return_dict False its body returns the tuple before that, while
 # return_dict=True keeps the output-capturing wrapper from converting that tuple again.
@@ -140,9 +134,8 @@ def _mrope(text: dict[str, Any]) -> None:
 
 def _special_keys(values: dict[str, Any]) -> list[str]:
     """The keys of a config's multimodal token ids (image, video, start/end of image): not pad, bos or eos."""
-    return [k for k, v in values.items() if (k.endswith("_token_id") or k.endswith("_token_index"))
-            and isinstance(v, int) and not isinstance(v, bool) and k not in ("pad_token_id", "bos_token_id",
-                                                                           "eos_token_id")]
+    return [k for k, v in values.items() if k.endswith(("_token_id", "_token_index")) and isinstance(v, int)
+            and not isinstance(v, bool) and k not in ("pad_token_id", "bos_token_id", "eos_token_id")]
 
 
 def _move_token_ids(values: dict[str, Any]) -> None:
@@ -218,7 +211,7 @@ def image_pixels(config: PretrainedConfig, images: int, generator: torch.Generat
     return {**pixels, "image_sizes": sizes} if "image_sizes" in features else pixels
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tokens_per_image(config_json: str, model_type: str) -> int:
     """How many placeholder tokens one image takes: the rows of the model's own image features for one image,
     measured on a model built under a forked RNG so the caller's seeds are untouched."""

@@ -69,6 +69,46 @@ class ImageBatch:
         return ImageBatch({k: v.to(device) for k, v in self.tensors.items()}, self.per_row, self.patches,
                           self.row_major)
 
+    def by_row(self) -> dict[str, torch.Tensor]:
+        """Every tensor with rows as its first dimension (a row's images, or patches, zero padded to the most any
+        row has), and the counts that undo it (``from_rows``): what a pipeline schedule can cut into micro-batches
+        along dimension 0 as it cuts the token ids."""
+        rows = [self.take(slice(r, r + 1)) for r in range(self.rows)]
+        out = {"per_row": self.per_row.clone()}
+        if self.patches is not None:
+            most = max(int(self.per_row.max()), 1)
+            out["patches"] = torch.stack([torch.nn.functional.pad(r.patches, (0, most - len(r.patches))) for r in rows])
+        for name, tensor in self.tensors.items():
+            if name in self.row_major:
+                out[f"row:{name}"] = tensor
+                continue
+            parts = [r.tensors[name] for r in rows]
+            most = max(max(len(p) for p in parts), 1)
+            kind = "image" if tensor.shape[0] == int(self.per_row.sum()) else "patch"
+            out[f"{kind}:{name}"] = torch.stack([torch.cat([p, p.new_zeros((most - len(p), *p.shape[1:]))])
+                                               for p in parts])
+        return out
+
+    @classmethod
+    def from_rows(cls, padded: dict[str, torch.Tensor]) -> ImageBatch:
+        """The ``ImageBatch`` that ``by_row`` gave ``padded`` for (the rows of a micro-batch of it)."""
+        per_row = padded["per_row"]
+        patches = None
+        if "patches" in padded:
+            patches = torch.cat([padded["patches"][r, :n] for r, n in enumerate(per_row.tolist())])
+        lengths = {"image": per_row.tolist()}
+        if patches is not None:
+            lengths["patch"] = [int(padded["patches"][r, :n].sum()) for r, n in enumerate(per_row.tolist())]
+        tensors, row_major = {}, []
+        for key, tensor in padded.items():
+            kind, _, name = key.partition(":")
+            if kind == "row":
+                tensors[name] = tensor
+                row_major.append(name)
+            elif kind in lengths:
+                tensors[name] = torch.cat([tensor[r, :n] for r, n in enumerate(lengths[kind])])
+        return cls(tensors, per_row, patches, tuple(row_major))
+
     def inputs(self) -> dict[str, torch.Tensor]:
         """The model's keyword arguments: none where these rows hold no image (the model then runs as a text
         model; an empty pixel tensor would reach the vision tower)."""

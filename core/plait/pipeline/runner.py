@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from plait.base import comm
+from plait.base.images import ImageBatch
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.mesh import Mesh
 from plait.base.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULES, microbatch_refusal
@@ -98,14 +99,15 @@ class PipelineRunner:
     def run(
         self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
         num_items_in_batch: int | torch.Tensor, train: bool, position_ids: torch.Tensor | None = None,
-        objective: Objective | None = None,
+        objective: Objective | None = None, images: ImageBatch | None = None,
     ) -> torch.Tensor:
         """Forward (and backward when ``train``) of every microbatch; the summed loss, on every pp rank.
         The attention mask and position ids go to every stage (each rebuilds the causal mask), and the input
         ids too where the plan asks for them (every rank of the pipeline reads the same batch). With an
         ``objective`` the last stage computes it instead of the cross-entropy; the schedule splits the target into
-        microbatches, so each row's index in the batch rides along as the target's last column."""
-        key = (tuple(input_ids.shape), attention_mask is not None, position_ids is not None, train)
+        microbatches, so each row's index in the batch rides along as the target's last column. ``images`` (an
+        image-text model's) ride along by row (``ImageBatch.by_row``), for the first stage's vision tower."""
+        key = (tuple(input_ids.shape), attention_mask is not None, position_ids is not None, train, images is not None)
         schedule = self._schedule(key, input_ids.device)
         self._num_items, self._objective = num_items_in_batch, objective
         if objective is not None:
@@ -116,6 +118,8 @@ class PipelineRunner:
             kwargs["position_ids"] = position_ids
         if self.token_ids:
             kwargs["token_ids"] = input_ids
+        if images is not None:
+            kwargs["images"] = images.by_row()
         losses: list[torch.Tensor] = []
         if train:
             schedule.step(input_ids, target=labels, losses=losses, return_outputs=False, **kwargs)

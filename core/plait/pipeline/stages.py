@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed._composable_state import _insert_module_state
 from torch.distributed.fsdp import FSDPModule
 
+from plait.base.images import ImageBatch
 from plait.cp.context import ContextParallel
 from plait.pipeline.cuts import StageSplit
 from plait.pipeline.router import RouterRecorder, router_aux
@@ -296,17 +297,19 @@ class StageChunk(nn.Module):
             self.shell.get_submodule(split.layers[stop - 1]).register_forward_hook(self._take_out)
 
     def forward(self, x: torch.Tensor, *received: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None,
-                token_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                position_ids: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
+                images: dict[str, torch.Tensor] | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         carried = () if self.is_first else received[:len(self.carried)]
         router_logits = received[len(carried)] if len(received) > len(carried) else None
         self._carried_in = {keyword: _received(value, self.shapes_only)
                             for (_, keyword), value in zip(self.carried, carried)}
+        # an image-text model's images (its micro-batch's rows), read by the first stage's vision tower
+        pictures = ImageBatch.from_rows(images).inputs() if images is not None and self.is_first else {}
         if self.cp is not None:
             whole = self.cp.forward(x.shape[0], position_ids.shape[1], attention_mask, position_ids, x.device)
             with whole as local:
-                return self._forward(x, router_logits, token_ids=token_ids, **local)
-        return self._forward(x, router_logits, attention_mask, position_ids, token_ids)
+                return self._forward(x, router_logits, token_ids=token_ids, **local, **pictures)
+        return self._forward(x, router_logits, attention_mask, position_ids, token_ids, **pictures)
 
     def decode_step(self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                     token_ids: torch.Tensor, **cache: Any) -> torch.Tensor:
@@ -318,6 +321,7 @@ class StageChunk(nn.Module):
     def _forward(self, x: torch.Tensor, router_logits: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
                  **cache: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """``cache``: decoding's KV cache and use_cache, or the first stage's image inputs."""
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
         if position_ids is not None:
             kwargs["position_ids"] = position_ids

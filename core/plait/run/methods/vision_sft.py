@@ -6,7 +6,8 @@ become the model's image tokens, its images the pixel tensors, its labels the as
 its rows right padded to the longest (a multiple of tp under sequence parallelism, whose split needs it), with their
 images (``plait.base.images.ImageBatch``); the loss is the cross-entropy over the global batch's labelled tokens
 divided by their count, as next-token SFT's, so every layout and split gives one process's loss. Layouts: tp (the
-vision tower and projector whole on every tp rank), dp, ZeRO-1/2/3; pp and cp are refused before launch.
+vision tower and projector whole on every tp rank), pp (the tower and projector on the first stage, each
+micro-batch's images riding with its rows), dp, ZeRO-1/2/3; cp is refused before launch.
 
 Under ZeRO-2/3 FSDP reduces a gradient only where its module ran, so a replica whose micro-batch holds no image
 would leave the others waiting on the vision tower's (``ParallelModel`` refuses such a batch). Such a micro-batch
@@ -101,10 +102,10 @@ class VisionSFT(TrainingMethod):
 
     @classmethod
     def load_data(cls, args: Any, model_config: Any, plan: Any) -> tuple[list[Example], list[Example] | None, Any]:
-        if args.pipeline_parallel_size > 1 or args.context_parallel_size > 1:
-            raise ConfigError(f"--data_format vision under --pipeline_parallel_size {args.pipeline_parallel_size} "
-                              f"--context_parallel_size {args.context_parallel_size} is not served yet; train an "
-                              f"image-text-to-text model with tp, dp and ZeRO")
+        if args.context_parallel_size > 1:
+            raise ConfigError(f"--data_format vision under --context_parallel_size {args.context_parallel_size} is "
+                              f"not served yet (the image features merge into the whole sequence, which cp cuts "
+                              f"first); train an image-text-to-text model with tp, pp, dp and ZeRO")
         folder = args.tokenizer_name or args.model_name_or_path
         if folder is None:
             raise ConfigError("--data_format vision needs the model's processor: give --model_name_or_path with one "
