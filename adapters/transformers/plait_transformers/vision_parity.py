@@ -1,0 +1,121 @@
+"""Image-text-to-text parity against one process: the pieces a test world or the architecture sweep runs.
+
+A copy of one model trains a few AdamW steps on the same global batches of image-text rows through
+``ParallelModel.train_step(..., images=...)`` on a layout; the reference is transformers' model and torch's AdamW on
+the whole batch in one process, its cross-entropy computed in the logits' own dtype (transformers' loss casts them
+to float32, which would round a float64 recheck's reference). ``compare`` gives each step's loss beside the
+reference's and the largest gradient error of any rank at each step in units of 1e-6 + 1e-5 |g| (the conformance
+kit's tolerance), with the parameter names compared on some rank. fp32 rounding grown by Adam can pass that bound
+where float64 (``as_double``) shows every layout to be one process's: the sweep and the tests recheck there.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from transformers import PretrainedConfig
+
+from plait import ParallelConfig, parallelize
+from plait.base.images import ImageBatch
+from plait.optim import OptimizerStep, build_optimizer
+from plait.optim.param_groups import embedding_params, weight_decay_groups
+from plait.parallel.grad_sync import grad_of
+from plait_transformers.tiny_vision import image_text_batch
+
+LR, WEIGHT_DECAY = 1e-2, 0.1
+Rows = tuple[torch.Tensor, torch.Tensor, ImageBatch, torch.Tensor]  # ids, labels, images, attention mask
+
+
+def tiny_batches(config: PretrainedConfig, images: list[list[int]]) -> list[Rows]:
+    """Each step's rows as tiny_vision makes them (its placeholders, start and end tokens, per-token extras), with
+    ``images[step]`` images a row."""
+    out = []
+    for step, per_row in enumerate(images):
+        ids, mask, labels, pixels, extras = image_text_batch(config, per_row, seed=step)
+        grid = pixels.get("image_grid_thw")
+        batch = ImageBatch({**pixels, **extras}, torch.tensor(per_row), None if grid is None else grid.prod(-1),
+                           row_major=tuple(extras))
+        out.append((ids, labels, batch, mask))
+    return out
+
+
+def as_double(data: list[Rows]) -> list[Rows]:
+    """The rows with their floating image tensors in float64 (the float64 recheck)."""
+    out = []
+    for ids, labels, images, mask in data:
+        tensors = {k: v.double() if v.is_floating_point() else v for k, v in images.tensors.items()}
+        out.append((ids, labels, ImageBatch(tensors, images.per_row, images.patches, images.row_major), mask))
+    return out
+
+
+def reference(base: torch.nn.Module, data: list[Rows]) -> dict:
+    """Losses, every step's gradients and the trained parameters' names of one process."""
+    model = copy.deepcopy(base)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    groups = weight_decay_groups(model.named_parameters(), shapes, embedding_params(model), WEIGHT_DECAY)
+    optimizer = torch.optim.AdamW(groups, lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, grads = [], []
+    for ids, labels, images, mask in data:
+        # the cross-entropy in the logits' own dtype: transformers' loss casts them to float32, which would leave
+        # the float64 recheck's reference rounded to fp32
+        logits = model(input_ids=ids, attention_mask=mask, **images.inputs()).logits
+        shifted = labels[:, 1:].flatten()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), shifted, ignore_index=-100,
+                                                 reduction="sum") / (shifted != -100).sum()
+        loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    trained = sorted(grads[0])  # not the vision tower's unused post_layernorm: LLaVA reads a hidden layer
+    return {"losses": losses, "grads": grads, "trained": trained}
+
+
+def train(base: torch.nn.Module, data: list[Rows], layout: dict) -> dict:
+    """Losses and every step's stepped gradients of a copy of ``base`` on ``layout`` (ParallelConfig kwargs)."""
+    pmodel = parallelize(copy.deepcopy(base), ParallelConfig(**layout))
+    optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
+    step = OptimizerStep(pmodel.grad_sync, optimizer, None)
+    owned = {id(p) for p in getattr(optimizer, "owned_params", pmodel.parameters())}
+    stepped: list[dict] = []
+
+    def reading(*args, **kwargs):  # the gradients the optimizer steps on (ZeRO-1: its owned ones)
+        stepped.append({name: grad_of(p).detach().float().clone() for name, p in pmodel.module.named_parameters()
+                        if id(p) in owned and grad_of(p) is not None})
+        return type(optimizer).step(optimizer, *args, **kwargs)
+
+    optimizer.step = reading
+    losses = []
+    for ids, labels, images, mask in data:
+        count = int((labels[:, 1:] != -100).sum())
+        loss = pmodel.train_step(pmodel.local_batch(ids), pmodel.local_batch(labels), pmodel.local_batch(mask),
+                                 num_items_in_batch=count, images=pmodel.local_batch(images))
+        step()
+        losses.append(pmodel.global_loss(loss).item())
+    return {"losses": losses, "grads": stepped, "pmodel": pmodel}
+
+
+def compare(run: dict, expected: dict) -> dict:
+    """The run against the reference, the same on every rank (a collective)."""
+    worst, names, by_step = torch.zeros(()), set(), []
+    for stepped, reference_grads in zip(run["grads"], expected["grads"], strict=True):
+        by_step.append(worst.clone())
+        worst = torch.zeros(())
+        for name, grad in stepped.items():
+            if name not in reference_grads:
+                want = torch.zeros_like(grad)  # a parameter the forward does not read: no gradient, or zeros
+                worst = torch.maximum(worst, (grad.abs() / 1e-6).max())
+                continue
+            want = run["pmodel"].param_specs[name].slice_full(reference_grads[name])
+            worst = torch.maximum(worst, ((grad - want).abs() / (1e-6 + 1e-5 * want.abs())).max())
+            names.add(name)
+    by_step = torch.stack([*by_step[1:], worst])
+    dist.all_reduce(by_step, op=dist.ReduceOp.MAX)
+    worst = by_step.max()
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(names))
+    return {"losses": run["losses"], "ref_losses": expected["losses"], "grad_error": worst.item(),
+            "grad_error_by_step": by_step.tolist(),
+            "compared": sorted(set().union(*everyone))}
