@@ -67,13 +67,18 @@ LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "zero1_dp2": dict(per_device_
            # each decoder layer recomputed in backward
            "zero1_dp2_checkpointing": dict(per_device_train_batch_size=2, zero_stage=1, gradient_checkpointing=True),
            # the vision tower on the first stage, each micro-batch's images with its rows
-           "pp2": dict(pipeline_parallel_size=2, num_microbatches=2)}
+           "pp2": dict(pipeline_parallel_size=2, num_microbatches=2),
+           # several rows a block, kept apart by their position ids, their images with them
+           "tp2_sp_packing": dict(tensor_parallel_size=2, packing=True, per_device_train_batch_size=2),
+           "zero3_dp2_packing": dict(zero_stage=3, packing=True, per_device_train_batch_size=1)}
 ONE_PROCESS = {"full": {}, "lora": dict(lora_r=4), "lora_both": dict(lora_r=4, lora_target_modules=BOTH),
-               "frozen": dict(freeze_vision_tower=True, freeze_projector=True)}
+               "frozen": dict(freeze_vision_tower=True, freeze_projector=True),
+               "packed": dict(packing=True, per_device_train_batch_size=2)}
 
 
 def reference_of(layout: str) -> str:
-    return {"tp2_sp_lora": "lora", "dp2_lora_both": "lora_both", "tp2_frozen_tower": "frozen"}.get(layout, "full")
+    return {"tp2_sp_lora": "lora", "dp2_lora_both": "lora_both", "tp2_frozen_tower": "frozen",
+            "tp2_sp_packing": "packed", "zero3_dp2_packing": "packed"}.get(layout, "full")
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +168,65 @@ def test_freezing_and_lora_train_what_they_name(one_process):
     assert trained["lora"] and all("lora_" in n and not n.startswith(vision) for n in trained["lora"])
     assert any(n.startswith("model.vision_tower.") and "lora_" in n for n in trained["lora_both"])
     assert all("lora_" in n for n in trained["lora_both"])
+
+
+def test_packed_documents_never_attend_across(files):
+    """A packed row's summed loss is the sum of its documents' alone (transformers' model, one process): each
+    document sees only itself, its images' features land in its own image tokens."""
+    from transformers import AutoModelForImageTextToText
+
+    from plait.data.vision import VisionEncoder, collate, load_processor, pack, read_rows
+
+    model = AutoModelForImageTextToText.from_pretrained(files / "model").eval()
+    encoder = VisionEncoder(load_processor(files / "model"), files)
+    examples = [encoder.encode(row, i) for i, row in enumerate(read_rows(files / "rows.jsonl"))]
+    packed = pack(examples[:4], 96 * 4)
+    assert len(packed) == 1 and packed[0].num_images == sum(IMAGES[:4])
+
+    def summed(batch, **extra):
+        # without a cache, as plait runs the model: transformers reads packed documents off the positions only then
+        logits = model(input_ids=batch.input_ids, use_cache=False, **batch.images.inputs(), **extra).logits
+        return torch.nn.functional.cross_entropy(logits[0, :-1], batch.labels[0, 1:], ignore_index=-100,
+                                                 reduction="sum")
+
+    with torch.no_grad():
+        whole = summed(batch := collate(packed, 0), position_ids=batch.position_ids)
+        alone = sum(summed(collate([example], 0)) for example in examples[:4])
+    assert whole == pytest.approx(alone.item(), rel=1e-5)
+
+
+def test_packed_rows_reach_the_model_with_their_positions_and_no_mask(files):
+    """What the packed parity runs cannot tell apart (they pack alike): the trainer hands a packed micro-batch's
+    position ids, restarting at each document, and no attention mask, which is how transformers keeps them apart."""
+    from transformers import AutoConfig
+
+    from plait.run.methods.vision_sft import VisionSFT
+
+    args = vlm_args(files, packing=True)
+    examples, _, tokenizer = VisionSFT.load_data(args, AutoConfig.from_pretrained(files / "model"), None)
+    assert len(examples) < len(IMAGES)  # several documents a row
+    method, seen = VisionSFT(examples, tokenizer.pad_token_id), {}
+
+    class Model:
+        def train_step(self, ids, labels, mask, **kwargs):
+            seen.update(kwargs, mask=mask)
+            return torch.zeros(())
+
+    method.micro_step(Model(), method.batch(torch.arange(len(examples)), torch.device("cpu")), 1)
+    assert seen["mask"] is None
+    restarts = (seen["position_ids"][:, 1:] == 0) & (seen["position_ids"][:, :-1] > 0)
+    assert restarts.any(dim=1).all()  # every packed row holds a second document starting at 0
+
+
+def test_packing_is_refused_where_positions_follow_the_images():
+    from plait_transformers.tiny_vision import tiny_image_text_config
+
+    from plait.run.methods.vision_sft import check_packing
+
+    with pytest.raises(ConfigError, match=r"^--packing with qwen2_vl: its multimodal rotary positions are computed "
+                                          r"from each row's images, not from position ids that restart at each "
+                                          r"document; drop --packing$"):
+        check_packing(tiny_image_text_config("qwen2_vl"))
 
 
 def test_freezing_a_text_model_is_refused(tmp_path):

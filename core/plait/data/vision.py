@@ -89,7 +89,8 @@ def read_rows(path: str | Path) -> list[dict]:
 class Example:
     """One encoded row: 1-D ``input_ids``, ``attention_mask`` and ``labels``; ``tokens``: any other per-token
     tensor the processor returns (Qwen-VL's ``mm_token_type_ids``); ``pixels``: the image tensors, batched by
-    image; ``num_images``; ``where`` names the row for messages."""
+    image; ``num_images``; ``where`` names the row for messages; ``position_ids``: a packed row's, restarting at 0
+    at each of its documents (None: one document)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -98,6 +99,7 @@ class Example:
     pixels: dict[str, torch.Tensor]
     num_images: int
     where: str
+    position_ids: torch.Tensor | None = None
 
 
 def _messages(row: dict, where: str) -> tuple[list[dict], int]:
@@ -267,16 +269,46 @@ def _units(key: str, pixels: dict[str, torch.Tensor], num_images: int, where: st
 
 @dataclass(frozen=True)
 class VisionBatch:
-    """A batch of encoded rows: the token tensors [rows, longest] (right padded) and the rows' image inputs."""
+    """A batch of encoded rows: the token tensors [rows, longest] (right padded) and the rows' image inputs;
+    ``position_ids`` where rows are packed (each pad a document of its own), else None."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
     images: ImageBatch
+    position_ids: torch.Tensor | None = None
 
     def take(self, rows: slice) -> VisionBatch:
         """The rows ``rows`` (contiguous), with their images' tensors."""
-        return VisionBatch(self.input_ids[rows], self.attention_mask[rows], self.labels[rows], self.images.take(rows))
+        positions = None if self.position_ids is None else self.position_ids[rows]
+        return VisionBatch(self.input_ids[rows], self.attention_mask[rows], self.labels[rows], self.images.take(rows),
+                           positions)
+
+
+def pack(examples: list[Example], block_size: int) -> list[Example]:
+    """Examples in rows of at most ``block_size`` tokens, in order, each row filled while the next example fits:
+    the tokens, labels and per-token extras concatenated, the images one after another as their documents are (an
+    image-text model merges image features into its image tokens in order), and position ids restarting at 0 at
+    each document, which transformers' mask reads to keep documents apart."""
+    rows, current = [], []
+    for example in examples:
+        if current and sum(len(e.input_ids) for e in current) + len(example.input_ids) > block_size:
+            rows.append(current)
+            current = []
+        current.append(example)
+    rows.append(current)
+    return [_joined(row) for row in rows if row]
+
+
+def _joined(row: list[Example]) -> Example:
+    with_images = [e for e in row if e.num_images]
+    pixels = {key: torch.cat([e.pixels[key] for e in with_images]) for key in (with_images[0].pixels
+                                                                                if with_images else ())}
+    return Example(torch.cat([e.input_ids for e in row]), torch.cat([e.attention_mask for e in row]),
+                   torch.cat([e.labels for e in row]),
+                   {key: torch.cat([e.tokens[key] for e in row]) for key in row[0].tokens}, pixels,
+                   sum(e.num_images for e in row), " + ".join(e.where for e in row),
+                   torch.cat([torch.arange(len(e.input_ids)) for e in row]))
 
 
 def collate(examples: list[Example], pad_id: int) -> VisionBatch:
@@ -315,4 +347,10 @@ def collate(examples: list[Example], pad_id: int) -> VisionBatch:
     patches = pixels[GRID_KEY].long().prod(dim=-1) if GRID_KEY in pixels else None
     extras = {key: batch.pop(key) for key in examples[0].tokens}
     images = ImageBatch({**pixels, **extras}, per_row, patches, row_major=tuple(extras))
-    return VisionBatch(batch["input_ids"], batch["attention_mask"], batch["labels"], images)
+    positions = None
+    if any(example.position_ids is not None for example in examples):  # packed: a pad is a document of its own
+        positions = torch.zeros_like(batch["input_ids"])
+        for r, example in enumerate(examples):
+            own = example.position_ids if example.position_ids is not None else torch.arange(len(example.input_ids))
+            positions[r, : len(own)] = own
+    return VisionBatch(batch["input_ids"], batch["attention_mask"], batch["labels"], images, positions)

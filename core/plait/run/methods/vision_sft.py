@@ -30,7 +30,7 @@ from plait.base.config import ConfigError
 from plait.base.mesh import Mesh
 from plait.base.meta import takes_images
 from plait.data import local_microbatch
-from plait.data.vision import Example, VisionBatch, VisionEncoder, collate, load_processor, read_rows
+from plait.data.vision import Example, VisionBatch, VisionEncoder, collate, load_processor, pack, read_rows
 from plait.parallel_model import ParallelModel
 from plait.run.methods.base import TrainingMethod
 
@@ -83,6 +83,17 @@ def freeze_vision(model: torch.nn.Module, tower: bool, projector: bool) -> None:
             param.requires_grad_(False)
 
 
+def check_packing(model_config: Any) -> None:
+    """--packing needs position ids that restart at each document; a model whose rotary positions follow its
+    images' grids (Qwen-VL's multimodal RoPE, computed inside from the ids and the grids) gets none: refused."""
+    text = model_config.get_text_config()
+    rope = {**(getattr(text, "rope_scaling", None) or {}), **(getattr(text, "rope_parameters", None) or {})}
+    if "mrope_section" in rope:
+        raise ConfigError(f"--packing with {model_config.model_type}: its multimodal rotary positions are computed "
+                          f"from each row's images, not from position ids that restart at each document; drop "
+                          f"--packing")
+
+
 def labelled(example: Example) -> int:
     """The tokens whose next token the loss scores (labels shift by one inside the loss)."""
     return int((example.labels[1:] != -100).sum())
@@ -110,12 +121,17 @@ class VisionSFT(TrainingMethod):
         if folder is None:
             raise ConfigError("--data_format vision needs the model's processor: give --model_name_or_path with one "
                               "(or --tokenizer_name, a directory holding it)")
+        if args.packing:
+            check_packing(model_config)
         processor = load_processor(folder)
         train = read_examples(args.train_file, VisionEncoder(processor, Path(args.train_file).parent), args.block_size)
         validation = None
         if args.validation_file:
             encoder = VisionEncoder(processor, Path(args.validation_file).parent)
             validation = read_examples(args.validation_file, encoder, args.block_size)
+        if args.packing:
+            train = pack(train, args.block_size)
+            validation = None if validation is None else pack(validation, args.block_size)
         return train, validation, processor.tokenizer
 
     @classmethod
@@ -151,8 +167,9 @@ class VisionSFT(TrainingMethod):
         if extra and images.row_major:  # the processor's per-token extras, padded as the tokens are
             images = type(images)({k: pad(v, 0) if k in images.row_major else v for k, v in images.tensors.items()},
                                   images.per_row, images.patches, images.row_major)
+        positions = None if batch.position_ids is None else pad(batch.position_ids, 0)
         return VisionBatch(pad(batch.input_ids, self.pad_id), pad(batch.attention_mask, 0),
-                           pad(batch.labels, -100), images)
+                           pad(batch.labels, -100), images, positions)
 
     def micro_batches(self, rows: torch.Tensor, mesh: Mesh, accumulation: int, device: torch.device) -> list[Any]:
         self.tokens = sum(len(self.examples[int(r)].input_ids) for r in rows)  # the global batch's, unpadded
@@ -160,8 +177,10 @@ class VisionSFT(TrainingMethod):
                 for micro in range(accumulation)]
 
     def micro_step(self, pmodel: ParallelModel, batch: VisionBatch, divisor: int) -> torch.Tensor:
-        return pmodel.train_step(batch.input_ids, batch.labels, batch.attention_mask, num_items_in_batch=divisor,
-                                 images=batch.images)
+        # packed rows: the documents kept apart by their position ids (transformers reads them without a mask)
+        mask = batch.attention_mask if batch.position_ids is None else None
+        return pmodel.train_step(batch.input_ids, batch.labels, mask, num_items_in_batch=divisor,
+                                 position_ids=batch.position_ids, images=batch.images)
 
     def step_tokens(self) -> int:
         return self.tokens
@@ -180,8 +199,9 @@ class VisionSFT(TrainingMethod):
         pmodel.eval()
         for start in range(0, len(mine), batch_size):
             batch = evaluator.batch(mine[start:start + batch_size], device)
-            total += pmodel.eval_loss(batch.input_ids, batch.labels, batch.attention_mask, num_items_in_batch=count,
-                                      images=batch.images)
+            mask = batch.attention_mask if batch.position_ids is None else None
+            total += pmodel.eval_loss(batch.input_ids, batch.labels, mask, num_items_in_batch=count,
+                                      position_ids=batch.position_ids, images=batch.images)
         pmodel.train()
         loss = comm.all_reduce(total, mesh.replica_group).item()
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}

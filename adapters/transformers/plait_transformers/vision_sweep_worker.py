@@ -1,0 +1,142 @@
+"""Worker of scripts/vision_sweep.py: image-text-to-text types trained on parallel layouts against one process.
+
+Run as a world of 2: ``python -m plait_transformers.vision_sweep_worker PLAN.json OUT`` where PLAN lists
+``[model_type, [mode, ...]]``. Each type gets tiny_vision's model and rows (every replica and micro-batch holding an
+image, as ZeRO-3 needs: tests/workers/vlm_parity.py's FSDP_PER_ROW), one process's reference in fp32 and in float64,
+and each mode trains a copy in both, as that worker does. Each rank appends one JSON line per case to ``OUT.RANK``
+as it finishes it, so a world that dies keeps what it did and the sweep reruns the rest in a new world.
+
+Many types share a world, so a case must not poison the next: each case runs on a default process group of its own
+(a fresh gloo group over a key prefix of one TCP store), so collectives left unmatched by an exception on one rank
+cannot pair with the next case's; and a rank stuck in one (its partner gone on after an error: plait's groups wait
+30 minutes) is ended by a watchdog that records the hang first.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForImageTextToText
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from plait import ConfigError
+from plait_transformers.tiny_vision import TUPLE_FORWARD, tiny_image_text_config
+from plait_transformers.vision_parity import as_double, compare, reference, tiny_batches, train
+
+# mode -> ParallelConfig kwargs (a world of 2)
+LAYOUTS = {"tp2-sp": dict(tp=2), "zero3-dp2": dict(zero_stage=3), "pp2": dict(pp=2, num_microbatches=2)}
+PER_ROW = [[1, 2, 1, 1], [2, 0, 1, 2], [1, 0, 0, 1]]  # tests/workers/vlm_parity.py's FSDP_PER_ROW
+CASE_SECONDS = 150  # one mode of a tiny type (fp32 and float64 runs) takes seconds; past this it is a hang
+HANG_EXIT = 3
+
+
+def one_line(error: BaseException) -> dict:
+    """The error for the table: plait's refusals (ConfigError) as "refused", anything else as a failure."""
+    text = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+    if isinstance(error, ConfigError):
+        return {"refused": " ".join(str(error).split())[:300]}
+    return {"error": text}
+
+
+def logits_forward(model: torch.nn.Module) -> None:
+    """Llama4ForConditionalGeneration's forward raises after its logits (its text model's output has no
+    ``image_outputs``) unless config.return_dict is False and return_dict=True is passed (tiny_vision.TUPLE_FORWARD):
+    its class is swapped for one whose forward does that and hands back the logits, which is all that plait and the
+    reference read. Swapping the class, not wrapping the instance's method, keeps deep copies calling themselves."""
+    model.config.return_dict = False
+    base = type(model)
+
+    def forward(self, *args, **kwargs) -> CausalLMOutputWithPast:
+        return CausalLMOutputWithPast(logits=base.forward(self, *args, **{**kwargs, "return_dict": True})[0])
+
+    model.__class__ = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__})
+
+
+def prepare(model_type: str) -> dict[str, tuple]:
+    """precision -> (model, rows, reference): the fp32 model and the float64 copy, built as vlm_parity builds them."""
+    config = tiny_image_text_config(model_type)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config)
+    if model_type in TUPLE_FORWARD:
+        logits_forward(model)
+    rows = tiny_batches(config, PER_ROW)
+    model64, rows64 = copy.deepcopy(model).double(), as_double(rows)
+    return {"fp32": (model, rows, reference(model, rows)), "float64": (model64, rows64, reference(model64, rows64))}
+
+
+def run_case(store: dist.Store, key: str, prepared: dict[str, tuple], layout: dict) -> dict:
+    """Each precision's comparison on ``layout``, on a default process group of this case's own."""
+    dist.init_process_group("gloo", store=dist.PrefixStore(key, store), rank=int(os.environ["RANK"]), world_size=2,
+                            timeout=datetime.timedelta(seconds=CASE_SECONDS))
+    try:
+        out = {}
+        for precision, (model, rows, expected) in prepared.items():
+            got = compare(train(model, rows, layout), expected)
+            out[precision] = {"losses": got["losses"], "ref_losses": got["ref_losses"],
+                              "grad_error_by_step": got["grad_error_by_step"],
+                              "unmatched": sorted(set(got["compared"]) ^ set(expected["trained"]))}
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+class Log:
+    """This rank's JSON lines, one a case, written through at once."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def write(self, model_type: str, mode: str, outcome: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"type": model_type, "mode": mode, **outcome}) + "\n")
+
+
+def watchdog(log: Log, model_type: str, mode: str) -> threading.Timer:
+    """A timer that records ``mode`` of ``model_type`` as a hang on this rank and ends the process."""
+    def fire() -> None:
+        log.write(model_type, mode, {"error": f"no result within {CASE_SECONDS} s on rank {os.environ['RANK']} "
+                                              "(a hang; the world was ended)"})
+        os._exit(HANG_EXIT)
+
+    timer = threading.Timer(CASE_SECONDS, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def main() -> None:
+    plan, out = json.loads(Path(sys.argv[1]).read_text()), sys.argv[2]
+    rank = int(os.environ["RANK"])
+    log = Log(f"{out}.{rank}")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 2, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=CASE_SECONDS))
+    for model_type, modes in plan:
+        timer = watchdog(log, model_type, modes[0])
+        try:
+            prepared = prepare(model_type)
+        except Exception as error:  # the type's own model or reference: every mode of it, on this rank
+            for mode in modes:
+                log.write(model_type, mode, one_line(error))
+            continue
+        finally:
+            timer.cancel()
+        for mode in modes:
+            timer = watchdog(log, model_type, mode)
+            try:
+                outcome = {"result": run_case(store, f"{model_type}/{mode}", prepared, LAYOUTS[mode])}
+            except Exception as error:  # recorded as the cell, and the world goes on with the next case
+                outcome = one_line(error)
+            timer.cancel()
+            log.write(model_type, mode, outcome)
+
+
+if __name__ == "__main__":
+    main()
