@@ -170,6 +170,30 @@ def test_freezing_and_lora_train_what_they_name(one_process):
     assert all("lora_" in n for n in trained["lora_both"])
 
 
+def test_lora_adapters_leave_as_a_peft_directory_for_the_image_text_model(files, tmp_path):
+    """A LoRA run's checkpoint: its adapters as a peft directory that PeftModel loads on the base image-text model
+    (the language model's projections only: the vision tower's q_proj and kin stay bare), and merged into a model
+    directory; the two give the same logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from plait.run.trainer import Trainer
+    from processes import run as run_command
+
+    Trainer(vlm_args(files, output_dir=str(tmp_path / "run"), lora_r=4, max_steps=2, save_final=True)).train()
+    for form in ("adapter", "merged"):
+        done = run_command([sys.executable, "-m", "plait", "consolidate", str(tmp_path / "run" / "checkpoint-2"),
+                            str(tmp_path / form), "--lora", form], timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    peft = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(files / "model"), tmp_path / "adapter")
+    adapted = {name for name, _ in peft.named_modules() if name.endswith("lora_A")}
+    assert adapted and all(".language_model." in name for name in adapted)
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.allclose(peft.eval()(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5)
+
+
 def test_packed_documents_never_attend_across(files):
     """A packed row's summed loss is the sum of its documents' alone (transformers' model, one process): each
     document sees only itself, its images' features land in its own image tokens."""

@@ -146,7 +146,7 @@ def cmd_consolidate(ns: argparse.Namespace) -> None:
         out = consolidate_lora(ns.checkpoint_dir, ns.output_dir, lora, format=ns.format, dtype=ns.dtype,
                                max_shard_size=ns.max_shard_size)
         loader = "peft.PeftModel.from_pretrained(base, {!r})" if lora == "adapter" else \
-            "transformers.AutoModelForCausalLM.from_pretrained({!r})"
+            f"transformers.{auto_class(out)}.from_pretrained({{!r}})"
         if ns.lora is None:
             print(f"{ns.checkpoint_dir} is a LoRA checkpoint: wrote its adapters as a peft directory, {out}: load it "
                   f"with {loader.format(str(out))}; for one model with the adapters merged into the base, run "
@@ -164,9 +164,10 @@ def cmd_consolidate(ns: argparse.Namespace) -> None:
         local = store.stage(target, 0) / "consolidated"
         shutil.rmtree(local, ignore_errors=True)
         out = consolidate(ns.checkpoint_dir, local, format=ns.format, dtype=ns.dtype, **shard)
+        loader = auto_class(out)
         store.upload_tree(out, target)
         shutil.rmtree(local, ignore_errors=True)
-        print(f"wrote {target}: load it with transformers.AutoModelForCausalLM.from_pretrained on a local copy")
+        print(f"wrote {target}: load it with transformers.{loader}.from_pretrained on a local copy")
         return
     out = consolidate(ns.checkpoint_dir, target, format=ns.format, dtype=ns.dtype, **shard)
     print(f"wrote {out}: load it with transformers.{auto_class(out)}.from_pretrained({str(out)!r})")

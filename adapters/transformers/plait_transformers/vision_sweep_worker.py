@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForImageTextToText
+from transformers import AutoModelForImageTextToText, PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-from plait import ConfigError
+from plait import AdapterError, ConfigError
 from plait_transformers.tiny_vision import TUPLE_FORWARD, tiny_image_text_config
 from plait_transformers.vision_parity import as_double, compare, reference, tiny_batches, train
 
@@ -39,11 +40,20 @@ HANG_EXIT = 3
 
 
 def one_line(error: BaseException) -> dict:
-    """The error for the table: plait's refusals (ConfigError) as "refused", anything else as a failure."""
-    text = " ".join(f"{type(error).__name__}: {error}".split())[:300]
-    if isinstance(error, ConfigError):
+    """The error for the table: plait's refusals (ConfigError, AdapterError) as "refused", anything else as a
+    failure, with its type."""
+    if isinstance(error, (ConfigError, AdapterError)):
         return {"refused": " ".join(str(error).split())[:300]}
-    return {"error": text}
+    return {"error": " ".join(f"{type(error).__name__}: {error}".split())[:300]}
+
+
+def sweep_config(model_type: str) -> PretrainedConfig:
+    """tiny_vision's config as a checkpoint of the whole model has it: ``architectures`` naming the image-text
+    class, without which plait builds and plans the text decoder of a type AutoModelForCausalLM also maps
+    (Llama 4, Qwen 3.5: ``plait.base.meta.takes_images``) and the plan does not fit the model trained."""
+    config = tiny_image_text_config(model_type)
+    config.architectures = [MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type]]
+    return config
 
 
 def logits_forward(model: torch.nn.Module) -> None:
@@ -62,7 +72,7 @@ def logits_forward(model: torch.nn.Module) -> None:
 
 def prepare(model_type: str) -> dict[str, tuple]:
     """precision -> (model, rows, reference): the fp32 model and the float64 copy, built as vlm_parity builds them."""
-    config = tiny_image_text_config(model_type)
+    config = sweep_config(model_type)
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config)
     if model_type in TUPLE_FORWARD:
@@ -102,7 +112,7 @@ class Log:
 def watchdog(log: Log, model_type: str, mode: str) -> threading.Timer:
     """A timer that records ``mode`` of ``model_type`` as a hang on this rank and ends the process."""
     def fire() -> None:
-        log.write(model_type, mode, {"error": f"no result within {CASE_SECONDS} s on rank {os.environ['RANK']} "
+        log.write(model_type, mode, {"hang": f"no result within {CASE_SECONDS} s on rank {os.environ['RANK']} "
                                               "(a hang; the world was ended)"})
         os._exit(HANG_EXIT)
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from plait.base import comm
 from plait.base.config import ConfigError, ParallelConfig
-from plait.base.meta import build_meta_model
+from plait.base.meta import build_meta_model, model_class
 from plait.checkpoint.consolidate import DEFAULT_SHARD_SIZE, TOKENIZER_FILES, parse_dtype, parse_size
 from plait.checkpoint.format import full_box, model_config, read_index, write_json
 from plait.checkpoint.gather import gather_full
@@ -206,10 +206,8 @@ def consolidate_lora(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pat
             tensors = {n: t.to(out_dtype) if t.is_floating_point() else t for n, t in tensors.items()}
         return save_adapter(output, tensors, config, build_meta_model(model_cfg), base.get("path"), format)
     check_base(base, str(paths.root))
-    if base["kind"] == "hf":
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(base["path"], dtype=torch.float32)
+    if base["kind"] == "hf":  # the base's own class: a causal LM, or an image-text-to-text model
+        model = model_class(model_cfg).from_pretrained(base["path"], dtype=torch.float32)
     else:  # seeded random weights: rebuilt exactly as the run built them
         model = load_parallel_model(model_cfg, ParallelConfig(), seed=base["seed"]).module
     save_merged(output, model, tensors, config, format, out_dtype, max_bytes)
