@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "the micro-batch size and accumulation steps that split the global batch best")
     plan.add_argument("--global_batch_size", type=int, default=None, help="--search: sequences per optimizer step "
                       "(default: --per_device_train_batch_size x dp x --gradient_accumulation_steps as given)")
+    plan.add_argument("--images_per_sample", type=int, default=0,
+                      help="an image-text-to-text model's images a training row: its vision tower's activations and "
+                           "FLOPs, traced on one image its processor prepares, join the estimate (default: 0, text)")
     plan.add_argument("--top", type=int, default=5, help="layouts --search prints (default: 5)")
     plan.add_argument("--show_refused", action="store_true",
                       help="--search: list every refused layout with its reason (default: a summary by reason)")

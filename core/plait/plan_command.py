@@ -19,8 +19,10 @@ from rich.table import Table
 from torch import nn
 
 from plait.base.config import ConfigError, ParallelConfig
-from plait.base.meta import build_meta_model
+from plait.base.meta import build_meta_model, takes_images
 from plait.costs.activations import ActivationTrace, trace_activations
+from plait.costs.vision import VisionTrace, trace_vision
+from plait.data.vision import load_processor
 from plait.costs.advice import cheaper_settings, fewest_devices
 from plait.costs.calibration import calibrate
 from plait.costs.device import PRESETS, Device, parse_memory
@@ -35,6 +37,7 @@ from plait.pipeline.layout import rank_of_stage, stage_bytes, stage_rows
 from plait.plugin.registry import Registry, default_registry
 from plait.run.methods.frozen import SecondModel
 from plait.run.methods.table import METHODS
+from plait.run.methods.vision_sft import vision_modules
 from plait.run.model_config import read_model_config
 from plait.run.train_args import TrainArgs
 
@@ -174,8 +177,9 @@ class PlannedRun:
 
     @classmethod
     def of(cls, args: TrainArgs, parallel: ParallelConfig, world_size: int | None,
-           device: Device | None = None) -> "PlannedRun":
-        """The run on ``device`` (None: a GPU's attention kernels are assumed)."""
+           device: Device | None = None, images_per_sample: int = 0) -> "PlannedRun":
+        """The run on ``device`` (None: a GPU's attention kernels are assumed); ``images_per_sample``: an
+        image-text-to-text model's images a row, whose vision tower is traced (``plait.costs.vision``)."""
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         registry = default_registry()
         model = build_meta_model(read_model_config(args), dtype)
@@ -184,6 +188,8 @@ class PlannedRun:
         plan = plan_layout(model, parallel, world_size, registry, lora=lora)
         fused = device is None or device.fused_attention_dropout
         trace = trace_activations(model, args.block_size, registry, plan.adapter, fused)
+        if images_per_sample or takes_images(model.config):
+            trace = dataclasses.replace(trace, vision=vision_of(args, model, images_per_sample, trace.squares))
         precision = Precision(dtype, getattr(torch, args.optimizer_dtype) if args.bf16 else dtype)
         second = METHODS[args.method].second_model(args, model, dtype)  # a reference, a teacher: in the memory
         return cls(args, model, plan, trace, precision, lora, registry, fused, second, {dtype: (model, trace)})
@@ -210,12 +216,36 @@ class PlannedRun:
         precision = precision or self.precision
         if precision.param not in self._traced:  # the activations of bf16 parameters are bf16 too
             other = build_meta_model(read_model_config(self.args), precision.param)
-            self._traced[precision.param] = (other, trace_activations(other, self.args.block_size, self.registry,
-                                                                      self.plan.adapter, self.fused_dropout))
+            traced = trace_activations(other, self.args.block_size, self.registry, self.plan.adapter,
+                                       self.fused_dropout)
+            if self.trace.vision is not None:  # the same images, in this precision
+                images = self.trace.vision.images
+                traced = dataclasses.replace(traced, vision=vision_of(self.args, other, images, traced.squares))
+            self._traced[precision.param] = (other, traced)
         model, trace = self._traced[precision.param]
         return search_layouts(model, self.plan.config, world or self.plan.config.processes, self.batch, precision,
                               trace, device, self.registry, **self.decay, moe_imbalance=moe_imbalance,
                               global_batch=global_batch, lora=self.lora if lora is _RUN else lora, second=self.second)
+
+
+def vision_of(args: TrainArgs, model: torch.nn.Module, images: int, squares: bool) -> VisionTrace:
+    """The vision tower of ``model`` traced on one 512x512 picture as the processor beside its weights prepares
+    it (at 0 images: where it sits, so that its weights leave the decoder's per-token FLOPs); one line for a model
+    without a processor or a vision tower."""
+    from PIL import Image
+
+    towers, projectors = vision_modules(model)
+    if not towers:
+        raise ConfigError(f"--images_per_sample {images}: {type(model).__name__} has no vision tower; drop it")
+    if not images:
+        return VisionTrace(0, 0, 0.0, tuple(towers + projectors))
+    folder = args.tokenizer_name or args.model_name_or_path
+    if folder is None:
+        raise ConfigError(f"--images_per_sample {images} traces the vision tower on an image its processor prepares: "
+                          f"give --model_name_or_path (or --tokenizer_name) a directory holding the processor")
+    out = load_processor(folder).image_processor(images=[Image.new("RGB", (512, 512))], return_tensors="pt")
+    pixels = {name: value for name, value in out.items() if isinstance(value, torch.Tensor)}
+    return trace_vision(model, pixels, images, tuple(towers + projectors), squares)
 
 
 def run_plan(ns, args) -> None:
@@ -238,7 +268,9 @@ def run_plan(ns, args) -> None:
     if ns.search and device is None:
         raise ConfigError("--search ranks layouts by estimated step time: give a device model, --hardware "
                           f"({', '.join(PRESETS)}) or --calibrate (measure this machine)")
-    run = PlannedRun.of(args, parallel, world_size, device)
+    if ns.images_per_sample < 0:
+        raise ConfigError(f"--images_per_sample={ns.images_per_sample} must be >= 0")
+    run = PlannedRun.of(args, parallel, world_size, device, ns.images_per_sample)
     console = Console(width=max(Console().width, 140))
     if ns.search:
         world = run.plan.config.processes

@@ -37,6 +37,7 @@ from transformers.pytorch_utils import Conv1D
 from plait.base.config import ConfigError
 from plait.costs.experts import SPLIT, WHOLE, RoutedCall, ShapeOnlyExperts, routed_experts, unrouted_stack
 from plait.costs.traffic import Traffic, TrafficCounter, is_square
+from plait.costs.vision import VisionTrace
 from plait.pipeline.cuts import fallback_plan
 from plait.plugin.declarations import PipelinePlan
 from plait.plugin.registry import Registry
@@ -79,6 +80,7 @@ class ActivationTrace:
     logits_bytes: int  # one token's logits (fp32 after the loss's upcast), what the last stage returns
     squares: bool = False  # attention's s x s scores are materialised: eager, or sdpa on torch's math path
     math_attention: bool = False  # sdpa on torch's math path: attention dropout on a device without a fused kernel
+    vision: VisionTrace | None = None  # an image-text model's vision tower, per image (``plait.costs.vision``)
 
 
 def units_of(model: nn.Module, registry: Registry, adapter) -> tuple[PipelinePlan, list[str]]:

@@ -226,6 +226,10 @@ def estimate_layout(
                 " (fused: no s x s probabilities kept)")]
     if config.gradient_checkpointing:
         notes.append("activation checkpointing: each decoder layer keeps its input; one layer is recomputed at a time")
+    if trace.vision is not None and trace.vision.images:
+        notes.append(f"vision tower: {trace.vision.images} image(s) a sample, {trace.vision.saved_bytes:,} B saved and "
+                     f"{trace.vision.flops / 1e9:.3g} GFLOP forward per image, whole on every tp rank of the first "
+                     f"pipeline stage")
     if config.fsdp and replicas > 1:
         gathered = ("every decoder layer's parameters gathered for the whole step" if config.zero_stage == 2 else
                     "the root unit (embeddings, final norm, head) and two decoder layers gathered at a time")
@@ -286,7 +290,10 @@ def _step_flops(model: nn.Module, plan: LayoutPlan, pp_rank: int, held, batch: B
     config = plan.config
     text = model.config.get_text_config()
     tokens = batch.rows * batch.seq * batch.accumulation // config.cp  # cp: each rank has 1/cp of them
-    weights = sum(p.numel for p in held if len(p.full_shape) >= 2 and not p.embedding and not p.expert)
+    vision = trace.vision
+    weights = sum(p.numel for p in held if len(p.full_shape) >= 2 and not p.embedding and not p.expert
+                  and not (vision is not None and vision.runs_in(p.name)))  # the vision tower runs per image
+    has_first = plan.split is None or 0 in plan.stages_of(pp_rank)
     has_last = plan.split is None or plan.split.num_stages - 1 in plan.stages_of(pp_rank)
     if has_last and getattr(text, "tie_word_embeddings", False):
         weights += sum(p.numel for p in held if p.embedding and p.full_shape[0] == text.vocab_size)
@@ -301,4 +308,7 @@ def _step_flops(model: nn.Module, plan: LayoutPlan, pp_rank: int, held, batch: B
     calls = [call for i in layers for call in trace.layers[i].routed]
     per_token = 2 * weights + 4 * batch.seq * heads * head_dim / config.tp * len(layers) + expert_flops_per_token(
         calls, stacked, config.ep, imbalance, trace.seq, config.tp, whole)
-    return per_token * tokens * (4 if config.gradient_checkpointing else 3)
+    images = 0.0
+    if vision is not None and has_first:  # forward and backward of every image of the step's rows, whole per rank
+        images = 3 * vision.flops * vision.images * batch.rows * batch.accumulation
+    return per_token * tokens * (4 if config.gradient_checkpointing else 3) + images

@@ -273,6 +273,8 @@ def activation_bytes(
             total += saved
     if has_first:
         total += unit_bytes(trace.first, tp, False, vocab_parallel, columns, cp)[0]
+        if trace.vision is not None:  # the vision tower's, whole on every tp rank, per image of a sequence
+            total += trace.vision.saved_bytes * trace.vision.images
         add_bytes(traffic, trace.first.traffic.per_rank(tp, False, vocab_parallel, cp))
     if has_last:
         add_bytes(traffic, trace.last.traffic.per_rank(tp, sp, vocab_parallel, cp))
