@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -88,9 +89,10 @@ def verdict(result: dict) -> str:
 
 
 def cell(entries: list[dict]) -> str:
-    """One case's cell from the ranks' lines: an error or refusal on any rank (rank 0's first), else a hang, else
-    the verdict of the comparison (the same on every rank: ``compare`` is a collective)."""
-    for entry in entries:
+    """One case's cell from the ranks' lines: an error or refusal on any rank (rank 0's first, but gloo's
+    connection errors last: the partner's exception closed it), else a hang, else the verdict of the comparison
+    (the same on every rank: ``compare`` is a collective)."""
+    for entry in sorted(entries, key=lambda e: "gloo/transport" in e.get("error", "")):
         if "error" in entry:
             return f"FAIL: {entry['error']}"
         if "refused" in entry:
@@ -101,9 +103,9 @@ def cell(entries: list[dict]) -> str:
 
 def run_world(plan: list[tuple[str, list[str]]], cells: dict[tuple[str, str], str], workdir: Path) -> None:
     """Run ``plan``'s cases in worlds of 2 until each has a cell: a world that dies is started again on the cases
-    it left, the one it died in (no rank's line for it, and no watchdog's) made a FAIL."""
+    it left, the one it died in (the dead rank's first without its line) made a FAIL."""
     from plait.testing import WorkerFailure, launch
-    from plait_transformers.vision_sweep_worker import CASE_SECONDS
+    from plait_transformers.vision_sweep_worker import CASE_SECONDS, HANG_EXIT
 
     attempt = 0
     while plan:
@@ -124,15 +126,17 @@ def run_world(plan: list[tuple[str, list[str]]], cells: dict[tuple[str, str], st
                 lines.setdefault((entry["type"], entry["mode"]), []).append(entry)
         for key, entries in lines.items():
             cells[key] = cell(entries)
+        crashed = re.match(r"rank (\d+) exited with code (-?\d+)", died[0]) if died else None
+        if died and not (crashed and int(crashed[2]) == HANG_EXIT):  # a watchdog's exit has written its line
+            # the case the dead rank (or, on the launcher's timeout, every rank) was in: its first without a line;
+            # its partner's line there, if any, is the connection the crash closed
+            mine = {key for key, es in lines.items() if crashed is None or any(e["rank"] == int(crashed[1])
+                                                                                 for e in es)}
+            first = next(((t, m) for t, modes in plan for m in modes if (t, m) not in mine), None)
+            if first is not None:
+                cells[first] = f"FAIL: the world died in this case: {died[0]} {died[-1]}"[:300]
         left = [(t, [m for m in modes if (t, m) not in cells]) for t, modes in plan]
-        left = [(t, modes) for t, modes in left if modes]
-        if left and not any("hang" in e for es in lines.values() for e in es):
-            first = (left[0][0], left[0][1][0])  # no line at all: the world died in it
-            why = f"{died[0]} {died[-1]}" if died else "the world ended without a line for it"
-            cells[first] = f"FAIL: the world died in this case: {why}"[:300]
-            left = [(t, [m for m in modes if (t, m) != first]) for t, modes in left]
-            left = [(t, modes) for t, modes in left if modes]
-        plan = left
+        plan = [(t, modes) for t, modes in left if modes]
 
 
 def counts(rows: dict[str, dict[str, str]], mode: str) -> str:

@@ -3,7 +3,8 @@
 
 One world of 2 (tests/workers/vlm_parity.py) trains a tiny LLaVA (CLIP tower, projector, Llama decoder) 3 AdamW steps
 at tp=2 with and without SP (the vision tower whole on each tp rank), dp=2, ZeRO-1, ZeRO-2 and ZeRO-3 at dp=2, dp=2
-with 2 micro-batches and pp=2 (1F1B, and GPipe over 4 micro-batches), on rows of 0, 1 or 2 images, with a replica
+with 2 micro-batches, pp=2 (1F1B, and GPipe over 4 micro-batches) and cp=2 (all-to-all and ring: the features merged
+into the whole sequence, each cp rank's text model on its slice), on rows of 0, 1 or 2 images, with a replica
 holding none at the last step (under ZeRO-2/3 every replica holds one: FSDP refuses otherwise, in one line on every
 rank); and the generic adapter's tiny Idefics3, Gemma 3 and Qwen2-VL at tp=2 + SP, ZeRO-3 and micro-batches, in fp32
 and rechecked in float64."""
@@ -59,8 +60,6 @@ def test_idefics3_gemma3_and_qwen2_vl_train_as_one_process(results, model_type, 
     ("zero3_no_image", "under ZeRO-3 every micro-batch needs an image (FSDP reduces the vision tower's gradients "
                        "only where it ran), but micro-batch 0 of replica 0 has none; mix the image rows over the "
                        "batch, or use ZeRO-1"),
-    ("cp2", "image inputs under cp=2: the image features merge into the whole sequence, which cp cuts first; use "
-            "tp, pp, dp and ZeRO for an image-text-to-text model"),
 ])
 def test_what_is_not_served_is_refused_on_every_rank(results, case, message):
     assert results[f"refused-{case}"] == [message, message]

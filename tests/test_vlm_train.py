@@ -74,7 +74,9 @@ LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "zero1_dp2": dict(per_device_
            "zero3_dp2_packing": dict(zero_stage=3, packing=True, per_device_train_batch_size=1),
            # bf16 parameters (ZeRO-3: fp32 shards gathered in bf16), against one process in bf16
            "tp2_sp_bf16": dict(tensor_parallel_size=2, bf16=True),
-           "zero3_dp2_bf16": dict(zero_stage=3, bf16=True, per_device_train_batch_size=2)}
+           "zero3_dp2_bf16": dict(zero_stage=3, bf16=True, per_device_train_batch_size=2),
+           # the image features merged into the whole sequence, each cp rank's language model on its slice
+           "cp2": dict(context_parallel_size=2)}
 ONE_PROCESS = {"full": {}, "lora": dict(lora_r=4), "lora_both": dict(lora_r=4, lora_target_modules=BOTH),
                "frozen": dict(freeze_vision_tower=True, freeze_projector=True),
                "packed": dict(packing=True, per_device_train_batch_size=2), "bf16": dict(bf16=True)}
@@ -328,9 +330,6 @@ def test_freezing_a_text_model_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (dict(context_parallel_size=2), r"^--data_format vision under --context_parallel_size 2 is not served yet \(the "
-                                    r"image features merge into the whole sequence, which cp cuts first\); train an "
-                                    r"image-text-to-text model with tp, pp, dp and ZeRO$"),
     (dict(block_size=48), r"rows.jsonl row 3: \d+ tokens with its images' tokens, more than --block_size 48; raise "
                           r"--block_size or shorten the row$"),
 ])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -148,13 +148,18 @@ class ParallelModel(nn.Module):
 
     def _forward(self, input_ids, labels, attention_mask, num_items_in_batch, position_ids=None, objective=None,
                  rows=None, images: ImageBatch | None = None) -> torch.Tensor:
+        pictures = {} if images is None else images.inputs()
         if self.cp is not None:  # this rank's tokens, the whole sequence's positions and mask at hand
             batch, seq = input_ids.shape
             labels = None if labels is None else self.cp.shard_labels(labels)
             with self.cp.forward(batch, seq, attention_mask, position_ids, input_ids.device) as local:
-                out = self._model(self.cp.take(input_ids), local.get("attention_mask"), local["position_ids"])
+                if pictures:  # the image features merge into the whole sequence; the text model takes this rank's
+                    with self._text_model_takes_its_tokens():
+                        out = self._model(input_ids, local.get("attention_mask"), local["position_ids"], **pictures)
+                else:
+                    out = self._model(self.cp.take(input_ids), local.get("attention_mask"), local["position_ids"])
         else:
-            out = self._model(input_ids, attention_mask, position_ids, **({} if images is None else images.inputs()))
+            out = self._model(input_ids, attention_mask, position_ids, **pictures)
         if labels is None:
             return out.logits
         if objective is not None:  # a training method's own loss from the logits (plait.tp.logprobs)
@@ -374,10 +379,6 @@ class ParallelModel(nn.Module):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, microbatches: int = 1,
         train: bool | None = None, images: ImageBatch | None = None,
     ) -> None:
-        if images is not None and self.cp is not None:
-            raise ConfigError(f"image inputs under cp={self.mesh.cp}: the image features merge into the whole "
-                              f"sequence, which cp cuts first; use tp, pp, dp and ZeRO for an image-text-to-text "
-                              f"model")
         if images is not None and images.rows != input_ids.shape[0]:
             raise ConfigError(f"the image inputs are of {images.rows} rows, the input_ids of {input_ids.shape[0]}; "
                               f"pass the images of the same rows (ImageBatch.take, ParallelModel.local_batch)")
@@ -436,6 +437,24 @@ class ParallelModel(nn.Module):
                 loss.backward()
             total = loss.detach().clone() if total is None else total + loss.detach()
         return total
+
+    @contextlib.contextmanager
+    def _text_model_takes_its_tokens(self) -> Iterator[None]:
+        """Under cp with images: the model embeds the whole sequence and merges the image features into it (every
+        cp rank runs the vision tower on the rows' images; their gradients sum over the replica group), and the
+        text model (``get_decoder``) gets this rank's slice of the merged embeddings."""
+        text = self.module.get_decoder()  # transformers' name for the language model of a composite
+
+        def slice_embeddings(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if kwargs.get("inputs_embeds") is not None:
+                kwargs["inputs_embeds"] = self.cp.take(kwargs["inputs_embeds"])
+            return args, kwargs
+
+        handle = text.register_forward_pre_hook(slice_embeddings, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def _check_images_everywhere(self, pictures: list[ImageBatch]) -> None:
         """Under ZeRO-2/3 every micro-batch of every replica must hold an image: FSDP reduces a gradient only where

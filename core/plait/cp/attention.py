@@ -54,14 +54,38 @@ def install_context_parallel(model: nn.Module) -> str:
     if implementation == IMPLEMENTATION:
         raise RuntimeError("context parallelism is already installed on this model")
     copies: dict[int, PretrainedConfig] = {}  # one copy per config object (TP may give a module its own)
+    # the model's and its language model's configs: an image-text model's vision tower attends within each image,
+    # whole on every cp rank, and its config (of another class) keeps its own attention
+    text = type(model.config.get_text_config())
     for module in model.modules():
         config = getattr(module, "config", None)
-        if isinstance(config, PretrainedConfig):
+        if isinstance(config, (type(model.config), text)):
             if id(config) not in copies:
-                copies[id(config)] = copy.copy(config)
-                copies[id(config)]._attn_implementation = IMPLEMENTATION
+                copies[id(config)] = _routed(config, text)
             module.config = copies[id(config)]
     return implementation
+
+
+def _routed(config: PretrainedConfig, text: type) -> PretrainedConfig:
+    """A copy of ``config`` attending through plait's cp implementation, with copies of its language-model
+    sub-configs alike (a composite's mask reads its text config's), its other sub-configs (a vision tower's) left
+    as they are: the setter would set them all, and a shallow copy shares them with the modules they configure."""
+    routed = copy.copy(config)
+    routed._attn_implementation_internal = IMPLEMENTATION
+    for key in getattr(routed, "sub_configs", {}):
+        sub = getattr(routed, key, None)
+        if isinstance(sub, text):
+            setattr(routed, key, _routed(sub, text))
+    return routed
+
+
+def _configs(config: PretrainedConfig) -> Iterator[PretrainedConfig]:
+    """``config`` and its sub-configs, depth first."""
+    yield config
+    for key in getattr(config, "sub_configs", {}):
+        sub = getattr(config, key, None)
+        if isinstance(sub, PretrainedConfig):
+            yield from _configs(sub)
 
 
 @contextlib.contextmanager
@@ -69,13 +93,12 @@ def whole_sequences(model: nn.Module, implementation: str) -> Iterator[None]:
     """Inside, ``model`` attends as it did before context parallelism (``implementation``) over whatever sequence it
     is given: what decoding uses, each cp rank running its rows' whole sequences (the mask builders pass through
     outside a cp forward already)."""
-    configs = {id(m.config): m.config for m in model.modules()
-               if isinstance(getattr(m, "config", None), PretrainedConfig)
-               and m.config._attn_implementation == IMPLEMENTATION}
+    configs = {id(c): c for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)
+               for c in _configs(m.config) if c._attn_implementation == IMPLEMENTATION}
     for config in configs.values():
-        config._attn_implementation = implementation
+        config._attn_implementation_internal = implementation
     try:
         yield
     finally:
         for config in configs.values():
-            config._attn_implementation = IMPLEMENTATION
+            config._attn_implementation_internal = IMPLEMENTATION

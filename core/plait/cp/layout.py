@@ -65,7 +65,7 @@ def plan_context_parallel(model: nn.Module, config: ParallelConfig) -> CPPlan | 
     """The cp plan of ``model`` under ``config`` (None at cp=1); raises ConfigError for what cp cannot match."""
     if config.cp == 1:
         return None
-    mc = model.config
+    mc = model.config.get_text_config()  # an image-text model: its language model's
     _check_mixers(model, mc)
     if not mask_builders(model):
         raise ConfigError(

@@ -7,7 +7,8 @@ its rows right padded to the longest (a multiple of tp under sequence parallelis
 images (``plait.base.images.ImageBatch``); the loss is the cross-entropy over the global batch's labelled tokens
 divided by their count, as next-token SFT's, so every layout and split gives one process's loss. Layouts: tp (the
 vision tower and projector whole on every tp rank), pp (the tower and projector on the first stage, each
-micro-batch's images riding with its rows), dp, ZeRO-1/2/3; cp is refused before launch.
+micro-batch's images riding with its rows), cp (the image features merged into the whole sequence, each cp rank's
+language model on its slice), dp, ZeRO-1/2/3.
 
 Under ZeRO-2/3 FSDP reduces a gradient only where its module ran, so a replica whose micro-batch holds no image
 would leave the others waiting on the vision tower's (``ParallelModel`` refuses such a batch). Such a micro-batch
@@ -101,7 +102,7 @@ def labelled(example: Example) -> int:
 
 class VisionSFT(TrainingMethod):
     """``examples``: the encoded training rows; ``pad_id``: the tokenizer's pad token; ``multiple``: what a
-    micro-batch's length is padded to a multiple of (tp under sequence parallelism)."""
+    micro-batch's length is padded to a multiple of (tp under sequence parallelism, times 2 cp under cp)."""
 
     def __init__(self, examples: list[Example], pad_id: int, multiple: int = 1, stand_in: bool = False,
                  processor: Any = None) -> None:
@@ -113,10 +114,6 @@ class VisionSFT(TrainingMethod):
 
     @classmethod
     def load_data(cls, args: Any, model_config: Any, plan: Any) -> tuple[list[Example], list[Example] | None, Any]:
-        if args.context_parallel_size > 1:
-            raise ConfigError(f"--data_format vision under --context_parallel_size {args.context_parallel_size} is "
-                              f"not served yet (the image features merge into the whole sequence, which cp cuts "
-                              f"first); train an image-text-to-text model with tp, pp, dp and ZeRO")
         folder = args.tokenizer_name or args.model_name_or_path
         if folder is None:
             raise ConfigError("--data_format vision needs the model's processor: give --model_name_or_path with one "
@@ -139,7 +136,8 @@ class VisionSFT(TrainingMethod):
         tokenizer, config = trainer.tokenizer, trainer.pmodel.config
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         fsdp, args = trainer.pmodel.fsdp is not None, trainer.args
-        return cls(trainer.blocks, pad, config.tp if config.sequence_parallel else 1, stand_in=fsdp,
+        multiple = (config.tp if config.sequence_parallel else 1) * (2 * config.cp if config.cp > 1 else 1)
+        return cls(trainer.blocks, pad, multiple, stand_in=fsdp,
                    processor=load_processor(args.tokenizer_name or args.model_name_or_path))
 
     def __len__(self) -> int:
