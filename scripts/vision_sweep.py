@@ -1,18 +1,16 @@
 """The architecture sweep's image-text column (issue 49.4): every image-text-to-text model type of the installed
-transformers, trained by plait at tp=2 with SP, ZeRO-3 over 2 ranks and pp=2, against one process; written as a
-section at the end of docs/architectures.md.
+transformers trained by plait at tp=2 with SP, ZeRO-3 over 2 ranks and pp=2 against one process, written as a
+section at the end of docs/architectures.md (scripts/architecture_sweep.py rewrites that file without it: rerun this
+after it).
 
     python scripts/vision_sweep.py [--out docs/architectures.md] [--only llava gemma3 ...]
 
-Each type gets plait_transformers.tiny_vision's tiny model. A type whose tiny model does not train on one process
-(``tiny_vision.check``) is refused in every mode with check's reason; a mode plait's layout plan refuses on the meta
-model (``plan_layout``, a ConfigError) is refused before any process starts. The rest run in worlds of 2
-(``plait_transformers.vision_sweep_worker``), TYPES_PER_WORLD types a world: fp32 and a float64 recheck against one
-process, as tests/workers/vlm_parity.py runs its tiny types, judged by tests/test_vlm.py's bounds. A case that
-raises is its cell (a ConfigError: refused; anything else: FAIL) and the world goes on; a world that dies (a crash,
-or a case's watchdog ending a hang) is restarted on the cases it left, the case that killed it made a FAIL.
-
-scripts/architecture_sweep.py writes docs/architectures.md whole, without this section: rerun this script after it.
+A type whose tiny model (plait_transformers.tiny_vision) does not train on one process is refused in every mode with
+``tiny_vision.check``'s reason; a mode plait's layout plan refuses on the meta model is refused before any process
+starts. The rest run TYPES_PER_WORLD types to a world of 2 (plait_transformers.vision_sweep_worker): fp32 and a
+float64 recheck as tests/workers/vlm_parity.py runs them, judged by tests/test_vlm.py's bounds. A case that raises
+is its cell (a ConfigError: refused; else FAIL) and the world goes on; a world that ends early (a crash, a partner
+stuck, a hang) is started again on the cases it left, a crash made the FAIL of the case it happened in.
 """
 
 from __future__ import annotations
@@ -75,8 +73,7 @@ def verdict(result: dict) -> str:
     misses = []
     for name, got in (("fp32", fp32), ("float64", fp64)):
         if got["unmatched"]:
-            misses.append(f"{name} gradients not compared as the reference trains them: "
-                          + ", ".join(got["unmatched"][:3]) + (" ..." if len(got["unmatched"]) > 3 else ""))
+            misses.append(f"{name} gradients compared are not the trained ones: {', '.join(got['unmatched'][:4])}")
     checks = (("fp32 loss", loss_misses(fp32), FP32_LOSS), ("float64 loss", loss_misses(fp64), FLOAT64_LOSS),
               ("float64 grad", fp64["grad_error_by_step"], GRAD_UNITS))
     for name, values, bound in checks:
@@ -89,14 +86,17 @@ def verdict(result: dict) -> str:
 
 
 def cell(entries: list[dict]) -> str:
-    """One case's cell from the ranks' lines: an error or refusal on any rank (rank 0's first, but gloo's
-    connection errors last: the partner's exception closed it), else a hang, else the verdict of the comparison
-    (the same on every rank: ``compare`` is a collective)."""
+    """One case's cell from the ranks' lines: a refusal or error on any rank (rank 0's first; a gloo connection
+    error last, the symptom of its partner's crash or of collectives out of step), else a hang, else the verdict
+    of the comparison (the same on every rank: ``compare`` is a collective)."""
     for entry in sorted(entries, key=lambda e: "gloo/transport" in e.get("error", "")):
-        if "error" in entry:
-            return f"FAIL: {entry['error']}"
         if "refused" in entry:
             return f"refused: {entry['refused']}"
+        if "gloo/transport" in entry.get("error", ""):
+            return (f"FAIL: rank {entry['rank']} lost its partner inside a collective (a crash, or collectives out "
+                    f"of step): {entry['error'][:160]}")
+        if "error" in entry:
+            return f"FAIL: {entry['error']}"
     hangs = [e["hang"] for e in entries if "hang" in e]
     return f"FAIL: {hangs[0]}" if hangs else verdict(entries[0]["result"])
 
@@ -124,8 +124,7 @@ def run_world(plan: list[tuple[str, list[str]]], cells: dict[tuple[str, str], st
             path = Path(f"{prefix}.{rank}")
             for entry in (json.loads(line) for line in path.read_text().splitlines()) if path.exists() else ():
                 lines.setdefault((entry["type"], entry["mode"]), []).append(entry)
-        for key, entries in lines.items():
-            cells[key] = cell(entries)
+        cells.update({key: cell(entries) for key, entries in lines.items()})
         crashed = re.match(r"rank (\d+) exited with code (-?\d+)", died[0]) if died else None
         if died and not (crashed and int(crashed[2]) == HANG_EXIT):  # a watchdog's exit has written its line
             # the case the dead rank (or, on the launcher's timeout, every rank) was in: its first without a line;
@@ -149,6 +148,7 @@ def counts(rows: dict[str, dict[str, str]], mode: str) -> str:
 
 
 def render(rows: dict[str, dict[str, str]], modes: tuple[str, ...], seconds: float) -> str:
+    """The section: what ran and how it is judged, the counts per mode, and the table of type x mode."""
     import torch
     import transformers
 
@@ -156,24 +156,29 @@ def render(rows: dict[str, dict[str, str]], modes: tuple[str, ...], seconds: flo
         BEGIN,
         "## Image-text-to-text models",
         "",
-        f"Written by `scripts/vision_sweep.py` (transformers {transformers.__version__}, torch {torch.__version__}, "
-        f"gloo on CPU, worlds of 2 processes on {os.cpu_count()} cores; wall time {seconds / 60:.1f} min for the "
-        f"{len(rows)} types). Every image-text-to-text model type of the installed transformers "
-        "(`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`), as `plait_transformers.tiny_vision` makes it tiny (a "
-        "4-layer decoder, a 2-layer vision tower, 16x16 images in 4x4 patches) and with `architectures` naming its "
-        "image-text class, as a checkpoint of the whole model has it. Modes: `tp2-sp` (tp=2 with SP), `zero3-dp2` "
-        "(ZeRO-3 over 2 ranks), `pp2` (pp=2, 1F1B over 2 micro-batches). Each trains 3 AdamW steps on 4 rows a "
-        "step, 0-2 images a row (every replica and micro-batch holding one, as ZeRO-3 needs), through "
-        "`train_step(..., images=...)` against transformers' model and torch's AdamW in one process, in fp32 and "
-        "again in float64, as tests/workers/vlm_parity.py runs its tiny types. pass, tests/test_vlm.py's bounds: "
-        f"every fp32 loss within {FP32_LOSS:g} relative, every float64 loss within {FLOAT64_LOSS:g}, every float64 "
-        f"gradient within {GRAD_UNITS:g} unit of 1e-6 + 1e-5·|g| at every step and rank, and the gradients of every "
-        "parameter the reference trains compared. The numbers are the worst loss (relative) and gradient (units) "
-        "of each run; fp32's gradients are shown, not bounded (Adam grows their rounding). `FAIL` names each bound "
-        "missed at its worst step (1-3), or the error raised. `refused: tiny model` is `tiny_vision.check`'s "
-        "reason the tiny model does not train on one process; any other refusal is plait's (a ConfigError, from "
-        "the layout plan on the meta model before launch or from parallelize). Llama 4's forward raises after its "
-        "logits unless it returns a tuple (`tiny_vision.TUPLE_FORWARD`); the worker runs it so.",
+        (f"Written by `scripts/vision_sweep.py` (transformers {transformers.__version__}, torch {torch.__version__}, "
+         f"gloo on CPU, worlds of 2 processes on {os.cpu_count()} cores; {seconds / 60:.1f} min wall time for the "
+         f"{len(rows)} types). Every image-text-to-text model type of the installed transformers "
+         "(`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`), made tiny by `plait_transformers.tiny_vision` (a 4-layer "
+         "decoder, a 2-layer vision tower, 16x16 images in 4x4 patches), its `architectures` naming the image-text "
+         "class as a whole model's checkpoint does, stochastic depth off. Modes: `tp2-sp` (tp=2 with SP), "
+         "`zero3-dp2` (ZeRO-3 over 2 ranks), `pp2` (pp=2, 1F1B over 2 micro-batches). Each trains 3 AdamW steps on "
+         "4 rows a step, 0-2 images a row (every replica and micro-batch holding one, as ZeRO-3 needs; rows padded "
+         "to an even length, as SP needs), through `train_step(..., images=...)` against transformers' model and "
+         "torch's AdamW in one process, in fp32 and again in float64 (experts in their eager loop: torch's grouped "
+         "matmul takes no float64), as tests/workers/vlm_parity.py runs its tiny types."),
+        "",
+        (f"pass: tests/test_vlm.py's bounds hold: every fp32 loss within {FP32_LOSS:g} relative, every float64 loss "
+         f"within {FLOAT64_LOSS:g}, every float64 gradient within {GRAD_UNITS:g} unit of 1e-6 + 1e-5·|g| at every "
+         "step and rank, and the gradients compared those of every parameter the reference trains (a tied copy, "
+         "the last pipeline stage's `lm_head.weight`, against its pair's). The numbers are each run's worst loss "
+         "(relative) and gradient (units); fp32's gradients are shown, not bounded (Adam grows their rounding). "
+         "As in the tests, the float64 run keeps transformers' own casts to fp32 (RMSNorm, softmax, some recurrent "
+         "mixers), so its losses can miss 1e-9 by that rounding alone. `FAIL` names each bound missed at its worst "
+         "step (1-3), or the error raised. `refused: tiny model` is `tiny_vision.check`'s reason the tiny model "
+         "does not train on one process; any other refusal is plait's (a ConfigError: the layout plan's on the meta "
+         "model before launch, or parallelize's or train_step's). Llama 4's forward raises after its logits unless "
+         "it returns a tuple (`tiny_vision.TUPLE_FORWARD`); the worker runs it so."),
         "",
         "Per mode: " + "; ".join(f"`{m}` {counts(rows, m)}" for m in modes) + ".",
         "",
@@ -201,8 +206,7 @@ def write_section(path: Path, section: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "architectures.md")
-    parser.add_argument("--only", nargs="+", metavar="MODEL_TYPE", help="these types only (the section then "
-                                                                        "holds these alone)")
+    parser.add_argument("--only", nargs="+", metavar="MODEL_TYPE", help="these types only (and in the section)")
     args = parser.parse_args(argv)
     os.environ.setdefault("PLAIT_LAUNCH", "fork")  # ranks forked from a preloaded server: seconds per world saved
     import transformers
@@ -223,12 +227,11 @@ def main(argv: list[str] | None = None) -> int:
                    else preflight(model_type, modes))
         cells.update({(model_type, m): c for m, c in refused.items()})
         left = [m for m in modes if m not in refused]
-        if left:
-            plan.append((model_type, left))
+        plan += [(model_type, left)] if left else []
         print(f"{model_type}: {tiny}; to run: {left}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="vision-sweep-") as workdir:
         for first in range(0, len(plan), TYPES_PER_WORLD):
-            run_world(plan[first:first + TYPES_PER_WORLD], cells, Path(workdir))
+            run_world(plan[first:first + TYPES_PER_WORLD], cells, Path(tempfile.mkdtemp(dir=workdir)))
             print(f"{min(first + TYPES_PER_WORLD, len(plan))} of {len(plan)} types run, "
                   f"{time.monotonic() - start:.0f} s", file=sys.stderr)
     rows = {t: {m: cells[(t, m)] for m in modes} for t in types}
