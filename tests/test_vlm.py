@@ -60,8 +60,14 @@ def test_idefics3_gemma3_and_qwen2_vl_train_as_one_process(results, model_type, 
     ("zero3_no_image", "under ZeRO-3 every micro-batch needs an image (FSDP reduces the vision tower's gradients "
                        "only where it ran), but micro-batch 0 of replica 0 has none; mix the image rows over the "
                        "batch, or use ZeRO-1"),
+    ("qwen2_vl_pp2", "image inputs under pp=2: Qwen2VLForConditionalGeneration's later stages would not see its "
+                     "multimodal rotary positions (computed from the images' grids), which only the first stage gets; "
+                     "use tp, cp, dp and ZeRO for it"),
+    ("gemma3_pp2", "image inputs under pp=2: Gemma3ForConditionalGeneration's later stages would not see its "
+                   "per-token token_type_ids, which only the first stage gets; use tp, cp, dp and ZeRO for it"),
 ])
 def test_what_is_not_served_is_refused_on_every_rank(results, case, message):
+    """Before any collective, alike on every rank."""
     assert results[f"refused-{case}"] == [message, message]
 
 

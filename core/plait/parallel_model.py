@@ -20,7 +20,7 @@ from torch import nn
 from plait.base import comm
 from plait.base.batches import local_microbatch
 from plait.base.config import ConfigError, ParallelConfig
-from plait.base.images import ImageBatch
+from plait.base.images import ImageBatch, pipeline_unseen
 from plait.base.mesh import Mesh
 from plait.cp.attention import whole_sequences
 from plait.cp.context import ContextParallel
@@ -379,6 +379,12 @@ class ParallelModel(nn.Module):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, microbatches: int = 1,
         train: bool | None = None, images: ImageBatch | None = None,
     ) -> None:
+        if images is not None and self.pipeline is not None:
+            unseen = pipeline_unseen(self.module.config, images.row_major)
+            if unseen:
+                raise ConfigError(f"image inputs under pp={self.mesh.pp}: {type(self.module).__name__}'s later stages "
+                                  f"would not see {unseen}, which only the first stage gets; use tp, cp, dp and ZeRO "
+                                  f"for it")
         if images is not None and images.rows != input_ids.shape[0]:
             raise ConfigError(f"the image inputs are of {images.rows} rows, the input_ids of {input_ids.shape[0]}; "
                               f"pass the images of the same rows (ImageBatch.take, ParallelModel.local_batch)")

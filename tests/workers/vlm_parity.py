@@ -91,14 +91,17 @@ def main() -> None:
     for name, layout in LAYOUTS.items():
         kind = "fsdp" if name in FSDP else "mixed"
         results[f"llava-{name}"] = compare(train(base, data[kind], layout), expected[kind])
+    from plait_transformers.tiny_vision import tiny_image_text_config
+    from transformers import AutoModelForImageTextToText
+
+    tiny = {}
     for model_type in TINY:
-        from plait_transformers.tiny_vision import tiny_image_text_config
-        from transformers import AutoModelForImageTextToText
 
         config = tiny_image_text_config(model_type)
         torch.manual_seed(0)
         model = AutoModelForImageTextToText.from_config(config)
         rows = tiny_batches(config, FSDP_PER_ROW)
+        tiny[model_type] = (model, rows)
         wanted = reference(model, rows)
         results[f"{model_type}-parameters"] = wanted["trained"]
         # fp32's rounding, grown by Adam, moves some gradients past the tolerance (gemma3's at step 1 under SP);
@@ -108,10 +111,13 @@ def main() -> None:
         for name in TINY_LAYOUTS:
             results[f"{model_type}-{name}"] = compare(train(model, rows, LAYOUTS[name]), wanted)
             results[f"{model_type}-{name}-float64"] = compare(train(model64, rows64, LAYOUTS[name]), wanted64)
-    # refused on every rank before the forward: a replica without an image under ZeRO-3, images under pp and cp
-    for name, layout, kind in (("zero3_no_image", LAYOUTS["zero3_dp2"], "mixed"),):
+    # refused on every rank before the forward: a replica without an image under ZeRO-3; under pp, models whose
+    # later stages need what the images give (Qwen2-VL's grid positions, Gemma 3's token types)
+    for name, layout, (model, rows) in (("zero3_no_image", LAYOUTS["zero3_dp2"], (base, data["mixed"])),
+                                        ("qwen2_vl_pp2", LAYOUTS["pp2"], tiny["qwen2_vl"]),
+                                        ("gemma3_pp2", LAYOUTS["pp2"], tiny["gemma3"])):
         try:
-            train(base, data[kind], layout)
+            train(model, rows, layout)
             said = "not refused"
         except ConfigError as err:
             said = str(err)

@@ -12,6 +12,7 @@ image's patch count, for the tensors that count patches).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -113,3 +114,18 @@ class ImageBatch:
         """The model's keyword arguments: none where these rows hold no image (the model then runs as a text
         model; an empty pixel tensor would reach the vision tower)."""
         return dict(self.tensors) if int(self.per_row.sum()) else {}
+
+
+def pipeline_unseen(config: Any, per_token: tuple[str, ...] = ()) -> str | None:
+    """What a model's later pipeline stages would need from the images but do not get (only the first stage runs
+    the vision tower): rotary positions computed from the images' grids (Qwen-VL's and GLM-4V's M-RoPE), or the
+    processor's per-token inputs (``per_token``: Gemma 3's token_type_ids, which mark image tokens for bidirectional
+    attention in every layer's mask). None: nothing."""
+    text = config.get_text_config()
+    rope = {**(getattr(text, "rope_scaling", None) or {}), **(getattr(text, "rope_parameters", None) or {})}
+    if "mrope_section" in rope:
+        return "its multimodal rotary positions (computed from the images' grids)"
+    if per_token:
+        return f"its per-token {', '.join(per_token)}"
+    return None
+
