@@ -398,7 +398,7 @@ def seed_from_table(path: Path) -> dict:
         return {}
     state: dict = {}
     columns: list[str] = []
-    for line in path.read_text().splitlines():
+    for line in text_table(path.read_text()).splitlines():
         if line.startswith("Written by") and " min)" in line:
             state["_seconds"] = 60.0 * float(line.split(" min)")[0].rpartition(" ")[2])
         if not line.startswith("| ") or line.startswith("| ---"):
@@ -413,9 +413,21 @@ def seed_from_table(path: Path) -> dict:
     return state
 
 
+IMAGE_TEXT = "<!-- image-text sweep: begin -->"  # scripts/vision_sweep.py's section, after this sweep's table
+
+
+def text_table(text: str) -> str:
+    """The part of docs/architectures.md this sweep writes: everything before the image-text section."""
+    return text.partition(IMAGE_TEXT)[0]
+
+
 def write(path: Path, text: str) -> None:
-    """Write through a temporary file and a rename, so an interrupted run leaves the old file whole."""
+    """Write through a temporary file and a rename, so an interrupted run leaves the old file whole; the
+    image-text section scripts/vision_sweep.py wrote after the table is kept."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    kept = path.read_text().partition(IMAGE_TEXT) if path.exists() else ("", "", "")
+    if kept[1]:
+        text = text.rstrip("\n") + "\n\n" + kept[1] + kept[2]
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     temp.write_text(text)
     temp.replace(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from plait.base.config import ConfigError
 from plait.data.sft_records import data_format
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.dpo import DPO
@@ -21,6 +22,11 @@ METHODS: dict[str, type[TrainingMethod]] = {"next_token": NextToken, "dpo": DPO,
 def method_for(args: Any) -> type[TrainingMethod]:
     """The method --method names; next-token training on image-text rows (--data_format vision, or auto on a first
     .jsonl line with ``images``) is an image-text-to-text model's SFT (``VisionSFT``)."""
-    if args.method == "next_token" and args.train_file and data_format(args.sft_source()) == "vision":
-        return VisionSFT
+    if args.method == "next_token" and args.train_file:
+        try:
+            vision = data_format(args.sft_source()) == "vision"
+        except (ValueError, ConfigError):  # a bad file: the data loading's own check says so, in its words
+            vision = False
+        if vision:
+            return VisionSFT
     return METHODS[args.method]
