@@ -11,6 +11,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from plait import ConfigError
+from plait.base.meta import takes_images
 from plait.base.patterns import matches
 from plait.tp.styles import WholeSequence
 
@@ -82,10 +83,23 @@ def layer_container(model: nn.Module) -> str | None:
         if isinstance(get_module(model, name), nn.ModuleList):
             return name
     decoder_classes = set(getattr(model, "_no_split_modules", None) or ())
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and any(type(c).__name__ in decoder_classes for c in module):
-            return name
-    return _repeated_blocks(model)
+    lists = [name for name, module in model.named_modules()
+             if isinstance(module, nn.ModuleList) and any(type(c).__name__ in decoder_classes for c in module)]
+    # an image-text model lists its vision tower's blocks too, sometimes first (Qwen3-VL, BLIP-2, LFM2-VL): the
+    # decoder layers are those of its language model (transformers' get_decoder)
+    language = _language_model(model)
+    return next((n for n in lists if language is None or n.startswith(language)), None) or _repeated_blocks(model)
+
+
+def _language_model(model: nn.Module) -> str | None:
+    """The name (with a trailing dot) of an image-text-to-text model's language model, or None for a causal LM."""
+    if not takes_images(model.config) or not hasattr(model, "get_decoder"):
+        return None
+    try:
+        decoder = model.get_decoder()
+    except (NotImplementedError, AttributeError):
+        return None
+    return next((f"{name}." for name, module in model.named_modules() if module is decoder and name), None)
 
 
 def _repeated_blocks(model: nn.Module) -> str | None:
