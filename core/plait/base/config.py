@@ -157,6 +157,12 @@ class ParallelConfig:
         return self.sp and self.tp > 1
 
     @property
+    def sequence_multiple(self) -> int:
+        """What a forward's sequence length must be a multiple of: 2 cp under cp (its load-balanced halves), times
+        tp under sequence parallelism (each tp rank its shard)."""
+        return (2 * self.cp if self.cp > 1 else 1) * (self.tp if self.sequence_parallel else 1)
+
+    @property
     def model_parallel_size(self) -> int:
         """The ranks of one model replica: tp * cp * pp."""
         return self.tp * self.cp * self.pp

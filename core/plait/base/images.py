@@ -116,14 +116,20 @@ class ImageBatch:
         return dict(self.tensors) if int(self.per_row.sum()) else {}
 
 
+def grid_positions(config: Any) -> bool:
+    """Whether the model's rotary positions follow its images' grids (M-RoPE: Qwen-VL, GLM-4V), computed inside
+    its forward from the ids and the grids rather than taken from position ids."""
+    text = config.get_text_config()
+    rope = {**(getattr(text, "rope_scaling", None) or {}), **(getattr(text, "rope_parameters", None) or {})}
+    return "mrope_section" in rope
+
+
 def pipeline_unseen(config: Any, per_token: tuple[str, ...] = ()) -> str | None:
     """What a model's later pipeline stages would need from the images but do not get (only the first stage runs
     the vision tower): rotary positions computed from the images' grids (Qwen-VL's and GLM-4V's M-RoPE), or the
     processor's per-token inputs (``per_token``: Gemma 3's token_type_ids, which mark image tokens for bidirectional
     attention in every layer's mask). None: nothing."""
-    text = config.get_text_config()
-    rope = {**(getattr(text, "rope_scaling", None) or {}), **(getattr(text, "rope_parameters", None) or {})}
-    if "mrope_section" in rope:
+    if grid_positions(config):
         return "its multimodal rotary positions (computed from the images' grids)"
     if per_token:
         return f"its per-token {', '.join(per_token)}"

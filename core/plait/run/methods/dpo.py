@@ -62,8 +62,7 @@ class DPO(TrainingMethod):
         self.val_table: torch.Tensor | None = None  # the same for the validation pairs
         mesh = reference.model.mesh if reference is not None else mesh
         config = mesh.config
-        # the sequence length the layout splits: 2*cp under cp (load-balanced halves), tp under SP
-        self.multiple = (2 * mesh.cp if mesh.cp > 1 else 1) * (mesh.tp if config.sequence_parallel else 1)
+        self.multiple = config.sequence_multiple  # the sequence length the layout splits
         # under pp every row is padded to --block_size: torch's schedules are built (and kept) per batch shape, and a
         # length per batch would build a new one almost every step
         self.length = -(-max_length // self.multiple) * self.multiple if mesh.pp > 1 else None

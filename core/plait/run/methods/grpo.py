@@ -167,8 +167,7 @@ class GRPO(TrainingMethod):
                 source = args.model_name_or_path or trainer.pmodel.plan.model_config
                 reference = Reference(frozen_on_mesh(source, args, trainer.pmodel, trainer.device))
         config = trainer.pmodel.config
-        multiple = (config.tp if config.sequence_parallel else 1) * (2 * config.cp if config.cp > 1 else 1)
-        return cls(trainer.blocks, args, trainer.tokenizer, reference, trainer.device, multiple,
+        return cls(trainer.blocks, args, trainer.tokenizer, reference, trainer.device, config.sequence_multiple,
                    args.block_size if config.pp > 1 else 0)
 
     @classmethod

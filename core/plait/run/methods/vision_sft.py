@@ -29,7 +29,7 @@ import torch
 from plait.base import comm
 from plait.base.config import ConfigError
 from plait.base.mesh import Mesh
-from plait.base.images import pipeline_unseen
+from plait.base.images import grid_positions, pipeline_unseen
 from plait.base.meta import takes_images
 from plait.data import local_microbatch
 from plait.data.vision import Example, VisionBatch, VisionEncoder, collate, load_processor, pack, read_rows
@@ -88,9 +88,7 @@ def freeze_vision(model: torch.nn.Module, tower: bool, projector: bool) -> None:
 def check_packing(model_config: Any) -> None:
     """--packing needs position ids that restart at each document; a model whose rotary positions follow its
     images' grids (Qwen-VL's multimodal RoPE, computed inside from the ids and the grids) gets none: refused."""
-    text = model_config.get_text_config()
-    rope = {**(getattr(text, "rope_scaling", None) or {}), **(getattr(text, "rope_parameters", None) or {})}
-    if "mrope_section" in rope:
+    if grid_positions(model_config):
         raise ConfigError(f"--packing with {model_config.model_type}: its multimodal rotary positions are computed "
                           f"from each row's images, not from position ids that restart at each document; drop "
                           f"--packing")
@@ -142,8 +140,7 @@ class VisionSFT(TrainingMethod):
         tokenizer, config = trainer.tokenizer, trainer.pmodel.config
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         fsdp, args = trainer.pmodel.fsdp is not None, trainer.args
-        multiple = (config.tp if config.sequence_parallel else 1) * (2 * config.cp if config.cp > 1 else 1)
-        return cls(trainer.blocks, pad, multiple, stand_in=fsdp,
+        return cls(trainer.blocks, pad, config.sequence_multiple, stand_in=fsdp,
                    processor=load_processor(args.tokenizer_name or args.model_name_or_path))
 
     def __len__(self) -> int:
@@ -169,8 +166,8 @@ class VisionSFT(TrainingMethod):
         pad = lambda t, value: torch.nn.functional.pad(t, (0, extra), value=value).to(device)  # noqa: E731
         images = batch.images.to(device)
         if extra and images.row_major:  # the processor's per-token extras, padded as the tokens are
-            images = type(images)({k: pad(v, 0) if k in images.row_major else v for k, v in images.tensors.items()},
-                                  images.per_row, images.patches, images.row_major)
+            images = dataclasses.replace(images, tensors={k: pad(v, 0) if k in images.row_major else v
+                                                          for k, v in images.tensors.items()})
         positions = None if batch.position_ids is None else pad(batch.position_ids, 0)
         return VisionBatch(pad(batch.input_ids, self.pad_id), pad(batch.attention_mask, 0),
                            pad(batch.labels, -100), images, positions)
