@@ -78,9 +78,7 @@ def decode(
     pads are keys no query sees (their mask is 0) and their outputs are dropped, so the tokens are the same as
     at width 1; the cache holds ``width`` entries per new token."""
     generator = torch.Generator().manual_seed(seed)
-    extra = -input_ids.shape[1] % width
-    step_ids, mask = F.pad(input_ids, (extra, 0), value=pad_token_id), F.pad(attention_mask, (extra, 0))
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    step_ids, mask, positions = first_inputs(input_ids, attention_mask, pad_token_id, width)
     logits = forward(step_ids, mask, positions)
     ids = input_ids
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
@@ -94,11 +92,26 @@ def decode(
             done |= token == eos_token_id
         if step == max_new_tokens - 1 or all_done(bool(done.all())):  # every rank alike; no forward after the last
             break
-        step_ids = F.pad(token[:, None], (width - 1, 0), value=pad_token_id)
-        mask = torch.cat([mask, F.pad(torch.ones_like(mask[:, :1]), (width - 1, 0))], dim=1)
-        positions = (positions[:, -1:] + 1).expand(-1, width)
+        step_ids, mask, positions = next_inputs(token, mask, positions, pad_token_id, width)
         logits = forward(step_ids, mask, positions)
     return ids
+
+
+def first_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int, width: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prompts' forward: ids, mask and positions, left padded to a multiple of ``width`` (masked pads)."""
+    extra = -input_ids.shape[1] % width
+    mask = F.pad(attention_mask, (extra, 0))
+    return F.pad(input_ids, (extra, 0), value=pad_token_id), mask, (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def next_inputs(token: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, pad_token_id: int, width: int,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's forward after ``token`` [rows]: it after ``width - 1`` masked pads, the mask grown by them, the
+    positions one on."""
+    ids = F.pad(token[:, None], (width - 1, 0), value=pad_token_id)
+    mask = torch.cat([mask, F.pad(torch.ones_like(mask[:, :1]), (width - 1, 0))], dim=1)
+    return ids, mask, (positions[:, -1:] + 1).expand(-1, width)
 
 
 class StageCache(DynamicCache):

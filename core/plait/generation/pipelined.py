@@ -29,9 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from plait.generation.decode import gumbel, pick
+from plait.generation.decode import first_inputs, gumbel, next_inputs, pick
 
 
 HIDDEN, TOKENS = 1, 2  # the tags of the two kinds of message (two may travel between the same ranks)
@@ -81,9 +80,7 @@ def decode_pipelined(
     ``v``-th stage gets for a step's ``ids``; ``all_done(mine)`` (called where the last stage is only) whether every
     replica's rows are done. A rank of several stages runs its first stage on every micro-batch, then its second,
     and so on. Returns [rows, prompt + new] on every rank."""
-    extra = -input_ids.shape[1] % width
-    ids, mask = F.pad(input_ids, (extra, 0), value=pad_token_id), F.pad(attention_mask, (extra, 0))
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    ids, mask, positions = first_inputs(input_ids, attention_mask, pad_token_id, width)
     start, parts = rows.start, []
     for i, k, p in zip(*(t.tensor_split(micro) for t in (ids, mask, positions))):
         parts.append(_Part(i, k, p, slice(start, start + len(i)), [], torch.zeros(len(i), dtype=torch.bool)))
@@ -141,9 +138,7 @@ def _next_input(part: _Part, link: StageLink, last: bool, pad_token_id: int, wid
             return False
         token = message[:-1]
         part.tokens.append(token)
-    part.ids = F.pad(token[:, None], (width - 1, 0), value=pad_token_id)
-    part.mask = torch.cat([part.mask, F.pad(torch.ones_like(part.mask[:, :1]), (width - 1, 0))], dim=1)
-    part.positions = (part.positions[:, -1:] + 1).expand(-1, width)
+    part.ids, part.mask, part.positions = next_inputs(token, part.mask, part.positions, pad_token_id, width)
     return True
 
 
