@@ -177,8 +177,23 @@ def test_cli_plan_json_and_search(tmp_path, capsys):
             "flops_per_step", "step_seconds", "notes"} <= set(out)
     assert out["world_size"] == 4 and len(out["ranks"]) == 4 and out["fits"] is True
     rank = out["ranks"][0]
-    assert rank["peak"] == sum(rank[k] for k in ("parameters", "gradients", "optimizer", "activations_in_flight",
-                                                 "transient"))
+    at_peak = rank["at_peak"]  # one step, no accumulation: a step's gradients are born as its activations die
+    assert rank["peak"] == sum(at_peak.values())
+    assert (at_peak["parameters"], at_peak["optimizer"]) == (rank["parameters"], rank["optimizer"])
+    if rank["peak_at"] == "forward's end":
+        assert (at_peak["gradients"], at_peak["activations"]) == (0, rank["activations_in_flight"])
+    else:
+        assert (at_peak["gradients"], at_peak["activations"]) == (rank["gradients"], 0)
+    main([*common, "--tensor_parallel_size", "2", "--world_size", "4", "--zero_1", "--json",
+          "--gradient_accumulation_steps", "2"])
+    accumulating = json.loads(capsys.readouterr().out)["ranks"][0]  # the first micro-step's gradients wait
+    assert accumulating["peak_at"] == "forward's end"
+    assert accumulating["peak"] == sum(accumulating[k] for k in ("parameters", "gradients", "optimizer",
+                                                                 "activations_in_flight", "transient"))
+    main([*common, "--world_size", "2", "--zero_stage", "2", "--json"])
+    stage2 = json.loads(capsys.readouterr().out)["ranks"][0]  # every unit gathered with the forward's activations
+    assert stage2["peak_at"] == "forward's end" and stage2["at_peak"]["gradients"] == 0
+    assert stage2["at_peak"]["gathered"] >= 4 * sum(p.numel() for p in build_meta_model(tiny_llama()).parameters())
     assert {c["group"] for c in out["communication"]} == {"tp", "dp"}
     main([*common, "--world_size", "2", "--search", "--hardware", "h100", "--json"])
     found = json.loads(capsys.readouterr().out)

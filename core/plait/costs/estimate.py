@@ -67,6 +67,7 @@ class RankEstimate:
     dp_buffer: int  # a flattened gradient bucket during the dp reduction
     cp_rank: int = 0
     second: int = 0  # a training method's frozen second model (reference, teacher): its parameters, kept logits
+    grads_in_forward: bool = True  # gradients live while a forward's activations do (see ``peak``)
 
     @property
     def transient(self) -> int:
@@ -76,10 +77,29 @@ class RankEstimate:
         a = self.activations
         return max(a.transient, self.dp_buffer - a.in_flight)
 
+    def at_peak(self) -> tuple[str, dict[str, int]]:
+        """When this rank's peak falls and what lives then (the values sum to ``peak``). Gradients live beside a
+        forward's activations when an earlier micro-step or micro-batch made them (accumulation, pipeline
+        schedules) or they are kept for the whole run (fp32 ``main_grad`` beside bf16 parameters): the peak is at
+        the forward's end with all of them. Otherwise a step's gradients are born in its backward while its
+        activations are freed (plait sets them to None after each step), so the peak is the larger of the
+        forward's end (activations, no gradients) and the backward's end (every gradient, the dp bucket, and
+        under ZeRO-2 no gathered copies left: ``StaticBytes.released``). Measured on an H200, the allocator's
+        peaks at ZeRO-0..3: bench/device_memory.py."""
+        s, a = self.static, self.activations
+        held = {"parameters": s.parameters, "optimizer": s.optimizer, "gathered": s.gathered,
+                "second_model": self.second}
+        if self.grads_in_forward:
+            return "forward's end", {**held, "gradients": s.gradients, "activations": a.in_flight,
+                                     "transient": self.transient}
+        forward = {**held, "gradients": 0, "activations": a.in_flight, "transient": a.transient}
+        backward = {**held, "gathered": s.gathered - s.released, "gradients": s.gradients, "activations": 0,
+                    "transient": max(a.transient, self.dp_buffer)}
+        return max(("forward's end", forward), ("backward's end", backward), key=lambda m: sum(m[1].values()))
+
     @property
     def peak(self) -> int:
-        s, a = self.static, self.activations
-        return s.parameters + s.gradients + s.optimizer + s.gathered + self.second + a.in_flight + self.transient
+        return sum(self.at_peak()[1].values())
 
 
 @dataclass
@@ -191,6 +211,8 @@ def estimate_layout(
                                         shard_saving_columns(plan, columns))
     rows, columns, whole, saves_shard = cache["linears", shards_key]
     replicas = dp * cp  # ranks holding the same parameters: gradients summed and ZeRO-1 sharded over them
+    # gradients beside a forward: from an earlier micro-step or micro-batch, or fp32 main_grads kept for the run
+    grads_in_forward = batch.accumulation > 1 or pp > 1 or (precision.masters and not config.fsdp)
     ranks, comm, flops, moved, layer_count = [], {}, {}, {}, {}
     for pp_rank in range(pp):
         acts = activation_bytes(trace, plan, pp_rank, microbatch, columns, imbalance, whole, saves_shard)
@@ -218,7 +240,8 @@ def estimate_layout(
                 dp_rank, cp_rank = divmod(replica, cp)  # the replica group's order: dp-major, then cp
                 rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
                 bucket = min(grads, BUCKET_BYTES) if replicas > 1 and not config.fsdp else 0  # FSDP2: in gathered
-                ranks.append(RankEstimate(rank, tp_rank, pp_rank, dp_rank, static, acts, bucket, cp_rank, frozen))
+                ranks.append(RankEstimate(rank, tp_rank, pp_rank, dp_rank, static, acts, bucket, cp_rank, frozen,
+                                          grads_in_forward))
     notes = [f"attention: {trace.attn_implementation}"
              + (" (eager keeps the s x s probabilities of every layer)" if trace.attn_implementation == "eager" else
                 " (torch's math path: attention dropout, which this device's fused kernel does not take; it keeps "

@@ -158,6 +158,7 @@ class StaticBytes:
     optimizer: int
     stepped: int  # parameter elements this rank's optimizer updates (all it holds, or its ZeRO-1 share)
     gathered: int = 0  # ZeRO-2/3: gathered copies of parameters at the peak, and one unit's gradient being reduced
+    released: int = 0  # of ``gathered``: what the step's last backward has freed by its end (stage 2's copies)
 
 
 def fsdp_rows(param: RankParam, replicas: int, rank: int) -> int:
@@ -187,7 +188,8 @@ def fsdp_static_bytes(params: list[RankParam], precision: Precision, replicas: i
         stored = sum(fsdp_rows(p, replicas, rank) for p in params)
         trained = sum(fsdp_rows(p, replicas, rank) for p in params if p.trainable)
         state = trained * ADAM_STATES * shard + STEP_BYTES * sum(1 for p in params if p.trainable)
-        out.append(StaticBytes(stored * shard, trained * shard, state, trained, gathered + reduced))
+        out.append(StaticBytes(stored * shard, trained * shard, state, trained, gathered + reduced,
+                               gathered if stage == 2 else 0))
     return out
 
 

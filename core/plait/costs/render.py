@@ -3,8 +3,10 @@
 JSON schema (``plait plan --json``): {"layout": {...ParallelConfig...}, "world_size", "batch": {"per_device",
 "seq", "accumulation"}, "ranks": [{"rank", "tp_rank", "pp_rank", "dp_rank", "cp_rank", "parameters", "gradients",
 "optimizer", "activations_per_microbatch", "in_flight_microbatches", "activations_in_flight", "transient",
-"peak", "checkpoint_bytes"}], "peak", "device_memory" (or null), "usable_memory" (device_memory less the device
-model's reserve), "fits" (or null), "communication": [{"pp_rank", "group", "op", "count", "bytes"}], "bubble",
+"peak", "peak_at" ("forward's end" or "backward's end"), "at_peak" (what lives then: {"parameters", "gradients",
+"optimizer", "gathered", "second_model", "activations", "transient"}, summing to "peak"), "checkpoint_bytes"}],
+"peak", "device_memory" (or null), "usable_memory" (device_memory less the device model's reserve), "fits" (or
+null), "communication": [{"pp_rank", "group", "op", "count", "bytes"}], "bubble",
 "flops_per_step": {pp_rank: FLOPs}, "step_seconds" (or null), "notes",
 "cp_attention" (the strategy for the block size under cp, or null)}. Group "dp" is the replica group: dp x cp
 ranks under context parallelism; under expert parallelism "ep" is the experts' all-to-alls and "edp" the expert
@@ -46,7 +48,8 @@ def estimate_json(estimate: LayoutEstimate, device: Device | None, memory: int |
               "activations_per_microbatch": r.activations.per_microbatch,
               "in_flight_microbatches": r.activations.in_flight_microbatches,
               "activations_in_flight": r.activations.in_flight, "transient": r.transient,
-              "peak": r.peak, "checkpoint_bytes": checkpoint_bytes(r)} for r in estimate.ranks]
+              "peak": r.peak, "peak_at": r.at_peak()[0], "at_peak": r.at_peak()[1],
+              "checkpoint_bytes": checkpoint_bytes(r)} for r in estimate.ranks]
     layout = dataclasses.asdict(config)
     layout["pipeline_cuts"] = list(config.pipeline_cuts)
     return {
@@ -87,16 +90,18 @@ def print_estimate(console: Console, estimate: LayoutEstimate, device: Device | 
     for r in estimate.ranks:
         a = r.activations
         key = (r.static.parameters, r.static.gradients, r.static.optimizer, r.second, a.per_microbatch,
-               a.in_flight_microbatches, a.in_flight, r.transient, r.peak)
+               a.in_flight_microbatches, a.in_flight, r.transient, r.peak, r.at_peak()[0])
         rows[key].append(r.rank)
     second = any(r.second for r in estimate.ranks)  # a column only where the training method has a second model
     table = Table("ranks", "parameters", "gradients", "optimizer", *(["second model"] if second else []),
-                  "activations / micro-batch", "in flight", "activations", "transient", "peak",
-                  title=f"memory per rank ({config.describe()})")
-    for (params, grads, optim, frozen, per_mb, flight, acts, transient, peak), ranks in rows.items():
+                  "activations / micro-batch", "in flight", "activations", "transient", "peak", "peak at",
+                  title=f"memory per rank ({config.describe()})",
+                  caption="the peak is at the forward's end (activations; gradients only where an earlier micro-step "
+                          "or main_grad keeps them) or at the backward's end (gradients, activations freed)")
+    for (params, grads, optim, frozen, per_mb, flight, acts, transient, peak, when), ranks in rows.items():
         mark = "" if memory is None or peak <= memory else " [red](does not fit)[/]"
         table.add_row(_ranks(ranks), gib(params), gib(grads), gib(optim), *([gib(frozen)] if second else []),
-                      gib(per_mb), f"{flight:g}", gib(acts), gib(transient), gib(peak) + mark)
+                      gib(per_mb), f"{flight:g}", gib(acts), gib(transient), gib(peak) + mark, when)
     console.print(table)
     comm = Table("pp rank", "group", "op", "count", "bytes", title="communication per optimizer step (one rank)",
                  caption="bytes: what this rank hands the collective, summed over its calls (an all_gather's output "
