@@ -47,10 +47,21 @@ MODELS = {
     "large": dict(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
                   num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=512),
 }
-# between steps plait stores parameters and AdamW state, not gradients (zero_grad sets them to None)
-STORED = {0: lambda dp: 4 + 8.0, 1: lambda dp: 4 + 8 / dp, 2: lambda dp: 4 / dp + 8 / dp, 3: lambda dp: 4 / dp + 8 / dp}
-AT_PEAK = {0: lambda dp: 16.0, 1: lambda dp: 4 + 4 + 8 / dp, 2: lambda dp: 4 / dp + 4 + 8 / dp,
-           3: lambda dp: 16 / dp}
+# bytes per parameter stored between steps: parameters and AdamW state; gradients are set to None after each step,
+# except --bf16's fp32 main_grad buffers (kept for the run) beside bf16 parameters at stages 0 and 1, whose
+# optimizer holds fp32 masters too; at stages 2 and 3 --bf16 keeps fp32 shards (the masters) and gathers bf16 copies
+STORED = {
+    "fp32": {0: lambda dp: 4 + 8.0, 1: lambda dp: 4 + 8 / dp, 2: lambda dp: 12 / dp, 3: lambda dp: 12 / dp},
+    "bf16": {0: lambda dp: 2 + 4 + 12.0, 1: lambda dp: 2 + 4 + 12 / dp, 2: lambda dp: 12 / dp, 3: lambda dp: 12 / dp},
+}
+# the ZeRO paper's bytes per parameter at a stage's peak (mixed precision: 2 + 2 + 12 unsharded); FSDP2's stage 2
+# keeps the gathered copy beside the shard
+AT_PEAK = {
+    "fp32": {0: lambda dp: 16.0, 1: lambda dp: 4 + 4 + 8 / dp, 2: lambda dp: 4 / dp + 4 + 8 / dp,
+             3: lambda dp: 16 / dp},
+    "bf16": {0: lambda dp: 16.0, 1: lambda dp: 2 + 2 + 12 / dp, 2: lambda dp: 4 / dp + 2 + 2 / dp + 8 / dp,
+             3: lambda dp: 16 / dp},
+}
 
 
 def stored_bytes(pmodel, optimizer) -> tuple[int, int]:
@@ -61,14 +72,19 @@ def stored_bytes(pmodel, optimizer) -> tuple[int, int]:
     from plait.parallel.fsdp import local
 
     params = list(pmodel.parameters())
+    from plait.parallel.grad_sync import MAIN_GRAD, grad_of
+
     grads = [local(p.grad) for p in params if p.grad is not None]
-    return (tensor_bytes(local(p) for p in params) + tensor_bytes(grads) + optimizer_state_bytes(optimizer),
-            len(params))
+    main = [grad_of(p) for p in params if hasattr(p, MAIN_GRAD)]
+    return (tensor_bytes(local(p) for p in params) + tensor_bytes(grads) + tensor_bytes(main)
+            + optimizer_state_bytes(optimizer), len(params))
 
 
-def run_stage(name: str, stage: int, dp: int, steps: int, rows: int, seq: int, device: torch.device) -> dict:
-    """Rank 0's stored bytes and allocator peaks over ``steps`` steps at ``stage`` (fp32 AdamW, ``rows`` x ``seq``
-    tokens a rank), and ``plait plan``'s peak for it (bench/plan_check.py's prediction)."""
+def run_stage(name: str, stage: int, dp: int, steps: int, rows: int, seq: int, bf16: bool,
+              device: torch.device) -> dict:
+    """Rank 0's stored bytes and allocator peaks over ``steps`` steps at ``stage`` (AdamW, fp32 or ``bf16`` as
+    ``plait train --bf16`` runs it, ``rows`` x ``seq`` tokens a rank), and ``plait plan``'s peak for it
+    (bench/plan_check.py's prediction)."""
     from plan_check import _predict
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -82,9 +98,14 @@ def run_stage(name: str, stage: int, dp: int, steps: int, rows: int, seq: int, d
     psi = sum(p.numel() for p in model.parameters())
     largest = max(p.numel() for p in model.parameters())
     row = max(p.numel() // p.shape[0] for p in model.parameters())
-    pmodel = plait.parallelize(model, plait.ParallelConfig(zero_stage=stage))
+    sharded = stage >= 2
+    if bf16 and not sharded:
+        model.to(torch.bfloat16)
+    layout = {"zero_stage": stage, "mixed_precision": bf16 and sharded}
+    pmodel = plait.parallelize(model, plait.ParallelConfig(**layout))
     fused = {"fused": True} if dev.use_fused_adamw(device) else {}  # as plait train builds it
-    optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4, weight_decay=0.0, **fused)
+    optimizer = build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4, weight_decay=0.0,
+                                optimizer_dtype=torch.float32 if bf16 else None, **fused)
     step = OptimizerStep(pmodel.grad_sync, optimizer, max_grad_norm=1.0)
     del model
     gc.collect()
@@ -104,22 +125,25 @@ def run_stage(name: str, stage: int, dp: int, steps: int, rows: int, seq: int, d
     gc.collect()
     if dev.accelerator() is not None:
         torch.accelerator.empty_cache()
-    planned = _predict({"zero_stage": stage}, LlamaConfig(**MODELS[name]), torch.float32, rows, seq).peak
+    planned = _predict(layout, LlamaConfig(**MODELS[name]), torch.bfloat16 if bf16 else torch.float32, rows,
+                       seq).peak
     return {"model": name, "stage": stage, "planned": planned, "psi": psi, "tensors": tensors,
             "largest": largest, "row": row, "peaks": peaks, "stored": stored}
 
 
-def report(results: list[dict], dp: int, rows: int, seq: int, on_device: bool) -> bool:
+def report(results: list[dict], dp: int, rows: int, seq: int, bf16: bool, on_device: bool) -> bool:
     """Print the table; True when each stage stores the formula's bytes, and on an accelerator when every model's
     peaks order stage 3 < 1 < 0 and stage 2 falls below or above stage 1 as ``plait plan`` says (see the module's
     doc for when stage 2 is above)."""
-    print(f"rank 0 of dp={dp} (fake process group, one process), fp32 AdamW, {rows} x {seq} tokens per rank (MiB)")
+    precision = "bf16" if bf16 else "fp32"
+    print(f"rank 0 of dp={dp} (fake process group, one process), {precision} AdamW"
+          f"{' (fp32 masters)' if bf16 else ''}, {rows} x {seq} tokens per rank (MiB)")
     print(f"{'model':>6} {'stage':>5} {'psi':>7} {'stored':>7} {'formula':>7} {'peak per step':>20} "
           f"{'paper at peak':>13} {'plait plan':>10} {'peak/plan':>9}")
     good = True
     for r in results:
         psi = r["psi"]
-        want = STORED[r["stage"]](dp) * psi
+        want = STORED[precision][r["stage"]](dp) * psi
         slack = 12 * r["tensors"] * r["row"] + 8 * r["largest"]  # a row per tensor (2, 3), a parameter (1)
         stored = r["stored"][-1]
         fits = abs(stored - want) <= slack
@@ -128,7 +152,7 @@ def report(results: list[dict], dp: int, rows: int, seq: int, on_device: bool) -
         peaks = " ".join(f"{p / MIB:6.0f}" for p in r["peaks"]) if on_device else "n/a"
         ratio = f"{peak / r['planned']:9.3f}" if on_device else f"{'n/a':>9}"
         print(f"{r['model']:>6} {r['stage']:5d} {psi / 1e6:6.1f}M {stored / MIB:7.0f} {want / MIB:7.0f} "
-              f"{peaks:>20} {AT_PEAK[r['stage']](dp) * psi / MIB:13.0f} {r['planned'] / MIB:10.0f} {ratio}"
+              f"{peaks:>20} {AT_PEAK[precision][r['stage']](dp) * psi / MIB:13.0f} {r['planned'] / MIB:10.0f} {ratio}"
               f"{'' if fits else '  stored bytes off the formula'}")
     if on_device:
         for name in dict.fromkeys(r["model"] for r in results):
@@ -155,6 +179,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--models", default="small,large")
     parser.add_argument("--stages", default="0,1,2,3")
+    parser.add_argument("--bf16", action="store_true", help="as plait train --bf16: bf16 compute, fp32 masters")
     ns = parser.parse_args()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -163,9 +188,9 @@ def main() -> None:
     device = dev.pick_device("auto")
     dev.set_device(device)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ns.dp)
-    results = [run_stage(name, int(stage), ns.dp, ns.steps, ns.rows, ns.seq, device)
+    results = [run_stage(name, int(stage), ns.dp, ns.steps, ns.rows, ns.seq, ns.bf16, device)
                for name in ns.models.split(",") for stage in ns.stages.split(",")]
-    ok = report(results, ns.dp, ns.rows, ns.seq, dev.accelerator() is not None)
+    ok = report(results, ns.dp, ns.rows, ns.seq, ns.bf16, dev.accelerator() is not None)
     dist.destroy_process_group()
     raise SystemExit(0 if ok else 1)
 
