@@ -28,7 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- image-text sweep: begin -->", "<!-- image-text sweep: end -->"
 TYPES_PER_WORLD = 6  # a world costs a second or two to start; a crash loses the time of its cases, not their cells
-FP32_LOSS, FLOAT64_LOSS, GRAD_UNITS = 1e-6, 1e-9, 1.0  # tests/test_vlm.py's bounds
+# tests/test_vlm.py's gradient bound; its loss bounds (1e-6 fp32, 1e-9 float64) hold for the four families it runs,
+# but across all types Adam grows fp32 rounding to 2.8e-6 relative by step 3 (glm4v, step3p7: their float64 runs
+# agree to 2e-16), and transformers' fp32 casts inside a float64 run (RMSNorm, softmax) leave up to 3.2e-9
+# (glm4v_moe, with float64 gradients within 0.055 units): a bound about three times each, where a wrong plan or
+# a lost input misses by 1e-4 or more (as Cohere Compass's grid positions did before pp and cp computed them)
+FP32_LOSS, FLOAT64_LOSS, GRAD_UNITS = 1e-5, 1e-8, 1.0
 
 
 def preflight(model_type: str, modes: tuple[str, ...]) -> dict[str, str]:
@@ -162,19 +167,22 @@ def render(rows: dict[str, dict[str, str]], modes: tuple[str, ...], seconds: flo
          "(`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`), made tiny by `plait_transformers.tiny_vision` (a 4-layer "
          "decoder, a 2-layer vision tower, 16x16 images in 4x4 patches), its `architectures` naming the image-text "
          "class as a whole model's checkpoint does, stochastic depth off. Modes: `tp2-sp` (tp=2 with SP), "
-         "`zero3-dp2` (ZeRO-3 over 2 ranks), `pp2` (pp=2, 1F1B over 2 micro-batches). Each trains 3 AdamW steps on "
+         "`zero3-dp2` (ZeRO-3 over 2 ranks), `pp2` (pp=2, 1F1B over 2 micro-batches), `cp2` (cp=2, the vision tower "
+         "whole on each rank, the language model on its slice). Each trains 3 AdamW steps on "
          "4 rows a step, 0-2 images a row (every replica and micro-batch holding one, as ZeRO-3 needs; rows padded "
-         "to an even length, as SP needs), through `train_step(..., images=...)` against transformers' model and "
+         "to a multiple of 4 tokens, as SP and cp need), through `train_step(..., images=...)` against "
+         "transformers' model and "
          "torch's AdamW in one process, in fp32 and again in float64 (experts in their eager loop: torch's grouped "
          "matmul takes no float64), as tests/workers/vlm_parity.py runs its tiny types."),
         "",
-        (f"pass: tests/test_vlm.py's bounds hold: every fp32 loss within {FP32_LOSS:g} relative, every float64 loss "
-         f"within {FLOAT64_LOSS:g}, every float64 gradient within {GRAD_UNITS:g} unit of 1e-6 + 1e-5·|g| at every "
+        (f"pass: every fp32 loss within {FP32_LOSS:g} relative, every float64 loss within {FLOAT64_LOSS:g} (about "
+         "three times the largest rounding measured across the types: Adam-grown fp32 rounding, and transformers' "
+         "fp32 casts inside the float64 run; tests/test_vlm.py holds its four families to 1e-6 and 1e-9), every "
+         f"float64 gradient within {GRAD_UNITS:g} unit of 1e-6 + 1e-5·|g| at every "
          "step and rank, and the gradients compared those of every parameter the reference trains (a tied copy, "
          "the last pipeline stage's `lm_head.weight`, against its pair's). The numbers are each run's worst loss "
          "(relative) and gradient (units); fp32's gradients are shown, not bounded (Adam grows their rounding). "
-         "As in the tests, the float64 run keeps transformers' own casts to fp32 (RMSNorm, softmax, some recurrent "
-         "mixers), so its losses can miss 1e-9 by that rounding alone. `FAIL` names each bound missed at its worst "
+         "`FAIL` names each bound missed at its worst "
          "step (1-3), or the error raised. `refused: tiny model` is `tiny_vision.check`'s reason the tiny model "
          "does not train on one process; any other refusal is plait's (a ConfigError: the layout plan's on the meta "
          "model before launch, or parallelize's or train_step's). Llama 4's forward raises after its logits unless "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -20,16 +20,18 @@ from torch import nn
 from plait.base import comm
 from plait.base.batches import local_microbatch
 from plait.base.config import ConfigError, ParallelConfig
-from plait.base.images import ImageBatch, pipeline_unseen
+from plait.base.images import ImageBatch, grid_position_ids, grid_positions, pipeline_unseen
 from plait.base.mesh import Mesh
 from plait.cp.attention import whole_sequences
 from plait.cp.context import ContextParallel
+from plait.cp.images import text_model_takes_its_tokens
 from plait.cp.sequence import check_length
 from plait.ep.apply import AppliedEP
 from plait.generation.decode import StageCache, check_batch, decode
 from plait.generation.pipelined import StageLink, decode_pipelined
 from plait.layout_plan import LayoutPlan
 from plait.parallel.compile import compile_leaf_modules
+from plait.parallel.deepstack import check_pipeline as check_deepstack_stage, deepstack_on_local_tokens
 from plait.parallel.float8 import check_float8_tokens
 from plait.parallel.fsdp import AppliedFSDP
 from plait.parallel.grad_sync import GradSync
@@ -149,19 +151,14 @@ class ParallelModel(nn.Module):
     def _forward(self, input_ids, labels, attention_mask, num_items_in_batch, position_ids=None, objective=None,
                  rows=None, images: ImageBatch | None = None) -> torch.Tensor:
         pictures = {} if images is None else images.inputs()
-        if self.cp is not None:  # this rank's tokens, the whole sequence's positions and mask at hand
-            batch, seq = input_ids.shape
-            labels = None if labels is None else self.cp.shard_labels(labels)
-            with self.cp.forward(batch, seq, attention_mask, position_ids, input_ids.device) as local:
-                if pictures:  # the image features merge into the whole sequence; the text model takes this rank's
-                    with self._text_model_takes_its_tokens():
-                        out = self._model(input_ids, local.get("attention_mask"), local["position_ids"], **pictures)
-                else:
-                    out = self._model(self.cp.take(input_ids), local.get("attention_mask"), local["position_ids"])
-        else:
-            out = self._model(input_ids, attention_mask, position_ids, **pictures)
+        sp = self.mesh.tp_group if self.config.sequence_parallel else None
+        with deepstack_on_local_tokens(self.module, self.cp and self.cp.take, sp) if pictures else \
+                contextlib.nullcontext():
+            out = self._forward_model(input_ids, attention_mask, position_ids, images, pictures)
         if labels is None:
             return out.logits
+        if self.cp is not None:
+            labels = self.cp.shard_labels(labels)
         if objective is not None:  # a training method's own loss from the logits (plait.tp.logprobs)
             loss = objective(read_logits(out.logits, labels, rows, self.loss, self.mesh))
         else:
@@ -183,6 +180,18 @@ class ParallelModel(nn.Module):
                 self.aux_loss_sum = term.detach() + (0 if self.aux_loss_sum is None else self.aux_loss_sum)
             loss = loss + term
         return loss
+
+    def _forward_model(self, input_ids, attention_mask, position_ids, images, pictures) -> Any:
+        """The model's output for this rank's tokens: under cp with the whole sequence's positions and mask at hand,
+        an image-text model's features merged into the whole sequence and its text model on this rank's slice."""
+        if self.cp is None:
+            return self._model(input_ids, attention_mask, position_ids, **pictures)
+        with self.cp.forward(*input_ids.shape, attention_mask, position_ids, input_ids.device) as local:
+            if not pictures:
+                return self._model(self.cp.take(input_ids), local.get("attention_mask"), local["position_ids"])
+            grid = grid_position_ids(self.module, input_ids, attention_mask, images)
+            with text_model_takes_its_tokens(self.module, self.cp, grid):
+                return self._model(input_ids, local.get("attention_mask"), local["position_ids"], **pictures)
 
     def _model(self, input_ids, attention_mask, position_ids, **extra) -> Any:
         extra = {"use_cache": False, **extra} | ({} if position_ids is None else {"position_ids": position_ids})
@@ -380,11 +389,16 @@ class ParallelModel(nn.Module):
         train: bool | None = None, images: ImageBatch | None = None,
     ) -> None:
         if images is not None and self.pipeline is not None:
-            unseen = pipeline_unseen(self.module.config, images.row_major)
+            unseen = pipeline_unseen(self.module, images)
             if unseen:
                 raise ConfigError(f"image inputs under pp={self.mesh.pp}: {type(self.module).__name__}'s later stages "
                                   f"would not see {unseen}, which only the first stage gets; use tp, cp, dp and ZeRO "
                                   f"for it")
+            split = self.plan.split
+            check_deepstack_stage(self.module, split.layers, split.bounds[0][1] - split.bounds[0][0],
+                                  self.config.sequence_parallel or self.cp is not None)
+        if images is not None and self.cp is not None:
+            self._check_images_under_cp(images)
         if images is not None and images.rows != input_ids.shape[0]:
             raise ConfigError(f"the image inputs are of {images.rows} rows, the input_ids of {input_ids.shape[0]}; "
                               f"pass the images of the same rows (ImageBatch.take, ParallelModel.local_batch)")
@@ -427,6 +441,9 @@ class ParallelModel(nn.Module):
                 if position_ids is None:
                     position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
                 input_ids, labels = self.cp.take(input_ids), self.cp.shard_labels(labels)
+            elif position_ids is None and images is not None:  # M-RoPE: every stage gets the first one's positions
+                grid = grid_position_ids(self.module, input_ids, attention_mask, images)
+                position_ids = None if grid is None else grid.transpose(0, 1)  # rows first: the schedule cuts them
             return self.pipeline.run(input_ids, labels, attention_mask, num_items_in_batch, train, position_ids,
                                      objective, images)
         total = None  # in the loss's own dtype: fp32 at least, float64 for a float64 model
@@ -444,23 +461,16 @@ class ParallelModel(nn.Module):
             total = loss.detach().clone() if total is None else total + loss.detach()
         return total
 
-    @contextlib.contextmanager
-    def _text_model_takes_its_tokens(self) -> Iterator[None]:
-        """Under cp with images: the model embeds the whole sequence and merges the image features into it (every
-        cp rank runs the vision tower on the rows' images; their gradients sum over the replica group), and the
-        text model (``get_decoder``) gets this rank's slice of the merged embeddings."""
-        text = self.module.get_decoder()  # transformers' name for the language model of a composite
-
-        def slice_embeddings(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if kwargs.get("inputs_embeds") is not None:
-                kwargs["inputs_embeds"] = self.cp.take(kwargs["inputs_embeds"])
-            return args, kwargs
-
-        handle = text.register_forward_pre_hook(slice_embeddings, with_kwargs=True)
-        try:
-            yield
-        finally:
-            handle.remove()
+    def _check_images_under_cp(self, images: ImageBatch) -> None:
+        name = type(self.module).__name__
+        if "token_type_ids" in images.row_major:  # Gemma 3's, PaliGemma's: the masks' bidirectional image blocks
+            raise ConfigError(f"image inputs under cp={self.mesh.cp}: {name}'s image tokens attend to each other both "
+                              f"ways (its token_type_ids), which context parallelism's causal split does not; use tp, "
+                              f"pp, dp and ZeRO for it")
+        if self.pipeline is not None and grid_positions(self.module.config):
+            raise ConfigError(f"image inputs under pp={self.mesh.pp} and cp={self.mesh.cp} together: {name}'s "
+                              f"multimodal rotary positions are handed to a pipeline's stages or cut for cp, not both; "
+                              f"use pp or cp")
 
     def _check_images_everywhere(self, pictures: list[ImageBatch]) -> None:
         """Under ZeRO-2/3 every micro-batch of every replica must hold an image: FSDP reduces a gradient only where

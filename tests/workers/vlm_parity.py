@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from plait import ConfigError
 from plait.base.images import ImageBatch
-from plait_transformers.vision_parity import as_double, compare, reference, tiny_batches, train
+from plait_transformers.vision_parity import as_double, compare, padded, reference, tiny_batches, train
 
 STEPS, ROWS, TEXT = 3, 4, 6
 # images of each row at each step: micro-batches and replicas with different counts, text-only rows, and at the last
@@ -75,9 +75,28 @@ def batches(image_token: int, images: list[list[int]]) -> list[tuple]:
 
 
 # more families, from the generic adapter's tiny image-text configs (plait_transformers.tiny_vision), on the layouts
-# that tell the most apart: the language model split with SP, ZeRO-3's gathered vision tower, micro-batches
-TINY = ("idefics3", "gemma3", "qwen2_vl")
-TINY_LAYOUTS = ("tp2_sp", "zero3_dp2", "dp2_microbatches")
+# that tell the most apart: the language model split with SP, ZeRO-3's gathered vision tower, micro-batches, the
+# pipeline (Gemma 3's token types and Qwen2-VL's grid positions reach the later stages) and cp (the language model
+# on its slice, Idefics3's vision tower building its own masks, Qwen2-VL's grid positions cut); Gemma 3's image
+# tokens attend both ways, which cp refuses. "qwen3_vl_deepstack": Qwen3-VL whose vision tower's layer 1 feeds
+# visual tokens added after decoder layer 0 (deepstack), cut to each rank's slice under SP and cp; under pp the first
+# stage must hold layer 0 and the next (the planned split gives it one: the cut is named)
+TINY = ("idefics3", "gemma3", "qwen2_vl", "qwen3_vl_deepstack")
+TINY_LAYOUTS = ("tp2_sp", "zero3_dp2", "dp2_microbatches", "pp2", "cp2")
+DEEPSTACK_LAYOUTS = {"pp2_cut": dict(pp=2, num_microbatches=2, pipeline_cuts=("model.language_model.layers.2",))}
+TINY_CASES = [(model_type, layout) for model_type in TINY[:3] for layout in TINY_LAYOUTS
+              if (model_type, layout) != ("gemma3", "cp2")] + [("qwen2_vl", "cp2_ring")] + [
+              ("qwen3_vl_deepstack", layout) for layout in ("tp2_sp", "cp2", "pp2_cut")]
+
+
+def tiny_config(name: str):
+    from plait_transformers.tiny_vision import tiny_image_text_config
+
+    if name != "qwen3_vl_deepstack":
+        return tiny_image_text_config(name)
+    config = tiny_image_text_config("qwen3_vl")
+    config.vision_config.deepstack_visual_indexes = [1]  # the tiny tower's last layer (its 8, 16, 24 do not exist)
+    return config
 
 
 def main() -> None:
@@ -91,16 +110,15 @@ def main() -> None:
     for name, layout in LAYOUTS.items():
         kind = "fsdp" if name in FSDP else "mixed"
         results[f"llava-{name}"] = compare(train(base, data[kind], layout), expected[kind])
-    from plait_transformers.tiny_vision import tiny_image_text_config
     from transformers import AutoModelForImageTextToText
 
     tiny = {}
+    layouts = {**LAYOUTS, **DEEPSTACK_LAYOUTS}
     for model_type in TINY:
-
-        config = tiny_image_text_config(model_type)
+        config = tiny_config(model_type)
         torch.manual_seed(0)
         model = AutoModelForImageTextToText.from_config(config)
-        rows = tiny_batches(config, FSDP_PER_ROW)
+        rows = padded(tiny_batches(config, FSDP_PER_ROW), 4)  # cp=2 cuts a row in 4 chunks
         tiny[model_type] = (model, rows)
         wanted = reference(model, rows)
         results[f"{model_type}-parameters"] = wanted["trained"]
@@ -108,14 +126,14 @@ def main() -> None:
         # float64 shows whether it is rounding: the same layouts there, at the same tolerance
         model64, rows64 = copy.deepcopy(model).double(), as_double(rows)
         wanted64 = reference(model64, rows64)
-        for name in TINY_LAYOUTS:
-            results[f"{model_type}-{name}"] = compare(train(model, rows, LAYOUTS[name]), wanted)
-            results[f"{model_type}-{name}-float64"] = compare(train(model64, rows64, LAYOUTS[name]), wanted64)
-    # refused on every rank before the forward: a replica without an image under ZeRO-3; under pp, models whose
-    # later stages need what the images give (Qwen2-VL's grid positions, Gemma 3's token types)
+        for name in (layout for kind, layout in TINY_CASES if kind == model_type):
+            results[f"{model_type}-{name}"] = compare(train(model, rows, layouts[name]), wanted)
+            results[f"{model_type}-{name}-float64"] = compare(train(model64, rows64, layouts[name]), wanted64)
+    # refused on every rank before the forward: a replica without an image under ZeRO-3; Gemma 3's images under cp;
+    # deepstack under pp where the first stage holds only the layer the visual tokens are added after
     for name, layout, (model, rows) in (("zero3_no_image", LAYOUTS["zero3_dp2"], (base, data["mixed"])),
-                                        ("qwen2_vl_pp2", LAYOUTS["pp2"], tiny["qwen2_vl"]),
-                                        ("gemma3_pp2", LAYOUTS["pp2"], tiny["gemma3"])):
+                                        ("gemma3_cp2", LAYOUTS["cp2"], tiny["gemma3"]),
+                                        ("qwen3_vl_deepstack_pp2", LAYOUTS["pp2"], tiny["qwen3_vl_deepstack"])):
         try:
             train(model, rows, layout)
             said = "not refused"

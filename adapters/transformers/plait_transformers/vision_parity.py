@@ -5,13 +5,16 @@ A copy of one model trains a few AdamW steps on the same global batches of image
 the whole batch in one process, its cross-entropy computed in the logits' own dtype (transformers' loss casts them
 to float32, which would round a float64 recheck's reference). ``compare`` gives each step's loss beside the
 reference's and the largest gradient error of any rank at each step in units of 1e-6 + 1e-5 |g| (the conformance
-kit's tolerance), with the parameter names compared on some rank. fp32 rounding grown by Adam can pass that bound
-where float64 (``as_double``) shows every layout to be one process's: the sweep and the tests recheck there.
+kit's tolerance), with the parameter names compared on some rank (a tied parameter under its first name). fp32
+rounding grown by Adam can pass that bound where float64 (``as_double``) shows every layout to be one process's: the
+sweep and the tests recheck there.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -50,9 +53,24 @@ def as_double(data: list[Rows]) -> list[Rows]:
     return out
 
 
+def padded(data: list[Rows], multiple: int) -> list[Rows]:
+    """Each step's rows right-padded to a multiple of ``multiple`` tokens (no label, masked out): SP halves the
+    sequence and cp cuts it in 2 cp chunks, and a tiny batch's length is what its images and text make it."""
+    def step(ids: torch.Tensor, labels: torch.Tensor, images: ImageBatch, mask: torch.Tensor) -> Rows:
+        pad = functools.partial(torch.nn.functional.pad, pad=(0, -ids.shape[1] % multiple))
+        tensors = {k: pad(v) if k in images.row_major else v for k, v in images.tensors.items()}
+        return pad(ids), pad(labels, value=-100), dataclasses.replace(images, tensors=tensors), pad(mask)
+    return [step(*rows) for rows in data]
+
+
 def reference(base: torch.nn.Module, data: list[Rows]) -> dict:
-    """Losses, every step's gradients and the trained parameters' names of one process."""
+    """Losses, every step's gradients and the trained parameters' names of one process; each gradient also under a
+    tied parameter's other names (``aliases``: named_parameters gives the first), as a pipeline stage holding one
+    copy alone (the last's lm_head.weight) steps it under its own name."""
     model = copy.deepcopy(base)
+    first: dict[int, str] = {}
+    aliases = {name: first[id(param)] for name, param in model.named_parameters(remove_duplicate=False)
+               if first.setdefault(id(param), name) != name}
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     groups = weight_decay_groups(model.named_parameters(), shapes, embedding_params(model), WEIGHT_DECAY)
     optimizer = torch.optim.AdamW(groups, lr=LR, weight_decay=WEIGHT_DECAY)
@@ -66,11 +84,12 @@ def reference(base: torch.nn.Module, data: list[Rows]) -> dict:
                                                  reduction="sum") / (shifted != -100).sum()
         loss.backward()
         grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+        grads[-1].update({alias: grads[-1][name] for alias, name in aliases.items() if name in grads[-1]})
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    trained = sorted(grads[0])  # not the vision tower's unused post_layernorm: LLaVA reads a hidden layer
-    return {"losses": losses, "grads": grads, "trained": trained}
+    trained = sorted(set(grads[0]) - set(aliases))  # not the vision tower's unused post_layernorm (a hidden layer read)
+    return {"losses": losses, "grads": grads, "trained": trained, "aliases": aliases}
 
 
 def train(base: torch.nn.Module, data: list[Rows], layout: dict) -> dict:
@@ -111,7 +130,7 @@ def compare(run: dict, expected: dict) -> dict:
                 continue
             want = run["pmodel"].param_specs[name].slice_full(reference_grads[name])
             worst = torch.maximum(worst, ((grad - want).abs() / (1e-6 + 1e-5 * want.abs())).max())
-            names.add(name)
+            names.add(expected["aliases"].get(name, name))
     by_step = torch.stack([*by_step[1:], worst])
     dist.all_reduce(by_step, op=dist.ReduceOp.MAX)
     worst = by_step.max()

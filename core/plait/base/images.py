@@ -11,10 +11,12 @@ image's patch count, for the tensors that count patches).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from plait.base.config import ConfigError
 
@@ -115,23 +117,63 @@ class ImageBatch:
         model; an empty pixel tensor would reach the vision tower)."""
         return dict(self.tensors) if int(self.per_row.sum()) else {}
 
+    def later_stage_inputs(self) -> dict[str, torch.Tensor]:
+        """What a pipeline's stages after the first get of these rows: the processor's per-token tensors (Gemma 3's
+        ``token_type_ids``, from which every stage's model builds the mask letting image tokens see each other), as
+        the first stage gets them; never the pixels, which only the first stage's vision tower reads."""
+        return {name: self.tensors[name] for name in self.row_major} if int(self.per_row.sum()) else {}
+
 
 def grid_positions(config: Any) -> bool:
     """Whether the model's rotary positions follow its images' grids (M-RoPE: Qwen-VL, GLM-4V), computed inside
-    its forward from the ids and the grids rather than taken from position ids."""
+    its forward from the ids and the grids rather than taken from position ids: an ``mrope_section`` in its text
+    config's rope parameters, or in those of one of its layer types (Cohere Compass's)."""
     text = config.get_text_config()
-    rope = {**(getattr(text, "rope_scaling", None) or {}), **(getattr(text, "rope_parameters", None) or {})}
-    return "mrope_section" in rope
+    return any(_names_mrope(getattr(text, field, None)) for field in ("rope_scaling", "rope_parameters"))
 
 
-def pipeline_unseen(config: Any, per_token: tuple[str, ...] = ()) -> str | None:
-    """What a model's later pipeline stages would need from the images but do not get (only the first stage runs
-    the vision tower): rotary positions computed from the images' grids (Qwen-VL's and GLM-4V's M-RoPE), or the
-    processor's per-token inputs (``per_token``: Gemma 3's token_type_ids, which mark image tokens for bidirectional
-    attention in every layer's mask). None: nothing."""
-    if grid_positions(config):
-        return "its multimodal rotary positions (computed from the images' grids)"
-    if per_token:
-        return f"its per-token {', '.join(per_token)}"
+def _names_mrope(rope: Any) -> bool:
+    return isinstance(rope, dict) and ("mrope_section" in rope or any(_names_mrope(v) for v in rope.values()))
+
+
+def _rope_index(model: nn.Module) -> Any:
+    """The module whose ``get_rope_index`` computes a grid-position model's rotary positions (its inner model)."""
+    return next((m for m in model.modules() if callable(getattr(m, "get_rope_index", None))), None)
+
+
+def _rope_index_needs(owner: Any) -> set[str]:
+    """The arguments ``get_rope_index`` cannot do without, besides the ids."""
+    parameters = inspect.signature(owner.get_rope_index).parameters.values()
+    return {p.name for p in parameters if p.default is inspect.Parameter.empty and p.name != "input_ids"
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def pipeline_unseen(model: nn.Module, images: ImageBatch) -> str | None:
+    """What a model's later pipeline stages would need from the images and cannot get (only the first stage runs the
+    vision tower): rotary positions that follow the images' grids (M-RoPE: Qwen-VL, GLM-4V) where the model has no
+    ``get_rope_index`` to compute them before the pipeline (``grid_position_ids``), or the processor's tensors lack
+    one it needs. None: served (the processor's per-token tensors reach every stage: ``later_stage_inputs``)."""
+    if not grid_positions(model.config):
+        return None
+    owner = _rope_index(model)
+    if owner is None:
+        return "its multimodal rotary positions (computed from the images' grids inside its forward)"
+    missing = sorted(_rope_index_needs(owner) - set(images.tensors))
+    if missing:
+        return f"its multimodal rotary positions, whose get_rope_index needs {', '.join(missing)}"
     return None
 
+
+def grid_position_ids(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                      images: ImageBatch) -> torch.Tensor | None:
+    """A grid-position model's rotary position ids ([3, rows, seq]), computed once for all the pipeline's stages by
+    the model's own ``get_rope_index`` from the ids, the mask and the images' grids, as its forward computes them
+    where it holds the whole model; None where the model's positions do not follow grids or the rows hold no image
+    (the model then counts positions as a text model, alike on every stage)."""
+    inputs = images.inputs()
+    if not grid_positions(model.config) or not inputs:
+        return None
+    owner = _rope_index(model)
+    accepted = inspect.signature(owner.get_rope_index).parameters
+    given = {name: value for name, value in inputs.items() if name in accepted}
+    return owner.get_rope_index(input_ids, attention_mask=attention_mask, **given)[0]

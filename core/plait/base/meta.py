@@ -65,6 +65,14 @@ def takes_images(config: PretrainedConfig) -> bool:
     return named != MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] and named in (config.architectures or ())
 
 
+def image_text_model(model: nn.Module) -> bool:
+    """Whether ``model`` is built as one of transformers' image-text-to-text classes (a vision tower beside the
+    language model ``get_decoder`` gives), whichever Auto class built it (Gemma 3's is also its causal LM)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return type(model).__name__ in set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values())
+
+
 def model_class(config: PretrainedConfig) -> type:
     """transformers' Auto class that builds ``config``'s model: AutoModelForImageTextToText where it takes images
     (``takes_images``), else AutoModelForCausalLM."""

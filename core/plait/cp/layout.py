@@ -24,6 +24,7 @@ from typing import Any
 from torch import nn
 
 from plait.base.config import ConfigError, ParallelConfig
+from plait.base.meta import image_text_model
 from plait.cp.masks import mask_builders
 from plait.cp.router import router_recorders
 
@@ -66,7 +67,8 @@ def plan_context_parallel(model: nn.Module, config: ParallelConfig) -> CPPlan | 
     if config.cp == 1:
         return None
     mc = model.config.get_text_config()  # an image-text model: its language model's
-    _check_mixers(model, mc)
+    # an image-text model's vision tower runs whole on every cp rank (plait.cp.images): only its language model splits
+    _check_mixers(model.get_decoder() if image_text_model(model) else model, mc)
     if not mask_builders(model):
         raise ConfigError(
             f"context parallelism needs the model to build its attention masks with transformers.masking_utils; "

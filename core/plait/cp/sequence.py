@@ -77,8 +77,9 @@ def current() -> SequenceContext | None:
     return _current.get()
 
 
-def enter(context: SequenceContext) -> contextvars.Token:
-    """Make ``context`` the current sequence (until ``leave``)."""
+def enter(context: SequenceContext | None) -> contextvars.Token:
+    """Make ``context`` the current sequence (until ``leave``); None suspends the current one (an image-text model's
+    vision tower inside a cp forward: ``plait.cp.images``)."""
     return _current.set(context)
 
 

@@ -303,8 +303,12 @@ class StageChunk(nn.Module):
         router_logits = received[len(carried)] if len(received) > len(carried) else None
         self._carried_in = {keyword: _received(value, self.shapes_only)
                             for (_, keyword), value in zip(self.carried, carried)}
-        # an image-text model's images (its micro-batch's rows), read by the first stage's vision tower
-        pictures = ImageBatch.from_rows(images).inputs() if images is not None and self.is_first else {}
+        # an image-text model's images (its micro-batch's rows): the first stage's vision tower reads the pixels,
+        # every stage's model the per-token tensors (Gemma 3's token types, which its masks follow)
+        batch = ImageBatch.from_rows(images) if images is not None else None
+        pictures = {} if batch is None else batch.inputs() if self.is_first else batch.later_stage_inputs()
+        if position_ids is not None and position_ids.dim() == 3:  # M-RoPE's [rows, 3, seq], cut by rows
+            position_ids = position_ids.transpose(0, 1)
         if self.cp is not None:
             whole = self.cp.forward(x.shape[0], position_ids.shape[1], attention_mask, position_ids, x.device)
             with whole as local:

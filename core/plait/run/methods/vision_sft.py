@@ -29,7 +29,7 @@ import torch
 from plait.base import comm
 from plait.base.config import ConfigError
 from plait.base.mesh import Mesh
-from plait.base.images import grid_positions, pipeline_unseen
+from plait.base.images import grid_positions
 from plait.base.meta import takes_images
 from plait.data import local_microbatch
 from plait.data.vision import Example, VisionBatch, VisionEncoder, collate, load_processor, pack, read_rows
@@ -125,11 +125,6 @@ class VisionSFT(TrainingMethod):
         if args.validation_file:
             encoder = VisionEncoder(processor, Path(args.validation_file).parent)
             validation = read_examples(args.validation_file, encoder, args.block_size)
-        unseen = pipeline_unseen(model_config, tuple(train[0].tokens))
-        if args.pipeline_parallel_size > 1 and unseen:
-            raise ConfigError(f"--pipeline_parallel_size {args.pipeline_parallel_size} with {model_config.model_type}: "
-                              f"its later stages would not see {unseen}, which only the first stage gets; use tp, cp, "
-                              f"dp and ZeRO for it")
         if args.packing:
             train = pack(train, args.block_size)
             validation = None if validation is None else pack(validation, args.block_size)
