@@ -24,7 +24,7 @@ from torch import nn
 from plait.base import comm
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.mesh import Mesh
-from plait.base.meta import takes_images
+from plait.base.meta import before_language_model, takes_images
 from plait.cp.attention import install_context_parallel
 from plait.cp.context import ContextParallel
 from plait.cp.router import install_router_gather
@@ -104,7 +104,7 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
         prune(model, plan.split, stage_ids)  # before anything touches weights: other stages' modules are gone
     owns = lambda name: not dropped(model, name)  # noqa: E731
     shards = {name: shard for name, shard in plan.shards_by_rank[mesh.tp_rank].items() if owns(name)}
-    applied = apply_tensor_parallel(model, shards, mesh, config.sequence_parallel)
+    applied = apply_tensor_parallel(model, shards, mesh, config.sequence_parallel, before_language_model(model))
     apply_float8(model, [name for name in plan.float8 if owns(name)], config)  # before any hook lands on a linear
     experts = apply_expert_parallel(model, plan.ep, mesh, owns) if plan.ep is not None else AppliedEP()
     cp = None

@@ -8,7 +8,7 @@ without allocating them (``plait consolidate``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -71,6 +71,17 @@ def image_text_model(model: nn.Module) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     return type(model).__name__ in set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values())
+
+
+def before_language_model(model: nn.Module) -> Callable[[str], bool]:
+    """Whether a module of ``model`` runs on the images before its language model (an image-text model's vision
+    tower and projector: outside ``get_decoder`` and not the head); never for a text model."""
+    if not image_text_model(model):
+        return lambda name: False
+    names = {id(m): name for name, m in model.named_modules()}
+    decoder, head = names[id(model.get_decoder())], model.get_output_embeddings()
+    head_name = names.get(id(head)) if head is not None else None
+    return lambda name: not (name == decoder or name.startswith(decoder + ".") or name == head_name)
 
 
 def model_class(config: PretrainedConfig) -> type:

@@ -4,6 +4,7 @@ tied weights tied, and report which parameters need their gradients summed over 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -28,8 +29,13 @@ class AppliedTP:
     grad_sums: list[tuple[nn.Parameter, dist.ProcessGroup | None, Part | None]] = field(default_factory=list)
 
 
-def apply_tensor_parallel(model: nn.Module, shards: dict[str, ModuleShard], mesh: Mesh, sp: bool) -> AppliedTP:
+def apply_tensor_parallel(model: nn.Module, shards: dict[str, ModuleShard], mesh: Mesh, sp: bool,
+                          outside_sp: Callable[[str], bool] = lambda name: False) -> AppliedTP:
+    """Replace each module of ``shards`` with its parallel layer. ``outside_sp``: the modules that run on whole
+    inputs even under SP (an image-text model's vision tower and projector, before the language model): their
+    layers are built as without SP, so a split vision attention does not gather its patches from every rank."""
     ctx = BuildContext(mesh, TPRegionEntry(mesh.tp_group, sp), sp)
+    whole = BuildContext(mesh, TPRegionEntry(mesh.tp_group, False), False) if sp else ctx
     applied = AppliedTP(ctx.entry)
     tied: dict[int, list[tuple[str, str]]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -39,10 +45,11 @@ def apply_tensor_parallel(model: nn.Module, shards: dict[str, ModuleShard], mesh
     entered_parents: set[str] = set()
     for name, shard in shards.items():
         parent_name = shard.owner
+        built = whole if outside_sp(name) else ctx
         if shard.entered_by_parent and parent_name not in entered_parents:
-            model.get_submodule(parent_name).register_forward_pre_hook(_enter_input(ctx.entry), with_kwargs=True)
+            model.get_submodule(parent_name).register_forward_pre_hook(_enter_input(built.entry), with_kwargs=True)
             entered_parents.add(parent_name)
-        new = shard.style.build(shard, model.get_submodule(name), ctx)
+        new = shard.style.build(shard, model.get_submodule(name), built)
         model.set_submodule(name, new)
         if isinstance(shard.style, VocabHead):
             applied.head_is_parallel, applied.vocab_start = True, shard.vocab_range[0]
