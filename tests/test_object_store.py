@@ -169,9 +169,9 @@ def test_a_damaged_object_is_found_by_its_checksum(run_url, tmp_path, monkeypatc
 
 
 def test_a_store_without_its_package_is_refused_in_one_line(model_config, tmp_path):
-    with pytest.raises(ConfigError, match=r"^gs://bucket/run: gs:// needs a package that is not installed \(Please "
-                                          r"install gcsfs to access Google Storage\)$"):
-        TrainArgs(model_config=model_config, output_dir="gs://bucket/run").validate()
+    with pytest.raises(ConfigError, match=r"^az://bucket/run: az:// needs a package that is not installed \(Install "
+                                          r"adlfs to access Azure Datalake Gen2 and Azure Blob Storage\)$"):
+        TrainArgs(model_config=model_config, output_dir="az://bucket/run").validate()
     with pytest.raises(ConfigError, match=r"^nope://bucket/run: Protocol not known: nope"):
         TrainArgs(model_config=model_config, output_dir="nope://bucket/run").validate()
 

@@ -1,6 +1,7 @@
 """Checkpoints and run files in an object store: ``--output_dir`` (and ``--resume_from_checkpoint``, ``plait
 consolidate``) may be any fsspec URL (``s3://bucket/run``, ``gs://``, ``az://`` ...), the store's own configuration
-applying (for S3: the AWS_* variables, AWS_ENDPOINT_URL for an S3-compatible server).
+applying (for S3: the AWS_* variables, AWS_ENDPOINT_URL for an S3-compatible server; for Google Cloud Storage:
+gcsfs's, Application Default Credentials or GOOGLE_APPLICATION_CREDENTIALS, STORAGE_EMULATOR_HOST for an emulator).
 
 An object store has no rename, so a checkpoint cannot appear at once as a folder does on a disk. Each rank writes its
 files to a folder of its own on the local disk (``stage``), as it would into the checkpoint folder, and uploads them
@@ -30,7 +31,7 @@ from plait.base.config import ConfigError
 COMMIT = "COMMITTED"
 ATTEMPTS, BACKOFF = 6, 0.2  # tries of one call to the store, and the first wait (doubled after each failure)
 # schemes with an extra of plait's (the suite runs them); for the others the refusal quotes fsspec's own advice
-EXTRAS = {"s3": "s3", "s3a": "s3"}
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs"}
 T = TypeVar("T")
 
 
