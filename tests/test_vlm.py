@@ -6,9 +6,9 @@ at tp=2 with and without SP (the vision tower whole on each tp rank), dp=2, ZeRO
 with 2 micro-batches, pp=2 (1F1B, and GPipe over 4 micro-batches) and cp=2 (all-to-all and ring: the features merged
 into the whole sequence, each cp rank's text model on its slice), on rows of 0, 1 or 2 images, with a replica
 holding none at the last step (under ZeRO-2/3 every replica holds one: FSDP refuses otherwise, in one line on every
-rank); and the generic adapter's tiny Idefics3, Gemma 3 and Qwen2-VL at tp=2 + SP, ZeRO-3, micro-batches, pp=2 (Gemma
-3's token types and Qwen2-VL's grid positions reaching the later stages) and cp=2 (Qwen2-VL's also on the ring; Gemma
-3's refused: its image tokens attend both ways), and a Qwen3-VL whose vision tower adds visual tokens after the
+rank); and the generic adapter's tiny Idefics3, Gemma 3 and Qwen2-VL on every one of those layouts (under pp Gemma
+3's token types and Qwen2-VL's grid positions reach the later stages; under cp Gemma 3's images are refused: its image
+tokens attend both ways), and a Qwen3-VL whose vision tower adds visual tokens after the
 first decoder layer (deepstack) at tp=2 + SP, cp=2 and pp=2, and Llama 4 with its vision tower's attention split over tp
 (on whole images, outside SP), in fp32 and rechecked in float64."""
 
@@ -52,7 +52,7 @@ def test_idefics3_gemma3_and_qwen2_vl_train_as_one_process(results, model_type, 
     for got in (fp32, fp64):
         assert got["compared"] == results[f"{model_type}-parameters"]
     for loss, expected in zip(fp32["losses"], fp32["ref_losses"], strict=True):
-        assert loss == pytest.approx(expected, rel=1e-6)  # measured: 2.3e-7 at most
+        assert loss == pytest.approx(expected, rel=1e-6)  # measured: 4.6e-7 at most (the deepstack Qwen3-VL's)
     # Llama 4's vision rotary embedding computes in fp32 even in the float64 run (``query.float()``): 2.2e-9 measured;
     # the others 4.2e-10 at most (gemma3's fp32 norms)
     bound = 1e-8 if model_type == "llama4" else 1e-9
