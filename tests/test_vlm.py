@@ -46,13 +46,14 @@ def test_llava_trains_as_one_process_on_every_served_layout(results, layout):
 
 @pytest.mark.parametrize("model_type, layout", TINY_CASES)
 def test_idefics3_gemma3_and_qwen2_vl_train_as_one_process(results, model_type, layout):
-    """fp32's losses agree; its gradients, after Adam grows the rounding (gemma3's projector at 11 units under SP),
-    are held in float64, where every layout is one process's at every step."""
+    """fp32's first loss agrees; later losses and the gradients, after Adam grows fp32's rounding (gemma3's projector
+    at 11 units under SP), are held in float64, where every layout is one process's at every step."""
     fp32, fp64 = results[f"{model_type}-{layout}"], results[f"{model_type}-{layout}-float64"]
     for got in (fp32, fp64):
         assert got["compared"] == results[f"{model_type}-parameters"]
-    for loss, expected in zip(fp32["losses"], fp32["ref_losses"], strict=True):
-        assert loss == pytest.approx(expected, rel=1e-6)  # measured: 4.6e-7 at most (the deepstack Qwen3-VL's)
+    # fp32's first loss, before any AdamW step grows the rounding (later steps: Idefics3's 1.2e-6 at step 3 under
+    # ATEN_CPU_CAPABILITY=default, where float64 agrees to 2e-16): float64 holds every step
+    assert fp32["losses"][0] == pytest.approx(fp32["ref_losses"][0], rel=1e-6)  # measured: 1.2e-7 at most
     # Llama 4's vision rotary embedding computes in fp32 even in the float64 run (``query.float()``): 2.2e-9 measured;
     # the others 4.2e-10 at most (gemma3's fp32 norms)
     bound = 1e-8 if model_type == "llama4" else 1e-9
