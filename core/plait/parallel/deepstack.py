@@ -21,6 +21,7 @@ import inspect
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plait.base.config import ConfigError
@@ -58,14 +59,14 @@ def check_pipeline(model: nn.Module, layers: list[str], first_stage_layers: int,
 
 @contextlib.contextmanager
 def deepstack_on_local_tokens(model: nn.Module, take: Callable[[torch.Tensor], torch.Tensor] | None,
-                              sp_group: object | None) -> Iterator[None]:
+                              sp_group: dist.ProcessGroup | None) -> Iterator[None]:
     """While the model runs: its language model gets the visual tokens of this rank's slice of the sequence
     (``take``: cp's, None without cp; ``sp_group``: the tp group under sequence parallelism, else None)."""
     if not deepstack_layers(model) or (take is None and sp_group is None):
         yield
         return
 
-    def local(mask: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+    def local(mask: torch.Tensor, spread: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if take is not None:
             mask, spread = take(mask), take(spread)
         if sp_group is not None:  # the mask as [rows, seq, 1]: the scatter cuts the hidden states' sequence dimension
