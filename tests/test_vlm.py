@@ -10,7 +10,8 @@ rank); and the generic adapter's tiny Idefics3, Gemma 3 and Qwen2-VL on every on
 3's token types and Qwen2-VL's grid positions reach the later stages; under cp Gemma 3's images are refused: its image
 tokens attend both ways), and a Qwen3-VL whose vision tower adds visual tokens after the
 first decoder layer (deepstack) at tp=2 + SP, cp=2 and pp=2, and Llama 4 with its vision tower's attention split over tp
-(on whole images, outside SP), in fp32 and rechecked in float64."""
+(on whole images, outside SP), and LLaVA-NeXT at pp=2 (its image_newline on the first stage alone), in fp32 and
+rechecked in float64."""
 
 from __future__ import annotations
 

@@ -85,19 +85,22 @@ def batches(image_token: int, images: list[list[int]]) -> list[tuple]:
 # stage must hold layer 0 and the next (the planned split gives it one: the cut is named)
 # "llama4": its vision tower's attention split over tp (transformers' plan for it), which runs on whole images
 # before the language model even under SP
-TINY = ("idefics3", "gemma3", "qwen2_vl", "qwen3_vl_deepstack", "llama4")
+# "llava_next": its image_newline, a parameter of the module holding the vision tower and the language model, on the
+# first pipeline stage alone (PipelinePlan.first_params)
+TINY = ("idefics3", "gemma3", "qwen2_vl", "qwen3_vl_deepstack", "llama4", "llava_next")
 TINY_LAYOUTS = tuple(LAYOUTS)  # every layout LLaVA runs
 DEEPSTACK_LAYOUTS = {"pp2_cut": dict(pp=2, num_microbatches=2, pipeline_cuts=("model.language_model.layers.2",))}
 TINY_CASES = [(model_type, layout) for model_type in TINY[:3] for layout in TINY_LAYOUTS
               if (model_type, layout) not in (("gemma3", "cp2"), ("gemma3", "cp2_ring"))] + [
-              ("qwen3_vl_deepstack", layout) for layout in ("tp2_sp", "cp2", "pp2_cut")] + [("llama4", "tp2_sp")]
+              ("qwen3_vl_deepstack", layout) for layout in ("tp2_sp", "cp2", "pp2_cut")] + [("llama4", "tp2_sp"),
+              ("llava_next", "pp2")]
 
 
 def tiny_config(name: str):
     from plait_transformers.tiny_vision import tiny_image_text_config
     from plait_transformers.vision_sweep_worker import sweep_config
 
-    if name == "llama4":  # built as its whole image-text model (AutoModelForCausalLM maps its type too)
+    if name in ("llama4", "llava_next"):  # named as a whole image-text checkpoint names itself
         return sweep_config(name)
     if name != "qwen3_vl_deepstack":
         return tiny_image_text_config(name)

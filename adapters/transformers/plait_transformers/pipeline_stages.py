@@ -17,6 +17,7 @@ from collections import defaultdict
 from torch import nn
 
 from plait import PipelinePlan
+from plait.base.meta import image_text_model
 
 from plait_transformers.common import NO_LAYERS, get_module, holds, own_params_deep, refuse
 from plait_transformers.forward_flow import (
@@ -110,7 +111,19 @@ def pipeline_plan(model: nn.Module, arch: str, layers: str | None) -> PipelinePl
     check_no_side_inputs(model, arch, layers, neutralize, "only the first pipeline stage would hold it: use pp=1")
     return PipelinePlan(first=tuple(first), layers=layers, last=tuple(last), neutralize=tuple(neutralize),
                         layer_outputs=outputs, none_outputs=none, every_stage=tuple(every),
-                        token_ids=bool(every) or reads_ids, carried=carried)
+                        token_ids=bool(every) or reads_ids, carried=carried, first_params=_merging_params(model))
+
+
+def _merging_params(model: nn.Module) -> tuple[str, ...]:
+    """An image-text model's parameters of its own on the modules that hold both the vision tower and the language
+    model (LLaVA-NeXT's ``image_newline``): what they compute with is the merging of the images into the embeddings,
+    before the language model, so the first pipeline stage's."""
+    if not image_text_model(model):
+        return ()
+    decoder = next(name for name, m in model.named_modules() if m is model.get_decoder())
+    holders = [decoder.rsplit(".", depth)[0] for depth in range(1, decoder.count(".") + 1)] + [""]
+    return tuple(f"{holder}.{leaf}" if holder else leaf for holder in holders
+                 for leaf, param in model.get_submodule(holder).named_parameters(recurse=False) if param is not None)
 
 
 def _check_no_shared_keys_and_values(model: nn.Module, arch: str, layers: str) -> None:

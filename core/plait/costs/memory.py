@@ -114,11 +114,15 @@ def rank_params(
 
 @functools.lru_cache(maxsize=64)
 def _stage_map(split: StageSplit) -> dict[str, int]:
-    """Module name -> owning stage, once per split (``StageSplit.stage_of`` rebuilds stage lists per call)."""
-    return {name: stage for stage in range(split.num_stages) for name in split.modules(stage)}
+    """Module name -> owning stage, once per split (``StageSplit.stage_of`` rebuilds stage lists per call); the first
+    stage's own parameters of the modules holding the layers (``PipelinePlan.first_params``) under their own names."""
+    owners = {name: stage for stage in range(split.num_stages) for name in split.modules(stage)}
+    return owners | {f"{name}.": 0 for name in split.plan.first_params}
 
 
 def _stage_of(stage_of: dict[str, int], param_name: str) -> int | None:
+    if f"{param_name}." in stage_of:  # a first_params entry
+        return stage_of[f"{param_name}."]
     module = param_name.rpartition(".")[0]
     while module:
         if module in stage_of:

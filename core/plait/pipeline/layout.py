@@ -82,6 +82,8 @@ def _module_of(param_name: str, modules: tuple[str, ...]) -> str | None:
 
 
 def _stage_of_param(split: StageSplit, param_name: str) -> int:
+    if param_name in split.plan.first_params:
+        return 0
     module = param_name.rpartition(".")[0]
     while module:
         try:

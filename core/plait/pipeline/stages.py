@@ -200,6 +200,10 @@ def prune(model: nn.Module, split: StageSplit, stages: list[int]) -> None:
     model); parameter names of the kept modules stay those of the original model."""
     for name, placeholder in _replacements(model, split, stages).items():
         model.set_submodule(name, placeholder)
+    if 0 not in stages:  # the first stage's own parameters of the modules holding the layers
+        for name in split.plan.first_params:
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner).register_parameter(leaf, None)
 
 
 def shell(module: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:

@@ -66,7 +66,11 @@ class PipelinePlan:
 
     ``carried``: (index in a layer's return, keyword of the next layer's call) of each value the model hands
     from layer to layer beside the hidden states (GLM-MoE-DSA's top-k indices, ``prev_topk_indices``): a stage
-    sends its last layer's beside its hidden states, and the next stage's first layer gets it under that keyword."""
+    sends its last layer's beside its hidden states, and the next stage's first layer gets it under that keyword.
+
+    ``first_params``: parameters of the modules holding the layers (not of a module of their own) that only the first
+    stage reads, before the layers: LLaVA-NeXT's ``image_newline``, read while the images are merged. The first
+    stage holds them; the others drop them."""
 
     first: tuple[str, ...]
     layers: str
@@ -77,3 +81,4 @@ class PipelinePlan:
     every_stage: tuple[str, ...] = ()
     token_ids: bool = False
     carried: tuple[tuple[int, str], ...] = ()
+    first_params: tuple[str, ...] = ()
