@@ -11,7 +11,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from plait import ConfigError
-from plait.base.meta import takes_images
+from plait.base.meta import language_model_name, takes_images
 from plait.base.patterns import matches
 from plait.tp.styles import WholeSequence
 
@@ -96,10 +96,10 @@ def _language_model(model: nn.Module) -> str | None:
     if not takes_images(model.config) or not hasattr(model, "get_decoder"):
         return None
     try:
-        decoder = model.get_decoder()
+        name = language_model_name(model)
     except (NotImplementedError, AttributeError):
         return None
-    return next((f"{name}." for name, module in model.named_modules() if module is decoder and name), None)
+    return f"{name}." if name else None
 
 
 def _repeated_blocks(model: nn.Module) -> str | None:

@@ -17,7 +17,7 @@ from collections import defaultdict
 from torch import nn
 
 from plait import PipelinePlan
-from plait.base.meta import image_text_model
+from plait.base.meta import language_model_name
 
 from plait_transformers.common import NO_LAYERS, get_module, holds, own_params_deep, refuse
 from plait_transformers.forward_flow import (
@@ -118,9 +118,9 @@ def _merging_params(model: nn.Module) -> tuple[str, ...]:
     """An image-text model's parameters of its own on the modules that hold both the vision tower and the language
     model (LLaVA-NeXT's ``image_newline``): what they compute with is the merging of the images into the embeddings,
     before the language model, so the first pipeline stage's."""
-    if not image_text_model(model):
+    decoder = language_model_name(model)
+    if decoder is None:
         return ()
-    decoder = next(name for name, m in model.named_modules() if m is model.get_decoder())
     holders = [decoder.rsplit(".", depth)[0] for depth in range(1, decoder.count(".") + 1)] + [""]
     return tuple(f"{holder}.{leaf}" if holder else leaf for holder in holders
                  for leaf, param in model.get_submodule(holder).named_parameters(recurse=False) if param is not None)

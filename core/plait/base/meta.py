@@ -73,14 +73,23 @@ def image_text_model(model: nn.Module) -> bool:
     return type(model).__name__ in set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values())
 
 
+def language_model_name(model: nn.Module) -> str | None:
+    """The module name of an image-text model's language model (transformers' ``get_decoder``); None for a text
+    model."""
+    if not image_text_model(model):
+        return None
+    decoder = model.get_decoder()
+    return next((name for name, module in model.named_modules() if module is decoder), None)
+
+
 def before_language_model(model: nn.Module) -> Callable[[str], bool]:
     """Whether a module of ``model`` runs on the images before its language model (an image-text model's vision
     tower and projector: outside ``get_decoder`` and not the head); never for a text model."""
-    if not image_text_model(model):
+    decoder = language_model_name(model)
+    if decoder is None:
         return lambda name: False
-    names = {id(m): name for name, m in model.named_modules()}
-    decoder, head = names[id(model.get_decoder())], model.get_output_embeddings()
-    head_name = names.get(id(head)) if head is not None else None
+    head = model.get_output_embeddings()
+    head_name = next((name for name, m in model.named_modules() if m is head), None) if head is not None else None
     return lambda name: not (name == decoder or name.startswith(decoder + ".") or name == head_name)
 
 

@@ -93,7 +93,7 @@ def rank_params(
     held: list[RankParam] = []
     seen: set[int] = set()
     for name, param in named:
-        if plan.split is not None and name not in everywhere and _stage_of(stage_of, name) not in stages:
+        if plan.split is not None and name not in everywhere and _stage_of(plan.split, stage_of, name) not in stages:
             continue
         key = id(param)
         if key in seen:
@@ -106,7 +106,7 @@ def rank_params(
                               expert, trainable=plan.lora is None, rows=shape[0] if shape else 1))
     if plan.lora is not None:  # the adapters: built by plait on the real model, not on the meta model planned
         for name, spec in plan.lora.specs(tp_rank).items():
-            if plan.split is None or _stage_of(stage_of, name) in stages:
+            if plan.split is None or _stage_of(plan.split, stage_of, name) in stages:
                 shape = spec.local_shape
                 held.append(RankParam(name, math.prod(shape), tuple(spec.full_shape), False, rows=shape[0]))
     return held
@@ -114,15 +114,13 @@ def rank_params(
 
 @functools.lru_cache(maxsize=64)
 def _stage_map(split: StageSplit) -> dict[str, int]:
-    """Module name -> owning stage, once per split (``StageSplit.stage_of`` rebuilds stage lists per call); the first
-    stage's own parameters of the modules holding the layers (``PipelinePlan.first_params``) under their own names."""
-    owners = {name: stage for stage in range(split.num_stages) for name in split.modules(stage)}
-    return owners | {f"{name}.": 0 for name in split.plan.first_params}
+    """Module name -> owning stage, once per split (``StageSplit.stage_of`` rebuilds stage lists per call)."""
+    return {name: stage for stage in range(split.num_stages) for name in split.modules(stage)}
 
 
-def _stage_of(stage_of: dict[str, int], param_name: str) -> int | None:
-    if f"{param_name}." in stage_of:  # a first_params entry
-        return stage_of[f"{param_name}."]
+def _stage_of(split: StageSplit, stage_of: dict[str, int], param_name: str) -> int | None:
+    if param_name in split.plan.first_params:  # the first stage's own parameter of a module holding the layers
+        return 0
     module = param_name.rpartition(".")[0]
     while module:
         if module in stage_of:

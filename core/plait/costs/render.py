@@ -48,8 +48,8 @@ def estimate_json(estimate: LayoutEstimate, device: Device | None, memory: int |
               "activations_per_microbatch": r.activations.per_microbatch,
               "in_flight_microbatches": r.activations.in_flight_microbatches,
               "activations_in_flight": r.activations.in_flight, "transient": r.transient,
-              "peak": r.peak, "peak_at": r.at_peak()[0], "at_peak": r.at_peak()[1],
-              "checkpoint_bytes": checkpoint_bytes(r)} for r in estimate.ranks]
+              "peak": sum(live.values()), "peak_at": when, "at_peak": live,
+              "checkpoint_bytes": checkpoint_bytes(r)} for r in estimate.ranks for when, live in [r.at_peak()]]
     layout = dataclasses.asdict(config)
     layout["pipeline_cuts"] = list(config.pipeline_cuts)
     return {
@@ -88,9 +88,9 @@ def print_estimate(console: Console, estimate: LayoutEstimate, device: Device | 
                   f"accumulation steps (--per_device_train_batch_size, --block_size, --gradient_accumulation_steps)")
     rows: dict[tuple, list[int]] = defaultdict(list)
     for r in estimate.ranks:
-        a = r.activations
+        a, (when, live) = r.activations, r.at_peak()
         key = (r.static.parameters, r.static.gradients, r.static.optimizer, r.second, a.per_microbatch,
-               a.in_flight_microbatches, a.in_flight, r.transient, r.peak, r.at_peak()[0])
+               a.in_flight_microbatches, a.in_flight, r.transient, sum(live.values()), when)
         rows[key].append(r.rank)
     second = any(r.second for r in estimate.ranks)  # a column only where the training method has a second model
     table = Table("ranks", "parameters", "gradients", "optimizer", *(["second model"] if second else []),

@@ -62,7 +62,7 @@ def deepstack_on_local_tokens(model: nn.Module, take: Callable[[torch.Tensor], t
                               sp_group: dist.ProcessGroup | None) -> Iterator[None]:
     """While the model runs: its language model gets the visual tokens of this rank's slice of the sequence
     (``take``: cp's, None without cp; ``sp_group``: the tp group under sequence parallelism, else None)."""
-    if not deepstack_layers(model) or (take is None and sp_group is None):
+    if (take is None and sp_group is None) or not deepstack_layers(model):  # the cheap question first
         yield
         return
 
