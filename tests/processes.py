@@ -1,7 +1,10 @@
 """``run``: ``subprocess.run`` for commands that start process trees (plait's launcher, torchrun, their
 workers), whose timeout ends the whole tree. ``subprocess.run`` kills only its direct child on a timeout, and
 torchrun starts each worker in a session of its own, so a hung test could leave workers training; here every
-descendant, found while the tree is whole, is killed too.
+descendant, found while the tree is whole, is killed too. A ``python -m plait ...`` command is forked from the
+suite's preloaded server (plait.testing.launcher.run_command: its ~5 CPU-seconds of imports paid once, not per
+command; a fresh process where ranks are fresh), unless ``fresh=True`` or a ``preexec_fn`` asks for a process of
+its own; a test about start-up itself (tests/test_cli_commands.py) starts one directly.
 
 ``run_script``: ``python SCRIPT ARGS`` run in this process, for examples that start plait's own commands
 themselves: the script's own start-up (torch, transformers, peft: ~8 s) is one the test process has paid already."""
@@ -17,10 +20,14 @@ from pathlib import Path
 
 import psutil
 
+from plait.testing import launcher
 
-def run(cmd: Sequence[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+
+def run(cmd: Sequence[str], *, timeout: float, fresh: bool = False, **kwargs) -> subprocess.CompletedProcess:
     """Run ``cmd`` capturing text output (``kwargs`` as for Popen: env, cwd, preexec_fn); on a timeout kill
     it and every process under it, then fail naming the command and showing its output's tail."""
+    if not fresh and list(cmd[:3]) == [sys.executable, "-m", "plait"] and set(kwargs) <= {"env", "cwd"}:
+        return launcher.run_command(cmd[1:], timeout=timeout, **kwargs)
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)

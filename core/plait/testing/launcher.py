@@ -24,9 +24,11 @@ Two ways to start the ranks, the same watchdog over both:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import runpy
+import shutil
 import socket
 import subprocess
 import sys
@@ -35,6 +37,8 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import psutil
 
 from plait.base import forking
 
@@ -97,6 +101,11 @@ def _fork_is_safe() -> bool:
     return _main_is_importable() and forking.forking_is_safe()
 
 
+def _forks() -> bool:
+    """Whether processes are forked from the preloaded server here (``PLAIT_LAUNCH=fork`` where that is safe)."""
+    return os.environ.get(LAUNCH_ENV) == "fork" and _fork_is_safe()
+
+
 def _start_forked(argv: Sequence[str], env: dict[str, str], cwd: str | None, log: Path) -> _Rank:
     process = _fork_context().Process(target=_run_forked, args=(list(argv), env, cwd, str(log)), daemon=False)
     process.start()
@@ -110,13 +119,14 @@ def _start_forked(argv: Sequence[str], env: dict[str, str], cwd: str | None, log
     return _Rank(lambda: process.exitcode, kill)
 
 
-def _run_forked(argv: list[str], env: dict[str, str], cwd: str | None, log: str) -> None:
-    """In the forked rank: become ``python argv...`` with ``env`` in ``cwd``, output to ``log``; exit with
-    the code the script would have exited with."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+def _run_forked(argv: list[str], env: dict[str, str], cwd: str | None, log: str, err_log: str | None = None) -> None:
+    """In the forked rank: become ``python argv...`` with ``env`` in ``cwd``, output to ``log`` (its stderr to
+    ``err_log`` where given); exit with the code the script would have exited with."""
+    for targets, path in (((1,), log), ((2,), err_log)) if err_log else (((1, 2), log),):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for target in targets:
+            os.dup2(fd, target)
+        os.close(fd)
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)
     os.environ.clear()
@@ -160,7 +170,7 @@ def launch(
     """Run ``python argv...`` as ``world_size`` ranks; return each rank's combined output on success."""
     port = free_port()
     logdir = Path(tempfile.mkdtemp(prefix="plait-launch-"))
-    start = _start_forked if os.environ.get(LAUNCH_ENV) == "fork" and _fork_is_safe() else _start_subprocess
+    start = _start_forked if _forks() else _start_subprocess
     ranks, logs = [], []
     deadline = time.monotonic() + timeout
     failure = None
@@ -193,3 +203,40 @@ def launch(
     if failure:
         raise WorkerFailure(failure)
     return [log.read_text(errors="replace") for log in logs]
+
+
+def run_command(argv: Sequence[str], *, timeout: float, env: dict[str, str] | None = None,
+                cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """``python argv...`` as one command (no world around it: plait's own launcher starts any), its stdout and
+    stderr captured apart as ``subprocess.run`` captures them. Forked from the ranks' preloaded server where ranks
+    are (``_forks``): a ``plait`` command then starts without its ~5 CPU-seconds of imports, which a suite running
+    a few dozen real commands paid for each; a fresh process otherwise. On a timeout the command and every process
+    under it are killed and an AssertionError names it with its stderr's tail."""
+    logdir = Path(tempfile.mkdtemp(prefix="plait-command-"))
+    out, err = logdir / "stdout", logdir / "stderr"
+    env = dict(os.environ if env is None else env)
+    cwd = None if cwd is None else str(cwd)
+    if _forks():
+        process = _fork_context().Process(target=_run_forked, args=(list(argv), env, cwd, str(out), str(err)))
+        process.start()
+        pid, poll, reap = process.pid, lambda: process.exitcode, process.join
+    else:
+        with open(out, "wb") as stdout, open(err, "wb") as stderr:
+            proc = subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, stdout=stdout, stderr=stderr)
+        pid, poll, reap = proc.pid, proc.poll, proc.wait
+    deadline = time.monotonic() + timeout
+    while poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    code = poll()
+    if code is None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for process in [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
+    reap()
+    stdout, stderr = (path.read_text(errors="replace") for path in (out, err))
+    shutil.rmtree(logdir, ignore_errors=True)
+    if code is None:
+        raise AssertionError(f"{' '.join(map(str, argv))[:200]} still running after {timeout}s: killed with every "
+                             f"process under it\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess([sys.executable, *argv], code, stdout, stderr)
