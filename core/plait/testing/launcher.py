@@ -19,6 +19,8 @@ Two ways to start the ranks, the same watchdog over both:
   ``__name__ == "__main__"`` guard keeps its body from running); a caller whose main is no file
   (``python -``) gets fresh processes. So does a caller on a machine with an accelerator
   (``plait.base.forking.forking_is_safe``; tests/test_launcher.py names the error measured on an H100).
+
+``run_command`` starts one command the same two ways, without a world's variables, its stdout and stderr apart.
 """
 
 from __future__ import annotations
