@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import processes
 from plait.run.metrics import read_metrics
 from plait.testing import assert_conformance, launch
 
@@ -60,9 +61,9 @@ def model_config(installed, tmp_path_factory) -> Path:
 
 
 def test_listed_by_plait_adapters(env):
-    out = subprocess.run([sys.executable, "-m", "plait", "adapters", "--json"], env={**os.environ, **env},
-                         capture_output=True, text=True, timeout=120, check=True).stdout
-    modes = {mode["name"]: mode for mode in json.loads(out)}
+    done = processes.run([sys.executable, "-m", "plait", "adapters", "--json"], env={**os.environ, **env}, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    modes = {mode["name"]: mode for mode in json.loads(done.stdout)}
     assert modes["opt"]["distribution"] == "plait-opt" and modes["opt"]["version"] == "0.1.0"
     assert modes["opt"]["architectures"] == ["opt", "OPTForCausalLM"]
     assert {"plait_tp_plan", "plait_sp_plan", "plait_pipeline_plan", "plait_leaf_modules", "plait_init_weight",
