@@ -2,7 +2,7 @@
 
     python bench/suite_time.py [--top 20] [pytest args ...]     the whole suite (or the given files), as CI runs
                                                                   it: total wall time, the slowest items, per file
-    python bench/suite_time.py --base 0921804 [--rounds 2] [--files tests/test_pipeline.py ...]   A/B
+    python bench/suite_time.py --base 0921804 [--rounds 2] [--same-env] [--files tests/test_pipeline.py ...]   A/B
 
 The first form runs pytest once with a JUnit report and prints the wall-clock total, then the ``--top`` slowest
 items (a test's time includes its share of fixture set-up: a module's launched world is charged to the first test
@@ -13,8 +13,11 @@ The second form times the same test files at HEAD and at an earlier commit side 
 from a git worktree in its own virtual environment, built by that commit's own scripts/setup.sh and then given
 every third-party package of this environment at the same version: an installed package changes start-up time
 (transformers imports scipy, accelerate, boto3... whenever they are installed: about 2 s per worker process here),
-so both sides must see the same ones. Rounds alternate (head, base, head, base, ...) so that drift in the machine's
-load hits both.
+so both sides must see the same ones. ``--same-env`` skips that venv (where this environment's packages do not all
+install again, offline): each side runs in this environment with its own tree's sources first on PYTHONPATH (core
+and every adapter), which serves a change to plait or its tests, not to its dependencies. Rounds alternate (head,
+base, head, base, ...) so that drift in the machine's load hits both. Beside the wall time, the machine's CPU-seconds
+over the run (Linux's /proc/stat: every process, so nothing else may run).
 """
 
 from __future__ import annotations
@@ -82,30 +85,52 @@ def base_env(commit: str, work: Path) -> tuple[Path, Path]:
     return tree, python
 
 
-def time_suite(python: str, tree: Path, files: list[str]) -> tuple[float, str]:
-    env = {**os.environ, "PATH": f"{Path(python).parent}{os.pathsep}{os.environ['PATH']}"}
-    start = time.monotonic()
+def sources_first(tree: Path) -> dict[str, str]:
+    """``--same-env``: ``tree``'s plait and adapters imported before the installed (editable) ones."""
+    paths = [tree / "core", *sorted(p for p in (tree / "adapters").iterdir() if (p / "pyproject.toml").exists())]
+    return {"PYTHONPATH": os.pathsep.join(map(str, paths))}
+
+
+def busy_seconds() -> float | None:
+    """The machine's CPU-seconds so far (user, nice, system, irq, softirq), or None off Linux."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    except OSError:
+        return None
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def time_suite(python: str, tree: Path, files: list[str], extra_env: dict[str, str]) -> tuple[float, float | None, str]:
+    env = {**os.environ, "PATH": f"{Path(python).parent}{os.pathsep}{os.environ['PATH']}", **extra_env}
+    start, busy = time.monotonic(), busy_seconds()
     done = subprocess.run([python, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider"], cwd=tree,
                           capture_output=True, text=True, env=env)
+    cpu = None if busy is None else busy_seconds() - busy
     summary = (done.stdout.strip().splitlines() or ["no output"])[-1]
-    return time.monotonic() - start, re.sub(r" in [\d.]+s.*", "", summary)
+    return time.monotonic() - start, cpu, re.sub(r" in [\d.]+s.*", "", summary)
 
 
-def compare(base: str, rounds: int, files: list[str]) -> int:
+def compare(base: str, rounds: int, files: list[str], same_env: bool) -> int:
     """The A/B form: ``files`` at HEAD and at ``base``, alternating, ``rounds`` times each."""
     head = run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]).strip()
     with tempfile.TemporaryDirectory(prefix="plait-suite-time-") as tmp:
-        tree, python = base_env(base, Path(tmp))
+        if same_env:
+            tree, python = Path(tmp) / "tree", sys.executable
+            run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), base])
+        else:
+            tree, python = base_env(base, Path(tmp))
         try:
             rows = []
             for _ in range(rounds):
-                rows.append((f"HEAD {head}", *time_suite(sys.executable, ROOT, files)))
-                rows.append((f"base {base}", *time_suite(str(python), tree, files)))
+                rows.append((f"HEAD {head}", *time_suite(sys.executable, ROOT, files,
+                                                         sources_first(ROOT) if same_env else {})))
+                rows.append((f"base {base}", *time_suite(str(python), tree, files,
+                                                         sources_first(tree) if same_env else {})))
         finally:
             run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)])
-    print("| commit | seconds | tests |\n| --- | --- | --- |")
-    for name, seconds, summary in rows:
-        print(f"| {name} | {seconds:.0f} | {summary} |")
+    print("| commit | seconds | CPU-seconds | tests |\n| --- | --- | --- | --- |")
+    for name, seconds, cpu, summary in rows:
+        print(f"| {name} | {seconds:.0f} | {'-' if cpu is None else f'{cpu:.0f}'} | {summary} |")
     return 0
 
 
@@ -115,9 +140,11 @@ def main() -> int:
     parser.add_argument("--base", help="an earlier commit to time the --files against, side by side")
     parser.add_argument("--rounds", type=int, default=1, help="with --base: alternating rounds")
     parser.add_argument("--files", nargs="+", default=FILES, help="with --base: the test files to time")
+    parser.add_argument("--same-env", action="store_true",
+                        help="with --base: both sides in this environment, each tree's sources first on PYTHONPATH")
     args, pytest_args = parser.parse_known_args()
     if args.base:
-        return compare(args.base, args.rounds, args.files)
+        return compare(args.base, args.rounds, args.files, args.same_env)
     return profile(pytest_args, args.top)
 
 
