@@ -14,10 +14,11 @@ from a git worktree in its own virtual environment, built by that commit's own s
 every third-party package of this environment at the same version: an installed package changes start-up time
 (transformers imports scipy, accelerate, boto3... whenever they are installed: about 2 s per worker process here),
 so both sides must see the same ones. ``--same-env`` skips that venv (where this environment's packages do not all
-install again, offline): each side runs in this environment with its own tree's sources first on PYTHONPATH (core
-and every adapter), which serves a change to plait or its tests, not to its dependencies. Rounds alternate (head,
-base, head, base, ...) so that drift in the machine's load hits both. Beside the wall time, the machine's CPU-seconds
-over the run (Linux's /proc/stat: every process, so nothing else may run).
+install into it again: on 2026-11-30 pip exited 1 on this environment's list): each side runs in this environment
+with its own tree's sources first on PYTHONPATH (core and every adapter), which serves a change to plait or its
+tests, not to its dependencies. Rounds alternate (head, base, head, base, ...) so that drift in the machine's load
+hits both. Beside the wall time, the machine's CPU-seconds over the run (Linux's /proc/stat: every process, so
+nothing else may run).
 """
 
 from __future__ import annotations
