@@ -11,14 +11,12 @@ themselves: the script's own start-up (torch, transformers, peft: ~8 s) is one t
 
 from __future__ import annotations
 
-import contextlib
 import runpy
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import psutil
 
 from plait.testing import launcher
 
@@ -32,11 +30,7 @@ def run(cmd: Sequence[str], *, timeout: float, fresh: bool = False, **kwargs) ->
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
-                for child in tree:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        child.kill()
+            launcher.kill_tree(proc.pid)
             out, err = proc.communicate()
             raise AssertionError(f"{' '.join(map(str, cmd))[:200]} still running after {timeout}s: killed with every "
                                  f"process under it\n{err[-3000:]}") from None

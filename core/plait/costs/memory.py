@@ -87,13 +87,12 @@ def rank_params(
     named = list(model.named_parameters(remove_duplicate=False)) if named is None else named
     experts = expert_parameters(model) if experts is None else experts
     ep = plan.config.ep
-    stage_of = _stage_map(plan.split) if plan.split is not None else {}
     tied_spec = {name: names[0] for names in plan.tied for name in names}
     everywhere = set(plan.replicated)  # held by every stage
     held: list[RankParam] = []
     seen: set[int] = set()
     for name, param in named:
-        if plan.split is not None and name not in everywhere and _stage_of(plan.split, stage_of, name) not in stages:
+        if plan.split is not None and name not in everywhere and _stage_of(plan.split, name) not in stages:
             continue
         key = id(param)
         if key in seen:
@@ -106,27 +105,18 @@ def rank_params(
                               expert, trainable=plan.lora is None, rows=shape[0] if shape else 1))
     if plan.lora is not None:  # the adapters: built by plait on the real model, not on the meta model planned
         for name, spec in plan.lora.specs(tp_rank).items():
-            if plan.split is None or _stage_of(plan.split, stage_of, name) in stages:
+            if plan.split is None or _stage_of(plan.split, name) in stages:
                 shape = spec.local_shape
                 held.append(RankParam(name, math.prod(shape), tuple(spec.full_shape), False, rows=shape[0]))
     return held
 
 
-@functools.lru_cache(maxsize=64)
-def _stage_map(split: StageSplit) -> dict[str, int]:
-    """Module name -> owning stage, once per split (``StageSplit.stage_of`` rebuilds stage lists per call)."""
-    return {name: stage for stage in range(split.num_stages) for name in split.modules(stage)}
-
-
-def _stage_of(split: StageSplit, stage_of: dict[str, int], param_name: str) -> int | None:
-    if param_name in split.plan.first_params:  # the first stage's own parameter of a module holding the layers
-        return 0
-    module = param_name.rpartition(".")[0]
-    while module:
-        if module in stage_of:
-            return stage_of[module]
-        module = module.rpartition(".")[0]
-    return None
+def _stage_of(split: StageSplit, param_name: str) -> int | None:
+    """The stage holding ``param_name``; None where no one stage does (``StageSplit.stage_of_param``)."""
+    try:
+        return split.stage_of_param(param_name)
+    except KeyError:
+        return None
 
 
 def zero1_owned(params: list[RankParam], dp: int, weight_decay: float, decay_embeddings: bool) -> list[list[RankParam]]:

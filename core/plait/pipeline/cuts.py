@@ -9,6 +9,7 @@ every stage instead of being owned by one, as are the plan's ``every_stage`` mod
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from torch import nn
@@ -50,14 +51,31 @@ class StageSplit:
         """Whether every stage runs module ``name``: parameter-free, or held by every stage (``every_stage``)."""
         return name in self.shared or name in self.plan.every_stage
 
+    @functools.cached_property
+    def _owners(self) -> dict[str, int]:
+        """Module name -> the stage owning it, built once (a planner's search asks for every parameter of every
+        layout)."""
+        return {name: stage for stage in range(self.num_stages) for name in self.modules(stage)}
+
     def stage_of(self, name: str) -> int | None:
         """The stage owning module ``name`` (or None for a module every stage runs: ``everywhere``)."""
-        for stage in range(self.num_stages):
-            if name in self.modules(stage):
-                return stage
+        if name in self._owners:
+            return self._owners[name]
         if self.everywhere(name):
             return None
         raise KeyError(f"{name} is not a pipeline unit (first, layer or last module)")
+
+    def stage_of_param(self, name: str) -> int | None:
+        """The stage holding parameter ``name``: its nearest module that is a pipeline unit's (None where every stage
+        runs that one), or the first stage for the plan's ``first_params``. KeyError: under no unit."""
+        if name in self.plan.first_params:  # the first stage's own parameter of a module holding the layers
+            return 0
+        module = name.rpartition(".")[0]
+        while module:
+            if module in self._owners or self.everywhere(module):
+                return self.stage_of(module)
+            module = module.rpartition(".")[0]
+        raise KeyError(f"parameter {name} lies under no pipeline unit (first, layer or last module)")
 
 
 def fallback_plan(model: nn.Module, leaf_patterns: list[str]) -> PipelinePlan:

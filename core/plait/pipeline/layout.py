@@ -82,22 +82,16 @@ def _module_of(param_name: str, modules: tuple[str, ...]) -> str | None:
 
 
 def _stage_of_param(split: StageSplit, param_name: str) -> int:
-    if param_name in split.plan.first_params:
-        return 0
-    module = param_name.rpartition(".")[0]
-    while module:
-        try:
-            stage = split.stage_of(module)
-        except KeyError:
-            module = module.rpartition(".")[0]
-            continue
-        if stage is None:
-            raise ConfigError(f"{param_name} belongs to a module the pipeline plan treats as parameter-free")
-        return stage
-    raise ConfigError(
-        f"parameter {param_name} lies outside every pipeline unit (first, layers, last) of the plan; the "
-        f"adapter's pipeline plan does not cover this model"
-    )
+    try:
+        stage = split.stage_of_param(param_name)
+    except KeyError:
+        raise ConfigError(
+            f"parameter {param_name} lies outside every pipeline unit (first, layers, last) of the plan; the "
+            f"adapter's pipeline plan does not cover this model"
+        ) from None
+    if stage is None:
+        raise ConfigError(f"{param_name} belongs to a module the pipeline plan treats as parameter-free")
+    return stage
 
 
 def stage_rows(model: nn.Module, split: StageSplit) -> list[tuple[str, int | None, int]]:

@@ -231,10 +231,7 @@ def run_command(argv: Sequence[str], *, timeout: float, env: dict[str, str] | No
         time.sleep(0.05)
     code = poll()
     if code is None:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            for process in [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    process.kill()
+        kill_tree(pid)
     reap()
     stdout, stderr = (path.read_text(errors="replace") for path in (out, err))
     shutil.rmtree(logdir, ignore_errors=True)
@@ -242,3 +239,12 @@ def run_command(argv: Sequence[str], *, timeout: float, env: dict[str, str] | No
         raise AssertionError(f"{' '.join(map(str, argv))[:200]} still running after {timeout}s: killed with every "
                              f"process under it\n{stderr[-3000:]}")
     return subprocess.CompletedProcess([sys.executable, *argv], code, stdout, stderr)
+
+
+def kill_tree(pid: int) -> None:
+    """Kill process ``pid`` and every process under it, found while the tree is whole (torchrun starts its workers
+    in sessions of their own, so a process group would miss them)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for process in [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
