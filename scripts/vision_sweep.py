@@ -42,7 +42,8 @@ def preflight(model_type: str, modes: tuple[str, ...]) -> dict[str, str]:
     from plait import AdapterError, ConfigError, ParallelConfig
     from plait.base.meta import build_meta_model
     from plait.layout_plan import plan_layout
-    from plait_transformers.vision_sweep_worker import LAYOUTS, sweep_config
+    from plait_transformers.vision_parity import sweep_config
+    from plait_transformers.vision_sweep_worker import LAYOUTS
 
     try:
         model = build_meta_model(sweep_config(model_type))

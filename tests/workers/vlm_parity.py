@@ -20,9 +20,8 @@ import torch.distributed as dist
 
 from plait import ConfigError
 from plait.base.images import ImageBatch
-from plait_transformers.tiny_vision import TUPLE_FORWARD
-from plait_transformers.vision_parity import as_double, compare, padded, reference, tiny_batches, train
-from plait_transformers.vision_sweep_worker import logits_forward
+from plait_transformers.vision_parity import (as_double, compare, padded, reference, sweep_config, tiny_batches,
+                                              tiny_model, train)
 
 STEPS, ROWS, TEXT = 3, 4, 6
 # images of each row at each step: micro-batches and replicas with different counts, text-only rows, and at the last
@@ -98,7 +97,6 @@ TINY_CASES = [(model_type, layout) for model_type in TINY[:3] for layout in TINY
 
 def tiny_config(name: str):
     from plait_transformers.tiny_vision import tiny_image_text_config
-    from plait_transformers.vision_sweep_worker import sweep_config
 
     if name in ("llama4", "llava_next"):  # named as a whole image-text checkpoint names itself
         return sweep_config(name)
@@ -120,16 +118,12 @@ def main() -> None:
     for name, layout in LAYOUTS.items():
         kind = "fsdp" if name in FSDP else "mixed"
         results[f"llava-{name}"] = compare(train(base, data[kind], layout), expected[kind])
-    from transformers import AutoModelForImageTextToText
-
     tiny = {}
     layouts = {**LAYOUTS, **DEEPSTACK_LAYOUTS}
     for model_type in TINY:
         config = tiny_config(model_type)
         torch.manual_seed(0)
-        model = AutoModelForImageTextToText.from_config(config)
-        if model_type in TUPLE_FORWARD:
-            logits_forward(model)  # its forward raises after the logits unless it returns a tuple
+        model = tiny_model(config)
         rows = padded(tiny_batches(config, FSDP_PER_ROW), 4)  # cp=2 cuts a row in 4 chunks
         tiny[model_type] = (model, rows)
         wanted = reference(model, rows)

@@ -18,17 +18,52 @@ import functools
 
 import torch
 import torch.distributed as dist
-from transformers import PretrainedConfig
+from transformers import AutoModelForImageTextToText, PretrainedConfig
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from plait import ParallelConfig, parallelize
 from plait.base.images import ImageBatch
 from plait.optim import OptimizerStep, build_optimizer
 from plait.optim.param_groups import embedding_params, weight_decay_groups
 from plait.parallel.grad_sync import grad_of
-from plait_transformers.tiny_vision import image_text_batch
+from plait_transformers.tiny_vision import TUPLE_FORWARD, image_text_batch, tiny_image_text_config
 
 LR, WEIGHT_DECAY = 1e-2, 0.1
 Rows = tuple[torch.Tensor, torch.Tensor, ImageBatch, torch.Tensor]  # ids, labels, images, attention mask
+
+
+def sweep_config(model_type: str) -> PretrainedConfig:
+    """tiny_vision's config with ``architectures`` naming the image-text class as a whole model's checkpoint has it
+    (else plait plans the text decoder of a type AutoModelForCausalLM also maps: Llama 4, Qwen 3.5; ``takes_images``),
+    and no stochastic depth (Qianfan-OCR's vision tower keeps drop_path_rate 0.1: its draws differ by layout)."""
+    config = tiny_image_text_config(model_type)
+    config.architectures = [MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type]]
+    for sub in (config, *(getattr(config, key, None) for key in config.sub_configs)):
+        if getattr(sub, "drop_path_rate", None):
+            sub.drop_path_rate = 0.0
+    return config
+
+
+def logits_forward(model: torch.nn.Module) -> None:
+    """Llama 4's forward raises after its logits unless config.return_dict is False and return_dict=True is passed
+    (tiny_vision.TUPLE_FORWARD): its class becomes one whose forward does so and returns the logits, all plait and the
+    reference read (the class, not the method: deep copies then call themselves)."""
+    model.config.return_dict, base = False, type(model)
+
+    def forward(self, *args, **kwargs) -> CausalLMOutputWithPast:
+        return CausalLMOutputWithPast(logits=base.forward(self, *args, **{**kwargs, "return_dict": True})[0])
+
+    model.__class__ = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__})
+
+
+def tiny_model(config: PretrainedConfig) -> torch.nn.Module:
+    """transformers' image-text model of ``config`` (seeded by the caller), its forward giving the logits where the
+    class's raises after them (``logits_forward``)."""
+    model = AutoModelForImageTextToText.from_config(config)
+    if config.model_type in TUPLE_FORWARD:
+        logits_forward(model)
+    return model
 
 
 def tiny_batches(config: PretrainedConfig, images: list[list[int]]) -> list[Rows]:

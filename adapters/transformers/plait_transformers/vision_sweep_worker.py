@@ -17,13 +17,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForImageTextToText, PretrainedConfig
-from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from plait import AdapterError, ConfigError
-from plait_transformers.tiny_vision import TUPLE_FORWARD, tiny_image_text_config
-from plait_transformers.vision_parity import as_double, compare, padded, reference, tiny_batches, train
+from plait_transformers.vision_parity import (as_double, compare, padded, reference, sweep_config, tiny_batches,
+                                              tiny_model, train)
 
 LAYOUTS = {"tp2-sp": {"tp": 2}, "zero3-dp2": {"zero_stage": 3}, "pp2": {"pp": 2, "num_microbatches": 2},
            "cp2": {"cp": 2}}
@@ -33,37 +30,11 @@ PARTNER_SECONDS = 20  # how long after one rank ends a case the other may still 
 HANG_EXIT = 3  # the exit code of a rank that has recorded why it ends the world
 
 
-def sweep_config(model_type: str) -> PretrainedConfig:
-    """tiny_vision's config with ``architectures`` naming the image-text class as a whole model's checkpoint has it
-    (else plait plans the text decoder of a type AutoModelForCausalLM also maps: Llama 4, Qwen 3.5; ``takes_images``),
-    and no stochastic depth (Qianfan-OCR's vision tower keeps drop_path_rate 0.1: its draws differ by layout)."""
-    config = tiny_image_text_config(model_type)
-    config.architectures = [MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type]]
-    for sub in (config, *(getattr(config, key, None) for key in config.sub_configs)):
-        if getattr(sub, "drop_path_rate", None):
-            sub.drop_path_rate = 0.0
-    return config
-
-
-def logits_forward(model: torch.nn.Module) -> None:
-    """Llama 4's forward raises after its logits unless config.return_dict is False and return_dict=True is passed
-    (tiny_vision.TUPLE_FORWARD): its class becomes one whose forward does so and returns the logits, all plait and the
-    reference read (the class, not the method: deep copies then call themselves)."""
-    model.config.return_dict, base = False, type(model)
-
-    def forward(self, *args, **kwargs) -> CausalLMOutputWithPast:
-        return CausalLMOutputWithPast(logits=base.forward(self, *args, **{**kwargs, "return_dict": True})[0])
-
-    model.__class__ = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__})
-
-
 def prepare(model_type: str) -> dict[str, tuple]:
     """precision -> (model, rows, reference): the fp32 model and the float64 copy, built as vlm_parity builds them."""
     config = sweep_config(model_type)
     torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config)
-    if model_type in TUPLE_FORWARD:
-        logits_forward(model)
+    model = tiny_model(config)
     rows = padded(tiny_batches(config, PER_ROW), 4)  # SP halves a row, cp=2 cuts it in 4 chunks
     model64, rows64 = copy.deepcopy(model).double(), as_double(rows)
     for module in model64.modules():  # every config an experts module reads (a vision tower's MoE has its own)
