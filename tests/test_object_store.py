@@ -15,7 +15,6 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -56,16 +55,15 @@ def s3(server, tmp_path_factory):
 
     env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
            "AWS_ENDPOINT_URL": server, "PLAIT_STAGE_DIR": str(tmp_path_factory.mktemp("stage"))}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem().mkdir(BUCKET)
-    try:
-        yield f"s3://{BUCKET}"
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    with pytest.MonkeyPatch.context() as patch:  # the environment as it was, after the module
+        for key, value in env.items():
+            patch.setenv(key, value)
         s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem().mkdir(BUCKET)
+        try:
+            yield f"s3://{BUCKET}"
+        finally:
+            s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ tests/test_object_store.py runs it on S3.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 
 import pytest
@@ -41,14 +40,13 @@ def gcs(tmp_path_factory):
     server.start()
     env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
            "PLAIT_STAGE_DIR": str(tmp_path_factory.mktemp("stage"))}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield f"gs://{BUCKET}"
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
-        server.stop()
+    with pytest.MonkeyPatch.context() as patch:  # the environment as it was, after the module
+        for key, value in env.items():
+            patch.setenv(key, value)
+        try:
+            yield f"gs://{BUCKET}"
+        finally:
+            server.stop()
 
 
 @pytest.fixture(scope="module")
