@@ -146,7 +146,9 @@ def test_mlflow_run_has_the_metrics(run):
 
     out, _ = run
     client = MlflowClient(f"sqlite:///{out / 'run' / 'mlflow.db'}")
-    [found] = client.search_runs(["0"])
+    [found] = client.search_runs([client.get_experiment_by_name("plait").experiment_id])
+    # its artifacts beside the store, not in ./mlruns of the directory the command ran in
+    assert (out / "run" / "mlartifacts").is_dir() and not (Path.cwd() / "mlruns").exists()
     assert found.info.status == "FINISHED" and found.data.params["max_steps"] == "4"
     records = steps(out)
     for key in ("loss", "lr", "grad_norm"):

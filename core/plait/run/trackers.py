@@ -107,13 +107,20 @@ class WandB:
 class MLflow:
     """An MLflow run at MLFLOW_TRACKING_URI (default ``sqlite:///<output_dir>/mlflow.db``: the kind of store MLflow
     defaults to, kept with the run; its file store refuses to open unless told to), the flags as its params;
-    MLFLOW_EXPERIMENT_NAME and MLFLOW_RUN_ID apply as usual."""
+    MLFLOW_EXPERIMENT_NAME, MLFLOW_EXPERIMENT_ID and MLFLOW_RUN_ID apply as usual. In that default store the run's
+    experiment ('plait', or MLFLOW_EXPERIMENT_NAME) keeps its artifacts in ``<output_dir>/mlartifacts``: MLflow's
+    Default experiment would put them in ./mlruns of whatever directory the command ran in."""
 
     def __init__(self, output_dir: Path, params: dict, first_step: int) -> None:
         import mlflow
 
         if not os.environ.get("MLFLOW_TRACKING_URI"):
             mlflow.set_tracking_uri(f"sqlite:///{(output_dir / 'mlflow.db').resolve()}")
+            if not os.environ.get("MLFLOW_EXPERIMENT_ID"):
+                name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "plait"
+                if mlflow.get_experiment_by_name(name) is None:
+                    mlflow.create_experiment(name, (output_dir / "mlartifacts").resolve().as_uri())
+                mlflow.set_experiment(name)
         self.mlflow = mlflow
         mlflow.start_run()
         mlflow.log_params(params)
