@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import json
 import os
 import sys
@@ -72,7 +73,8 @@ CASES = {
     "llama-cp2-pp2-ring": (4, "llama", dict(cp=2, pp=2, num_microbatches=2, cp_attention="ring"), {}, "packed"),
     "llama-cp2-pp2-a2a": (4, "llama", dict(cp=2, pp=2, num_microbatches=2), {}, "causal"),
     "gpt2-cp2-pp2-interleaved-ring": (4, "gpt2", dict(cp=2, pp=2, num_microbatches=2, cp_attention="ring",
-                                                      pipeline_schedule="interleaved-1f1b", virtual_pipeline_size=2), {}, "packed"),
+                                                      pipeline_schedule="interleaved-1f1b", virtual_pipeline_size=2),
+                                      {}, "packed"),
     "llama-cp2-dp2-zero1": (4, "llama", dict(cp=2, zero_1=True), {}, "packed"),
     "llama-cp2-pp2-zero-bubble-ring": (4, "llama", dict(cp=2, pp=2, num_microbatches=2, cp_attention="ring",
                                                        pipeline_schedule="zero-bubble", virtual_pipeline_size=2),
@@ -169,12 +171,19 @@ def reference_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> t
     return total / count, count
 
 
+@functools.cache
+def subject_of(arch: str):
+    """The adapter and tiny config of ``arch``, loaded once per rank: every case of it copies the config
+    (``with_overrides``) and lays out its own model, as the conformance kit's worker keeps one per subject."""
+    return load_subject(arch)
+
+
 def run_case(name: str, dtype: torch.dtype) -> dict:
     """One case at ``dtype``: its worst errors, its failures (each naming the step and parameter), and per step
     the parameters (full names) whose gradients this rank compared."""
     ring.TILE = 3 if name.endswith("-tiled") else TILE  # tiles that do not divide a chunk, some empty
     _, arch, layout, overrides, kind = CASES[name]
-    subject = load_subject(arch)
+    subject = subject_of(arch)
     config = with_overrides(subject.config, overrides)
     if dtype == torch.float64 and hasattr(config, "_experts_implementation"):
         config._experts_implementation = "eager"  # torch's grouped matmul (the default) takes no float64
