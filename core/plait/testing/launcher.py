@@ -65,23 +65,27 @@ def _tail(path: Path, chars: int = 6000) -> str:
 
 
 class _Rank:
-    """One running rank, whichever way it was started: ``poll()`` (None while running, else the exit code,
-    negative for a signal) and ``kill()``."""
+    """One running process (a rank or a command), whichever way it was started: its ``pid``, ``poll()`` (None while
+    running, else the exit code, negative for a signal) and ``kill()``, which also reaps it."""
 
-    def __init__(self, poll: Callable[[], int | None], kill: Callable[[], None]):
-        self.poll, self.kill = poll, kill
+    def __init__(self, pid: int, poll: Callable[[], int | None], kill: Callable[[], None]):
+        self.pid, self.poll, self.kill = pid, poll, kill
 
 
-def _start_subprocess(argv: Sequence[str], env: dict[str, str], cwd: str | None, log: Path) -> _Rank:
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+def _start_subprocess(argv: Sequence[str], env: dict[str, str], cwd: str | None, log: Path,
+                      err_log: Path | None = None) -> _Rank:
+    """A fresh ``python argv...``, its output to ``log`` (its stderr to ``err_log`` where given)."""
+    with contextlib.ExitStack() as files:
+        out = files.enter_context(open(log, "wb"))
+        err = files.enter_context(open(err_log, "wb")) if err_log else subprocess.STDOUT
+        proc = subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, stdout=out, stderr=err)
 
     def kill() -> None:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
 
-    return _Rank(proc.poll, kill)
+    return _Rank(proc.pid, proc.poll, kill)
 
 
 def _fork_context() -> multiprocessing.context.BaseContext:
@@ -108,8 +112,11 @@ def _forks() -> bool:
     return os.environ.get(LAUNCH_ENV) == "fork" and _fork_is_safe()
 
 
-def _start_forked(argv: Sequence[str], env: dict[str, str], cwd: str | None, log: Path) -> _Rank:
-    process = _fork_context().Process(target=_run_forked, args=(list(argv), env, cwd, str(log)), daemon=False)
+def _start_forked(argv: Sequence[str], env: dict[str, str], cwd: str | None, log: Path,
+                 err_log: Path | None = None) -> _Rank:
+    """``python argv...`` forked from the preloaded server, its output as ``_start_subprocess`` sends it."""
+    args = (list(argv), env, cwd, str(log), None if err_log is None else str(err_log))
+    process = _fork_context().Process(target=_run_forked, args=args, daemon=False)
     process.start()
 
     def kill() -> None:
@@ -118,17 +125,25 @@ def _start_forked(argv: Sequence[str], env: dict[str, str], cwd: str | None, log
         process.join()
         process.close()
 
-    return _Rank(lambda: process.exitcode, kill)
+    return _Rank(process.pid, lambda: process.exitcode, kill)
+
+
+def _redirect(path: str, *fds: int) -> None:
+    """Point the file descriptors ``fds`` at a new file ``path`` (truncated)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for target in fds:
+        os.dup2(fd, target)
+    os.close(fd)
 
 
 def _run_forked(argv: list[str], env: dict[str, str], cwd: str | None, log: str, err_log: str | None = None) -> None:
     """In the forked rank: become ``python argv...`` with ``env`` in ``cwd``, output to ``log`` (its stderr to
     ``err_log`` where given); exit with the code the script would have exited with."""
-    for targets, path in (((1,), log), ((2,), err_log)) if err_log else (((1, 2), log),):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        for target in targets:
-            os.dup2(fd, target)
-        os.close(fd)
+    if err_log:
+        _redirect(log, 1)
+        _redirect(err_log, 2)
+    else:
+        _redirect(log, 1, 2)
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)
     os.environ.clear()
@@ -218,21 +233,14 @@ def run_command(argv: Sequence[str], *, timeout: float, env: dict[str, str] | No
     out, err = logdir / "stdout", logdir / "stderr"
     env = dict(os.environ if env is None else env)
     cwd = None if cwd is None else str(cwd)
-    if _forks():
-        process = _fork_context().Process(target=_run_forked, args=(list(argv), env, cwd, str(out), str(err)))
-        process.start()
-        pid, poll, reap = process.pid, lambda: process.exitcode, process.join
-    else:
-        with open(out, "wb") as stdout, open(err, "wb") as stderr:
-            proc = subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, stdout=stdout, stderr=stderr)
-        pid, poll, reap = proc.pid, proc.poll, proc.wait
+    process = (_start_forked if _forks() else _start_subprocess)(argv, env, cwd, out, err)
     deadline = time.monotonic() + timeout
-    while poll() is None and time.monotonic() < deadline:
+    while process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    code = poll()
+    code = process.poll()
     if code is None:
-        kill_tree(pid)
-    reap()
+        kill_tree(process.pid)
+    process.kill()  # reaps it
     stdout, stderr = (path.read_text(errors="replace") for path in (out, err))
     shutil.rmtree(logdir, ignore_errors=True)
     if code is None:
