@@ -114,10 +114,14 @@ def test_efficiency_and_overhead_make_the_planner_give_both_measured_steps(monke
 
 
 def test_run_leaves_the_random_state_and_threads_as_they_were():
-    threads = torch.get_num_threads()
-    state = torch.get_rng_state()
-    calibration._timed_runs(Workload(calibration.run_config()), (1, 2))
-    assert torch.equal(torch.get_rng_state(), state) and torch.get_num_threads() == threads
+    suite_threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # not the runs' one thread (nor the suite's: tests/conftest.py), so a leak would show
+    try:
+        state = torch.get_rng_state()
+        calibration._timed_runs(Workload(calibration.run_config()), (1, 2))
+        assert torch.equal(torch.get_rng_state(), state) and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(suite_threads)
 
 
 def fake_runs(monkeypatch, efficiencies: list[float]) -> list[int]:
