@@ -15,13 +15,11 @@ set before pytest starts is kept."""
 
 import os
 
-import torch
-
+from plait.base.forking import one_thread_unless_set
 from plait.testing import launcher
 from plait.testing.launcher import LAUNCH_ENV
 
 os.environ.setdefault(LAUNCH_ENV, "fork")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+one_thread_unless_set()
 if "plait.testing.conformance_worker" not in launcher.FORK_PRELOAD:
     launcher.FORK_PRELOAD.append("plait.testing.conformance_worker")

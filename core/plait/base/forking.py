@@ -30,6 +30,18 @@ def forking_is_safe() -> bool:
     return device.accelerator() is None
 
 
+def one_thread_unless_set() -> None:
+    """torch on ``OMP_NUM_THREADS`` threads, one where it is unset (then set, for the processes this one starts):
+    what torchrun gives each of several local workers. A fresh interpreter's OpenMP reads the variable when torch
+    loads; a forked process has torch loaded already, with its server's count, so it sets its own here. Processes
+    sharing the cores (workers of one node, the test suite's workers and its worlds' ranks) otherwise each start a
+    thread per core, which spin against the others."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def _reseed_numpy() -> None:
     """In a forked child: numpy's global generator drawn afresh, as in a new interpreter (Python's ``random``
     reseeds itself after a fork; numpy's does not, and every worker would share the server's)."""

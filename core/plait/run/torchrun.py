@@ -190,12 +190,7 @@ def _wait_then_torchrun(read: int, launcher: int) -> int:
     torchrun = os.getpid()
     os.register_at_fork(after_in_child=lambda: os.getppid() == torchrun and _fresh_signal_handlers())
     os.environ.update(env)
-    # torchrun gives each of several workers one OpenMP thread; a fresh worker reads that when torch loads, a
-    # forked one has torch loaded already, with the launcher's count
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    forking.one_thread_unless_set()  # the workers forked next keep torch loaded here, with this count
     # what torchrun's ``python -u`` gives a fresh worker: its lines as they are written, on the process's own stdout
     # and stderr (not a stream the launcher's caller may have put in their place)
     sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True,
