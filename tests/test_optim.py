@@ -242,12 +242,22 @@ def test_compiled_loss_matches_eager():
 @pytest.mark.parametrize("variant", ["zero2_clip_accumulation", "zero3_clip"])
 def test_zero2_and_zero3_match_one_process_with_clipping(results, variant):
     """FSDP2's shards step like one process: losses, norms, every stepped gradient row, the parameters after 5 steps;
-    stage 2 holds 1/dp of the gradients between micro-steps, stage 3 1/dp of the parameters."""
+    stage 2 holds 1/dp of the gradients between micro-steps, stage 3 1/dp of the parameters. Both evaluate as a
+    user's loop does, before the optimizer is built (the model called under no_grad) and after every step (stage 2
+    ``eval_loss``, stage 3 ``generate``): FSDP2 leaves gathered copies registered after a forward without backward,
+    which an optimizer built then would step instead of the shards (stage 2 then never trained)."""
     r = results[variant]
     assert r["norm_rel"] <= TOL, r
     _parity(r)
     held = r.get("grads_held", r.get("shard_fraction"))
     assert held <= 1 / r["dp"] + 0.05, f"{variant}: this rank holds {held:.2f} of the elements, not ~1/{r['dp']}"
+
+
+def test_zero2_keeps_its_shards_after_forwards_without_backward(results):
+    """After ``generate`` every parameter is its shard again, and a checkpoint saved and loaded right after the
+    model was called under no_grad (every unit left gathered by FSDP2) reads and writes the shards."""
+    r = results["zero2_after_forwards"]
+    assert r == {"sharded_after_generate": 1.0, "reload_change": 0.0}, r
 
 
 def test_zero3_recomputes_and_computes_in_bf16_from_fp32_shards(results):

@@ -35,26 +35,38 @@ def losses(out) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def straight(model_config, tmp_path_factory):
-    """4 steps in one process, saving at 2 and 4."""
+def validation(tmp_path_factory) -> list[str]:
+    path = tmp_path_factory.mktemp("val") / "val.txt"
+    # 325 tokens: 20 blocks of 16, which dp 1, 2 and 4 evaluate whole (evaluation leaves out the last blocks that
+    # the dp ranks cannot share equally, so an odd count would make one process's loss another's)
+    path.write_text("to be or not to be, that is the question " * 14)
+    return ["--validation_file", str(path), "--eval_steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def straight(model_config, validation, tmp_path_factory):
+    """4 steps in one process, evaluating and saving at 2 and 4."""
     out = tmp_path_factory.mktemp("straight")
-    main(["train", *flags(model_config, out)])
+    main(["train", *flags(model_config, out, *validation)])
     return out, read_metrics(out)
 
 
-def test_zero3_resumes_at_tp2_and_at_zero1_and_consolidates(model_config, straight, tmp_path):
-    """Stage 3 at dp=2 (the same global batch of 4) follows one process with clipping; its checkpoint (the same
-    layout-free index) resumes at tp=2, at ZeRO-1 dp=2 and at stage 3 dp=4 with the one-process losses, and
-    consolidates to the one-process weights. A one-process checkpoint resumes into stage 3 too."""
+def test_zero3_resumes_at_tp2_and_at_zero1_and_consolidates(model_config, straight, validation, tmp_path):
+    """Stage 3 at dp=2 (the same global batch of 4) follows one process with clipping, and evaluates at step 2 as it
+    does, just before saving (a forward without backward leaves FSDP2's gathered copies registered: the save
+    failed after one); its checkpoint (the same layout-free index) resumes at tp=2, at ZeRO-1 dp=2 and at stage 3
+    dp=4 with the one-process losses, and consolidates to the one-process weights. A one-process checkpoint resumes
+    into stage 3 too."""
     one_dir, records = straight
     ref = [r["loss"] for r in records]
     grad_norms = [r["grad_norm"] for r in records]
     assert min(grad_norms) > 0.5, f"clipping never bites: {grad_norms}"
     z3 = tmp_path / "z3"
-    output = launch(["-m", "plait", "train", *flags(model_config, z3, "--zero_stage", "3", batch=2, steps=2)], 2,
-                    timeout=240)
+    output = launch(["-m", "plait", "train", *flags(model_config, z3, "--zero_stage", "3", *validation, batch=2,
+                                                    steps=2)], 2, timeout=240)
     assert "zero=3" in " ".join(output[0].split())
     assert losses(z3) == pytest.approx(ref[:2], rel=1e-5)
+    assert read_metrics(z3)[1]["eval_loss"] == pytest.approx(records[1]["eval_loss"], rel=1e-5)
     for name, layout, world in (("tp2", ("--tensor_parallel_size", "2"), 2), ("zero1", ("--zero_1",), 2),
                                 ("zero3-dp4", ("--zero_stage", "3"), 4)):
         batch = 4 if name == "tp2" else 4 // world  # the same global batch of 4

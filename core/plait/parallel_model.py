@@ -33,7 +33,7 @@ from plait.layout_plan import LayoutPlan
 from plait.parallel.compile import compile_leaf_modules
 from plait.parallel.deepstack import check_pipeline as check_deepstack_stage, deepstack_on_local_tokens
 from plait.parallel.float8 import check_float8_tokens
-from plait.parallel.fsdp import AppliedFSDP
+from plait.parallel.fsdp import AppliedFSDP, reshard
 from plait.parallel.grad_sync import GradSync
 from plait.parallel.moe_balance import GlobalBalance, aux_divisor
 from plait.pipeline.runner import PipelineRunner
@@ -286,6 +286,7 @@ class ParallelModel(nn.Module):
     ) -> torch.Tensor:
         """``train_step`` without backward (validation loss, or an ``objective``'s), on every rank of the pipeline."""
         with torch.no_grad(), contextlib.ExitStack() as stack:
+            stack.callback(reshard, self.fsdp)  # ZeRO-2/3: no backward follows to reshard what it gathered
             if self.balance is not None:  # its own batch's balance, leaving a training step's as it was
                 stack.enter_context(self.balance.kept())
                 self._routing_pass([(input_ids, attention_mask, position_ids)])
@@ -357,6 +358,7 @@ class ParallelModel(nn.Module):
                                               {"use_cache": True, **last}, cache_name, all_done=done, **settings)
         finally:
             self.module.train(training)
+            reshard(self.fsdp)  # ZeRO-2/3, as eval_loss does
         return comm.all_gather(ids, self.mesh.dp_group, dim=0)
 
     def _decode_stages(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: slice, total: int,

@@ -12,13 +12,16 @@ import copy
 import datetime
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from plait import ParallelConfig, parallelize
 from plait.base import comm
+from plait.checkpoint import load_checkpoint, save_checkpoint
 from plait.data import local_microbatch
 from plait.optim import OptimizerStep, Zero1Optimizer, build_optimizer
 from plait.optim.param_groups import embedding_params, weight_decay_groups
@@ -71,10 +74,25 @@ def reference(base: LlamaForCausalLM, batches, max_norm: float | None) -> dict:
             "params": dict(model.named_parameters(remove_duplicate=False))}
 
 
+def without_backward(pmodel, ids: torch.Tensor, labels: torch.Tensor, how: str) -> None:
+    """A forward that no backward follows, as an evaluation runs one: ``eval_loss``, ``generate`` (one new token),
+    or the model called under ``torch.no_grad`` (``forward``; a pipeline stage cannot be called alone, so there
+    ``eval_loss``). Under ZeRO-2/3 FSDP2 leaves gathered copies registered after it (plait.parallel.fsdp.reshard)."""
+    rows = local_microbatch(torch.arange(GLOBAL_BATCH), pmodel.mesh.dp_rank, pmodel.mesh.dp, 1, 0)
+    if how == "generate":
+        pmodel.generate(ids, max_new_tokens=1)
+    elif how == "forward" and pmodel.pipeline is None:
+        with torch.no_grad():
+            pmodel(ids[rows])
+    else:
+        pmodel.eval_loss(ids[rows], labels[rows], num_items_in_batch=num_items(labels))
+
+
 def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, checkpointing=False,
           bf16_params=False, bf16_autocast=False, main_grads=True, reduce_dtype=None, plain_dp=False,
-          counters=None, zero_stage=0, mixed_precision=False) -> dict:
-    """Train a parallel copy of ``base``; returns global losses, norms and the ParallelModel."""
+          counters=None, zero_stage=0, mixed_precision=False, evaluate: tuple[str, str] | None = None) -> dict:
+    """Train a parallel copy of ``base``; returns global losses, norms and the ParallelModel. ``evaluate``: a
+    forward without backward (``without_backward``) before the optimizer is built, and another after each step."""
     tp, pp = layout
     model = copy.deepcopy(base)
     if bf16_params:
@@ -84,6 +102,8 @@ def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, 
                                                gradient_checkpointing=checkpointing, bf16_autocast=bf16_autocast,
                                                num_microbatches=2 if pp > 1 else 1))
     mesh = pmodel.mesh
+    if evaluate:
+        without_backward(pmodel, *batches[0], evaluate[0])
     if plain_dp:  # the baseline ZeRO-1 must match bit for bit: torch AdamW on every parameter
         shapes = {name: spec.full_shape for name, spec in pmodel.param_specs.items()}
         groups = weight_decay_groups(pmodel.module.named_parameters(), shapes, embedding_params(pmodel.module),
@@ -127,6 +147,8 @@ def train(base, batches, layout, *, zero_1=True, max_norm=None, accumulation=1, 
                 optimizer.zero_grad()
             else:
                 norms.append(step().item())
+        if evaluate:
+            without_backward(pmodel, ids, labels, evaluate[1])
         if counters is not None:
             counters.append(("step", None, counter.records))
         losses.append(comm.all_reduce(total, mesh.dp_group).item())
@@ -229,10 +251,13 @@ def main() -> None:
 
     # ZeRO-2 (2 micro-steps a step) and ZeRO-3 on FSDP2, with clipping that bites; ZeRO-3 with recomputation, and
     # with FSDP2's mixed precision (bf16 compute from fp32 shards)
-    run = train(base, batches, layout, zero_stage=2, accumulation=2, max_norm=SMALL_NORM)
+    # with evaluation as a user's loop runs it: before the optimizer is built and after every step
+    run = train(base, batches, layout, zero_stage=2, accumulation=2, max_norm=SMALL_NORM,
+                evaluate=("forward", "eval_loss"))
     parity("zero2_clip_accumulation", run, ref_clip, norm_rel=rel(run["norms"], ref_clip["norms"]),
            grads_held=dist_max(torch.tensor(run["grads_held"])), dp=run["pmodel"].mesh.dp)
-    run = train(base, batches, layout, zero_stage=3, max_norm=SMALL_NORM)
+    results["zero2_after_forwards"] = after_forwards(run, batches[0], Path(out).parent / "zero2-checkpoint")
+    run = train(base, batches, layout, zero_stage=3, max_norm=SMALL_NORM, evaluate=("forward", "generate"))
     parity("zero3_clip", run, ref_clip, norm_rel=rel(run["norms"], ref_clip["norms"]),
            shard_fraction=dist_max(torch.tensor(_shard_fraction(run))), dp=run["pmodel"].mesh.dp)
     run = train(base, batches, layout, zero_stage=3, checkpointing=True)
@@ -245,6 +270,23 @@ def main() -> None:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
     dist.destroy_process_group()
+
+
+def after_forwards(run: dict, batch: tuple[torch.Tensor, torch.Tensor], path: Path) -> dict:
+    """Stage 2 after forwards without backward (which leave every unit gathered in FSDP2): whether every parameter
+    is a shard again after ``generate``, and the largest change to a parameter row from saving a checkpoint and
+    loading it back, each right after the model was called under no_grad (0: the shards went to disk and came
+    back into the shards)."""
+    pmodel = run["pmodel"]
+    before = {name: local(p).detach().clone() for name, p in pmodel.module.named_parameters()}
+    without_backward(pmodel, *batch, "generate")
+    sharded = all(isinstance(p, DTensor) for p in pmodel.parameters())
+    without_backward(pmodel, *batch, "forward")
+    save_checkpoint(path, pmodel, run["optimizer"], step=STEPS)
+    without_backward(pmodel, *batch, "forward")
+    load_checkpoint(path, pmodel, run["optimizer"])
+    change = max((local(p).detach() - before[name]).abs().max() for name, p in pmodel.module.named_parameters())
+    return {"sharded_after_generate": -dist_max(torch.tensor(-float(sharded))), "reload_change": dist_max(change)}
 
 
 def _owned_fraction(run: dict) -> float:

@@ -29,7 +29,7 @@ from plait.checkpoint.st_io import CHECKSUM, DTYPES, SafetensorsError, Safetenso
 from plait.checkpoint.state import (
     ReadOp, load_scheduler_state, local_params, local_views, plan_optimizer_load, set_rng_state,
 )
-from plait.parallel.fsdp import local
+from plait.parallel.fsdp import local, reshard
 from plait.parallel_model import ParallelModel
 from plait.tp.sharding import ShardSpec
 
@@ -192,6 +192,7 @@ def load_checkpoint(
     finish: Callable[[], None] | None = None
     stored: set[tuple[str, str]] = set()
     error = None
+    reshard(pmodel.fsdp)  # ZeRO-2/3: read into the shards, even where a forward left gathered copies registered
     found = local_params(pmodel.module, pmodel.param_specs)
     params, specs, buffers = found.params, found.specs, found.buffers
     try:

@@ -31,6 +31,7 @@ from plait.checkpoint.state import (
     scheduler_state, to_json,
 )
 from plait.lora.base import lora_record
+from plait.parallel.fsdp import reshard
 from plait.parallel_model import ParallelModel
 
 
@@ -115,6 +116,7 @@ def prepare_save(
     tensors: list[LocalTensor] = []
     local: dict[str, Any] = {"rank": mesh.rank, "error": None, "optimizer": None}
     aliases: dict[str, str] = {}
+    reshard(pmodel.fsdp)  # ZeRO-2/3: the shards, even where a forward without backward left gathered copies
     try:
         found = local_params(pmodel.module, pmodel.param_specs)
         aliases = found.aliases

@@ -22,6 +22,7 @@ from plait.optim.mixed_precision import MasterWeightOptimizer, accumulate_grads_
 from plait.optim.param_groups import embedding_params, weight_decay_groups
 from plait.optim.sharded import ShardedOptimizer
 from plait.optim.zero import Zero1Optimizer
+from plait.parallel.fsdp import reshard
 from plait.parallel.grad_sync import BUCKET_BYTES, GradSync
 from plait.parallel_model import ParallelModel
 
@@ -54,6 +55,7 @@ def build_optimizer(
     if not isinstance(pmodel, ParallelModel):
         raise ConfigError(f"build_optimizer takes the ParallelModel that parallelize returns, not a "
                           f"{type(pmodel).__name__}; build the optimizer after parallelize, from the model it returns")
+    reshard(pmodel.fsdp)  # ZeRO-2/3: the shards, even where a forward without backward left gathered copies
     params = [p for p in pmodel.parameters() if p.requires_grad]
     zero_1 = pmodel.config.zero_1 if zero_1 is None else zero_1
     if pmodel.fsdp is not None:

@@ -138,12 +138,28 @@ class AppliedFSDP:
         padded[: rows.shape[0]] = rows
         return comm.all_gather(padded, group, dim=0)[:n]
 
+    def reshard(self) -> None:
+        """Every unit's shards back as the module's parameters, the gathered copies freed. FSDP2 reshards after a
+        backward, but after a forward that no backward follows (``eval_loss``, ``generate``, a user's forward
+        under ``torch.no_grad``) it leaves the root unit (stage 2: every unit; stage 3 also the head, gathered once)
+        gathered, with the gathered tensors as the module's parameters: an optimizer built then would step those
+        instead of the shards, and a checkpoint would find them (measured before this: stage 2 then never
+        trained; tests/workers/optim_parity.py)."""
+        for unit in self.units:
+            unit.reshard()
+
     def keep_gathered(self, keep: bool) -> None:
         """Stage 2 between the microbatches of a step: ``True`` keeps parameters gathered after a backward (the
         next microbatch's forward needs them), ``False`` before the step's last backward frees them after it."""
         if self.stage == 2:
             for unit in self.units:
                 unit.set_reshard_after_backward(not keep, recurse=False)
+
+
+def reshard(fsdp: AppliedFSDP | None) -> None:
+    """``fsdp.reshard()`` under ZeRO-2/3; nothing without (``fsdp`` None)."""
+    if fsdp is not None:
+        fsdp.reshard()
 
 
 def apply_fsdp(
