@@ -51,6 +51,17 @@ def test_the_choice_is_the_searchs_first_with_its_batch_split(model_config, caps
     assert " ".join(chosen) in best
 
 
+def test_the_chosen_split_keeps_the_global_batch_as_written(model_config):
+    """The chosen flags go after the user's, so they give the accumulation steps even at 1: a
+    --gradient_accumulation_steps the user gave survived beside a chosen split of the same batch and doubled it."""
+    flags = ["--model_config", model_config, "--block_size", "16", "--per_device_train_batch_size", "3",
+             "--gradient_accumulation_steps", "2"]
+    for world in (1, 2):
+        chosen = args_of(*flags, *choose_layout(args_of(*flags), world, DEVICE, Console(stderr=True)))
+        dp = world // (chosen.tensor_parallel_size * chosen.pipeline_parallel_size * chosen.context_parallel_size)
+        assert chosen.per_device_train_batch_size * chosen.gradient_accumulation_steps * dp == 6 * world, chosen
+
+
 def test_a_layout_flag_beside_auto_is_refused(model_config):
     with pytest.raises(ConfigError, match="--layout auto chooses --tensor_parallel_size itself; drop it"):
         choose_layout(args_of("--model_config", model_config, "--tensor_parallel_size", "2"), 2, DEVICE)

@@ -131,10 +131,11 @@ def train_command(args, config, per_device: int, per_node: int | None = None, ac
 
 
 def layout_flags(config, per_device: int, accumulation: int) -> list[str]:
-    """The ``plait train`` flags that give ``config`` and its batch split (what ``--layout auto`` chooses)."""
-    flags = ["--per_device_train_batch_size", str(per_device)]
-    if accumulation != 1:
-        flags += ["--gradient_accumulation_steps", str(accumulation)]
+    """The ``plait train`` flags that give ``config`` and its batch split (what ``--layout auto`` chooses). The
+    accumulation steps are given even at 1: ``--layout auto`` puts these after the user's flags, and argparse
+    takes the last of a flag, so a ``--gradient_accumulation_steps`` the user gave must be overridden (it doubled
+    the global batch)."""
+    flags = ["--per_device_train_batch_size", str(per_device), "--gradient_accumulation_steps", str(accumulation)]
     flags += ["--tensor_parallel_size", str(config.tp), "--pipeline_parallel_size", str(config.pp)]
     if config.cp > 1:
         flags += ["--context_parallel_size", str(config.cp)]

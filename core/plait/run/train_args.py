@@ -8,12 +8,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import importlib.util
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from plait.base.config import CP_ATTENTION, FLOAT8_RECIPES, MOE_AUX_LOSS_SCOPES, ConfigError, ParallelConfig
 from plait.base.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULES, microbatch_refusal
@@ -166,6 +169,9 @@ class TrainArgs(MethodArgs):
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be positive")
+        if self.block_size < 2:
+            raise ConfigError(f"--block_size={self.block_size} leaves no token to train on (a block's first token has "
+                              f"no label); use --block_size 2 or more")
         if self.moe_aux_loss_scope not in MOE_AUX_LOSS_SCOPES:
             raise ConfigError(f"--moe_aux_loss_scope={self.moe_aux_loss_scope!r} is unknown; choose one of "
                               f"{', '.join(MOE_AUX_LOSS_SCOPES)}")
@@ -191,14 +197,14 @@ class TrainArgs(MethodArgs):
             raise ConfigError("--save_async overlaps a checkpoint's writing with the steps after it, and with "
                               "--save_steps 0 none follow the only (final) save; set --save_steps N or drop "
                               "--save_async")
-        if not self.learning_rate >= 0:  # 0 is a run that measures the loss without moving the weights
-            raise ConfigError(f"--learning_rate={self.learning_rate} must be >= 0")
-        if self.weight_decay < 0:
-            raise ConfigError(f"--weight_decay={self.weight_decay} must be >= 0")
-        if self.moe_capacity_factor < 0:
+        for name in ("learning_rate", "weight_decay"):  # a learning rate of 0 measures the loss without training
+            if not 0 <= getattr(self, name) < math.inf:  # nan and inf fail too
+                raise ConfigError(f"--{name}={getattr(self, name)} must be a finite number >= 0")
+        if not self.moe_capacity_factor >= 0:
             raise ConfigError(f"--moe_capacity_factor={self.moe_capacity_factor} must be >= 0 (0: dropless)")
-        if self.max_grad_norm < 0:
+        if not self.max_grad_norm >= 0:  # inf clips nothing, as 0 does
             raise ConfigError(f"--max_grad_norm={self.max_grad_norm} must be >= 0 (0 turns clipping off)")
+        check_backend(self.backend)
         if self.optimizer_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"--optimizer_dtype={self.optimizer_dtype!r} is unknown; choose float32 or bfloat16")
         if self.bf16 and self.bf16_autocast:
@@ -272,6 +278,10 @@ class TrainArgs(MethodArgs):
              "expert parallelism", "--expert_parallel_size"),
             (tp == 1 and self.disable_expert_tensor_parallel, "--disable_expert_tensor_parallel", "tensor parallelism",
              "--tensor_parallel_size"),
+            (tp == 1 and self.disable_sequence_parallel, "--disable_sequence_parallel", "tensor parallelism",
+             "--tensor_parallel_size"),
+            (tp == 1 and self.disable_embedding_parallelization, "--disable_embedding_parallelization",
+             "tensor parallelism", "--tensor_parallel_size"),
         ]
         for unused, flag, axis, size in idle:
             if unused:
@@ -374,9 +384,22 @@ def read_config_file(path: str, cls: type = TrainArgs) -> dict:
         raise ConfigError(f"--config {path}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
     for key, value in values.items():
         kind = _kind(known[key])
-        if not isinstance(value, kind) and not (kind is float and isinstance(value, int)):
+        if (not isinstance(value, kind) and not (kind is float and isinstance(value, int))) or \
+                (isinstance(value, bool) and kind is not bool):  # a bool is an int to isinstance
             raise ConfigError(f"--config {path}: {key} = {value!r} should be of type {kind.__name__}")
     return values
+
+
+def check_backend(name: str) -> None:
+    """``--backend``: auto, or backends torch.distributed knows here (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``;
+    ``xla`` where torch_xla is installed), refused before any process starts rather than by torch in every rank."""
+    if name == "auto":
+        return
+    known = set(dist.Backend.backend_list) - {"undefined"} | ({"xla"} if importlib.util.find_spec("torch_xla") else set())
+    unknown = [part for part in (p.split(":")[-1].strip().lower() for p in name.split(",")) if part not in known]
+    if unknown:
+        raise ConfigError(f"--backend={name!r}: {', '.join(unknown)} is not a torch.distributed backend here; use auto "
+                          f"or one of {', '.join(sorted(known))}")
 
 
 def from_namespace(ns: argparse.Namespace, cls: type = TrainArgs):
