@@ -395,7 +395,9 @@ def check_backend(name: str) -> None:
     ``xla`` where torch_xla is installed), refused before any process starts rather than by torch in every rank."""
     if name == "auto":
         return
-    known = set(dist.Backend.backend_list) - {"undefined"} | ({"xla"} if importlib.util.find_spec("torch_xla") else set())
+    known = set(dist.Backend.backend_list) - {"undefined"}
+    if importlib.util.find_spec("torch_xla"):  # registers its backend when imported
+        known.add("xla")
     unknown = [part for part in (p.split(":")[-1].strip().lower() for p in name.split(",")) if part not in known]
     if unknown:
         raise ConfigError(f"--backend={name!r}: {', '.join(unknown)} is not a torch.distributed backend here; use auto "
