@@ -531,6 +531,20 @@ CHECKPOINT_CASES = [
 ]
 
 
+# a resume restores these from the checkpoint (saved with --learning_rate 0.001, --weight_decay 0.0, --block_size 16
+# and 2 sequences a step), so other values are refused rather than silently not used
+CHANGED_ON_RESUME = [
+    ("learning_rate", ["--learning_rate", "0.01"],
+     "was saved with --learning_rate 0.001, which a resume restores (optimizer, schedule and data order), so this "
+     "run's --learning_rate 0.01 would not take effect"),
+    ("weight_decay_and_block", ["--weight_decay", "0.1", "--block_size", "32"],
+     "was saved with --weight_decay 0.0 --block_size 16, which"),
+    ("global_batch", ["--gradient_accumulation_steps", "2"],
+     "was saved by a run of 2 sequences a step (--per_device_train_batch_size x data-parallel ranks x "
+     "--gradient_accumulation_steps), this run has 4"),
+]
+
+
 @pytest.fixture(scope="module")
 def small_text(tmp_path_factory) -> str:
     from plait.data import default_corpus_path
@@ -565,6 +579,22 @@ def test_bad_checkpoint_refused(saved_checkpoint, small_text, tmp_path, capsys, 
         config = tiny_config("gpt2") if model_arch == "gpt2" else tiny_config("llama", num_hidden_layers=4)
         (tmp_path / "other.json").write_text(config.to_json_string())
         flags += ["--model_config", str(tmp_path / "other.json")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *flags])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert message in err.strip().splitlines()[-1], err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("changed, message", [c[1:] for c in CHANGED_ON_RESUME], ids=[c[0] for c in CHANGED_ON_RESUME])
+def test_resuming_with_what_the_checkpoint_restores_changed_is_refused(saved_checkpoint, small_text, tmp_path, capsys,
+                                                                        changed, message):
+    """Exit 2 naming the checkpoint's values and this run's, before any weight is read (no output dir is made): the
+    learning rate, weight decay and schedule come back with the optimizer's state and the data order with the
+    sampler's (a changed --learning_rate trained on at the old one; a changed batch failed after loading)."""
+    flags = base_flags(tmp_path) + ["--train_file", small_text, "--per_device_train_batch_size", "2",
+                                    "--resume_from_checkpoint", str(saved_checkpoint), *changed]
     with pytest.raises(SystemExit) as exit_info:
         main(["train", *flags])
     err = capsys.readouterr().err

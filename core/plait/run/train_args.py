@@ -390,6 +390,39 @@ def read_config_file(path: str, cls: type = TrainArgs) -> dict:
     return values
 
 
+# what a resume restores from the checkpoint (the optimizer's hyperparameters and groups, the schedule, the data
+# order over the blocks and the batch), so a run resuming with other values would silently not use them
+RESUMED_FLAGS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay",
+                 "exclude_embeddings_from_weight_decay", "block_size")
+
+
+def resumed_flags(args: TrainArgs, global_batch: int) -> dict:
+    """What a checkpoint records of RESUMED_FLAGS, and the global batch (sequences per step over dp and
+    accumulation), for ``check_resumed_flags``."""
+    return {name: getattr(args, name) for name in RESUMED_FLAGS} | {"global_batch": global_batch}
+
+
+def check_resumed_flags(args: TrainArgs, saved: dict | None, global_batch: int, resume: object) -> None:
+    """Refuse resuming with other values of what a resume restores (a checkpoint from before they were recorded,
+    ``saved`` None, is not checked): the flags, then the global batch, which the data order continues by."""
+    if saved is None:
+        return
+    mine = resumed_flags(args, global_batch)
+    differ = [name for name in RESUMED_FLAGS if name in saved and saved[name] != mine[name]]
+    if differ:
+        raise ConfigError(
+            f"--resume_from_checkpoint {resume} was saved with {' '.join(f'--{n} {saved[n]}' for n in differ)}, which "
+            f"a resume restores (optimizer, schedule and data order), so this run's "
+            f"{' '.join(f'--{n} {mine[n]}' for n in differ)} would not take effect; resume with the checkpoint's "
+            f"values, or start a new run from its weights (plait consolidate, then --model_name_or_path)")
+    if saved.get("global_batch", global_batch) != global_batch:
+        raise ConfigError(
+            f"--resume_from_checkpoint {resume} was saved by a run of {saved['global_batch']} sequences a step "
+            f"(--per_device_train_batch_size x data-parallel ranks x --gradient_accumulation_steps), this run has "
+            f"{global_batch}, and the data order continues by the checkpoint's batch; resume with a global batch "
+            f"of {saved['global_batch']}")
+
+
 def check_backend(name: str) -> None:
     """``--backend``: auto, or backends torch.distributed knows here (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``;
     ``xla`` where torch_xla is installed), refused before any process starts rather than by torch in every rank."""

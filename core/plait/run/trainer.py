@@ -61,7 +61,7 @@ from plait.run.run_files import RunFiles
 from plait.run.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process
 from plait.run.stop import StopRequested, StopSignals
 from plait.run.trackers import Trackers, parse_report_to
-from plait.run.train_args import TrainArgs
+from plait.run.train_args import TrainArgs, check_resumed_flags, resumed_flags
 from plait.run.train_data import load_data
 
 def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
@@ -162,7 +162,11 @@ def plan_run(args: TrainArgs, world: int) -> tuple[Path | None, PretrainedConfig
     if saved is not None:
         check_base(saved[1], str(resume))
     lora = args.lora() or (saved[0] if saved is not None else None)  # a LoRA checkpoint names its own config
-    return resume, model_config, meta, saved, plan_layout(meta, args.parallel_config(), world, lora=lora)
+    plan = plan_layout(meta, args.parallel_config(), world, lora=lora)
+    if resume is not None:
+        check_resumed_flags(args, read_index(resume)[1].extra.get("flags"),
+                            args.per_device_train_batch_size * plan.config.dp * args.gradient_accumulation_steps, resume)
+    return resume, model_config, meta, saved, plan
 
 
 def check_before_launch(args: TrainArgs, world: int) -> None:
@@ -400,7 +404,7 @@ class Trainer:
         waits for it) and its path is returned at once."""
         self.heartbeat.at(step, "save")
         extra = {"sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps,
-                 "empty_steps": self.empty_steps}
+                 "empty_steps": self.empty_steps, "flags": resumed_flags(self.args, self.global_batch)}
         path = checkpoint_path(self.checkpoints, step)
         pending = prepare_save(path, self.pmodel, self.optimizer, self.scheduler, step, extra,
                                tokenizer=self.method.preprocessor(self.tokenizer))
