@@ -45,6 +45,21 @@ def test_exact_resume_is_bit_identical(model_config, straight, tmp_path):
     assert [r["lr"] for r in resumed] == [r["lr"] for r in records[2:]]
 
 
+def test_a_longer_run_resumes_on_its_own_schedule(model_config, tmp_path):
+    """A linear schedule's checkpoint resumes bit for bit at the same --max_steps (the lr recomputed at the step
+    is the one saved), and under a longer --max_steps each resumed step takes that schedule's lr: the saved lr
+    of a 4-step schedule's end was 0, and the first resumed step trained at it."""
+    linear = ("--lr_scheduler_type", "linear", "--learning_rate", "0.01")
+    records = run(flags(model_config, tmp_path / "four", *linear))
+    resumed = run(flags(model_config, tmp_path / "again", *linear, "--resume_from_checkpoint",
+                        str(tmp_path / "four" / "checkpoint-2")))
+    assert [(r["loss"], r["lr"]) for r in resumed] == [(r["loss"], r["lr"]) for r in records[2:]]
+    longer = flags(model_config, tmp_path / "eight", *linear, "--resume_from_checkpoint",
+                   str(tmp_path / "four" / "checkpoint-4"))
+    longer[longer.index("--max_steps") + 1] = "8"
+    assert [r["lr"] for r in run(longer)] == pytest.approx([0.01 * (8 - step) / 8 for step in range(4, 8)], rel=1e-6)
+
+
 def test_auto_resume_at_tp2_and_reshard_to_tp1(model_config, straight, tmp_path):
     """tp=2 trains 2 steps; 'auto' resumes it at tp=2 for 2 more; the same checkpoint resumed at tp=1
     continues with the same losses (resharded)."""

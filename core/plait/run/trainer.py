@@ -164,8 +164,8 @@ def plan_run(args: TrainArgs, world: int) -> tuple[Path | None, PretrainedConfig
     lora = args.lora() or (saved[0] if saved is not None else None)  # a LoRA checkpoint names its own config
     plan = plan_layout(meta, args.parallel_config(), world, lora=lora)
     if resume is not None:
-        check_resumed_flags(args, read_index(resume)[1].extra.get("flags"),
-                            args.per_device_train_batch_size * plan.config.dp * args.gradient_accumulation_steps, resume)
+        batch = args.per_device_train_batch_size * plan.config.dp * args.gradient_accumulation_steps
+        check_resumed_flags(args, read_index(resume)[1].extra.get("flags"), batch, resume)
     return resume, model_config, meta, saved, plan
 
 
@@ -270,6 +270,11 @@ class Trainer:
         self.saver = BackgroundSaver() if args.save_async else None
         if resume is not None:
             state = load_checkpoint(resume, pmodel, self.optimizer, self.scheduler)
+            # the optimizer brings back the lr of the saved schedule's step; under a longer --max_steps this run's
+            # schedule gives another (the saved 4-step linear one had reached 0: the first resumed step trained at 0)
+            for group, base, scale in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                          self.scheduler.lr_lambdas):
+                group["lr"] = base * scale(self.scheduler.last_epoch)
             self.sampler.load_state_dict(state.extra["sampler"])
             self.skipped_steps = state.extra.get("skipped_steps", 0)
             self.empty_steps = state.extra.get("empty_steps", 0)
