@@ -342,7 +342,7 @@ COMMAND_CASES = [
     ("consolidate_missing", ["consolidate", "/nonexistent/checkpoint-2", "/tmp/never-written"], None,
      "checkpoint /nonexistent/checkpoint-2 does not exist"),
     ("consolidate_not_a_checkpoint", ["consolidate"], checkpoint_dir_without_index, "is not a plait checkpoint"),
-    ("plan_heads_vs_tp", ["plan", "--tensor_parallel_size", "3", "--world_size", "3"], None,
+    ("plan_heads_vs_tp", ["plan", "--tensor_parallel_size", "3", "--world_size", "3", "--block_size", "48"], None,
      "num_attention_heads=4 is not divisible by tp=3"),
     ("plan_missing_config", ["plan", "--model_config", "/nonexistent/config.json"], None,
      "--model_config '/nonexistent/config.json' does not exist"),

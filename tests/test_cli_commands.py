@@ -38,7 +38,7 @@ def test_adapters_table(capsys):
 
 
 def test_plan_prints_styles_and_bytes_per_rank(llama_config_file, capsys):
-    main(["plan", "--model_config", str(llama_config_file), "--tensor_parallel_size", "2"])
+    main(["plan", "--model_config", str(llama_config_file), "--tensor_parallel_size", "2", "--block_size", "32"])
     out = capsys.readouterr().out
     for text in ("model.layers.*.self_attn.q_proj", "vocab_embedding", "vocab_head", "row", "column", "parameter bytes"):
         assert text in out
@@ -47,7 +47,7 @@ def test_plan_prints_styles_and_bytes_per_rank(llama_config_file, capsys):
 
 
 def test_plan_shows_pipeline_stages(llama_config_file, capsys):
-    main(["plan", "--model_config", str(llama_config_file), "--tensor_parallel_size", "2",
+    main(["plan", "--model_config", str(llama_config_file), "--tensor_parallel_size", "2", "--block_size", "32",
           "--pipeline_parallel_size", "2", "--num_microbatches", "2"])
     out = capsys.readouterr().out
     assert "model.layers.1" in out and "every stage" in out and "pp rank" in out
@@ -93,7 +93,7 @@ def test_plan_refuses_what_train_refuses(llama_config_file, capsys):
     """`plait plan` renders the LayoutPlan `parallelize` applies: a schedule train refuses is refused here too."""
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--model_config", str(llama_config_file), "--pipeline_parallel_size", "2",
-              "--num_microbatches", "1"])
+              "--num_microbatches", "1", "--block_size", "32"])
     assert exit_info.value.code == 2
     assert "needs num_microbatches >= pp, got num_microbatches=1 < pp=2" in capsys.readouterr().err
 

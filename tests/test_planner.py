@@ -631,7 +631,9 @@ def test_plan_states_the_batch_and_what_bytes_count(tmp_path, capsys):
     """The defaults the estimate rests on are printed (a user who forgot --block_size sees 128), and the
     communication table says what its bytes are."""
     path = tmp_path / "config.json"
-    tiny_llama(layers=2).to_json_file(path)
+    config = tiny_llama(layers=2)
+    config.max_position_embeddings = 128  # room for the default block
+    config.to_json_file(path)
     main(["plan", "--model_config", str(path), "--tensor_parallel_size", "2"])
     out = " ".join(capsys.readouterr().out.split())
     assert "batch per data-parallel rank: 8 sequences x 128 tokens x 1 accumulation steps" in out
@@ -798,3 +800,22 @@ def test_step_time_counts_slow_collectives_fsdp_copies_and_unfused_adamw():
         times[stage] = {name: estimate.step_time(d) for name, d in (("fast", fast), ("slow", slow), ("fused", fused))}
     assert times[3]["slow"] > times[3]["fast"] and times[0]["slow"] == times[0]["fast"]
     assert times[0]["fast"] - times[0]["fused"] > times[1]["fast"] - times[1]["fused"] > 0
+
+
+@pytest.mark.parametrize("command, flags, message", [
+    ("plan", ["--block_size", "512", "--world_size", "1"],
+     "--block_size=512 is larger than the model's max_position_embeddings=256; use --block_size 256 or less"),
+    ("plan", ["--block_size", "33", "--world_size", "2", "--tensor_parallel_size", "2"],
+     "--block_size=33 is not divisible by --tensor_parallel_size=2 under sequence parallelism; use --block_size 32 or 34"),
+    ("plan", ["--block_size", "32", "--world_size", "2", "--virtual_pipeline_size", "2"],
+     "--virtual_pipeline_size=2 has no effect without pipeline parallelism"),
+    ("prepare-data", ["--block_size", "512"], "--block_size=512 is larger than the model's max_position_embeddings=256"),
+])
+def test_plan_and_prepare_data_refuse_what_train_refuses(capsys, command, flags, message):
+    """The layout a plan is asked for is the run's, and prepared blocks are the ones a run trains on: the same
+    one-line refusals as `plait train` (each printed a plan or prepared blocks before)."""
+    config = Path(__file__).resolve().parent.parent / "examples" / "configs" / "tiny-llama.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--model_config", str(config), *flags])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and err.strip().count("\n") == 0, err

@@ -38,7 +38,7 @@ from plait.plugin.registry import Registry, default_registry
 from plait.run.methods.frozen import SecondModel
 from plait.run.methods.table import METHODS
 from plait.run.methods.vision_sft import vision_modules
-from plait.run.model_config import read_model_config
+from plait.run.model_config import check_model_fits, read_model_config
 from plait.run.train_args import TrainArgs
 
 
@@ -271,6 +271,9 @@ def run_plan(ns, args) -> None:
                           f"({', '.join(PRESETS)}) or --calibrate (measure this machine)")
     if ns.images_per_sample < 0:
         raise ConfigError(f"--images_per_sample={ns.images_per_sample} must be >= 0")
+    if not ns.search:  # the layout asked for is the run's: refused as plait train refuses it (the search tries many)
+        args.check_flags_take_effect()
+        check_model_fits(args, read_model_config(args))
     run = PlannedRun.of(args, parallel, world_size, device, ns.images_per_sample)
     console = Console(width=max(Console().width, 140))
     if ns.search:

@@ -69,3 +69,21 @@ def load_config_file(path: Path) -> PretrainedConfig:
     except Exception as err:  # noqa: BLE001 (values the config class refuses: its strict validators raise their own kinds)
         why = " ".join(str(err).split())
         raise ConfigError(f"{path}: transformers refuses this {model_type} config: {why}") from None
+
+
+def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
+    """Model-dependent checks, still before any process group exists."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and args.block_size > positions:
+        raise ConfigError(
+            f"--block_size={args.block_size} is larger than the model's max_position_embeddings={positions}; "
+            f"use --block_size {positions} or less"
+        )
+    parallel = args.parallel_config()
+    if parallel.sequence_parallel and args.block_size % parallel.tp:
+        lower = args.block_size - args.block_size % parallel.tp
+        nearest = f"{lower} or {lower + parallel.tp}" if lower else f"{parallel.tp}"
+        raise ConfigError(  # kept a refusal, not padded: docs/decisions.md D9
+            f"--block_size={args.block_size} is not divisible by --tensor_parallel_size={parallel.tp} under sequence "
+            f"parallelism; use --block_size {nearest} (a multiple of {parallel.tp}) or --disable_sequence_parallel"
+        )

@@ -43,10 +43,12 @@ def cmd_prepare_data(ns: argparse.Namespace) -> None:
 
     # Imported when the command runs: every ``plait`` command builds this parser, and these cost seconds.
     from plait.data.sft import SFT_FORMATS, data_format, load_sft_data
-    from plait.run.model_config import read_model_config
+    from plait.run.model_config import check_model_fits, read_model_config
     from plait.run.train_data import prepare_data
 
-    vocab_size = read_model_config(args).vocab_size
+    model_config = read_model_config(args)
+    check_model_fits(args, model_config)  # the blocks must be ones plait train can run
+    vocab_size = model_config.vocab_size
     try:  # the data layer's errors name the file and the fix: the command's one line
         if data_format(args.sft_source()) in SFT_FORMATS:  # load_sft_data prints examples, tokens, blocks and the cache entry
             lines = batch_lines(args, dp, len(load_sft_data(args.sft_source(), vocab_size).blocks))

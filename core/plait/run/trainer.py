@@ -54,7 +54,7 @@ from plait.run.methods.base import TrainingMethod
 from plait.run.methods.table import method_for
 from plait.run.methods.vision_sft import freeze_vision
 from plait.run.metrics import MetricsLog, own_peak_rss_mb, peak_rss_mb, plot_loss_curve, world_rows
-from plait.run.model_config import read_model_config
+from plait.run.model_config import check_model_fits, read_model_config
 from plait.run.moe_metrics import RoutingMetrics
 from plait.run.prompts import EvalPrompts
 from plait.run.run_files import RunFiles
@@ -63,24 +63,6 @@ from plait.run.stop import StopRequested, StopSignals
 from plait.run.trackers import Trackers, parse_report_to
 from plait.run.train_args import TrainArgs, check_resumed_flags, resumed_flags
 from plait.run.train_data import load_data
-
-def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
-    """Model-dependent checks, still before any process group exists."""
-    positions = getattr(config, "max_position_embeddings", None)
-    if positions is not None and args.block_size > positions:
-        raise ConfigError(
-            f"--block_size={args.block_size} is larger than the model's max_position_embeddings={positions}; "
-            f"use --block_size {positions} or less"
-        )
-    parallel = args.parallel_config()
-    if parallel.sequence_parallel and args.block_size % parallel.tp:
-        lower = args.block_size - args.block_size % parallel.tp
-        nearest = f"{lower} or {lower + parallel.tp}" if lower else f"{parallel.tp}"
-        raise ConfigError(  # kept a refusal, not padded: docs/decisions.md D9
-            f"--block_size={args.block_size} is not divisible by --tensor_parallel_size={parallel.tp} under sequence "
-            f"parallelism; use --block_size {nearest} (a multiple of {parallel.tp}) or --disable_sequence_parallel"
-        )
-
 
 def check_resume_matches(args: TrainArgs, meta: nn.Module, resume: Path | None) -> None:
     """A checkpoint of another model than --model_config / --model_name_or_path names is refused, rather than
