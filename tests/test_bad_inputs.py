@@ -337,11 +337,20 @@ def checkpoint_dir_without_index(tmp_path: Path) -> list[str]:
     return [str(tmp_path / "ckpt"), str(tmp_path / "hf")]
 
 
+def unfinished_save(tmp_path: Path) -> list[str]:
+    """A checkpoint folder a save left before its rename (``checkpoint-N.tmp``), index and all."""
+    (tmp_path / "run" / "checkpoint-2.tmp" / "shards").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint-2.tmp" / "shards" / "index.json").write_text("{}")
+    return [str(tmp_path / "run" / "checkpoint-2.tmp"), str(tmp_path / "hf")]
+
+
 # The other commands: (id, argv, setup(tmp_path) -> more argv, substring of the one line)
 COMMAND_CASES = [
     ("consolidate_missing", ["consolidate", "/nonexistent/checkpoint-2", "/tmp/never-written"], None,
      "checkpoint /nonexistent/checkpoint-2 does not exist"),
     ("consolidate_not_a_checkpoint", ["consolidate"], checkpoint_dir_without_index, "is not a plait checkpoint"),
+    ("consolidate_unfinished_save", ["consolidate"], unfinished_save,
+     "is a save that never finished (a checkpoint loses .tmp when every rank has written it)"),
     ("plan_heads_vs_tp", ["plan", "--tensor_parallel_size", "3", "--world_size", "3", "--block_size", "48"], None,
      "num_attention_heads=4 is not divisible by tp=3"),
     ("plan_missing_config", ["plan", "--model_config", "/nonexistent/config.json"], None,
@@ -601,3 +610,20 @@ def test_resuming_with_what_the_checkpoint_restores_changed_is_refused(saved_che
     assert exit_info.value.code == 2, err
     assert message in err.strip().splitlines()[-1], err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("output, extra, message", [
+    ("afile", [], "output directory {tmp}/afile is an existing file; choose a directory"),
+    ("afile/sub", [], "output directory {tmp}/afile/sub cannot be made: {tmp}/afile is a file; choose another path"),
+    ("hf", ["--max_shard_size", "0"], "max_shard_size='0' is no bytes; give a size such as 5GB or 500MB"),
+], ids=["output_is_a_file", "output_under_a_file", "shards_of_no_bytes"])
+def test_consolidate_refuses_what_it_cannot_write_in_one_line(saved_checkpoint, tmp_path, capsys, output, extra,
+                                                              message):
+    """Exit 2 before anything is written: an output path that is a file or lies under one (the OS's
+    NotADirectoryError named an internal temporary folder), and shards of no bytes (0 wrote a file per tensor)."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["consolidate", str(saved_checkpoint), str(tmp_path / output), *extra])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.strip() == f"plait: error: {message.format(tmp=tmp_path)}", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

@@ -66,8 +66,7 @@ def consolidate(
     out_dtype = parse_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
     output = Path(output_dir)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise ConfigError(f"output directory {output} exists and is not empty; choose a new one")
+    check_output_dir(output)
 
     paths, index = read_index(checkpoint_dir)
     if "lora" in index.extra:  # its tensors are the adapters alone: the base would be reported missing
@@ -287,14 +286,26 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPE_NAMES[key]
 
 
+def check_output_dir(output: Path) -> None:
+    """The output directory must be new or empty, and makeable: refused by name rather than by the OS mid-write."""
+    if output.is_file():
+        raise ConfigError(f"output directory {output} is an existing file; choose a directory")
+    if output.is_dir() and any(output.iterdir()):
+        raise ConfigError(f"output directory {output} exists and is not empty; choose a new one")
+    existing = next(p for p in (output, *output.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"output directory {output} cannot be made: {existing} is a file; choose another path")
+
+
 def parse_size(size: int | str) -> int:
     """Bytes from an int or a string like "5GB", "500MB", "2GiB" (Hugging Face's convention: GB = 10**9)."""
-    if isinstance(size, int):
-        return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", str(size).upper())
     if not match:
         raise ConfigError(f"max_shard_size={size!r} is not a size such as 5GB or 500MB")
     units = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    return int(float(match.group(1)) * units[match.group(2)])
+    found = int(float(match.group(1)) * units[match.group(2)])
+    if found < 1:  # 0 wrote one file per tensor
+        raise ConfigError(f"max_shard_size={size!r} is no bytes; give a size such as 5GB or 500MB")
+    return found
 

@@ -271,8 +271,12 @@ def resolve(path: str | os.PathLike) -> CheckpointPaths:
         local = store.fetch(url, SHARDS, INDEX)  # all but the tensor files, which each rank fetches as it reads them
         return CheckpointPaths(local, local / SHARDS, url)
     path = Path(path)
+    root = path.parent if path.name == SHARDS else path
+    if re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+\.tmp", root.name):  # as a store's checkpoint without its commit object
+        raise CheckpointError(f"checkpoint {root} is a save that never finished (a checkpoint loses .tmp when every "
+                              f"rank has written it); use a finished checkpoint-N")
     if (path / INDEX).is_file():
-        return CheckpointPaths(path.parent if path.name == SHARDS else path, path)
+        return CheckpointPaths(root, path)
     if (path / SHARDS / INDEX).is_file():
         return CheckpointPaths(path, path / SHARDS)
     if not path.exists():

@@ -25,7 +25,9 @@ from torch import nn
 from plait.base import comm
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.meta import build_meta_model, model_class
-from plait.checkpoint.consolidate import DEFAULT_SHARD_SIZE, TOKENIZER_FILES, parse_dtype, parse_size
+from plait.checkpoint.consolidate import (
+    DEFAULT_SHARD_SIZE, TOKENIZER_FILES, check_output_dir, parse_dtype, parse_size,
+)
 from plait.checkpoint.format import full_box, model_config, read_index, write_json
 from plait.checkpoint.gather import gather_full
 from plait.checkpoint.load import CheckpointReader
@@ -188,8 +190,7 @@ def consolidate_lora(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pat
                           f"one model with --lora merged")
     max_bytes = parse_size(DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size)
     output = Path(output_dir)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise ConfigError(f"output directory {output} exists and is not empty; choose a new one")
+    check_output_dir(output)
     paths, index = read_index(checkpoint_dir)
     saved = saved_lora(index.extra)
     if saved is None:
