@@ -37,9 +37,9 @@ def losses(out) -> list[float]:
 @pytest.fixture(scope="module")
 def validation(tmp_path_factory) -> list[str]:
     path = tmp_path_factory.mktemp("val") / "val.txt"
-    # 325 tokens: 20 blocks of 16, which dp 1, 2 and 4 evaluate whole (evaluation leaves out the last blocks that
-    # the dp ranks cannot share equally, so an odd count would make one process's loss another's)
-    path.write_text("to be or not to be, that is the question " * 14)
+    # 371 tokens: 23 blocks of 16, an odd count: the dp ranks evaluate them all, one of dp=2's padded with a row
+    # without labels (the last block was left out: dp=2's eval loss was 5.712730 to one process's 5.713709)
+    path.write_text("to be or not to be, that is the question " * 16)
     return ["--validation_file", str(path), "--eval_steps", "2"]
 
 

@@ -47,17 +47,22 @@ class NextToken(TrainingMethod):
 
     @torch.no_grad()
     def evaluate(self, pmodel: ParallelModel, data, batch_size: int, device: torch.device) -> dict[str, float]:
-        """Mean loss and perplexity over every validation block, split over data-parallel ranks."""
+        """Mean loss and perplexity over every validation block, split over data-parallel ranks: the same number
+        whatever the layout. Every dp rank runs as many whole pipeline microbatches (a ZeRO-3 or tp forward is
+        collective), so the blocks are padded to a multiple of dp x microbatches with rows that carry no label
+        (they once were cut to that multiple instead: an odd count evaluated one block less at dp=2)."""
         mesh = pmodel.mesh
         m = pmodel.config.num_microbatches
-        usable = len(data) // (mesh.dp * m) * (mesh.dp * m)  # every dp rank, whole pipeline microbatches
-        mine = torch.arange(usable)[mesh.dp_rank :: mesh.dp]
-        num_items = count_labels(data, torch.arange(usable))
+        padded = -(-len(data) // (mesh.dp * m)) * (mesh.dp * m)
+        mine = torch.arange(padded)[mesh.dp_rank :: mesh.dp]
+        num_items = count_labels(data, torch.arange(len(data)))
         batch_size = max(batch_size // m * m, m)
         total = torch.zeros((), device=device)
         pmodel.eval()
         for start in range(0, len(mine), batch_size):
-            ids, labels, positions = batch_inputs(data, mine[start : start + batch_size], device)
+            rows = mine[start : start + batch_size]
+            ids, labels, positions = batch_inputs(data, rows.clamp(max=len(data) - 1), device)
+            labels = labels.masked_fill((rows >= len(data)).to(device)[:, None], -100)  # padding: no label
             total += pmodel.eval_loss(ids, labels, num_items_in_batch=num_items, position_ids=positions)
         pmodel.train()
         loss = comm.all_reduce(total, mesh.replica_group).item()  # dp ranks' batches, cp ranks' tokens
