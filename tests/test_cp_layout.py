@@ -67,7 +67,8 @@ def test_auto_takes_all_to_all_where_heads_allow_and_ring_beyond_it():
     eight = plan("llama", 8, cp=8).cp  # 4 heads cannot split over 8 ranks
     assert eight.strategy_for(64) == "ring" and "4 / tp=1 = 4" in eight.all_to_all_refusal
     with pytest.raises(ConfigError, match=r"cp_attention=all-to-all: all-to-all needs the attention heads of a tp rank "
-                                          r"\(4 / tp=2 = 2\) to divide by cp=4"):
+                                          r"\(4 / tp=2 = 2\) to divide by cp=4; use cp_attention=ring \(or auto, which "
+                                          r"picks it\)$"):
         plan("llama", 8, cp=4, tp=2, cp_attention="all-to-all")
 
 
@@ -75,9 +76,9 @@ def test_attention_dropout_keeps_the_ring_out():
     dropout = plan("llama", 2, {"attention_dropout": 0.1}, cp=2).cp
     assert dropout.strategy_for(2 * RING_FROM) == "all-to-all"
     with pytest.raises(ConfigError, match=r"cp_attention=ring: the ring has no exact attention dropout "
-                                          r"\(attention_dropout=0.1\)"):
+                                          r"\(attention_dropout=0.1\); set it to 0; use cp_attention=all-to-all"):
         plan("llama", 2, {"attention_dropout": 0.1}, cp=2, cp_attention="ring")
-    with pytest.raises(ConfigError, match="to divide by cp=8, and the ring has no exact attention dropout"):
+    with pytest.raises(ConfigError, match="to divide by cp=8, and the ring has no exact attention dropout .*; use cp=1$"):
         plan("llama", 8, {"attention_dropout": 0.1}, cp=8)
 
 

@@ -100,7 +100,10 @@ def plan_context_parallel(model: nn.Module, config: ParallelConfig) -> CPPlan | 
     if config.cp_attention == "auto" and all_to_all and ring:
         refusal = f"{all_to_all}, and {ring}"
     if refusal:
-        raise ConfigError(f"cp_attention={config.cp_attention}: {refusal}")
+        # the other strategy where it runs (auto picks it), else no context parallelism
+        other = {"all-to-all": ("ring", ring), "ring": ("all-to-all", all_to_all)}.get(config.cp_attention)
+        fix = f"use cp_attention={other[0]} (or auto, which picks it)" if other and other[1] is None else "use cp=1"
+        raise ConfigError(f"cp_attention={config.cp_attention}: {refusal}; {fix}")
     return plan
 
 
