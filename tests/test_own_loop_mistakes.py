@@ -5,6 +5,7 @@ refused in one line at ``OptimizerStep``, as is ``build_optimizer`` on a model t
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,28 @@ def test_a_layout_of_several_processes_outside_torchrun_says_how_to_launch(monke
     with pytest.raises(ConfigError, match="one of torchrun's 2 but has not joined their group; call "
                                           r"torch.distributed.init_process_group\(\) before parallelize"):
         parallelize(model, ParallelConfig(tp=2))
+
+
+def test_batches_of_mismatched_shapes_are_named_before_any_collective():
+    """Labels not cut as the ids were (local_batch on one of them only), a mask of other rows and 1-D ids are named
+    with their shapes and the fix; torch named flattened token counts inside the loss, or an index out of range.
+    A global batch that does not divide, or a micro-step out of range, names the values that would."""
+    from plait.base.batches import local_microbatch
+
+    torch.manual_seed(0)
+    pmodel = parallelize(AutoModelForCausalLM.from_config(tiny_config("llama")), ParallelConfig())
+    ids = torch.randint(0, 64, (4, 16))
+    same_rows = "pass the same rows of each (ParallelModel.local_batch on every one of them)"
+    for call in (pmodel.train_step, pmodel.eval_loss, pmodel.forward):
+        with pytest.raises(ConfigError, match=rf"labels of shape \(8, 16\) does not match input_ids of shape \(4, 16\); "
+                                              rf"{re.escape(same_rows)}"):
+            call(ids, torch.cat([ids, ids]))
+    with pytest.raises(ConfigError, match=r"attention_mask of shape \(4, 8\) does not match input_ids of shape"):
+        pmodel.train_step(ids, ids, attention_mask=torch.ones(4, 8, dtype=torch.long))
+    with pytest.raises(ConfigError, match=r"input_ids of shape \(16,\) must be \[batch, sequence\]; add the batch "):
+        pmodel.train_step(ids[0], ids[0])
+    with pytest.raises(ValueError, match="global_batch_size=7 is not divisible by dp_size \\* accumulation_steps = "
+                                         "2 \\* 1 = 2; use a global batch of a multiple of 2 rows"):
+        local_microbatch(torch.arange(7), 0, 2, 1, 0)
+    with pytest.raises(ValueError, match="micro_step=2 is out of range for accumulation_steps=2; use 0 to 1"):
+        local_microbatch(torch.arange(8), 0, 2, 2, 2)

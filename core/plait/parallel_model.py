@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from plait.base import comm
-from plait.base.batches import local_microbatch
+from plait.base.batches import check_batch_shapes, local_microbatch
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.images import ImageBatch, grid_position_ids, grid_positions, pipeline_unseen
 from plait.base.mesh import Mesh
@@ -139,6 +139,7 @@ class ParallelModel(nn.Module):
                 f"forward() runs the whole model, but pp={self.mesh.pp} spreads it over ranks; call "
                 f"train_step() or eval_loss(), which run the pipeline schedule"
             )
+        check_batch_shapes(input_ids, labels=labels, attention_mask=attention_mask)
         self._check_sequence(input_ids, attention_mask, images=images)
         if self.cp is not None and labels is not None and num_items_in_batch is None:  # whole sequences' count
             num_items_in_batch = count_label_tokens(labels).clamp(min=1)
@@ -427,6 +428,7 @@ class ParallelModel(nn.Module):
              objective: Objective | None = None, images: ImageBatch | None = None) -> torch.Tensor:
         """Checks first (identical on every rank, so a refusal never leaves a peer inside a collective)."""
         m = self.config.num_microbatches
+        check_batch_shapes(input_ids, labels=labels, attention_mask=attention_mask)
         self._check_sequence(input_ids, attention_mask, m, train, images)
         if input_ids.shape[0] % m:
             raise ConfigError(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from plait.base.config import ConfigError
+
 
 def local_microbatch(
     global_indices: torch.LongTensor,
@@ -31,12 +33,29 @@ def local_microbatch(
     if global_batch_size % (dp_size * accumulation_steps) != 0:
         raise ValueError(
             f"global_batch_size={global_batch_size} is not divisible by "
-            f"dp_size * accumulation_steps = {dp_size} * {accumulation_steps} = {dp_size * accumulation_steps}"
+            f"dp_size * accumulation_steps = {dp_size} * {accumulation_steps} = {dp_size * accumulation_steps}; "
+            f"use a global batch of a multiple of {dp_size * accumulation_steps} rows"
         )
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} is out of range for dp_size={dp_size}")
     if not 0 <= micro_step < accumulation_steps:
-        raise ValueError(f"micro_step={micro_step} is out of range for accumulation_steps={accumulation_steps}")
+        raise ValueError(f"micro_step={micro_step} is out of range for accumulation_steps={accumulation_steps}; "
+                         f"use 0 to {accumulation_steps - 1}")
     per_rank = global_batch_size // (dp_size * accumulation_steps)
     start = (micro_step * dp_size + dp_rank) * per_rank
     return global_indices[start : start + per_rank]
+
+
+def check_batch_shapes(input_ids: torch.Tensor, **others: torch.Tensor | None) -> None:
+    """``input_ids`` is [batch, sequence], and the labels and the [batch, sequence] mask given beside it are of its
+    shape (a 4-D mask is transformers' own to check): a mismatch (labels of the global batch beside a rank's ids,
+    1-D ids) is named here, before a collective, where torch named flattened token counts inside the loss.
+    ConfigError naming the shapes and the fix."""
+    if input_ids.dim() != 2:
+        raise ConfigError(f"input_ids of shape {tuple(input_ids.shape)} must be [batch, sequence]; add the batch "
+                         f"dimension (input_ids[None] for one sequence)")
+    for name, tensor in others.items():
+        if tensor is not None and (name == "labels" or tensor.dim() == 2) and tensor.shape != input_ids.shape:
+            raise ConfigError(f"{name} of shape {tuple(tensor.shape)} does not match input_ids of shape "
+                             f"{tuple(input_ids.shape)}; pass the same rows of each (ParallelModel.local_batch on "
+                             f"every one of them)")
