@@ -89,7 +89,7 @@ def test_jsonl_train_file(model_config, tmp_path):
         (["--tensor_parallel_size", "2", "--block_size", "15"], "--block_size=15 is not divisible by --tensor_parallel_size=2"),
         (["--train_file", "/nonexistent/x.txt"], "--train_file '/nonexistent/x.txt' does not exist"),
         (["--model_name_or_path", "/tmp"], "not both"),
-        (["--learning_rate", "-1"], "--learning_rate=-1.0 must be >= 0"),
+        (["--learning_rate", "-1"], "--learning_rate=-1.0 must be a finite number >= 0"),
         (["--max_steps", "-1"], "--max_steps=-1 must be >= 0"),
         (["--optimizer_dtype", "float16"], "--optimizer_dtype='float16' is unknown; choose float32 or bfloat16"),
         (["--max_grad_norm", "-1"], "--max_grad_norm=-1.0 must be >= 0"),

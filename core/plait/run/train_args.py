@@ -424,8 +424,8 @@ def check_resumed_flags(args: TrainArgs, saved: dict | None, global_batch: int, 
 
 
 def check_backend(name: str) -> None:
-    """``--backend``: auto, or backends torch.distributed knows here (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``;
-    ``xla`` where torch_xla is installed), refused before any process starts rather than by torch in every rank."""
+    """``--backend``: auto, or backends torch.distributed knows here (``gloo``, ``nccl``, or per device type
+    ``TYPE:BACKEND,...``; ``xla`` where torch_xla is installed), refused before any process starts rather than by torch in every rank."""
     if name == "auto":
         return
     known = set(dist.Backend.backend_list) - {"undefined"}
