@@ -174,6 +174,41 @@ def test_consolidate_flags_act_on_the_adapter_or_are_refused(base_dir, straight,
         assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("changed, message", [
+    (["--lora_r", "8"], "holds LoRA adapters of --lora_r 4, which it brings back; leave out --lora_r (a LoRA "
+                        "checkpoint gives its own)"),
+    (["--lora_alpha", "64"], "holds LoRA adapters of --lora_alpha 8.0, which it brings back; leave out --lora_alpha"),
+])
+def test_other_lora_settings_beside_a_lora_resume_are_refused(base_dir, straight, tmp_path, capsys, changed, message):
+    """Before any data or weight is read (a changed rank failed the load after the data; a changed alpha was
+    ignored); the checkpoint's own values (the straight run's --lora_r 4 --lora_alpha 8) resume, as above."""
+    out, _ = straight
+    argv = flags(base_dir, tmp_path / "out", "--resume_from_checkpoint", str(out / "checkpoint-2"), *changed)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err.strip().splitlines()[-1], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_lora_flags_beside_a_whole_model_resume_are_refused(base_dir, tmp_path, capsys):
+    """A whole-model checkpoint has no adapters to go on with: --lora_r is refused naming the way to train adapters
+    on its weights, and another --lora_* flag alone has no effect (it was ignored whenever a resume was given)."""
+    whole = flags(base_dir, tmp_path / "whole")
+    for flag in ("--lora_r", "--lora_alpha"):
+        at = whole.index(flag)
+        del whole[at:at + 2]
+    whole[whole.index("--max_steps") + 1] = "2"
+    run(whole)
+    for extra, message in ((["--lora_r", "4"], "holds a whole model, no LoRA adapters; resume without --lora_r"),
+                           (["--lora_alpha", "64"], "--lora_alpha has no effect without LoRA (--lora_r 0); drop it")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["train", *whole, "--output_dir", str(tmp_path / "next"), "--resume_from_checkpoint",
+                  str(tmp_path / "whole" / "checkpoint-2"), *extra])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err.strip().splitlines()[-1], err
+
+
 def test_a_changed_base_is_refused(base_dir, straight, tmp_path):
     out, _ = straight
     moved = tmp_path / "base"

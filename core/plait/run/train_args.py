@@ -423,6 +423,30 @@ def check_resumed_flags(args: TrainArgs, saved: dict | None, global_batch: int, 
             f"of {saved['global_batch']}")
 
 
+def check_resumed_lora(args: TrainArgs, saved: LoraConfig | None, resume: object) -> None:
+    """The --lora_* flags beside a resume: a LoRA checkpoint brings its own settings, so flags giving other ones are
+    refused (they were ignored, or broke the load after the data was read); a full checkpoint has no adapters to
+    go on with, so --lora_r is refused and the other --lora_* flags are as without a resume."""
+    defaults = {f.name: f.default for f in fields(args)}
+    given = [name for name in ("lora_r", *LORA_SETTINGS) if getattr(args, name) != defaults[name]]
+    if not given:
+        return
+    if saved is None:
+        fix = "resume without --lora_r, or train adapters on its weights (plait consolidate, then --model_name_or_path)"
+        raise ConfigError(f"--resume_from_checkpoint {resume} holds a whole model, no LoRA adapters; {fix}" if args.lora_r
+                          else f"{', '.join(f'--{n}' for n in given)} ha{'ve' if len(given) > 1 else 's'} no effect "
+                               f"without LoRA (--lora_r 0); drop {'them' if len(given) > 1 else 'it'}")
+    mine = dataclasses.replace(args, lora_r=args.lora_r or saved.r).lora()
+    keys = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+            "lora_target_modules": "target_modules", "lora_target_parameters": "target_parameters"}
+    norm = lambda v: sorted(v) if isinstance(v, (set, list, tuple)) else v  # noqa: E731
+    differ = [n for n in given if norm(getattr(mine, keys[n])) != norm(getattr(saved, keys[n]))]
+    if differ:
+        held = ", ".join(f"--{n} {norm(getattr(saved, keys[n]))}" for n in differ)
+        raise ConfigError(f"--resume_from_checkpoint {resume} holds LoRA adapters of {held}, which it brings back; "
+                          f"leave out {', '.join(f'--{n}' for n in differ)} (a LoRA checkpoint gives its own)")
+
+
 def check_backend(name: str) -> None:
     """``--backend``: auto, or backends torch.distributed knows here (``gloo``, ``nccl``, or per device type
     ``TYPE:BACKEND,...``; ``xla`` where torch_xla is installed), refused before any process starts rather than by torch in every rank."""

@@ -61,7 +61,7 @@ from plait.run.run_files import RunFiles
 from plait.run.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process
 from plait.run.stop import StopRequested, StopSignals
 from plait.run.trackers import Trackers, parse_report_to
-from plait.run.train_args import TrainArgs, check_resumed_flags, resumed_flags
+from plait.run.train_args import TrainArgs, check_resumed_flags, check_resumed_lora, resumed_flags
 from plait.run.train_data import load_data
 
 def check_resume_matches(args: TrainArgs, meta: nn.Module, resume: Path | None) -> None:
@@ -143,6 +143,8 @@ def plan_run(args: TrainArgs, world: int) -> tuple[Path | None, PretrainedConfig
     saved = saved_lora(read_index(resume)[1].extra) if resume is not None else None
     if saved is not None:
         check_base(saved[1], str(resume))
+    if resume is not None:
+        check_resumed_lora(args, saved and saved[0], resume)
     lora = args.lora() or (saved[0] if saved is not None else None)  # a LoRA checkpoint names its own config
     plan = plan_layout(meta, args.parallel_config(), world, lora=lora)
     if resume is not None:
