@@ -78,7 +78,8 @@ def test_attention_dropout_keeps_the_ring_out():
     with pytest.raises(ConfigError, match=r"cp_attention=ring: the ring has no exact attention dropout "
                                           r"\(attention_dropout=0.1\); set it to 0; use cp_attention=all-to-all"):
         plan("llama", 2, {"attention_dropout": 0.1}, cp=2, cp_attention="ring")
-    with pytest.raises(ConfigError, match="to divide by cp=8, and the ring has no exact attention dropout .*; use cp=1$"):
+    with pytest.raises(ConfigError, match="to divide by cp=8, and the ring has no exact attention dropout .*; "
+                                          "use cp=1$"):
         plan("llama", 8, {"attention_dropout": 0.1}, cp=8)
 
 

@@ -84,8 +84,8 @@ def test_batches_of_mismatched_shapes_are_named_before_any_collective():
     ids = torch.randint(0, 64, (4, 16))
     same_rows = "pass the same rows of each (ParallelModel.local_batch on every one of them)"
     for call in (pmodel.train_step, pmodel.eval_loss, pmodel.forward):
-        with pytest.raises(ConfigError, match=rf"labels of shape \(8, 16\) does not match input_ids of shape \(4, 16\); "
-                                              rf"{re.escape(same_rows)}"):
+        with pytest.raises(ConfigError, match=rf"labels of shape \(8, 16\) does not match input_ids of shape "
+                                              rf"\(4, 16\); {re.escape(same_rows)}"):
             call(ids, torch.cat([ids, ids]))
     with pytest.raises(ConfigError, match=r"attention_mask of shape \(4, 8\) does not match input_ids of shape"):
         pmodel.train_step(ids, ids, attention_mask=torch.ones(4, 8, dtype=torch.long))

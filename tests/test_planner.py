@@ -806,10 +806,12 @@ def test_step_time_counts_slow_collectives_fsdp_copies_and_unfused_adamw():
     ("plan", ["--block_size", "512", "--world_size", "1"],
      "--block_size=512 is larger than the model's max_position_embeddings=256; use --block_size 256 or less"),
     ("plan", ["--block_size", "33", "--world_size", "2", "--tensor_parallel_size", "2"],
-     "--block_size=33 is not divisible by --tensor_parallel_size=2 under sequence parallelism; use --block_size 32 or 34"),
+     "--block_size=33 is not divisible by --tensor_parallel_size=2 under sequence parallelism; use --block_size 32 "
+     "or 34"),
     ("plan", ["--block_size", "32", "--world_size", "2", "--virtual_pipeline_size", "2"],
      "--virtual_pipeline_size=2 has no effect without pipeline parallelism"),
-    ("prepare-data", ["--block_size", "512"], "--block_size=512 is larger than the model's max_position_embeddings=256"),
+    ("prepare-data", ["--block_size", "512"],
+     "--block_size=512 is larger than the model's max_position_embeddings=256"),
 ])
 def test_plan_and_prepare_data_refuse_what_train_refuses(capsys, command, flags, message):
     """The layout a plan is asked for is the run's, and prepared blocks are the ones a run trains on: the same

@@ -433,9 +433,10 @@ def check_resumed_lora(args: TrainArgs, saved: LoraConfig | None, resume: object
         return
     if saved is None:
         fix = "resume without --lora_r, or train adapters on its weights (plait consolidate, then --model_name_or_path)"
-        raise ConfigError(f"--resume_from_checkpoint {resume} holds a whole model, no LoRA adapters; {fix}" if args.lora_r
-                          else f"{', '.join(f'--{n}' for n in given)} ha{'ve' if len(given) > 1 else 's'} no effect "
-                               f"without LoRA (--lora_r 0); drop {'them' if len(given) > 1 else 'it'}")
+        if args.lora_r:
+            raise ConfigError(f"--resume_from_checkpoint {resume} holds a whole model, no LoRA adapters; {fix}")
+        raise ConfigError(f"{', '.join(f'--{n}' for n in given)} ha{'ve' if len(given) > 1 else 's'} no effect "
+                          f"without LoRA (--lora_r 0); drop {'them' if len(given) > 1 else 'it'}")
     mine = dataclasses.replace(args, lora_r=args.lora_r or saved.r).lora()
     keys = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
             "lora_target_modules": "target_modules", "lora_target_parameters": "target_parameters"}
@@ -449,7 +450,8 @@ def check_resumed_lora(args: TrainArgs, saved: LoraConfig | None, resume: object
 
 def check_backend(name: str) -> None:
     """``--backend``: auto, or backends torch.distributed knows here (``gloo``, ``nccl``, or per device type
-    ``TYPE:BACKEND,...``; ``xla`` where torch_xla is installed), refused before any process starts rather than by torch in every rank."""
+    ``TYPE:BACKEND,...``; ``xla`` where torch_xla is installed), refused before any process starts rather than by
+    torch in every rank."""
     if name == "auto":
         return
     known = set(dist.Backend.backend_list) - {"undefined"}
