@@ -70,8 +70,10 @@ def test_zero3_resumes_at_tp2_and_at_zero1_and_consolidates(model_config, straig
     for name, layout, world in (("tp2", ("--tensor_parallel_size", "2"), 2), ("zero1", ("--zero_1",), 2),
                                 ("zero3-dp4", ("--zero_stage", "3"), 4)):
         batch = 4 if name == "tp2" else 4 // world  # the same global batch of 4
-        launch(["-m", "plait", "train", *flags(model_config, tmp_path / name, *layout, "--resume_from_checkpoint",
-                                                str(z3 / "checkpoint-2"), batch=batch)], world, timeout=240)
+        output = launch(["-m", "plait", "train", *flags(model_config, tmp_path / name, *layout,
+                                                         "--resume_from_checkpoint", str(z3 / "checkpoint-2"),
+                                                         batch=batch)], world, timeout=240)
+        assert "(resharded)" in output[0], name  # zero1: the same ranks, the tensors held otherwise
         assert [r["step"] for r in read_metrics(tmp_path / name)] == [3, 4]
         assert losses(tmp_path / name) == pytest.approx(ref[2:], rel=1e-5), name
     into = tmp_path / "into-z3"

@@ -45,7 +45,7 @@ class CheckpointState:
     step: int
     extra: dict[str, Any]
     saved_config: ParallelConfig
-    resharded: bool  # the saved layout (tp, pp, dp) differs from this run's
+    resharded: bool  # the saved layout (tp, cp, pp, dp, ep, ZeRO stage) differs from this run's
     rng_restored: bool  # RNG states are restored only at the saved layout (rank r gets rank r's states)
 
 
@@ -250,9 +250,11 @@ def load_checkpoint(
     saved = _parallel_config(index)
     layout = lambda c: (c.tp, c.cp, c.pp, c.dp)  # noqa: E731
     same_layout = layout(saved) == layout(pmodel.config) and index.world_size == pmodel.mesh.world_size
-    if same_layout:
+    if same_layout:  # the same ranks at the same coordinates: each takes its own states, whatever the ZeRO stage
         set_rng_state(index.ranks[pmodel.mesh.rank]["rng"])
-    return CheckpointState(paths.root, index.step, index.extra, saved, not same_layout, same_layout)
+    sharding = lambda c: (c.ep, c.zero_stage, c.zero_1)  # noqa: E731  (how the same ranks hold the tensors)
+    resharded = not same_layout or sharding(saved) != sharding(pmodel.config)
+    return CheckpointState(paths.root, index.step, index.extra, saved, resharded, same_layout)
 
 
 def _share_errors(error: str | None, world) -> None:
