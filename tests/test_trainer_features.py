@@ -74,12 +74,17 @@ def test_accumulation_equals_one_big_batch(model_config, tmp_path):
     assert [r["loss"] for r in accumulated] == pytest.approx([r["loss"] for r in big], rel=1e-5)
 
 
-def test_eval_loss_perplexity_and_plot(model_config, tmp_path):
+def test_eval_loss_perplexity_and_plot(model_config, tmp_path, capsys):
     val = tmp_path / "val.txt"
     val.write_text("to be or not to be, that is the question. " * 30)
-    history = train(tiny_args(model_config, tmp_path / "out", validation_file=str(val), eval_steps=2, max_steps=3))
+    history = train(tiny_args(model_config, tmp_path / "out", validation_file=str(val), eval_steps=2, max_steps=3,
+                              logging_steps=2))
     evals = {r["step"]: r for r in history if "eval_loss" in r}
     assert sorted(evals) == [2, 3]  # every 2 steps, and at the end
+    # the console shows every evaluation, the last step's too though it is no logging step (it was not printed)
+    shown = [line.split(" | ")[0] for line in capsys.readouterr().err.splitlines()
+             if line.startswith("step ") and " | eval_loss " in line]
+    assert shown == ["step 2/3", "step 3/3"], shown
     assert evals[3]["eval_ppl"] == pytest.approx(__import__("math").exp(evals[3]["eval_loss"]))
     assert all(r["peak_rss_mb"] > 0 for r in history)
     assert (tmp_path / "out" / "loss.png").stat().st_size > 1000
