@@ -247,8 +247,12 @@ def test_expert_parallel_refusals_name_the_values_and_the_fix():
         ParallelConfig(moe_capacity_factor=0)
     mixtral = load_subject("transformers:mixtral")  # 4 experts per layer
     with pytest.raises(ConfigError, match=r"mixtral has 4 experts per MoE layer, not divisible by ep=3; choose ep "
-                                          r"among \[1, 2, 4\]"):
-        plan_layout(build_meta_model(mixtral.config), ParallelConfig(ep=3), 3, mixtral.registry)
+                                          r"among \[1, 2, 4\]$"):  # no world: the experts alone
+        plan_layout(build_meta_model(mixtral.config), ParallelConfig(ep=3), None, mixtral.registry)
+    # in a world of 6 only ep 1 and 2 divide both (4 offered an ep the ranks then refused)
+    with pytest.raises(ConfigError, match=r"not divisible by ep=3; choose ep among \[1, 2\] \(dividing both the "
+                                          r"experts and dp\*cp = 6\)"):
+        plan_layout(build_meta_model(mixtral.config), ParallelConfig(ep=3), 6, mixtral.registry)
     with pytest.raises(ConfigError, match=r"ep=2, but llama has no routed experts .*; use ep=1"):
         plan_layout(meta_model("llama"), ParallelConfig(ep=2), 2)
     llama4 = load_subject("transformers:llama4_text")

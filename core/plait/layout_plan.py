@@ -88,7 +88,7 @@ def plan_layout(
     check_capabilities(adapter, config, model.config)
     check_zero_stage(config)
     check_global_scope(model, config, lora)
-    ep_plan = plan_expert_parallel(model, config)
+    ep_plan = plan_expert_parallel(model, config, world_size)
     cp_plan = plan_context_parallel(model, config)
     if cp_plan is not None:
         check_on_meta(model)

@@ -101,7 +101,7 @@ def own_experts(model: nn.Module) -> dict[str, tuple[nn.Module, int]]:
     return found
 
 
-def plan_expert_parallel(model: nn.Module, config: ParallelConfig) -> EPPlan | None:
+def plan_expert_parallel(model: nn.Module, config: ParallelConfig, world_size: int | None = None) -> EPPlan | None:
     """The EP plan for ``model`` at ``config`` (None at ep=1); ConfigError naming the module and the fix when the
     model's experts cannot be divided."""
     if config.ep == 1:
@@ -110,7 +110,7 @@ def plan_expert_parallel(model: nn.Module, config: ParallelConfig) -> EPPlan | N
     found = routed_experts(model)
     own = own_experts(model)
     if own and not found:
-        return _own_plan(model_type, own, config)
+        return _own_plan(model_type, own, config, world_size)
     if not found:
         other = other_experts(model)
         if other:
@@ -149,24 +149,29 @@ def plan_expert_parallel(model: nn.Module, config: ParallelConfig) -> EPPlan | N
         raise ConfigError(f"{model_type}: MoE layers with different expert counts {sorted(counts)}; use ep=1")
     experts = counts.pop()
     if experts % config.ep:
-        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
-        raise ConfigError(
-            f"{model_type} has {experts} experts per MoE layer, not divisible by ep={config.ep}; choose ep among "
-            f"{divisors}"
-        )
+        raise ConfigError(f"{model_type} has {experts} experts per MoE layer, not divisible by ep={config.ep}; "
+                          f"{_ep_choices(experts, config, world_size)}")
     return EPPlan(config.ep, tuple(found), experts, config.moe_capacity_factor)
 
 
-def _own_plan(model_type: str, own: dict[str, tuple[nn.Module, int]], config: ParallelConfig) -> EPPlan:
+def _ep_choices(experts: int, config: ParallelConfig, world_size: int | None) -> str:
+    """The ep sizes to offer: divisors of the expert count and, where the world is known, of the dp x cp ranks ep
+    is carved from (an ep dividing the experts alone was then refused for the ranks)."""
+    carved = world_size // (config.tp * config.pp) if world_size else None
+    choices = [d for d in range(1, experts + 1) if experts % d == 0 and (carved is None or carved % d == 0)]
+    return f"choose ep among {choices}" + (f" (dividing both the experts and dp*cp = {carved})" if carved else "")
+
+
+def _own_plan(model_type: str, own: dict[str, tuple[nn.Module, int]], config: ParallelConfig,
+              world_size: int | None) -> EPPlan:
     """The EP plan over a model's own experts modules (``own_experts``)."""
     counts = {module.num_experts for module, _ in own.values()}
     if len(counts) > 1:
         raise ConfigError(f"{model_type}: MoE layers with different expert counts {sorted(counts)}; use ep=1")
     experts = counts.pop()
     if experts % config.ep:
-        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
         raise ConfigError(f"{model_type} has {experts} experts per MoE layer, not divisible by ep={config.ep}; "
-                          f"choose ep among {divisors}")
+                          f"{_ep_choices(experts, config, world_size)}")
     rows = tuple((name, per) for name, (_, per) in own.items() if per != 1)
     return EPPlan(config.ep, tuple(own), experts, config.moe_capacity_factor, rows)
 
