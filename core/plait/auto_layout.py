@@ -39,8 +39,7 @@ def choose_layout(args: TrainArgs, world: int, device: Device | None = None,
                   console: Console | None = None) -> list[str]:
     """The layout flags of the fastest layout of ``world`` processes that fits (``layout_flags``), after printing
     the top 3 and why the first won; ConfigError where a layout flag was given too, or nothing fits."""
-    defaults = TrainArgs()
-    given = [f"--{name}" for name in AUTO_LAYOUT_FLAGS if getattr(args, name) != getattr(defaults, name)]
+    given = [f"--{name}" for name in args.given(AUTO_LAYOUT_FLAGS)]
     if given:
         raise ConfigError(f"--layout auto chooses {', '.join(given)} itself; drop {'them' if len(given) > 1 else 'it'}"
                           f", or give the layout by hand without --layout auto")

@@ -139,8 +139,7 @@ class ParallelModel(nn.Module):
                 f"forward() runs the whole model, but pp={self.mesh.pp} spreads it over ranks; call "
                 f"train_step() or eval_loss(), which run the pipeline schedule"
             )
-        check_batch_shapes(input_ids, labels=labels, attention_mask=attention_mask)
-        self._check_sequence(input_ids, attention_mask, images=images)
+        self._check_sequence(input_ids, attention_mask, images=images, labels=labels)
         if self.cp is not None and labels is not None and num_items_in_batch is None:  # whole sequences' count
             num_items_in_batch = count_label_tokens(labels).clamp(min=1)
         if self.balance is not None and labels is not None:  # its own batch's balance, a step's left as it was
@@ -389,8 +388,9 @@ class ParallelModel(nn.Module):
 
     def _check_sequence(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, microbatches: int = 1,
-        train: bool | None = None, images: ImageBatch | None = None,
+        train: bool | None = None, images: ImageBatch | None = None, labels: torch.Tensor | None = None,
     ) -> None:
+        check_batch_shapes(input_ids, labels=labels, attention_mask=attention_mask)
         if images is not None and self.pipeline is not None:
             unseen = pipeline_unseen(self.module, images)
             if unseen:
@@ -428,8 +428,7 @@ class ParallelModel(nn.Module):
              objective: Objective | None = None, images: ImageBatch | None = None) -> torch.Tensor:
         """Checks first (identical on every rank, so a refusal never leaves a peer inside a collective)."""
         m = self.config.num_microbatches
-        check_batch_shapes(input_ids, labels=labels, attention_mask=attention_mask)
-        self._check_sequence(input_ids, attention_mask, m, train, images)
+        self._check_sequence(input_ids, attention_mask, m, train, images, labels)
         if input_ids.shape[0] % m:
             raise ConfigError(
                 f"a local batch of {input_ids.shape[0]} sequences is not divisible by num_microbatches={m}; "

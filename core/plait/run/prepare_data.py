@@ -82,7 +82,7 @@ def report(data, args: TrainArgs, dp: int) -> list[str]:
 def batch_lines(args: TrainArgs, dp: int, num_blocks: int) -> list[str]:
     """The global batch and the epochs --max_steps implies."""
     lines = []
-    global_batch = args.per_device_train_batch_size * dp * args.gradient_accumulation_steps
+    global_batch = args.global_batch(dp)
     lines.append(f"global batch: {global_batch:,} blocks ({args.per_device_train_batch_size} per device x dp {dp} x "
                  f"{args.gradient_accumulation_steps} accumulation steps) = {global_batch * args.block_size:,} tokens "
                  f"per step")

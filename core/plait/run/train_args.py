@@ -289,12 +289,24 @@ class TrainArgs(MethodArgs):
         if self.eval_prompts is None and self.eval_max_new_tokens != 32:
             raise ConfigError(f"--eval_max_new_tokens={self.eval_max_new_tokens} has no effect without --eval_prompts; "
                               f"drop it, or give --eval_prompts FILE.jsonl")
-        if not self.lora_r and not self.resume_from_checkpoint:  # a LoRA checkpoint brings its own settings
-            defaults = {f.name: f.default for f in fields(self)}
-            given = [f"--{name}" for name in LORA_SETTINGS if getattr(self, name) != defaults[name]]
-            if given:
-                raise ConfigError(f"{', '.join(given)} ha{'ve' if len(given) > 1 else 's'} no effect without LoRA "
-                                  f"(--lora_r 0); drop {'them' if len(given) > 1 else 'it'}, or set --lora_r (e.g. 8)")
+        if not self.lora_r and not self.resume_from_checkpoint:  # a resume's are checked against its checkpoint
+            self.refuse_idle_lora_settings(", or set --lora_r (e.g. 8)")
+
+    def given(self, names: tuple[str, ...]) -> list[str]:
+        """Those of ``names`` whose value is not the default: the flags the user gave."""
+        defaults = {f.name: f.default for f in fields(self)}
+        return [name for name in names if getattr(self, name) != defaults[name]]
+
+    def refuse_idle_lora_settings(self, fix: str = "") -> None:
+        """--lora_alpha and the other LoRA settings without LoRA (--lora_r 0) do nothing: refused, with ``fix``."""
+        given = [f"--{name}" for name in self.given(LORA_SETTINGS)]
+        if given:
+            raise ConfigError(f"{', '.join(given)} ha{'ve' if len(given) > 1 else 's'} no effect without LoRA "
+                              f"(--lora_r 0); drop {'them' if len(given) > 1 else 'it'}{fix}")
+
+    def global_batch(self, dp: int) -> int:
+        """Sequences (rows) a step trains: the per-device batch over ``dp`` ranks and the accumulation steps."""
+        return self.per_device_train_batch_size * dp * self.gradient_accumulation_steps
 
     def microbatches(self) -> int:
         """--num_microbatches, or when 0 the default: 1 without pipeline parallelism; with it the smallest count
@@ -427,16 +439,14 @@ def check_resumed_lora(args: TrainArgs, saved: LoraConfig | None, resume: object
     """The --lora_* flags beside a resume: a LoRA checkpoint brings its own settings, so flags giving other ones are
     refused (they were ignored, or broke the load after the data was read); a full checkpoint has no adapters to
     go on with, so --lora_r is refused and the other --lora_* flags are as without a resume."""
-    defaults = {f.name: f.default for f in fields(args)}
-    given = [name for name in ("lora_r", *LORA_SETTINGS) if getattr(args, name) != defaults[name]]
+    given = args.given(("lora_r", *LORA_SETTINGS))
     if not given:
         return
     if saved is None:
         fix = "resume without --lora_r, or train adapters on its weights (plait consolidate, then --model_name_or_path)"
         if args.lora_r:
             raise ConfigError(f"--resume_from_checkpoint {resume} holds a whole model, no LoRA adapters; {fix}")
-        raise ConfigError(f"{', '.join(f'--{n}' for n in given)} ha{'ve' if len(given) > 1 else 's'} no effect "
-                          f"without LoRA (--lora_r 0); drop {'them' if len(given) > 1 else 'it'}")
+        args.refuse_idle_lora_settings()
     mine = dataclasses.replace(args, lora_r=args.lora_r or saved.r).lora()
     keys = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
             "lora_target_modules": "target_modules", "lora_target_parameters": "target_parameters"}

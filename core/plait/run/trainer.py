@@ -148,8 +148,7 @@ def plan_run(args: TrainArgs, world: int) -> tuple[Path | None, PretrainedConfig
     lora = args.lora() or (saved[0] if saved is not None else None)  # a LoRA checkpoint names its own config
     plan = plan_layout(meta, args.parallel_config(), world, lora=lora)
     if resume is not None:
-        batch = args.per_device_train_batch_size * plan.config.dp * args.gradient_accumulation_steps
-        check_resumed_flags(args, read_index(resume)[1].extra.get("flags"), batch, resume)
+        check_resumed_flags(args, read_index(resume)[1].extra.get("flags"), args.global_batch(plan.config.dp), resume)
     return resume, model_config, meta, saved, plan
 
 
@@ -231,7 +230,7 @@ class Trainer:
         self.spans = read_spans(args.block_size, mesh.cp, mesh.cp_rank) if mesh.cp > 1 else None
         if mesh.cp > 1:  # each cp rank drops out its own tokens: its own stream (alike over its tp group)
             torch.manual_seed(init_seed(args.seed, "dropout", mesh.cp_rank))
-        self.global_batch = args.per_device_train_batch_size * mesh.dp * args.gradient_accumulation_steps
+        self.global_batch = args.global_batch(mesh.dp)
         self.method = method.create(self)
         # replica groups (--fault_tolerance torchft) each train on their share of a global batch R times theirs
         self.sampler = GlobalBatchSampler(len(self.method), self.method.rows_per_step(self.global_batch)

@@ -146,7 +146,7 @@ class GRPO(TrainingMethod):
         if folder is None:
             raise ConfigError("--method grpo needs a tokenizer: give --model_name_or_path with one, or "
                               "--tokenizer_name")
-        global_batch = args.per_device_train_batch_size * plan.config.dp * args.gradient_accumulation_steps
+        global_batch = args.global_batch(plan.config.dp)
         if global_batch % args.num_generations:
             valid = [g for g in range(2, global_batch + 1) if global_batch % g == 0]
             raise ConfigError(f"--num_generations {args.num_generations} does not divide the global batch of "
