@@ -77,6 +77,7 @@ def test_plait_train_layout_auto_trains_with_the_choice(model_config, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     chose = next(line for line in result.stderr.splitlines() if "--layout auto chose #1," in line)
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert result.stderr.count("train data: ") == 1, result.stderr  # the launcher said it; its workers do not
     started = next(line for line in result.stderr.splitlines() if line.startswith("plait layout "))
     sizes = lambda text: re.findall(r"\b(tp|pp|dp)=(\d+)", text)  # noqa: E731
     assert sizes(chose) == sizes(started), (chose, started)  # the workers run the layout chosen

@@ -24,6 +24,7 @@ import plait
 from plait.cli import main
 import plait.cli
 import plait.plugin.registry
+import plait.run.runtime
 import plait.run.trainer
 import plait.run.torchrun
 from plait.testing import launch
@@ -98,6 +99,13 @@ def world_size(n: int):
         return []
     setup.world = n  # through the launcher: --nproc_per_node n
     return setup
+
+
+def under_own_torchrun(monkeypatch, tmp_path):
+    """A worker of a torchrun the user started (LOCAL_RANK set; plait's launcher would also set its error dir)."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv(plait.run.runtime.ERROR_DIR, raising=False)
+    return []
 
 
 def model(arch="llama", **overrides):
@@ -198,7 +206,23 @@ CASES = [
     ("unknown_scheduler", ["--lr_scheduler_type", "exp"], None, "--lr_scheduler_type='exp' is unknown; choose one of"),
     ("unknown_optimizer_dtype", ["--optimizer_dtype", "float16"], None, "choose float32 or bfloat16"),
     ("bf16_and_autocast", ["--bf16", "--bf16_autocast"], None, "not both"),
-    ("unknown_pipeline_schedule", ["--pipeline_schedule", "fast"], None, "pipeline_schedule='fast' is unknown"),
+    ("unknown_pipeline_schedule", ["--pipeline_schedule", "fast"], None, "--pipeline_schedule='fast' is unknown"),
+    ("zero_stage_unknown", ["--zero_stage", "5"], None, "--zero_stage=5 must be 0, 1, 2 or 3"),
+    ("zero_1_and_stage_2", ["--zero_1", "--zero_stage", "2"], None,
+     "--zero_1 is ZeRO stage 1 but --zero_stage is 2; give one of them"),
+    ("zero_at_one_rank", ["--zero_stage", "3"], world_size(1),
+     "--zero_stage 3 has no effect with one data-parallel rank (world 1 = tp 1 x pp 1): ZeRO shards over the "
+     "data-parallel (x cp) ranks; drop it, or launch 2 processes for dp=2"),
+    ("zero_1_beside_tp_alone", ["--zero_1", "--tensor_parallel_size", "2"], world_size(2),
+     "--zero_1 has no effect with one data-parallel rank (world 2 = tp 2 x pp 1)"),
+    ("eval_steps_without_evaluation", ["--eval_steps", "2"], None,
+     "--eval_steps=2 has no effect without something to evaluate; give --validation_file or --eval_prompts"),
+    ("warmup_under_constant", ["--warmup_steps", "2", "--lr_scheduler_type", "constant"], None,
+     "--warmup_steps=2 has no effect under --lr_scheduler_type constant; use --lr_scheduler_type "
+     "constant_with_warmup"),
+    ("max_restarts_under_own_torchrun", ["--max_restarts", "2"], under_own_torchrun,
+     "--max_restarts=2 is for plait's launcher, and this process is a worker of a torchrun started by hand; give "
+     "torchrun --max-restarts 2 instead"),
     ("not_an_int", ["--max_steps", "ten"], None, "argument --max_steps: invalid int value: 'ten'"),
     ("toml_unknown_key", [], file_with("run.toml", "learning_rate = 1e-3\nlearnin_rate = 2e-3\n", "--config"),
      "unknown key(s) learnin_rate; valid keys:"),

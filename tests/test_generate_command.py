@@ -106,7 +106,8 @@ def test_a_completion_ends_at_eos_or_before_a_stop_string(files):
     assert completion_text(ids, tokenizer, ["on", "sat"]) == ("the cat ", len(ids))
 
 
-@pytest.mark.parametrize("case", ["not-json", "no-prompt", "batch-vs-dp", "no-model", "top-p", "split"])
+@pytest.mark.parametrize("case", ["not-json", "no-prompt", "batch-vs-dp", "no-model", "top-p", "split", "greedy-top-k",
+                                  "greedy-top-k-p"])
 def test_bad_input_is_one_line_before_anything_loads(files, tmp_path, capsys, case):
     folder, model_dir, prompts = files
     bad = tmp_path / "bad.jsonl"
@@ -114,11 +115,15 @@ def test_bad_input_is_one_line_before_anything_loads(files, tmp_path, capsys, ca
     flags = {"not-json": ["--prompts", str(bad)], "no-prompt": ["--prompts", str(bad)],
              "batch-vs-dp": ["--nproc_per_node", "2", "--batch_size", "3"],
              "no-model": ["--model_name_or_path", str(tmp_path / "missing")], "top-p": ["--top_p", "0"],
-             "split": ["--nproc_per_node", "2", "--tensor_parallel_size", "2", "--pipeline_parallel_size", "2"]}[case]
+             "split": ["--nproc_per_node", "2", "--tensor_parallel_size", "2", "--pipeline_parallel_size", "2"],
+             "greedy-top-k": ["--top_k", "5"], "greedy-top-k-p": ["--top_k", "5", "--top_p", "0.9"]}[case]
     expected = {"not-json": f"{bad}:2: not JSON", "no-prompt": f"{bad}:2: a line needs a non-empty 'prompt'",
                 "batch-vs-dp": "--batch_size 3 is split over dp=2 replicas: give a multiple of 2 (2, 4, 6, ...)",
                 "no-model": "is neither a model directory", "top-p": "0 < top_p <= 1",
-                "split": "--tensor_parallel_size 2 x --pipeline_parallel_size 2 does not divide 2 processes"}[case]
+                "split": "--tensor_parallel_size 2 x --pipeline_parallel_size 2 does not divide 2 processes",
+                "greedy-top-k": "--top_k 5 shapes sampling, and --temperature 0 decodes greedily; give --temperature "
+                                "> 0 (e.g. 1.0) to sample, or drop it",
+                "greedy-top-k-p": "--top_k 5 --top_p 0.9 shape sampling, and --temperature 0 decodes greedily"}[case]
     out = tmp_path / "out.jsonl"
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "--model_name_or_path", str(model_dir), "--prompts", str(prompts), "--output", str(out),

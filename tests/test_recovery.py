@@ -88,6 +88,20 @@ def test_killed_rank_restarts_and_matches_uninterrupted(model_config, train_file
         assert torch.equal(want[name], got[name]), name
 
 
+def test_max_restarts_alone_runs_its_one_process_under_torchrun(model_config, train_file, tmp_path, monkeypatch):
+    """torchrun is what restarts workers, so ``--max_restarts`` without ``--nproc_per_node`` launches the one process
+    under it (it was ignored: a failed single-process run never restarted). The restart itself is the test above's."""
+    import plait.run.torchrun
+
+    calls = []
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(plait.run.torchrun, "run_under_torchrun",
+                        lambda argv, nproc, grace_s, restarts, forked=None: calls.append((nproc, restarts)) or 0)
+    main(["train", *flags(model_config, train_file, tmp_path / "out", 2), "--max_restarts", "2"])
+    assert calls == [(1, 2)]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()  # the launching process trains nothing itself
+
+
 @pytest.fixture
 def two_checkpoints(model_config, train_file, tmp_path):
     """A single-process run with checkpoints at steps 2 and 4."""

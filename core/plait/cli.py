@@ -31,8 +31,9 @@ from plait.run.train_args import TrainArgs, add_arguments, from_namespace
 def cmd_train(ns: argparse.Namespace) -> None:
     args = from_namespace(ns, TrainArgs)
     args.validate()
-    if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
-        # Not under torchrun yet: become torchrun, running this same command on every process
+    if (args.nproc_per_node > 1 or args.max_restarts) and "LOCAL_RANK" not in os.environ:
+        # Not under torchrun yet: become torchrun, running this same command on every process (one process too
+        # with --max_restarts: torchrun is what restarts it)
         launch(args.nproc_per_node, args.ddp_timeout, lambda: checked_before_launch(args, ns.argv), args.max_restarts)
         return
     if args.layout == "auto":

@@ -68,6 +68,12 @@ def check_args(ns: argparse.Namespace, world: int) -> None:
     if ns.temperature < 0 or not 0 < ns.top_p <= 1:
         raise ConfigError(f"--temperature {ns.temperature} --top_p {ns.top_p}: temperature >= 0 (0: greedy), "
                           f"0 < top_p <= 1")
+    sampling = [f"{flag} {getattr(ns, flag[2:])}" for flag, default in (("--top_k", 0), ("--top_p", 1.0))
+                if getattr(ns, flag[2:]) != default]
+    if ns.temperature == 0 and sampling:
+        raise ConfigError(f"{' '.join(sampling)} shape{'' if len(sampling) > 1 else 's'} sampling, and --temperature 0 "
+                          f"decodes greedily; give --temperature > 0 (e.g. 1.0) to sample, or drop "
+                          f"{'them' if len(sampling) > 1 else 'it'}")
     split = ns.tensor_parallel_size * ns.pipeline_parallel_size
     if ns.tensor_parallel_size < 1 or ns.pipeline_parallel_size < 1 or world % split:
         raise ConfigError(f"--tensor_parallel_size {ns.tensor_parallel_size} x --pipeline_parallel_size "

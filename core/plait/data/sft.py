@@ -161,10 +161,11 @@ class SFTData:
     tokenizer: Any
 
 
-def load_sft_data(source: SFTSource, vocab_size: int, fmt: str | None = None) -> SFTData:
+def load_sft_data(source: SFTSource, vocab_size: int, fmt: str | None = None, report: bool = True) -> SFTData:
     """SFT blocks from ``source`` (the flags --train_file, --validation_file, --tokenizer_name or the model dir's
     tokenizer, --data_format, --train_on_prompt, --block_size, --packing, --overlong, --data_cache_dir); before any
-    process group, so a bad line fails every rank at once (ConfigError naming the file and line)."""
+    process group, so a bad line fails every rank at once (ConfigError naming the file and line). ``report``: say
+    what was read (local rank 0 of a node; the run layer knows whether a launcher said it already)."""
     fmt = fmt or data_format(source)
     directory = tokenizer_dir(source.tokenizer_name, source.model_name_or_path)
     if directory is None:
@@ -190,7 +191,7 @@ def load_sft_data(source: SFTSource, vocab_size: int, fmt: str | None = None) ->
                 raise ValueError(f"{spec}: no example has a token left to train on after --block_size="
                                  f"{source.block_size} truncation (the longest has {blocks.counts.longest:,} tokens); "
                                  f"raise --block_size")
-            if local_rank == 0:
+            if local_rank == 0 and report:
                 print(f"{name} data ({fmt}): {describe_counts(blocks.counts, source.block_size)}; "
                       f"{blocks.real_tokens:,} tokens in {len(blocks):,} {'packed' if source.packing else 'padded'} "
                       f"blocks of {source.block_size} ({blocks.pad_tokens:,} padding), "

@@ -51,6 +51,23 @@ def is_main_process() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+# Set by plait's own launcher (plait.run.torchrun, ``--nproc_per_node``) in its workers' environment: the folder
+# each worker writes its one error line to.
+ERROR_DIR = "PLAIT_ERROR_DIR"
+
+
+def under_plait_launcher() -> bool:
+    """Whether this process is a worker of plait's own launcher, which checked the run and read its data before
+    any worker started (a torchrun the user started checks nothing first)."""
+    return ERROR_DIR in os.environ
+
+
+def reports_data() -> bool:
+    """Whether this process says what data it read: one per node (local rank 0), and none of the workers of
+    plait's launcher, which said it once before starting them."""
+    return int(os.environ.get("LOCAL_RANK", "0") or 0) == 0 and not under_plait_launcher()
+
+
 class TrainingDiverged(RuntimeError):
     """A step's loss or gradient norm was not finite (more often than --skip_nonfinite_steps allows); raised
     on every rank at the same step, before the step is applied or anything is saved."""

@@ -46,6 +46,7 @@ from types import FrameType
 import psutil
 
 from plait.base import forking
+from plait.run.runtime import ERROR_DIR  # where each worker writes its one error line (report_error)
 from plait.run.stop import SIGNALS
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -60,7 +61,6 @@ FORK_SERVED = "--run-path --start-method=forkserver".split()  # torchrun: a scri
 FORKED = "--run-path --start-method=fork".split()
 MAIN = str(Path(__file__).resolve().parent.parent / "__main__.py")  # what ``python -m plait`` runs
 FRESH_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)]
-ERROR_DIR = "PLAIT_ERROR_DIR"  # where each worker writes its one error line (report_error), read by the launcher
 
 
 def report_error(message: str) -> None:

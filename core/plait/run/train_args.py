@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from plait.base import comm
 from plait.base.config import CP_ATTENTION, FLOAT8_RECIPES, MOE_AUX_LOSS_SCOPES, ConfigError, ParallelConfig
 from plait.base.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULES, microbatch_refusal
 from plait.cp.sequence import check_length
@@ -28,6 +29,7 @@ from plait.parallel.float8 import ALIGN, require_torchao
 from plait.run.method_args import MethodArgs, _names
 from plait.run.prompts import read_prompts
 from plait.run.replicas import check_fault_tolerance
+from plait.run.runtime import under_plait_launcher
 from plait.run.trackers import parse_report_to
 
 if TYPE_CHECKING:
@@ -110,7 +112,7 @@ class TrainArgs(MethodArgs):
     device: str = field(default="auto", metadata={"help": "auto (the accelerator torch finds, else cpu), cpu, or any torch device type; an accelerator's bare type gets LOCAL_RANK as its index"})
     backend: str = field(default="auto", metadata={"help": "torch.distributed backend: auto (torch's default for the device type: gloo on cpu, nccl on NVIDIA GPUs, ...), or any backend name (gloo, nccl, xla, ...)"})
     ddp_timeout: int = field(default=600, metadata={"help": "seconds a collective may wait before the job fails"})
-    max_restarts: int = field(default=0, metadata={"help": "with --nproc_per_node: torchrun restarts every worker up to N times after one fails, and each restart resumes from the newest complete checkpoint by itself"})
+    max_restarts: int = field(default=0, metadata={"help": "plait launches its processes (--nproc_per_node, 1 too) under torchrun, which restarts every worker up to N times after one fails, and each restart resumes from the newest complete checkpoint by itself"})
     fault_tolerance: str = field(default="none", metadata={"help": "none, or torchft: this job is one replica group of a data-parallel run that keeps training when another group dies (--replica_group_id, --num_replica_groups, the lighthouse at $TORCHFT_LIGHTHOUSE; pip install 'plait[ft]')"})
     replica_group_id: int = field(default=0, metadata={"help": "--fault_tolerance torchft: this job's replica group, 0 to --num_replica_groups - 1 (it trains on that share of each global batch)"})
     num_replica_groups: int = field(default=1, metadata={"help": "--fault_tolerance torchft: how many replica groups share each global batch"})
@@ -172,6 +174,13 @@ class TrainArgs(MethodArgs):
         if self.block_size < 2:
             raise ConfigError(f"--block_size={self.block_size} leaves no token to train on (a block's first token has "
                               f"no label); use --block_size 2 or more")
+        if self.pipeline_schedule not in SCHEDULES:
+            raise ConfigError(f"--pipeline_schedule={self.pipeline_schedule!r} is unknown; choose one of "
+                              f"{', '.join(SCHEDULES)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"--zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
+        if self.zero_1 and self.zero_stage not in (0, 1):
+            raise ConfigError(f"--zero_1 is ZeRO stage 1 but --zero_stage is {self.zero_stage}; give one of them")
         if self.moe_aux_loss_scope not in MOE_AUX_LOSS_SCOPES:
             raise ConfigError(f"--moe_aux_loss_scope={self.moe_aux_loss_scope!r} is unknown; choose one of "
                               f"{', '.join(MOE_AUX_LOSS_SCOPES)}")
@@ -286,11 +295,32 @@ class TrainArgs(MethodArgs):
         for unused, flag, axis, size in idle:
             if unused:
                 raise ConfigError(f"{flag} has no effect without {axis} ({size} 1); drop it, or set {size}")
+        if self.eval_steps and self.validation_file is None and self.eval_prompts is None:
+            raise ConfigError(f"--eval_steps={self.eval_steps} has no effect without something to evaluate; give "
+                              f"--validation_file or --eval_prompts, or drop it")
+        if self.warmup_steps and self.lr_scheduler_type == "constant":
+            raise ConfigError(f"--warmup_steps={self.warmup_steps} has no effect under --lr_scheduler_type constant; "
+                              f"use --lr_scheduler_type constant_with_warmup, or drop it")
+        if self.max_restarts and "LOCAL_RANK" in os.environ and not under_plait_launcher():
+            raise ConfigError(f"--max_restarts={self.max_restarts} is for plait's launcher, and this process is a "
+                              f"worker of a torchrun started by hand; give torchrun --max-restarts "
+                              f"{self.max_restarts} instead (its restarts resume from the newest checkpoint too)")
         if self.eval_prompts is None and self.eval_max_new_tokens != 32:
             raise ConfigError(f"--eval_max_new_tokens={self.eval_max_new_tokens} has no effect without --eval_prompts; "
                               f"drop it, or give --eval_prompts FILE.jsonl")
         if not self.lora_r and not self.resume_from_checkpoint:  # a resume's are checked against its checkpoint
             self.refuse_idle_lora_settings(", or set --lora_r (e.g. 8)")
+
+    def check_zero_has_ranks(self, config: ParallelConfig) -> None:
+        """--zero_1 / --zero_stage shard over the dp x cp ranks of the planned layout (``config``, its world
+        resolved): with one such rank there is nothing to shard over and the flag would do nothing. Under
+        PLAIT_SINGLETON_GROUPS (one-rank groups that really run their collectives: the one-GPU tests) it runs."""
+        if config.zero_stage and config.dp * config.cp == 1 and not comm.singleton_groups():
+            flag = "--zero_1" if self.zero_1 else f"--zero_stage {self.zero_stage}"
+            world = config.tp * config.pp
+            raise ConfigError(f"{flag} has no effect with one data-parallel rank (world {world} = tp {config.tp} x pp "
+                              f"{config.pp}): ZeRO shards over the data-parallel (x cp) ranks; drop it, or launch "
+                              f"{2 * world} processes for dp=2")
 
     def given(self, names: tuple[str, ...]) -> list[str]:
         """Those of ``names`` whose value is not the default: the flags the user gave."""
@@ -400,62 +430,6 @@ def read_config_file(path: str, cls: type = TrainArgs) -> dict:
                 (isinstance(value, bool) and kind is not bool):  # a bool is an int to isinstance
             raise ConfigError(f"--config {path}: {key} = {value!r} should be of type {kind.__name__}")
     return values
-
-
-# what a resume restores from the checkpoint (the optimizer's hyperparameters and groups, the schedule, the data
-# order over the blocks and the batch), so a run resuming with other values would silently not use them
-RESUMED_FLAGS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay",
-                 "exclude_embeddings_from_weight_decay", "block_size")
-
-
-def resumed_flags(args: TrainArgs, global_batch: int) -> dict:
-    """What a checkpoint records of RESUMED_FLAGS, and the global batch (sequences per step over dp and
-    accumulation), for ``check_resumed_flags``."""
-    return {name: getattr(args, name) for name in RESUMED_FLAGS} | {"global_batch": global_batch}
-
-
-def check_resumed_flags(args: TrainArgs, saved: dict | None, global_batch: int, resume: object) -> None:
-    """Refuse resuming with other values of what a resume restores (a checkpoint from before they were recorded,
-    ``saved`` None, is not checked): the flags, then the global batch, which the data order continues by."""
-    if saved is None:
-        return
-    mine = resumed_flags(args, global_batch)
-    differ = [name for name in RESUMED_FLAGS if name in saved and saved[name] != mine[name]]
-    if differ:
-        raise ConfigError(
-            f"--resume_from_checkpoint {resume} was saved with {' '.join(f'--{n} {saved[n]}' for n in differ)}, which "
-            f"a resume restores (optimizer, schedule and data order), so this run's "
-            f"{' '.join(f'--{n} {mine[n]}' for n in differ)} would not take effect; resume with the checkpoint's "
-            f"values, or start a new run from its weights (plait consolidate, then --model_name_or_path)")
-    if saved.get("global_batch", global_batch) != global_batch:
-        raise ConfigError(
-            f"--resume_from_checkpoint {resume} was saved by a run of {saved['global_batch']} sequences a step "
-            f"(--per_device_train_batch_size x data-parallel ranks x --gradient_accumulation_steps), this run has "
-            f"{global_batch}, and the data order continues by the checkpoint's batch; resume with a global batch "
-            f"of {saved['global_batch']}")
-
-
-def check_resumed_lora(args: TrainArgs, saved: LoraConfig | None, resume: object) -> None:
-    """The --lora_* flags beside a resume: a LoRA checkpoint brings its own settings, so flags giving other ones are
-    refused (they were ignored, or broke the load after the data was read); a full checkpoint has no adapters to
-    go on with, so --lora_r is refused and the other --lora_* flags are as without a resume."""
-    given = args.given(("lora_r", *LORA_SETTINGS))
-    if not given:
-        return
-    if saved is None:
-        fix = "resume without --lora_r, or train adapters on its weights (plait consolidate, then --model_name_or_path)"
-        if args.lora_r:
-            raise ConfigError(f"--resume_from_checkpoint {resume} holds a whole model, no LoRA adapters; {fix}")
-        args.refuse_idle_lora_settings()
-    mine = dataclasses.replace(args, lora_r=args.lora_r or saved.r).lora()
-    keys = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-            "lora_target_modules": "target_modules", "lora_target_parameters": "target_parameters"}
-    norm = lambda v: sorted(v) if isinstance(v, (set, list, tuple)) else v  # noqa: E731
-    differ = [n for n in given if norm(getattr(mine, keys[n])) != norm(getattr(saved, keys[n]))]
-    if differ:
-        held = ", ".join(f"--{n} {norm(getattr(saved, keys[n]))}" for n in differ)
-        raise ConfigError(f"--resume_from_checkpoint {resume} holds LoRA adapters of {held}, which it brings back; "
-                          f"leave out {', '.join(f'--{n}' for n in differ)} (a LoRA checkpoint gives its own)")
 
 
 def check_backend(name: str) -> None:

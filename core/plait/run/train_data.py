@@ -22,6 +22,7 @@ from plait.data.paths import cache_root, tokenizer_dir
 from plait.data.sft import SFT_FORMATS, data_format, load_sft_data
 from plait.data.sources import Source, dataset_source, resolve_sources
 from plait.data.tokenizer import MIN_VOCAB_SIZE, cached_bpe_tokenizer, load_tokenizer
+from plait.run.runtime import reports_data
 from plait.run.train_args import TrainArgs
 
 
@@ -119,14 +120,14 @@ def load_data(args: TrainArgs, vocab_size: int) -> tuple[TokenBlocks, TokenBlock
     except (ValueError, OSError) as err:
         raise ConfigError(str(err)) from err
     if fmt in SFT_FORMATS:  # conversations or prompt/completion: padded or packed SFT blocks
-        sft = load_sft_data(args.sft_source(), vocab_size, fmt)
+        sft = load_sft_data(args.sft_source(), vocab_size, fmt, report=reports_data())
         return sft.blocks, sft.val_blocks, sft.tokenizer
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     try:
         data = prepare_data(args, vocab_size, local_rank=local_rank, progress=local_rank == 0)
     except (ValueError, OSError) as err:  # bad file, too few tokens, tokenizer larger than the model, timeout
         raise ConfigError(str(err)) from err
-    if local_rank == 0:
+    if reports_data():  # once per node; plait's launcher said it before its workers started
         for name, cache, meta in (("train", data.train, data.train_meta),
                                   ("validation", data.validation, data.val_meta)):
             if cache is not None:

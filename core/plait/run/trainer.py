@@ -58,10 +58,11 @@ from plait.run.model_config import check_model_fits, read_model_config
 from plait.run.moe_metrics import RoutingMetrics
 from plait.run.prompts import EvalPrompts
 from plait.run.run_files import RunFiles
+from plait.run.resume_checks import check_resumed_flags, check_resumed_lora, resumed_flags
 from plait.run.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process
 from plait.run.stop import StopRequested, StopSignals
 from plait.run.trackers import Trackers, parse_report_to
-from plait.run.train_args import TrainArgs, check_resumed_flags, check_resumed_lora, resumed_flags
+from plait.run.train_args import TrainArgs
 from plait.run.train_data import load_data
 
 def check_resume_matches(args: TrainArgs, meta: nn.Module, resume: Path | None) -> None:
@@ -147,6 +148,7 @@ def plan_run(args: TrainArgs, world: int) -> tuple[Path | None, PretrainedConfig
         check_resumed_lora(args, saved and saved[0], resume)
     lora = args.lora() or (saved[0] if saved is not None else None)  # a LoRA checkpoint names its own config
     plan = plan_layout(meta, args.parallel_config(), world, lora=lora)
+    args.check_zero_has_ranks(plan.config)
     if resume is not None:
         check_resumed_flags(args, read_index(resume)[1].extra.get("flags"), args.global_batch(plan.config.dp), resume)
     return resume, model_config, meta, saved, plan

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from plait.base.config import ConfigError
+from plait.run.runtime import reports_data
 from plait.tp.loss import IGNORE_INDEX
 
 KEYS = ("prompt", "chosen", "rejected")
@@ -123,7 +124,7 @@ def read_pairs(path: Path, tokenizer: Any, max_length: int, truncation_mode: str
                 pairs.append(pair)
             else:
                 dropped.append(number)
-    if dropped:
+    if dropped and reports_data():  # one note per node, not one per rank
         print(f"note: dropped {len(dropped)} preference row(s) of {path} whose prompt alone fills --block_size "
               f"{max_length} (lines {', '.join(map(str, dropped[:5]))}{' ...' if len(dropped) > 5 else ''}), as TRL "
               f"does under keep_start truncation; raise --block_size or use --truncation_mode keep_end to keep them",

@@ -36,6 +36,7 @@ from plait.data.tokenizer import load_tokenizer
 from plait.run.methods.dpo import DPO, check_packing, routed
 from plait.run.methods.preference_data import Pair, extract_prompt, is_conversational, real_tokens
 from plait.run.methods.preference_loss import METRICS, PairLogps
+from plait.run.runtime import reports_data
 from plait.tp.logprobs import Logits
 from plait.tp.loss import IGNORE_INDEX
 
@@ -111,7 +112,7 @@ def read_legacy_pairs(path: Path, tokenizer: Any, max_length: int) -> list[Pair]
             raise ConfigError(f"{where}: 'chosen' and 'rejected' are the same completion; a preference pair needs "
                               f"two different ones (drop the row)")
         (pairs if len(pair.prompt) < max_length else dropped).append(pair if len(pair.prompt) < max_length else number)
-    if dropped:
+    if dropped and reports_data():  # one note per node, not one per rank
         print(f"note: dropped {len(dropped)} preference row(s) of {path} whose prompt alone fills --block_size "
               f"{max_length} (lines {', '.join(map(str, dropped[:5]))}{' ...' if len(dropped) > 5 else ''}); raise "
               f"--block_size to keep them", file=sys.stderr)

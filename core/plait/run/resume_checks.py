@@ -1,0 +1,73 @@
+"""What a resume restores, checked against the flags of the run that resumes.
+
+A resume brings back the optimizer's hyperparameters and groups, the schedule, the data order over the blocks and
+the batch, and a LoRA checkpoint its adapters' settings; a flag asking for other values would silently not take
+effect (or fail after the data was read), so such flags are refused before any worker or weight read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from plait.base.config import ConfigError
+from plait.run.train_args import LORA_SETTINGS, TrainArgs
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+
+# what a resume restores from the checkpoint (the optimizer's hyperparameters and groups, the schedule, the data
+# order over the blocks and the batch), so a run resuming with other values would silently not use them
+RESUMED_FLAGS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay",
+                 "exclude_embeddings_from_weight_decay", "block_size")
+
+
+def resumed_flags(args: TrainArgs, global_batch: int) -> dict:
+    """What a checkpoint records of RESUMED_FLAGS, and the global batch (sequences per step over dp and
+    accumulation), for ``check_resumed_flags``."""
+    return {name: getattr(args, name) for name in RESUMED_FLAGS} | {"global_batch": global_batch}
+
+
+def check_resumed_flags(args: TrainArgs, saved: dict | None, global_batch: int, resume: object) -> None:
+    """Refuse resuming with other values of what a resume restores (a checkpoint from before they were recorded,
+    ``saved`` None, is not checked): the flags, then the global batch, which the data order continues by."""
+    if saved is None:
+        return
+    mine = resumed_flags(args, global_batch)
+    differ = [name for name in RESUMED_FLAGS if name in saved and saved[name] != mine[name]]
+    if differ:
+        raise ConfigError(
+            f"--resume_from_checkpoint {resume} was saved with {' '.join(f'--{n} {saved[n]}' for n in differ)}, which "
+            f"a resume restores (optimizer, schedule and data order), so this run's "
+            f"{' '.join(f'--{n} {mine[n]}' for n in differ)} would not take effect; resume with the checkpoint's "
+            f"values, or start a new run from its weights (plait consolidate, then --model_name_or_path)")
+    if saved.get("global_batch", global_batch) != global_batch:
+        raise ConfigError(
+            f"--resume_from_checkpoint {resume} was saved by a run of {saved['global_batch']} sequences a step "
+            f"(--per_device_train_batch_size x data-parallel ranks x --gradient_accumulation_steps), this run has "
+            f"{global_batch}, and the data order continues by the checkpoint's batch; resume with a global batch "
+            f"of {saved['global_batch']}")
+
+
+def check_resumed_lora(args: TrainArgs, saved: LoraConfig | None, resume: object) -> None:
+    """The --lora_* flags beside a resume: a LoRA checkpoint brings its own settings, so flags giving other ones are
+    refused (they were ignored, or broke the load after the data was read); a full checkpoint has no adapters to
+    go on with, so --lora_r is refused and the other --lora_* flags are as without a resume."""
+    given = args.given(("lora_r", *LORA_SETTINGS))
+    if not given:
+        return
+    if saved is None:
+        fix = "resume without --lora_r, or train adapters on its weights (plait consolidate, then --model_name_or_path)"
+        if args.lora_r:
+            raise ConfigError(f"--resume_from_checkpoint {resume} holds a whole model, no LoRA adapters; {fix}")
+        args.refuse_idle_lora_settings()
+    mine = dataclasses.replace(args, lora_r=args.lora_r or saved.r).lora()
+    keys = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+            "lora_target_modules": "target_modules", "lora_target_parameters": "target_parameters"}
+    norm = lambda v: sorted(v) if isinstance(v, (set, list, tuple)) else v  # noqa: E731
+    differ = [n for n in given if norm(getattr(mine, keys[n])) != norm(getattr(saved, keys[n]))]
+    if differ:
+        held = ", ".join(f"--{n} {norm(getattr(saved, keys[n]))}" for n in differ)
+        raise ConfigError(f"--resume_from_checkpoint {resume} holds LoRA adapters of {held}, which it brings back; "
+                          f"leave out {', '.join(f'--{n}' for n in differ)} (a LoRA checkpoint gives its own)")
