@@ -180,8 +180,6 @@ CASES = [
      "--model_config '/nonexistent/config.json' does not exist"),
     ("missing_validation_file", ["--validation_file", "/nonexistent/val.txt"], None, "--validation_file '/nonexistent/val.txt'"),
     ("empty_train_file", [], file_with("empty.txt", "", "--train_file"), "empty.txt: the file is empty"),
-    ("validation_too_small", ["--num_microbatches", "4"], file_with("val.txt", "to be or not to be " * 3, "--validation_file"),
-     "the validation data has 3 blocks, fewer than dp*num_microbatches = 4; use a larger --validation_file"),
     ("empty_jsonl_big_vocab", [], lambda mp, tmp: [*model(vocab_size=300)(mp, tmp), *file_with("e.jsonl", "", "--train_file")(mp, tmp)],
      "e.jsonl"),
     ("config_without_model_type", [], file_with("config.json", '{"hidden_size": 32}', "--model_config"),
@@ -329,11 +327,6 @@ def test_launcher_refuses_before_any_worker_starts(warm, tmp_path, monkeypatch, 
     assert not (tmp_path / "out").exists()
 
 
-# messages whose numbers follow the world: dp=2 at two processes
-AT_TWO_PROCESSES = {"the validation data has 3 blocks, fewer than dp*num_microbatches = 4; use a larger "
-                    "--validation_file": "the validation data has 3 blocks, fewer than dp*num_microbatches = 8"}
-
-
 @pytest.mark.parametrize("flags, setup, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_every_bad_input_through_the_launcher(warm, tmp_path, monkeypatch, capsys, flags, setup, message):
     """The whole table again through ``--nproc_per_node N`` (2, or the world a row is about): each is one
@@ -352,7 +345,7 @@ def test_every_bad_input_through_the_launcher(warm, tmp_path, monkeypatch, capsy
         main(["train", *base_flags(tmp_path), "--nproc_per_node", str(nproc), *flags, *extra])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert exit_info.value.code == 2, last
-    assert AT_TWO_PROCESSES.get(message, message) in last and "error: " in last, last
+    assert message in last and "error: " in last, last
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 

@@ -90,6 +90,16 @@ def test_eval_loss_perplexity_and_plot(model_config, tmp_path, capsys):
     assert (tmp_path / "out" / "loss.png").stat().st_size > 1000
 
 
+def test_fewer_validation_blocks_than_microbatches_are_evaluated_whole(model_config, tmp_path):
+    """3 validation blocks under 4 microbatches: padded with label-less rows to whole microbatches (once refused as
+    fewer than dp x num_microbatches), the same eval loss as 1 microbatch."""
+    val = tmp_path / "val.txt"
+    val.write_text("to be or not to be " * 3)
+    evals = [train(tiny_args(model_config, tmp_path / str(m), validation_file=str(val), max_steps=1, save_final=False,
+                             num_microbatches=m))[-1]["eval_loss"] for m in (1, 4)]
+    assert evals[1] == pytest.approx(evals[0], rel=1e-6), evals
+
+
 def test_dataset_name_local_dir(model_config, tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"text": [f"line {i} of a tiny local dataset" * 5 for i in range(40)]}).save_to_disk(

@@ -1,7 +1,7 @@
 """``plait train`` on image-text rows (TRL's vision format) for an image-text-to-text model (issue 49.2): a tiny LLaVA
 with its processor saved beside it, rows of 0, 1 and 2 images; every layout gives one process's losses, gradient
-norms and step-1 gradients; under ZeRO-2/3 a replica whose rows hold no image gets a stand-in row that changes
-nothing."""
+norms, step-1 gradients and eval loss (over an odd count of validation rows, every one evaluated at dp=2); under
+ZeRO-2/3 a replica whose rows hold no image gets a stand-in row that changes nothing."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from plait.base.config import ConfigError
 from plait.run.train_args import TrainArgs
 
 IMAGES = [1, 0, 0, 2, 0, 0, 1, 0]  # images per row: most rows text only, so replicas often hold none
+VALIDATION = [0, 2, 0, 1, 0]  # an odd count: at dp=2 every row evaluated, one rank's last a label-less padding row
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +43,11 @@ def files(tmp_path_factory):
         vision_feature_layer=-1, vision_feature_select_strategy="default")).save_pretrained(root / "model")
     for seed in range(4):
         picture(seed).save(root / f"{seed}.png")
-    rows = [{"messages": [turn("user", *[None] * count, "describe the picture"),
-                          turn("assistant", "a red square on blue" if i % 2 else "blue")],
-             "images": [f"{(i + k) % 4}.png" for k in range(count)]} for i, count in enumerate(IMAGES)]
-    (root / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for name, counts in (("rows", IMAGES), ("validation", VALIDATION)):
+        rows = [{"messages": [turn("user", *[None] * count, "describe the picture"),
+                              turn("assistant", "a red square on blue" if i % 2 else "blue")],
+                 "images": [f"{(i + k) % 4}.png" for k in range(count)]} for i, count in enumerate(counts)]
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return root
 
 
@@ -95,7 +97,8 @@ def one_process(files, tmp_path_factory):
 
     runs = {}
     for name, flags in ONE_PROCESS.items():
-        trainer = Trainer(vlm_args(files, output_dir=str(tmp_path_factory.mktemp(name)), **flags))
+        trainer = Trainer(vlm_args(files, output_dir=str(tmp_path_factory.mktemp(name)),
+                                   validation_file=str(files / "validation.jsonl"), **flags))
         kept = capture_gradients(trainer)
         runs[name] = (trainer.train(), whole([kept]))
     return runs
@@ -106,8 +109,8 @@ def layouts(files, tmp_path_factory):
     from plait.testing import launch
 
     out = tmp_path_factory.mktemp("layouts")
-    cases = {name: {**vlm_args(files, output_dir=str(out / name), **layout).__dict__}
-             for name, layout in LAYOUTS.items()}
+    cases = {name: {**vlm_args(files, output_dir=str(out / name), validation_file=str(files / "validation.jsonl"),
+                               **layout).__dict__} for name, layout in LAYOUTS.items()}
     (out / "flags.json").write_text(json.dumps(cases))
     launch([str(Path(__file__).parent / "workers" / "trainers.py"), str(out / "runs.json"), str(out / "flags.json")],
            2, timeout=300)
@@ -121,10 +124,13 @@ def test_every_layout_trains_as_one_process(one_process, layouts, layout):
     records, got_grads = layouts[layout]
     # bf16: rounding, not exactness (measured over 3 steps: losses 2.6e-4 and norms 1.2e-3 apart at most)
     bounds = {"loss": 4e-4, "grad_norm": 2e-3} if "bf16" in layout else {"loss": 1e-5, "grad_norm": 1e-5}
+    bounds["eval_loss"] = bounds["loss"]  # after the last step, over every validation row (an odd count at dp=2)
     for rank, record in enumerate(records):
+        assert "eval_loss" in record["history"][-1] and "eval_loss" in history[-1]
         for got, expected in zip(record["history"], history, strict=True):
             for key, bound in bounds.items():
-                assert got[key] == pytest.approx(expected[key], rel=bound), (rank, got["step"], key)
+                if key in expected:
+                    assert got[key] == pytest.approx(expected[key], rel=bound), (rank, got["step"], key)
     if "bf16" in layout:
         return
     assert set(grads) <= set(got_grads)

@@ -24,7 +24,7 @@ from transformers import PretrainedConfig, get_scheduler
 
 from plait.base import comm
 from plait.base import faults
-from plait.base.config import ConfigError, ParallelConfig
+from plait.base.config import ConfigError
 from plait.base.device import peak_memory_bytes, pick_device, use_fused_adamw
 from plait.base.host_memory import keep_freed_memory
 from plait.base.meta import build_meta_model
@@ -93,15 +93,6 @@ def check_resume_matches(args: TrainArgs, meta: nn.Module, resume: Path | None) 
         )
 
 
-def check_validation_blocks(blocks: torch.Tensor | None, config: ParallelConfig) -> None:
-    """Evaluation splits whole pipeline microbatches over dp ranks: refuse too little validation data at
-    start-up rather than at the first evaluation, hours in."""
-    needed = config.dp * config.num_microbatches
-    if blocks is not None and len(blocks) < needed:
-        raise ConfigError(f"the validation data has {len(blocks)} blocks, fewer than dp*num_microbatches = "
-                          f"{needed}; use a larger --validation_file")
-
-
 def diverged_message(step: int, bad: NonFiniteStep, args: TrainArgs) -> str:
     """One line: the step, the values, what was (not) done, and the likely fixes with the flags' values."""
     fixes = [f"lower --learning_rate (now {args.learning_rate:g})",
@@ -161,7 +152,7 @@ def check_before_launch(args: TrainArgs, world: int) -> None:
     once; the workers read it back."""
     _, model_config, _, _, plan = plan_run(args, world)
     method = method_for(args)
-    _, _, tokenizer = method.load_data(args, model_config, plan) or load_checked_data(args, model_config, plan)
+    _, _, tokenizer = method.load_data(args, model_config, plan) or load_data(args, model_config.vocab_size)
     eval_prompts(args, tokenizer)
 
 
@@ -170,14 +161,6 @@ def eval_prompts(args: TrainArgs, tokenizer: Any) -> EvalPrompts | None:
     if not args.eval_prompts:
         return None
     return EvalPrompts(Path(args.eval_prompts), tokenizer, args.eval_max_new_tokens, args.per_device_train_batch_size)
-
-
-def load_checked_data(args: TrainArgs, model_config: PretrainedConfig, plan: LayoutPlan) -> tuple:
-    """``load_data``'s training blocks, validation blocks and tokenizer, with enough validation data for the
-    layout: the trainer's data and ``check_before_launch``'s check are this one call."""
-    blocks, val_blocks, tokenizer = load_data(args, model_config.vocab_size)
-    check_validation_blocks(val_blocks, plan.config)
-    return blocks, val_blocks, tokenizer
 
 
 class Trainer:
@@ -202,7 +185,7 @@ class Trainer:
         check_float8_device(plan.config, device)  # float8 off a float8 GPU: before any data is read
         # Data before any process group: a bad file fails every rank at once, never inside a collective.
         self.blocks, self.val_blocks, self.tokenizer = (method.load_data(args, model_config, plan)
-                                                        or load_checked_data(args, model_config, plan))
+                                                        or load_data(args, model_config.vocab_size))
         self.eval_prompts = eval_prompts(args, self.tokenizer)
         init_distributed(device, args.backend, args.ddp_timeout)
         world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -99,6 +99,11 @@ def labelled(example: Example) -> int:
     return int((example.labels[1:] != -100).sum())
 
 
+def unlabelled(example: Example, role: str) -> Example:
+    """``example`` with every label ignored: it runs the model and adds nothing to a loss or any gradient."""
+    return dataclasses.replace(example, labels=torch.full_like(example.labels, -100), where=f"{example.where} ({role})")
+
+
 class VisionSFT(TrainingMethod):
     """``examples``: the encoded training rows; ``pad_id``: the tokenizer's pad token; ``multiple``: what a
     micro-batch's length is padded to a multiple of (tp under sequence parallelism, times 2 cp under cp)."""
@@ -108,8 +113,7 @@ class VisionSFT(TrainingMethod):
         self.examples, self.pad_id, self.multiple, self.processor = examples, pad_id, multiple, processor
         self.tokens = 0
         with_images = next((e for e in examples if e.num_images), None) if stand_in else None
-        self.stand_in = None if with_images is None else dataclasses.replace(
-            with_images, labels=torch.full_like(with_images.labels, -100), where=f"{with_images.where} (stand-in)")
+        self.stand_in = None if with_images is None else unlabelled(with_images, "stand-in")
 
     @classmethod
     def load_data(cls, args: Any, model_config: Any, plan: Any) -> tuple[list[Example], list[Example] | None, Any]:
@@ -184,13 +188,19 @@ class VisionSFT(TrainingMethod):
     @torch.no_grad()
     def evaluate(self, pmodel: ParallelModel, data: list[Example], batch_size: int,
                  device: torch.device) -> dict[str, float]:
-        """Mean loss and perplexity over every validation row (each dp rank its share; every rank the same count
-        of forwards, so rows beyond a multiple of dp are left out)."""
-        mesh = pmodel.mesh
-        usable = len(data) // mesh.dp * mesh.dp
-        mine = torch.arange(usable)[mesh.dp_rank::mesh.dp]
-        evaluator = VisionSFT(data, self.pad_id, self.multiple, stand_in=self.stand_in is not None)
-        count = max(evaluator.divisor(torch.arange(usable)), 1)
+        """Mean loss and perplexity over every validation row, split over dp ranks: one process's whatever the
+        layout. Every dp rank runs as many whole pipeline microbatches (a ZeRO-3 or tp forward is collective), so
+        the rows are padded to a multiple of dp x microbatches with the last row repeated, its labels ignored: its
+        inputs real ones (under ZeRO-2/3 a micro-batch without images gets the stand-in row, as in training), the
+        loss divided by the real rows' labelled tokens (the rows were once cut to that multiple instead: an odd
+        count evaluated one row less at dp=2)."""
+        mesh, m = pmodel.mesh, pmodel.config.num_microbatches
+        padded = -(-len(data) // (mesh.dp * m)) * (mesh.dp * m)
+        mine = torch.arange(padded)[mesh.dp_rank::mesh.dp].clamp(max=len(data))  # len(data): the padding row
+        evaluator = VisionSFT([*data, unlabelled(data[-1], "padding")], self.pad_id, self.multiple,
+                              stand_in=self.stand_in is not None)
+        count = max(evaluator.divisor(torch.arange(len(data))), 1)
+        batch_size = max(batch_size // m * m, m)
         total = torch.zeros((), device=device)
         pmodel.eval()
         for start in range(0, len(mine), batch_size):
@@ -199,5 +209,5 @@ class VisionSFT(TrainingMethod):
             total += pmodel.eval_loss(batch.input_ids, batch.labels, mask, num_items_in_batch=count,
                                       position_ids=batch.position_ids, images=batch.images)
         pmodel.train()
-        loss = comm.all_reduce(total, mesh.replica_group).item()
+        loss = comm.all_reduce(total, mesh.replica_group).item()  # dp ranks' rows, cp ranks' tokens
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
