@@ -238,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     cons.add_argument("--format", choices=("safetensors", "pytorch"), default="safetensors",
                       help="weight files: safetensors, or pytorch (torch.save .bin files); LoRA adapters too")
     cons.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                      help="cast floating tensors (default: as saved; --lora merged: float32, the merge's precision)")
+                      help="cast floating tensors (default: as saved; --lora merged: float32, the merge's precision); "
+                      "float32 of a --bf16 checkpoint writes its fp32 master weights")
     cons.add_argument("--max_shard_size", default=None, help="split weights into files of at most this size, e.g. "
                       "500MB (default: 5GB); not with --lora adapter, whose peft file is never split")
     cons.add_argument("--lora", choices=("merged", "adapter"), default=None,

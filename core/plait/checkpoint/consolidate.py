@@ -19,6 +19,7 @@ import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import PretrainedConfig
@@ -26,11 +27,11 @@ from transformers import PretrainedConfig
 from plait.base.config import ConfigError
 from plait.base.meta import build_meta_model
 from plait.checkpoint.format import (
-    CheckpointError, TensorEntry, full_box, model_config, read_index, shape_problems, write_json,
+    CheckpointError, Index, TensorEntry, full_box, model_config, read_index, shape_problems, write_json,
 )
 from plait.checkpoint.load import CheckpointReader
 from plait.checkpoint.st_io import DTYPES, SafetensorsWriter, byte_view, tensor_bytes
-from plait.checkpoint.state import local_params
+from plait.checkpoint.state import local_params, optimizer_key
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -42,6 +43,16 @@ BLOCK_BYTES = 1 << 20
 DEFAULT_SHARD_SIZE = "5GB"  # --max_shard_size's default, for a whole model and a merged LoRA one alike
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                "float16": torch.float16, "fp16": torch.float16}
+
+
+class Planned(NamedTuple):
+    """One tensor of the output: ``name`` written in ``dtype`` from the checkpoint's logical tensor ``source``
+    (``entry``): the parameter itself, or its fp32 master (``weight_source``)."""
+
+    name: str
+    source: str
+    entry: TensorEntry
+    dtype: torch.dtype
 
 
 def consolidate(
@@ -57,7 +68,8 @@ def consolidate(
 
     ``format``: "safetensors" (model.safetensors, or shards plus model.safetensors.index.json above
     ``max_shard_size``) or "pytorch" (pytorch_model.bin, same sharding). ``dtype``: cast floating tensors
-    (e.g. "bfloat16"); None keeps the saved dtype. Also writes config.json, generation_config.json and the
+    (e.g. "bfloat16"); None keeps the saved dtype; one wider than bf16 parameters writes their fp32 masters
+    where the checkpoint has them (``weight_source``). Also writes config.json, generation_config.json and the
     tokenizer files the checkpoint has. ``verify``: check every tensor's checksum (while writing). The
     output directory must not exist or be empty. Returns ``output_dir``.
     """
@@ -75,17 +87,17 @@ def consolidate(
                           f"--lora adapter|merged`")
     reader = CheckpointReader(paths, index)
     config = model_config(index)
-    order = _check_tensors(index, config, paths.root)
-    stored = {(p.file, p.key) for name in order for p in index.tensors[name].pieces}
-    reader.validate_files({file for file, _ in stored})  # the model's files only: optimizer files are not needed
-    for name in order:
-        reader.check_covered(name, full_box(index.tensors[name].shape))
-    plan = []  # (name, entry, output dtype)
-    for name in order:
-        entry = index.tensors[name]
-        saved_dtype = DTYPES[entry.dtype]
+    plan = []
+    for name in _check_tensors(index, config, paths.root):
+        source = weight_source(index, name, out_dtype)
+        entry = index.tensors[source]
+        saved_dtype = DTYPES[index.tensors[name].dtype]
         cast = out_dtype is not None and saved_dtype.is_floating_point
-        plan.append((name, entry, out_dtype if cast else saved_dtype))
+        plan.append(Planned(name, source, entry, out_dtype if cast else saved_dtype))
+    stored = {(p.file, p.key) for item in plan for p in item.entry.pieces}
+    reader.validate_files({file for file, _ in stored})  # the files read: the optimizer's only for masters
+    for item in plan:
+        reader.check_covered(item.source, full_box(item.entry.shape))
 
     tmp = output.with_name(f".{output.name}.consolidating")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -97,7 +109,7 @@ def consolidate(
             _write_model(reader, tmp, plan, format, max_bytes)
             if checking is not None:
                 checking.result()
-        config.dtype = next((d for _, _, d in plan if d.is_floating_point), torch.float32)
+        config.dtype = next((item.dtype for item in plan if item.dtype.is_floating_point), torch.float32)
         config.save_pretrained(tmp)
         for extra in ("generation_config.json", *TOKENIZER_FILES):
             if (paths.root / extra).is_file():
@@ -111,7 +123,21 @@ def consolidate(
     return output
 
 
-def _write_model(reader: CheckpointReader, folder: Path, plan: list, format: str, max_bytes: int) -> None:
+def weight_source(index: Index, name: str, dtype: torch.dtype | None) -> str:
+    """The logical tensor to write parameter ``name`` from in ``dtype``: its master (``optimizer/<name>/master``,
+    which ``MasterWeightOptimizer`` saves beside bf16 parameters) where both ``dtype`` and the master are wider
+    than the saved parameter, which is only the master rounded: casting it up would keep that rounding. For a
+    dtype no wider, the saved parameter is the master rounded to it already; without a master, the parameter."""
+    master = index.tensors.get(optimizer_key(name, "master"))
+    saved = DTYPES[index.tensors[name].dtype]
+    if master is None or dtype is None or not saved.is_floating_point:
+        return name
+    bits = torch.finfo(saved).bits
+    wider = torch.finfo(dtype).bits > bits and torch.finfo(DTYPES[master.dtype]).bits > bits
+    return optimizer_key(name, "master") if wider else name
+
+
+def _write_model(reader: CheckpointReader, folder: Path, plan: list[Planned], format: str, max_bytes: int) -> None:
     """The weight files (one, or shards plus the index transformers reads) of ``plan`` into ``folder``."""
     shards = _split(plan, max_bytes)
     stem, ext = ("model", "safetensors") if format == "safetensors" else ("pytorch_model", "bin")
@@ -123,9 +149,9 @@ def _write_model(reader: CheckpointReader, folder: Path, plan: list, format: str
             _write_safetensors(reader, folder / filename, shard)
         else:
             _write_pytorch(reader, folder / filename, shard)
-        weight_map.update({name: filename for name, _, _ in shard})
+        weight_map.update({item.name: filename for item in shard})
     if len(shards) > 1:
-        total = sum(math.prod(e.shape) * torch.empty((), dtype=d).element_size() for _, e, d in plan)
+        total = sum(math.prod(item.entry.shape) * item.dtype.itemsize for item in plan)
         write_json(folder / f"{stem}.{ext}.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
@@ -145,12 +171,12 @@ def _check_tensors(index, config: PretrainedConfig, root: Path) -> list[str]:
     return list(shapes)
 
 
-def _split(plan: list, max_bytes: int) -> list[list]:
+def _split(plan: list[Planned], max_bytes: int) -> list[list[Planned]]:
     """Greedy shards in model order; a tensor larger than ``max_bytes`` gets a shard of its own."""
-    shards: list[list] = [[]]
+    shards: list[list[Planned]] = [[]]
     size = 0
     for item in plan:
-        nbytes = math.prod(item[1].shape) * torch.empty((), dtype=item[2]).element_size()
+        nbytes = math.prod(item.entry.shape) * item.dtype.itemsize
         if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0
@@ -226,15 +252,14 @@ def _read_bands(bands: list, entry: TensorEntry, r0: int, r1: int) -> torch.Tens
     return out
 
 
-def _write_safetensors(reader: CheckpointReader, path: Path, shard: list, threads: int = 2) -> None:
+def _write_safetensors(reader: CheckpointReader, path: Path, shard: list[Planned], threads: int = 2) -> None:
     """Tensors are written by ``threads`` threads at their own offsets: the copies run in the kernel or in
     torch with the GIL released, so two cores copy twice the bytes."""
-    writer = SafetensorsWriter(path, [(name, dtype, entry.shape) for name, entry, dtype in shard])
+    writer = SafetensorsWriter(path, [(item.name, item.dtype, item.entry.shape) for item in shard])
 
-    def write_one(item) -> None:
-        name, entry, dtype = item
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        rows, row_bytes, block = _row_blocks(entry.shape, itemsize)
+    def write_one(item: Planned) -> None:
+        name, source, entry, dtype = item
+        rows, row_bytes, block = _row_blocks(entry.shape, dtype.itemsize)
         pieces = _row_pieces(reader, entry) if dtype == DTYPES[entry.dtype] else None
         if pieces is not None:
             for (a, b), piece, stored in pieces:
@@ -248,28 +273,28 @@ def _write_safetensors(reader: CheckpointReader, path: Path, shard: list, thread
             if bands is not None:
                 data = _read_bands(bands, entry, r0, r1).to(dtype)
             else:
-                data = _read_rows(reader, name, entry, r0, r1).to(dtype)
+                data = _read_rows(reader, source, entry, r0, r1).to(dtype)
             writer.write(name, tensor_bytes(data), r0 * row_bytes)
 
     try:
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(write_one, sorted(shard, key=lambda item: -math.prod(item[1].shape))))
+            list(pool.map(write_one, sorted(shard, key=lambda item: -math.prod(item.entry.shape))))
     except BaseException:
         writer.abort()
         raise
     writer.close()
 
 
-def _write_pytorch(reader: CheckpointReader, path: Path, shard: list) -> None:
+def _write_pytorch(reader: CheckpointReader, path: Path, shard: list[Planned]) -> None:
     """One ``torch.save`` per shard: a shard's tensors are in memory together (bounded by max_shard_size)."""
     state = {}
-    for name, entry, dtype in shard:
+    for name, source, entry, dtype in shard:
         full = torch.empty(entry.shape, dtype=dtype)
         rows, _, block = _row_blocks(entry.shape, full.element_size())
         for r0 in range(0, rows, block):
             r1 = min(r0 + block, rows)
             target = full[r0:r1] if entry.shape else full
-            target.copy_(_read_rows(reader, name, entry, r0, r1))
+            target.copy_(_read_rows(reader, source, entry, r0, r1))
         state[name] = full
     partial = path.with_name(path.name + ".partial")
     torch.save(state, partial)

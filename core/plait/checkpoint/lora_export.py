@@ -26,7 +26,7 @@ from plait.base import comm
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.meta import build_meta_model, model_class
 from plait.checkpoint.consolidate import (
-    DEFAULT_SHARD_SIZE, TOKENIZER_FILES, check_output_dir, parse_dtype, parse_size,
+    DEFAULT_SHARD_SIZE, TOKENIZER_FILES, check_output_dir, parse_dtype, parse_size, weight_source,
 )
 from plait.checkpoint.format import full_box, model_config, read_index, write_json
 from plait.checkpoint.gather import gather_full
@@ -178,7 +178,9 @@ def consolidate_lora(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pat
 
     ``format``, ``dtype`` and ``max_shard_size`` are ``consolidate``'s (None: its default, 5GB); every one acts, or
     is refused before any weight is read: a peft adapter is one file, so it takes no ``max_shard_size``.
-    ``dtype`` None writes the adapters as saved, the merged model in float32 (the merge's precision)."""
+    ``dtype`` None writes the adapters as saved, the merged model in float32 (the merge's precision). Adapters
+    trained in bf16 are read as their fp32 masters where the checkpoint has them and they are used wider than
+    saved: always by the merge (float32), by an adapter written in float32."""
     if mode not in ("adapter", "merged"):
         raise ConfigError(f"--lora {mode!r} is unknown; choose adapter (a peft directory) or merged")
     if format not in FORMATS:
@@ -197,10 +199,13 @@ def consolidate_lora(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pat
         raise ConfigError(f"{paths.root} is a full checkpoint, not a LoRA one; consolidate it without --lora")
     config, base = saved
     reader = CheckpointReader(paths, index)
+    used_in = out_dtype if mode == "adapter" else torch.float32  # merge_into adds the update in float32
     tensors = {}
-    for name, entry in index.params().items():
+    for name in index.params():
+        source = weight_source(index, name, used_in)
+        entry = index.tensors[source]
         tensors[name] = torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
-        reader.read(name, full_box(entry.shape), tensors[name])
+        reader.read(source, full_box(entry.shape), tensors[name])
     model_cfg = model_config(index)
     if mode == "adapter":
         if out_dtype is not None:
