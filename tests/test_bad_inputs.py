@@ -213,6 +213,11 @@ CASES = [
      "data-parallel (x cp) ranks; drop it, or launch 2 processes for dp=2"),
     ("zero_1_beside_tp_alone", ["--zero_1", "--tensor_parallel_size", "2"], world_size(2),
      "--zero_1 has no effect with one data-parallel rank (world 2 = tp 2 x pp 1)"),
+    ("exclude_embeddings_without_decay", ["--exclude_embeddings_from_weight_decay"], None,
+     "--exclude_embeddings_from_weight_decay has no effect with --weight_decay 0 (nothing is decayed)"),
+    ("sft_flags_on_plain_text", ["--packing", "--overlong", "drop"], None,
+     "--packing, --overlong have no effect: the SFT flags shape .jsonl chat or prompt_completion examples, and this "
+     "data is plain text"),
     ("eval_steps_without_evaluation", ["--eval_steps", "2"], None,
      "--eval_steps=2 has no effect without something to evaluate; give --validation_file or --eval_prompts"),
     ("warmup_under_constant", ["--warmup_steps", "2", "--lr_scheduler_type", "constant"], None,
@@ -377,6 +382,8 @@ COMMAND_CASES = [
      "no installed adapter is named 'no_such_adapter'"),
     ("prepare_data_missing_file", ["prepare-data", "--train_file", "/nonexistent/train.txt"], None,
      "--train_file '/nonexistent/train.txt' does not exist"),
+    ("prepare_data_sft_flag_on_text", ["prepare-data", "--train_on_prompt"], None,
+     "--train_on_prompt has no effect: the SFT flags shape .jsonl chat or prompt_completion examples"),
     ("prepare_data_empty_file", ["prepare-data"], lambda tmp: ["--train_file", str((tmp / "e.txt").write_text("")
                                                                                   or tmp / "e.txt")],
      "e.txt: the file is empty"),

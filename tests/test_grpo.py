@@ -187,6 +187,7 @@ def test_a_run_on_tp2_with_sp_logs_trls_metrics(files):
     (dict(reward_weights="1"), r"^--reward_weights has 1 weights for 2 --reward_funcs; give one per function$"),
     (dict(packing=True, data_format="chat"), r"^--packing, --data_format chat have no effect with --method grpo \(its "
                                              r"prompts are TRL's prompt-only rows, read as they are\); drop them$"),
+    (dict(train_on_prompt=True), r"^--train_on_prompt has no effect with --method grpo"),
     (dict(num_iterations=3, max_steps=10, save_steps=6), r"^--max_steps 10 with --num_iterations 3: checkpoints land "
                                                          r"where a cycle of 3 steps on one batch of rollouts ends; "
                                                          r"give multiples of 3$"),

@@ -120,6 +120,19 @@ def test_bad_flags_are_one_line(root, tmp_path, extra, message):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("method", ["dpo", "cpo"])
+def test_sft_data_flags_are_refused_for_preference_pairs(root, tmp_path, method):
+    """--train_on_prompt and --overlong shape SFT examples; a preference method never reads them (they were accepted
+    without effect). Refused when the data is read, before any process group (``check_before_launch``)."""
+    from plait.run.trainer import check_before_launch
+
+    args = TrainArgs(**flags(root, output_dir=str(tmp_path / "out"), method=method, train_on_prompt=True,
+                             overlong="drop"))
+    with pytest.raises(ConfigError, match=f"^--train_on_prompt, --overlong have no effect: --method {method} trains "
+                                          f"on each pair's completions"):
+        check_before_launch(args, 1)
+
+
 def test_a_prompt_that_fills_the_block_is_dropped_and_said(root, tmp_path, capsys):
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
     rows = [{"prompt": "hello " * 40, "chosen": " four", "rejected": " five"},

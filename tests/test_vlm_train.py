@@ -321,6 +321,16 @@ def test_packing_is_refused_where_positions_follow_the_images():
         check_packing(tiny_image_text_config("qwen2_vl"))
 
 
+def test_sft_only_flags_are_refused_for_image_text_rows(files):
+    """Image-text rows train on their assistant turns and refuse overlong rows: --train_on_prompt and --overlong were
+    accepted without effect."""
+    from plait.run.trainer import check_before_launch
+
+    with pytest.raises(ConfigError, match=r"^--overlong has no effect: image-text rows are trained on their "
+                                          r"assistant turns"):
+        check_before_launch(vlm_args(files, overlong="drop"), 1)
+
+
 def test_freezing_a_text_model_is_refused(tmp_path):
     from transformers import LlamaConfig
 

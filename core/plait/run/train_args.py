@@ -298,6 +298,9 @@ class TrainArgs(MethodArgs):
         if self.eval_steps and self.validation_file is None and self.eval_prompts is None:
             raise ConfigError(f"--eval_steps={self.eval_steps} has no effect without something to evaluate; give "
                               f"--validation_file or --eval_prompts, or drop it")
+        if self.exclude_embeddings_from_weight_decay and not self.weight_decay:
+            raise ConfigError("--exclude_embeddings_from_weight_decay has no effect with --weight_decay 0 (nothing is "
+                              "decayed); give --weight_decay, or drop it")
         if self.warmup_steps and self.lr_scheduler_type == "constant":
             raise ConfigError(f"--warmup_steps={self.warmup_steps} has no effect under --lr_scheduler_type constant; "
                               f"use --lr_scheduler_type constant_with_warmup, or drop it")
@@ -326,6 +329,15 @@ class TrainArgs(MethodArgs):
         """Those of ``names`` whose value is not the default: the flags the user gave."""
         defaults = {f.name: f.default for f in fields(self)}
         return [name for name in names if getattr(self, name) != defaults[name]]
+
+    def refuse_unread(self, names: tuple[str, ...], reason: str) -> None:
+        """Those of the flags ``names`` the user gave, which the run's data path never reads (``reason``: why, e.g.
+        plain text has no prompt to train on), refused in one line."""
+        given = [f"--{name}" for name in self.given(names)]
+        if given:
+            several = len(given) > 1
+            raise ConfigError(f"{', '.join(given)} ha{'ve' if several else 's'} no effect: {reason}; drop "
+                              f"{'them' if several else 'it'}")
 
     def refuse_idle_lora_settings(self, fix: str = "") -> None:
         """--lora_alpha and the other LoRA settings without LoRA (--lora_r 0) do nothing: refused, with ``fix``."""

@@ -51,7 +51,11 @@ class PreparedData:
 
 
 def prepare_data(args: TrainArgs, vocab_size: int, local_rank: int = 0, progress: bool = True) -> PreparedData:
-    """See ``_prepare_data``; a cache directory that cannot be written is one line naming it and the flag."""
+    """See ``_prepare_data``; a cache directory that cannot be written is one line naming it and the flag. Plain
+    text has no examples to pack, truncate or train on only in part: the SFT flags are refused."""
+    args.refuse_unread(("train_on_prompt", "packing", "overlong"),
+                       "the SFT flags shape .jsonl chat or prompt_completion examples, and this data is plain "
+                       "text, packed into blocks and trained on whole")
     try:
         return _prepare_data(args, vocab_size, local_rank, progress)
     except OSError as err:

@@ -93,6 +93,8 @@ class DPO(TrainingMethod):
         if args.ref_model_name_or_path:  # before any process group: its config alone
             check_vocabulary("--ref_model_name_or_path", args.ref_model_name_or_path, "reference", "policy",
                              model_config)
+        args.refuse_unread(("train_on_prompt", "overlong"), "--method dpo trains on each pair's completions and "
+                           "truncates pairs by its own rules (--truncation_mode)")
         check_packing(args, model_config)
         tokenizer = load_tokenizer(folder, model_config.vocab_size)
         read = lambda path: read_pairs(Path(path), tokenizer, args.block_size, args.truncation_mode)  # noqa: E731

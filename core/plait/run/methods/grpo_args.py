@@ -28,7 +28,9 @@ def check_grpo(args: Any) -> None:
     unread = [flag for flag, given in (("--packing", args.packing), (f"--data_format {args.data_format}",
                                                                     args.data_format != "auto"),
                                        (f"--text_field {args.text_field}", args.text_field != "text"),
-                                       ("--data_cache_dir", args.data_cache_dir is not None)) if given]
+                                       ("--data_cache_dir", args.data_cache_dir is not None),
+                                       ("--train_on_prompt", args.train_on_prompt),
+                                       (f"--overlong {args.overlong}", args.overlong != "truncate")) if given]
     if unread:  # the prompts are read as they are: nothing is tokenized into blocks, packed or cached
         several = len(unread) > 1
         raise ConfigError(f"{', '.join(unread)} ha{'ve' if several else 's'} no effect with --method grpo (its prompts "
