@@ -218,6 +218,9 @@ CASES = [
     ("sft_flags_on_plain_text", ["--packing", "--overlong", "drop"], None,
      "--packing, --overlong have no effect: the SFT flags shape .jsonl chat or prompt_completion examples, and this "
      "data is plain text"),
+    ("text_field_on_txt", ["--text_field", "body"], None,
+     "--text_field has no effect: it names the field of .jsonl lines and the column of Parquet files and "
+     "--dataset_name, and this data is .txt files"),
     ("eval_steps_without_evaluation", ["--eval_steps", "2"], None,
      "--eval_steps=2 has no effect without something to evaluate; give --validation_file or --eval_prompts"),
     ("warmup_under_constant", ["--warmup_steps", "2", "--lr_scheduler_type", "constant"], None,
@@ -410,7 +413,6 @@ TAKES = {
     "seed=-3": "any integer seeds the generators",
     "backend=bogus": "torch.distributed backends are registered by plugins at run time (torch_xla's xla); a single "
                      "process never starts one",
-    "text_field=bogus": "read only from .jsonl and .parquet data; the default corpus is text",
 }
 
 

@@ -79,6 +79,9 @@ def _prepare_data(args: TrainArgs, vocab_size: int, local_rank: int, progress: b
     sources = train_sources(args)
     val_sources = (resolve_sources(args.validation_file, getattr(args, "text_field", "text"), "--validation_file")
                    if args.validation_file else None)
+    if all(source.kind == "txt" for source in [*sources, *(val_sources or [])]):
+        args.refuse_unread(("text_field",), "it names the field of .jsonl lines and the column of Parquet files and "
+                           "--dataset_name, and this data is .txt files, read as they are")
     directory, trained_bpe = tokenizer_dir(args.tokenizer_name, args.model_name_or_path), None
     if directory is not None:
         tokenizer = load_tokenizer(directory, vocab_size)
