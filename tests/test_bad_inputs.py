@@ -229,6 +229,8 @@ CASES = [
     ("max_restarts_under_own_torchrun", ["--max_restarts", "2"], under_own_torchrun,
      "--max_restarts=2 is for plait's launcher, and this process is a worker of a torchrun started by hand; give "
      "torchrun --max-restarts 2 instead"),
+    ("nproc_under_own_torchrun", ["--nproc_per_node", "2"], under_own_torchrun,
+     "--nproc_per_node=2 launches plait's processes, and this process is a worker of a torchrun started by hand"),
     ("not_an_int", ["--max_steps", "ten"], None, "argument --max_steps: invalid int value: 'ten'"),
     ("toml_unknown_key", [], file_with("run.toml", "learning_rate = 1e-3\nlearnin_rate = 2e-3\n", "--config"),
      "unknown key(s) learnin_rate; valid keys:"),

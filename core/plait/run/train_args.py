@@ -304,10 +304,15 @@ class TrainArgs(MethodArgs):
         if self.warmup_steps and self.lr_scheduler_type == "constant":
             raise ConfigError(f"--warmup_steps={self.warmup_steps} has no effect under --lr_scheduler_type constant; "
                               f"use --lr_scheduler_type constant_with_warmup, or drop it")
-        if self.max_restarts and "LOCAL_RANK" in os.environ and not under_plait_launcher():
-            raise ConfigError(f"--max_restarts={self.max_restarts} is for plait's launcher, and this process is a "
-                              f"worker of a torchrun started by hand; give torchrun --max-restarts "
-                              f"{self.max_restarts} instead (its restarts resume from the newest checkpoint too)")
+        if "LOCAL_RANK" in os.environ and not under_plait_launcher():  # a worker of a torchrun started by hand
+            if self.max_restarts:
+                raise ConfigError(f"--max_restarts={self.max_restarts} is for plait's launcher, and this process is "
+                                  f"a worker of a torchrun started by hand; give torchrun --max-restarts "
+                                  f"{self.max_restarts} instead (its restarts resume from the newest checkpoint too)")
+            if self.nproc_per_node > 1:
+                raise ConfigError(f"--nproc_per_node={self.nproc_per_node} launches plait's processes, and this "
+                                  f"process is a worker of a torchrun started by hand, whose own --nproc_per_node "
+                                  f"gives the processes; drop it")
         if self.eval_prompts is None and self.eval_max_new_tokens != 32:
             raise ConfigError(f"--eval_max_new_tokens={self.eval_max_new_tokens} has no effect without --eval_prompts; "
                               f"drop it, or give --eval_prompts FILE.jsonl")
