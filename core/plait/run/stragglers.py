@@ -8,9 +8,11 @@ rank named on a timeout comes with its last step time) and gathers every rank's 
 at each step's end (peak memory, a stop signal), so naming costs no collective of its own.
 
 ``StragglerWatch`` then runs the same arithmetic on every rank: a rank whose time is over ``RATIO`` x the median
-of all ranks' at ``PATIENCE`` steps in a row is named once (rank, host, its mean ratio over those steps), and the
+of the other ranks' at ``PATIENCE`` steps in a row is named once (rank, host, its mean ratio over those steps), and the
 step records count the ranks named so far (``stragglers`` in metrics.jsonl). One slow step (a page fault, a
-checkpoint's copy) does not name anyone; a host that stays slow does.
+checkpoint's copy) does not name anyone; a host that stays slow does. The others' median, not all ranks': in a
+world of two that median held the slow rank's own time (the mean of both), so a rank 3x slower than its peer
+measured 1.5x and was never named, and the ratio printed could not pass 2.
 
 Within a tensor-, pipeline- or context-parallel group the ranks wait for each other inside the step too, so a
 slow rank there slows its group's measured time alike: the group's ranks are named together, and the one among
@@ -44,10 +46,11 @@ class StragglerWatch:
 
     def observe(self, times: list[float]) -> list[tuple[int, float]]:
         """Take one step's time of every rank; return the ranks named at this step with their mean ratio to the
-        median over the slow run that named them."""
-        median = statistics.median(times)
+        others' median over the slow run that named them."""
         found = []
         for rank, seconds in enumerate(times):
+            others = times[:rank] + times[rank + 1:]
+            median = statistics.median(others) if others else 0.0
             ratio = seconds / median if median > 0 else 1.0
             if ratio > self.ratio:
                 self.runs[rank] += 1
@@ -62,6 +65,6 @@ class StragglerWatch:
 
 def straggler_line(rank: int, host: str, ratio: float, patience: int = PATIENCE) -> str:
     """The log line naming a straggler."""
-    return (f"straggler: rank {rank} ({host}) took {ratio:.1f}x the median step time of all ranks for {patience} "
+    return (f"straggler: rank {rank} ({host}) took {ratio:.1f}x the median step time of the other ranks for {patience} "
             f"steps in a row (its own work before the step's reduction; look at that host's load, clocks and "
             f"devices)")
