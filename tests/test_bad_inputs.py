@@ -221,6 +221,13 @@ CASES = [
     ("text_field_on_txt", ["--text_field", "body"], None,
      "--text_field has no effect: it names the field of .jsonl lines and the column of Parquet files and "
      "--dataset_name, and this data is .txt files"),
+    ("save_steps_past_the_end", ["--save_steps", "10"], None,
+     "--save_steps=10 never saves: the run ends at step 3 (--max_steps)"),
+    ("save_async_without_a_save_before_the_end", ["--save_steps", "3", "--save_async"], None,
+     "--save_async overlaps a checkpoint's writing with the steps after it, and no --save_steps save falls before the "
+     "last step (--save_steps 3, --max_steps 3)"),
+    ("save_total_limit_without_saves", ["--save_total_limit", "2", "--no_save_final"], None,
+     "--save_total_limit=2 has no effect: with --save_steps 0 and --no_save_final this run saves no checkpoint"),
     ("eval_steps_without_evaluation", ["--eval_steps", "2"], None,
      "--eval_steps=2 has no effect without something to evaluate; give --validation_file or --eval_prompts"),
     ("warmup_under_constant", ["--warmup_steps", "2", "--lr_scheduler_type", "constant"], None,

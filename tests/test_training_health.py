@@ -53,6 +53,8 @@ def test_diverging_run_stops_before_saving_garbage(model_config, tmp_path, capsy
     assert err.startswith("plait: error: step 2: non-finite grad_norm (loss=")
     assert "the step was not applied and no checkpoint was saved" in err and "lower --learning_rate (now 0.001)" in err
     assert "clip with --max_grad_norm 1.0" in err
+    assert f"(the newest checkpoint is {out / 'checkpoint-1'}, from before it)" in err
+    assert err.endswith("or skip such steps with --skip_nonfinite_steps")
     records = strict_records(out)
     bad = records[-1]
     assert bad["step"] == 2 and bad["grad_norm"] is None and bad["nonfinite"] == ["grad_norm"] and bad["skipped"]
@@ -74,6 +76,8 @@ def test_skip_nonfinite_steps_counts_then_stops(model_config, tmp_path, capsys, 
         (1, False, 0), (2, True, 1), (3, True, 2), (4, True, 3)]
     err = capsys.readouterr().err
     assert "step 4: non-finite" in err
+    assert "(the run has no checkpoint)" in err  # --save_steps 0: none before the end
+    assert "or allow more skipped steps than --skip_nonfinite_steps 2 (this was non-finite step 3)" in err
     lines = [line for line in err.splitlines() if line.startswith("step 3/6 | ")]  # stderr is no terminal here
     assert len(lines) == 1 and " | grad_norm nan | not applied (non-finite) | skipped 2 | " in lines[0], err
 

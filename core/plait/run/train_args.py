@@ -96,7 +96,7 @@ class TrainArgs(MethodArgs):
     attn_implementation: str | None = field(default=None, metadata={"help": "transformers attention kernel: eager, sdpa, flash_attention_2, ... (default: transformers' choice)"})
     torch_compile: bool = field(default=False, metadata={"help": "torch.compile each leaf module (decoder layer)"})
     save_steps: int = field(default=0, metadata={"help": "save a sharded checkpoint every N steps (0: only the final one, see --save_final)"})
-    save_final: bool = field(default=True, metadata={"help": "save a checkpoint after the last step, ready for plait consolidate (--no_save_final: end without one)"})
+    save_final: bool = field(default=True, metadata={"help": "save a checkpoint after the last step, ready for plait consolidate (--no_save_final: no save after the last step, unless --save_steps falls on it)"})
     save_async: bool = field(default=False, metadata={"help": "write each --save_steps checkpoint in the background while training goes on: each rank copies its part to host memory (its shard of the weights and optimizer state, see plait plan) and the next save, and the end of the run, wait for it; a crash mid-write leaves the previous checkpoint the newest"})
     save_total_limit: int = field(default=0, metadata={"help": "keep only the newest N checkpoints (0: keep all)"})
     save_on_signal: bool = field(default=True, metadata={"help": "on SIGTERM or a first SIGINT (Ctrl-C), finish the step and save a checkpoint before stopping (--no_save_on_signal: stop without saving)"})
@@ -202,10 +202,10 @@ class TrainArgs(MethodArgs):
             raise ConfigError(f"--fault_tolerance={self.fault_tolerance!r} is unknown; choose none or torchft")
         check_fault_tolerance(self.fault_tolerance, self.replica_group_id, self.num_replica_groups,
                               self.zero_1 or self.zero_stage > 0)
-        if self.save_async and not self.save_steps:
-            raise ConfigError("--save_async overlaps a checkpoint's writing with the steps after it, and with "
-                              "--save_steps 0 none follow the only (final) save; set --save_steps N or drop "
-                              "--save_async")
+        if self.save_async and not 0 < self.save_steps < self.max_steps:
+            raise ConfigError(f"--save_async overlaps a checkpoint's writing with the steps after it, and no "
+                              f"--save_steps save falls before the last step (--save_steps {self.save_steps}, "
+                              f"--max_steps {self.max_steps}); set --save_steps below --max_steps or drop --save_async")
         for name in ("learning_rate", "weight_decay"):  # a learning rate of 0 measures the loss without training
             if not 0 <= getattr(self, name) < math.inf:  # nan and inf fail too
                 raise ConfigError(f"--{name}={getattr(self, name)} must be a finite number >= 0")
@@ -301,6 +301,12 @@ class TrainArgs(MethodArgs):
         if self.exclude_embeddings_from_weight_decay and not self.weight_decay:
             raise ConfigError("--exclude_embeddings_from_weight_decay has no effect with --weight_decay 0 (nothing is "
                               "decayed); give --weight_decay, or drop it")
+        if self.save_steps > self.max_steps > 0:
+            raise ConfigError(f"--save_steps={self.save_steps} never saves: the run ends at step {self.max_steps} "
+                              f"(--max_steps); use a smaller --save_steps, or drop it (the final save is made anyway)")
+        if self.save_total_limit and not self.save_steps and not self.save_final:
+            raise ConfigError(f"--save_total_limit={self.save_total_limit} has no effect: with --save_steps 0 and "
+                              f"--no_save_final this run saves no checkpoint; drop it, or give --save_steps")
         if self.warmup_steps and self.lr_scheduler_type == "constant":
             raise ConfigError(f"--warmup_steps={self.warmup_steps} has no effect under --lr_scheduler_type constant; "
                               f"use --lr_scheduler_type constant_with_warmup, or drop it")
