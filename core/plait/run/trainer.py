@@ -93,8 +93,9 @@ def check_resume_matches(args: TrainArgs, meta: nn.Module, resume: Path | None) 
         )
 
 
-def diverged_message(step: int, bad: NonFiniteStep, args: TrainArgs) -> str:
-    """One line: the step, the values, what was (not) done, and the likely fixes with the flags' values."""
+def diverged_message(step: int, bad: NonFiniteStep, args: TrainArgs, skipped: int, last: Path | str | None) -> str:
+    """One line: the step, the values, what was (not) done (``skipped`` such steps so far, the newest checkpoint
+    ``last``), and the likely fixes with the flags' values."""
     fixes = [f"lower --learning_rate (now {args.learning_rate:g})",
              f"clip harder with --max_grad_norm (now {args.max_grad_norm:g})" if args.max_grad_norm
              else "clip with --max_grad_norm 1.0"]
@@ -102,8 +103,14 @@ def diverged_message(step: int, bad: NonFiniteStep, args: TrainArgs) -> str:
         fixes.append("keep fp32 master weights (--optimizer_dtype float32)")
     elif args.bf16 or args.bf16_autocast:
         fixes.append("train in fp32 (drop --bf16 / --bf16_autocast)")
-    return (f"step {step}: {bad}; the step was not applied and no checkpoint was saved (the last one on disk "
-            f"is from before it); likely fixes: {', '.join(fixes)}, or skip such steps with --skip_nonfinite_steps")
+    saved = f"the newest checkpoint is {last}, from before it" if last else "the run has no checkpoint"
+    if args.skip_nonfinite_steps:
+        skip = (f"or allow more skipped steps than --skip_nonfinite_steps {args.skip_nonfinite_steps} (this was "
+                f"non-finite step {skipped})")
+    else:
+        skip = "or skip such steps with --skip_nonfinite_steps"
+    return (f"step {step}: {bad}; the step was not applied and no checkpoint was saved ({saved}); likely fixes: "
+            f"{', '.join(fixes)}, {skip}")
 
 
 def resume_path(args: TrainArgs) -> Path | str | None:
@@ -312,7 +319,8 @@ class Trainer:
             record.update(grad_norm=bad.values["grad_norm"], skipped=True)
             if self.skipped_steps > args.skip_nonfinite_steps:
                 self.log.write({**record, "skipped_steps": self.skipped_steps})
-                raise TrainingDiverged(diverged_message(step + 1, bad, args)) from None
+                raise TrainingDiverged(diverged_message(step + 1, bad, args, self.skipped_steps,
+                                                        latest_checkpoint(self.checkpoints))) from None
         self.scheduler.step()
         if self.replicas is not None:
             record["replica_groups"] = self.replicas.participants
