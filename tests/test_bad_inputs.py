@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 import plait
 from plait.cli import main
+from plait.data import default_corpus_path
 import plait.cli
 import plait.plugin.registry
 import plait.run.runtime
@@ -586,6 +587,9 @@ CHANGED_ON_RESUME = [
     ("global_batch", ["--gradient_accumulation_steps", "2"],
      "was saved by a run of 2 sequences a step (--per_device_train_batch_size x data-parallel ranks x "
      "--gradient_accumulation_steps), this run has 4"),
+    ("seed", ["--seed", "7"], "was saved with --seed 0, which a resume restores"),
+    ("other_data", ["--train_file", str(default_corpus_path())],
+     "examples (blocks, pairs or prompts) and this run's data has"),
 ]
 
 

@@ -18,9 +18,10 @@ if TYPE_CHECKING:
 
 
 # what a resume restores from the checkpoint (the optimizer's hyperparameters and groups, the schedule, the data
-# order over the blocks and the batch), so a run resuming with other values would silently not use them
+# order over the blocks and the batch, the seed of that order and of the random streams), so a run resuming with
+# other values would silently not use them
 RESUMED_FLAGS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay",
-                 "exclude_embeddings_from_weight_decay", "block_size")
+                 "exclude_embeddings_from_weight_decay", "block_size", "seed")
 
 
 def resumed_flags(args: TrainArgs, global_batch: int) -> dict:
@@ -71,3 +72,15 @@ def check_resumed_lora(args: TrainArgs, saved: LoraConfig | None, resume: object
         held = ", ".join(f"--{n} {norm(getattr(saved, keys[n]))}" for n in differ)
         raise ConfigError(f"--resume_from_checkpoint {resume} holds LoRA adapters of {held}, which it brings back; "
                           f"leave out {', '.join(f'--{n}' for n in differ)} (a LoRA checkpoint gives its own)")
+
+
+def check_resumed_data(saved: dict | None, examples: int, resume: object) -> None:
+    """The data order goes on over the checkpoint's examples (``saved``: its sampler's state): another count (other
+    data, or the same laid out otherwise by --packing, --overlong or --block_size) is refused when the data is read,
+    before any weight (it failed after the whole checkpoint was loaded, naming the sampler's fields)."""
+    if saved is not None and saved["num_blocks"] != examples:
+        raise ConfigError(
+            f"--resume_from_checkpoint {resume} was trained on {saved['num_blocks']:,} examples (blocks, pairs or "
+            f"prompts) and this run's data has {examples:,}; the data order goes on only over the same data laid out "
+            f"the same way: resume with the checkpoint's data and its --packing, --overlong and --block_size, or start "
+            f"a new run from its weights (plait consolidate, then --model_name_or_path)")

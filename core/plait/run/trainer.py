@@ -58,7 +58,7 @@ from plait.run.model_config import check_model_fits, read_model_config
 from plait.run.moe_metrics import RoutingMetrics
 from plait.run.prompts import EvalPrompts
 from plait.run.run_files import RunFiles
-from plait.run.resume_checks import check_resumed_flags, check_resumed_lora, resumed_flags
+from plait.run.resume_checks import check_resumed_data, check_resumed_flags, check_resumed_lora, resumed_flags
 from plait.run.runtime import TrainingDiverged, explain_timeouts, init_distributed, is_main_process
 from plait.run.stop import StopRequested, StopSignals
 from plait.run.trackers import Trackers, parse_report_to
@@ -157,10 +157,19 @@ def check_before_launch(args: TrainArgs, world: int) -> None:
     run (``plan_run``) and prepare its data, so bad input (a layout, a model, an empty or unreadable data file)
     is one line there instead of one per worker and torchrun's dump. The data is tokenized into the cache here,
     once; the workers read it back."""
-    _, model_config, _, _, plan = plan_run(args, world)
-    method = method_for(args)
-    _, _, tokenizer = method.load_data(args, model_config, plan) or load_data(args, model_config.vocab_size)
+    resume, model_config, _, _, plan = plan_run(args, world)
+    _, _, tokenizer = run_data(args, model_config, plan, method_for(args), resume)
     eval_prompts(args, tokenizer)
+
+
+def run_data(args: TrainArgs, model_config: PretrainedConfig, plan: LayoutPlan, method: type[TrainingMethod],
+             resume: Path | str | None) -> tuple:
+    """The method's training data (next-token blocks by default), validation data and tokenizer, the count
+    checked against the checkpoint a run resumes (``check_resumed_data``)."""
+    data = method.load_data(args, model_config, plan) or load_data(args, model_config.vocab_size)
+    if resume is not None:
+        check_resumed_data(read_index(resume)[1].extra.get("sampler"), len(data[0]), resume)
+    return data
 
 
 def eval_prompts(args: TrainArgs, tokenizer: Any) -> EvalPrompts | None:
@@ -191,8 +200,7 @@ class Trainer:
             keep_freed_memory()
         check_float8_device(plan.config, device)  # float8 off a float8 GPU: before any data is read
         # Data before any process group: a bad file fails every rank at once, never inside a collective.
-        self.blocks, self.val_blocks, self.tokenizer = (method.load_data(args, model_config, plan)
-                                                        or load_data(args, model_config.vocab_size))
+        self.blocks, self.val_blocks, self.tokenizer = run_data(args, model_config, plan, method, resume)
         self.eval_prompts = eval_prompts(args, self.tokenizer)
         init_distributed(device, args.backend, args.ddp_timeout)
         world = int(os.environ.get("WORLD_SIZE", "1"))
