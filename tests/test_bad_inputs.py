@@ -397,6 +397,8 @@ COMMAND_CASES = [
      "--train_file '/nonexistent/train.txt' does not exist"),
     ("prepare_data_sft_flag_on_text", ["prepare-data", "--train_on_prompt"], None,
      "--train_on_prompt has no effect: the SFT flags shape .jsonl chat or prompt_completion examples"),
+    ("prepare_data_vision", ["prepare-data", "--data_format", "vision"], None,
+     "plait prepare-data caches text and SFT data; image-text rows (--data_format vision) are encoded by plait train"),
     ("prepare_data_empty_file", ["prepare-data"], lambda tmp: ["--train_file", str((tmp / "e.txt").write_text("")
                                                                                   or tmp / "e.txt")],
      "e.txt: the file is empty"),

@@ -50,7 +50,12 @@ def cmd_prepare_data(ns: argparse.Namespace) -> None:
     check_model_fits(args, model_config)  # the blocks must be ones plait train can run
     vocab_size = model_config.vocab_size
     try:  # the data layer's errors name the file and the fix: the command's one line
-        if data_format(args.sft_source()) in SFT_FORMATS:  # load_sft_data prints examples, tokens, blocks and the cache entry
+        fmt = data_format(args.sft_source())
+        if fmt == "vision":  # was tokenized as plain text, JSON and all, and reported as prepared
+            raise ConfigError("plait prepare-data caches text and SFT data; image-text rows (--data_format vision) "
+                              "are encoded by plait train as it reads them, with the model's processor: nothing to "
+                              "prepare")
+        if fmt in SFT_FORMATS:  # load_sft_data prints examples, tokens, blocks and the cache entry
             lines = batch_lines(args, dp, len(load_sft_data(args.sft_source(), vocab_size).blocks))
         else:
             lines = report(prepare_data(args, vocab_size, local_rank=0, progress=True), args, dp)
