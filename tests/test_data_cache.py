@@ -335,7 +335,7 @@ def test_jsonl_text_field(tokenizer, tmp_path):
     args = TrainArgs(train_file=str(data), text_field="content", block_size=2, data_cache_dir=str(tmp_path / "c"))
     got = prepare_data(args, 61, progress=False).train.tokens().tolist()
     assert got == [b % 61 for b in b"alpha betagamma"]  # byte ids: documents concatenated, as before
-    with pytest.raises(ValueError, match=r'd.jsonl:1: expected a JSON object with a string "text" field .*--text_'):
+    with pytest.raises(ValueError, match=r'd.jsonl:1: "text" is a number \(3\), not a string; .*--text_field'):
         prepare_data(TrainArgs(**{**vars(args), "text_field": "text"}), 61, progress=False)
 
 
@@ -425,7 +425,7 @@ BAD_INPUTS = [
     ("binary_file", 61, lambda p: p.write_bytes(b"text at first\n" * 5 + b"\x00\x01\x02 binary"), "bin.txt",
      r"bin.txt: a NUL byte at byte offset 70; it is not UTF-8 text"),
     ("invalid_utf8", 300, lambda p: p.write_bytes(b"caf\xc3\xa9 ok\n" * 3 + b"bad \xff byte"), "latin.txt",
-     r"latin.txt: invalid UTF-8 \(invalid start byte\) at byte offset 31"),
+     r"latin.txt: invalid UTF-8 \(byte 0xff: invalid start byte\) at byte offset 31"),
     ("empty_corpus", 300, lambda p: p.write_text("\n\n"), "empty.jsonl", r"empty.jsonl: the file is empty"),
     ("jsonl_without_field", 61, lambda p: p.write_text('{"text": "ok"}\n{"body": "no text"}\n'), "d.jsonl",
      r'd.jsonl:2: expected a JSON object with a string "text" field \(found: body\); choose the field with '

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from plait.data.cache import default_cache_root
+from plait.data.cache import default_cache_root, short_stream_error
 from plait.data.dataset import pack_blocks, tokenize_files
 from plait.data.documents import read_documents
 from plait.data.tokenizer import MIN_VOCAB_SIZE, load_or_train_tokenizer
@@ -42,7 +42,8 @@ def training_blocks(
     """[num_blocks, block_size] token ids and the tokenizer that made them (None for bytes)."""
     if tokenizer_dir is None and vocab_size < MIN_VOCAB_SIZE:
         return pack_blocks(byte_token_ids(files, vocab_size), block_size), None
-    tokenizer = load_or_train_tokenizer(tokenizer_dir, files, vocab_size, cache_dir or default_cache_dir() / "tokenizers")
+    tokenizer = load_or_train_tokenizer(tokenizer_dir, files, vocab_size,
+                                        cache_dir or default_cache_dir() / "tokenizers")
     return pack_blocks(tokenize_files(files, tokenizer), block_size), tokenizer
 
 
@@ -94,7 +95,7 @@ class TokenBlocks:
         num_blocks = num_tokens // block_size
         if rows is None:
             if num_blocks < 1:
-                raise ValueError(f"{num_tokens} tokens are fewer than one block of block_size={block_size}")
+                raise short_stream_error(self.path, num_tokens, block_size)
             rows = range(num_blocks)
         self.rows = rows
         self._row_bytes = block_size * self.token_dtype.itemsize

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.data.sources import Source
+from plait.data.sources import Source, describe
 
 FORMAT = "plait-tokens-v1"
 TOKENS_FILE, DOCS_FILE, META_FILE = "tokens.bin", "docs.bin", "meta.json"
@@ -397,6 +397,7 @@ class TokenCache(CacheEntry):
         return {"format": FORMAT, "dtype": dtype.name, "num_tokens": counts["tokens"],
                 "num_documents": counts["documents"], "input_bytes": total_bytes, "seconds": round(seconds, 3),
                 "eos": encoder.eos, "encoder": encoder.name, "key": self.key_fields,
+                "inputs": f"{self.sources[0].flag} {describe(self.sources)}",
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
     def tokens(self) -> np.memmap:
@@ -413,6 +414,19 @@ class TokenCache(CacheEntry):
         if meta is None or meta["num_documents"] == 0:
             return np.zeros(0, dtype="<u8")
         return np.memmap(self.path / DOCS_FILE, dtype="<u8", mode="r")
+
+
+def short_stream_error(tokens_file: Path, num_tokens: int, block_size: int) -> ValueError:
+    """The one line for a token stream shorter than one block: whose data (the flag and files, from the entry's
+    meta.json), how many tokens, and the fix. The entry itself is removed, so the failed preparation leaves
+    none: ``block_size`` is not in the key, but an entry of fewer tokens than a block is tokenized again in no
+    time should a smaller block size want it."""
+    meta = read_meta(tokens_file.parent) if tokens_file.name == TOKENS_FILE else None
+    inputs = meta.get("inputs", str(tokens_file)) if meta is not None else str(tokens_file)
+    if meta is not None:
+        shutil.rmtree(tokens_file.parent, ignore_errors=True)
+    fix = f"use --block_size {num_tokens} or less, or give more data" if num_tokens >= 2 else "give more data"
+    return ValueError(f"{inputs}: {num_tokens:,} tokens are fewer than one block of --block_size={block_size}; {fix}")
 
 
 def _short(sources: list[Source]) -> str:

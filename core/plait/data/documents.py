@@ -15,9 +15,10 @@ def read_documents(path: Path) -> Iterator[str]:
     """Yield the non-empty documents of one file.
 
     A ``.jsonl`` file holds one document per line, in the line's ``"text"``
-    field; blank lines are skipped. Any other file is read whole as a single
-    document, because blank lines inside prose and verse are part of its
-    formatting rather than document boundaries.
+    field; blank lines and null fields are skipped (as the streaming reader
+    skips them). Any other file is read whole as a single document, because
+    blank lines inside prose and verse are part of its formatting rather than
+    document boundaries.
     """
     path = Path(path)
     if path.suffix == ".jsonl":
@@ -26,7 +27,7 @@ def read_documents(path: Path) -> Iterator[str]:
                 if not line.strip():
                     continue
                 record = json.loads(line)
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                if not isinstance(record, dict) or "text" not in record or not isinstance(record["text"], str | None):
                     raise ValueError(f'{path}:{line_no}: expected a JSON object with a string "text" field')
                 if record["text"]:
                     yield record["text"]

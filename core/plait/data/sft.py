@@ -36,6 +36,7 @@ from plait.data.sources import Source, resolve_sources
 from plait.data.tokenizer import load_tokenizer
 
 SFT_FORMATS = ("chat", "prompt_completion")
+_FIELDS = {"chat": "'messages' or 'conversations' lines", "prompt_completion": "'prompt' + 'completion' lines"}
 CACHE_FORMAT = "plait-sft-v1"
 TOKENS_FILE, TRAINABLE_FILE, DOCS_FILE, META_FILE = "tokens.bin", "trainable.bin", "docs.bin", "meta.json"
 
@@ -167,6 +168,9 @@ def load_sft_data(source: SFTSource, vocab_size: int, fmt: str | None = None, re
     process group, so a bad line fails every rank at once (ConfigError naming the file and line). ``report``: say
     what was read (local rank 0 of a node; the run layer knows whether a launcher said it already)."""
     fmt = fmt or data_format(source)
+    if source.text_field != SFTSource.text_field:  # worded as TrainArgs.refuse_unread words such refusals
+        raise ConfigError(f"--text_field has no effect: it names the field of plain-text .jsonl lines and the column "
+                          f"of Parquet files and --dataset_name, and this data is {fmt} ({_FIELDS[fmt]}); drop it")
     directory = tokenizer_dir(source.tokenizer_name, source.model_name_or_path)
     if directory is None:
         raise ConfigError(f"--data_format {fmt} needs a tokenizer (with a chat template for chat data); give "

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from plait.base.config import ConfigError
-from plait.data.sources import resolve_sources
+from plait.data.sources import jsonl_lines, resolve_sources
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # what chat templates render
 # ShareGPT's ``from`` values, read as TRL (human, gpt) and axolotl (human/user, gpt/assistant) read them; the
-# ShareGPT V3 dump names the assistant after the model that answered (chatgpt, bing, bard), Gemma's data "model". Tool results ("function" in OpenAI's older API, "observation" in
-# LLaMA-Factory's) become the tool role.
+# ShareGPT V3 dump names the assistant after the model that answered (chatgpt, bing, bard), Gemma's data "model".
+# Tool results ("function" in OpenAI's older API, "observation" in LLaMA-Factory's) become the tool role.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
                   "system": "system", "tool": "tool", "function": "tool", "observation": "tool"}
@@ -75,6 +75,7 @@ def data_format(source: SFTSource) -> str:
     Raises:
         ConfigError: for a first line that is a JSON object with none of the formats' fields, naming the keys
             it has and the known ones they resemble.
+        ValueError: for a file that cannot be read or is not UTF-8 (``jsonl_lines``: the file, line and byte).
     """
     if source.data_format != "auto":
         return source.data_format
@@ -83,14 +84,14 @@ def data_format(source: SFTSource) -> str:
     first = resolve_sources(source.train_file, source.text_field, "--train_file")[0]
     if first.kind != "jsonl":
         return "text"
-    for number, line in _lines(first.path):
+    for line in jsonl_lines(first.path):
         try:
-            record = json.loads(line)
+            record = json.loads(line.text)
         except ValueError as err:
-            raise ConfigError(f"{first.path} line {number}: not valid JSON ({err})") from None
+            raise ConfigError(f"{first.path} line {line.number}: not valid JSON ({err})") from None
         fmt = record_format(record, source.text_field)
         if fmt is None and isinstance(record, dict):
-            raise ConfigError(f"{first.path} line {number}: no 'messages', 'conversations', 'prompt'+'completion' "
+            raise ConfigError(f"{first.path} line {line.number}: no 'messages', 'conversations', 'prompt'+'completion' "
                               f"or {source.text_field!r} field; found {_keys(record)}"
                               f"{_unknown_format_hint(record, source.text_field)}")
         return fmt or "text"  # not a JSON object: the text reader names the line
@@ -128,28 +129,22 @@ def _keys(record: dict) -> str:
     return ", ".join(repr(str(k)) for k in record) or "no keys"
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                yield number, line
-
-
 def read_records(path: Path, fmt: str) -> Iterator[tuple[int, dict]]:
     """(line number, record) of every non-blank line, each checked against ``fmt``; a chat record is
     ``{"messages": [...]}`` whether its line held ``messages`` or ShareGPT ``conversations``.
 
     Raises:
-        ValueError: naming the file, the line and the field, for a line that is not JSON or not in ``fmt``.
+        ValueError: naming the file, the line and the field, for a line that is not JSON or not in ``fmt``; naming
+            the file, line and byte offset for an unreadable, binary or non-UTF-8 file (``jsonl_lines``).
     """
-    for number, line in _lines(path):
-        where = f"{path} line {number}"
+    for line in jsonl_lines(path):
+        where = f"{path} line {line.number}"
         try:
-            record = json.loads(line)
+            record = json.loads(line.text)
         except ValueError as err:
             raise ValueError(f"{where}: not valid JSON ({err})") from None
         try:
-            yield number, _normalized(record, fmt)
+            yield line.number, _normalized(record, fmt)
         except _LineError as err:
             raise ValueError(f"{where}: {err}") from None
 

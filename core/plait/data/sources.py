@@ -2,7 +2,9 @@
 
 A *source* is one input file (``.txt``, ``.jsonl``, ``.parquet``) or a local ``datasets`` dir
 (``save_to_disk``). ``--train_file`` may name a file, a directory (every ``.txt``/``.jsonl``/``.parquet``
-under it, recursively, in sorted order) or a glob; ``--dataset_name`` names a ``datasets`` dir.
+under it, recursively, in sorted order, through symbolic links to directories) or a glob; ``--dataset_name``
+names a ``datasets`` dir. A ``.json`` file is refused: it may be one JSON document or JSON lines (``datasets``'
+``to_json`` writes lines under that name), and read as text it would train on its syntax.
 
 What a document is:
 
@@ -14,8 +16,11 @@ What a document is:
   exactly the ids of the whole file; other tokenizers (e.g. SentencePiece's prefix space) may differ at the
   cuts, once per 64 Ki characters, as when ``run_clm`` tokenizes a text file line by line.
   Newlines are read as Python's universal newlines (``\\r\\n`` and ``\\r`` become ``\\n``).
-- ``.jsonl``: one document per line, its ``--text_field`` (default ``text``); blank lines are skipped.
-- Parquet and ``datasets`` dirs: one document per row, the ``--text_field`` column; nulls are skipped.
+- ``.jsonl``: one document per line, its ``--text_field`` (default ``text``); blank lines, and lines whose
+  field is null, are skipped (as Parquet's null rows). Lines are UTF-8, a BOM at the start allowed
+  (``jsonl_lines``, which the SFT readers share).
+- Parquet and ``datasets`` dirs: one document per row, the ``--text_field`` column (a string column, also
+  dictionary-encoded or string_view, as pandas' categoricals and polars write them); nulls are skipped.
 
 Every reader yields ``(text, ends_document, input_bytes)`` where ``input_bytes`` is how much of the input
 the piece stands for (the progress bar's MB/s). A document longer than a piece is cut the same way as a
@@ -32,6 +37,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, Any, NamedTuple
 
 TEXT_SUFFIXES = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
 READ_CHUNK = 1 << 20  # bytes read from a text file at a time
@@ -54,6 +60,7 @@ class Source:
     text_field: str = "text"
     split: str | None = None  # the DatasetDict split read (datasets dirs)
     files: tuple[Path, ...] = field(default=())  # the arrow files behind a datasets dir
+    flag: str = "--train_file"  # the flag that named it, for messages (not in the cache key)
 
     def identity(self) -> list:
         """What the cache key holds: the file's absolute path, size and mtime (for a datasets dir, every
@@ -79,34 +86,84 @@ class Source:
         return _dataset_pieces(self)
 
 
-def _file_source(path: Path, text_field: str) -> Source:
-    return Source(TEXT_SUFFIXES.get(path.suffix.lower(), "txt"), path, text_field)
+def _file_source(path: Path, text_field: str, flag: str) -> Source:
+    """A file named by the user (directly or by a glob): its suffix says how it is read, any unknown one as text
+    but ``.json``, whose text is JSON syntax that would be trained on as prose."""
+    if path.suffix.lower() == ".json":
+        raise ValueError(f"{flag} {path}: .json files are not read (a JSON document is no list of texts, and "
+                         f"datasets' to_json writes JSON lines under that name); rename it to .jsonl if it holds one "
+                         f"JSON object per line, or to .txt if it is plain text")
+    return Source(TEXT_SUFFIXES.get(path.suffix.lower(), "txt"), path, text_field, flag=flag)
+
+
+def _broken_link(flag: str, path: Path) -> ValueError:
+    return ValueError(f"{flag} {path} is a broken symbolic link (to {os.readlink(path)}, which does not exist); "
+                      f"fix the link or remove it")
+
+
+def _data_files(directory: Path, flag: str) -> list[Path]:
+    """The non-hidden .txt/.jsonl/.parquet files under ``directory``, sorted by path. Symbolic links to
+    directories are followed (a corpus assembled from links is read whole); a broken link, whose data would
+    be missing unseen, and a link back into a directory that encloses it, which would never end, are refused
+    by name."""
+    files: list[Path] = []
+
+    def walk(folder: Path, enclosing: frozenset[Path]) -> None:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError as err:
+            raise ValueError(f"cannot read the directory {folder}: {err.strerror or err}; check its "
+                             f"permissions") from None
+        for entry in entries:
+            path = Path(entry.path)
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir():
+                real = path.resolve()
+                if real in enclosing:
+                    raise ValueError(f"{flag} {directory}: {path} links back to {real}, a directory that "
+                                     f"encloses it, so it would be read without end; remove the link")
+                walk(path, enclosing | {real})
+            elif entry.is_file():
+                if path.suffix.lower() in TEXT_SUFFIXES:
+                    files.append(path)
+            elif entry.is_symlink():
+                raise _broken_link(flag, path)
+
+    walk(directory, frozenset({directory.resolve()}))
+    return sorted(files)
 
 
 def resolve_sources(spec: str | os.PathLike, text_field: str = "text", flag: str = "--train_file") -> list[Source]:
     """The sources a ``--train_file`` value names: a file, a directory (its .txt/.jsonl/.parquet files,
-    recursively, sorted) or a glob (sorted matches).
+    recursively through links to directories, sorted) or a glob (sorted matches).
 
     Raises:
-        ValueError: if nothing matches or a directory holds no such file.
+        ValueError: if nothing matches, a directory holds no such file, a link is broken or loops, or a file
+            is a .json file.
     """
     spec = str(spec)
     path = Path(spec)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = _data_files(path, flag)
         if not files:
             raise ValueError(f"{flag} {spec!r} is a directory without .txt, .jsonl or .parquet files; "
                              f"give a file, a glob, or a directory of such files")
-        return [_file_source(p, text_field) for p in files]
+        return [_file_source(p, text_field, flag) for p in files]
     if path.exists():
-        return [_file_source(path, text_field)]
+        return [_file_source(path, text_field, flag)]
+    if path.is_symlink():
+        raise _broken_link(flag, path)
     if globlib.has_magic(spec):
-        files = sorted(Path(p) for p in globlib.glob(spec, recursive=True) if Path(p).is_file())
+        matches = sorted(Path(p) for p in globlib.glob(spec, recursive=True))
+        broken = [p for p in matches if p.is_symlink() and not p.exists()]
+        if broken:
+            raise _broken_link(flag, broken[0])
+        files = [p for p in matches if p.is_file()]
         if not files:
             raise ValueError(f"{flag} {spec!r} matches no file; check the pattern (quote it so the shell "
                              f"does not expand it)")
-        return [_file_source(p, text_field) for p in files]
+        return [_file_source(p, text_field, flag) for p in files]
     raise ValueError(f"{flag} {spec!r} does not exist")
 
 
@@ -117,7 +174,7 @@ def dataset_source(dataset_dir: str | os.PathLike, text_field: str = "text") -> 
         raise ValueError(f"{dataset_dir} has columns {data.column_names}, but no {text_field!r} column; "
                          f"choose one with --text_field")
     files = tuple(Path(f["filename"]) for f in data.cache_files)
-    return Source("dataset", Path(dataset_dir), text_field, split, files)
+    return Source("dataset", Path(dataset_dir), text_field, split, files, "--dataset_name")
 
 
 def _load_dataset(dataset_dir: Path):
@@ -188,6 +245,13 @@ def _binary_error(path: Path, offset: int, what: str) -> ValueError:
                       f"text, or .parquet)")
 
 
+def _utf8_error(path: Path, offset: int, err: UnicodeDecodeError, where: str = "") -> ValueError:
+    """The one line for bytes that are not UTF-8: the file, the line (``where``), the byte and its offset."""
+    return ValueError(f"{path}: {where}invalid UTF-8 (byte 0x{err.object[err.start]:02x}: {err.reason}) at byte "
+                      f"offset {offset:,}; it is not UTF-8 text: re-encode it (iconv -f ENCODING -t UTF-8), or give "
+                      f".parquet")
+
+
 def _txt_pieces(path: Path) -> Iterator[Piece]:
     """The whole file as one document, in pieces (see the module doc), checked to be UTF-8 text."""
     decoder = codecs.getincrementaldecoder("utf-8")("strict")
@@ -203,10 +267,11 @@ def _txt_pieces(path: Path) -> Iterator[Piece]:
             nul = chunk.find(b"\0")
             if nul >= 0:
                 raise _binary_error(path, offset + nul, "a NUL byte")
+            held = len(decoder.getstate()[0])  # bytes of a character the last chunk ended inside
             try:
                 text = decoder.decode(chunk, final)
             except UnicodeDecodeError as err:
-                raise _binary_error(path, offset + err.start, f"invalid UTF-8 ({err.reason})") from None
+                raise _utf8_error(path, offset - held + err.start, err) from None
             offset += len(chunk)
             pending_bytes += len(chunk)
             if carriage and text.startswith("\n"):
@@ -227,40 +292,92 @@ def _txt_pieces(path: Path) -> Iterator[Piece]:
         yield buffer, True, pending_bytes
 
 
-def _jsonl_pieces(path: Path, text_field: str) -> Iterator[Piece]:
+class Line(NamedTuple):
+    """A non-blank line of a .jsonl file: its number, the byte offset of its first character, the bytes of the
+    file it stands for (newline and a leading BOM included) and its text."""
+
+    number: int
+    offset: int
+    size: int
+    text: str
+
+
+def _raw_lines(f: IO[bytes], path: Path) -> Iterator[bytes]:
+    offset = 0
+    while True:
+        try:
+            raw = f.readline()
+        except OSError as err:
+            raise ValueError(f"cannot read {path} at byte offset {offset:,}: {err.strerror or err}") from None
+        if not raw:
+            return
+        offset += len(raw)
+        yield raw
+
+
+def jsonl_lines(path: Path) -> Iterator[Line]:
+    """The non-blank lines of a .jsonl file, decoded as UTF-8 (a BOM before the first is dropped, as utf-8-sig
+    reads it). Text, chat and prompt/completion files are all read through it, so an unreadable, binary or
+    non-UTF-8 file is refused in the same words whichever format it was taken for.
+
+    Raises:
+        ValueError: naming the file, and the line and byte offset of a NUL byte or of bytes that are not UTF-8.
+    """
     offset = 0
     with _open(path) as f:
-        for line_no, line in enumerate(f, start=1):
-            start, offset = offset, offset + len(line)
-            if not line.strip():
-                continue
-            if b"\0" in line:
-                raise _binary_error(path, start + line.index(b"\0"), f"line {line_no}: a NUL byte")
+        for number, raw in enumerate(_raw_lines(f, path), start=1):
+            start, offset = offset, offset + len(raw)
+            if number == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw, start = raw[len(codecs.BOM_UTF8):], start + len(codecs.BOM_UTF8)
+            if b"\0" in raw:
+                raise _binary_error(path, start + raw.index(b"\0"), f"line {number}: a NUL byte")
             try:
-                record = json.loads(line)
+                text = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise _binary_error(path, start + err.start, f"line {line_no}: invalid UTF-8") from None
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no} (byte offset {start + err.pos:,}): not valid JSON ({err.msg}); "
-                                 f"each line must be one JSON object") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(f'{path}:{line_no}: expected a JSON object with a string "{text_field}" field '
-                                 f'(found: {_clip(keys)}); choose the field with --text_field')
-            text = record[text_field]
-            if text:
-                yield from split_document(text, len(line))
+                raise _utf8_error(path, start + err.start, err, f"line {number}: ") from None
+            if text.strip():
+                yield Line(number, start, offset - start, text)
+
+
+def _json_value(value: Any) -> str:
+    """A JSON value for a message, as its type and (clipped) text: ``a number (5)``, ``null``."""
+    if value is None:
+        return "null"
+    text = _clip(json.dumps(value, ensure_ascii=False), 40)
+    if isinstance(value, bool):
+        return f"a boolean ({text})"
+    if isinstance(value, (int, float)):
+        return f"a number ({text})"
+    return f"{'a list' if isinstance(value, list) else 'an object'} ({text})"
+
+
+def _jsonl_pieces(path: Path, text_field: str) -> Iterator[Piece]:
+    """One document per line: its ``text_field``; a null field is no text and skipped, as Parquet's nulls are."""
+    for line in jsonl_lines(path):
+        try:
+            record = json.loads(line.text)
+        except json.JSONDecodeError as err:
+            at = line.offset + len(line.text[:err.pos].encode())
+            raise ValueError(f"{path}:{line.number} (byte offset {at:,}): not valid JSON ({err.msg}); "
+                             f"each line must be one JSON object") from None
+        if not isinstance(record, dict) or text_field not in record:
+            keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f'{path}:{line.number}: expected a JSON object with a string "{text_field}" field '
+                             f'(found: {_clip(keys)}); choose the field with --text_field')
+        text = record[text_field]
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f'{path}:{line.number}: "{text_field}" is {_json_value(text)}, not a string; write '
+                             f'the text as a JSON string, or choose another field with --text_field (this line '
+                             f'has: {_clip(", ".join(map(str, record)))})')
+        if text:
+            yield from split_document(text, line.size)
 
 
 def _column_pieces(path: Path, batches, text_field: str, total_rows: int, total_bytes: int) -> Iterator[Piece]:
     """Rows of an Arrow column as documents; ``batches`` yields Arrow arrays of that column."""
-    import pyarrow as pa
-
     rows = 0
     for array in batches:
-        if not (pa.types.is_string(array.type) or pa.types.is_large_string(array.type)):
-            raise ValueError(f"{path}: column {text_field!r} holds {array.type}, not text; choose a text column "
-                             f"with --text_field")
+        array = _as_strings(array, path, text_field)
         before = total_bytes * rows // max(total_rows, 1)
         rows += len(array)
         budget = total_bytes * rows // max(total_rows, 1) - before
@@ -270,20 +387,49 @@ def _column_pieces(path: Path, batches, text_field: str, total_rows: int, total_
             yield from split_document(text, share)
 
 
+def _as_strings(array: Any, path: Path, text_field: str) -> Any:
+    """A text column as an Arrow string array: dictionary-encoded strings (pandas' categoricals, polars'
+    Categorical) and string_view columns are text too, cast to strings.
+
+    Raises:
+        ValueError: for a column that is not text, naming it, its type and --text_field.
+    """
+    import pyarrow as pa
+
+    kind = array.type.value_type if pa.types.is_dictionary(array.type) else array.type
+    if not any(test(kind) for test in (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view)):
+        raise ValueError(f"{path}: column {text_field!r} holds {array.type}, not text; choose a text column "
+                         f"with --text_field")
+    return array if kind == array.type and not pa.types.is_string_view(kind) else array.cast(pa.large_string())
+
+
+def _unreadable_parquet(path: Path, err: Exception) -> ValueError:
+    return ValueError(f"{path}: not a readable Parquet file ({' '.join(str(err).split())}); it may be truncated or "
+                      f"not Parquet: write it again")
+
+
 def _parquet_pieces(path: Path, text_field: str) -> Iterator[Piece]:
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow") from None
     try:
         parquet = pq.ParquetFile(path)
-    except OSError as err:
-        raise ValueError(f"{path}: not a readable Parquet file ({err})") from None
+    except (OSError, pa.ArrowException) as err:  # a bad footer is an OSError, garbage or a cut file ArrowInvalid
+        raise _unreadable_parquet(path, err) from None
     names = parquet.schema_arrow.names
     if text_field not in names:
         raise ValueError(f"{path} has columns {names}, but no {text_field!r} column; choose one with --text_field")
-    batches = (b.column(0) for b in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]))
-    yield from _column_pieces(path, batches, text_field, parquet.metadata.num_rows, path.stat().st_size)
+
+    def batches() -> Iterator[Any]:
+        try:
+            for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
+                yield batch.column(0)
+        except (OSError, pa.ArrowException) as err:  # a row group past an intact footer is corrupt
+            raise _unreadable_parquet(path, err) from None
+
+    yield from _column_pieces(path, batches(), text_field, parquet.metadata.num_rows, path.stat().st_size)
 
 
 def _dataset_pieces(source: Source) -> Iterator[Piece]:
