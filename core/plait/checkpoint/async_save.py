@@ -9,13 +9,17 @@ so they never interleave with the training's on the world's group.
 
 The next save waits for the previous one to finish (one in flight, so one host copy at a time, whose tensors the
 next save copies into: allocated once), and so does the end of the run, the last checkpoint included. A write
-that fails raises CheckpointNotSaved on every rank at that wait.
+that fails raises CheckpointNotSaved on every rank at that wait. A collective of the write that waits longer than
+--ddp_timeout (the group is given it: torch's default for a new group is 30 minutes) or loses its peer raises the
+backend's error at that wait too, on the training thread, where the trainer's ``explain_timeouts`` names the rank
+waited for in one line, as for a synchronous save.
 A crash while a write is in the background leaves its checkpoint a ``.tmp`` folder (no commit object in a store),
 which ``--resume_from_checkpoint auto`` ignores: the previous checkpoint stays the newest.
 """
 
 from __future__ import annotations
 
+import datetime
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -29,10 +33,11 @@ from plait.checkpoint.save import PendingSave, write_save
 
 class BackgroundSaver:
     """Writes one checkpoint at a time in the background. Every rank creates it at the same point (the group it
-    builds is collective) and calls ``start`` and ``wait`` at the same steps."""
+    builds is collective) and calls ``start`` and ``wait`` at the same steps. ``timeout``: --ddp_timeout, so that a
+    peer that stopped responding mid-write ends the job as soon as a synchronous save would, not after 30 minutes."""
 
-    def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo") if comm.world_group() is not None else None
+    def __init__(self, timeout: datetime.timedelta) -> None:
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if comm.world_group() is not None else None
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.buffers: list[torch.Tensor] = []  # the last save's host copies, reused by the next once it is written

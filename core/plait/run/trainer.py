@@ -250,7 +250,7 @@ class Trainer:
             self.replicas = join_replica_groups(self)
             self.optimizer_step.across = self.replicas
         self.signals, self.stop_signal = StopSignals(is_main_process(), args.ddp_timeout), 0
-        self.saver = BackgroundSaver() if args.save_async else None
+        self.saver = BackgroundSaver(datetime.timedelta(seconds=args.ddp_timeout)) if args.save_async else None
         if resume is not None:
             state = load_checkpoint(resume, pmodel, self.optimizer, self.scheduler)
             # the optimizer brings back the lr of the saved schedule's step; under a longer --max_steps this run's
