@@ -8,12 +8,13 @@ so any layout with the same global batch trains on the same tokens and, in fp32,
 from __future__ import annotations
 
 import dataclasses
-from contextlib import closing, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 import datetime
 import os
 import time
 import warnings
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -431,7 +432,7 @@ class Trainer:
         started = time.perf_counter()
         explained = explain_timeouts(args.ddp_timeout, self.heartbeat)
         replicas = closing(self.replicas) if self.replicas else nullcontext()
-        with closing(self.heartbeat), replicas, trackers, progress, explained, self.signals:
+        with self.finishing(history), closing(self.heartbeat), replicas, trackers, progress, explained, self.signals:
             task = progress.add_task("", total=args.max_steps, completed=self.first_step)
             step = self.first_step
             while step < args.max_steps and (step := self.quorum(step)) < args.max_steps:
@@ -468,10 +469,25 @@ class Trainer:
                     raise StopRequested(signum, step + 1, args.max_steps, saved and str(saved), last and str(last))
                 step += 1
             self.wait_saved()  # the last checkpoint complete before the run ends
-        if is_main_process() and history and plot_loss_curve(history, self.output_dir / "loss.png"):
-            self.console.print(f"loss curve: {self.output_dir / 'loss.png'}")
-        self.files.publish()
         return history
+
+    @contextmanager
+    def finishing(self, history: list[dict]) -> Iterator[None]:
+        """The loss curve, and a store's copy of the run's files, when the run ends: at its last step, or stopped by
+        a signal or a divergence (so the store's metrics.jsonl holds the diverged step's record, and loss.png is
+        there after a stop); not after a fault, where the store may be what failed."""
+        try:
+            yield
+        except (StopRequested, TrainingDiverged):
+            self.finish_files(history)
+            raise
+        self.finish_files(history)
+
+    def finish_files(self, history: list[dict]) -> None:
+        plotted = is_main_process() and history and plot_loss_curve(history, self.output_dir / "loss.png")
+        self.files.publish()
+        if plotted:
+            self.console.print(f"loss curve: {self.files.location('loss.png')}")
 
 
 def train(args: TrainArgs) -> list[dict]:
