@@ -5,9 +5,13 @@ variables and AWS_ENDPOINT_URL.
 A 2-rank run at tp=2 saves to s3://, another resumes it with 'auto' from the store, each rank uploading its own files
 and rank 0 committing; the losses equal one process's, and the store holds the run's metrics and loss curve. A
 checkpoint without its commit object (a save that never finished) is skipped by 'auto', refused when named, and
-removed by the next run; a damaged object is found by its checksum on read; `plait consolidate` reads from and
-writes to the store, fetching only the tensor files it reads. Behind a proxy that fails a share of the requests (HTTP
-503) the same run completes with the same losses.
+removed by the next run; a damaged object is found by its checksum on read, named by its URL; `plait consolidate` reads
+from and writes to the store, fetching only the tensor files it reads, and given the run's URL names its checkpoints.
+Behind a proxy that fails a share of the requests (HTTP 503) the same run completes with the same losses.
+
+A store that cannot be used (no bucket, no credentials, no endpoint) is refused in one line before the run starts
+(exit 2), and a crash while a step is saved again leaves that step's committed checkpoint whole: a one-process run
+resumes the 2-rank run's checkpoint-2 and is killed while re-saving step 4, the next such run saves it again.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -25,10 +31,13 @@ import torch
 from plait.base.config import ConfigError
 from plait.checkpoint import store as object_store
 from plait.checkpoint.format import CheckpointError, latest_checkpoint, read_index, remove_partial_checkpoints
+from plait.checkpoint.load import CheckpointReader
+from plait.checkpoint.st_io import CHECKSUM
 from plait.cli import main
 from plait.run.metrics import read_metrics
 from plait.run.train_args import TrainArgs
 from plait.testing import launch
+from plait.testing.launcher import free_port, run_command
 from tiny_models import tiny_config
 
 BUCKET = "plait"
@@ -133,6 +142,15 @@ def test_an_uncommitted_checkpoint_is_skipped_refused_and_removed(run_url):
     assert not any(name.startswith("checkpoint-6") for name in objects(run_url))
 
 
+def test_a_run_url_given_as_a_checkpoint_names_its_checkpoints(run_url, tmp_path, capsys):
+    with pytest.raises(SystemExit) as end:
+        main(["consolidate", run_url, str(tmp_path / "out")])
+    assert end.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"plait: error: {run_url} is not a plait checkpoint (no COMMITTED object); it holds checkpoints "
+        f"['checkpoint-2', 'checkpoint-4'], pass one of them")
+
+
 def test_consolidate_reads_and_writes_the_store(run_url, tmp_path, capsys, monkeypatch):
     from transformers import AutoModelForCausalLM
 
@@ -150,6 +168,13 @@ def test_consolidate_reads_and_writes_the_store(run_url, tmp_path, capsys, monke
     with pytest.raises(SystemExit):
         main(["consolidate", f"{run_url}/checkpoint-4", f"{run_url}/hf"])
     assert capsys.readouterr().err.strip().endswith(f"output directory {run_url}/hf exists; choose a new one")
+    with pytest.raises(SystemExit) as end:  # refused before any weight is read
+        main(["consolidate", f"{run_url}/checkpoint-4", "s3://nobucket/hf"])
+    assert end.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "plait: error: s3://nobucket/hf cannot be used: its bucket 'nobucket' does not exist; create it "
+        "(aws s3 mb s3://nobucket) or give a URL in an existing bucket")
+    assert not (object_store.stage("s3://nobucket/hf", 0) / "consolidated").exists()
 
 
 def test_a_damaged_object_is_found_by_its_checksum(run_url, tmp_path, monkeypatch, capsys):
@@ -162,8 +187,22 @@ def test_a_damaged_object_is_found_by_its_checksum(run_url, tmp_path, monkeypatc
     monkeypatch.setenv("PLAIT_STAGE_DIR", str(tmp_path / "fresh"))  # no local copy from before
     with pytest.raises(SystemExit):
         main(["consolidate", f"{run_url}/damaged", str(tmp_path / "out")])
-    assert "model-rank00001.safetensors: tensor 'lm_head.weight' is corrupted (xxh3_64 checksum" in \
-        capsys.readouterr().err
+    assert f"checkpoint shard {run_url}/damaged/shards/model-rank00001.safetensors: tensor 'lm_head.weight' is " \
+        f"corrupted (xxh3_64 checksum" in capsys.readouterr().err  # the store's object, not its local copy
+
+
+def test_a_diverged_run_leaves_its_record_and_curve_in_the_store(s3, model_config, tmp_path, monkeypatch, capsys):
+    """The run's files reach the store when it ends by a divergence too (they were uploaded only at saves and at the
+    last step: the store's metrics.jsonl lacked the step that stopped the run, and loss.png was missing)."""
+    url = f"{s3}/diverged"
+    monkeypatch.setenv("PLAIT_FAULT_INJECT", "0:3:nan")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *flags(model_config, url)])
+    assert exit_info.value.code == 3
+    records = store_metrics(url, tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["nonfinite"]  # step 2 saved: 1, 2 before
+    assert "loss.png" in objects(url)
+    assert f"loss curve: {url}/loss.png" in capsys.readouterr().err  # the store's, not the local staging folder's
 
 
 def test_a_store_without_its_package_is_refused_in_one_line(model_config, tmp_path):
@@ -172,6 +211,73 @@ def test_a_store_without_its_package_is_refused_in_one_line(model_config, tmp_pa
         TrainArgs(model_config=model_config, output_dir="az://bucket/run").validate()
     with pytest.raises(ConfigError, match=r"^nope://bucket/run: Protocol not known: nope"):
         TrainArgs(model_config=model_config, output_dir="nope://bucket/run").validate()
+
+
+UNUSABLE = {  # what breaks, the environment that breaks it, the refusal's cause and fix
+    "bucket": ({}, r"its bucket 'nobucket' does not exist; create it \(aws s3 mb s3://nobucket\) or give a URL in an "
+                   r"existing bucket"),
+    "credentials": ({"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_SHARED_CREDENTIALS_FILE": "none",
+                     "AWS_CONFIG_FILE": "none", "AWS_EC2_METADATA_DISABLED": "true"},
+                    r"no credentials for the store \(NoCredentialsError: Unable to locate credentials\); set "
+                    r"AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY \(or AWS_PROFILE\)"),
+    "endpoint": ({"AWS_ENDPOINT_URL": "http://127.0.0.1:{port}", "AWS_MAX_ATTEMPTS": "1"},
+                 r"its endpoint cannot be reached \(EndpointConnectionError: Could not connect to the endpoint URL: "
+                 r"\"http://127\.0\.0\.1:\d+/plait/run\"\); check AWS_ENDPOINT_URL and the network"),
+}
+
+
+@pytest.mark.parametrize("case", UNUSABLE)
+def test_a_store_that_cannot_be_used_is_refused_before_the_run(case, s3, model_config, tmp_path, monkeypatch,
+                                                               capsys):
+    import s3fs
+
+    env, cause = UNUSABLE[case]
+    for key, value in env.items():
+        if value is None:
+            monkeypatch.delenv(key)
+        else:
+            monkeypatch.setenv(key, str(tmp_path / value) if value == "none" else value.format(port=free_port()))
+    url = "s3://nobucket/run" if case == "bucket" else f"{s3}/run"
+    s3fs.S3FileSystem.clear_instance_cache()  # s3fs keeps a client per arguments, not per environment
+    try:
+        with pytest.raises(ConfigError, match=rf"^--output_dir {re.escape(url)} cannot be used: {cause}$"):
+            TrainArgs(model_config=model_config, output_dir=url).validate()
+        with pytest.raises(SystemExit) as end:
+            main(["train", *flags(model_config, url)])
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert end.value.code == 2
+    assert re.fullmatch(rf"plait: error: --output_dir {re.escape(url)} cannot be used: {cause}",
+                        capsys.readouterr().err.strip())  # one line: no step ran
+
+
+def test_a_crash_while_a_step_is_saved_again_keeps_its_committed_checkpoint(run_url, model_config, tmp_path):
+    fs, path = object_store.filesystem(run_url)
+    url = f"{run_url}-resave"
+    for step in (2, 4):
+        fs.copy(f"{path}/checkpoint-{step}", f"{path}-resave/checkpoint-{step}", recursive=True)
+    again = ["-m", "plait", "train", *flags(model_config, url, "--resume_from_checkpoint", f"{url}/checkpoint-2")]
+    env = {**os.environ, "PLAIT_STAGE_DIR": str(tmp_path / "stage")}
+    killed = run_command(again, timeout=240, env={**env, "PLAIT_FAULT_INJECT": "0:4:kill:save"})
+    assert killed.returncode != 0, killed.stderr
+    assert latest_checkpoint(url) == f"{url}/checkpoint-4"  # what 'auto' resumes: the one saved before
+    whole(f"{url}/checkpoint-4", world_size=2)
+    done = run_command(again, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"removed {url}/checkpoint-4/.save-" in " ".join(done.stderr.split())  # the killed save's files
+    whole(f"{url}/checkpoint-4", world_size=1)  # the new save, in place of the old
+    kept = [name for name in objects(url) if name.startswith("checkpoint-4/")]
+    assert not any("rank00001" in name for name in kept), kept  # the old save's files are gone, and the crashed one's
+    assert len([name for name in kept if name.endswith("shards/index.json")]) == 1, kept
+
+
+def whole(url: str, world_size: int) -> None:
+    """The checkpoint at ``url`` reads whole, as a resume reads it: every file the index lists, every checksum."""
+    paths, index = read_index(url)
+    assert index.step == 4 and index.world_size == world_size
+    reader = CheckpointReader(paths, index)
+    reader.validate_files()
+    reader.verify((name, key) for name, file in index.files.items() for key in file[CHECKSUM])
 
 
 class FlakyProxy(BaseHTTPRequestHandler):

@@ -5,7 +5,9 @@ experimental bucket-type probe speaks gRPC, which the emulator does not: it wait
 
 A 2-rank run at tp=2 saves 2 steps to gs://, another resumes it with 'auto' from there for 2 more: one process's
 losses, every checkpoint's files and commit object and the run's metrics in the store; `plait consolidate` reads a
-checkpoint from gs:// and writes to gs://, giving the model transformers loads. What the store layer does beyond
+checkpoint from gs:// and writes to gs://, giving the model transformers loads. A checkpoint written again at the same
+URL, its index the same size, is fetched again, not read from the local copy of the old one (gcsfs names its version
+markers generation and etag, lower case, where s3fs has ETag). What the store layer does beyond
 (uncommitted saves, checksums, a store failing requests) is the same code for every fsspec store:
 tests/test_object_store.py runs it on S3.
 """
@@ -20,7 +22,7 @@ import torch
 
 from plait.base.config import ConfigError
 from plait.checkpoint import store as object_store
-from plait.checkpoint.format import latest_checkpoint
+from plait.checkpoint.format import latest_checkpoint, resolve
 from plait.cli import main
 from plait.run.train_args import TrainArgs
 from plait.testing import launch
@@ -94,3 +96,18 @@ def test_gcs_without_gcsfs_names_the_extra(model_config, monkeypatch):  # noqa: 
     with pytest.raises(ConfigError, match=r"^gs://bucket/run: gs:// needs a package that is not installed \(.*\); "
                                           r"pip install 'plait\[gs\]'$"):
         TrainArgs(model_config=model_config, output_dir="gs://bucket/run").validate()
+
+
+def test_a_checkpoint_written_again_is_fetched_again(gcs, tmp_path, monkeypatch):
+    monkeypatch.setenv("PLAIT_STAGE_DIR", str(tmp_path / "stage"))
+    url = f"{gcs}/again/checkpoint-1"
+    fs, path = object_store.filesystem(url)
+    seen = []
+    for version in (b"1", b"2"):  # an index and a config of the same size each time
+        fs.pipe_file(f"{path}/shards/index.json", b'{"version": %s}' % version)
+        fs.pipe_file(f"{path}/config.json", version)
+        fs.pipe_file(f"{path}/{object_store.COMMIT}", b"complete\n")
+        fs.invalidate_cache()
+        root = resolve(url).root
+        seen.append(((root / "shards" / "index.json").read_bytes(), (root / "config.json").read_bytes()))
+    assert seen == [(b'{"version": 1}', b"1"), (b'{"version": 2}', b"2")]

@@ -247,13 +247,23 @@ class CheckpointPaths:
     root: Path  # checkpoint-<step>/
     shards: Path  # checkpoint-<step>/shards/
     url: str | None = None  # a checkpoint in a store: root is its local copy, whose shard files come when first read
+    files: str | None = None  # ... and the URL its files are under (store.committed_files)
+
+    @property
+    def where(self) -> str:
+        """The checkpoint as the user named it: its URL in a store, not its local copy."""
+        return self.url or str(self.root)
+
+    def locate(self, name: str) -> str:
+        """Shard file ``name`` as the user finds it, for messages: the store's object, not its local copy."""
+        return store.join(self.files, SHARDS, name) if self.files else str(self.shards / name)
 
     def shard(self, name: str) -> Path:
         """The local path of shard file ``name``, fetched from the store first where it is not here yet."""
         path = self.shards / name
-        if self.url is not None and not path.is_file():
+        if self.files is not None and not path.is_file():
             try:
-                store.download(store.join(self.url, SHARDS, name), path)
+                store.download(store.join(self.files, SHARDS, name), path)
             except FileNotFoundError:  # the reader names it as missing
                 pass
         return path
@@ -265,11 +275,17 @@ def resolve(path: str | os.PathLike) -> CheckpointPaths:
     if store.is_url(path):
         url = str(path).rstrip("/").removesuffix(f"/{SHARDS}")
         state = store.committed(url)
+        if state is None:
+            raise CheckpointError(f"checkpoint {url} does not exist")
         if not state:
-            raise CheckpointError(f"checkpoint {url} " + ("does not exist" if state is None else
-                                                          "has no commit object: its save never finished"))
-        local = store.fetch(url, SHARDS, INDEX)  # all but the tensor files, which each rank fetches as it reads them
-        return CheckpointPaths(local, local / SHARDS, url)
+            found = list_checkpoints(url)
+            if found:  # a run's URL, as a folder of checkpoints is on a disk
+                names = [found_url.rsplit("/", 1)[-1] for found_url in found]
+                raise CheckpointError(f"{url} is not a plait checkpoint (no {store.COMMIT} object); it holds "
+                                      f"checkpoints {names}, pass one of them")
+            raise CheckpointError(f"checkpoint {url} has no commit object: its save never finished")
+        local, files = store.fetch(url, SHARDS, INDEX)  # all but the tensor files, which a rank fetches as it reads
+        return CheckpointPaths(local, local / SHARDS, url, files)
     path = Path(path)
     root = path.parent if path.name == SHARDS else path
     if re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+\.tmp", root.name):  # as a store's checkpoint without its commit object
@@ -289,9 +305,9 @@ def resolve(path: str | os.PathLike) -> CheckpointPaths:
 def read_index(path: str | os.PathLike) -> tuple[CheckpointPaths, Index]:
     """Locate and parse a checkpoint's index; CheckpointError naming the file for anything malformed."""
     paths = resolve(path)
-    file = paths.shards / INDEX
+    file = paths.locate(INDEX)  # named as the user finds it
     try:
-        data = json.loads(file.read_text())
+        data = json.loads((paths.shards / INDEX).read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{file} is not valid JSON ({exc}); the checkpoint is damaged") from None
     found = data.get("format") if isinstance(data, dict) else None
@@ -337,11 +353,12 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path] | list[str]:
 
 
 def remove_partial_checkpoints(output_dir: str | os.PathLike) -> list[Path] | list[str]:
-    """Delete ``checkpoint-N.tmp`` folders (in a store, checkpoints without their commit object): saves a killed
-    job never finished (``list_checkpoints`` already ignores them). Call on one rank, at start-up, before this job
-    saves anything."""
+    """Delete ``checkpoint-N.tmp`` folders (in a store, checkpoints without their commit object, and what a committed
+    one holds beside its own files: ``store.leftovers``): saves a killed job never finished (``list_checkpoints``
+    and the readers already ignore them). Call on one rank, at start-up, before this job saves anything."""
     if store.is_url(output_dir):
         doomed = [url for _, url in store.checkpoints(str(output_dir), CHECKPOINT_PREFIX, committed=False)]
+        doomed += [leftover for url in list_checkpoints(output_dir) for leftover in store.leftovers(url)]
         for url in doomed:
             store.remove(url)
         return doomed

@@ -61,8 +61,15 @@ class CheckpointReader:
             try:
                 self._files[name] = SafetensorsFile(self.paths.shard(name))
             except SafetensorsError as exc:
-                raise CheckpointError(f"checkpoint shard {exc}") from None
+                raise self.shard_error(name, exc) from None
         return self._files[name]
+
+    def shard_error(self, name: str, exc: SafetensorsError) -> CheckpointError:
+        """``exc`` of shard file ``name``, which names the file it read, naming it as the user finds it (in a store,
+        the object, not its local copy)."""
+        text, local = str(exc), str(self.paths.shards / name)
+        return CheckpointError(f"checkpoint shard {self.paths.locate(name)}{text.removeprefix(local)}"
+                               if text.startswith(local) else f"checkpoint shard {text}")
 
     def validate_files(self, names: Iterable[str] | None = None) -> None:
         """Files the index names (all, or ``names``) exist, have the recorded size, a valid header and hold
@@ -70,16 +77,15 @@ class CheckpointReader:
         wanted = set(self.index.files if names is None else names)
         for name in sorted(wanted):
             if name not in self.index.files:
-                raise CheckpointError(f"the index of {self.paths.root} points to {name}, which it does not list")
+                raise CheckpointError(f"the index of {self.paths.where} points to {name}, which it does not list")
             path = self.paths.shard(name)
             if not path.is_file():
-                raise CheckpointError(
-                    f"checkpoint shard {path} is missing (the index lists it); the checkpoint is incomplete"
-                )
+                raise CheckpointError(f"checkpoint shard {self.paths.locate(name)} is missing (the index lists it); "
+                                      f"the checkpoint is incomplete")
             size, recorded = path.stat().st_size, self.index.files[name]["size"]
             if size != recorded:
                 raise CheckpointError(
-                    f"checkpoint shard {path} has {size} bytes, the index recorded {recorded} "
+                    f"checkpoint shard {self.paths.locate(name)} has {size} bytes, the index recorded {recorded} "
                     f"(truncated or overwritten)"
                 )
             self.file(name)
@@ -90,7 +96,7 @@ class CheckpointReader:
                 stored = self.file(piece.file).entries.get(piece.key)
                 if stored is None:
                     raise CheckpointError(
-                        f"checkpoint shard {self.paths.shards / piece.file} has no tensor {piece.key!r}"
+                        f"checkpoint shard {self.paths.locate(piece.file)} has no tensor {piece.key!r}"
                     )
                 lacks = len(entry.shape) - len(stored.shape)  # leading dims one index wide (format.Piece)
                 fits = len(piece.box) == len(piece.at) == len(entry.shape) and lacks >= 0 and all(
@@ -99,7 +105,7 @@ class CheckpointReader:
                 )
                 if stored.dtype != DTYPES[entry.dtype] or not fits:
                     raise CheckpointError(
-                        f"{self.paths.shards / piece.file}: tensor {piece.key!r} ({stored.dtype}, "
+                        f"{self.paths.locate(piece.file)}: tensor {piece.key!r} ({stored.dtype}, "
                         f"{list(stored.shape)}) does not hold box {[list(r) for r in piece.box]} of {logical} "
                         f"({entry.dtype}, {list(entry.shape)})"
                     )
@@ -107,7 +113,7 @@ class CheckpointReader:
     def entry(self, logical: str) -> TensorEntry:
         entry = self.index.tensors.get(logical)
         if entry is None:
-            raise CheckpointError(f"checkpoint {self.paths.root} has no tensor {logical}")
+            raise CheckpointError(f"checkpoint {self.paths.where} has no tensor {logical}")
         return entry
 
     def check_covered(self, logical: str, box: Box) -> None:
@@ -117,7 +123,7 @@ class CheckpointReader:
         if hole is not None:
             saved = [[list(r) for r in p.box] for p in entry.pieces]
             raise CheckpointError(
-                f"checkpoint {self.paths.root} cannot be loaded at this layout: {logical} {list(entry.shape)} region "
+                f"checkpoint {self.paths.where} cannot be loaded at this layout: {logical} {list(entry.shape)} region "
                 f"{[list(r) for r in hole]} is in no saved piece (saved: {saved}); the checkpoint lacks the ranks "
                 f"that held it"
             )
@@ -138,7 +144,7 @@ class CheckpointReader:
                 lacks = len(src) - len(stored.entry(piece.key).shape)  # leading dims one index wide (format.Piece)
                 stored.read_box(piece.key, src[lacks:], dst[(0,) * lacks])
             except SafetensorsError as exc:
-                raise CheckpointError(f"checkpoint shard {exc}") from None
+                raise self.shard_error(piece.file, exc) from None
         if target is not out:
             out.copy_(target)
 
@@ -163,7 +169,7 @@ class CheckpointReader:
             expected = self.index.files[file][CHECKSUM][key]
             if value != expected:
                 raise CheckpointError(
-                    f"checkpoint shard {self.paths.shards / file}: tensor {key!r} is corrupted "
+                    f"checkpoint shard {self.paths.locate(file)}: tensor {key!r} is corrupted "
                     f"({CHECKSUM} checksum {value:#018x}, the index recorded {expected:#018x})"
                 )
 
@@ -202,7 +208,7 @@ def load_checkpoint(
             buffers = {}  # the base's, as its parameters: from the checkpoint's reference
         if (pmodel.plan.lora is None) != ("lora" not in index.extra):
             raise CheckpointError(
-                f"checkpoint {paths.root} {'holds' if 'lora' in index.extra else 'holds no'} LoRA adapters but the "
+                f"checkpoint {paths.where} {'holds' if 'lora' in index.extra else 'holds no'} LoRA adapters but the "
                 f"model {'trains none' if pmodel.plan.lora is None else 'trains LoRA'}; resume with the same --lora_r"
             )
         _check_model(index, pmodel, specs, buffers, paths)
@@ -214,7 +220,7 @@ def load_checkpoint(
         if optimizer is not None:
             if index.optimizer is None:
                 raise CheckpointError(
-                    f"checkpoint {paths.root} has no optimizer state; pass optimizer=None to load weights only"
+                    f"checkpoint {paths.where} has no optimizer state; pass optimizer=None to load weights only"
                 )
             names = {param: name for name, param in params.items()}
             opt_reads, finish = plan_optimizer_load(
@@ -222,7 +228,7 @@ def load_checkpoint(
             )
             reads += opt_reads
         if scheduler is not None and index.scheduler is None:
-            raise CheckpointError(f"checkpoint {paths.root} has no scheduler state; pass scheduler=None")
+            raise CheckpointError(f"checkpoint {paths.where} has no scheduler state; pass scheduler=None")
         for op in reads:
             reader.check_covered(op.logical, op.box)
         stored = reader.stored_for(reads)
@@ -280,7 +286,7 @@ def _check_model(
     if index.model_type != config.model_type:
         classes = ", ".join(index.model_config.get("architectures") or [])
         raise CheckpointError(
-            f"checkpoint {paths.root} holds a {index.model_type!r} model{f' ({classes})' if classes else ''}; "
+            f"checkpoint {paths.where} holds a {index.model_type!r} model{f' ({classes})' if classes else ''}; "
             f"this model is {config.model_type!r} ({type(pmodel.module).__name__})"
         )
     wanted = {**{name: spec.full_shape for name, spec in specs.items()}, **{n: b.shape for n, b in buffers.items()}}
@@ -290,7 +296,7 @@ def _check_model(
         differs = [f"{k}: checkpoint {v!r} vs model {current.get(k)!r}" for k, v in index.model_config.items()
                    if k not in _IGNORED_CONFIG and current.get(k) != v and not isinstance(v, dict)]
         raise CheckpointError(
-            f"checkpoint {paths.root} does not match the model config: {'; '.join(problems)}"
+            f"checkpoint {paths.where} does not match the model config: {'; '.join(problems)}"
             + (f" (config differs: {', '.join(differs[:8])})" if differs else "")
         )
 

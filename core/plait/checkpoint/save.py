@@ -5,7 +5,9 @@ by the lowest rank holding it, so the checkpoint is the size of the model and it
 the layout. Everything is written into ``<path>.tmp`` (each file through ``.partial`` + ``os.replace``), and
 rank 0 renames the folder after every rank has reported success: a crash mid-save leaves only a ``.tmp``
 folder, never a checkpoint that looks complete. At a URL (``plait.checkpoint.store``) each rank writes into a
-folder of its own on its local disk and uploads its files, and rank 0 commits the checkpoint last of all.
+folder of its own on its local disk and uploads its files, and rank 0 commits the checkpoint last of all; a step
+saved again goes beside its committed checkpoint until its own commit replaces it (``store.begin_save``), as the
+renamed ``.tmp`` folder replaces an older checkpoint on a disk.
 """
 
 from __future__ import annotations
@@ -161,9 +163,20 @@ def write_save(pending: PendingSave, group: dist.ProcessGroup | None) -> Path | 
     if rank == 0 or url:  # a folder every rank shares, or each rank's own
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / SHARDS).mkdir(parents=True)
-    if rank == 0 and url:
-        store.remove(url)  # an older save of this step, if any: uncommitted first
-    comm.barrier(group)
+    target = None  # at a URL: where this save's files go, rank 0's choice (a collective, so a failure is everyone's)
+    if url:
+        begun: tuple[str | None, str | None] = (None, None)
+        if rank == 0:
+            try:
+                begun = (store.begin_save(url), None)
+            except OSError as exc:
+                begun = (None, f"checkpoint {url} was not saved: {exc}")
+        target, error = comm.all_gather_object(begun, group)[0]
+        if error:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointNotSaved(error)
+    else:
+        comm.barrier(group)
 
     report: dict[str, Any] = {"error": None, "files": {}, "pieces": {}, "entries": {}}
     try:
@@ -175,7 +188,7 @@ def write_save(pending: PendingSave, group: dist.ProcessGroup | None) -> Path | 
     if url and report["error"] is None:
         try:
             for name in report["files"]:
-                store.upload(tmp / SHARDS / name, store.join(url, SHARDS, name))
+                store.upload(tmp / SHARDS / name, store.join(target, SHARDS, name))
         except OSError as exc:
             report["error"] = str(exc)
     faults.maybe_inject(pending.step, "save")  # testing aid: a no-op unless PLAIT_FAULT_INJECT names this save
@@ -199,7 +212,7 @@ def write_save(pending: PendingSave, group: dist.ProcessGroup | None) -> Path | 
         if pending.tokenizer is not None:
             pending.tokenizer.save_pretrained(tmp)
         if url:
-            committed = _commit(tmp, url, set(reports[0]["files"]))
+            committed = _commit(tmp, url, target, set(reports[0]["files"]))
         else:
             _replace_dir(tmp, path)
     if not url:
@@ -212,12 +225,12 @@ def write_save(pending: PendingSave, group: dist.ProcessGroup | None) -> Path | 
     return url
 
 
-def _commit(tmp: Path, url: str, uploaded: set[str]) -> str | None:
-    """Upload rank 0's other files (the index, the config, the tokenizer) to ``url``, then its commit object; the
-    error that stopped it, or None."""
+def _commit(tmp: Path, url: str, target: str, uploaded: set[str]) -> str | None:
+    """Upload rank 0's other files (the index, the config, the tokenizer) to ``target``, where this save's files go,
+    then the commit object making them the checkpoint at ``url``; the error that stopped it, or None."""
     try:
-        store.upload_tree(tmp, url, skip={f"{SHARDS}/{name}" for name in uploaded})
-        store.commit(url)
+        store.upload_tree(tmp, target, skip={f"{SHARDS}/{name}" for name in uploaded})
+        store.commit(url, target)
     except OSError as exc:
         return f"checkpoint {url} was not saved: {exc}"
     return None

@@ -255,10 +255,13 @@ class TrainArgs(MethodArgs):
                               f"{' or '.join(FLOAT8_RECIPES)}")
 
     def _check_output_dir(self) -> None:
-        if "://" in self.output_dir:  # a store: its package must be installed (a one-line refusal naming it)
-            from plait.checkpoint.store import filesystem  # noqa: PLC0415 (the package is heavy; only for a URL)
+        """Refuse an output directory the run could not write its checkpoints to, before anything starts, not at the
+        first save. A store's URL: its package installed and the store usable there (credentials, endpoint, bucket:
+        a look-up or two, ``store.exists``)."""
+        if "://" in self.output_dir:
+            from plait.checkpoint import store  # noqa: PLC0415 (the package is heavy; only for a URL)
 
-            filesystem(self.output_dir)
+            store.exists(self.output_dir, "--output_dir")  # the answer does not matter here, its refusals do
             return
         out = Path(self.output_dir)
         if out.exists() and not out.is_dir():
