@@ -225,8 +225,8 @@ class CPO(DPO):
         if folder is None:
             raise ConfigError(f"--method {args.method} needs a tokenizer: give --model_name_or_path with one, or "
                               f"--tokenizer_name")
-        args.refuse_unread(("train_on_prompt", "overlong"), f"--method {args.method} trains on each pair's completions and "
-                           f"cuts pairs by its own rules, as TRL's trainer does")
+        args.refuse_unread(("train_on_prompt", "overlong"), f"--method {args.method} trains on each pair's "
+                           f"completions and cuts pairs by its own rules, as TRL's trainer does")
         check_packing(args, model_config)
         tokenizer = load_tokenizer(folder, model_config.vocab_size)
         read = lambda path: read_legacy_pairs(Path(path), tokenizer, args.block_size)  # noqa: E731
