@@ -177,6 +177,23 @@ def test_consolidate_reads_and_writes_the_store(run_url, tmp_path, capsys, monke
     assert not (object_store.stage("s3://nobucket/hf", 0) / "consolidated").exists()
 
 
+def test_generate_reads_a_checkpoint_in_the_store(run_url, tmp_path, monkeypatch):
+    """``plait generate --model_name_or_path URL`` on a machine without a local copy fetches the tensor files it
+    reads (it read the local copy, which held only the index: 'checkpoint shard .../model-rank00000.safetensors is
+    missing'), and completes as from the same checkpoint on a disk."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "to be or"}\n')
+    fs, path = object_store.filesystem(run_url)
+    fs.get(f"{path}/checkpoint-4", str(tmp_path / "local"), recursive=True)
+    outputs = {}
+    for name, model in (("disk", str(tmp_path / "local")), ("store", f"{run_url}/checkpoint-4")):
+        monkeypatch.setenv("PLAIT_STAGE_DIR", str(tmp_path / f"stage-{name}"))  # no local copy from before
+        main(["generate", "--model_name_or_path", model, "--prompts", str(prompts), "--output",
+              str(tmp_path / f"{name}.jsonl"), "--max_new_tokens", "4"])
+        outputs[name] = (tmp_path / f"{name}.jsonl").read_text()
+    assert outputs["store"] == outputs["disk"] and '"completion"' in outputs["disk"]
+
+
 def test_a_damaged_object_is_found_by_its_checksum(run_url, tmp_path, monkeypatch, capsys):
     fs, path = object_store.filesystem(run_url)
     fs.copy(f"{path}/checkpoint-4", f"{path}/damaged", recursive=True)

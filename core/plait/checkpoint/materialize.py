@@ -71,11 +71,13 @@ def load_parallel_model(
     """
     registry = registry or default_registry()
     config, kind, path = resolve_source(source)
-    checkpoint = path if kind == "checkpoint" else None
-    saved = saved_lora(read_index(path)[1].extra) if checkpoint is not None else None
+    # a checkpoint in a store is read through its URL: the local copy holds only what was fetched (its index), so
+    # read from it, the tensor files were missing on a machine that had not fetched them (plait generate failed)
+    checkpoint = (str(source) if store.is_url(source) else path) if kind == "checkpoint" else None
+    saved = saved_lora(read_index(checkpoint)[1].extra) if checkpoint is not None else None
     if saved is not None:  # a LoRA checkpoint holds the adapters; the frozen base comes from its reference
         lora = lora or saved[0]
-        check_base(saved[1], str(path))
+        check_base(saved[1], str(checkpoint))
         kind, path = (saved[1]["kind"], Path(saved[1]["path"]) if saved[1]["kind"] == "hf" else None)
         seed = saved[1].get("seed", seed)
     pmodel = parallelize(build_meta_model(config, dtype), parallel_config, registry=registry, timeout=timeout,
