@@ -32,7 +32,8 @@ COUNT_FLAGS = ("--max_new_tokens", "--batch_size", "--top_k")
 def add_generate_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("generate", parents=parents, help="complete a file of prompts with a model (a Hugging "
                             "Face dir or a plait checkpoint) on its tp / dp / ep / ZeRO-3 shards")
-    parser.add_argument("--model_name_or_path", required=True, help="a Hugging Face model dir or a plait checkpoint (a dir, or its URL in an object store)")
+    parser.add_argument("--model_name_or_path", required=True,
+                        help="a Hugging Face model dir or a plait checkpoint (a dir, or its URL in an object store)")
     parser.add_argument("--tokenizer_name", default=None, help="tokenizer dir (default: the model's)")
     parser.add_argument("--prompts", required=True, type=Path,
                         help="JSON lines, each with a 'prompt' string or chat 'messages' (the tokenizer's template)")
