@@ -149,6 +149,10 @@ def test_a_run_url_given_as_a_checkpoint_names_its_checkpoints(run_url, tmp_path
     assert capsys.readouterr().err.strip() == (
         f"plait: error: {run_url} is not a plait checkpoint (no COMMITTED object); it holds checkpoints "
         f"['checkpoint-2', 'checkpoint-4'], pass one of them")
+    with pytest.raises(SystemExit) as end:  # consolidate's own refusals name the URL too, not the local copy
+        main(["consolidate", f"{run_url}/checkpoint-4", str(tmp_path / "out"), "--lora", "adapter"])
+    assert capsys.readouterr().err.strip() == (
+        f"plait: error: {run_url}/checkpoint-4 is a full checkpoint, not a LoRA one; consolidate it without --lora")
 
 
 def test_consolidate_reads_and_writes_the_store(run_url, tmp_path, capsys, monkeypatch):

@@ -82,13 +82,13 @@ def consolidate(
 
     paths, index = read_index(checkpoint_dir)
     if "lora" in index.extra:  # its tensors are the adapters alone: the base would be reported missing
-        raise ConfigError(f"{paths.root} is a LoRA checkpoint (the adapters and a reference to the base); write it "
+        raise ConfigError(f"{paths.where} is a LoRA checkpoint (the adapters and a reference to the base); write it "
                           f"with plait.checkpoint.lora_export.consolidate_lora(..., 'adapter' or 'merged'), or `plait consolidate "
                           f"--lora adapter|merged`")
     reader = CheckpointReader(paths, index)
     config = model_config(index)
     plan = []
-    for name in _check_tensors(index, config, paths.root):
+    for name in _check_tensors(index, config, paths.where):
         source = weight_source(index, name, out_dtype)
         entry = index.tensors[source]
         saved_dtype = DTYPES[index.tensors[name].dtype]
@@ -155,7 +155,7 @@ def _write_model(reader: CheckpointReader, folder: Path, plan: list[Planned], fo
         write_json(folder / f"{stem}.{ext}.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def _check_tensors(index, config: PretrainedConfig, root: Path) -> list[str]:
+def _check_tensors(index, config: PretrainedConfig, root: str) -> list[str]:
     """The checkpoint's model tensors (parameters, then persistent buffers: the model's ``state_dict``), in the
     model's order; error if they are not exactly the model's."""
     model = build_meta_model(config)

@@ -196,7 +196,7 @@ def consolidate_lora(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pat
     paths, index = read_index(checkpoint_dir)
     saved = saved_lora(index.extra)
     if saved is None:
-        raise ConfigError(f"{paths.root} is a full checkpoint, not a LoRA one; consolidate it without --lora")
+        raise ConfigError(f"{paths.where} is a full checkpoint, not a LoRA one; consolidate it without --lora")
     config, base = saved
     reader = CheckpointReader(paths, index)
     used_in = out_dtype if mode == "adapter" else torch.float32  # merge_into adds the update in float32
@@ -211,7 +211,7 @@ def consolidate_lora(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pat
         if out_dtype is not None:
             tensors = {n: t.to(out_dtype) if t.is_floating_point() else t for n, t in tensors.items()}
         return save_adapter(output, tensors, config, build_meta_model(model_cfg), base.get("path"), format)
-    check_base(base, str(paths.root))
+    check_base(base, paths.where)
     if base["kind"] == "hf":  # the base's own class: a causal LM, or an image-text-to-text model
         model = model_class(model_cfg).from_pretrained(base["path"], dtype=torch.float32)
     else:  # seeded random weights: rebuilt exactly as the run built them
