@@ -198,6 +198,18 @@ def test_generate_reads_a_checkpoint_in_the_store(run_url, tmp_path, monkeypatch
     assert outputs["store"] == outputs["disk"] and '"completion"' in outputs["disk"]
 
 
+def test_a_lora_export_is_written_to_the_store(s3, model_config, tmp_path, monkeypatch, capsys):
+    """``consolidate --lora adapter`` to a URL uploads the peft directory (it wrote a local folder named "s3:")."""
+    monkeypatch.chdir(tmp_path)
+    main(["train", *flags(model_config, str(tmp_path / "run"), "--lora_r", "4", "--max_steps", "2")])
+    capsys.readouterr()
+    main(["consolidate", str(tmp_path / "run" / "checkpoint-2"), f"{s3}/adapter", "--lora", "adapter"])
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(objects(f"{s3}/adapter"))
+    assert not (tmp_path / "s3:").exists()
+    assert f"wrote {s3}/adapter: load it with peft.PeftModel.from_pretrained(base, '{s3}/adapter') on a local copy" \
+        in capsys.readouterr().out
+
+
 def test_a_damaged_object_is_found_by_its_checksum(run_url, tmp_path, monkeypatch, capsys):
     fs, path = object_store.filesystem(run_url)
     fs.copy(f"{path}/checkpoint-4", f"{path}/damaged", recursive=True)

@@ -141,37 +141,35 @@ def cmd_consolidate(ns: argparse.Namespace) -> None:
     lora = ns.lora
     if lora is None and "lora" in read_index(ns.checkpoint_dir)[1].extra:
         lora = "adapter"
-    if lora:
-        from plait.checkpoint.lora_export import consolidate_lora  # when run (module docstring)
-
-        out = consolidate_lora(ns.checkpoint_dir, ns.output_dir, lora, format=ns.format, dtype=ns.dtype,
-                               max_shard_size=ns.max_shard_size)
-        loader = "peft.PeftModel.from_pretrained(base, {!r})" if lora == "adapter" else \
-            f"transformers.{auto_class(out)}.from_pretrained({{!r}})"
-        if ns.lora is None:
-            print(f"{ns.checkpoint_dir} is a LoRA checkpoint: wrote its adapters as a peft directory, {out}: load it "
-                  f"with {loader.format(str(out))}; for one model with the adapters merged into the base, run "
-                  f"`plait consolidate {ns.checkpoint_dir} NEW_DIR --lora merged`")
-        else:
-            print(f"wrote {out}: load it with {loader.format(str(out))}")
-        return
-    shard = {} if ns.max_shard_size is None else {"max_shard_size": ns.max_shard_size}
-    target = ns.output_dir
-    if "://" in target:  # a store: written here first, then copied there
+    target, local = ns.output_dir, None
+    if "://" in target:  # a store: written here first, then copied there (a LoRA export too: it made a local "s3:")
         from plait.checkpoint import store  # when run (module docstring)
 
         if store.exists(target):
             raise ConfigError(f"output directory {target} exists; choose a new one")
         local = store.stage(target, 0) / "consolidated"
         shutil.rmtree(local, ignore_errors=True)
-        out = consolidate(ns.checkpoint_dir, local, format=ns.format, dtype=ns.dtype, **shard)
-        loader = auto_class(out)
+    if lora:
+        from plait.checkpoint.lora_export import consolidate_lora  # when run (module docstring)
+
+        out = consolidate_lora(ns.checkpoint_dir, local or target, lora, format=ns.format, dtype=ns.dtype,
+                               max_shard_size=ns.max_shard_size)
+        loader = "peft.PeftModel.from_pretrained(base, {!r})" if lora == "adapter" else \
+            f"transformers.{auto_class(out)}.from_pretrained({{!r}})"
+    else:
+        shard = {} if ns.max_shard_size is None else {"max_shard_size": ns.max_shard_size}
+        out = consolidate(ns.checkpoint_dir, local or target, format=ns.format, dtype=ns.dtype, **shard)
+        loader = f"transformers.{auto_class(out)}.from_pretrained({{!r}})"
+    if local is not None:
         store.upload_tree(out, target)
         shutil.rmtree(local, ignore_errors=True)
-        print(f"wrote {target}: load it with transformers.{loader}.from_pretrained on a local copy")
-        return
-    out = consolidate(ns.checkpoint_dir, target, format=ns.format, dtype=ns.dtype, **shard)
-    print(f"wrote {out}: load it with transformers.{auto_class(out)}.from_pretrained({str(out)!r})")
+    how = loader.format(target) + (" on a local copy" if local is not None else "")
+    if lora and ns.lora is None:
+        print(f"{ns.checkpoint_dir} is a LoRA checkpoint: wrote its adapters as a peft directory, {target}: load it "
+              f"with {how}; for one model with the adapters merged into the base, run "
+              f"`plait consolidate {ns.checkpoint_dir} NEW_DIR --lora merged`")
+    else:
+        print(f"wrote {target}: load it with {how}")
 
 
 def auto_class(directory: str | os.PathLike) -> str:
