@@ -210,6 +210,28 @@ def test_a_lora_export_is_written_to_the_store(s3, model_config, tmp_path, monke
         in capsys.readouterr().out
 
 
+def test_a_moment_without_the_endpoint_is_tried_again(monkeypatch):
+    """botocore's connection errors, which s3fs passes on as they are, are tried again as its OSErrors are (an
+    endpoint out of reach for a moment ended the run at its next save)."""
+    from botocore.exceptions import EndpointConnectionError
+
+    monkeypatch.setattr(object_store, "BACKOFF", 0.0)
+    failures = [EndpointConnectionError(endpoint_url="http://127.0.0.1:1") for _ in range(2)]
+
+    def flaky() -> str:
+        if failures:
+            raise failures.pop()
+        return "read"
+
+    assert object_store.retried(flaky, "reading x") == "read"
+
+    def down() -> str:
+        raise EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
+
+    with pytest.raises(OSError, match="^reading x: the store failed 6 times, the last with EndpointConnectionError"):
+        object_store.retried(down, "reading x")
+
+
 def test_a_damaged_object_is_found_by_its_checksum(run_url, tmp_path, monkeypatch, capsys):
     fs, path = object_store.filesystem(run_url)
     fs.copy(f"{path}/checkpoint-4", f"{path}/damaged", recursive=True)

@@ -74,16 +74,26 @@ def filesystem(url: str) -> tuple[Any, str]:
         raise ConfigError(f"{url}: {err} (fsspec's known protocols: fsspec.available_protocols())") from None
 
 
+def transient() -> tuple[type[Exception], ...]:
+    """What a store's call fails with for a moment: ``OSError`` (s3fs's errors for a refused or dropped connection,
+    a 5xx or throttled request) and botocore's connection errors, which s3fs passes on as they are (an endpoint
+    out of reach for a moment ended a run at its next save, untried again)."""
+    try:
+        from botocore.exceptions import ConnectionError as EndpointError, HTTPClientError  # noqa: PLC0415
+    except ImportError:  # no S3 package: its errors cannot happen
+        return (OSError,)
+    return (OSError, EndpointError, HTTPClientError)
+
+
 def retried(call: Callable[[], T], what: str) -> T:
-    """``call()``, tried again after 0.2, 0.4, 0.8 ... s when the store fails it (``OSError``: s3fs's errors for
-    a refused or dropped connection, a 5xx or throttled request), at most ``ATTEMPTS`` times. A missing object
-    (``FileNotFoundError``) or a refused permission is raised at once."""
+    """``call()``, tried again after 0.2, 0.4, 0.8 ... s when the store fails it for a moment (``transient``), at
+    most ``ATTEMPTS`` times. A missing object (``FileNotFoundError``) or a refused permission is raised at once."""
     for attempt in range(ATTEMPTS):
         try:
             return call()
         except (FileNotFoundError, PermissionError):
             raise
-        except OSError as err:
+        except transient() as err:
             if attempt == ATTEMPTS - 1:
                 raise OSError(f"{what}: the store failed {ATTEMPTS} times, the last with {type(err).__name__}: "
                               f"{err}") from None
