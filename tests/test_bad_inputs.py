@@ -417,6 +417,19 @@ def test_other_commands_refuse_in_one_line(warm, tmp_path, capsys, argv, setup, 
     assert not Path("/tmp/never-written").exists() and not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize("argv", [["train", "--logging_steps", "x"], ["plan", "--hardware", "h900"], ["trian"],
+                                  ["train", "--no_such_flag"], ["consolidate", "ckpt"]],
+                         ids=["not_an_int", "not_a_choice", "unknown_command", "unknown_flag", "missing_argument"])
+def test_what_argparse_refuses_is_one_line(argv, capsys):
+    """A value of the wrong type or not among the choices, an unknown command or flag, a missing argument: one
+    ``plait: error:`` line naming it and --help, exit 2 (argparse printed its whole usage above: 74-81 lines)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("plait: error: ") and "--help)" in err, err
+
+
 # The matrix over every flag: each numeric one given -3, each text one a path that does not exist ("bogus"); each is
 # refused in one line naming the flag or the value, or is a value the flag takes, for the reason given here.
 TAKES = {

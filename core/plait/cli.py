@@ -187,8 +187,17 @@ def cmd_check_adapter(ns: argparse.Namespace) -> None:
     sys.exit(check_adapter_command(ns.name, ns.modes, ns.dtype))
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors (a value of the wrong type or not among the choices, an unknown flag or
+    command) are the one ``plait: error:`` line every failure ends in, exit status 2; argparse printed the whole
+    usage above its message (74 lines for plait train). Subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"plait: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="plait", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="plait", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=None,
