@@ -252,6 +252,12 @@ def vision_of(args: TrainArgs, model: torch.nn.Module, images: int, squares: boo
 def run_plan(ns, args) -> None:
     """``plait plan``: the layout tables, memory per rank, communication and bubble of the layout asked for,
     or with ``--search`` the fastest layouts that fit (``ns``: the parsed plan flags; ``args``: TrainArgs)."""
+    if ns.world_size is not None and ns.world_size < 1:  # 0 planned the smallest world as if not given
+        raise ConfigError(f"--world_size={ns.world_size} must be positive (processes of the run)")
+    if ns.top < 1:  # 0 printed "no layout fits" under a count of those that fit
+        raise ConfigError(f"--top={ns.top} must be positive (the fastest layouts --search prints)")
+    if ns.hardware and (ns.calibrate or ns.recalibrate):  # the calibration was used and --hardware ignored
+        raise ConfigError(f"--hardware {ns.hardware} and --calibrate both name the device: give one")
     parallel = args.parallel_config()
     # None: tp*cp*pp, the smallest world of the layout; under ep as many dp replicas as the ep group needs
     world_size = ns.world_size or (args.nproc_per_node if args.nproc_per_node > 1 else None)
