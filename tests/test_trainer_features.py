@@ -59,8 +59,11 @@ def test_bad_scheduler_lists_choices(capsys):
     assert "choose one of linear, cosine, constant, constant_with_warmup" in capsys.readouterr().err
 
 
-def test_warmup_and_cosine_schedule(model_config, tmp_path):
-    history = train(tiny_args(model_config, tmp_path, max_steps=4, lr_scheduler_type="cosine", warmup_steps=2))
+def test_warmup_and_cosine_schedule(model_config, tmp_path, capsys):
+    history = train(tiny_args(model_config, tmp_path, max_steps=4, lr_scheduler_type="cosine", warmup_steps=2,
+                              logging_steps=3))
+    shown = [line.split(" | ")[0] for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
+    assert shown == ["step 3/4", "step 4/4"], shown  # every 3rd step, and the last (it was not printed)
     lrs = [r["lr"] for r in history]
     assert lrs[0] == 0.0 and lrs[1] == pytest.approx(5e-4) and lrs[2] == pytest.approx(1e-3)
     assert lrs[3] < lrs[2]

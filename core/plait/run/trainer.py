@@ -453,7 +453,7 @@ class Trainer:
                 self.log.write(record)
                 trackers.log(record)
                 progress.update(task, advance=1, description=progress_text(record))
-                if ((step + 1) % args.logging_steps == 0 or "eval_loss" in record) and not terminal:  # evaluations too
+                if ((step + 1) % args.logging_steps == 0 or "eval_loss" in record or is_last) and not terminal:
                     seconds_per_step = (time.perf_counter() - started) / (step + 1 - self.first_step)
                     self.console.print(log_line(record, args.max_steps, seconds_per_step), soft_wrap=True)
                 saved = None
