@@ -172,7 +172,43 @@ def test_tensorboard_resume_replaces_the_steps_after_the_checkpoint(tmp_path):
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
     assert [e.value for e in events.Scalars("loss")] == pytest.approx([3.0, 2.0, 1.4, 1.2])
-    assert events.Tags()["scalars"] == ["loss"]  # not the list, not the flag
+    assert events.Tags()["scalars"] == ["loss", "moe_load/0"]  # the list per element, not the flag
+
+
+@pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy")  # mlflow 3.17's SQL store on SQLAlchemy 2.1
+def test_a_list_of_numbers_reaches_each_tracker_per_element(tmp_path, monkeypatch):
+    """moe_load (each MoE layer's load) as moe_load/0, moe_load/1 in TensorBoard, W&B and MLflow, read back from
+    their files; a list of anything else (the layers' names) and a flag stay out."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    loads = {1: [1.5, 1.25], 2: [1.125, 2.0]}
+    with Trackers.open(["tensorboard", "wandb", "mlflow"], tmp_path, {"seed": 0}, 0) as opened:
+        for step, load in loads.items():
+            opened.log({"step": step, "loss": 2.0 / step, "moe_load": load, "moe_layers": ["mlp.0", "mlp.1"],
+                        "skipped": False})
+    expected = {f"moe_load/{layer}": {step: load[layer] for step, load in loads.items()} for layer in (0, 1)}
+    expected["loss"] = {1: 2.0, 2: 1.0}
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert {key: {e.step: e.value for e in events.Scalars(key)} for key in events.Tags()["scalars"]} == expected
+    [path] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    logged: dict[str, dict[int, float]] = {}
+    for record in wandb_records(path):
+        if record.WhichOneof("record_type") == "history":
+            for item in record.history.item:
+                key = item.key or "/".join(item.nested_key)
+                if not key.startswith("_"):  # W&B's own (_step, _runtime, _timestamp)
+                    logged.setdefault(key, {})[record.history.step.num] = json.loads(item.value_json)
+    assert logged == expected
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    [found] = client.search_runs([client.get_experiment_by_name("plait").experiment_id])
+    assert {key: {m.step: m.value for m in client.get_metric_history(found.info.run_id, key)}
+            for key in found.data.metrics} == expected
 
 
 def test_a_tracker_that_cannot_start_ends_the_run_in_one_line(tmp_path, monkeypatch):

@@ -140,6 +140,25 @@ class MLflow:
 OPENERS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
 
 
+def is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)  # a flag (``skipped``) is no metric
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A record's metrics as trackers take them, one number per name: its numbers but the step, and each element
+    of a list of numbers (``moe_load``, one per MoE layer) as ``moe_load/0``, ``moe_load/1`` ...: trackers log
+    scalars only, and TensorBoard, W&B and MLflow group names by their prefix before "/", so a layer's load
+    is a curve of its own in the list's section. Other values (flags, "samples", lists of anything else) stay
+    out."""
+    metrics: dict[str, float] = {}
+    for key, value in record.items():
+        if is_number(value) and key != "step":
+            metrics[key] = value
+        elif isinstance(value, list) and all(map(is_number, value)):
+            metrics.update({f"{key}/{index}": element for index, element in enumerate(value)})
+    return metrics
+
+
 class Trackers:
     """The open trackers of a run (none on ranks but 0). A context manager: leaving it closes them all with the
     run's exit status: 0, an exception's ``exit_status`` (plait.run.stop.StopRequested's 128 + the signal: a run
@@ -164,10 +183,9 @@ class Trackers:
         return cls(opened)
 
     def log(self, record: dict) -> None:
-        """A step's record: its numbers (not flags nor lists, such as moe_load) under its "step", and its
-        --eval_prompts completions ("samples") as each tracker shows a table."""
-        metrics = {key: value for key, value in record.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"}
+        """A step's record: its numbers (``scalars``) under its "step", and its --eval_prompts completions
+        ("samples") as each tracker shows a table."""
+        metrics = scalars(record)
         for tracker in self.trackers:
             tracker.log(metrics, record["step"])
             if "samples" in record:
