@@ -20,7 +20,7 @@ from plait.costs import machine
 from plait.costs.activations import trace_activations
 from plait.costs.calibration import (SEQUENCES, TOKENS, EfficiencyRun, Workload, cache_path, calibrate,
                                      measure_efficiency)
-from plait.costs.device import PRESETS
+from plait.costs.device import CPU_RESERVE, GiB, PRESETS
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.memory import Precision
 from plait.costs.traffic import TIMED_OPS
@@ -162,6 +162,39 @@ def test_plan_prints_the_cached_efficiency_and_recalibrate_replaces_it(tmp_path,
     assert json.loads(cache.read_text())["device"]["efficiency"] == 0.6
 
 
+def test_a_cpus_ranks_share_the_hosts_memory_each_less_the_cpu_reserve(tmp_path, cache, capsys, monkeypatch):
+    """On a CPU the ranks of a node share the host's memory: each of 2 gets half of it less the cpu preset's
+    reserve, so a layout of 2 ranks that needs more than that is refused where 1 rank a node fits (the host's memory
+    was each rank's, with no reserve: 2 ranks of 12.6 GiB fitted a 23.5 GiB host); the printed fit says so."""
+    fake_runs(monkeypatch, [0.5, 0.5, 0.5])
+    path = tmp_path / "config.json"
+    model_config_tiny().to_json_file(path)
+
+    def plan(*flags: str) -> str:
+        main(["plan", "--model_config", str(path), "--block_size", "16", "--world_size", "2", *flags])
+        return capsys.readouterr().out
+
+    peak = json.loads(plan("--hardware", "cpu", "--json"))["peak"]
+    # 2 ranks a node get 0.75 x the peak each, 1 rank 1.5 x + 0.5 GiB (in place of the host's memory measured)
+    host = 2 * CPU_RESERVE + int(1.5 * peak)
+    machine_of = {"per_node": 2}
+    monkeypatch.setattr(calibration, "measure_machine", lambda: {**MACHINE, "memory_bytes": host, **machine_of})
+    device = calibrate()
+    assert device.usable_bytes == host // 2 - CPU_RESERVE and (device.memory_bytes, device.host_memory) == (
+        host // 2, host)
+    shared = json.loads(plan("--calibrate", "--json"))
+    assert shared["usable_memory"] == host // 2 - CPU_RESERVE < peak and shared["fits"] is False
+    line = " ".join(plan("--calibrate").split())
+    assert (f"of {(host // 2 - CPU_RESERVE) / GiB:.2f} GiB usable per device ({host / GiB:.2f} GiB shared by 2 "
+            f"ranks: {host // 2 / GiB:.2f} GiB each, less 0.50 GiB kept for") in line and "does not fit" in line
+    machine_of["per_node"] = 1
+    alone = json.loads(plan("--recalibrate", "--json"))
+    assert alone["usable_memory"] == host - CPU_RESERVE > peak and alone["fits"] is True
+    assert calibration.cached_device(cache).usable_bytes == host - CPU_RESERVE
+    machine_of["per_node"] = 4  # more cores than the run's 2 ranks: the host shared by those 2, not a 4th each
+    assert json.loads(plan("--recalibrate", "--json"))["usable_memory"] == host // 2 - CPU_RESERVE
+
+
 def test_a_cache_from_before_the_efficiency_run_is_measured_again(cache, monkeypatch):
     calls = fake_runs(monkeypatch, [0.4])
     cache.parent.mkdir(parents=True)
@@ -229,6 +262,7 @@ def test_where_torch_finds_an_accelerator_it_is_measured_and_cached_by_its_name(
     assert device.efficiency == 0.7 and device.name == "nvidia h100 80gb hbm3 (calibrated)" and device.fused_adamw
     assert device.efficiency_source.endswith("(wall clock), 0.06 s as 4, MFU 60.0%; links the h100 preset's")
     assert json.loads(cache.read_text())["measured"] == "nvidia h100 80gb hbm3"
+    assert device.memory_bytes == MACHINE["memory_bytes"] and not device.shares_host  # each device's own
     assert calibrate() == device and measured == ["nvidia h100 80gb hbm3"]  # read from the cache
     found["name"] = "nvidia l40s"
     assert calibrate().name == "nvidia l40s (calibrated)" and len(measured) == 2

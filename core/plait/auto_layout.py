@@ -17,7 +17,7 @@ from rich.table import Table
 
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.device import describe_accelerator
-from plait.costs.calibration import calibrate
+from plait.costs.calibration import calibrate, on_node
 from plait.costs.device import GiB, Device, preset_for
 from plait.costs.render import gib
 from plait.costs.search import batch_split, describe
@@ -43,7 +43,7 @@ def choose_layout(args: TrainArgs, world: int, device: Device | None = None,
     if given:
         raise ConfigError(f"--layout auto chooses {', '.join(given)} itself; drop {'them' if len(given) > 1 else 'it'}"
                           f", or give the layout by hand without --layout auto")
-    device = device or detect_device()
+    device = on_node(device or detect_device(), world)  # a CPU's host shared by this run's processes
     console = console or Console(stderr=True)
     result = PlannedRun.of(args, ParallelConfig(), world, device).search(device, world)
     if not result.ranked:

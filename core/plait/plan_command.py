@@ -24,7 +24,7 @@ from plait.costs.activations import ActivationTrace, trace_activations
 from plait.costs.vision import VisionTrace, trace_vision
 from plait.data.vision import load_processor
 from plait.costs.advice import cheaper_settings, fewest_devices
-from plait.costs.calibration import calibrate
+from plait.costs.calibration import calibrate, on_node
 from plait.costs.device import PRESETS, Device, parse_memory
 from plait.costs.estimate import Batch, estimate_layout
 from plait.costs.experts import check_expert_parallel, expert_parameters
@@ -271,6 +271,8 @@ def run_plan(ns, args) -> None:
         PRESETS[ns.hardware] if ns.hardware else None)
     if device is not None and memory is not None:  # the user's figure is what the tensors may take: no reserve
         device = dataclasses.replace(device, memory_bytes=memory, reserve_bytes=0, fragmentation=0.0)
+    elif device is not None:  # a CPU's host shared by this run's ranks on the node (the smallest world's if none)
+        device = on_node(device, world_size or parallel.tp * parallel.cp * parallel.pp)
     memory = memory or (device.memory_bytes if device else None)
     if ns.search and device is None:
         raise ConfigError("--search ranks layouts by estimated step time: give a device model, --hardware "

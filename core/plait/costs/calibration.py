@@ -10,7 +10,8 @@ matmul FLOPs / (peak x efficiency) plus the modelled memory traffic) gives the m
 timed again as several micro-batches: the difference is what each micro-batch costs beyond its FLOPs
 (``Device.microbatch_overhead``), which makes the search weigh micro-batch size against accumulation by
 measurement. The cache is versioned and names what it measured: one written by an older calibration, or of
-another device, is measured again.
+another device, is measured again. A CPU's ranks share the host's memory (``per_node`` of them, one a core), so the
+``Device`` a CPU's cache gives has each rank's share (``rank_share``); an accelerator's memory is each device's own.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from plait.base.meta import build_meta_model
 from plait.checkpoint.materialize import load_parallel_model
 from plait.costs import machine
 from plait.costs.activations import trace_activations
-from plait.costs.device import Device
+from plait.costs.device import CPU_RESERVE, Device
 from plait.costs.estimate import Batch, LayoutEstimate, estimate_layout
 from plait.costs.machine import measure_accelerator, measure_machine, one_thread
 from plait.costs.memory import Precision
@@ -141,14 +142,40 @@ def calibrate(memory_bytes: int | None = None, refresh: bool = False) -> Device:
                   "microbatch_overhead": run.microbatch_overhead}
         _write(path, {"version": CACHE_VERSION, "measured": measured, "device": fields,
                       "run": dataclasses.asdict(run)})
-    device = _device(fields)
+    device = _cached(measured, fields)
     return dataclasses.replace(device, memory_bytes=memory_bytes) if memory_bytes else device
 
 
 def cached_device(path: Path) -> Device:
     """The ``Device`` a calibration cache file holds (one copied from another machine: bench/gpu_headroom.py
     plans an earlier run's rows on it)."""
-    return _device(json.loads(Path(path).read_text())["device"])
+    record = json.loads(Path(path).read_text())
+    return _cached(record.get("measured", "cpu"), record["device"])  # before version 6 only CPUs were measured
+
+
+def _cached(measured: str, fields: dict) -> Device:
+    """The ``Device`` of a cache's measured ``fields``: a CPU's as each rank's share of it (``rank_share``)."""
+    device = _device(fields)
+    return rank_share(device) if measured == "cpu" else device
+
+
+def rank_share(host: Device) -> Device:
+    """A CPU calibration as one rank's device: the host's memory (``host.memory_bytes``, what ``measure_machine``
+    reads) shared by the ``per_node`` ranks a node runs, each keeping the cpu preset's reserve (``CPU_RESERVE``: the
+    interpreter and libraries). Each rank counted with the whole host, a layout whose ranks together need more than
+    the machine has was said to fit. Shared where the cache is read, not where the machine is measured: the cache
+    keeps the host's memory, so one written before is read right without measuring again."""
+    return dataclasses.replace(host, memory_bytes=host.memory_bytes // host.per_node, host_memory=host.memory_bytes,
+                               reserve_bytes=CPU_RESERVE)
+
+
+def on_node(device: Device, ranks: int) -> Device:
+    """``device`` for a run of ``ranks`` processes on the node: a CPU calibration's host shared by those, where they
+    are fewer than its cores (shared by one rank a core, a 16-core host running 2 ranks gave each a 16th of its
+    memory and refused layouts that fit); any other device as it is."""
+    if device.host_memory <= 0 or not 0 < ranks < device.per_node:
+        return device
+    return dataclasses.replace(device, memory_bytes=device.host_memory // ranks, per_node=ranks)
 
 
 def _device(fields: dict) -> Device:

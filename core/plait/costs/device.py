@@ -53,6 +53,9 @@ class Device:
     # Bytes read and written per second by the operations ``traffic.TIMED_OPS`` names, where they run below the
     # memory bandwidth (a CPU's random numbers and transcendental functions): measured by ``measure_machine``
     op_bandwidth: tuple[tuple[str, float], ...] = ()
+    # Where the ranks of a node share one memory (a CPU's processes, the host's RAM): the node's, of which
+    # ``memory_bytes`` is each rank's share, its ``per_node``-th (``calibration``); 0 where each device has its own
+    host_memory: int = 0
 
     def speed(self, op: str) -> float:
         return dict(self.op_speed).get(op, 1.0)
@@ -73,6 +76,12 @@ class Device:
         return self.reserve_bytes + int(self.fragmentation * self.memory_bytes)
 
     @property
+    def shares_host(self) -> bool:
+        """``memory_bytes`` is this rank's share of ``host_memory``, said beside the fit so that it is not read as the
+        whole host's (a figure given in its place, ``plait plan --device_memory``, is the rank's own)."""
+        return self.host_memory > 0 and self.per_node > 1 and self.memory_bytes == self.host_memory // self.per_node
+
+    @property
     def usable_bytes(self) -> int:
         """What a layout's tensors may take: the memory a program gets, less the reserve."""
         return self.memory_bytes - self.reserved
@@ -81,9 +90,11 @@ class Device:
         return f"efficiency {self.efficiency:.3g} of peak for matmuls ({self.efficiency_source})"
 
     def describe_memory(self) -> str:
-        return (f"{self.usable_bytes / GiB:.2f} GiB usable per device ({self.memory_bytes / GiB:.2f} GiB less "
-                f"{self.reserved / GiB:.2f} GiB kept for the runtime's context, communication buffers and "
-                f"fragmentation)")
+        memory = f"{self.memory_bytes / GiB:.2f} GiB"
+        if self.shares_host:
+            memory = f"{self.host_memory / GiB:.2f} GiB shared by {self.per_node} ranks: {memory} each,"
+        return (f"{self.usable_bytes / GiB:.2f} GiB usable per device ({memory} less {self.reserved / GiB:.2f} GiB "
+                f"kept for the runtime's context, communication buffers and fragmentation)")
 
 
 # The memory of a preset is what the driver gives a program; the reserve is what the runtime takes of it beside the
@@ -96,6 +107,8 @@ GPU_RESERVE, GPU_FRAGMENTATION = int(1.75 * GiB), 0.05
 # Each micro-batch beyond the first costs the Hopper GPUs 0.6-2.4 ms per decoder layer beyond its FLOPs (the 1.24B
 # Llama's 2 to 8 sequences of 2048 tokens timed as one micro-batch and as several; median 1.0 ms, bench/gpu_headroom.py)
 HOPPER_MICROBATCH = 1e-3
+# A CPU process's: torch's CPU allocator caches nothing, so the interpreter and libraries' own memory is the reserve
+CPU_RESERVE = GiB // 2
 PRESETS = {
     # H100 SXM5: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32, 80 GB HBM3 (the driver gives a program 79.1 GiB) at
     # 3.35 TB/s, NVLink 4 900 GB/s (450 GB/s each way), 8 per node, ConnectX-7 400 Gb/s per GPU.
@@ -126,9 +139,8 @@ PRESETS = {
     # NeuronLink-v3 1 TB/s per chip, EFA 3.2 Tb/s per instance.
     "trn2": Device("trn2", 96 * GiB, 667e12, 181e12, 0.4, 2.9e12, 500e9, 400e9 / 16, 16, 20e-6, GiB,
                    GPU_FRAGMENTATION),
-    # A generic CPU process (one core, gloo over loopback): placeholders; prefer --calibrate. torch's CPU allocator
-    # caches nothing: the interpreter and libraries' own memory is the reserve.
-    "cpu": Device("cpu", 16 * GiB, 50e9, 50e9, 1.0, 10e9, 2e9, 1e9, 1, 100e-6, GiB // 2, 0.0, fused_adamw=False,
+    # A generic CPU process (one core, gloo over loopback): placeholders; prefer --calibrate.
+    "cpu": Device("cpu", 16 * GiB, 50e9, 50e9, 1.0, 10e9, 2e9, 1e9, 1, 100e-6, CPU_RESERVE, 0.0, fused_adamw=False,
                   efficiency_source="a placeholder: --calibrate measures this machine", fused_attention_dropout=False),
 }
 
