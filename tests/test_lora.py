@@ -161,6 +161,8 @@ def test_one_process_lora_is_peft_lora(arch):
     (dict(target_modules=["embed_tokens"]), "Embedding"),
     (dict(target_modules=["nothing_here"]), "match no module"),
     (dict(use_dora=True), "use_dora"),
+    (dict(alora_invocation_tokens=[5]), "alora_invocation_tokens"),  # aLoRA trained as plain LoRA, silently
+    (dict(lora_ga_config={}), "lora_ga_config"),
     (dict(target_modules=["lm_head"], layout=dict(tp=2)), "vocab_head"),
 ])
 def test_bad_lora_settings_are_refused_before_any_group(options, message):

@@ -10,6 +10,7 @@ refused here, by name, before any process group exists.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -20,10 +21,14 @@ if TYPE_CHECKING:  # peft is imported only where LoRA is used: it costs every pr
     from peft import LoraConfig
 
 # LoraConfig fields plait implements, and the value every other field must keep (peft's default)
-_REFUSED_UNLESS_DEFAULT = (
-    "use_dora", "lora_bias", "rank_pattern", "alpha_pattern", "modules_to_save", "layer_replication",
-    "trainable_token_indices", "use_qalora", "loftq_config", "eva_config", "corda_config",
-)
+# The LoraConfig fields plait's parallel LoRA layers honour, or that only describe the config: any other one set
+# otherwise than its default changes the layer in a way they do not implement, and is refused by name. An allow-list,
+# not a list of the refused: peft's new options (aLoRA's alora_invocation_tokens, arrow_config, use_bdlora, ...)
+# were accepted and silently trained as plain LoRA.
+_SUPPORTED = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+              "inference_mode", "r", "target_modules", "exclude_modules", "lora_alpha", "lora_dropout", "fan_in_fan_out",
+              "bias", "use_rslora", "init_lora_weights", "layers_to_transform", "layers_pattern", "target_parameters",
+              "runtime_config", "megatron_core"}
 
 
 def lora_config(
@@ -48,7 +53,8 @@ def check_supported(config: LoraConfig) -> None:
     from peft import LoraConfig
 
     default = LoraConfig()
-    changed = [name for name in _REFUSED_UNLESS_DEFAULT if getattr(config, name) != getattr(default, name)]
+    changed = [f.name for f in dataclasses.fields(config)
+               if f.name not in _SUPPORTED and getattr(config, f.name) != getattr(default, f.name)]
     if config.bias != "none":
         changed.append(f"bias={config.bias!r}")
     if config.init_lora_weights not in (True, False):
