@@ -90,6 +90,25 @@ def test_consolidate_adapter_and_merged_agree_on_the_base(base_dir, straight, tm
     assert (tmp_path / "merged" / "tokenizer.json").is_file()
 
 
+def test_a_tied_head_merges_as_its_adapter_computes(tmp_path):
+    """LoRA on GPT-2's head, which is tied to the input embedding: the merged model computes the peft adapter's
+    logits (the update was written into the one tied tensor, moving the embedding too: 0.32 off in an audit)."""
+    base_dir = tmp_path / "gpt2"
+    tiny_model("gpt2", vocab_size=300).save_pretrained(base_dir)
+    argv = flags(base_dir, tmp_path / "run", "--lora_target_modules", "c_attn,lm_head", "--max_steps", "2")
+    run(argv)
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    main(["consolidate", str(checkpoint), str(tmp_path / "adapter"), "--lora", "adapter"])
+    main(["consolidate", str(checkpoint), str(tmp_path / "merged"), "--lora", "merged"])
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(tmp_path / "adapter"))
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        assert (adapted(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() <= 1e-5
+        base = AutoModelForCausalLM.from_pretrained(base_dir)
+    assert torch.equal(merged.get_input_embeddings().weight, base.get_input_embeddings().weight)  # untouched
+
+
 def test_consolidate_writes_the_adapter_of_a_lora_checkpoint_by_default(straight, tmp_path, capsys):
     """A LoRA checkpoint holds no base weights: without --lora, plait consolidate writes what --lora adapter
     writes and says how to get the merged model; the Python consolidate refuses it by name."""

@@ -107,7 +107,9 @@ def save_adapter(path: str | os.PathLike, tensors: dict[str, torch.Tensor], conf
 @torch.no_grad()
 def merge_into(model: nn.Module, tensors: dict[str, torch.Tensor], config: LoraConfig) -> nn.Module:
     """Add ``scale * B @ A`` to every adapted weight of ``model`` (a whole transformers model), in place; per
-    expert for an expert parameter (``lora/experts.py``)."""
+    expert for an expert parameter (``lora/experts.py``). A head tied to the input embedding is untied first (its own
+    weight, ``tie_word_embeddings`` off in the config): the update is the head's alone, and written into the one tied
+    tensor it moved the embedding too (a tied GPT-2 head merged 0.32 off its peft adapter in the logits)."""
     from transformers.pytorch_utils import Conv1D
 
     scale = scaling(config)
@@ -123,6 +125,10 @@ def merge_into(model: nn.Module, tensors: dict[str, torch.Tensor], config: LoraC
             merged = updated(weight.float(), a, b, scale, getattr(module, "is_transposed", False))
         else:
             module = model.get_submodule(prefix)
+            if module.weight is model.get_input_embeddings().weight:
+                module.weight = nn.Parameter(module.weight.detach().clone())
+                for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+                    config.tie_word_embeddings = False
             weight = module.weight
             delta = (b @ a) * scale  # [out, in]
             merged = weight.float() + (delta.T if isinstance(module, Conv1D) else delta)
