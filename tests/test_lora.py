@@ -157,6 +157,22 @@ def test_one_process_lora_is_peft_lora(arch):
     assert any(p.abs().sum() > 0 for n, p in mine.items() if "lora_B" in n)
 
 
+def test_default_targets_without_a_tp_plan_ask_for_the_targets():
+    """The default targets come from the tp plan; where it cannot be derived (a Falcon whose fused qkv the generic
+    adapter does not recognise) LoRA at tp=1 is refused naming the targets to give (the refusal spoke of the tp plan
+    alone, though tp=1 needs none), and with them named it plans."""
+    from transformers import AutoModelForCausalLM, FalconConfig
+
+    config = FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          new_decoder_architecture=True, num_kv_heads=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError, match=r"^LoRA's default targets are the projections of the model's tp plan, which "
+                                          r"cannot be had here \(the generic transformers adapter cannot derive"):
+        plan_layout(model, ParallelConfig(), 1, lora=lora_config(4, 8))
+    assert plan_layout(model, ParallelConfig(), 1, lora=lora_config(4, 8, 0.0, ["query_key_value", "dense"])).lora
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(target_modules=["embed_tokens"]), "Embedding"),
     (dict(target_modules=["nothing_here"]), "match no module"),

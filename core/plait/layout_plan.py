@@ -123,7 +123,12 @@ def plan_layout(
     if lora is not None:
         lora_tp_plan = tp_plan
         if lora_tp_plan is None and lora.target_modules is None:  # the default targets come from the TP plan
-            lora_tp_plan = registry.tp_plan(adapter, model.config)
+            try:
+                lora_tp_plan = registry.tp_plan(adapter, model.config)
+            except ConfigError as err:  # needed for the targets only: say so, and what to give instead
+                raise ConfigError(f"LoRA's default targets are the projections of the model's tp plan, which cannot "
+                                  f"be had here ({err}); name the targets: "
+                                  f"{setting('target_modules', ['q_proj', 'v_proj'])}") from None
         lora_plan = plan_lora(model, lora, shards_by_rank, lora_tp_plan, config.sequence_parallel)
     specs_by_rank = tuple(param_specs(model, s) | (lora_plan.specs(r) if lora_plan else {})
                           for r, s in enumerate(shards_by_rank))
