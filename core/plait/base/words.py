@@ -51,3 +51,10 @@ def setting(field: str, value: Any = UNSET) -> str:
     if isinstance(value, (list, tuple, set)):
         return f"{flag} {','.join(map(str, sorted(value) if isinstance(value, set) else value))}"
     return f"{flag} {value}"
+
+
+def no_effect(flags: list[str], why: str, fix: str = "") -> str:
+    """The words of one refusal of ``flags`` given that do nothing: ``--a, --b have no effect{why}; drop them{fix}``
+    (``why`` with its own lead: " without ...", ": ..."), one sentence for every such refusal."""
+    several = len(flags) > 1
+    return f"{', '.join(flags)} ha{'ve' if several else 's'} no effect{why}; drop {'them' if several else 'it'}{fix}"

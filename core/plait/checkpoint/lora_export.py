@@ -127,8 +127,7 @@ def merge_into(model: nn.Module, tensors: dict[str, torch.Tensor], config: LoraC
             module = model.get_submodule(prefix)
             if module.weight is model.get_input_embeddings().weight:
                 module.weight = nn.Parameter(module.weight.detach().clone())
-                for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
-                    config.tie_word_embeddings = False
+                model.config.tie_word_embeddings = model.config.get_text_config().tie_word_embeddings = False
             weight = module.weight
             delta = (b @ a) * scale  # [out, in]
             merged = weight.float() + (delta.T if isinstance(module, Conv1D) else delta)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from plait.base.config import ConfigError
+from plait.base.words import no_effect
 from plait.data.cache import CacheEntry, tokenizer_fingerprint
 from plait.data.paths import cache_root, tokenizer_dir
 from plait.data.sft_blocks import Example, SFTBlocks, describe_counts, lay_out, truncation_warning
@@ -168,9 +169,10 @@ def load_sft_data(source: SFTSource, vocab_size: int, fmt: str | None = None, re
     process group, so a bad line fails every rank at once (ConfigError naming the file and line). ``report``: say
     what was read (local rank 0 of a node; the run layer knows whether a launcher said it already)."""
     fmt = fmt or data_format(source)
-    if source.text_field != SFTSource.text_field:  # worded as TrainArgs.refuse_unread words such refusals
-        raise ConfigError(f"--text_field has no effect: it names the field of plain-text .jsonl lines and the column "
-                          f"of Parquet files and --dataset_name, and this data is {fmt} ({_FIELDS[fmt]}); drop it")
+    if source.text_field != SFTSource.text_field:
+        raise ConfigError(no_effect(["--text_field"], f": it names the field of plain-text .jsonl lines and the "
+                                                      f"column of Parquet files and --dataset_name, and this data is "
+                                                      f"{fmt} ({_FIELDS[fmt]})"))
     directory = tokenizer_dir(source.tokenizer_name, source.model_name_or_path)
     if directory is None:
         raise ConfigError(f"--data_format {fmt} needs a tokenizer (with a chat template for chat data); give "

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from plait.base.config import ConfigError
+from plait.base.words import no_effect
 
 
 def _names(listed: str) -> list[str]:
@@ -87,9 +88,7 @@ class MethodArgs:
                      and getattr(self, name) != defaults[name]]
             if given and self.method not in methods:
                 wanted = " or ".join(f"--method {m}" for m in methods)
-                raise ConfigError(f"{', '.join(given)} ha{'ve' if len(given) > 1 else 's'} no effect without {wanted} "
-                                  f"(--method {self.method}); drop {'them' if len(given) > 1 else 'it'}, or use "
-                                  f"{wanted}")
+                raise ConfigError(no_effect(given, f" without {wanted} (--method {self.method})", f", or use {wanted}"))
         if self.method == "kd":
             self._validate_kd(defaults)
         if self.method == "grpo":

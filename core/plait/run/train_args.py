@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from plait.base import comm
 from plait.base.config import CP_ATTENTION, FLOAT8_RECIPES, MOE_AUX_LOSS_SCOPES, ConfigError, ParallelConfig
+from plait.base.words import no_effect
 from plait.base.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULES, microbatch_refusal
 from plait.cp.sequence import check_length
 from plait.data.sft_blocks import OVERLONG
@@ -349,16 +350,13 @@ class TrainArgs(MethodArgs):
         plain text has no prompt to train on), refused in one line."""
         given = [f"--{name}" for name in self.given(names)]
         if given:
-            several = len(given) > 1
-            raise ConfigError(f"{', '.join(given)} ha{'ve' if several else 's'} no effect: {reason}; drop "
-                              f"{'them' if several else 'it'}")
+            raise ConfigError(no_effect(given, f": {reason}"))
 
     def refuse_idle_lora_settings(self, fix: str = "") -> None:
         """--lora_alpha and the other LoRA settings without LoRA (--lora_r 0) do nothing: refused, with ``fix``."""
         given = [f"--{name}" for name in self.given(LORA_SETTINGS)]
         if given:
-            raise ConfigError(f"{', '.join(given)} ha{'ve' if len(given) > 1 else 's'} no effect without LoRA "
-                              f"(--lora_r 0); drop {'them' if len(given) > 1 else 'it'}{fix}")
+            raise ConfigError(no_effect(given, " without LoRA (--lora_r 0)", fix))
 
     def global_batch(self, dp: int) -> int:
         """Sequences (rows) a step trains: the per-device batch over ``dp`` ranks and the accumulation steps."""

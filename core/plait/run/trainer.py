@@ -140,7 +140,8 @@ def plan_run(args: TrainArgs, world: int) -> tuple[Path | None, PretrainedConfig
     freeze_vision(meta, args.freeze_vision_tower, args.freeze_projector)
     check_resume_matches(args, meta, resume)
     check_model_fits(args, model_config)
-    saved = saved_lora(read_index(resume)[1].extra) if resume is not None else None
+    extra = read_index(resume)[1].extra if resume is not None else {}  # what the checkpoint recorded beside its tensors
+    saved = saved_lora(extra) if resume is not None else None
     if saved is not None:
         check_base(saved[1], str(resume))
     if resume is not None:
@@ -149,7 +150,7 @@ def plan_run(args: TrainArgs, world: int) -> tuple[Path | None, PretrainedConfig
     plan = plan_layout(meta, args.parallel_config(), world, lora=lora)
     args.check_zero_has_ranks(plan.config)
     if resume is not None:
-        check_resumed_flags(args, read_index(resume)[1].extra.get("flags"), args.global_batch(plan.config.dp), resume)
+        check_resumed_flags(args, extra.get("flags"), args.global_batch(plan.config.dp), resume)
     return resume, model_config, meta, saved, plan
 
 

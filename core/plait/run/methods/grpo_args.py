@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.base.config import ConfigError
+from plait.base.words import no_effect
 from plait.run.methods.grpo_loss import LOSS_TYPES, SCALE_REWARDS
 
 RewardFunc = Callable[..., list]
@@ -32,9 +33,8 @@ def check_grpo(args: Any) -> None:
                                        ("--train_on_prompt", args.train_on_prompt),
                                        (f"--overlong {args.overlong}", args.overlong != "truncate")) if given]
     if unread:  # the prompts are read as they are: nothing is tokenized into blocks, packed or cached
-        several = len(unread) > 1
-        raise ConfigError(f"{', '.join(unread)} ha{'ve' if several else 's'} no effect with --method grpo (its prompts "
-                          f"are TRL's prompt-only rows, read as they are); drop {'them' if several else 'it'}")
+        raise ConfigError(no_effect(unread, " with --method grpo (its prompts are TRL's prompt-only rows, read as they "
+                                            "are)"))
     if args.loss_type not in LOSS_TYPES:
         raise ConfigError(f"--loss_type {args.loss_type!r} is not a GRPO loss; choose one of {', '.join(LOSS_TYPES)}")
     if args.scale_rewards not in SCALE_REWARDS:
