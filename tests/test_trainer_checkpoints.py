@@ -228,6 +228,21 @@ def test_async_saves_are_the_synchronous_ones_and_a_crash_mid_write_keeps_the_pr
     assert list_checkpoints(tp2) == [tp2 / "checkpoint-2", tp2 / "checkpoint-4"]
 
 
+def test_a_failed_background_write_stops_the_run_at_the_next_step(model_config, tmp_path, monkeypatch, capsys):
+    """A background write that fails (here injected before step 4's files) ends the run in one line at the end of
+    a step soon after, not at the next save or the end of the run: the previous code trained all 8 steps and only
+    then said that checkpoint-4 was lost."""
+    monkeypatch.setenv("PLAIT_FAULT_INJECT", "0:4:raise:write")
+    argv = flags(model_config, tmp_path, "--save_async")
+    argv[argv.index("--max_steps") + 1], argv[argv.index("--save_steps") + 1] = "8", "4"
+    with pytest.raises(SystemExit):
+        run(argv)
+    assert "plait: error: InjectedFault: injected fault on rank 0 at step 4" in capsys.readouterr().err
+    steps = [r["step"] for r in read_metrics(tmp_path)]
+    assert steps == list(range(1, len(steps) + 1)) and 4 <= len(steps) <= 5, steps
+    assert not (tmp_path / "checkpoint-4").exists()
+
+
 def test_the_host_copy_shares_no_memory_with_training():
     """What an asynchronous save writes is a copy: the next step may change the weights and the optimizer state at
     once. Its bytes are the tensors this rank writes (here all of them: one process)."""

@@ -9,7 +9,8 @@ so they never interleave with the training's on the world's group.
 
 The next save waits for the previous one to finish (one in flight, so one host copy at a time, whose tensors the
 next save copies into: allocated once), and so does the end of the run, the last checkpoint included. A write
-that fails raises CheckpointNotSaved on every rank at that wait. A collective of the write that waits longer than
+that fails raises CheckpointNotSaved on every rank at the end of the step during which it failed (``failed``, which
+the trainer's per-step gather shares), not at the next save, which may be hours of training away. A collective of the write that waits longer than
 --ddp_timeout (the group is given it: torch's default for a new group is 30 minutes) or loses its peer raises the
 backend's error at that wait too, on the training thread, where the trainer's ``explain_timeouts`` names the rank
 waited for in one line, as for a synchronous save.
@@ -57,6 +58,10 @@ class BackgroundSaver:
 
         self.thread = threading.Thread(target=write, name=f"plait-save-{pending.step}", daemon=True)
         self.thread.start()
+
+    def failed(self) -> bool:
+        """Whether the save in flight has ended with an error (which ``wait`` raises); never waits."""
+        return self.thread is not None and not self.thread.is_alive() and self.error is not None
 
     def wait(self) -> None:
         """Return once no save is in flight; raise the error the last one ended with, if any."""

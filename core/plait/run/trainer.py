@@ -371,13 +371,16 @@ class Trainer:
 
     def end_step(self, record: dict, start: float) -> None:
         """The step's throughput and peak memory (host, and the accelerator's allocator where there is one); and,
-        in the same max-reduction over the world, the stop signal any rank received, so that every rank sees it
-        after the same step (``plait.run.stop``)."""
+        in the same max-reduction over the world, the stop signal any rank received and a failed background save
+        (raised on every rank), so that every rank sees them after the same step (``plait.run.stop``)."""
         accelerator_peak = peak_memory_bytes(self.device)  # None on the CPU: the same on every rank
         extra = [] if accelerator_peak is None else [accelerator_peak / 2**20]
-        rows = world_rows([self.heartbeat.step_s, own_peak_rss_mb(), self.signals.signum, *extra])
+        save_failed = self.saver is not None and self.saver.failed()
+        rows = world_rows([self.heartbeat.step_s, own_peak_rss_mb(), self.signals.signum, save_failed, *extra])
         times = [row[0] for row in rows]
-        peak, signum, *device_peak = [max(column) for column in zip(*rows)][1:]
+        peak, signum, save_failed, *device_peak = [max(column) for column in zip(*rows)][1:]
+        if save_failed:
+            self.wait_saved()
         self.stop_signal = int(signum)
         for rank, ratio in self.stragglers.observe(times):
             if is_main_process():
