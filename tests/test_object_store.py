@@ -9,8 +9,8 @@ removed by the next run; a damaged object is found by its checksum on read, name
 from and writes to the store, fetching only the tensor files it reads, and given the run's URL names its checkpoints.
 Behind a proxy that fails a share of the requests (HTTP 503) the same run completes with the same losses.
 
-A store that cannot be used (no bucket, no credentials, no endpoint) is refused in one line before the run starts
-(exit 2), and a crash while a step is saved again leaves that step's committed checkpoint whole: a one-process run
+A store that cannot be used (no bucket, no credentials, no endpoint, credentials that may only read: a proxy refusing
+writes as S3 does) is refused in one line before the run or consolidation starts (exit 2), and a crash while a step is saved again leaves that step's committed checkpoint whole: a one-process run
 resumes the 2-rank run's checkpoint-2 and is killed while re-saving step 4, the next such run saves it again.
 """
 
@@ -176,7 +176,7 @@ def test_consolidate_reads_and_writes_the_store(run_url, tmp_path, capsys, monke
         main(["consolidate", f"{run_url}/checkpoint-4", "s3://nobucket/hf"])
     assert end.value.code == 2
     assert capsys.readouterr().err.strip() == (
-        "plait: error: s3://nobucket/hf cannot be used: its bucket 'nobucket' does not exist; create it "
+        "plait: error: output directory s3://nobucket/hf cannot be used: its bucket 'nobucket' does not exist; create it "
         "(aws s3 mb s3://nobucket) or give a URL in an existing bucket")
     assert not (object_store.stage("s3://nobucket/hf", 0) / "consolidated").exists()
 
@@ -335,23 +335,24 @@ def whole(url: str, world_size: int) -> None:
     reader.verify((name, key) for name, file in index.files.items() for key in file[CHECKSUM])
 
 
-class FlakyProxy(BaseHTTPRequestHandler):
-    """Forwards each request to the store, but answers every ``EVERY``-th with 503 (Slow Down) instead."""
+class Proxy(BaseHTTPRequestHandler):
+    """Forwards each request to the store (``target``), unless ``instead`` answers it itself."""
 
     protocol_version = "HTTP/1.1"  # keep-alive, and "Expect: 100-continue" answered before a body is read
-    EVERY, target, count, failed = 3, "", 0, 0
-    lock = threading.Lock()
+    target = ""
+
+    def instead(self) -> tuple[int, bytes] | None:
+        """The status and body to answer with rather than the store's; None forwards the request."""
+        return None
 
     def handle_one(self) -> None:
-        with FlakyProxy.lock:
-            FlakyProxy.count += 1
-            fail = FlakyProxy.count % FlakyProxy.EVERY == 0
-            FlakyProxy.failed += fail
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        if fail:
-            self.send_response(503)
-            self.send_header("Content-Length", "0")
+        refusal = self.instead()
+        if refusal is not None:
+            self.send_response(refusal[0])
+            self.send_header("Content-Length", str(len(refusal[1])))
             self.end_headers()
+            self.wfile.write(refusal[1])
             return
         connection = http.client.HTTPConnection(*self.target.removeprefix("http://").split(":"))
         headers = {k: v for k, v in self.headers.items() if k.lower() != "expect"}
@@ -374,23 +375,76 @@ class FlakyProxy(BaseHTTPRequestHandler):
         pass
 
 
-def test_a_store_failing_a_share_of_requests_still_gets_the_run(s3, server, model_config, one_process, tmp_path,
-                                                                 monkeypatch):
-    FlakyProxy.target, FlakyProxy.count, FlakyProxy.failed = server, 0, 0
-    proxy = ThreadingHTTPServer(("127.0.0.1", 0), FlakyProxy)
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.server_address[1]}")
-    monkeypatch.setenv("PLAIT_STAGE_DIR", str(tmp_path / "stage"))
+class FlakyProxy(Proxy):
+    """Answers every ``EVERY``-th request with 503 (Slow Down) instead of the store."""
+
+    EVERY, count, failed = 3, 0, 0
+    lock = threading.Lock()
+
+    def instead(self) -> tuple[int, bytes] | None:
+        with FlakyProxy.lock:
+            FlakyProxy.count += 1
+            fail = FlakyProxy.count % FlakyProxy.EVERY == 0
+            FlakyProxy.failed += fail
+        return (503, b"") if fail else None
+
+
+class ReadOnlyProxy(Proxy):
+    """Refuses every write as S3 refuses credentials that may only read (403, AccessDenied)."""
+
+    def instead(self) -> tuple[int, bytes] | None:
+        if self.command in ("GET", "HEAD"):
+            return None
+        return 403, b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+
+
+@pytest.fixture
+def proxy(server, monkeypatch):
+    """Starts a ``Proxy`` class in front of the store and points AWS_ENDPOINT_URL at it."""
     import s3fs
 
+    started = []
+
+    def start(handler: type[Proxy]) -> None:
+        handler.target = server
+        started.append(ThreadingHTTPServer(("127.0.0.1", 0), handler))
+        threading.Thread(target=started[-1].serve_forever, daemon=True).start()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{started[-1].server_address[1]}")
+        s3fs.S3FileSystem.clear_instance_cache()  # s3fs keeps a client per arguments, not per environment
+
+    yield start
+    for each in started:
+        each.shutdown()
     s3fs.S3FileSystem.clear_instance_cache()
-    try:
-        url = f"{s3}/flaky"
-        launch(["-m", "plait", "train", *flags(model_config, url, "--tensor_parallel_size", "2")], 2, timeout=240)
-        main(["consolidate", f"{url}/checkpoint-4", str(tmp_path / "hf")])
-    finally:
-        proxy.shutdown()
-        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_credentials_that_may_only_read_are_refused_before_the_run(s3, run_url, model_config, proxy, tmp_path,
+                                                                   capsys):
+    """A store that answers look-ups but refuses writes (read-only credentials) is refused where the run or the
+    consolidation starts, in one line (exit 2), not at the first save after the training it was to keep."""
+    proxy(ReadOnlyProxy)
+    url = f"{s3}/read-only"
+    cause = r"writing was refused \(PermissionError: Access Denied\); check the credentials and the bucket's policy"
+    with pytest.raises(SystemExit) as end:
+        main(["train", *flags(model_config, url)])
+    assert end.value.code == 2
+    assert re.fullmatch(rf"plait: error: --output_dir {re.escape(url)} cannot be used: {cause}",
+                        capsys.readouterr().err.strip())
+    with pytest.raises(SystemExit) as end:
+        main(["consolidate", f"{run_url}/checkpoint-4", f"{url}/hf"])
+    assert end.value.code == 2
+    assert re.fullmatch(rf"plait: error: output directory {re.escape(url)}/hf cannot be used: {cause}",
+                        capsys.readouterr().err.strip())
+
+
+def test_a_store_failing_a_share_of_requests_still_gets_the_run(s3, server, model_config, one_process, tmp_path,
+                                                                 monkeypatch, proxy):
+    FlakyProxy.count, FlakyProxy.failed = 0, 0
+    proxy(FlakyProxy)
+    monkeypatch.setenv("PLAIT_STAGE_DIR", str(tmp_path / "stage"))
+    url = f"{s3}/flaky"
+    launch(["-m", "plait", "train", *flags(model_config, url, "--tensor_parallel_size", "2")], 2, timeout=240)
+    main(["consolidate", f"{url}/checkpoint-4", str(tmp_path / "hf")])
     assert FlakyProxy.failed > 10, FlakyProxy.failed  # the store did fail requests
     monkeypatch.setenv("AWS_ENDPOINT_URL", server)
     records = store_metrics(url, tmp_path)

@@ -145,8 +145,9 @@ def cmd_consolidate(ns: argparse.Namespace) -> None:
     if "://" in target:  # a store: written here first, then copied there (a LoRA export too: it made a local "s3:")
         from plait.checkpoint import store  # when run (module docstring)
 
-        if store.exists(target):
+        if store.exists(target, "output directory"):
             raise ConfigError(f"output directory {target} exists; choose a new one")
+        store.writable(target, "output directory")
         local = store.stage(target, 0) / "consolidated"
         shutil.rmtree(local, ignore_errors=True)
     if lora:

@@ -22,8 +22,9 @@ checkpoint is the one it names, wherever a crash stopped (``committed_files``); 
 deleted at the next start (``leftovers``) or commit of that step. Every checkpoint stays under its
 ``checkpoint-<step>`` prefix, so listing, rotating and removing checkpoints are as before.
 
-A store that cannot be used (no bucket, no credentials, an endpoint that does not answer) is refused where a command
-starts (``exists``), in one line naming the URL, the cause and the fix, not trained against until the first save.
+A store that cannot be used (no bucket, no credentials, an endpoint that does not answer, credentials that may only
+read) is refused where a command starts (``exists``, and ``writable`` where it will write), in one line naming the
+URL, the cause and the fix, not trained against until the first save.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def exists(url: str, what: str = "") -> bool:
     that does not answer, a refused access, and where nothing is at ``url`` a bucket that does not exist (s3fs and
     gcsfs answer False for any path in it). One try: the store's client retries a failed request itself, and a
     store that does not answer is refused at once rather than after ``ATTEMPTS`` more rounds of those (5 s each
-    for s3fs, 35 s for gcsfs). Writing is not tried: a look-up needs no object of the user's."""
+    for s3fs, 35 s for gcsfs). Writing is ``writable``'s."""
     fs, path = filesystem(url)
     named = f"{what} {url}" if what else url
     try:
@@ -152,6 +153,21 @@ def exists(url: str, what: str = "") -> bool:
     except Exception as err:  # whatever the store's client raises (botocore's are no OSError): said as a refusal
         raise ConfigError(f"{named} cannot be used: {_cause(url, err)}") from None
     return False
+
+
+def writable(url: str, what: str) -> None:
+    """Refuse (ConfigError, one line naming ``what`` and ``url``, the cause and the fix) a store location this
+    process cannot write to: read-only credentials, a bucket policy that allows reads only. A look-up (``exists``)
+    passes there, and the refusal would otherwise come at the first save, after the training it was to keep. An
+    empty object is written under ``url`` and deleted again (an object store has no folder to leave behind); one
+    try, as for the look-up."""
+    fs, path = filesystem(url)
+    probe = join(path, f".plait-write-check-{uuid.uuid4().hex[:16]}")
+    try:
+        fs.pipe_file(probe, b"")
+        fs.rm_file(probe)
+    except Exception as err:  # whatever the store's client raises (botocore's are no OSError): said as a refusal
+        raise ConfigError(f"{what} {url} cannot be used: {_cause(url, err, 'writing')}") from None
 
 
 def _bucket_seen(fs: Any, bucket: str) -> bool:
@@ -185,8 +201,8 @@ def _fixes(url: str, bucket: str = "") -> dict[str, str]:
             "endpoint": "check the store's endpoint and the network", "access": "check the credentials"}
 
 
-def _cause(url: str, err: Exception) -> str:
-    """Why the store's client failed a look-up, and the fix. Told apart by the error's classes, whose modules differ
+def _cause(url: str, err: Exception, doing: str = "a look-up") -> str:
+    """Why the store's client failed ``doing`` (a look-up, writing), and the fix. Told apart by the error's classes, whose modules differ
     by store (botocore's NoCredentialsError and EndpointConnectionError, aiohttp's ClientConnectorError, google-auth's
     DefaultCredentialsError): their names say credentials or connection."""
     first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
@@ -196,10 +212,10 @@ def _cause(url: str, err: Exception) -> str:
     if any("Credential" in name for name in names):
         return f"no credentials for the store ({said}); {fixes['credentials']}"
     if isinstance(err, PermissionError):
-        return f"access was refused ({said}); {fixes['access']}"
+        return f"{'writing' if doing == 'writing' else 'access'} was refused ({said}); {fixes['access']}"
     if isinstance(err, ConnectionError) or any("Connect" in name for name in names):
         return f"its endpoint cannot be reached ({said}); {fixes['endpoint']}"
-    return f"a look-up failed ({said}); {fixes['endpoint']}, and {fixes['access']}"
+    return f"{doing} failed ({said}); {fixes['endpoint']}, and {fixes['access']}"
 
 
 def begin_save(url: str) -> str:

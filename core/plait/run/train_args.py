@@ -258,11 +258,12 @@ class TrainArgs(MethodArgs):
     def _check_output_dir(self) -> None:
         """Refuse an output directory the run could not write its checkpoints to, before anything starts, not at the
         first save. A store's URL: its package installed and the store usable there (credentials, endpoint, bucket:
-        a look-up or two, ``store.exists``)."""
+        a look-up or two, ``store.exists``) and writable by these credentials (``store.writable``)."""
         if "://" in self.output_dir:
             from plait.checkpoint import store  # noqa: PLC0415 (the package is heavy; only for a URL)
 
             store.exists(self.output_dir, "--output_dir")  # the answer does not matter here, its refusals do
+            store.writable(self.output_dir, "--output_dir")
             return
         out = Path(self.output_dir)
         if out.exists() and not out.is_dir():
