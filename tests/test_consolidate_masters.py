@@ -2,7 +2,7 @@
 the bf16 parameters (the trained values; the parameters are only them rounded, and upcasting those kept the
 rounding): at one process and at tp=2 x ZeRO-1 (masters split like the weights, saved by the dp ranks owning them),
 in both formats, whole or in shards, and for `--lora merged`, whose merge adds the adapters' masters in float32.
-`--dtype bfloat16` still writes the saved bf16 weights."""
+`--dtype bfloat16` still writes the saved bf16 weights; `--dtype float16` rounds the masters (finer than bf16)."""
 
 from __future__ import annotations
 
@@ -88,14 +88,17 @@ def test_float32_writes_the_fp32_masters(layout, options, request, tmp_path):
     assert masters.keys() == weights.keys() and all(w.dtype == torch.bfloat16 for w in weights.values())
     main(["consolidate", str(checkpoint), str(tmp_path / "fp32"), "--dtype", "float32", *options])
     main(["consolidate", str(checkpoint), str(tmp_path / "bf16"), "--dtype", "bfloat16", *options])
-    fp32, bf16 = written(tmp_path / "fp32"), written(tmp_path / "bf16")
-    assert fp32.keys() == bf16.keys() == weights.keys()
+    main(["consolidate", str(checkpoint), str(tmp_path / "fp16"), "--dtype", "float16", *options])
+    fp32, bf16, fp16 = written(tmp_path / "fp32"), written(tmp_path / "bf16"), written(tmp_path / "fp16")
+    assert fp32.keys() == bf16.keys() == fp16.keys() == weights.keys()
     if "--max_shard_size" in options:
         assert len(list((tmp_path / "fp32").glob("*.index.json"))) == 1
     for name, master in masters.items():
         assert fp32[name].dtype == torch.float32 and torch.equal(fp32[name], master), name
         assert not torch.equal(fp32[name], weights[name].float()), name  # trained below bf16's resolution
         assert torch.equal(bf16[name], weights[name]) and torch.equal(master.to(torch.bfloat16), weights[name]), name
+        # float16 has 3 more mantissa bits than bf16: rounded from the master, not from the bf16 weight
+        assert torch.equal(fp16[name], master.to(torch.float16)), name
 
 
 @pytest.fixture(scope="module")

@@ -68,7 +68,7 @@ def consolidate(
 
     ``format``: "safetensors" (model.safetensors, or shards plus model.safetensors.index.json above
     ``max_shard_size``) or "pytorch" (pytorch_model.bin, same sharding). ``dtype``: cast floating tensors
-    (e.g. "bfloat16"); None keeps the saved dtype; one wider than bf16 parameters writes their fp32 masters
+    (e.g. "bfloat16"); None keeps the saved dtype; one finer than bf16 parameters writes their fp32 masters
     where the checkpoint has them (``weight_source``). Also writes config.json, generation_config.json and the
     tokenizer files the checkpoint has. ``verify``: check every tensor's checksum (while writing). The
     output directory must not exist or be empty. Returns ``output_dir``.
@@ -125,16 +125,18 @@ def consolidate(
 
 def weight_source(index: Index, name: str, dtype: torch.dtype | None) -> str:
     """The logical tensor to write parameter ``name`` from in ``dtype``: its master (``optimizer/<name>/master``,
-    which ``MasterWeightOptimizer`` saves beside bf16 parameters) where both ``dtype`` and the master are wider
-    than the saved parameter, which is only the master rounded: casting it up would keep that rounding. For a
-    dtype no wider, the saved parameter is the master rounded to it already; without a master, the parameter."""
+    which ``MasterWeightOptimizer`` saves beside bf16 parameters) where both ``dtype`` and the master are finer
+    (more mantissa bits) than the saved parameter, which is only the master rounded: casting it would keep that
+    rounding (float16 from bf16 too: its 10 mantissa bits against bf16's 7; its range is no concern here, a value
+    past float16's is past it in bf16 as well). For a dtype no finer, the saved parameter is the master rounded to
+    it already; without a master, the parameter."""
     master = index.tensors.get(optimizer_key(name, "master"))
     saved = DTYPES[index.tensors[name].dtype]
     if master is None or dtype is None or not saved.is_floating_point:
         return name
-    bits = torch.finfo(saved).bits
-    wider = torch.finfo(dtype).bits > bits and torch.finfo(DTYPES[master.dtype]).bits > bits
-    return optimizer_key(name, "master") if wider else name
+    eps = torch.finfo(saved).eps
+    finer = torch.finfo(dtype).eps < eps and torch.finfo(DTYPES[master.dtype]).eps < eps
+    return optimizer_key(name, "master") if finer else name
 
 
 def _write_model(reader: CheckpointReader, folder: Path, plan: list[Planned], format: str, max_bytes: int) -> None:

@@ -184,7 +184,7 @@ def consolidate_lora(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pat
     ``format``, ``dtype`` and ``max_shard_size`` are ``consolidate``'s (None: its default, 5GB); every one acts, or
     is refused before any weight is read: a peft adapter is one file, so it takes no ``max_shard_size``.
     ``dtype`` None writes the adapters as saved, the merged model in float32 (the merge's precision). Adapters
-    trained in bf16 are read as their fp32 masters where the checkpoint has them and they are used wider than
+    trained in bf16 are read as their fp32 masters where the checkpoint has them and they are used finer than
     saved: always by the merge (float32), by an adapter written in float32."""
     if mode not in ("adapter", "merged"):
         raise ConfigError(f"--lora {mode!r} is unknown; choose adapter (a peft directory) or merged")
