@@ -97,7 +97,7 @@ def test_jsonl_train_file(model_config, tmp_path):
         (["--pipeline_schedule", "fast"], "pipeline_schedule='fast' is unknown"),
         (["--pipeline_parallel_size", "3", "--num_microbatches", "4"], "layers"),
         (["--tensor_parallel_size", "2"], "world size 1 is not divisible by tp*pp = 2*1 = 2"),
-        (["--tensor_parallel_size", "3", "--disable_sequence_parallel"], "num_attention_heads=4 is not divisible by tp=3"),
+        (["--tensor_parallel_size", "3", "--disable_sequence_parallel"], "num_attention_heads=4 is not divisible by --tensor_parallel_size 3"),
         (["--float8", "rowwise", "--device", "cpu"], "this run is on cpu: add --float8_emulate"),
         (["--float8", "rowwise", "--float8_emulate", "--block_size", "24"], "--block_size=24 is not a multiple of 16"),
     ],

@@ -149,8 +149,8 @@ def test_plait_plan_names_the_tp_sizes_that_fit(tmp_path, capsys):
               "--world_size", "9"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1
-    assert "num_attention_heads=9 is not divisible by tp=2; choose a tp that divides 9; with 9 processes, tp=3 or 9 " \
-           "would work" in err
+    assert "num_attention_heads=9 is not divisible by --tensor_parallel_size 2; choose a --tensor_parallel_size that " \
+           "divides 9; with 9 processes, --tensor_parallel_size 3 or 9 would work" in err
 
 
 def test_plan_naming_missing_module():

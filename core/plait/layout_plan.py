@@ -19,7 +19,7 @@ from torch import nn
 
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.pipeline_schedules import SCHEDULES
-from plait.base.words import setting
+from plait.base.words import setting, setting_text
 from plait.cp.dry_run import check_on_meta
 from plait.cp.layout import CPPlan, plan_context_parallel
 from plait.ep.layout import EPPlan, plan_expert_parallel
@@ -152,7 +152,7 @@ def _tp_alternatives(model: nn.Module, tp_plan: TPPlan, config: ParallelConfig, 
     fits = tp_sizes_that_fit(model, tp_plan, [t for t in range(2, room + 1) if room % t == 0], parallel_embeddings)
     processes = f"{world_size} process{'es' if world_size > 1 else ''}{fixed}"
     if fits:
-        return f"with {processes}, tp={_either(fits)} would work"
+        return f"with {processes}, {setting_text('tp', _either(fits))} would work"
     if room > 1:
         stages = config.pp * room
         pipeline = (f"pipeline stages ({setting('pp', stages)}) or "
@@ -164,7 +164,7 @@ def _tp_alternatives(model: nn.Module, tp_plan: TPPlan, config: ParallelConfig, 
                                 parallel_embeddings)
     if not allowed:
         return "this model does not split over any tp > 1; use pipeline or data parallelism"
-    return (f"this model splits over tp={_either(allowed)}, which {processes} cannot hold: launch "
+    return (f"this model splits over {setting_text('tp', _either(allowed))}, which {processes} cannot hold: launch "
             f"a multiple of tp*{'cp*pp' if config.cp > 1 else 'pp'} processes (--nproc_per_node)")
 
 

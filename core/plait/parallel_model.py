@@ -22,6 +22,7 @@ from plait.base.batches import check_batch_shapes, local_microbatch
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.images import ImageBatch, grid_position_ids, grid_positions, pipeline_unseen
 from plait.base.mesh import Mesh
+from plait.base.words import setting
 from plait.cp.attention import whole_sequences
 from plait.cp.context import ContextParallel
 from plait.cp.images import text_model_takes_its_tokens
@@ -420,8 +421,8 @@ class ParallelModel(nn.Module):
             check_length(seq, self.cp.size, self.mesh.tp, self.config.sequence_parallel)
         elif self.config.sequence_parallel and seq % self.mesh.tp:
             raise ConfigError(
-                f"sequence length {seq} is not divisible by tp={self.mesh.tp} under sequence parallelism; "
-                f"use a block size that is a multiple of {self.mesh.tp}, or disable sequence parallelism"
+                f"sequence length {seq} is not divisible by {setting('tp', self.mesh.tp)} under sequence "
+                f"parallelism; use a block size that is a multiple of {self.mesh.tp}, or {setting('sp', False)}"
             )
 
     def _run(self, input_ids, labels, attention_mask, num_items_in_batch, position_ids, train: bool,

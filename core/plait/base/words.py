@@ -53,6 +53,13 @@ def setting(field: str, value: Any = UNSET) -> str:
     return f"{flag} {value}"
 
 
+def setting_text(field: str, text: str) -> str:
+    """``field`` set to ``text``, values written out already (``2 or 4``): ``tp=2 or 4`` / ``--tensor_parallel_size 2
+    or 4``."""
+    flag = FLAGS.get(field) if _FLAG_WORDS.get() else None
+    return f"{field}={text}" if flag is None else f"{flag} {text}"
+
+
 def no_effect(flags: list[str], why: str, fix: str = "") -> str:
     """The words of one refusal of ``flags`` given that do nothing: ``--a, --b have no effect{why}; drop them{fix}``
     (``why`` with its own lead: " without ...", ": ..."), one sentence for every such refusal."""

@@ -19,6 +19,7 @@ from plait.base.images import ImageBatch
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.mesh import Mesh
 from plait.base.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULES, microbatch_refusal
+from plait.base.words import setting
 from plait.tp.logprobs import Objective, read_logits
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, "int | torch.Tensor"], torch.Tensor]
@@ -30,14 +31,15 @@ def check_schedule(config: ParallelConfig) -> None:
     multi_stage = SCHEDULES[name].multi_stage
     if not multi_stage and v > 1:
         raise ConfigError(
-            f"pipeline_schedule={name!r} runs one stage per rank but virtual_pipeline_size={v}; use "
-            f"'interleaved-1f1b' or 'zero-bubble' for virtual stages, or set virtual_pipeline_size=1"
+            f"{setting('pipeline_schedule', name)} runs one stage per rank but {setting('virtual_pipeline_size', v)}; "
+            f"use {setting('pipeline_schedule', 'interleaved-1f1b')} or {setting('pipeline_schedule', 'zero-bubble')} "
+            f"for virtual stages, or {setting('virtual_pipeline_size', 1)}"
         )
     if v < SCHEDULES[name].min_virtual:
         least = SCHEDULES[name].min_virtual
         raise ConfigError(
-            f"pipeline_schedule={name!r} needs virtual_pipeline_size >= {least} (got {v}); set "
-            f"virtual_pipeline_size={least} or use pipeline_schedule={DEFAULT_SCHEDULE!r}"
+            f"{setting('pipeline_schedule', name)} needs {setting('virtual_pipeline_size')} >= {least} (got {v}); "
+            f"give {setting('virtual_pipeline_size', least)} or {setting('pipeline_schedule', DEFAULT_SCHEDULE)}"
         )
     refusal = microbatch_refusal(name, pp, m)
     if refusal:

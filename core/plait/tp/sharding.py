@@ -21,6 +21,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from plait.base.config import ConfigError
+from plait.base.words import setting
 
 
 Box = tuple[tuple[int, int], ...]  # a block of a tensor: [start, stop) per dim
@@ -233,7 +234,8 @@ class Part:
 
 def even_range(total: int, tp: int, rank: int, what: str) -> tuple[int, int]:
     if total % tp:
-        raise TPSizeError(f"{what} = {total} is not divisible by tp={tp}; choose a tp that divides {total}")
+        raise TPSizeError(f"{what} = {total} is not divisible by {setting('tp', tp)}; choose a {setting('tp')} that "
+                          f"divides {total}")
     size = total // tp
     return rank * size, (rank + 1) * size
 

@@ -18,6 +18,7 @@ from typing import ClassVar
 from torch import nn
 
 from plait.base.config import ConfigError
+from plait.base.words import setting
 from plait.tp.layers import WholeSequenceRegion
 from plait.tp.sharding import ModuleShard, ShardSpec, TPSizeError, linear_shape, linear_shard
 from plait.tp.styles.base import BuildContext, TPRule
@@ -127,10 +128,12 @@ class Attention(TPRule):
     def _check_heads(self, tp: int) -> None:
         heads, kv_heads = self.num_heads, self.num_kv_heads
         if heads % tp:
-            raise TPSizeError(f"num_attention_heads={heads} is not divisible by tp={tp}; choose a tp that divides {heads}")
+            raise TPSizeError(f"num_attention_heads={heads} is not divisible by {setting('tp', tp)}; choose a "
+                              f"{setting('tp')} that divides {heads}")
         if kv_heads >= tp and kv_heads % tp:
             raise TPSizeError(
-                f"num_key_value_heads={kv_heads} is not divisible by tp={tp}; choose tp dividing {kv_heads} "
+                f"num_key_value_heads={kv_heads} is not divisible by {setting('tp', tp)}; choose a {setting('tp')} "
+                f"dividing {kv_heads} "
                 f"(or a multiple of it that divides num_attention_heads={heads})"
             )
         if kv_heads < tp and tp % kv_heads:
@@ -246,7 +249,7 @@ class HeadInterleavedAttention(Attention):
             raise ConfigError(f"{name}: head_params {self.head_params} are not split by a head-interleaved qkv")
         if self.groups and (self.groups % tp or self.num_heads % self.groups):
             raise TPSizeError(f"{name}: the fused qkv is laid out in {self.groups} chunks of q, k and v (of "
-                              f"{self.num_heads} heads); choose a tp that divides {self.groups}")
+                              f"{self.num_heads} heads); choose a {setting('tp')} that divides {self.groups}")
         self._check_heads(tp)
         q_heads, hd = self.num_heads // tp, self.head_dim
         fused = (rank * q_heads * 3 * hd, (rank + 1) * q_heads * 3 * hd)
@@ -323,8 +326,8 @@ class LatentAttention(TPRule):
 
     def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
         if self.num_heads % tp:
-            raise TPSizeError(f"num_attention_heads={self.num_heads} is not divisible by tp={tp}; choose a tp that "
-                              f"divides {self.num_heads}")
+            raise TPSizeError(f"num_attention_heads={self.num_heads} is not divisible by {setting('tp', tp)}; choose "
+                              f"a {setting('tp')} that divides {self.num_heads}")
         heads = self.num_heads // tp
         first, last = rank * heads, (rank + 1) * heads
         child = lambda attr: (f"{name}.{attr}", module.get_submodule(attr))  # noqa: E731
