@@ -1,10 +1,12 @@
 """Input files the data layer refuses, or now reads, in one line naming the file (and line and byte): not UTF-8 in
 any .jsonl reader, a BOM, corrupt Parquet, links in directories, .json files, data shorter than a block, an idle
---text_field on SFT data, categorical Parquet text, non-string text fields, an unreadable first file."""
+--text_field on SFT data, categorical Parquet text, non-string text fields, an unreadable first file; an SFT layout
+that fails keeps its tokens for the run that fixes it."""
 
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import io
 import json
 import os
@@ -54,6 +56,19 @@ def test_invalid_utf8_names_file_line_and_byte_in_every_reader(tmp_path, record,
         assert str(info.value) == (f"{path}: line {line}: invalid UTF-8 (byte 0xe9: invalid continuation byte) at "
                                    f"byte offset {offset}; it is not UTF-8 text: re-encode it (iconv -f ENCODING -t "
                                    f"UTF-8), or give .parquet")
+
+
+def test_image_text_rows_name_the_line_of_invalid_utf8(tmp_path):
+    """The vision reader reads .jsonl lines through the same reader, so it names the line and the fix too."""
+    from plait.data.vision import read_rows
+
+    path = latin1_lines(tmp_path / "rows.jsonl", CHAT)
+    offset = path.read_bytes().index(b"\xe9")
+    with pytest.raises(ConfigError) as info:  # was: rows.jsonl: cannot be read ('utf-8' codec can't decode ...)
+        read_rows(path)
+    assert str(info.value) == (f"{path}: line 2: invalid UTF-8 (byte 0xe9: invalid continuation byte) at byte "
+                               f"offset {offset}; it is not UTF-8 text: re-encode it (iconv -f ENCODING -t UTF-8), "
+                               f"or give .parquet")
 
 
 def test_bad_validation_file_is_named_by_the_sft_loader(tmp_path):
@@ -176,6 +191,30 @@ def test_data_shorter_than_a_block_names_the_flag_and_leaves_no_entry(tmp_path, 
         prepare_data(args, 61, progress=False)  # the tiny vocabulary's byte ids: one token a byte
     entries = sorted(p.name.split("-")[0] for p in (tmp_path / "cache" / "tokens").iterdir())
     assert entries == ([] if flag == "train_file" else ["long.txt"])
+
+
+@pytest.mark.parametrize("overlong, message", [
+    ("refuse", r"long.jsonl line 1: the example has \d+ tokens, more than --block_size=8; raise --block_size"),
+    ("drop", r"^no SFT example is left to train on \(of 1, --overlong drop dropped 1\)"),
+    ("truncate", r"long.jsonl: no example has a token left to train on after --block_size=8 truncation")])
+def test_a_failed_sft_layout_keeps_its_tokens_for_the_fix(tmp_path, overlong, message):
+    """The SFT entry holds the tokenized examples, whatever the block size (--block_size, --packing and --overlong
+    are not in its key: blocks are laid out when read). A layout that refuses them leaves that complete entry, so
+    the run the refusal asks for (a larger --block_size) reads it rather than tokenizing the data again."""
+    from plait.data.chat_tokenizer import save_chat_tokenizer
+
+    tokenizer = save_chat_tokenizer(["hi hello four " * 10] * 20, 300, tmp_path / "tok")
+    train = tmp_path / "long.jsonl"  # the answer lies past --block_size: nothing of it survives truncation
+    train.write_text(json.dumps({"messages": [{"role": "user", "content": "hi " * 40},
+                                              {"role": "assistant", "content": "four"}]}) + "\n")
+    source = SFTSource(train_file=str(train), tokenizer_name=str(tokenizer), block_size=8, overlong=overlong,
+                       data_cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=message):
+        load_sft_data(source, 300, report=False)
+    [entry] = (tmp_path / "cache" / "sft").iterdir()
+    built = entry.stat().st_ino
+    load_sft_data(dataclasses.replace(source, block_size=128), 300, report=False)
+    assert [e.stat().st_ino for e in (tmp_path / "cache" / "sft").iterdir()] == [built]  # read, not built again
 
 
 # -- 6. --text_field on SFT data -------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import torch
 
 from plait.base.config import ConfigError
 from plait.base.images import ImageBatch
+from plait.data.sources import jsonl_lines
 from plait.tp.loss import IGNORE_INDEX
 
 GRID_KEY = "image_grid_thw"  # Qwen-VL: (t, h, w) patches per image; their pixel_values have one row per patch
@@ -59,22 +60,29 @@ def load_processor(model_dir: str | Path) -> Any:
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    """The rows of a .jsonl (one JSON object a line; blank lines skipped) or .parquet file, in file order."""
+    """The rows of a .jsonl (one JSON object a line; blank lines skipped) or .parquet file, in file order.
+
+    .jsonl lines come from ``jsonl_lines``, the reader the text and SFT formats share, so a non-UTF-8 or binary
+    file is refused in the same one line (file, line, byte offset and the fix) whichever format it was given as,
+    a BOM is read as utf-8-sig reads it, and line numbers count newlines only (not the Unicode separators that
+    ``str.splitlines`` would also cut a JSON string at).
+    """
     path = Path(path)
     if path.suffix not in (".jsonl", ".parquet"):
         raise ConfigError(f"{path}: image-text rows are read from .jsonl or .parquet files")
-    try:
-        if path.suffix == ".parquet":
+    if path.suffix == ".parquet":
+        try:
             import pyarrow.parquet as pq
 
             return pq.read_table(path).to_pylist()
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
-        raise ConfigError(f"{path}: cannot be read ({_one_line(err)})") from err
+        except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+            raise ConfigError(f"{path}: cannot be read ({_one_line(err)})") from err
+    try:
+        lines = [(line.number, line.text) for line in jsonl_lines(path)]
+    except ValueError as err:  # jsonl_lines' one line already names the file, line, byte and the fix
+        raise ConfigError(str(err)) from None
     rows = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for number, line in lines:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
