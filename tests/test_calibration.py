@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 
 import pytest
@@ -26,6 +27,7 @@ from plait.costs.memory import Precision
 from plait.costs.traffic import TIMED_OPS
 from plait.layout_plan import plan_layout
 from plait.plugin.registry import default_registry
+from processes import run as run_command
 
 # A peak far above what one CPU thread reaches: the run's efficiency is then well under 1, never clamped at peak
 FAST = dataclasses.replace(PRESETS["cpu"], flops_fp32=1e12, flops_bf16=1e12)
@@ -204,9 +206,18 @@ def test_a_cache_from_before_the_efficiency_run_is_measured_again(cache, monkeyp
 
 
 @pytest.mark.skipif(accelerator() is not None, reason="a machine with an accelerator calibrates that, not its CPU")
-def test_calibrate_measures_this_machine(cache):
-    """The whole calibration, unreplaced: gloo's workers forked, the run timed, everything cached."""
+def test_calibrate_measures_this_machine(cache, tmp_path, monkeypatch):
+    """The whole calibration, unreplaced, as ``plait plan --calibrate`` runs it (gloo's workers forked, the run
+    timed, everything cached), read back here; the command prints its own lines only (the workers' deprecated
+    collectives once put 4 torch FutureWarnings among them). A command, not ``calibrate()`` in this process: under
+    pytest's warnings capture a forked worker's warning is recorded in the fork, never printed."""
+    model_config_tiny().to_json_file(tmp_path / "config.json")
+    done = run_command([sys.executable, "-m", "plait", "plan", "--model_config", str(tmp_path / "config.json"),
+                        "--block_size", "16", "--calibrate"], timeout=300)
+    assert done.returncode == 0 and "Warning" not in done.stdout + done.stderr, done.stderr
+    monkeypatch.setattr(calibration, "measure_machine", lambda: pytest.fail("the command's calibration not cached"))
     device = calibrate()
+    assert device.describe_efficiency() in " ".join(done.stdout.split())  # what the command measured and used
     assert 0 < device.efficiency <= 1 and device.efficiency_source.startswith("measured on this machine")
     assert device.microbatch_overhead > 0
     assert device.flops_fp32 > 0 and device.intra_bandwidth > 0 and {op for op, _ in device.op_speed} == {

@@ -64,6 +64,16 @@ def test_log_lines_without_a_terminal(run):
     assert not any(line.lstrip().startswith("{") for line in output.splitlines()), output
 
 
+def test_the_trackers_print_nothing_among_the_runs_lines(run):
+    """The run's output holds plait's lines only (the data, the layout, the steps, "saved ..."): MLflow's INFO lines
+    ("INFO mlflow.store.db.utils: Creating initial MLflow database tables...", "... Updating database tables": its
+    fresh SQLite store), alembic's, and the "Downloading artifacts" bar of the second --eval_prompts table once
+    came among the step lines. Read from the module's one run: no launch of its own."""
+    _, output = run
+    noise = [line for line in output.splitlines() if re.search(r"\bINFO\b|alembic|Downloading artifacts", line)]
+    assert not noise, output
+
+
 def test_tensorboard_has_the_metrics(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -185,8 +185,10 @@ def _allreduce_worker(rank: int, port: int, out: str) -> None:
 
     in_step = statistics.median(after_work() for _ in range(30))
     half, whole = big[: big.numel() // 2], torch.empty_like(big)
-    gather = min(_timed(lambda: dist.all_gather_into_tensor(whole, half)) for _ in range(3))
-    scatter = min(_timed(lambda: dist.reduce_scatter_tensor(half, big)) for _ in range(3))
+    # the *_single names: torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor (wrappers of these
+    # that warn), whose FutureWarning each worker printed among plait plan --calibrate's lines
+    gather = min(_timed(lambda: dist.all_gather_single(whole, half)) for _ in range(3))
+    scatter = min(_timed(lambda: dist.reduce_scatter_single(half, big)) for _ in range(3))
     if rank == 0:
         ring = 2 * (2 - 1) / 2 * big.numel() * 4  # what each rank sends in a ring all-reduce
         bandwidth = ring / max(seconds - latency, 1e-9)

@@ -11,7 +11,10 @@ continues the curve it left; TensorBoard also hides what the interrupted run log
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -104,6 +107,31 @@ class WandB:
         self.run.finish(exit_code=exit_status)
 
 
+@contextmanager
+def quiet_mlflow() -> Iterator[None]:
+    """While plait calls MLflow: MLflow's and alembic's loggers at WARNING at least, and MLflow's artifact progress
+    bar off. At MLflow's defaults (INFO, the bar on) a fresh local store printed "Creating initial MLflow database
+    tables..." and "Updating database tables", and each --eval_prompts table after the first (``log_table`` downloads
+    the table to append to it) a "Downloading artifacts" bar, among the run's step lines. Warnings and errors still
+    print; MLFLOW_LOGGING_LEVEL or MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR set by the user is kept. The levels and the
+    variable are put back after each call: the loggers are MLflow's, not plait's."""
+    bar = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    names = () if os.environ.get("MLFLOW_LOGGING_LEVEL") else ("mlflow", "alembic")
+    loggers = {logger: logger.level for logger in map(logging.getLogger, names)}
+    set_bar = bar not in os.environ
+    for logger in loggers:
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
+    if set_bar:
+        os.environ[bar] = "false"
+    try:
+        yield
+    finally:
+        for logger, level in loggers.items():
+            logger.setLevel(level)
+        if set_bar:
+            os.environ.pop(bar, None)
+
+
 class MLflow:
     """An MLflow run at MLFLOW_TRACKING_URI (default ``sqlite:///<output_dir>/mlflow.db``: the kind of store MLflow
     defaults to, kept with the run; its file store refuses to open unless told to), the flags as its params;
@@ -112,29 +140,33 @@ class MLflow:
     Default experiment would put them in ./mlruns of whatever directory the command ran in."""
 
     def __init__(self, output_dir: Path, params: dict, first_step: int) -> None:
-        import mlflow
+        import mlflow  # before quiet_mlflow: the import sets mlflow's logger's level
 
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
-            mlflow.set_tracking_uri(f"sqlite:///{(output_dir / 'mlflow.db').resolve()}")
-            if not os.environ.get("MLFLOW_EXPERIMENT_ID"):
-                name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "plait"
-                if mlflow.get_experiment_by_name(name) is None:
-                    mlflow.create_experiment(name, (output_dir / "mlartifacts").resolve().as_uri())
-                mlflow.set_experiment(name)
-        self.mlflow = mlflow
-        mlflow.start_run()
-        mlflow.log_params(params)
+        with quiet_mlflow():
+            if not os.environ.get("MLFLOW_TRACKING_URI"):
+                mlflow.set_tracking_uri(f"sqlite:///{(output_dir / 'mlflow.db').resolve()}")
+                if not os.environ.get("MLFLOW_EXPERIMENT_ID"):
+                    name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "plait"
+                    if mlflow.get_experiment_by_name(name) is None:
+                        mlflow.create_experiment(name, (output_dir / "mlartifacts").resolve().as_uri())
+                    mlflow.set_experiment(name)
+            self.mlflow = mlflow
+            mlflow.start_run()
+            mlflow.log_params(params)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.mlflow.log_metrics(metrics, step=step)
+        with quiet_mlflow():
+            self.mlflow.log_metrics(metrics, step=step)
 
     def samples(self, rows: list[dict[str, str]], step: int) -> None:
         """One table artifact, samples.json, each evaluated step's rows appended (MLflow's log_table appends)."""
-        self.mlflow.log_table(data={"step": [step] * len(rows), "prompt": [r["prompt"] for r in rows],
-                                    "completion": [r["completion"] for r in rows]}, artifact_file="samples.json")
+        with quiet_mlflow():
+            self.mlflow.log_table(data={"step": [step] * len(rows), "prompt": [r["prompt"] for r in rows],
+                                        "completion": [r["completion"] for r in rows]}, artifact_file="samples.json")
 
     def close(self, exit_status: int) -> None:
-        self.mlflow.end_run("FINISHED" if exit_status == 0 else "KILLED" if exit_status > 128 else "FAILED")
+        with quiet_mlflow():
+            self.mlflow.end_run("FINISHED" if exit_status == 0 else "KILLED" if exit_status > 128 else "FAILED")
 
 
 OPENERS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
