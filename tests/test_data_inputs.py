@@ -141,7 +141,7 @@ def test_corrupt_or_cut_parquet_is_named(tmp_path):
 
 # -- 3. links in directories ---------------------------------------------------------------------------------------
 
-def test_links_to_directories_are_followed_and_broken_ones_refused(tmp_path):
+def test_links_to_directories_are_followed_and_broken_or_repeated_ones_refused(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "b.txt").write_text("linked text")
@@ -155,6 +155,12 @@ def test_links_to_directories_are_followed_and_broken_ones_refused(tmp_path):
                                          r"encloses it"):
         resolve_sources(data)
     (elsewhere / "loop").unlink()
+    (data / "again").symlink_to(elsewhere)  # more/b.txt and again/b.txt: one file, read twice before
+    for spec in (data, data / "*" / "*.txt"):
+        with pytest.raises(ValueError, match=r"--train_file .*: .*data/again/b.txt and .*data/more/b.txt are one file "
+                                             r"\(.*elsewhere/b.txt\), which would be read twice"):
+            resolve_sources(spec)
+    (data / "again").unlink()
     (data / "gone.txt").symlink_to(tmp_path / "nonexistent")
     message = r"--train_file .*data/gone.txt is a broken symbolic link \(to .*nonexistent, which does not exist\)"
     for spec in (data, data / "gone.txt", data / "*.txt"):

@@ -134,18 +134,31 @@ def _data_files(directory: Path, flag: str) -> list[Path]:
     return sorted(files)
 
 
+def _refuse_repeats(files: list[Path], flag: str, spec: str) -> list[Path]:
+    """``files`` if no two of them are one file (a link beside its target, two links to one directory, a hard
+    link), which the run would read, and train on, twice; else a refusal naming both paths."""
+    seen: dict[tuple[int, int], Path] = {}
+    for path in files:
+        info = path.stat()
+        first = seen.setdefault((info.st_dev, info.st_ino), path)
+        if first != path:
+            raise ValueError(f"{flag} {spec}: {first} and {path} are one file ({path.resolve()}), which would be read "
+                             f"twice; remove one of them (or the link that leads to it)")
+    return files
+
+
 def resolve_sources(spec: str | os.PathLike, text_field: str = "text", flag: str = "--train_file") -> list[Source]:
     """The sources a ``--train_file`` value names: a file, a directory (its .txt/.jsonl/.parquet files,
     recursively through links to directories, sorted) or a glob (sorted matches).
 
     Raises:
-        ValueError: if nothing matches, a directory holds no such file, a link is broken or loops, or a file
-            is a .json file.
+        ValueError: if nothing matches, a directory holds no such file, a link is broken or loops, two paths are
+            one file, or a file is a .json file.
     """
     spec = str(spec)
     path = Path(spec)
     if path.is_dir():
-        files = _data_files(path, flag)
+        files = _refuse_repeats(_data_files(path, flag), flag, spec)
         if not files:
             raise ValueError(f"{flag} {spec!r} is a directory without .txt, .jsonl or .parquet files; "
                              f"give a file, a glob, or a directory of such files")
@@ -159,7 +172,7 @@ def resolve_sources(spec: str | os.PathLike, text_field: str = "text", flag: str
         broken = [p for p in matches if p.is_symlink() and not p.exists()]
         if broken:
             raise _broken_link(flag, broken[0])
-        files = [p for p in matches if p.is_file()]
+        files = _refuse_repeats([p for p in matches if p.is_file()], flag, spec)
         if not files:
             raise ValueError(f"{flag} {spec!r} matches no file; check the pattern (quote it so the shell "
                              f"does not expand it)")
