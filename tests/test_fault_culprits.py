@@ -8,6 +8,7 @@ loopback whose output dirs are node-local (the second in a mount namespace of it
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -46,7 +47,10 @@ def train_flags(model_config: str, out: Path, steps: int = 4, ddp_timeout: int =
 
 
 def error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    """The lines a failure printed: errors, tracebacks and torch's own log lines ("W1130 16:26:54.285000 3957
+    .../spawn.py:165] Terminating process 3970 via signal SIGTERM", its teardown of the other ranks)."""
+    return [line for line in stderr.splitlines()
+            if "error" in line.lower() or "Traceback" in line or re.match(r"[WEI]\d{4} ", line)]
 
 
 def left_running(out: Path) -> list[int]:

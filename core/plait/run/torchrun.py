@@ -225,6 +225,9 @@ def _torchrun(argv: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its "failed (exitcode...)" lines
+    # and its teardown of the other ranks once one failed ("Terminating process N via signal SIGTERM"): the job's
+    # one line names the rank that failed
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     if FORK_SERVED[1] in argv:  # the server starts with the first worker, from this environment
         multiprocessing.set_forkserver_preload(forking.PRELOAD)
         os.environ["PYTHONUNBUFFERED"] = "1"  # what torchrun's ``python -u`` gives a fresh worker
