@@ -15,7 +15,7 @@ from plait.base.config import ConfigError, ParallelConfig
 from plait.checkpoint.materialize import load_parallel_model
 from plait.data.chat_tokenizer import save_chat_tokenizer
 from plait.run.metrics import read_metrics
-from plait.run.prompts import complete, render
+from plait.run.prompts import complete, prompt_ids, render
 from plait.run.train_args import TrainArgs
 from processes import run as run_command
 from tiny_models import tiny_config
@@ -49,11 +49,12 @@ def test_samples_are_one_process_completions_from_the_steps_weights(run):
 
     tokenizer = AutoTokenizer.from_pretrained(run / "tokenizer")
     texts = [render(row, tokenizer) for row in PROMPTS]
+    ids = [prompt_ids(row, tokenizer) for row in PROMPTS]
     for step in (2, 4):
         pmodel = load_parallel_model(run / "run" / f"checkpoint-{step}", ParallelConfig(), dtype=torch.float32,
                                      device=torch.device("cpu"))
         # the same batches of prompts as the run's (its training batch per replica: 2, over dp=1)
-        expected = complete(pmodel, tokenizer, texts, batch_size=2, device=torch.device("cpu"), max_new_tokens=6)
+        expected = complete(pmodel, tokenizer, ids, batch_size=2, device=torch.device("cpu"), max_new_tokens=6)
         assert records[step]["samples"] == [{"prompt": text, "completion": completion}
                                             for text, (completion, _) in zip(texts, expected)], step
     assert records[2]["samples"] != records[4]["samples"]  # taken from each step's weights, not the first's
@@ -83,4 +84,4 @@ def test_a_run_without_a_tokenizer_is_told_to_give_one(tmp_path):
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "a"}\n')
     with pytest.raises(ConfigError, match=r"the run has no tokenizer to write and read prompts with; give "
                                           r"--tokenizer_name$"):
-        EvalPrompts(tmp_path / "prompts.jsonl", None, 8, 2)
+        EvalPrompts(tmp_path / "prompts.jsonl", None, 8, 2, None)

@@ -97,6 +97,59 @@ def test_every_layout_gives_one_process_completions(files):
         assert done.stdout.count("5 completions") == 1, done.stdout
 
 
+def with_bos_and_ends(model_dir, target, ends_of) -> None:
+    """``model_dir`` copied to ``target`` with a tokenizer that adds a BOS to a text (as Llama's, Mistral's, Gemma's
+    do) and a generation config whose ``eos_token_id`` is a list (``ends_of(tokenizer)``: a chat model's end of turn
+    beside its EOS)."""
+    import shutil
+
+    shutil.copytree(model_dir, target)
+    tokenizer = json.loads((target / "tokenizer.json").read_text())
+    bos = next(t["content"] for t in tokenizer["added_tokens"] if t["id"] == 1)
+    single = [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}]
+    tokenizer["post_processor"] = {"type": "TemplateProcessing", "single": single,
+                                   "pair": [*single, {"Sequence": {"id": "B", "type_id": 1}}],
+                                   "special_tokens": {bos: {"id": bos, "ids": [1], "tokens": [bos]}}}
+    (target / "tokenizer.json").write_text(json.dumps(tokenizer))
+    settings = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**settings, "bos_token": bos}))
+    generation = json.loads((target / "generation_config.json").read_text())
+    (target / "generation_config.json").write_text(json.dumps({
+        **generation, "eos_token_id": ends_of(AutoTokenizer.from_pretrained(target))}))
+
+
+def test_a_prompt_gets_its_bos_and_a_completion_ends_at_the_generation_configs_ends(files, tmp_path):
+    """transformers' ``generate`` on ``tokenizer(prompt)`` (its BOS included) ending at every ``eos_token_id`` of the
+    generation config: plait gave the prompt without its BOS (3 of 5 completions differed in an audit) and ended at
+    the tokenizer's EOS alone (a chat model's end of turn ran on to --max_new_tokens)."""
+    folder, model_dir, prompts = files
+    texts = [row["prompt"] for row in PROMPTS if "prompt" in row]
+    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    first = AutoTokenizer.from_pretrained(model_dir)
+    # an end of turn the model reaches: the second token it picks for the first prompt with a BOS
+    bos_first = model.generate(torch.tensor([[1, *first(texts[0]).input_ids]]), max_new_tokens=2, do_sample=False)
+    turn = int(bos_first[0, -1])
+    with_bos_and_ends(model_dir, tmp_path / "bos", lambda t: [t.eos_token_id, turn])
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "bos")
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "bos").eval()
+    assert model.generation_config.eos_token_id == [tokenizer.eos_token_id, turn]
+    expected = []
+    for text in texts:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        assert ids[0, 0] == 1  # the BOS
+        new = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)[0]
+        new = new[ids.shape[1]:].tolist()
+        ends = [i for i, token in enumerate(new) if token in (tokenizer.eos_token_id, turn)]
+        expected.append(tokenizer.decode(new[: ends[0] if ends else None], skip_special_tokens=True))  # the end cut
+        if text == texts[0]:
+            assert new == [*new[:1], turn]  # generate ended at the turn
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    out = tmp_path / "out.jsonl"
+    main(["generate", "--model_name_or_path", str(tmp_path / "bos"), "--prompts", str(tmp_path / "prompts.jsonl"),
+          "--output", str(out), "--max_new_tokens", "6", "--batch_size", "1"])
+    assert [json.loads(line)["completion"] for line in out.read_text().splitlines()] == expected
+
+
 def test_a_completion_ends_at_eos_or_before_a_stop_string(files):
     tokenizer = AutoTokenizer.from_pretrained(files[1])
     ids = tokenizer("the cat sat on the mat", add_special_tokens=False).input_ids
@@ -107,23 +160,34 @@ def test_a_completion_ends_at_eos_or_before_a_stop_string(files):
 
 
 @pytest.mark.parametrize("case", ["not-json", "no-prompt", "batch-vs-dp", "no-model", "top-p", "split", "greedy-top-k",
-                                  "greedy-top-k-p"])
+                                  "greedy-top-k-p", "images", "image-part", "room"])
 def test_bad_input_is_one_line_before_anything_loads(files, tmp_path, capsys, case):
     folder, model_dir, prompts = files
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "ok"}\n' + ("{oops\n" if case == "not-json" else '{"text": "x"}\n'))
+    second = {"not-json": "{oops", "images": json.dumps({"prompt": "<image> a cat", "images": ["cat.png"]}),
+              "image-part": json.dumps({"messages": [{"role": "user", "content": [{"type": "image"},
+                                                                               {"type": "text", "text": "a cat"}]}]}),
+              "room": json.dumps({"prompt": "the cat sat on the mat " * 8})}.get(case, '{"text": "x"}')
+    bad.write_text('{"prompt": "ok"}\n' + second + "\n")
     flags = {"not-json": ["--prompts", str(bad)], "no-prompt": ["--prompts", str(bad)],
              "batch-vs-dp": ["--nproc_per_node", "2", "--batch_size", "3"],
              "no-model": ["--model_name_or_path", str(tmp_path / "missing")], "top-p": ["--top_p", "0"],
              "split": ["--nproc_per_node", "2", "--tensor_parallel_size", "2", "--pipeline_parallel_size", "2"],
-             "greedy-top-k": ["--top_k", "5"], "greedy-top-k-p": ["--top_k", "5", "--top_p", "0.9"]}[case]
+             "greedy-top-k": ["--top_k", "5"], "greedy-top-k-p": ["--top_k", "5", "--top_p", "0.9"],
+             "images": ["--prompts", str(bad)], "image-part": ["--prompts", str(bad)],
+             "room": ["--prompts", str(bad), "--max_new_tokens", "40"]}[case]
     expected = {"not-json": f"{bad}:2: not JSON", "no-prompt": f"{bad}:2: a line needs a non-empty 'prompt'",
                 "batch-vs-dp": "--batch_size 3 is split over dp=2 replicas: give a multiple of 2 (2, 4, 6, ...)",
                 "no-model": "is neither a model directory", "top-p": "0 < top_p <= 1",
                 "split": "--tensor_parallel_size 2 x --pipeline_parallel_size 2 does not divide 2 processes",
                 "greedy-top-k": "--top_k 5 shapes sampling, and --temperature 0 decodes greedily; give --temperature "
                                 "> 0 (e.g. 1.0) to sample, or drop it",
-                "greedy-top-k-p": "--top_k 5 --top_p 0.9 shape sampling, and --temperature 0 decodes greedily"}[case]
+                "greedy-top-k-p": "--top_k 5 --top_p 0.9 shape sampling, and --temperature 0 decodes greedily",
+                "images": f"{bad}:2: the row has images, but --prompts completes text prompts only (the images would "
+                          f"not reach the model); give its text alone",
+                "image-part": f"{bad}:2: the row has images",
+                "room": f"{bad}:2: the prompt's 49 tokens and --max_new_tokens 40 need 89 positions, more than the "
+                        f"model's max_position_embeddings=64; give --max_new_tokens 15 or less"}[case]
     out = tmp_path / "out.jsonl"
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "--model_name_or_path", str(model_dir), "--prompts", str(prompts), "--output", str(out),

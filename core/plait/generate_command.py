@@ -8,10 +8,13 @@ DIR is a Hugging Face model directory or a plait checkpoint (any saved layout, n
 are saved beside the weights). Each prompt line is a JSON object with a ``prompt`` string, or chat ``messages``
 rendered with the tokenizer's chat template and its generation prompt; the output holds each input row with its
 ``completion`` added, in the input's order. Prompts are left padded and decoded ``--batch_size`` at a time (the global
-batch, split over the dp replicas); a completion ends at the tokenizer's EOS, or before the first ``--stop`` string.
+batch, split over the dp replicas); a ``prompt`` string gets the tokenizer's special tokens (its BOS), as
+``tokenizer(prompt)`` gives them; a completion ends at an end token of the model's generation config (one or a list:
+a chat model's end of turn too), as transformers' ``generate`` ends, or before the first ``--stop`` string.
 The same ``--seed`` and ``--batch_size`` give the same completions in every layout (each batch's noise is drawn for
-the whole batch from one generator). Bad input (a prompt line, a model or tokenizer directory, a batch the replicas
-do not divide, a layout generation does not serve) is one line before any process group; the output file appears
+the whole batch from one generator). Bad input (a prompt line, a row with images, a prompt with --max_new_tokens
+past the model's positions, a model or tokenizer directory, a batch the replicas do not divide, a layout generation
+does not serve) is one line before any process group; the output file appears
 whole or not at all.
 """
 
@@ -96,14 +99,15 @@ def cmd_generate(ns: argparse.Namespace) -> None:
 
         launch(ns.nproc_per_node, ns.ddp_timeout, checked_command)
         return
-    rows, texts, tokenizer = checked_input(ns, int(os.environ.get("WORLD_SIZE", "1")))
-    complete(ns, rows, texts, tokenizer)
+    prompts, tokenizer, ends = checked_input(ns, int(os.environ.get("WORLD_SIZE", "1")))
+    complete(ns, prompts, tokenizer, ends)
 
 
-def checked_input(ns: argparse.Namespace, world: int) -> tuple[list[dict[str, Any]], list[str], Any]:
-    """The prompts, their texts (chat messages rendered) and the tokenizer, every flag and the model directory
-    checked, for ``world`` processes."""
-    from plait.run.prompts import pad_id, read_prompts, render
+def checked_input(ns: argparse.Namespace, world: int) -> tuple[list[Any], Any, list[int]]:
+    """The prompts (``PromptRow``: chat messages rendered, tokenized), the tokenizer and the tokens a completion ends
+    at (the model's generation config's, as transformers' ``generate`` ends), every flag, the model directory and
+    each prompt's room for --max_new_tokens checked, for ``world`` processes."""
+    from plait.run.prompts import check_room, encode_prompts, end_ids, pad_id, read_prompts
 
     rows = read_prompts(ns.prompts, "--prompts")
     check_args(ns, world)
@@ -112,7 +116,19 @@ def checked_input(ns: argparse.Namespace, world: int) -> tuple[list[dict[str, An
     config, _, path = resolve_source(ns.model_name_or_path)
     tokenizer = load_prompt_tokenizer(ns, path, config)
     pad_id(tokenizer)  # one that can pad prompts
-    return rows, [render(row, tokenizer) for row in rows], tokenizer
+    prompts = encode_prompts(rows, tokenizer)
+    check_room(ns.prompts, prompts, ns.max_new_tokens, "--max_new_tokens", config)
+    return prompts, tokenizer, end_ids(tokenizer, generation_config(path, config))
+
+
+def generation_config(path: Path | None, config: Any) -> Any:
+    """The model's generation config: its directory's generation_config.json (a model's or a plait checkpoint's),
+    else the one transformers derives from its config."""
+    from transformers import GenerationConfig
+
+    if path is not None and (path / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(path)
+    return GenerationConfig.from_model_config(config)
 
 
 def load_prompt_tokenizer(ns: argparse.Namespace, model_dir: Path | None, config: Any) -> Any:
@@ -128,7 +144,7 @@ def load_prompt_tokenizer(ns: argparse.Namespace, model_dir: Path | None, config
     return tokenizer
 
 
-def complete(ns: argparse.Namespace, rows: list[dict[str, Any]], texts: list[str], tokenizer: Any) -> None:
+def complete(ns: argparse.Namespace, prompts: list[Any], tokenizer: Any, ends: list[int]) -> None:
     """Load the model's shards, decode every batch of prompts, write the output on rank 0 (temporary, then renamed)."""
     import datetime
 
@@ -150,10 +166,10 @@ def complete(ns: argparse.Namespace, rows: list[dict[str, Any]], texts: list[str
     pmodel = load_parallel_model(ns.model_name_or_path, layout, dtype=torch.bfloat16 if ns.bf16 else torch.float32,
                                  device=device, timeout=datetime.timedelta(seconds=ns.ddp_timeout))
     start = time.perf_counter()
-    done = complete_texts(pmodel, tokenizer, texts, batch_size=ns.batch_size, device=device,
+    done = complete_texts(pmodel, tokenizer, [p.ids for p in prompts], batch_size=ns.batch_size, device=device,
                           max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k,
-                          top_p=ns.top_p, seed=ns.seed, stop=ns.stop)
-    out = [{**row, "completion": text} for row, (text, _) in zip(rows, done)]
+                          top_p=ns.top_p, seed=ns.seed, stop=ns.stop, ends=ends)
+    out = [{**p.row, "completion": text} for p, (text, _) in zip(prompts, done)]
     generated = sum(count for _, count in done)
     seconds = time.perf_counter() - start
     if int(os.environ.get("RANK", "0")) == 0:

@@ -308,7 +308,7 @@ class ParallelModel(nn.Module):
     def generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-        eos_token_id: int | None = None, pad_token_id: int = 0,
+        eos_token_id: int | Sequence[int] | None = None, pad_token_id: int = 0,
     ) -> torch.Tensor:
         """Completions of prompts from this model's own shards (plait.generation.decode): ``input_ids``
         [batch, length] is the global batch, the same on every rank, left padded where ``attention_mask`` has zeros;

@@ -12,7 +12,8 @@ argmax of the filtered, tempered logits plus Gumbel noise, which samples the sof
 Temperature 0 is greedy: transformers' ``generate`` on one process, token for token.
 
 Every rank runs the same number of forwards (tp, ep and ZeRO-3's collectives run inside them): decoding stops when
-every row of the global batch has met EOS, or after ``max_new_tokens``.
+every row of the global batch has met an end token (``eos_token_id``: one id or several, as transformers'
+generation config gives a chat model's end of turn beside its EOS), or after ``max_new_tokens``.
 
 Held to one process (tests/test_generate.py): tp with and without sequence parallelism (under it every forward's
 tokens are a multiple of tp: masked pads, ``decode``'s ``width``), data parallelism, ZeRO-1/2/3, expert parallelism
@@ -24,7 +25,7 @@ LoRA, several pipeline stages a rank (the interleaved schedules' placement).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,12 @@ def pick(logits: torch.Tensor, noise: torch.Tensor | None, temperature: float, t
     return (logits + noise).argmax(-1)
 
 
+def ended(token: torch.Tensor, eos_token_id: int | Sequence[int] | None) -> torch.Tensor:
+    """Which of ``token`` [rows] end their row: one of ``eos_token_id`` (none where it is None)."""
+    ends = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.isin(token, torch.tensor(ends, dtype=token.dtype, device=token.device))
+
+
 def gumbel(generator: torch.Generator, rows: int, vocab: int) -> torch.Tensor:
     uniform = torch.rand(rows, vocab, generator=generator, dtype=torch.float32).clamp_(min=torch.finfo().tiny)
     return -torch.log(-torch.log(uniform))
@@ -67,7 +74,7 @@ def gumbel(generator: torch.Generator, rows: int, vocab: int) -> torch.Tensor:
 def decode(
     forward: Callable[..., torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: slice,
     total_rows: int, *, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
-    eos_token_id: int | None, pad_token_id: int, all_done: Callable[[bool], bool], width: int = 1,
+    eos_token_id: int | Sequence[int] | None, pad_token_id: int, all_done: Callable[[bool], bool], width: int = 1,
 ) -> torch.Tensor:
     """The decoding loop over ``rows`` of a global batch of ``total_rows``: ``forward(ids, mask, positions)`` (which
     holds the KV cache) gives the last position's full-vocabulary logits; ``all_done(mine)`` whether every rank's
@@ -88,8 +95,7 @@ def decode(
         token = pick(logits.float(), noise, temperature, top_k, top_p)
         token = token.masked_fill(done, pad_token_id)
         ids = torch.cat([ids, token[:, None]], dim=1)
-        if eos_token_id is not None:
-            done |= token == eos_token_id
+        done |= ended(token, eos_token_id)
         if step == max_new_tokens - 1 or all_done(bool(done.all())):  # every rank alike; no forward after the last
             break
         step_ids, mask, positions = next_inputs(token, mask, positions, pad_token_id, width)

@@ -24,13 +24,13 @@ process's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from plait.generation.decode import first_inputs, gumbel, next_inputs, pick
+from plait.generation.decode import ended, first_inputs, gumbel, next_inputs, pick
 
 
 HIDDEN, TOKENS = 1, 2  # the tags of the two kinds of message (two may travel between the same ranks)
@@ -71,8 +71,8 @@ def decode_pipelined(
     run: Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     receive_buffer: Callable[[int, torch.Tensor], torch.Tensor], link: StageLink, input_ids: torch.Tensor,
     attention_mask: torch.Tensor, rows: slice, total_rows: int, micro: int, *, max_new_tokens: int,
-    temperature: float, top_k: int, top_p: float, seed: int, eos_token_id: int | None, pad_token_id: int,
-    all_done: Callable[[bool], bool], width: int = 1,
+    temperature: float, top_k: int, top_p: float, seed: int, eos_token_id: int | Sequence[int] | None,
+    pad_token_id: int, all_done: Callable[[bool], bool], width: int = 1,
 ) -> torch.Tensor:
     """``decode`` on one rank of a pipeline: ``run(v, m, x, mask, positions, ids)`` is the forward of this rank's
     ``v``-th stage on micro-batch ``m`` (their own KV cache): the hidden states to send on, or on the last stage the
@@ -107,8 +107,7 @@ def decode_pipelined(
                 token = pick(out.float(), None if noise is None else noise[part.noise_rows], temperature, top_k, top_p)
                 token = token.masked_fill(part.done, pad_token_id)
                 part.tokens.append(token)
-                if eos_token_id is not None:
-                    part.done |= token == eos_token_id
+                part.done |= ended(token, eos_token_id)
                 if m == 0:  # whether step + 1 runs, on what is known now: every replica's rows at step - 1
                     go_next = step + 1 < max_new_tokens and not stopping
                 if step + 1 < max_new_tokens and (go_next or m == 0):  # the token, and the word to go on or stop

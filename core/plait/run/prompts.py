@@ -2,16 +2,21 @@
 ``plait train --eval_prompts`` logs at each evaluation.
 
 A prompt file is JSON lines, each an object with a ``prompt`` string or chat ``messages`` (rendered with the
-tokenizer's chat template and its generation prompt). Prompts are tokenized without special tokens (a chat template
-writes its own) and left padded by hand with the tokenizer's pad token (its EOS where it has none), so the tokenizer
-a run saves with its checkpoints is never changed. A completion ends at EOS (not shown) or before the first stop
-string.
+tokenizer's chat template and its generation prompt). A ``prompt`` string is tokenized as transformers' tokenizer call
+does by default, its special tokens (a BOS) included, so that greedy decoding is ``generate``'s on the same text; a
+rendered chat without them (the template writes its own, as ``apply_chat_template`` tokenizes). Prompts are left
+padded by hand with the tokenizer's pad token (its EOS where it has none), so the tokenizer a run saves with its
+checkpoints is never changed. A completion ends at an end token (not shown): the model's generation config's
+``eos_token_id``, one or a list (a chat model's end of turn), as ``generate`` ends; or before the first stop string.
+Rows with images are refused (text prompts only: the images would not reach the model), and so is a prompt whose
+tokens and new tokens need more positions than the model has.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,9 +40,19 @@ def json_lines(path: Path, hint: str = "") -> Iterator[tuple[int, Any]]:
             raise ConfigError(f"{path}:{number}: not JSON ({err.msg}){hint}") from None
 
 
-def read_prompts(path: Path, flag: str) -> list[dict[str, Any]]:
-    """The prompt rows of ``path`` (given by ``flag``), each checked: one line naming the file, line and fix for the
-    first bad one."""
+@dataclass(frozen=True)
+class PromptRow:
+    """A prompt file's row: its line, the row as read, its text (``render``) and its token ids (``prompt_ids``)."""
+
+    line: int
+    row: dict[str, Any]
+    text: str
+    ids: list[int]
+
+
+def read_prompts(path: Path, flag: str) -> list[tuple[int, dict[str, Any]]]:
+    """The prompt rows of ``path`` (given by ``flag``) with their line numbers, each checked: one line naming the
+    file, line and fix for the first bad one."""
     if not path.is_file():
         raise ConfigError(f"{flag} {path}: no such file")
     rows = []
@@ -45,10 +60,50 @@ def read_prompts(path: Path, flag: str) -> list[dict[str, Any]]:
         prompt, messages = (row.get("prompt"), row.get("messages")) if isinstance(row, dict) else (None, None)
         if not (isinstance(prompt, str) and prompt or isinstance(messages, list) and messages):
             raise ConfigError(f"{path}:{number}: a line needs a non-empty 'prompt' string or a 'messages' list")
-        rows.append(row)
+        if row.get("images") or any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
+                isinstance(part, dict) and part.get("type") == "image" for part in m["content"])
+                for m in messages or []):
+            raise ConfigError(f"{path}:{number}: the row has images, but {flag} completes text prompts only (the "
+                              f"images would not reach the model); give its text alone")
+        rows.append((number, row))
     if not rows:
         raise ConfigError(f"{flag} {path}: no prompts in it")
     return rows
+
+
+def encode_prompts(rows: list[tuple[int, dict[str, Any]]], tokenizer: Any) -> list[PromptRow]:
+    """``read_prompts``' rows rendered and tokenized."""
+    return [PromptRow(number, row, render(row, tokenizer), prompt_ids(row, tokenizer)) for number, row in rows]
+
+
+def prompt_ids(row: dict[str, Any], tokenizer: Any) -> list[int]:
+    """A row's token ids: a ``prompt`` string as ``tokenizer(prompt)`` gives them (special tokens included, as
+    transformers users tokenize for ``generate``); ``messages`` rendered, without (the template writes its own)."""
+    if "prompt" in row:
+        return tokenizer(row["prompt"])["input_ids"]
+    return tokenizer(render(row, tokenizer), add_special_tokens=False)["input_ids"]
+
+
+def check_room(path: Path, prompts: list[PromptRow], new_tokens: int, flag: str, config: Any) -> None:
+    """Refuse a prompt whose tokens and ``new_tokens`` (given by ``flag``) need more positions than the model's
+    ``max_position_embeddings``: learned positions end there (an IndexError mid-run), rotary ones were never
+    trained past it."""
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    for prompt in prompts:
+        if positions is not None and len(prompt.ids) + new_tokens > positions:
+            fix = f"give {flag} {positions - len(prompt.ids)} or less" if len(prompt.ids) < positions else \
+                "shorten the prompt"
+            raise ConfigError(f"{path}:{prompt.line}: the prompt's {len(prompt.ids)} tokens and {flag} {new_tokens} "
+                              f"need {len(prompt.ids) + new_tokens} positions, more than the model's "
+                              f"max_position_embeddings={positions}; {fix}")
+
+
+def end_ids(tokenizer: Any, generation_config: Any) -> list[int]:
+    """The tokens a completion ends at: the generation config's ``eos_token_id`` (one or a list), as transformers'
+    ``generate`` ends; else the tokenizer's EOS; none where neither has one."""
+    ids = getattr(generation_config, "eos_token_id", None)
+    ids = tokenizer.eos_token_id if ids is None else ids
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
 
 
 def left_padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device | None = None,
@@ -80,53 +135,60 @@ def pad_id(tokenizer: Any) -> int:
     return found
 
 
-def completion_text(tokens: list[int], tokenizer: Any, stop: Sequence[str]) -> tuple[str, int]:
-    """A row's new tokens as text, ended at EOS (excluded) or before the first stop string; and how many tokens
-    were generated for it (EOS counted)."""
-    eos = tokenizer.eos_token_id
-    count = tokens.index(eos) + 1 if eos in tokens else len(tokens)
-    text = tokenizer.decode(tokens[: count - 1] if eos in tokens else tokens, skip_special_tokens=True)
-    ends = [text.find(s) for s in stop if s in text]
-    return (text[: min(ends)] if ends else text), count
+def completion_text(tokens: list[int], tokenizer: Any, stop: Sequence[str], ends: Sequence[int] = (),
+                    ) -> tuple[str, int]:
+    """A row's new tokens as text, ended at the first of ``ends`` (excluded; default the tokenizer's EOS) or before
+    the first stop string; and how many tokens were generated for it (the end token counted)."""
+    ends = ends or [tokenizer.eos_token_id]
+    at = next((i for i, token in enumerate(tokens) if token in ends), None)
+    count = len(tokens) if at is None else at + 1
+    text = tokenizer.decode(tokens[:at], skip_special_tokens=True)
+    cuts = [text.find(s) for s in stop if s in text]
+    return (text[: min(cuts)] if cuts else text), count
 
 
 def complete(
-    pmodel: ParallelModel, tokenizer: Any, texts: list[str], *, batch_size: int, device: torch.device,
+    pmodel: ParallelModel, tokenizer: Any, prompts: list[list[int]], *, batch_size: int, device: torch.device,
     max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-    stop: Sequence[str] = (),
+    stop: Sequence[str] = (), ends: Sequence[int] = (),
 ) -> list[tuple[str, int]]:
-    """Each text's completion and its count of new tokens, decoded ``batch_size`` prompts at a time (the global
-    batch: a multiple of dp; the last batch filled with copies of its last prompt, so every batch splits alike) with
-    the seed ``seed`` plus the batch's first index. Every rank calls it with the same texts (a collective)."""
-    pad, done = pad_id(tokenizer), []
-    for first in range(0, len(texts), batch_size):
-        batch = texts[first: first + batch_size]
+    """Each prompt's (token ids') completion and its count of new tokens, decoded ``batch_size`` prompts at a time
+    (the global batch: a multiple of dp; the last batch filled with copies of its last prompt, so every batch splits
+    alike) with the seed ``seed`` plus the batch's first index, ended at ``ends`` (``end_ids``; default the
+    tokenizer's EOS). Every rank calls it with the same prompts (a collective)."""
+    pad, done, ends = pad_id(tokenizer), [], list(ends) or [tokenizer.eos_token_id]
+    for first in range(0, len(prompts), batch_size):
+        batch = prompts[first: first + batch_size]
         batch += batch[-1:] * (batch_size - len(batch))
-        ids, mask = left_padded([tokenizer(text, add_special_tokens=False)["input_ids"] for text in batch], pad, device)
+        ids, mask = left_padded(batch, pad, device)
         width = ids.shape[1]
         out = pmodel.generate(ids, mask, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                              top_p=top_p, seed=seed + first, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
-        done += [completion_text(new, tokenizer, stop) for new in out[:, width:].tolist()]
-    return done[: len(texts)]
+                              top_p=top_p, seed=seed + first, eos_token_id=ends, pad_token_id=pad)
+        done += [completion_text(new, tokenizer, stop, ends) for new in out[:, width:].tolist()]
+    return done[: len(prompts)]
 
 
 class EvalPrompts:
-    """``--eval_prompts``: the prompts rendered once at start-up (a bad file, a chat row without a template or a
-    tokenizer that cannot pad refused there, before any process group), completed greedily from the training
-    layout's own shards at each evaluation: the same completions as one process from the weights of that step."""
+    """``--eval_prompts``: the prompts rendered once at start-up (a bad file, a chat row without a template, a
+    prompt with --eval_max_new_tokens past the model's positions or a tokenizer that cannot pad refused there,
+    before any process group), completed greedily from the training layout's own shards at each evaluation: the
+    same completions as one process from the weights of that step."""
 
-    def __init__(self, path: Path, tokenizer: Any, max_new_tokens: int, per_replica: int) -> None:
+    def __init__(self, path: Path, tokenizer: Any, max_new_tokens: int, per_replica: int, config: Any) -> None:
         rows = read_prompts(path, "--eval_prompts")
         if tokenizer is None:
             raise ConfigError(f"--eval_prompts {path}: the run has no tokenizer to write and read prompts with; "
                               f"give --tokenizer_name")
         pad_id(tokenizer)
         self.tokenizer, self.max_new_tokens, self.per_replica = tokenizer, max_new_tokens, per_replica
-        self.texts = [render(row, tokenizer) for row in rows]
+        self.prompts = encode_prompts(rows, tokenizer)
+        check_room(path, self.prompts, max_new_tokens, "--eval_max_new_tokens", config)
 
     def samples(self, pmodel: ParallelModel, device: torch.device) -> list[dict[str, str]]:
         """Each prompt with its completion, on every rank (every rank calls it), decoded a training batch of
-        prompts at a time."""
-        done = complete(pmodel, self.tokenizer, self.texts, batch_size=self.per_replica * pmodel.mesh.dp,
-                        device=device, max_new_tokens=self.max_new_tokens)
-        return [{"prompt": text, "completion": completion} for text, (completion, _) in zip(self.texts, done)]
+        prompts at a time, ended where the model's generation config ends it."""
+        done = complete(pmodel, self.tokenizer, [p.ids for p in self.prompts],
+                        batch_size=self.per_replica * pmodel.mesh.dp, device=device,
+                        max_new_tokens=self.max_new_tokens,
+                        ends=end_ids(self.tokenizer, getattr(pmodel.module, "generation_config", None)))
+        return [{"prompt": p.text, "completion": completion} for p, (completion, _) in zip(self.prompts, done)]

@@ -161,7 +161,7 @@ def check_before_launch(args: TrainArgs, world: int) -> None:
     once; the workers read it back."""
     resume, model_config, _, _, plan = plan_run(args, world)
     _, _, tokenizer = run_data(args, model_config, plan, method_for(args), resume)
-    eval_prompts(args, tokenizer)
+    eval_prompts(args, tokenizer, model_config)
 
 
 def run_data(args: TrainArgs, model_config: PretrainedConfig, plan: LayoutPlan, method: type[TrainingMethod],
@@ -174,11 +174,12 @@ def run_data(args: TrainArgs, model_config: PretrainedConfig, plan: LayoutPlan, 
     return data
 
 
-def eval_prompts(args: TrainArgs, tokenizer: Any) -> EvalPrompts | None:
+def eval_prompts(args: TrainArgs, tokenizer: Any, config: PretrainedConfig) -> EvalPrompts | None:
     """--eval_prompts rendered with the run's tokenizer, each prompt checked (None without the flag)."""
     if not args.eval_prompts:
         return None
-    return EvalPrompts(Path(args.eval_prompts), tokenizer, args.eval_max_new_tokens, args.per_device_train_batch_size)
+    return EvalPrompts(Path(args.eval_prompts), tokenizer, args.eval_max_new_tokens, args.per_device_train_batch_size,
+                       config)
 
 
 class Trainer:
@@ -203,7 +204,7 @@ class Trainer:
         check_float8_device(plan.config, device)  # float8 off a float8 GPU: before any data is read
         # Data before any process group: a bad file fails every rank at once, never inside a collective.
         self.blocks, self.val_blocks, self.tokenizer = run_data(args, model_config, plan, method, resume)
-        self.eval_prompts = eval_prompts(args, self.tokenizer)
+        self.eval_prompts = eval_prompts(args, self.tokenizer, model_config)
         init_distributed(device, args.backend, args.ddp_timeout)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.heartbeat = Heartbeat.start(int(os.environ.get("RANK", "0")), world)  # names a stuck rank on a timeout
