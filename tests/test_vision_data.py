@@ -93,7 +93,7 @@ def test_load_processor_reads_a_saved_processor_offline(processor):
 
 def test_labels_fall_on_assistant_text_and_end_of_turn_only(processor, files):
     encoder = VisionEncoder(processor, files)
-    example = encoder.encode(ROWS[2], 2)
+    example = encoder.encode(ROWS[2], "row 2")
     labelled = example.labels != -100
     assert torch.equal(example.labels[labelled], example.input_ids[labelled])
     image = example.input_ids == processor.image_token_id
@@ -102,13 +102,13 @@ def test_labels_fall_on_assistant_text_and_end_of_turn_only(processor, files):
     decoded = [processor.tokenizer.decode(example.input_ids[run]) for run in runs]
     assert decoded == ["a red square<|im_end|>\n", "blue<|im_end|>\n"]
     assert example.num_images == 2 and example.pixels["pixel_values"].shape == (2, 3, 16, 16)
-    assert encoder.encode(ROWS[0], 0).pixels == {}
+    assert encoder.encode(ROWS[0], "row 0").pixels == {}
 
 
 def test_image_tokens_inside_an_assistant_turn_get_no_label(processor):
     row = {"messages": [turn("user", "describe the picture"), turn("assistant", "a red", None, " square")],
            "images": [picture(5)]}
-    example = VisionEncoder(processor).encode(row, 0)
+    example = VisionEncoder(processor).encode(row, "row 0")
     labelled = example.labels != -100
     assert not labelled[example.input_ids == processor.image_token_id].any()
     assert processor.tokenizer.decode(example.input_ids[labelled]) == "a red square<|im_end|>\n"
@@ -119,7 +119,7 @@ def test_every_image_form_gives_the_same_pixels(processor, files):
     forms = ["0.png", str(files / "0.png"), png(image), image, {"bytes": png(image), "path": None},
              {"bytes": None, "path": "0.png"}]
     encoder = VisionEncoder(processor, files)
-    pixels = [encoder.encode({**ROWS[1], "images": [form]}, 1).pixels["pixel_values"] for form in forms]
+    pixels = [encoder.encode({**ROWS[1], "images": [form]}, "row 1").pixels["pixel_values"] for form in forms]
     assert all(torch.equal(p, pixels[0]) for p in pixels)
 
 
@@ -129,7 +129,7 @@ def as_parts(content) -> list[dict]:
 
 def test_jsonl_and_parquet_rows_read_back(processor, files, tmp_path):
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(row) for row in ROWS) + "\n\n")
-    assert read_rows(tmp_path / "rows.jsonl") == ROWS
+    assert read_rows(tmp_path / "rows.jsonl") == [(f"line {n}", row) for n, row in enumerate(ROWS, start=1)]
     # as a datasets Image column stores them: {bytes, path} structs, every part with every field
     stored = [{"messages": [{"role": m["role"], "content": [{"type": p["type"], "text": p.get("text")}
                                                             for p in as_parts(m["content"])]}
@@ -138,8 +138,10 @@ def test_jsonl_and_parquet_rows_read_back(processor, files, tmp_path):
               for row in ROWS]
     pq.write_table(pa.Table.from_pylist(stored), tmp_path / "rows.parquet")
     encoder = VisionEncoder(processor, files)
-    for index, (row, parquet_row) in enumerate(zip(ROWS, read_rows(tmp_path / "rows.parquet"))):
-        a, b = encoder.encode(row, index), encoder.encode(parquet_row, index)
+    parquet_rows = read_rows(tmp_path / "rows.parquet")
+    assert [place for place, _ in parquet_rows] == [f"row {n}" for n in range(1, len(ROWS) + 1)]
+    for row, (place, parquet_row) in zip(ROWS, parquet_rows):
+        a, b = encoder.encode(row, place), encoder.encode(parquet_row, place)
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
         assert a.pixels.keys() == b.pixels.keys() and all(torch.equal(a.pixels[k], b.pixels[k]) for k in a.pixels)
 
@@ -168,7 +170,7 @@ def check_cuts(examples, pad_id: int) -> None:
 
 def test_rows_with_0_1_2_images_collate_and_cut_back(processor, files):
     encoder = VisionEncoder(processor, files)
-    examples = [encoder.encode(row, i) for i, row in enumerate(ROWS)]
+    examples = [encoder.encode(row, f"row {i}") for i, row in enumerate(ROWS)]
     pad_id = processor.tokenizer.pad_token_id
     batch = collate(examples, pad_id)
     width = max(len(e.input_ids) for e in examples)
@@ -182,11 +184,11 @@ def test_rows_with_0_1_2_images_collate_and_cut_back(processor, files):
 
 
 def test_rows_whose_pixels_differ_in_shape_are_refused_naming_them(processor, files):
-    small = VisionEncoder(llava(template("<image>"), crop=8), files).encode(ROWS[1], 4, "b.jsonl")
+    small = VisionEncoder(llava(template("<image>"), crop=8), files).encode(ROWS[1], "b.jsonl line 4")
     assert small.pixels["pixel_values"].shape == (1, 3, 8, 8) and small.labels.ne(-100).any()
-    large = VisionEncoder(processor, files).encode(ROWS[1], 1, "a.jsonl")
+    large = VisionEncoder(processor, files).encode(ROWS[1], "a.jsonl line 1")
     with pytest.raises(ConfigError, match=one_line(
-            "a.jsonl row 1 and b.jsonl row 4: the processor gives their images pixel_values of shapes (1, 3, 16, 16) "
+            "a.jsonl line 1 and b.jsonl line 4: the processor gives their images pixel_values of shapes (1, 3, 16, 16) "
             "and (1, 3, 8, 8), which cannot be concatenated into one batch")):
         collate([large, small], 0)
 
@@ -204,7 +206,7 @@ def test_qwen2_vl_pixel_patches_are_cut_by_image_grid(files):
                                  chat_template=template("<|vision_start|><|image_pad|><|vision_end|>"))
     rows = [{**ROWS[2], "images": [picture(1), picture(2, 30, 17)]}, ROWS[0], {**ROWS[1], "images": [picture(3)]}]
     encoder = VisionEncoder(processor, files)
-    examples = [encoder.encode(row, i) for i, row in enumerate(rows)]
+    examples = [encoder.encode(row, f"row {i}") for i, row in enumerate(rows)]
     grid = examples[0].pixels["image_grid_thw"]
     assert grid.tolist() == [[1, 4, 4], [1, 8, 4]] and examples[0].pixels["pixel_values"].shape == (48, 96)
     assert int((examples[0].input_ids == processor.image_token_id).sum()) == 48 // 4
@@ -221,27 +223,27 @@ def one_line(message: str) -> str:
 
 @pytest.mark.parametrize("row, message", [
     ({**ROWS[2], "images": ["1.png"]},
-     'data.jsonl row 7: 1 images for 2 image parts in its messages; give one image per {"type": "image"} part, '
+     'data.jsonl line 7: 1 images for 2 image parts in its messages; give one image per {"type": "image"} part, '
      'in order'),
     ({**ROWS[1], "images": ["https://example.com/cat.png"]},
-     ("data.jsonl row 7: image 0 is a URL (https://example.com/cat.png); images are read offline: download it and "
-      "give its path")),
-    ({"images": []}, "data.jsonl row 7: has no messages (a non-empty list of {role, content} turns)"),
-    ({"messages": [], "images": []}, "data.jsonl row 7: has no messages (a non-empty list of {role, content} turns)"),
+     ("data.jsonl line 7: images[0] is a URL (https://example.com/cat.png); images are read offline: download it "
+      "and give its path")),
+    ({"images": []}, "data.jsonl line 7: has no messages (a non-empty list of {role, content} turns)"),
+    ({"messages": [], "images": []}, "data.jsonl line 7: has no messages (a non-empty list of {role, content} turns)"),
     ({"messages": [{"role": "user", "content": [{"type": "video"}]}]},
-     "data.jsonl row 7: messages[0].content[0] is not an image or text part (got {'type': 'video'})"),
+     "data.jsonl line 7: messages[0].content[0] is not an image or text part (got {'type': 'video'})"),
 ])
 def test_bad_rows_are_one_line_naming_the_row(processor, files, row, message):
     with pytest.raises(ConfigError, match=one_line(message)):
-        VisionEncoder(processor, files).encode(row, 7, "data.jsonl")
+        VisionEncoder(processor, files).encode(row, "data.jsonl line 7")
 
 
 @pytest.mark.parametrize("name, reason", [("broken.png", "cannot identify image file"),
                                           ("missing.png", "No such file or directory")])
 def test_an_unreadable_image_is_one_line_naming_its_path(processor, files, name, reason):
-    prefix = f"data.jsonl row 3: image 1 ({files / name}) cannot be read: "
+    prefix = f"data.jsonl line 3: images[1] ({files / name}) cannot be read: "
     with pytest.raises(ConfigError, match="^" + re.escape(prefix) + f"[^\n]*{reason}[^\n]*$"):
-        VisionEncoder(processor, files).encode({**ROWS[2], "images": ["1.png", name]}, 3, "data.jsonl")
+        VisionEncoder(processor, files).encode({**ROWS[2], "images": ["1.png", name]}, "data.jsonl line 3")
 
 
 def test_a_processor_without_chat_template_is_refused():

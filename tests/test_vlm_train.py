@@ -271,7 +271,7 @@ def test_packed_documents_never_attend_across(files):
 
     model = AutoModelForImageTextToText.from_pretrained(files / "model").eval()
     encoder = VisionEncoder(load_processor(files / "model"), files)
-    examples = [encoder.encode(row, i) for i, row in enumerate(read_rows(files / "rows.jsonl"))]
+    examples = [encoder.encode(row, place) for place, row in read_rows(files / "rows.jsonl")]
     packed = pack(examples[:4], 96 * 4)
     assert len(packed) == 1 and packed[0].num_images == sum(IMAGES[:4])
 
@@ -346,8 +346,17 @@ def test_freezing_a_text_model_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (dict(block_size=48), r"rows.jsonl row 3: \d+ tokens with its images' tokens, more than --block_size 48; raise "
+    (dict(block_size=48), r"rows.jsonl line 4: \d+ tokens with its images' tokens, more than --block_size 48; raise "
                           r"--block_size or shorten the row$"),
+    # another method or other data read a text model's config: "AttributeError: 'LlavaConfig' object has no
+    # attribute 'vocab_size'" before
+    (dict(data_format="chat"), r"^LlavaForConditionalGeneration is an image-text model, which trains on image-text "
+                               r"rows \(.jsonl or .parquet: chat 'messages', with 'images' where a row has any\), but "
+                               r"--train_file .*rows.jsonl was read as chat data; give such rows with --data_format "
+                               r"vision$"),
+    (dict(train_file=None), r"but the built-in corpus is text; give such rows with --data_format vision$"),
+    (dict(method="dpo"), r"^--method dpo with LlavaForConditionalGeneration, an image-text model: plait trains an "
+                         r"image-text model by next-token loss on image-text rows only"),
 ])
 def test_bad_flags_are_one_line(files, flags, message):
     from plait.run.trainer import check_before_launch

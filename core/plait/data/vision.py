@@ -59,8 +59,9 @@ def load_processor(model_dir: str | Path) -> Any:
     return processor
 
 
-def read_rows(path: str | Path) -> list[dict]:
-    """The rows of a .jsonl (one JSON object a line; blank lines skipped) or .parquet file, in file order.
+def read_rows(path: str | Path) -> list[tuple[str, dict]]:
+    """The rows of a .jsonl (one JSON object a line; blank lines skipped) or .parquet file, in file order, each with
+    where it is for messages: "line N" of a .jsonl (as every other reader counts, from 1), "row N" of a .parquet.
 
     .jsonl lines come from ``jsonl_lines``, the reader the text and SFT formats share, so a non-UTF-8 or binary
     file is refused in the same one line (file, line, byte offset and the fix) whichever format it was given as,
@@ -74,7 +75,7 @@ def read_rows(path: str | Path) -> list[dict]:
         try:
             import pyarrow.parquet as pq
 
-            return pq.read_table(path).to_pylist()
+            return [(f"row {number}", row) for number, row in enumerate(pq.read_table(path).to_pylist(), start=1)]
         except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
             raise ConfigError(f"{path}: cannot be read ({_one_line(err)})") from err
     try:
@@ -89,7 +90,7 @@ def read_rows(path: str | Path) -> list[dict]:
             raise ConfigError(f"{path} line {number}: not JSON ({err.msg} at column {err.colno})") from err
         if not isinstance(row, dict):
             raise ConfigError(f"{path} line {number}: not a JSON object (got {type(row).__name__})")
-        rows.append(row)
+        rows.append((f"line {number}", row))
     return rows
 
 
@@ -147,21 +148,23 @@ def _image(entry: Any, base_dir: Path | None, where: str, number: int) -> Any:
     if isinstance(entry, dict):
         entry = entry.get("bytes") or entry.get("path")
     if isinstance(entry, str) and entry.startswith(("http://", "https://")):
-        raise ConfigError(f"{where}: image {number} is a URL ({entry}); images are read offline: download it and "
-                          f"give its path")
+        raise ConfigError(f"{where}: images[{number}] is a URL ({entry}); images are read offline: download it "
+                          f"and give its path")
     if isinstance(entry, (bytes, bytearray)):
         source, name = io.BytesIO(entry), f"{len(entry)} bytes"
     elif isinstance(entry, str):
         source = Path(entry) if base_dir is None or Path(entry).is_absolute() else base_dir / entry
         name = str(source)
     else:
-        raise ConfigError(f"{where}: image {number} is a {type(entry).__name__}, not a path, bytes, a PIL image or a "
-                          f"{{bytes, path}} dict")
+        raise ConfigError(f"{where}: images[{number}] is a {type(entry).__name__}, not a path, bytes, a PIL image or "
+                          f"a {{bytes, path}} dict")
     try:
         image = Image.open(source)
         image.load()  # decode now: a truncated file must fail here, naming it, not inside the processor
     except (OSError, ValueError, Image.DecompressionBombError) as err:
-        raise ConfigError(f"{where}: image {number} ({name}) cannot be read: {_one_line(err)}") from err
+        fix = f"; fix the path (a relative one is read from {base_dir})" if isinstance(err, FileNotFoundError) \
+            and base_dir is not None else "; fix the path or the file" if isinstance(err, FileNotFoundError) else ""
+        raise ConfigError(f"{where}: images[{number}] ({name}) cannot be read: {_one_line(err)}{fix}") from err
     return image
 
 
@@ -187,9 +190,9 @@ class VisionEncoder:
         self.processor, self.image_token_id = processor, int(image_token_id)
         self.base_dir = None if base_dir is None else Path(base_dir)
 
-    def encode(self, row: dict, index: int, source: str | Path | None = None) -> Example:
-        """Row ``index`` (of file ``source``, for messages) rendered, tokenized, labelled and its images processed."""
-        where = f"{source} row {index}" if source is not None else f"row {index}"
+    def encode(self, row: dict, where: str) -> Example:
+        """A row (``where`` it is, for messages: its file and line) rendered, tokenized, labelled and its images
+        processed."""
         messages, image_parts = _messages(row, where)
         entries = row.get("images") or []
         if not isinstance(entries, list) or len(entries) != image_parts:

@@ -16,9 +16,10 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from plait.base.config import ConfigError
-from plait.base.meta import causal_lm_refusal
+from plait.base.meta import causal_lm_refusal, takes_images
 from plait.checkpoint.format import model_config as saved_model_config
 from plait.checkpoint.format import read_index
+from plait.data.sft_records import data_format
 from plait.run.train_args import TrainArgs
 
 DEFAULT_MODEL_CONFIG = "tiny-llama.json"
@@ -79,6 +80,8 @@ def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
             f"--block_size={args.block_size} is larger than the model's max_position_embeddings={positions}; "
             f"use --block_size {positions} or less"
         )
+    if takes_images(config):
+        check_image_text_data(args, config)
     parallel = args.parallel_config()
     if parallel.sequence_parallel and args.block_size % parallel.tp:
         lower = args.block_size - args.block_size % parallel.tp
@@ -87,3 +90,22 @@ def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
             f"--block_size={args.block_size} is not divisible by --tensor_parallel_size={parallel.tp} under sequence "
             f"parallelism; use --block_size {nearest} (a multiple of {parallel.tp}) or --disable_sequence_parallel"
         )
+
+
+def check_image_text_data(args: TrainArgs, config: PretrainedConfig) -> None:
+    """An image-text-to-text model trains by next-token loss on image-text rows (``plait.run.methods.vision_sft``,
+    a row without images trained as text turns); the other methods and data formats read a text model's config (an
+    audit's LLaVA with chat rows under ``auto``, a .txt file or --method dpo ended in "AttributeError: 'LlavaConfig'
+    object has no attribute 'vocab_size'"): refused here in one line instead."""
+    name = (config.architectures or [config.model_type])[0]
+    if args.method != "next_token":
+        raise ConfigError(f"--method {args.method} with {name}, an image-text model: plait trains an image-text model "
+                          f"by next-token loss on image-text rows only; train it without --method, with "
+                          f"--data_format vision")
+    fmt = data_format(args.sft_source()) if args.train_file else None
+    if fmt != "vision":
+        what = f"--train_file {args.train_file} was read as {fmt} data" if args.train_file else \
+            f"--dataset_name {args.dataset_name} is text" if args.dataset_name else "the built-in corpus is text"
+        raise ConfigError(f"{name} is an image-text model, which trains on image-text rows (.jsonl or .parquet: chat "
+                          f"'messages', with 'images' where a row has any), but {what}; give such rows with "
+                          f"--data_format vision")

@@ -43,7 +43,7 @@ PROJECTOR = re.compile(r"projector|connector|merger|aligner")  # what maps its f
 def read_examples(path: str, encoder: VisionEncoder, block_size: int) -> list[Example]:
     """Every row of ``path`` encoded; a row longer than ``block_size`` tokens is refused (cutting it could cut an
     image's tokens from its pixels)."""
-    examples = [encoder.encode(row, index, path) for index, row in enumerate(read_rows(path))]
+    examples = [encoder.encode(row, f"{path} {place}") for place, row in read_rows(path)]
     if not examples:
         raise ConfigError(f"{path}: no rows in it")
     for example in examples:
