@@ -345,6 +345,24 @@ def test_freezing_a_text_model_is_refused(tmp_path):
         plan_run(args, 1)
 
 
+def test_rows_with_nothing_to_train_on_are_refused(files, tmp_path):
+    """Rows whose turns are not 'assistant' (ShareGPT's human/gpt) give no label: every step trained nothing at loss 0
+    before; refused in one line naming the roles."""
+    from plait.run.trainer import check_before_launch
+
+    rows = [json.loads(line) for line in (files / "rows.jsonl").read_text().splitlines()]
+    for row in rows:
+        for message in row["messages"]:
+            message["role"] = {"user": "human", "assistant": "gpt"}[message["role"]]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for name in {image for row in rows for image in row["images"]}:
+        (tmp_path / name).write_bytes((files / name).read_bytes())
+    with pytest.raises(ConfigError, match=r"rows.jsonl: no row has a token to train on: the labels are the assistant "
+                                          r"turns' tokens, and its rows' roles are gpt, human; give each row an "
+                                          r"'assistant' turn$"):
+        check_before_launch(vlm_args(files, train_file=str(tmp_path / "rows.jsonl")), 1)
+
+
 @pytest.mark.parametrize("flags, message", [
     (dict(block_size=48), r"rows.jsonl line 4: \d+ tokens with its images' tokens, more than --block_size 48; raise "
                           r"--block_size or shorten the row$"),

@@ -42,10 +42,17 @@ PROJECTOR = re.compile(r"projector|connector|merger|aligner")  # what maps its f
 
 def read_examples(path: str, encoder: VisionEncoder, block_size: int) -> list[Example]:
     """Every row of ``path`` encoded; a row longer than ``block_size`` tokens is refused (cutting it could cut an
-    image's tokens from its pixels)."""
-    examples = [encoder.encode(row, f"{path} {place}") for place, row in read_rows(path)]
+    image's tokens from its pixels), and so are rows of which none has a token to train on (no assistant turn, or
+    roles the chat template does not take for one: every step trained nothing, at loss 0)."""
+    rows = read_rows(path)
+    examples = [encoder.encode(row, f"{path} {place}") for place, row in rows]
     if not examples:
         raise ConfigError(f"{path}: no rows in it")
+    if not any(labelled(example) for example in examples):
+        roles = sorted({str(m.get("role")) for _, row in rows for m in row.get("messages") or []
+                        if isinstance(m, dict)})
+        raise ConfigError(f"{path}: no row has a token to train on: the labels are the assistant turns' tokens, and "
+                          f"its rows' roles are {', '.join(roles)}; give each row an 'assistant' turn")
     for example in examples:
         if len(example.input_ids) > block_size:
             raise ConfigError(f"{example.where}: {len(example.input_ids)} tokens with its images' tokens, more than "
