@@ -71,6 +71,11 @@ def test_a_layout_of_several_processes_outside_torchrun_says_how_to_launch(monke
     with pytest.raises(ConfigError, match="one of torchrun's 2 but has not joined their group; call "
                                           r"torch.distributed.init_process_group\(\) before parallelize"):
         parallelize(model, ParallelConfig(tp=2))
+    # a data-parallel layout too: each process trained alone on the whole batch, ZeRO off, before
+    for config in (ParallelConfig(), ParallelConfig(zero_stage=1)):
+        with pytest.raises(ConfigError, match=r"spans the world torchrun started, and this process is one of "
+                                              r"torchrun's 2 but has not joined their group"):
+            parallelize(model, config)
 
 
 def test_batches_of_mismatched_shapes_are_named_before_any_collective():

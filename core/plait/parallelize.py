@@ -54,14 +54,17 @@ if TYPE_CHECKING:  # peft is imported only where LoRA is used: it costs every pr
 
 def check_world_started(config: ParallelConfig) -> None:
     """Refuse, saying how to start one, a layout of several processes where no torch.distributed world runs:
-    the script was started without torchrun, or under torchrun without joining its process group."""
+    the script was started without torchrun, or under torchrun without joining its process group. The latter for
+    any layout: a data-parallel one (``ParallelConfig()``, ZeRO) would otherwise run as that many separate
+    one-process trainings, each on the whole batch, writing the same files."""
     needed = config.processes
-    if needed == 1:
-        return
-    layout = f"the layout ({config.describe()}) needs {needed} processes"
+    layout = f"the layout ({config.describe()}) needs {needed} processes" if needed > 1 else \
+        f"the layout ({config.describe()}) spans the world torchrun started"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(f"{layout}, and this process is one of torchrun's {os.environ['WORLD_SIZE']} but has not "
                           f"joined their group; call torch.distributed.init_process_group() before parallelize")
+    if needed == 1:
+        return
     script = Path(sys.argv[0]).name or "your_script.py"
     raise ConfigError(f"{layout}, but this process runs alone (no torchrun, no process group); launch it as "
                       f"`torchrun --nproc_per_node {needed} {script}` and call torch.distributed.init_process_group() "
