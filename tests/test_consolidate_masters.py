@@ -129,3 +129,17 @@ def test_lora_merged_adds_the_adapters_fp32_masters(lora, tmp_path):
     assert adapted and all(".self_attn." in name or ".mlp." in name for name in adapted)
     assert merged.keys() == expected.state_dict().keys()
     assert all(torch.equal(merged[name], t) for name, t in expected.state_dict().items())
+
+
+def test_a_lora_checkpoint_is_no_model_to_start_from(lora, tmp_path, capsys):
+    """--model_name_or_path a LoRA checkpoint (adapters and a reference to their base) is refused in one line naming
+    the two ways on, rather than its adapters read as a model's weights."""
+    _, checkpoint = lora
+    with pytest.raises(SystemExit) as end:
+        main(["train", "--model_name_or_path", str(checkpoint), "--output_dir", str(tmp_path / "out"), "--max_steps",
+              "1", "--block_size", "16"])
+    assert end.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"{checkpoint} is a LoRA checkpoint (adapters and a reference to their base), not a model to start from; "
+        f"resume it with --resume_from_checkpoint, or give the directory `plait consolidate {checkpoint} DIR --lora "
+        f"merged` writes")

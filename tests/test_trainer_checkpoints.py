@@ -106,6 +106,29 @@ def test_consolidated_model_and_tokenizer_load_in_transformers(model_config, str
     assert generated.shape[1] == ids.shape[1] + 5
 
 
+def test_a_run_a_teacher_and_a_reference_start_from_a_checkpoints_weights(model_config, straight, tmp_path):
+    """--model_name_or_path, and a frozen second model (KD's teacher, DPO's reference), from a plait checkpoint: its
+    weights, as from the directory it consolidates to. They were only allocated (NaN at step 1, an audit); a LoRA
+    checkpoint is refused (its adapters need their base: resumed, or consolidated --lora merged)."""
+    import types
+
+    from plait import ParallelConfig
+    from plait.checkpoint.materialize import load_parallel_model
+    from plait.run.methods.frozen import frozen_on_mesh
+
+    out, _ = straight
+    main(["consolidate", str(out / "checkpoint-4"), str(tmp_path / "hf")])
+    start = ["--max_steps", "1", "--block_size", "16", "--per_device_train_batch_size", "4", "--no_save_final"]
+    losses = [run(["--model_name_or_path", str(source), "--output_dir", str(tmp_path / name), *start])[0]["loss"]
+              for name, source in (("from-checkpoint", out / "checkpoint-4"), ("from-hf", tmp_path / "hf"))]
+    assert losses[0] == losses[1] and losses[0] < 10, losses
+    trained = load_parallel_model(tmp_path / "hf", ParallelConfig())
+    teacher = frozen_on_mesh(out / "checkpoint-4", types.SimpleNamespace(bf16=False, ddp_timeout=60, seed=1), trained,
+                             torch.device("cpu"))
+    for (name, mine), (_, theirs) in zip(teacher.named_parameters(), trained.named_parameters(), strict=True):
+        assert torch.equal(mine, theirs), name
+
+
 def test_resume_missing_checkpoint_is_refused(model_config, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", *flags(model_config, tmp_path / "out", "--resume_from_checkpoint", str(tmp_path / "nope"))])

@@ -88,6 +88,25 @@ def load_parallel_model(
     return pmodel
 
 
+def materialize_source(pmodel: ParallelModel, source: PretrainedConfig | str | os.PathLike, *, seed: int = 0,
+                       device: str | torch.device = "cpu") -> str:
+    """``materialize`` from ``source`` (as ``resolve_source`` reads it), a plait checkpoint's weights read in too,
+    not its optimizer state: what a run starts from (--model_name_or_path) and a frozen teacher or reference. With
+    ``materialize`` alone a checkpoint's parameters were only allocated, for a resume's ``load_checkpoint`` to fill:
+    a run, a teacher or a reference from a checkpoint computed with uninitialised memory (NaN at step 1). A LoRA
+    checkpoint, adapters beside a reference to their base, is refused. Returns the kind of source."""
+    _, kind, path = resolve_source(source)
+    checkpoint = (str(source) if store.is_url(source) else path) if kind == "checkpoint" else None
+    if checkpoint is not None and saved_lora(read_index(checkpoint)[1].extra) is not None:
+        raise ConfigError(f"{source} is a LoRA checkpoint (adapters and a reference to their base), not a model to "
+                          f"start from; resume it with --resume_from_checkpoint, or give the directory `plait "
+                          f"consolidate {source} DIR --lora merged` writes")
+    materialize(pmodel, kind, path, seed=seed, device=device)
+    if checkpoint is not None:
+        load_checkpoint(checkpoint, pmodel)
+    return kind
+
+
 def materialize(
     pmodel: ParallelModel, kind: str, path: Path | None, *, seed: int = 0, device: str | torch.device = "cpu",
     registry: Registry | None = None,

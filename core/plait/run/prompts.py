@@ -184,6 +184,14 @@ class EvalPrompts:
         self.prompts = encode_prompts(rows, tokenizer)
         check_room(path, self.prompts, max_new_tokens, "--eval_max_new_tokens", config)
 
+    @classmethod
+    def of_run(cls, args: Any, tokenizer: Any, config: Any) -> EvalPrompts | None:
+        """A run's --eval_prompts rendered with its tokenizer, each prompt checked (None without the flag)."""
+        if not args.eval_prompts:
+            return None
+        return cls(Path(args.eval_prompts), tokenizer, args.eval_max_new_tokens, args.per_device_train_batch_size,
+                   config)
+
     def samples(self, pmodel: ParallelModel, device: torch.device) -> list[dict[str, str]]:
         """Each prompt with its completion, on every rank (every rank calls it), decoded a training batch of
         prompts at a time, ended where the model's generation config ends it."""

@@ -15,7 +15,6 @@ import time
 import warnings
 from pathlib import Path
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from rich.console import Console
@@ -34,7 +33,7 @@ from plait.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint
 from plait.checkpoint.async_save import BackgroundSaver
 from plait.checkpoint.format import read_index, remove_partial_checkpoints
 from plait.checkpoint.store import is_url
-from plait.checkpoint.materialize import init_fallback_note, materialize, resolve_source
+from plait.checkpoint.materialize import init_fallback_note, materialize, materialize_source
 from plait.checkpoint.save import prepare_save, write_save
 from plait.checkpoint.shared_dir import check_shared_dir
 from plait.checkpoint.state import local_params
@@ -161,7 +160,7 @@ def check_before_launch(args: TrainArgs, world: int) -> None:
     once; the workers read it back."""
     resume, model_config, _, _, plan = plan_run(args, world)
     _, _, tokenizer = run_data(args, model_config, plan, method_for(args), resume)
-    eval_prompts(args, tokenizer, model_config)
+    EvalPrompts.of_run(args, tokenizer, model_config)
 
 
 def run_data(args: TrainArgs, model_config: PretrainedConfig, plan: LayoutPlan, method: type[TrainingMethod],
@@ -172,14 +171,6 @@ def run_data(args: TrainArgs, model_config: PretrainedConfig, plan: LayoutPlan, 
     if resume is not None:
         check_resumed_data(read_index(resume)[1].extra.get("sampler"), len(data[0]), resume)
     return data
-
-
-def eval_prompts(args: TrainArgs, tokenizer: Any, config: PretrainedConfig) -> EvalPrompts | None:
-    """--eval_prompts rendered with the run's tokenizer, each prompt checked (None without the flag)."""
-    if not args.eval_prompts:
-        return None
-    return EvalPrompts(Path(args.eval_prompts), tokenizer, args.eval_max_new_tokens, args.per_device_train_batch_size,
-                       config)
 
 
 class Trainer:
@@ -204,7 +195,7 @@ class Trainer:
         check_float8_device(plan.config, device)  # float8 off a float8 GPU: before any data is read
         # Data before any process group: a bad file fails every rank at once, never inside a collective.
         self.blocks, self.val_blocks, self.tokenizer = run_data(args, model_config, plan, method, resume)
-        self.eval_prompts = eval_prompts(args, self.tokenizer, model_config)
+        self.eval_prompts = EvalPrompts.of_run(args, self.tokenizer, model_config)
         init_distributed(device, args.backend, args.ddp_timeout)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.heartbeat = Heartbeat.start(int(os.environ.get("RANK", "0")), world)  # names a stuck rank on a timeout
@@ -218,11 +209,13 @@ class Trainer:
         # Each rank materialises only its own shards: from the checkpoint, the model dir, or seeded init.
         load_start = time.perf_counter()
         source = resume or args.model_name_or_path or model_config
-        kind, path = ("checkpoint", resume) if resume else resolve_source(source)[1:]
-        if saved is not None:  # a LoRA checkpoint: the frozen base from its reference, the adapters from it
-            kind, path = saved[1]["kind"], Path(saved[1]["path"]) if saved[1]["kind"] == "hf" else None
         self.pmodel = pmodel = parallelize(meta, plan, timeout=datetime.timedelta(seconds=args.ddp_timeout))
-        materialize(pmodel, kind, path, seed=saved[1].get("seed", args.seed) if saved else args.seed, device=device)
+        if resume is None:  # the weights to start from: seeded, a model directory's or a plait checkpoint's
+            kind = materialize_source(pmodel, source, seed=args.seed, device=device)
+        else:  # allocated for load_checkpoint below; a LoRA checkpoint's frozen base from its reference
+            kind, path = ("checkpoint", resume) if saved is None else \
+                (saved[1]["kind"], Path(saved[1]["path"]) if saved[1]["kind"] == "hf" else None)
+            materialize(pmodel, kind, path, seed=saved[1].get("seed", args.seed) if saved else args.seed, device=device)
         note = init_fallback_note(default_registry(), pmodel.adapter, model_config) if kind == "init" else None
         if note:
             self.console.print(f"note: {note}")

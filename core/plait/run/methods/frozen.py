@@ -20,7 +20,7 @@ from torch import nn
 from plait.base import comm
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.meta import build_meta_model
-from plait.checkpoint.materialize import materialize, resolve_source
+from plait.checkpoint.materialize import materialize_source, resolve_source
 from plait.ep.layout import own_experts, routed_experts
 from plait.layout_plan import plan_layout
 from plait.parallel_model import ParallelModel
@@ -83,10 +83,9 @@ def read_rows(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor, rea
 def frozen_on_mesh(source: Any, args: Any, trained: ParallelModel, device: torch.device) -> ParallelModel:
     """The model at ``source`` (a model directory, a plait checkpoint or a config for the seeded init, as
     ``resolve_source`` reads it) on ``trained``'s layout, frozen, in ``trained``'s dtype."""
-    config, kind, path = resolve_source(source)
-    meta = build_meta_model(config, torch.bfloat16 if args.bf16 else torch.float32)
+    meta = build_meta_model(resolve_source(source)[0], torch.bfloat16 if args.bf16 else torch.float32)
     plan = plan_layout(meta, frozen_layout(meta, trained.config), comm.group_size(comm.world_group()))
     model = parallelize(meta, plan, timeout=datetime.timedelta(seconds=args.ddp_timeout))
-    materialize(model, kind, path, seed=args.seed, device=device)
+    materialize_source(model, source, seed=args.seed, device=device)
     model.requires_grad_(False)
     return model
