@@ -1,6 +1,7 @@
 """A new user's own loop fails loudly, not silently: an optimizer built on the model before ``parallelize`` (which
 replaces the weights it splits with their shards) would step stale tensors while the shards never train; it is
-refused in one line at ``OptimizerStep``, as is ``build_optimizer`` on a model that was never parallelized."""
+refused in one line at ``OptimizerStep``, as is ``build_optimizer`` on a model that was never parallelized, and a
+plain optimizer under ZeRO."""
 
 from __future__ import annotations
 
@@ -36,6 +37,17 @@ def test_an_optimizer_built_before_parallelize_is_refused_at_tp2_and_replicas_st
     assert len(r["differed"]) > 10, r  # rank 1's own seed gave other weights than rank 0's
     assert r["dp_not_rank0s"] == [] and r["replicas_apart_after_steps"] == [], r
     assert r["tp_not_rank0s"] == [], r  # split weights are slices of rank 0's, replicated ones rank 0's
+    # an id or a label past the vocabulary at tp=2 (each rank reads its rows only): refused, not trained as zeros
+    for name, said in r["out_of_vocab"].items():
+        assert said and said.startswith("token ids or labels outside the model's vocabulary of 61 (ids 0 to 60; "
+                                        "labels those or -100)") and "resize_token_embeddings" in said, (name, said)
+    # a plain optimizer under ZeRO (build_optimizer skipped): ZeRO-2/3 trained other numbers, ZeRO-1 kept all state
+    wanted = {"1": "the optimizer state sharded over the data-parallel ranks, which Zero1Optimizer holds",
+              "3": "FSDP2's sharded gradients and parameters, which ShardedOptimizer steps"}
+    assert r["plain_under_zero"].keys() == wanted.keys()
+    for stage, said in r["plain_under_zero"].items():
+        assert said == (f"zero_stage={stage} asks for {wanted[stage]}, but the optimizer is a plain AdamW; build it "
+                        f"with build_optimizer(pmodel, torch.optim.AdamW, ...)"), (stage, said)
 
 
 def test_an_extra_trainable_tensor_is_refused_and_the_models_own_are_not():
@@ -86,7 +98,7 @@ def test_batches_of_mismatched_shapes_are_named_before_any_collective():
 
     torch.manual_seed(0)
     pmodel = parallelize(AutoModelForCausalLM.from_config(tiny_config("llama")), ParallelConfig())
-    ids = torch.randint(0, 64, (4, 16))
+    ids = torch.randint(0, 61, (4, 16))
     same_rows = "pass the same rows of each (ParallelModel.local_batch on every one of them)"
     for call in (pmodel.train_step, pmodel.eval_loss, pmodel.forward):
         with pytest.raises(ConfigError, match=rf"labels of shape \(8, 16\) does not match input_ids of shape "

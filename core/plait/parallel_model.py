@@ -391,7 +391,8 @@ class ParallelModel(nn.Module):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, microbatches: int = 1,
         train: bool | None = None, images: ImageBatch | None = None, labels: torch.Tensor | None = None,
     ) -> None:
-        check_batch_shapes(input_ids, labels=labels, attention_mask=attention_mask)
+        check_batch_shapes(input_ids, self.plan.model_config.get_text_config().vocab_size, labels=labels,
+                           attention_mask=attention_mask)
         if images is not None and self.pipeline is not None:
             unseen = pipeline_unseen(self.module, images)
             if unseen:

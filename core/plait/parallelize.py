@@ -203,4 +203,5 @@ def _grad_sync(
 def _loss_fn(applied: AppliedTP, mesh: Mesh, shift: bool = True) -> CausalLMLoss:
     """The causal-LM loss of this rank's logits (vocab-parallel when the head is split over tp); ``shift``:
     False when the labels come already shifted (context parallelism)."""
-    return CausalLMLoss(applied.vocab_start, mesh.tp_group if applied.head_is_parallel else None, shift)
+    return CausalLMLoss(applied.vocab_start, mesh.tp_group if applied.head_is_parallel else None, shift,
+                        applied.vocab_size)

@@ -1,6 +1,7 @@
 """One rank of a 2-process world making a new user's mistakes. The optimizer built on the model before parallelize
 (tp=2): writes, per rank, the error OptimizerStep raised (None: it accepted) and how many of the optimizer's tensors
-were the parallel model's; with the optimizer built after, the step runs. The model built with a different seed on
+were the parallel model's; with the optimizer built after, the step runs. A plain optimizer under each ZeRO stage at
+dp=2: what OptimizerStep says. The model built with a different seed on
 each rank (dp=2, then tp=2): whether the weights differed before parallelize, whether they are rank 0's after it,
 and whether the dp replicas are still equal after two steps."""
 
@@ -42,10 +43,44 @@ def main(out: Path) -> None:
     pmodel.train_step(ids, ids)
     record["norm"] = OptimizerStep(pmodel.grad_sync, after)().item()
     record.update(different_seeds(comm.world_group()))
+    record["plain_under_zero"] = plain_under_zero()
+    record["out_of_vocab"] = out_of_vocab(pmodel)
     ranks = comm.all_gather_object(record, comm.world_group())
     if dist.get_rank() == 0:
         out.write_text(json.dumps(ranks))
     dist.destroy_process_group()
+
+
+def out_of_vocab(pmodel) -> dict[str, str | None]:
+    """At tp=2 (a vocab-parallel embedding and loss), an id and a label past the vocabulary: the error each gave
+    (None: trained on, as before, a zero embedding and a zero target logit)."""
+    vocab = pmodel.plan.model_config.vocab_size
+    said = {}
+    for name in ("id", "label"):
+        ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(3))
+        labels = ids.clone()
+        (ids if name == "id" else labels)[0, 3] = vocab + 5
+        try:
+            pmodel.train_step(ids, labels)
+            said[name] = None
+        except RuntimeError as err:
+            said[name] = str(err)
+    return said
+
+
+def plain_under_zero() -> dict[int, str | None]:
+    """A plain AdamW over the parallel model at dp=2 under ZeRO-1 and ZeRO-3 (build_optimizer skipped; ZeRO-2 is
+    ZeRO-3's FSDP2 path): what OptimizerStep says (None: it accepted; under ZeRO-2/3 it then trained on other
+    numbers than one process)."""
+    said = {}
+    for stage in (1, 3):
+        pmodel = parallelize(AutoModelForCausalLM.from_config(tiny_config("llama")), ParallelConfig(zero_stage=stage))
+        try:
+            OptimizerStep(pmodel.grad_sync, torch.optim.AdamW(pmodel.parameters(), lr=1e-3))
+            said[stage] = None
+        except ConfigError as err:
+            said[stage] = str(err)
+    return said
 
 
 def different_seeds(world) -> dict:

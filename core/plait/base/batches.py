@@ -46,11 +46,12 @@ def local_microbatch(
     return global_indices[start : start + per_rank]
 
 
-def check_batch_shapes(input_ids: torch.Tensor, **others: torch.Tensor | None) -> None:
+def check_batch_shapes(input_ids: torch.Tensor, vocab: int | None = None, **others: torch.Tensor | None) -> None:
     """``input_ids`` is [batch, sequence], and the labels and the [batch, sequence] mask given beside it are of its
     shape (a 4-D mask is transformers' own to check): a mismatch (labels of the global batch beside a rank's ids,
     1-D ids) is named here, before a collective, where torch named flattened token counts inside the loss.
-    ConfigError naming the shapes and the fix."""
+    ConfigError naming the shapes and the fix. With ``vocab``, the ids are checked against it too
+    (``check_token_range``)."""
     if input_ids.dim() != 2:
         raise ConfigError(f"input_ids of shape {tuple(input_ids.shape)} must be [batch, sequence]; add the batch "
                          f"dimension (input_ids[None] for one sequence)")
@@ -59,3 +60,22 @@ def check_batch_shapes(input_ids: torch.Tensor, **others: torch.Tensor | None) -
             raise ConfigError(f"{name} of shape {tuple(tensor.shape)} does not match input_ids of shape "
                              f"{tuple(input_ids.shape)}; pass the same rows of each (ParallelModel.local_batch on "
                              f"every one of them)")
+    if vocab is not None:
+        check_token_range(vocab, ids=input_ids)
+
+
+def check_token_range(vocab: int, ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> None:
+    """Refuse ids, and labels other than the ignored -100, outside [0, ``vocab``). One process's embedding and loss
+    raise an IndexError there, but split over tp a rank reads only its own rows: an id past the vocabulary was a
+    zero embedding and a label past it a zero target logit, trained on without a word (an audit: a tokenizer with
+    added tokens beside a model never resized). Asserted on the device, without waiting for it (an accelerator
+    raises at its next synchronisation), every rank alike: the ranks of a tp group hold the same batch. Labels are
+    checked by the causal-LM loss itself: other objectives carry more than token ids in theirs (DPO's packed pairs)."""
+    bad = torch.zeros((), dtype=torch.bool, device=(ids if ids is not None else labels).device)
+    if ids is not None:
+        bad = bad | ((ids < 0) | (ids >= vocab)).any()
+    if labels is not None:
+        bad = bad | ((labels != -100) & ((labels < 0) | (labels >= vocab))).any()
+    torch._assert_async(~bad, f"token ids or labels outside the model's vocabulary of {vocab} (ids 0 to {vocab - 1}; "
+                              f"labels those or -100): a tokenizer with tokens the model has no row for? resize the "
+                              f"model's embeddings (model.resize_token_embeddings(len(tokenizer))) before parallelize")

@@ -16,6 +16,7 @@ import torch
 
 from plait.base import comm
 from plait.base.config import ConfigError
+from plait.base.words import setting
 from plait.optim.clip import clip_grads_, global_grad_norm
 from plait.optim.expert_zero import ExpertZero1Optimizer
 from plait.optim.mixed_precision import MasterWeightOptimizer, accumulate_grads_in
@@ -109,6 +110,25 @@ def check_holds_model_params(optimizer: torch.optim.Optimizer, params: list[torc
                           f"build_optimizer(pmodel, torch.optim.AdamW, ...)")
 
 
+def check_built_for_zero(optimizer: torch.optim.Optimizer, mesh: Any) -> None:
+    """Refuse an optimizer that does not do what the layout's ZeRO stage asks (one not from ``build_optimizer``).
+    Under ZeRO-2/3 the gradients arrive reduce-scattered into FSDP2's shards, which only ``ShardedOptimizer``
+    steps as such: a plain one had them summed over dp again and normed on this rank's rows alone (the grad norm
+    1.3% off at step 1, the losses apart from step 2: an audit). Under ZeRO-1 a plain optimizer holds the whole
+    state on every rank, the memory the stage was asked to save."""
+    config = mesh.config
+    if config.fsdp and not isinstance(optimizer, ShardedOptimizer):
+        what = "FSDP2's sharded gradients and parameters, which ShardedOptimizer steps"
+    elif config.zero_1 and not comm.trivial(mesh.replica_group) and \
+            not isinstance(optimizer, (Zero1Optimizer, ExpertZero1Optimizer)):
+        what = "the optimizer state sharded over the data-parallel ranks, which Zero1Optimizer holds"
+    else:
+        return
+    raise ConfigError(f"{setting('zero_stage', config.zero_stage)} asks for {what}, but the optimizer is a plain "
+                      f"{type(optimizer).__name__}; build it with build_optimizer(pmodel, torch.optim."
+                      f"{type(optimizer).__name__}, ...)")
+
+
 class NonFiniteStep(RuntimeError):
     """The loss or the global gradient norm of a step is not finite: the step was not applied (gradients are
     dropped, parameters and optimizer state untouched)."""
@@ -148,6 +168,7 @@ class OptimizerStep:
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm={max_grad_norm} must be positive (or None for no clipping)")
         check_holds_model_params(optimizer, grad_sync.params)
+        check_built_for_zero(optimizer, grad_sync.mesh)
         self.grad_sync, self.optimizer, self.max_grad_norm = grad_sync, optimizer, max_grad_norm
         self.reduce_dtype, self.bucket_bytes = reduce_dtype, bucket_bytes
         self.across = across  # replica groups beyond this world (plait.run.replicas): average(params), commit()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plait.base import comm
+from plait.base.batches import check_token_range
 
 IGNORE_INDEX = -100
 
@@ -111,13 +112,16 @@ class CausalLMLoss:
     One object is shared by the model's forward and its pipeline stages, so ``compile`` reaches both.
     """
 
-    def __init__(self, vocab_start: int, group: dist.ProcessGroup | None, shift: bool = True) -> None:
-        self.vocab_start, self.group, self.shift = vocab_start, group, shift
+    def __init__(self, vocab_start: int, group: dist.ProcessGroup | None, shift: bool = True, vocab_size: int = 0,
+                 ) -> None:
+        self.vocab_start, self.group, self.shift, self.vocab_size = vocab_start, group, shift, vocab_size
         self.whole_vocab_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __call__(
         self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None
     ) -> torch.Tensor:
+        if self.vocab_size and comm.group_size(self.group) > 1:  # split: a rank reads its own rows only
+            check_token_range(self.vocab_size, labels=labels)
         return vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.group, num_items_in_batch,
                                             self.shift, self.whole_vocab_sum)
 
