@@ -73,10 +73,11 @@ def main() -> None:
     losses = {}
     for step in range(start + 1, args.steps + 1):
         ids, labels = (t.to(device) for t in global_batch(step, model.config.vocab_size))
-        loss = pmodel.train_step(pmodel.local_batch(ids), pmodel.local_batch(labels),
-                                 num_items_in_batch=plait.num_items_in_batch(labels))  # this rank's share
-        grad_norm = optimizer_step(loss)  # gradient sums, norm, clipping, step, zero_grad
-        losses[step] = pmodel.global_loss(loss).item()  # the whole batch's loss, equal on every rank
+        share = pmodel.train_step(pmodel.local_batch(ids), pmodel.local_batch(labels),
+                                  num_items_in_batch=plait.num_items_in_batch(labels))  # this rank's share
+        loss = pmodel.global_loss(share)  # the whole batch's loss, equal on every rank: all decide alike
+        grad_norm = optimizer_step(loss)  # gradient sums, norm, finite check, clipping, step, zero_grad
+        losses[step] = loss.item()
         if rank0:
             print(f"step {step} | loss {losses[step]:.4f} | grad_norm {grad_norm.item():.3f}", flush=True)
         if step == args.save_at and step != args.steps:
