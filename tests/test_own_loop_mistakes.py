@@ -41,6 +41,7 @@ def test_an_optimizer_built_before_parallelize_is_refused_at_tp2_and_replicas_st
     for name, said in r["out_of_vocab"].items():
         assert said and said.startswith("token ids or labels outside the model's vocabulary of 61 (ids 0 to 60; "
                                         "labels those or -100)") and "resize_token_embeddings" in said, (name, said)
+    assert r["gathered_with_grad"] == [[2, 8, 61], False, True], r  # gather_logits outside no_grad: read, detached
     # a plain optimizer under ZeRO (build_optimizer skipped): ZeRO-2/3 trained other numbers, ZeRO-1 kept all state
     wanted = {"1": "the optimizer state sharded over the data-parallel ranks, which Zero1Optimizer holds",
               "3": "FSDP2's sharded gradients and parameters, which ShardedOptimizer steps"}

@@ -295,9 +295,9 @@ class ParallelModel(nn.Module):
                              objective=objective, images=images)
 
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits from every tp rank's slice of a vocab-parallel head (padding never shows); the
-        logits themselves where the head is whole. A collective over the tp group when the head is split."""
-        applied = self.applied
+        """Full-vocabulary logits from every tp rank's slice of a vocab-parallel head (padding never shows) or the
+        whole head's, detached in every layout (to read: a loss goes through train_step). A collective when split."""
+        applied, local_logits = self.applied, local_logits.detach()
         if not applied.head_is_parallel:
             return local_logits
         padded = torch.nn.functional.pad(local_logits, (0, applied.vocab_per_rank - local_logits.shape[-1]))

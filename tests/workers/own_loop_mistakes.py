@@ -45,6 +45,11 @@ def main(out: Path) -> None:
     record.update(different_seeds(comm.world_group()))
     record["plain_under_zero"] = plain_under_zero()
     record["out_of_vocab"] = out_of_vocab(pmodel)
+    ids = torch.randint(0, 61, (2, 8), generator=torch.Generator().manual_seed(4))
+    logits = pmodel.gather_logits(pmodel(ids))  # with grad enabled: at tp=2 an in-place error in the gather before
+    with torch.no_grad():
+        record["gathered_with_grad"] = [list(logits.shape), logits.requires_grad,
+                                        torch.equal(logits, pmodel.gather_logits(pmodel(ids)))]
     ranks = comm.all_gather_object(record, comm.world_group())
     if dist.get_rank() == 0:
         out.write_text(json.dumps(ranks))
