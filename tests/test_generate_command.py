@@ -95,6 +95,8 @@ def test_every_layout_gives_one_process_completions(files):
         assert done.returncode == 0, done.stderr[-3000:]
         assert [json.loads(line) for line in out.read_text().splitlines()] == expected, name
         assert done.stdout.count("5 completions") == 1, done.stdout
+        layout = {"tp2": "tp=2 pp=1 dp=1", "pp2": "tp=1 pp=2 dp=1", "dp2": "tp=1 pp=1 dp=2"}[name]
+        assert f"layout {layout}): " in done.stdout, done.stdout  # generation's, not a training schedule's
 
 
 def with_bos_and_ends(model_dir, target, ends_of) -> None:

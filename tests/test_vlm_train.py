@@ -323,12 +323,14 @@ def test_packing_is_refused_where_positions_follow_the_images():
 
 def test_sft_only_flags_are_refused_for_image_text_rows(files):
     """Image-text rows train on their assistant turns and refuse overlong rows: --train_on_prompt and --overlong were
-    accepted without effect."""
+    accepted without effect, and so was --text_field (an audit)."""
     from plait.run.trainer import check_before_launch
 
-    with pytest.raises(ConfigError, match=r"^--overlong has no effect: image-text rows are trained on their "
-                                          r"assistant turns"):
+    with pytest.raises(ConfigError, match=r"^--overlong has no effect: image-text rows are chat 'messages' with their "
+                                          r"'images', trained on their assistant turns"):
         check_before_launch(vlm_args(files, overlong="drop"), 1)
+    with pytest.raises(ConfigError, match=r"^--text_field has no effect: image-text rows are chat 'messages'"):
+        check_before_launch(vlm_args(files, text_field="caption"), 1)
 
 
 def test_freezing_a_text_model_is_refused(tmp_path):

@@ -178,6 +178,13 @@ def complete(ns: argparse.Namespace, prompts: list[Any], tokenizer: Any, ends: l
         partial.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in out), encoding="utf-8")
         partial.replace(ns.output)
         print(f"{len(out)} completions, {generated:,} new tokens in {seconds:.1f} s ({generated / seconds:,.1f} "
-              f"tokens/s, layout {pmodel.mesh.config.describe()}): {ns.output}")
+              f"tokens/s, layout {generation_layout(pmodel.mesh.config)}): {ns.output}")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def generation_layout(config: Any) -> str:
+    """The layout as generation runs it: its sizes and ZeRO stage, not a training schedule's (pipelined decoding
+    runs its stages itself: ``plait.generation.pipelined``)."""
+    extra = (f" ep={config.ep}" if config.ep > 1 else "") + (f" zero={config.zero_stage}" if config.zero_stage else "")
+    return f"tp={config.tp} pp={config.pp} dp={config.dp}{extra}"

@@ -128,8 +128,9 @@ class VisionSFT(TrainingMethod):
         if folder is None:
             raise ConfigError("--data_format vision needs the model's processor: give --model_name_or_path with one "
                               "(or --tokenizer_name, a directory holding it)")
-        args.refuse_unread(("train_on_prompt", "overlong"), "image-text rows are trained on their assistant turns, "
-                           "and a row longer than --block_size is refused (cutting it could cut an image's tokens)")
+        args.refuse_unread(("train_on_prompt", "overlong", "text_field"), "image-text rows are chat 'messages' with "
+                           "their 'images', trained on their assistant turns, and a row longer than --block_size is "
+                           "refused (cutting it could cut an image's tokens)")
         if args.packing:
             check_packing(model_config)
         processor = load_processor(folder)
