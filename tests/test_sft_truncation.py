@@ -60,6 +60,7 @@ def test_empty_steps_contribute_zero_and_are_no_divergence(flags, one):
     for r in one:
         if r["step"] in empty:
             assert r["loss"] == 0.0 and r["grad_norm"] == 0.0 and r["empty_steps"] == empty.index(r["step"]) + 1
+            assert r["tokens_per_s"] == 0  # it ran nothing (an audit saw 112,677 tokens/s on such steps)
         else:
             assert r["loss"] > 0 and torch.isfinite(torch.tensor(r["grad_norm"]))
     assert "skipped_steps" not in one[-1]  # nothing was taken for a non-finite step

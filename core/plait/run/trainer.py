@@ -381,7 +381,8 @@ class Trainer:
                 self.console.print(straggler_line(rank, self.heartbeat.host_of(rank), ratio), soft_wrap=True)
         if len(times) > 1:
             record["stragglers"] = len(self.stragglers.named)
-        tokens = self.method.step_tokens() or self.global_batch * self.args.block_size
+        tokens = 0 if record["trainable_tokens"] == 0 else self.method.step_tokens() or \
+            self.global_batch * self.args.block_size  # an empty step ran nothing: no tokens a second
         record.update(tokens_per_s=tokens / (time.perf_counter() - start),
                       peak_rss_mb=peak)
         if device_peak:
