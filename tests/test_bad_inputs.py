@@ -280,7 +280,20 @@ CASES = [
                                                                                     tmp / "tok")],
      "no tokenizer transformers can load in"),
     ("toml_is_a_directory", [], lambda mp, tmp: ["--config", str(tmp)], "is not a TOML file (IsADirectoryError)"),
+    ("preference_row_with_null", ["--method", "dpo"], lambda mp, tmp: preference_rows(tmp, {"chosen": None}),
+     "pairs.jsonl line 2: 'chosen' is null; give it as a text, or as a list of chat messages"),
 ]
+
+
+def preference_rows(tmp_path: Path, bad: dict) -> list[str]:
+    """A DPO run's flags: a model whose vocabulary a chat tokenizer fits, and pairs whose second row is ``bad``."""
+    from plait.data.chat_tokenizer import save_chat_tokenizer
+
+    save_chat_tokenizer(["hi four five"] * 4, 300, tmp_path / "tok")
+    good = {"prompt": "hi", "chosen": " four", "rejected": " five"}
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(good) + "\n" + json.dumps({**good, **bad}) + "\n")
+    return ["--model_config", write_config(tmp_path, vocab_size=320), "--tokenizer_name", str(tmp_path / "tok"),
+            "--train_file", str(tmp_path / "pairs.jsonl")]
 
 
 @pytest.fixture(scope="module")

@@ -444,3 +444,66 @@ def test_the_bundled_pairs_train(tmp_path):
                                 output_dir=str(tmp_path / "out"))).train()
     assert history[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)  # ln 2: the policy is its reference
     assert history[-1]["rewards/margins"] > 0 and history[-1]["loss"] < history[0]["loss"]
+
+
+def test_a_resume_reads_the_reference_the_run_started_from(root, tmp_path):
+    """The reference is read again on a resume: without --model_name_or_path (the tokenizer from --tokenizer_name) it
+    was a seeded init, not the model the run started from, and step 2 differed (loss 0.6535 for 0.6394 in the audit).
+    The checkpoint records that model; the resume reads it and gives the uninterrupted run's step 2."""
+    run = dict(validation_file=None, lr_scheduler_type="constant", learning_rate=1e-2)
+    whole = plait_history(root, tmp_path / "whole", **run)
+    plait_history(root, tmp_path / "cut", **{**run, "max_steps": 1, "save_steps": 1})
+    resumed = plait_history(root, tmp_path / "cut", **run, model_name_or_path=None,
+                            tokenizer_name=str(root / "model"),
+                            resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-1"))
+    assert [r["step"] for r in resumed] == [2]
+    difference, where = worst(resumed, whole[1:], ("loss", "grad_norm", *METRICS))
+    assert difference == 0.0, where
+
+
+def test_a_resume_that_would_change_the_reference_is_refused(root, tmp_path):
+    """Another model than the recorded one is refused in one line; a recorded one that is gone is named, and the
+    flag then gives its new place."""
+    import shutil
+
+    from plait.run.trainer import plan_run
+
+    start = tmp_path / "start"
+    shutil.copytree(root / "model", start)
+    plait_history(root, tmp_path / "cut", validation_file=None, model_name_or_path=str(start), max_steps=1,
+                  save_steps=1)
+    checkpoint = tmp_path / "cut" / "checkpoint-1"
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB)).save_pretrained(tmp_path / "other")
+
+    def resume(**extra):
+        return plan_run(TrainArgs(**flags(root, output_dir=str(tmp_path / "cut"), validation_file=None,
+                                          resume_from_checkpoint=str(checkpoint), **extra)), 1)
+
+    with pytest.raises(ConfigError, match=rf"^--resume_from_checkpoint {checkpoint} was started from "
+                                          rf"--model_name_or_path {start}, which gives DPO's reference; this run's "
+                                          rf"--model_name_or_path {tmp_path / 'other'} would change it: resume with "
+                                          rf"that one, or without the flag$"):
+        resume(model_name_or_path=str(tmp_path / "other"))
+    start.rename(tmp_path / "moved")
+    with pytest.raises(ConfigError, match=rf"^--resume_from_checkpoint {checkpoint} was started from "
+                                          rf"--model_name_or_path {start}, which is DPO's reference and is gone; give "
+                                          rf"its new place with --model_name_or_path$"):
+        resume(model_name_or_path=None, tokenizer_name=str(root / "model"))
+    resume(model_name_or_path=str(tmp_path / "moved"))  # its new place
+
+
+def readme_trainable_tokens() -> str:
+    """README's words for metrics.jsonl's ``trainable_tokens`` (tests/test_grpo.py reads them too)."""
+    text = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    start = text.index("`trainable_tokens` (")
+    return text[start:text.index("`tokens_per_s`", start)]
+
+
+@pytest.mark.parametrize("method", ["dpo", "cpo"])
+def test_trainable_tokens_counts_pairs_as_the_readme_says(root, tmp_path, method):
+    """DPO's divisor (logged as trainable_tokens, the key kept for every method) is the global batch's pairs; the
+    README said 'labelled tokens of the global batch' for every method."""
+    history = plait_history(root, tmp_path, method=method, validation_file=None, max_steps=1)
+    assert history[0]["trainable_tokens"] == BATCH
+    assert "its preference pairs for `--method dpo`, `cpo` and `orpo`" in readme_trainable_tokens()

@@ -11,6 +11,7 @@ import copy
 from pathlib import Path
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -224,6 +225,66 @@ def test_a_bad_reward_function_is_one_line(files, tmp_path, body, message):
         method.score_and_build([p.ids for p in rows], completions, rows)
 
 
+def scored(files, args: TrainArgs, steps: tuple[int, ...] = (1,)) -> GRPO:
+    """A GRPO method that has scored six fixed completions of the three prompts (two each) at each of ``steps``."""
+    tokenizer = AutoTokenizer.from_pretrained(files / "model")
+    prompts = read_prompts(files / "prompts.jsonl", tokenizer, 16)
+    method = GRPO(prompts, args, tokenizer, None, torch.device("cpu"))
+    method.micro_batches(torch.arange(3), parallelize(LlamaForCausalLM.from_pretrained(files / "model"),
+                                                      ParallelConfig()).mesh, 1, torch.device("cpu"))
+    rows = [prompts[i] for i in range(3) for _ in range(2)]
+    for step in steps:
+        method.score_and_build([p.ids for p in rows], torch.full((6, 8), 40), rows, step)
+    return method
+
+
+def test_completions_no_reward_function_scored_are_said_once(files, capsys):
+    """has_a returns None for the prompt whose target is 'skip': as TRL, those completions train at advantage 0 and
+    a warning names the functions and the step (TRL's logger warns each time; plait once per run, on rank 0)."""
+    scored(files, grpo_args(files, reward_funcs=f"{files / 'rewards.py'}:has_a", reward_weights=None),
+                    steps=(3, 4))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
+    assert len(lines) == 1 and re.match(r"^warning: step 3: every reward function \(has_a\) returned None or NaN for 2 "
+                                        r"of 6 completions \(the first: prompt 'a dog ran in', completion '.*'\); as TRL, "
+                                        r"they train at advantage 0, left out of their group's baseline and the logged "
+                                        r"reward; make at least one return a number for each completion \(said once "
+                                        r"per run\)$", lines[0]), lines
+    scored(files, grpo_args(files))  # length scores every completion: nothing said
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_unscorable_completions_train_at_advantage_zero_as_trls(files, tmp_path):
+    """A completion no function scored is TRL 1.16's unscorable one: out of its group's mean and deviation and of the
+    logged reward, its advantage 0. nansum made it a 0 reward that moved its group's baseline (the scored completion
+    beside it got an advantage of -0.71 where TRL's is 0) and the logged reward (1.0 where TRL logs 2.0)."""
+    from trl.trainer.utils import nanstd
+
+    (tmp_path / "some.py").write_text("def f(prompts, completions, **kw):\n    return [1.0, 3.0, None, None, 2.0, "
+                                      "None]\n")
+    method = scored(files, grpo_args(files, reward_funcs=f"{tmp_path / 'some.py'}:f", reward_weights=None))
+    per_func = torch.tensor([[1.0], [3.0], [float("nan")], [float("nan")], [2.0], [float("nan")]])
+    rewards = per_func.nansum(dim=1)  # TRL's _generate_and_score_completions, sum_then_normalize, scale "group"
+    rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
+    mean = torch.nanmean(rewards.view(-1, 2), dim=1).repeat_interleave(2)
+    std = nanstd(rewards.view(-1, 2), dim=1).repeat_interleave(2)
+    expected = torch.nan_to_num((rewards - mean) / (std + 1e-4), nan=0.0)
+    assert torch.allclose(method.rollouts.advantages, expected) and expected[4] == 0 and expected[0] < 0
+    assert method.metrics["reward"] == torch.nanmean(rewards).item() == 2.0
+
+
+@pytest.mark.parametrize("value", ["None", "float('nan')"])
+def test_a_step_no_completion_of_which_got_a_reward_is_refused(files, tmp_path, value):
+    """Every function None (or NaN) for every completion: the step's advantages would all be 0 (grad_norm 0, reward
+    logged 0) and the run went on silently; refused in one line naming the functions and the step."""
+    (tmp_path / "none.py").write_text(f"def f(prompts, completions, **kw):\n    return [{value}] * len(completions)\n")
+    args = grpo_args(files, reward_funcs=f"{tmp_path / 'none.py'}:f", reward_weights=None)
+    with pytest.raises(ConfigError, match=r"^step 2: no completion got a reward: every reward function \(f\) "
+                                          r"returned None or NaN for all 6 \(the first: prompt 'the cat', completion "
+                                          r"'.*'\), so the step would train on nothing; make at least one return a "
+                                          r"number for each completion \(0\.0 for no reward\)$"):
+        scored(files, args, steps=(2,))
+
+
 # Layouts of a world of 2 against one process, on the real path: the policy's own rollouts (sampling gives the same
 # tokens in every layout), their rewards, the loss and the step-1 gradients. Global batch 6 completions (3 prompts).
 LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "dp2": dict(per_device_train_batch_size=3),
@@ -297,17 +358,50 @@ def test_every_layout_gives_one_process_rollouts_losses_and_gradients(one_proces
         assert torch.allclose(got_grads[name], reference, rtol=1e-5, atol=1e-7), name
 
 
-@pytest.mark.parametrize("iterations", [1, 2])
-def test_a_run_resumed_mid_way_draws_and_trains_what_the_whole_run_did(files, tmp_path, iterations):
+def test_trainable_tokens_counts_completions_as_the_readme_says(one_process):
+    """GRPO's divisor (logged as trainable_tokens, the key kept for every method) is the step's completions (3
+    prompts x 2); the README said 'labelled tokens of the global batch' for every method."""
+    from test_dpo import readme_trainable_tokens
+
+    assert [r["trainable_tokens"] for r in one_process["full"][0]] == [6, 6]
+    assert "its completions for `--method grpo`" in readme_trainable_tokens()
+
+
+def test_the_walkthroughs_grpo_words_are_its_commands_numbers():
+    """docs/post-training.md's GRPO walkthrough: the steps and completions per step its prose gives are what its
+    command runs (the global batch: --per_device_train_batch_size x dp, dp = --nproc_per_node / tp), and the
+    prompts per step that batch over --num_generations (it said 32 completions where the command trains 16)."""
+    from plait.cli import build_parser
+    from plait.run.train_args import from_namespace
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "post-training.md").read_text()
+    command = text[text.index("plait train --method grpo --model_name_or_path runs/dpo/hf"):]
+    command = command[:command.index("```")].replace("\\\n", " ").split()
+    args = from_namespace(build_parser().parse_args(command[1:]), TrainArgs)
+    dp = args.nproc_per_node // (args.tensor_parallel_size * args.pipeline_parallel_size * args.context_parallel_size)
+    batch = args.global_batch(dp)
+    prose = " ".join(text[text.index("GRPO (run as written"):].split())
+    said = re.search(r"(\d+) s for (\d+) steps of (\d+) completions \((\d+) prompts x (\d+)\)", prose)
+    assert said, prose[:300]
+    assert (int(said[2]), int(said[3]), int(said[4]), int(said[5])) == \
+        (args.max_steps, batch, batch // args.num_generations, args.num_generations)
+
+
+@pytest.mark.parametrize("iterations, named", [(1, True), (2, True), (1, False)],
+                         ids=["mu1", "mu2", "mu1_model_left_out"])
+def test_a_run_resumed_mid_way_draws_and_trains_what_the_whole_run_did(files, tmp_path, iterations, named):
     """The rollouts' seed is the step's (the cycle's) and the sampler's state is in the checkpoint: resuming from step
-    2 gives the uninterrupted run's steps 3 and 4 (prompts, completions, rewards, losses) exactly."""
+    2 gives the uninterrupted run's steps 3 and 4 (prompts, completions, rewards, losses) exactly. ``named`` False:
+    the resume leaves out --model_name_or_path, and the KL's reference is still the model the run started from (the
+    checkpoint records it; it was a seeded init)."""
     from plait.run.trainer import Trainer
 
     run = {**RUN, "num_iterations": iterations}
     whole = Trainer(grpo_args(files, output_dir=str(tmp_path / "whole"), **{**run, "max_steps": 4})).train()
     Trainer(grpo_args(files, output_dir=str(tmp_path / "cut"), **{**run, "max_steps": 2}, save_steps=2)).train()
+    left_out = {} if named else dict(model_name_or_path=None, tokenizer_name=str(files / "model"))
     resumed = Trainer(grpo_args(files, output_dir=str(tmp_path / "cut"), **{**run, "max_steps": 4},
-                                resume_from_checkpoint="auto")).train()
+                                resume_from_checkpoint="auto", **left_out)).train()
     assert [r["step"] for r in resumed] == [3, 4]
     for got, expected in zip(resumed, whole[2:], strict=True):
         assert {k: got[k] for k in KEYS} == {k: expected[k] for k in KEYS}

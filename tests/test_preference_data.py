@@ -4,6 +4,8 @@ completion from their common prefix) on plain, conversational and implicit-promp
 
 from __future__ import annotations
 
+import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -52,3 +54,34 @@ def test_a_row_without_chosen_is_refused_naming_it(tokenizer):
     with pytest.raises(ConfigError, match=r"^pairs.jsonl line 3: a preference row needs 'chosen' and 'rejected' .*"
                                           r"missing \['rejected'\], found \['chosen', 'prompt'\]$"):
         tokenize_pair(tokenizer, {"prompt": "hi", "chosen": " four"}, "pairs.jsonl line 3")
+
+
+GOOD = {"prompt": "hi", "chosen": " four", "rejected": " five"}
+USER, ASSISTANT = [{"role": "user", "content": "hi"}], [{"role": "assistant", "content": "four"}]
+# rows TRL's preprocessing stops on with a bare Python error (AttributeError, TypeError, jinja's UndefinedError)
+BAD_ROWS = {
+    "chosen_null": ({**GOOD, "chosen": None}, r"'chosen' is null; give it as a text, or as a list of chat messages"),
+    "chosen_int": ({**GOOD, "chosen": 5}, r"'chosen' is a number \(5\); give it as a text, or as a list of chat"),
+    "mixed_forms": ({**GOOD, "prompt": USER}, r"'prompt' is a list of chat messages but 'chosen' is a text; give "
+                                              r"'prompt', 'chosen', 'rejected' all as texts or all as lists of chat"),
+    "message_without_content": ({"prompt": USER, "chosen": [{"role": "assistant", "text": "four"}],
+                                 "rejected": ASSISTANT},
+                                r"'chosen' message 1 has no 'content' \(its keys: \['role', 'text'\]\); a chat message "
+                                r"is \{\"role\": \.\.\., \"content\": \.\.\.\}"),
+}
+
+
+@pytest.mark.parametrize("method", ["dpo", "cpo"])
+@pytest.mark.parametrize("case", BAD_ROWS)
+def test_a_bad_value_is_one_line_naming_file_line_and_field(tokenizer, tmp_path, case, method):
+    """DPO's reader and CPO's / ORPO's (TRL's older tokenization) both refuse before any training, naming the row."""
+    from plait.run.methods.preference_data import read_pairs
+    from plait.run.methods.reference_free import read_legacy_pairs
+
+    row, message = BAD_ROWS[case]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + json.dumps(row) + "\n")
+    read = (lambda: read_pairs(path, tokenizer, 32, "keep_start")) if method == "dpo" else \
+        (lambda: read_legacy_pairs(path, tokenizer, 32))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))} line 2: {message}"):
+        read()

@@ -14,6 +14,7 @@ from trl.trainer.dpo_trainer import DPOTrainer
 
 from plait.base.config import ConfigError
 from plait.run.methods.preference_loss import LOSS_TYPES, PairLogps, PreferenceLoss
+from plait.run.methods.reference_free import CPOLoss
 
 PAIRS, SEQ = 6, 12
 
@@ -91,3 +92,71 @@ def test_bad_settings_are_refused_in_one_line():
         PreferenceLoss(loss_type=("robust",), label_smoothing=0.5)
     with pytest.raises(ConfigError, match=r"--beta=0 must be positive"):
         PreferenceLoss(beta=0)
+
+
+NOT_SMOOTHED = [t for t in LOSS_TYPES if t not in ("robust", "exo_pair")]
+
+
+@pytest.mark.parametrize("loss_type", NOT_SMOOTHED)
+def test_label_smoothing_where_trl_does_not_read_it_is_refused(loss_type):
+    """TRL 1.16's DPO reads label_smoothing in robust and exo_pair only (its sigmoid is no longer cDPO's): TRL's loss
+    is the same with and without it, so plait refuses it as doing nothing (it was accepted, even an invalid 0.6)."""
+    data = batch(1)
+    plain, smoothed = (trl_loss(SimpleNamespace(loss_type=(loss_type,), weights=(1.0,), beta=0.3, label_smoothing=eps),
+                                data)[0] for eps in (0.0, 0.3))
+    assert smoothed == plain
+    with pytest.raises(ConfigError, match=rf"^--label_smoothing has no effect with --loss_type {loss_type} \(TRL's DPO "
+                                          r"reads it in the robust and exo_pair losses only\); drop it, or use "
+                                          r"--loss_type robust or exo_pair$"):
+        PreferenceLoss(loss_type=(loss_type,), label_smoothing=0.6)
+    PreferenceLoss(loss_type=(loss_type, "robust"), label_smoothing=0.1)  # read by one of the losses: taken
+
+
+@pytest.mark.parametrize("loss_type, eps", [("robust", -0.1), ("exo_pair", 0.6), ("exo_pair", 1.0)])
+def test_label_smoothing_outside_its_range_is_refused(loss_type, eps):
+    """The probability that a label is flipped: [0, 0.5) (TRL's range for robust); exo_pair's log(eps) and
+    log(1 - eps) made 1.0 a NaN loss, and from 0.5 on its target prefers the rejected completion."""
+    with pytest.raises(ConfigError, match=rf"^--label_smoothing={eps} with the {loss_type} loss must lie in "
+                                          r"\[0, 0\.5\)"):
+        PreferenceLoss(loss_type=(loss_type,), label_smoothing=eps)
+
+
+def trl_cpo_loss(loss: CPOLoss, pairs: PairLogps) -> torch.Tensor:
+    """TRL's ``CPOTrainer.cpo_loss`` on the log-probs its forward gives it (per-token means for ipo and simpo)."""
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+
+    trainer = SimpleNamespace(alpha=0.0, accelerator=SimpleNamespace(device=torch.device("cpu")), beta=loss.beta,
+                              loss_type=loss.loss_type, label_smoothing=loss.label_smoothing,
+                              simpo_gamma=loss.simpo_gamma)
+    return CPOTrainer.cpo_loss(trainer, *loss.logps(pairs))[0]
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "simpo", "hinge", "ipo"])
+def test_cpo_label_smoothing_is_trls_where_read_and_refused_where_not(loss_type):
+    logps, counts = batch(2)["log_probs"].sum(dim=1), batch(2)["completion_mask"][:, 1:].sum(dim=1)
+    pairs = PairLogps(*logps.chunk(2), *torch.zeros_like(logps).chunk(2), *counts.chunk(2))
+    eps = 0.2 if loss_type in ("sigmoid", "simpo") else 0.0
+    loss = CPOLoss(beta=0.5, loss_type=loss_type, label_smoothing=eps, simpo_gamma=0.7)
+    assert torch.allclose(loss.per_pair(pairs), trl_cpo_loss(loss, pairs), rtol=1e-12, atol=1e-12)
+    if eps:  # smoothed: a loss of its own (cDPO's), not the plain one
+        assert not torch.allclose(loss.per_pair(pairs), CPOLoss(0.5, loss_type, 0.0, 0.7).per_pair(pairs))
+        with pytest.raises(ConfigError, match=rf"^--label_smoothing=0.6 with the {loss_type} loss must lie in \[0, "):
+            CPOLoss(beta=0.5, loss_type=loss_type, label_smoothing=0.6)
+    else:  # TRL ignores it (with a warning): the same loss
+        ignored = SimpleNamespace(beta=0.5, loss_type=loss_type, label_smoothing=0.3, simpo_gamma=0.7, logps=loss.logps)
+        assert torch.equal(trl_cpo_loss(ignored, pairs), trl_cpo_loss(loss, pairs))
+        with pytest.raises(ConfigError, match=rf"^--label_smoothing has no effect with --method cpo --loss_type "
+                                              rf"{loss_type} \(TRL's CPO reads it in the sigmoid and simpo losses "
+                                              rf"only\); drop it, or use --loss_type sigmoid or simpo$"):
+            CPOLoss(beta=0.5, loss_type=loss_type, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo"])
+def test_simpo_gamma_without_the_simpo_loss_is_refused(loss_type):
+    """--simpo_gamma is SimPO's target margin: the other CPO losses never read it (it was accepted)."""
+    from plait.run.train_args import TrainArgs
+
+    with pytest.raises(ConfigError, match=rf"^--simpo_gamma has no effect with --loss_type {loss_type} \(it is the "
+                                          r"target margin of --loss_type simpo\); drop it, or use --loss_type simpo$"):
+        TrainArgs(method="cpo", loss_type=loss_type, simpo_gamma=1.0)._validate_method()
+    TrainArgs(method="cpo", loss_type="simpo", simpo_gamma=1.0)._validate_method()

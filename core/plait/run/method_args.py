@@ -43,7 +43,7 @@ class MethodArgs:
     beta: float | None = field(default=None, metadata={"help": "dpo, cpo, orpo: the preference loss's scale (TRL's beta; dpo: the strength of the pull to the reference model; default 0.1); grpo: the KL penalty's weight (default 0.0: no reference model is loaded)"})
     loss_type: str | None = field(default=None, metadata={"help": "grpo: one of grpo, dr_grpo, dapo (default), bnpo, as TRL's; dpo (default sigmoid): the preference loss, or several comma-separated (summed, weighted by --loss_weights), as TRL's loss_type: sigmoid, hinge, ipo, robust, apo_zero, apo_down, nca_pair, bco_pair, sppo_hard, sigmoid_norm, exo_pair, sft (the chosen completions' NLL: RPO is sigmoid,sft); cpo: one of sigmoid, hinge, ipo, simpo"})
     loss_weights: str | None = field(default=None, metadata={"help": "dpo: comma-separated weights, one per --loss_type (default: 1 each)"})
-    label_smoothing: float = field(default=0.0, metadata={"help": "dpo, cpo: the probability that a preference label is wrong (dpo's robust, exo_pair; cpo's sigmoid, simpo; TRL's label_smoothing)"})
+    label_smoothing: float = field(default=0.0, metadata={"help": "dpo, cpo: the probability that a preference label is wrong, in [0, 0.5) (TRL's label_smoothing; read by dpo's robust and exo_pair losses and cpo's sigmoid and simpo only, refused with the others)"})
     truncation_mode: str = field(default="keep_start", metadata={"help": f"dpo: how a prompt + completion longer than --block_size is cut: one of {', '.join(TRUNCATION_MODES)} (keep_start drops rows whose prompt alone fills it, as TRL)"})
     precompute_ref_log_probs: bool = field(default=False, metadata={"help": "dpo: read the reference model's log-probs of every row once before training, then free it"})
     simpo_gamma: float = field(default=0.5, metadata={"help": "cpo: the target reward margin of --loss_type simpo (TRL's simpo_gamma)"})
@@ -100,6 +100,9 @@ class MethodArgs:
 
             CPOLoss(self.beta, self.loss_type, self.label_smoothing, self.simpo_gamma, self.cpo_alpha) \
                 if self.method == "cpo" else ORPOLoss(self.beta)
+            if self.method == "cpo" and self.loss_type != "simpo" and self.simpo_gamma != defaults["simpo_gamma"]:
+                raise ConfigError(no_effect(["--simpo_gamma"], f" with --loss_type {self.loss_type} (it is the target "
+                                            f"margin of --loss_type simpo)", ", or use --loss_type simpo"))
         if self.method not in ("dpo", "cpo", "orpo"):
             return
         if self.dataset_name:

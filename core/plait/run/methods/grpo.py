@@ -25,6 +25,8 @@ the cp ranks too.
 from __future__ import annotations
 
 import dataclasses
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +42,10 @@ from plait.parallel_model import ParallelModel
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.dpo import Reference
 from plait.run.methods.frozen import SecondModel, frozen_on_mesh, read_rows
-from plait.run.methods.grpo_args import call_rewards, reward_funcs
-from plait.run.methods.grpo_loss import advantages, kl_k3, token_terms, token_weights
+from plait.run.methods.grpo_args import call_rewards, reward_funcs, unrewarded
+from plait.run.methods.grpo_loss import advantages, kl_k3, nanstd, rewarded_sum, token_terms, token_weights
 from plait.run.prompts import completion_text, json_lines, left_padded, pad_id
+from plait.run.runtime import is_main_process
 from plait.tp.logprobs import Logits
 from plait.tp.loss import IGNORE_INDEX
 
@@ -117,6 +120,12 @@ class Rollouts:
                    pad_right(weights, 0.0))
 
 
+def _say(line: str) -> None:
+    """A line for the user where no trainer's console is at hand: on stderr, from the main process."""
+    if is_main_process():
+        print(line, file=sys.stderr)
+
+
 class GRPO(TrainingMethod):
     """Prompts, reward functions and the loss's settings; the reference where ``--beta`` > 0."""
 
@@ -139,6 +148,8 @@ class GRPO(TrainingMethod):
         self.counts = torch.zeros(0, 5, dtype=torch.float64)
         self.cycle: int | None = None  # the cycle of --num_iterations steps whose rollouts are held
         self.old: torch.Tensor | None = None  # their log-probs as generated (--num_iterations > 1), this rank's rows
+        self.say: Callable[[str], None] = _say  # a line for the user (the trainer's console: the main process's)
+        self.unrewarded_said = False  # completions no reward function scored: said once per run (``unrewarded``)
 
     @classmethod
     def load_data(cls, args: Any, model_config: Any, plan: Any) -> tuple[list[Prompt], None, Any]:
@@ -167,8 +178,10 @@ class GRPO(TrainingMethod):
                 source = args.model_name_or_path or trainer.pmodel.plan.model_config
                 reference = Reference(frozen_on_mesh(source, args, trainer.pmodel, trainer.device))
         config = trainer.pmodel.config
-        return cls(trainer.blocks, args, trainer.tokenizer, reference, trainer.device, config.sequence_multiple,
-                   args.block_size if config.pp > 1 else 0)
+        method = cls(trainer.blocks, args, trainer.tokenizer, reference, trainer.device, config.sequence_multiple,
+                     args.block_size if config.pp > 1 else 0)
+        method.say = lambda line: trainer.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        return method
 
     @classmethod
     def second_model(cls, args: Any, model: Any, dtype: torch.dtype) -> SecondModel | None:
@@ -216,7 +229,7 @@ class GRPO(TrainingMethod):
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed * 1_000_003 + cycle,
                               eos_token_id=self.eos, pad_token_id=self.pad)[:, width:].cpu()
         out = torch.nn.functional.pad(out, (0, args.max_completion_length - out.shape[1]), value=self.pad)
-        self.score_and_build([p.ids for p in prompts], out, prompts)
+        self.score_and_build([p.ids for p in prompts], out, prompts, step + 1)
         self.cycle, self.old = cycle, None
         if args.num_iterations > 1:
             r = self.rollouts
@@ -228,25 +241,31 @@ class GRPO(TrainingMethod):
                         self.old = torch.zeros(len(r.ids), found.shape[1], dtype=torch.float64)
                     self.old[rows] = found.cpu().double()
 
-    def score_and_build(self, prompt_ids: list[list[int]], completions: torch.Tensor, prompts: list[Prompt]) -> None:
-        """Rewards, advantages and the training rows of ``completions`` [completions, max_completion_length]."""
+    def score_and_build(self, prompt_ids: list[list[int]], completions: torch.Tensor, prompts: list[Prompt],
+                        step: int = 1) -> None:
+        """Rewards, advantages and the training rows of ``completions`` [completions, max_completion_length], at step
+        ``step`` (as logged, from 1)."""
         tokens = completions.tolist()
         texts, lengths = zip(*(completion_text(row, self.tokenizer, ()) for row in tokens))
         shown = [[{"role": "assistant", "content": t}] if isinstance(p.prompt, list) else t
                  for p, t in zip(prompts, texts)]
         columns = {key: [p.columns.get(key) for p in prompts] for key in prompts[0].columns}
-        rewards = torch.tensor(call_rewards(self.funcs, [p.prompt for p in prompts], shown,
-                                            [row[:n] for row, n in zip(tokens, lengths)], columns),
-                               dtype=torch.float32)
+        found = call_rewards(self.funcs, [p.prompt for p in prompts], shown,
+                             [row[:n] for row, n in zip(tokens, lengths)], columns)
+        line = unrewarded(found, [name for name, _, _ in self.funcs], [p.prompt for p in prompts], shown, step)
+        if line and not self.unrewarded_said:
+            self.say(line)
+            self.unrewarded_said = True
+        rewards = torch.tensor(found, dtype=torch.float32)
         weights = torch.tensor([w for _, _, w in self.funcs])
         advantage = advantages(rewards, weights, self.args.num_generations, self.args.scale_rewards)
         self.rollouts = Rollouts.build(prompt_ids, completions, self.eos, self.pad, advantage, self.args.loss_type,
                                        self.args.max_completion_length, self.all_micro, self.multiple, self.length)
-        total = (rewards * weights).nansum(dim=1)
+        total = rewarded_sum(rewards, weights)  # NaN where no function scored: left out of the means, as TRL's
         # TRL's reward_std: the mean of the groups' standard deviations, or the batch's under --scale_rewards batch
-        spread = total.std() if self.args.scale_rewards == "batch" else \
-            total.view(-1, self.args.num_generations).std(dim=1).mean()
-        self.metrics = {"reward": total.mean().item(), "reward_std": spread.item(),
+        spread = nanstd(total, dim=0) if self.args.scale_rewards == "batch" else \
+            nanstd(total.view(-1, self.args.num_generations), dim=1).nanmean()
+        self.metrics = {"reward": total.nanmean().item(), "reward_std": spread.item(),
                         "completions/mean_length": sum(lengths) / len(lengths)}
         for j, (name, _, _) in enumerate(self.funcs):
             self.metrics[f"rewards/{name}/mean"] = rewards[:, j].nanmean().item()

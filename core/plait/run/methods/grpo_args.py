@@ -142,3 +142,28 @@ def failing_row(func: RewardFunc, prompts: list, completions: list, completion_i
         except Exception:
             return row
     return None
+
+
+def unrewarded(rewards: list[list[float]], names: list[str], prompts: list, completions: list,
+               step: int) -> str | None:
+    """The completions of step ``step`` (as logged, from 1) that no reward function scored (None or NaN from every
+    one, ``rewards`` [completions][functions] as ``call_rewards`` gives them): TRL's unscorable ones, which it warns
+    about and trains at advantage 0 (``grpo_loss.advantages``); the warning's line is returned (None where every
+    completion has a reward), naming the functions, the step and the first such completion. A step where no
+    completion got any reward is refused: every advantage would be 0, so it would train nothing but the KL term (if
+    any) while the run went on as if rewarded (TRL logs a NaN reward and goes on); a function that never scores (a
+    column it misreads, a parse that never matches) is almost always why, and going on would hide it (the run's
+    checkpoints stay: fix the function and resume)."""
+    missing = [row for row, values in enumerate(rewards) if all(math.isnan(v) for v in values)]
+    if not missing:
+        return None
+    funcs, row = ", ".join(names), missing[0]
+    first = f"prompt {prompts[row]!r:.60}, completion {completions[row]!r:.60}"
+    if len(missing) == len(rewards):
+        raise ConfigError(f"step {step}: no completion got a reward: every reward function ({funcs}) returned None or "
+                          f"NaN for all {len(rewards)} (the first: {first}), so the step would train on nothing; make "
+                          f"at least one return a number for each completion (0.0 for no reward)")
+    return (f"warning: step {step}: every reward function ({funcs}) returned None or NaN for {len(missing)} of "
+            f"{len(rewards)} completions (the first: {first}); as TRL, they train at advantage 0, left out of their "
+            f"group's baseline and the logged reward; make at least one return a number for each completion (said "
+            f"once per run)")

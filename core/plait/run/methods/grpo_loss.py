@@ -3,7 +3,8 @@ batch over ranks and micro-steps gives one process's loss.
 
 Advantages: each completion's reward (the weighted sum of the reward functions', NaN-skipping as TRL's nansum) minus
 its group's mean (the ``num_generations`` completions of one prompt), divided by the group's standard deviation
-(``scale_rewards="group"``), the whole batch's (``"batch"``) or not at all (``"none"``), plus 1e-4.
+(``scale_rewards="group"``), the whole batch's (``"batch"``) or not at all (``"none"``), plus 1e-4; a completion no
+function scored has none: it is left out of those means and deviations, its advantage 0 (TRL's unscorable one).
 
 Loss, per completion token t (importance sampling per token, TRL's default): with r = exp(logp - old_logp) and A the
 completion's advantage, ``-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)``, plus ``beta`` times the k3 estimate
@@ -29,21 +30,30 @@ SCALE_REWARDS = ("group", "batch", "none")
 
 def advantages(rewards: torch.Tensor, weights: torch.Tensor, generations: int, scale: str) -> torch.Tensor:
     """Each completion's advantage [completions] from ``rewards`` [completions, functions] (NaN: a function with no
-    reward for it) weighted by ``weights`` [functions]; the completions of a prompt are ``generations`` in a row."""
-    total = (rewards * weights.to(rewards.dtype)).nansum(dim=1)
+    reward for it) weighted by ``weights`` [functions]; the completions of a prompt are ``generations`` in a row. A
+    completion no function scored (NaN from every one) is TRL's unscorable one: left out of its group's mean and
+    standard deviation (nansum would make it a 0 in them), its advantage 0."""
+    total = rewarded_sum(rewards, weights)
     grouped = total.view(-1, generations)
     mean = grouped.nanmean(dim=1).repeat_interleave(generations)
     if scale == "group":
-        std = _nanstd(grouped, dim=1).repeat_interleave(generations)
+        std = nanstd(grouped, dim=1).repeat_interleave(generations)
     elif scale == "batch":
-        std = _nanstd(total, dim=0).expand_as(total)
+        std = nanstd(total, dim=0).expand_as(total)
     else:
         std = None
     found = total - mean if std is None else (total - mean) / (std + 1e-4)
     return torch.nan_to_num(found, nan=0.0)
 
 
-def _nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
+def rewarded_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each completion's weighted sum of its rewards [completions], NaN-skipping (TRL's nansum), NaN where no function
+    scored it (TRL's unscorable completion, out of the baseline and of the logged reward)."""
+    total = (rewards * weights.to(rewards.dtype)).nansum(dim=1)
+    return total.masked_fill(rewards.isnan().all(dim=1), float("nan"))
+
+
+def nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
     """The unbiased standard deviation ignoring NaNs, as TRL's ``nanstd``."""
     mean = values.nanmean(dim=dim, keepdim=True)
     count = (~values.isnan()).sum(dim=dim)

@@ -35,6 +35,40 @@ def is_conversational(example: dict[str, Any]) -> bool:
     return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "role" in value[0]
 
 
+def check_row(example: dict[str, Any], where: str) -> None:
+    """Refuse, naming the row (``where``: file and line) and the field, what TRL's preprocessing would stop on with a
+    bare Python error (or, for a chat message without 'content', a template's): a field that is neither a text nor a
+    list of chat messages (null, a number), a row mixing the two forms (its prompt as messages, a completion as
+    text), a message without a text 'role' and a 'content'."""
+    forms = {}
+    for key in (key for key in KEYS if key in example):
+        value = example[key]
+        if isinstance(value, list) and value:
+            for number, message in enumerate(value, 1):
+                wrong = "is not a JSON object" if not isinstance(message, dict) else \
+                    "has no text 'role'" if not isinstance(message.get("role"), str) else \
+                    "has no 'content'" if "content" not in message else None
+                if wrong:
+                    found = f"its keys: {sorted(message)}" if isinstance(message, dict) else json.dumps(message)[:40]
+                    raise ConfigError(f"{where}: {key!r} message {number} {wrong} ({found}); a chat message is "
+                                      f"{{\"role\": ..., \"content\": ...}}")
+            forms[key] = "a list of chat messages"
+        elif isinstance(value, str):
+            forms[key] = "a text"
+        else:
+            kind = "a boolean" if isinstance(value, bool) else \
+                "a JSON object" if isinstance(value, dict) else "a number"
+            what = "null" if value is None else "an empty list" if value == [] else \
+                f"{kind} ({json.dumps(value)[:40]})"
+            raise ConfigError(f"{where}: {key!r} is {what}; give it as a text, or as a list of chat messages "
+                              f"({{\"role\": ..., \"content\": ...}})")
+    (first, form), *others = forms.items()
+    other = next((item for item in others if item[1] != form), None)
+    if other is not None:
+        raise ConfigError(f"{where}: {first!r} is {form} but {other[0]!r} is {other[1]}; give "
+                          f"{', '.join(map(repr, forms))} all as texts or all as lists of chat messages")
+
+
 def extract_prompt(example: dict[str, Any]) -> dict[str, Any]:
     """The implicit form's prompt: the start chosen and rejected share (characters, or whole messages), cut as TRL's
     ``extract_prompt`` cuts it."""
@@ -54,6 +88,7 @@ def tokenize_pair(tokenizer: Any, example: dict[str, Any], where: str) -> tuple[
     if missing:
         raise ConfigError(f"{where}: a preference row needs 'chosen' and 'rejected' (and 'prompt', or a shared start "
                           f"of the two); missing {missing}, found {sorted(example)}")
+    check_row(example, where)
     if "prompt" not in example:
         example = extract_prompt(example)
     if is_conversational(example):

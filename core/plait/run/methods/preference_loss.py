@@ -25,12 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from plait.base.config import ConfigError
+from plait.base.words import no_effect
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero", "apo_down", "nca_pair", "bco_pair", "sppo_hard",
               "sigmoid_norm", "exo_pair", "sft")
 BATCH_DEPENDENT = ("aot", "aot_unpaired", "discopop")  # TRL's, refused here (module docstring)
+SMOOTHED = ("robust", "exo_pair")  # the loss types that read label_smoothing (TRL 1.16's DPOTrainer)
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,23 @@ class PreferenceLoss:
                               f"types ({','.join(self.loss_type)}); give one weight per type")
         if self.beta <= 0:
             raise ConfigError(f"--beta={self.beta} must be positive (the strength of the pull to the reference)")
-        if "robust" in self.loss_type and not 0.0 <= self.label_smoothing < 0.5:
-            raise ConfigError(f"--label_smoothing={self.label_smoothing} with the robust loss must lie in [0, 0.5) "
-                              f"(the probability that a preference label is flipped)")
-        if "exo_pair" in self.loss_type and self.label_smoothing <= 0.0:
+        self._check_label_smoothing()
+
+    def _check_label_smoothing(self) -> None:
+        """TRL 1.16's DPO reads ``label_smoothing`` in its robust and exo_pair losses only (its sigmoid is no longer
+        cDPO's), so with none of them a value is refused as doing nothing. Where read it is the probability that a
+        preference label is wrong, in [0, 0.5): TRL's range for robust (which divides by 1 - 2 eps); exo_pair needs it
+        > 0 (TRL: log(eps)), and from 0.5 on its target would prefer the rejected completion."""
+        eps, reading = self.label_smoothing, [t for t in self.loss_type if t in SMOOTHED]
+        if eps and not reading:
+            raise ConfigError(no_effect(["--label_smoothing"], f" with --loss_type {','.join(self.loss_type)} (TRL's "
+                                        f"DPO reads it in the robust and exo_pair losses only)",
+                                        ", or use --loss_type robust or exo_pair"))
+        for loss_type in reading:
+            if not 0.0 <= eps < 0.5:
+                raise ConfigError(f"--label_smoothing={eps} with the {loss_type} loss must lie in [0, 0.5) (the "
+                                  f"probability that a preference label is flipped)")
+        if "exo_pair" in self.loss_type and eps <= 0.0:
             raise ConfigError("the exo_pair loss needs --label_smoothing > 0 (the EXO paper recommends 1e-3)")
 
     @property

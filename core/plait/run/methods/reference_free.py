@@ -31,10 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from plait.base.config import ConfigError
+from plait.base.words import no_effect
 from plait.data.paths import tokenizer_dir
 from plait.data.tokenizer import load_tokenizer
 from plait.run.methods.dpo import DPO, check_packing, routed
-from plait.run.methods.preference_data import Pair, extract_prompt, is_conversational, real_tokens
+from plait.run.methods.preference_data import Pair, check_row, extract_prompt, is_conversational, real_tokens
 from plait.run.methods.preference_loss import METRICS, PairLogps
 from plait.run.runtime import reports_data
 from plait.tp.logprobs import Logits
@@ -98,15 +99,14 @@ def read_legacy_pairs(path: Path, tokenizer: Any, max_length: int) -> list[Pair]
         if not isinstance(row, dict) or "chosen" not in row or "rejected" not in row:
             raise ConfigError(f"{where}: a preference row is a JSON object with 'chosen' and 'rejected' (and "
                               f"'prompt', or a shared start of the two)")
+        check_row(row, where)  # texts, or chat messages, alike
         row = row if "prompt" in row else extract_prompt(row)
         if is_conversational(row):
             if getattr(tokenizer, "chat_template", None) is None:
                 raise ConfigError(f"{where}: conversational preference rows need a tokenizer with a chat template")
             texts = chat_texts(tokenizer, row)
-        elif all(isinstance(row[key], str) for key in ("prompt", "chosen", "rejected")):
-            texts = (row["prompt"], row["chosen"], row["rejected"])
         else:
-            raise ConfigError(f"{where}: 'prompt', 'chosen' and 'rejected' must be texts, or lists of chat messages")
+            texts = (row["prompt"], row["chosen"], row["rejected"])
         pair = tokenize_legacy(tokenizer, *texts, where)
         if pair.chosen == pair.rejected:
             raise ConfigError(f"{where}: 'chosen' and 'rejected' are the same completion; a preference pair needs "
@@ -139,6 +139,16 @@ class CPOLoss:
                               f"(SimPO: --loss_type simpo --cpo_alpha 0)")
         if self.beta <= 0:
             raise ConfigError(f"--beta={self.beta} must be positive")
+        # TRL's CPO reads label_smoothing in sigmoid and simpo (cDPO's conservative loss) and ignores it in hinge and
+        # ipo (it warns); as the probability that a preference label is flipped it lies in [0, 0.5), the range TRL
+        # gives DPO's robust loss: from 0.5 on the labels would teach no preference, or the reverse
+        if self.label_smoothing and self.loss_type in ("hinge", "ipo"):
+            raise ConfigError(no_effect(["--label_smoothing"], f" with --method cpo --loss_type {self.loss_type} "
+                                        f"(TRL's CPO reads it in the sigmoid and simpo losses only)",
+                                        ", or use --loss_type sigmoid or simpo"))
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"--label_smoothing={self.label_smoothing} with the {self.loss_type} loss must lie in "
+                              f"[0, 0.5) (the probability that a preference label is flipped)")
 
     metrics = (*METRICS, "nll_loss")
 
