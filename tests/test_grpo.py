@@ -489,3 +489,21 @@ def test_chat_prompts_are_rendered_and_rewarded_as_trl_does(files, tmp_path):
     assert shown == [[{"role": "assistant", "content": "a dog"}]] * 2
     said = tokenizer("a dog", add_special_tokens=False)["input_ids"]
     assert ids == [said + [tokenizer.eos_token_id]] * 2  # up to and with EOS
+
+
+def test_the_logged_reward_and_its_spread_are_trls():
+    """``reward`` and ``reward_std`` as TRL 1.16 logs them (grpo_trainer.py: ``nanmean``/``nanstd`` of the weighted
+    sums over the whole batch, an unscorable completion left out). plait logged the mean of the groups' standard
+    deviations, which differs wherever the groups' means do: here 0.0 against TRL's 1.86."""
+    from trl.trainer.utils import nanstd as trls_nanstd
+
+    from plait.run.methods.grpo_loss import logged_rewards
+
+    rewards = torch.tensor([[1.0, float("nan")], [1.0, 0.0], [3.0, float("nan")], [3.0, 0.0],
+                            [float("nan"), float("nan")], [5.0, 1.0]])  # 3 groups of 2; the fifth scored by none
+    weights = torch.tensor([1.0, 0.5])
+    total = (rewards * weights).nansum(dim=1)
+    total[rewards.isnan().all(dim=1)] = float("nan")  # TRL's unscorable_mask
+    mean, spread = logged_rewards(rewards, weights)
+    assert mean == pytest.approx(torch.nanmean(total).item(), abs=1e-6)
+    assert spread == pytest.approx(trls_nanstd(total).item(), abs=1e-6) and spread > 1.5

@@ -43,7 +43,7 @@ from plait.run.methods.base import TrainingMethod
 from plait.run.methods.dpo import Reference
 from plait.run.methods.frozen import SecondModel, frozen_on_mesh, read_rows
 from plait.run.methods.grpo_args import call_rewards, reward_funcs, unrewarded
-from plait.run.methods.grpo_loss import advantages, kl_k3, nanstd, rewarded_sum, token_terms, token_weights
+from plait.run.methods.grpo_loss import advantages, kl_k3, logged_rewards, token_terms, token_weights
 from plait.run.prompts import completion_text, json_lines, left_padded, pad_id
 from plait.run.runtime import is_main_process
 from plait.tp.logprobs import Logits
@@ -261,12 +261,8 @@ class GRPO(TrainingMethod):
         advantage = advantages(rewards, weights, self.args.num_generations, self.args.scale_rewards)
         self.rollouts = Rollouts.build(prompt_ids, completions, self.eos, self.pad, advantage, self.args.loss_type,
                                        self.args.max_completion_length, self.all_micro, self.multiple, self.length)
-        total = rewarded_sum(rewards, weights)  # NaN where no function scored: left out of the means, as TRL's
-        # TRL's reward_std: the mean of the groups' standard deviations, or the batch's under --scale_rewards batch
-        spread = nanstd(total, dim=0) if self.args.scale_rewards == "batch" else \
-            nanstd(total.view(-1, self.args.num_generations), dim=1).nanmean()
-        self.metrics = {"reward": total.nanmean().item(), "reward_std": spread.item(),
-                        "completions/mean_length": sum(lengths) / len(lengths)}
+        mean, spread = logged_rewards(rewards, weights)  # unscorable completions left out, as TRL's
+        self.metrics = {"reward": mean, "reward_std": spread, "completions/mean_length": sum(lengths) / len(lengths)}
         for j, (name, _, _) in enumerate(self.funcs):
             self.metrics[f"rewards/{name}/mean"] = rewards[:, j].nanmean().item()
 

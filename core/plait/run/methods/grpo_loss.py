@@ -53,6 +53,15 @@ def rewarded_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return total.masked_fill(rewards.isnan().all(dim=1), float("nan"))
 
 
+def logged_rewards(rewards: torch.Tensor, weights: torch.Tensor) -> tuple[float, float]:
+    """``reward`` and ``reward_std`` as TRL 1.16 logs them: the mean and the standard deviation over the whole
+    batch's weighted sums (``rewarded_sum``), unscorable completions left out. Not the groups' standard deviations:
+    those scale the advantages under --scale_rewards group, but TRL logs the batch's (grpo_trainer.py: ``nanstd(
+    rewards)``)."""
+    total = rewarded_sum(rewards, weights)
+    return total.nanmean().item(), nanstd(total, dim=0).item()
+
+
 def nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
     """The unbiased standard deviation ignoring NaNs, as TRL's ``nanstd``."""
     mean = values.nanmean(dim=dim, keepdim=True)
