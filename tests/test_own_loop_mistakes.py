@@ -114,3 +114,17 @@ def test_batches_of_mismatched_shapes_are_named_before_any_collective():
         local_microbatch(torch.arange(7), 0, 2, 1, 0)
     with pytest.raises(ValueError, match="micro_step=2 is out of range for accumulation_steps=2; use 0 to 1"):
         local_microbatch(torch.arange(8), 0, 2, 2, 2)
+
+
+def test_the_vocabulary_check_on_a_backend_without_the_device_assert(monkeypatch):
+    """Where a backend has no kernel for torch._assert_async (CPU and CUDA have one), the range is checked on the
+    host: the same refusal for an id past the vocabulary, nothing for ids and -100 labels inside it."""
+    from plait.base.batches import check_token_range
+
+    def missing(*args):
+        raise NotImplementedError("no kernel for this backend")
+
+    monkeypatch.setattr(torch, "_assert_async", missing)
+    check_token_range(61, ids=torch.tensor([[0, 60]]), labels=torch.tensor([[-100, 60]]))
+    with pytest.raises(RuntimeError, match=r"^token ids or labels outside the model's vocabulary of 61"):
+        check_token_range(61, ids=torch.tensor([[0, 61]]))

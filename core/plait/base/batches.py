@@ -76,6 +76,11 @@ def check_token_range(vocab: int, ids: torch.Tensor | None = None, labels: torch
         bad = bad | ((ids < 0) | (ids >= vocab)).any()
     if labels is not None:
         bad = bad | ((labels != -100) & ((labels < 0) | (labels >= vocab))).any()
-    torch._assert_async(~bad, f"token ids or labels outside the model's vocabulary of {vocab} (ids 0 to {vocab - 1}; "
-                              f"labels those or -100): a tokenizer with tokens the model has no row for? resize the "
-                              f"model's embeddings (model.resize_token_embeddings(len(tokenizer))) before parallelize")
+    message = (f"token ids or labels outside the model's vocabulary of {vocab} (ids 0 to {vocab - 1}; labels those or "
+               f"-100): a tokenizer with tokens the model has no row for? resize the model's embeddings "
+               f"(model.resize_token_embeddings(len(tokenizer))) before parallelize")
+    try:
+        torch._assert_async(~bad, message)
+    except NotImplementedError:  # a backend without the kernel (CPU and CUDA have it): checked on the host
+        if bad.item():
+            raise RuntimeError(message) from None
