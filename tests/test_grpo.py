@@ -491,19 +491,26 @@ def test_chat_prompts_are_rendered_and_rewarded_as_trl_does(files, tmp_path):
     assert ids == [said + [tokenizer.eos_token_id]] * 2  # up to and with EOS
 
 
-def test_the_logged_reward_and_its_spread_are_trls():
-    """``reward`` and ``reward_std`` as TRL 1.16 logs them (grpo_trainer.py: ``nanmean``/``nanstd`` of the weighted
-    sums over the whole batch, an unscorable completion left out). plait logged the mean of the groups' standard
-    deviations, which differs wherever the groups' means do: here 0.0 against TRL's 1.86."""
+def test_the_logged_reward_metrics_are_trls():
+    """The reward metrics as TRL 1.16 logs them (grpo_trainer.py: ``nanmean``/``nanstd`` of the weighted sums over the
+    whole batch, an unscorable completion left out; each function's mean and std; the share of completions whose
+    scaling deviation is zero). plait logged the mean of the groups' standard deviations as reward_std, which differs
+    wherever the groups' means do: here 0.35 against TRL's 1.87; the per-function std and frac_reward_zero_std were
+    missing."""
     from trl.trainer.utils import nanstd as trls_nanstd
 
     from plait.run.methods.grpo_loss import logged_rewards
 
-    rewards = torch.tensor([[1.0, float("nan")], [1.0, 0.0], [3.0, float("nan")], [3.0, 0.0],
+    rewards = torch.tensor([[1.0, float("nan")], [1.0, 0.0], [3.0, float("nan")], [2.0, 0.0],
                             [float("nan"), float("nan")], [5.0, 1.0]])  # 3 groups of 2; the fifth scored by none
     weights = torch.tensor([1.0, 0.5])
     total = (rewards * weights).nansum(dim=1)
     total[rewards.isnan().all(dim=1)] = float("nan")  # TRL's unscorable_mask
-    mean, spread = logged_rewards(rewards, weights)
-    assert mean == pytest.approx(torch.nanmean(total).item(), abs=1e-6)
-    assert spread == pytest.approx(trls_nanstd(total).item(), abs=1e-6) and spread > 1.5
+    for scale, zero_std in (("group", 2 / 6), ("batch", 0.0)):  # group 1's two completions score alike
+        found = logged_rewards(rewards, weights, ["f", "g"], 2, scale)
+        assert found["reward"] == pytest.approx(torch.nanmean(total).item(), abs=1e-6)
+        assert found["reward_std"] == pytest.approx(trls_nanstd(total).item(), abs=1e-6) and found["reward_std"] > 1.5
+        for j, name in enumerate(["f", "g"]):
+            assert found[f"rewards/{name}/mean"] == pytest.approx(torch.nanmean(rewards[:, j]).item(), abs=1e-6)
+            assert found[f"rewards/{name}/std"] == pytest.approx(trls_nanstd(rewards[:, j]).item(), abs=1e-6)
+        assert found["frac_reward_zero_std"] == pytest.approx(zero_std, abs=1e-6), scale

@@ -14,8 +14,8 @@ as TRL's (positions count from the left pad). With ``--num_iterations`` mu > 1, 
 of rollouts (the sampler's batch and the seed are the cycle's), their ratios taken to the log-probs the rollouts were
 drawn with (kept per rank at the cycle's first step); a checkpoint lands only at a cycle's end (--max_steps and
 --save_steps multiples of mu, a stop signal waits for it), so a resumed run regenerates nothing it had. Metrics carry
-TRL's names: reward, reward_std, rewards/<func>/mean, completions/mean_length, kl, clip_ratio/low_mean, high_mean and
-region_mean (token means over the step). Layouts: those generation serves (tp with SP, pp with one or several
+TRL's names: reward, reward_std, rewards/<func>/mean and /std, frac_reward_zero_std, completions/mean_length, kl,
+clip_ratio/low_mean, high_mean and region_mean (token means over the step). Layouts: those generation serves (tp with SP, pp with one or several
 stages a rank, whose rows are padded to --block_size, dp, ZeRO-1/2/3, ep, LoRA, cp). Under cp each rank holds its
 slice of every row's tokens: the per-token weights, old and reference log-probs are cut alike (``cp.take`` in the
 coordinates of the shifted labels), so its share is the sum of its own tokens' terms and the metrics' sums add over
@@ -261,10 +261,9 @@ class GRPO(TrainingMethod):
         advantage = advantages(rewards, weights, self.args.num_generations, self.args.scale_rewards)
         self.rollouts = Rollouts.build(prompt_ids, completions, self.eos, self.pad, advantage, self.args.loss_type,
                                        self.args.max_completion_length, self.all_micro, self.multiple, self.length)
-        mean, spread = logged_rewards(rewards, weights)  # unscorable completions left out, as TRL's
-        self.metrics = {"reward": mean, "reward_std": spread, "completions/mean_length": sum(lengths) / len(lengths)}
-        for j, (name, _, _) in enumerate(self.funcs):
-            self.metrics[f"rewards/{name}/mean"] = rewards[:, j].nanmean().item()
+        self.metrics = {**logged_rewards(rewards, weights, [name for name, _, _ in self.funcs],
+                                         self.args.num_generations, self.args.scale_rewards),
+                        "completions/mean_length": sum(lengths) / len(lengths)}
 
     def micro_step(self, pmodel: ParallelModel, batch: torch.Tensor, divisor: int) -> torch.Tensor:
         r = self.rollouts

@@ -53,13 +53,24 @@ def rewarded_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return total.masked_fill(rewards.isnan().all(dim=1), float("nan"))
 
 
-def logged_rewards(rewards: torch.Tensor, weights: torch.Tensor) -> tuple[float, float]:
-    """``reward`` and ``reward_std`` as TRL 1.16 logs them: the mean and the standard deviation over the whole
-    batch's weighted sums (``rewarded_sum``), unscorable completions left out. Not the groups' standard deviations:
-    those scale the advantages under --scale_rewards group, but TRL logs the batch's (grpo_trainer.py: ``nanstd(
-    rewards)``)."""
+def logged_rewards(rewards: torch.Tensor, weights: torch.Tensor, names: Sequence[str], generations: int,
+                   scale: str) -> dict[str, float]:
+    """The reward metrics as TRL 1.16 logs them (grpo_trainer.py), unscorable completions left out: ``reward`` and
+    ``reward_std``, the mean and standard deviation over the whole batch's weighted sums (``rewarded_sum``; not the
+    groups' deviations, which scale the advantages); each function's ``rewards/<name>/mean`` and ``/std``; and
+    ``frac_reward_zero_std``, the share of completions whose scaling deviation (their group's, the batch's under
+    ``scale`` "batch") is zero: groups that teach nothing."""
     total = rewarded_sum(rewards, weights)
-    return total.nanmean().item(), nanstd(total, dim=0).item()
+    if scale == "batch":
+        spread = nanstd(total, dim=0).expand_as(total)
+    else:
+        spread = nanstd(total.view(-1, generations), dim=1).repeat_interleave(generations)
+    found = {"reward": total.nanmean().item(), "reward_std": nanstd(total, dim=0).item(),
+             "frac_reward_zero_std": torch.isclose(spread, torch.zeros_like(spread)).float().mean().item()}
+    for j, name in enumerate(names):
+        found[f"rewards/{name}/mean"] = rewards[:, j].nanmean().item()
+        found[f"rewards/{name}/std"] = nanstd(rewards[:, j], dim=0).item()
+    return found
 
 
 def nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
