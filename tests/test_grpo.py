@@ -168,8 +168,8 @@ def test_a_run_on_tp2_with_sp_logs_trls_metrics(files):
     records = [r for r in read_metrics(out) if "loss" in r]
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
-        for key in ("reward", "reward_std", "rewards/length/mean", "rewards/has_a/mean", "completions/mean_length",
-                    "kl", "grad_norm"):
+        for key in ("reward", "reward_std", "rewards/length/mean", "rewards/has_a/mean", "rewards/length/std",
+                    "frac_reward_zero_std", "completions/mean_length", "kl", "grad_norm"):
             assert key in record, (key, record)
         assert 1 <= record["completions/mean_length"] <= 8
 
