@@ -507,3 +507,19 @@ def test_trainable_tokens_counts_pairs_as_the_readme_says(root, tmp_path, method
     history = plait_history(root, tmp_path, method=method, validation_file=None, max_steps=1)
     assert history[0]["trainable_tokens"] == BATCH
     assert "its preference pairs for `--method dpo`, `cpo` and `orpo`" in readme_trainable_tokens()
+
+
+def test_a_checkpoint_from_before_the_record_needs_the_start_named():
+    """A checkpoint saved before runs recorded the model they started from: the resume names it, by
+    --model_name_or_path, or by --model_config for a run that started from that config's seeded init (the resume's
+    seed gives it again; that one was refused too)."""
+    from plait.run.resume_checks import restore_reference
+    from plait.run.train_args import TrainArgs
+
+    old = {"learning_rate": 1e-3}  # what such a checkpoint records: flags, no start
+    with pytest.raises(ConfigError, match=r"^--resume_from_checkpoint ckpt does not record the model the run started "
+                                          r"from, which is DPO's reference; give it with --model_name_or_path \(or "
+                                          r"--ref_model_name_or_path, where the run had one\), or --model_config"):
+        restore_reference(TrainArgs(method="dpo"), old, "ckpt")
+    for named in (dict(model_config="config.json"), dict(model_name_or_path="model")):
+        restore_reference(TrainArgs(method="dpo", **named), old, "ckpt")

@@ -83,11 +83,13 @@ def restore_reference(args: TrainArgs, saved: dict | None, resume: object) -> No
     saved = saved or {}
     flags = ("ref_model_name_or_path", "model_name_or_path") if args.method == "dpo" else ("model_name_or_path",)
     for flag in flags:
-        if flag not in saved:  # recorded by a plait from before: the policy's model must be named
-            if not any(getattr(args, name) for name in flags):
+        if flag not in saved:  # recorded by a plait from before: the policy's model must be named (--model_config:
+            # the run started from the seeded init of that config, which the resume's seed gives again)
+            if not any(getattr(args, name) for name in (*flags, "model_config")):
                 also = " (or --ref_model_name_or_path, where the run had one)" if len(flags) > 1 else ""
                 raise ConfigError(f"--resume_from_checkpoint {resume} does not record the model the run started from, "
-                                  f"which is {role}; give it with --model_name_or_path{also}")
+                                  f"which is {role}; give it with --model_name_or_path{also}, or --model_config for "
+                                  f"a run that started from a config's seeded init")
             return
         recorded, given = saved[flag], getattr(args, flag)
         gone = recorded is not None and not is_url(recorded) and not Path(recorded).exists()
