@@ -15,7 +15,7 @@ from plait.base.config import ConfigError, ParallelConfig
 from plait.checkpoint.materialize import load_parallel_model
 from plait.data.chat_tokenizer import save_chat_tokenizer
 from plait.run.metrics import read_metrics
-from plait.run.prompts import complete, prompt_ids, render
+from plait.run.prompts import complete, encode_prompts, render
 from plait.run.train_args import TrainArgs
 from processes import run as run_command
 from tiny_models import tiny_config
@@ -49,7 +49,7 @@ def test_samples_are_one_process_completions_from_the_steps_weights(run):
 
     tokenizer = AutoTokenizer.from_pretrained(run / "tokenizer")
     texts = [render(row, tokenizer) for row in PROMPTS]
-    ids = [prompt_ids(row, tokenizer) for row in PROMPTS]
+    ids = [prompt.ids for prompt in encode_prompts(list(enumerate(PROMPTS, start=1)), tokenizer)]
     for step in (2, 4):
         pmodel = load_parallel_model(run / "run" / f"checkpoint-{step}", ParallelConfig(), dtype=torch.float32,
                                      device=torch.device("cpu"))

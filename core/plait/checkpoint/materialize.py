@@ -34,7 +34,7 @@ from plait.checkpoint.format import INDEX, SHARDS, full_box, model_config, read_
 from plait.checkpoint.hf_dir import open_hf_dir, read_hf_index
 from plait.checkpoint.load import load_checkpoint
 from plait.checkpoint.state import local_params, local_views, persistent_buffers
-from plait.lora.base import base_reference, check_base, saved_lora
+from plait.lora.base import base_reference, base_source, check_base, saved_lora
 from plait.lora.layers import local_init
 from plait.parallel.float8 import check_float8_device
 from plait.parallel.fsdp import install_local, reset_storage
@@ -70,22 +70,29 @@ def load_parallel_model(
     adapters on the frozen model (seeded from ``seed``, like random weights).
     """
     registry = registry or default_registry()
-    config, kind, path = resolve_source(source)
-    # a checkpoint in a store is read through its URL: the local copy holds only what was fetched (its index), so
-    # read from it, the tensor files were missing on a machine that had not fetched them (plait generate failed)
-    checkpoint = (str(source) if store.is_url(source) else path) if kind == "checkpoint" else None
-    saved = saved_lora(read_index(checkpoint)[1].extra) if checkpoint is not None else None
+    config, kind, path, checkpoint, saved = checkpoint_source(source)
     if saved is not None:  # a LoRA checkpoint holds the adapters; the frozen base comes from its reference
         lora = lora or saved[0]
         check_base(saved[1], str(checkpoint))
-        kind, path = (saved[1]["kind"], Path(saved[1]["path"]) if saved[1]["kind"] == "hf" else None)
-        seed = saved[1].get("seed", seed)
+        kind, path, seed = base_source(saved[1], seed)
     pmodel = parallelize(build_meta_model(config, dtype), parallel_config, registry=registry, timeout=timeout,
                          lora=lora)
     materialize(pmodel, kind, path, seed=seed, device=device, registry=registry)
     if checkpoint is not None:
         load_checkpoint(checkpoint, pmodel)
     return pmodel
+
+
+def checkpoint_source(source: PretrainedConfig | str | os.PathLike) -> tuple[PretrainedConfig, str, Path | None,
+                                                                              str | Path | None, tuple | None]:
+    """``resolve_source``'s config, kind and path, and for a plait checkpoint where its tensors are read and the LoRA
+    settings it saved (None: a full checkpoint, or no checkpoint). A checkpoint in a store is read through its URL:
+    the local copy holds only what was fetched (its index), and reading from it, the tensor files were missing on a
+    machine that had not fetched them (plait generate failed)."""
+    config, kind, path = resolve_source(source)
+    checkpoint = (str(source) if store.is_url(source) else path) if kind == "checkpoint" else None
+    saved = saved_lora(read_index(checkpoint)[1].extra) if checkpoint is not None else None
+    return config, kind, path, checkpoint, saved
 
 
 def materialize_source(pmodel: ParallelModel, source: PretrainedConfig | str | os.PathLike, *, seed: int = 0,
@@ -95,9 +102,8 @@ def materialize_source(pmodel: ParallelModel, source: PretrainedConfig | str | o
     ``materialize`` alone a checkpoint's parameters were only allocated, for a resume's ``load_checkpoint`` to fill:
     a run, a teacher or a reference from a checkpoint computed with uninitialised memory (NaN at step 1). A LoRA
     checkpoint, adapters beside a reference to their base, is refused. Returns the kind of source."""
-    _, kind, path = resolve_source(source)
-    checkpoint = (str(source) if store.is_url(source) else path) if kind == "checkpoint" else None
-    if checkpoint is not None and saved_lora(read_index(checkpoint)[1].extra) is not None:
+    _, kind, path, checkpoint, saved = checkpoint_source(source)
+    if saved is not None:
         raise ConfigError(f"{source} is a LoRA checkpoint (adapters and a reference to their base), not a model to "
                           f"start from; resume it with --resume_from_checkpoint, or give the directory `plait "
                           f"consolidate {source} DIR --lora merged` writes")

@@ -40,6 +40,13 @@ def base_reference(kind: str, path: Path | None, seed: int) -> dict[str, Any]:
     raise ConfigError(f"a LoRA base must be a model directory or seeded init, not a {kind}")
 
 
+def base_source(reference: dict[str, Any], seed: int) -> tuple[str, Path | None, int]:
+    """``base_reference``'s inverse: the kind, path and seed ``materialize`` builds the frozen base from (``seed``
+    where the reference holds none)."""
+    kind = reference["kind"]
+    return kind, Path(reference["path"]) if kind == "hf" else None, reference.get("seed", seed)
+
+
 def check_base(reference: dict[str, Any], where: str) -> None:
     """Raise ConfigError when the base directory a LoRA checkpoint names is gone or its weights changed."""
     if reference["kind"] != "hf":

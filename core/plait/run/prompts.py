@@ -42,7 +42,7 @@ def json_lines(path: Path, hint: str = "") -> Iterator[tuple[int, Any]]:
 
 @dataclass(frozen=True)
 class PromptRow:
-    """A prompt file's row: its line, the row as read, its text (``render``) and its token ids (``prompt_ids``)."""
+    """A prompt file's row: its line, the row as read, its text (``render``) and its token ids (``encode_prompts``)."""
 
     line: int
     row: dict[str, Any]
@@ -72,16 +72,14 @@ def read_prompts(path: Path, flag: str) -> list[tuple[int, dict[str, Any]]]:
 
 
 def encode_prompts(rows: list[tuple[int, dict[str, Any]]], tokenizer: Any) -> list[PromptRow]:
-    """``read_prompts``' rows rendered and tokenized."""
-    return [PromptRow(number, row, render(row, tokenizer), prompt_ids(row, tokenizer)) for number, row in rows]
-
-
-def prompt_ids(row: dict[str, Any], tokenizer: Any) -> list[int]:
-    """A row's token ids: a ``prompt`` string as ``tokenizer(prompt)`` gives them (special tokens included, as
-    transformers users tokenize for ``generate``); ``messages`` rendered, without (the template writes its own)."""
-    if "prompt" in row:
-        return tokenizer(row["prompt"])["input_ids"]
-    return tokenizer(render(row, tokenizer), add_special_tokens=False)["input_ids"]
+    """``read_prompts``' rows rendered (``render``) and tokenized: a ``prompt`` string as ``tokenizer(prompt)`` gives
+    its ids (special tokens included, as transformers users tokenize for ``generate``), rendered ``messages``
+    without them (the template writes its own)."""
+    encoded = []
+    for number, row in rows:
+        text = render(row, tokenizer)
+        encoded.append(PromptRow(number, row, text, tokenizer(text, add_special_tokens="prompt" in row)["input_ids"]))
+    return encoded
 
 
 def check_room(path: Path, prompts: list[PromptRow], new_tokens: int, flag: str, config: Any) -> None:
@@ -89,8 +87,10 @@ def check_room(path: Path, prompts: list[PromptRow], new_tokens: int, flag: str,
     ``max_position_embeddings``: learned positions end there (an IndexError mid-run), rotary ones were never
     trained past it."""
     positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if positions is None:
+        return
     for prompt in prompts:
-        if positions is not None and len(prompt.ids) + new_tokens > positions:
+        if len(prompt.ids) + new_tokens > positions:
             fix = f"give {flag} {positions - len(prompt.ids)} or less" if len(prompt.ids) < positions else \
                 "shorten the prompt"
             raise ConfigError(f"{path}:{prompt.line}: the prompt's {len(prompt.ids)} tokens and {flag} {new_tokens} "

@@ -40,7 +40,7 @@ from plait.checkpoint.state import local_params
 from plait.cp.sequence import read_spans
 from plait.data import GlobalBatchSampler
 from plait.layout_plan import LayoutPlan, plan_layout
-from plait.lora.base import check_base, saved_lora
+from plait.lora.base import base_source, check_base, saved_lora
 from plait.optim import NonFiniteStep, OptimizerStep, UncommittedStep, build_optimizer
 from plait.parallel.float8 import check_float8_device
 from plait.parallel.fsdp import local
@@ -213,9 +213,8 @@ class Trainer:
         if resume is None:  # the weights to start from: seeded, a model directory's or a plait checkpoint's
             kind = materialize_source(pmodel, source, seed=args.seed, device=device)
         else:  # allocated for load_checkpoint below; a LoRA checkpoint's frozen base from its reference
-            kind, path = ("checkpoint", resume) if saved is None else \
-                (saved[1]["kind"], Path(saved[1]["path"]) if saved[1]["kind"] == "hf" else None)
-            materialize(pmodel, kind, path, seed=saved[1].get("seed", args.seed) if saved else args.seed, device=device)
+            kind, path, seed = ("checkpoint", resume, args.seed) if saved is None else base_source(saved[1], args.seed)
+            materialize(pmodel, kind, path, seed=seed, device=device)
         note = init_fallback_note(default_registry(), pmodel.adapter, model_config) if kind == "init" else None
         if note:
             self.console.print(f"note: {note}")

@@ -15,11 +15,11 @@ of rollouts (the sampler's batch and the seed are the cycle's), their ratios tak
 drawn with (kept per rank at the cycle's first step); a checkpoint lands only at a cycle's end (--max_steps and
 --save_steps multiples of mu, a stop signal waits for it), so a resumed run regenerates nothing it had. Metrics carry
 TRL's names: reward, reward_std, rewards/<func>/mean and /std, frac_reward_zero_std, completions/mean_length, kl,
-clip_ratio/low_mean, high_mean and region_mean (token means over the step). Layouts: those generation serves (tp with SP, pp with one or several
-stages a rank, whose rows are padded to --block_size, dp, ZeRO-1/2/3, ep, LoRA, cp). Under cp each rank holds its
-slice of every row's tokens: the per-token weights, old and reference log-probs are cut alike (``cp.take`` in the
-coordinates of the shifted labels), so its share is the sum of its own tokens' terms and the metrics' sums add over
-the cp ranks too.
+clip_ratio/low_mean, high_mean and region_mean (token means over the step). Layouts: those generation serves (tp
+with SP, pp with one or several stages a rank, whose rows are padded to --block_size, dp, ZeRO-1/2/3, ep, LoRA,
+cp). Under cp each rank holds its slice of every row's tokens: the per-token weights, old and reference log-probs
+are cut alike (``cp.take`` in the coordinates of the shifted labels), so its share is the sum of its own tokens'
+terms and the metrics' sums add over the cp ranks too.
 """
 
 from __future__ import annotations
