@@ -1,7 +1,7 @@
 """A new user's own loop fails loudly, not silently: an optimizer built on the model before ``parallelize`` (which
 replaces the weights it splits with their shards) would step stale tensors while the shards never train; it is
-refused in one line at ``OptimizerStep``, as is ``build_optimizer`` on a model that was never parallelized, and a
-plain optimizer under ZeRO."""
+refused in one line at ``OptimizerStep``, as is ``build_optimizer`` on a model that was never parallelized, a
+plain optimizer under ZeRO, and an ``optimizer.step()`` on gradients the layout has not summed yet."""
 
 from __future__ import annotations
 
@@ -49,6 +49,21 @@ def test_an_optimizer_built_before_parallelize_is_refused_at_tp2_and_replicas_st
     for stage, said in r["plain_under_zero"].items():
         assert said == (f"zero_stage={stage} asks for {wanted[stage]}, but the optimizer is a plain AdamW; build it "
                         f"with build_optimizer(pmodel, torch.optim.AdamW, ...)"), (stage, said)
+    # optimizer.step() straight after train_step, before the sums OptimizerStep does: the dp replicas drifted apart
+    # silently; refused where the layout owes sums, taken after grad_sync.finish() (the replicas then equal) and
+    # where FSDP2 summed during backward
+    fix = ("each rank would step on its own part and the copies of a weight drift apart silently; call "
+           "pmodel.grad_sync.finish() before optimizer.step(), or step with OptimizerStep(pmodel.grad_sync, ")
+    owed = {"dp2": "over the data-parallel replicas (dp=2)", "zero1": "over the data-parallel replicas (dp=2)",
+            "tp2_sp": "over the tensor-parallel ranks that share a parameter (tp=2)", "zero3": None}
+    assert r["step_before_the_sums"].keys() == owed.keys()
+    for name, (said, apart) in r["step_before_the_sums"].items():
+        if owed[name] is None:
+            assert said is None, (name, said)
+        else:
+            assert said and said.startswith(f"optimizer.step() on gradients not yet summed {owed[name]}: {fix}"), \
+                (name, said)
+        assert apart == ([] if name == "dp2" else None), (name, apart)
 
 
 def test_an_extra_trainable_tensor_is_refused_and_the_models_own_are_not():

@@ -217,7 +217,7 @@ class ParallelModel(nn.Module):
         when ``num_items_in_batch`` is the global token count) on every rank of the pipeline.
 
         ``num_items_in_batch``: tokens with a label in the global batch (all dp ranks); None counts this
-        rank's batch, right only for dp=1. Sync gradients afterwards (``OptimizerStep`` or ``grad_sync``).
+        rank's batch, right only for dp=1. Sum gradients afterwards (``OptimizerStep`` or ``grad_sync.finish()``).
         ``position_ids`` ([batch, seq], whole sequences): restarting at 0 inside a row marks packed documents,
         which transformers' mask then keeps apart (block-diagonal attention, on every pipeline stage).
         ``objective``: a training method's loss instead of the cross-entropy (DPO's, ...): called with each
@@ -227,12 +227,12 @@ class ParallelModel(nn.Module):
         """
         if self.balance is not None:
             self._balance_for(input_ids, attention_mask, position_ids)
+        self.grad_sync.pending.gradients_written()  # a plain optimizer.step() before the sums is refused
         return self._run(input_ids, labels, attention_mask, num_items_in_batch, position_ids, train=True,
                          objective=objective, images=images)
 
-    def set_global_batch(
-        self, batches: Sequence[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
-    ) -> None:
+    def set_global_batch(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+                         ) -> None:
         """Name the batches of the next ``len(batches)`` ``train_step`` calls, (input_ids, attention_mask,
         position_ids) each as those calls will get them: under ``moe_aux_loss_scope="global_batch"`` the
         load-balancing loss is then the one of all of them over every dp rank (one optimizer step's gradient

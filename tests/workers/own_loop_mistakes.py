@@ -1,7 +1,7 @@
 """One rank of a 2-process world making a new user's mistakes. The optimizer built on the model before parallelize
 (tp=2): writes, per rank, the error OptimizerStep raised (None: it accepted) and how many of the optimizer's tensors
 were the parallel model's; with the optimizer built after, the step runs. A plain optimizer under each ZeRO stage at
-dp=2: what OptimizerStep says. The model built with a different seed on
+dp=2: what OptimizerStep says; optimizer.step() before the gradients' sums (refused where owed). The model built with a different seed on
 each rank (dp=2, then tp=2): whether the weights differed before parallelize, whether they are rank 0's after it,
 and whether the dp replicas are still equal after two steps."""
 
@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from plait import ParallelConfig, parallelize  # noqa: E402
 from plait.base import comm  # noqa: E402
 from plait.base.config import ConfigError  # noqa: E402
-from plait.optim import OptimizerStep  # noqa: E402
+from plait.optim import OptimizerStep, build_optimizer  # noqa: E402
 from tiny_models import tiny_config  # noqa: E402
 
 
@@ -44,6 +44,7 @@ def main(out: Path) -> None:
     record["norm"] = OptimizerStep(pmodel.grad_sync, after)().item()
     record.update(different_seeds(comm.world_group()))
     record["plain_under_zero"] = plain_under_zero()
+    record["step_before_the_sums"] = step_before_the_sums(comm.world_group())
     record["out_of_vocab"] = out_of_vocab(pmodel)
     ids = torch.randint(0, 61, (2, 8), generator=torch.Generator().manual_seed(4))
     logits = pmodel.gather_logits(pmodel(ids))  # with grad enabled: at tp=2 an in-place error in the gather before
@@ -86,6 +87,35 @@ def plain_under_zero() -> dict[int, str | None]:
         except ConfigError as err:
             said[stage] = str(err)
     return said
+
+
+def step_before_the_sums(world) -> dict[str, list]:
+    """``optimizer.step()`` straight after ``train_step``, by layout and optimizer: what it said (None: it stepped),
+    then, after ``grad_sync.finish()``, whether a step is taken and the parameters rank 0 holds differently. A plain
+    AdamW at dp=2 and at tp=2 with SP, ``build_optimizer``'s under ZeRO-1 (refused) and ZeRO-3 (FSDP2 has summed
+    during backward: taken)."""
+    ids = torch.randint(0, 61, (4, 8), generator=torch.Generator().manual_seed(5))
+    found = {}
+    for name, config in (("dp2", ParallelConfig()), ("tp2_sp", ParallelConfig(tp=2, sp=True)),
+                         ("zero1", ParallelConfig(zero_stage=1)), ("zero3", ParallelConfig(zero_stage=3))):
+        torch.manual_seed(0)
+        pmodel = parallelize(AutoModelForCausalLM.from_config(tiny_config("llama")), config)
+        plain = name in ("dp2", "tp2_sp")
+        optimizer = (torch.optim.AdamW(pmodel.parameters(), lr=1e-2) if plain else
+                     build_optimizer(pmodel, torch.optim.AdamW, lr=1e-2))
+        pmodel.train_step(pmodel.local_batch(ids), pmodel.local_batch(ids), num_items_in_batch=4 * 7)
+        try:
+            optimizer.step()
+            said = None
+        except ConfigError as err:
+            said = str(err)
+        if said is not None:
+            pmodel.grad_sync.finish()
+            optimizer.step()
+        held = {n: p.detach() for n, p in pmodel.module.named_parameters()}
+        first = comm.all_gather_object(held, world)[0]
+        found[name] = [said, [n for n in held if not torch.equal(held[n], first[n])] if name == "dp2" else None]
+    return found
 
 
 def different_seeds(world) -> dict:

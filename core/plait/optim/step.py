@@ -199,6 +199,7 @@ class OptimizerStep:
             self.grad_sync.data_parallel(self.updated, self.bucket_bytes, self.reduce_dtype)
         if self.across is not None:
             self.across.average(self.updated)
+        self.grad_sync.pending.done()  # ZeRO's reductions and FSDP2's own count as the layout's sums
         norm = self.grad_norm()
         checked = {"grad_norm": norm} if loss is None else {"loss": loss.to(norm), "grad_norm": norm}
         if not torch.isfinite(torch.stack(list(checked.values()))).all():  # one host sync, with the norm's

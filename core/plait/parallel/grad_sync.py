@@ -20,6 +20,7 @@ from torch import nn
 from plait.base import comm
 from plait.base.mesh import Mesh
 from plait.parallel.fsdp import local
+from plait.parallel.unsummed import Pending
 from plait.tp.sharding import Part
 
 BUCKET_BYTES = 32 * 1024 * 1024
@@ -169,6 +170,24 @@ class GradSync:
         # an image-text model's vision tower has no gradient on a replica whose rows hold no image: the replicas
         # then agree which gradients exist before summing them (one more small all-reduce a step)
         self.sometimes_unused = False
+        self.pending = Pending(self._needed(), params)  # the sums a train_step's gradients owe before a step
+
+    def _needed(self) -> dict[str, str]:
+        """What ``model_parallel`` and ``data_parallel`` sum in this layout, in words (``unsummed.Pending``)."""
+        mesh, parts = self.mesh, []
+        if any(params and not comm.trivial(group) for group, params in self.shared.items()):
+            parts.append(f"over the tensor-parallel ranks that share a parameter (tp={mesh.tp})")
+        if self.tied and not comm.trivial(self.ends_group):
+            parts.append("of the tied weight's copies on the first and last pipeline stage")
+        if self.replicated and not comm.trivial(mesh.pp_group):
+            parts.append("of the weights every pipeline stage holds")
+        needed = {"model_parallel": " and ".join(parts)} if parts else {}
+        replicas = not comm.trivial(mesh.replica_group) or (
+            self.experts and not comm.trivial(mesh.expert_replica_group))
+        if replicas and not mesh.config.fsdp:  # FSDP2 reduce-scatters over the replicas during backward
+            needed["data_parallel"] = f"over the data-parallel replicas (dp={mesh.dp}" + (
+                f", cp={mesh.cp})" if mesh.cp > 1 else ")")
+        return needed
 
     def is_expert(self, param: nn.Parameter) -> bool:
         return id(param) in self._expert_ids
@@ -182,6 +201,7 @@ class GradSync:
             sum_copies(self.tied, self.ends_group)
         if self.replicated:
             sum_copies(self.replicated, self.mesh.pp_group)
+        self.pending.done("model_parallel")
 
     def data_parallel(
         self, params: list[nn.Parameter] | None = None, bucket_bytes: int = BUCKET_BYTES,
@@ -197,6 +217,7 @@ class GradSync:
         experts = [p for p in params if self.is_expert(p)]
         if experts:
             sum_grads(experts, self.mesh.expert_replica_group, bucket_bytes, reduce_dtype)
+        self.pending.done("data_parallel")
 
     def finish(self) -> None:
         """Both: what a plain (non-ZeRO) optimizer needs before its step."""
