@@ -1,9 +1,9 @@
 """One rank of a 2-process world making a new user's mistakes. The optimizer built on the model before parallelize
 (tp=2): writes, per rank, the error OptimizerStep raised (None: it accepted) and how many of the optimizer's tensors
 were the parallel model's; with the optimizer built after, the step runs. A plain optimizer under each ZeRO stage at
-dp=2: what OptimizerStep says; optimizer.step() before the gradients' sums (refused where owed). The model built with a different seed on
-each rank (dp=2, then tp=2): whether the weights differed before parallelize, whether they are rank 0's after it,
-and whether the dp replicas are still equal after two steps."""
+dp=2: what OptimizerStep says; optimizer.step() before the gradients' sums (refused where owed). The model built
+with a different seed on each rank (dp=2, then tp=2): whether the weights differed before parallelize, whether they
+are rank 0's after it, and whether the dp replicas are still equal after two steps."""
 
 from __future__ import annotations
 
