@@ -48,8 +48,19 @@ def test_every_layout_generates_one_process_tokens(request, case):
             stop = results[case]["all_stop"]
             assert stop["got"] == stop["expected"], f"{case} rank {rank}: early stop differs"
             assert len(stop["got"][0]) < 9 + LONG, "the batch did not stop early"
+            # transformers' stopping criteria (a stop string's, here token pairs) end rows as its generate ends them
+            assert stop["criteria_got"] == stop["criteria_expected"], f"{case} rank {rank}: criteria stop differs"
+        stop = ranks[0][case]["all_stop"]
+        assert len(stop["criteria_got"][0]) < 9 + LONG, "the batch did not stop early"
+        assert any(ended_by(row[9:], stop["tails"]) for row in stop["criteria_got"]), "no row ended at its criterion"
     elif "-lora-" not in case:  # some rows at EOS (LoRA's EOS path is checked on its base)
         assert any(EOS in row[9:] and row[-1] == PAD for row in sampled + greedy), "no row ended at EOS"
+
+
+def ended_by(new: list[int], tails: list[list[int]]) -> bool:
+    """Whether a row's new tokens end with one of ``tails`` and then pads (a criterion ended the row there)."""
+    at = new.index(PAD) if PAD in new else None
+    return at is not None and any(new[max(0, at - len(tail)): at] == tail for tail in tails)
 
 
 def test_what_is_not_served_is_refused_in_one_line(ranks):

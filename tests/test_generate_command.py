@@ -99,6 +99,43 @@ def test_every_layout_gives_one_process_completions(files):
         assert f"layout {layout}): " in done.stdout, done.stdout  # generation's, not a training schedule's
 
 
+def test_a_stop_string_ends_decoding_where_transformers_generate_ends_it(files, capsys):
+    """``--stop``: the completions are transformers' ``generate(stop_strings=...)``'s cut before the stop string, and
+    decoding stops there: the new tokens counted are transformers' (plait decoded every row on to --max_new_tokens and
+    counted them all)."""
+    folder, model_dir, _ = files
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    texts = [row.get("prompt") or tokenizer.apply_chat_template(row["messages"], tokenize=False,
+                                                                 add_generation_prompt=True) for row in PROMPTS]
+    settings = dict(max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id)
+    stop = "on"  # met early by the last prompt's greedy completion (a batch of its own), not by the first's
+    met = []
+    for text in (texts[0], texts[-1]):
+        prompt = tokenizer([text], return_tensors="pt", add_special_tokens=False)
+        free = model.generate(**prompt, **settings)[0, prompt.input_ids.shape[1]:].tolist()
+        met.append(next((k for k in range(1, 13) if stop in tokenizer.decode(free[:k])), None))
+    assert met[0] is None and met[1] <= 4, met
+    expected, counts, widths = [], [], []
+    for start in range(0, len(texts), 2):
+        batch = texts[start: start + 2]
+        batch += batch[-1:] * (2 - len(batch))
+        encoded = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+        ids = model.generate(**encoded, **settings, stop_strings=[stop], tokenizer=tokenizer)
+        new = ids[:, encoded.input_ids.shape[1]:].tolist()
+        widths.append(len(new[0]))
+        for row in new[: len(texts) - start]:
+            expected.append(completion_text(row, tokenizer, [stop])[0])
+            while row and row[-1] == tokenizer.pad_token_id:  # after its end (EOS counted) or its stop string
+                row = row[:-1]
+            counts.append(len(row))
+    assert min(widths) < 12, widths  # a batch whose rows all met the stop string stopped early
+    rows = generate(files, "stopped.jsonl", "--max_new_tokens", "12", "--batch_size", "2", "--stop", stop)
+    assert [row["completion"] for row in rows] == expected
+    assert f"5 completions, {sum(counts)} new tokens in " in capsys.readouterr().out, counts
+
+
 def with_bos_and_ends(model_dir, target, ends_of) -> None:
     """``model_dir`` copied to ``target`` with a tokenizer that adds a BOS to a text (as Llama's, Mistral's, Gemma's
     do) and a generation config whose ``eos_token_id`` is a list (``ends_of(tokenizer)``: a chat model's end of turn
@@ -158,7 +195,9 @@ def test_a_completion_ends_at_eos_or_before_a_stop_string(files):
     assert completion_text(ids, tokenizer, []) == ("the cat sat on the mat", len(ids))
     assert completion_text([*ids, tokenizer.eos_token_id, *ids], tokenizer, []) == ("the cat sat on the mat",
                                                                                    len(ids) + 1)
-    assert completion_text(ids, tokenizer, ["on", "sat"]) == ("the cat ", len(ids))
+    sat = next(k for k in range(1, len(ids) + 1) if "sat" in tokenizer.decode(ids[:k]))
+    assert sat < len(ids)
+    assert completion_text(ids, tokenizer, ["on", "sat"]) == ("the cat ", sat)  # counted to where decoding stopped
 
 
 @pytest.mark.parametrize("case", ["not-json", "no-prompt", "batch-vs-dp", "no-model", "top-p", "split", "greedy-top-k",

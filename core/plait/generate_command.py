@@ -47,7 +47,7 @@ def add_generate_parser(sub: argparse._SubParsersAction, parents: list[argparse.
     parser.add_argument("--top_p", type=float, default=1.0, help="sample from the likeliest tokens of this mass")
     parser.add_argument("--seed", type=int, default=0, help="sampling's seed: the same completions in every layout")
     parser.add_argument("--stop", nargs="+", default=[], metavar="TEXT",
-                        help="stop strings: a completion ends before the first of them")
+                        help="stop strings: a completion ends before the first of them, its decoding there")
     parser.add_argument("--batch_size", type=int, default=8,
                         help="prompts decoded together, over all data-parallel replicas (a multiple of dp)")
     parser.add_argument("--tensor_parallel_size", type=int, default=1)

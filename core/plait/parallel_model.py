@@ -28,7 +28,7 @@ from plait.cp.context import ContextParallel
 from plait.cp.images import text_model_takes_its_tokens
 from plait.cp.sequence import check_length
 from plait.ep.apply import AppliedEP
-from plait.generation.decode import StageCache, check_batch, decode
+from plait.generation.decode import Criteria, StageCache, check_batch, decode
 from plait.generation.pipelined import StageLink, decode_pipelined
 from plait.layout_plan import LayoutPlan
 from plait.parallel.compile import compile_leaf_modules
@@ -307,14 +307,15 @@ class ParallelModel(nn.Module):
 
     def generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
-        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-        eos_token_id: int | Sequence[int] | None = None, pad_token_id: int = 0,
+        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, pad_token_id: int = 0,
+        eos_token_id: int | Sequence[int] | None = None, stopping_criteria: Criteria | None = None,
     ) -> torch.Tensor:
-        """Completions of prompts from this model's own shards (plait.generation.decode): ``input_ids``
-        [batch, length] is the global batch, the same on every rank, left padded where ``attention_mask`` has zeros;
-        returns [batch, length + new] on every rank, padded with ``pad_token_id`` after a row's EOS. Temperature 0
-        is greedy (transformers' ``generate`` on one process, token for token); sampling (``top_k``, ``top_p``) from
-        ``seed`` gives the same tokens in every layout. Every rank calls it (a collective)."""
+        """Completions of prompts from this model's own shards (plait.generation.decode): ``input_ids`` [batch, length]
+        is the global batch, the same on every rank, left padded where ``attention_mask`` has zeros; returns [batch,
+        length + new] on every rank, padded with ``pad_token_id`` after a row's end (an EOS, or transformers'
+        ``stopping_criteria``: a stop string's StopStringCriteria). Temperature 0 is greedy (transformers' ``generate``
+        on one process, token for token); sampling (``top_k``, ``top_p``) from ``seed`` gives the same tokens in every
+        layout. Every rank calls it (a collective)."""
         check_batch(self.mesh, input_ids.shape[0])
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -327,7 +328,6 @@ class ParallelModel(nn.Module):
         arguments = inspect.signature(type(self.module).forward).parameters
         last = {"logits_to_keep": 1} if "logits_to_keep" in arguments else {}
         cache_name = "cache" if "cache" in arguments else "past_key_values"
-
         cache = StageCache()
 
         def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -341,7 +341,7 @@ class ParallelModel(nn.Module):
             return left.item() == 0
 
         settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                        eos_token_id=eos_token_id, pad_token_id=pad_token_id, stopping_criteria=stopping_criteria,
                         width=self.mesh.tp if self.config.sequence_parallel else 1)
 
         training = self.module.training

@@ -24,7 +24,7 @@ from plait.checkpoint.lora_export import gather_lora  # noqa: E402
 from plait.generation.decode import decode  # noqa: E402
 from plait.lora.config import lora_config  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
 NEW, EOS, PAD = 12, 7, 0
 LONG = 30  # new tokens at most where every row stops early
@@ -138,7 +138,28 @@ def all_stop(reference, pmodel, ids, mask) -> dict:
         expected = reference.generate(ids, attention_mask=mask, max_new_tokens=LONG, do_sample=False,
                                       eos_token_id=eos, pad_token_id=PAD)
     got = pmodel.generate(ids, mask, max_new_tokens=LONG, eos_token_id=eos, pad_token_id=PAD)
-    return {"expected": expected.tolist(), "got": got.tolist()}
+    # each row's own pair of tokens early in its free completion ends it through a stopping criterion (the EOS of
+    # the cases kept: transformers pads a row a criterion ended only beside one)
+    ends = EndsWith([tuple(row[2 + r % 3: 4 + r % 3]) for r, row in enumerate(free)])
+    with torch.no_grad():
+        criteria = reference.generate(ids, attention_mask=mask, max_new_tokens=LONG, do_sample=False, eos_token_id=EOS,
+                                      pad_token_id=PAD, stopping_criteria=StoppingCriteriaList([ends]))
+    by_criteria = pmodel.generate(ids, mask, max_new_tokens=LONG, eos_token_id=EOS, pad_token_id=PAD,
+                                  stopping_criteria=StoppingCriteriaList([ends]))
+    return {"expected": expected.tolist(), "got": got.tolist(), "criteria_expected": criteria.tolist(),
+            "criteria_got": by_criteria.tolist(), "tails": [list(t) for t in ends.tails]}
+
+
+class EndsWith(StoppingCriteria):
+    """Ends a row whose ids end with one of ``tails``: what a stop string's ``StopStringCriteria`` does on text."""
+
+    def __init__(self, tails: list[tuple[int, ...]]) -> None:
+        self.tails = tails
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        rows = input_ids.tolist()
+        return torch.tensor([any(tuple(row[-len(t):]) == t for t in self.tails) for row in rows],
+                            device=input_ids.device)
 
 
 def refusals() -> dict[str, str]:

@@ -13,7 +13,8 @@ Temperature 0 is greedy: transformers' ``generate`` on one process, token for to
 
 Every rank runs the same number of forwards (tp, ep and ZeRO-3's collectives run inside them): decoding stops when
 every row of the global batch has met an end token (``eos_token_id``: one id or several, as transformers'
-generation config gives a chat model's end of turn beside its EOS), or after ``max_new_tokens``.
+generation config gives a chat model's end of turn beside its EOS) or a stopping criterion of transformers' (a stop
+string's ``StopStringCriteria``) holds for it, or after ``max_new_tokens``.
 
 Held to one process (tests/test_generate.py): tp with and without sequence parallelism (under it every forward's
 tokens are a multiple of tp: masked pads, ``decode``'s ``width``), data parallelism, ZeRO-1/2/3, expert parallelism
@@ -33,6 +34,8 @@ from transformers import DynamicCache
 
 from plait.base.config import ConfigError
 from plait.base.mesh import Mesh
+
+Criteria = Callable[[torch.Tensor, None], torch.Tensor]  # transformers' StoppingCriteria(List): rows so far -> done
 
 
 def check_batch(mesh: Mesh, batch: int) -> None:
@@ -66,6 +69,17 @@ def ended(token: torch.Tensor, eos_token_id: int | Sequence[int] | None) -> torc
     return torch.isin(token, torch.tensor(ends, dtype=token.dtype, device=token.device))
 
 
+def rows_ended(ids: torch.Tensor | None, token: torch.Tensor, eos_token_id: int | Sequence[int] | None,
+             stopping_criteria: Criteria | None) -> torch.Tensor:
+    """Which rows ``token`` ends: an end token (``ended``), or ``stopping_criteria`` holding for the rows so far
+    (``ids``, the prompts and every new token up to ``token``), called as transformers' ``generate`` calls a
+    ``StoppingCriteriaList`` (``scores`` None: a stop string's ``StopStringCriteria`` reads the ids alone)."""
+    done = ended(token, eos_token_id)
+    if stopping_criteria is not None:
+        done = done | stopping_criteria(ids, None).to(done.device)
+    return done
+
+
 def gumbel(generator: torch.Generator, rows: int, vocab: int) -> torch.Tensor:
     uniform = torch.rand(rows, vocab, generator=generator, dtype=torch.float32).clamp_(min=torch.finfo().tiny)
     return -torch.log(-torch.log(uniform))
@@ -75,6 +89,7 @@ def decode(
     forward: Callable[..., torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: slice,
     total_rows: int, *, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
     eos_token_id: int | Sequence[int] | None, pad_token_id: int, all_done: Callable[[bool], bool], width: int = 1,
+    stopping_criteria: Criteria | None = None,
 ) -> torch.Tensor:
     """The decoding loop over ``rows`` of a global batch of ``total_rows``: ``forward(ids, mask, positions)`` (which
     holds the KV cache) gives the last position's full-vocabulary logits; ``all_done(mine)`` whether every rank's
@@ -95,7 +110,7 @@ def decode(
         token = pick(logits.float(), noise, temperature, top_k, top_p)
         token = token.masked_fill(done, pad_token_id)
         ids = torch.cat([ids, token[:, None]], dim=1)
-        done |= ended(token, eos_token_id)
+        done |= rows_ended(ids, token, eos_token_id, stopping_criteria)
         if step == max_new_tokens - 1 or all_done(bool(done.all())):  # every rank alike; no forward after the last
             break
         step_ids, mask, positions = next_inputs(token, mask, positions, pad_token_id, width)

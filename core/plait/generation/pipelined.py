@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from plait.generation.decode import ended, first_inputs, gumbel, next_inputs, pick
+from plait.generation.decode import Criteria, first_inputs, gumbel, next_inputs, pick, rows_ended
 
 
 HIDDEN, TOKENS = 1, 2  # the tags of the two kinds of message (two may travel between the same ranks)
@@ -57,7 +57,8 @@ class StageLink:
 
 @dataclass
 class _Part:
-    """One micro-batch's state on a stage: the step's ids, the mask and positions so far, its tokens, its done rows."""
+    """One micro-batch's state on a stage: the step's ids, the mask and positions so far, its tokens, its done rows,
+    its prompts."""
 
     ids: torch.Tensor
     mask: torch.Tensor
@@ -65,6 +66,7 @@ class _Part:
     noise_rows: slice
     tokens: list[torch.Tensor]
     done: torch.Tensor
+    prompts: torch.Tensor  # the rows' prompts as given (what a stopping criterion reads, with the tokens)
 
 
 def decode_pipelined(
@@ -72,7 +74,7 @@ def decode_pipelined(
     receive_buffer: Callable[[int, torch.Tensor], torch.Tensor], link: StageLink, input_ids: torch.Tensor,
     attention_mask: torch.Tensor, rows: slice, total_rows: int, micro: int, *, max_new_tokens: int,
     temperature: float, top_k: int, top_p: float, seed: int, eos_token_id: int | Sequence[int] | None,
-    pad_token_id: int, all_done: Callable[[bool], bool], width: int = 1,
+    pad_token_id: int, all_done: Callable[[bool], bool], width: int = 1, stopping_criteria: Criteria | None = None,
 ) -> torch.Tensor:
     """``decode`` on one rank of a pipeline: ``run(v, m, x, mask, positions, ids)`` is the forward of this rank's
     ``v``-th stage on micro-batch ``m`` (their own KV cache): the hidden states to send on, or on the last stage the
@@ -82,8 +84,8 @@ def decode_pipelined(
     and so on. Returns [rows, prompt + new] on every rank."""
     ids, mask, positions = first_inputs(input_ids, attention_mask, pad_token_id, width)
     start, parts = rows.start, []
-    for i, k, p in zip(*(t.tensor_split(micro) for t in (ids, mask, positions))):
-        parts.append(_Part(i, k, p, slice(start, start + len(i)), [], torch.zeros(len(i), dtype=torch.bool)))
+    for i, k, p, q in zip(*(t.tensor_split(micro) for t in (ids, mask, positions, input_ids))):
+        parts.append(_Part(i, k, p, slice(start, start + len(i)), [], torch.zeros(len(i), dtype=torch.bool), q))
         start += len(i)
     generator = torch.Generator().manual_seed(seed)
     last = link.last in link.mine
@@ -107,7 +109,9 @@ def decode_pipelined(
                 token = pick(out.float(), None if noise is None else noise[part.noise_rows], temperature, top_k, top_p)
                 token = token.masked_fill(part.done, pad_token_id)
                 part.tokens.append(token)
-                part.done |= ended(token, eos_token_id)
+                so_far = None if stopping_criteria is None else torch.cat([part.prompts, *(t[:, None] for t in
+                                                                                      part.tokens)], 1)
+                part.done |= rows_ended(so_far, token, eos_token_id, stopping_criteria)
                 if m == 0:  # whether step + 1 runs, on what is known now: every replica's rows at step - 1
                     go_next = step + 1 < max_new_tokens and not stopping
                 if step + 1 < max_new_tokens and (go_next or m == 0):  # the token, and the word to go on or stop

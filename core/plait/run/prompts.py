@@ -7,7 +7,8 @@ does by default, its special tokens (a BOS) included, so that greedy decoding is
 rendered chat without them (the template writes its own, as ``apply_chat_template`` tokenizes). Prompts are left
 padded by hand with the tokenizer's pad token (its EOS where it has none), so the tokenizer a run saves with its
 checkpoints is never changed. A completion ends at an end token (not shown): the model's generation config's
-``eos_token_id``, one or a list (a chat model's end of turn), as ``generate`` ends; or before the first stop string.
+``eos_token_id``, one or a list (a chat model's end of turn), as ``generate`` ends; or before the first stop string,
+where decoding stops as transformers' ``generate(stop_strings=...)`` stops (its ``StopStringCriteria``).
 Rows with images are refused (text prompts only: the images would not reach the model), and so is a prompt whose
 tokens and new tokens need more positions than the model has.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import StopStringCriteria
 
 from plait.base.config import ConfigError
 
@@ -138,13 +140,23 @@ def pad_id(tokenizer: Any) -> int:
 def completion_text(tokens: list[int], tokenizer: Any, stop: Sequence[str], ends: Sequence[int] = (),
                     ) -> tuple[str, int]:
     """A row's new tokens as text, ended at the first of ``ends`` (excluded; default the tokenizer's EOS) or before
-    the first stop string; and how many tokens were generated for it (the end token counted)."""
+    the first stop string; and how many tokens were generated for it: the end token counted, or the tokens up to the
+    one that completed the stop string (where decoding stopped the row; pads follow)."""
     ends = ends or [tokenizer.eos_token_id]
     at = next((i for i, token in enumerate(tokens) if token in ends), None)
     count = len(tokens) if at is None else at + 1
     text = tokenizer.decode(tokens[:at], skip_special_tokens=True)
     cuts = [text.find(s) for s in stop if s in text]
-    return (text[: min(cuts)] if cuts else text), count
+    if not cuts:
+        return text, count
+    low, high = 1, len(tokens[:at])  # the fewest tokens whose text holds a stop string (it holds for ``high``)
+    while low < high:
+        middle = (low + high) // 2
+        if any(s in tokenizer.decode(tokens[:middle], skip_special_tokens=True) for s in stop):
+            high = middle
+        else:
+            low = middle + 1
+    return text[: min(cuts)], high
 
 
 def complete(
@@ -157,13 +169,15 @@ def complete(
     alike) with the seed ``seed`` plus the batch's first index, ended at ``ends`` (``end_ids``; default the
     tokenizer's EOS). Every rank calls it with the same prompts (a collective)."""
     pad, done, ends = pad_id(tokenizer), [], list(ends) or [tokenizer.eos_token_id]
+    criteria = StopStringCriteria(tokenizer, list(stop)) if stop else None  # a row's decoding ends at a stop string
     for first in range(0, len(prompts), batch_size):
         batch = prompts[first: first + batch_size]
         batch += batch[-1:] * (batch_size - len(batch))
         ids, mask = left_padded(batch, pad, device)
         width = ids.shape[1]
         out = pmodel.generate(ids, mask, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                              top_p=top_p, seed=seed + first, eos_token_id=ends, pad_token_id=pad)
+                              top_p=top_p, seed=seed + first, eos_token_id=ends, pad_token_id=pad,
+                              stopping_criteria=criteria)
         done += [completion_text(new, tokenizer, stop, ends) for new in out[:, width:].tolist()]
     return done[: len(prompts)]
 
