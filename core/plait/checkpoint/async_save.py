@@ -8,12 +8,12 @@ object), as a synchronous save does. Its collectives run on a gloo group of thei
 so they never interleave with the training's on the world's group.
 
 The next save waits for the previous one to finish (one in flight, so one host copy at a time, whose tensors the
-next save copies into: allocated once), and so does the end of the run, the last checkpoint included. A write
-that fails raises CheckpointNotSaved on every rank at the end of the step during which it failed (``failed``, which
-the trainer's per-step gather shares), not at the next save, which may be hours of training away. A collective of the write that waits longer than
---ddp_timeout (the group is given it: torch's default for a new group is 30 minutes) or loses its peer raises the
-backend's error at that wait too, on the training thread, where the trainer's ``explain_timeouts`` names the rank
-waited for in one line, as for a synchronous save.
+next save copies into: allocated once), and so does the end of the run, the last checkpoint included. A write that
+fails raises CheckpointNotSaved on every rank at the end of the step during which it failed (``failed``, which the
+trainer's per-step gather shares), not at the next save, which may be hours of training away. A collective of the
+write that waits longer than --ddp_timeout (the group is given it: torch's default for a new group is 30 minutes) or
+loses its peer raises the backend's error at that wait too, on the training thread, where the trainer's
+``explain_timeouts`` names the rank waited for in one line, as for a synchronous save.
 A crash while a write is in the background leaves its checkpoint a ``.tmp`` folder (no commit object in a store),
 which ``--resume_from_checkpoint auto`` ignores: the previous checkpoint stays the newest.
 """
