@@ -4,7 +4,9 @@ One world of 2 ranks runs every case (tests/workers/generate_worker.py): greedy 
 ``generate`` on one process token for token, and sampling (temperature, top-k, top-p, a seed) gives one process's
 tokens, on every rank (tp, dp, ZeRO-1/2/3, ep, pp, cp, LoRA), with left-padded prompts of different lengths and an
 EOS that ends rows early; for Llama also an EOS that every row meets early, where the batch stops as transformers'
-does. A world of 4 adds pp=4 (middle stages), pp=2 x dp=2 and pp=2 x tp=2 with SP."""
+does. A world of 4 adds pp=4 (middle stages), pp=2 x dp=2 and pp=2 x tp=2 with SP. Mistral's sliding window of 6
+(its mask counts cache entries) under SP, in both worlds: each step's pads come after its token and leave the
+cache (before, they filled the window: other tokens than one process's)."""
 
 from __future__ import annotations
 

@@ -28,8 +28,9 @@ from plait.cp.context import ContextParallel
 from plait.cp.images import text_model_takes_its_tokens
 from plait.cp.sequence import check_length
 from plait.ep.apply import AppliedEP
-from plait.generation.decode import Criteria, StageCache, check_batch, decode
-from plait.generation.pipelined import StageLink, decode_pipelined
+from plait.generation.decode import Criteria, StageCache, check_batch, decode, drop_pads
+from plait.generation.images import PromptImages, check_image_prompts
+from plait.generation.pipelined import decode_stages
 from plait.layout_plan import LayoutPlan
 from plait.parallel.compile import compile_leaf_modules
 from plait.parallel.deepstack import check_pipeline as check_deepstack_stage, deepstack_on_local_tokens
@@ -309,14 +310,17 @@ class ParallelModel(nn.Module):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, pad_token_id: int = 0,
         eos_token_id: int | Sequence[int] | None = None, stopping_criteria: Criteria | None = None,
+        images: ImageBatch | None = None,
     ) -> torch.Tensor:
         """Completions of prompts from this model's own shards (plait.generation.decode): ``input_ids`` [batch, length]
         is the global batch, the same on every rank, left padded where ``attention_mask`` has zeros; returns [batch,
         length + new] on every rank, padded with ``pad_token_id`` after a row's end (an EOS, or transformers'
         ``stopping_criteria``: a stop string's StopStringCriteria). Temperature 0 is greedy (transformers' ``generate``
         on one process, token for token); sampling (``top_k``, ``top_p``) from ``seed`` gives the same tokens in every
-        layout. Every rank calls it (a collective)."""
+        layout. Every rank calls it (a collective). ``images``: an image-text model's image inputs of these rows
+        (``plait.base.images``), read by the prompts' forward (plait.generation.images)."""
         check_batch(self.mesh, input_ids.shape[0])
+        check_image_prompts(self.module, self.mesh, input_ids.shape[0], images)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         per = input_ids.shape[0] // self.mesh.dp
@@ -328,11 +332,12 @@ class ParallelModel(nn.Module):
         arguments = inspect.signature(type(self.module).forward).parameters
         last = {"logits_to_keep": 1} if "logits_to_keep" in arguments else {}
         cache_name = "cache" if "cache" in arguments else "past_key_values"
-        cache = StageCache()
+        cache, prompts = StageCache(), PromptImages(images, rows)
 
-        def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            out = self._model(ids, mask, positions, use_cache=True, **{cache_name: cache}, **last)
-            return self.gather_logits(out.logits[:, -1])
+        def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, pads: int) -> torch.Tensor:
+            keep = {"logits_to_keep": pads + 1} if last else {}
+            out = self._model(ids, mask, positions, use_cache=True, **{cache_name: cache}, **keep, **prompts.take(ids))
+            return self.gather_logits(drop_pads(out.logits, cache, pads))
 
         def all_done(mine: bool, groups: tuple = (comm.world_group(),)) -> bool:
             left = torch.tensor([0 if mine else 1])
@@ -355,37 +360,13 @@ class ParallelModel(nn.Module):
                                  all_done=all_done, **settings)
                 else:  # the last stages of the replicas agree when every row is done
                     done = functools.partial(all_done, groups=(self.mesh.dp_group, self.mesh.cp_group))
-                    ids = self._decode_stages(input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
-                                              {"use_cache": True, **last}, cache_name, all_done=done, **settings)
+                    ids = decode_stages(self.pipeline.chunks, self.mesh, self.module, self.gather_logits,
+                                        input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
+                                        {"use_cache": True, **last}, cache_name, all_done=done, **settings)
         finally:
             self.module.train(training)
             reshard(self.fsdp)  # ZeRO-2/3, as eval_loss does
         return comm.all_gather(ids, self.mesh.dp_group, dim=0)
-
-    def _decode_stages(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: slice, total: int,
-                       extra: dict[str, Any], cache_name: str, **settings: Any) -> torch.Tensor:
-        """Decoding under pipeline parallelism (plait.generation.pipelined): the replica's rows in as many
-        micro-batches as pipeline ranks (where it has rows enough), each with its own KV cache on each of this rank's
-        stages."""
-        chunks = self.pipeline.chunks
-        micro = min(len(input_ids), self.mesh.pp)
-        caches = [[StageCache(chunk.first_layer) for _ in range(micro)] for chunk in chunks]
-        dtype = next(self.module.parameters()).dtype  # what a decoder layer hands on
-        hidden = self.module.config.get_text_config().hidden_size
-
-        def run(v: int, m: int, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor,
-                ) -> torch.Tensor:
-            out = chunks[v].decode_step(x, mask, positions, ids, **extra, **{cache_name: caches[v][m]})
-            out = out[0] if isinstance(out, tuple) else out
-            return self.gather_logits(out[:, -1]).float() if chunks[v].is_last else out.contiguous()
-
-        def receive_buffer(v: int, ids: torch.Tensor) -> torch.Tensor:
-            return ids.new_empty((ids.shape[0], ids.shape[1] // chunks[v].seq_shards, hidden), dtype=dtype)
-
-        link = StageLink(tuple(chunk.stage for chunk in chunks), self.mesh.pp * self.config.virtual_pipeline_size,
-                         self.mesh.pp, self.mesh.pp_group)
-        return decode_pipelined(run, receive_buffer, link, input_ids, attention_mask, rows, total, micro,
-                                **settings)
 
     def _check_sequence(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, microbatches: int = 1,

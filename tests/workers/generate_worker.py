@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import plait  # noqa: E402
 from peft import get_peft_model  # noqa: E402
 from plait.checkpoint.lora_export import gather_lora  # noqa: E402
-from plait.generation.decode import decode  # noqa: E402
+from plait.generation.decode import decode, drop_pads  # noqa: E402
 from plait.lora.config import lora_config  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList  # noqa: E402
@@ -40,6 +40,8 @@ CASES = {
     "gpt2-tp2": ("gpt2", dict(tp=2, sp=False)),
     "gpt2-tp2-sp": ("gpt2", dict(tp=2)),
     "mixtral-ep2": ("mixtral", dict(ep=2)),
+    # a sliding window of 6 (its mask counts cache entries) under SP, whose pads each step must not fill
+    "mistral-tp2-sp": ("mistral", dict(tp=2)),
     # a stage a rank: each stage's own KV cache, the hidden states of each step handed on, the last stage's logits back
     "llama-pp2": ("llama", dict(pp=2, num_microbatches=2)),
     "gpt2-pp2": ("gpt2", dict(pp=2, num_microbatches=2)),  # its head tied to the first stage's embedding
@@ -58,6 +60,7 @@ CASES_4 = {
     "llama4-pp4": ("llama4", dict(pp=4, num_microbatches=4)),
     "llama-pp2-dp2": ("llama", dict(pp=2, num_microbatches=2)),
     "llama-pp2-tp2-sp": ("llama", dict(pp=2, tp=2, num_microbatches=2)),
+    "mistral-pp2-tp2-sp": ("mistral", dict(pp=2, tp=2, num_microbatches=2)),
 }
 
 
@@ -80,10 +83,10 @@ def one_process(reference, ids, mask) -> dict[str, list]:
 
         cache = DynamicCache()
 
-        def forward(step_ids, step_mask, positions):
+        def forward(step_ids, step_mask, positions, pads):
             out = reference(input_ids=step_ids, attention_mask=step_mask, position_ids=positions,
                             past_key_values=cache, use_cache=True)
-            return out.logits[:, -1]
+            return drop_pads(out.logits, cache, pads)
 
         sampled = decode(forward, ids, mask, slice(0, ids.shape[0]), ids.shape[0], max_new_tokens=NEW,
                          eos_token_id=EOS, pad_token_id=PAD, all_done=lambda mine: mine, **SAMPLING)

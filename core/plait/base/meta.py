@@ -67,10 +67,12 @@ def takes_images(config: PretrainedConfig) -> bool:
 
 def image_text_model(model: nn.Module) -> bool:
     """Whether ``model`` is built as one of transformers' image-text-to-text classes (a vision tower beside the
-    language model ``get_decoder`` gives), whichever Auto class built it (Gemma 3's is also its causal LM)."""
+    language model ``get_decoder`` gives), whichever Auto class built it (Gemma 3's is also its causal LM), and
+    after ZeRO-2/3 made it a subclass of its own (FSDP2's ``FSDP<class>``)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    return type(model).__name__ in set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values())
+    names = set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values())
+    return any(cls.__name__ in names for cls in type(model).__mro__)
 
 
 def language_model_name(model: nn.Module) -> str | None:

@@ -21,7 +21,8 @@ tokens are a multiple of tp: masked pads, ``decode``'s ``width``), data parallel
 (each replica's rows dispatched to the experts' ranks in every forward), pipeline parallelism with a stage a rank
 (``plait.generation.pipelined``: micro-batches through the stages, each stage's own KV caches: ``StageCache``), context
 parallelism (each cp rank decodes its replica's rows whole, with the model's own attention: the cache is not split),
-LoRA, several pipeline stages a rank (the interleaved schedules' placement).
+LoRA, several pipeline stages a rank (the interleaved schedules' placement); an image-text model's prompts with
+their images (``plait.generation.images``).
 """
 
 from __future__ import annotations
@@ -91,17 +92,19 @@ def decode(
     eos_token_id: int | Sequence[int] | None, pad_token_id: int, all_done: Callable[[bool], bool], width: int = 1,
     stopping_criteria: Criteria | None = None,
 ) -> torch.Tensor:
-    """The decoding loop over ``rows`` of a global batch of ``total_rows``: ``forward(ids, mask, positions)`` (which
-    holds the KV cache) gives the last position's full-vocabulary logits; ``all_done(mine)`` whether every rank's
-    rows are done.
+    """The decoding loop over ``rows`` of a global batch of ``total_rows``: ``forward(ids, mask, positions, pads)``
+    (which holds the KV cache) gives the full-vocabulary logits of the position before the last ``pads`` and drops
+    those from the cache (``drop_pads``); ``all_done(mine)`` whether every rank's rows are done.
 
     ``width``: every forward's sequence a multiple of it (sequence parallelism splits a forward's tokens over its
-    tp ranks). The prompts get that many more left pads, and each new token comes after ``width - 1`` masked pads:
-    pads are keys no query sees (their mask is 0) and their outputs are dropped, so the tokens are the same as
-    at width 1; the cache holds ``width`` entries per new token."""
+    tp ranks). The prompts get that many more left pads, and each new token is followed by ``width - 1`` masked
+    pads, which the cache drops after the forward: no query sees a pad (their mask is 0; a later one is past the
+    token, which causal attention hides) and their outputs are dropped, and the cache holds the real tokens only, so
+    a sliding window (Gemma's, Mistral's: it counts cache entries) covers the tokens it covers at width 1 (pads
+    before the token filled the window: Gemma 3's window of 6 saw 3 tokens at tp=2) and the tokens are width 1's."""
     generator = torch.Generator().manual_seed(seed)
     step_ids, mask, positions = first_inputs(input_ids, attention_mask, pad_token_id, width)
-    logits = forward(step_ids, mask, positions)
+    logits = forward(step_ids, mask, positions, 0)
     ids = input_ids
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     for step in range(max_new_tokens):
@@ -114,7 +117,7 @@ def decode(
         if step == max_new_tokens - 1 or all_done(bool(done.all())):  # every rank alike; no forward after the last
             break
         step_ids, mask, positions = next_inputs(token, mask, positions, pad_token_id, width)
-        logits = forward(step_ids, mask, positions)
+        logits = forward(step_ids, F.pad(mask, (0, width - 1)), positions, width - 1)
     return ids
 
 
@@ -128,11 +131,18 @@ def first_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_toke
 
 def next_inputs(token: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, pad_token_id: int, width: int,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A step's forward after ``token`` [rows]: it after ``width - 1`` masked pads, the mask grown by them, the
-    positions one on."""
-    ids = F.pad(token[:, None], (width - 1, 0), value=pad_token_id)
-    mask = torch.cat([mask, F.pad(torch.ones_like(mask[:, :1]), (width - 1, 0))], dim=1)
+    """A step's forward after ``token`` [rows]: it, then ``width - 1`` pads; the mask of the cache's entries grown by
+    the token (the step's forward masks the pads after it: ``F.pad(mask, (0, width - 1))``); the positions one on."""
+    ids = F.pad(token[:, None], (0, width - 1), value=pad_token_id)
+    mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
     return ids, mask, (positions[:, -1:] + 1).expand(-1, width)
+
+
+def drop_pads(logits: torch.Tensor, cache: DynamicCache, pads: int) -> torch.Tensor:
+    """The logits [rows, positions, ...] of the position before the last ``pads`` (a step's token), and the cache
+    without those pads' entries (``decode``'s ``width``)."""
+    cache.crop(-pads)  # transformers' crop: a negative count of entries to remove from the end (0: none)
+    return logits[:, -1 - pads]
 
 
 class StageCache(DynamicCache):

@@ -26,11 +26,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
-from plait.generation.decode import Criteria, first_inputs, gumbel, next_inputs, pick, rows_ended
+from plait.base.mesh import Mesh
+from plait.generation.decode import (Criteria, StageCache, drop_pads, first_inputs, gumbel, next_inputs, pick,
+                                    rows_ended)
 
 
 HIDDEN, TOKENS = 1, 2  # the tags of the two kinds of message (two may travel between the same ranks)
@@ -69,19 +74,50 @@ class _Part:
     prompts: torch.Tensor  # the rows' prompts as given (what a stopping criterion reads, with the tokens)
 
 
+def decode_stages(chunks: list[Any], mesh: Mesh, module: nn.Module,
+                  gather_logits: Callable[[torch.Tensor], torch.Tensor], input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor, rows: slice, total: int, extra: dict[str, Any], cache_name: str,
+                  **settings: Any) -> torch.Tensor:
+    """``ParallelModel.generate`` under pipeline parallelism, on this rank's stage ``chunks`` of ``module``: the
+    replica's rows in as many micro-batches as pipeline ranks (where it has rows enough), each with its own KV cache
+    on each of this rank's stages; ``gather_logits`` joins the vocab-parallel head's slices."""
+    micro = min(len(input_ids), mesh.pp)
+    caches = [[StageCache(chunk.first_layer) for _ in range(micro)] for chunk in chunks]
+    dtype = next(module.parameters()).dtype  # what a decoder layer hands on
+    hidden = module.config.get_text_config().hidden_size
+
+    def run(v: int, m: int, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor,
+            pads: int) -> torch.Tensor:
+        keep = {"logits_to_keep": pads + 1} if "logits_to_keep" in extra else {}
+        out = chunks[v].decode_step(x, mask, positions, ids, **{**extra, **keep}, **{cache_name: caches[v][m]})
+        out = out[0] if isinstance(out, tuple) else out
+        if chunks[v].is_last:
+            return gather_logits(drop_pads(out, caches[v][m], pads)).float()
+        caches[v][m].crop(-pads)  # the stage's cache without the step's pads (its hidden states keep them)
+        return out.contiguous()
+
+    def receive_buffer(v: int, ids: torch.Tensor) -> torch.Tensor:
+        return ids.new_empty((ids.shape[0], ids.shape[1] // chunks[v].seq_shards, hidden), dtype=dtype)
+
+    link = StageLink(tuple(chunk.stage for chunk in chunks), mesh.pp * mesh.config.virtual_pipeline_size, mesh.pp,
+                     mesh.pp_group)
+    return decode_pipelined(run, receive_buffer, link, input_ids, attention_mask, rows, total, micro, **settings)
+
+
 def decode_pipelined(
-    run: Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    run: Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
     receive_buffer: Callable[[int, torch.Tensor], torch.Tensor], link: StageLink, input_ids: torch.Tensor,
     attention_mask: torch.Tensor, rows: slice, total_rows: int, micro: int, *, max_new_tokens: int,
     temperature: float, top_k: int, top_p: float, seed: int, eos_token_id: int | Sequence[int] | None,
     pad_token_id: int, all_done: Callable[[bool], bool], width: int = 1, stopping_criteria: Criteria | None = None,
 ) -> torch.Tensor:
-    """``decode`` on one rank of a pipeline: ``run(v, m, x, mask, positions, ids)`` is the forward of this rank's
-    ``v``-th stage on micro-batch ``m`` (their own KV cache): the hidden states to send on, or on the last stage the
-    last position's full-vocabulary logits; ``receive_buffer(v, ids)`` an empty tensor for the hidden states the
-    ``v``-th stage gets for a step's ``ids``; ``all_done(mine)`` (called where the last stage is only) whether every
-    replica's rows are done. A rank of several stages runs its first stage on every micro-batch, then its second,
-    and so on. Returns [rows, prompt + new] on every rank."""
+    """``decode`` on one rank of a pipeline: ``run(v, m, x, mask, positions, ids, pads)`` is the forward of this rank's
+    ``v``-th stage on micro-batch ``m`` (their own KV cache, without the last ``pads`` entries after it: decode's
+    ``width``): the hidden states to send on, or on the last stage the full-vocabulary logits before the pads;
+    ``receive_buffer(v, ids)`` an empty tensor for the hidden states the ``v``-th stage gets for a step's ``ids``;
+    ``all_done(mine)`` (called where the last stage is only) whether every replica's rows are done. A rank of several
+    stages runs its first stage on every micro-batch, then its second, and so on. Returns [rows, prompt + new] on every
+    rank."""
     ids, mask, positions = first_inputs(input_ids, attention_mask, pad_token_id, width)
     start, parts = rows.start, []
     for i, k, p, q in zip(*(t.tensor_split(micro) for t in (ids, mask, positions, input_ids))):
@@ -100,7 +136,8 @@ def decode_pipelined(
                 x = part.ids if stage == 0 else receive_buffer(v, part.ids)
                 if stage > 0:
                     dist.recv(x, link.peer(stage - 1), group=link.group, tag=HIDDEN)
-                out = run(v, m, x, part.mask, part.positions, part.ids)
+                pads = 0 if step == 0 else width - 1  # decode's: the pads after a step's token
+                out = run(v, m, x, F.pad(part.mask, (0, pads)), part.positions, part.ids, pads)
                 if stage != link.last:  # on to the next stage while this one runs the next micro-batch
                     sent.append((dist.isend(out, link.peer(stage + 1), group=link.group, tag=HIDDEN), out))
                     continue

@@ -1,0 +1,73 @@
+"""Prompts with images: an image-text model's image inputs reach the prompts' forward, and no decoding step.
+
+transformers' ``generate`` hands ``pixel_values`` (and what describes the images) to the first forward only, where
+the model merges the image features into the prompts' image tokens; every later step reads the KV cache. So does
+``ParallelModel.generate``: ``PromptImages`` gives a replica's image inputs to its first forward, the processor's
+per-token tensors (Gemma 3's ``token_type_ids``) left padded with zeros where that forward's tokens are (sequence
+parallelism pads each forward to a multiple of tp), and nothing to the forwards after it.
+
+Served where the training forward takes images and decoding's positions are the model's own (a position per
+token, as a text model counts them): tensor parallelism with or without SP, data parallelism, ZeRO-1/2/3, context
+parallelism (each cp rank decodes its replica's rows whole) and expert parallelism. Refused in one line before any
+collective (``check_image_prompts``): pipeline stages (the prompts' images would have to reach the first stage's
+vision tower inside the pipelined decoding), models whose rotary positions follow the images' grids (M-RoPE:
+Qwen-VL, GLM-4V; transformers keeps their offsets between steps, which this decoding does not), a text model given
+images, and under ZeRO-2/3 a replica whose prompts hold no image (the vision tower's shards are gathered by every
+replica together, so one that skips it would leave the others waiting).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.base.config import ConfigError
+from plait.base.images import ImageBatch, grid_positions
+from plait.base.mesh import Mesh
+from plait.base.meta import image_text_model
+from plait.base.words import setting
+
+
+class PromptImages:
+    """A replica's image inputs (the ``rows`` of ``images``), given once: to the first forward that asks."""
+
+    def __init__(self, images: ImageBatch | None, rows: slice) -> None:
+        self.inputs = {} if images is None else images.take(rows).inputs()
+        self.row_major = () if images is None else images.row_major
+
+    def take(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The image inputs for a forward of ``ids`` [rows, tokens] (the first: after it, none)."""
+        inputs, self.inputs = self.inputs, {}
+        return {name: F.pad(t, (ids.shape[1] - t.shape[1], 0)) if name in self.row_major else t
+                for name, t in inputs.items()}
+
+
+def check_image_prompts(module: nn.Module, mesh: Mesh, batch: int, images: ImageBatch | None) -> None:
+    """Refuse, on every rank alike and before any collective, images that generation of ``module`` laid out on
+    ``mesh`` would not serve."""
+    if images is None:
+        return
+    name = type(module).__name__.removeprefix("FSDP")  # ZeRO-2/3's subclass of the model's class
+    if not image_text_model(module):
+        raise ConfigError(f"generation was given images, but {name} is a text model; give the prompts alone")
+    if images.rows != batch:
+        raise ConfigError(f"generation was given the images of {images.rows} rows for a batch of {batch} prompts; "
+                          f"give each prompt's images (none for a text-only prompt)")
+    config = mesh.config
+    if config.pp > 1:
+        raise ConfigError(f"generation with images is not served under pipeline parallelism "
+                          f"({setting('pp', config.pp)}); generate at pp=1: tensor, data, context and expert "
+                          f"parallelism and ZeRO serve it")
+    if grid_positions(module.config):
+        raise ConfigError(f"generation with images is not served for {name}: its rotary positions follow the images' "
+                          f"grids (M-RoPE), which transformers carries between decoding steps and plait's decoding "
+                          f"does not; generate with a model of one position per token (LLaVA, Gemma 3, ...)")
+    if config.fsdp:
+        per = batch // mesh.dp
+        empty = [r for r in range(mesh.dp) if not int(images.take(slice(r * per, (r + 1) * per)).per_row.sum())]
+        if empty:
+            raise ConfigError(f"under ZeRO-{config.zero_stage} every data-parallel replica's prompts need an image "
+                              f"(the vision tower's shards are gathered by every replica together), but replica "
+                              f"{empty[0]}'s (prompts {empty[0] * per} to {(empty[0] + 1) * per - 1}) hold none; mix "
+                              f"the image prompts over the batch, or use ZeRO-1")
