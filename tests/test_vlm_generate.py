@@ -40,7 +40,7 @@ def test_images_generation_does_not_serve_are_refused_in_one_line(ranks):
     assert all(r["refusals"] == said for r in ranks)  # every rank alike
     expected = {
         "pp2": "generation with images is not served under pipeline parallelism (pp=2); generate at pp=1: tensor, "
-               "data, context and expert parallelism and ZeRO serve it",
+               "data and context parallelism and ZeRO serve it",
         "grid_positions": "generation with images is not served for Qwen2VLForConditionalGeneration: its rotary "
                           "positions follow the images' grids (M-RoPE)",
         "zero3_replica_without_images": "under ZeRO-3 every data-parallel replica's prompts need an image (the vision "

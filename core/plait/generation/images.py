@@ -7,8 +7,9 @@ per-token tensors (Gemma 3's ``token_type_ids``) left padded with zeros where th
 parallelism pads each forward to a multiple of tp), and nothing to the forwards after it.
 
 Served where the training forward takes images and decoding's positions are the model's own (a position per
-token, as a text model counts them): tensor parallelism with or without SP, data parallelism, ZeRO-1/2/3, context
-parallelism (each cp rank decodes its replica's rows whole) and expert parallelism. Refused in one line before any
+token, as a text model counts them): tensor parallelism with or without SP, data parallelism, ZeRO-1/2/3 and
+context parallelism (each cp rank decodes its replica's rows whole), held to one process for LLaVA, Idefics3 and
+Gemma 3 (tests/test_vlm_generate.py; an image-text MoE under ep is untested). Refused in one line before any
 collective (``check_image_prompts``): pipeline stages (the prompts' images would have to reach the first stage's
 vision tower inside the pipelined decoding), models whose rotary positions follow the images' grids (M-RoPE:
 Qwen-VL, GLM-4V; transformers keeps their offsets between steps, which this decoding does not), a text model given
@@ -57,7 +58,7 @@ def check_image_prompts(module: nn.Module, mesh: Mesh, batch: int, images: Image
     config = mesh.config
     if config.pp > 1:
         raise ConfigError(f"generation with images is not served under pipeline parallelism "
-                          f"({setting('pp', config.pp)}); generate at pp=1: tensor, data, context and expert "
+                          f"({setting('pp', config.pp)}); generate at pp=1: tensor, data and context "
                           f"parallelism and ZeRO serve it")
     if grid_positions(module.config):
         raise ConfigError(f"generation with images is not served for {name}: its rotary positions follow the images' "
