@@ -12,10 +12,13 @@ batch, split over the dp replicas); a ``prompt`` string gets the tokenizer's spe
 ``tokenizer(prompt)`` gives them; a completion ends at an end token of the model's generation config (one or a list:
 a chat model's end of turn too), as transformers' ``generate`` ends, or before the first ``--stop`` string.
 The same ``--seed`` and ``--batch_size`` give the same completions in every layout (each batch's noise is drawn for
-the whole batch from one generator). Bad input (a prompt line, a row with images, a prompt with --max_new_tokens
-past the model's positions, a model or tokenizer directory, a batch the replicas do not divide, a layout generation
-does not serve) is one line before any process group; the output file appears
-whole or not at all.
+the whole batch from one generator). An image-text model's prompts may hold images, in TRL's vision format
+(``messages`` with image parts beside ``images``: paths relative to the prompt file, as training reads them): its
+processor renders and encodes them, and the pixels reach the prompts' forward (``plait.generation.images``: tp, dp,
+ZeRO and cp; pipeline stages and M-RoPE models refused). Bad input (a prompt line, a row with images for a text
+model, a prompt with --max_new_tokens past the model's positions, a model, tokenizer or processor directory, an
+image that cannot be read, a batch the replicas do not divide, a layout generation does not serve) is one line
+before any process group; the output file appears whole or not at all.
 """
 
 from __future__ import annotations
@@ -107,18 +110,52 @@ def checked_input(ns: argparse.Namespace, world: int) -> tuple[list[Any], Any, l
     """The prompts (``PromptRow``: chat messages rendered, tokenized), the tokenizer and the tokens a completion ends
     at (the model's generation config's, as transformers' ``generate`` ends), every flag, the model directory and
     each prompt's room for --max_new_tokens checked, for ``world`` processes."""
-    from plait.run.prompts import check_room, encode_prompts, end_ids, pad_id, read_prompts
+    from plait.run.prompts import check_room, encode_image_prompts, encode_prompts, end_ids, pad_id, read_prompts
 
-    rows = read_prompts(ns.prompts, "--prompts")
     check_args(ns, world)
+    from plait.base.meta import takes_images
     from plait.checkpoint.materialize import resolve_source
 
     config, _, path = resolve_source(ns.model_name_or_path)
-    tokenizer = load_prompt_tokenizer(ns, path, config)
+    pictured = takes_images(config)  # an image-text model: its processor encodes the prompts and their images
+    rows = read_prompts(ns.prompts, "--prompts", images=pictured)
+    if pictured:
+        from plait.data.vision import load_processor
+
+        processor = load_processor(path)
+        tokenizer, prompts = processor.tokenizer, encode_image_prompts(rows, processor, ns.prompts)
+        check_images_served(ns, world, config, [p.example.num_images for p in prompts])
+    else:
+        tokenizer = load_prompt_tokenizer(ns, path, config)
+        prompts = encode_prompts(rows, tokenizer)
     pad_id(tokenizer)  # one that can pad prompts
-    prompts = encode_prompts(rows, tokenizer)
     check_room(ns.prompts, prompts, ns.max_new_tokens, "--max_new_tokens", config)
     return prompts, tokenizer, end_ids(tokenizer, generation_config(path, config))
+
+
+def check_images_served(ns: argparse.Namespace, world: int, config: Any, images: list[int]) -> None:
+    """Before any process group, what ``ParallelModel.generate`` would refuse of prompts holding ``images`` (per
+    prompt) at this layout: pipeline stages, M-RoPE models, and under ZeRO-2/3 a replica's rows of a batch without
+    an image (the batches as ``plait.run.prompts.complete`` forms them)."""
+    if not any(images):
+        return
+    from plait.generation.images import check_image_layout
+
+    check_image_layout(config, (config.architectures or [config.model_type])[0], ns.pipeline_parallel_size)
+    if ns.zero_stage < 2:
+        return
+    per = ns.batch_size // (world // (ns.tensor_parallel_size * ns.pipeline_parallel_size))
+    for first in range(0, len(images), ns.batch_size):
+        batch = images[first: first + ns.batch_size]
+        batch += batch[-1:] * (ns.batch_size - len(batch))
+        for replica in range(0, ns.batch_size, per):
+            if not any(batch[replica: replica + per]):
+                last = first + replica + per - 1
+                raise ConfigError(f"--zero_stage {ns.zero_stage}: prompts {first + replica} to {last} hold no image, "
+                                  f"and every replica's prompts of a batch need one (the vision tower's shards are "
+                                  f"gathered by every replica together); order the prompts so that each "
+                                  f"--batch_size {ns.batch_size} batch's replicas hold an image, or use "
+                                  f"--zero_stage 1")
 
 
 def generation_config(path: Path | None, config: Any) -> Any:
@@ -168,7 +205,8 @@ def complete(ns: argparse.Namespace, prompts: list[Any], tokenizer: Any, ends: l
     start = time.perf_counter()
     done = complete_texts(pmodel, tokenizer, [p.ids for p in prompts], batch_size=ns.batch_size, device=device,
                           max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k,
-                          top_p=ns.top_p, seed=ns.seed, stop=ns.stop, ends=ends)
+                          top_p=ns.top_p, seed=ns.seed, stop=ns.stop, ends=ends,
+                          examples=[p.example for p in prompts] if prompts[0].example is not None else None)
     out = [{**p.row, "completion": text} for p, (text, _) in zip(prompts, done)]
     generated = sum(count for _, count in done)
     seconds = time.perf_counter() - start

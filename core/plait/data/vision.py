@@ -190,9 +190,10 @@ class VisionEncoder:
         self.processor, self.image_token_id = processor, int(image_token_id)
         self.base_dir = None if base_dir is None else Path(base_dir)
 
-    def encode(self, row: dict, where: str) -> Example:
+    def encode(self, row: dict, where: str, prompt: bool = False) -> Example:
         """A row (``where`` it is, for messages: its file and line) rendered, tokenized, labelled and its images
-        processed."""
+        processed; ``prompt``: a generation prompt (``plait generate``), rendered with the template's generation
+        prompt after its turns and labelled nowhere."""
         messages, image_parts = _messages(row, where)
         entries = row.get("images") or []
         if not isinstance(entries, list) or len(entries) != image_parts:
@@ -201,7 +202,7 @@ class VisionEncoder:
                               f"per {{\"type\": \"image\"}} part, in order")
         images = [_image(entry, self.base_dir, where, number) for number, entry in enumerate(entries)]
         render = self.processor.apply_chat_template
-        text = render(messages, tokenize=False)
+        text = render(messages, tokenize=False, add_generation_prompt=prompt)
         bos = self.processor.tokenizer.bos_token
         try:  # a template that renders no BOS relies on the tokenizer adding it, as transformers' own chat path does
             out = self.processor(text=[text], images=images or None, return_tensors="pt", return_offsets_mapping=True,
@@ -210,13 +211,26 @@ class VisionEncoder:
         except (ValueError, TypeError) as err:
             raise ConfigError(f"{where}: the processor refused it: {_one_line(err)}") from err
         ids = out["input_ids"][0]
-        labels = self._labels(ids, out, _assistant_spans(render, messages, text, where), where)
+        labels = torch.full_like(ids, IGNORE_INDEX) if prompt else \
+            self._labels(ids, out, _assistant_spans(render, messages, text, where), where)
         extra = {key: value for key, value in out.items() if key not in _TEXT_KEYS and torch.is_tensor(value)}
         tokens = {key: value[0] for key, value in extra.items() if _per_token(key, value, out["input_ids"])}
         pixels = {key: value for key, value in extra.items() if key not in tokens}
         for key in pixels:  # refuse here, naming the row, a tensor that could not be cut by rows
             _units(key, pixels, len(images), where)
         return Example(ids, out["attention_mask"][0], labels, tokens, pixels, len(images), where)
+
+    def encode_text(self, text: str, where: str) -> Example:
+        """A text-only prompt string as the processor encodes it, its special tokens included (``tokenizer(text)``),
+        labelled nowhere."""
+        try:
+            out = self.processor(text=[text], return_tensors="pt")
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"{where}: the processor refused it: {_one_line(err)}") from err
+        ids = out["input_ids"][0]
+        extra = {key: value for key, value in out.items() if key not in _TEXT_KEYS and torch.is_tensor(value)}
+        tokens = {key: value[0] for key, value in extra.items() if _per_token(key, value, out["input_ids"])}
+        return Example(ids, out["attention_mask"][0], torch.full_like(ids, IGNORE_INDEX), tokens, {}, 0, where)
 
     def _labels(self, ids: torch.Tensor, out: Any, spans: list[tuple[int, int]], where: str) -> torch.Tensor:
         """Ids on tokens that start inside an assistant span of the rendered text, else -100; positions are

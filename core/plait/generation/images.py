@@ -19,6 +19,8 @@ replica together, so one that skips it would leave the others waiting).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,14 +58,7 @@ def check_image_prompts(module: nn.Module, mesh: Mesh, batch: int, images: Image
         raise ConfigError(f"generation was given the images of {images.rows} rows for a batch of {batch} prompts; "
                           f"give each prompt's images (none for a text-only prompt)")
     config = mesh.config
-    if config.pp > 1:
-        raise ConfigError(f"generation with images is not served under pipeline parallelism "
-                          f"({setting('pp', config.pp)}); generate at pp=1: tensor, data and context "
-                          f"parallelism and ZeRO serve it")
-    if grid_positions(module.config):
-        raise ConfigError(f"generation with images is not served for {name}: its rotary positions follow the images' "
-                          f"grids (M-RoPE), which transformers carries between decoding steps and plait's decoding "
-                          f"does not; generate with a model of one position per token (LLaVA, Gemma 3, ...)")
+    check_image_layout(module.config, name, config.pp)
     if config.fsdp:
         per = batch // mesh.dp
         empty = [r for r in range(mesh.dp) if not int(images.take(slice(r * per, (r + 1) * per)).per_row.sum())]
@@ -72,3 +67,16 @@ def check_image_prompts(module: nn.Module, mesh: Mesh, batch: int, images: Image
                               f"(the vision tower's shards are gathered by every replica together), but replica "
                               f"{empty[0]}'s (prompts {empty[0] * per} to {(empty[0] + 1) * per - 1}) hold none; mix "
                               f"the image prompts over the batch, or use ZeRO-1")
+
+
+def check_image_layout(model_config: Any, name: str, pp: int) -> None:
+    """Refuse the layouts and models that generation with images does not serve (``name``: the model's class), from
+    their configs alone: ``plait generate`` asks before any process group, ``ParallelModel.generate`` again."""
+    if pp > 1:
+        raise ConfigError(f"generation with images is not served under pipeline parallelism "
+                          f"({setting('pp', pp)}); generate at pp=1: tensor, data and context "
+                          f"parallelism and ZeRO serve it")
+    if grid_positions(model_config):
+        raise ConfigError(f"generation with images is not served for {name}: its rotary positions follow the images' "
+                          f"grids (M-RoPE), which transformers carries between decoding steps and plait's decoding "
+                          f"does not; generate with a model of one position per token (LLaVA, Gemma 3, ...)")

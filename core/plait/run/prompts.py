@@ -15,6 +15,7 @@ tokens and new tokens need more positions than the model has.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import torch
 from transformers import StopStringCriteria
 
 from plait.base.config import ConfigError
+from plait.base.images import ImageBatch
 
 if TYPE_CHECKING:
     from plait.parallel_model import ParallelModel
@@ -44,17 +46,20 @@ def json_lines(path: Path, hint: str = "") -> Iterator[tuple[int, Any]]:
 
 @dataclass(frozen=True)
 class PromptRow:
-    """A prompt file's row: its line, the row as read, its text (``render``) and its token ids (``encode_prompts``)."""
+    """A prompt file's row: its line, the row as read, its text (``render``) and its token ids (``encode_prompts``);
+    for an image-text model its processor's encoding (``encode_image_prompts``: the ids, per-token tensors, pixels)."""
 
     line: int
     row: dict[str, Any]
     text: str
     ids: list[int]
+    example: Any = None
 
 
-def read_prompts(path: Path, flag: str) -> list[tuple[int, dict[str, Any]]]:
+def read_prompts(path: Path, flag: str, images: bool = False) -> list[tuple[int, dict[str, Any]]]:
     """The prompt rows of ``path`` (given by ``flag``) with their line numbers, each checked: one line naming the
-    file, line and fix for the first bad one."""
+    file, line and fix for the first bad one. ``images``: rows may hold images (an image-text model's prompts, in
+    TRL's vision format: ``messages`` with image parts and ``images``)."""
     if not path.is_file():
         raise ConfigError(f"{flag} {path}: no such file")
     rows = []
@@ -62,11 +67,14 @@ def read_prompts(path: Path, flag: str) -> list[tuple[int, dict[str, Any]]]:
         prompt, messages = (row.get("prompt"), row.get("messages")) if isinstance(row, dict) else (None, None)
         if not (isinstance(prompt, str) and prompt or isinstance(messages, list) and messages):
             raise ConfigError(f"{path}:{number}: a line needs a non-empty 'prompt' string or a 'messages' list")
-        if row.get("images") or any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
-                isinstance(part, dict) and part.get("type") == "image" for part in m["content"])
-                for m in messages or []):
+        pictured = row.get("images") or any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
+            isinstance(part, dict) and part.get("type") == "image" for part in m["content"]) for m in messages or [])
+        if pictured and not images:
             raise ConfigError(f"{path}:{number}: the row has images, but {flag} completes text prompts only (the "
                               f"images would not reach the model); give its text alone")
+        if pictured and messages is None:
+            raise ConfigError(f"{path}:{number}: a prompt with images is given as 'messages' with image parts beside "
+                              f"its 'images' (TRL's vision format), not as a 'prompt' string")
         rows.append((number, row))
     if not rows:
         raise ConfigError(f"{flag} {path}: no prompts in it")
@@ -81,6 +89,24 @@ def encode_prompts(rows: list[tuple[int, dict[str, Any]]], tokenizer: Any) -> li
     for number, row in rows:
         text = render(row, tokenizer)
         encoded.append(PromptRow(number, row, text, tokenizer(text, add_special_tokens="prompt" in row)["input_ids"]))
+    return encoded
+
+
+def encode_image_prompts(rows: list[tuple[int, dict[str, Any]]], processor: Any, path: Path) -> list[PromptRow]:
+    """An image-text model's prompt rows of file ``path`` through its processor (``plait.data.vision``, as training
+    encodes them): the chat rendered with the generation prompt, each image placeholder expanded into the model's
+    image tokens, the pixels beside; a ``prompt`` string (text only) tokenized with its special tokens."""
+    from plait.data.vision import VisionEncoder
+
+    encoder, encoded = VisionEncoder(processor, path.parent), []
+    for number, row in rows:
+        where = f"{path}:{number}"
+        if "prompt" in row:
+            text, example = row["prompt"], encoder.encode_text(row["prompt"], where)
+        else:
+            example = encoder.encode(row, where, prompt=True)  # a bad row refused here, naming its line
+            text = processor.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+        encoded.append(PromptRow(number, row, text, example.input_ids.tolist(), example))
     return encoded
 
 
@@ -115,6 +141,22 @@ def left_padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device | 
     ids = torch.tensor([[pad] * (width - len(row)) + list(row) for row in rows], device=device)
     mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], device=device)
     return ids, mask
+
+
+def left_images(examples: list[Any], pad: int) -> ImageBatch:
+    """The image inputs of a batch of encoded prompts (``plait.data.vision.collate``'s), the processor's per-token
+    tensors moved to the right end of each row as ``left_padded`` moves the ids (zeros in front)."""
+    from plait.data.vision import collate
+
+    images = collate(examples, pad).images
+    lengths = [len(example.input_ids) for example in examples]
+    tensors = dict(images.tensors)
+    for name in images.row_major:
+        moved = torch.zeros_like(tensors[name])
+        for r, length in enumerate(lengths):
+            moved[r, moved.shape[1] - length:] = tensors[name][r, :length]
+        tensors[name] = moved
+    return dataclasses.replace(images, tensors=tensors)
 
 
 def render(row: dict[str, Any], tokenizer: Any) -> str:
@@ -162,22 +204,24 @@ def completion_text(tokens: list[int], tokenizer: Any, stop: Sequence[str], ends
 def complete(
     pmodel: ParallelModel, tokenizer: Any, prompts: list[list[int]], *, batch_size: int, device: torch.device,
     max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-    stop: Sequence[str] = (), ends: Sequence[int] = (),
+    stop: Sequence[str] = (), ends: Sequence[int] = (), examples: list[Any] | None = None,
 ) -> list[tuple[str, int]]:
     """Each prompt's (token ids') completion and its count of new tokens, decoded ``batch_size`` prompts at a time
     (the global batch: a multiple of dp; the last batch filled with copies of its last prompt, so every batch splits
     alike) with the seed ``seed`` plus the batch's first index, ended at ``ends`` (``end_ids``; default the
-    tokenizer's EOS). Every rank calls it with the same prompts (a collective)."""
+    tokenizer's EOS). ``examples``: an image-text model's prompts as its processor encoded them (``PromptRow.example``:
+    their images reach the prompts' forward). Every rank calls it with the same prompts (a collective)."""
     pad, done, ends = pad_id(tokenizer), [], list(ends) or [tokenizer.eos_token_id]
     criteria = StopStringCriteria(tokenizer, list(stop)) if stop else None  # a row's decoding ends at a stop string
     for first in range(0, len(prompts), batch_size):
-        batch = prompts[first: first + batch_size]
-        batch += batch[-1:] * (batch_size - len(batch))
-        ids, mask = left_padded(batch, pad, device)
+        rows = list(range(first, min(first + batch_size, len(prompts))))
+        rows += rows[-1:] * (batch_size - len(rows))
+        ids, mask = left_padded([prompts[r] for r in rows], pad, device)
+        images = None if examples is None else left_images([examples[r] for r in rows], pad).to(device)
         width = ids.shape[1]
         out = pmodel.generate(ids, mask, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, seed=seed + first, eos_token_id=ends, pad_token_id=pad,
-                              stopping_criteria=criteria)
+                              stopping_criteria=criteria, images=images)
         done += [completion_text(new, tokenizer, stop, ends) for new in out[:, width:].tolist()]
     return done[: len(prompts)]
 

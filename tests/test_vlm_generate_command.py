@@ -1,0 +1,117 @@
+"""``plait generate`` for an image-text model: prompts in TRL's vision format (``messages`` with image parts beside
+``images``) encoded by the model's processor, as training encodes rows, their pixels reaching the prompts' forward.
+A tiny LLaVA with its processor: one process equals transformers' ``generate`` on each prompt with the processor's
+pixels, and tp=2 (two prompts a batch, left padded with their images) and dp=2 give the same completions; what it
+does not serve is one line before any process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from test_vision_data import picture, template, tokenizer, turn
+
+from plait.cli import main
+from plait.run.prompts import completion_text
+from processes import run
+
+ROWS = [{"messages": [turn("user", None, "describe the picture")], "images": ["0.png"]},
+        {"messages": [turn("user", "what colour is it")]},  # text only, beside image rows in a batch
+        {"messages": [turn("user", None, None, "describe the picture")], "images": ["1.png", "2.png"], "id": 3},
+        {"prompt": "a red square on"}]
+FLAGS = ["--max_new_tokens", "5"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    root = tmp_path_factory.mktemp("vlm-generate")
+    tok = tokenizer("<image>")
+    images = CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=4, vision_feature_select_strategy="default",
+                   num_additional_image_tokens=1, image_token="<image>",
+                   chat_template=template("<image>")).save_pretrained(root / "model")
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=16, patch_size=4, projection_dim=32)
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1, vision_feature_select_strategy="default")).save_pretrained(root / "model")
+    for seed in range(3):
+        picture(seed).save(root / f"{seed}.png")
+    (root / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    return root
+
+
+def transformers_completions(root) -> list[str]:
+    """transformers' greedy ``generate`` on each prompt alone, with the processor's ids and pixels."""
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(root / "model")
+    model = LlavaForConditionalGeneration.from_pretrained(root / "model").eval()
+    done = []
+    for row in ROWS:
+        if "prompt" in row:
+            inputs = processor(text=[row["prompt"]], return_tensors="pt")
+        else:
+            text = processor.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+            pictures = [Image.open(root / name) for name in row.get("images", [])] or None
+            inputs = processor(text=[text], images=pictures, return_tensors="pt", add_special_tokens=False)
+        tokenizer_ = processor.tokenizer
+        out = model.generate(**inputs, max_new_tokens=5, do_sample=False, eos_token_id=tokenizer_.eos_token_id,
+                             pad_token_id=tokenizer_.pad_token_id)
+        done.append(completion_text(out[0, inputs["input_ids"].shape[1]:].tolist(), tokenizer_, [])[0])
+    return done
+
+
+def generate(root, name: str, *flags: str) -> list[dict]:
+    out = root / name
+    main(["generate", "--model_name_or_path", str(root / "model"), "--prompts", str(root / "prompts.jsonl"),
+          "--output", str(out), *FLAGS, *flags])
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_image_prompts_complete_as_transformers_generate_and_in_every_layout(files):
+    one = generate(files, "one.jsonl", "--batch_size", "1")
+    assert [{k: v for k, v in row.items() if k != "completion"} for row in one] == ROWS  # rows kept, in order
+    assert [row["completion"] for row in one] == transformers_completions(files)
+    for name, flags in (("tp2", ["--tensor_parallel_size", "2", "--batch_size", "2"]),
+                        ("dp2", ["--batch_size", "2"])):
+        out = files / f"{name}.jsonl"
+        done = run([sys.executable, "-m", "plait", "generate", "--model_name_or_path", str(files / "model"),
+                    "--prompts", str(files / "prompts.jsonl"), "--output", str(out), "--nproc_per_node", "2",
+                    *FLAGS, *flags], timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert [json.loads(line) for line in out.read_text().splitlines()] == one, name
+
+
+@pytest.mark.parametrize("case", ["pp2", "zero3-replica", "prompt-with-images", "missing-image"])
+def test_what_image_generation_does_not_serve_is_one_line_before_any_process_group(files, tmp_path, capsys, case):
+    rows = {"prompt-with-images": [{"prompt": "<image> describe", "images": ["0.png"]}],
+            "missing-image": [{"messages": [turn("user", None, "describe")], "images": ["absent.png"]}]}.get(case, ROWS)
+    prompts = files / f"{case}.jsonl"  # beside the pictures: relative paths are read from the file's directory
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    flags = {"pp2": ["--nproc_per_node", "2", "--pipeline_parallel_size", "2"],
+             "zero3-replica": ["--nproc_per_node", "2", "--zero_stage", "3", "--batch_size", "2"]}.get(case, [])
+    expected = {
+        "pp2": "generation with images is not served under pipeline parallelism (--pipeline_parallel_size 2); "
+               "generate at pp=1",
+        "zero3-replica": "--zero_stage 3: prompts 1 to 1 hold no image, and every replica's prompts of a batch need one",
+        "prompt-with-images": f"{prompts}:1: a prompt with images is given as 'messages' with image parts beside "
+                              f"its 'images'",
+        "missing-image": f"{prompts}:1: images[0] ({files / 'absent.png'}) cannot be read",
+    }[case]
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model_name_or_path", str(files / "model"), "--prompts", str(prompts), "--output",
+              str(tmp_path / "out.jsonl"), *FLAGS, *flags])
+    said = capsys.readouterr().err
+    assert exit_.value.code == 2 and said.count("plait: error:") == 1 and expected in said, said
+    assert not (tmp_path / "out.jsonl").exists()
