@@ -85,3 +85,17 @@ def test_a_run_without_a_tokenizer_is_told_to_give_one(tmp_path):
     with pytest.raises(ConfigError, match=r"the run has no tokenizer to write and read prompts with; give "
                                           r"--tokenizer_name$"):
         EvalPrompts(tmp_path / "prompts.jsonl", None, 8, 2, None)
+
+
+def test_image_prompts_for_a_text_model_are_refused_where_the_model_is_known(tmp_path):
+    """--eval_prompts' file is read for its form when the flags are checked (images allowed: an image-text run's
+    prompts may hold them) and refused for a text model's run once the model is known, before any process group."""
+    from plait.run.prompts import EvalPrompts
+
+    row = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "a"}]}],
+           "images": ["x.png"]}
+    (tmp_path / "prompts.jsonl").write_text(json.dumps(row) + "\n")
+    TrainArgs(eval_prompts=str(tmp_path / "prompts.jsonl")).validate()
+    with pytest.raises(ConfigError, match=r"prompts.jsonl:1: the row has images, but --eval_prompts completes text "
+                                          r"prompts only"):
+        EvalPrompts(tmp_path / "prompts.jsonl", object(), 8, 2, None)

@@ -47,6 +47,10 @@ def files(tmp_path_factory):
     for seed in range(3):
         picture(seed).save(root / f"{seed}.png")
     (root / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    train = [{"messages": [turn("user", *[None] * (i % 2), "describe the picture"),
+                           turn("assistant", "a red square on blue" if i % 3 else "blue")],
+              "images": [f"{i % 3}.png"] * (i % 2)} for i in range(8)]
+    (root / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in train))
     return root
 
 
@@ -104,7 +108,8 @@ def test_what_image_generation_does_not_serve_is_one_line_before_any_process_gro
     expected = {
         "pp2": "generation with images is not served under pipeline parallelism (--pipeline_parallel_size 2); "
                "generate at pp=1",
-        "zero3-replica": "--zero_stage 3: prompts 1 to 1 hold no image, and every replica's prompts of a batch need one",
+        "zero3-replica": "--zero_stage 3: prompts 1 to 1 of --prompts hold no image, and every replica's prompts of "
+                         "a batch need one",
         "prompt-with-images": f"{prompts}:1: a prompt with images is given as 'messages' with image parts beside "
                               f"its 'images'",
         "missing-image": f"{prompts}:1: images[0] ({files / 'absent.png'}) cannot be read",
@@ -115,3 +120,26 @@ def test_what_image_generation_does_not_serve_is_one_line_before_any_process_gro
     said = capsys.readouterr().err
     assert exit_.value.code == 2 and said.count("plait: error:") == 1 and expected in said, said
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_eval_prompts_with_images_are_the_checkpoints_completions(files):
+    """``plait train --eval_prompts`` on an image-text run (tp=2 with SP): at each evaluation, the completions of
+    image prompts from that step's weights, as ``plait generate`` gives them from the step's checkpoint."""
+    from plait.run.metrics import read_metrics
+
+    out = files / "run"
+    done = run([sys.executable, "-m", "plait", "train", "--model_name_or_path", str(files / "model"), "--train_file",
+                str(files / "rows.jsonl"), "--output_dir", str(out), "--nproc_per_node", "2",
+                "--tensor_parallel_size", "2", "--max_steps", "2", "--eval_steps", "2", "--save_steps", "2",
+                "--per_device_train_batch_size", "2", "--block_size", "96", "--learning_rate", "0.01",
+                "--eval_prompts", str(files / "prompts.jsonl"), "--eval_max_new_tokens", "5"],
+               timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    samples = next(r["samples"] for r in read_metrics(out) if r["step"] == 2 and "samples" in r)
+    rows = [json.loads(line) for line in (files / "prompts.jsonl").read_text().splitlines()]
+    from_checkpoint = files / "from-checkpoint.jsonl"
+    main(["generate", "--model_name_or_path", str(out / "checkpoint-2"), "--prompts", str(files / "prompts.jsonl"),
+          "--output", str(from_checkpoint), *FLAGS, "--batch_size", "2"])
+    expected = [json.loads(line)["completion"] for line in from_checkpoint.read_text().splitlines()]
+    assert [sample["completion"] for sample in samples] == expected
+    assert len(samples) == len(rows) and expected != [row["completion"] for row in generate(files, "base.jsonl")]

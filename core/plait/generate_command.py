@@ -139,23 +139,12 @@ def check_images_served(ns: argparse.Namespace, world: int, config: Any, images:
     an image (the batches as ``plait.run.prompts.complete`` forms them)."""
     if not any(images):
         return
-    from plait.generation.images import check_image_layout
+    from plait.generation.images import check_image_layout, check_replicas_hold_images
 
     check_image_layout(config, (config.architectures or [config.model_type])[0], ns.pipeline_parallel_size)
-    if ns.zero_stage < 2:
-        return
-    per = ns.batch_size // (world // (ns.tensor_parallel_size * ns.pipeline_parallel_size))
-    for first in range(0, len(images), ns.batch_size):
-        batch = images[first: first + ns.batch_size]
-        batch += batch[-1:] * (ns.batch_size - len(batch))
-        for replica in range(0, ns.batch_size, per):
-            if not any(batch[replica: replica + per]):
-                last = first + replica + per - 1
-                raise ConfigError(f"--zero_stage {ns.zero_stage}: prompts {first + replica} to {last} hold no image, "
-                                  f"and every replica's prompts of a batch need one (the vision tower's shards are "
-                                  f"gathered by every replica together); order the prompts so that each "
-                                  f"--batch_size {ns.batch_size} batch's replicas hold an image, or use "
-                                  f"--zero_stage 1")
+    if ns.zero_stage >= 2:
+        dp = world // (ns.tensor_parallel_size * ns.pipeline_parallel_size)
+        check_replicas_hold_images(images, ns.batch_size, dp, "--prompts", f"--zero_stage {ns.zero_stage}")
 
 
 def generation_config(path: Path | None, config: Any) -> Any:

@@ -80,3 +80,20 @@ def check_image_layout(model_config: Any, name: str, pp: int) -> None:
         raise ConfigError(f"generation with images is not served for {name}: its rotary positions follow the images' "
                           f"grids (M-RoPE), which transformers carries between decoding steps and plait's decoding "
                           f"does not; generate with a model of one position per token (LLaVA, Gemma 3, ...)")
+
+
+def check_replicas_hold_images(images: list[int], batch_size: int, dp: int, what: str, stage: str) -> None:
+    """Under ZeRO-2/3, refuse prompts (``images``: each one's image count, in order) of which a batch of
+    ``batch_size`` (the last filled with copies of its last prompt, as ``plait.run.prompts.complete`` fills it) gives
+    a data-parallel replica no image: ``ParallelModel.generate`` would refuse it mid-run, after the process group."""
+    per = batch_size // dp
+    for first in range(0, len(images), batch_size):
+        batch = images[first: first + batch_size]
+        batch += batch[-1:] * (batch_size - len(batch))
+        for replica in range(0, batch_size, per):
+            if not any(batch[replica: replica + per]):
+                last = first + replica + per - 1
+                raise ConfigError(f"{stage}: prompts {first + replica} to {last} of {what} hold no image, and every "
+                                  f"replica's prompts of a batch need one (the vision tower's shards are gathered by "
+                                  f"every replica together); order the prompts so that each batch of {batch_size} "
+                                  f"gives every replica an image, or use ZeRO-1")

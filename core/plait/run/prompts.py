@@ -232,29 +232,53 @@ class EvalPrompts:
     before any process group), completed greedily from the training layout's own shards at each evaluation: the
     same completions as one process from the weights of that step."""
 
-    def __init__(self, path: Path, tokenizer: Any, max_new_tokens: int, per_replica: int, config: Any) -> None:
-        rows = read_prompts(path, "--eval_prompts")
+    def __init__(self, path: Path, tokenizer: Any, max_new_tokens: int, per_replica: int, config: Any,
+                 processor: Any = None) -> None:
+        """``processor``: an image-text model's, which encodes the prompts and their images
+        (``encode_image_prompts``)."""
+        rows = read_prompts(path, "--eval_prompts", images=processor is not None)
         if tokenizer is None:
             raise ConfigError(f"--eval_prompts {path}: the run has no tokenizer to write and read prompts with; "
                               f"give --tokenizer_name")
         pad_id(tokenizer)
         self.tokenizer, self.max_new_tokens, self.per_replica = tokenizer, max_new_tokens, per_replica
-        self.prompts = encode_prompts(rows, tokenizer)
+        self.prompts = encode_prompts(rows, tokenizer) if processor is None else \
+            encode_image_prompts(rows, processor, path)
         check_room(path, self.prompts, max_new_tokens, "--eval_max_new_tokens", config)
 
     @classmethod
-    def of_run(cls, args: Any, tokenizer: Any, config: Any) -> EvalPrompts | None:
-        """A run's --eval_prompts rendered with its tokenizer, each prompt checked (None without the flag)."""
+    def of_run(cls, args: Any, tokenizer: Any, config: Any, layout: Any) -> EvalPrompts | None:
+        """A run's --eval_prompts rendered with its tokenizer (an image-text model's: with its processor, images
+        and all), each prompt checked, and images generation does not serve at the run's ``layout`` (a
+        ParallelConfig) refused (None without the flag)."""
         if not args.eval_prompts:
             return None
-        return cls(Path(args.eval_prompts), tokenizer, args.eval_max_new_tokens, args.per_device_train_batch_size,
-                   config)
+        from plait.base.meta import takes_images
+
+        processor = None
+        folder = args.tokenizer_name or args.model_name_or_path
+        if takes_images(config) and folder is not None:
+            from plait.data.vision import load_processor
+
+            processor = load_processor(folder)
+        found = cls(Path(args.eval_prompts), tokenizer, args.eval_max_new_tokens, args.per_device_train_batch_size,
+                    config, processor)
+        images = [0 if p.example is None else p.example.num_images for p in found.prompts]
+        if any(images):
+            from plait.generation.images import check_image_layout, check_replicas_hold_images
+
+            check_image_layout(config, (config.architectures or [config.model_type])[0], layout.pp)
+            if layout.fsdp:
+                check_replicas_hold_images(images, found.per_replica * layout.dp, layout.dp, "--eval_prompts",
+                                           f"--zero_stage {layout.zero_stage}")
+        return found
 
     def samples(self, pmodel: ParallelModel, device: torch.device) -> list[dict[str, str]]:
         """Each prompt with its completion, on every rank (every rank calls it), decoded a training batch of
         prompts at a time, ended where the model's generation config ends it."""
+        examples = [p.example for p in self.prompts] if self.prompts[0].example is not None else None
         done = complete(pmodel, self.tokenizer, [p.ids for p in self.prompts],
                         batch_size=self.per_replica * pmodel.mesh.dp, device=device,
-                        max_new_tokens=self.max_new_tokens,
+                        max_new_tokens=self.max_new_tokens, examples=examples,
                         ends=end_ids(self.tokenizer, getattr(pmodel.module, "generation_config", None)))
         return [{"prompt": p.text, "completion": completion} for p, (completion, _) in zip(self.prompts, done)]

@@ -186,7 +186,7 @@ class TrainArgs(MethodArgs):
             raise ConfigError(f"--moe_aux_loss_scope={self.moe_aux_loss_scope!r} is unknown; choose one of "
                               f"{', '.join(MOE_AUX_LOSS_SCOPES)}")
         if self.eval_prompts is not None:
-            read_prompts(Path(self.eval_prompts), "--eval_prompts")
+            read_prompts(Path(self.eval_prompts), "--eval_prompts", images=True)  # a text model's: EvalPrompts
         if self.context_parallel_size > 1:
             config = self.parallel_config()
             check_length(self.block_size, config.cp, config.tp, config.sequence_parallel)

@@ -160,7 +160,7 @@ def check_before_launch(args: TrainArgs, world: int) -> None:
     once; the workers read it back."""
     resume, model_config, _, _, plan = plan_run(args, world)
     _, _, tokenizer = run_data(args, model_config, plan, method_for(args), resume)
-    EvalPrompts.of_run(args, tokenizer, model_config)
+    EvalPrompts.of_run(args, tokenizer, model_config, plan.config)
 
 
 def run_data(args: TrainArgs, model_config: PretrainedConfig, plan: LayoutPlan, method: type[TrainingMethod],
@@ -195,7 +195,7 @@ class Trainer:
         check_float8_device(plan.config, device)  # float8 off a float8 GPU: before any data is read
         # Data before any process group: a bad file fails every rank at once, never inside a collective.
         self.blocks, self.val_blocks, self.tokenizer = run_data(args, model_config, plan, method, resume)
-        self.eval_prompts = EvalPrompts.of_run(args, self.tokenizer, model_config)
+        self.eval_prompts = EvalPrompts.of_run(args, self.tokenizer, model_config, plan.config)
         init_distributed(device, args.backend, args.ddp_timeout)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.heartbeat = Heartbeat.start(int(os.environ.get("RANK", "0")), world)  # names a stuck rank on a timeout
