@@ -43,9 +43,9 @@ def test_images_generation_does_not_serve_are_refused_in_one_line(ranks):
                "data and context parallelism and ZeRO serve it",
         "grid_positions": "generation with images is not served for Qwen2VLForConditionalGeneration: its rotary "
                           "positions follow the images' grids (M-RoPE)",
-        "zero3_replica_without_images": "under ZeRO-3 every data-parallel replica's prompts need an image (the vision "
-                                        "tower's shards are gathered by every replica together), but replica 0's "
-                                        "(prompts 0 to 1) hold none",
+        "zero3_replica_without_images": "ZeRO-3: prompts 0 to 1 of the batch hold no image, and every replica's "
+                                        "prompts of a batch need one (the vision tower's shards are gathered by every "
+                                        "replica together)",
         "rows": "generation was given the images of 4 rows for a batch of 2 prompts",
         "text_model": "generation was given images, but LlamaForCausalLM is a text model",
     }

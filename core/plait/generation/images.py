@@ -60,13 +60,7 @@ def check_image_prompts(module: nn.Module, mesh: Mesh, batch: int, images: Image
     config = mesh.config
     check_image_layout(module.config, name, config.pp)
     if config.fsdp:
-        per = batch // mesh.dp
-        empty = [r for r in range(mesh.dp) if not int(images.take(slice(r * per, (r + 1) * per)).per_row.sum())]
-        if empty:
-            raise ConfigError(f"under ZeRO-{config.zero_stage} every data-parallel replica's prompts need an image "
-                              f"(the vision tower's shards are gathered by every replica together), but replica "
-                              f"{empty[0]}'s (prompts {empty[0] * per} to {(empty[0] + 1) * per - 1}) hold none; mix "
-                              f"the image prompts over the batch, or use ZeRO-1")
+        check_replicas_hold_images(images.per_row.tolist(), batch, mesh.dp, "the batch", f"ZeRO-{config.zero_stage}")
 
 
 def check_image_layout(model_config: Any, name: str, pp: int) -> None:

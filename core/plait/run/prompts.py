@@ -9,8 +9,9 @@ padded by hand with the tokenizer's pad token (its EOS where it has none), so th
 checkpoints is never changed. A completion ends at an end token (not shown): the model's generation config's
 ``eos_token_id``, one or a list (a chat model's end of turn), as ``generate`` ends; or before the first stop string,
 where decoding stops as transformers' ``generate(stop_strings=...)`` stops (its ``StopStringCriteria``).
-Rows with images are refused (text prompts only: the images would not reach the model), and so is a prompt whose
-tokens and new tokens need more positions than the model has.
+Rows with images are refused for a text model (the images would not reach it); an image-text model's processor
+encodes them as training does (``encode_image_prompts``), their pixels going to the prompts' forward. A prompt whose
+tokens and new tokens need more positions than the model has is refused.
 """
 
 from __future__ import annotations
