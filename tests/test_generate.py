@@ -6,7 +6,7 @@ tokens, on every rank (tp, dp, ZeRO-1/2/3, ep, pp, cp, LoRA), with left-padded p
 EOS that ends rows early; for Llama also an EOS that every row meets early, where the batch stops as transformers'
 does. A world of 4 adds pp=4 (middle stages), pp=2 x dp=2 and pp=2 x tp=2 with SP. Mistral's sliding window of 6
 (its mask counts cache entries) under SP, in both worlds: each step's pads come after its token and leave the
-cache (before, they filled the window: other tokens than one process's)."""
+cache (before, they filled the window: other tokens than one process's); Llama 4's chunked attention under SP."""
 
 from __future__ import annotations
 

@@ -42,6 +42,8 @@ CASES = {
     "mixtral-ep2": ("mixtral", dict(ep=2)),
     # a sliding window of 6 (its mask counts cache entries) under SP, whose pads each step must not fill
     "mistral-tp2-sp": ("mistral", dict(tp=2)),
+    # chunked attention (chunks of 8: the prompts and completions cross two) with no rope in every other layer, under SP
+    "llama4_text-tp2-sp": ("llama4_text", dict(tp=2)),
     # a stage a rank: each stage's own KV cache, the hidden states of each step handed on, the last stage's logits back
     "llama-pp2": ("llama", dict(pp=2, num_microbatches=2)),
     "gpt2-pp2": ("gpt2", dict(pp=2, num_microbatches=2)),  # its head tied to the first stage's embedding
@@ -94,16 +96,16 @@ def one_process(reference, ids, mask) -> dict[str, list]:
 
 
 def model(arch: str) -> torch.nn.Module:
-    """tests/tiny_models' model, or the generic adapter's tiny config of ``arch`` (a MoE: mixtral)."""
+    """tests/tiny_models' model, or the generic adapter's tiny config of ``arch`` (mixtral, llama4_text)."""
     if arch == "llama4":  # a layer a stage at pp=4 (seed 1: its free greedy rows share a token by the 11th)
         return tiny_model("llama", seed=1, num_hidden_layers=4)
-    if arch != "mixtral":
+    if arch not in ("mixtral", "llama4_text"):
         return tiny_model(arch, seed=0)
     from plait_transformers import plait_tiny_config
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(plait_tiny_config("mixtral"))
+    return AutoModelForCausalLM.from_config(plait_tiny_config(arch))
 
 
 def run_case(name: str) -> dict:
