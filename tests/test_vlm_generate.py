@@ -1,8 +1,8 @@
-"""``ParallelModel.generate`` with images: an image-text model's prompts completed from its shards, the images read
-by the prompts' forward (plait.generation.images). One world of 2 (tests/workers/vlm_generate.py): a tiny LLaVA on
-every layout that serves it, Idefics3 and Gemma 3 on two each, greedy equal to transformers' ``generate`` with the
-same pixels on one process and sampled equal to the same decoding in one process, on every rank; what is not served
-is refused in one line before any collective."""
+"""``ParallelModel.generate`` with images: an image-text model's prompts completed from its shards, the images read by
+the prompts' forward (plait.generation.images). One world of 2 (tests/workers/vlm_generate.py): a tiny LLaVA on every
+layout that serves it, Idefics3, Gemma 3, Qwen2-VL and Qwen3-VL (grid positions, deepstack) on one to three, greedy
+equal to transformers' ``generate`` with the same pixels on one process and sampled equal to the same decoding in one
+process, on every rank; what is not served is refused in one line before any collective."""
 
 from __future__ import annotations
 
@@ -41,8 +41,6 @@ def test_images_generation_does_not_serve_are_refused_in_one_line(ranks):
     expected = {
         "pp2": "generation with images is not served under pipeline parallelism (pp=2); generate at pp=1: tensor, "
                "data and context parallelism and ZeRO serve it",
-        "grid_positions": "generation with images is not served for Qwen2VLForConditionalGeneration: its rotary "
-                          "positions follow the images' grids (M-RoPE)",
         "zero3_replica_without_images": "ZeRO-3: prompts 0 to 1 of the batch hold no image, and every replica's "
                                         "prompts of a batch need one (the vision tower's shards are gathered by every "
                                         "replica together)",

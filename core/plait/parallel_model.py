@@ -335,8 +335,10 @@ class ParallelModel(nn.Module):
         cache, prompts = StageCache(), PromptImages(images, rows)
 
         def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, pads: int) -> torch.Tensor:
-            keep = {"logits_to_keep": pads + 1} if last else {}
-            out = self._model(ids, mask, positions, use_cache=True, **{cache_name: cache}, **keep, **prompts.take(ids))
+            keep, pictures = {"logits_to_keep": pads + 1} if last else {}, prompts.take(ids)
+            sp = self.mesh.tp_group if self.config.sequence_parallel else None  # deepstack's visual tokens cut
+            with deepstack_on_local_tokens(self.module, None, sp) if pictures else contextlib.nullcontext():
+                out = self._model(ids, mask, positions, use_cache=True, **{cache_name: cache}, **keep, **pictures)
             return self.gather_logits(drop_pads(out.logits, cache, pads))
 
         def all_done(mine: bool, groups: tuple = (comm.world_group(),)) -> bool:
@@ -356,8 +358,10 @@ class ParallelModel(nn.Module):
         try:
             with torch.no_grad(), whole:
                 if self.pipeline is None:
+                    grid = None if images is None else \
+                        grid_position_ids(self.module, input_ids[rows], attention_mask[rows], images.take(rows))
                     ids = decode(forward, input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
-                                 all_done=all_done, **settings)
+                                 all_done=all_done, position_ids=grid, **settings)  # grid: M-RoPE's positions
                 else:  # the last stages of the replicas agree when every row is done
                     done = functools.partial(all_done, groups=(self.mesh.dp_group, self.mesh.cp_group))
                     ids = decode_stages(self.pipeline.chunks, self.mesh, self.module, self.gather_logits,

@@ -24,14 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import plait  # noqa: E402
 from plait.base import comm  # noqa: E402
-from plait.base.images import ImageBatch  # noqa: E402
+from plait.base.images import ImageBatch, grid_position_ids  # noqa: E402
 from plait.generation.decode import decode, drop_pads  # noqa: E402
 from plait.generation.images import PromptImages  # noqa: E402
-from plait_transformers.tiny_vision import image_text_batch, tiny_image_text_config  # noqa: E402
+from plait_transformers.tiny_vision import image_text_batch  # noqa: E402
 from plait_transformers.vision_parity import tiny_model  # noqa: E402
 from tiny_models import tiny_model as tiny_text_model  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
-from workers.vlm_parity import llava  # noqa: E402
+from workers.vlm_parity import llava, tiny_config  # noqa: E402
 
 NEW, PAD, EOS = 6, 0, 7  # EOS: transformers reads a None as the generation config's own
 PER_ROW = [1, 0, 2, 1]
@@ -41,7 +41,10 @@ LAYOUTS = {"tp2_sp": dict(tp=2), "tp2": dict(tp=2, sp=False), "dp2": dict(), "ze
 # the families of the generic adapter's tiny image-text configs with a position per token: Idefics3 (its
 # connector's pixel shuffle), Gemma 3 (token types: its image tokens attend each other in the prompts' forward; a
 # sliding window of 6, which the pads of SP's decoding steps filled until they left the cache)
-FAMILIES = {"idefics3": ("tp2_sp", "zero3_dp2"), "gemma3": ("tp2_sp", "dp2", "tp2")}
+# Qwen2-VL's rotary positions follow the images' grids (M-RoPE: its get_rope_index gives the prompts', each step
+# one on); Qwen3-VL adds visual tokens after its first decoder layer (deepstack), cut to each rank's under SP
+FAMILIES = {"idefics3": ("tp2_sp", "zero3_dp2"), "gemma3": ("tp2_sp", "dp2", "tp2"), "qwen2_vl": ("tp2_sp", "dp2"),
+            "qwen3_vl_deepstack": ("tp2_sp",)}
 
 
 def llava_prompts(model) -> tuple[torch.Tensor, torch.Tensor, ImageBatch]:
@@ -90,7 +93,8 @@ def one_process(model, ids, mask, images: ImageBatch) -> dict[str, list]:
             return drop_pads(out.logits, cache, pads)
 
         sampled = decode(forward, ids, mask, slice(0, len(ids)), len(ids), max_new_tokens=NEW, eos_token_id=EOS,
-                         pad_token_id=PAD, all_done=lambda mine: mine, **SAMPLING)
+                         pad_token_id=PAD, all_done=lambda mine: mine, **SAMPLING,
+                         position_ids=grid_position_ids(model, ids, mask, images))
     return {"greedy": greedy[:, ids.shape[1]:].tolist(), "sampled": sampled[:, ids.shape[1]:].tolist()}
 
 
@@ -106,12 +110,8 @@ def run(model, ids, mask, images: ImageBatch, layout: dict) -> dict[str, list]:
 
 def refusals(model, ids, mask, images: ImageBatch) -> dict[str, str]:
     """What generate says, on every rank before any collective, for images it does not serve."""
-    qwen = tiny_image_text_config("qwen2_vl")
-    torch.manual_seed(0)
-    q_ids, q_mask, q_images = family_prompts(qwen)
     text_only = ImageBatch({"pixel_values": images.tensors["pixel_values"][1:]}, torch.tensor([0, 0, 2, 1]))
     cases = {"pp2": (model, dict(pp=2, num_microbatches=2), ids, mask, images),
-             "grid_positions": (tiny_model(qwen), dict(tp=2), q_ids, q_mask, q_images),
              "zero3_replica_without_images": (model, dict(zero_stage=3), ids, mask, text_only),
              "rows": (model, dict(tp=2), ids[:2], mask[:2], images),
              "text_model": (tiny_text_model("llama", seed=0), dict(tp=2), ids.clamp(max=60), mask, images)}
@@ -134,7 +134,7 @@ def main() -> None:
     for name, layout in LAYOUTS.items():
         results["llava"][name] = run(model, ids, mask, images, layout)
     for family, layouts in FAMILIES.items():
-        config = tiny_image_text_config(family)
+        config = tiny_config(family)
         torch.manual_seed(0)
         subject = tiny_model(config)
         f_ids, f_mask, f_images = family_prompts(config)

@@ -90,7 +90,7 @@ def decode(
     forward: Callable[..., torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: slice,
     total_rows: int, *, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
     eos_token_id: int | Sequence[int] | None, pad_token_id: int, all_done: Callable[[bool], bool], width: int = 1,
-    stopping_criteria: Criteria | None = None,
+    stopping_criteria: Criteria | None = None, position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decoding loop over ``rows`` of a global batch of ``total_rows``: ``forward(ids, mask, positions, pads)``
     (which holds the KV cache) gives the full-vocabulary logits of the position before the last ``pads`` and drops
@@ -103,7 +103,7 @@ def decode(
     a sliding window (Gemma's, Mistral's: it counts cache entries) covers the tokens it covers at width 1 (pads
     before the token filled the window: Gemma 3's window of 6 saw 3 tokens at tp=2) and the tokens are width 1's."""
     generator = torch.Generator().manual_seed(seed)
-    step_ids, mask, positions = first_inputs(input_ids, attention_mask, pad_token_id, width)
+    step_ids, mask, positions = first_inputs(input_ids, attention_mask, pad_token_id, width, position_ids)
     logits = forward(step_ids, mask, positions, 0)
     ids = input_ids
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
@@ -122,11 +122,15 @@ def decode(
 
 
 def first_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int, width: int,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The prompts' forward: ids, mask and positions, left padded to a multiple of ``width`` (masked pads)."""
+                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prompts' forward: ids, mask and positions, left padded to a multiple of ``width`` (masked pads);
+    ``position_ids``: the prompts' own ([3, rows, length]: an M-RoPE model's, from its ``get_rope_index``), else
+    counted along the mask."""
     extra = -input_ids.shape[1] % width
     mask = F.pad(attention_mask, (extra, 0))
-    return F.pad(input_ids, (extra, 0), value=pad_token_id), mask, (mask.long().cumsum(-1) - 1).clamp(min=0)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0) if position_ids is None else \
+        F.pad(position_ids, (extra, 0), value=1)
+    return F.pad(input_ids, (extra, 0), value=pad_token_id), mask, positions
 
 
 def next_inputs(token: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, pad_token_id: int, width: int,
@@ -135,7 +139,7 @@ def next_inputs(token: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
     the token (the step's forward masks the pads after it: ``F.pad(mask, (0, width - 1))``); the positions one on."""
     ids = F.pad(token[:, None], (0, width - 1), value=pad_token_id)
     mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-    return ids, mask, (positions[:, -1:] + 1).expand(-1, width)
+    return ids, mask, (positions[..., -1:] + 1).expand(*positions.shape[:-1], width)  # M-RoPE's 3 alike
 
 
 def drop_pads(logits: torch.Tensor, cache: DynamicCache, pads: int) -> torch.Tensor:
