@@ -37,14 +37,16 @@ NEW, PAD, EOS = 6, 0, 7  # EOS: transformers reads a None as the generation conf
 PER_ROW = [1, 0, 2, 1]
 SAMPLING = dict(temperature=0.8, top_k=20, top_p=0.9, seed=5)
 LAYOUTS = {"tp2_sp": dict(tp=2), "tp2": dict(tp=2, sp=False), "dp2": dict(), "zero1_dp2": dict(zero_1=True),
-           "zero3_dp2": dict(zero_stage=3), "cp2": dict(cp=2)}
+           "zero3_dp2": dict(zero_stage=3), "cp2": dict(cp=2),
+           # each micro-batch's images to its prompts' forward: the pixels on the first stage, token types on both
+           "pp2": dict(pp=2, num_microbatches=2)}
 # the families of the generic adapter's tiny image-text configs with a position per token: Idefics3 (its
 # connector's pixel shuffle), Gemma 3 (token types: its image tokens attend each other in the prompts' forward; a
 # sliding window of 6, which the pads of SP's decoding steps filled until they left the cache)
 # Qwen2-VL's rotary positions follow the images' grids (M-RoPE: its get_rope_index gives the prompts', each step
 # one on); Qwen3-VL adds visual tokens after its first decoder layer (deepstack), cut to each rank's under SP
-FAMILIES = {"idefics3": ("tp2_sp", "zero3_dp2"), "gemma3": ("tp2_sp", "dp2", "tp2"), "qwen2_vl": ("tp2_sp", "dp2"),
-            "qwen3_vl_deepstack": ("tp2_sp",)}
+FAMILIES = {"idefics3": ("tp2_sp", "zero3_dp2"), "gemma3": ("tp2_sp", "dp2", "tp2", "pp2"),
+            "qwen2_vl": ("tp2_sp", "dp2"), "qwen3_vl_deepstack": ("tp2_sp",)}
 
 
 def llava_prompts(model) -> tuple[torch.Tensor, torch.Tensor, ImageBatch]:
@@ -108,10 +110,19 @@ def run(model, ids, mask, images: ImageBatch, layout: dict) -> dict[str, list]:
     return found
 
 
+def family(name: str) -> tuple:
+    """The generic adapter's tiny image-text model ``name`` (seeded) and its prompts: ids, mask, images."""
+    config = tiny_config(name)
+    torch.manual_seed(0)
+    return (tiny_model(config), *family_prompts(config))
+
+
 def refusals(model, ids, mask, images: ImageBatch) -> dict[str, str]:
     """What generate says, on every rank before any collective, for images it does not serve."""
     text_only = ImageBatch({"pixel_values": images.tensors["pixel_values"][1:]}, torch.tensor([0, 0, 2, 1]))
-    cases = {"pp2": (model, dict(pp=2, num_microbatches=2), ids, mask, images),
+    pp2 = dict(pp=2, num_microbatches=2)
+    grid = family("qwen2_vl")
+    cases = {"pp2_grid_positions": (grid[0], pp2, *grid[1:]),
              "zero3_replica_without_images": (model, dict(zero_stage=3), ids, mask, text_only),
              "rows": (model, dict(tp=2), ids[:2], mask[:2], images),
              "text_model": (tiny_text_model("llama", seed=0), dict(tp=2), ids.clamp(max=60), mask, images)}
@@ -133,14 +144,11 @@ def main() -> None:
     results = {"llava": {"one_process": one_process(copy.deepcopy(model), ids, mask, images)}}
     for name, layout in LAYOUTS.items():
         results["llava"][name] = run(model, ids, mask, images, layout)
-    for family, layouts in FAMILIES.items():
-        config = tiny_config(family)
-        torch.manual_seed(0)
-        subject = tiny_model(config)
-        f_ids, f_mask, f_images = family_prompts(config)
-        results[family] = {"one_process": one_process(copy.deepcopy(subject), f_ids, f_mask, f_images)}
-        for name in layouts:
-            results[family][name] = run(subject, f_ids, f_mask, f_images, LAYOUTS[name])
+    for name, layouts in FAMILIES.items():
+        subject, f_ids, f_mask, f_images = family(name)
+        results[name] = {"one_process": one_process(copy.deepcopy(subject), f_ids, f_mask, f_images)}
+        for layout in layouts:
+            results[name][layout] = run(subject, f_ids, f_mask, f_images, LAYOUTS[layout])
     results["refusals"] = refusals(model, ids, mask, images)
     ranks = comm.all_gather_object(results, comm.world_group())
     if dist.get_rank() == 0:

@@ -33,9 +33,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from plait.base.images import ImageBatch
 from plait.base.mesh import Mesh
 from plait.generation.decode import (Criteria, StageCache, drop_pads, first_inputs, gumbel, next_inputs, pick,
                                     rows_ended)
+from plait.generation.images import PromptImages
 
 
 HIDDEN, TOKENS = 1, 2  # the tags of the two kinds of message (two may travel between the same ranks)
@@ -77,19 +79,23 @@ class _Part:
 def decode_stages(chunks: list[Any], mesh: Mesh, module: nn.Module,
                   gather_logits: Callable[[torch.Tensor], torch.Tensor], input_ids: torch.Tensor,
                   attention_mask: torch.Tensor, rows: slice, total: int, extra: dict[str, Any], cache_name: str,
-                  **settings: Any) -> torch.Tensor:
+                  images: ImageBatch | None = None, **settings: Any) -> torch.Tensor:
     """``ParallelModel.generate`` under pipeline parallelism, on this rank's stage ``chunks`` of ``module``: the
     replica's rows in as many micro-batches as pipeline ranks (where it has rows enough), each with its own KV cache
-    on each of this rank's stages; ``gather_logits`` joins the vocab-parallel head's slices."""
+    on each of this rank's stages; ``gather_logits`` joins the vocab-parallel head's slices. ``images``: the replica's
+    rows' image inputs, each micro-batch's given to its prompts' forward on every stage (``PromptImages``)."""
     micro = min(len(input_ids), mesh.pp)
     caches = [[StageCache(chunk.first_layer) for _ in range(micro)] for chunk in chunks]
+    bounds = [(int(b[0]), int(b[-1]) + 1) for b in torch.arange(len(input_ids)).tensor_split(micro)]
+    prompts = [[PromptImages(images, slice(*b), chunk.is_first) for b in bounds] for chunk in chunks]
     dtype = next(module.parameters()).dtype  # what a decoder layer hands on
     hidden = module.config.get_text_config().hidden_size
 
     def run(v: int, m: int, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor,
             pads: int) -> torch.Tensor:
         keep = {"logits_to_keep": pads + 1} if "logits_to_keep" in extra else {}
-        out = chunks[v].decode_step(x, mask, positions, ids, **{**extra, **keep}, **{cache_name: caches[v][m]})
+        out = chunks[v].decode_step(x, mask, positions, ids, **{**extra, **keep}, **{cache_name: caches[v][m]},
+                                    **prompts[v][m].take(ids))
         out = out[0] if isinstance(out, tuple) else out
         if chunks[v].is_last:
             return gather_logits(drop_pads(out, caches[v][m], pads)).float()
@@ -110,6 +116,7 @@ def decode_pipelined(
     attention_mask: torch.Tensor, rows: slice, total_rows: int, micro: int, *, max_new_tokens: int,
     temperature: float, top_k: int, top_p: float, seed: int, eos_token_id: int | Sequence[int] | None,
     pad_token_id: int, all_done: Callable[[bool], bool], width: int = 1, stopping_criteria: Criteria | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``decode`` on one rank of a pipeline: ``run(v, m, x, mask, positions, ids, pads)`` is the forward of this rank's
     ``v``-th stage on micro-batch ``m`` (their own KV cache, without the last ``pads`` entries after it: decode's
@@ -118,9 +125,10 @@ def decode_pipelined(
     ``all_done(mine)`` (called where the last stage is only) whether every replica's rows are done. A rank of several
     stages runs its first stage on every micro-batch, then its second, and so on. Returns [rows, prompt + new] on every
     rank."""
-    ids, mask, positions = first_inputs(input_ids, attention_mask, pad_token_id, width)
+    ids, mask, positions = first_inputs(input_ids, attention_mask, pad_token_id, width, position_ids)
     start, parts = rows.start, []
-    for i, k, p, q in zip(*(t.tensor_split(micro) for t in (ids, mask, positions, input_ids))):
+    # by rows: the second-to-last dimension (M-RoPE's positions are [3, rows, tokens])
+    for i, k, p, q in zip(*(t.tensor_split(micro, dim=t.dim() - 2) for t in (ids, mask, positions, input_ids))):
         parts.append(_Part(i, k, p, slice(start, start + len(i)), [], torch.zeros(len(i), dtype=torch.bool), q))
         start += len(i)
     generator = torch.Generator().manual_seed(seed)

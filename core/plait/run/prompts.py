@@ -268,7 +268,7 @@ class EvalPrompts:
         if any(images):
             from plait.generation.images import check_image_layout, check_replicas_hold_images
 
-            check_image_layout(layout.pp)
+            check_image_layout(config, (config.architectures or [config.model_type])[0], layout.pp)
             if layout.fsdp:
                 check_replicas_hold_images(images, found.per_replica * layout.dp, layout.dp, "--eval_prompts",
                                            f"--zero_stage {layout.zero_stage}")
