@@ -357,16 +357,16 @@ class ParallelModel(nn.Module):
         whole = contextlib.nullcontext() if self.cp is None else whole_sequences(self.module, self.cp.implementation)
         try:
             with torch.no_grad(), whole:
-                grid = None if images is None else \
-                    grid_position_ids(self.module, input_ids[rows], attention_mask[rows], images.take(rows))
-                if self.pipeline is None:
+                if self.pipeline is None:  # M-RoPE's positions from the model's get_rope_index (None: counted)
+                    grid = None if images is None else \
+                        grid_position_ids(self.module, input_ids[rows], attention_mask[rows], images.take(rows))
                     ids = decode(forward, input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
-                                 all_done=all_done, position_ids=grid, **settings)  # grid: M-RoPE's positions
+                                 all_done=all_done, position_ids=grid, **settings)
                 else:  # the last stages of the replicas agree when every row is done
                     done = functools.partial(all_done, groups=(self.mesh.dp_group, self.mesh.cp_group))
                     ids = decode_stages(self.pipeline.chunks, self.mesh, self.module, self.gather_logits,
                                         input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
-                                        {"use_cache": True, **last}, cache_name, all_done=done, position_ids=grid,
+                                        {"use_cache": True, **last}, cache_name, all_done=done,
                                         images=None if images is None else images.take(rows), **settings)
         finally:
             self.module.train(training)
