@@ -141,3 +141,23 @@ def test_eval_prompts_with_images_are_the_checkpoints_completions(files):
     expected = [json.loads(line)["completion"] for line in from_checkpoint.read_text().splitlines()]
     assert [sample["completion"] for sample in samples] == expected
     assert len(samples) == len(rows) and expected != [row["completion"] for row in generate(files, "base.jsonl")]
+
+
+def test_eval_prompts_whose_replica_holds_no_image_under_zero3_are_refused_at_start(files):
+    """--eval_prompts under ZeRO-3 at dp=2: a batch (a prompt a replica) whose second replica holds no image is
+    refused where the run starts, before any process group, as plait generate refuses it."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from plait.base.config import ConfigError, ParallelConfig
+    from plait.run.prompts import EvalPrompts
+
+    args = SimpleNamespace(eval_prompts=str(files / "prompts.jsonl"), eval_max_new_tokens=5,
+                           per_device_train_batch_size=1, tokenizer_name=None, model_name_or_path=str(files / "model"))
+    config, tokenizer = AutoConfig.from_pretrained(files / "model"), AutoTokenizer.from_pretrained(files / "model")
+    found = EvalPrompts.of_run(args, tokenizer, config, ParallelConfig(zero_stage=1, dp=2))  # ZeRO-1: served
+    assert [p.example.num_images for p in found.prompts] == [1, 0, 2, 0]
+    with pytest.raises(ConfigError, match=r"^--zero_stage 3: prompts 1 to 1 of --eval_prompts hold no image, and "
+                                          r"every replica's prompts of a batch need one"):
+        EvalPrompts.of_run(args, tokenizer, config, ParallelConfig(zero_stage=3, dp=2))
