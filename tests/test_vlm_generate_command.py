@@ -98,19 +98,21 @@ def test_image_prompts_complete_as_transformers_generate_and_in_every_layout(fil
         assert [json.loads(line) for line in out.read_text().splitlines()] == one, name
 
 
-@pytest.mark.parametrize("case", ["zero3-replica", "prompt-with-images", "missing-image"])
+@pytest.mark.parametrize("case", ["zero3-replica", "prompt-with-images", "missing-image", "tokenizer-dir"])
 def test_what_image_generation_does_not_serve_is_one_line_before_any_process_group(files, tmp_path, capsys, case):
     rows = {"prompt-with-images": [{"prompt": "<image> describe", "images": ["0.png"]}],
             "missing-image": [{"messages": [turn("user", None, "describe")], "images": ["absent.png"]}]}.get(case, ROWS)
     prompts = files / f"{case}.jsonl"  # beside the pictures: relative paths are read from the file's directory
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    flags = {"zero3-replica": ["--nproc_per_node", "2", "--zero_stage", "3", "--batch_size", "2"]}.get(case, [])
+    flags = {"zero3-replica": ["--nproc_per_node", "2", "--zero_stage", "3", "--batch_size", "2"],
+             "tokenizer-dir": ["--tokenizer_name", str(tmp_path)]}.get(case, [])  # the processor read from there
     expected = {
         "zero3-replica": "--zero_stage 3: prompts 1 to 1 of --prompts hold no image, and every replica's prompts of "
                          "a batch need one",
         "prompt-with-images": f"{prompts}:1: a prompt with images is given as 'messages' with image parts beside "
                               f"its 'images'",
         "missing-image": f"{prompts}:1: images[0] ({files / 'absent.png'}) cannot be read",
+        "tokenizer-dir": f"{tmp_path}: no processor could be loaded",
     }[case]
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "--model_name_or_path", str(files / "model"), "--prompts", str(prompts), "--output",

@@ -122,7 +122,7 @@ def checked_input(ns: argparse.Namespace, world: int) -> tuple[list[Any], Any, l
     if pictured:
         from plait.data.vision import load_processor
 
-        processor = load_processor(path)
+        processor = load_processor(ns.tokenizer_name or path)  # as training reads it: --tokenizer_name's dir first
         tokenizer, prompts = processor.tokenizer, encode_image_prompts(rows, processor, ns.prompts)
         check_images_served(ns, world, config, [p.example.num_images for p in prompts])
     else:
