@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from plait.testing import launch
-from workers.vlm_generate import FAMILIES, LAYOUTS
+from workers.vlm_generate import FAMILIES, LLAVA
 
 WORKER = str(Path(__file__).parent / "workers" / "vlm_generate.py")
-CASES = [("llava", name) for name in LAYOUTS] + [(family, name) for family, names in FAMILIES.items()
+CASES = [("llava", name) for name in LLAVA] + [(family, name) for family, names in FAMILIES.items()
                                                  for name in names]
 
 

@@ -39,14 +39,16 @@ SAMPLING = dict(temperature=0.8, top_k=20, top_p=0.9, seed=5)
 LAYOUTS = {"tp2_sp": dict(tp=2), "tp2": dict(tp=2, sp=False), "dp2": dict(), "zero1_dp2": dict(zero_1=True),
            "zero3_dp2": dict(zero_stage=3), "cp2": dict(cp=2),
            # each micro-batch's images to its prompts' forward: the pixels on the first stage, token types on both
-           "pp2": dict(pp=2, num_microbatches=2)}
+           "pp2": dict(pp=2, num_microbatches=2),
+           "ep2": dict(ep=2)}  # an image-text MoE's experts split (Qwen3-VL-MoE; LLaVA has none)
+LLAVA = tuple(name for name in LAYOUTS if name != "ep2")
 # the families of the generic adapter's tiny image-text configs with a position per token: Idefics3 (its
 # connector's pixel shuffle), Gemma 3 (token types: its image tokens attend each other in the prompts' forward; a
 # sliding window of 6, which the pads of SP's decoding steps filled until they left the cache)
 # Qwen2-VL's rotary positions follow the images' grids (M-RoPE: its get_rope_index gives the prompts', each step
 # one on); Qwen3-VL adds visual tokens after its first decoder layer (deepstack), cut to each rank's under SP
 FAMILIES = {"idefics3": ("tp2_sp", "zero3_dp2"), "gemma3": ("tp2_sp", "dp2", "tp2", "pp2"),
-            "qwen2_vl": ("tp2_sp", "dp2"), "qwen3_vl_deepstack": ("tp2_sp",)}
+            "qwen2_vl": ("tp2_sp", "dp2"), "qwen3_vl_deepstack": ("tp2_sp",), "qwen3_vl_moe": ("ep2",)}
 
 
 def llava_prompts(model) -> tuple[torch.Tensor, torch.Tensor, ImageBatch]:
@@ -142,8 +144,8 @@ def main() -> None:
     model = llava()
     ids, mask, images = llava_prompts(model)
     results = {"llava": {"one_process": one_process(copy.deepcopy(model), ids, mask, images)}}
-    for name, layout in LAYOUTS.items():
-        results["llava"][name] = run(model, ids, mask, images, layout)
+    for name in LLAVA:
+        results["llava"][name] = run(model, ids, mask, images, LAYOUTS[name])
     for name, layouts in FAMILIES.items():
         subject, f_ids, f_mask, f_images = family(name)
         results[name] = {"one_process": one_process(copy.deepcopy(subject), f_ids, f_mask, f_images)}

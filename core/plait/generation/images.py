@@ -9,14 +9,14 @@ parallelism pads each forward to a multiple of tp), and nothing to the forwards 
 Served where the training forward takes images: tensor parallelism with or without SP, data parallelism, ZeRO-1/2/3,
 context parallelism (each cp rank decodes its replica's rows whole) and pipeline stages (each micro-batch's pixels
 to the first stage's prompts' forward, its per-token tensors to every stage's, as in training), held to one process
-for LLaVA, Idefics3, Gemma 3, Qwen2-VL and Qwen3-VL (tests/test_vlm_generate.py; an image-text MoE under ep is
-untested). A model whose rotary positions follow the images' grids (M-RoPE: Qwen-VL) gets the prompts' positions from
-its own ``get_rope_index`` (``plait.base.images.grid_position_ids``) and each step's one past the last, as
-transformers' keeps them; Qwen3-VL's visual tokens added after a decoder layer (deepstack) are cut to each rank's
-tokens under SP. Refused in one line before any collective (``check_image_prompts``): grid positions under pipeline
-stages, or without a ``get_rope_index``, a text model given images, and under ZeRO-2/3 a replica whose prompts hold
-no image (the vision tower's shards are gathered by every replica together, so one that skips it would leave the
-others waiting).
+for LLaVA, Idefics3, Gemma 3, Qwen2-VL and Qwen3-VL, and Qwen3-VL-MoE under expert parallelism
+(tests/test_vlm_generate.py). A model whose rotary positions follow the images' grids (M-RoPE: Qwen-VL) gets the
+prompts' positions from its own ``get_rope_index`` (``plait.base.images.grid_position_ids``) and each step's one
+past the last, as transformers' keeps them; Qwen3-VL's visual tokens added after a decoder layer (deepstack) are cut
+to each rank's tokens under SP. Refused in one line before any collective (``check_image_prompts``): grid positions
+under pipeline stages, or without a ``get_rope_index``, a text model given images, and under ZeRO-2/3 a replica
+whose prompts hold no image (the vision tower's shards are gathered by every replica together, so one that skips it
+would leave the others waiting).
 """
 
 from __future__ import annotations
