@@ -39,8 +39,8 @@ def test_images_generation_does_not_serve_are_refused_in_one_line(ranks):
     said = ranks[0]["refusals"]
     assert all(r["refusals"] == said for r in ranks)  # every rank alike
     expected = {
-        "pp2_grid_positions": "generation with images under pipeline parallelism (pp=2) is not served for "
-                              "Qwen2VLForConditionalGeneration, whose rotary positions follow the images' grids",
+        "pp2_deepstack": "image inputs under pp: Qwen3VLForConditionalGeneration adds visual tokens after its first "
+                         "1 decoder layers, inside its first pipeline stage only",
         "zero3_replica_without_images": "ZeRO-3: prompts 0 to 1 of the batch hold no image, and every replica's "
                                         "prompts of a batch need one (the vision tower's shards are gathered by every "
                                         "replica together)",

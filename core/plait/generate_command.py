@@ -15,7 +15,7 @@ The same ``--seed`` and ``--batch_size`` give the same completions in every layo
 the whole batch from one generator). An image-text model's prompts may hold images, in TRL's vision format
 (``messages`` with image parts beside ``images``: paths relative to the prompt file, as training reads them): its
 processor renders and encodes them, and the pixels reach the prompts' forward (``plait.generation.images``: tp, dp,
-ZeRO, cp and pp; grid positions (M-RoPE) at pp=1). Bad input (a prompt line, a row with images for a text
+ZeRO, cp, pp and ep). Bad input (a prompt line, a row with images for a text
 model, a prompt with --max_new_tokens past the model's positions, a model, tokenizer or processor directory, an
 image that cannot be read, a batch the replicas do not divide, a layout generation does not serve) is one line
 before any process group; the output file appears whole or not at all.
@@ -124,7 +124,7 @@ def checked_input(ns: argparse.Namespace, world: int) -> tuple[list[Any], Any, l
 
         processor = load_processor(ns.tokenizer_name or path)  # as training reads it: --tokenizer_name's dir first
         tokenizer, prompts = processor.tokenizer, encode_image_prompts(rows, processor, ns.prompts)
-        check_images_served(ns, world, config, [p.example.num_images for p in prompts])
+        check_images_served(ns, world, [p.example.num_images for p in prompts])
     else:
         tokenizer = load_prompt_tokenizer(ns, path, config)
         prompts = encode_prompts(rows, tokenizer)
@@ -133,16 +133,13 @@ def checked_input(ns: argparse.Namespace, world: int) -> tuple[list[Any], Any, l
     return prompts, tokenizer, end_ids(tokenizer, generation_config(path, config))
 
 
-def check_images_served(ns: argparse.Namespace, world: int, config: Any, images: list[int]) -> None:
+def check_images_served(ns: argparse.Namespace, world: int, images: list[int]) -> None:
     """Before any process group, what ``ParallelModel.generate`` would refuse of prompts holding ``images`` (per
-    prompt) at this layout: grid positions under pipeline stages, and under ZeRO-2/3 a replica's rows of a batch
-    without an image (the batches as ``plait.run.prompts.complete`` forms them)."""
-    if not any(images):
-        return
-    from plait.generation.images import check_image_layout, check_replicas_hold_images
+    prompt) at this layout: under ZeRO-2/3 a replica's rows of a batch without an image (the batches as
+    ``plait.run.prompts.complete`` forms them)."""
+    if any(images) and ns.zero_stage >= 2:
+        from plait.generation.images import check_replicas_hold_images
 
-    check_image_layout(config, (config.architectures or [config.model_type])[0], ns.pipeline_parallel_size)
-    if ns.zero_stage >= 2:
         dp = world // (ns.tensor_parallel_size * ns.pipeline_parallel_size)
         check_replicas_hold_images(images, ns.batch_size, dp, "--prompts", f"--zero_stage {ns.zero_stage}")
 

@@ -321,6 +321,8 @@ class ParallelModel(nn.Module):
         (``plait.base.images``), read by the prompts' forward (plait.generation.images)."""
         check_batch(self.mesh, input_ids.shape[0])
         check_image_prompts(self.module, self.mesh, input_ids.shape[0], images)
+        if images is not None and self.pipeline is not None:
+            self._check_stage_images(images)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         per = input_ids.shape[0] // self.mesh.dp
@@ -357,16 +359,16 @@ class ParallelModel(nn.Module):
         whole = contextlib.nullcontext() if self.cp is None else whole_sequences(self.module, self.cp.implementation)
         try:
             with torch.no_grad(), whole:
-                if self.pipeline is None:  # M-RoPE's positions from the model's get_rope_index (None: counted)
-                    grid = None if images is None else \
-                        grid_position_ids(self.module, input_ids[rows], attention_mask[rows], images.take(rows))
+                grid = None if images is None else \
+                    grid_position_ids(self.module, input_ids[rows], attention_mask[rows], images.take(rows))
+                if self.pipeline is None:  # grid: M-RoPE's positions from the model's get_rope_index (None: counted)
                     ids = decode(forward, input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
                                  all_done=all_done, position_ids=grid, **settings)
                 else:  # the last stages of the replicas agree when every row is done
                     done = functools.partial(all_done, groups=(self.mesh.dp_group, self.mesh.cp_group))
                     ids = decode_stages(self.pipeline.chunks, self.mesh, self.module, self.gather_logits,
                                         input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
-                                        {"use_cache": True, **last}, cache_name, all_done=done,
+                                        {"use_cache": True, **last}, cache_name, all_done=done, position_ids=grid,
                                         images=None if images is None else images.take(rows), **settings)
         finally:
             self.module.train(training)
@@ -380,14 +382,7 @@ class ParallelModel(nn.Module):
         check_batch_shapes(input_ids, self.plan.model_config.get_text_config().vocab_size, labels=labels,
                            attention_mask=attention_mask)
         if images is not None and self.pipeline is not None:
-            unseen = pipeline_unseen(self.module, images)
-            if unseen:
-                raise ConfigError(f"image inputs under pp={self.mesh.pp}: {type(self.module).__name__}'s later stages "
-                                  f"would not see {unseen}, which only the first stage gets; use tp, cp, dp and ZeRO "
-                                  f"for it")
-            split = self.plan.split
-            check_deepstack_stage(self.module, split.layers, split.bounds[0][1] - split.bounds[0][0],
-                                  self.config.sequence_parallel or self.cp is not None)
+            self._check_stage_images(images)
         if images is not None and self.cp is not None:
             self._check_images_under_cp(images)
         if images is not None and images.rows != input_ids.shape[0]:
@@ -451,6 +446,18 @@ class ParallelModel(nn.Module):
                 loss.backward()
             total = loss.detach().clone() if total is None else total + loss.detach()
         return total
+
+    def _check_stage_images(self, images: ImageBatch) -> None:
+        """Under pp, what the stages after the first would not get of an image-text model's inputs (training and
+        generation alike)."""
+        unseen = pipeline_unseen(self.module, images)
+        if unseen:
+            raise ConfigError(f"image inputs under pp={self.mesh.pp}: {type(self.module).__name__}'s later stages "
+                              f"would not see {unseen}, which only the first stage gets; use tp, cp, dp and ZeRO "
+                              f"for it")
+        split = self.plan.split
+        check_deepstack_stage(self.module, split.layers, split.bounds[0][1] - split.bounds[0][0],
+                              self.config.sequence_parallel or self.cp is not None)
 
     def _check_images_under_cp(self, images: ImageBatch) -> None:
         name = type(self.module).__name__

@@ -40,15 +40,18 @@ LAYOUTS = {"tp2_sp": dict(tp=2), "tp2": dict(tp=2, sp=False), "dp2": dict(), "ze
            "zero3_dp2": dict(zero_stage=3), "cp2": dict(cp=2),
            # each micro-batch's images to its prompts' forward: the pixels on the first stage, token types on both
            "pp2": dict(pp=2, num_microbatches=2),
-           "ep2": dict(ep=2)}  # an image-text MoE's experts split (Qwen3-VL-MoE; LLaVA has none)
-LLAVA = tuple(name for name in LAYOUTS if name != "ep2")
+           "ep2": dict(ep=2),  # an image-text MoE's experts split (Qwen3-VL-MoE; LLaVA has none)
+           # the second stage from the layer after the one deepstack's visual tokens are added after (Qwen3-VL)
+           "pp2_cut": dict(pp=2, num_microbatches=2, pipeline_cuts=("model.language_model.layers.2",))}
+LLAVA = tuple(name for name in LAYOUTS if name not in ("ep2", "pp2_cut"))
 # the families of the generic adapter's tiny image-text configs with a position per token: Idefics3 (its
 # connector's pixel shuffle), Gemma 3 (token types: its image tokens attend each other in the prompts' forward; a
 # sliding window of 6, which the pads of SP's decoding steps filled until they left the cache)
 # Qwen2-VL's rotary positions follow the images' grids (M-RoPE: its get_rope_index gives the prompts', each step
 # one on); Qwen3-VL adds visual tokens after its first decoder layer (deepstack), cut to each rank's under SP
 FAMILIES = {"idefics3": ("tp2_sp", "zero3_dp2"), "gemma3": ("tp2_sp", "dp2", "tp2", "pp2"),
-            "qwen2_vl": ("tp2_sp", "dp2"), "qwen3_vl_deepstack": ("tp2_sp",), "qwen3_vl_moe": ("ep2",)}
+            "qwen2_vl": ("tp2_sp", "dp2", "pp2"), "qwen3_vl_deepstack": ("tp2_sp", "pp2_cut"),
+            "qwen3_vl_moe": ("ep2",)}
 
 
 def llava_prompts(model) -> tuple[torch.Tensor, torch.Tensor, ImageBatch]:
@@ -123,8 +126,8 @@ def refusals(model, ids, mask, images: ImageBatch) -> dict[str, str]:
     """What generate says, on every rank before any collective, for images it does not serve."""
     text_only = ImageBatch({"pixel_values": images.tensors["pixel_values"][1:]}, torch.tensor([0, 0, 2, 1]))
     pp2 = dict(pp=2, num_microbatches=2)
-    grid = family("qwen2_vl")
-    cases = {"pp2_grid_positions": (grid[0], pp2, *grid[1:]),
+    deepstack = family("qwen3_vl_deepstack")
+    cases = {"pp2_deepstack": (deepstack[0], pp2, *deepstack[1:]),
              "zero3_replica_without_images": (model, dict(zero_stage=3), ids, mask, text_only),
              "rows": (model, dict(tp=2), ids[:2], mask[:2], images),
              "text_model": (tiny_text_model("llama", seed=0), dict(tp=2), ids.clamp(max=60), mask, images)}

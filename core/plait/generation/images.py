@@ -7,31 +7,28 @@ per-token tensors (Gemma 3's ``token_type_ids``) left padded with zeros where th
 parallelism pads each forward to a multiple of tp), and nothing to the forwards after it.
 
 Served where the training forward takes images: tensor parallelism with or without SP, data parallelism, ZeRO-1/2/3,
-context parallelism (each cp rank decodes its replica's rows whole) and pipeline stages (each micro-batch's pixels
-to the first stage's prompts' forward, its per-token tensors to every stage's, as in training), held to one process
-for LLaVA, Idefics3, Gemma 3, Qwen2-VL and Qwen3-VL, and Qwen3-VL-MoE under expert parallelism
-(tests/test_vlm_generate.py). A model whose rotary positions follow the images' grids (M-RoPE: Qwen-VL) gets the
-prompts' positions from its own ``get_rope_index`` (``plait.base.images.grid_position_ids``) and each step's one
-past the last, as transformers' keeps them; Qwen3-VL's visual tokens added after a decoder layer (deepstack) are cut
-to each rank's tokens under SP. Refused in one line before any collective (``check_image_prompts``): grid positions
-under pipeline stages, or without a ``get_rope_index``, a text model given images, and under ZeRO-2/3 a replica
-whose prompts hold no image (the vision tower's shards are gathered by every replica together, so one that skips it
-would leave the others waiting).
+context parallelism (each cp rank decodes its replica's rows whole), pipeline stages (each micro-batch's pixels to
+the first stage's prompts' forward, its per-token tensors to every stage's, as in training) and expert parallelism,
+held to one process for LLaVA, Idefics3, Gemma 3, Qwen2-VL, Qwen3-VL and Qwen3-VL-MoE (tests/test_vlm_generate.py).
+A model whose rotary positions follow the images' grids (M-RoPE: Qwen-VL) gets the prompts' positions from its own
+``get_rope_index`` (``plait.base.images.grid_position_ids``) and each step's one past the last, as transformers'
+keeps them, on every stage; Qwen3-VL's visual tokens added after a decoder layer (deepstack) are cut to each rank's
+tokens under SP. Refused in one line before any collective (``check_image_prompts``): grid positions without a
+``get_rope_index``, a text model given images, and under ZeRO-2/3 a replica whose prompts hold no image (the vision
+tower's shards are gathered by every replica together, so one that skips it would leave the others waiting); under
+pp what training refuses (``ParallelModel._check_stage_images``: a cut inside deepstack's layers).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from plait.base.config import ConfigError
-from plait.base.images import ImageBatch, grid_positions, pipeline_unseen
+from plait.base.images import ImageBatch, pipeline_unseen
 from plait.base.mesh import Mesh
 from plait.base.meta import image_text_model
-from plait.base.words import setting
 
 
 class PromptImages:
@@ -62,22 +59,12 @@ def check_image_prompts(module: nn.Module, mesh: Mesh, batch: int, images: Image
         raise ConfigError(f"generation was given the images of {images.rows} rows for a batch of {batch} prompts; "
                           f"give each prompt's images (none for a text-only prompt)")
     config = mesh.config
-    check_image_layout(module.config, name, config.pp)
     unseen = pipeline_unseen(module, images)  # M-RoPE positions decoding cannot compute before the forward
     if unseen is not None:
         raise ConfigError(f"generation with images is not served for {name}: {unseen} cannot be computed for its "
                           f"decoding steps")
     if config.fsdp:
         check_replicas_hold_images(images.per_row.tolist(), batch, mesh.dp, "the batch", f"ZeRO-{config.zero_stage}")
-
-
-def check_image_layout(model_config: Any, name: str, pp: int) -> None:
-    """Refuse, from the configs alone, what generation with images does not serve under pipeline stages (``pp``):
-    rotary positions that follow the images' grids (M-RoPE). ``plait generate`` and ``--eval_prompts`` ask before any
-    process group, ``ParallelModel.generate`` again (``name``: the model's class)."""
-    if pp > 1 and grid_positions(model_config):
-        raise ConfigError(f"generation with images under pipeline parallelism ({setting('pp', pp)}) is not served "
-                          f"for {name}, whose rotary positions follow the images' grids (M-RoPE); generate at pp=1")
 
 
 def check_replicas_hold_images(images: list[int], batch_size: int, dp: int, what: str, stage: str) -> None:

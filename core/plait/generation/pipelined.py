@@ -116,6 +116,7 @@ def decode_pipelined(
     attention_mask: torch.Tensor, rows: slice, total_rows: int, micro: int, *, max_new_tokens: int,
     temperature: float, top_k: int, top_p: float, seed: int, eos_token_id: int | Sequence[int] | None,
     pad_token_id: int, all_done: Callable[[bool], bool], width: int = 1, stopping_criteria: Criteria | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``decode`` on one rank of a pipeline: ``run(v, m, x, mask, positions, ids, pads)`` is the forward of this rank's
     ``v``-th stage on micro-batch ``m`` (their own KV cache, without the last ``pads`` entries after it: decode's
@@ -124,9 +125,10 @@ def decode_pipelined(
     ``all_done(mine)`` (called where the last stage is only) whether every replica's rows are done. A rank of several
     stages runs its first stage on every micro-batch, then its second, and so on. Returns [rows, prompt + new] on every
     rank."""
-    ids, mask, positions = first_inputs(input_ids, attention_mask, pad_token_id, width)
+    ids, mask, positions = first_inputs(input_ids, attention_mask, pad_token_id, width, position_ids)
     start, parts = rows.start, []
-    for i, k, p, q in zip(*(t.tensor_split(micro) for t in (ids, mask, positions, input_ids))):
+    # by rows: the second-to-last dimension (an M-RoPE model's positions are [3, rows, tokens])
+    for i, k, p, q in zip(*(t.tensor_split(micro, dim=t.dim() - 2) for t in (ids, mask, positions, input_ids))):
         parts.append(_Part(i, k, p, slice(start, start + len(i)), [], torch.zeros(len(i), dtype=torch.bool), q))
         start += len(i)
     generator = torch.Generator().manual_seed(seed)

@@ -250,8 +250,8 @@ class EvalPrompts:
     @classmethod
     def of_run(cls, args: Any, tokenizer: Any, config: Any, layout: Any) -> EvalPrompts | None:
         """A run's --eval_prompts rendered with its tokenizer (an image-text model's: with its processor, images
-        and all), each prompt checked, and images generation does not serve at the run's ``layout`` (a
-        ParallelConfig) refused (None without the flag)."""
+        and all), each prompt checked, and a ZeRO-2/3 batch at the run's ``layout`` (a ParallelConfig) that gives a
+        replica no image refused (None without the flag)."""
         if not args.eval_prompts:
             return None
         from plait.base.meta import takes_images
@@ -265,13 +265,11 @@ class EvalPrompts:
         found = cls(Path(args.eval_prompts), tokenizer, args.eval_max_new_tokens, args.per_device_train_batch_size,
                     config, processor)
         images = [0 if p.example is None else p.example.num_images for p in found.prompts]
-        if any(images):
-            from plait.generation.images import check_image_layout, check_replicas_hold_images
+        if any(images) and layout.fsdp:
+            from plait.generation.images import check_replicas_hold_images
 
-            check_image_layout(config, (config.architectures or [config.model_type])[0], layout.pp)
-            if layout.fsdp:
-                check_replicas_hold_images(images, found.per_replica * layout.dp, layout.dp, "--eval_prompts",
-                                           f"--zero_stage {layout.zero_stage}")
+            check_replicas_hold_images(images, found.per_replica * layout.dp, layout.dp, "--eval_prompts",
+                                       f"--zero_stage {layout.zero_stage}")
         return found
 
     def samples(self, pmodel: ParallelModel, device: torch.device) -> list[dict[str, str]]:
