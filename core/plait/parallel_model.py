@@ -320,13 +320,14 @@ class ParallelModel(nn.Module):
         layout. Every rank calls it (a collective). ``images``: an image-text model's image inputs of these rows
         (``plait.base.images``), read by the prompts' forward (plait.generation.images)."""
         check_batch(self.mesh, input_ids.shape[0])
-        check_image_prompts(self.module, self.mesh, input_ids.shape[0], images)
+        check_image_prompts(self.module, self.mesh, input_ids.shape[0], images)  # pipeline_unseen's too
         if images is not None and self.pipeline is not None:
-            self._check_stage_images(images)
+            self._check_deepstack_stages()
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         per = input_ids.shape[0] // self.mesh.dp
         rows = slice(self.mesh.dp_rank * per, (self.mesh.dp_rank + 1) * per)
+        mine = None if images is None else images.take(rows)  # this replica's rows' images
         # the head on the last position only, as transformers' generate asks (a prompt's other positions need no
         # logits: 32 of them cost a tenth of a 125M model's decoding), where the forward takes the argument; the
         # cache under the name the forward takes: ``cache`` (transformers 5.24, which warns at the older name) or
@@ -334,7 +335,7 @@ class ParallelModel(nn.Module):
         arguments = inspect.signature(type(self.module).forward).parameters
         last = {"logits_to_keep": 1} if "logits_to_keep" in arguments else {}
         cache_name = "cache" if "cache" in arguments else "past_key_values"
-        cache, prompts = StageCache(), PromptImages(images, rows)
+        cache, prompts = StageCache(), PromptImages(mine, slice(None))
 
         def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, pads: int) -> torch.Tensor:
             keep, pictures = {"logits_to_keep": pads + 1} if last else {}, prompts.take(ids)
@@ -359,8 +360,8 @@ class ParallelModel(nn.Module):
         whole = contextlib.nullcontext() if self.cp is None else whole_sequences(self.module, self.cp.implementation)
         try:
             with torch.no_grad(), whole:
-                grid = None if images is None else \
-                    grid_position_ids(self.module, input_ids[rows], attention_mask[rows], images.take(rows))
+                grid = None if mine is None else grid_position_ids(self.module, input_ids[rows], attention_mask[rows],
+                                                                   mine)
                 if self.pipeline is None:  # grid: M-RoPE's positions from the model's get_rope_index (None: counted)
                     ids = decode(forward, input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
                                  all_done=all_done, position_ids=grid, **settings)
@@ -369,7 +370,7 @@ class ParallelModel(nn.Module):
                     ids = decode_stages(self.pipeline.chunks, self.mesh, self.module, self.gather_logits,
                                         input_ids[rows], attention_mask[rows], rows, input_ids.shape[0],
                                         {"use_cache": True, **last}, cache_name, all_done=done, position_ids=grid,
-                                        images=None if images is None else images.take(rows), **settings)
+                                        images=mine, **settings)
         finally:
             self.module.train(training)
             reshard(self.fsdp)  # ZeRO-2/3, as eval_loss does
@@ -455,6 +456,10 @@ class ParallelModel(nn.Module):
             raise ConfigError(f"image inputs under pp={self.mesh.pp}: {type(self.module).__name__}'s later stages "
                               f"would not see {unseen}, which only the first stage gets; use tp, cp, dp and ZeRO "
                               f"for it")
+        self._check_deepstack_stages()
+
+    def _check_deepstack_stages(self) -> None:
+        """Under pp, a first stage that does not hold every layer deepstack's visual tokens are added after."""
         split = self.plan.split
         check_deepstack_stage(self.module, split.layers, split.bounds[0][1] - split.bounds[0][0],
                               self.config.sequence_parallel or self.cp is not None)

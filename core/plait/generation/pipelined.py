@@ -76,6 +76,12 @@ class _Part:
     prompts: torch.Tensor  # the rows' prompts as given (what a stopping criterion reads, with the tokens)
 
 
+def micro_rows(rows: int, micro: int) -> list[slice]:
+    """The rows of each of ``micro`` micro-batches of a replica's ``rows`` (``Tensor.tensor_split``'s cut), the one
+    cut the stages' images and the decoding's state both follow."""
+    return [slice(int(r[0]), int(r[-1]) + 1) for r in torch.arange(rows).tensor_split(micro)]
+
+
 def decode_stages(chunks: list[Any], mesh: Mesh, module: nn.Module,
                   gather_logits: Callable[[torch.Tensor], torch.Tensor], input_ids: torch.Tensor,
                   attention_mask: torch.Tensor, rows: slice, total: int, extra: dict[str, Any], cache_name: str,
@@ -86,8 +92,8 @@ def decode_stages(chunks: list[Any], mesh: Mesh, module: nn.Module,
     rows' image inputs, each micro-batch's given to its prompts' forward on every stage (``PromptImages``)."""
     micro = min(len(input_ids), mesh.pp)
     caches = [[StageCache(chunk.first_layer) for _ in range(micro)] for chunk in chunks]
-    bounds = [(int(b[0]), int(b[-1]) + 1) for b in torch.arange(len(input_ids)).tensor_split(micro)]
-    prompts = [[PromptImages(images, slice(*b), chunk.is_first) for b in bounds] for chunk in chunks]
+    prompts = [[PromptImages(images, part, chunk.is_first) for part in micro_rows(len(input_ids), micro)]
+               for chunk in chunks]
     dtype = next(module.parameters()).dtype  # what a decoder layer hands on
     hidden = module.config.get_text_config().hidden_size
 
@@ -126,11 +132,9 @@ def decode_pipelined(
     stages runs its first stage on every micro-batch, then its second, and so on. Returns [rows, prompt + new] on every
     rank."""
     ids, mask, positions = first_inputs(input_ids, attention_mask, pad_token_id, width, position_ids)
-    start, parts = rows.start, []
-    # by rows: the second-to-last dimension (an M-RoPE model's positions are [3, rows, tokens])
-    for i, k, p, q in zip(*(t.tensor_split(micro, dim=t.dim() - 2) for t in (ids, mask, positions, input_ids))):
-        parts.append(_Part(i, k, p, slice(start, start + len(i)), [], torch.zeros(len(i), dtype=torch.bool), q))
-        start += len(i)
+    parts = [_Part(ids[r], mask[r], positions[..., r, :], slice(rows.start + r.start, rows.start + r.stop), [],
+                   torch.zeros(r.stop - r.start, dtype=torch.bool), input_ids[r])
+             for r in micro_rows(len(input_ids), micro)]  # positions by rows: M-RoPE's are [3, rows, tokens]
     generator = torch.Generator().manual_seed(seed)
     last = link.last in link.mine
     others = [r for r in range(link.pp) if r != link.last % link.pp]  # the ranks the tokens go to

@@ -62,8 +62,11 @@ class Pending:
 
 def _refuse_unsummed(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """torch's global pre-step hook: refuse a step of an optimizer holding parameters whose sums are owed."""
-    for pending in list(_waiting):
-        held = [t for group in optimizer.param_groups for t in group["params"]]
-        held += getattr(optimizer, "model_params", [])  # plait's stand-in optimizers (fp32 masters, FSDP2 rows)
-        if any(id(t) in pending.params for t in held):
+    waiting = list(_waiting)
+    if not waiting:  # every train_step's sums done: the step as it should come
+        return
+    held = {id(t) for group in optimizer.param_groups for t in group["params"]}
+    held |= {id(t) for t in getattr(optimizer, "model_params", [])}  # plait's stand-ins (fp32 masters, FSDP2 rows)
+    for pending in waiting:
+        if not held.isdisjoint(pending.params):
             raise ConfigError(pending.message())
