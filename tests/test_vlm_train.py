@@ -376,7 +376,8 @@ def test_rows_with_nothing_to_train_on_are_refused(files, tmp_path):
                                r"vision$"),
     (dict(train_file=None), r"but the built-in corpus is text; give such rows with --data_format vision$"),
     (dict(method="dpo"), r"^--method dpo with LlavaForConditionalGeneration, an image-text model: plait trains an "
-                         r"image-text model by next-token loss on image-text rows only"),
+                         r"image-text model by next-token loss on image-text rows, or by GRPO on image-text prompts; "
+                         r"train it without --method, with --data_format vision, or with --method grpo$"),
 ])
 def test_bad_flags_are_one_line(files, flags, message):
     from plait.run.trainer import check_before_launch

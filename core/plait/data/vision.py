@@ -139,7 +139,7 @@ def _messages(row: dict, where: str) -> tuple[list[dict], int]:
     return out, images
 
 
-def _image(entry: Any, base_dir: Path | None, where: str, number: int) -> Any:
+def read_image(entry: Any, base_dir: Path | None, where: str, number: int) -> Any:
     """One ``images`` entry as a loaded PIL image; paths resolve against ``base_dir`` (the data file's dir)."""
     from PIL import Image
 
@@ -200,7 +200,7 @@ class VisionEncoder:
             count = len(entries) if isinstance(entries, list) else f"a {type(entries).__name__} of"
             raise ConfigError(f"{where}: {count} images for {image_parts} image parts in its messages; give one image "
                               f"per {{\"type\": \"image\"}} part, in order")
-        images = [_image(entry, self.base_dir, where, number) for number, entry in enumerate(entries)]
+        images = [read_image(entry, self.base_dir, where, number) for number, entry in enumerate(entries)]
         render = self.processor.apply_chat_template
         text = render(messages, tokenize=False, add_generation_prompt=prompt)
         bos = self.processor.tokenizer.bos_token

@@ -26,6 +26,7 @@ import torch
 
 from plait.base import comm
 from plait.base.config import ConfigError
+from plait.base.images import ImageBatch
 from plait.base.mesh import Mesh
 from plait.base.meta import build_meta_model
 from plait.checkpoint.materialize import resolve_source
@@ -334,10 +335,10 @@ class Reference:
 
     def read(self, ids: torch.Tensor, labels: torch.Tensor, read: Callable[[Logits], torch.Tensor],
              position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-             ) -> torch.Tensor | None:
+             images: ImageBatch | None = None) -> torch.Tensor | None:
         """``read_rows`` of the reference (None on the ranks that compute no loss)."""
         with switch.adapters_off() if self.adapters_off else contextlib.nullcontext():
-            return read_rows(self.model, ids, labels, read, position_ids, attention_mask)
+            return read_rows(self.model, ids, labels, read, position_ids, attention_mask, images)
 
 
 def row_logps(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor,

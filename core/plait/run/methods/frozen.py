@@ -19,6 +19,7 @@ from torch import nn
 
 from plait.base import comm
 from plait.base.config import ConfigError, ParallelConfig
+from plait.base.images import ImageBatch
 from plait.base.meta import build_meta_model
 from plait.checkpoint.materialize import materialize_source, resolve_source
 from plait.ep.layout import own_experts, routed_experts
@@ -59,10 +60,11 @@ def frozen_layout(model: nn.Module, trained: ParallelConfig) -> ParallelConfig:
 
 def read_rows(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor, read: Callable[[Logits], torch.Tensor],
               position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-              ) -> torch.Tensor | None:
+              images: ImageBatch | None = None) -> torch.Tensor | None:
     """``read`` of each row of a batch under ``model`` (a function of its logits: per-row log-probs, the logits
     themselves), forward-only and in eval mode (the model's mode restored after), [rows, ...]; None on the ranks that
-    compute no loss (every pipeline stage but the last). ``attention_mask``: for rows with left padding (GRPO's)."""
+    compute no loss (every pipeline stage but the last). ``attention_mask``: for rows with left padding (GRPO's);
+    ``images``: an image-text model's, of these rows."""
     kept: dict[str, torch.Tensor] = {}
 
     def keep(logits: Logits) -> torch.Tensor:
@@ -74,7 +76,7 @@ def read_rows(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor, rea
     training = model.training
     model.eval()
     try:
-        model.eval_loss(ids, labels, attention_mask, position_ids=position_ids, objective=keep)
+        model.eval_loss(ids, labels, attention_mask, position_ids=position_ids, objective=keep, images=images)
     finally:
         model.train(training)
     return kept.get("out")

@@ -19,7 +19,9 @@ clip_ratio/low_mean, high_mean and region_mean (token means over the step). Layo
 with SP, pp with one or several stages a rank, whose rows are padded to --block_size, dp, ZeRO-1/2/3, ep, LoRA,
 cp). Under cp each rank holds its slice of every row's tokens: the per-token weights, old and reference log-probs
 are cut alike (``cp.take`` in the coordinates of the shifted labels), so its share is the sum of its own tokens'
-terms and the metrics' sums add over the cp ranks too.
+terms and the metrics' sums add over the cp ranks too. An image-text policy reads TRL's vision prompt rows
+(``grpo_prompts``): each completion's row carries its prompt's images (``Rollouts.images``) into the decoding, the
+policy's forward and the reference's and old log-probs' reads.
 """
 
 from __future__ import annotations
@@ -34,53 +36,25 @@ import torch
 
 from plait.base import comm
 from plait.base.config import ConfigError
+from plait.base.images import ImageBatch
 from plait.base.mesh import Mesh
+from plait.base.meta import takes_images
 from plait.data import local_microbatch
 from plait.data.paths import tokenizer_dir
 from plait.data.tokenizer import load_tokenizer
+from plait.data.vision import load_processor
 from plait.parallel_model import ParallelModel
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.dpo import Reference
 from plait.run.methods.frozen import SecondModel, frozen_on_mesh, read_rows
 from plait.run.methods.grpo_args import call_rewards, reward_funcs, unrewarded
 from plait.run.methods.grpo_loss import advantages, kl_k3, logged_rewards, token_terms, token_weights
-from plait.run.prompts import completion_text, json_lines, left_padded, pad_id
+from plait.run.methods.grpo_prompts import (Prompt, check_images_everywhere, prompt_images, read_image_prompts,
+                                            read_prompts)
+from plait.run.prompts import completion_text, left_padded, pad_id
 from plait.run.runtime import is_main_process
 from plait.tp.logprobs import Logits
 from plait.tp.loss import IGNORE_INDEX
-
-
-@dataclasses.dataclass
-class Prompt:
-    """One prompt row: as TRL's reward functions get it (text or chat messages), its tokens and its other columns."""
-
-    prompt: str | list
-    ids: list[int]
-    columns: dict[str, Any]
-
-
-def read_prompts(path: Path, tokenizer: Any, room: int) -> list[Prompt]:
-    """TRL's prompt-only rows of a .jsonl: ``prompt`` as text or chat messages (the template's generation prompt
-    added), its other keys passed to the reward functions; one line for a bad row or a prompt over ``room`` tokens."""
-    rows = []
-    for number, row in json_lines(path):
-        prompt = row.get("prompt") if isinstance(row, dict) else None
-        if isinstance(prompt, list) and prompt:
-            if not tokenizer.chat_template:
-                raise ConfigError(f"{path}:{number}: a chat prompt, but the tokenizer has no chat template")
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        elif isinstance(prompt, str) and prompt:
-            text = prompt
-        else:
-            raise ConfigError(f"{path}:{number}: a row needs a 'prompt' (text or a list of chat messages)")
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) > room:
-            raise ConfigError(f"{path}:{number}: the prompt has {len(ids)} tokens, more than the {room} left for it "
-                              f"(--block_size minus --max_completion_length); shorten it or raise --block_size")
-        rows.append(Prompt(prompt, ids, {k: v for k, v in row.items() if k != "prompt"}))
-    if not rows:
-        raise ConfigError(f"--train_file {path}: no prompts in it")
-    return rows
 
 
 @dataclasses.dataclass
@@ -94,15 +68,17 @@ class Rollouts:
     labels: torch.Tensor
     advantages: torch.Tensor
     weights: torch.Tensor
+    images: ImageBatch | None = None
 
     @classmethod
     def build(cls, prompts: list[list[int]], completions: torch.Tensor, eos: int | None, pad: int,
               advantage: torch.Tensor, loss_type: str, max_length: int, micro_rows: list[torch.Tensor],
-              multiple: int = 1, length: int = 0) -> Rollouts:
+              multiple: int = 1, length: int = 0, images: list[Prompt] | None = None) -> Rollouts:
         """``prompts`` (token lists, one per completion) and ``completions`` [completions, new tokens]; bnpo's
         per-device batches are ``micro_rows`` (every rank's micro-batches' rows, in any order). The rows are padded
         on the right to a multiple of ``multiple`` (sequence parallelism's tp), or to ``length`` (pipeline
-        parallelism's --block_size): after every token, so changing none."""
+        parallelism's --block_size): after every token, so changing none. ``images``: an image-text policy's prompt of
+        each completion, whose images the rows carry (``prompt_images``)."""
         prompt_ids, prompt_mask = left_padded(prompts, pad)
         done = completions == eos if eos is not None else torch.zeros_like(completions, dtype=torch.bool)
         # up to and with the first EOS, as TRL's completion mask
@@ -116,8 +92,10 @@ class Rollouts:
         weights = torch.nn.functional.pad(weights, (0, 1))  # shifted: position t weighs the token at t + 1
         extra = max(length - ids.shape[1], 0) or -ids.shape[1] % multiple
         pad_right = lambda t, value: torch.nn.functional.pad(t, (0, extra), value=value)  # noqa: E731
-        return cls(pad_right(ids, pad), pad_right(mask, 0), pad_right(labels, IGNORE_INDEX), advantage,
-                   pad_right(weights, 0.0))
+        ids = pad_right(ids, pad)
+        pictures = None if images is None else prompt_images(images, pad, ids.shape[1])
+        return cls(ids, pad_right(mask, 0), pad_right(labels, IGNORE_INDEX), advantage, pad_right(weights, 0.0),
+                   pictures)
 
 
 def _say(line: str) -> None:
@@ -163,9 +141,15 @@ class GRPO(TrainingMethod):
             raise ConfigError(f"--num_generations {args.num_generations} does not divide the global batch of "
                               f"{global_batch} completions (--per_device_train_batch_size x dp x "
                               f"--gradient_accumulation_steps); valid values: {', '.join(map(str, valid))}")
+        room = args.block_size - args.max_completion_length
+        if takes_images(model_config):  # its processor encodes the prompts and their images
+            processor = load_processor(folder)
+            pad_id(processor.tokenizer)
+            prompts = read_image_prompts(Path(args.train_file), processor, room)
+            check_images_everywhere(prompts, args.train_file, plan.config.zero_stage)
+            return prompts, None, processor.tokenizer
         tokenizer = load_tokenizer(folder, model_config.vocab_size)
         pad_id(tokenizer)
-        room = args.block_size - args.max_completion_length
         return read_prompts(Path(args.train_file), tokenizer, room), None, tokenizer
 
     @classmethod
@@ -224,10 +208,11 @@ class GRPO(TrainingMethod):
             return  # the cycle's rollouts once more
         prompts = [self.prompts[int(i)] for i in self.rows for _ in range(generations)]
         ids, mask = left_padded([p.ids for p in prompts], self.pad, self.device)
-        width = ids.shape[1]
+        width, images = ids.shape[1], prompt_images(prompts, self.pad)
         out = pmodel.generate(ids, mask, max_new_tokens=args.max_completion_length, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed * 1_000_003 + cycle,
-                              eos_token_id=self.eos, pad_token_id=self.pad)[:, width:].cpu()
+                              eos_token_id=self.eos, pad_token_id=self.pad,
+                              images=None if images is None else images.to(self.device))[:, width:].cpu()
         out = torch.nn.functional.pad(out, (0, args.max_completion_length - out.shape[1]), value=self.pad)
         self.score_and_build([p.ids for p in prompts], out, prompts, step + 1)
         self.cycle, self.old = cycle, None
@@ -235,7 +220,8 @@ class GRPO(TrainingMethod):
             r = self.rollouts
             for rows in batches:  # None on the pipeline stages that compute no loss
                 found = read_rows(pmodel, r.ids[rows].to(self.device), r.labels[rows].to(self.device),
-                                  self.label_logps, attention_mask=r.mask[rows].to(self.device))
+                                  self.label_logps, attention_mask=r.mask[rows].to(self.device),
+                                  images=self.images_of(rows))
                 if found is not None:  # [rows, this rank's tokens]: under cp its slice of each row
                     if self.old is None:
                         self.old = torch.zeros(len(r.ids), found.shape[1], dtype=torch.float64)
@@ -260,7 +246,8 @@ class GRPO(TrainingMethod):
         weights = torch.tensor([w for _, _, w in self.funcs])
         advantage = advantages(rewards, weights, self.args.num_generations, self.args.scale_rewards)
         self.rollouts = Rollouts.build(prompt_ids, completions, self.eos, self.pad, advantage, self.args.loss_type,
-                                       self.args.max_completion_length, self.all_micro, self.multiple, self.length)
+                                       self.args.max_completion_length, self.all_micro, self.multiple, self.length,
+                                       prompts if prompts[0].example is not None else None)
         self.metrics = {**logged_rewards(rewards, weights, [name for name, _, _ in self.funcs],
                                          self.args.num_generations, self.args.scale_rewards),
                         "completions/mean_length": sum(lengths) / len(lengths)}
@@ -268,9 +255,9 @@ class GRPO(TrainingMethod):
     def micro_step(self, pmodel: ParallelModel, batch: torch.Tensor, divisor: int) -> torch.Tensor:
         r = self.rollouts
         ids, mask, labels = (t[batch].to(self.device) for t in (r.ids, r.mask, r.labels))
-        ref = None
+        images, ref = self.images_of(batch), None
         if self.reference is not None:  # the reference's log-probs of the same tokens, without gradients
-            ref = self.reference.read(ids, labels, self.label_logps, attention_mask=mask)
+            ref = self.reference.read(ids, labels, self.label_logps, attention_mask=mask, images=images)
         weights, advantage = r.weights[batch].to(self.device), r.advantages[batch].to(self.device)
         if pmodel.cp is not None:  # this rank's tokens of each row, in the shifted labels' coordinates
             weights = pmodel.cp.take(weights)
@@ -287,7 +274,17 @@ class GRPO(TrainingMethod):
             self.count(batch[rows.cpu()], logps.detach(), own_old, own_ref, advantage[rows], (w > 0).to(logps.dtype))
             return (terms * w).sum()
 
-        return pmodel.train_step(ids, labels, mask, objective=objective)
+        return pmodel.train_step(ids, labels, mask, objective=objective, images=images)
+
+    def images_of(self, rows: torch.Tensor) -> ImageBatch | None:
+        """The images of the rollouts' ``rows`` (a micro-batch's: contiguous), on the device; None for a text
+        policy."""
+        images = self.rollouts.images
+        if images is None:
+            return None
+        start = int(rows[0])
+        assert rows.tolist() == list(range(start, start + len(rows))), rows  # local_microbatch's slices
+        return images.take(slice(start, start + len(rows))).to(self.device)
 
     def count(self, where: torch.Tensor, logps: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None,
               advantage: torch.Tensor, counted: torch.Tensor) -> None:

@@ -1,0 +1,144 @@
+"""GRPO's prompt rows, as TRL's GRPOTrainer reads them: text or chat ``prompt`` with the row's other columns for the
+reward functions, and for an image-text policy its images.
+
+An image-text policy's row is TRL's vision prompt: chat messages in ``prompt`` beside ``images`` (a list) or ``image``
+(one), paths relative to the file as training's rows give them. As TRL's ``prepare_multimodal_messages``, messages
+whose contents are all strings get one image part per image before the first user turn's text; messages with image
+parts keep them (one image per part). The model's processor renders and encodes each prompt as ``plait generate``
+does (``plait.run.prompts.encode_image_prompts``: the chat template's generation prompt, each image part expanded into
+the model's image tokens); the reward functions get the messages with each image part holding its image, and the
+image column as PIL images, as TRL hands them over. A prompt string beside images is refused, as TRL refuses it
+("Multimodal training requires conversational prompts"); one without images is the processor's text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.base.config import ConfigError
+from plait.base.images import ImageBatch
+from plait.run.prompts import json_lines, left_images
+
+IMAGE_COLUMNS = ("images", "image")  # TRL's names: a list of images, or one
+
+
+@dataclasses.dataclass
+class Prompt:
+    """One prompt row: as TRL's reward functions get it (text or chat messages), its tokens, its other columns and,
+    for an image-text policy, its encoding with its images (``plait.data.vision.Example``)."""
+
+    prompt: str | list
+    ids: list[int]
+    columns: dict[str, Any]
+    example: Any = None
+
+
+def read_prompts(path: Path, tokenizer: Any, room: int) -> list[Prompt]:
+    """TRL's prompt-only rows of a .jsonl: ``prompt`` as text or chat messages (the template's generation prompt
+    added), its other keys passed to the reward functions; one line for a bad row or a prompt over ``room`` tokens."""
+    rows = []
+    for number, row in json_lines(path):
+        prompt = _prompt(row, path, number)
+        if isinstance(prompt, list):
+            if not tokenizer.chat_template:
+                raise ConfigError(f"{path}:{number}: a chat prompt, but the tokenizer has no chat template")
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        else:
+            text = prompt
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        _check_room(path, number, len(ids), room)
+        rows.append(Prompt(prompt, ids, {k: v for k, v in row.items() if k != "prompt"}))
+    return _some(rows, path)
+
+
+def read_image_prompts(path: Path, processor: Any, room: int) -> list[Prompt]:
+    """An image-text policy's prompt rows of a .jsonl (module docstring), encoded by its ``processor``."""
+    from plait.data.vision import VisionEncoder, read_image
+
+    encoder, rows = VisionEncoder(processor, path.parent), []
+    for number, row in json_lines(path):
+        prompt, where = _prompt(row, path, number), f"{path}:{number}"
+        key = next((k for k in IMAGE_COLUMNS if k in row), None)
+        entries = [] if key is None or row[key] is None else row[key] if key == "images" else [row[key]]
+        if not isinstance(entries, list):
+            raise ConfigError(f"{where}: 'images' is a {type(entries).__name__}; give a list of image paths")
+        if isinstance(prompt, str):
+            if entries:
+                raise ConfigError(f"{where}: a prompt string with images; an image-text prompt is chat messages "
+                                  f"(\"prompt\": [{{\"role\": \"user\", \"content\": ...}}]), as TRL requires")
+            example = encoder.encode_text(prompt, where)
+        else:
+            messages = multimodal_messages(prompt, len(entries), where)
+            example = encoder.encode({"messages": messages, "images": entries}, where, prompt=True)
+            pictures = [read_image(entry, path.parent, where, n) for n, entry in enumerate(entries)]
+            each = iter(pictures)
+            prompt = [{**m, "content": [{**p, "image": next(each)} if p["type"] == "image" else p
+                                        for p in m["content"]]} for m in messages]
+            if key is not None:  # the column as TRL's datasets decode it: PIL images
+                row = {**row, key: pictures if key == "images" else next(iter(pictures), None)}
+        _check_room(path, number, len(example.input_ids), room)
+        rows.append(Prompt(prompt, example.input_ids.tolist(), {k: v for k, v in row.items() if k != "prompt"},
+                           example))
+    return _some(rows, path)
+
+
+def multimodal_messages(messages: list, images: int, where: str) -> list[dict]:
+    """TRL's ``prepare_multimodal_messages`` without filling the images in: every content a list of parts; where
+    every content is a string, ``images`` image parts before the first user turn's text."""
+    parts = lambda content: [{"type": "text", "text": content}] if isinstance(content, str) else content  # noqa: E731
+    strings = all(isinstance(m.get("content"), str) for m in messages if isinstance(m, dict))
+    out, placed = [], False
+    for message in messages:
+        if not isinstance(message, dict) or "content" not in message:
+            raise ConfigError(f"{where}: prompt messages must be {{role, content}} turns (got {message!r:.80})")
+        content = parts(message["content"])
+        if strings and not placed and message.get("role") == "user":
+            content, placed = [{"type": "image"}] * images + content, True
+        out.append({**message, "content": content})
+    return out
+
+
+def check_images_everywhere(prompts: list[Prompt], path: str, zero_stage: int) -> None:
+    """Under ZeRO-2/3 FSDP reduces the vision tower's gradients only where it ran, so every micro-batch of every
+    replica must hold an image (``ParallelModel`` refuses one without, at its step): an image-text policy's prompts
+    must each hold one, since any of them may make up a micro-batch's rows."""
+    bare = next((p for p in prompts if p.example is not None and not p.example.num_images), None)
+    if zero_stage >= 2 and bare is not None and any(p.example.num_images for p in prompts):
+        raise ConfigError(f"{bare.example.where}: a prompt without an image, under --zero_stage {zero_stage}, where "
+                          f"every micro-batch of every replica needs one (FSDP reduces the vision tower's gradients "
+                          f"only where it ran); give every prompt an image, or use --zero_stage 1")
+
+
+def prompt_images(prompts: list[Prompt], pad: int, width: int = 0) -> ImageBatch | None:
+    """The image inputs of ``prompts`` left padded as ``left_padded`` pads their ids, the processor's per-token
+    tensors zero filled on the right to ``width`` tokens (the completions after the prompt: TRL extends Gemma 3's
+    token types with zeros); None for a text policy's prompts or rows without an image."""
+    if prompts[0].example is None or not any(p.example.num_images for p in prompts):
+        return None
+    images = left_images([p.example for p in prompts], pad)
+    grow = lambda t: torch.nn.functional.pad(t, (0, max(width - t.shape[1], 0)))  # noqa: E731
+    return dataclasses.replace(images, tensors={k: grow(v) if k in images.row_major else v
+                                                for k, v in images.tensors.items()})
+
+
+def _prompt(row: Any, path: Path, number: int) -> str | list:
+    prompt = row.get("prompt") if isinstance(row, dict) else None
+    if not (isinstance(prompt, list) and prompt) and not (isinstance(prompt, str) and prompt):
+        raise ConfigError(f"{path}:{number}: a row needs a 'prompt' (text or a list of chat messages)")
+    return prompt
+
+
+def _check_room(path: Path, number: int, tokens: int, room: int) -> None:
+    if tokens > room:
+        raise ConfigError(f"{path}:{number}: the prompt has {tokens} tokens, more than the {room} left for it "
+                          f"(--block_size minus --max_completion_length); shorten it or raise --block_size")
+
+
+def _some(rows: list[Prompt], path: Path) -> list[Prompt]:
+    if not rows:
+        raise ConfigError(f"--train_file {path}: no prompts in it")
+    return rows

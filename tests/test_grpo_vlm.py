@@ -1,0 +1,258 @@
+"""``plait train --method grpo`` with an image-text policy: TRL's vision prompt rows (chat ``prompt`` beside its
+``images``), each prompt's images reaching the rollouts' decoding, the policy's and the reference's forwards.
+
+Held to TRL: on fixed completions of a tiny LLaVA, plait's loss and every gradient equal GRPOTrainer's
+``_compute_loss`` with the processor's pixels (the KL to the reference on, so the reference reads the images too).
+Then every layout of one world of 2 (tp=2 with SP, dp=2, ZeRO-3, pp=2, cp=2, tp=2 with two optimizer steps a batch
+of rollouts) gives one process's rollouts, losses and gradients; and what is refused is one line before any process
+group.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_vision_data import picture, template, tokenizer, turn
+
+from plait import ParallelConfig, parallelize
+from plait.base.config import ConfigError
+from plait.run.methods.dpo import Reference
+from plait.run.methods.grpo import GRPO
+from plait.run.methods.grpo_prompts import read_image_prompts
+from plait.run.train_args import TrainArgs
+
+REWARDS = '''
+def length(prompts, completions, **columns):
+    return [float(len(c[0]["content"])) for c in completions]
+
+
+def pictures(prompts, completions, images, **columns):
+    return [float(len(i)) + (1.0 if "a" in c[0]["content"] else 0.0) for c, i in zip(completions, images)]
+'''
+ROWS = [{"prompt": [{"role": "user", "content": "describe the picture"}], "images": ["0.png"]},
+        {"prompt": [turn("user", None, "compare", None)], "images": ["1.png", "2.png"]},
+        {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what colour is it"}],
+         "images": ["2.png"]}]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    root = tmp_path_factory.mktemp("grpo-vlm")
+    tok = tokenizer("<image>")
+    images = CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=4, vision_feature_select_strategy="default",
+                   num_additional_image_tokens=1, image_token="<image>",
+                   chat_template=template("<image>")).save_pretrained(root / "model")
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=16, patch_size=4, projection_dim=32)
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1, vision_feature_select_strategy="default")).save_pretrained(root / "model")
+    for seed in range(3):
+        picture(seed).save(root / f"{seed}.png")
+    (root / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    (root / "rewards.py").write_text(REWARDS)
+    return root
+
+
+def grpo_args(root, **flags) -> TrainArgs:
+    base = dict(method="grpo", model_name_or_path=str(root / "model"), train_file=str(root / "prompts.jsonl"),
+                reward_funcs=f"{root / 'rewards.py'}:length,{root / 'rewards.py'}:pictures", reward_weights="0.1,1.0",
+                num_generations=2, per_device_train_batch_size=6, block_size=64, max_completion_length=6,
+                temperature=0.7, beta=0.04, output_dir=str(root / "out"))
+    return TrainArgs(**{**base, **flags})
+
+
+def test_prompts_are_trls_multimodal_messages(files):
+    """TRL's ``prepare_multimodal_messages`` on each row: the image parts where TRL puts them, holding the images the
+    reward functions get; the ids are the processor's for that conversation with its generation prompt."""
+    from PIL import Image
+    from transformers import AutoProcessor
+    from trl.data_utils import prepare_multimodal_messages
+
+    processor = AutoProcessor.from_pretrained(files / "model")
+    prompts = read_image_prompts(files / "prompts.jsonl", processor, 64)
+    for prompt, row in zip(prompts, ROWS, strict=True):
+        pictures = [Image.open(files / name) for name in row["images"]]
+        theirs = prepare_multimodal_messages(row["prompt"], images=pictures)
+        assert [[p["type"] for p in m["content"]] for m in prompt.prompt] == \
+            [[p["type"] for p in m["content"]] for m in theirs]
+        got = [p["image"] for m in prompt.prompt for p in m["content"] if p["type"] == "image"]
+        for kept in (got, prompt.columns["images"]):
+            assert [np.asarray(g).tolist() for g in kept] == [np.asarray(p).tolist() for p in pictures]
+        ids = processor.apply_chat_template([theirs], add_generation_prompt=True, tokenize=True, return_dict=True)
+        assert prompt.ids == list(ids["input_ids"][0])  # as TRL's _tokenize_prompts
+        assert prompt.example.num_images == len(pictures)
+
+
+def trl_trainer(root, loss_type: str):
+    from datasets import Dataset
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from trl import GRPOConfig, GRPOTrainer
+
+    config = GRPOConfig(output_dir=str(root / "trl"), per_device_train_batch_size=6, num_generations=2,
+                        max_completion_length=6, beta=0.04, loss_type=loss_type, temperature=0.7, report_to="none",
+                        use_cpu=True, epsilon_high=0.28, bf16=False)
+    trainer = GRPOTrainer(model=LlavaForConditionalGeneration.from_pretrained(root / "model"), args=config,
+                          reward_funcs=[lambda prompts, completions, **kw: [0.0] * len(completions)],
+                          train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}] * 3),
+                          processing_class=AutoProcessor.from_pretrained(root / "model"))
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_a_step_on_fixed_completions_is_trls(files, loss_type):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    args = grpo_args(files, epsilon_high=0.28, loss_type=loss_type)
+    args.validate()
+    processor = AutoProcessor.from_pretrained(files / "model")
+    tokenizer_ = processor.tokenizer
+    prompts = read_image_prompts(files / "prompts.jsonl", processor, 58)
+    model = LlavaForConditionalGeneration.from_pretrained(files / "model")
+    pmodel = parallelize(copy.deepcopy(model), ParallelConfig())
+    # the starting policy as the reference, as a run's: its log-probs of the completions equal the policy's only if
+    # its forward reads each row's images too (KL 0 and no KL gradient; without them 0.28 nats apart here)
+    reference = Reference(parallelize(copy.deepcopy(model), ParallelConfig()))
+    method = GRPO(prompts, args, tokenizer_, reference, torch.device("cpu"))
+    [batch] = method.micro_batches(torch.arange(3), pmodel.mesh, 1, torch.device("cpu"))
+    completions = torch.randint(3, 300, (6, 6), generator=torch.Generator().manual_seed(1))
+    completions[0, 3], completions[3, 0] = tokenizer_.eos_token_id, tokenizer_.eos_token_id
+    rows = [prompts[i] for i in range(3) for _ in range(2)]
+    method.score_and_build([p.ids for p in rows], completions, rows)
+    loss = method.micro_step(pmodel, batch, 6)
+
+    trainer = trl_trainer(files, loss_type)
+    r = method.rollouts
+    width = r.ids.shape[1] - 6
+    pixels = r.images.tensors["pixel_values"]
+    num_images = r.images.per_row.tolist()
+    assert pixels.shape[0] == sum(num_images) == 8  # each prompt's images, once a completion
+    inputs = {"prompt_ids": r.ids[:, :width], "prompt_mask": r.mask[:, :width], "completion_ids": completions,
+              "completion_mask": r.mask[:, width:], "advantages": r.advantages,
+              "num_items_in_batch": r.mask[:, width:].sum(), "pixel_values": pixels, "num_images": num_images}
+    with torch.no_grad():
+        inputs["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+            trainer.ref_model, r.ids, r.mask, 6, pixel_values=pixels, num_images=num_images)[0]
+    expected = trainer._compute_loss(trainer.model, inputs)
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+    theirs = dict(trainer.model.named_parameters())
+    vision = 0
+    for name, param in pmodel.module.named_parameters():
+        if theirs[name].grad is None:  # CLIP's post-layernorm: LLaVA reads the last layer's hidden states before it
+            assert param.grad is None, name
+            continue
+        # measured: 1.1e-8 at most beyond rtol 1e-5
+        assert torch.allclose(param.grad, theirs[name].grad, rtol=1e-5, atol=3e-8), name
+        vision += "vision_tower" in name and bool(param.grad.abs().sum() > 0)
+    assert vision > 0  # the images reached the loss: the vision tower has gradients
+    metrics = method.step_metrics(pmodel)
+    assert metrics["kl"] == pytest.approx(trainer._metrics["train" if trainer.model.training else "eval"]["kl"][-1],
+                                          abs=1e-7)
+
+
+LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "dp2": dict(per_device_train_batch_size=3),
+           # every prompt holds an image, so every micro-batch of every replica runs the vision tower
+           "zero3_dp2": dict(per_device_train_batch_size=3, zero_stage=3),
+           # the pixels to the first stage, for the rollouts' decoding and the loss's forward alike
+           "pp2": dict(pipeline_parallel_size=2, num_microbatches=2),
+           "cp2": dict(context_parallel_size=2, cp_attention="all-to-all"),
+           # a second optimizer step on the rollouts: ratios to their log-probs as drawn, read with the images
+           "tp2_sp_mu2": dict(tensor_parallel_size=2, num_iterations=2)}
+# 1e-3: at 1e-2 AdamW's first step (each weight moved by about the learning rate, whatever its gradient's size) grew
+# fp32's reordering to 1.1e-5 relative in tp2_sp_mu2's second grad norm, past the bound; every step is still compared
+RUN = dict(max_steps=2, learning_rate=1e-3, lr_scheduler_type="constant", device="cpu", save_final=False,
+           loss_type="grpo")
+KEYS = ("loss", "grad_norm", "reward", "reward_std", "rewards/pictures/mean", "completions/mean_length", "kl")
+
+
+@pytest.fixture(scope="module")
+def one_process(files, tmp_path_factory):
+    from plait.run.trainer import Trainer
+    from workers.trainers import capture_gradients, whole
+
+    runs = {}
+    for name, extra in (("full", {}), ("mu2", dict(num_iterations=2))):
+        trainer = Trainer(grpo_args(files, output_dir=str(tmp_path_factory.mktemp(name)), **RUN, **extra))
+        kept = capture_gradients(trainer)
+        runs[name] = (trainer.train(), whole([kept]))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def layouts(files, tmp_path_factory):
+    from plait.testing import launch
+
+    out = tmp_path_factory.mktemp("layouts")
+    cases = {name: {**grpo_args(files, output_dir=str(out / name), **RUN, **layout).__dict__}
+             for name, layout in LAYOUTS.items()}
+    (out / "flags.json").write_text(json.dumps(cases))
+    worker = str(Path(__file__).parent / "workers" / "trainers.py")
+    launch([worker, str(out / "runs.json"), str(out / "flags.json")], 2, timeout=300)
+    runs = json.loads((out / "runs.json").read_text())
+    return {name: (records, torch.load(out / f"{name}.grads.pt")) for name, records in runs.items()}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_gives_one_process_rollouts_losses_and_gradients(one_process, layouts, layout):
+    history, grads = one_process["mu2" if layout.endswith("mu2") else "full"]
+    assert all(r["grad_norm"] > 1e-3 and r["reward_std"] > 0 for r in history)  # the groups' rewards differ
+    records, got_grads = layouts[layout]
+    for rank, record in enumerate(records):
+        for got, expected in zip(record["history"], history, strict=True):
+            for key in KEYS:  # the same completions (rewards, lengths), then the loss and its gradient
+                assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), (rank, got["step"], key)
+    assert sorted(got_grads) == sorted(grads)
+    for name, reference in grads.items():
+        assert torch.allclose(got_grads[name], reference, rtol=1e-5, atol=1e-7, equal_nan=True), name
+    assert any("vision_tower" in name and reference.abs().sum() > 0 for name, reference in grads.items())
+
+
+@pytest.mark.parametrize("rows, flags, message", [
+    ([{"prompt": "describe it", "images": ["0.png"]}], {},
+     r"prompts.jsonl:1: a prompt string with images; an image-text prompt is chat messages"),
+    ([{"prompt": [turn("user", None, "describe")], "images": ["0.png", "1.png"]}], {},
+     r"prompts.jsonl:1: 2 images for 1 image parts in its messages"),
+    ([{"prompt": [{"role": "user", "content": "describe"}], "images": ["0.png"]},
+      {"prompt": [{"role": "user", "content": "hello"}]}], dict(zero_stage=3, per_device_train_batch_size=3),
+     r"prompts.jsonl:2: a prompt without an image, under --zero_stage 3, where every micro-batch of every replica "
+     r"needs one"),
+    ([{"prompt": [{"role": "user", "content": "describe"}], "images": ["missing.png"]}], {},
+     r"prompts.jsonl:1: images\[0\] \(.*missing.png\) cannot be read"),
+])
+def test_bad_prompts_are_one_line_before_any_process_group(files, tmp_path, rows, flags, message):
+    from plait.run.trainer import check_before_launch
+
+    for seed in range(2):
+        picture(seed).save(tmp_path / f"{seed}.png")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = grpo_args(files, train_file=str(tmp_path / "prompts.jsonl"), **flags)
+    args.validate()
+    with pytest.raises(ConfigError, match=message):
+        check_before_launch(args, 2)
+
+
+def test_the_image_column_is_trls_too(files, tmp_path):
+    """TRL's one-image column ``image``: the image part before the text, the column a PIL image for the rewards."""
+    from transformers import AutoProcessor
+
+    picture(0).save(tmp_path / "0.png")
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "describe"}],
+                                                        "image": "0.png"}) + "\n")
+    [prompt] = read_image_prompts(tmp_path / "prompts.jsonl", AutoProcessor.from_pretrained(files / "model"), 64)
+    assert [p["type"] for p in prompt.prompt[0]["content"]] == ["image", "text"]
+    assert np.asarray(prompt.columns["image"]).tolist() == np.asarray(picture(0)).tolist()
+    assert prompt.example.num_images == 1
