@@ -22,7 +22,8 @@ from plait import ParallelConfig, parallelize
 from plait.base.config import ConfigError
 from plait.data.chat_tokenizer import save_chat_tokenizer
 from plait.run.methods.dpo import Reference
-from plait.run.methods.grpo import GRPO, read_prompts
+from plait.run.methods.grpo import GRPO
+from plait.run.methods.grpo_prompts import read_prompts
 from plait.run.methods.grpo_loss import advantages
 from plait.run.metrics import read_metrics
 from plait.run.train_args import TrainArgs
@@ -76,13 +77,13 @@ def grpo_args(root, **flags) -> TrainArgs:
     return TrainArgs(**{**base, **flags})
 
 
-def trl_trainer(root, loss_type: str, beta: float):
+def trl_trainer(root, loss_type: str, beta: float, bias_correction: bool = True):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     config = GRPOConfig(output_dir=str(root / "trl"), per_device_train_batch_size=6, num_generations=2,
                         max_completion_length=8, beta=beta, loss_type=loss_type, temperature=0.7, report_to="none",
-                        use_cpu=True, epsilon_high=0.28, bf16=False)
+                        use_cpu=True, epsilon_high=0.28, bf16=False, use_bias_correction_kl=bias_correction)
     trainer = GRPOTrainer(model=LlamaForCausalLM.from_pretrained(root / "model"), args=config,
                           reward_funcs=[lambda prompts, completions, **kw: [0.0] * len(completions)],
                           train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
@@ -91,19 +92,33 @@ def trl_trainer(root, loss_type: str, beta: float):
     return trainer
 
 
+def moved(model: torch.nn.Module) -> torch.nn.Module:
+    """A reference that differs from the policy (its first MLP moved): a KL that is not 0, with a gradient (at the
+    starting policy both are 0, and so was every difference in how the KL term's gradient is taken)."""
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(2)
+        for param in other.model.layers[0].mlp.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.1)
+    return other
+
+
 @pytest.mark.parametrize("old", [False, True], ids=["one_iteration", "old_logps"])
-@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("beta, bias_correction", [(0.0, True), (0.04, True), (0.04, False)],
+                         ids=["no_kl", "kl", "kl_uncorrected"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
-def test_a_step_on_fixed_completions_is_trls(files, loss_type, beta, old):
+def test_a_step_on_fixed_completions_is_trls(files, loss_type, beta, bias_correction, old):
     """``old``: a later step of a cycle of --num_iterations, whose ratios are to the log-probs the rollouts were
-    generated with (here the policy's own plus noise of +-0.3, so that some tokens are clipped on either side)."""
-    args = grpo_args(files, loss_type=loss_type, beta=beta, epsilon_high=0.28)
+    generated with (here the policy's own plus noise of +-0.3, so that some tokens are clipped on either side).
+    ``bias_correction``: TRL 1.16's use_bias_correction_kl (its default), the KL term times the ratio."""
+    args = grpo_args(files, loss_type=loss_type, beta=beta, epsilon_high=0.28,
+                     use_bias_correction_kl=bias_correction)
     args.validate()
     tokenizer = AutoTokenizer.from_pretrained(files / "model")
     prompts = read_prompts(files / "prompts.jsonl", tokenizer, 16)
     model = LlamaForCausalLM.from_pretrained(files / "model")
     pmodel = parallelize(copy.deepcopy(model), ParallelConfig())
-    reference = Reference(parallelize(copy.deepcopy(model), ParallelConfig())) if beta else None
+    reference = Reference(parallelize(moved(model), ParallelConfig())) if beta else None
     method = GRPO(prompts, args, tokenizer, reference, torch.device("cpu"))
     [batch] = method.micro_batches(torch.arange(3), pmodel.mesh, 1, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
@@ -111,7 +126,9 @@ def test_a_step_on_fixed_completions_is_trls(files, loss_type, beta, old):
     completions[0, 3], completions[3, 0], completions[4, 7] = tokenizer.eos_token_id, tokenizer.eos_token_id, 9
     rows = [prompts[i] for i in range(3) for _ in range(2)]
     method.score_and_build([p.ids for p in rows], completions, rows)
-    trainer = trl_trainer(files, loss_type, beta)
+    trainer = trl_trainer(files, loss_type, beta, bias_correction)
+    if beta:
+        trainer.ref_model.load_state_dict(moved(model).state_dict())
     r = method.rollouts
     width = r.ids.shape[1] - 8
     inputs = {"prompt_ids": r.ids[:, :width], "prompt_mask": r.mask[:, :width], "completion_ids": completions,

@@ -123,9 +123,12 @@ def test_a_step_on_fixed_completions_is_trls(files, loss_type):
     prompts = read_image_prompts(files / "prompts.jsonl", processor, 58)
     model = LlavaForConditionalGeneration.from_pretrained(files / "model")
     pmodel = parallelize(copy.deepcopy(model), ParallelConfig())
-    # the starting policy as the reference, as a run's: its log-probs of the completions equal the policy's only if
-    # its forward reads each row's images too (KL 0 and no KL gradient; without them 0.28 nats apart here)
-    reference = Reference(parallelize(copy.deepcopy(model), ParallelConfig()))
+    moved = copy.deepcopy(model)  # a reference whose projector differs: its log-probs read the images too
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(2)
+        for param in moved.model.multi_modal_projector.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+    reference = Reference(parallelize(copy.deepcopy(moved), ParallelConfig()))
     method = GRPO(prompts, args, tokenizer_, reference, torch.device("cpu"))
     [batch] = method.micro_batches(torch.arange(3), pmodel.mesh, 1, torch.device("cpu"))
     completions = torch.randint(3, 300, (6, 6), generator=torch.Generator().manual_seed(1))
@@ -135,6 +138,7 @@ def test_a_step_on_fixed_completions_is_trls(files, loss_type):
     loss = method.micro_step(pmodel, batch, 6)
 
     trainer = trl_trainer(files, loss_type)
+    trainer.ref_model.load_state_dict(moved.state_dict())
     r = method.rollouts
     width = r.ids.shape[1] - 6
     pixels = r.images.tensors["pixel_values"]
@@ -155,13 +159,13 @@ def test_a_step_on_fixed_completions_is_trls(files, loss_type):
         if theirs[name].grad is None:  # CLIP's post-layernorm: LLaVA reads the last layer's hidden states before it
             assert param.grad is None, name
             continue
-        # measured: 1.1e-8 at most beyond rtol 1e-5
+        # measured: 6.9e-9 at most beyond rtol 1e-5
         assert torch.allclose(param.grad, theirs[name].grad, rtol=1e-5, atol=3e-8), name
         vision += "vision_tower" in name and bool(param.grad.abs().sum() > 0)
     assert vision > 0  # the images reached the loss: the vision tower has gradients
     metrics = method.step_metrics(pmodel)
-    assert metrics["kl"] == pytest.approx(trainer._metrics["train" if trainer.model.training else "eval"]["kl"][-1],
-                                          abs=1e-7)
+    found = trainer._metrics["train" if trainer.model.training else "eval"]["kl"][-1]
+    assert metrics["kl"] == pytest.approx(found, rel=1e-4) and found > 1e-3
 
 
 LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "dp2": dict(per_device_train_batch_size=3),

@@ -26,7 +26,8 @@ KD_SETTINGS = ("teacher_model_name_or_path", "kd_loss", "kd_beta", "kd_temperatu
 # GRPO's flags, with TRL's names (GRPOConfig); --beta and --loss_type are shared with DPO, their defaults TRL's per
 # method (GRPO: beta 0.0, loss_type dapo; DPO: 0.1 and sigmoid)
 GRPO_SETTINGS = ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "epsilon",
-                 "epsilon_high", "scale_rewards", "num_iterations", "reward_funcs", "reward_weights")
+                 "epsilon_high", "scale_rewards", "num_iterations", "reward_funcs", "reward_weights",
+                 "use_bias_correction_kl")
 SETTINGS = {**{name: ("dpo",) for name in DPO_SETTINGS}, "beta": ("dpo", "cpo", "orpo", "grpo"),
             "loss_type": ("dpo", "cpo", "grpo"), "label_smoothing": ("dpo", "cpo"), "simpo_gamma": ("cpo",),
             "cpo_alpha": ("cpo",), **{name: ("kd",) for name in KD_SETTINGS},
@@ -65,6 +66,7 @@ class MethodArgs:
     num_iterations: int = field(default=1, metadata={"help": "grpo: optimizer steps on each batch of rollouts (TRL's mu)"})
     reward_funcs: str | None = field(default=None, metadata={"help": "grpo: comma-separated reward functions, FILE.py:FUNC or module:func, TRL's signature f(prompts, completions, **columns) -> list[float]"})
     reward_weights: str | None = field(default=None, metadata={"help": "grpo: comma-separated weights, one per --reward_funcs (default: 1 each)"})
+    use_bias_correction_kl: bool = field(default=True, metadata={"help": "grpo: the KL term times the importance ratio (TRL 1.16's default: the unbiased reverse-KL gradient of DeepSeek-V3.2; the same value, another gradient even on-policy); --no_use_bias_correction_kl: the plain k3 term"})
 
     def dpo_loss_types(self) -> list[str]:
         return _names(self.loss_type)

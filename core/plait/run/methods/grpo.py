@@ -269,7 +269,7 @@ class GRPO(TrainingMethod):
             own_ref = None if ref is None else ref[rows].to(logps.dtype)
             own_old = None if old is None else old[rows].to(logps.dtype)
             terms = token_terms(logps, own_old, own_ref, advantage[rows], self.args.epsilon, self.epsilon_high,
-                                self.args.beta)
+                                self.args.beta, self.args.use_bias_correction_kl)
             w = weights[rows].to(logps.dtype)
             self.count(batch[rows.cpu()], logps.detach(), own_old, own_ref, advantage[rows], (w > 0).to(logps.dtype))
             return (terms * w).sum()
@@ -294,6 +294,8 @@ class GRPO(TrainingMethod):
         low = ((ratio < 1 - self.args.epsilon) & (a < 0)).to(logps.dtype)
         high = ((ratio > 1 + self.epsilon_high) & (a > 0)).to(logps.dtype)
         kl = torch.zeros_like(logps) if ref is None else kl_k3(ref, logps)
+        if self.args.use_bias_correction_kl:  # TRL logs the KL term as it enters the loss
+            kl = kl * ratio
         sums = [(kl * counted).sum(-1), (low * counted).sum(-1), (high * counted).sum(-1),
                 (torch.maximum(low, high) * counted).sum(-1), counted.sum(-1)]
         self.counts[where] = torch.stack(sums, dim=1).double().cpu()

@@ -8,8 +8,10 @@ function scored has none: it is left out of those means and deviations, its adva
 
 Loss, per completion token t (importance sampling per token, TRL's default): with r = exp(logp - old_logp) and A the
 completion's advantage, ``-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)``, plus ``beta`` times the k3 estimate
-of KL(policy || reference), ``exp(ref - logp) - (ref - logp) - 1``. Every loss type is a weighted sum of these terms,
-the weight fixed by the global batch before the step, so each rank's share is the sum over its own tokens:
+of KL(policy || reference), ``exp(ref - logp) - (ref - logp) - 1``, times r where ``use_bias_correction_kl`` (TRL
+1.16's default: r is 1 on-policy, but its gradient makes the KL's the unbiased reverse-KL gradient). Every loss type
+is a weighted sum of these terms, the weight fixed by the global batch before the step, so each rank's share is the
+sum over its own tokens:
 
 - ``grpo``: each completion's token mean, averaged over the completions: weight 1 / (its tokens x completions);
 - ``dr_grpo``: 1 / (completions x ``max_completion_length``);
@@ -104,14 +106,15 @@ def kl_k3(ref: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
 
 
 def token_terms(logps: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None, advantage: torch.Tensor,
-                epsilon: float, epsilon_high: float, beta: float) -> torch.Tensor:
+                epsilon: float, epsilon_high: float, beta: float, bias_correction: bool = True) -> torch.Tensor:
     """GRPO's term of each token [rows, tokens] from the policy's log-probs (with gradient), the old policy's (None:
     the policy's own, detached: one iteration per generation), the reference's (None where ``beta`` is 0) and each
-    row's advantage [rows]."""
+    row's advantage [rows]; ``bias_correction``: the KL term times the ratio (TRL's use_bias_correction_kl)."""
     ratio = torch.exp(logps - (logps.detach() if old is None else old))
     advantage = advantage[:, None].to(logps.dtype)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     terms = -torch.min(ratio * advantage, clipped * advantage)
     if beta != 0.0:
-        terms = terms + beta * kl_k3(ref, logps)
+        kl = kl_k3(ref, logps)
+        terms = terms + beta * (kl * ratio if bias_correction else kl)
     return terms
