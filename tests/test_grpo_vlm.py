@@ -40,12 +40,11 @@ ROWS = [{"prompt": [{"role": "user", "content": "describe the picture"}], "image
          "images": ["2.png"]}]
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def save_tiny_llava(root: Path) -> None:
+    """A tiny LLaVA (CLIP tower, Llama decoder) and its processor in ``root / "model"``, and pictures 0-2.png."""
     from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
 
-    root = tmp_path_factory.mktemp("grpo-vlm")
     tok = tokenizer("<image>")
     images = CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
     LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=4, vision_feature_select_strategy="default",
@@ -61,6 +60,12 @@ def files(tmp_path_factory):
         vision_feature_layer=-1, vision_feature_select_strategy="default")).save_pretrained(root / "model")
     for seed in range(3):
         picture(seed).save(root / f"{seed}.png")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo-vlm")
+    save_tiny_llava(root)
     (root / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
     (root / "rewards.py").write_text(REWARDS)
     return root

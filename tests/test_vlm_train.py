@@ -375,9 +375,12 @@ def test_rows_with_nothing_to_train_on_are_refused(files, tmp_path):
                                r"--train_file .*rows.jsonl was read as chat data; give such rows with --data_format "
                                r"vision$"),
     (dict(train_file=None), r"but the built-in corpus is text; give such rows with --data_format vision$"),
-    (dict(method="dpo"), r"^--method dpo with LlavaForConditionalGeneration, an image-text model: plait trains an "
-                         r"image-text model by next-token loss on image-text rows, or by GRPO on image-text prompts; "
-                         r"train it without --method, with --data_format vision, or with --method grpo$"),
+    (dict(method="kd", teacher_model_name_or_path="x"),
+     r"^--method kd with LlavaForConditionalGeneration, an image-text model: plait trains an image-text model by "
+     r"next-token loss on image-text rows, by DPO on image-text pairs or by GRPO on image-text prompts; train it "
+     r"without --method, with --data_format vision, or with --method dpo or grpo$"),
+    # DPO reads image-text preference rows: these SFT rows are refused as such, naming the row
+    (dict(method="dpo"), r"rows.jsonl line 1: an image-text preference row needs 'prompt', 'chosen' and 'rejected'"),
 ])
 def test_bad_flags_are_one_line(files, flags, message):
     from plait.run.trainer import check_before_launch

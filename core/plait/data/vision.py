@@ -213,12 +213,16 @@ class VisionEncoder:
         ids = out["input_ids"][0]
         labels = torch.full_like(ids, IGNORE_INDEX) if prompt else \
             self._labels(ids, out, _assistant_spans(render, messages, text, where), where)
-        extra = {key: value for key, value in out.items() if key not in _TEXT_KEYS and torch.is_tensor(value)}
-        tokens = {key: value[0] for key, value in extra.items() if _per_token(key, value, out["input_ids"])}
-        pixels = {key: value for key, value in extra.items() if key not in tokens}
-        for key in pixels:  # refuse here, naming the row, a tensor that could not be cut by rows
-            _units(key, pixels, len(images), where)
-        return Example(ids, out["attention_mask"][0], labels, tokens, pixels, len(images), where)
+        return _example(out, labels, len(images), where)
+
+    def encode_rendered(self, text: str, images: list[Any], where: str) -> Example:
+        """A prompt already rendered (``text``) with its loaded ``images``, as TRL's preference collator encodes it:
+        no special tokens added (the template wrote them), labelled nowhere."""
+        try:
+            out = self.processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=False)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"{where}: the processor refused it: {_one_line(err)}") from err
+        return _example(out, torch.full_like(out["input_ids"][0], IGNORE_INDEX), len(images), where)
 
     def encode_text(self, text: str, where: str) -> Example:
         """A text-only prompt string as the processor encodes it, its special tokens included (``tokenizer(text)``),
@@ -254,6 +258,43 @@ class VisionEncoder:
         trainable &= ~inside & (ids.numpy() != self.image_token_id)
         trainable[:1] = False  # as in plait.data.sft_blocks: an example's first token is never predicted
         return torch.where(torch.from_numpy(trainable), ids, torch.full_like(ids, IGNORE_INDEX))
+
+
+def _example(out: Any, labels: torch.Tensor, num_images: int, where: str) -> Example:
+    """One row of the processor's output ``out`` as an ``Example``: its per-token tensors apart from its pixels."""
+    extra = {key: value for key, value in out.items() if key not in _TEXT_KEYS and torch.is_tensor(value)}
+    tokens = {key: value[0] for key, value in extra.items() if _per_token(key, value, out["input_ids"])}
+    pixels = {key: value for key, value in extra.items() if key not in tokens}
+    for key in pixels:  # refuse here, naming the row, a tensor that could not be cut by rows
+        _units(key, pixels, num_images, where)
+    return Example(out["input_ids"][0], out["attention_mask"][0], labels, tokens, pixels, num_images, where)
+
+
+def check_images_everywhere(examples: list[Example | None], zero_stage: int) -> None:
+    """Under ZeRO-2/3 FSDP reduces the vision tower's gradients only where it ran, so every micro-batch of every
+    replica must hold an image (``ParallelModel`` refuses one without, at its step): where rows are drawn from
+    ``examples`` at random (GRPO's prompts, DPO's pairs' prompts) each must hold one, or none may (a text run)."""
+    bare = next((e for e in examples if e is not None and not e.num_images), None)
+    if zero_stage >= 2 and bare is not None and any(e is not None and e.num_images for e in examples):
+        raise ConfigError(f"{bare.where}: a prompt without an image, under --zero_stage {zero_stage}, where every "
+                          f"micro-batch of every replica needs one (FSDP reduces the vision tower's gradients only "
+                          f"where it ran); give every prompt an image, or use --zero_stage 1")
+
+
+def multimodal_messages(messages: list, images: int, where: str) -> list[dict]:
+    """TRL's ``prepare_multimodal_messages`` without filling the images in: every content a list of parts; where
+    every content is a string, ``images`` image parts before the first user turn's text."""
+    parts = lambda content: [{"type": "text", "text": content}] if isinstance(content, str) else content  # noqa: E731
+    strings = all(isinstance(m.get("content"), str) for m in messages if isinstance(m, dict))
+    out, placed = [], False
+    for message in messages:
+        if not isinstance(message, dict) or "content" not in message:
+            raise ConfigError(f"{where}: messages must be {{role, content}} turns (got {message!r:.80})")
+        content = parts(message["content"])
+        if strings and not placed and message.get("role") == "user":
+            content, placed = [{"type": "image"}] * images + content, True
+        out.append({**message, "content": content})
+    return out
 
 
 def _assistant_spans(render: Any, messages: list[dict], text: str, where: str) -> list[tuple[int, int]]:

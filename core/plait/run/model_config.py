@@ -94,17 +94,18 @@ def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
 
 def check_image_text_data(args: TrainArgs, config: PretrainedConfig) -> None:
     """An image-text-to-text model trains by next-token loss on image-text rows (``plait.run.methods.vision_sft``,
-    a row without images trained as text turns) or by GRPO on image-text prompts (``plait.run.methods.grpo``); the
+    a row without images trained as text turns), by DPO on image-text pairs or by GRPO on image-text prompts; the
     other methods and data formats read a text model's config (an audit's LLaVA with chat rows under ``auto``, a .txt
-    file or --method dpo ended in "AttributeError: 'LlavaConfig' object has no attribute 'vocab_size'"): refused here
-    in one line instead."""
+    file or a text-only method ended in "AttributeError: 'LlavaConfig' object has no attribute 'vocab_size'"): refused
+    here in one line instead."""
     name = (config.architectures or [config.model_type])[0]
-    if args.method == "grpo":  # TRL's vision prompt rows, read by GRPO (plait.run.methods.grpo_prompts)
+    if args.method in ("grpo", "dpo"):  # TRL's vision prompt and preference rows (grpo_prompts, preference_images)
         return
     if args.method != "next_token":
         raise ConfigError(f"--method {args.method} with {name}, an image-text model: plait trains an image-text model "
-                          f"by next-token loss on image-text rows, or by GRPO on image-text prompts; train it without "
-                          f"--method, with --data_format vision, or with --method grpo")
+                          f"by next-token loss on image-text rows, by DPO on image-text pairs or by GRPO on image-text "
+                          f"prompts; train it without --method, with --data_format vision, or with --method dpo or "
+                          f"grpo")
     fmt = data_format(args.sft_source()) if args.train_file else None
     if fmt != "vision":
         what = f"--train_file {args.train_file} was read as {fmt} data" if args.train_file else \

@@ -28,22 +28,25 @@ from plait.base import comm
 from plait.base.config import ConfigError
 from plait.base.images import ImageBatch
 from plait.base.mesh import Mesh
+from plait.base.meta import takes_images
 from plait.base.meta import build_meta_model
 from plait.checkpoint.materialize import resolve_source
 from plait.data import local_microbatch
 from plait.data.paths import tokenizer_dir
 from plait.data.tokenizer import load_tokenizer
+from plait.data.vision import check_images_everywhere, load_processor
 from plait.lora import switch
 from plait.parallel_model import ParallelModel
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.frozen import SecondModel, check_vocabulary, frozen_on_mesh, read_rows
 from plait.run.methods.preference_data import DOC, Pair, pack_pairs, pair_rows, read_pairs, real_tokens
+from plait.run.methods.preference_images import pair_images, read_image_pairs
 from plait.run.methods.preference_loss import PairLogps, PreferenceLoss
 from plait.tp.logprobs import Logits
 from plait.tp.loss import IGNORE_INDEX, labelled_tokens
 
 # ids, labels, rows' completion tokens, pair ids, and under --packing the packed rows (pack_pairs), else None
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None, ImageBatch | None]
 
 
 class DPO(TrainingMethod):
@@ -97,8 +100,18 @@ class DPO(TrainingMethod):
         args.refuse_unread(("train_on_prompt", "overlong"), "--method dpo trains on each pair's completions and "
                            "truncates pairs by its own rules (--truncation_mode)")
         check_packing(args, model_config)
-        tokenizer = load_tokenizer(folder, model_config.vocab_size)
-        read = lambda path: read_pairs(Path(path), tokenizer, args.block_size, args.truncation_mode)  # noqa: E731
+        if takes_images(model_config):  # its processor encodes the prompts and their images
+            check_image_pairs(args)
+            processor = load_processor(folder)
+            tokenizer = processor.tokenizer
+
+            def read(path: str) -> list[Pair]:
+                pairs = read_image_pairs(Path(path), processor, args.block_size)
+                check_images_everywhere([pair.example for pair in pairs], plan.config.zero_stage)
+                return pairs
+        else:
+            tokenizer = load_tokenizer(folder, model_config.vocab_size)
+            read = lambda path: read_pairs(Path(path), tokenizer, args.block_size, args.truncation_mode)  # noqa: E731
         return read(args.train_file), read(args.validation_file) if args.validation_file else None, tokenizer
 
     @classmethod
@@ -150,8 +163,9 @@ class DPO(TrainingMethod):
                                     self.capacity if self.length else None)
                 packed = (*(t.to(device) for t in packed[:3]), packed[3])
             self.local_tokens += (packed[0] if packed else ids).numel()
+            images = pair_images(self.pairs, pairs, ids.shape[1], self.pad_id)
             batches.append((ids.to(device), labels.to(device), tokens.to(device), torch.tensor(pairs, device=device),
-                            packed))
+                            packed, None if images is None else images.to(device)))
         return batches
 
     def model_labels(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -166,7 +180,7 @@ class DPO(TrainingMethod):
         return logps, logps
 
     def micro_step(self, pmodel: ParallelModel, batch: Batch, divisor: int) -> torch.Tensor:
-        ids, labels, tokens, pairs, packed = batch
+        ids, labels, tokens, pairs, packed, images = batch
         if self.table is not None:
             reference = self.table[pairs.to(self.table.device)].reshape(-1).to(ids.device)
         elif self.reference is None:
@@ -174,7 +188,7 @@ class DPO(TrainingMethod):
         elif packed is not None:  # the policy's packed rows, so that both read the same forward's numbers
             reference = self._packed_reference(packed, ids.shape[0])
         else:
-            reference = self.reference.logps(ids, labels)
+            reference = self.reference.logps(ids, labels, images)
         self.step_pairs = divisor
         policy = torch.full_like(reference, float("nan"))  # each row's log-prob, where this rank computes the loss
         nll = torch.full_like(reference, float("nan"))
@@ -184,7 +198,7 @@ class DPO(TrainingMethod):
             return pmodel.train_step(ids, labels, position_ids=positions,
                                      objective=self._objective(policy, nll, reference, tokens, divisor, docs))
         mask = real_tokens(labels) if self.masked else None
-        return pmodel.train_step(ids, labels, attention_mask=mask,
+        return pmodel.train_step(ids, labels, attention_mask=mask, images=images,
                                  objective=self._objective(policy, nll, reference, tokens, divisor))
 
     def _objective(self, policy: torch.Tensor, nll: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor,
@@ -283,7 +297,9 @@ class DPO(TrainingMethod):
             padded = chunk + [0] * (size - len(chunk))
             ids, labels = pair_rows(pairs, padded, self.pad_id, self.max_length, self.truncation_mode, self.multiple,
                                     self.length)
-            found = logps(ids.to(device), self.model_labels(ids, labels).to(device)).reshape(-1, *table.shape[1:])
+            images = pair_images(pairs, padded, ids.shape[1], self.pad_id)
+            found = logps(ids.to(device), self.model_labels(ids, labels).to(device),
+                          None if images is None else images.to(device)).reshape(-1, *table.shape[1:])
             if chunk:
                 table[torch.tensor(chunk, device=device)] = found[:len(chunk)].to(table)
         table = comm.all_reduce(table, mesh.dp_group)
@@ -294,8 +310,8 @@ class DPO(TrainingMethod):
         """TRL's evaluation: the loss and the six metrics over every validation pair (``eval_`` before their names),
         read with the policy and the reference on the training layout, the same on every rank."""
         read = lambda logits: torch.stack(self.read_logps(logits), dim=-1)  # noqa: E731
-        both = self._read_all(data, lambda ids, labels: row_logps(pmodel, ids, labels, read, 2), pmodel.mesh, device,
-                              2)
+        both = self._read_all(data, lambda ids, labels, images: row_logps(pmodel, ids, labels, read, 2, images),
+                              pmodel.mesh, device, 2)
         policy, nll = both[..., 0], both[..., 1]
         reference = self.val_table if self.val_table is not None else torch.zeros_like(policy) \
             if self.reference is None else self._read_all(data, self.reference.logps, pmodel.mesh, device)
@@ -307,6 +323,19 @@ class DPO(TrainingMethod):
         loss = self.loss.per_pair(pairs).mean() - self.loss.sft_weight * pairs.nll_chosen.sum() / nll_tokens
         means = self.loss.metric_means(self.loss.metric_sums(pairs), len(data), nll_tokens)  # tensors, as TRL's
         return {"eval_loss": loss.item(), **{f"eval_{name}": float(value) for name, value in means.items()}}
+
+
+def check_image_pairs(args: Any) -> None:
+    """What TRL's DPOTrainer refuses for image-text pairs, refused by flag before any process group: keep_end
+    truncation (it may cut the prompt's image tokens and leave their pixels) and precomputed reference log-probs; and
+    --packing, whose packed rows plait does not give images."""
+    given = [flag for flag, on in (("--truncation_mode keep_end", args.truncation_mode == "keep_end"),
+                                   ("--precompute_ref_log_probs", args.precompute_ref_log_probs),
+                                   ("--packing", args.packing)) if on]
+    if given:
+        raise ConfigError(f"{', '.join(given)} with an image-text model's preference pairs: TRL's DPOTrainer refuses "
+                          f"keep_end (it may cut image tokens) and precomputed reference log-probs for them, and plait "
+                          f"packs text pairs only; drop {'them' if len(given) > 1 else 'it'}")
 
 
 def check_packing(args: Any, model_config: Any) -> None:
@@ -329,9 +358,9 @@ class Reference:
     def __init__(self, model: ParallelModel, adapters_off: bool = False) -> None:
         self.model, self.adapters_off = model, adapters_off
 
-    def logps(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def logps(self, ids: torch.Tensor, labels: torch.Tensor, images: ImageBatch | None = None) -> torch.Tensor:
         with switch.adapters_off() if self.adapters_off else contextlib.nullcontext():
-            return row_logps(self.model, ids, labels)
+            return row_logps(self.model, ids, labels, images=images)
 
     def read(self, ids: torch.Tensor, labels: torch.Tensor, read: Callable[[Logits], torch.Tensor],
              position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -342,11 +371,13 @@ class Reference:
 
 
 def row_logps(model: ParallelModel, ids: torch.Tensor, labels: torch.Tensor,
-              read: Callable[[Logits], torch.Tensor] | None = None, values: int = 1) -> torch.Tensor:
+              read: Callable[[Logits], torch.Tensor] | None = None, values: int = 1,
+              images: ImageBatch | None = None) -> torch.Tensor:
     """Each row's summed log-prob of its labelled tokens under ``model`` (or ``read`` of its logits: ``values`` per
     row), without gradients, in float64 (zeros on the ranks that compute no loss: every pipeline stage but the
-    last)."""
-    found = read_rows(model, ids, labels, read or (lambda logits: logits.sequence_sum(logits.label_logps())))
+    last); ``images``: an image-text model's, of these rows."""
+    found = read_rows(model, ids, labels, read or (lambda logits: logits.sequence_sum(logits.label_logps())),
+                      images=images)
     if found is None:
         return ids.new_zeros((ids.shape[0], *((values,) if values > 1 else ())), dtype=torch.float64)
     return found.double()

@@ -42,15 +42,14 @@ from plait.base.meta import takes_images
 from plait.data import local_microbatch
 from plait.data.paths import tokenizer_dir
 from plait.data.tokenizer import load_tokenizer
-from plait.data.vision import load_processor
+from plait.data.vision import check_images_everywhere, load_processor
 from plait.parallel_model import ParallelModel
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.dpo import Reference
 from plait.run.methods.frozen import SecondModel, frozen_on_mesh, read_rows
 from plait.run.methods.grpo_args import call_rewards, reward_funcs, unrewarded
 from plait.run.methods.grpo_loss import advantages, kl_k3, logged_rewards, token_terms, token_weights
-from plait.run.methods.grpo_prompts import (Prompt, check_images_everywhere, prompt_images, read_image_prompts,
-                                            read_prompts)
+from plait.run.methods.grpo_prompts import Prompt, prompt_images, read_image_prompts, read_prompts
 from plait.run.prompts import completion_text, left_padded, pad_id
 from plait.run.runtime import is_main_process
 from plait.tp.logprobs import Logits
@@ -146,7 +145,7 @@ class GRPO(TrainingMethod):
             processor = load_processor(folder)
             pad_id(processor.tokenizer)
             prompts = read_image_prompts(Path(args.train_file), processor, room)
-            check_images_everywhere(prompts, args.train_file, plan.config.zero_stage)
+            check_images_everywhere([p.example for p in prompts], plan.config.zero_stage)
             return prompts, None, processor.tokenizer
         tokenizer = load_tokenizer(folder, model_config.vocab_size)
         pad_id(tokenizer)

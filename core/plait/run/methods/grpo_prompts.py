@@ -57,7 +57,7 @@ def read_prompts(path: Path, tokenizer: Any, room: int) -> list[Prompt]:
 
 def read_image_prompts(path: Path, processor: Any, room: int) -> list[Prompt]:
     """An image-text policy's prompt rows of a .jsonl (module docstring), encoded by its ``processor``."""
-    from plait.data.vision import VisionEncoder, read_image
+    from plait.data.vision import VisionEncoder, multimodal_messages, read_image
 
     encoder, rows = VisionEncoder(processor, path.parent), []
     for number, row in json_lines(path):
@@ -84,33 +84,6 @@ def read_image_prompts(path: Path, processor: Any, room: int) -> list[Prompt]:
         rows.append(Prompt(prompt, example.input_ids.tolist(), {k: v for k, v in row.items() if k != "prompt"},
                            example))
     return _some(rows, path)
-
-
-def multimodal_messages(messages: list, images: int, where: str) -> list[dict]:
-    """TRL's ``prepare_multimodal_messages`` without filling the images in: every content a list of parts; where
-    every content is a string, ``images`` image parts before the first user turn's text."""
-    parts = lambda content: [{"type": "text", "text": content}] if isinstance(content, str) else content  # noqa: E731
-    strings = all(isinstance(m.get("content"), str) for m in messages if isinstance(m, dict))
-    out, placed = [], False
-    for message in messages:
-        if not isinstance(message, dict) or "content" not in message:
-            raise ConfigError(f"{where}: prompt messages must be {{role, content}} turns (got {message!r:.80})")
-        content = parts(message["content"])
-        if strings and not placed and message.get("role") == "user":
-            content, placed = [{"type": "image"}] * images + content, True
-        out.append({**message, "content": content})
-    return out
-
-
-def check_images_everywhere(prompts: list[Prompt], path: str, zero_stage: int) -> None:
-    """Under ZeRO-2/3 FSDP reduces the vision tower's gradients only where it ran, so every micro-batch of every
-    replica must hold an image (``ParallelModel`` refuses one without, at its step): an image-text policy's prompts
-    must each hold one, since any of them may make up a micro-batch's rows."""
-    bare = next((p for p in prompts if p.example is not None and not p.example.num_images), None)
-    if zero_stage >= 2 and bare is not None and any(p.example.num_images for p in prompts):
-        raise ConfigError(f"{bare.example.where}: a prompt without an image, under --zero_stage {zero_stage}, where "
-                          f"every micro-batch of every replica needs one (FSDP reduces the vision tower's gradients "
-                          f"only where it ran); give every prompt an image, or use --zero_stage 1")
 
 
 def prompt_images(prompts: list[Prompt], pad: int, width: int = 0) -> ImageBatch | None:

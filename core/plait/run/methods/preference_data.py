@@ -124,11 +124,13 @@ def _shared(ids: list[int], other: list[int]) -> int:
 
 @dataclass(frozen=True)
 class Pair:
-    """One preference row's token ids: the prompt, and the chosen and rejected completions after it."""
+    """One preference row's token ids: the prompt, and the chosen and rejected completions after it; for an
+    image-text policy the prompt's encoding with its images (``plait.data.vision.Example``)."""
 
     prompt: list[int]
     chosen: list[int]
     rejected: list[int]
+    example: Any = None
 
 
 def read_pairs(path: Path, tokenizer: Any, max_length: int, truncation_mode: str) -> list[Pair]:

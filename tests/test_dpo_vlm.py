@@ -1,0 +1,166 @@
+"""``plait train --method dpo`` with an image-text policy, held to TRL 1.16's DPOTrainer (its vision collator) and to
+one process on every layout.
+
+TRL's DPOTrainer trains a tiny LLaVA (and its reference, loaded from one directory) on the same image-text pairs in
+the order plait's sampler draws them, in fp32: each step's loss and TRL's metrics agree (the pairs' prompts with one
+or two images, their texts rendered and encoded as TRL's collator does, each pair's two rows carrying the prompt's
+pixels into the policy's and the reference's forwards). Then one world of 2 gives one process's numbers at tp=2 with
+SP, dp=2, ZeRO-3, pp=2 and cp=2; what TRL refuses for such pairs is one line before any process group.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from test_dpo import worst
+from test_grpo_vlm import save_tiny_llava
+
+from plait.base.config import ConfigError
+from plait.data import GlobalBatchSampler
+from plait.run.train_args import TrainArgs
+from plait.run.trainer import Trainer
+from workers.trainers import capture_gradients, whole
+
+BLOCK, BATCH, STEPS, LR = 96, 4, 3, 1e-3
+ANSWERS = ["a red square", "blue", "two pictures", "green and blue", "nothing", "a cat"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo-vlm")
+    save_tiny_llava(root)
+    rng = random.Random(0)
+    rows = []
+    for i in range(16):
+        chosen, rejected = rng.sample(ANSWERS, 2)
+        rows.append({"prompt": [{"role": "user", "content": f"what is in the picture {i}"}],
+                     "chosen": [{"role": "assistant", "content": chosen}],
+                     "rejected": [{"role": "assistant", "content": rejected}],
+                     "images": [f"{i % 3}.png"] + ([f"{(i + 1) % 3}.png"] if i % 4 == 1 else [])})
+    (root / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:12]))
+    (root / "validation.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[12:]))
+    return root
+
+
+def flags(root: Path, **extra) -> dict:
+    return {**dict(method="dpo", model_name_or_path=str(root / "model"), train_file=str(root / "pairs.jsonl"),
+                   validation_file=str(root / "validation.jsonl"), eval_steps=STEPS, block_size=BLOCK,
+                   per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=LR,
+                   device="cpu", save_final=False, seed=0), **extra}
+
+
+def trl_history(root: Path, out: Path) -> list[dict]:
+    from datasets import Dataset
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from trl import DPOConfig, DPOTrainer
+
+    def read(name: str) -> list[dict]:
+        rows = [json.loads(line) for line in (root / name).read_text().splitlines()]
+        return [{**row, "images": [Image.open(root / image) for image in row["images"]]} for row in rows]
+
+    rows = read("pairs.jsonl")
+    sampler = GlobalBatchSampler(len(rows), BATCH, 0)
+    order = [rows[i] for step in range(STEPS) for i in sampler.indices(step).tolist()]
+    config = DPOConfig(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=LR,
+                       logging_steps=1, report_to=[], max_length=BLOCK, use_cpu=True, save_strategy="no", bf16=False,
+                       train_sampling_strategy="sequential", seed=0, eval_strategy="steps", eval_steps=STEPS,
+                       per_device_eval_batch_size=2)
+    models = [LlavaForConditionalGeneration.from_pretrained(root / "model", dtype=torch.float32) for _ in range(2)]
+    trainer = DPOTrainer(model=models[0], ref_model=models[1], args=config, train_dataset=Dataset.from_list(order),
+                         eval_dataset=Dataset.from_list(read("validation.jsonl")),
+                         processing_class=AutoProcessor.from_pretrained(root / "model"))
+    trainer.train()
+    history = [record for record in trainer.state.log_history if "loss" in record]
+    for record in trainer.state.log_history:  # an evaluation is a record of its own: put it beside its step's
+        if "eval_loss" in record:
+            next(r for r in history if r["step"] == record["step"]).update(record)
+    return history
+
+
+@pytest.fixture(scope="module")
+def one_process(root, tmp_path_factory):
+    trainer = Trainer(TrainArgs(**flags(root, output_dir=str(tmp_path_factory.mktemp("one")))))
+    kept = capture_gradients(trainer)
+    return trainer.train(), whole([kept])
+
+
+def test_each_step_matches_trls_dpo_trainer(root, one_process, tmp_path):
+    expected = trl_history(root, tmp_path / "trl")
+    got, grads = one_process
+    assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(1, STEPS + 1))
+    difference, where = worst(got, expected)
+    assert difference <= 5e-7, where  # measured: 7.4e-8 (step 3's logps/rejected); evaluation's included
+    assert got[-1]["rewards/margins"] != 0.0 and "eval_loss" in got[-1]  # later steps train on what step 1 learned
+    assert any("vision_tower" in name and grad.abs().sum() > 0 for name, grad in grads.items())  # the images count
+
+
+LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "dp2": dict(per_device_train_batch_size=2),
+           "zero3_dp2": dict(per_device_train_batch_size=2, zero_stage=3),  # every pair's prompt holds an image
+           "pp2": dict(pipeline_parallel_size=2, num_microbatches=2), "cp2": dict(context_parallel_size=2)}
+
+
+@pytest.fixture(scope="module")
+def layouts(root, tmp_path_factory):
+    from plait.testing import launch
+
+    out = tmp_path_factory.mktemp("layouts")
+    cases = {name: flags(root, output_dir=str(out / name), **layout) for name, layout in LAYOUTS.items()}
+    (out / "flags.json").write_text(json.dumps(cases))
+    launch([str(Path(__file__).parent / "workers" / "trainers.py"), str(out / "runs.json"), str(out / "flags.json")],
+           2, timeout=300)
+    runs = json.loads((out / "runs.json").read_text())
+    return {name: (records, torch.load(out / f"{name}.grads.pt")) for name, records in runs.items()}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_gives_one_process_numbers(one_process, layouts, layout):
+    history, grads = one_process
+    records, got_grads = layouts[layout]
+    for rank, record in enumerate(records):
+        difference, where = worst(record["history"], history)
+        assert difference <= 5e-7, (rank, where)
+    assert sorted(got_grads) == sorted(grads)
+    for name, reference in grads.items():
+        assert torch.allclose(got_grads[name], reference, rtol=1e-5, atol=1e-7, equal_nan=True), name
+
+
+@pytest.mark.parametrize("extra, message", [
+    (dict(truncation_mode="keep_end"), r"^--truncation_mode keep_end with an image-text model's preference pairs: "
+                                       r"TRL's DPOTrainer refuses keep_end"),
+    (dict(precompute_ref_log_probs=True, packing=True), r"^--precompute_ref_log_probs, --packing with an image-text "
+                                                        r"model's preference pairs: .*; drop them$"),
+    (dict(method="cpo"), r"^--method cpo with LlavaForConditionalGeneration, an image-text model: plait trains an "
+                         r"image-text model by next-token loss on image-text rows, by DPO on image-text pairs or by "
+                         r"GRPO on image-text prompts"),
+])
+def test_what_trl_refuses_is_one_line_before_any_process_group(root, tmp_path, extra, message):
+    from plait.run.trainer import check_before_launch
+
+    args = TrainArgs(**flags(root, output_dir=str(tmp_path / "out"), **extra))
+    with pytest.raises(ConfigError, match=message):
+        args.validate()
+        check_before_launch(args, 2)
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "what is it", "chosen": " red", "rejected": " blue", "images": ["0.png"]},
+     r"line 1: an image-text preference row is chat messages"),
+    ({"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it"}]}],
+      "chosen": [{"role": "assistant", "content": "red"}], "rejected": [{"role": "assistant", "content": "blue"}],
+      "images": ["0.png", "0.png"]},
+     r"line 1: 2 images for 1 image parts in its prompt and 0 in its completions; give one image per"),
+])
+def test_bad_rows_are_one_line_naming_the_row(root, tmp_path, row, message):
+    from plait.run.trainer import check_before_launch
+
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "0.png").write_bytes((root / "0.png").read_bytes())
+    given = flags(root, output_dir=str(tmp_path / "out"), train_file=str(tmp_path / "pairs.jsonl"))
+    args = TrainArgs(**{k: v for k, v in given.items() if k not in ("validation_file", "eval_steps")})
+    with pytest.raises(ConfigError, match=message):
+        check_before_launch(args, 2)
