@@ -163,3 +163,24 @@ def test_eval_prompts_whose_replica_holds_no_image_under_zero3_are_refused_at_st
     with pytest.raises(ConfigError, match=r"^--zero_stage 3: prompts 1 to 1 of --eval_prompts hold no image, and "
                                           r"every replica's prompts of a batch need one"):
         EvalPrompts.of_run(args, tokenizer, config, ParallelConfig(zero_stage=3, dp=2))
+
+
+def test_a_pipeline_cut_inside_deepstack_is_refused_before_any_process_group(tmp_path):
+    """plait generate at pp=2 with image prompts for a Qwen3-VL whose deepstack adds visual tokens after decoder layer
+    0: the default cut is refused on the meta model and the planned stages (before, inside generate, after the
+    process group and the weights were read); text prompts alone are taken."""
+    import argparse
+
+    from test_vlm_train import DEEPSTACK_CUT, deepstack_config
+    from transformers import AutoConfig
+
+    from plait.base.config import ConfigError
+    from plait.generate_command import check_images_served
+
+    config = AutoConfig.from_pretrained(deepstack_config(tmp_path))
+    ns = argparse.Namespace(tensor_parallel_size=1, pipeline_parallel_size=2, expert_parallel_size=1, zero_stage=0,
+                            batch_size=2)
+    with pytest.raises(ConfigError, match=DEEPSTACK_CUT):
+        check_images_served(ns, 2, [1, 0], config)
+    assert not torch.distributed.is_initialized()
+    check_images_served(ns, 2, [0, 0], config)

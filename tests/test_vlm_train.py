@@ -387,3 +387,32 @@ def test_bad_flags_are_one_line(files, flags, message):
 
     with pytest.raises(ConfigError, match=message):
         check_before_launch(vlm_args(files, **flags), 2)
+
+
+def deepstack_config(tmp_path: Path) -> Path:
+    """A tiny Qwen3-VL whose vision tower's layer 1 feeds visual tokens added after decoder layer 0 (deepstack)."""
+    from plait_transformers.tiny_vision import tiny_image_text_config
+
+    config = tiny_image_text_config("qwen3_vl")
+    config.vision_config.deepstack_visual_indexes = [1]
+    (path := tmp_path / "config.json").write_text(config.to_json_string())
+    return path
+
+
+DEEPSTACK_CUT = (r"^image inputs under pp: Qwen3VLForConditionalGeneration adds visual tokens after its first 1 "
+                 r"decoder layers, inside its first pipeline stage only, which holds 1; start the second stage at "
+                 r"model\.language_model\.layers\.2 or later \(pipeline_cuts\)$")
+
+
+def test_a_pipeline_cut_inside_deepstack_is_refused_when_the_run_is_planned(files, tmp_path):
+    """pp=2's default cut gives Qwen3-VL's first stage decoder layer 0 alone, whose output is sent before deepstack's
+    tokens are added to it: refused on the meta model and the planned stages, before any process group or weight
+    (ParallelModel refused it only at the first step); the cut after layer 1 is taken."""
+    from plait.run.trainer import plan_run
+
+    args = vlm_args(files, model_name_or_path=None, model_config=str(deepstack_config(tmp_path)),
+                    pipeline_parallel_size=2, num_microbatches=2)
+    with pytest.raises(ConfigError, match=DEEPSTACK_CUT):
+        plan_run(args, 2)
+    assert not torch.distributed.is_initialized()
+    plan_run(dataclasses.replace(args, pipeline_cuts="model.language_model.layers.2"), 2)

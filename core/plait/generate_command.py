@@ -124,7 +124,7 @@ def checked_input(ns: argparse.Namespace, world: int) -> tuple[list[Any], Any, l
 
         processor = load_processor(ns.tokenizer_name or path)  # as training reads it: --tokenizer_name's dir first
         tokenizer, prompts = processor.tokenizer, encode_image_prompts(rows, processor, ns.prompts)
-        check_images_served(ns, world, [p.example.num_images for p in prompts])
+        check_images_served(ns, world, [p.example.num_images for p in prompts], config)
     else:
         tokenizer = load_prompt_tokenizer(ns, path, config)
         prompts = encode_prompts(rows, tokenizer)
@@ -133,15 +133,39 @@ def checked_input(ns: argparse.Namespace, world: int) -> tuple[list[Any], Any, l
     return prompts, tokenizer, end_ids(tokenizer, generation_config(path, config))
 
 
-def check_images_served(ns: argparse.Namespace, world: int, images: list[int]) -> None:
+def check_images_served(ns: argparse.Namespace, world: int, images: list[int], config: Any) -> None:
     """Before any process group, what ``ParallelModel.generate`` would refuse of prompts holding ``images`` (per
-    prompt) at this layout: under ZeRO-2/3 a replica's rows of a batch without an image (the batches as
-    ``plait.run.prompts.complete`` forms them)."""
-    if any(images) and ns.zero_stage >= 2:
+    prompt) at this layout: on the meta model of ``config``, positions its decoding cannot compute and under pp what
+    the planned stages could not get (``check_planned_image_stages``); under ZeRO-2/3 a replica's rows of a batch
+    without an image (the batches as ``plait.run.prompts.complete`` forms them)."""
+    if not any(images):
+        return
+    import torch
+
+    from plait.base.meta import build_meta_model
+    from plait.generation.images import check_positions_decodable
+    from plait.layout_plan import check_planned_image_stages, plan_layout
+
+    meta = build_meta_model(config, torch.float32)
+    check_positions_decodable(meta, None)
+    if ns.pipeline_parallel_size > 1:
+        check_planned_image_stages(meta, plan_layout(meta, generation_config_of(ns), world))
+    if ns.zero_stage >= 2:
         from plait.generation.images import check_replicas_hold_images
 
         dp = world // (ns.tensor_parallel_size * ns.pipeline_parallel_size)
         check_replicas_hold_images(images, ns.batch_size, dp, "--prompts", f"--zero_stage {ns.zero_stage}")
+
+
+def generation_config_of(ns: argparse.Namespace) -> Any:
+    """The layout the flags ask generation for. No sequence parallelism: served (``ParallelModel.generate`` pads each
+    forward to a multiple of tp), but a decode step's one token would cost tp tokens of compute and cache for nothing
+    a decode step can split; pp's micro-batches are training's (generation runs the stages itself)."""
+    from plait.base.config import ParallelConfig
+
+    pp = ns.pipeline_parallel_size
+    return ParallelConfig(tp=ns.tensor_parallel_size, pp=pp, ep=ns.expert_parallel_size, sp=False,
+                          zero_stage=ns.zero_stage, num_microbatches=pp)
 
 
 def generation_config(path: Path | None, config: Any) -> Any:
@@ -173,7 +197,6 @@ def complete(ns: argparse.Namespace, prompts: list[Any], tokenizer: Any, ends: l
 
     import torch
 
-    from plait.base.config import ParallelConfig
     from plait.base.device import pick_device
     from plait.checkpoint.materialize import load_parallel_model
     from plait.run.prompts import complete as complete_texts
@@ -181,12 +204,8 @@ def complete(ns: argparse.Namespace, prompts: list[Any], tokenizer: Any, ends: l
 
     device = pick_device(ns.device)
     init_distributed(device, "auto", ns.ddp_timeout)
-    # no sequence parallelism: served (ParallelModel.generate pads each forward to a multiple of tp), but a decode
-    # step's one token would cost tp tokens of compute and cache for nothing a decode step can split
-    pp = ns.pipeline_parallel_size  # its schedule's micro-batches are training's: generation runs the stages itself
-    layout = ParallelConfig(tp=ns.tensor_parallel_size, pp=pp, ep=ns.expert_parallel_size, sp=False,
-                            zero_stage=ns.zero_stage, num_microbatches=pp)
-    pmodel = load_parallel_model(ns.model_name_or_path, layout, dtype=torch.bfloat16 if ns.bf16 else torch.float32,
+    pmodel = load_parallel_model(ns.model_name_or_path, generation_config_of(ns),
+                                 dtype=torch.bfloat16 if ns.bf16 else torch.float32,
                                  device=device, timeout=datetime.timedelta(seconds=ns.ddp_timeout))
     start = time.perf_counter()
     done = complete_texts(pmodel, tokenizer, [p.ids for p in prompts], batch_size=ns.batch_size, device=device,

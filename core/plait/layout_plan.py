@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from plait.base.config import ConfigError, ParallelConfig
+from plait.base.meta import takes_images
 from plait.base.pipeline_schedules import SCHEDULES
 from plait.base.words import setting, setting_text
 from plait.cp.dry_run import check_on_meta
@@ -25,6 +26,7 @@ from plait.cp.layout import CPPlan, plan_context_parallel
 from plait.ep.layout import EPPlan, plan_expert_parallel
 from plait.lora.layout import LoraPlan, plan_lora
 from plait.parallel.activation_checkpoint import checkpoint_targets
+from plait.parallel.deepstack import check_image_stages
 from plait.parallel.float8 import plan_float8
 from plait.parallel.fsdp import ROOT, edge_units, unit_of
 from plait.parallel.moe_balance import check_global_scope
@@ -246,3 +248,15 @@ def check_capabilities(adapter: Adapter, config: ParallelConfig, model_config: A
             f"{', '.join(caps.supported()) or 'nothing'}); change the layout ({config.describe()}): "
             f"{'; '.join(fixes)}"
         )
+
+
+def check_planned_image_stages(model: nn.Module, plan: LayoutPlan) -> None:
+    """Before any process group, on the meta model and the planned stages: under pp, what an image-text model's
+    later stages could not get of its image inputs (``check_image_stages``; ``ParallelModel`` asks again of each
+    batch, with its tensors). The trainer and ``plait generate`` ask it, so that such a layout is one line before any
+    weight is read."""
+    if plan.split is None or not takes_images(model.config):
+        return
+    first = plan.split.bounds[0][1] - plan.split.bounds[0][0]
+    check_image_stages(model, plan.split.layers, first, plan.config.pp,
+                       plan.config.sequence_parallel or plan.config.cp > 1)

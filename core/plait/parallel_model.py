@@ -20,7 +20,7 @@ from torch import nn
 from plait.base import comm
 from plait.base.batches import check_batch_shapes, local_microbatch
 from plait.base.config import ConfigError, ParallelConfig
-from plait.base.images import ImageBatch, grid_position_ids, grid_positions, pipeline_unseen
+from plait.base.images import ImageBatch, grid_position_ids, grid_positions
 from plait.base.mesh import Mesh
 from plait.base.words import setting
 from plait.cp.attention import whole_sequences
@@ -33,7 +33,8 @@ from plait.generation.images import PromptImages, check_image_prompts
 from plait.generation.pipelined import decode_stages
 from plait.layout_plan import LayoutPlan
 from plait.parallel.compile import compile_leaf_modules
-from plait.parallel.deepstack import check_pipeline as check_deepstack_stage, deepstack_on_local_tokens
+from plait.parallel.deepstack import check_image_stages, check_pipeline as check_deepstack_stage, \
+    deepstack_on_local_tokens
 from plait.parallel.float8 import check_float8_tokens
 from plait.parallel.fsdp import AppliedFSDP, reshard
 from plait.parallel.grad_sync import GradSync
@@ -449,14 +450,10 @@ class ParallelModel(nn.Module):
         return total
 
     def _check_stage_images(self, images: ImageBatch) -> None:
-        """Under pp, what the stages after the first would not get of an image-text model's inputs (training and
-        generation alike)."""
-        unseen = pipeline_unseen(self.module, images)
-        if unseen:
-            raise ConfigError(f"image inputs under pp={self.mesh.pp}: {type(self.module).__name__}'s later stages "
-                              f"would not see {unseen}, which only the first stage gets; use tp, cp, dp and ZeRO "
-                              f"for it")
-        self._check_deepstack_stages()
+        """Under pp, what the stages after the first would not get of an image-text model's inputs."""
+        split, sliced = self.plan.split, self.config.sequence_parallel or self.cp is not None
+        check_image_stages(self.module, split.layers, split.bounds[0][1] - split.bounds[0][0], self.mesh.pp, sliced,
+                           images)
 
     def _check_deepstack_stages(self) -> None:
         """Under pp, a first stage that does not hold every layer deepstack's visual tokens are added after."""

@@ -148,17 +148,18 @@ def _rope_index_needs(owner: Any) -> set[str]:
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def pipeline_unseen(model: nn.Module, images: ImageBatch) -> str | None:
+def pipeline_unseen(model: nn.Module, images: ImageBatch | None) -> str | None:
     """What a model's later pipeline stages would need from the images and cannot get (only the first stage runs the
     vision tower): rotary positions that follow the images' grids (M-RoPE: Qwen-VL, GLM-4V) where the model has no
     ``get_rope_index`` to compute them before the pipeline (``grid_position_ids``), or the processor's tensors lack
-    one it needs. None: served (the processor's per-token tensors reach every stage: ``later_stage_inputs``)."""
+    one it needs (not asked where ``images`` is None: the model alone, before any batch). None: served (the
+    processor's per-token tensors reach every stage: ``later_stage_inputs``)."""
     if not grid_positions(model.config):
         return None
     owner = _rope_index(model)
     if owner is None:
         return "its multimodal rotary positions (computed from the images' grids inside its forward)"
-    missing = sorted(_rope_index_needs(owner) - set(images.tensors))
+    missing = [] if images is None else sorted(_rope_index_needs(owner) - set(images.tensors))
     if missing:
         return f"its multimodal rotary positions, whose get_rope_index needs {', '.join(missing)}"
     return None

@@ -16,7 +16,9 @@ keeps them, on every stage; Qwen3-VL's visual tokens added after a decoder layer
 tokens under SP. Refused in one line before any collective (``check_image_prompts``): grid positions without a
 ``get_rope_index``, a text model given images, and under ZeRO-2/3 a replica whose prompts hold no image (the vision
 tower's shards are gathered by every replica together, so one that skips it would leave the others waiting); under
-pp what training refuses (``ParallelModel._check_stage_images``: a cut inside deepstack's layers).
+pp what training refuses (``plait.parallel.deepstack.check_image_stages``: a cut inside deepstack's layers).
+``plait generate`` asks the model-only part of these on the meta model before any process group
+(``check_positions_decodable``, ``plait.layout_plan.check_planned_image_stages``).
 """
 
 from __future__ import annotations
@@ -59,12 +61,20 @@ def check_image_prompts(module: nn.Module, mesh: Mesh, batch: int, images: Image
         raise ConfigError(f"generation was given the images of {images.rows} rows for a batch of {batch} prompts; "
                           f"give each prompt's images (none for a text-only prompt)")
     config = mesh.config
-    unseen = pipeline_unseen(module, images)  # M-RoPE positions decoding cannot compute before the forward
-    if unseen is not None:
-        raise ConfigError(f"generation with images is not served for {name}: {unseen} cannot be computed for its "
-                          f"decoding steps")
+    check_positions_decodable(module, images)
     if config.fsdp:
         check_replicas_hold_images(images.per_row.tolist(), batch, mesh.dp, "the batch", f"ZeRO-{config.zero_stage}")
+
+
+def check_positions_decodable(module: nn.Module, images: ImageBatch | None) -> None:
+    """Refuse a model whose positions follow its images' grids where decoding cannot compute them before the
+    forward (``pipeline_unseen``; with ``images`` None what the model alone tells: ``plait generate`` asks on the
+    meta model before any process group)."""
+    unseen = pipeline_unseen(module, images)
+    if unseen is not None:
+        name = type(module).__name__.removeprefix("FSDP")
+        raise ConfigError(f"generation with images is not served for {name}: {unseen} cannot be computed for its "
+                          f"decoding steps")
 
 
 def check_replicas_hold_images(images: list[int], batch_size: int, dp: int, what: str, stage: str) -> None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.base.config import ConfigError
+from plait.base.images import ImageBatch, pipeline_unseen
 from plait.tp import mappings
 
 
@@ -55,6 +56,19 @@ def check_pipeline(model: nn.Module, layers: list[str], first_stage_layers: int,
         raise ConfigError(f"image inputs under pp: {type(model).__name__} adds visual tokens after its first {wanted} "
                           f"decoder layers, inside its first pipeline stage only, which holds {first_stage_layers}; "
                           f"{fix}")
+
+
+def check_image_stages(model: nn.Module, layers: list[str], first_stage_layers: int, pp: int, sliced: bool,
+                       images: ImageBatch | None = None) -> None:
+    """Under pp, what the stages after the first would not get of an image-text model's inputs, training and
+    generation alike: positions only the first stage could compute (``pipeline_unseen``), visual tokens added after
+    layers past the first stage (``check_pipeline``). With ``images`` None what the model alone tells, as the trainer
+    and ``plait generate`` ask on the meta model and the planned stages before any process group."""
+    unseen = pipeline_unseen(model, images)
+    if unseen:
+        raise ConfigError(f"image inputs under pp={pp}: {type(model).__name__.removeprefix('FSDP')}'s later stages "
+                          f"would not see {unseen}, which only the first stage gets; use tp, cp, dp and ZeRO for it")
+    check_pipeline(model, layers, first_stage_layers, sliced)
 
 
 @contextlib.contextmanager

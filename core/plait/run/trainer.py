@@ -39,7 +39,7 @@ from plait.checkpoint.shared_dir import check_shared_dir
 from plait.checkpoint.state import local_params
 from plait.cp.sequence import read_spans
 from plait.data import GlobalBatchSampler
-from plait.layout_plan import LayoutPlan, plan_layout
+from plait.layout_plan import LayoutPlan, check_planned_image_stages, plan_layout
 from plait.lora.base import base_source, check_base, saved_lora
 from plait.optim import NonFiniteStep, OptimizerStep, UncommittedStep, build_optimizer
 from plait.parallel.float8 import check_float8_device
@@ -148,6 +148,7 @@ def plan_run(args: TrainArgs, world: int) -> tuple[Path | None, PretrainedConfig
     lora = args.lora() or (saved[0] if saved is not None else None)  # a LoRA checkpoint names its own config
     plan = plan_layout(meta, args.parallel_config(), world, lora=lora)
     args.check_zero_has_ranks(plan.config)
+    check_planned_image_stages(meta, plan)
     if resume is not None:
         check_resumed_flags(args, extra.get("flags"), args.global_batch(plan.config.dp), resume)
     return resume, model_config, meta, saved, plan
