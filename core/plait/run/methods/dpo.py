@@ -11,7 +11,9 @@ The reference is the starting policy (or --ref_model_name_or_path), laid out on 
 model, read forward-only each step; under LoRA it is the policy's frozen base, read with the adapters off (TRL's and
 peft's way: no second copy); with --precompute_ref_log_probs it is read once over the whole dataset before the first
 step (a second model then dropped). TRL's metrics (rewards/chosen, rewards/rejected, rewards/accuracies,
-rewards/margins, logps/chosen, logps/rejected) are means over the global batch's pairs.
+rewards/margins, logps/chosen, logps/rejected) are means over the global batch's pairs. An image-text policy's pairs
+are TRL's vision preference rows (``preference_images``): each pair's two rows carry the prompt's images into the
+policy's forward, the reference's and the evaluation's.
 """
 
 from __future__ import annotations

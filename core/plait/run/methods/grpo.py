@@ -72,12 +72,12 @@ class Rollouts:
     @classmethod
     def build(cls, prompts: list[list[int]], completions: torch.Tensor, eos: int | None, pad: int,
               advantage: torch.Tensor, loss_type: str, max_length: int, micro_rows: list[torch.Tensor],
-              multiple: int = 1, length: int = 0, images: list[Prompt] | None = None) -> Rollouts:
+              multiple: int = 1, length: int = 0, image_prompts: list[Prompt] | None = None) -> Rollouts:
         """``prompts`` (token lists, one per completion) and ``completions`` [completions, new tokens]; bnpo's
         per-device batches are ``micro_rows`` (every rank's micro-batches' rows, in any order). The rows are padded
         on the right to a multiple of ``multiple`` (sequence parallelism's tp), or to ``length`` (pipeline
-        parallelism's --block_size): after every token, so changing none. ``images``: an image-text policy's prompt of
-        each completion, whose images the rows carry (``prompt_images``)."""
+        parallelism's --block_size): after every token, so changing none. ``image_prompts``: an image-text policy's
+        prompt of each completion, whose images the rows carry (``prompt_images``)."""
         prompt_ids, prompt_mask = left_padded(prompts, pad)
         done = completions == eos if eos is not None else torch.zeros_like(completions, dtype=torch.bool)
         # up to and with the first EOS, as TRL's completion mask
@@ -92,7 +92,7 @@ class Rollouts:
         extra = max(length - ids.shape[1], 0) or -ids.shape[1] % multiple
         pad_right = lambda t, value: torch.nn.functional.pad(t, (0, extra), value=value)  # noqa: E731
         ids = pad_right(ids, pad)
-        pictures = None if images is None else prompt_images(images, pad, ids.shape[1])
+        pictures = None if image_prompts is None else prompt_images(image_prompts, pad, ids.shape[1])
         return cls(ids, pad_right(mask, 0), pad_right(labels, IGNORE_INDEX), advantage, pad_right(weights, 0.0),
                    pictures)
 
