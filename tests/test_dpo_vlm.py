@@ -164,3 +164,14 @@ def test_bad_rows_are_one_line_naming_the_row(root, tmp_path, row, message):
     args = TrainArgs(**{k: v for k, v in given.items() if k not in ("validation_file", "eval_steps")})
     with pytest.raises(ConfigError, match=message):
         check_before_launch(args, 2)
+
+
+def test_the_checkpoint_ships_the_processor(root, tmp_path):
+    """As GRPO's (test_grpo_vlm): an image-text DPO run's checkpoint holds the processor, read back after
+    ``plait consolidate``."""
+    from test_grpo_vlm import consolidated_processor
+
+    given = flags(root, output_dir=str(tmp_path), max_steps=1, save_final=True)
+    Trainer(TrainArgs(**{k: v for k, v in given.items() if k not in ("validation_file", "eval_steps")})).train()
+    processor = consolidated_processor(tmp_path)
+    assert type(processor).__name__ == "LlavaProcessor" and processor.image_token == "<image>"

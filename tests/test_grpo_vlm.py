@@ -265,3 +265,26 @@ def test_the_image_column_is_trls_too(files, tmp_path):
     assert [p["type"] for p in prompt.prompt[0]["content"]] == ["image", "text"]
     assert np.asarray(prompt.columns["image"]).tolist() == np.asarray(picture(0)).tolist()
     assert prompt.example.num_images == 1
+
+
+def consolidated_processor(out: Path) -> object:
+    """The run's final checkpoint consolidated (``plait consolidate``) and its processor read back as transformers
+    reads it."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from plait.cli import main
+
+    main(["consolidate", str(out / "checkpoint-1"), str(out / "hf")])
+    AutoModelForImageTextToText.from_pretrained(out / "hf")
+    return AutoProcessor.from_pretrained(out / "hf")
+
+
+def test_the_checkpoint_ships_the_processor(files, tmp_path):
+    """A checkpoint of an image-text GRPO run saves the model's processor beside the weights (its image processor and
+    template: it held the tokenizer alone, so the consolidated model's AutoProcessor was a tokenizer and plait
+    generate refused the directory), as vision SFT's does."""
+    from plait.run.trainer import Trainer
+
+    Trainer(grpo_args(files, output_dir=str(tmp_path), **{**RUN, "max_steps": 1, "save_final": True})).train()
+    processor = consolidated_processor(tmp_path)
+    assert type(processor).__name__ == "LlavaProcessor" and processor.image_token == "<image>"

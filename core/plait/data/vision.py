@@ -59,6 +59,14 @@ def load_processor(model_dir: str | Path) -> Any:
     return processor
 
 
+def processor_of(folder: str | Path, model_config: Any) -> Any:
+    """An image-text model's processor in ``folder`` (where its data's was read), for its checkpoints to save; None
+    for a text model."""
+    from plait.base.meta import takes_images  # transformers' model classes: only once a model is at hand
+
+    return load_processor(folder) if takes_images(model_config) else None
+
+
 def read_rows(path: str | Path) -> list[tuple[str, dict]]:
     """The rows of a .jsonl (one JSON object a line; blank lines skipped) or .parquet file, in file order, each with
     where it is for messages: "line N" of a .jsonl (as every other reader counts, from 1), "row N" of a .parquet.

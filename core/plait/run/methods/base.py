@@ -24,7 +24,10 @@ if TYPE_CHECKING:
 
 
 class TrainingMethod(ABC):
-    """One training method over a dataset of ``len(self)`` examples (the sampler draws rows from them)."""
+    """One training method over a dataset of ``len(self)`` examples (the sampler draws rows from them).
+    ``processor``: an image-text model's processor, which a checkpoint saves (``preprocessor``); None for text."""
+
+    processor: Any = None
 
     @classmethod
     def load_data(cls, args: Any, model_config: Any, plan: Any) -> tuple[Any, Any, Any] | None:
@@ -96,8 +99,9 @@ class TrainingMethod(ABC):
 
     def preprocessor(self, tokenizer: Any) -> Any:
         """What a checkpoint saves beside the weights for ``plait consolidate`` to ship (its ``save_pretrained``):
-        default the run's tokenizer; an image-text model's whole processor."""
-        return tokenizer
+        the run's tokenizer, or an image-text model's whole processor (its image processor and template too, which
+        ``plait generate`` and ``AutoProcessor`` read from the consolidated directory)."""
+        return self.processor or tokenizer
 
     def step_tokens(self) -> int | None:
         """The tokens the step just run put through the model (its throughput's numerator), once ``step_metrics``

@@ -36,7 +36,7 @@ from plait.checkpoint.materialize import resolve_source
 from plait.data import local_microbatch
 from plait.data.paths import tokenizer_dir
 from plait.data.tokenizer import load_tokenizer
-from plait.data.vision import check_images_everywhere, load_processor
+from plait.data.vision import check_images_everywhere, load_processor, processor_of
 from plait.lora import switch
 from plait.parallel_model import ParallelModel
 from plait.run.methods.base import TrainingMethod
@@ -127,9 +127,12 @@ class DPO(TrainingMethod):
             reference = Reference(frozen_on_mesh(source, args, trainer.pmodel, trainer.device))
         tokenizer = trainer.tokenizer
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return cls(trainer.blocks, loss, reference, pad_id, args.block_size, args.truncation_mode,
-                   args.per_device_train_batch_size, args.precompute_ref_log_probs, trainer.device,
-                   trainer.val_blocks, masked=routed(trainer.pmodel), packing=args.packing)
+        method = cls(trainer.blocks, loss, reference, pad_id, args.block_size, args.truncation_mode,
+                     args.per_device_train_batch_size, args.precompute_ref_log_probs, trainer.device,
+                     trainer.val_blocks, masked=routed(trainer.pmodel), packing=args.packing)
+        method.processor = processor_of(tokenizer_dir(args.tokenizer_name, args.model_name_or_path),
+                                        trainer.pmodel.plan.model_config)
+        return method
 
     def describe(self, block_size: int) -> str:
         return f"{len(self):,} preference pairs of up to {block_size} tokens"

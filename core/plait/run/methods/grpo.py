@@ -42,7 +42,7 @@ from plait.base.meta import takes_images
 from plait.data import local_microbatch
 from plait.data.paths import tokenizer_dir
 from plait.data.tokenizer import load_tokenizer
-from plait.data.vision import check_images_everywhere, load_processor
+from plait.data.vision import check_images_everywhere, load_processor, processor_of
 from plait.parallel_model import ParallelModel
 from plait.run.methods.base import TrainingMethod
 from plait.run.methods.dpo import Reference
@@ -164,6 +164,8 @@ class GRPO(TrainingMethod):
         method = cls(trainer.blocks, args, trainer.tokenizer, reference, trainer.device, config.sequence_multiple,
                      args.block_size if config.pp > 1 else 0)
         method.say = lambda line: trainer.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        method.processor = processor_of(tokenizer_dir(args.tokenizer_name, args.model_name_or_path),
+                                        trainer.pmodel.plan.model_config)
         return method
 
     @classmethod

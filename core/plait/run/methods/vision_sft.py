@@ -155,9 +155,6 @@ class VisionSFT(TrainingMethod):
     def __len__(self) -> int:
         return len(self.examples)
 
-    def preprocessor(self, tokenizer: Any) -> Any:
-        return self.processor or tokenizer  # its image processor and template, for consolidate to ship
-
     def describe(self, block_size: int) -> str:
         images = sum(example.num_images for example in self.examples)
         return f"{len(self):,} image-text rows with {images:,} images"
