@@ -5,7 +5,8 @@ TRL's DPOTrainer trains a tiny LLaVA (and its reference, loaded from one directo
 the order plait's sampler draws them, in fp32: each step's loss and TRL's metrics agree (the pairs' prompts with one
 or two images, their texts rendered and encoded as TRL's collator does, each pair's two rows carrying the prompt's
 pixels into the policy's and the reference's forwards). Then one world of 2 gives one process's numbers at tp=2 with
-SP, dp=2, ZeRO-3, pp=2 and cp=2; what TRL refuses for such pairs is one line before any process group.
+SP (with LoRA too: the reference is the policy with its adapters off), dp=2, ZeRO-3, pp=2 and cp=2; what TRL refuses
+for such pairs is one line before any process group.
 """
 
 from __future__ import annotations
@@ -82,11 +83,22 @@ def trl_history(root: Path, out: Path) -> list[dict]:
     return history
 
 
+LORA = dict(lora_r=4)  # the reference is the policy with its adapters off, reading the same images
+
+
 @pytest.fixture(scope="module")
-def one_process(root, tmp_path_factory):
-    trainer = Trainer(TrainArgs(**flags(root, output_dir=str(tmp_path_factory.mktemp("one")))))
-    kept = capture_gradients(trainer)
-    return trainer.train(), whole([kept])
+def runs(root, tmp_path_factory):
+    done = {}
+    for name, extra in (("full", {}), ("lora", LORA)):
+        trainer = Trainer(TrainArgs(**flags(root, output_dir=str(tmp_path_factory.mktemp(name)), **extra)))
+        kept = capture_gradients(trainer)
+        done[name] = (trainer.train(), whole([kept]))
+    return done
+
+
+@pytest.fixture(scope="module")
+def one_process(runs):
+    return runs["full"]
 
 
 def test_each_step_matches_trls_dpo_trainer(root, one_process, tmp_path):
@@ -101,7 +113,8 @@ def test_each_step_matches_trls_dpo_trainer(root, one_process, tmp_path):
 
 LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "dp2": dict(per_device_train_batch_size=2),
            "zero3_dp2": dict(per_device_train_batch_size=2, zero_stage=3),  # every pair's prompt holds an image
-           "pp2": dict(pipeline_parallel_size=2, num_microbatches=2), "cp2": dict(context_parallel_size=2)}
+           "pp2": dict(pipeline_parallel_size=2, num_microbatches=2), "cp2": dict(context_parallel_size=2),
+           "tp2_sp_lora": dict(tensor_parallel_size=2, **LORA)}
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +131,8 @@ def layouts(root, tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_layout_gives_one_process_numbers(one_process, layouts, layout):
-    history, grads = one_process
+def test_every_layout_gives_one_process_numbers(runs, layouts, layout):
+    history, grads = runs["lora" if layout.endswith("lora") else "full"]
     records, got_grads = layouts[layout]
     for rank, record in enumerate(records):
         difference, where = worst(record["history"], history)
