@@ -4,8 +4,8 @@
 Held to TRL: on fixed completions of a tiny LLaVA, plait's loss and every gradient equal GRPOTrainer's
 ``_compute_loss`` with the processor's pixels (the KL to the reference on, so the reference reads the images too).
 Then every layout of one world of 2 (tp=2 with SP, dp=2, ZeRO-3, pp=2, cp=2, tp=2 with two optimizer steps a batch
-of rollouts) gives one process's rollouts, losses and gradients; and what is refused is one line before any process
-group.
+of rollouts, LoRA at tp=2) gives one process's rollouts, losses and gradients; and what is refused is one line
+before any process group.
 """
 
 from __future__ import annotations
@@ -180,7 +180,9 @@ LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "dp2": dict(per_device_train_
            "pp2": dict(pipeline_parallel_size=2, num_microbatches=2),
            "cp2": dict(context_parallel_size=2, cp_attention="all-to-all"),
            # a second optimizer step on the rollouts: ratios to their log-probs as drawn, read with the images
-           "tp2_sp_mu2": dict(tensor_parallel_size=2, num_iterations=2)}
+           "tp2_sp_mu2": dict(tensor_parallel_size=2, num_iterations=2),
+           # the reference is the policy with its adapters off, reading the same images
+           "tp2_sp_lora": dict(tensor_parallel_size=2, lora_r=4)}
 # 1e-3: at 1e-2 AdamW's first step (each weight moved by about the learning rate, whatever its gradient's size) grew
 # fp32's reordering to 1.1e-5 relative in tp2_sp_mu2's second grad norm, past the bound; every step is still compared
 RUN = dict(max_steps=2, learning_rate=1e-3, lr_scheduler_type="constant", device="cpu", save_final=False,
@@ -194,7 +196,7 @@ def one_process(files, tmp_path_factory):
     from workers.trainers import capture_gradients, whole
 
     runs = {}
-    for name, extra in (("full", {}), ("mu2", dict(num_iterations=2))):
+    for name, extra in (("full", {}), ("mu2", dict(num_iterations=2)), ("lora", dict(lora_r=4))):
         trainer = Trainer(grpo_args(files, output_dir=str(tmp_path_factory.mktemp(name)), **RUN, **extra))
         kept = capture_gradients(trainer)
         runs[name] = (trainer.train(), whole([kept]))
@@ -217,7 +219,7 @@ def layouts(files, tmp_path_factory):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layout_gives_one_process_rollouts_losses_and_gradients(one_process, layouts, layout):
-    history, grads = one_process["mu2" if layout.endswith("mu2") else "full"]
+    history, grads = one_process["mu2" if layout.endswith("mu2") else "lora" if layout.endswith("lora") else "full"]
     assert all(r["grad_norm"] > 1e-3 and r["reward_std"] > 0 for r in history)  # the groups' rewards differ
     records, got_grads = layouts[layout]
     for rank, record in enumerate(records):
@@ -227,7 +229,8 @@ def test_every_layout_gives_one_process_rollouts_losses_and_gradients(one_proces
     assert sorted(got_grads) == sorted(grads)
     for name, reference in grads.items():
         assert torch.allclose(got_grads[name], reference, rtol=1e-5, atol=1e-7, equal_nan=True), name
-    assert any("vision_tower" in name and reference.abs().sum() > 0 for name, reference in grads.items())
+    if not layout.endswith("lora"):  # LoRA trains the language model's projections alone (its default targets)
+        assert any("vision_tower" in name and reference.abs().sum() > 0 for name, reference in grads.items())
 
 
 @pytest.mark.parametrize("rows, flags, message", [
