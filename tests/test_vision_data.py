@@ -268,3 +268,24 @@ def test_bad_files_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match=one_line(f"{tmp_path / 'rows.csv'}: image-text rows are read from .jsonl or "
                                                    f".parquet files")):
         read_rows(tmp_path / "rows.csv")
+
+
+def test_lazy_examples_keep_no_pixels_and_give_the_same_batches(processor, files):
+    """``VisionEncoder(lazy=True)``, as training and GRPO / DPO read their rows: each example keeps its ids, labels and
+    per-token tensors but no pixel tensor (a training set's would not fit in memory: bench/vision_memory.py), and a
+    batch, packed or not, encodes them again into the same tensors as the examples that kept them."""
+    from plait.data.vision import pack, pixels_of
+
+    eager = [VisionEncoder(processor, files).encode(row, f"row {i}") for i, row in enumerate(ROWS)]
+    lazy = [VisionEncoder(processor, files, lazy=True).encode(row, f"row {i}") for i, row in enumerate(ROWS)]
+    assert [e.pixels for e in lazy] == [{}, {}, {}] and [e.reload is None for e in lazy] == [True, False, False]
+    for a, b in zip(eager, lazy):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+        assert pixels_of(a).keys() == pixels_of(b).keys()
+        assert all(torch.equal(pixels_of(a)[k], pixels_of(b)[k]) for k in pixels_of(a))
+    for first, second in ((eager, lazy), (pack(eager, 4096), pack(lazy, 4096))):
+        a, b = collate(first, 0), collate(second, 0)
+        assert a.images.tensors.keys() == b.images.tensors.keys()
+        assert all(torch.equal(a.images.tensors[k], b.images.tensors[k]) for k in a.images.tensors)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.images.per_row, b.images.per_row)
+    assert pack(lazy, 4096)[0].pixels == {}  # packing keeps none either

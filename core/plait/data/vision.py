@@ -19,8 +19,11 @@ for micro-batches and data-parallel shards. Everything runs offline: URLs are re
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import io
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,7 +110,8 @@ class Example:
     """One encoded row: 1-D ``input_ids``, ``attention_mask`` and ``labels``; ``tokens``: any other per-token
     tensor the processor returns (Qwen-VL's ``mm_token_type_ids``); ``pixels``: the image tensors, batched by
     image; ``num_images``; ``where`` names the row for messages; ``position_ids``: a packed row's, restarting at 0
-    at each of its documents (None: one document)."""
+    at each of its documents (None: one document); ``reload``: where the pixels are not kept (``VisionEncoder``'s
+    ``lazy``), what encodes them again from the row's image files when a batch needs them (``pixels_of``)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -117,6 +121,12 @@ class Example:
     num_images: int
     where: str
     position_ids: torch.Tensor | None = None
+    reload: Callable[[], dict[str, torch.Tensor]] | None = None
+
+
+def pixels_of(example: Example) -> dict[str, torch.Tensor]:
+    """An example's image tensors: kept, or encoded again from its row's images (``Example.reload``)."""
+    return example.reload() if example.reload is not None else example.pixels
 
 
 def _messages(row: dict, where: str) -> tuple[list[dict], int]:
@@ -178,9 +188,12 @@ def read_image(entry: Any, base_dir: Path | None, where: str, number: int) -> An
 
 class VisionEncoder:
     """Rows -> ``Example``s through a transformers processor (``load_processor``); ``base_dir``: where relative
-    image paths live (the data file's directory)."""
+    image paths live (the data file's directory). ``lazy``: keep no pixels, only what encodes them again per batch
+    (an image's pixel tensors are a megabyte and more: 1.3 MiB at 336 x 336 for CLIP, so a training set's would not
+    fit in memory; bench/vision_memory.py); the rows are still encoded whole once, where a bad one is refused, and
+    their image files are read again for each batch, so they must stay in place for the run, as the data file does."""
 
-    def __init__(self, processor: Any, base_dir: str | Path | None = None) -> None:
+    def __init__(self, processor: Any, base_dir: str | Path | None = None, lazy: bool = False) -> None:
         tokenizer = processor.tokenizer
         name = getattr(tokenizer, "name_or_path", "") or f"the {type(processor).__name__}"
         if not getattr(processor, "chat_template", None):
@@ -197,6 +210,7 @@ class VisionEncoder:
                               f"the labels")
         self.processor, self.image_token_id = processor, int(image_token_id)
         self.base_dir = None if base_dir is None else Path(base_dir)
+        self.lazy = lazy
 
     def encode(self, row: dict, where: str, prompt: bool = False) -> Example:
         """A row (``where`` it is, for messages: its file and line) rendered, tokenized, labelled and its images
@@ -221,16 +235,31 @@ class VisionEncoder:
         ids = out["input_ids"][0]
         labels = torch.full_like(ids, IGNORE_INDEX) if prompt else \
             self._labels(ids, out, _assistant_spans(render, messages, text, where), where)
-        return _example(out, labels, len(images), where)
+        return self._kept(_example(out, labels, len(images), where), text, entries, not (bos and text.startswith(bos)))
 
-    def encode_rendered(self, text: str, images: list[Any], where: str) -> Example:
-        """A prompt already rendered (``text``) with its loaded ``images``, as TRL's preference collator encodes it:
-        no special tokens added (the template wrote them), labelled nowhere."""
+    def encode_rendered(self, text: str, entries: list[Any], where: str) -> Example:
+        """A prompt already rendered (``text``) with its ``images`` entries (paths, bytes, PIL images), as TRL's
+        preference collator encodes it: no special tokens added (the template wrote them), labelled nowhere."""
+        images = [read_image(entry, self.base_dir, where, number) for number, entry in enumerate(entries)]
         try:
             out = self.processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=False)
         except (ValueError, TypeError) as err:
             raise ConfigError(f"{where}: the processor refused it: {_one_line(err)}") from err
-        return _example(out, torch.full_like(out["input_ids"][0], IGNORE_INDEX), len(images), where)
+        example = _example(out, torch.full_like(out["input_ids"][0], IGNORE_INDEX), len(images), where)
+        return self._kept(example, text, entries, False)
+
+    def _kept(self, example: Example, text: str, entries: list[Any], special: bool) -> Example:
+        """``example`` as it is kept: under ``lazy`` without its pixels, which ``_pixels`` encodes again."""
+        if not self.lazy or not example.num_images:
+            return example
+        reload = functools.partial(self._pixels, text, list(entries), example.where, special)
+        return dataclasses.replace(example, pixels={}, reload=reload)
+
+    def _pixels(self, text: str, entries: list[Any], where: str, special: bool) -> dict[str, torch.Tensor]:
+        """The pixels of a row encoded before (the same text, images and special tokens: the same tensors)."""
+        images = [read_image(entry, self.base_dir, where, number) for number, entry in enumerate(entries)]
+        out = self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=special)
+        return _example(out, out["input_ids"][0], len(images), where).pixels
 
     def encode_text(self, text: str, where: str) -> Example:
         """A text-only prompt string as the processor encodes it, its special tokens included (``tokenizer(text)``),
@@ -376,13 +405,19 @@ def pack(examples: list[Example], block_size: int) -> list[Example]:
 
 def _joined(row: list[Example]) -> Example:
     with_images = [e for e in row if e.num_images]
-    pixels = {key: torch.cat([e.pixels[key] for e in with_images]) for key in (with_images[0].pixels
-                                                                                if with_images else ())}
+    lazy = any(e.reload is not None for e in with_images)  # then the joined row's pixels are encoded when needed
     return Example(torch.cat([e.input_ids for e in row]), torch.cat([e.attention_mask for e in row]),
                    torch.cat([e.labels for e in row]),
-                   {key: torch.cat([e.tokens[key] for e in row]) for key in row[0].tokens}, pixels,
-                   sum(e.num_images for e in row), " + ".join(e.where for e in row),
-                   torch.cat([torch.arange(len(e.input_ids)) for e in row]))
+                   {key: torch.cat([e.tokens[key] for e in row]) for key in row[0].tokens},
+                   {} if lazy else _concatenated(with_images), sum(e.num_images for e in row),
+                   " + ".join(e.where for e in row), torch.cat([torch.arange(len(e.input_ids)) for e in row]),
+                   functools.partial(_concatenated, with_images) if lazy else None)
+
+
+def _concatenated(examples: list[Example]) -> dict[str, torch.Tensor]:
+    """The image tensors of ``examples``, one after another."""
+    loaded = [pixels_of(e) for e in examples]
+    return {key: torch.cat([p[key] for p in loaded]) for key in (loaded[0] if loaded else ())}
 
 
 def collate(examples: list[Example], pad_id: int) -> VisionBatch:
@@ -405,18 +440,21 @@ def collate(examples: list[Example], pad_id: int) -> VisionBatch:
             batch[key][r, : len(value)] = value
     pixels = {}
     with_images = [example for example in examples if example.num_images]
-    for key in dict.fromkeys(key for example in with_images for key in example.pixels):
-        missing = [example.where for example in with_images if key not in example.pixels]
+    # each example's once (a GRPO prompt's generations, a DPO pair's two rows are the same example)
+    found = {id(example): pixels_of(example) for example in with_images}
+    by_row = [found[id(example)] for example in with_images]
+    for key in dict.fromkeys(key for loaded in by_row for key in loaded):
+        missing = [example.where for example, loaded in zip(with_images, by_row) if key not in loaded]
         if missing:
             raise ValueError(f"{missing[0]}: has images but no {key}, which other rows have; encode every row with "
                              f"one processor")
-        first, *others = with_images
-        for other in others:
-            if first.pixels[key].shape[1:] != other.pixels[key].shape[1:]:
+        (first, first_pixels), *others = zip(with_images, by_row)
+        for other, other_pixels in others:
+            if first_pixels[key].shape[1:] != other_pixels[key].shape[1:]:
                 raise ConfigError(f"{first.where} and {other.where}: the processor gives their images {key} of "
-                                  f"shapes {tuple(first.pixels[key].shape)} and {tuple(other.pixels[key].shape)}, "
+                                  f"shapes {tuple(first_pixels[key].shape)} and {tuple(other_pixels[key].shape)}, "
                                   f"which cannot be concatenated into one batch")
-        pixels[key] = torch.cat([example.pixels[key] for example in with_images])
+        pixels[key] = torch.cat([loaded[key] for loaded in by_row])
     per_row = torch.tensor([example.num_images for example in examples], dtype=torch.long)
     patches = pixels[GRID_KEY].long().prod(dim=-1) if GRID_KEY in pixels else None
     extras = {key: batch.pop(key) for key in examples[0].tokens}

@@ -59,7 +59,7 @@ def read_image_prompts(path: Path, processor: Any, room: int) -> list[Prompt]:
     """An image-text policy's prompt rows of a .jsonl (module docstring), encoded by its ``processor``."""
     from plait.data.vision import VisionEncoder, multimodal_messages, read_image
 
-    encoder, rows = VisionEncoder(processor, path.parent), []
+    encoder, rows = VisionEncoder(processor, path.parent, lazy=True), []
     for number, row in json_lines(path):
         prompt, where = _prompt(row, path, number), f"{path}:{number}"
         key = next((k for k in IMAGE_COLUMNS if k in row), None)

@@ -33,9 +33,9 @@ IMAGE_COLUMNS = ("images", "image")  # TRL's names: a list of images, or one
 def read_image_pairs(path: Path, processor: Any, max_length: int) -> list[Pair]:
     """Every row of a .jsonl of image-text preference rows, encoded as TRL's vision collator encodes them; a row whose
     prompt alone fills ``max_length`` is dropped and said, as ``read_pairs`` drops it."""
-    from plait.data.vision import VisionEncoder, read_image
+    from plait.data.vision import VisionEncoder
 
-    encoder, pairs, dropped = VisionEncoder(processor, path.parent), [], []
+    encoder, pairs, dropped = VisionEncoder(processor, path.parent, lazy=True), [], []
     for number, row in json_lines(path):
         where = f"{path} line {number}"
         if not isinstance(row, dict) or any(key not in row for key in ("prompt", "chosen", "rejected")):
@@ -49,9 +49,8 @@ def read_image_pairs(path: Path, processor: Any, max_length: int) -> list[Pair]:
         entries = [] if key is None or row[key] is None else row[key] if key == "images" else [row[key]]
         if not isinstance(entries, list):
             raise ConfigError(f"{where}: 'images' is a {type(entries).__name__}; give a list of image paths")
-        images = [read_image(entry, path.parent, where, n) for n, entry in enumerate(entries)]
-        prompt, chosen, rejected = _rendered(processor, row, len(images), where)
-        example = encoder.encode_rendered(prompt, images, where)
+        prompt, chosen, rejected = _rendered(processor, row, len(entries), where)
+        example = encoder.encode_rendered(prompt, entries, where)
         ids = lambda text: processor(text=[text], add_special_tokens=False)["input_ids"][0]  # noqa: E731
         pair = Pair(example.input_ids.tolist(), list(ids(chosen)), list(ids(rejected)), example)
         if pair.chosen == pair.rejected:

@@ -134,10 +134,11 @@ class VisionSFT(TrainingMethod):
         if args.packing:
             check_packing(model_config)
         processor = load_processor(folder)
-        train = read_examples(args.train_file, VisionEncoder(processor, Path(args.train_file).parent), args.block_size)
+        train = read_examples(args.train_file, VisionEncoder(processor, Path(args.train_file).parent, lazy=True),
+                              args.block_size)
         validation = None
         if args.validation_file:
-            encoder = VisionEncoder(processor, Path(args.validation_file).parent)
+            encoder = VisionEncoder(processor, Path(args.validation_file).parent, lazy=True)
             validation = read_examples(args.validation_file, encoder, args.block_size)
         if args.packing:
             train = pack(train, args.block_size)
