@@ -91,10 +91,11 @@ def test_prompts_are_trls_multimodal_messages(files):
     for prompt, row in zip(prompts, ROWS, strict=True):
         pictures = [Image.open(files / name) for name in row["images"]]
         theirs = prepare_multimodal_messages(row["prompt"], images=pictures)
-        assert [[p["type"] for p in m["content"]] for m in prompt.prompt] == \
-            [[p["type"] for p in m["content"]] for m in theirs]
-        got = [p["image"] for m in prompt.prompt for p in m["content"] if p["type"] == "image"]
-        for kept in (got, prompt.columns["images"]):
+        given, columns = prompt.for_rewards()  # the images read when the rewards are called, none kept before
+        assert [[p["type"] for p in m["content"]] for m in given] == [[p["type"] for p in m["content"]] for m in theirs]
+        assert columns["images"] is not row["images"] and prompt.columns["images"] == row["images"]
+        got = [p["image"] for m in given for p in m["content"] if p["type"] == "image"]
+        for kept in (got, columns["images"]):
             assert [np.asarray(g).tolist() for g in kept] == [np.asarray(p).tolist() for p in pictures]
         ids = processor.apply_chat_template([theirs], add_generation_prompt=True, tokenize=True, return_dict=True)
         assert prompt.ids == list(ids["input_ids"][0])  # as TRL's _tokenize_prompts
@@ -265,8 +266,9 @@ def test_the_image_column_is_trls_too(files, tmp_path):
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "describe"}],
                                                         "image": "0.png"}) + "\n")
     [prompt] = read_image_prompts(tmp_path / "prompts.jsonl", AutoProcessor.from_pretrained(files / "model"), 64)
-    assert [p["type"] for p in prompt.prompt[0]["content"]] == ["image", "text"]
-    assert np.asarray(prompt.columns["image"]).tolist() == np.asarray(picture(0)).tolist()
+    given, columns = prompt.for_rewards()
+    assert [p["type"] for p in given[0]["content"]] == ["image", "text"]
+    assert np.asarray(columns["image"]).tolist() == np.asarray(picture(0)).tolist()
     assert prompt.example.num_images == 1
 
 

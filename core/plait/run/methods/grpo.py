@@ -236,10 +236,12 @@ class GRPO(TrainingMethod):
         texts, lengths = zip(*(completion_text(row, self.tokenizer, ()) for row in tokens))
         shown = [[{"role": "assistant", "content": t}] if isinstance(p.prompt, list) else t
                  for p, t in zip(prompts, texts)]
-        columns = {key: [p.columns.get(key) for p in prompts] for key in prompts[0].columns}
-        found = call_rewards(self.funcs, [p.prompt for p in prompts], shown,
+        views = {id(p): p.for_rewards() for p in prompts}  # a prompt's images read once for its generations
+        given = [views[id(p)][0] for p in prompts]
+        columns = {key: [views[id(p)][1].get(key) for p in prompts] for key in prompts[0].columns}
+        found = call_rewards(self.funcs, given, shown,
                              [row[:n] for row, n in zip(tokens, lengths)], columns)
-        line = unrewarded(found, [name for name, _, _ in self.funcs], [p.prompt for p in prompts], shown, step)
+        line = unrewarded(found, [name for name, _, _ in self.funcs], given, shown, step)
         if line and not self.unrewarded_said:
             self.say(line)
             self.unrewarded_said = True

@@ -7,13 +7,16 @@ whose contents are all strings get one image part per image before the first use
 parts keep them (one image per part). The model's processor renders and encodes each prompt as ``plait generate``
 does (``plait.run.prompts.encode_image_prompts``: the chat template's generation prompt, each image part expanded into
 the model's image tokens); the reward functions get the messages with each image part holding its image, and the
-image column as PIL images, as TRL hands them over. A prompt string beside images is refused, as TRL refuses it
+image column as PIL images, as TRL hands them over (read from the files when the rewards are called: no prompt keeps
+its pixels or its images between steps). A prompt string beside images is refused, as TRL refuses it
 ("Multimodal training requires conversational prompts"); one without images is the processor's text.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +32,30 @@ IMAGE_COLUMNS = ("images", "image")  # TRL's names: a list of images, or one
 @dataclasses.dataclass
 class Prompt:
     """One prompt row: as TRL's reward functions get it (text or chat messages), its tokens, its other columns and,
-    for an image-text policy, its encoding with its images (``plait.data.vision.Example``)."""
+    for an image-text policy, its encoding (``plait.data.vision.Example``, which keeps no pixels) and what reads its
+    images (``pictures``: none are kept between steps either)."""
 
     prompt: str | list
     ids: list[int]
     columns: dict[str, Any]
     example: Any = None
+    pictures: Callable[[], list[Any]] | None = None
+
+    def for_rewards(self) -> tuple[str | list, dict[str, Any]]:
+        """The prompt and its other columns as TRL's reward functions get them: an image-text prompt's images read
+        now, into its image parts and its image column (PIL images, as TRL's datasets decode them)."""
+        if self.pictures is None:
+            return self.prompt, self.columns
+        pictures = self.pictures()
+        each = iter(pictures)
+        prompt = [{**m, "content": [{**p, "image": next(each)} if p["type"] == "image" else p for p in m["content"]]}
+                  for m in self.prompt]
+        columns = dict(self.columns)
+        if "images" in columns:
+            columns["images"] = pictures
+        elif "image" in columns:
+            columns["image"] = next(iter(pictures), None)
+        return prompt, columns
 
 
 def read_prompts(path: Path, tokenizer: Any, room: int) -> list[Prompt]:
@@ -57,7 +78,7 @@ def read_prompts(path: Path, tokenizer: Any, room: int) -> list[Prompt]:
 
 def read_image_prompts(path: Path, processor: Any, room: int) -> list[Prompt]:
     """An image-text policy's prompt rows of a .jsonl (module docstring), encoded by its ``processor``."""
-    from plait.data.vision import VisionEncoder, multimodal_messages, read_image
+    from plait.data.vision import VisionEncoder, multimodal_messages
 
     encoder, rows = VisionEncoder(processor, path.parent, lazy=True), []
     for number, row in json_lines(path):
@@ -71,19 +92,21 @@ def read_image_prompts(path: Path, processor: Any, room: int) -> list[Prompt]:
                 raise ConfigError(f"{where}: a prompt string with images; an image-text prompt is chat messages "
                                   f"(\"prompt\": [{{\"role\": \"user\", \"content\": ...}}]), as TRL requires")
             example = encoder.encode_text(prompt, where)
+            pictures = None
         else:
-            messages = multimodal_messages(prompt, len(entries), where)
-            example = encoder.encode({"messages": messages, "images": entries}, where, prompt=True)
-            pictures = [read_image(entry, path.parent, where, n) for n, entry in enumerate(entries)]
-            each = iter(pictures)
-            prompt = [{**m, "content": [{**p, "image": next(each)} if p["type"] == "image" else p
-                                        for p in m["content"]]} for m in messages]
-            if key is not None:  # the column as TRL's datasets decode it: PIL images
-                row = {**row, key: pictures if key == "images" else next(iter(pictures), None)}
+            prompt = multimodal_messages(prompt, len(entries), where)
+            example = encoder.encode({"messages": prompt, "images": entries}, where, prompt=True)  # reads them
+            pictures = functools.partial(_read_images, list(entries), path.parent, where)
         _check_room(path, number, len(example.input_ids), room)
         rows.append(Prompt(prompt, example.input_ids.tolist(), {k: v for k, v in row.items() if k != "prompt"},
-                           example))
+                           example, pictures))
     return _some(rows, path)
+
+
+def _read_images(entries: list[Any], base: Path, where: str) -> list[Any]:
+    from plait.data.vision import read_image
+
+    return [read_image(entry, base, where, number) for number, entry in enumerate(entries)]
 
 
 def prompt_images(prompts: list[Prompt], pad: int, width: int = 0) -> ImageBatch | None:
