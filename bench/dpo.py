@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from plait.testing.launcher import free_port  # a fixed port was still held by the previous run
+
 
 def build(root: Path, args) -> None:
     """The model directory (with a tokenizer that has a chat template) and the pairs file."""
@@ -81,7 +83,7 @@ def run_plait(root: Path, args, world: int, threads: int, **layout) -> float:
     path.write_text(json.dumps(flags))
     command = [sys.executable, __file__, "--worker", str(path)]
     if world > 1:
-        command = ["torchrun", "--nproc_per_node", str(world), "--master_port", "29731", *command[1:]]
+        command = ["torchrun", "--nproc_per_node", str(world), "--master_port", str(free_port()), *command[1:]]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     out = subprocess.run(command, capture_output=True, text=True, env=env, check=True).stdout
     times = json.loads(next(line for line in out.splitlines() if line.startswith("TIMES "))[6:])

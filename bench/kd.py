@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from plait.testing.launcher import free_port  # a fixed port was still held by the previous run
+
 
 def worker(flags_file: str, out: str) -> None:
     """One rank: a KD step with the objective watched; rank 0 writes the largest logits bytes it saw."""
@@ -62,8 +64,8 @@ def run(root: Path, tp: int, tokens: int) -> int:
                  output_dir=str(root / f"out{tp}"), data_cache_dir=str(root / "cache"))
     path, out = root / f"flags{tp}.json", root / f"seen{tp}.json"
     path.write_text(json.dumps(flags))
-    command = ["torchrun", "--nproc_per_node", str(tp), "--master_port", "29733", __file__, "--worker", str(path),
-               str(out)]
+    command = ["torchrun", "--nproc_per_node", str(tp), "--master_port", str(free_port()), __file__, "--worker",
+               str(path), str(out)]
     subprocess.run(command, check=True, capture_output=True, text=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(out.read_text())["bytes"]
