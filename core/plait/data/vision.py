@@ -238,7 +238,7 @@ class VisionEncoder:
         return self._kept(_example(out, labels, len(images), where), text, entries, not (bos and text.startswith(bos)))
 
     def encode_rendered(self, text: str, entries: list[Any], where: str) -> Example:
-        """A prompt already rendered (``text``) with its ``images`` entries (paths, bytes, PIL images), as TRL's
+        """A prompt already rendered (``text``) with its images' ``entries`` (paths, bytes, PIL images), as TRL's
         preference collator encodes it: no special tokens added (the template wrote them), labelled nowhere."""
         images = [read_image(entry, self.base_dir, where, number) for number, entry in enumerate(entries)]
         try:
