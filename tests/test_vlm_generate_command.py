@@ -160,6 +160,7 @@ def test_eval_prompts_whose_replica_holds_no_image_under_zero3_are_refused_at_st
     config, tokenizer = AutoConfig.from_pretrained(files / "model"), AutoTokenizer.from_pretrained(files / "model")
     found = EvalPrompts.of_run(args, tokenizer, config, ParallelConfig(zero_stage=1, dp=2))  # ZeRO-1: served
     assert [p.example.num_images for p in found.prompts] == [1, 0, 2, 0]
+    assert [p.example.pixels for p in found.prompts] == [{}] * 4  # encoded again for each batch, not kept
     with pytest.raises(ConfigError, match=r"^--zero_stage 3: prompts 1 to 1 of --eval_prompts hold no image, and "
                                           r"every replica's prompts of a batch need one"):
         EvalPrompts.of_run(args, tokenizer, config, ParallelConfig(zero_stage=3, dp=2))

@@ -96,10 +96,11 @@ def encode_prompts(rows: list[tuple[int, dict[str, Any]]], tokenizer: Any) -> li
 def encode_image_prompts(rows: list[tuple[int, dict[str, Any]]], processor: Any, path: Path) -> list[PromptRow]:
     """An image-text model's prompt rows of file ``path`` through its processor (``plait.data.vision``, as training
     encodes them): the chat rendered with the generation prompt, each image placeholder expanded into the model's
-    image tokens, the pixels beside; a ``prompt`` string (text only) tokenized with its special tokens."""
+    image tokens, the pixels encoded again for each batch (``lazy``: a file of prompts' pixels are not kept); a
+    ``prompt`` string (text only) tokenized with its special tokens."""
     from plait.data.vision import VisionEncoder
 
-    encoder, encoded = VisionEncoder(processor, path.parent), []
+    encoder, encoded = VisionEncoder(processor, path.parent, lazy=True), []
     for number, row in rows:
         where = f"{path}:{number}"
         if "prompt" in row:
