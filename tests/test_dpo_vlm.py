@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_dpo import worst
-from test_grpo_vlm import save_tiny_llava
+from test_vision_data import save_tiny_llava
 
 from plait.base.config import ConfigError
 from plait.data import GlobalBatchSampler

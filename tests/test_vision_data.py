@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -57,6 +58,28 @@ def png(image: Image.Image) -> bytes:
 
 def turn(role: str, *parts) -> dict:
     return {"role": role, "content": [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]}
+
+
+def save_tiny_llava(root: Path) -> None:
+    """A tiny LLaVA (CLIP tower, Llama decoder) and its processor in ``root / "model"``, and pictures 0-2.png."""
+    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    tok = tokenizer("<image>")
+    images = CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=4, vision_feature_select_strategy="default",
+                   num_additional_image_tokens=1, image_token="<image>",
+                   chat_template=template("<image>")).save_pretrained(root / "model")
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=16, patch_size=4, projection_dim=32)
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1, vision_feature_select_strategy="default")).save_pretrained(root / "model")
+    for seed in range(3):
+        picture(seed).save(root / f"{seed}.png")
 
 
 @pytest.fixture(scope="module")

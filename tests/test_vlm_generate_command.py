@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from test_vision_data import picture, template, tokenizer, turn
+from test_vision_data import save_tiny_llava, turn
 
 from plait.cli import main
 from plait.run.prompts import completion_text
@@ -27,25 +27,8 @@ FLAGS = ["--max_new_tokens", "5"]
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
-
     root = tmp_path_factory.mktemp("vlm-generate")
-    tok = tokenizer("<image>")
-    images = CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
-    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=4, vision_feature_select_strategy="default",
-                   num_additional_image_tokens=1, image_token="<image>",
-                   chat_template=template("<image>")).save_pretrained(root / "model")
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=16, patch_size=4, projection_dim=32)
-    text = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    LlavaForConditionalGeneration(LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
-        vision_feature_layer=-1, vision_feature_select_strategy="default")).save_pretrained(root / "model")
-    for seed in range(3):
-        picture(seed).save(root / f"{seed}.png")
+    save_tiny_llava(root)
     (root / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
     train = [{"messages": [turn("user", *[None] * (i % 2), "describe the picture"),
                            turn("assistant", "a red square on blue" if i % 3 else "blue")],

@@ -12,7 +12,7 @@ image's patch count, for the tensors that count patches).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -67,6 +67,14 @@ class ImageBatch:
         """The images of each of the ``parts`` row ranges ``Tensor.chunk`` cuts the rows into."""
         size = -(-self.rows // parts)
         return [self.take(slice(start, start + size)) for start in range(0, self.rows, size)]
+
+    def widened(self, width: int) -> ImageBatch:
+        """These images with the processor's per-token tensors (``row_major``) zero filled on the right to ``width``
+        tokens, as rows padded after their last token are (a completion after its prompt, a length rounded up to a
+        multiple of tp)."""
+        grown = {name: torch.nn.functional.pad(t, (0, width - t.shape[1])) for name, t in self.tensors.items()
+                 if name in self.row_major and t.shape[1] < width}
+        return replace(self, tensors={**self.tensors, **grown}) if grown else self
 
     def to(self, device: torch.device) -> ImageBatch:
         return ImageBatch({k: v.to(device) for k, v in self.tensors.items()}, self.per_row, self.patches,

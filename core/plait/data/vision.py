@@ -186,6 +186,21 @@ def read_image(entry: Any, base_dir: Path | None, where: str, number: int) -> An
     return image
 
 
+def read_images(entries: list[Any], base_dir: Path | None, where: str) -> list[Any]:
+    """A row's ``images`` entries, each read (``read_image``)."""
+    return [read_image(entry, base_dir, where, number) for number, entry in enumerate(entries)]
+
+
+def image_entries(row: dict, where: str) -> list[Any]:
+    """A TRL prompt or preference row's images: its ``images`` (a list) or its ``image`` (one); none without
+    either."""
+    key = next((k for k in ("images", "image") if k in row), None)
+    entries = [] if key is None or row[key] is None else row[key] if key == "images" else [row[key]]
+    if not isinstance(entries, list):
+        raise ConfigError(f"{where}: 'images' is a {type(entries).__name__}; give a list of image paths")
+    return entries
+
+
 class VisionEncoder:
     """Rows -> ``Example``s through a transformers processor (``load_processor``); ``base_dir``: where relative
     image paths live (the data file's directory). ``lazy``: keep no pixels, only what encodes them again per batch
@@ -222,7 +237,7 @@ class VisionEncoder:
             count = len(entries) if isinstance(entries, list) else f"a {type(entries).__name__} of"
             raise ConfigError(f"{where}: {count} images for {image_parts} image parts in its messages; give one image "
                               f"per {{\"type\": \"image\"}} part, in order")
-        images = [read_image(entry, self.base_dir, where, number) for number, entry in enumerate(entries)]
+        images = read_images(entries, self.base_dir, where)
         render = self.processor.apply_chat_template
         text = render(messages, tokenize=False, add_generation_prompt=prompt)
         bos = self.processor.tokenizer.bos_token
@@ -240,7 +255,7 @@ class VisionEncoder:
     def encode_rendered(self, text: str, entries: list[Any], where: str) -> Example:
         """A prompt already rendered (``text``) with its images' ``entries`` (paths, bytes, PIL images), as TRL's
         preference collator encodes it: no special tokens added (the template wrote them), labelled nowhere."""
-        images = [read_image(entry, self.base_dir, where, number) for number, entry in enumerate(entries)]
+        images = read_images(entries, self.base_dir, where)
         try:
             out = self.processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=False)
         except (ValueError, TypeError) as err:
@@ -257,7 +272,7 @@ class VisionEncoder:
 
     def _pixels(self, text: str, entries: list[Any], where: str, special: bool) -> dict[str, torch.Tensor]:
         """The pixels of a row encoded before (the same text, images and special tokens: the same tensors)."""
-        images = [read_image(entry, self.base_dir, where, number) for number, entry in enumerate(entries)]
+        images = read_images(entries, self.base_dir, where)
         out = self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=special)
         return _example(out, out["input_ids"][0], len(images), where).pixels
 

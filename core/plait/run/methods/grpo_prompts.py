@@ -20,14 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from plait.base.config import ConfigError
 from plait.base.images import ImageBatch
 from plait.run.prompts import json_lines, left_images
-
-IMAGE_COLUMNS = ("images", "image")  # TRL's names: a list of images, or one
-
 
 @dataclasses.dataclass
 class Prompt:
@@ -78,15 +73,12 @@ def read_prompts(path: Path, tokenizer: Any, room: int) -> list[Prompt]:
 
 def read_image_prompts(path: Path, processor: Any, room: int) -> list[Prompt]:
     """An image-text policy's prompt rows of a .jsonl (module docstring), encoded by its ``processor``."""
-    from plait.data.vision import VisionEncoder, multimodal_messages
+    from plait.data.vision import VisionEncoder, image_entries, multimodal_messages, read_images
 
     encoder, rows = VisionEncoder(processor, path.parent, lazy=True), []
     for number, row in json_lines(path):
         prompt, where = _prompt(row, path, number), f"{path}:{number}"
-        key = next((k for k in IMAGE_COLUMNS if k in row), None)
-        entries = [] if key is None or row[key] is None else row[key] if key == "images" else [row[key]]
-        if not isinstance(entries, list):
-            raise ConfigError(f"{where}: 'images' is a {type(entries).__name__}; give a list of image paths")
+        entries = image_entries(row, where)
         if isinstance(prompt, str):
             if entries:
                 raise ConfigError(f"{where}: a prompt string with images; an image-text prompt is chat messages "
@@ -96,17 +88,11 @@ def read_image_prompts(path: Path, processor: Any, room: int) -> list[Prompt]:
         else:
             prompt = multimodal_messages(prompt, len(entries), where)
             example = encoder.encode({"messages": prompt, "images": entries}, where, prompt=True)  # reads them
-            pictures = functools.partial(_read_images, list(entries), path.parent, where)
+            pictures = functools.partial(read_images, list(entries), path.parent, where)
         _check_room(path, number, len(example.input_ids), room)
         rows.append(Prompt(prompt, example.input_ids.tolist(), {k: v for k, v in row.items() if k != "prompt"},
                            example, pictures))
     return _some(rows, path)
-
-
-def _read_images(entries: list[Any], base: Path, where: str) -> list[Any]:
-    from plait.data.vision import read_image
-
-    return [read_image(entry, base, where, number) for number, entry in enumerate(entries)]
 
 
 def prompt_images(prompts: list[Prompt], pad: int, width: int = 0) -> ImageBatch | None:
@@ -115,10 +101,7 @@ def prompt_images(prompts: list[Prompt], pad: int, width: int = 0) -> ImageBatch
     token types with zeros); None for a text policy's prompts or rows without an image."""
     if prompts[0].example is None or not any(p.example.num_images for p in prompts):
         return None
-    images = left_images([p.example for p in prompts], pad)
-    grow = lambda t: torch.nn.functional.pad(t, (0, max(width - t.shape[1], 0)))  # noqa: E731
-    return dataclasses.replace(images, tensors={k: grow(v) if k in images.row_major else v
-                                                for k, v in images.tensors.items()})
+    return left_images([p.example for p in prompts], pad).widened(width)
 
 
 def _prompt(row: Any, path: Path, number: int) -> str | list:

@@ -13,13 +13,10 @@ carry the prompt's images (``pair_images``).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from itertools import takewhile
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from plait.base.config import ConfigError
 from plait.base.images import ImageBatch
@@ -27,13 +24,10 @@ from plait.run.methods.preference_data import Pair, check_row, is_conversational
 from plait.run.prompts import json_lines
 from plait.run.runtime import reports_data
 
-IMAGE_COLUMNS = ("images", "image")  # TRL's names: a list of images, or one
-
-
 def read_image_pairs(path: Path, processor: Any, max_length: int) -> list[Pair]:
     """Every row of a .jsonl of image-text preference rows, encoded as TRL's vision collator encodes them; a row whose
     prompt alone fills ``max_length`` is dropped and said, as ``read_pairs`` drops it."""
-    from plait.data.vision import VisionEncoder
+    from plait.data.vision import VisionEncoder, image_entries
 
     encoder, pairs, dropped = VisionEncoder(processor, path.parent, lazy=True), [], []
     for number, row in json_lines(path):
@@ -45,10 +39,7 @@ def read_image_pairs(path: Path, processor: Any, max_length: int) -> list[Pair]:
         if not is_conversational(row):
             raise ConfigError(f"{where}: an image-text preference row is chat messages ('prompt': [{{\"role\": "
                               f"\"user\", \"content\": ...}}]), as TRL's vision collator renders them")
-        key = next((k for k in IMAGE_COLUMNS if k in row), None)
-        entries = [] if key is None or row[key] is None else row[key] if key == "images" else [row[key]]
-        if not isinstance(entries, list):
-            raise ConfigError(f"{where}: 'images' is a {type(entries).__name__}; give a list of image paths")
+        entries = image_entries(row, where)
         prompt, chosen, rejected = _rendered(processor, row, len(entries), where)
         example = encoder.encode_rendered(prompt, entries, where)
         ids = lambda text: processor(text=[text], add_special_tokens=False)["input_ids"][0]  # noqa: E731
@@ -104,7 +95,4 @@ def pair_images(pairs: list[Pair], indices: list[int], width: int, pad: int) -> 
     examples = [pairs[i].example for i in indices for _ in range(2)]
     if examples[0] is None or not any(e.num_images for e in examples):
         return None
-    images = collate(examples, pad).images
-    grow = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
-    return dataclasses.replace(images, tensors={k: grow(v) if k in images.row_major else v
-                                                for k, v in images.tensors.items()})
+    return collate(examples, pad).images.widened(width)

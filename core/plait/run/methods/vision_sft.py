@@ -171,10 +171,7 @@ class VisionSFT(TrainingMethod):
         batch = collate(examples, self.pad_id)
         extra = -batch.input_ids.shape[1] % self.multiple
         pad = lambda t, value: torch.nn.functional.pad(t, (0, extra), value=value).to(device)  # noqa: E731
-        images = batch.images.to(device)
-        if extra and images.row_major:  # the processor's per-token extras, padded as the tokens are
-            images = dataclasses.replace(images, tensors={k: pad(v, 0) if k in images.row_major else v
-                                                          for k, v in images.tensors.items()})
+        images = batch.images.widened(batch.input_ids.shape[1] + extra).to(device)  # per-token extras as the tokens
         positions = None if batch.position_ids is None else pad(batch.position_ids, 0)
         return VisionBatch(pad(batch.input_ids, self.pad_id), pad(batch.attention_mask, 0),
                            pad(batch.labels, -100), images, positions)
