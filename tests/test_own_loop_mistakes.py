@@ -106,6 +106,20 @@ def test_a_layout_of_several_processes_outside_torchrun_says_how_to_launch(monke
             parallelize(model, config)
 
 
+def test_zero_with_one_data_parallel_rank_is_refused_as_the_api_writes_it(monkeypatch):
+    """ZeRO at world 1 would shard over nothing: refused in the API's words (the CLI's: test_bad_inputs), before any
+    process group, as ``plait train`` refuses it."""
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    for config, given in ((ParallelConfig(zero_stage=3), "zero_stage=3"), (ParallelConfig(zero_1=True), "zero_stage=1")):
+        with pytest.raises(ConfigError, match=rf"^{given} has no effect with one data-parallel rank \(world 1 = tp 1 x "
+                                              r"pp 1\): ZeRO shards over the data-parallel \(x cp\) ranks; drop it, "
+                                              r"or launch 2 processes for dp=2$"):
+            parallelize(model, config)
+    assert not torch.distributed.is_initialized()
+
+
 def test_batches_of_mismatched_shapes_are_named_before_any_collective():
     """Labels not cut as the ids were (local_batch on one of them only), a mask of other rows and 1-D ids are named
     with their shapes and the fix; torch named flattened token counts inside the loss, or an index out of range.

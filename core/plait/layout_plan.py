@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from plait.base import comm
 from plait.base.config import ConfigError, ParallelConfig
 from plait.base.meta import takes_images
 from plait.base.pipeline_schedules import SCHEDULES
@@ -203,6 +204,18 @@ def check_zero_stage(config: ParallelConfig) -> None:
         raise ConfigError(f"{stage} with pipeline_schedule={config.pipeline_schedule!r}: it computes weight gradients "
                           f"after FSDP2 has reduced them (after the input gradients); use one of {whole}, or "
                           f"{setting('zero_stage', 1)}")
+
+
+def check_zero_has_ranks(config: ParallelConfig, given: str | None = None) -> None:
+    """ZeRO shards over the dp x cp ranks of ``config`` (its world resolved): with one such rank there is nothing to
+    shard over and the setting would do nothing, so it is refused, named as given (``given``, e.g. the flag the user
+    typed; else as the caller writes settings). Under PLAIT_SINGLETON_GROUPS (one-rank groups that really run their
+    collectives: the one-GPU tests) it runs."""
+    if config.zero_stage and config.dp * config.cp == 1 and not comm.singleton_groups():
+        world = config.tp * config.pp
+        raise ConfigError(f"{given or setting('zero_stage', config.zero_stage)} has no effect with one data-parallel "
+                          f"rank (world {world} = tp {config.tp} x pp {config.pp}): ZeRO shards over the "
+                          f"data-parallel (x cp) ranks; drop it, or launch {2 * world} processes for dp=2")
 
 
 def fsdp_units(model: nn.Module, leaves: tuple[str, ...]) -> tuple[str, ...]:

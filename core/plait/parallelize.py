@@ -29,7 +29,7 @@ from plait.cp.attention import install_context_parallel
 from plait.cp.context import ContextParallel
 from plait.cp.router import install_router_gather
 from plait.ep.apply import AppliedEP, apply_expert_parallel
-from plait.layout_plan import LayoutPlan, plan_layout
+from plait.layout_plan import LayoutPlan, check_zero_has_ranks, plan_layout
 from plait.lora.layers import LoraDropout, apply_lora
 from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 from plait.parallel.float8 import apply_float8, check_float8_device
@@ -94,6 +94,7 @@ def parallelize(
         plan.config.resolve(world_size)  # a plan made for another world size: raises, naming the numbers
     else:
         plan = plan_layout(model, config, world_size, registry, lora)
+    check_zero_has_ranks(plan.config)
     if plan.float8:  # a model that holds weights already: float8 needs a GPU for it, unless emulated
         check_float8_device(plan.config, next(model.parameters()).device)
     return _apply(model, plan, Mesh.from_world(plan.config, timeout), lora_seed)

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from plait.base import comm
 from plait.base.config import CP_ATTENTION, FLOAT8_RECIPES, MOE_AUX_LOSS_SCOPES, ConfigError, ParallelConfig
 from plait.base.words import no_effect
 from plait.base.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULES, microbatch_refusal
@@ -331,15 +330,11 @@ class TrainArgs(MethodArgs):
             self.refuse_idle_lora_settings(", or set --lora_r (e.g. 8)")
 
     def check_zero_has_ranks(self, config: ParallelConfig) -> None:
-        """--zero_1 / --zero_stage shard over the dp x cp ranks of the planned layout (``config``, its world
-        resolved): with one such rank there is nothing to shard over and the flag would do nothing. Under
-        PLAIT_SINGLETON_GROUPS (one-rank groups that really run their collectives: the one-GPU tests) it runs."""
-        if config.zero_stage and config.dp * config.cp == 1 and not comm.singleton_groups():
-            flag = "--zero_1" if self.zero_1 else f"--zero_stage {self.zero_stage}"
-            world = config.tp * config.pp
-            raise ConfigError(f"{flag} has no effect with one data-parallel rank (world {world} = tp {config.tp} x pp "
-                              f"{config.pp}): ZeRO shards over the data-parallel (x cp) ranks; drop it, or launch "
-                              f"{2 * world} processes for dp=2")
+        """--zero_1 / --zero_stage with one data-parallel rank in the planned layout (``config``, its world
+        resolved) would do nothing: refused as ``layout_plan.check_zero_has_ranks`` does, naming the flag as typed."""
+        from plait.layout_plan import check_zero_has_ranks  # noqa: PLC0415 (the planner is heavy; trainer has it)
+
+        check_zero_has_ranks(config, "--zero_1" if self.zero_1 else f"--zero_stage {self.zero_stage}")
 
     def given(self, names: tuple[str, ...]) -> list[str]:
         """Those of ``names`` whose value is not the default: the flags the user gave."""
