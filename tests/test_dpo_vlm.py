@@ -24,7 +24,7 @@ from plait.base.config import ConfigError
 from plait.data import GlobalBatchSampler
 from plait.run.train_args import TrainArgs
 from plait.run.trainer import Trainer
-from workers.trainers import capture_gradients, whole
+from workers.trainers import capture_gradients, record_read_ahead, whole
 
 BLOCK, BATCH, STEPS, LR = 96, 4, 3, 1e-3
 ANSWERS = ["a red square", "blue", "two pictures", "green and blue", "nothing", "a cat"]
@@ -96,8 +96,21 @@ def runs(root, tmp_path_factory):
     for name, extra in (("full", {}), ("lora", LORA)):
         trainer = Trainer(TrainArgs(**flags(root, output_dir=str(tmp_path_factory.mktemp(name)), **extra)))
         kept = capture_gradients(trainer)
+        reading = record_read_ahead(trainer, "micro_step", [pair.example for pair in trainer.method.pairs])
         done[name] = (trainer.train(), whole([kept]))
+        READ_AHEAD[name] = (trainer, reading)
     return done
+
+
+READ_AHEAD = {}  # by one-process run: the trainer, and at each micro-step the pairs whose pixels were being read
+
+
+def test_the_next_steps_pixels_are_read_while_this_step_computes(runs):
+    """During each step's micro-step the next step's pairs' prompts are read (plait.data.pixel_loader), none after
+    the last."""
+    trainer, reading = READ_AHEAD["full"]
+    expected = [set(trainer.rows_of(step + 1).tolist()) for step in range(STEPS - 1)] + [set()]
+    assert reading == expected and all(expected[:-1])
 
 
 @pytest.fixture(scope="module")

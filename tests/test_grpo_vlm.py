@@ -172,14 +172,26 @@ KEYS = ("loss", "grad_norm", "reward", "reward_std", "rewards/pictures/mean", "c
 @pytest.fixture(scope="module")
 def one_process(files, tmp_path_factory):
     from plait.run.trainer import Trainer
-    from workers.trainers import capture_gradients, whole
+    from workers.trainers import capture_gradients, record_read_ahead, whole
 
     runs = {}
     for name, extra in (("full", {}), ("mu2", dict(num_iterations=2)), ("lora", dict(lora_r=4))):
         trainer = Trainer(grpo_args(files, output_dir=str(tmp_path_factory.mktemp(name)), **RUN, **extra))
         kept = capture_gradients(trainer)
+        reading = record_read_ahead(trainer, "before_step", [p.example for p in trainer.method.prompts])
         runs[name] = (trainer.train(), whole([kept]))
+        READ_AHEAD[name] = reading
     return runs
+
+
+READ_AHEAD = {}  # by one-process run: at each step's generation, the prompts whose pixels were read during the last
+
+
+def test_the_next_cycles_prompt_pixels_are_read_while_this_step_computes(one_process):
+    """Each step's prompts are encoded for generation: their pixels are read during the step before (its prompts'
+    pixels then taken, so nothing is left reading); within a cycle of --num_iterations 2, whose second step generates
+    nothing, none are read."""
+    assert READ_AHEAD["full"] == [set(), {0, 1, 2}] and READ_AHEAD["mu2"] == [set(), set()]
 
 
 @pytest.fixture(scope="module")

@@ -297,7 +297,8 @@ def test_lazy_examples_keep_no_pixels_and_give_the_same_batches(processor, files
     """``VisionEncoder(lazy=True)``, as training and GRPO / DPO read their rows: each example keeps its ids, labels and
     per-token tensors but no pixel tensor (a training set's would not fit in memory: bench/vision_memory.py), and a
     batch, packed or not, encodes them again into the same tensors as the examples that kept them."""
-    from plait.data.vision import pack, pixels_of
+    from plait.data.pixel_loader import pixels_of
+    from plait.data.vision import pack
 
     eager = [VisionEncoder(processor, files).encode(row, f"row {i}") for i, row in enumerate(ROWS)]
     lazy = [VisionEncoder(processor, files, lazy=True).encode(row, f"row {i}") for i, row in enumerate(ROWS)]
@@ -312,3 +313,53 @@ def test_lazy_examples_keep_no_pixels_and_give_the_same_batches(processor, files
         assert all(torch.equal(a.images.tensors[k], b.images.tensors[k]) for k in a.images.tensors)
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.images.per_row, b.images.per_row)
     assert pack(lazy, 4096)[0].pixels == {}  # packing keeps none either
+
+
+class Recorded:
+    """A processor that records the thread of each call (the loader's copy: the training thread must never use it,
+    as a fast tokenizer refuses two threads at once)."""
+
+    def __init__(self, processor):
+        self.processor, self.threads = processor, []
+
+    def __call__(self, *args, **kwargs):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        return self.processor(*args, **kwargs)
+
+
+def test_read_ahead_encodes_a_batchs_pixels_once_on_the_loaders_thread(processor, files, tmp_path):
+    """``read_ahead`` (the trainer's, for the next step during this one) starts each lazy example's pixels on the
+    loader's one thread with its own processor; the batch built later takes them, encoding nothing again, and equals
+    the one built without reading ahead; a packed row reads its documents'. An image gone before its batch is built
+    still fails there, naming its row."""
+    import shutil
+
+    from plait.data.pixel_loader import read_ahead
+    from plait.data.vision import pack
+
+    encoder = VisionEncoder(processor, files, lazy=True)
+    assert encoder.loader.processor is not processor and encoder.loader.processor.tokenizer is not processor.tokenizer
+    recorded = encoder.loader.processor = Recorded(encoder.loader.processor)
+    examples = [encoder.encode(row, f"row {i}") for i, row in enumerate(ROWS)]
+    expected = collate(examples, 0)
+    assert len(recorded.threads) == 2  # the two rows with images, each once, encoded when the batch was built
+    read_ahead([*examples, None])
+    assert [e.reload is not None and e.reload.started for e in examples] == [False, True, True]
+    batch = collate(examples, 0)
+    assert len(recorded.threads) == 4 and not any(e.reload.started for e in examples[1:])
+    assert all(name.startswith("plait-pixels") for name in recorded.threads), recorded.threads
+    assert all(torch.equal(batch.images.tensors[k], expected.images.tensors[k]) for k in expected.images.tensors)
+    packed = pack(examples, 4096)
+    read_ahead(packed)
+    assert [e.reload.started for e in examples[1:]] == [True, True] and len(pack(examples, 4096)) == 1
+    assert torch.equal(collate(packed, 0).images.tensors["pixel_values"], expected.images.tensors["pixel_values"])
+    assert len(recorded.threads) == 6
+    moved = tmp_path / "images"
+    shutil.copytree(files, moved)
+    gone = VisionEncoder(processor, moved, lazy=True).encode(ROWS[1], "row 1")
+    (moved / "0.png").unlink()
+    read_ahead([gone])
+    with pytest.raises(ConfigError, match=r"^row 1: images\[0\] \(.*0.png\) cannot be read: "):
+        collate([gone], 0)

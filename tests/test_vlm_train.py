@@ -148,6 +148,30 @@ def test_labels_and_images_reach_the_model(one_process):
     assert grads["model.vision_tower.encoder.layers.0.mlp.fc1.weight"].abs().sum() > 0
 
 
+def test_the_next_steps_pixels_are_read_while_this_step_computes(files, tmp_path):
+    """The rows keep no pixels (``VisionEncoder(lazy=True)``): during each step's micro-steps the next step's rows
+    with images, this rank's micro-batches' (plait.data.pixel_loader), are being encoded on the loader's thread, and
+    none after the last step."""
+    from plait.run.trainer import Trainer
+
+    trainer = Trainer(vlm_args(files, output_dir=str(tmp_path), per_device_train_batch_size=2,
+                               gradient_accumulation_steps=2))
+    method, seen = trainer.method, []
+    micro_step = method.micro_step
+
+    def spy(pmodel, batch, divisor):
+        seen.append({i for i, e in enumerate(method.examples) if e.reload is not None and e.reload.started})
+        return micro_step(pmodel, batch, divisor)
+
+    method.micro_step = spy
+    trainer.train()
+    for step in range(3):
+        rows = trainer.rows_of(step + 1).tolist() if step < 2 else []
+        expected = {r for r in rows if method.examples[r].num_images}
+        assert seen[2 * step] == seen[2 * step + 1] == expected, step
+    assert any(seen)
+
+
 def test_a_checkpoint_consolidates_into_a_model_and_processor_transformers_loads(files, tmp_path):
     """``plait consolidate`` of a tp=2 checkpoint: AutoModelForImageTextToText loads it with no key missing or left
     over, its weights the run's; AutoProcessor loads the processor saved beside it, the same token ids as before."""

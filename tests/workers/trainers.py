@@ -55,6 +55,19 @@ def whole(kept_by_rank: list[list[tuple[str, torch.Tensor, object]]]) -> dict[st
     return full
 
 
+def record_read_ahead(trainer: Trainer, hook: str, examples: list) -> list[set[int]]:
+    """At each call of the method's ``hook`` (``micro_step`` or ``before_step``), the indices of ``examples``
+    (``plait.data.vision.Example``s, None for text) whose pixels are being read ahead (plait.data.pixel_loader)."""
+    seen, original = [], getattr(trainer.method, hook)
+
+    def recording(*args):
+        seen.append({i for i, e in enumerate(examples) if e is not None and e.reload is not None and e.reload.started})
+        return original(*args)
+
+    setattr(trainer.method, hook, recording)
+    return seen
+
+
 def second_model_bytes(trainer: Trainer) -> int | None:
     """The bytes of the parameters this rank holds of the method's frozen second model (DPO's reference, a
     distillation teacher), as ``plait plan`` counts them; None without one."""

@@ -20,10 +20,8 @@ for micro-batches and data-parallel shards. Everything runs offline: URLs are re
 from __future__ import annotations
 
 import dataclasses
-import functools
 import io
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ import torch
 
 from plait.base.config import ConfigError
 from plait.base.images import ImageBatch
+from plait.data.pixel_loader import Encoding, Joined, PixelLoader, Reload, pixels_of
 from plait.data.sources import jsonl_lines
 from plait.tp.loss import IGNORE_INDEX
 
@@ -111,7 +110,8 @@ class Example:
     tensor the processor returns (Qwen-VL's ``mm_token_type_ids``); ``pixels``: the image tensors, batched by
     image; ``num_images``; ``where`` names the row for messages; ``position_ids``: a packed row's, restarting at 0
     at each of its documents (None: one document); ``reload``: where the pixels are not kept (``VisionEncoder``'s
-    ``lazy``), what encodes them again from the row's image files when a batch needs them (``pixels_of``)."""
+    ``lazy``), what encodes them again from the row's image files when a batch needs them (``pixels_of``), on a
+    background thread that can start a step ahead (``plait.data.pixel_loader``)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -121,12 +121,7 @@ class Example:
     num_images: int
     where: str
     position_ids: torch.Tensor | None = None
-    reload: Callable[[], dict[str, torch.Tensor]] | None = None
-
-
-def pixels_of(example: Example) -> dict[str, torch.Tensor]:
-    """An example's image tensors: kept, or encoded again from its row's images (``Example.reload``)."""
-    return example.reload() if example.reload is not None else example.pixels
+    reload: Reload | None = None
 
 
 def _messages(row: dict, where: str) -> tuple[list[dict], int]:
@@ -226,6 +221,7 @@ class VisionEncoder:
         self.processor, self.image_token_id = processor, int(image_token_id)
         self.base_dir = None if base_dir is None else Path(base_dir)
         self.lazy = lazy
+        self.loader = PixelLoader(processor) if lazy else None  # the pixels read again off the training thread
 
     def encode(self, row: dict, where: str, prompt: bool = False) -> Example:
         """A row (``where`` it is, for messages: its file and line) rendered, tokenized, labelled and its images
@@ -267,13 +263,15 @@ class VisionEncoder:
         """``example`` as it is kept: under ``lazy`` without its pixels, which ``_pixels`` encodes again."""
         if not self.lazy or not example.num_images:
             return example
-        reload = functools.partial(self._pixels, text, list(entries), example.where, special)
+        reload = Encoding(self.loader, self._pixels, text, list(entries), example.where, special)
         return dataclasses.replace(example, pixels={}, reload=reload)
 
-    def _pixels(self, text: str, entries: list[Any], where: str, special: bool) -> dict[str, torch.Tensor]:
-        """The pixels of a row encoded before (the same text, images and special tokens: the same tensors)."""
+    def _pixels(self, processor: Any, text: str, entries: list[Any], where: str, special: bool
+                ) -> dict[str, torch.Tensor]:
+        """The pixels of a row encoded before (the same text, images and special tokens: the same tensors), by
+        ``processor`` (the loader's copy, on its thread)."""
         images = read_images(entries, self.base_dir, where)
-        out = self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=special)
+        out = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=special)
         return _example(out, out["input_ids"][0], len(images), where).pixels
 
     def encode_text(self, text: str, where: str) -> Example:
@@ -421,18 +419,13 @@ def pack(examples: list[Example], block_size: int) -> list[Example]:
 def _joined(row: list[Example]) -> Example:
     with_images = [e for e in row if e.num_images]
     lazy = any(e.reload is not None for e in with_images)  # then the joined row's pixels are encoded when needed
+    joined = Joined(with_images)
     return Example(torch.cat([e.input_ids for e in row]), torch.cat([e.attention_mask for e in row]),
                    torch.cat([e.labels for e in row]),
                    {key: torch.cat([e.tokens[key] for e in row]) for key in row[0].tokens},
-                   {} if lazy else _concatenated(with_images), sum(e.num_images for e in row),
+                   {} if lazy else joined(), sum(e.num_images for e in row),
                    " + ".join(e.where for e in row), torch.cat([torch.arange(len(e.input_ids)) for e in row]),
-                   functools.partial(_concatenated, with_images) if lazy else None)
-
-
-def _concatenated(examples: list[Example]) -> dict[str, torch.Tensor]:
-    """The image tensors of ``examples``, one after another."""
-    loaded = [pixels_of(e) for e in examples]
-    return {key: torch.cat([p[key] for p in loaded]) for key in (loaded[0] if loaded else ())}
+                   joined if lazy else None)
 
 
 def collate(examples: list[Example], pad_id: int) -> VisionBatch:

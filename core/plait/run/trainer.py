@@ -282,6 +282,11 @@ class Trainer:
             f"({pmodel.adapter.distribution or 'in-process'}) | parameters on rank 0: {count:,}{lora} | "
             f"{self.method.describe(args.block_size)}, global batch {self.global_batch}")
 
+    def rows_of(self, step: int) -> torch.Tensor:
+        """The rows of step ``step``'s global batch that this job trains on (its replica group's share)."""
+        return self.sampler.indices(self.method.sampler_step(step)).chunk(self.args.num_replica_groups)[
+            self.args.replica_group_id]
+
     def step(self, step: int) -> dict:
         """Forward, backward and optimizer update of step ``step`` (0-based); returns its metrics record.
 
@@ -289,8 +294,7 @@ class Trainer:
         are skipped (counted in the record), the next one stops the run with ``TrainingDiverged``."""
         args, mesh = self.args, self.mesh
         start = time.perf_counter()
-        batch = self.sampler.indices(self.method.sampler_step(step))
-        indices = batch.chunk(self.args.num_replica_groups)[self.args.replica_group_id]
+        indices = self.rows_of(step)
         # the loss's divisor over the whole global batch (every micro-step, every dp rank)
         num_items = self.method.divisor(indices)
         if num_items == 0:
@@ -299,6 +303,8 @@ class Trainer:
         step_loss = torch.zeros((), device=self.device)
         batches = self.method.micro_batches(indices, mesh, args.gradient_accumulation_steps, self.device)
         self.method.before_step(self.pmodel, batches, step)
+        if step + 1 < args.max_steps:  # read while this step computes (image-text rows' pixels)
+            self.method.read_ahead(step + 1, self.rows_of(step + 1), mesh, args.gradient_accumulation_steps)
         for batch in batches:
             step_loss += self.method.micro_step(self.pmodel, batch, num_items)
         faults.maybe_inject(step + 1, params=self.optimizer_step.grad_sync.params)  # testing aid (as at the start)

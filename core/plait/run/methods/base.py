@@ -87,6 +87,11 @@ class TrainingMethod(ABC):
     def before_step(self, pmodel: ParallelModel, batches: list[Any], step: int) -> None:
         """Called once a step (``step`` counts from 0), before its micro-steps, with all of them (default: nothing)."""
 
+    def read_ahead(self, step: int, rows: torch.Tensor, mesh: Mesh, accumulation: int) -> None:
+        """Start reading what step ``step`` of the global batch ``rows`` will need from disk on this rank, called
+        while the step before it computes (image-text methods: their rows' pixels, ``plait.data.pixel_loader``);
+        default: nothing. Only reads: no collective, nothing a step sees changes."""
+
     def step_metrics(self, pmodel: ParallelModel) -> dict[str, float]:
         """The method's own metrics of the step just run, the same on every rank (every rank calls it: it may be a
         collective); default: none."""

@@ -35,6 +35,7 @@ from plait.base.meta import build_meta_model
 from plait.checkpoint.materialize import resolve_source
 from plait.data import local_microbatch
 from plait.data.paths import tokenizer_dir
+from plait.data.pixel_loader import read_ahead
 from plait.data.tokenizer import load_tokenizer
 from plait.data.vision import check_images_everywhere, load_processor, processor_of
 from plait.lora import switch
@@ -172,6 +173,10 @@ class DPO(TrainingMethod):
             batches.append((ids.to(device), labels.to(device), tokens.to(device), torch.tensor(pairs, device=device),
                             packed, None if images is None else images.to(device)))
         return batches
+
+    def read_ahead(self, step: int, rows: torch.Tensor, mesh: Mesh, accumulation: int) -> None:
+        read_ahead(self.pairs[int(r)].example for micro in range(accumulation)
+                   for r in local_microbatch(rows, mesh.dp_rank, mesh.dp, accumulation, micro))
 
     def model_labels(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The labels the policy's forward is given for rows ``ids`` labelled on their completions (``read_logps``

@@ -41,6 +41,7 @@ from plait.base.mesh import Mesh
 from plait.base.meta import takes_images
 from plait.data import local_microbatch
 from plait.data.paths import tokenizer_dir
+from plait.data.pixel_loader import read_ahead
 from plait.data.tokenizer import load_tokenizer
 from plait.data.vision import check_images_everywhere, load_processor, processor_of
 from plait.parallel_model import ParallelModel
@@ -199,6 +200,10 @@ class GRPO(TrainingMethod):
 
     def resumable_after(self, steps: int) -> bool:
         return steps % self.args.num_iterations == 0
+
+    def read_ahead(self, step: int, rows: torch.Tensor, mesh: Mesh, accumulation: int) -> None:
+        if step % self.args.num_iterations == 0:  # a cycle's first step generates from its prompts' pixels
+            read_ahead(self.prompts[int(i)].example for i in rows)
 
     def before_step(self, pmodel: ParallelModel, batches: list[Any], step: int) -> None:
         """Generate the step's completions from the policy and score them (every rank alike); with --num_iterations

@@ -32,6 +32,7 @@ from plait.base.mesh import Mesh
 from plait.base.images import grid_positions
 from plait.base.meta import takes_images
 from plait.data import local_microbatch
+from plait.data.pixel_loader import read_ahead
 from plait.data.vision import Example, VisionBatch, VisionEncoder, collate, load_processor, pack, read_rows
 from plait.parallel_model import ParallelModel
 from plait.run.methods.base import TrainingMethod
@@ -180,6 +181,10 @@ class VisionSFT(TrainingMethod):
         self.tokens = sum(len(self.examples[int(r)].input_ids) for r in rows)  # the global batch's, unpadded
         return [self.batch(local_microbatch(rows, mesh.dp_rank, mesh.dp, accumulation, micro), device)
                 for micro in range(accumulation)]
+
+    def read_ahead(self, step: int, rows: torch.Tensor, mesh: Mesh, accumulation: int) -> None:
+        read_ahead(self.examples[int(r)] for micro in range(accumulation)
+                   for r in local_microbatch(rows, mesh.dp_rank, mesh.dp, accumulation, micro))
 
     def micro_step(self, pmodel: ParallelModel, batch: VisionBatch, divisor: int) -> torch.Tensor:
         # packed rows: the documents kept apart by their position ids (transformers reads them without a mask)
