@@ -120,6 +120,30 @@ def test_zero_with_one_data_parallel_rank_is_refused_as_the_api_writes_it(monkey
     assert not torch.distributed.is_initialized()
 
 
+def test_backward_on_the_loss_train_step_returns_says_the_step_ran_it(tmp_path):
+    """A plain loop's ``loss.backward()`` after ``train_step`` (which ran the backward itself) is one line naming the
+    next call, on its loss and on ``global_loss``'s; torch said "element 0 of tensors does not require grad". Else the
+    loss is the number it was: printed, formatted, saved and stepped as a plain tensor."""
+    from plait.optim import OptimizerStep, build_optimizer
+
+    torch.manual_seed(0)
+    pmodel = parallelize(AutoModelForCausalLM.from_config(tiny_config("llama")), ParallelConfig())
+    ids = torch.randint(0, 61, (2, 8))
+    share = pmodel.train_step(ids, ids)
+    loss = pmodel.global_loss(share)
+    for tensor in (share, loss):
+        with pytest.raises(ConfigError, match=r"^train_step has run this loss's backward already \(the gradients are "
+                                              r"in .grad.*call the optimizer step next \(OptimizerStep\(pmodel."
+                                              r"grad_sync, optimizer\)\(loss\)\), not loss.backward\(\)$"):
+            tensor.backward()
+    plain = torch.tensor(loss.item())
+    assert repr(loss) == repr(plain) and f"{loss:.5f}" == f"{plain:.5f}" and type(loss * 2) is torch.Tensor
+    torch.save(loss, tmp_path / "loss.pt")
+    assert type(torch.load(tmp_path / "loss.pt")) is torch.Tensor and torch.load(tmp_path / "loss.pt") == plain
+    step = OptimizerStep(pmodel.grad_sync, build_optimizer(pmodel, torch.optim.AdamW, lr=1e-3))
+    assert step(loss) > 0  # the gradients were there
+
+
 def test_batches_of_mismatched_shapes_are_named_before_any_collective():
     """Labels not cut as the ids were (local_batch on one of them only), a mask of other rows and 1-D ids are named
     with their shapes and the fix; torch named flattened token counts inside the loss, or an index out of range.

@@ -39,6 +39,7 @@ from plait.parallel.float8 import check_float8_tokens
 from plait.parallel.fsdp import AppliedFSDP, reshard
 from plait.parallel.grad_sync import GradSync
 from plait.parallel.moe_balance import GlobalBalance, aux_divisor
+from plait.parallel.step_loss import StepLoss, step_loss
 from plait.pipeline.runner import PipelineRunner
 from plait.plugin.registry import Adapter
 from plait.tp.apply import AppliedTP
@@ -121,7 +122,8 @@ class ParallelModel(nn.Module):
         """The whole batch's loss from this rank's share (what ``train_step`` and ``eval_loss`` return when given
         the global ``num_items_in_batch``): the sum over the ranks that split the batch (dp x cp), equal on every
         rank. A collective: every rank calls it."""
-        return comm.all_reduce(loss.detach().clone(), self.mesh.replica_group)
+        whole = comm.all_reduce(loss.detach().clone(), self.mesh.replica_group)
+        return step_loss(whole) if isinstance(loss, StepLoss) else whole  # train_step's: backward() says it ran
 
     def forward(
         self,
@@ -216,7 +218,8 @@ class ParallelModel(nn.Module):
     ) -> torch.Tensor:
         """Forward and backward of one optimizer step's local batch, split into ``num_microbatches``;
         gradients accumulate into ``.grad``. Returns the loss (summed over microbatches: the step's loss
-        when ``num_items_in_batch`` is the global token count) on every rank of the pipeline.
+        when ``num_items_in_batch`` is the global token count) on every rank of the pipeline, detached: its
+        ``backward()`` refuses, naming the optimizer step as the next call (``plait.parallel.step_loss``).
 
         ``num_items_in_batch``: tokens with a label in the global batch (all dp ranks); None counts this
         rank's batch, right only for dp=1. Sum gradients afterwards (``OptimizerStep`` or ``grad_sync.finish()``).
@@ -230,8 +233,8 @@ class ParallelModel(nn.Module):
         if self.balance is not None:
             self._balance_for(input_ids, attention_mask, position_ids)
         self.grad_sync.pending.gradients_written()  # a plain optimizer.step() before the sums is refused
-        return self._run(input_ids, labels, attention_mask, num_items_in_batch, position_ids, train=True,
-                         objective=objective, images=images)
+        return step_loss(self._run(input_ids, labels, attention_mask, num_items_in_batch, position_ids, train=True,
+                                   objective=objective, images=images))
 
     def set_global_batch(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
                          ) -> None:
