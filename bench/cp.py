@@ -24,7 +24,6 @@ import datetime
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -213,7 +213,7 @@ def run_load(stage: str, workdir: Path) -> dict:
         pmodel = load_parallel_model(workdir / "hf", plait.ParallelConfig(), dtype=torch.bfloat16, device=DEVICE)
         device.synchronize(DEVICE)
     elif stage == "from_pretrained":
-        model = AutoModelForCausalLM.from_pretrained(workdir / "hf", dtype=torch.bfloat16).to(DEVICE)
+        AutoModelForCausalLM.from_pretrained(workdir / "hf", dtype=torch.bfloat16).to(DEVICE)
         device.synchronize(DEVICE)
     seconds = time.perf_counter() - start
     gib = sum(f.stat().st_size for f in workdir.rglob("*") if f.is_file()) / 2**30

@@ -259,7 +259,6 @@ def _time_layouts(jobs: dict, tiny: bool, steps: int) -> dict[str, float]:
     jobs take a turn in every group, timed as "GROUP@JOB", so each group has a calibration measured beside it."""
     import gc
 
-    import torch
     import torch.distributed as dist
 
     from plait.base.host_memory import keep_freed_memory

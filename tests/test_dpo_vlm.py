@@ -59,8 +59,10 @@ def trl_history(root: Path, out: Path, policy=None) -> list[dict]:
     the policy with its adapters off), else the model and a second copy as the reference."""
     from datasets import Dataset
     from PIL import Image
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
     from trl import DPOConfig, DPOTrainer
+
+    from plait.data.processors import load_processor  # AutoProcessor's, or without its video part (no torchvision)
 
     def read(name: str) -> list[dict]:
         rows = [json.loads(line) for line in (root / name).read_text().splitlines()]
@@ -73,12 +75,12 @@ def trl_history(root: Path, out: Path, policy=None) -> list[dict]:
                        logging_steps=1, report_to=[], max_length=BLOCK, use_cpu=True, save_strategy="no", bf16=False,
                        train_sampling_strategy="sequential", seed=0, eval_strategy="steps", eval_steps=STEPS,
                        per_device_eval_batch_size=2)
-    models = [LlavaForConditionalGeneration.from_pretrained(root / "model", dtype=torch.float32) for _ in range(2)]
+    models = [AutoModelForImageTextToText.from_pretrained(root / "model", dtype=torch.float32) for _ in range(2)]
     if policy is not None:
         models = [policy, None]
     trainer = DPOTrainer(model=models[0], ref_model=models[1], args=config, train_dataset=Dataset.from_list(order),
                          eval_dataset=Dataset.from_list(read("validation.jsonl")),
-                         processing_class=AutoProcessor.from_pretrained(root / "model"))
+                         processing_class=load_processor(root / "model"))
     trainer.train()
     history = [record for record in trainer.state.log_history if "loss" in record]
     for record in trainer.state.log_history:  # an evaluation is a record of its own: put it beside its step's

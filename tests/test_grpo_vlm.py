@@ -21,6 +21,7 @@ from test_vision_data import picture, save_tiny_llava, turn
 
 from plait import ParallelConfig, parallelize
 from plait.base.config import ConfigError
+from plait.data.processors import load_processor
 from plait.run.methods.dpo import Reference
 from plait.run.methods.grpo import GRPO
 from plait.run.methods.grpo_prompts import read_image_prompts
@@ -82,36 +83,40 @@ def test_prompts_are_trls_multimodal_messages(files):
 
 def trl_trainer(root, loss_type: str):
     from datasets import Dataset
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
     from trl import GRPOConfig, GRPOTrainer
 
     config = GRPOConfig(output_dir=str(root / "trl"), per_device_train_batch_size=6, num_generations=2,
                         max_completion_length=6, beta=0.04, loss_type=loss_type, temperature=0.7, report_to="none",
                         use_cpu=True, epsilon_high=0.28, bf16=False)
-    trainer = GRPOTrainer(model=LlavaForConditionalGeneration.from_pretrained(root / "model"), args=config,
+    trainer = GRPOTrainer(model=AutoModelForImageTextToText.from_pretrained(root / "model"), args=config,
                           reward_funcs=[lambda prompts, completions, **kw: [0.0] * len(completions)],
                           train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}] * 3),
-                          processing_class=AutoProcessor.from_pretrained(root / "model"))
+                          processing_class=load_processor(root / "model"))
     trainer.current_gradient_accumulation_steps = 1
     return trainer
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_a_step_on_fixed_completions_is_trls(files, loss_type):
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+def step_matches_trls(root, loss_type: str, moved_part: str, noise: float = 0.05, kl_above: float = 1e-3) -> None:
+    """One GRPO step of the image-text model in ``root`` on fixed completions: its loss, every gradient and its KL
+    equal TRL's ``_compute_loss`` given the processor's image inputs, against a reference whose ``moved_part`` (the
+    projector) differs (by ``noise`` times a normal draw), so that its log-probs read the images too, and the KL is
+    above ``kl_above``."""
+    from transformers import AutoModelForImageTextToText
 
-    args = grpo_args(files, epsilon_high=0.28, loss_type=loss_type)
+    args = grpo_args(root, epsilon_high=0.28, loss_type=loss_type)
     args.validate()
-    processor = AutoProcessor.from_pretrained(files / "model")
+    processor = load_processor(root / "model")
     tokenizer_ = processor.tokenizer
-    prompts = read_image_prompts(files / "prompts.jsonl", processor, 58)
-    model = LlavaForConditionalGeneration.from_pretrained(files / "model")
+    prompts = read_image_prompts(root / "prompts.jsonl", processor, 58)
+    model = AutoModelForImageTextToText.from_pretrained(root / "model")
     pmodel = parallelize(copy.deepcopy(model), ParallelConfig())
-    moved = copy.deepcopy(model)  # a reference whose projector differs: its log-probs read the images too
+    moved = copy.deepcopy(model)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(2)
-        for param in moved.model.multi_modal_projector.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+        for name, param in moved.named_parameters():
+            if moved_part in name:
+                param.add_(torch.randn(param.shape, generator=gen) * noise)
     reference = Reference(parallelize(copy.deepcopy(moved), ParallelConfig()))
     method = GRPO(prompts, args, tokenizer_, reference, torch.device("cpu"))
     [batch] = method.micro_batches(torch.arange(3), pmodel.mesh, 1, torch.device("cpu"))
@@ -121,19 +126,19 @@ def test_a_step_on_fixed_completions_is_trls(files, loss_type):
     method.score_and_build([p.ids for p in rows], completions, rows)
     loss = method.micro_step(pmodel, batch, 6)
 
-    trainer = trl_trainer(files, loss_type)
+    trainer = trl_trainer(root, loss_type)
     trainer.ref_model.load_state_dict(moved.state_dict())
     r = method.rollouts
     width = r.ids.shape[1] - 6
-    pixels = r.images.tensors["pixel_values"]
-    num_images = r.images.per_row.tolist()
-    assert pixels.shape[0] == sum(num_images) == 8  # each prompt's images, once a completion
+    assert r.images.per_row.tolist() == [1, 1, 2, 2, 1, 1]  # each prompt's images, once a completion
+    images = {key: value for key, value in r.images.tensors.items()}  # the processor's: pixels, grids, token types
+    images["num_images"] = r.images.per_row.tolist()
     inputs = {"prompt_ids": r.ids[:, :width], "prompt_mask": r.mask[:, :width], "completion_ids": completions,
               "completion_mask": r.mask[:, width:], "advantages": r.advantages,
-              "num_items_in_batch": r.mask[:, width:].sum(), "pixel_values": pixels, "num_images": num_images}
+              "num_items_in_batch": r.mask[:, width:].sum(), **images}
     with torch.no_grad():
         inputs["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
-            trainer.ref_model, r.ids, r.mask, 6, pixel_values=pixels, num_images=num_images)[0]
+            trainer.ref_model, r.ids, r.mask, 6, **images)[0]
     expected = trainer._compute_loss(trainer.model, inputs)
     expected.backward()
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
@@ -143,13 +148,18 @@ def test_a_step_on_fixed_completions_is_trls(files, loss_type):
         if theirs[name].grad is None:  # CLIP's post-layernorm: LLaVA reads the last layer's hidden states before it
             assert param.grad is None, name
             continue
-        # measured: 6.9e-9 at most beyond rtol 1e-5
+        # measured: 6.9e-9 at most beyond rtol 1e-5 (LLaVA)
         assert torch.allclose(param.grad, theirs[name].grad, rtol=1e-5, atol=3e-8), name
-        vision += "vision_tower" in name and bool(param.grad.abs().sum() > 0)
+        vision += ("vision_tower" in name or "visual" in name) and bool(param.grad.abs().sum() > 0)
     assert vision > 0  # the images reached the loss: the vision tower has gradients
     metrics = method.step_metrics(pmodel)
     found = trainer._metrics["train" if trainer.model.training else "eval"]["kl"][-1]
-    assert metrics["kl"] == pytest.approx(found, rel=1e-4) and found > 1e-3
+    assert metrics["kl"] == pytest.approx(found, rel=1e-4) and found > kl_above
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_a_step_on_fixed_completions_is_trls(files, loss_type):
+    step_matches_trls(files, loss_type, "multi_modal_projector")
 
 
 LAYOUTS = {"tp2_sp": dict(tensor_parallel_size=2), "dp2": dict(per_device_train_batch_size=3),
@@ -262,16 +272,16 @@ def test_the_image_column_is_trls_too(files, tmp_path):
     assert prompt.example.num_images == 1
 
 
-def consolidated_processor(out: Path) -> object:
-    """The run's final checkpoint consolidated (``plait consolidate``) and its processor read back as transformers
-    reads it."""
+def consolidated_processor(out: Path, checkpoint: str = "checkpoint-1", load=None) -> object:
+    """The run's ``checkpoint`` consolidated (``plait consolidate``) and its processor read back as transformers reads
+    it (or by ``load``)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from plait.cli import main
 
-    main(["consolidate", str(out / "checkpoint-1"), str(out / "hf")])
+    main(["consolidate", str(out / checkpoint), str(out / "hf")])
     AutoModelForImageTextToText.from_pretrained(out / "hf")
-    return AutoProcessor.from_pretrained(out / "hf")
+    return (load or AutoProcessor.from_pretrained)(out / "hf")
 
 
 def test_the_checkpoint_ships_the_processor(files, tmp_path):

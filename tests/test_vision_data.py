@@ -20,7 +20,8 @@ from transformers import CLIPImageProcessorPil, LlavaProcessor, Qwen2VLImageProc
 
 from plait.base.config import ConfigError
 from plait.data.chat_tokenizer import chat_tokenizer
-from plait.data.vision import VisionBatch, VisionEncoder, collate, load_processor, read_rows
+from plait.data.processors import load_processor
+from plait.data.vision import VisionBatch, VisionEncoder, collate, read_rows
 
 WORDS = ["describe the picture", "a red square on blue", "what colour is it", "blue", "you see images"]
 IMAGE_TOKENS = (16 // 4) ** 2

@@ -245,7 +245,7 @@ def test_the_planner_counts_the_vision_tower_per_image(files):
 
     from plait.base.config import ParallelConfig
     from plait.costs.estimate import estimate_layout
-    from plait.data.vision import load_processor
+    from plait.data.processors import load_processor
     from plait.plan_command import PlannedRun
 
     args = vlm_args(files)
@@ -291,7 +291,8 @@ def test_packed_documents_never_attend_across(files):
     document sees only itself, its images' features land in its own image tokens."""
     from transformers import AutoModelForImageTextToText
 
-    from plait.data.vision import VisionEncoder, collate, load_processor, pack, read_rows
+    from plait.data.processors import load_processor
+    from plait.data.vision import VisionEncoder, collate, pack, read_rows
 
     model = AutoModelForImageTextToText.from_pretrained(files / "model").eval()
     encoder = VisionEncoder(load_processor(files / "model"), files)

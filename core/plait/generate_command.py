@@ -120,7 +120,7 @@ def checked_input(ns: argparse.Namespace, world: int) -> tuple[list[Any], Any, l
     pictured = takes_images(config)  # an image-text model: its processor encodes the prompts and their images
     rows = read_prompts(ns.prompts, "--prompts", images=pictured)
     if pictured:
-        from plait.data.vision import load_processor
+        from plait.data.processors import load_processor
 
         processor = load_processor(ns.tokenizer_name or path)  # as training reads it: --tokenizer_name's dir first
         tokenizer, prompts = processor.tokenizer, encode_image_prompts(rows, processor, ns.prompts)

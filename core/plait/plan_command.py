@@ -22,7 +22,7 @@ from plait.base.config import ConfigError, ParallelConfig
 from plait.base.meta import build_meta_model, takes_images
 from plait.costs.activations import ActivationTrace, trace_activations
 from plait.costs.vision import VisionTrace, trace_vision
-from plait.data.vision import load_processor
+from plait.data.processors import load_processor
 from plait.costs.advice import cheaper_settings, fewest_devices
 from plait.costs.calibration import calibrate, on_node
 from plait.costs.device import PRESETS, Device, parse_memory

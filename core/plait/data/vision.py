@@ -32,41 +32,12 @@ import torch
 from plait.base.config import ConfigError
 from plait.base.images import ImageBatch
 from plait.data.pixel_loader import Encoding, Joined, PixelLoader, Reload, pixels_of
+from plait.data.processors import one_line
 from plait.data.sources import jsonl_lines
 from plait.tp.loss import IGNORE_INDEX
 
 GRID_KEY = "image_grid_thw"  # Qwen-VL: (t, h, w) patches per image; their pixel_values have one row per patch
 _TEXT_KEYS = ("input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets")
-
-
-def _one_line(err: BaseException) -> str:
-    """An exception's message on one line: transformers' and PIL's messages span several."""
-    return " ".join(str(err).split()) or type(err).__name__
-
-
-def load_processor(model_dir: str | Path) -> Any:
-    """The model dir's processor (tokenizer + image processor + chat template), from local files only: a
-    training run must never reach the network, and a dir without a processor must fail at start-up in one
-    line rather than as a traceback from inside transformers."""
-    from transformers import AutoProcessor
-
-    try:
-        processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
-    except Exception as err:  # transformers raises OSError, ValueError, KeyError, ... for a dir it cannot read
-        raise ConfigError(f"{model_dir}: no processor could be loaded ({_one_line(err)}); image-text training needs "
-                          f"the model's processor files (preprocessor_config.json, tokenizer) in the dir") from err
-    if not (hasattr(processor, "image_processor") and hasattr(processor, "tokenizer")):
-        raise ConfigError(f"{model_dir}: holds a {type(processor).__name__}, not an image-text processor; image-text "
-                          f"training needs the model's processor (preprocessor_config.json) in the dir")
-    return processor
-
-
-def processor_of(folder: str | Path, model_config: Any) -> Any:
-    """An image-text model's processor in ``folder`` (where its data's was read), for its checkpoints to save; None
-    for a text model."""
-    from plait.base.meta import takes_images  # transformers' model classes: only once a model is at hand
-
-    return load_processor(folder) if takes_images(model_config) else None
 
 
 def read_rows(path: str | Path) -> list[tuple[str, dict]]:
@@ -87,7 +58,7 @@ def read_rows(path: str | Path) -> list[tuple[str, dict]]:
 
             return [(f"row {number}", row) for number, row in enumerate(pq.read_table(path).to_pylist(), start=1)]
         except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
-            raise ConfigError(f"{path}: cannot be read ({_one_line(err)})") from err
+            raise ConfigError(f"{path}: cannot be read ({one_line(err)})") from err
     try:
         lines = [(line.number, line.text) for line in jsonl_lines(path)]
     except ValueError as err:  # jsonl_lines' one line already names the file, line, byte and the fix
@@ -177,7 +148,7 @@ def read_image(entry: Any, base_dir: Path | None, where: str, number: int) -> An
     except (OSError, ValueError, Image.DecompressionBombError) as err:
         fix = f"; fix the path (a relative one is read from {base_dir})" if isinstance(err, FileNotFoundError) \
             and base_dir is not None else "; fix the path or the file" if isinstance(err, FileNotFoundError) else ""
-        raise ConfigError(f"{where}: images[{number}] ({name}) cannot be read: {_one_line(err)}{fix}") from err
+        raise ConfigError(f"{where}: images[{number}] ({name}) cannot be read: {one_line(err)}{fix}") from err
     return image
 
 
@@ -242,7 +213,7 @@ class VisionEncoder:
                                  return_text_replacement_offsets=True,
                                  add_special_tokens=not (bos and text.startswith(bos)))
         except (ValueError, TypeError) as err:
-            raise ConfigError(f"{where}: the processor refused it: {_one_line(err)}") from err
+            raise ConfigError(f"{where}: the processor refused it: {one_line(err)}") from err
         ids = out["input_ids"][0]
         labels = torch.full_like(ids, IGNORE_INDEX) if prompt else \
             self._labels(ids, out, _assistant_spans(render, messages, text, where), where)
@@ -255,7 +226,7 @@ class VisionEncoder:
         try:
             out = self.processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=False)
         except (ValueError, TypeError) as err:
-            raise ConfigError(f"{where}: the processor refused it: {_one_line(err)}") from err
+            raise ConfigError(f"{where}: the processor refused it: {one_line(err)}") from err
         example = _example(out, torch.full_like(out["input_ids"][0], IGNORE_INDEX), len(images), where)
         return self._kept(example, text, entries, False)
 
@@ -280,7 +251,7 @@ class VisionEncoder:
         try:
             out = self.processor(text=[text], return_tensors="pt")
         except (ValueError, TypeError) as err:
-            raise ConfigError(f"{where}: the processor refused it: {_one_line(err)}") from err
+            raise ConfigError(f"{where}: the processor refused it: {one_line(err)}") from err
         ids = out["input_ids"][0]
         extra = {key: value for key, value in out.items() if key not in _TEXT_KEYS and torch.is_tensor(value)}
         tokens = {key: value[0] for key, value in extra.items() if _per_token(key, value, out["input_ids"])}

@@ -260,7 +260,7 @@ class EvalPrompts:
         processor = None
         folder = args.tokenizer_name or args.model_name_or_path
         if takes_images(config) and folder is not None:
-            from plait.data.vision import load_processor
+            from plait.data.processors import load_processor
 
             processor = load_processor(folder)
         found = cls(Path(args.eval_prompts), tokenizer, args.eval_max_new_tokens, args.per_device_train_batch_size,

@@ -37,7 +37,8 @@ from plait.data import local_microbatch
 from plait.data.paths import tokenizer_dir
 from plait.data.pixel_loader import read_ahead
 from plait.data.tokenizer import load_tokenizer
-from plait.data.vision import check_images_everywhere, load_processor, processor_of
+from plait.data.processors import load_processor, processor_of
+from plait.data.vision import check_images_everywhere
 from plait.lora import switch
 from plait.parallel_model import ParallelModel
 from plait.run.methods.base import TrainingMethod

@@ -33,7 +33,8 @@ from plait.base.images import grid_positions
 from plait.base.meta import takes_images
 from plait.data import local_microbatch
 from plait.data.pixel_loader import read_ahead
-from plait.data.vision import Example, VisionBatch, VisionEncoder, collate, load_processor, pack, read_rows
+from plait.data.processors import load_processor
+from plait.data.vision import Example, VisionBatch, VisionEncoder, collate, pack, read_rows
 from plait.parallel_model import ParallelModel
 from plait.run.methods.base import TrainingMethod
 
