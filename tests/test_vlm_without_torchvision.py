@@ -30,9 +30,6 @@ from plait.data.vision import VisionEncoder
 from plait.run.train_args import TrainArgs
 from plait.run.trainer import Trainer
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None,
-                                reason="torchvision is installed: the whole processor loads (the case of this file is "
-                                       "a machine without it)")
 STEPS = 3
 SPECIALS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 
@@ -75,6 +72,8 @@ def root(tmp_path_factory):
     return root
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None,
+                    reason="torchvision is installed: the whole processor loads (this case is a machine without it)")
 def test_the_processor_loads_without_its_video_part(root, tmp_path):
     """AutoProcessor refuses the directory (its video processor needs torchvision); plait's is a Qwen2VLProcessor
     with the PIL image processor and no video part, encodes rows as the processor built by hand does, copies and
