@@ -31,18 +31,21 @@ from plait.testing.conformance_modes import ADAM_EPS, BATCH, LOSS_RTOL, LR, SEQ,
 from plait.testing.conformance_worker import Record, compare_grads, perturb, reference_grads
 
 HAS_AUX = {"mixtral", "qwen3_moe", "gpt_oss", "olmoe"}  # deepseek_v3 balances with a bias, not a loss
+# llama4_text: expert-major experts (every expert on every token, weighted before them), no aux loss
 # dbrx: its own experts module (DbrxExperts: routed, w1 / v1 / w2 [experts * ffn, hidden]), run without its aux loss
 # tp cases without ep run on qwen3_moe: mixtral's fp32 noise under tp passes the kit's tolerance at step 2-3
 # under AdamW (tests/test_generic_conformance.py's FP32_SENSITIVE), ep itself adds none (its cases pass here)
 CASES = {
-    2: [(arch, "ep2", dict(ep=2)) for arch in ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "olmoe", "dbrx")]
+    2: [(arch, "ep2", dict(ep=2)) for arch in ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "olmoe", "dbrx",
+                                               "llama4_text")]
     + [("qwen3_moe", "ep2-zero1", dict(ep=2, zero_1=True)), ("mixtral", "cp2-ep2", dict(cp=2, ep=2)),
        ("mixtral", "ep2-recompute-microbatches2", dict(ep=2, gradient_checkpointing=True, num_microbatches=2)),
        ("mixtral", "ep2-capacity-no-drop", dict(ep=2, moe_capacity_factor=100.0)),
        ("qwen3_moe", "tp2-whole-experts", dict(tp=2, sp=True, expert_tensor_parallel=False)),
        ("gpt_oss", "tp2-nosp-whole-experts", dict(tp=2, sp=False, expert_tensor_parallel=False))],
     4: [("mixtral", "ep2-tp2", dict(ep=2, tp=2, sp=True)), ("qwen3_moe", "ep2-dp4-zero1", dict(ep=2, zero_1=True)),
-        ("mixtral", "ep4", dict(ep=4)), ("qwen3_moe", "ep2-pp2", dict(ep=2, pp=2, num_microbatches=2)),
+        ("mixtral", "ep4", dict(ep=4)), ("llama4_text", "ep4", dict(ep=4)),
+        ("qwen3_moe", "ep2-pp2", dict(ep=2, pp=2, num_microbatches=2)),
         ("qwen3_moe", "ep2-tp2-whole-experts", dict(ep=2, tp=2, sp=True, expert_tensor_parallel=False)),
         ("mixtral", "ep2-tp2-nosp-whole-experts", dict(ep=2, tp=2, sp=False, expert_tensor_parallel=False))],
 }

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from plait.base.mesh import Mesh
-from plait.ep.dispatch import ExpertParallel
+from plait.ep.dispatch import ExpertMajorParallel, ExpertParallel
 from plait.ep.layout import EPPlan
 
 
@@ -41,7 +41,8 @@ def apply_expert_parallel(model: nn.Module, plan: EPPlan, mesh: Mesh, owns: Call
             # in place: the same Parameter objects stay in the tp rules' gradient sums (experts kept whole)
             param.data = param.data[start * rows:stop * rows].clone()
             applied.params.append(param)
-        dispatch = ExpertParallel(mesh.ep_group, plan.num_experts, plan.capacity_factor)
+        dispatch = (ExpertMajorParallel if plan.expert_major else ExpertParallel)(
+            mesh.ep_group, plan.num_experts, plan.capacity_factor)
         dispatch.install(module)
         applied.dispatches.append(dispatch)
     return applied

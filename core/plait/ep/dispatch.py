@@ -12,6 +12,11 @@ correction and shared experts all run unchanged on the token's own rank, so rout
 
 With ``capacity_factor`` a rank sends each expert at most ceil(factor * T * k / E) pairs (the first in token
 order), as Megatron's per-rank capacity does; the others contribute zero and are counted in ``dropped``.
+
+Experts that take another contract, expert-major (``ExpertMajorParallel``: Llama 4's ``forward(hidden_states
+[E * T, H])``, every expert on every token, its MoE block having weighted each copy by its routing score, zero where
+the expert was not chosen), get each of their blocks of T rows on the rank holding that expert, run there on every
+source rank's tokens at once, and are sent back: the same all-to-all, of whole blocks.
 """
 
 from __future__ import annotations
@@ -93,3 +98,22 @@ class ExpertParallel:
         if is_training_forward():  # not recomputation, evaluation or shape inference: once per training forward
             self.dropped += int(n_pairs - keep.sum())
         return order[keep], kept
+
+
+class ExpertMajorParallel(ExpertParallel):
+    """Expert parallelism for experts whose ``forward(hidden_states)`` takes T tokens for each of their experts in
+    turn ([E * T, H], expert-major) and returns the same layout (module docstring): rank j's experts' blocks go to
+    rank j, which runs its ``local`` experts on every ep rank's tokens (its module sees [local * sum(T), H]) and
+    sends each rank's rows back, so every expert computes what it would in one process, on 1/ep of the experts."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        width = hidden_states.shape[-1]
+        tokens = hidden_states.shape[0] // self.total
+        counts = torch.full((self.size, 1), tokens, dtype=torch.long, device=hidden_states.device)
+        sources = comm.all_to_all(counts, self.group, 0, 0).view(-1).tolist()  # each ep rank's T
+        send, recv = [self.local * tokens] * self.size, [self.local * t for t in sources]
+        rows = _AllToAll.apply(hidden_states.reshape(-1, width).contiguous(), send, recv, self.group)
+        by_expert = torch.cat([part.view(self.local, t, width) for part, t in zip(rows.split(recv), sources)], dim=1)
+        out = self._kernel(by_expert.reshape(-1, width), *args, **kwargs).view(self.local, sum(sources), width)
+        back = torch.cat([part.reshape(-1, width) for part in out.split(sources, dim=1)])
+        return _AllToAll.apply(back, recv, send, self.group)

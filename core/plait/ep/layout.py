@@ -9,7 +9,10 @@ model's own router chose. That contract is all expert parallelism needs: ep rank
 A model's own experts module with the same forward and a ``num_experts`` count serves the same way when every
 parameter under it stacks its experts' rows on dim 0, expert-major, any number of rows each (DBRX's
 ``DbrxExperts``: ``mlp.w1`` / ``v1`` / ``w2`` [E * ffn, hidden], viewed per expert as [E, ffn, hidden]).
-Experts that take another form (Llama4's expert-major ``forward(hidden_states)``, JetMoE's ``forward(inputs,
+Experts that compute every expert on every token, expert-major (Llama 4's ``Llama4TextExperts``:
+``forward(hidden_states [E * T, H])``, each parameter stacked on dim 0 over its ``num_experts``), are divided the
+same way, each rank running its experts' blocks of every rank's tokens (``expert_major_experts``,
+``plait.ep.dispatch.ExpertMajorParallel``). Experts that take another form (JetMoE's ``forward(inputs,
 expert_size)`` over tokens already grouped by expert, a model's own per-expert ModuleList) are refused with the
 module's name.
 """
@@ -37,6 +40,7 @@ class EPPlan:
     num_experts: int
     capacity_factor: float | None = None
     rows: tuple[tuple[str, int], ...] = ()  # (module, rows per expert on dim 0) where it is not 1 (DBRX's ffn)
+    expert_major: bool = False  # the modules take every expert's copy of every token (``expert_major_experts``)
 
     @property
     def local_experts(self) -> int:
@@ -101,6 +105,21 @@ def own_experts(model: nn.Module) -> dict[str, tuple[nn.Module, int]]:
     return found
 
 
+def expert_major_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """The experts modules that take every expert's copy of every token, expert-major, by name: ``forward(
+    hidden_states)`` alone, an int ``num_experts``, and parameters of their own only, each 3-D and stacked on dim 0
+    over those experts (Llama 4's ``Llama4TextExperts``, whose MoE block weights each copy by its routing score)."""
+    found = {}
+    for name, module in model.named_modules():
+        experts, params = getattr(module, "num_experts", None), list(module.parameters(recurse=False))
+        if isinstance(experts, int) and experts > 0 and params and \
+                tuple(inspect.signature(type(module).forward).parameters)[1:] == ("hidden_states",) and \
+                len(params) == len(list(module.parameters())) and \
+                all(p.dim() == 3 and p.shape[0] == experts for p in params):
+            found[name] = module
+    return found
+
+
 def plan_expert_parallel(model: nn.Module, config: ParallelConfig, world_size: int | None = None) -> EPPlan | None:
     """The EP plan for ``model`` at ``config`` (None at ep=1); ConfigError naming the module and the fix when the
     model's experts cannot be divided."""
@@ -111,6 +130,14 @@ def plan_expert_parallel(model: nn.Module, config: ParallelConfig, world_size: i
     own = own_experts(model)
     if own and not found:
         return _own_plan(model_type, own, config, world_size)
+    major = expert_major_experts(model)
+    if major and not found:
+        if config.moe_capacity_factor is not None:
+            raise ConfigError(f"moe_capacity_factor={config.moe_capacity_factor} has no effect on {model_type}: its "
+                              f"experts ({type(next(iter(major.values()))).__name__}) compute every token, none is "
+                              f"routed past a capacity; drop it")
+        plan = _own_plan(model_type, {name: (module, 1) for name, module in major.items()}, config, world_size)
+        return dataclasses.replace(plan, expert_major=True)
     if not found:
         other = other_experts(model)
         if other:
@@ -178,8 +205,8 @@ def _own_plan(model_type: str, own: dict[str, tuple[nn.Module, int]], config: Pa
 
 def other_experts(model: nn.Module) -> str | None:
     """The first module whose own parameters are stacked over experts (3-D, in a module named like experts or
-    counting them in ``num_experts``) without transformers' experts interface (Llama4's expert-major
-    ``Llama4TextExperts``; JetMoE's ``JetMoeParallelExperts``, ``forward(inputs, expert_size)``)."""
+    counting them in ``num_experts``) without an experts interface plait divides (JetMoE's
+    ``JetMoeParallelExperts``, ``forward(inputs, expert_size)``)."""
     for name, module in model.named_modules():
         stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3]
         if stacked and ("expert" in name.rpartition(".")[2] or getattr(module, "num_experts", None) == stacked[0].shape[0]):
