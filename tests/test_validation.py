@@ -234,8 +234,9 @@ def test_sequence_checked_once_per_step_at_pp1(monkeypatch):
 
 
 def test_expert_parallel_refusals_name_the_values_and_the_fix():
-    """ep's refusals, before any group: not dividing dp x cp, nor the experts; a dense model; Llama4's experts;
-    a capacity factor that is not a positive number."""
+    """ep's refusals, before any group: not dividing dp x cp, nor the experts; a dense model; experts without
+    transformers' routing contract (Llama 4's expert-major ones are divided, a capacity refused for them); a capacity
+    factor that is not a positive number."""
     from plait.base.meta import build_meta_model
     from plait.layout_plan import plan_layout
     from plait.testing.conformance_modes import load_subject
@@ -255,10 +256,14 @@ def test_expert_parallel_refusals_name_the_values_and_the_fix():
         plan_layout(build_meta_model(mixtral.config), ParallelConfig(ep=3), 6, mixtral.registry)
     with pytest.raises(ConfigError, match=r"ep=2, but llama has no routed experts .*; use ep=1"):
         plan_layout(meta_model("llama"), ParallelConfig(ep=2), 2)
-    llama4 = load_subject("transformers:llama4_text")
-    with pytest.raises(ConfigError, match=r"\(Llama4TextExperts\) holds experts stacked on dim 0, but its "
-                                          r"forward\(hidden_states\) takes no routing"):
-        plan_layout(build_meta_model(llama4.config), ParallelConfig(ep=2), 2, llama4.registry)
+    llama4 = load_subject("transformers:llama4_text")  # expert-major experts: divided, each block whole
+    ep = plan_layout(build_meta_model(llama4.config), ParallelConfig(ep=2), 2, llama4.registry).ep
+    assert ep.expert_major and ep.modules[0] == "model.layers.0.feed_forward.experts" and ep.num_experts == 4
+    assert not ep.owns("model.layers.0.feed_forward.router.weight")
+    with pytest.raises(ConfigError, match=r"^moe_capacity_factor=1.5 has no effect on llama4_text: its experts "
+                                          r"\(Llama4TextExperts\) compute every token, none is routed past a "
+                                          r"capacity; drop it$"):
+        plan_layout(build_meta_model(llama4.config), ParallelConfig(ep=2, moe_capacity_factor=1.5), 2, llama4.registry)
     jetmoe = load_subject("transformers:jetmoe")  # experts over tokens already grouped, in attention and MLP
     with pytest.raises(ConfigError, match=r"ep=2: model.layers.0.mlp.input_linear \(JetMoeParallelExperts\) holds "
                                           r"experts stacked on dim 0, but its forward\(inputs, expert_size\) takes no "
