@@ -20,7 +20,8 @@ from torch import nn
 from plait.base import comm
 from plait.base.batches import check_batch_shapes, local_microbatch
 from plait.base.config import ConfigError, ParallelConfig
-from plait.base.images import ImageBatch, grid_position_ids, grid_positions
+from plait.base.images import (ImageBatch, grid_position_ids, grid_positions, image_layouts_besides,
+                               images_attend_both_ways)
 from plait.base.mesh import Mesh
 from plait.base.words import setting
 from plait.cp.attention import whole_sequences
@@ -466,10 +467,11 @@ class ParallelModel(nn.Module):
 
     def _check_images_under_cp(self, images: ImageBatch) -> None:
         name = type(self.module).__name__
-        if "token_type_ids" in images.row_major:  # Gemma 3's, PaliGemma's: the masks' bidirectional image blocks
+        both_ways = images_attend_both_ways(self.module.config, images)
+        if both_ways:
             raise ConfigError(f"image inputs under cp={self.mesh.cp}: {name}'s image tokens attend to each other both "
-                              f"ways (its token_type_ids), which context parallelism's causal split does not; use tp, "
-                              f"pp, dp and ZeRO for it")
+                              f"ways ({both_ways}), which context parallelism's causal split does not; use "
+                              f"{image_layouts_besides(self.module.config, 'cp')} for it")
         if self.pipeline is not None and grid_positions(self.module.config):
             raise ConfigError(f"image inputs under pp={self.mesh.pp} and cp={self.mesh.cp} together: {name}'s "
                               f"multimodal rotary positions are handed to a pipeline's stages or cut for cp, not both; "

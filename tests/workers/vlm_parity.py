@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from plait import ConfigError
 from plait.base.images import ImageBatch
+from plait.testing.conformance_worker import Float64Throughout
 from plait_transformers.vision_parity import (as_double, compare, padded, reference, sweep_config, tiny_batches,
                                               tiny_model, train)
 
@@ -86,13 +87,15 @@ def batches(image_token: int, images: list[list[int]]) -> list[tuple]:
 # before the language model even under SP
 # "llava_next": its image_newline, a parameter of the module holding the vision tower and the language model, on the
 # first pipeline stage alone (PipelinePlan.first_params)
-TINY = ("idefics3", "gemma3", "qwen2_vl", "qwen3_vl_deepstack", "llama4", "llava_next")
+# "gemma4": the language model's masks built by the model around it over the whole merged sequence, and its per-layer
+# inputs made there from the embeddings with the image features, cut to each rank's slice under cp; refused under pp
+TINY = ("idefics3", "gemma3", "qwen2_vl", "qwen3_vl_deepstack", "llama4", "llava_next", "gemma4")
 TINY_LAYOUTS = tuple(LAYOUTS)  # every layout LLaVA runs
 DEEPSTACK_LAYOUTS = {"pp2_cut": dict(pp=2, num_microbatches=2, pipeline_cuts=("model.language_model.layers.2",))}
 TINY_CASES = [(model_type, layout) for model_type in TINY[:3] for layout in TINY_LAYOUTS
               if (model_type, layout) not in (("gemma3", "cp2"), ("gemma3", "cp2_ring"))] + [
               ("qwen3_vl_deepstack", layout) for layout in ("tp2_sp", "cp2", "pp2_cut")] + [("llama4", "tp2_sp"),
-              ("llava_next", "pp2")]
+              ("llava_next", "pp2"), ("gemma4", "cp2"), ("gemma4", "cp2_ring")]
 
 
 def tiny_config(name: str):
@@ -105,6 +108,13 @@ def tiny_config(name: str):
     config = tiny_image_text_config("qwen3_vl")
     config.vision_config.deepstack_visual_indexes = [1]  # the tiny tower's last layer (its 8, 16, 24 do not exist)
     return config
+
+
+def bidirectional(model, rows):
+    """Gemma 4 as its larger checkpoints configure it: image tokens attending to each other both ways."""
+    model = copy.deepcopy(model)
+    model.config.get_text_config().use_bidirectional_attention = "vision"
+    return model, rows
 
 
 def main() -> None:
@@ -130,16 +140,21 @@ def main() -> None:
         results[f"{model_type}-parameters"] = wanted["trained"]
         # fp32's rounding, grown by Adam, moves some gradients past the tolerance (gemma3's at step 1 under SP);
         # float64 shows whether it is rounding: the same layouts there, at the same tolerance
+        # float64 throughout (the conformance kit's mode: transformers' fp32 casts, Gemma 4's vision pooler's, too)
         model64, rows64 = copy.deepcopy(model).double(), as_double(rows)
-        wanted64 = reference(model64, rows64)
+        with Float64Throughout():
+            wanted64 = reference(model64, rows64)
         for name in (layout for kind, layout in TINY_CASES if kind == model_type):
             results[f"{model_type}-{name}"] = compare(train(model, rows, layouts[name]), wanted)
-            results[f"{model_type}-{name}-float64"] = compare(train(model64, rows64, layouts[name]), wanted64)
+            with Float64Throughout():
+                results[f"{model_type}-{name}-float64"] = compare(train(model64, rows64, layouts[name]), wanted64)
     # refused on every rank before the forward: a replica without an image under ZeRO-3; Gemma 3's images under cp;
     # deepstack under pp where the first stage holds only the layer the visual tokens are added after
     for name, layout, (model, rows) in (("zero3_no_image", LAYOUTS["zero3_dp2"], (base, data["mixed"])),
                                         ("gemma3_cp2", LAYOUTS["cp2"], tiny["gemma3"]),
-                                        ("qwen3_vl_deepstack_pp2", LAYOUTS["pp2"], tiny["qwen3_vl_deepstack"])):
+                                        ("qwen3_vl_deepstack_pp2", LAYOUTS["pp2"], tiny["qwen3_vl_deepstack"]),
+                                        ("gemma4_pp2", LAYOUTS["pp2"], tiny["gemma4"]),
+                                        ("gemma4_bidirectional_cp2", LAYOUTS["cp2"], bidirectional(*tiny["gemma4"]))):
         try:
             train(model, rows, layout)
             said = "not refused"

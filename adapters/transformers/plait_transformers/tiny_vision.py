@@ -71,6 +71,11 @@ FIXES: dict[str, dict[str, Any]] = {
        for arch in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")},
     # the adapter's first layer reads the pixel-shuffled width (4 x hidden at ratio 0.5) as the vision MLP's width
     "llama4": {"vision_config.intermediate_size": 4 * VISION["hidden_size"]},
+    # its pooler averages kernel x kernel blocks of patches, which must tile the image's 4 x 4 patches; its tower's
+    # attention has key-value heads of its own (12), which the shrunk head count must divide
+    **{arch: {"vision_config.pooling_kernel_size": 2, "vision_config.num_key_value_heads": VISION["num_heads"],
+              "vision_config.head_dim": VISION["hidden_size"] // VISION["num_heads"]}
+       for arch in ("gemma4", "gemma4_unified")},
 }
 
 # One flattened patch where it is not channels x temporal_patch_size x patch x patch: Kimi's patch embedding is a
@@ -91,6 +96,8 @@ def tiny_image_text_config(model_type: str) -> PretrainedConfig:
     # decoder's), which hold only once the vision side below is fixed; the real class checks the result
     lenient = type(config_class.__name__, (config_class,), {"validate": lambda self: None})
     values = tiny_config(lenient).to_dict()
+    if values.get("vision_config", False) is None and "vision_config" in config_class.sub_configs:
+        values["vision_config"] = config_class.sub_configs["vision_config"]().to_dict()  # optional (Gemma 4): one
     for key, sub in values.items():
         if key in config_class.sub_configs and isinstance(sub, dict) and key != "text_config":
             sub.update({k: _like(sub[k], v) for k, v in VISION.items() if isinstance(sub.get(k), (int, list))})
@@ -195,6 +202,11 @@ def image_pixels(config: PretrainedConfig, images: int, generator: torch.Generat
         if "image_merge_sizes" in names:  # VideoLLaMA3: each image's own merge (its processor's, 1 for images)
             grid["image_merge_sizes"] = torch.ones(images, dtype=torch.long)
         return grid
+    if "image_position_ids" in names:  # Gemma 4: each image's flattened patches and their (x, y) positions
+        side = IMAGE // PATCH
+        positions = torch.tensor([[x, y] for y in range(side) for x in range(side)])
+        return {"pixel_values": torch.randn(images, side * side, channels * PATCH**2, generator=generator),
+                "image_position_ids": positions.expand(images, -1, -1).clone()}
     if "spatial_shapes" in names:  # NaFlex (LFM2-VL): each image's flattened patches, grid and patch mask
         side = IMAGE // PATCH
         return {"pixel_values": torch.randn(images, side * side, channels * PATCH**2, generator=generator),

@@ -7,6 +7,7 @@ both are, records that and ends the world, which the sweep restarts on the cases
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import json
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from plait import AdapterError, ConfigError
+from plait.testing.conformance_worker import Float64Throughout
 from plait_transformers.vision_parity import (as_double, compare, padded, reference, sweep_config, tiny_batches,
                                               tiny_model, train)
 
@@ -40,7 +42,9 @@ def prepare(model_type: str) -> dict[str, tuple]:
     for module in model64.modules():  # every config an experts module reads (a vision tower's MoE has its own)
         if hasattr(getattr(module, "config", None), "_experts_implementation"):
             module.config._experts_implementation = "eager"  # torch's grouped matmul takes no float64 (as the kit)
-    return {"fp32": (model, rows, reference(model, rows)), "float64": (model64, rows64, reference(model64, rows64))}
+    with Float64Throughout():  # transformers' fp32 casts (norms, softmax, Gemma 4's pooler) float64 too, as the kit's
+        wanted64 = reference(model64, rows64)
+    return {"fp32": (model, rows, reference(model, rows)), "float64": (model64, rows64, wanted64)}
 
 
 def run_case(store: dist.Store, key: str, prepared: dict[str, tuple], layout: dict) -> dict:
@@ -50,8 +54,9 @@ def run_case(store: dist.Store, key: str, prepared: dict[str, tuple], layout: di
     try:
         out = {}
         for precision, (model, rows, wanted) in prepared.items():
-            run = train(model, rows, layout)
-            got = compare(run, wanted)
+            with Float64Throughout() if precision == "float64" else contextlib.nullcontext():
+                run = train(model, rows, layout)
+                got = compare(run, wanted)
             out[precision] = {k: got[k] for k in ("losses", "ref_losses", "grad_error_by_step")} | {
                 "unmatched": sorted(set(got["compared"]) ^ set(wanted["trained"]))}
         return out

@@ -132,6 +132,27 @@ class ImageBatch:
         return {name: self.tensors[name] for name in self.row_major} if int(self.per_row.sum()) else {}
 
 
+def images_attend_both_ways(config: Any, images: ImageBatch) -> str | None:
+    """Why an image-text model's image tokens attend to each other both ways (bidirectional blocks in its masks,
+    which a causal split of the sequence cannot serve), or None: Gemma 3's and PaliGemma's processor's
+    ``token_type_ids``, Gemma 4's ``use_bidirectional_attention='vision'`` (its larger models')."""
+    if "token_type_ids" in images.row_major:
+        return "its token_type_ids"
+    if getattr(config.get_text_config(), "use_bidirectional_attention", None) == "vision":
+        return "use_bidirectional_attention='vision'"
+    return None
+
+
+def image_layouts_besides(config: Any, refused: str) -> str:
+    """The layouts to name beside a refusal of an image-text model's images under ``refused`` ("pp" or "cp"): tp, dp
+    and ZeRO, and the other of the two where the model's images do not keep it off as well (per-layer inputs made
+    with the image features keep pp off; image tokens attending both ways, as its config says, keep cp off)."""
+    text = config.get_text_config()
+    other = {"pp": "cp" if getattr(text, "use_bidirectional_attention", None) != "vision" else None,
+             "cp": "pp" if not getattr(text, "hidden_size_per_layer_input", None) else None}[refused]
+    return ", ".join(["tp", *([other] if other else []), "dp"]) + " and ZeRO"
+
+
 def grid_positions(config: Any) -> bool:
     """Whether the model's rotary positions follow its images' grids (M-RoPE: Qwen-VL, GLM-4V), computed inside
     its forward from the ids and the grids rather than taken from position ids: an ``mrope_section`` in its text
@@ -158,10 +179,15 @@ def _rope_index_needs(owner: Any) -> set[str]:
 
 def pipeline_unseen(model: nn.Module, images: ImageBatch | None) -> str | None:
     """What a model's later pipeline stages would need from the images and cannot get (only the first stage runs the
-    vision tower): rotary positions that follow the images' grids (M-RoPE: Qwen-VL, GLM-4V) where the model has no
-    ``get_rope_index`` to compute them before the pipeline (``grid_position_ids``), or the processor's tensors lack
-    one it needs (not asked where ``images`` is None: the model alone, before any batch). None: served (the
-    processor's per-token tensors reach every stage: ``later_stage_inputs``)."""
+    vision tower): per-layer inputs projected from the embeddings the image features were merged into (Gemma 4's:
+    every stage recomputes them, from its own embeddings, without the features; a float64 run at pp=2 was 9e-4 off
+    one process's loss at step 1), rotary positions that follow the images' grids (M-RoPE: Qwen-VL, GLM-4V) where
+    the model has no ``get_rope_index`` to compute them before the pipeline (``grid_position_ids``), or the
+    processor's tensors lack one it needs (not asked where ``images`` is None: the model alone, before any batch).
+    None: served (the processor's per-token tensors reach every stage: ``later_stage_inputs``)."""
+    if getattr(model.config.get_text_config(), "hidden_size_per_layer_input", None):
+        return ("its per-layer inputs, which its language model projects from the embeddings with the image features "
+                "merged in (hidden_size_per_layer_input)")
     if not grid_positions(model.config):
         return None
     owner = _rope_index(model)

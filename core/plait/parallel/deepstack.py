@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.base.config import ConfigError
-from plait.base.images import ImageBatch, pipeline_unseen
+from plait.base.images import ImageBatch, image_layouts_besides, pipeline_unseen
 from plait.tp import mappings
 
 
@@ -67,7 +67,8 @@ def check_image_stages(model: nn.Module, layers: list[str], first_stage_layers: 
     unseen = pipeline_unseen(model, images)
     if unseen:
         raise ConfigError(f"image inputs under pp={pp}: {type(model).__name__.removeprefix('FSDP')}'s later stages "
-                          f"would not see {unseen}, which only the first stage gets; use tp, cp, dp and ZeRO for it")
+                          f"would not see {unseen}, which only the first stage gets; use "
+                          f"{image_layouts_besides(model.config, 'pp')} for it")
     check_pipeline(model, layers, first_stage_layers, sliced)
 
 
