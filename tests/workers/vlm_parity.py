@@ -87,15 +87,16 @@ def batches(image_token: int, images: list[list[int]]) -> list[tuple]:
 # before the language model even under SP
 # "llava_next": its image_newline, a parameter of the module holding the vision tower and the language model, on the
 # first pipeline stage alone (PipelinePlan.first_params)
-# "gemma4": the language model's masks built by the model around it over the whole merged sequence, and its per-layer
-# inputs made there from the embeddings with the image features, cut to each rank's slice under cp; refused under pp
+# "gemma4": its vision attention's projections wrapped (q_proj.linear) and split over tp; the language model's masks
+# built by the model around it over the whole merged sequence, and its per-layer inputs made there from the embeddings
+# with the image features, cut to each rank's slice under cp; refused under pp
 TINY = ("idefics3", "gemma3", "qwen2_vl", "qwen3_vl_deepstack", "llama4", "llava_next", "gemma4")
 TINY_LAYOUTS = tuple(LAYOUTS)  # every layout LLaVA runs
 DEEPSTACK_LAYOUTS = {"pp2_cut": dict(pp=2, num_microbatches=2, pipeline_cuts=("model.language_model.layers.2",))}
 TINY_CASES = [(model_type, layout) for model_type in TINY[:3] for layout in TINY_LAYOUTS
               if (model_type, layout) not in (("gemma3", "cp2"), ("gemma3", "cp2_ring"))] + [
               ("qwen3_vl_deepstack", layout) for layout in ("tp2_sp", "cp2", "pp2_cut")] + [("llama4", "tp2_sp"),
-              ("llava_next", "pp2"), ("gemma4", "cp2"), ("gemma4", "cp2_ring")]
+              ("llava_next", "pp2"), ("gemma4", "tp2_sp"), ("gemma4", "cp2"), ("gemma4", "cp2_ring")]
 
 
 def tiny_config(name: str):

@@ -164,8 +164,12 @@ def tp_plan(model: nn.Module, config, layers: str | None, notes: list[str]) -> T
         if modules[example[pattern]] in (model.get_input_embeddings(), model.get_output_embeddings()):
             continue
         parent, _, child = pattern.rpartition(".")
+        holder = example[pattern].rpartition(".")[0]
+        if _wraps_one_linear(model.get_submodule(holder)):  # Gemma 4's q_proj.linear: q_proj is the projection
+            parent, _, wrapper = parent.rpartition(".")
+            child, holder = f"{wrapper}.{child}", holder.rpartition(".")[0]
         children[parent][child] = style
-        blocks.setdefault(parent, model.get_submodule(example[pattern].rpartition(".")[0]))
+        blocks.setdefault(parent, model.get_submodule(holder))
     unplanned_latent_attention(model, layers, children, blocks, notes)
     for pattern, (block, styles, sinks) in undeclared_attention(model, layers, children).items():
         children[pattern], blocks[pattern] = styles, block
@@ -188,6 +192,13 @@ def tp_plan(model: nn.Module, config, layers: str | None, notes: list[str]) -> T
         raise bare_refusal(arch, parent, params)
     rules += undeclared_mixers(model, arch, layers, rules, notes)
     return TPPlan(tuple(rules))
+
+
+def _wraps_one_linear(module: nn.Module) -> bool:
+    """Whether ``module`` only wraps one linear layer: no parameters of its own, that one child holding them all
+    (Gemma 4's ``Gemma4ClippableLinear``, which clamps the inputs and outputs of its ``linear``)."""
+    holding = [child for child in module.children() if any(True for _ in child.parameters())]
+    return not any(True for _ in module.parameters(recurse=False)) and len(holding) == 1 and is_linear(holding[0])
 
 
 def _moe_rules(model, config, parent: str, styles: dict[str, str], experts: list[str]) -> list:
