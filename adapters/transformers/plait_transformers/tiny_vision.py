@@ -73,9 +73,13 @@ FIXES: dict[str, dict[str, Any]] = {
     "llama4": {"vision_config.intermediate_size": 4 * VISION["hidden_size"]},
     # its pooler averages kernel x kernel blocks of patches, which must tile the image's 4 x 4 patches; its tower's
     # attention has key-value heads of its own (12), which the shrunk head count must divide
-    **{arch: {"vision_config.pooling_kernel_size": 2, "vision_config.num_key_value_heads": VISION["num_heads"],
-              "vision_config.head_dim": VISION["hidden_size"] // VISION["num_heads"]}
-       for arch in ("gemma4", "gemma4_unified")},
+    "gemma4": {"vision_config.pooling_kernel_size": 2, "vision_config.num_key_value_heads": VISION["num_heads"],
+               "vision_config.head_dim": VISION["hidden_size"] // VISION["num_heads"]},
+    # its vision side is an embedder of its own width and positions (3840 wide, 1120 positions by default) over
+    # patches of patch_size x pooling_kernel_size pixels (model_patch_size)
+    "gemma4_unified": {"vision_config.pooling_kernel_size": 2, "vision_config.mm_embed_dim": VISION["hidden_size"],
+                       "vision_config.output_proj_dims": VISION["hidden_size"],
+                       "vision_config.mm_posemb_size": VISION["image_size"]},
 }
 
 # One flattened patch where it is not channels x temporal_patch_size x patch x patch: Kimi's patch embedding is a
@@ -203,9 +207,10 @@ def image_pixels(config: PretrainedConfig, images: int, generator: torch.Generat
             grid["image_merge_sizes"] = torch.ones(images, dtype=torch.long)
         return grid
     if "image_position_ids" in names:  # Gemma 4: each image's flattened patches and their (x, y) positions
-        side = IMAGE // PATCH
+        patch = getattr(vision, "model_patch_size", PATCH)  # Gemma 4 unified's embedder: patch x pooling pixels
+        side = IMAGE // patch
         positions = torch.tensor([[x, y] for y in range(side) for x in range(side)])
-        return {"pixel_values": torch.randn(images, side * side, channels * PATCH**2, generator=generator),
+        return {"pixel_values": torch.randn(images, side * side, channels * patch**2, generator=generator),
                 "image_position_ids": positions.expand(images, -1, -1).clone()}
     if "spatial_shapes" in names:  # NaFlex (LFM2-VL): each image's flattened patches, grid and patch mask
         side = IMAGE // PATCH
