@@ -197,8 +197,8 @@ def tp_plan(model: nn.Module, config, layers: str | None, notes: list[str]) -> T
 def _wraps_one_linear(module: nn.Module) -> bool:
     """Whether ``module`` only wraps one linear layer: no parameters of its own, that one child holding them all
     (Gemma 4's ``Gemma4ClippableLinear``, which clamps the inputs and outputs of its ``linear``)."""
-    holding = [child for child in module.children() if any(True for _ in child.parameters())]
-    return not any(True for _ in module.parameters(recurse=False)) and len(holding) == 1 and is_linear(holding[0])
+    holding = [child for child in module.children() if own_params_deep(child)]
+    return not own_params(module) and len(holding) == 1 and is_linear(holding[0])
 
 
 def _moe_rules(model, config, parent: str, styles: dict[str, str], experts: list[str]) -> list:

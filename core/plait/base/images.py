@@ -132,13 +132,24 @@ class ImageBatch:
         return {name: self.tensors[name] for name in self.row_major} if int(self.per_row.sum()) else {}
 
 
+def per_layer_inputs(config: Any) -> bool:
+    """Whether the model's language model projects per-layer inputs from its embeddings (Gemma 3n's, Gemma 4's
+    ``hidden_size_per_layer_input``), which an image-text model makes with the image features merged in."""
+    return bool(getattr(config.get_text_config(), "hidden_size_per_layer_input", None))
+
+
+def vision_attends_both_ways(config: Any) -> bool:
+    """Whether the config makes image tokens attend to each other both ways (Gemma 4's larger checkpoints)."""
+    return getattr(config.get_text_config(), "use_bidirectional_attention", None) == "vision"
+
+
 def images_attend_both_ways(config: Any, images: ImageBatch) -> str | None:
     """Why an image-text model's image tokens attend to each other both ways (bidirectional blocks in its masks,
     which a causal split of the sequence cannot serve), or None: Gemma 3's and PaliGemma's processor's
     ``token_type_ids``, Gemma 4's ``use_bidirectional_attention='vision'`` (its larger models')."""
     if "token_type_ids" in images.row_major:
         return "its token_type_ids"
-    if getattr(config.get_text_config(), "use_bidirectional_attention", None) == "vision":
+    if vision_attends_both_ways(config):
         return "use_bidirectional_attention='vision'"
     return None
 
@@ -147,9 +158,8 @@ def image_layouts_besides(config: Any, refused: str) -> str:
     """The layouts to name beside a refusal of an image-text model's images under ``refused`` ("pp" or "cp"): tp, dp
     and ZeRO, and the other of the two where the model's images do not keep it off as well (per-layer inputs made
     with the image features keep pp off; image tokens attending both ways, as its config says, keep cp off)."""
-    text = config.get_text_config()
-    other = {"pp": "cp" if getattr(text, "use_bidirectional_attention", None) != "vision" else None,
-             "cp": "pp" if not getattr(text, "hidden_size_per_layer_input", None) else None}[refused]
+    other = {"pp": None if vision_attends_both_ways(config) else "cp",
+             "cp": None if per_layer_inputs(config) else "pp"}[refused]
     return ", ".join(["tp", *([other] if other else []), "dp"]) + " and ZeRO"
 
 
@@ -185,7 +195,7 @@ def pipeline_unseen(model: nn.Module, images: ImageBatch | None) -> str | None:
     the model has no ``get_rope_index`` to compute them before the pipeline (``grid_position_ids``), or the
     processor's tensors lack one it needs (not asked where ``images`` is None: the model alone, before any batch).
     None: served (the processor's per-token tensors reach every stage: ``later_stage_inputs``)."""
-    if getattr(model.config.get_text_config(), "hidden_size_per_layer_input", None):
+    if per_layer_inputs(model.config):
         return ("its per-layer inputs, which its language model projects from the embeddings with the image features "
                 "merged in (hidden_size_per_layer_input)")
     if not grid_positions(model.config):

@@ -6,7 +6,7 @@ rows' image files and runs the processor on them again: 4.5 ms of CPU an image a
 background thread with its own copy of the processor (a fast tokenizer refuses calls from two threads at once:
 "Already borrowed"), and the trainer names the next step's rows while this step computes
 (``TrainingMethod.read_ahead``): PIL's decoding and resizing and numpy's arithmetic release the GIL, so the encoding
-overlaps the step's forward and backward (bench/vision_prefetch.py). The pixels are the same tensors either way, and
+overlaps the step's forward and backward (bench/vision_read_ahead.py). The pixels are the same tensors either way, and
 a row whose image cannot be read any more still fails when its batch is built, naming the row.
 """
 

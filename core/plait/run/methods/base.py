@@ -16,11 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from plait.base.batches import local_microbatch
 from plait.base.mesh import Mesh
 from plait.parallel_model import ParallelModel
 
 if TYPE_CHECKING:
     from plait.run.methods.frozen import SecondModel
+
+
+def micro_rows(rows: torch.Tensor, mesh: Mesh, accumulation: int) -> list[torch.Tensor]:
+    """This rank's rows of the global batch ``rows``, one tensor per micro-step (``local_microbatch``)."""
+    return [local_microbatch(rows, mesh.dp_rank, mesh.dp, accumulation, micro) for micro in range(accumulation)]
 
 
 class TrainingMethod(ABC):

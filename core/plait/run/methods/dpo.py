@@ -33,7 +33,6 @@ from plait.base.mesh import Mesh
 from plait.base.meta import takes_images
 from plait.base.meta import build_meta_model
 from plait.checkpoint.materialize import resolve_source
-from plait.data import local_microbatch
 from plait.data.paths import tokenizer_dir
 from plait.data.pixel_loader import read_ahead
 from plait.data.tokenizer import load_tokenizer
@@ -41,7 +40,7 @@ from plait.data.processors import load_processor, processor_of
 from plait.data.vision import check_images_everywhere
 from plait.lora import switch
 from plait.parallel_model import ParallelModel
-from plait.run.methods.base import TrainingMethod
+from plait.run.methods.base import TrainingMethod, micro_rows
 from plait.run.methods.frozen import SecondModel, check_vocabulary, frozen_on_mesh, read_rows
 from plait.run.methods.preference_data import DOC, Pair, pack_pairs, pair_rows, read_pairs, real_tokens
 from plait.run.methods.preference_images import pair_images, read_image_pairs
@@ -159,8 +158,8 @@ class DPO(TrainingMethod):
 
     def micro_batches(self, rows: torch.Tensor, mesh: Mesh, accumulation: int, device: torch.device) -> list[Batch]:
         batches, self.local_tokens = [], 0
-        for micro in range(accumulation):
-            pairs = local_microbatch(rows, mesh.dp_rank, mesh.dp, accumulation, micro).tolist()
+        for micro in micro_rows(rows, mesh, accumulation):
+            pairs = micro.tolist()
             ids, labels = pair_rows(self.pairs, pairs, self.pad_id, self.max_length, self.truncation_mode,
                                     self.multiple, self.length)
             tokens, labels = labelled_tokens(labels), self.model_labels(ids, labels)
@@ -176,8 +175,7 @@ class DPO(TrainingMethod):
         return batches
 
     def read_ahead(self, step: int, rows: torch.Tensor, mesh: Mesh, accumulation: int) -> None:
-        read_ahead(self.pairs[int(r)].example for micro in range(accumulation)
-                   for r in local_microbatch(rows, mesh.dp_rank, mesh.dp, accumulation, micro))
+        read_ahead(self.pairs[int(r)].example for micro in micro_rows(rows, mesh, accumulation) for r in micro)
 
     def model_labels(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The labels the policy's forward is given for rows ``ids`` labelled on their completions (``read_logps``

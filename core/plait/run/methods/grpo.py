@@ -46,7 +46,7 @@ from plait.data.tokenizer import load_tokenizer
 from plait.data.processors import load_processor, processor_of
 from plait.data.vision import check_images_everywhere
 from plait.parallel_model import ParallelModel
-from plait.run.methods.base import TrainingMethod
+from plait.run.methods.base import TrainingMethod, micro_rows
 from plait.run.methods.dpo import Reference
 from plait.run.methods.frozen import SecondModel, frozen_on_mesh, read_rows
 from plait.run.methods.grpo_args import call_rewards, reward_funcs, unrewarded
@@ -193,8 +193,7 @@ class GRPO(TrainingMethod):
         self.counts = torch.zeros(len(completions), 5, dtype=torch.float64)  # the step's metrics, filled by row
         self.all_micro = [local_microbatch(completions, rank, mesh.dp, accumulation, micro)
                           for micro in range(accumulation) for rank in range(mesh.dp)]
-        return [local_microbatch(completions, mesh.dp_rank, mesh.dp, accumulation, micro)
-                for micro in range(accumulation)]
+        return micro_rows(completions, mesh, accumulation)
 
     def sampler_step(self, step: int) -> int:
         return step // self.args.num_iterations

@@ -12,10 +12,9 @@ import torch
 
 from plait.base import comm
 from plait.base.mesh import Mesh
-from plait.data import local_microbatch
 from plait.data.sft_blocks import batch_inputs, count_labels
 from plait.parallel_model import ParallelModel
-from plait.run.methods.base import TrainingMethod
+from plait.run.methods.base import TrainingMethod, micro_rows
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # input ids, labels, position ids (None: default)
 
@@ -34,8 +33,8 @@ class NextToken(TrainingMethod):
         return count_labels(self.blocks, rows)
 
     def micro_batches(self, rows: torch.Tensor, mesh: Mesh, accumulation: int, device: torch.device) -> list[Batch]:
-        return [batch_inputs(self.blocks, local_microbatch(rows, mesh.dp_rank, mesh.dp, accumulation, micro), device,
-                             self.spans) for micro in range(accumulation)]
+        return [batch_inputs(self.blocks, micro, device, self.spans)
+                for micro in micro_rows(rows, mesh, accumulation)]
 
     def before_step(self, pmodel: ParallelModel, batches: list[Batch], step: int) -> None:
         # --moe_aux_loss_scope global_batch: the load-balancing loss over every micro-step (a routing pass first)

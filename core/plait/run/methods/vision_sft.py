@@ -31,12 +31,11 @@ from plait.base.config import ConfigError
 from plait.base.mesh import Mesh
 from plait.base.images import grid_positions
 from plait.base.meta import takes_images
-from plait.data import local_microbatch
 from plait.data.pixel_loader import read_ahead
 from plait.data.processors import load_processor
 from plait.data.vision import Example, VisionBatch, VisionEncoder, collate, pack, read_rows
 from plait.parallel_model import ParallelModel
-from plait.run.methods.base import TrainingMethod
+from plait.run.methods.base import TrainingMethod, micro_rows
 
 TOWER = re.compile(r"vision|visual|image_encoder")  # the image encoder's name among the base model's children
 PROJECTOR = re.compile(r"projector|connector|merger|aligner")  # what maps its features into the text width
@@ -180,12 +179,10 @@ class VisionSFT(TrainingMethod):
 
     def micro_batches(self, rows: torch.Tensor, mesh: Mesh, accumulation: int, device: torch.device) -> list[Any]:
         self.tokens = sum(len(self.examples[int(r)].input_ids) for r in rows)  # the global batch's, unpadded
-        return [self.batch(local_microbatch(rows, mesh.dp_rank, mesh.dp, accumulation, micro), device)
-                for micro in range(accumulation)]
+        return [self.batch(micro, device) for micro in micro_rows(rows, mesh, accumulation)]
 
     def read_ahead(self, step: int, rows: torch.Tensor, mesh: Mesh, accumulation: int) -> None:
-        read_ahead(self.examples[int(r)] for micro in range(accumulation)
-                   for r in local_microbatch(rows, mesh.dp_rank, mesh.dp, accumulation, micro))
+        read_ahead(self.examples[int(r)] for micro in micro_rows(rows, mesh, accumulation) for r in micro)
 
     def micro_step(self, pmodel: ParallelModel, batch: VisionBatch, divisor: int) -> torch.Tensor:
         # packed rows: the documents kept apart by their position ids (transformers reads them without a mask)
