@@ -21,6 +21,7 @@ from plait.tp.styles import (
 
 import plait_transformers
 from plait_transformers.tiny import tiny_config
+from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 
@@ -145,6 +146,45 @@ def test_gemma3_scaled_embedding_keeps_its_scale(registry):
     config = tiny("gemma3_text")
     rules = {r.pattern: r for r in registry.tp_plan(registry.resolve(config), config).rules}
     assert isinstance(rules["model.embed_tokens"], ScaledVocabEmbedding)
+
+
+def test_gemma3_scaled_embedding_multiplies_by_what_transformers_buffer_holds():
+    """The split embedding gives the unsplit module's bits however the model was made: in fp32 and bf16 (the
+    buffer's float32 root), made float64 afterwards (that buffer, float32-rounded, now float64: what an image-text
+    model made before the float64 check holds) and made under a float64 default (the exact root: what the
+    conformance kit's float64 recheck builds, which the rounded value missed by 5e-10 in the loss, failing
+    Gemma 4 unified's tp cells); on the meta device the buffer's dtype says which."""
+    rule, ids = ScaledVocabEmbedding("model.embed_tokens"), torch.arange(tiny("gemma3_text").vocab_size)[None]
+    context = types.SimpleNamespace(mesh=types.SimpleNamespace(tp_group=None))
+
+    def split_and_whole(model):
+        module = model.model.embed_tokens
+        split = rule.build(rule.shards("model.embed_tokens", module, 1, 0)[0], module, context)
+        return split(ids), module(ids)
+
+    made = {"fp32": lambda: AutoModelForCausalLM.from_config(tiny("gemma3_text"))}
+    made["bf16"] = lambda: made["fp32"]().to(torch.bfloat16)
+    made["fp32, then float64"] = lambda: made["fp32"]().double()
+    scales = {}
+    for how, make in made.items():
+        torch.manual_seed(0)
+        model = make()
+        split, whole = split_and_whole(model)
+        assert torch.equal(split, whole), how
+        scales[how] = model.model.embed_tokens.embed_scale.item()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = made["fp32"]()
+    finally:
+        torch.set_default_dtype(default)
+    split, whole = split_and_whole(model)
+    assert torch.equal(split, whole)
+    exact = tiny("gemma3_text").hidden_size ** 0.5
+    assert model.model.embed_tokens.embed_scale.item() == exact != scales["fp32, then float64"]
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(tiny("gemma3_text")).model.embed_tokens
+    assert rule.scale(meta) == scales["fp32"] and rule.scale(meta.double()) == exact
 
 
 def test_pipeline_plan_from_transformers_pp_plan(registry):

@@ -7,7 +7,6 @@ Plain tensors (not DTensor) keep ZeroRedundancyOptimizer, gloo, NCCL and XLA wor
 
 from __future__ import annotations
 
-import struct
 import weakref
 from collections.abc import Callable
 
@@ -231,16 +230,17 @@ class VocabParallelEmbedding(nn.Module):
 class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
     """A vocab-parallel embedding whose lookups are multiplied by a constant, as transformers' scaled word
     embeddings (Gemma3 ``Gemma3TextScaledWordEmbedding``) do inside the embedding module. The scale is applied
-    after the sum over tp, cast through float32 to the weight's dtype as transformers does, so the product is
-    bit-identical to the unsplit module's; the scale is held as that float32 value, so a model made float64 (whose
-    buffer keeps it) multiplies by it too (a float64 run asking float32 for float64 would get the exact root)."""
+    after the sum over tp, cast to the weight's dtype as transformers casts its buffer, so the product is
+    bit-identical to the unsplit module's. ``scale`` is the value that buffer holds (``ScaledVocabEmbedding.scale``:
+    float32-rounded where it was made float32, the exact root where a float64 default made it)."""
 
     def __init__(self, *args, scale: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.scale = struct.unpack("f", struct.pack("f", scale))[0]  # the float32 buffer's value, whatever runs it
+        self.scale = scale
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        scale = torch.tensor(self.scale, dtype=torch.float32, device=self.weight.device).to(self.weight.dtype)
+        # float64 holds the buffer's value exactly; made on the host, as devices without float64 (MPS) need
+        scale = torch.tensor(self.scale, dtype=torch.float64).to(self.weight.dtype).to(self.weight.device)
         return super().forward(ids) * scale
 
     def extra_repr(self) -> str:

@@ -9,9 +9,11 @@ Linear and transformers' Conv1D (a transposed linear) are both handled.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import nn
 
 from plait.base.config import ConfigError
@@ -132,9 +134,11 @@ class VocabEmbedding(TPRule):
 @dataclass(frozen=True)
 class ScaledVocabEmbedding(VocabEmbedding):
     """``VocabEmbedding`` for an embedding module that multiplies its lookups by a constant (transformers'
-    scaled word embeddings, e.g. Gemma3's): the float attribute ``scale_attr`` of the module holds it."""
+    scaled word embeddings, e.g. Gemma3's): the float attribute ``scale_attr`` of the module holds it, and the
+    tensor buffer ``buffer_attr`` the value the module multiplies by (``scale``)."""
 
     scale_attr: str = "scalar_embed_scale"
+    buffer_attr: str = "embed_scale"
     label: ClassVar[str] = "scaled_vocab_embedding"
 
     def shards(self, name: str, module: nn.Module, tp: int, rank: int) -> list[ModuleShard]:
@@ -142,11 +146,22 @@ class ScaledVocabEmbedding(VocabEmbedding):
             raise ConfigError(f"{name} ({type(module).__name__}) has no number {self.scale_attr!r} to scale lookups by")
         return super().shards(name, module, tp, rank)
 
+    def scale(self, module: nn.Module) -> float:
+        """What ``module`` multiplies by: its buffer's value, which depends on how the model was made (a buffer
+        made float32 holds the float32-rounded root, also after the model is made float64; one made under a float64
+        default the exact root); a buffer still on the meta device has only its dtype to say which."""
+        scalar, buffer = float(getattr(module, self.scale_attr)), getattr(module, self.buffer_attr, None)
+        if not isinstance(buffer, torch.Tensor) or buffer.numel() != 1:
+            return scalar
+        if not buffer.is_meta:
+            return float(buffer.item())
+        return struct.unpack("f", struct.pack("f", scalar))[0] if buffer.dtype == torch.float32 else scalar
+
     def build(self, shard: ModuleShard, module: nn.Module, ctx: BuildContext) -> nn.Module:
         weight, _ = _local(shard, module)
         start, stop = shard.vocab_range
         return ScaledVocabParallelEmbedding(weight, start, stop, module.num_embeddings, module.padding_idx,
-                                            ctx.mesh.tp_group, scale=float(getattr(module, self.scale_attr)))
+                                            ctx.mesh.tp_group, scale=self.scale(module))
 
 
 @dataclass(frozen=True)
