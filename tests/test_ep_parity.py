@@ -1,5 +1,7 @@
 """Expert parallelism against one process (tests/workers/ep_parity.py): six MoE families at ep=2 (DBRX's own experts
-module among them) with the router's aux loss on where they have one, ZeRO-1, cp x ep, recomputation with
+module among them) with the router's aux loss on where they have one, ZeRO-1, ZeRO-2/3 (FSDP2 units of the experts'
+own: qwen3_moe at ep=2, and in a dp=4 world where they shard over the 2 ranks holding the same experts; DBRX's
+experts module; Llama 4's expert-major experts with tp x SP; with cp and with pp), cp x ep, recomputation with
 microbatches, ep x tp with SP, ep x pp (the aux loss carried across stages), ep=2 in a dp=4 world, ep=4, experts
 kept whole over tp (with and without SP, with and without ep); every rank's gradient shards compared, every expert
 parameter compared by the rank holding it; the global gradient norm without ZeRO; the capacity factor's dropped
@@ -17,10 +19,11 @@ from plait.testing import launch
 WORKER = str(Path(__file__).parent / "workers" / "ep_parity.py")
 CASES = {2: ["mixtral|ep2", "qwen3_moe|ep2", "deepseek_v3|ep2", "gpt_oss|ep2", "olmoe|ep2", "dbrx|ep2",
              "llama4_text|ep2",
-             "qwen3_moe|ep2-zero1",
+             "qwen3_moe|ep2-zero1", "qwen3_moe|ep2-zero3", "dbrx|ep2-zero2", "mixtral|cp2-ep2-zero3",
              "mixtral|cp2-ep2", "mixtral|ep2-recompute-microbatches2", "mixtral|ep2-capacity-no-drop",
              "qwen3_moe|tp2-whole-experts", "gpt_oss|tp2-nosp-whole-experts"],
          4: ["mixtral|ep2-tp2", "qwen3_moe|ep2-dp4-zero1", "mixtral|ep4", "llama4_text|ep4", "qwen3_moe|ep2-pp2",
+             "qwen3_moe|ep2-dp4-zero3", "llama4_text|ep2-tp2-zero2", "qwen3_moe|ep2-pp2-zero3",
              "qwen3_moe|ep2-tp2-whole-experts", "mixtral|ep2-tp2-nosp-whole-experts"]}
 
 

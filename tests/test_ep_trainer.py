@@ -1,6 +1,7 @@
 """`plait train --expert_parallel_size`: an ep=2 ZeRO-1 run gives the one-process losses, its checkpoint is
 layout-free (it resumes at tp=2 without ep with the one-process losses, and consolidates to the one-process
-weights), and a router's persistent buffer (DeepSeek-V3's ``e_score_correction_bias``, read from the source
+weights), so does an ep=2 ZeRO-3 run (FSDP2 units of the experts' own over the ranks holding the same experts; it
+resumes under ZeRO-2), and a router's persistent buffer (DeepSeek-V3's ``e_score_correction_bias``, read from the source
 model) survives training, checkpoint and consolidation."""
 
 from __future__ import annotations
@@ -71,6 +72,34 @@ def test_ep2_zero1_matches_one_process_and_resumes_at_tp2(source, one, tmp_path)
                                             "--resume_from_checkpoint", str(tmp_path / "ep2" / "checkpoint-2"))],
            2, timeout=240)
     resumed = read_metrics(tmp_path / "tp2")
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in one[2:]], rel=1e-5)
+
+
+def test_ep2_zero3_matches_one_process_consolidates_and_resumes_under_zero2(source, one, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    one_dir, one = one
+    ep = flags(source, tmp_path / "zero3", "--expert_parallel_size", "2", "--zero_stage", "3",
+               "--per_device_train_batch_size", "2")
+    ep[ep.index("--max_steps") + 1] = "2"
+    launch(["-m", "plait", "train", *ep], 2, timeout=240)
+    zero3 = read_metrics(tmp_path / "zero3")
+    assert [r["loss"] for r in zero3] == pytest.approx([r["loss"] for r in one[:2]], rel=1e-5)
+    assert [r["grad_norm"] for r in zero3] == pytest.approx([r["grad_norm"] for r in one[:2]], rel=1e-5)
+
+    main(["consolidate", str(tmp_path / "zero3" / "checkpoint-2"), str(tmp_path / "hf-zero3")])
+    main(["consolidate", str(one_dir / "checkpoint-2"), str(tmp_path / "hf-one")])
+    from_ep = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-zero3")
+    from_one = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-one")
+    for name, param in from_one.named_parameters():
+        torch.testing.assert_close(from_ep.get_parameter(name), param, rtol=1e-5, atol=1e-6)
+
+    resume = flags(source, tmp_path / "zero2", "--expert_parallel_size", "2", "--zero_stage", "2",
+                   "--per_device_train_batch_size", "2", "--resume_from_checkpoint",
+                   str(tmp_path / "zero3" / "checkpoint-2"))
+    launch(["-m", "plait", "train", *resume], 2, timeout=240)
+    resumed = read_metrics(tmp_path / "zero2")
     assert [r["step"] for r in resumed] == [3, 4]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in one[2:]], rel=1e-5)
 

@@ -32,9 +32,10 @@ from plait.testing.conformance_modes import LOSS_RTOL
 from workers.lora_experts_parity import SEED, model_config
 
 WORKER = Path(__file__).parent / "workers" / "lora_experts_parity.py"
-LAYOUTS = ("tp2_sp", "tp2", "ep2", "ep2_zero1", "pp2", "zero1_dp2")
+LAYOUTS = ("tp2_sp", "tp2", "ep2", "ep2_zero1", "pp2", "zero1_dp2", "ep2_zero3")
 LAYOUTS_4 = ("tp2_sp_ep2", "ep2_pp2")
-EXPORTED = ("tp2_sp", "tp2", "ep2", "ep2_zero1", "zero1_dp2")  # pp=1: the running model exports its adapter
+# pp=1: the running model exports its adapter
+EXPORTED = ("tp2_sp", "tp2", "ep2", "ep2_zero1", "zero1_dp2", "ep2_zero3")
 PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 LOGITS_TOL = 1e-5  # the exports against the parallel model (measured 2e-7)
 # peft's merge builds each expert's delta with an einsum, plait's with the baddbmm peft's forward uses: fp32

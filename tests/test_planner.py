@@ -74,6 +74,9 @@ def test_collectives_equal_what_a_step_issues(built):
                 if (group, op) not in UNRECORDED:
                     planned[0][op] += count
                     planned[1][op] += size
+            if "_ep" in name:  # the bytes ep's all-to-alls move are the router's choice: the planner assumes
+                for side in (seen, planned):  # balanced routing (its formula: test_ep_all_to_alls_follow_the_formula)
+                    side[1].pop("all_to_all")
             assert seen == planned, f"{name} rank {rank}: counted {seen}, planned {planned}"
 
 

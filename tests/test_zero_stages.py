@@ -156,7 +156,6 @@ def test_a_model_directory_loads_straight_into_the_zero3_rows(tmp_path):
     (dict(zero_stage=4), "zero_stage=4 must be 0, 1, 2 or 3"),
     (dict(zero_1=True, zero_stage=3), "zero_1=True is ZeRO stage 1 but zero_stage=3"),
     (dict(zero_stage=1, mixed_precision=True), "mixed_precision=True is FSDP2's bf16 compute, which needs zero_stage 2"),
-    (dict(zero_stage=3, ep=2), "zero_stage=3 with ep=2"),
     (dict(zero_stage=2, pp=2, num_microbatches=2, virtual_pipeline_size=1, pipeline_schedule="zero-bubble"),
      "zero_stage=2 with pipeline_schedule='zero-bubble'"),
 ])

@@ -192,10 +192,6 @@ def check_zero_stage(config: ParallelConfig) -> None:
     if not config.fsdp:
         return
     stage = f"zero_stage={config.zero_stage}"
-    if config.ep > 1:
-        raise ConfigError(f"{stage} with ep={config.ep}: expert parameters are summed over their own replica group, "
-                          f"which plait's FSDP2 units do not shard over yet; use {setting('zero_stage', 1)} (or 0) with ep, or "
-                          f"{setting('ep', 1)}")
     if config.float8 is not None:
         raise ConfigError(f"{stage} with float8={config.float8!r}: float8 weights under FSDP2 need torchao's float8 "
                           f"all-gather, which plait does not wire yet; use {setting('zero_stage', 1)} with float8")

@@ -497,4 +497,4 @@ def local_specs(model: nn.Module, plan: LayoutPlan, mesh: Mesh, fsdp: AppliedFSD
     specs = plan.specs_by_rank[mesh.tp_rank]
     if plan.ep is not None:
         specs = plan.ep.localize(specs, mesh.ep_rank)
-    return {name: fsdp.rows(spec) if fsdp is not None else spec for name, spec in specs.items() if name in local}
+    return {name: fsdp.rows(name, spec) if fsdp is not None else spec for name, spec in specs.items() if name in local}

@@ -133,8 +133,9 @@ def _apply(model: nn.Module, plan: LayoutPlan, mesh: Mesh, lora_seed: int = 0) -
     fsdp = None
     if config.fsdp and not comm.trivial(mesh.replica_group):  # last: it replaces every parameter
         before = dict(model.named_parameters(remove_duplicate=False))
+        expert_modules = [name for name in plan.ep.modules if owns(name)] if plan.ep is not None else []
         fsdp = apply_fsdp(model, [name for name in plan.units if owns(name)], mesh.replica_group, config.zero_stage,
-                          config.mixed_precision)
+                          config.mixed_precision, expert_modules, mesh.expert_replica_group)
         new = remap_params(before, model)
         sp_params = [new[id(p)] for p in sp_params]
         applied.grad_sums = [(new[id(p)], group, part) for p, group, part in applied.grad_sums]

@@ -1,5 +1,5 @@
-"""Worker: LoRA on mixtral's routed experts (peft's ``target_parameters``) and on q/v under tp=2 (+SP), ep=2 (+ZeRO-1),
-pp=2 and ZeRO-1 dp=2, against peft on one process, in one world of 2 ranks (and tp x ep, ep x pp in one of 4).
+"""Worker: LoRA on mixtral's routed experts (peft's ``target_parameters``) and on q/v under tp=2 (+SP), ep=2 (+ZeRO-1,
++ZeRO-3), pp=2 and ZeRO-1 dp=2, against peft on one process, in one world of 2 ranks (and tp x ep, ep x pp in one of 4).
 
 ``lora_experts_parity.py OUT_DIR``. For each layout plait builds the model from a seeded init with LoRA (A and B
 random: ``init_lora_weights=False``, so that A has a gradient at the first step); peft's ``LoraModel`` on the same
@@ -33,11 +33,13 @@ from plait.checkpoint.lora_export import gather_lora, save_adapter, save_merged
 from plait.checkpoint.materialize import load_parallel_model
 from plait.lora.config import lora_config
 from plait.optim import OptimizerStep, build_optimizer
+from plait.parallel.fsdp import local
 from plait.testing.conformance_modes import ADAM_EPS, ATOL, LOSS_RTOL, LR, RTOL, STEPS
 
 BATCH, SEQ, VOCAB, SEED = 4, 16, 61, 5  # BATCH: the global batch, split over dp
 LAYOUTS = {"tp2_sp": dict(tp=2, sp=True), "tp2": dict(tp=2, sp=False), "ep2": dict(ep=2),
-           "ep2_zero1": dict(ep=2, zero_1=True), "pp2": dict(pp=2, num_microbatches=2), "zero1_dp2": dict(zero_1=True)}
+           "ep2_zero1": dict(ep=2, zero_1=True), "pp2": dict(pp=2, num_microbatches=2), "zero1_dp2": dict(zero_1=True),
+           "ep2_zero3": dict(ep=2, zero_stage=3)}
 LAYOUTS_4 = {"tp2_sp_ep2": dict(tp=2, sp=True, ep=2), "ep2_pp2": dict(ep=2, pp=2, num_microbatches=2)}  # 4 ranks
 TARGET_MODULES, TARGET_PARAMETERS = ["q_proj", "v_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
@@ -92,8 +94,8 @@ def run_case(layout: dict, base: torch.nn.Module, out: Path) -> dict:
             result["failures"].append(f"step {step} loss {loss:.7f} vs peft's {ref_loss.item():.7f}")
         seen = {}
         inner = optimizer.step
-        optimizer.step = lambda *a, **k: (seen.update({n: p.grad.clone() for n, p in named if p.grad is not None}),
-                                          inner(*a, **k))[1]
+        optimizer.step = lambda *a, **k: (seen.update({n: local(p.grad).clone() for n, p in named
+                                                       if p.grad is not None}), inner(*a, **k))[1]
         step_fn()
         del optimizer.step
         for name, _ in named:

@@ -86,12 +86,12 @@ def run_case(arch: str, layout: dict) -> dict:
 
 def step_after_sync(pmodel, optimizer_class=torch.optim.SGD, **kwargs):
     """An optimizer step after the gradient sync, returning the gradients it stepped on: plain SGD (or
-    ``optimizer_class`` with ``kwargs``) on every local parameter, or plait's ZeRO-1 step over it (its gradients
-    read just before the inner step)."""
+    ``optimizer_class`` with ``kwargs``) on every local parameter, or plait's ZeRO-1 / ZeRO-2/3 step over it (its
+    gradients read just before the inner step: under ZeRO-2/3 this rank's rows, as FSDP2 reduce-scattered them)."""
     from plait.optim import OptimizerStep, build_optimizer
 
     kwargs = kwargs or {"lr": LR}
-    if not pmodel.config.zero_1:
+    if not pmodel.config.zero_1 and not pmodel.config.fsdp:
         optimizer = optimizer_class(pmodel.parameters(), **kwargs)
 
         def plain(record: Record, step: int) -> dict:

@@ -57,6 +57,8 @@ MOE_LAYOUTS = {
                                    False, 0.0),
     "moe_tp2_nosp_whole_recompute": (ParallelConfig(tp=2, sp=False, expert_tensor_parallel=False,
                                                     gradient_checkpointing=True), False, 0.0),
+    # ZeRO-3 with ep: each rank's experts sharded over the ranks holding the same experts (here itself alone)
+    "moe_ep2_zero3": (ParallelConfig(ep=2, zero_stage=3), False, 0.0),
 }
 
 

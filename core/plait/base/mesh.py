@@ -120,8 +120,9 @@ class Mesh:
             if config.ep > 1:
                 replicas = ranks_along(grid, ("dp", "cp")).reshape(-1, config.dp * config.cp // config.ep, config.ep)
                 mesh.ep_group = _new_groups(replicas.reshape(-1, config.ep), rank, timeout)
+                # under ZeRO-2/3 a group even of one rank: FSDP2 shards the experts over a mesh of it
                 mesh.expert_replica_group = _new_groups(replicas.transpose(1, 2).reshape(-1, replicas.shape[1]),
-                                                        rank, timeout)
+                                                        rank, timeout, single=config.fsdp)
         if config.cp == 1:
             mesh.replica_group = mesh.dp_group
         if config.ep == 1:
@@ -166,12 +167,15 @@ class Mesh:
         )
 
 
-def _new_groups(rows: torch.Tensor, rank: int, timeout: datetime.timedelta | None) -> ProcessGroup | None:
+def _new_groups(
+    rows: torch.Tensor, rank: int, timeout: datetime.timedelta | None, single: bool = False,
+) -> ProcessGroup | None:
     """Create one group per row (collectively) and return the one holding ``rank``; None for 1-rank rows
-    (unless ``comm.singleton_groups()``: a real group of one, so collectives run on it)."""
+    (unless ``single`` or ``comm.singleton_groups()``: a real group of one, on which ``comm.trivial`` still holds
+    unless the latter)."""
     mine = None
     for row in rows.tolist():
-        if len(row) == 1 and not comm.singleton_groups():
+        if len(row) == 1 and not (single or comm.singleton_groups()):
             return None
         group = dist.new_group(row, timeout=timeout)
         if rank in row:

@@ -21,7 +21,7 @@ def gather_full(pmodel: ParallelModel, name: str, local: torch.Tensor) -> torch.
     spec, mesh, plan = pmodel.param_specs[name], pmodel.mesh, pmodel.plan
     local = rows(local).detach()
     if spec.rows is not None:  # ZeRO-3: this rank's rows of its tp shard first
-        local = pmodel.fsdp.gather_rows(local, spec, mesh.replica_group)
+        local = pmodel.fsdp.gather_rows(name, local, spec)
     pieces, tp_ranks = local.unsqueeze(0), [mesh.tp_rank]  # [tp ranks, *local]
     if spec.dim is not None:
         pieces, tp_ranks = comm.all_gather(pieces, mesh.tp_group, dim=0), range(mesh.tp)

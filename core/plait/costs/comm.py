@@ -217,9 +217,9 @@ def step_comm(
                               sum(p.numel for p in everywhere) * precision.grad_bytes + 4 * len(everywhere)))
     dp = (config.dp or 1) * cp  # the replica group: every rank holding these parameters
     # The global gradient norm: one float summed over each group whose ranks hold different gradients (under
-    # ZeRO-1 the replica group's owned shards cover the experts too, each expert shard owned once).
+    # ZeRO-1 the replica group's owned shards cover the experts too, each expert shard owned once; so do FSDP2's rows).
     for group, size in (("tp", config.tp), ("pp", config.pp), ("dp", dp if config.zero_1 or config.fsdp else 1),
-                        ("ep", 1 if config.zero_1 else config.ep)):
+                        ("ep", 1 if config.zero_1 or config.fsdp else config.ep)):
         if size > 1:
             ops.append(CommOp(group, "all_reduce", 1, 4))
     apart = config.ep > 1  # expert gradients go over the expert replicas
@@ -246,9 +246,25 @@ def step_comm(
 def fsdp_comm(plan: LayoutPlan, held: list[RankParam], precision: Precision, replicas: int,
               accumulation: int, once: Collection[str] = ()) -> list[CommOp]:
     """ZeRO-2/3's all-gathers and reduce-scatters over the replica group in one step (``once``: the units stage 3
-    gathers once per micro-batch, not twice: ``plait.parallel.fsdp.gathered_once``)."""
+    gathers once per micro-batch, not twice: ``plait.parallel.fsdp.gathered_once``). Under ep each experts module
+    is a unit of its own over the ranks holding the same experts (group "edp", replicas / ep; none where that is
+    one rank)."""
+    ep = plan.config.ep
+    experts = {p.name for p in held if p.expert} if ep > 1 else set()
+    ops = _unit_comm(plan, [p for p in held if p.name not in experts], precision, replicas, accumulation, once,
+                     "dp", plan.units)
+    if experts and replicas // ep > 1:
+        ops += _unit_comm(plan, [p for p in held if p.name in experts], precision, replicas // ep, accumulation, (),
+                          "edp", plan.ep.modules)
+    return ops
+
+
+def _unit_comm(plan: LayoutPlan, held: list[RankParam], precision: Precision, replicas: int, accumulation: int,
+               once: Collection[str], group: str, unit_names: tuple[str, ...]) -> list[CommOp]:
+    """``fsdp_comm`` for the parameters ``held`` of the units ``unit_names`` (the rest: the root unit) over
+    ``group`` of ``replicas`` ranks."""
     config = plan.config
-    of = {p.name: unit_of(p.name, plan.units) for p in held}
+    of = {p.name: unit_of(p.name, unit_names) for p in held}
     units = set(of.values())
     itemsize = precision.param.itemsize
     shard = sum(p.numel for p in held) // replicas * itemsize
@@ -262,8 +278,8 @@ def fsdp_comm(plan: LayoutPlan, held: list[RankParam], precision: Precision, rep
         count, size = rounds * len(units), rounds * shard
     reduce_bytes = max(itemsize, 4 if precision.param != precision.optimizer else 0)
     trained = sum(p.numel for p in held if p.trainable) * reduce_bytes
-    return [CommOp("dp", "all_gather", count, size),
-            CommOp("dp", "reduce_scatter", backwards * len(units), backwards * trained)]
+    return [CommOp(group, "all_gather", count, size),
+            CommOp(group, "reduce_scatter", backwards * len(units), backwards * trained)]
 
 
 def _decoder_layers(model: nn.Module) -> int:

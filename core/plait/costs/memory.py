@@ -160,8 +160,10 @@ def fsdp_rows(param: RankParam, replicas: int, rank: int) -> int:
 
 
 def fsdp_static_bytes(params: list[RankParam], precision: Precision, replicas: int, stage: int,
-                      units: tuple[str, ...]) -> list[StaticBytes]:
-    """Bytes of each replica rank under ZeRO-2/3 (``units``: the leaf modules that are FSDP2 units)."""
+                      units: tuple[str, ...], ep: int = 1) -> list[StaticBytes]:
+    """Bytes of each replica rank under ZeRO-2/3 (``units``: the leaf modules that are FSDP2 units). Under ep
+    expert parameters are sharded over the replicas / ep ranks holding the same experts (their own FSDP2 units:
+    ``plait.parallel.fsdp``), replica rank r at position r // ep there."""
     shard, compute = _size(precision.optimizer), _size(precision.param)
     unit_numel: dict[str, int] = {}
     unit_trained: dict[str, int] = {}
@@ -177,8 +179,9 @@ def fsdp_static_bytes(params: list[RankParam], precision: Precision, replicas: i
     reduced = max(unit_trained.values(), default=0) * (compute + (4 if compute != 4 else 0))
     out = []
     for rank in range(replicas):
-        stored = sum(fsdp_rows(p, replicas, rank) for p in params)
-        trained = sum(fsdp_rows(p, replicas, rank) for p in params if p.trainable)
+        rows = [fsdp_rows(p, replicas // ep, rank // ep) if p.expert else fsdp_rows(p, replicas, rank) for p in params]
+        stored = sum(rows)
+        trained = sum(n for n, p in zip(rows, params) if p.trainable)
         state = trained * ADAM_STATES * shard + STEP_BYTES * sum(1 for p in params if p.trainable)
         out.append(StaticBytes(stored * shard, trained * shard, state, trained, gathered + reduced,
                                gathered if stage == 2 else 0))
@@ -195,7 +198,7 @@ def static_bytes(
     holding the same experts: replica rank r is position r // ep of its expert-replica group (``plait.base.mesh``).
     ``zero_stage`` 2 or 3: ``fsdp_static_bytes`` (``units``: the plan's FSDP2 units)."""
     if zero_stage >= 2 and replicas > 1:
-        return fsdp_static_bytes(params, precision, replicas, zero_stage, units)
+        return fsdp_static_bytes(params, precision, replicas, zero_stage, units, ep)
     numel = sum(p.numel for p in params)
     params = [p for p in params if p.trainable]  # frozen weights (LoRA's base): no gradient, no optimizer state
     learned = sum(p.numel for p in params)

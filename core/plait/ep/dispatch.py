@@ -85,8 +85,10 @@ class ExpertParallel:
             out = rows + sum(p.sum() * 0 for p in self._module.parameters())
         back = _AllToAll.apply(out, recv, send, self.group)
         per_pair = back.new_zeros((tokens * k, width)).index_copy(0, order, back)
-        weighted = per_pair.view(tokens, k, width) * top_k_weights.unsqueeze(-1)
-        return weighted.sum(dim=1).to(hidden_states.dtype).view(shape)
+        # shaped before the sum, not after: a view returned from an FSDP2 unit (ZeRO-2/3) is one whose in-place
+        # change would skip the unit's pre-backward gather
+        weighted = per_pair.view(*shape[:-1], k, width) * top_k_weights.view(*shape[:-1], k, 1)
+        return weighted.sum(dim=-2).to(hidden_states.dtype)
 
     def _cap(self, pairs: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, n_pairs: int):
         """Keep at most the capacity of pairs per expert (the first in token order)."""

@@ -181,9 +181,10 @@ class OptimizerStep:
         updated = {id(p) for p in self.updated}
         self.norm_params = [p for p in grad_sync.norm_params if id(p) in updated]
         # Without ZeRO, expert parameters are summed over the ep group (its ranks hold the other experts); under
-        # ZeRO each expert slice has one owner in the replica group, like every dense parameter.
-        self.norm_experts = [] if self.zero else [p for p in self.norm_params if grad_sync.is_expert(p)]
-        self.norm_params = [p for p in self.norm_params if self.zero or not grad_sync.is_expert(p)]
+        # ZeRO (1, or FSDP2's rows) each expert slice has one owner in the replica group, like every dense parameter.
+        owned = self.zero or self.sharded
+        self.norm_experts = [] if owned else [p for p in self.norm_params if grad_sync.is_expert(p)]
+        self.norm_params = [p for p in self.norm_params if owned or not grad_sync.is_expert(p)]
         mesh = grad_sync.mesh
         self.norm_groups = [mesh.tp_group, mesh.pp_group] + ([mesh.replica_group] if self.zero or self.sharded else [])
         self.device = grad_sync.params[0].device

@@ -116,24 +116,33 @@ def row_range(rows: int, size: int, rank: int) -> tuple[int, int]:
 
 @dataclass
 class AppliedFSDP:
-    """What ``apply_fsdp`` did: the FSDP units (leaves first, the model last) and the dp rank and size."""
+    """What ``apply_fsdp`` did: the FSDP units (experts', leaves, the model last), the replica group the dense
+    parameters are sharded over, and under expert parallelism the experts modules and their own group."""
 
     stage: int
     units: list[FSDPModule] = field(default_factory=list)
-    rank: int = 0
-    size: int = 1
+    group: dist.ProcessGroup | None = None
+    experts: tuple[str, ...] = ()  # the routed-experts modules (expert parallelism), sharded over expert_group
+    expert_group: dist.ProcessGroup | None = None
 
-    def rows(self, spec: ShardSpec) -> ShardSpec:
-        """``spec`` (a parameter's tp/ep shard) cut to the rows FSDP2 gives this rank (``row_range``)."""
+    def group_of(self, name: str) -> dist.ProcessGroup | None:
+        """The group parameter ``name``'s rows are spread over: the expert-replica group for an expert
+        parameter (the other ranks of the replica group hold other experts), else the replica group."""
+        return self.expert_group if any(name.startswith(m + ".") for m in self.experts) else self.group
+
+    def rows(self, name: str, spec: ShardSpec) -> ShardSpec:
+        """``spec`` (parameter ``name``'s tp/ep shard) cut to the rows FSDP2 gives this rank (``row_range``)."""
         if not spec.local_shape:
             return spec
-        return spec.with_rows(*row_range(spec.local_shape[0], self.size, self.rank))
+        group = self.group_of(name)
+        return spec.with_rows(*row_range(spec.local_shape[0], dist.get_world_size(group), dist.get_rank(group)))
 
-    def gather_rows(self, rows: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> torch.Tensor:
-        """The whole tp/ep shard from every rank's ``rows`` of it (``spec``: this rank's rows), for tools that
-        export full tensors (``plait.checkpoint.gather``), never for training."""
+    def gather_rows(self, name: str, rows: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+        """The whole tp/ep shard of parameter ``name`` from every rank's ``rows`` of it (``spec``: this rank's
+        rows), for tools that export full tensors (``plait.checkpoint.gather``), never for training."""
+        group = self.group_of(name)
         n = spec.unsharded.local_shape[0]
-        chunk = row_range(n, self.size, 0)[1]  # every rank's rows padded to the first rank's
+        chunk = row_range(n, dist.get_world_size(group), 0)[1]  # every rank's rows padded to the first rank's
         padded = rows.new_zeros((chunk, *rows.shape[1:]))
         padded[: rows.shape[0]] = rows
         return comm.all_gather(padded, group, dim=0)[:n]
@@ -164,32 +173,37 @@ def reshard(fsdp: AppliedFSDP | None) -> None:
 
 def apply_fsdp(
     model: nn.Module, leaves: Iterable[str], group: dist.ProcessGroup, stage: int, mixed_precision: bool,
+    experts: Iterable[str] = (), expert_group: dist.ProcessGroup | None = None,
 ) -> AppliedFSDP:
     """Shard ``model`` (this rank's tp/pp part) over ``group`` with FSDP2: each of ``leaves`` (decoder layers, and
     the embedding and head: ``edge_units``) one unit, the model the root unit; under stage 3 the head and embedding
-    gathered once per micro-batch (``gathered_once``). Replaces every parameter with a DTensor parameter
-    (``remap_params`` finds the new ones)."""
-    leaves = list(leaves)
-    mesh = DeviceMesh.from_group(group, current_device().type)
+    gathered once per micro-batch (``gathered_once``). Under expert parallelism each of ``experts`` (routed-experts
+    modules, inside the leaves) is a unit of its own over ``expert_group`` (the ranks holding the same experts),
+    as torchtitan shards experts: the leaf's unit then holds the rest of its layer. Replaces every parameter with
+    a DTensor parameter (``remap_params`` finds the new ones)."""
+    leaves, experts = list(leaves), tuple(experts)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
         else MixedPrecisionPolicy()
-    units = [model.get_submodule(name) for name in leaves] + [model]
-    for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=stage == 3, mp_policy=policy)
+    placed = [(model.get_submodule(name), expert_group) for name in experts]  # inner units first
+    placed += [(model.get_submodule(name), group) for name in leaves] + [(model, group)]
+    meshes = {}
+    for unit, over in placed:
+        if id(over) not in meshes:
+            meshes[id(over)] = DeviceMesh.from_group(over, current_device().type)
+        fully_shard(unit, mesh=meshes[id(over)], reshard_after_forward=stage == 3, mp_policy=policy)
     once = gathered_once(model, leaves) if stage == 3 else {}
-    for name, unit in zip(leaves, units):
+    for name in leaves:
         if once.get(name) == "head":
-            unit.set_reshard_after_forward(False)
+            model.get_submodule(name).set_reshard_after_forward(False)
         elif once.get(name) == "embedding":
-            unit.set_unshard_in_backward(False)
-    host = mesh.device_type == "cpu"
-    for unit in units:
+            model.get_submodule(name).set_unshard_in_backward(False)
+    for unit, over in placed:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
-        if host:
+        if current_device().type == "cpu":
             unit.set_custom_all_gather(HostAllGather())
-            unit.set_custom_reduce_scatter(HostReduceScatter(dist.get_world_size(group)))
-    return AppliedFSDP(stage, units, dist.get_rank(group), dist.get_world_size(group))
+            unit.set_custom_reduce_scatter(HostReduceScatter(dist.get_world_size(over)))
+    return AppliedFSDP(stage, [unit for unit, _ in placed], group, experts, expert_group)
 
 
 class HostAllGather(AllGather):
