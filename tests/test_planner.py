@@ -217,18 +217,22 @@ def test_cli_plan_json_and_search(tmp_path, capsys):
     assert "--lora_r=8 --lora_alpha=32.0" in json.loads(capsys.readouterr().out)["command"]
 
 
-def test_unrecognised_experts_are_refused_in_one_line(tmp_path, capsys):
-    """Llama4's expert-major experts are not a transformers experts module: plait plan says so instead of failing
-    inside transformers."""
+@pytest.mark.parametrize("ep", ["1", "2"])
+@pytest.mark.parametrize("arch, stacked", [("llama4_text", "model.layers.0.feed_forward.experts.gate_up_proj"),
+                                           ("dbrx", "transformer.blocks.0.ffn.experts.mlp.w1")])
+def test_unrecognised_experts_are_refused_in_one_line(tmp_path, capsys, ep, arch, stacked):
+    """Llama4's expert-major experts and DBRX's own experts module are not transformers experts modules: plait plan
+    says so instead of failing inside transformers or torch (DBRX: torch.nonzero on the meta device), also at ep=2
+    (which plait train runs: it said "llama4_text has none" of the experts)."""
     from plait_transformers import plait_tiny_config
 
     path = tmp_path / "config.json"
-    plait_tiny_config("llama4_text").to_json_file(path)
+    plait_tiny_config(arch).to_json_file(path)
     with pytest.raises(SystemExit):
-        main(["plan", "--model_config", str(path), "--block_size", "16", "--world_size", "1"])
+        main(["plan", "--model_config", str(path), "--block_size", "16", "--world_size", "2",
+              "--expert_parallel_size", ep])
     err = capsys.readouterr().err
-    assert "models transformers' experts modules (use_experts_implementation), not llama4_text's " \
-           "model.layers.0.feed_forward.experts.gate_up_proj" in err
+    assert f"models transformers' experts modules (use_experts_implementation), not {arch}'s {stacked}" in err
     assert "Traceback" not in err and err.strip().count("\n") == 0
 
 

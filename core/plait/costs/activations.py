@@ -34,8 +34,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from plait.base.config import ConfigError
-from plait.costs.experts import SPLIT, WHOLE, RoutedCall, ShapeOnlyExperts, routed_experts, unrouted_stack
+from plait.costs.experts import SPLIT, WHOLE, RoutedCall, ShapeOnlyExperts, refuse_unmodelled_experts, routed_experts
 from plait.costs.traffic import Traffic, TrafficCounter, is_square
 from plait.costs.vision import VisionTrace
 from plait.pipeline.cuts import fallback_plan
@@ -98,7 +97,7 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter,
     its other operations (``traffic``). ``fused_dropout``: the device's fused attention kernel takes dropout
     (GPUs); torch's CPU kernel does not, and sdpa with attention dropout then runs its math path, which keeps the
     s x s probabilities as eager attention does (``Device.fused_attention_dropout``)."""
-    _refuse_unrouted_experts(model)
+    refuse_unmodelled_experts(model)
     plan, layer_names = units_of(model, registry, adapter)
     hidden = model.config.get_text_config().hidden_size
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
@@ -173,17 +172,6 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter,
     vocab = model.get_output_embeddings().weight.shape[0]
     return ActivationTrace(seq, units[FIRST], tuple(units[n] for n in layer_names), units[LAST], impl,
                            hidden * element, vocab * element, squares, math)
-
-
-def _refuse_unrouted_experts(model: nn.Module) -> None:
-    """Parameters stacked over experts (3-D) outside a transformers experts module (Llama4's expert-major experts,
-    custom ones): their forward is not the one ``ShapeOnlyExperts`` stands in for."""
-    stacked = unrouted_stack(model)
-    if stacked is not None:
-        raise ConfigError(
-            f"plait plan models transformers' experts modules (use_experts_implementation), not "
-            f"{model.config.model_type}'s {stacked}, stacked over experts in a module of its own; size the run "
-            f"with plait train --max_steps 2")
 
 
 def _pop(stack: list) -> None:

@@ -47,7 +47,7 @@ from unittest import mock
 from torch import nn
 
 from plait.base.config import ConfigError
-from plait.ep.layout import is_routed_experts
+from plait.ep.layout import is_routed_experts, own_experts
 
 WHOLE, SPLIT = "whole", "split"  # an expert tensor's share on a tp rank: all of it, or 1/tp (the intermediate)
 COUNT_BYTES = 8  # one int64 pair count per expert
@@ -82,6 +82,7 @@ def check_expert_parallel(model: nn.Module, ep: int) -> None:
     if ep == 1:
         return
     experts = routed_experts(model)
+    refuse_unmodelled_experts(model)  # experts plait trains at ep, which the planner does not size
     if not experts:
         raise ConfigError(f"ep={ep} divides routed experts, and {model.config.model_type} has none; drop "
                           f"--expert_parallel_size (ep is for MoE models)")
@@ -163,8 +164,24 @@ def expert_flops_per_token(calls: list[RoutedCall], local_numel: dict[str, int],
                / (tp if c.module in whole else 1) for c in calls)
 
 
+def refuse_unmodelled_experts(model: nn.Module) -> None:
+    """Parameters stacked over experts outside a transformers experts module (Llama4's expert-major experts, DBRX's
+    own module, custom ones): their forward is not the one ``ShapeOnlyExperts`` stands in for (DBRX's routes on the
+    meta device's data-dependent ops), with ep or without."""
+    stacked = unrouted_stack(model)
+    if stacked is not None:
+        raise ConfigError(
+            f"plait plan models transformers' experts modules (use_experts_implementation), not "
+            f"{model.config.model_type}'s {stacked}, stacked over experts in a module of its own; size the run "
+            f"with plait train --max_steps 2")
+
+
 def unrouted_stack(model: nn.Module) -> str | None:
-    """A parameter stacked over experts (3-D) outside a transformers experts module: the planner cannot run it."""
+    """A parameter stacked over experts outside a transformers experts module (3-D, or under a model's own
+    routed-experts module: DBRX's 2-D [experts x ffn, hidden]): the planner cannot run it."""
+    own = next(iter(own_experts(model).values()), None)
+    if own is not None:
+        return next(f"{name}" for name, p in model.named_parameters() if any(p is q for q in own[0].parameters()))
     return next((f"{name}.{leaf}" for name, module in model.named_modules()
                  if not isinstance(module, nn.Conv1d) and not is_routed_experts(module)
                  for leaf, p in module.named_parameters(recurse=False) if p.dim() == 3), None)
