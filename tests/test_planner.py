@@ -787,6 +787,40 @@ def test_search_offers_zero3_where_only_sharding_the_parameters_fits(tmp_path, c
     assert "tp=1 pp=1 dp=4 zero1" not in ranked
 
 
+def test_search_offers_zero3_with_ep_where_only_sharding_the_experts_over_their_replicas_fits(tmp_path, capsys):
+    """A MoE whose state fits at dp=4 x ep=2 only when FSDP2 shards the parameters: the search ranks ep=2 with
+    ZeRO-3, its command carrying both flags, and not ep=2 with ZeRO-1; each rank's bytes are the formula's: the
+    dense parameters over dp=4, its ep rank's half of the experts over the 2 ranks holding them."""
+    config = MixtralConfig(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=4, num_local_experts=8,
+                           max_position_embeddings=64)
+    model = build_meta_model(config, torch.float32)
+    registry = default_registry()
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    dense = sum(p.numel() for p in model.parameters()) - experts
+    peaks = {}
+    for name, layout in (("zero1", ParallelConfig(ep=2, zero_1=True)), ("zero3", ParallelConfig(ep=2, zero_stage=3))):
+        plan = plan_layout(model, layout, 4, registry)
+        estimate = estimate_layout(model, plan, Batch(1, 16), Precision(), trace_activations(model, 16, registry,
+                                                                                             plan.adapter))
+        peaks[name] = estimate.peak
+        if name == "zero3":
+            for rank in estimate.ranks:
+                held = dense / 4 + experts / 2 / 2
+                assert abs(rank.static.parameters - 4 * held) <= 4 * 4 * config.hidden_size, rank.static
+    assert peaks["zero3"] < peaks["zero1"]
+    path = tmp_path / "config.json"
+    config.to_json_file(path)
+    memory = (peaks["zero1"] + peaks["zero3"]) / 2
+    main(["plan", "--model_config", str(path), "--block_size", "16", "--per_device_train_batch_size", "1",
+          "--world_size", "4", "--search", "--hardware", "h100", "--device_memory", str(memory / 2**30),
+          "--top", "400", "--json"])
+    ranked = {r["layout"]: r["command"] for r in json.loads(capsys.readouterr().out)["ranked"]}
+    command = ranked.get("tp=1 pp=1 dp=4 ep=2 zero3", "")
+    assert "--expert_parallel_size 2" in command and "--zero_stage 3" in command, list(ranked)
+    assert "tp=1 pp=1 dp=4 ep=2 zero1" not in ranked
+
+
 def test_step_time_counts_slow_collectives_fsdp_copies_and_unfused_adamw():
     """A library that runs all-gather and reduce-scatter slower than all-reduce (gloo: calibrate measures it) makes
     ZeRO-3 slower and leaves plain dp as it was; torch's multi-tensor AdamW (no fused kernel) costs more where a

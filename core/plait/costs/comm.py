@@ -253,9 +253,10 @@ def fsdp_comm(plan: LayoutPlan, held: list[RankParam], precision: Precision, rep
     experts = {p.name for p in held if p.expert} if ep > 1 else set()
     ops = _unit_comm(plan, [p for p in held if p.name not in experts], precision, replicas, accumulation, once,
                      "dp", plan.units)
-    if experts and replicas // ep > 1:
+    if experts and replicas // ep > 1:  # the experts modules: those holding the expert parameters
+        modules = tuple(sorted({name.rpartition(".")[0] for name in experts}))
         ops += _unit_comm(plan, [p for p in held if p.name in experts], precision, replicas // ep, accumulation, (),
-                          "edp", plan.ep.modules)
+                          "edp", modules)
     return ops
 
 

@@ -152,10 +152,6 @@ def candidates(base: ParallelConfig, world_size: int, global_batch: int, experts
                         micro, _divisors(math.gcd(experts, dp * cp)) if experts else [1],
                         [True, False] if tp > 1 else [False], _zero_stages(dp * cp, schedule),
                         [False, True]):
-                    if zero >= 2 and ep > 1:
-                        # ZeRO-2/3 with ep run and `plait plan` sizes them (the experts' own FSDP2 units), but no
-                        # measured run has checked the ranking's time model for them yet: not proposed
-                        continue
                     out.append(dataclasses.replace(
                         base, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, virtual_pipeline_size=vpp,
                         pipeline_schedule=schedule, num_microbatches=m, sp=sp, zero_1=False, zero_stage=zero,
