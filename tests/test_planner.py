@@ -218,12 +218,11 @@ def test_cli_plan_json_and_search(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("ep", ["1", "2"])
-@pytest.mark.parametrize("arch, stacked", [("llama4_text", "model.layers.0.feed_forward.experts.gate_up_proj"),
-                                           ("dbrx", "transformer.blocks.0.ffn.experts.mlp.w1")])
+@pytest.mark.parametrize("arch, stacked", [("dbrx", "transformer.blocks.0.ffn.experts.mlp.w1")])
 def test_unrecognised_experts_are_refused_in_one_line(tmp_path, capsys, ep, arch, stacked):
-    """Llama4's expert-major experts and DBRX's own experts module are not transformers experts modules: plait plan
-    says so instead of failing inside transformers or torch (DBRX: torch.nonzero on the meta device), also at ep=2
-    (which plait train runs: it said "llama4_text has none" of the experts)."""
+    """DBRX's own experts module is not a transformers experts module, and its routing does not run on the meta
+    device: plait plan says so instead of failing inside torch (torch.nonzero on the meta device), also at ep=2
+    (which plait train runs: it said "dbrx has none" of the experts)."""
     from plait_transformers import plait_tiny_config
 
     path = tmp_path / "config.json"
@@ -547,6 +546,51 @@ def test_moe_activations_follow_transformers_grouped_mm_and_scale_with_imbalance
     with pytest.raises(SystemExit):
         main(["plan", "--model_config", str(path), "--block_size", "16", "--moe_imbalance", "0.5"])
     assert "--moe_imbalance=0.5 must be >= 1" in capsys.readouterr().err
+
+
+def test_expert_major_activations_are_what_llama4s_experts_save_and_take_no_imbalance(tmp_path, capsys):
+    """Llama 4's expert-major experts run as written on the meta device: every token once per expert, so for 16
+    tokens and E experts their input [E, 16, H] (whole on every tp rank) and the up projection's output [E, 16, 2I],
+    the activation and the down projection's input [E, 16, I] (split by tp), the bytes the real module saves on the
+    CPU; the call is recorded with top_k = E; --moe_imbalance changes nothing (nothing is routed) and the notes say
+    so. ``plait plan`` sizes Llama 4 at ep=2 (it was refused before; its built ranks' bytes and collectives equal
+    the plan's: test_bytes_equal_what_built_ranks_hold)."""
+    from plait.testing.conformance_modes import load_subject
+    from transformers import AutoModelForCausalLM
+
+    config = load_subject("transformers:llama4_text").config
+    registry = default_registry()
+    model = build_meta_model(config)
+    trace = trace_activations(model, 16, registry, registry.resolve(config))
+    experts, hidden, inter = config.num_local_experts, config.hidden_size, config.intermediate_size
+    whole, split = experts * 16 * hidden * 4, experts * 16 * (2 * inter + inter + inter) * 4
+    saved = {}
+    real = AutoModelForCausalLM.from_config(config).model.layers[0].feed_forward.experts
+
+    def pack(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        real(torch.randn(experts * 16, hidden, requires_grad=True))
+    params = {p.untyped_storage().data_ptr() for p in real.parameters()}
+    assert sum(n for ptr, n in saved.items() if ptr not in params) == whole + split
+    for unit in trace.layers:
+        assert sum(s.nbytes for s in unit.saved if s.expert == "whole") == whole
+        assert sum(s.nbytes for s in unit.saved if s.expert == "split") == split
+        assert [(c.tokens, c.top_k, c.num_experts, c.major) for c in unit.routed] == [(16, experts, experts, True)]
+
+    def per_microbatch(imbalance: float) -> int:
+        plan = plan_layout(model, ParallelConfig(ep=2), 2, registry)
+        estimate = estimate_layout(model, plan, Batch(2, 16), Precision(), trace, moe_imbalance=imbalance)
+        return estimate.ranks[0].activations.per_microbatch
+
+    assert per_microbatch(1.5) == per_microbatch(1.0)
+    path = tmp_path / "config.json"
+    config.to_json_file(path)
+    main(["plan", "--model_config", str(path), "--block_size", "16", "--expert_parallel_size", "2"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"expert-major experts: every token through each of the {experts} experts" in out and "dp=2 ep=2" in out
 
 
 def test_search_offers_ep_where_it_makes_dp_fit(tmp_path, capsys):

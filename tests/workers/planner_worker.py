@@ -62,6 +62,23 @@ MOE_LAYOUTS = {
 }
 
 
+# a tiny Llama 4 text model: expert-major experts (every token through every expert) in every layer, its shared
+# expert beside them; split over tp (tokens gathered per expert under SP), divided over ep (whole blocks moved)
+LLAMA4_LAYOUTS = {
+    "llama4_ep2": (ParallelConfig(ep=2), False, 0.0),
+    "llama4_tp2_sp_recompute": (ParallelConfig(tp=2, gradient_checkpointing=True), False, 0.0),
+    "llama4_tp2_nosp": (ParallelConfig(tp=2, sp=False), False, 0.0),
+}
+
+
+def llama4_config() -> PretrainedConfig:
+    from plait.testing.conformance_modes import load_subject
+
+    config = load_subject("transformers:llama4_text").config
+    config.vocab_size, config.max_position_embeddings = 61, SEQ
+    return config
+
+
 def model_config() -> LlamaConfig:
     return LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
@@ -119,6 +136,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     results = {name: run(name, *spec, model_config()) for name, spec in LAYOUTS.items()}
     results |= {name: run(name, *spec, moe_config()) for name, spec in MOE_LAYOUTS.items()}
+    results |= {name: run(name, *spec, llama4_config()) for name, spec in LLAMA4_LAYOUTS.items()}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:

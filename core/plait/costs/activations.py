@@ -34,7 +34,9 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from plait.costs.experts import SPLIT, WHOLE, RoutedCall, ShapeOnlyExperts, refuse_unmodelled_experts, routed_experts
+from plait.costs.experts import (
+    SPLIT, WHOLE, RoutedCall, ShapeOnlyExperts, major_experts, refuse_unmodelled_experts, routed_experts,
+)
 from plait.costs.traffic import Traffic, TrafficCounter, is_square
 from plait.costs.vision import VisionTrace
 from plait.pipeline.cuts import fallback_plan
@@ -54,6 +56,7 @@ class Saved:
     copy: bool = False  # a second linear saving the same input: one tensor here, its own gathered copy under SP
     square: bool = False  # eager attention's s x s probabilities (per head, not per token)
     expert: str = ""  # saved by routed experts: WHOLE on every tp rank, or SPLIT (the intermediate size, 1/tp)
+    major: bool = False  # saved by expert-major experts: every token reaches every expert, no routing imbalance
 
 
 @dataclass
@@ -110,7 +113,8 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter,
     records: list[tuple[str, Saved, weakref.ref]] = []  # (unit, what, the tensor: held at backward while it lives)
     where = {"unit": FIRST, "stack": []}
     experts = ShapeOnlyExperts(model)
-    experts_names = set(routed_experts(model))
+    major = major_experts(model)  # run as written (batched matmuls): whole if over the hidden size, else split
+    experts_names = set(routed_experts(model)) | set(major)
 
     def record(saved: Saved, tensor: torch.Tensor) -> None:
         records.append((where["unit"], saved, weakref.ref(tensor)))
@@ -133,6 +137,10 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter,
             if inner and inner not in experts_names:
                 record(Saved(nbytes, True, inner, copy=True), tensor)
             return tensor
+        if inner in major:
+            record(Saved(nbytes, False, inner, expert=WHOLE if tensor.shape[-1] == hidden else SPLIT, major=True),
+                   tensor)
+            return tensor
         if inner in experts_names:
             record(Saved(nbytes, False, inner, expert=SPLIT if experts.split else WHOLE), tensor)
             return tensor
@@ -151,7 +159,9 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter,
             handles.append(module.register_forward_pre_hook(lambda m, a, n=name: where["stack"].append(n)))
             handles.append(module.register_forward_hook(lambda *_: _pop(where["stack"])))
         elif name in experts_names:
-            handles.append(module.register_forward_pre_hook(_enter_experts(units, where, name), with_kwargs=True))
+            enter = _enter_major(units, where, name, major[name]) if name in major else \
+                _enter_experts(units, where, name)
+            handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
             handles.append(module.register_forward_hook(lambda *_: _pop(where["stack"])))
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     counter = TrafficCounter(units, where, seq, hidden, params)
@@ -184,6 +194,14 @@ def _enter_experts(units: dict, where: dict, name: str):
         hidden, index, weights = values["hidden_states"], values["top_k_index"], values["top_k_weights"]
         units[where["unit"]].routed.append(RoutedCall(name, hidden.shape[0], index.shape[-1], module.down_proj.shape[0],
                                                       weights.element_size(), index.element_size()))
+        where["stack"].append(name)
+    return hook
+
+
+def _enter_major(units: dict, where: dict, name: str, experts: int):
+    def hook(module, args, kwargs):
+        rows = (args[0] if args else kwargs["hidden_states"]).shape[0]  # every token once per expert
+        units[where["unit"]].routed.append(RoutedCall(name, rows // experts, experts, experts, 0, 0, major=True))
         where["stack"].append(name)
     return hook
 
@@ -221,7 +239,7 @@ def unit_bytes(
             continue
         if s.expert:  # tp's experts region hands every rank all tokens; each holds 1/tp of the intermediate
             shared = s.expert == SPLIT or s.module in whole  # whole experts: the rank's 1/tp of the tokens
-            size = math.ceil(_ceil(_ceil(s.nbytes, tp) if shared else s.nbytes, cp) * imbalance)
+            size = math.ceil(_ceil(_ceil(s.nbytes, tp) if shared else s.nbytes, cp) * (1.0 if s.major else imbalance))
             total += size
             largest = max(largest, size)
             continue

@@ -104,6 +104,10 @@ def step_comm(
         vocab_embedding = bool(labels & set(VOCAB_LABELS[:2]))
         vocab_head = "vocab_head" in labels
         held_modules = {p.name.rpartition(".")[0] for p in held}
+        # expert-major experts (Llama 4): a column-row pair over every expert's copy of the tokens, E x the bytes
+        major = {n: model.get_submodule(n).num_experts for n, shard in plan.shards_by_rank[0].items()
+                 if shard.style.label == "moe_experts_expert_major" and n in held_modules}
+        rows = {n for n in rows if n not in major}
         r = sum(1 for n in rows if n in held_modules)  # this rank's row linears
         # scored tokens: the labels are shifted and padded (tp.loss.shift_labels), so every local token is scored,
         # the last one's ignored label included
@@ -135,6 +139,12 @@ def step_comm(
             add("all_reduce", 2 * r, act)
             if has_last and vocab_head:
                 add("all_reduce", 1, act)
+        for experts in major.values():
+            if config.sequence_parallel:  # tokens gathered per expert, partial outputs reduce-scattered back
+                add("all_gather", 2, local * experts)
+                add("reduce_scatter", 2, act * experts)
+            else:
+                add("all_reduce", 2, act * experts)
         for call, recomputed in routed:
             if call.module not in tp_experts:
                 continue
@@ -157,7 +167,15 @@ def step_comm(
         # experts' own last saved tensor (TokenShareRegion's output gather is not).
         for leaf in plan.leaves:
             r_leaf = sum(1 for n in rows if n.startswith(leaf + ".") and n in held_modules)
-            last = 0 if any(n.startswith(leaf + ".") for n in whole) else 1
+            # Llama 4's MoE block adds the experts' sum into its shared expert's output in place (out.add_): its
+            # layers are recomputed through that last row output too (measured: one more reduce-scatter a layer)
+            last = 0 if any(n.startswith(leaf + ".") for n in (*whole, *major)) else 1
+            for experts in (e for n, e in major.items() if n.startswith(leaf + ".")):  # before the layer's last row
+                if config.sequence_parallel:
+                    add("all_gather", 1, local * experts)
+                    add("reduce_scatter", 1, act * experts)
+                else:
+                    add("all_reduce", 1, act * experts)
             if r_leaf and config.sequence_parallel:
                 add("all_gather", r_leaf, local)
                 add("reduce_scatter", r_leaf - last, act)
@@ -197,7 +215,7 @@ def step_comm(
         ops.append(CommOp("cp", op, n * acc, size * acc))
     if config.ep > 1:
         count, size = ep_comm(routed, shape.batch, cp, shape.hidden, shape.act_bytes, config.num_microbatches,
-                              config.tp, whole)
+                              config.tp, whole, config.ep)
         ops.append(CommOp("ep", "all_to_all", count * acc, size * acc))
     if split is not None:
         m = config.num_microbatches

@@ -278,15 +278,23 @@ def estimate_layout(
 
 def _moe_notes(trace: ActivationTrace, config, moe_imbalance: float, imbalance: float) -> list[str]:
     """The routing assumption (one line) and the ep layout, for a model with routed experts."""
-    experts = sorted({call.num_experts for unit in trace.layers for call in unit.routed})
-    if not experts:
+    calls = [call for unit in trace.layers for call in unit.routed]
+    experts = sorted({call.num_experts for call in calls if not call.major})
+    if not calls:
         return []
-    count = "/".join(map(str, experts))
-    skew = f"x{imbalance:g} on the busiest rank (--moe_imbalance {moe_imbalance:g}" + (
-        ", capped at ep)" if imbalance < moe_imbalance and config.ep > 1 else
-        "; none at ep=1, where a rank computes all its own pairs)" if config.ep == 1 and moe_imbalance != 1 else ")")
-    notes = [f"routed experts: balanced routing assumed (each of the {count} experts gets tokens x top_k / experts "
-             f"pairs, so a rank computes tokens x top_k pairs at any ep); expert activations and FLOPs {skew}"]
+    notes = []
+    if experts:
+        count = "/".join(map(str, experts))
+        skew = f"x{imbalance:g} on the busiest rank (--moe_imbalance {moe_imbalance:g}" + (
+            ", capped at ep)" if imbalance < moe_imbalance and config.ep > 1 else
+            "; none at ep=1, where a rank computes all its own pairs)" if config.ep == 1 and moe_imbalance != 1 else
+            ")")
+        notes.append(f"routed experts: balanced routing assumed (each of the {count} experts gets tokens x top_k / "
+                     f"experts pairs, so a rank computes tokens x top_k pairs at any ep); expert activations and "
+                     f"FLOPs {skew}")
+    else:  # expert-major experts only (Llama 4)
+        notes.append(f"expert-major experts: every token through each of the {calls[0].num_experts} experts, scaled "
+                     f"by its score (no routing to assume: --moe_imbalance has no effect)")
     if config.ep > 1:
         holders = (config.dp or 1) * config.cp // config.ep
         where = (f"their gradients summed{' and ZeRO-1 sharded' if config.zero_1 else ''} over the {holders} ranks "

@@ -47,7 +47,7 @@ from unittest import mock
 from torch import nn
 
 from plait.base.config import ConfigError
-from plait.ep.layout import is_routed_experts, own_experts
+from plait.ep.layout import expert_major_experts, is_routed_experts, own_experts
 
 WHOLE, SPLIT = "whole", "split"  # an expert tensor's share on a tp rank: all of it, or 1/tp (the intermediate)
 COUNT_BYTES = 8  # one int64 pair count per expert
@@ -64,6 +64,7 @@ class RoutedCall:
     num_experts: int
     weight_bytes: int
     index_bytes: int
+    major: bool = False  # expert-major experts (``major_experts``): every token through every expert (top_k = E)
 
 
 def routed_experts(model: nn.Module) -> dict[str, int]:
@@ -71,9 +72,18 @@ def routed_experts(model: nn.Module) -> dict[str, int]:
     return {name: module.down_proj.shape[0] for name, module in model.named_modules() if is_routed_experts(module)}
 
 
+def major_experts(model: nn.Module) -> dict[str, int]:
+    """Expert-major experts modules (Llama 4's: ``plait.ep.layout.expert_major_experts``), name -> number of
+    experts. Their forward runs as written on the meta device (batched matmuls over [E, T, H], no routing): every
+    token reaches every expert, scaled by its score before; under ep a rank runs its E/ep experts on every ep rank's
+    tokens, E x T rows as without ep, and the all-to-alls move whole blocks (module docstring's formulas with
+    top_k = E and one token count per ep rank, not per expert)."""
+    return {name: module.num_experts for name, module in expert_major_experts(model).items()}
+
+
 def expert_parameters(model: nn.Module) -> set[str]:
     """Names (every alias) of the parameters ep divides: those of the experts modules."""
-    experts = routed_experts(model)
+    experts = routed_experts(model) | major_experts(model)
     return {name for name, _ in model.named_parameters(remove_duplicate=False) if name.rpartition(".")[0] in experts}
 
 
@@ -81,7 +91,7 @@ def check_expert_parallel(model: nn.Module, ep: int) -> None:
     """Refuse an ep that cannot divide ``model``'s experts (or a model without any), naming the values and the fix."""
     if ep == 1:
         return
-    experts = routed_experts(model)
+    experts = routed_experts(model) | major_experts(model)
     refuse_unmodelled_experts(model)  # experts plait trains at ep, which the planner does not size
     if not experts:
         raise ConfigError(f"ep={ep} divides routed experts, and {model.config.model_type} has none; drop "
@@ -139,10 +149,12 @@ def token_share(rows: int, tp: int, whole: bool) -> int:
 
 
 def ep_comm(calls: Sequence[tuple[RoutedCall, bool]], sequences: int, cp: int, hidden: int, act_bytes: int,
-            microbatches: int, tp: int = 1, whole: frozenset[str] | set[str] = frozenset()) -> tuple[int, int]:
+            microbatches: int, tp: int = 1, whole: frozenset[str] | set[str] = frozenset(), ep: int = 1,
+            ) -> tuple[int, int]:
     """(count, bytes) of one micro-step's ep all-to-alls on a rank running ``calls`` (each with whether its layer
     is recomputed) for ``sequences`` sequences split into ``microbatches`` (module docstring); ``whole``: experts
-    modules kept whole over ``tp`` ranks, whose all-to-alls move the rank's 1/tp of the tokens."""
+    modules kept whole over ``tp`` ranks, whose all-to-alls move the rank's 1/tp of the tokens; expert-major
+    calls exchange one token count per ``ep`` rank."""
     count = size = 0
     for call, recomputed in calls:
         rows = sequences // microbatches * call.tokens // cp  # the rank's tokens in one micro-batch
@@ -150,7 +162,7 @@ def ep_comm(calls: Sequence[tuple[RoutedCall, bool]], sequences: int, cp: int, h
         passes = 2 + (1 if recomputed else 0)  # forward, backward, forward again
         count += microbatches * (2 * passes + 1 + (1 if recomputed else 0))
         size += 2 * passes * tokens * call.top_k * hidden * act_bytes
-        size += microbatches * (1 + (1 if recomputed else 0)) * call.num_experts * COUNT_BYTES
+        size += microbatches * (1 + (1 if recomputed else 0)) * (ep if call.major else call.num_experts) * COUNT_BYTES
     return count, size
 
 
@@ -160,8 +172,8 @@ def expert_flops_per_token(calls: list[RoutedCall], local_numel: dict[str, int],
     pair it computes (top_k per routed token, times the busiest rank's ``imbalance``). ``local_numel``: elements of
     each experts module's stacked weights the rank holds (E/ep experts, 1/tp of each, or all of each for the
     modules in ``whole``, which compute 1/tp of the tokens)."""
-    return sum(2 * local_numel[c.module] / (c.num_experts // ep) * c.top_k * c.tokens / seq * imbalance
-               / (tp if c.module in whole else 1) for c in calls)
+    return sum(2 * local_numel[c.module] / (c.num_experts // ep) * c.top_k * c.tokens / seq
+               * (1.0 if c.major else imbalance) / (tp if c.module in whole else 1) for c in calls)
 
 
 def refuse_unmodelled_experts(model: nn.Module) -> None:
@@ -182,6 +194,7 @@ def unrouted_stack(model: nn.Module) -> str | None:
     own = next(iter(own_experts(model).values()), None)
     if own is not None:
         return next(f"{name}" for name, p in model.named_parameters() if any(p is q for q in own[0].parameters()))
+    major = major_experts(model)
     return next((f"{name}.{leaf}" for name, module in model.named_modules()
-                 if not isinstance(module, nn.Conv1d) and not is_routed_experts(module)
+                 if not isinstance(module, nn.Conv1d) and not is_routed_experts(module) and name not in major
                  for leaf, p in module.named_parameters(recurse=False) if p.dim() == 3), None)
