@@ -19,7 +19,7 @@ from plait.testing import launch
 WORKER = str(Path(__file__).parent / "workers" / "ep_parity.py")
 CASES = {2: ["mixtral|ep2", "qwen3_moe|ep2", "deepseek_v3|ep2", "gpt_oss|ep2", "olmoe|ep2", "dbrx|ep2",
              "llama4_text|ep2",
-             "qwen3_moe|ep2-zero1", "qwen3_moe|ep2-zero3", "dbrx|ep2-zero2", "mixtral|cp2-ep2-zero3",
+             "qwen3_moe|ep2-zero1", "qwen3_moe|ep2-zero3", "dbrx|ep2-zero2", "qwen3_moe|cp2-ep2-zero3",
              "mixtral|cp2-ep2", "mixtral|ep2-recompute-microbatches2", "mixtral|ep2-capacity-no-drop",
              "qwen3_moe|tp2-whole-experts", "gpt_oss|tp2-nosp-whole-experts"],
          4: ["mixtral|ep2-tp2", "qwen3_moe|ep2-dp4-zero1", "mixtral|ep4", "llama4_text|ep4", "qwen3_moe|ep2-pp2",

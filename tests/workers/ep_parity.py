@@ -42,7 +42,7 @@ CASES = {
        ("mixtral", "ep2-recompute-microbatches2", dict(ep=2, gradient_checkpointing=True, num_microbatches=2)),
        ("mixtral", "ep2-capacity-no-drop", dict(ep=2, moe_capacity_factor=100.0)),
        ("qwen3_moe", "ep2-zero3", dict(ep=2, zero_stage=3)), ("dbrx", "ep2-zero2", dict(ep=2, zero_stage=2)),
-       ("mixtral", "cp2-ep2-zero3", dict(cp=2, ep=2, zero_stage=3)),
+       ("qwen3_moe", "cp2-ep2-zero3", dict(cp=2, ep=2, zero_stage=3)),
        ("qwen3_moe", "tp2-whole-experts", dict(tp=2, sp=True, expert_tensor_parallel=False)),
        ("gpt_oss", "tp2-nosp-whole-experts", dict(tp=2, sp=False, expert_tensor_parallel=False))],
     4: [("mixtral", "ep2-tp2", dict(ep=2, tp=2, sp=True)), ("qwen3_moe", "ep2-dp4-zero1", dict(ep=2, zero_1=True)),
