@@ -40,33 +40,77 @@ KD_LOSSES = ("fkl", "rkl", "jsd")  # plait.run.methods.kd.divergence's kinds
 class MethodArgs:
     """The method-specific flags of ``TrainArgs`` (its base class)."""
 
-    method: str = field(default="next_token", metadata={"help": f"the training method: one of {', '.join(METHODS)} (next_token: language modelling, or SFT on chat / prompt-completion data; dpo: preference training on a .jsonl of 'prompt', 'chosen', 'rejected' rows, TRL's DPOTrainer; --block_size is its max_length; cpo, orpo: the same rows without a reference model, TRL's CPOTrainer (SimPO: --loss_type simpo --cpo_alpha 0) and ORPOTrainer; kd: distillation from --teacher_model_name_or_path on the next-token data; grpo: online RL on a .jsonl of prompts ('prompt': text or chat messages) with --reward_funcs, TRL's GRPOTrainer)"})
-    beta: float | None = field(default=None, metadata={"help": "dpo, cpo, orpo: the preference loss's scale (TRL's beta; dpo: the strength of the pull to the reference model; default 0.1); grpo: the KL penalty's weight (default 0.0: no reference model is loaded)"})
-    loss_type: str | None = field(default=None, metadata={"help": "grpo: one of grpo, dr_grpo, dapo (default), bnpo, as TRL's; dpo (default sigmoid): the preference loss, or several comma-separated (summed, weighted by --loss_weights), as TRL's loss_type: sigmoid, hinge, ipo, robust, apo_zero, apo_down, nca_pair, bco_pair, sppo_hard, sigmoid_norm, exo_pair, sft (the chosen completions' NLL: RPO is sigmoid,sft); cpo: one of sigmoid, hinge, ipo, simpo"})
-    loss_weights: str | None = field(default=None, metadata={"help": "dpo: comma-separated weights, one per --loss_type (default: 1 each)"})
-    label_smoothing: float = field(default=0.0, metadata={"help": "dpo, cpo: the probability that a preference label is wrong, in [0, 0.5) (TRL's label_smoothing; read by dpo's robust and exo_pair losses and cpo's sigmoid and simpo only, refused with the others)"})
-    truncation_mode: str = field(default="keep_start", metadata={"help": f"dpo: how a prompt + completion longer than --block_size is cut: one of {', '.join(TRUNCATION_MODES)} (keep_start drops rows whose prompt alone fills it, as TRL)"})
-    precompute_ref_log_probs: bool = field(default=False, metadata={"help": "dpo: read the reference model's log-probs of every row once before training, then free it"})
-    simpo_gamma: float = field(default=0.5, metadata={"help": "cpo: the target reward margin of --loss_type simpo (TRL's simpo_gamma)"})
-    cpo_alpha: float = field(default=1.0, metadata={"help": "cpo: the weight of the chosen completions' NLL beside the preference loss (TRL's cpo_alpha; SimPO: 0)"})
-    ref_model_name_or_path: str | None = field(default=None, metadata={"help": "dpo: the reference model's directory (same vocabulary; default: the policy as it starts)"})
-    teacher_model_name_or_path: str | None = field(default=None, metadata={"help": "kd: the teacher's model directory (or plait checkpoint): the student's vocabulary, any size; laid out on the student's layout, forward-only"})
-    kd_loss: str = field(default="fkl", metadata={"help": f"kd: the divergence per token, one of {', '.join(KD_LOSSES)}: fkl KL(teacher||student), rkl KL(student||teacher), jsd the generalized Jensen-Shannon divergence with --kd_beta (TRL's generalized_jsd_loss: beta 0 is fkl, 1 rkl)"})
-    kd_beta: float = field(default=0.5, metadata={"help": "kd: the teacher's weight in jsd's mixture, strictly between 0 and 1 (TRL's GKD beta)"})
-    kd_temperature: float = field(default=1.0, metadata={"help": "kd: both models' logits are divided by it before the divergence"})
-    kd_ratio: float = field(default=0.5, metadata={"help": "kd: the loss is (1 - kd_ratio) x cross-entropy + kd_ratio x divergence (1: the divergence alone)"})
-    num_generations: int = field(default=8, metadata={"help": "grpo: completions per prompt (a group); it divides the global batch of completions"})
-    max_completion_length: int = field(default=256, metadata={"help": "grpo: new tokens per completion at most (prompt + completion fit in --block_size)"})
-    temperature: float = field(default=1.0, metadata={"help": "grpo: sampling temperature of the rollouts (and of the log-probs, as TRL)"})
+    method: str = field(default="next_token", metadata={
+        "help": f"the training method: one of {', '.join(METHODS)} (next_token: language modelling, or SFT on chat "
+                "/ prompt-completion data; dpo: preference training on a .jsonl of 'prompt', 'chosen', 'rejected' "
+                "rows, TRL's DPOTrainer; --block_size is its max_length; cpo, orpo: the same rows without a "
+                "reference model, TRL's CPOTrainer (SimPO: --loss_type simpo --cpo_alpha 0) and ORPOTrainer; kd: "
+                "distillation from --teacher_model_name_or_path on the next-token data; grpo: online RL on a .jsonl "
+                "of prompts ('prompt': text or chat messages) with --reward_funcs, TRL's GRPOTrainer)"})
+    beta: float | None = field(default=None, metadata={
+        "help": "dpo, cpo, orpo: the preference loss's scale (TRL's beta; dpo: the strength of the pull to the "
+                "reference model; default 0.1); grpo: the KL penalty's weight (default 0.0: no reference model is "
+                "loaded)"})
+    loss_type: str | None = field(default=None, metadata={
+        "help": "grpo: one of grpo, dr_grpo, dapo (default), bnpo, as TRL's; dpo (default sigmoid): the preference "
+                "loss, or several comma-separated (summed, weighted by --loss_weights), as TRL's loss_type: "
+                "sigmoid, hinge, ipo, robust, apo_zero, apo_down, nca_pair, bco_pair, sppo_hard, sigmoid_norm, "
+                "exo_pair, sft (the chosen completions' NLL: RPO is sigmoid,sft); cpo: one of sigmoid, hinge, ipo, "
+                "simpo"})
+    loss_weights: str | None = field(default=None, metadata={
+        "help": "dpo: comma-separated weights, one per --loss_type (default: 1 each)"})
+    label_smoothing: float = field(default=0.0, metadata={
+        "help": "dpo, cpo: the probability that a preference label is wrong, in [0, 0.5) (TRL's label_smoothing; "
+                "read by dpo's robust and exo_pair losses and cpo's sigmoid and simpo only, refused with the others)"})
+    truncation_mode: str = field(default="keep_start", metadata={
+        "help": f"dpo: how a prompt + completion longer than --block_size is cut: one of "
+                f"{', '.join(TRUNCATION_MODES)} (keep_start drops rows whose prompt alone fills it, as TRL)"})
+    precompute_ref_log_probs: bool = field(default=False, metadata={
+        "help": "dpo: read the reference model's log-probs of every row once before training, then free it"})
+    simpo_gamma: float = field(default=0.5, metadata={
+        "help": "cpo: the target reward margin of --loss_type simpo (TRL's simpo_gamma)"})
+    cpo_alpha: float = field(default=1.0, metadata={
+        "help": "cpo: the weight of the chosen completions' NLL beside the preference loss (TRL's cpo_alpha; SimPO: "
+                "0)"})
+    ref_model_name_or_path: str | None = field(default=None, metadata={
+        "help": "dpo: the reference model's directory (same vocabulary; default: the policy as it starts)"})
+    teacher_model_name_or_path: str | None = field(default=None, metadata={
+        "help": "kd: the teacher's model directory (or plait checkpoint): the student's vocabulary, any size; laid "
+                "out on the student's layout, forward-only"})
+    kd_loss: str = field(default="fkl", metadata={
+        "help": f"kd: the divergence per token, one of {', '.join(KD_LOSSES)}: fkl KL(teacher||student), rkl "
+                "KL(student||teacher), jsd the generalized Jensen-Shannon divergence with --kd_beta (TRL's "
+                "generalized_jsd_loss: beta 0 is fkl, 1 rkl)"})
+    kd_beta: float = field(default=0.5, metadata={
+        "help": "kd: the teacher's weight in jsd's mixture, strictly between 0 and 1 (TRL's GKD beta)"})
+    kd_temperature: float = field(default=1.0, metadata={
+        "help": "kd: both models' logits are divided by it before the divergence"})
+    kd_ratio: float = field(default=0.5, metadata={
+        "help": "kd: the loss is (1 - kd_ratio) x cross-entropy + kd_ratio x divergence (1: the divergence alone)"})
+    num_generations: int = field(default=8, metadata={
+        "help": "grpo: completions per prompt (a group); it divides the global batch of completions"})
+    max_completion_length: int = field(default=256, metadata={
+        "help": "grpo: new tokens per completion at most (prompt + completion fit in --block_size)"})
+    temperature: float = field(default=1.0, metadata={
+        "help": "grpo: sampling temperature of the rollouts (and of the log-probs, as TRL)"})
     top_p: float = field(default=1.0, metadata={"help": "grpo: nucleus sampling's mass"})
     top_k: int = field(default=0, metadata={"help": "grpo: sample from the k likeliest tokens (0: all)"})
     epsilon: float = field(default=0.2, metadata={"help": "grpo: the ratio's lower clip, 1 - epsilon"})
-    epsilon_high: float | None = field(default=None, metadata={"help": "grpo: the ratio's upper clip, 1 + epsilon_high (default: --epsilon; DAPO: 0.28)"})
-    scale_rewards: str = field(default="group", metadata={"help": "grpo: advantages divided by the group's reward std (group), the batch's (batch) or not (none)"})
-    num_iterations: int = field(default=1, metadata={"help": "grpo: optimizer steps on each batch of rollouts (TRL's mu)"})
-    reward_funcs: str | None = field(default=None, metadata={"help": "grpo: comma-separated reward functions, FILE.py:FUNC or module:func, TRL's signature f(prompts, completions, **columns) -> list[float]"})
-    reward_weights: str | None = field(default=None, metadata={"help": "grpo: comma-separated weights, one per --reward_funcs (default: 1 each)"})
-    use_bias_correction_kl: bool = field(default=True, metadata={"help": "grpo: the KL term times the importance ratio (TRL 1.16's default: the unbiased reverse-KL gradient of DeepSeek-V3.2; the same value, another gradient even on-policy); --no_use_bias_correction_kl: the plain k3 term"})
+    epsilon_high: float | None = field(default=None, metadata={
+        "help": "grpo: the ratio's upper clip, 1 + epsilon_high (default: --epsilon; DAPO: 0.28)"})
+    scale_rewards: str = field(default="group", metadata={
+        "help": "grpo: advantages divided by the group's reward std (group), the batch's (batch) or not (none)"})
+    num_iterations: int = field(default=1, metadata={
+        "help": "grpo: optimizer steps on each batch of rollouts (TRL's mu)"})
+    reward_funcs: str | None = field(default=None, metadata={
+        "help": "grpo: comma-separated reward functions, FILE.py:FUNC or module:func, TRL's signature f(prompts, "
+                "completions, **columns) -> list[float]"})
+    reward_weights: str | None = field(default=None, metadata={
+        "help": "grpo: comma-separated weights, one per --reward_funcs (default: 1 each)"})
+    use_bias_correction_kl: bool = field(default=True, metadata={
+        "help": "grpo: the KL term times the importance ratio (TRL 1.16's default: the unbiased reverse-KL gradient "
+                "of DeepSeek-V3.2; the same value, another gradient even on-policy); --no_use_bias_correction_kl: "
+                "the plain k3 term"})
 
     def dpo_loss_types(self) -> list[str]:
         return _names(self.loss_type)
