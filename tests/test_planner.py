@@ -217,6 +217,44 @@ def test_cli_plan_json_and_search(tmp_path, capsys):
     assert "--lora_r=8 --lora_alpha=32.0" in json.loads(capsys.readouterr().out)["command"]
 
 
+@pytest.mark.parametrize("arch", ["mamba", "xlstm", "biogpt", "gemma4", "moshi", "rwkv", "recurrent_gemma", "zamba"])
+def test_plan_sizes_architectures_it_failed_on(tmp_path, capsys, arch):
+    """Architectures plait trains on which plait plan ended in an exception (scripts/plan_sweep.py, transformers
+    5.24: 12 of 163) or in a false refusal: attention-free models (the FLOPs read num_attention_heads), models whose
+    mask helpers read values (an all-ones padding mask, their own position ids: Tensor.item() on the meta device),
+    3-D parameters that are not experts (RWKV's time_mix_key [1, 1, H], RecurrentGemma's and Zamba's) refused as
+    'stacked over experts'. Now each is sized (scripts/plan_sweep.py: no exception left; 153 of the 163 at dp=2)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from plait_transformers.tiny import tiny_config
+
+    path = tmp_path / "config.json"
+    tiny_config(CONFIG_MAPPING[arch]).to_json_file(path)
+    main(["plan", "--model_config", str(path), "--block_size", "16", "--world_size", "2"])
+    assert "memory per rank" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arch, failing", [("qwen4_exp_text", "NotImplementedError at modeling_qwen4_exp"),
+                                            ("xlnet", "RuntimeError at modeling_xlnet")])
+def test_a_forward_that_fails_on_meta_is_refused_naming_its_line(tmp_path, capsys, arch, failing):
+    """Qwen4-exp's attention selects tokens by value (torch.nonzero), XLNet makes tensors on the CPU: plait plan
+    cannot trace them on the meta device and says so in one line, naming the model and transformers' line, with
+    the way to size the run. (XLNet's max_position_embeddings=-1, no limit, had been read as one: 'use --block_size
+    -1 or less', plait train's check too.)"""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from plait_transformers.tiny import tiny_config
+
+    path = tmp_path / "config.json"
+    tiny_config(CONFIG_MAPPING[arch]).to_json_file(path)
+    with pytest.raises(SystemExit):
+        main(["plan", "--model_config", str(path), "--block_size", "16", "--world_size", "2"])
+    err = capsys.readouterr().err
+    assert re.search(rf"traces {arch} on the meta device \(shapes without values\), where its forward fails "
+                     rf"\({failing}\.py:\d+: .*\); size the run with plait train", err), err
+    assert "Traceback" not in err and err.strip().count("\n") == 0
+
+
 @pytest.mark.parametrize("ep", ["1", "2"])
 @pytest.mark.parametrize("arch, stacked", [("dbrx", "transformer.blocks.0.ffn.experts.mlp.w1")])
 def test_unrecognised_experts_are_refused_in_one_line(tmp_path, capsys, ep, arch, stacked):

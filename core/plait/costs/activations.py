@@ -34,9 +34,11 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from plait.base.config import ConfigError
 from plait.costs.experts import (
     SPLIT, WHOLE, RoutedCall, ShapeOnlyExperts, major_experts, refuse_unmodelled_experts, routed_experts,
 )
+from plait.costs.meta_forward import forward_on_meta
 from plait.costs.traffic import Traffic, TrafficCounter, is_square
 from plait.costs.vision import VisionTrace
 from plait.pipeline.cuts import fallback_plan
@@ -88,7 +90,11 @@ class ActivationTrace:
 def units_of(model: nn.Module, registry: Registry, adapter) -> tuple[PipelinePlan, list[str]]:
     """The adapter's pipeline units (first modules, decoder layers, last modules), also at pp=1."""
     leaf_patterns = registry.leaf_modules(adapter, model.config)
-    plan = registry.pipeline_plan(adapter, model.config) or fallback_plan(model, leaf_patterns)
+    try:
+        plan = registry.pipeline_plan(adapter, model.config)
+    except ConfigError:  # the model cannot be cut into stages (XLNet threads a second stream): its units still count
+        plan = None
+    plan = plan or fallback_plan(model, leaf_patterns)
     layers = [f"{plan.layers}.{name}" for name, _ in model.get_submodule(plan.layers).named_children()]
     return plan, layers
 
@@ -102,7 +108,11 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter,
     s x s probabilities as eager attention does (``Device.fused_attention_dropout``)."""
     refuse_unmodelled_experts(model)
     plan, layer_names = units_of(model, registry, adapter)
-    hidden = model.config.get_text_config().hidden_size
+    hidden = getattr(model.config.get_text_config(), "hidden_size", None)
+    if hidden is None:  # BLT: byte-level encoder, global transformer and decoder of their own widths
+        raise ConfigError(f"plait plan sizes models of one hidden size (config.hidden_size), which "
+                          f"{model.config.model_type}'s config does not give; size the run with plait train "
+                          f"--max_steps 2")
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
     units = {FIRST: UnitTrace(), LAST: UnitTrace(), **{name: UnitTrace() for name in layer_names}}
     params = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -168,7 +178,7 @@ def trace_activations(model: nn.Module, seq: int, registry: Registry, adapter,
     try:
         model.train()  # what training saves (dropout masks included)
         with experts.active(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
-            out = model(input_ids=ids, labels=ids)  # held: its graph holds what backward would find
+            out = forward_on_meta(model, ids)  # held: its graph holds what backward would find
         math = impl == "sdpa" and counter.square_dropout and not fused_dropout
         squares = impl == "eager" or math  # else a fused kernel keeps only its output and logsumexp
         for unit, saved, ref in records:

@@ -328,8 +328,8 @@ def _step_flops(model: nn.Module, plan: LayoutPlan, pp_rank: int, held, batch: B
     has_last = plan.split is None or plan.split.num_stages - 1 in plan.stages_of(pp_rank)
     if has_last and getattr(text, "tie_word_embeddings", False):
         weights += sum(p.numel for p in held if p.embedding and p.full_shape[0] == text.vocab_size)
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    heads = getattr(text, "num_attention_heads", 0)  # none: an attention-free model (Mamba, xLSTM)
+    head_dim = (getattr(text, "head_dim", None) or text.hidden_size // heads) if heads else 0
     layers = layers_of(plan, pp_rank, len(trace.layers))
     stacked: dict[str, int] = {}  # experts module -> elements of its stacked weights on this rank
     for p in held:

@@ -195,6 +195,13 @@ def unrouted_stack(model: nn.Module) -> str | None:
     if own is not None:
         return next(f"{name}" for name, p in model.named_parameters() if any(p is q for q in own[0].parameters()))
     major = major_experts(model)
-    return next((f"{name}.{leaf}" for name, module in model.named_modules()
-                 if not isinstance(module, nn.Conv1d) and not is_routed_experts(module) and name not in major
-                 for leaf, p in module.named_parameters(recurse=False) if p.dim() == 3), None)
+    for name, module in model.named_modules():
+        if is_routed_experts(module) or name in major:
+            continue
+        stacked = [(leaf, p) for leaf, p in module.named_parameters(recurse=False) if p.dim() == 3]
+        # experts by name or count, as ep's own test (plait.ep.layout.other_experts): not every 3-D parameter
+        # (RWKV's time_mix_key [1, 1, H], XLNet's mask_emb, a convolution's kernel) stacks experts
+        counted = getattr(module, "num_experts", None)
+        if stacked and ("expert" in name.rpartition(".")[2] or counted == stacked[0][1].shape[0]):
+            return f"{name}.{stacked[0][0]}"
+    return None

@@ -75,7 +75,7 @@ def load_config_file(path: Path) -> PretrainedConfig:
 def check_model_fits(args: TrainArgs, config: PretrainedConfig) -> None:
     """Model-dependent checks, still before any process group exists."""
     positions = getattr(config, "max_position_embeddings", None)
-    if positions is not None and args.block_size > positions:
+    if positions is not None and 0 < positions < args.block_size:  # XLNet's -1: relative positions, no limit
         raise ConfigError(
             f"--block_size={args.block_size} is larger than the model's max_position_embeddings={positions}; "
             f"use --block_size {positions} or less"
