@@ -2,7 +2,9 @@
 meta device, memory, traffic, step time) for each decoder-only causal LM of the installed transformers, from the
 tiny config plait-transformers derives (as scripts/architecture_sweep.py builds them), at dp=2 and at tp=2 with SP.
 
-    python scripts/plan_sweep.py [--only qwen3 gemma4 ...]
+    python scripts/plan_sweep.py [--only qwen3 gemma4 ...] [--image-text]
+
+``--image-text``: the image-text-to-text types instead, from the tiny configs scripts/vision_sweep.py builds.
 
 Prints one line per architecture and layout that does not end in an estimate, and per layout the count of
 estimates and of plait's refusals (one line each: the layout's own, as ``plait train`` refuses it; experts modules
@@ -21,7 +23,7 @@ from pathlib import Path
 LAYOUTS = {"dp2": ({}, 2), "tp2-sp": ({"tp": 2}, 2)}
 
 
-def outcome(model_type: str, layout: dict, world: int) -> str:
+def outcome(model_type: str, layout: dict, world: int, image_text: bool = False) -> str:
     """'ok', 'refused: ...' (plait's ConfigError or AdapterError) or 'CRASH Type: ...'."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -37,7 +39,12 @@ def outcome(model_type: str, layout: dict, world: int) -> str:
 
     registry = default_registry()
     try:
-        config = tiny_config(CONFIG_MAPPING[model_type])
+        if image_text:
+            from plait_transformers.vision_parity import sweep_config
+
+            config = sweep_config(model_type)
+        else:
+            config = tiny_config(CONFIG_MAPPING[model_type])
         model = build_meta_model(config)
     except Exception as err:  # noqa: BLE001  (a config the tiny deriver cannot build: not the planner's)
         return f"no tiny model: {type(err).__name__}"
@@ -59,13 +66,18 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", metavar="MODEL_TYPE", help="these architectures only")
+    parser.add_argument("--image-text", action="store_true", help="the image-text-to-text types")
     ns = parser.parse_args()
     warnings.filterwarnings("ignore")
-    types = ns.only or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if ns.image_text:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as names
+    else:
+        names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    types = ns.only or sorted(names)
     counts: dict[str, Counter] = {name: Counter() for name in LAYOUTS}
     for model_type in types:
         for name, (layout, world) in LAYOUTS.items():
-            found = outcome(model_type, layout, world)
+            found = outcome(model_type, layout, world, ns.image_text)
             kind = found.split(":")[0].split(" ")[0]
             counts[name][kind] += 1
             if kind != "ok":

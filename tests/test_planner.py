@@ -255,6 +255,19 @@ def test_a_forward_that_fails_on_meta_is_refused_naming_its_line(tmp_path, capsy
     assert "Traceback" not in err and err.strip().count("\n") == 0
 
 
+def test_an_image_text_forward_that_fails_text_only_is_refused_naming_its_line():
+    """Llama 4's image-text class reads image outputs a text-only forward did not make (transformers 5.24,
+    modeling_llama4.py): plait plan ended in that AttributeError; now a one-line refusal naming the line."""
+    from plait_transformers.vision_parity import sweep_config
+
+    registry = default_registry()
+    model = build_meta_model(sweep_config("llama4"))
+    plan = plan_layout(model, ParallelConfig(), 2, registry)
+    with pytest.raises(ConfigError, match=r"traces llama4 on the meta device \(shapes without values\), where its "
+                                          r"forward fails \(AttributeError at modeling_llama4\.py:\d+: "):
+        trace_activations(model, 16, registry, plan.adapter)
+
+
 @pytest.mark.parametrize("ep", ["1", "2"])
 @pytest.mark.parametrize("arch, stacked", [("dbrx", "transformer.blocks.0.ffn.experts.mlp.w1")])
 def test_unrecognised_experts_are_refused_in_one_line(tmp_path, capsys, ep, arch, stacked):
