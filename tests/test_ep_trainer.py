@@ -104,15 +104,18 @@ def test_ep2_zero3_matches_one_process_consolidates_and_resumes_under_zero2(sour
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in one[2:]], rel=1e-5)
 
 
-def test_ep2_bf16_with_accumulation_and_capacity_follows_fp32(source, one, tmp_path):
-    """ep=2 with bf16 parameters (fp32 masters sharded by ZeRO-1), the global batch as 2 x 2 accumulation steps
-    and a capacity factor that cannot drop (4 experts x the even share: every pair could go to one expert):
-    the fp32 one-process curve within bf16's 2e-2, and the dropped-pair count in the metrics, 0."""
-    argv = flags(source, tmp_path, "--expert_parallel_size", "2", "--zero_1", "--bf16", "--gradient_accumulation_steps",
+@pytest.mark.parametrize("zero, rel", [("--zero_1", 2e-2), ("--zero_stage=3", 2e-4)])
+def test_ep2_bf16_with_accumulation_and_capacity_follows_fp32(source, one, tmp_path, zero, rel):
+    """ep=2 with bf16 parameters (fp32 masters sharded by ZeRO-1), or under ZeRO-3 fp32 shards gathered as bf16
+    copies (the experts' own FSDP2 units too: MixedPrecisionPolicy), the global batch as 2 x 2 accumulation steps and
+    a capacity factor that cannot drop (4 experts x the even share: every pair could go to one expert): the fp32
+    one-process curve within bf16's 2e-2 (ZeRO-3: 2e-4, 1.3e-5 and 4.7e-5 measured at steps 1 and 2: only the
+    compute is bf16), and the dropped-pair count in the metrics, 0."""
+    argv = flags(source, tmp_path, "--expert_parallel_size", "2", zero, "--bf16", "--gradient_accumulation_steps",
                  "2", "--per_device_train_batch_size", "1", "--moe_capacity_factor", "4", "--save_steps", "0")
     argv[argv.index("--max_steps") + 1] = "2"
     launch(["-m", "plait", "train", *argv], 2, timeout=240)
     records = read_metrics(tmp_path)
-    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in one[1][:2]], rel=2e-2)
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in one[1][:2]], rel=rel)
     assert [r["moe_dropped_pairs"] for r in records] == [0, 0]
     assert all(r["moe_load_max_over_mean"] >= 1 for r in records)
