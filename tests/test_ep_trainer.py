@@ -77,13 +77,17 @@ def test_ep2_zero1_matches_one_process_and_resumes_at_tp2(source, one, tmp_path)
 
 
 def test_ep2_zero3_matches_one_process_consolidates_and_resumes_under_zero2(source, one, tmp_path):
+    """dp=4 with ep=2 under ZeRO-3: each expert's rows sharded over the 2 ranks holding it (the experts' own FSDP2
+    units) and the dense ones over 4; its checkpoint consolidates to one process's weights (within 5e-6: 2.1e-6
+    measured, fp32 sums over 4 ranks in another order, grown by two Adam steps) and resumes at dp=2 ep=2 under
+    ZeRO-2, where each rank holds its experts whole (a reshard of the expert rows)."""
     from transformers import AutoModelForCausalLM
 
     one_dir, one = one
     ep = flags(source, tmp_path / "zero3", "--expert_parallel_size", "2", "--zero_stage", "3",
-               "--per_device_train_batch_size", "2")
+               "--per_device_train_batch_size", "1")
     ep[ep.index("--max_steps") + 1] = "2"
-    launch(["-m", "plait", "train", *ep], 2, timeout=240)
+    launch(["-m", "plait", "train", *ep], 4, timeout=240)
     zero3 = read_metrics(tmp_path / "zero3")
     assert [r["loss"] for r in zero3] == pytest.approx([r["loss"] for r in one[:2]], rel=1e-5)
     assert [r["grad_norm"] for r in zero3] == pytest.approx([r["grad_norm"] for r in one[:2]], rel=1e-5)
@@ -93,7 +97,7 @@ def test_ep2_zero3_matches_one_process_consolidates_and_resumes_under_zero2(sour
     from_ep = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-zero3")
     from_one = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-one")
     for name, param in from_one.named_parameters():
-        torch.testing.assert_close(from_ep.get_parameter(name), param, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(from_ep.get_parameter(name), param, rtol=1e-5, atol=5e-6)
 
     resume = flags(source, tmp_path / "zero2", "--expert_parallel_size", "2", "--zero_stage", "2",
                    "--per_device_train_batch_size", "2", "--resume_from_checkpoint",
