@@ -118,6 +118,15 @@ def step_comm(
             counts[op][0] += n
             counts[op][1] += n * size
 
+        def expert_major(passes: int, experts: int) -> None:
+            """``passes`` of an expert-major region: under SP tokens gathered per expert and partial outputs
+            reduce-scattered back, else the output all-reduced; E x a row linear's bytes."""
+            if config.sequence_parallel:
+                add("all_gather", passes, local * experts)
+                add("reduce_scatter", passes, act * experts)
+            else:
+                add("all_reduce", passes, act * experts)
+
         if has_first and vocab_embedding:
             add("all_reduce", 1, act)
         if has_last and vocab_head:
@@ -140,11 +149,7 @@ def step_comm(
             if has_last and vocab_head:
                 add("all_reduce", 1, act)
         for experts in major.values():
-            if config.sequence_parallel:  # tokens gathered per expert, partial outputs reduce-scattered back
-                add("all_gather", 2, local * experts)
-                add("reduce_scatter", 2, act * experts)
-            else:
-                add("all_reduce", 2, act * experts)
+            expert_major(2, experts)  # forward and backward
         for call, recomputed in routed:
             if call.module not in tp_experts:
                 continue
@@ -171,11 +176,7 @@ def step_comm(
             # layers are recomputed through that last row output too (measured: one more reduce-scatter a layer)
             last = 0 if any(n.startswith(leaf + ".") for n in (*whole, *major)) else 1
             for experts in (e for n, e in major.items() if n.startswith(leaf + ".")):  # before the layer's last row
-                if config.sequence_parallel:
-                    add("all_gather", 1, local * experts)
-                    add("reduce_scatter", 1, act * experts)
-                else:
-                    add("all_reduce", 1, act * experts)
+                expert_major(1, experts)
             if r_leaf and config.sequence_parallel:
                 add("all_gather", r_leaf, local)
                 add("reduce_scatter", r_leaf - last, act)

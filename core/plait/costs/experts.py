@@ -47,7 +47,7 @@ from unittest import mock
 from torch import nn
 
 from plait.base.config import ConfigError
-from plait.ep.layout import expert_major_experts, is_routed_experts, own_experts
+from plait.ep.layout import expert_major_experts, is_routed_experts, other_experts, own_experts
 
 WHOLE, SPLIT = "whole", "split"  # an expert tensor's share on a tp rank: all of it, or 1/tp (the intermediate)
 COUNT_BYTES = 8  # one int64 pair count per expert
@@ -81,9 +81,15 @@ def major_experts(model: nn.Module) -> dict[str, int]:
     return {name: module.num_experts for name, module in expert_major_experts(model).items()}
 
 
+def divided_experts(model: nn.Module) -> dict[str, int]:
+    """Every experts module the planner models, whose experts ep divides (routed and expert-major), name ->
+    number of experts."""
+    return routed_experts(model) | major_experts(model)
+
+
 def expert_parameters(model: nn.Module) -> set[str]:
     """Names (every alias) of the parameters ep divides: those of the experts modules."""
-    experts = routed_experts(model) | major_experts(model)
+    experts = divided_experts(model)
     return {name for name, _ in model.named_parameters(remove_duplicate=False) if name.rpartition(".")[0] in experts}
 
 
@@ -91,7 +97,7 @@ def check_expert_parallel(model: nn.Module, ep: int) -> None:
     """Refuse an ep that cannot divide ``model``'s experts (or a model without any), naming the values and the fix."""
     if ep == 1:
         return
-    experts = routed_experts(model) | major_experts(model)
+    experts = divided_experts(model)
     refuse_unmodelled_experts(model)  # experts plait trains at ep, which the planner does not size
     if not experts:
         raise ConfigError(f"ep={ep} divides routed experts, and {model.config.model_type} has none; drop "
@@ -194,14 +200,8 @@ def unrouted_stack(model: nn.Module) -> str | None:
     own = next(iter(own_experts(model).values()), None)
     if own is not None:
         return next(f"{name}" for name, p in model.named_parameters() if any(p is q for q in own[0].parameters()))
-    major = major_experts(model)
-    for name, module in model.named_modules():
-        if is_routed_experts(module) or name in major:
-            continue
-        stacked = [(leaf, p) for leaf, p in module.named_parameters(recurse=False) if p.dim() == 3]
-        # experts by name or count, as ep's own test (plait.ep.layout.other_experts): not every 3-D parameter
-        # (RWKV's time_mix_key [1, 1, H], XLNet's mask_emb, a convolution's kernel) stacks experts
-        counted = getattr(module, "num_experts", None)
-        if stacked and ("expert" in name.rpartition(".")[2] or counted == stacked[0][1].shape[0]):
-            return f"{name}.{stacked[0][0]}"
-    return None
+    name = other_experts(model, skip=divided_experts(model))
+    if name is None:
+        return None
+    return next(f"{name}.{leaf}" for leaf, p in model.get_submodule(name).named_parameters(recurse=False)
+                if p.dim() == 3)

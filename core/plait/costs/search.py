@@ -29,7 +29,7 @@ from plait.costs.activations import ActivationTrace
 from plait.costs.device import Device
 from plait.costs.estimate import Batch, LayoutEstimate, estimate_layout
 from plait.costs.second_model import SecondModel
-from plait.costs.experts import major_experts, routed_experts
+from plait.costs.experts import divided_experts
 from plait.costs.memory import Precision
 from plait.cp.sequence import check_length
 from plait.layout_plan import LayoutPlan, check_units_share_nothing, fsdp_units, plan_layout
@@ -63,7 +63,7 @@ def search_layouts(
     plans: dict[tuple, LayoutPlan | str] = {}
     fsdp_units_of: dict[tuple, tuple[str, ...]] = {}  # per plan key: ZeRO-2/3's units
     cache: dict = {}  # estimate_layout's, shared by the layouts of one plan (the plans above stay alive)
-    experts = math.gcd(*(routed_experts(model) | major_experts(model)).values())  # 0 for a dense model
+    experts = math.gcd(*divided_experts(model).values())  # 0 for a dense model
     for config in candidates(base, world_size, global_batch, experts, len(trace.layers)):
         label = describe(config)
         share, rest = divmod(global_batch, config.dp)

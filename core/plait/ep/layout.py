@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from torch import nn
@@ -203,12 +204,14 @@ def _own_plan(model_type: str, own: dict[str, tuple[nn.Module, int]], config: Pa
     return EPPlan(config.ep, tuple(own), experts, config.moe_capacity_factor, rows)
 
 
-def other_experts(model: nn.Module) -> str | None:
-    """The first module whose own parameters are stacked over experts (3-D, in a module named like experts or
-    counting them in ``num_experts``) without an experts interface plait divides (JetMoE's
-    ``JetMoeParallelExperts``, ``forward(inputs, expert_size)``)."""
+def other_experts(model: nn.Module, skip: Collection[str] = ()) -> str | None:
+    """The first module (not one of ``skip``) whose own parameters are stacked over experts (3-D, in a module named
+    like experts or counting them in ``num_experts``) without an experts interface plait divides (JetMoE's
+    ``JetMoeParallelExperts``, ``forward(inputs, expert_size)``). Not every 3-D parameter stacks experts: RWKV's
+    time_mix_key [1, 1, H], XLNet's mask_emb, a convolution's kernel."""
     for name, module in model.named_modules():
         stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3]
-        if stacked and ("expert" in name.rpartition(".")[2] or getattr(module, "num_experts", None) == stacked[0].shape[0]):
+        counted = getattr(module, "num_experts", None)
+        if name not in skip and stacked and ("expert" in name.rpartition(".")[2] or counted == stacked[0].shape[0]):
             return name
     return None

@@ -237,11 +237,13 @@ class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
     def __init__(self, *args, scale: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.scale = scale
+        self._cast: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # made once per weight dtype, device
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # float64 holds the buffer's value exactly; made on the host, as devices without float64 (MPS) need
-        scale = torch.tensor(self.scale, dtype=torch.float64).to(self.weight.dtype).to(self.weight.device)
-        return super().forward(ids) * scale
+        key = (self.weight.dtype, self.weight.device)
+        if key not in self._cast:  # float64 holds the buffer's value exactly; on the host: MPS has no float64
+            self._cast[key] = torch.tensor(self.scale, dtype=torch.float64).to(key[0]).to(key[1])
+        return super().forward(ids) * self._cast[key]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, scale={self.scale:g}"
