@@ -35,6 +35,7 @@ One launch of 2 ranks runs every pair, in float64, where a mis-split layer stays
 from __future__ import annotations
 
 import pytest
+from packaging.version import Version
 import torch
 
 from plait.base.meta import build_meta_model
@@ -45,6 +46,8 @@ from plait.tp.styles import Attention, LatentAttention, PairedHeadsAttention, Re
 from plait_transformers import plait_tiny_config
 from plait_transformers.common import Refusal
 from plait_transformers.derivation import derive, tp_plan
+
+from releases import TRANSFORMERS
 
 pytest_plugins = ["plait.testing.pytest_plugin"]
 
@@ -190,6 +193,9 @@ def test_softmax_attention_no_rule_splits_runs_whole():
 
 def test_a_side_input_carried_from_layer_to_layer_refuses_sequence_parallelism():
     sp = derive(plait_tiny_config("inkling2_text")).sp
+    if TRANSFORMERS < Version("5.24"):  # the Inkling 2 before 5.24 had two attention classes at one path, refused first
+        assert isinstance(sp, Refusal) and "attention blocks of different classes" in str(sp), sp
+        return
     assert isinstance(sp, Refusal) and "carries block_states from layer to layer" in str(sp)
 
 

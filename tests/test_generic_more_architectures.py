@@ -35,6 +35,8 @@ from plait_transformers import derivation, plait_tiny_config, sp_region
 from plait_transformers.common import Refusal
 from plait_transformers.derivation import derive
 
+from releases import needs_model_type
+
 pytest_plugins = ["plait.testing.pytest_plugin"]
 
 ARCHITECTURES = ("bert-generation", "biogpt", "ctrl", "git", "openai-gpt", "xglm", "trocr", "codegen", "gptj", "xlnet",
@@ -180,6 +182,7 @@ def test_a_module_with_parameters_feeding_the_layers_beside_the_hidden_states():
     assert str(refusal).endswith("disable sequence parallelism")
 
 
+@needs_model_type("dory", "5.24")
 def test_layers_run_several_times_per_forward_are_refused_for_pipeline_stages():
     """Dory runs its middle layers n_recurrent_loops times (a loop over a slice of the layer list inside another
     loop): stages that ran each layer once would be a different model (the sweep measured pp2 4e3x over tolerance

@@ -17,6 +17,8 @@ from plait.pipeline.stages import PassThrough
 from plait_transformers import plait_tiny_config, plait_tp_plan
 from plait_transformers.derivation import Refusal, derive
 
+from releases import needs_model_type
+
 BIAS = "e_score_correction_bias"
 
 
@@ -63,7 +65,7 @@ BUILT = ["axk2", "bailing_hybrid", "blt", "cohere_compass_text", "deepseek_v32",
          "phi4_multimodal", "qwen4_exp_text", "xlstm", "zaya"]
 
 
-@pytest.mark.parametrize("arch", BUILT)
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=needs_model_type(a, "5.24")) if a == "dory" else a for a in BUILT])
 def test_tiny_config_builds_and_runs_one_forward(arch):
     config = plait_tiny_config(arch)  # checked: builds, stays small, runs one forward pass
     per_layer = getattr(config, "per_layer_config", None)
@@ -71,6 +73,7 @@ def test_tiny_config_builds_and_runs_one_forward(arch):
         assert all(0 <= int(i) < config.num_hidden_layers for i in per_layer), per_layer
 
 
+@needs_model_type("dory", "5.24")
 def test_dory_tiny_config_loops_both_attention_kinds_between_one_input_and_one_output_layer():
     config = plait_tiny_config("dory")  # the class halves the released attention+mlp block counts it is given
     assert (config.n_input_layers, config.n_recurrent_layers, config.n_output_layers) == (1, 2, 1)
@@ -145,7 +148,8 @@ def test_a_layer_input_threaded_from_layer_to_layer_refuses_pipeline_stages():
 
 
 @pytest.mark.parametrize("arch, plan, words", [
-    ("dory", "pipeline", "inside another loop"),  # its recurrent middle layers run several times per forward
+    pytest.param("dory", "pipeline", "inside another loop",  # its recurrent middle layers run several times per forward
+                 marks=needs_model_type("dory", "5.24")),
     ("longcat_flash", "tp", "identity (zero-compute) experts"),  # would be added once per tp rank
     ("hrm_text", "sp", "runs its 4 layers 32 times"),  # HRM's cycles would split the sequence on every run
 ])

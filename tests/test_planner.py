@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 import torch
 from transformers import LlamaConfig, MixtralConfig
 
@@ -34,6 +35,8 @@ from plait.plan_command import train_command
 from plait.plugin.registry import default_registry
 from plait.run.train_args import TrainArgs, from_namespace
 from plait.testing import launch
+
+from releases import TRANSFORMERS
 
 WORKER = Path(__file__).parent / "workers" / "planner_worker.py"
 LOSS_PEAK = Path(__file__).parent / "workers" / "loss_peak.py"
@@ -263,6 +266,9 @@ def test_an_image_text_forward_that_fails_text_only_is_refused_naming_its_line()
     registry = default_registry()
     model = build_meta_model(sweep_config("llama4"))
     plan = plan_layout(model, ParallelConfig(), 2, registry)
+    if TRANSFORMERS < Version("5.24"):  # 5.23's forward runs text-only: traced as any model
+        assert trace_activations(model, 16, registry, plan.adapter)
+        return
     with pytest.raises(ConfigError, match=r"traces llama4 on the meta device \(shapes without values\), where its "
                                           r"forward fails \(AttributeError at modeling_llama4\.py:\d+: "):
         trace_activations(model, 16, registry, plan.adapter)
