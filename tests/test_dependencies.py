@@ -135,6 +135,8 @@ def test_this_environment_has_the_tested_versions():
         pytest.skip("a --latest / --oldest run (scripts/test.sh) tests other versions on purpose")
     torch = Version(deps.removeprefix("torch")) if deps.startswith("torch") else None  # --torch X: PLAIT_DEPS=torchX
     name = f"tested-torch{torch.major}.{torch.minor}.txt" if torch else "tested.txt"
+    assert (ROOT / "constraints" / name).exists(), (f"no constraints/{name} for torch {torch}: once the suite passes, "
+                                                    f"record the set of .venv-{deps}/tested.txt there (README)")
     tested = pins(name)
     installed = installed_closure()
     if deps == "tested" and installed["torch"] != tested["torch"]:
