@@ -8,8 +8,9 @@
 #                                                builds, which run on a CPU) with every other package at the pins,
 #                                                in .venv-torchVERSION; constraints/tested-torchVERSION.txt records
 #                                                a set the whole suite passed with
-# The --latest / --oldest runs write what they installed to .venv-*/tested.txt: after a green --latest run,
-# copying it over constraints/tested.txt moves the pins forward (README, "Dependencies").
+# The --latest / --oldest runs write what they installed to .venv-*/tested.txt (setuptools included, which torch and
+# tensorboard require and a plain pip freeze leaves out): after a green --latest run, copying it over
+# constraints/tested.txt moves the pins forward (README, "Dependencies").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -20,7 +21,7 @@ case "${1:-}" in
     "${PYTHON:-python3}" -m venv --clear "$venv"
     "$venv/bin/python" -m pip install -q "torch==$version"
     PYTHON=$venv/bin/python PLAIT_EXTRAS=test,plot bash scripts/setup.sh  # keeps that torch, the rest at the pins
-    "$venv/bin/python" -m pip freeze --exclude-editable > "$venv/tested.txt"
+    "$venv/bin/python" -m pip freeze --all --exclude-editable | grep -v '^pip==' > "$venv/tested.txt"
     echo "testing with torch $version and the pins (all: $venv/tested.txt)"
     export VIRTUAL_ENV=$PWD/$venv PATH=$PWD/$venv/bin:$PATH
     export PLAIT_DEPS=torch$version  # tests/test_dependencies.py: torch differs from the pins on purpose
@@ -32,7 +33,8 @@ case "${1:-}" in
     venv=.venv-$deps
     "${PYTHON:-python3}" -m venv --clear "$venv"
     PYTHON=$venv/bin/python PLAIT_DEPS=$deps PLAIT_EXTRAS=test,plot bash scripts/setup.sh
-    "$venv/bin/python" -m pip freeze --exclude-editable | sed -E 's/^(torch==[^+]*)\+.*/\1/' > "$venv/tested.txt"
+    "$venv/bin/python" -m pip freeze --all --exclude-editable | grep -v '^pip==' |
+      sed -E 's/^(torch==[^+]*)\+.*/\1/' > "$venv/tested.txt"
     echo "testing with: $(grep -iE '^(torch|transformers|peft|accelerate|tokenizers|datasets|safetensors|pluggy)==' \
       "$venv/tested.txt" | paste -sd' ') (all: $venv/tested.txt)"
     export VIRTUAL_ENV=$PWD/$venv PATH=$PWD/$venv/bin:$PATH  # what the tests start by name (torchrun, python3)
