@@ -59,9 +59,10 @@ def table_release() -> str:
 
 # The table is one transformers release's record: another release (scripts/test.sh --oldest) lacks some of its model
 # types and runs others from earlier code, so its verdicts are not that release's to check.
+TABLE_RELEASE = table_release()
 of_the_tables_release = pytest.mark.skipif(
-    str(TRANSFORMERS) != table_release(),
-    reason=f"docs/architectures.md is transformers {table_release()}'s table; this is {TRANSFORMERS}")
+    str(TRANSFORMERS) != TABLE_RELEASE,
+    reason=f"docs/architectures.md is transformers {TABLE_RELEASE}'s table; this is {TRANSFORMERS}")
 
 
 def kind(cell: str) -> str:

@@ -4,6 +4,7 @@ the lower bounds (what `bash scripts/test.sh --oldest` installs), and this envir
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from importlib.metadata import distribution, version
@@ -99,11 +100,12 @@ def test_the_oldest_set_meets_its_packages_own_requirements():
     assert not unmet, f"constraints/oldest.txt cannot be installed: {unmet}; raise the lower bounds in pyproject.toml"
 
 
-# What scripts/test.sh installs: plait with these extras and the four adapter packages.
-INSTALLED = [("plait", ("test", "plot")), ("plait-llama", ()), ("plait-gpt2", ()), ("plait-mistral", ()),
-             ("plait-transformers", ())]
+# What scripts/test.sh installs: plait with these extras and every adapter package under adapters/.
+INSTALLED = [("plait", ("test", "plot"))] + [(tomllib.loads(p.read_text())["project"]["name"], ())
+                                             for p in sorted((ROOT / "adapters").glob("*/pyproject.toml"))]
 
 
+@functools.cache
 def installed_closure() -> dict[str, Version]:
     """Every distribution the set-up's install needs in this environment, plait's own left out: the requirements of
     plait (with the extras INSTALLED asks for) and its adapters, then theirs, with the extras each one names, markers
