@@ -4,6 +4,13 @@ Run as a world of tp*pp*dp ranks: ``optim_parity.py OUT.json TP PP``. Every vari
 same tiny Llama (tied embeddings, 4 q heads and 1 kv head, so tp=2 replicates the kv head) for STEPS
 optimizer steps on the same global batches; the reference is plain transformers + torch AdamW on the whole
 global batch in this process. Rank 0 writes, per check, the numbers the pytest module asserts on.
+
+A parity check whose fp32 miss is shaped like reordering noise (``noise_shaped``: losses, norms and step 1's
+gradients right, a later gradient or the final parameters off, which Adam grows from 1e-7 rounding) runs again in
+float64 throughout (plait.testing.noise's rule), held to the float64 bounds; so does every check named after
+``--float64``, so that this path runs on every machine. Where fp32 rounding lands depends on the CPU's kernels:
+an Intel Xeon (AVX-512, AMX) under ATEN_CPU_CAPABILITY=default failed five of these fp32 checks at tp2_dp2 while an
+AMD EPYC stayed within 0.42 of the gradient bound and 0.39 of the parameter bound in all three capabilities.
 """
 
 from __future__ import annotations
@@ -27,9 +34,18 @@ from plait.optim import OptimizerStep, Zero1Optimizer, build_optimizer
 from plait.optim.param_groups import embedding_params, weight_decay_groups
 from plait.parallel.fsdp import local
 from plait.parallel.grad_sync import grad_of
+from plait.testing.conformance_worker import Float64Throughout
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 5, 8, 16, 97
 LR, WEIGHT_DECAY, SMALL_NORM = 1e-2, 0.1, 0.05
+# Bounds per dtype: losses and norms relative; parameters after STEPS AdamW steps absolute (Adam divides each update
+# by sqrt(v), so rounding in a near-zero gradient, tp's partial sums, moves a parameter by up to a fraction of lr);
+# each step's stepped gradients in units of the kit's tolerance (1e-6 + 1e-5 |g|). Worst measured over every check
+# of the 3 worlds under native, default and avx2 capability on an AMD EPYC (2026-12-02), fp32: losses and norms
+# 1.8e-6, parameters 7.9e-6 (1.2e-5 at tp2_dp2 on an earlier machine), gradients 0.42 (0.023 at step 1); float64
+# throughout: 3.5e-15, 4.0e-14, 2.0e-9.
+BOUNDS = {"float32": {"loss": 1e-5, "param": 2e-5, "grad": 1.0},
+          "float64": {"loss": 1e-13, "param": 1e-12, "grad": 5e-8}}
 
 
 def make_model() -> LlamaForCausalLM:
@@ -192,25 +208,64 @@ def rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+FP32_FIGURES = ("loss_rel", "norm_rel", "param_diff", "grad_err_by_step")  # kept beside a float64 recheck's
+
+
+def noise_shaped(result: dict) -> bool:
+    """An fp32 miss shaped like reordering noise (plait.testing.noise): losses, norms and step 1's gradients within
+    the fp32 bounds, a later step's gradients or the final parameters over them."""
+    bound = BOUNDS["float32"]
+    right = (result["loss_rel"] <= bound["loss"] and result.get("norm_rel", 0.0) <= bound["loss"]
+             and result["grad_err_by_step"][0] <= bound["grad"])
+    return right and (max(result["grad_err_by_step"]) > bound["grad"] or result["param_diff"] > bound["param"])
+
+
 def main() -> None:
-    out, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    args = sys.argv[1:]
+    forced = args.pop(args.index("--float64") + 1).split(",") if "--float64" in args else []
+    if "--float64" in args:
+        args.remove("--float64")
+    out, tp, pp = args[0], int(args[1]), int(args[2])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     layout = (tp, pp)
     base, batches = make_model(), make_batches()
-    ref = reference(base, batches, None)
-    ref_clip = reference(base, batches, SMALL_NORM)
+    references: dict[tuple[str, float | None], dict] = {}
     results: dict[str, dict] = {}
 
-    def parity(name: str, run: dict, expected: dict, **extra) -> None:
-        errors, compared = grad_errors(run, expected)
-        results[name] = {"loss_rel": rel(run["losses"], expected["losses"]),
-                         "param_diff": max_param_diff(run["pmodel"], expected["params"]),
-                         "grad_err_by_step": errors, "compared": compared,
-                         "parameters": sorted(n for n, _ in base.named_parameters()),
-                         "losses": run["losses"], "ref_losses": expected["losses"], **extra}
+    def expected(dtype: str, max_norm: float | None) -> dict:
+        """The one-process reference at ``dtype`` (float64 under Float64Throughout), built once."""
+        if (dtype, max_norm) not in references:
+            references[dtype, max_norm] = reference(base if dtype == "float32" else copy.deepcopy(base).double(),
+                                                    batches, max_norm)
+        return references[dtype, max_norm]
 
-    zero = train(base, batches, layout)
-    parity("zero1", zero, ref, owned_fraction=dist_max(torch.tensor(_owned_fraction(zero))))
+    def measure(run: dict, want: dict, dtype: str, max_norm: float | None) -> dict:
+        errors, compared = grad_errors(run, want)
+        result = {"dtype": dtype, "loss_rel": rel(run["losses"], want["losses"]),
+                  "param_diff": max_param_diff(run["pmodel"], want["params"]), "grad_err_by_step": errors,
+                  "compared": compared, "losses": run["losses"], "ref_losses": want["losses"]}
+        if max_norm is not None:
+            result.update(norms=run["norms"], ref_norms=want["norms"], norm_rel=rel(run["norms"], want["norms"]))
+        return result
+
+    def parity(name: str, **options) -> dict:
+        """Train ``options``' variant in fp32 and compare; where the miss is noise-shaped, or ``name`` is in
+        ``--float64``, again in float64 throughout, whose result stands (with the fp32 one under "fp32")."""
+        run = train(base, batches, layout, **options)
+        max_norm = options.get("max_norm")
+        result = measure(run, expected("float32", max_norm), "float32", max_norm)
+        if name in forced or noise_shaped(result):
+            options.pop("counters", None)  # the fp32 run counted them
+            with Float64Throughout():
+                again = train(copy.deepcopy(base).double(), batches, layout, **options)
+                result = {**measure(again, expected("float64", max_norm), "float64", max_norm),
+                          "fp32": {k: v for k, v in result.items() if k in FP32_FIGURES}}
+        results[name] = {**result, "parameters": sorted(n for n, _ in base.named_parameters()),
+                         "max_norm": max_norm}
+        return run
+
+    zero = parity("zero1")
+    results["zero1"]["owned_fraction"] = dist_max(torch.tensor(_owned_fraction(zero)))
     plain = train(base, batches, layout, zero_1=False, plain_dp=True)
     local_diff = max((a.detach() - b.detach()).abs().max() for a, b in
                      zip(zero["pmodel"].parameters(), plain["pmodel"].parameters()))
@@ -218,23 +273,22 @@ def main() -> None:
                               "max_local_param_diff": dist_max(local_diff)}
 
     for name, zero_1 in (("clip_zero1", True), ("clip_dp", False)):
-        run = train(base, batches, layout, zero_1=zero_1, max_norm=SMALL_NORM)
-        parity(name, run, ref_clip, norms=run["norms"], ref_norms=ref_clip["norms"],
-               norm_rel=rel(run["norms"], ref_clip["norms"]), max_norm=SMALL_NORM)
+        parity(name, zero_1=zero_1, max_norm=SMALL_NORM)
 
     counters: list = []
-    run = train(base, batches, layout, accumulation=2, counters=counters)
+    run = parity("accumulation", accumulation=2, counters=counters)
     micro = [records for kind, m, records in counters if kind == "micro"]
     steps = [records for kind, _, records in counters if kind == "step"]
-    parity("accumulation", run, ref,
-           first_micro_collectives=len(micro[0]), last_micro_collectives=len(micro[1]),
-           micro_reduce_ops=sum(op == "reduce" for records in micro for op, _ in records),
-           step_reduce_ops=sum(op == "reduce" for op, _ in steps[0]), dp=run["pmodel"].mesh.dp, tp=tp, pp=layout[1])
+    results["accumulation"].update(
+        first_micro_collectives=len(micro[0]), last_micro_collectives=len(micro[1]),
+        micro_reduce_ops=sum(op == "reduce" for records in micro for op, _ in records),
+        step_reduce_ops=sum(op == "reduce" for op, _ in steps[0]), dp=run["pmodel"].mesh.dp, tp=tp, pp=layout[1])
 
-    run = train(base, batches, layout, checkpointing=True)  # a leaf's inside runs again in backward
-    parity("checkpointing", run, ref, mlp_calls_per_micro_step=run["mlp_calls_per_micro_step"],
-           mlp_calls_without=zero["mlp_calls_per_micro_step"])
+    run = parity("checkpointing", checkpointing=True)  # a leaf's inside runs again in backward
+    results["checkpointing"].update(mlp_calls_per_micro_step=run["mlp_calls_per_micro_step"],
+                                    mlp_calls_without=zero["mlp_calls_per_micro_step"])
 
+    ref = expected("float32", None)
     run = train(base, batches, layout, bf16_params=True)
     results["bf16_master"] = {"loss_rel": rel(run["losses"], ref["losses"]), **_dtypes(run)}
     run = train(base, batches, layout, bf16_autocast=True)
@@ -252,17 +306,16 @@ def main() -> None:
     # ZeRO-2 (2 micro-steps a step) and ZeRO-3 on FSDP2, with clipping that bites; ZeRO-3 with recomputation, and
     # with FSDP2's mixed precision (bf16 compute from fp32 shards)
     # with evaluation as a user's loop runs it: before the optimizer is built and after every step
-    run = train(base, batches, layout, zero_stage=2, accumulation=2, max_norm=SMALL_NORM,
-                evaluate=("forward", "eval_loss"))
-    parity("zero2_clip_accumulation", run, ref_clip, norm_rel=rel(run["norms"], ref_clip["norms"]),
-           grads_held=dist_max(torch.tensor(run["grads_held"])), dp=run["pmodel"].mesh.dp)
+    run = parity("zero2_clip_accumulation", zero_stage=2, accumulation=2, max_norm=SMALL_NORM,
+                 evaluate=("forward", "eval_loss"))
+    results["zero2_clip_accumulation"].update(grads_held=dist_max(torch.tensor(run["grads_held"])),
+                                              dp=run["pmodel"].mesh.dp)
     results["zero2_after_forwards"] = after_forwards(run, batches[0], Path(out).parent / "zero2-checkpoint")
-    run = train(base, batches, layout, zero_stage=3, max_norm=SMALL_NORM, evaluate=("forward", "generate"))
-    parity("zero3_clip", run, ref_clip, norm_rel=rel(run["norms"], ref_clip["norms"]),
-           shard_fraction=dist_max(torch.tensor(_shard_fraction(run))), dp=run["pmodel"].mesh.dp)
-    run = train(base, batches, layout, zero_stage=3, checkpointing=True)
-    parity("zero3_checkpointing", run, ref, mlp_calls_per_micro_step=run["mlp_calls_per_micro_step"],
-           mlp_calls_without=zero["mlp_calls_per_micro_step"])
+    run = parity("zero3_clip", zero_stage=3, max_norm=SMALL_NORM, evaluate=("forward", "generate"))
+    results["zero3_clip"].update(shard_fraction=dist_max(torch.tensor(_shard_fraction(run))), dp=run["pmodel"].mesh.dp)
+    run = parity("zero3_checkpointing", zero_stage=3, checkpointing=True)
+    results["zero3_checkpointing"].update(mlp_calls_per_micro_step=run["mlp_calls_per_micro_step"],
+                                          mlp_calls_without=zero["mlp_calls_per_micro_step"])
     run = train(base, batches, layout, zero_stage=3, mixed_precision=True)
     results["zero3_bf16"] = {"loss_rel": rel(run["losses"], ref["losses"]), **_dtypes(run)}
 
