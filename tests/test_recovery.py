@@ -6,6 +6,7 @@ a full disk) never damages the previous checkpoint.
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shutil
 import signal
@@ -70,7 +71,10 @@ def test_killed_rank_restarts_and_matches_uninterrupted(model_config, train_file
                             env={**os.environ, "PLAIT_FAULT_INJECT": "1:4:kill:save", "OMP_NUM_THREADS": "1"})
     print(f"killed rank, restarted: exit {result.returncode} after {time.monotonic() - start:.1f}s")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "plait: error" not in result.stderr, result.stderr[-3000:]  # the restart recovered: nothing to report
+    # the restart recovered; the first attempt's surviving rank may name its dead peer before torchrun stops it (a
+    # race: once in a whole suite under ATEN_CPU_CAPABILITY=default), and reports nothing else
+    errors = [line for line in result.stderr.splitlines() if "plait: error" in line]
+    assert all(re.search(r"rank 0: rank 1 \(.*\) stopped responding at step 4, phase save", e) for e in errors), errors
 
     loads = read_metrics(out, "load")
     assert [r["step"] for r in loads] == [0, 2], loads  # fresh start, then (restarted) from checkpoint-2
